@@ -1,0 +1,506 @@
+//! `watch_applied`: the cursor-after-apply combinator, and [`Fold`], the one place a batch, the
+//! applied cursor and the store change together.
+//!
+//! The invariant (seed 000, "The resume guarantee"): **a persisted or reported cursor C implies every
+//! update with revision ≤ C has had `apply` return and is durable in the store.** Concretely, on each
+//! flush: `parse` the batch, `apply` what it accepted, then `store.apply(raw batch, cursor)` (data
+//! and cursor atomically), and only then `on_applied(cursor)` and the status advance. Nothing moves
+//! the cursor on receipt.
+//!
+//! Further rules kept here:
+//! - The cursor is the store's. After a transient store failure the raw batch is re-queued in front
+//!   of the next one (never dropped: a dropped batch followed by a good flush would leave a hole the
+//!   restart never re-reads), and after [`protocol::MAX_STORE_APPLY_FAILURES`] in a row the fold
+//!   fail-stops. A poisoned store fail-stops at once.
+//! - `batch_high` covers rejected (skipped) updates; an update with the unknown version never mints
+//!   or lowers the cursor ([`protocol::commit_cursor`]).
+//! - A failed `parse`/`apply` commits nothing of its batch; the batch is retried (with backoff) and
+//!   after [`MAX_APPLY_FAILURES`] in a row the fold fail-stops naming the applier and its message.
+//! - A batch flushes when the window elapses, when it reaches `max`, on shutdown, and when the watch
+//!   channel closes.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use tokio::sync::mpsc;
+
+use crate::kv::{KvError, KvUpdate, KvWatcher, WatchCursor, WatchEvent, WatchScope};
+use crate::protocol;
+use crate::snapshot::{SnapshotError, SnapshotStore};
+
+/// Batching knobs (seed defaults: 10 ms window, 100 updates, channel of 256).
+#[derive(Clone, Copy, Debug)]
+pub struct BatchConfig {
+    /// Longest a batch stays open before it flushes.
+    pub window: Duration,
+    /// Updates per batch before an early flush.
+    pub max: usize,
+    /// Depth of the watch → fold channel. A full channel backpressures the watch (by design); while
+    /// hydrating a large bucket it becomes the effective batch boundary, so tune it with `max`.
+    pub channel_capacity: usize,
+}
+
+impl Default for BatchConfig {
+    fn default() -> Self {
+        BatchConfig {
+            window: Duration::from_millis(10),
+            max: 100,
+            channel_capacity: 256,
+        }
+    }
+}
+
+/// Consecutive failed `parse`/`apply` calls before the fold fail-stops.
+pub const MAX_APPLY_FAILURES: u32 = 5;
+
+/// What `parse` says of one update.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Apply it.
+    Accept,
+    /// Irrelevant or corrupt: nothing to apply, but the cursor covers it.
+    Skip,
+}
+
+/// A failed `parse` or `apply`, with the applier's own words.
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{applier}: {call} failed: {message}")]
+pub struct ApplyError {
+    /// Who failed (a guest's name and version, or a native applier's name).
+    pub applier: String,
+    /// Which call (`parse`, `apply`).
+    pub call: &'static str,
+    /// The applier's message.
+    pub message: String,
+}
+
+/// The domain-logic seam: what turns a batch of updates into live structures. A native Rust
+/// implementation and a WebAssembly guest sit behind the same trait. Calls cross it once per batch.
+#[async_trait]
+pub trait Apply: Send {
+    /// Name and version, for status and errors.
+    fn describe(&self) -> String;
+
+    /// One verdict per update of `batch`, in order.
+    async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError>;
+
+    /// Applies the updates of `batch` that `verdicts` accepted (the batch `parse` just saw).
+    async fn apply(&mut self, batch: &[KvUpdate], verdicts: &[Verdict]) -> Result<(), ApplyError>;
+
+    /// Called after the store committed through `cursor`.
+    async fn on_applied(&mut self, cursor: WatchCursor);
+}
+
+/// Why a fold stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum AppliedError {
+    /// The watch failed (including `CursorExpired`).
+    #[error(transparent)]
+    Watch(#[from] KvError),
+    /// The store failed too many times in a row, or is poisoned.
+    #[error("store failed {streak} time(s) in a row, fail-stop: {last}")]
+    Store {
+        /// Consecutive failures.
+        streak: u32,
+        /// The last error.
+        last: SnapshotError,
+    },
+    /// The applier failed too many times in a row.
+    #[error("apply failed {streak} time(s) in a row, fail-stop: {last}")]
+    Apply {
+        /// Consecutive failures.
+        streak: u32,
+        /// The last error.
+        last: ApplyError,
+    },
+    /// A blocking store task panicked or was cancelled.
+    #[error("store task: {0}")]
+    Task(String),
+}
+
+/// Live figures of a running fold, shared with status, metrics and progress displays.
+#[derive(Debug, Default)]
+pub struct FoldStatus {
+    /// Highest revision delivered by the watch (`seq`); 0 before any.
+    pub seq: AtomicU64,
+    /// Highest revision applied and committed (`applied_through`); 0 before any.
+    pub applied_through: AtomicU64,
+    /// Updates delivered since start.
+    pub delivered: AtomicU64,
+    /// Updates committed since start.
+    pub committed: AtomicU64,
+    /// Batches committed since start.
+    pub batches: AtomicU64,
+    /// Updates the server still had pending at the last progress report (hydration).
+    pub pending: AtomicU64,
+    /// Duration of the last `apply` call, microseconds.
+    pub last_apply_us: AtomicU64,
+    /// Duration of the last store commit, microseconds.
+    pub last_commit_us: AtomicU64,
+    /// Consecutive store failures right now.
+    pub store_failure_streak: AtomicU64,
+    /// 1 once the watch reported it is level with the stream as of its start.
+    pub caught_up: AtomicU64,
+}
+
+/// Options for one run of [`watch_applied`].
+#[derive(Clone, Debug)]
+pub struct WatchOptions {
+    /// What to watch.
+    pub scope: WatchScope,
+    /// Batching.
+    pub batch: BatchConfig,
+    /// Return once the fold has applied everything the stream held when the watch started.
+    pub catch_up: bool,
+}
+
+/// What a finished fold hands back.
+pub struct Finished<S> {
+    /// The store, with everything committed.
+    pub store: S,
+    /// The store's cursor.
+    pub cursor: WatchCursor,
+}
+
+/// The batch, the applied cursor and the store: every change to the fold goes through here.
+pub struct Fold<S: SnapshotStore> {
+    store: Option<S>,
+    applied: WatchCursor,
+    /// Raw updates whose `apply` returned but whose store commit failed: committed first next time.
+    requeued: Vec<KvUpdate>,
+    store_streak: u32,
+    apply_streak: u32,
+    status: Arc<FoldStatus>,
+}
+
+impl<S: SnapshotStore> Fold<S> {
+    /// A fold over `store`, resuming from the store's own cursor.
+    pub fn new(store: S, status: Arc<FoldStatus>) -> Self {
+        let applied = store.cursor();
+        let rev = applied.revision_or_zero();
+        status.applied_through.store(rev, Ordering::Relaxed);
+        status.seq.fetch_max(rev, Ordering::Relaxed);
+        Fold {
+            store: Some(store),
+            applied,
+            requeued: Vec::new(),
+            store_streak: 0,
+            apply_streak: 0,
+            status,
+        }
+    }
+
+    /// The applied (committed) cursor.
+    pub fn cursor(&self) -> WatchCursor {
+        self.applied
+    }
+
+    /// True when nothing waits to be committed.
+    pub fn is_settled(&self) -> bool {
+        self.requeued.is_empty()
+    }
+
+    /// The store (for reads between flushes).
+    pub fn store(&self) -> Option<&S> {
+        self.store.as_ref()
+    }
+
+    /// Gives the store back (after the last flush).
+    pub fn into_store(self) -> Option<S> {
+        self.store
+    }
+
+    /// Runs one flush of `batch` through `apply` and the store. On an apply failure the batch is
+    /// handed back in `Err`-free form (returned as `Some(batch)`) for a retry; on a transient store
+    /// failure it is re-queued internally. Errors are fail-stops.
+    pub async fn flush<A: Apply + ?Sized>(
+        &mut self,
+        batch: Vec<KvUpdate>,
+        apply: &mut A,
+    ) -> Result<Option<Vec<KvUpdate>>, AppliedError> {
+        if batch.is_empty() && self.requeued.is_empty() {
+            return Ok(None);
+        }
+        if !batch.is_empty() {
+            let t = Instant::now();
+            let outcome = match apply.parse(&batch).await {
+                Ok(verdicts) if verdicts.len() == batch.len() => {
+                    apply.apply(&batch, &verdicts).await
+                }
+                Ok(verdicts) => Err(ApplyError {
+                    applier: apply.describe(),
+                    call: "parse",
+                    message: format!(
+                        "answered {} verdicts for a batch of {}",
+                        verdicts.len(),
+                        batch.len()
+                    ),
+                }),
+                Err(e) => Err(e),
+            };
+            self.status
+                .last_apply_us
+                .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+            if let Err(e) = outcome {
+                self.apply_streak += 1;
+                if self.apply_streak >= MAX_APPLY_FAILURES {
+                    return Err(AppliedError::Apply {
+                        streak: self.apply_streak,
+                        last: e,
+                    });
+                }
+                tracing::warn!(error = %e, streak = self.apply_streak, "apply failed; the batch will be retried, nothing of it is committed");
+                return Ok(Some(batch));
+            }
+            self.apply_streak = 0;
+        }
+        let mut raw = std::mem::take(&mut self.requeued);
+        raw.extend(batch);
+        let batch_high = raw.iter().filter_map(KvUpdate::revision).max();
+        let cursor = match protocol::commit_cursor(self.applied.revision(), batch_high) {
+            Some(r) => WatchCursor::at(r),
+            None => WatchCursor::NONE,
+        };
+        let Some(mut store) = self.store.take() else {
+            return Err(AppliedError::Task(
+                "store lost by an earlier failed task".into(),
+            ));
+        };
+        let t = Instant::now();
+        let joined = tokio::task::spawn_blocking(move || {
+            let r = store.apply(&raw, cursor);
+            (store, raw, r)
+        })
+        .await
+        .map_err(|e| AppliedError::Task(e.to_string()))?;
+        let (store, raw, result) = joined;
+        self.store = Some(store);
+        self.status
+            .last_commit_us
+            .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+        match result {
+            Ok(()) => {
+                self.store_streak = 0;
+                self.status.store_failure_streak.store(0, Ordering::Relaxed);
+                self.applied = cursor;
+                self.status
+                    .applied_through
+                    .store(cursor.revision_or_zero(), Ordering::Relaxed);
+                self.status
+                    .committed
+                    .fetch_add(raw.len() as u64, Ordering::Relaxed);
+                self.status.batches.fetch_add(1, Ordering::Relaxed);
+                apply.on_applied(cursor).await;
+                Ok(None)
+            }
+            Err(e) => {
+                self.store_streak += 1;
+                self.status
+                    .store_failure_streak
+                    .store(u64::from(self.store_streak), Ordering::Relaxed);
+                let poisoned = matches!(e, SnapshotError::Poisoned { .. });
+                if poisoned || protocol::store_failures_fatal(self.store_streak) {
+                    return Err(AppliedError::Store {
+                        streak: self.store_streak,
+                        last: e,
+                    });
+                }
+                tracing::warn!(error = %e, streak = self.store_streak, "store apply failed; batch re-queued");
+                self.requeued = raw;
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// Delay before re-committing a batch re-queued by a failed store apply.
+const STORE_RETRY_DELAY: Duration = Duration::from_millis(20);
+
+/// Backoff before retrying a failed apply: grows with the streak, capped.
+fn apply_backoff(streak: u32) -> Duration {
+    Duration::from_millis(50u64.saturating_mul(1 << streak.min(6)))
+}
+
+/// Watches `scope` from the store's cursor and folds every update through `apply` into `store`,
+/// keeping cursor-after-apply. Returns when `shutdown` resolves, when the watch ends cleanly, or (with
+/// `catch_up`) once everything the stream held at the start is applied; every path flushes first.
+pub async fn watch_applied<S, A>(
+    watcher: Arc<dyn KvWatcher>,
+    store: S,
+    apply: &mut A,
+    opts: WatchOptions,
+    status: Arc<FoldStatus>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<Finished<S>, AppliedError>
+where
+    S: SnapshotStore,
+    A: Apply + ?Sized,
+{
+    let mut fold = Fold::new(store, status.clone());
+    let (tx, mut rx) = mpsc::channel::<WatchEvent>(opts.batch.channel_capacity.max(1));
+    let start = fold.cursor();
+    let scope = opts.scope.clone();
+    let watch_task = tokio::spawn(async move { watcher.watch_from(&scope, start, tx).await });
+    // Aborting on every exit path: the watch must not outlive the fold it feeds.
+    struct AbortOnDrop(tokio::task::JoinHandle<Result<(), KvError>>);
+    impl Drop for AbortOnDrop {
+        fn drop(&mut self) {
+            self.0.abort();
+        }
+    }
+    let mut watch_task = AbortOnDrop(watch_task);
+
+    tokio::pin!(shutdown);
+    let mut batch: Vec<KvUpdate> = Vec::with_capacity(opts.batch.max);
+    let mut deadline: Option<tokio::time::Instant> = None;
+    let mut level: Option<Option<u64>> = None;
+    let mut retry_at: Option<tokio::time::Instant> = None;
+
+    loop {
+        if opts.catch_up
+            && let Some(through) = level
+            && protocol::caught_up(fold.cursor().revision(), through)
+            && batch.is_empty()
+            && fold.is_settled()
+        {
+            break;
+        }
+        let flush_at = match (deadline, retry_at) {
+            (_, Some(r)) => Some(r),
+            (d, None) => d,
+        };
+        tokio::select! {
+            biased;
+            _ = &mut shutdown => {
+                flush_all(&mut fold, &mut batch, apply).await?;
+                break;
+            }
+            _ = sleep_until_opt(flush_at) => {
+                retry_at = None;
+                deadline = None;
+                let b = std::mem::take(&mut batch);
+                if let Some(back) = fold.flush(b, apply).await? {
+                    batch = back;
+                    retry_at = Some(tokio::time::Instant::now() + apply_backoff(fold.apply_streak));
+                } else if !fold.is_settled() {
+                    // A store failure re-queued the batch: retry even if nothing new arrives.
+                    deadline = Some(tokio::time::Instant::now() + STORE_RETRY_DELAY);
+                }
+            }
+            ev = rx.recv(), if retry_at.is_none() && batch.len() < opts.batch.max => {
+                match ev {
+                    Some(WatchEvent::Update(u)) => {
+                        if let Some(r) = u.revision() {
+                            status.seq.fetch_max(r, Ordering::Relaxed);
+                        }
+                        status.delivered.fetch_add(1, Ordering::Relaxed);
+                        batch.push(u);
+                        if batch.len() == 1 {
+                            deadline = Some(tokio::time::Instant::now() + opts.batch.window);
+                        }
+                        if batch.len() >= opts.batch.max {
+                            deadline = Some(tokio::time::Instant::now());
+                        }
+                    }
+                    Some(WatchEvent::CaughtUp { through }) => {
+                        level = Some(through);
+                        status.caught_up.store(1, Ordering::Relaxed);
+                        status.pending.store(0, Ordering::Relaxed);
+                        if opts.catch_up {
+                            deadline = Some(tokio::time::Instant::now());
+                        }
+                    }
+                    Some(WatchEvent::Pending(n)) => {
+                        status.pending.store(n, Ordering::Relaxed);
+                    }
+                    None => {
+                        // The watch ended: flush what it delivered, then report why it ended.
+                        flush_all(&mut fold, &mut batch, apply).await?;
+                        let result = (&mut watch_task.0).await;
+                        match result {
+                            Ok(Ok(())) => break,
+                            Ok(Err(e)) => return Err(AppliedError::Watch(e)),
+                            Err(e) => return Err(AppliedError::Task(e.to_string())),
+                        }
+                    }
+                }
+            }
+        }
+    }
+    let cursor = fold.cursor();
+    let store = fold
+        .into_store()
+        .ok_or_else(|| AppliedError::Task("store lost".into()))?;
+    Ok(Finished { store, cursor })
+}
+
+/// Flushes until the batch and the re-queued updates are committed (shutdown and channel close).
+async fn flush_all<S: SnapshotStore, A: Apply + ?Sized>(
+    fold: &mut Fold<S>,
+    batch: &mut Vec<KvUpdate>,
+    apply: &mut A,
+) -> Result<(), AppliedError> {
+    loop {
+        let b = std::mem::take(batch);
+        match fold.flush(b, apply).await? {
+            Some(back) => {
+                *batch = back;
+                tokio::time::sleep(apply_backoff(fold.apply_streak)).await;
+            }
+            None if fold.is_settled() => return Ok(()),
+            None => tokio::time::sleep(STORE_RETRY_DELAY).await,
+        }
+    }
+}
+
+async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(t) => tokio::time::sleep_until(t).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// A native applier that counts what it sees: the built-in `apply` of `foldhost run` until a guest
+/// is loaded, and the reference applier of the tests.
+#[derive(Debug, Default, Clone)]
+pub struct CountingApply {
+    /// Updates parsed (deliveries that reached the applier).
+    pub parsed: u64,
+    /// Puts applied.
+    pub puts: u64,
+    /// Deletes and purges applied.
+    pub deletes: u64,
+    /// The last committed cursor seen by `on_applied`.
+    pub last_cursor: WatchCursor,
+}
+
+#[async_trait]
+impl Apply for CountingApply {
+    fn describe(&self) -> String {
+        "native:count".into()
+    }
+
+    async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
+        self.parsed += batch.len() as u64;
+        Ok(vec![Verdict::Accept; batch.len()])
+    }
+
+    async fn apply(&mut self, batch: &[KvUpdate], verdicts: &[Verdict]) -> Result<(), ApplyError> {
+        for (u, v) in batch.iter().zip(verdicts) {
+            if *v == Verdict::Accept {
+                match u {
+                    KvUpdate::Put(_) => self.puts += 1,
+                    KvUpdate::Delete { .. } | KvUpdate::Purge { .. } => self.deletes += 1,
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn on_applied(&mut self, cursor: WatchCursor) {
+        self.last_cursor = cursor;
+    }
+}

@@ -1,0 +1,458 @@
+//! The key-value vocabulary every other module speaks: entries, updates, versions, cursors, errors,
+//! and the three narrowed capabilities a bucket vends (`KvReader`, `KvWatcher`, `KvWriter`).
+//!
+//! Invariants this module keeps:
+//! - A [`VersionToken`] is at most [`VersionToken::MAX_LEN`] bytes and never allocates.
+//! - A [`WatchCursor`] names a stream position *whose apply has returned* once it is persisted; this
+//!   module only defines the type, [`crate::applied`] is the one place that advances it.
+//! - Nothing here knows about NATS: the trait objects are backend-neutral, so a fold, a model or a
+//!   simulator can drive them with an in-memory log.
+
+use std::fmt;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::mpsc;
+
+/// An opaque per-key version: NATS uses an 8-byte big-endian stream sequence; other backends (an
+/// FDB versionstamp) use up to 10 bytes. Stored inline, so copying one never touches the heap.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct VersionToken {
+    len: u8,
+    bytes: [u8; VersionToken::MAX_LEN],
+}
+
+impl VersionToken {
+    /// The longest version any backend produces (an FDB versionstamp).
+    pub const MAX_LEN: usize = 10;
+
+    /// The unknown version: carried by updates whose revision could not be read (for instance an
+    /// unparseable ACK subject). It never mints or moves a cursor.
+    pub const UNKNOWN: VersionToken = VersionToken {
+        len: 0,
+        bytes: [0; VersionToken::MAX_LEN],
+    };
+
+    /// A NATS revision (stream sequence), stored big-endian in 8 bytes.
+    pub fn from_u64(revision: u64) -> Self {
+        let mut bytes = [0u8; Self::MAX_LEN];
+        bytes[..8].copy_from_slice(&revision.to_be_bytes());
+        VersionToken { len: 8, bytes }
+    }
+
+    /// Builds a token from raw bytes; `None` when they are longer than [`Self::MAX_LEN`].
+    pub fn from_bytes(raw: &[u8]) -> Option<Self> {
+        if raw.len() > Self::MAX_LEN {
+            return None;
+        }
+        let mut bytes = [0u8; Self::MAX_LEN];
+        bytes[..raw.len()].copy_from_slice(raw);
+        Some(VersionToken {
+            len: raw.len() as u8,
+            bytes,
+        })
+    }
+
+    /// The raw bytes, exactly as long as they were created.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.bytes[..self.len as usize]
+    }
+
+    /// The revision when this is an 8-byte NATS version, else `None`.
+    pub fn as_u64(&self) -> Option<u64> {
+        if self.len == 8 {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&self.bytes[..8]);
+            Some(u64::from_be_bytes(b))
+        } else {
+            None
+        }
+    }
+
+    /// True for [`Self::UNKNOWN`].
+    pub fn is_unknown(&self) -> bool {
+        self.len == 0
+    }
+}
+
+impl fmt::Debug for VersionToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.as_u64() {
+            Some(r) => write!(f, "rev:{r}"),
+            None if self.is_unknown() => write!(f, "rev:unknown"),
+            None => write!(f, "ver:{:02x?}", self.as_bytes()),
+        }
+    }
+}
+
+/// A resume position in a watch stream (for NATS, the stream sequence of the last applied update).
+/// `None` means "never applied anything": a start from it is a full state-sync re-list.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct WatchCursor(Option<u64>);
+
+impl WatchCursor {
+    /// The cursor of a fold that has applied nothing.
+    pub const NONE: WatchCursor = WatchCursor(None);
+
+    /// A cursor at `revision`.
+    pub fn at(revision: u64) -> Self {
+        WatchCursor(Some(revision))
+    }
+
+    /// The revision, if any.
+    pub fn revision(&self) -> Option<u64> {
+        self.0
+    }
+
+    /// The revision, or 0 for a cursor-less fold (comparisons treat "nothing" as 0).
+    pub fn revision_or_zero(&self) -> u64 {
+        self.0.unwrap_or(0)
+    }
+
+    /// Encoding for durable storage: empty for `NONE`, else 8 bytes big-endian.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        match self.0 {
+            None => Vec::new(),
+            Some(r) => r.to_be_bytes().to_vec(),
+        }
+    }
+
+    /// Decodes [`Self::to_bytes`]; `None` for any other length (the caller reports corruption).
+    pub fn from_bytes(raw: &[u8]) -> Option<Self> {
+        match raw.len() {
+            0 => Some(WatchCursor(None)),
+            8 => {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(raw);
+                Some(WatchCursor(Some(u64::from_be_bytes(b))))
+            }
+            _ => None,
+        }
+    }
+}
+
+impl fmt::Debug for WatchCursor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(r) => write!(f, "cursor:{r}"),
+            None => write!(f, "cursor:none"),
+        }
+    }
+}
+
+impl fmt::Display for WatchCursor {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            Some(r) => write!(f, "{r}"),
+            None => write!(f, "none"),
+        }
+    }
+}
+
+/// One key, its value and its version, as read. Immutable once returned.
+#[derive(Clone, PartialEq, Eq)]
+pub struct KvEntry {
+    /// The key, without any bucket prefix.
+    pub key: String,
+    /// The value bytes (shared, not copied).
+    pub value: Bytes,
+    /// The key's version at this read.
+    pub version: VersionToken,
+}
+
+impl fmt::Debug for KvEntry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "KvEntry({:?}, {} bytes, {:?})",
+            self.key,
+            self.value.len(),
+            self.version
+        )
+    }
+}
+
+/// One watch event.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub enum KvUpdate {
+    /// The key now holds this value.
+    Put(KvEntry),
+    /// The key was deleted (a delete marker).
+    Delete {
+        /// The deleted key.
+        key: String,
+        /// The marker's version.
+        version: VersionToken,
+    },
+    /// The key's history was purged; a fold treats it as a delete.
+    Purge {
+        /// The purged key.
+        key: String,
+        /// The purge marker's version.
+        version: VersionToken,
+    },
+}
+
+impl KvUpdate {
+    /// The key this update is about.
+    pub fn key(&self) -> &str {
+        match self {
+            KvUpdate::Put(e) => &e.key,
+            KvUpdate::Delete { key, .. } | KvUpdate::Purge { key, .. } => key,
+        }
+    }
+
+    /// The update's version (the stream sequence for NATS).
+    pub fn version(&self) -> VersionToken {
+        match self {
+            KvUpdate::Put(e) => e.version,
+            KvUpdate::Delete { version, .. } | KvUpdate::Purge { version, .. } => *version,
+        }
+    }
+
+    /// The revision, when the version is a readable NATS one.
+    pub fn revision(&self) -> Option<u64> {
+        self.version().as_u64()
+    }
+
+    /// Bytes this update occupies (key + value), for limits and metrics.
+    pub fn byte_len(&self) -> usize {
+        match self {
+            KvUpdate::Put(e) => e.key.len() + e.value.len(),
+            KvUpdate::Delete { key, .. } | KvUpdate::Purge { key, .. } => key.len(),
+        }
+    }
+}
+
+/// What a watch delivers into the fold's channel: updates, plus the watch's own progress signals.
+#[derive(Debug)]
+pub enum WatchEvent {
+    /// One update from the stream.
+    Update(KvUpdate),
+    /// Everything in scope that existed when the watch started has been delivered, through this
+    /// revision (the re-list is complete, or the delta caught up). Used by `--catch-up` and by
+    /// hydration progress.
+    CaughtUp {
+        /// The revision of the last update delivered before the watch was level (`None`: nothing).
+        through: Option<u64>,
+    },
+    /// Progress while catching up: how many updates remain pending on the server.
+    Pending(u64),
+}
+
+/// Errors from the key-value layer. `Clone` so one failed connect can fan out to many waiters; the
+/// cause chains of non-`Clone` client errors are rendered into the message at the boundary.
+#[derive(Debug, Clone, thiserror::Error, PartialEq, Eq)]
+pub enum KvError {
+    /// Connecting or authenticating failed.
+    #[error("connect to {url}: {reason}")]
+    Connect {
+        /// The server URL.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+    /// An operation needs a connection and there is none.
+    #[error("not connected")]
+    NotConnected,
+    /// The bucket does not exist (and was not to be created).
+    #[error("bucket {0:?} not found")]
+    BucketNotFound(String),
+    /// A create found the key already present.
+    #[error("key {0:?} already exists")]
+    AlreadyExists(String),
+    /// A compare-and-set lost: the key's version is not the expected one.
+    #[error("key {key:?}: revision mismatch (expected {expected:?})")]
+    RevisionMismatch {
+        /// The key.
+        key: String,
+        /// The version the caller expected.
+        expected: VersionToken,
+    },
+    /// The resume position is older than the stream's first retained sequence: resuming would
+    /// silently skip evicted messages (NATS clamps without an error), so we refuse.
+    #[error(
+        "cursor expired: resume needs revision {resume_from} but the stream's first retained revision is {first_sequence}"
+    )]
+    CursorExpired {
+        /// The revision the resume would start from (cursor + 1).
+        resume_from: u64,
+        /// The stream's first retained sequence.
+        first_sequence: u64,
+    },
+    /// A NATS call did not answer in time.
+    #[error("{op}: timed out after {secs} s")]
+    Timeout {
+        /// The operation.
+        op: &'static str,
+        /// The limit that passed.
+        secs: u64,
+    },
+    /// The watch stream failed or ended.
+    #[error("watch: {0}")]
+    WatchError(String),
+    /// Any other backend error, rendered.
+    #[error("{op}: {reason}")]
+    Backend {
+        /// The operation.
+        op: &'static str,
+        /// The backend's message.
+        reason: String,
+    },
+    /// The caller passed something the layer refuses (a bad key, a bad scope).
+    #[error("invalid argument: {0}")]
+    Invalid(String),
+}
+
+/// Point-in-time reads of one bucket.
+#[async_trait]
+pub trait KvReader: Send + Sync {
+    /// The live value of `key`; deleted keys and CAS tombstones (empty values) read as `None`.
+    async fn get(&self, key: &str) -> Result<Option<KvEntry>, KvError>;
+    /// The raw latest entry of `key`, tombstones included (for CAS callers needing the version).
+    async fn entry(&self, key: &str) -> Result<Option<KvEntry>, KvError>;
+    /// Every live key under `prefix` (empty: all), in key order.
+    async fn keys(&self, prefix: &str) -> Result<Vec<String>, KvError>;
+    /// Every live entry under `prefix` (empty: all), in key order.
+    async fn scan(&self, prefix: &str) -> Result<Vec<KvEntry>, KvError>;
+}
+
+/// Writes, soft deletes and compare-and-set. No multi-key transactions.
+#[async_trait]
+pub trait KvWriter: Send + Sync {
+    /// Unconditional put; returns the new version.
+    async fn put(&self, key: &str, value: Bytes) -> Result<VersionToken, KvError>;
+    /// Create only if absent (or deleted); `AlreadyExists` otherwise.
+    async fn create(&self, key: &str, value: Bytes) -> Result<VersionToken, KvError>;
+    /// Compare-and-set on the key's current version; `RevisionMismatch` otherwise.
+    async fn update(
+        &self,
+        key: &str,
+        value: Bytes,
+        expected: VersionToken,
+    ) -> Result<VersionToken, KvError>;
+    /// Soft delete (a delete marker). Always `Ok(true)` on NATS.
+    async fn delete(&self, key: &str) -> Result<bool, KvError>;
+    /// CAS delete: writes an empty value (a tombstone) only if the version matches.
+    async fn delete_with_version(&self, key: &str, expected: VersionToken)
+    -> Result<bool, KvError>;
+}
+
+/// What a watch covers.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WatchScope {
+    /// Every key in the bucket.
+    All,
+    /// Keys starting with this prefix.
+    Prefix(String),
+    /// The union of several prefixes, served by one multi-filter consumer.
+    Prefixes(Vec<String>),
+}
+
+impl WatchScope {
+    /// Parses the CLI form: `all`, `prefix:P`, or `prefixes:P1,P2`.
+    pub fn parse(s: &str) -> Result<Self, KvError> {
+        if s == "all" {
+            return Ok(WatchScope::All);
+        }
+        if let Some(p) = s.strip_prefix("prefix:") {
+            if p.is_empty() {
+                return Err(KvError::Invalid("scope prefix: is empty".into()));
+            }
+            return Ok(WatchScope::Prefix(p.to_string()));
+        }
+        if let Some(ps) = s.strip_prefix("prefixes:") {
+            let v: Vec<String> = ps
+                .split(',')
+                .filter(|p| !p.is_empty())
+                .map(str::to_string)
+                .collect();
+            if v.is_empty() {
+                return Err(KvError::Invalid("scope prefixes: is empty".into()));
+            }
+            return Ok(WatchScope::Prefixes(v));
+        }
+        Err(KvError::Invalid(format!(
+            "scope {s:?}: expected all, prefix:P or prefixes:P1,P2"
+        )))
+    }
+
+    /// Whether `key` is inside this scope.
+    pub fn contains(&self, key: &str) -> bool {
+        match self {
+            WatchScope::All => true,
+            WatchScope::Prefix(p) => key.starts_with(p.as_str()),
+            WatchScope::Prefixes(ps) => ps.iter().any(|p| key.starts_with(p.as_str())),
+        }
+    }
+}
+
+impl fmt::Display for WatchScope {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            WatchScope::All => write!(f, "all"),
+            WatchScope::Prefix(p) => write!(f, "prefix:{p}"),
+            WatchScope::Prefixes(ps) => write!(f, "prefixes:{}", ps.join(",")),
+        }
+    }
+}
+
+/// A live update stream: events are pushed into the caller's channel (bounded: a full channel
+/// backpressures the watch). Every method returns when the watch ends (error, or the receiver
+/// dropped, which is a clean `Ok`).
+#[async_trait]
+pub trait KvWatcher: Send + Sync {
+    /// State-sync watch: the current value of every key in scope first (the re-list), then live
+    /// updates. No separate scan, so no seed-then-watch race.
+    async fn watch(&self, scope: &WatchScope, tx: mpsc::Sender<WatchEvent>) -> Result<(), KvError>;
+    /// Delta watch from `cursor + 1`. `CursorExpired` when the stream no longer holds that
+    /// revision (never the server's silent clamp); a `NONE` cursor is a state-sync [`Self::watch`].
+    async fn watch_from(
+        &self,
+        scope: &WatchScope,
+        cursor: WatchCursor,
+        tx: mpsc::Sender<WatchEvent>,
+    ) -> Result<(), KvError>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_token_round_trips_ten_bytes_and_u64() {
+        let v = VersionToken::from_u64(u64::MAX);
+        assert_eq!(v.as_u64(), Some(u64::MAX));
+        let raw = [1u8, 2, 3, 4, 5, 6, 7, 8, 9, 10];
+        let t = VersionToken::from_bytes(&raw).expect("10 bytes fit");
+        assert_eq!(t.as_bytes(), &raw);
+        assert_eq!(t.as_u64(), None);
+        assert!(VersionToken::from_bytes(&[0u8; 11]).is_none());
+        assert!(VersionToken::UNKNOWN.is_unknown());
+    }
+
+    #[test]
+    fn cursor_bytes_round_trip_and_reject_other_lengths() {
+        for c in [
+            WatchCursor::NONE,
+            WatchCursor::at(0),
+            WatchCursor::at(u64::MAX),
+        ] {
+            assert_eq!(WatchCursor::from_bytes(&c.to_bytes()), Some(c));
+        }
+        assert_eq!(WatchCursor::from_bytes(&[1, 2, 3]), None);
+    }
+
+    #[test]
+    fn scope_parses_cli_forms_and_rejects_empty() {
+        assert_eq!(WatchScope::parse("all"), Ok(WatchScope::All));
+        assert_eq!(
+            WatchScope::parse("prefix:route."),
+            Ok(WatchScope::Prefix("route.".into()))
+        );
+        assert!(WatchScope::parse("prefix:").is_err());
+        assert!(WatchScope::parse("everything").is_err());
+        let s = WatchScope::parse("prefixes:a.,b.").expect("valid");
+        assert!(s.contains("b.x") && !s.contains("c.x"));
+    }
+}

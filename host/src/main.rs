@@ -1,0 +1,31 @@
+//! The `foldhost` binary: parses the command line and reports errors as one line with exit code 1.
+
+use clap::Parser;
+
+fn main() {
+    let cli = foldhost::cli::Cli::parse();
+    let filter = tracing_subscriber::EnvFilter::try_from_env("FOLDHOST_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_target(false)
+        .init();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("foldhost: error: tokio runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    let code = match rt.block_on(foldhost::cli::run(cli)) {
+        Ok(()) => 0,
+        Err(e) => foldhost::cli::report_error(&e),
+    };
+    // Don't wait for detached tasks (a signal listener, a status reporter) to notice.
+    rt.shutdown_timeout(std::time::Duration::from_millis(200));
+    std::process::exit(code);
+}

@@ -1,0 +1,708 @@
+//! The NATS JetStream implementation of the key-value layer: [`NatsConnection`] and the bucket
+//! handle [`NatsKv`] that implements [`KvReader`], [`KvWatcher`] and [`KvWriter`].
+//!
+//! Invariants:
+//! - Every NATS call runs under the connection's operation timeout ([`timed`]).
+//! - Listings (`keys`, `scan`) use one ephemeral `LastPerSubject` push consumer with
+//!   `AckPolicy::None` (an explicit-ack consumer stops after 1 000 unacknowledged messages and would
+//!   silently truncate a larger bucket), subscribed *before* the consumer is created so no early
+//!   delivery is lost, answering flow-control requests so a large listing never stalls.
+//! - Watches are ordered push consumers: state-sync (`LastPerSubject`) without a cursor, a delta
+//!   (`ByStartSequence(cursor + 1)`) with one. A delta is only started after
+//!   [`protocol::resume_window_ok`] passes against the stream's live first sequence: the server would
+//!   otherwise clamp silently and skip evicted messages.
+//! - Revisions come from the ACK subject through [`protocol::parse_ack_subject`]; an unparseable one
+//!   becomes [`VersionToken::UNKNOWN`], never a made-up number.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, consumer, kv, stream};
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::StreamExt;
+use tokio::sync::{Mutex, mpsc};
+
+use crate::kv::{
+    KvEntry, KvError, KvReader, KvUpdate, KvWatcher, KvWriter, VersionToken, WatchCursor,
+    WatchEvent, WatchScope,
+};
+use crate::protocol;
+use crate::stores::{
+    ConnectOptions, Connection, ConnectionCapabilities, CredentialSource, KvStore, StorageType,
+    StoreConfig, credential_source,
+};
+
+/// Runs `fut` under `limit`; a timeout is [`KvError::Timeout`] naming `op`.
+pub async fn timed<T>(
+    op: &'static str,
+    limit: Duration,
+    fut: impl Future<Output = Result<T, KvError>>,
+) -> Result<T, KvError> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(r) => r,
+        Err(_) => Err(KvError::Timeout {
+            op,
+            secs: limit.as_secs(),
+        }),
+    }
+}
+
+fn backend(op: &'static str, e: impl std::fmt::Display) -> KvError {
+    KvError::Backend {
+        op,
+        reason: e.to_string(),
+    }
+}
+
+/// A NATS connection: dial, shut down, health, and bucket handles.
+pub struct NatsConnection {
+    opts: ConnectOptions,
+    client: Mutex<Option<async_nats::Client>>,
+    healthy: Arc<AtomicBool>,
+}
+
+impl NatsConnection {
+    /// A connection that has not dialled yet.
+    pub fn new(opts: ConnectOptions) -> Self {
+        NatsConnection {
+            opts,
+            client: Mutex::new(None),
+            healthy: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Dials and returns the connection (a convenience for `new` + `connect`).
+    pub async fn open(opts: ConnectOptions) -> Result<Self, KvError> {
+        let c = Self::new(opts);
+        c.connect().await?;
+        Ok(c)
+    }
+
+    /// The connected client.
+    pub async fn client(&self) -> Result<async_nats::Client, KvError> {
+        self.client
+            .lock()
+            .await
+            .clone()
+            .ok_or(KvError::NotConnected)
+    }
+
+    /// Opens a bucket and returns the concrete handle (the trait method wraps it in a [`KvStore`]).
+    pub async fn bucket(&self, name: &str, config: &StoreConfig) -> Result<Arc<NatsKv>, KvError> {
+        let client = self.client().await?;
+        NatsKv::open(client, name, config, self.opts.op_timeout).await
+    }
+}
+
+#[async_trait]
+impl Connection for NatsConnection {
+    async fn connect(&self) -> Result<(), KvError> {
+        let mut guard = self.client.lock().await;
+        if guard.is_some() {
+            return Ok(());
+        }
+        let url = self.opts.url.clone();
+        let err = |reason: String| KvError::Connect {
+            url: url.clone(),
+            reason,
+        };
+        let healthy = self.healthy.clone();
+        let mut o = async_nats::ConnectOptions::new()
+            .connection_timeout(self.opts.op_timeout.min(Duration::from_secs(10)))
+            .request_timeout(Some(self.opts.op_timeout))
+            .event_callback(move |ev| {
+                let healthy = healthy.clone();
+                async move {
+                    match ev {
+                        async_nats::Event::Connected => healthy.store(true, Ordering::Release),
+                        async_nats::Event::Disconnected | async_nats::Event::Closed => {
+                            healthy.store(false, Ordering::Release)
+                        }
+                        _ => {}
+                    }
+                }
+            });
+        if let Some(n) = &self.opts.name {
+            o = o.name(n);
+        }
+        o = match credential_source(&self.opts) {
+            CredentialSource::Creds => {
+                let creds = self.opts.creds.as_deref().unwrap_or_default();
+                o.credentials(creds).map_err(|e| err(e.to_string()))?
+            }
+            CredentialSource::CredsFile(p) => o
+                .credentials_file(&p)
+                .await
+                .map_err(|e| err(format!("{}: {e}", p.display())))?,
+            CredentialSource::Url | CredentialSource::None => o,
+        };
+        let client = timed("connect", self.opts.op_timeout, async {
+            o.connect(self.opts.url.as_str())
+                .await
+                .map_err(|e| err(e.to_string()))
+        })
+        .await?;
+        self.healthy.store(true, Ordering::Release);
+        *guard = Some(client);
+        Ok(())
+    }
+
+    async fn shutdown(&self) {
+        if let Some(c) = self.client.lock().await.take() {
+            // A flush that fails means the socket is already gone; nothing more to do.
+            let _ = timed("flush", self.opts.op_timeout, async {
+                c.flush().await.map_err(|e| backend("flush", e))
+            })
+            .await;
+            let _ = c.drain().await;
+        }
+        self.healthy.store(false, Ordering::Release);
+    }
+
+    fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Acquire)
+    }
+
+    async fn store(&self, bucket: &str, config: &StoreConfig) -> Result<KvStore, KvError> {
+        let kv = self.bucket(bucket, config).await?;
+        Ok(KvStore::new(bucket, kv.clone(), kv.clone(), kv))
+    }
+
+    fn capabilities(&self) -> ConnectionCapabilities {
+        ConnectionCapabilities {
+            cas: true,
+            streaming_watch: true,
+            writes: true,
+        }
+    }
+}
+
+/// One bucket on a NATS server: reads, watches and writes.
+pub struct NatsKv {
+    client: async_nats::Client,
+    js: jetstream::Context,
+    kv: kv::Store,
+    bucket: String,
+    stream_name: String,
+    subject_prefix: String,
+    timeout: Duration,
+}
+
+/// Live stream positions, read from the server (not the client's creation-time cache).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamPositions {
+    /// The first retained sequence.
+    pub first_sequence: u64,
+    /// The last sequence written.
+    pub last_sequence: u64,
+    /// Messages currently held.
+    pub messages: u64,
+}
+
+impl NatsKv {
+    async fn open(
+        client: async_nats::Client,
+        bucket: &str,
+        config: &StoreConfig,
+        timeout: Duration,
+    ) -> Result<Arc<Self>, KvError> {
+        let js = jetstream::new(client.clone());
+        let stream_name = format!("KV_{bucket}");
+        let exists = timed("get bucket", timeout, async {
+            match js.get_stream(&stream_name).await {
+                Ok(_) => Ok(true),
+                Err(e) => match e.kind() {
+                    jetstream::context::GetStreamErrorKind::JetStream(j)
+                        if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
+                    {
+                        Ok(false)
+                    }
+                    _ => Err(backend("get bucket", e)),
+                },
+            }
+        })
+        .await?;
+        let kv = if exists {
+            timed("get bucket", timeout, async {
+                js.get_key_value(bucket)
+                    .await
+                    .map_err(|e| backend("get bucket", e))
+            })
+            .await?
+        } else if config.create {
+            let cfg = kv::Config {
+                bucket: bucket.to_string(),
+                history: config.max_history,
+                max_bytes: config.max_bytes.unwrap_or(-1),
+                max_age: config.max_age.unwrap_or_default(),
+                num_replicas: config.num_replicas,
+                storage: match config.storage {
+                    StorageType::File => stream::StorageType::File,
+                    StorageType::Memory => stream::StorageType::Memory,
+                },
+                ..Default::default()
+            };
+            timed("create bucket", timeout, async {
+                js.create_key_value(cfg)
+                    .await
+                    .map_err(|e| backend("create bucket", e))
+            })
+            .await?
+        } else {
+            return Err(KvError::BucketNotFound(bucket.to_string()));
+        };
+        Ok(Arc::new(NatsKv {
+            subject_prefix: format!("$KV.{bucket}."),
+            client,
+            js,
+            kv,
+            bucket: bucket.to_string(),
+            stream_name,
+            timeout,
+        }))
+    }
+
+    /// The bucket name.
+    pub fn bucket(&self) -> &str {
+        &self.bucket
+    }
+
+    /// Reads the stream's live positions.
+    pub async fn positions(&self) -> Result<StreamPositions, KvError> {
+        let info = timed("stream info", self.timeout, async {
+            self.kv
+                .stream
+                .get_info()
+                .await
+                .map_err(|e| backend("stream info", e))
+        })
+        .await?;
+        Ok(StreamPositions {
+            first_sequence: info.state.first_sequence,
+            last_sequence: info.state.last_sequence,
+            messages: info.state.messages,
+        })
+    }
+
+    /// The subject filters for a scope: whole-token prefixes filter on the server; a prefix that
+    /// ends mid-token filters on its last whole token and the rest is checked per message.
+    pub fn filter_subjects(&self, scope: &WatchScope) -> Result<Vec<String>, KvError> {
+        let prefixes: Vec<&str> = match scope {
+            WatchScope::All => return Ok(vec![format!("{}>", self.subject_prefix)]),
+            WatchScope::Prefix(p) => vec![p.as_str()],
+            WatchScope::Prefixes(ps) => ps.iter().map(String::as_str).collect(),
+        };
+        let mut out: Vec<String> = Vec::new();
+        for p in prefixes {
+            if p.contains(['*', '>', ' ']) {
+                return Err(KvError::Invalid(format!(
+                    "prefix {p:?} contains a wildcard or space"
+                )));
+            }
+            let whole = match p.rfind('.') {
+                Some(i) => &p[..=i],
+                None => "",
+            };
+            let f = format!("{}{whole}>", self.subject_prefix);
+            if !out.contains(&f) {
+                out.push(f);
+            }
+        }
+        // Overlapping filters are refused by the server; a catch-all subsumes the rest.
+        let all = format!("{}>", self.subject_prefix);
+        if out.contains(&all) {
+            out = vec![all];
+        }
+        Ok(out)
+    }
+
+    fn key_of<'a>(&self, subject: &'a str) -> Option<&'a str> {
+        subject.strip_prefix(self.subject_prefix.as_str())
+    }
+
+    /// Turns one delivered message into an update (`None` for a subject outside this bucket).
+    fn to_update(
+        &self,
+        msg: &async_nats::Message,
+    ) -> Option<(KvUpdate, Option<protocol::AckMeta>)> {
+        let key = self.key_of(msg.subject.as_str())?.to_string();
+        let meta = msg
+            .reply
+            .as_ref()
+            .and_then(|r| protocol::parse_ack_subject(r.as_str()));
+        let version = meta
+            .map(|m| VersionToken::from_u64(m.stream_sequence))
+            .unwrap_or(VersionToken::UNKNOWN);
+        let op = msg
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("KV-Operation"))
+            .map(|v| v.as_str().to_string());
+        let update = match op.as_deref() {
+            Some("DEL") => KvUpdate::Delete { key, version },
+            Some("PURGE") => KvUpdate::Purge { key, version },
+            _ => KvUpdate::Put(KvEntry {
+                key,
+                value: msg.payload.clone(),
+                version,
+            }),
+        };
+        Some((update, meta))
+    }
+
+    /// Lists the latest message of every key under `prefix` through one ephemeral consumer.
+    /// `headers_only` skips the values (for `keys`). Deleted keys and tombstones are dropped.
+    async fn list(&self, prefix: &str, headers_only: bool) -> Result<Vec<KvEntry>, KvError> {
+        let scope = if prefix.is_empty() {
+            WatchScope::All
+        } else {
+            WatchScope::Prefix(prefix.to_string())
+        };
+        let filters = self.filter_subjects(&scope)?;
+        let inbox = self.client.new_inbox();
+        // Subscribe before the consumer exists: the server may deliver before a later subscribe.
+        let mut sub = timed("list subscribe", self.timeout, async {
+            self.client
+                .subscribe(inbox.clone())
+                .await
+                .map_err(|e| backend("list subscribe", e))
+        })
+        .await?;
+        let cfg = consumer::push::Config {
+            deliver_subject: inbox,
+            deliver_policy: consumer::DeliverPolicy::LastPerSubject,
+            ack_policy: consumer::AckPolicy::None,
+            filter_subjects: filters,
+            headers_only,
+            flow_control: true,
+            idle_heartbeat: Duration::from_secs(5),
+            inactive_threshold: Duration::from_secs(30),
+            memory_storage: true,
+            ..Default::default()
+        };
+        let consumer: consumer::Consumer<consumer::push::Config> =
+            timed("list consumer", self.timeout, async {
+                self.kv
+                    .stream
+                    .create_consumer(cfg)
+                    .await
+                    .map_err(|e| backend("list consumer", e))
+            })
+            .await?;
+        let total = consumer.cached_info().num_pending;
+        let name = consumer.cached_info().name.clone();
+        let mut out = Vec::new();
+        let mut remaining = total;
+        while remaining > 0 {
+            let msg = match tokio::time::timeout(self.timeout, sub.next()).await {
+                Ok(Some(m)) => m,
+                Ok(None) => return Err(backend("list", "subscription closed")),
+                Err(_) => {
+                    return Err(KvError::Timeout {
+                        op: "list",
+                        secs: self.timeout.as_secs(),
+                    });
+                }
+            };
+            if msg.status.is_some() {
+                // Flow control requests carry a reply subject; answering resumes delivery.
+                if let Some(reply) = &msg.reply {
+                    let _ = self.client.publish(reply.clone(), Bytes::new()).await;
+                }
+                continue;
+            }
+            let Some((update, meta)) = self.to_update(&msg) else {
+                continue;
+            };
+            remaining = match meta {
+                Some(m) => m.pending,
+                None => remaining.saturating_sub(1),
+            };
+            if !scope.contains(update.key()) {
+                continue;
+            }
+            if let KvUpdate::Put(e) = update {
+                // A CAS tombstone is an empty value; a headers-only delivery reports the size.
+                let size = if headers_only {
+                    msg.headers
+                        .as_ref()
+                        .and_then(|h| h.get("Nats-Msg-Size"))
+                        .and_then(|v| v.as_str().parse::<u64>().ok())
+                        .unwrap_or(1)
+                } else {
+                    e.value.len() as u64
+                };
+                if size > 0 {
+                    out.push(e);
+                }
+            }
+        }
+        drop(sub);
+        // Best effort: the consumer also expires by its inactivity threshold.
+        let _ = tokio::time::timeout(self.timeout, self.kv.stream.delete_consumer(&name)).await;
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
+    /// Runs an ordered push consumer with `policy` over `scope`, pushing events into `tx` until the
+    /// receiver is dropped (`Ok`) or the watch fails.
+    async fn run_watch(
+        &self,
+        scope: &WatchScope,
+        policy: consumer::DeliverPolicy,
+        tx: mpsc::Sender<WatchEvent>,
+    ) -> Result<(), KvError> {
+        let filters = self.filter_subjects(scope)?;
+        let cfg = consumer::push::OrderedConfig {
+            deliver_subject: self.client.new_inbox(),
+            filter_subjects: filters,
+            deliver_policy: policy,
+            ..Default::default()
+        };
+        let consumer = timed("watch consumer", self.timeout, async {
+            self.kv
+                .stream
+                .create_consumer(cfg)
+                .await
+                .map_err(|e| backend("watch consumer", e))
+        })
+        .await?;
+        let initial_pending = consumer.cached_info().num_pending;
+        let mut messages = timed("watch subscribe", self.timeout, async {
+            consumer
+                .messages()
+                .await
+                .map_err(|e| backend("watch subscribe", e))
+        })
+        .await?;
+        let mut level_reported = false;
+        let mut last_delivered: Option<u64> = None;
+        if initial_pending == 0 {
+            level_reported = true;
+            if tx
+                .send(WatchEvent::CaughtUp { through: None })
+                .await
+                .is_err()
+            {
+                return Ok(());
+            }
+        } else if tx.send(WatchEvent::Pending(initial_pending)).await.is_err() {
+            return Ok(());
+        }
+        let mut consecutive_errors = 0u32;
+        let mut since_progress = 0u32;
+        while let Some(item) = messages.next().await {
+            let msg = match item {
+                Ok(m) => {
+                    consecutive_errors = 0;
+                    m
+                }
+                Err(e) => {
+                    // The ordered consumer recreates itself after a gap or missed heartbeats; a
+                    // long run of errors means it cannot.
+                    consecutive_errors += 1;
+                    tracing::warn!(bucket = %self.bucket, error = %e, "watch: consumer error (recreating)");
+                    if consecutive_errors >= 30 {
+                        return Err(KvError::WatchError(format!(
+                            "bucket {}: {consecutive_errors} consecutive consumer errors, last: {e}",
+                            self.bucket
+                        )));
+                    }
+                    continue;
+                }
+            };
+            let Some((update, meta)) = self.to_update(&msg.message) else {
+                continue;
+            };
+            let in_scope = scope.contains(update.key());
+            let revision = update.revision();
+            if in_scope {
+                last_delivered = revision.or(last_delivered);
+                if tx.send(WatchEvent::Update(update)).await.is_err() {
+                    return Ok(());
+                }
+            }
+            if let Some(m) = meta {
+                if !level_reported && m.pending == 0 {
+                    level_reported = true;
+                    let through = last_delivered;
+                    if tx.send(WatchEvent::CaughtUp { through }).await.is_err() {
+                        return Ok(());
+                    }
+                } else if !level_reported {
+                    since_progress += 1;
+                    if since_progress >= 1024 {
+                        since_progress = 0;
+                        if tx.send(WatchEvent::Pending(m.pending)).await.is_err() {
+                            return Ok(());
+                        }
+                    }
+                }
+            }
+        }
+        Err(KvError::WatchError(format!(
+            "bucket {}: watch stream ended",
+            self.bucket
+        )))
+    }
+}
+
+fn version_u64(v: VersionToken) -> Result<u64, KvError> {
+    v.as_u64()
+        .ok_or_else(|| KvError::Invalid(format!("{v:?} is not a NATS revision")))
+}
+
+#[async_trait]
+impl KvReader for NatsKv {
+    async fn get(&self, key: &str) -> Result<Option<KvEntry>, KvError> {
+        Ok(self.entry(key).await?.filter(|e| !e.value.is_empty()))
+    }
+
+    async fn entry(&self, key: &str) -> Result<Option<KvEntry>, KvError> {
+        let e = timed("entry", self.timeout, async {
+            self.kv.entry(key).await.map_err(|e| backend("entry", e))
+        })
+        .await?;
+        Ok(e.map(|e| KvEntry {
+            key: e.key,
+            value: match e.operation {
+                kv::Operation::Put => e.value,
+                kv::Operation::Delete | kv::Operation::Purge => Bytes::new(),
+            },
+            version: VersionToken::from_u64(e.revision),
+        }))
+    }
+
+    async fn keys(&self, prefix: &str) -> Result<Vec<String>, KvError> {
+        Ok(self
+            .list(prefix, true)
+            .await?
+            .into_iter()
+            .map(|e| e.key)
+            .collect())
+    }
+
+    async fn scan(&self, prefix: &str) -> Result<Vec<KvEntry>, KvError> {
+        self.list(prefix, false).await
+    }
+}
+
+#[async_trait]
+impl KvWriter for NatsKv {
+    async fn put(&self, key: &str, value: Bytes) -> Result<VersionToken, KvError> {
+        timed("put", self.timeout, async {
+            self.kv
+                .put(key, value)
+                .await
+                .map(VersionToken::from_u64)
+                .map_err(|e| backend("put", e))
+        })
+        .await
+    }
+
+    async fn create(&self, key: &str, value: Bytes) -> Result<VersionToken, KvError> {
+        timed("create", self.timeout, async {
+            match self.kv.create(key, value).await {
+                Ok(r) => Ok(VersionToken::from_u64(r)),
+                Err(e) if e.kind() == kv::CreateErrorKind::AlreadyExists => {
+                    Err(KvError::AlreadyExists(key.to_string()))
+                }
+                Err(e) => Err(backend("create", e)),
+            }
+        })
+        .await
+    }
+
+    async fn update(
+        &self,
+        key: &str,
+        value: Bytes,
+        expected: VersionToken,
+    ) -> Result<VersionToken, KvError> {
+        let rev = version_u64(expected)?;
+        timed("update", self.timeout, async {
+            match self.kv.update(key, value, rev).await {
+                Ok(r) => Ok(VersionToken::from_u64(r)),
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                    Err(KvError::RevisionMismatch {
+                        key: key.to_string(),
+                        expected,
+                    })
+                }
+                Err(e) => Err(backend("update", e)),
+            }
+        })
+        .await
+    }
+
+    async fn delete(&self, key: &str) -> Result<bool, KvError> {
+        timed("delete", self.timeout, async {
+            self.kv.delete(key).await.map_err(|e| backend("delete", e))
+        })
+        .await?;
+        Ok(true)
+    }
+
+    async fn delete_with_version(
+        &self,
+        key: &str,
+        expected: VersionToken,
+    ) -> Result<bool, KvError> {
+        // A CAS write of an empty value: concurrent writers see a conflict, readers a tombstone.
+        self.update(key, Bytes::new(), expected).await?;
+        Ok(true)
+    }
+}
+
+#[async_trait]
+impl KvWatcher for NatsKv {
+    async fn watch(&self, scope: &WatchScope, tx: mpsc::Sender<WatchEvent>) -> Result<(), KvError> {
+        self.run_watch(scope, consumer::DeliverPolicy::LastPerSubject, tx)
+            .await
+    }
+
+    async fn watch_from(
+        &self,
+        scope: &WatchScope,
+        cursor: WatchCursor,
+        tx: mpsc::Sender<WatchEvent>,
+    ) -> Result<(), KvError> {
+        let Some(rev) = cursor.revision() else {
+            return self.watch(scope, tx).await;
+        };
+        let pos = self.positions().await?;
+        if !protocol::resume_window_ok(rev, pos.first_sequence) {
+            return Err(KvError::CursorExpired {
+                resume_from: rev.saturating_add(1),
+                first_sequence: pos.first_sequence,
+            });
+        }
+        self.run_watch(
+            scope,
+            consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: rev.saturating_add(1),
+            },
+            tx,
+        )
+        .await
+    }
+}
+
+impl std::fmt::Debug for NatsKv {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("NatsKv")
+            .field("bucket", &self.bucket)
+            .field("stream", &self.stream_name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl NatsKv {
+    /// The JetStream context (for tests and tools that need raw access).
+    pub fn jetstream(&self) -> &jetstream::Context {
+        &self.js
+    }
+}

@@ -1,0 +1,206 @@
+//! Every decision the fold's correctness rests on, as a pure function. Production code calls these;
+//! the tests, models and the simulator call the same functions rather than copies, so a change to a
+//! rule is re-checked everywhere at once (seed 000, "Machine-checked protocol kernels").
+//!
+//! Invariants: nothing in this module does I/O, allocates on the hot path, or reads a clock.
+
+/// Whether a watch may resume after `revision` on a stream whose first retained sequence is
+/// `first_sequence`.
+///
+/// Resume reads `revision + 1` onward; it is sound iff `first_sequence <= revision + 1`. NATS does not
+/// refuse a start below its first retained sequence: it silently clamps to `first_sequence`, skipping
+/// whatever was evicted (delete markers included). This check is ours to make; a `false` becomes
+/// [`crate::kv::KvError::CursorExpired`]. Saturating, so `u64::MAX` never wraps to 0.
+pub fn resume_window_ok(revision: u64, first_sequence: u64) -> bool {
+    first_sequence <= revision.saturating_add(1)
+}
+
+/// What a JetStream ACK subject (a delivered message's reply subject) says about the message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AckMeta {
+    /// The stream sequence: a KV entry's revision.
+    pub stream_sequence: u64,
+    /// Messages still pending for the consumer after this one.
+    pub pending: u64,
+}
+
+/// Parses a JetStream ACK subject without allocating.
+///
+/// Two layouts exist, by server version:
+/// - legacy, 9 tokens: `$JS.ACK.<stream>.<consumer>.<delivered>.<stream_seq>.<consumer_seq>.<ts>.<pending>`
+/// - modern, 11 or 12 tokens: `$JS.ACK.<domain>.<account>.<stream>.<consumer>.<delivered>.<stream_seq>.<consumer_seq>.<ts>.<pending>[.<token>]`
+///
+/// The stream sequence sits at index 5 (legacy) or 7 (modern) and `pending` at index 8 or 10. The
+/// last token of a 9- or 11-token subject is `pending`, which looks like a sequence but is not —
+/// an earlier parser took the last token and minted a wrong revision for every entry. So we read
+/// from the front and branch on the token count. Any other shape is `None` (the caller then uses
+/// the unknown version, which never moves a cursor).
+pub fn parse_ack_subject(subject: &str) -> Option<AckMeta> {
+    // Up to 12 tokens matter; the array lives on the stack.
+    let mut tokens: [&str; 12] = [""; 12];
+    let mut count = 0usize;
+    for tok in subject.split('.') {
+        if count == tokens.len() {
+            return None; // more than 12 tokens: not a layout we know
+        }
+        tokens[count] = tok;
+        count += 1;
+    }
+    if tokens[0] != "$JS" || tokens[1] != "ACK" {
+        return None;
+    }
+    let (seq_idx, pending_idx) = match count {
+        9 => (5, 8),
+        11 | 12 => (7, 10),
+        _ => return None,
+    };
+    let stream_sequence = tokens[seq_idx].parse::<u64>().ok()?;
+    let pending = tokens[pending_idx].parse::<u64>().ok()?;
+    Some(AckMeta {
+        stream_sequence,
+        pending,
+    })
+}
+
+/// How many consecutive failed store applies a watch tolerates before it fail-stops. A failed batch
+/// is re-queued, not dropped; this bounds the re-queued backlog under a store that keeps failing.
+pub const MAX_STORE_APPLY_FAILURES: u32 = 16;
+
+/// Whether the fold should fail-stop after `streak` consecutive failed store applies.
+pub fn store_failures_fatal(streak: u32) -> bool {
+    streak >= MAX_STORE_APPLY_FAILURES
+}
+
+/// The cursor a batch may commit, given the cursor before it and the highest readable revision the
+/// batch contained (`None` if every update carried the unknown version).
+///
+/// Cursor authority covers rejected entries (parse said skip), because NATS delivers in revision
+/// order: having seen the max, every revision below it has been seen too. An unknown-version update
+/// neither mints a position nor lowers one, so the cursor never moves backward.
+pub fn commit_cursor(previous: Option<u64>, batch_high: Option<u64>) -> Option<u64> {
+    match (previous, batch_high) {
+        (Some(p), Some(h)) => Some(p.max(h)),
+        (p, None) => p,
+        (None, h) => h,
+    }
+}
+
+/// Whether a `--catch-up` run is done: the applied cursor has reached the revision the watch reported
+/// level at (`through`, `None` when nothing was in scope).
+pub fn caught_up(applied: Option<u64>, through: Option<u64>) -> bool {
+    match through {
+        None => true,
+        Some(t) => applied.is_some_and(|a| a >= t),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resume_window_table_matches_the_seed() {
+        // (revision, first_sequence, expected)
+        let table = [
+            (0, 0, true),
+            (0, 1, true), // a fresh stream: resume at 1 is the head
+            (0, 2, false),
+            (10, 11, true), // exactly the next one
+            (10, 12, false),
+            (10, 5, true), // well inside retention
+            (u64::MAX, u64::MAX, true),
+            (u64::MAX, 1, true), // saturates, never wraps to 0
+            (u64::MAX - 1, u64::MAX, true),
+            (u64::MAX - 2, u64::MAX, false),
+        ];
+        for (rev, first, want) in table {
+            assert_eq!(
+                resume_window_ok(rev, first),
+                want,
+                "resume_window_ok({rev}, {first})"
+            );
+        }
+    }
+
+    #[test]
+    fn ack_parser_reads_legacy_and_modern_layouts_from_the_front() {
+        let legacy = "$JS.ACK.KV_b.cons.1.42.7.1700000000000000000.3";
+        assert_eq!(
+            parse_ack_subject(legacy),
+            Some(AckMeta {
+                stream_sequence: 42,
+                pending: 3
+            })
+        );
+        let modern11 = "$JS.ACK._.ACCT.KV_b.cons.1.43.8.1700000000000000000.0";
+        assert_eq!(
+            parse_ack_subject(modern11),
+            Some(AckMeta {
+                stream_sequence: 43,
+                pending: 0
+            })
+        );
+        let modern12 = "$JS.ACK.hub.ACCT.KV_b.cons.2.44.9.1700000000000000000.5.rAnd0m";
+        assert_eq!(
+            parse_ack_subject(modern12),
+            Some(AckMeta {
+                stream_sequence: 44,
+                pending: 5
+            })
+        );
+    }
+
+    #[test]
+    fn ack_parser_never_takes_the_last_token_as_the_sequence() {
+        // The last token is num_pending (0 here); the sequence is 777.
+        let s = "$JS.ACK.KV_b.c.1.777.1.1700000000000000000.0";
+        assert_eq!(parse_ack_subject(s).map(|m| m.stream_sequence), Some(777));
+    }
+
+    #[test]
+    fn ack_parser_accepts_u64_max_and_rejects_overflow_and_bad_shapes() {
+        let max = format!("$JS.ACK.KV_b.c.1.{}.1.1.0", u64::MAX);
+        assert_eq!(
+            parse_ack_subject(&max).map(|m| m.stream_sequence),
+            Some(u64::MAX)
+        );
+        let over = "$JS.ACK.KV_b.c.1.18446744073709551616.1.1.0";
+        assert_eq!(parse_ack_subject(over), None);
+        for bad in [
+            "",
+            "$JS.ACK",
+            "$JS.ACK.KV_b.c.1.5.1.1",               // 8 tokens
+            "$JS.ACK.a.b.KV_b.c.1.5.1.1",           // 10 tokens
+            "$JS.ACK.a.b.KV_b.c.1.5.1.1.0.t.extra", // 13 tokens
+            "$JS.NAK.KV_b.c.1.5.1.1.0",             // not an ACK subject
+            "_INBOX.KV_b.c.1.5.1.1.0.0",            // wrong prefix
+            "$JS.ACK.KV_b.c.1.-5.1.1.0",            // negative
+            "$JS.ACK.KV_b.c.1.5.1.1.x",             // pending not a number
+        ] {
+            assert_eq!(parse_ack_subject(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn commit_cursor_covers_rejected_and_ignores_unknown_versions() {
+        assert_eq!(commit_cursor(None, None), None);
+        assert_eq!(commit_cursor(Some(5), None), Some(5)); // only unknown versions: no move
+        assert_eq!(commit_cursor(None, Some(3)), Some(3));
+        assert_eq!(commit_cursor(Some(9), Some(3)), Some(9)); // never backward
+        assert_eq!(commit_cursor(Some(9), Some(12)), Some(12));
+    }
+
+    #[test]
+    fn store_failure_streak_is_fatal_at_sixteen() {
+        assert!(!store_failures_fatal(15));
+        assert!(store_failures_fatal(16));
+    }
+
+    #[test]
+    fn caught_up_needs_the_level_revision_applied() {
+        assert!(caught_up(None, None));
+        assert!(!caught_up(None, Some(1)));
+        assert!(!caught_up(Some(4), Some(5)));
+        assert!(caught_up(Some(5), Some(5)));
+    }
+}

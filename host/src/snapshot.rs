@@ -1,0 +1,141 @@
+//! The durable fold: the [`SnapshotStore`] contract every backend keeps, and the default backend,
+//! [`AppendLogSnapshot`] (an append-only CRC-framed log replayed into an in-RAM ordered map).
+//!
+//! Invariants (seed 000, "The durable fold"):
+//! - **Cursor-after-apply.** [`SnapshotStore::apply`] makes a batch's data and its cursor durable
+//!   together: a reader never recovers a cursor whose data is absent. On the append log the batch and
+//!   its cursor record go out in one `write(2)`; recovery drops any records after the last cursor
+//!   record (an apply that did not finish), so a recovered fold is always "every record up to some
+//!   cursor".
+//! - **Never silently empty.** A bad header, a CRC mismatch followed by more data, or NULs followed by
+//!   data are errors naming the file and offset. Only a torn *tail* (a record cut short at end of
+//!   file, a zero-filled tail, or records after the last cursor) is discarded, and the discard is
+//!   reported in [`Recovery`] so the caller can log it.
+//! - **Limits.** A value is at most [`MAX_VALUE_LEN`] (64 MiB, NATS's payload ceiling) on write and
+//!   on read; keys are at most [`MAX_KEY_LEN`] bytes; versions at most 10 bytes.
+//! - **Poisoned after a failed durable write.** If a write or compaction fails in a way that leaves
+//!   the file's state unknown, the writer is poisoned: every later write returns
+//!   [`SnapshotError::Poisoned`] until the store is reopened (the old file is intact until the atomic
+//!   rename, so a reopen recovers a consistent fold).
+//! - **Read-only opens never write.** [`AppendLogSnapshot::open_read_only`] replays without
+//!   truncating, compacting or locking, so `status` and `dump` work beside a running host.
+
+mod append_log;
+mod format;
+
+use std::ops::ControlFlow;
+use std::path::PathBuf;
+
+pub use append_log::{AppendLogOptions, AppendLogSnapshot};
+pub use format::{MAX_KEY_LEN, MAX_VALUE_LEN};
+
+use crate::kv::{KvEntry, KvUpdate, WatchCursor};
+
+/// Errors of the durable fold.
+#[derive(Debug, thiserror::Error)]
+pub enum SnapshotError {
+    /// An I/O call failed.
+    #[error("{path}: {op}: {source}")]
+    Io {
+        /// The file or directory.
+        path: PathBuf,
+        /// What was being done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not a fold of a format this build reads (bad magic, unknown version).
+    #[error("{path}: invalid format: {reason}")]
+    InvalidFormat {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A record in the middle of the file fails its check: the fold cannot be trusted.
+    #[error("{path}: corrupted at byte offset {offset}: {reason}")]
+    Corrupted {
+        /// The file.
+        path: PathBuf,
+        /// Byte offset of the bad record.
+        offset: u64,
+        /// What is wrong.
+        reason: String,
+    },
+    /// The caller passed something the format cannot hold (an oversized value or key).
+    #[error("refused before writing: {0}")]
+    TooLarge(String),
+    /// An earlier durable write failed; the store must be reopened.
+    #[error("{path}: store poisoned by an earlier failed write ({cause}); reopen it")]
+    Poisoned {
+        /// The file.
+        path: PathBuf,
+        /// The first failure.
+        cause: String,
+    },
+    /// Another process holds the store's writer lock.
+    #[error("{path}: locked by another process (is a host already running on this store?)")]
+    Locked {
+        /// The lock file.
+        path: PathBuf,
+    },
+    /// A backend-specific failure (LSM engines).
+    #[error("{0}")]
+    Backend(String),
+}
+
+/// What opening a store had to discard or repair, for the caller to log. Never silent.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Recovery {
+    /// Bytes at the end of the file that were discarded (a torn tail or an unfinished apply).
+    pub discarded_tail_bytes: u64,
+    /// Records discarded with them (whole records after the last cursor).
+    pub discarded_records: u64,
+    /// Why, in words, when anything was discarded.
+    pub reason: Option<String>,
+}
+
+/// The durable-fold contract. Every backend keeps the same invariants (see the module docs), and
+/// the conformance suite checks them for each.
+pub trait SnapshotStore: Send + 'static {
+    /// Short backend name as the CLI spells it (`append-log`, `fjall`, `rocksdb`).
+    fn backend(&self) -> &'static str;
+
+    /// The cursor the store holds: every update with revision ≤ it is in the store.
+    fn cursor(&self) -> WatchCursor;
+
+    /// Folds `batch` (in order; deletes and purges remove the key) and advances the cursor to
+    /// `cursor`, atomically: after a crash either both are durable or neither is visible.
+    /// An error leaves the store exactly as before the call, or poisoned.
+    fn apply(&mut self, batch: &[KvUpdate], cursor: WatchCursor) -> Result<(), SnapshotError>;
+
+    /// The live entry for `key`.
+    fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError>;
+
+    /// Visits every entry whose key starts with `prefix`, in key order, without materialising the
+    /// fold; the visitor may stop early with `ControlFlow::Break`.
+    fn for_each_in_range(
+        &self,
+        prefix: &str,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) -> Result<(), SnapshotError>;
+
+    /// Every entry under `prefix`, in key order (materialised: for small ranges).
+    fn range(&self, prefix: &str) -> Result<Vec<KvEntry>, SnapshotError> {
+        let mut out = Vec::new();
+        self.for_each_in_range(prefix, &mut |e| {
+            out.push(e.clone());
+            ControlFlow::Continue(())
+        })?;
+        Ok(out)
+    }
+
+    /// Number of live keys.
+    fn len(&self) -> Result<u64, SnapshotError>;
+
+    /// True when the fold holds no key.
+    fn is_empty(&self) -> Result<bool, SnapshotError> {
+        Ok(self.len()? == 0)
+    }
+}

@@ -1,0 +1,211 @@
+//! Connections and buckets: [`Connection`] manages a socket's lifecycle and vends [`KvStore`]s; a
+//! `KvStore` is a named bucket that vends narrowed capabilities (reader, watcher, writer).
+//!
+//! Invariants:
+//! - Credentials are chosen by one pure function, [`credential_source`]: `creds` (inline) >
+//!   `creds_file` > a URL with embedded user info > none.
+//! - Bucket configuration applies only at creation: an existing bucket is returned as it is.
+//! - `is_healthy` is an atomic load, never a network call.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+
+use crate::kv::{KvError, KvReader, KvWatcher, KvWriter};
+
+/// How to reach and authenticate to a server.
+#[derive(Clone, Debug)]
+pub struct ConnectOptions {
+    /// `nats://host:port` or `tls://…`; may embed `user:pass@`.
+    pub url: String,
+    /// The content of a `.creds` file (for containers without a file mount).
+    pub creds: Option<String>,
+    /// A path to a `.creds` file.
+    pub creds_file: Option<PathBuf>,
+    /// A client name shown by the server's monitoring.
+    pub name: Option<String>,
+    /// The limit on every NATS call (default 30 s): a half-dead TCP connection otherwise parks an
+    /// await forever, because the client does not fail in-flight requests when the socket dies.
+    pub op_timeout: Duration,
+}
+
+impl ConnectOptions {
+    /// Options for `url` with the defaults.
+    pub fn new(url: impl Into<String>) -> Self {
+        ConnectOptions {
+            url: url.into(),
+            creds: None,
+            creds_file: None,
+            name: Some("foldhost".into()),
+            op_timeout: DEFAULT_OP_TIMEOUT,
+        }
+    }
+}
+
+/// The default limit on one NATS call.
+pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Which credentials a connection uses.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum CredentialSource {
+    /// Inline `.creds` content.
+    Creds,
+    /// A `.creds` file.
+    CredsFile(PathBuf),
+    /// User info embedded in the URL.
+    Url,
+    /// No authentication.
+    None,
+}
+
+/// The credential priority: creds > creds_file > URL-embedded > none.
+pub fn credential_source(opts: &ConnectOptions) -> CredentialSource {
+    if opts.creds.is_some() {
+        CredentialSource::Creds
+    } else if let Some(p) = &opts.creds_file {
+        CredentialSource::CredsFile(p.clone())
+    } else if url_has_userinfo(&opts.url) {
+        CredentialSource::Url
+    } else {
+        CredentialSource::None
+    }
+}
+
+fn url_has_userinfo(url: &str) -> bool {
+    let rest = url.split_once("://").map_or(url, |(_, r)| r);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    authority.contains('@')
+}
+
+/// Where a bucket's messages live on the server.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum StorageType {
+    /// On disk (the default).
+    #[default]
+    File,
+    /// In memory.
+    Memory,
+}
+
+/// Bucket configuration, applied only when the bucket is created.
+#[derive(Clone, Debug)]
+pub struct StoreConfig {
+    /// Total size cap. Default 10 MiB (Synadia Cloud requires one); `None` for unlimited.
+    pub max_bytes: Option<i64>,
+    /// Values kept per key. Default 1.
+    pub max_history: i64,
+    /// Replicas. Default 1; use 3 for production clusters.
+    pub num_replicas: usize,
+    /// Age limit. Default none. An age limit evicts current values: expired consumers then need an
+    /// artifact restore.
+    pub max_age: Option<Duration>,
+    /// Storage type. Default file.
+    pub storage: StorageType,
+    /// Create the bucket when it does not exist (otherwise `BucketNotFound`). Default true.
+    pub create: bool,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig {
+            max_bytes: Some(10 * 1024 * 1024),
+            max_history: 1,
+            num_replicas: 1,
+            max_age: None,
+            storage: StorageType::File,
+            create: true,
+        }
+    }
+}
+
+/// Advisory feature flags for callers that branch on what a backend supports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ConnectionCapabilities {
+    /// Compare-and-set writes.
+    pub cas: bool,
+    /// Push-based watches.
+    pub streaming_watch: bool,
+    /// Writes at all.
+    pub writes: bool,
+}
+
+/// A named bucket: vends the three capabilities. Holds no socket of its own.
+#[derive(Clone)]
+pub struct KvStore {
+    /// The bucket name.
+    pub name: String,
+    reader: Arc<dyn KvReader>,
+    watcher: Arc<dyn KvWatcher>,
+    writer: Arc<dyn KvWriter>,
+}
+
+impl KvStore {
+    /// Bundles a backend's capabilities.
+    pub fn new(
+        name: impl Into<String>,
+        reader: Arc<dyn KvReader>,
+        watcher: Arc<dyn KvWatcher>,
+        writer: Arc<dyn KvWriter>,
+    ) -> Self {
+        KvStore {
+            name: name.into(),
+            reader,
+            watcher,
+            writer,
+        }
+    }
+
+    /// Point-in-time reads.
+    pub fn reader(&self) -> Arc<dyn KvReader> {
+        self.reader.clone()
+    }
+
+    /// Live watches.
+    pub fn watcher(&self) -> Arc<dyn KvWatcher> {
+        self.watcher.clone()
+    }
+
+    /// Writes.
+    pub fn writer(&self) -> Arc<dyn KvWriter> {
+        self.writer.clone()
+    }
+}
+
+/// A socket lifecycle manager and store factory.
+#[async_trait]
+pub trait Connection: Send + Sync {
+    /// Dials (idempotent while connected).
+    async fn connect(&self) -> Result<(), KvError>;
+    /// Closes the socket; `connect` may be called again.
+    async fn shutdown(&self);
+    /// Whether the socket is up (an atomic load).
+    fn is_healthy(&self) -> bool;
+    /// Opens (or, per `config.create`, creates) a bucket.
+    async fn store(&self, bucket: &str, config: &StoreConfig) -> Result<KvStore, KvError>;
+    /// What this backend supports.
+    fn capabilities(&self) -> ConnectionCapabilities;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn credentials_priority_is_creds_then_file_then_url_then_none() {
+        let mut o = ConnectOptions::new("nats://u:p@127.0.0.1:4222");
+        o.creds = Some("---".into());
+        o.creds_file = Some("/x.creds".into());
+        assert_eq!(credential_source(&o), CredentialSource::Creds);
+        o.creds = None;
+        assert_eq!(
+            credential_source(&o),
+            CredentialSource::CredsFile("/x.creds".into())
+        );
+        o.creds_file = None;
+        assert_eq!(credential_source(&o), CredentialSource::Url);
+        o.url = "nats://127.0.0.1:4222/a@b".into();
+        assert_eq!(credential_source(&o), CredentialSource::None);
+    }
+}

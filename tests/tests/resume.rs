@@ -1,0 +1,222 @@
+//! Resume is a delta, and a failed store apply never leaves a gap — against a real nats-server, the
+//! real `watch_applied` and the real append log on disk.
+
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use foldhost::applied::{
+    AppliedError, BatchConfig, CountingApply, FoldStatus, WatchOptions, watch_applied,
+};
+use foldhost::kv::{KvEntry, KvUpdate, KvWriter, WatchCursor, WatchScope};
+use foldhost::nats::NatsKv;
+use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotError, SnapshotStore};
+use foldhost_tests::{Contents, Harness, bucket_contents, first_difference};
+
+fn opts(max: usize) -> WatchOptions {
+    WatchOptions {
+        scope: WatchScope::All,
+        batch: BatchConfig {
+            max,
+            ..BatchConfig::default()
+        },
+        catch_up: true,
+    }
+}
+
+fn open(dir: &Path) -> AppendLogSnapshot {
+    AppendLogSnapshot::open(dir, AppendLogOptions::default())
+        .expect("open store")
+        .0
+}
+
+fn contents_of(store: &impl SnapshotStore) -> Contents {
+    let mut c = Contents::new();
+    store
+        .for_each_in_range("", &mut |e| {
+            c.insert(
+                e.key.clone(),
+                (e.value.to_vec(), e.version.as_u64().unwrap_or(0)),
+            );
+            ControlFlow::Continue(())
+        })
+        .expect("scan store");
+    c
+}
+
+async fn fold_once<S: SnapshotStore>(
+    kv: &Arc<NatsKv>,
+    store: S,
+    max: usize,
+) -> Result<(S, CountingApply), AppliedError> {
+    let mut apply = CountingApply::default();
+    let f = watch_applied(
+        kv.clone(),
+        store,
+        &mut apply,
+        opts(max),
+        Arc::new(FoldStatus::default()),
+        std::future::pending(),
+    )
+    .await?;
+    Ok((f.store, apply))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resume_after_clean_restart_delivers_exactly_the_new_writes() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("resume").await?;
+    for i in 0..500 {
+        kv.put(&format!("k.{i}"), format!("v{i}").into()).await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let (store, first) = fold_once(&kv, open(tmp.path()), 100).await?;
+    assert_eq!(first.parsed, 500, "a cursor-less start re-lists every key");
+    drop(store);
+
+    // 37 new updates: new keys, overwrites and deletes.
+    let mut n = 0;
+    for i in 0..20 {
+        kv.put(&format!("new.{i}"), "x".into()).await?;
+        n += 1;
+    }
+    for i in 0..12 {
+        kv.put(&format!("k.{i}"), "overwritten".into()).await?;
+        n += 1;
+    }
+    for i in 100..105 {
+        kv.delete(&format!("k.{i}")).await?;
+        n += 1;
+    }
+    let (store, second) = fold_once(&kv, open(tmp.path()), 100).await?;
+    assert_eq!(
+        second.parsed, n,
+        "a resume from the cursor delivers the delta only, not a replay"
+    );
+    assert_eq!(second.deletes, 5);
+    let last = kv.positions().await?.last_sequence;
+    assert_eq!(store.cursor(), WatchCursor::at(last));
+    let want = bucket_contents(&kv).await?;
+    assert_eq!(first_difference(&want, &contents_of(&store)), None);
+    Ok(())
+}
+
+/// A store that fails the applies whose call numbers are listed (1-based), delegating the rest.
+struct FaultyStore<S> {
+    inner: S,
+    calls: Arc<AtomicU32>,
+    fail: Vec<u32>,
+    fail_always: bool,
+}
+
+impl<S: SnapshotStore> SnapshotStore for FaultyStore<S> {
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+    fn cursor(&self) -> WatchCursor {
+        self.inner.cursor()
+    }
+    fn apply(&mut self, batch: &[KvUpdate], cursor: WatchCursor) -> Result<(), SnapshotError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.fail_always || self.fail.contains(&n) {
+            return Err(SnapshotError::Io {
+                path: "fault".into(),
+                op: "injected apply failure",
+                source: std::io::Error::other(format!("call {n}")),
+            });
+        }
+        self.inner.apply(batch, cursor)
+    }
+    fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError> {
+        self.inner.get(key)
+    }
+    fn for_each_in_range(
+        &self,
+        prefix: &str,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) -> Result<(), SnapshotError> {
+        self.inner.for_each_in_range(prefix, visit)
+    }
+    fn len(&self) -> Result<u64, SnapshotError> {
+        self.inner.len()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transient_store_failure_never_leaves_a_cursor_gap() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("transient").await?;
+    for i in 0..1000 {
+        kv.put(&format!("k.{i:04}"), format!("v{i}").into()).await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let calls = Arc::new(AtomicU32::new(0));
+    // Fail the 2nd, 3rd and 5th store applies: each is followed by successful ones.
+    let faulty = FaultyStore {
+        inner: open(tmp.path()),
+        calls: calls.clone(),
+        fail: vec![2, 3, 5],
+        fail_always: false,
+    };
+    let (store, apply) = fold_once(&kv, faulty, 50).await?;
+    assert!(
+        calls.load(Ordering::SeqCst) >= 6,
+        "the failures were exercised"
+    );
+    assert_eq!(apply.parsed, 1000, "apply saw each update once");
+    drop(store);
+
+    // What survives a restart is what the disk holds: it must be the whole bucket.
+    let reopened = open(tmp.path());
+    let want = bucket_contents(&kv).await?;
+    assert_eq!(
+        first_difference(&want, &contents_of(&reopened)),
+        None,
+        "a failed batch was dropped and the cursor moved over it"
+    );
+    assert_eq!(
+        reopened.cursor(),
+        WatchCursor::at(kv.positions().await?.last_sequence)
+    );
+
+    // And a resume from it is a delta that converges.
+    for i in 0..10 {
+        kv.put(&format!("after.{i}"), "y".into()).await?;
+    }
+    let (store, again) = fold_once(&kv, reopened, 50).await?;
+    assert_eq!(again.parsed, 10);
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &contents_of(&store)),
+        None
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn store_failing_sixteen_times_in_a_row_fail_stops_without_moving_the_cursor()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("failstop").await?;
+    for i in 0..30 {
+        kv.put(&format!("k.{i}"), "v".into()).await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let calls = Arc::new(AtomicU32::new(0));
+    let faulty = FaultyStore {
+        inner: open(tmp.path()),
+        calls: calls.clone(),
+        fail: vec![],
+        fail_always: true,
+    };
+    match fold_once(&kv, faulty, 100).await {
+        Err(AppliedError::Store { streak, .. }) => assert_eq!(streak, 16),
+        Err(e) => panic!("expected a store fail-stop, got {e}"),
+        Ok(_) => panic!("a store that always fails must fail-stop the fold"),
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 16);
+    let reopened = open(tmp.path());
+    assert_eq!(reopened.cursor(), WatchCursor::NONE);
+    assert!(reopened.is_empty()?);
+    Ok(())
+}
