@@ -1,82 +1,1680 @@
-//! TEMPORARY placeholder (replaced by the real append log).
-use super::{Recovery, SnapshotError, SnapshotStore};
-use crate::kv::{KvEntry, KvUpdate, WatchCursor};
+//! [`AppendLogSnapshot`]: the default durable fold, an append-only CRC-framed log (`fold.log`, format
+//! in [`super::format`]) replayed at open into an in-RAM ordered map.
+//!
+//! Guarantees:
+//! - **One write per apply.** A batch's records and its cursor record are encoded into one buffer and
+//!   handed to the kernel with one `write_all` on an append-mode file, so a *process* crash leaves
+//!   either the whole batch or a tail that recovery discards. The write goes to the page cache, not
+//!   to the disk: a batch survives a process crash, not a power loss (compaction fsyncs). After a
+//!   power loss the fold may go back to an older cursor, never to a cursor without its data: data and
+//!   cursor share one CRC-checked write, so if the kernel persisted a later page of the tail but not
+//!   an earlier one, the open fails with [`SnapshotError::Corrupted`] instead of guessing.
+//! - **Recovery is "every record up to the last cursor record".** Replay applies records to the map
+//!   only when the cursor record that closes their batch is read; anything after the last cursor
+//!   record, a record cut short at end of file, a zero-filled tail, or a bad-checksum record with
+//!   nothing but zeros after it is a torn tail: discarded and reported in [`Recovery`]. Any other bad
+//!   record (a CRC mismatch or an impossible record followed by more data, NULs followed by data) is
+//!   [`SnapshotError::Corrupted`] naming the offset: the store never silently drops a valid suffix.
+//! - **A failed write never leaves garbage mid-file.** After a failed append the file is cut back to
+//!   the last committed length; if even that fails, the store is poisoned until reopened.
+//! - **Compaction is atomic.** The live map is written to `.fold.log.tmp`, fsynced, renamed over
+//!   `fold.log`, and the directory fsynced; until the rename the old file is intact, so a failure at
+//!   any step loses nothing that a reopen cannot recover. A failed compaction poisons the writer.
+//! - **One writer per directory.** A writable open holds an exclusive lock on `DIR/LOCK` for the
+//!   store's lifetime; read-only opens take no lock and never write.
+//!
+//! Memory: values are zero-copy slices of the buffer the file was read into, so that buffer stays
+//! alive while any value replayed from it does. Compaction keeps the garbage in the log below
+//! `max(compact_threshold, live fold)`, which bounds the retained buffer to about twice the live fold
+//! plus the threshold.
+
+use std::cmp;
 use std::collections::BTreeMap;
-use std::ops::ControlFlow;
+use std::fmt;
+use std::fs::{self, File, OpenOptions, TryLockError};
+use std::io::{self, Write};
+use std::ops::{Bound, ControlFlow};
 use std::path::{Path, PathBuf};
-/// Options.
-#[derive(Default, Clone, Copy, Debug)]
+
+use bytes::Bytes;
+
+use super::format::{self, Decoded, HEADER_LEN, Record};
+use super::{Recovery, SnapshotError, SnapshotStore};
+use crate::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
+
+/// The log's file name inside the store directory.
+const LOG_NAME: &str = "fold.log";
+/// Compaction's temp file: same directory, so the rename is atomic.
+const TMP_NAME: &str = ".fold.log.tmp";
+/// The writer lock's file name. Never deleted: removing a lock file races with a concurrent opener.
+const LOCK_NAME: &str = "LOCK";
+/// Compaction hands the kernel the new file in chunks of about this size.
+const COMPACT_CHUNK: usize = 1 << 20;
+
+/// Tuning for [`AppendLogSnapshot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AppendLogOptions {
-    /// t
+    /// Compact once the bytes appended since the last compaction reach the larger of this and the
+    /// size of the live fold. The "live fold" term keeps compaction amortised (each rewrite is paid
+    /// for by at least as many appended bytes); this term stops a small fold from being rewritten on
+    /// almost every apply. Default: 8 MiB.
     pub compact_threshold: u64,
 }
-/// Placeholder.
-pub struct AppendLogSnapshot {
-    map: BTreeMap<String, KvEntry>,
-    cursor: WatchCursor,
-    path: PathBuf,
+
+impl Default for AppendLogOptions {
+    fn default() -> Self {
+        AppendLogOptions {
+            compact_threshold: 8 * 1024 * 1024,
+        }
+    }
 }
+
+/// A failure tests can make the store hit, to prove the error paths (not part of the API).
+#[doc(hidden)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FaultPoint {
+    /// The next apply's write lands half its bytes, then fails (a full disk); the cut-back works.
+    PartialWrite,
+    /// Like [`FaultPoint::PartialWrite`], and cutting the partial write back fails too.
+    PartialWriteUncut,
+    /// The next compaction fails after its temp file is written and fsynced, before the rename.
+    CompactBeforeRename,
+    /// The next compaction fails after the rename, when fsyncing the directory.
+    CompactAfterRename,
+}
+
+impl FaultPoint {
+    fn is_write(self) -> bool {
+        matches!(
+            self,
+            FaultPoint::PartialWrite | FaultPoint::PartialWriteUncut
+        )
+    }
+}
+
+/// The durable fold as an append-only log replayed into an ordered in-RAM map. See the module docs
+/// for what it guarantees.
+pub struct AppendLogSnapshot {
+    dir: PathBuf,
+    path: PathBuf,
+    fold: Fold,
+    /// `None` for a read-only open.
+    writer: Option<Writer>,
+}
+
+impl fmt::Debug for AppendLogSnapshot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("AppendLogSnapshot")
+            .field("path", &self.path)
+            .field("keys", &self.fold.map.len())
+            .field("cursor", &self.fold.cursor)
+            .field("read_only", &self.writer.is_none())
+            .field(
+                "poisoned",
+                &self.writer.as_ref().and_then(|w| w.poisoned.as_deref()),
+            )
+            .finish()
+    }
+}
+
 impl AppendLogSnapshot {
-    /// open
-    pub fn open(dir: &Path, _o: AppendLogOptions) -> Result<(Self, Recovery), SnapshotError> {
-        Ok((
-            Self {
-                map: BTreeMap::new(),
-                cursor: WatchCursor::NONE,
-                path: dir.join("fold.log"),
-            },
-            Recovery::default(),
-        ))
+    /// Opens the store in `dir` for writing, creating the directory and the log if absent.
+    ///
+    /// Takes an exclusive lock on `DIR/LOCK` ([`SnapshotError::Locked`] when another open holds it),
+    /// replays the log, cuts off any discarded tail so appends continue right after the last cursor
+    /// record, and compacts unless the file is already compact (no superseded or deleted keys, at
+    /// most one cursor record, nothing discarded). Returns the store and what recovery discarded.
+    pub fn open(dir: &Path, opts: AppendLogOptions) -> Result<(Self, Recovery), SnapshotError> {
+        fs::create_dir_all(dir).map_err(io_err(dir, "create store directory"))?;
+        let lock = lock_dir(dir)?;
+        let path = dir.join(LOG_NAME);
+        remove_stale_tmp(dir)?;
+        let bytes = match fs::read(&path) {
+            Ok(bytes) => Bytes::from(bytes),
+            // Absent: a new store. The compaction below gives the file its header; a crash before
+            // then leaves a 0-byte file, which the next open reads as an empty new fold.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Bytes::new(),
+            Err(e) => return Err(io_err(&path, "read")(e)),
+        };
+        let replayed = replay(&bytes, &path)?;
+        let file = open_append(&path)?;
+        if bytes.len() as u64 > replayed.valid_len {
+            file.set_len(replayed.valid_len)
+                .map_err(io_err(&path, "truncate discarded tail"))?;
+        }
+        let mut store = AppendLogSnapshot {
+            dir: dir.to_owned(),
+            path,
+            fold: replayed.fold,
+            writer: Some(Writer {
+                file,
+                _lock: lock,
+                opts,
+                committed_len: replayed.valid_len,
+                compacted_len: replayed.valid_len,
+                poisoned: None,
+                fault: None,
+            }),
+        };
+        if !replayed.compact {
+            store.rewrite()?;
+        }
+        Ok((store, replayed.recovery))
     }
-    /// ro
+
+    /// Opens the store in `dir` for reading only: replays the log without writing, truncating,
+    /// compacting or locking, so it works beside a running writer (whose in-flight append reads as a
+    /// torn tail). [`SnapshotStore::apply`] and [`Self::compact`] on it return an error. A missing
+    /// log is an [`SnapshotError::Io`] error (`NotFound`), not an empty fold.
     pub fn open_read_only(dir: &Path) -> Result<(Self, Recovery), SnapshotError> {
-        Self::open(dir, AppendLogOptions::default())
+        let path = dir.join(LOG_NAME);
+        let bytes = fs::read(&path).map_err(io_err(&path, "read"))?;
+        let replayed = replay(&Bytes::from(bytes), &path)?;
+        let store = AppendLogSnapshot {
+            dir: dir.to_owned(),
+            path,
+            fold: replayed.fold,
+            writer: None,
+        };
+        Ok((store, replayed.recovery))
     }
-    /// path
+
+    /// Rewrites the log as the live map plus one cursor record (see the module docs for the steps).
+    /// A no-op when nothing was appended since the last compaction. On failure the store is
+    /// poisoned; the log on disk still holds every applied batch, so a reopen recovers.
+    pub fn compact(&mut self) -> Result<(), SnapshotError> {
+        let w = writable(&mut self.writer, &self.path)?;
+        if w.appended() == 0 {
+            return Ok(());
+        }
+        self.rewrite()
+    }
+
+    /// The log file's path (`DIR/fold.log`).
     pub fn path(&self) -> &Path {
         &self.path
     }
+
+    /// Makes the next write or compaction fail at `point` (tests only; no-op on a read-only store).
+    #[doc(hidden)]
+    pub fn inject_fault(&mut self, point: FaultPoint) {
+        if let Some(w) = self.writer.as_mut() {
+            w.fault = Some(point);
+        }
+    }
+
+    fn rewrite(&mut self) -> Result<(), SnapshotError> {
+        let w = writable(&mut self.writer, &self.path)?;
+        w.rewrite(&self.dir, &self.path, &self.fold)
+    }
 }
+
 impl SnapshotStore for AppendLogSnapshot {
     fn backend(&self) -> &'static str {
         "append-log"
     }
+
     fn cursor(&self) -> WatchCursor {
-        self.cursor
+        self.fold.cursor
     }
+
+    /// Appends the batch and its cursor record in one write (see the module docs for durability),
+    /// then folds it in RAM. Sizes are checked before anything is written. A compaction the apply
+    /// triggers and that fails is returned as the error, with the store poisoned: the batch itself
+    /// is already in the log, so a reopen recovers it.
     fn apply(&mut self, batch: &[KvUpdate], cursor: WatchCursor) -> Result<(), SnapshotError> {
-        for u in batch {
-            match u {
-                KvUpdate::Put(e) => {
-                    self.map.insert(e.key.clone(), e.clone());
-                }
-                _ => {
-                    self.map.remove(u.key());
-                }
-            }
+        let w = writable(&mut self.writer, &self.path)?;
+        let mut len = format::cursor_record_len(cursor);
+        for update in batch {
+            format::check_update(update)?;
+            len += format::update_record_len(update);
         }
-        self.cursor = cursor;
+        let mut buf = Vec::with_capacity(len);
+        for update in batch {
+            format::encode_update(&mut buf, update)?;
+        }
+        format::encode_cursor(&mut buf, cursor);
+        w.append(&self.path, &buf)?;
+        for update in batch {
+            self.fold.apply(update);
+        }
+        self.fold.cursor = cursor;
+        if w.appended() >= cmp::max(w.opts.compact_threshold, self.fold.compacted_len()) {
+            w.rewrite(&self.dir, &self.path, &self.fold)?;
+        }
         Ok(())
     }
+
     fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError> {
-        Ok(self.map.get(key).cloned())
+        Ok(self.fold.map.get(key).map(|(value, version)| KvEntry {
+            key: key.to_owned(),
+            value: value.clone(),
+            version: *version,
+        }))
     }
+
     fn for_each_in_range(
         &self,
         prefix: &str,
         visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
     ) -> Result<(), SnapshotError> {
-        for (k, e) in self.map.range(prefix.to_string()..) {
-            if !k.starts_with(prefix) {
+        // One entry reused across visits: the key's buffer is allocated once, not per key.
+        let mut entry = KvEntry {
+            key: String::new(),
+            value: Bytes::new(),
+            version: VersionToken::UNKNOWN,
+        };
+        let from = (Bound::Included(prefix), Bound::Unbounded);
+        for (key, (value, version)) in self.fold.map.range::<str, _>(from) {
+            // Keys sharing the prefix are contiguous in order: the first one without it ends the range.
+            if !key.starts_with(prefix) {
                 break;
             }
-            if visit(e).is_break() {
+            entry.key.clear();
+            entry.key.push_str(key);
+            entry.value = value.clone();
+            entry.version = *version;
+            if visit(&entry).is_break() {
                 break;
             }
         }
         Ok(())
     }
+
     fn len(&self) -> Result<u64, SnapshotError> {
-        Ok(self.map.len() as u64)
+        Ok(self.fold.map.len() as u64)
+    }
+}
+
+/// The in-RAM fold.
+#[derive(Debug, Default)]
+struct Fold {
+    map: BTreeMap<String, (Bytes, VersionToken)>,
+    cursor: WatchCursor,
+    /// Encoded size of the live map's Put records, kept as entries change so the compaction trigger
+    /// never walks the map.
+    put_bytes: u64,
+}
+
+impl Fold {
+    /// Sets `key`; returns whether it replaced an entry (a superseded record in the log).
+    fn put(&mut self, key: &str, value: Bytes, version: VersionToken) -> bool {
+        self.put_bytes += format::put_record_len(key.len(), value.len(), version) as u64;
+        // get_mut first: replay overwrites keys often, and this avoids allocating the key again.
+        if let Some(slot) = self.map.get_mut(key) {
+            let (old_value, old_version) = std::mem::replace(slot, (value, version));
+            self.put_bytes -=
+                format::put_record_len(key.len(), old_value.len(), old_version) as u64;
+            return true;
+        }
+        self.map.insert(key.to_owned(), (value, version));
+        false
+    }
+
+    fn remove(&mut self, key: &str) {
+        if let Some((value, version)) = self.map.remove(key) {
+            self.put_bytes -= format::put_record_len(key.len(), value.len(), version) as u64;
+        }
+    }
+
+    fn apply(&mut self, update: &KvUpdate) {
+        match update {
+            KvUpdate::Put(e) => {
+                self.put(&e.key, e.value.clone(), e.version);
+            }
+            KvUpdate::Delete { key, .. } | KvUpdate::Purge { key, .. } => self.remove(key),
+        }
+    }
+
+    /// The size of the file a compaction would write.
+    fn compacted_len(&self) -> u64 {
+        (HEADER_LEN + format::cursor_record_len(self.cursor)) as u64 + self.put_bytes
+    }
+}
+
+/// The writable half of an open store.
+struct Writer {
+    /// `fold.log`, opened in append mode.
+    file: File,
+    /// Holds the exclusive `DIR/LOCK` lock until the store is dropped.
+    _lock: File,
+    opts: AppendLogOptions,
+    /// The file's length after the last successful append: a record boundary right after a cursor
+    /// record, where a failed append is cut back to.
+    committed_len: u64,
+    /// The file's length right after the last compaction (or at open, when it was already compact).
+    compacted_len: u64,
+    /// The first failure that left the file's state unknown.
+    poisoned: Option<String>,
+    fault: Option<FaultPoint>,
+}
+
+impl Writer {
+    /// Bytes appended since the last compaction.
+    fn appended(&self) -> u64 {
+        self.committed_len.saturating_sub(self.compacted_len)
+    }
+
+    /// Appends one encoded batch. On failure, cuts the file back to `committed_len` so a retry
+    /// appends at a record boundary; poisons the writer if even that fails.
+    fn append(&mut self, path: &Path, buf: &[u8]) -> Result<(), SnapshotError> {
+        let fault = self.fault.take_if(|f| f.is_write());
+        let source = match write_batch(&mut self.file, buf, fault) {
+            Ok(()) => {
+                self.committed_len += buf.len() as u64;
+                return Ok(());
+            }
+            Err(source) => source,
+        };
+        let err = SnapshotError::Io {
+            path: path.to_owned(),
+            op: "append batch",
+            source,
+        };
+        let cut = match fault {
+            Some(FaultPoint::PartialWriteUncut) => Err(io::Error::other("injected truncate fault")),
+            _ => self.file.set_len(self.committed_len),
+        };
+        if let Err(cut) = cut {
+            self.poison(format!(
+                "{err}; cutting the partial write back to {} bytes also failed: {cut}",
+                self.committed_len
+            ));
+        }
+        Err(err)
+    }
+
+    /// Compacts (see [`AppendLogSnapshot::compact`]); poisons on failure.
+    fn rewrite(&mut self, dir: &Path, path: &Path, fold: &Fold) -> Result<(), SnapshotError> {
+        let tmp = dir.join(TMP_NAME);
+        match self.try_rewrite(dir, path, &tmp, fold) {
+            Ok((file, len)) => {
+                tracing::debug!(path = %path.display(), bytes = len, "compacted");
+                self.file = file;
+                self.committed_len = len;
+                self.compacted_len = len;
+                Ok(())
+            }
+            Err(e) => {
+                // The temp file is never read (open truncates or removes it); removing it now only
+                // saves space, so a failure here does not matter.
+                let _ = fs::remove_file(&tmp);
+                self.poison(e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    fn try_rewrite(
+        &mut self,
+        dir: &Path,
+        path: &Path,
+        tmp: &Path,
+        fold: &Fold,
+    ) -> Result<(File, u64), SnapshotError> {
+        let len = write_compacted(tmp, fold)?;
+        self.fault_at(FaultPoint::CompactBeforeRename, tmp)?;
+        fs::rename(tmp, path).map_err(io_err(path, "rename compacted log into place"))?;
+        self.fault_at(FaultPoint::CompactAfterRename, dir)?;
+        sync_dir(dir)?;
+        Ok((open_append(path)?, len))
+    }
+
+    /// Fails with an injected I/O error when `point` was injected.
+    fn fault_at(&mut self, point: FaultPoint, path: &Path) -> Result<(), SnapshotError> {
+        match self.fault.take_if(|f| *f == point) {
+            Some(p) => Err(SnapshotError::Io {
+                path: path.to_owned(),
+                op: "compact",
+                source: io::Error::other(format!("injected fault {p:?}")),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn poison(&mut self, cause: String) {
+        tracing::warn!(%cause, "append-log writer poisoned; reopen the store to recover");
+        // Keep the first cause: later failures are usually consequences of it.
+        self.poisoned.get_or_insert(cause);
+    }
+}
+
+/// The writer, if the store is writable and not poisoned.
+fn writable<'a>(
+    writer: &'a mut Option<Writer>,
+    path: &Path,
+) -> Result<&'a mut Writer, SnapshotError> {
+    let Some(w) = writer.as_mut() else {
+        return Err(SnapshotError::Io {
+            path: path.to_owned(),
+            op: "write",
+            source: io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                "the store was opened read-only",
+            ),
+        });
+    };
+    if let Some(cause) = &w.poisoned {
+        return Err(SnapshotError::Poisoned {
+            path: path.to_owned(),
+            cause: cause.clone(),
+        });
+    }
+    Ok(w)
+}
+
+/// One `write_all` of the whole batch (or, under an injected fault, half of it and an error).
+fn write_batch(file: &mut File, buf: &[u8], fault: Option<FaultPoint>) -> io::Result<()> {
+    if fault.is_some() {
+        // What a full disk does: part of the batch lands, then the write fails.
+        file.write_all(&buf[..buf.len() / 2])?;
+        return Err(io::Error::other("injected write fault"));
+    }
+    file.write_all(buf)
+}
+
+/// Writes the compacted log to `tmp` and fsyncs it; returns its length.
+fn write_compacted(tmp: &Path, fold: &Fold) -> Result<u64, SnapshotError> {
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .open(tmp)
+        .map_err(io_err(tmp, "create compaction temp file"))?;
+    let mut chunk = Vec::with_capacity(COMPACT_CHUNK);
+    let mut len = 0u64;
+    let mut flush = |file: &mut File, chunk: &mut Vec<u8>| {
+        len += chunk.len() as u64;
+        let res = file.write_all(chunk);
+        chunk.clear();
+        res.map_err(io_err(tmp, "write compaction temp file"))
+    };
+    format::encode_header(&mut chunk);
+    for (key, (value, version)) in &fold.map {
+        format::encode_put(&mut chunk, key, value, *version);
+        if chunk.len() >= COMPACT_CHUNK {
+            flush(&mut file, &mut chunk)?;
+        }
+    }
+    format::encode_cursor(&mut chunk, fold.cursor);
+    flush(&mut file, &mut chunk)?;
+    file.sync_all()
+        .map_err(io_err(tmp, "fsync compaction temp file"))?;
+    Ok(len)
+}
+
+fn open_append(path: &Path) -> Result<File, SnapshotError> {
+    OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path)
+        .map_err(io_err(path, "open for append"))
+}
+
+/// Makes a rename in `dir` durable.
+fn sync_dir(dir: &Path) -> Result<(), SnapshotError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err(dir, "fsync directory"))
+}
+
+fn lock_dir(dir: &Path) -> Result<File, SnapshotError> {
+    let path = dir.join(LOCK_NAME);
+    let lock = OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&path)
+        .map_err(io_err(&path, "open lock file"))?;
+    match lock.try_lock() {
+        Ok(()) => Ok(lock),
+        Err(TryLockError::WouldBlock) => Err(SnapshotError::Locked { path }),
+        Err(TryLockError::Error(e)) => Err(io_err(&path, "lock")(e)),
+    }
+}
+
+/// Removes a temp file left by a compaction that crashed (we hold the lock, so no one is writing it).
+fn remove_stale_tmp(dir: &Path) -> Result<(), SnapshotError> {
+    let tmp = dir.join(TMP_NAME);
+    match fs::remove_file(&tmp) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => {
+            Err(io_err(&tmp, "remove stale temp file")(e))
+        }
+        _ => Ok(()),
+    }
+}
+
+fn io_err(path: &Path, op: &'static str) -> impl FnOnce(io::Error) -> SnapshotError {
+    let path = path.to_owned();
+    move |source| SnapshotError::Io { path, op, source }
+}
+
+/// What replaying a log produced.
+#[derive(Debug)]
+struct Replayed {
+    fold: Fold,
+    recovery: Recovery,
+    /// End of the last cursor record (or of the header): where appends continue.
+    valid_len: u64,
+    /// Whether the file is already what a compaction would write (give or take key order).
+    compact: bool,
+}
+
+/// Where and why a replay stopped before the end of the file.
+#[derive(Debug, Clone, Copy)]
+enum Tail {
+    /// A record whose declared lengths run past the end of the file.
+    CutShort(usize),
+    /// Nothing but NUL bytes from here on.
+    ZeroFilled(usize),
+    /// A record with a bad checksum and nothing but NULs (or nothing) after it.
+    BadCrcAtEnd(usize),
+}
+
+impl fmt::Display for Tail {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Tail::CutShort(at) => write!(f, "a record cut short at offset {at} (torn write)"),
+            Tail::ZeroFilled(at) => write!(
+                f,
+                "a zero-filled tail from offset {at} (torn write after power loss)"
+            ),
+            Tail::BadCrcAtEnd(at) => write!(
+                f,
+                "a last record with a bad checksum at offset {at} (torn write)"
+            ),
+        }
+    }
+}
+
+/// Replays a whole log (pure: no I/O). `path` only names the file in errors.
+fn replay(file: &Bytes, path: &Path) -> Result<Replayed, SnapshotError> {
+    if file.is_empty() {
+        // A crash right after creating the file: an empty new fold, but not a compact file (no
+        // header), so a writable open rewrites it.
+        return Ok(Replayed {
+            fold: Fold::default(),
+            recovery: Recovery::default(),
+            valid_len: 0,
+            compact: false,
+        });
+    }
+    format::decode_header(file).map_err(|e| SnapshotError::InvalidFormat {
+        path: path.to_owned(),
+        reason: e.to_string(),
+    })?;
+    let mut scan = Scan {
+        file,
+        fold: Fold::default(),
+        pending: Vec::new(),
+        committed_end: HEADER_LEN,
+        cursor_records: 0,
+        superseded: false,
+    };
+    let tail = scan.run(path)?;
+    let recovery = scan.recovery(tail);
+    let compact =
+        recovery.discarded_tail_bytes == 0 && !scan.superseded && scan.cursor_records <= 1;
+    Ok(Replayed {
+        valid_len: scan.committed_end as u64,
+        fold: scan.fold,
+        recovery,
+        compact,
+    })
+}
+
+/// Replay state. Records are held in `pending` until the cursor record closing their batch is read,
+/// so records of an unfinished apply never reach the fold.
+struct Scan<'a> {
+    file: &'a Bytes,
+    fold: Fold,
+    pending: Vec<Record<'a>>,
+    /// End of the last cursor record.
+    committed_end: usize,
+    cursor_records: u64,
+    /// Whether some record was overwritten or deleted (the file is not compact).
+    superseded: bool,
+}
+
+impl<'a> Scan<'a> {
+    /// Reads records from after the header to the end or to a torn tail.
+    fn run(&mut self, path: &Path) -> Result<Option<Tail>, SnapshotError> {
+        let buf: &'a [u8] = self.file;
+        // Computed once, so "is everything from here on zero?" is O(1) per record.
+        let last_nonzero = buf.iter().rposition(|b| *b != 0);
+        let zeros_from = |at: usize| last_nonzero.is_none_or(|p| p < at);
+        let mut at = HEADER_LEN;
+        while at < buf.len() {
+            if zeros_from(at) {
+                return Ok(Some(Tail::ZeroFilled(at)));
+            }
+            match format::decode_record(&buf[at..]) {
+                Decoded::Record { record, len } => {
+                    at += len;
+                    self.take(record, at);
+                }
+                Decoded::Truncated => return Ok(Some(Tail::CutShort(at))),
+                Decoded::BadCrc { len, .. } if zeros_from(at + len) => {
+                    return Ok(Some(Tail::BadCrcAtEnd(at)));
+                }
+                Decoded::BadCrc {
+                    stored, computed, ..
+                } => {
+                    let reason = format!(
+                        "checksum mismatch (stored {stored:#010x}, computed {computed:#010x}) with more data after the record"
+                    );
+                    return Err(corrupted(path, at, reason));
+                }
+                Decoded::Invalid(why) => return Err(corrupted(path, at, why.to_string())),
+            }
+        }
+        Ok(None)
+    }
+
+    /// Takes one whole record ending at `end`.
+    fn take(&mut self, record: Record<'a>, end: usize) {
+        let Record::Cursor(cursor) = record else {
+            self.pending.push(record);
+            return;
+        };
+        for record in self.pending.drain(..) {
+            match record {
+                Record::Put {
+                    key,
+                    value,
+                    version,
+                } => {
+                    // A slice of the file buffer, not a copy.
+                    let value = self.file.slice_ref(value);
+                    self.superseded |= self.fold.put(key, value, version);
+                }
+                Record::Delete { key, .. } => {
+                    self.superseded = true;
+                    self.fold.remove(key);
+                }
+                Record::Cursor(_) => {}
+            }
+        }
+        self.fold.cursor = cursor;
+        self.cursor_records += 1;
+        self.committed_end = end;
+    }
+
+    /// Reports what lies after the last cursor record.
+    fn recovery(&self, tail: Option<Tail>) -> Recovery {
+        let discarded = self.file.len() - self.committed_end;
+        if discarded == 0 {
+            return Recovery::default();
+        }
+        let mut why = Vec::new();
+        if !self.pending.is_empty() {
+            why.push(format!(
+                "{} whole record(s) after the last cursor record (an apply that did not finish)",
+                self.pending.len()
+            ));
+        }
+        if let Some(tail) = tail {
+            why.push(tail.to_string());
+        }
+        Recovery {
+            discarded_tail_bytes: discarded as u64,
+            discarded_records: self.pending.len() as u64,
+            reason: Some(format!(
+                "discarded {discarded} byte(s) from offset {}: {}",
+                self.committed_end,
+                why.join("; ")
+            )),
+        }
+    }
+}
+
+fn corrupted(path: &Path, offset: usize, reason: String) -> SnapshotError {
+    SnapshotError::Corrupted {
+        path: path.to_owned(),
+        offset: offset as u64,
+        reason,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+    use crate::snapshot::MAX_VALUE_LEN;
+
+    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/append_log");
+
+    fn put(key: &str, value: &[u8], revision: u64) -> KvUpdate {
+        put_v(key, value, VersionToken::from_u64(revision))
+    }
+
+    fn put_v(key: &str, value: &[u8], version: VersionToken) -> KvUpdate {
+        KvUpdate::Put(KvEntry {
+            key: key.into(),
+            value: Bytes::copy_from_slice(value),
+            version,
+        })
+    }
+
+    fn del(key: &str, revision: u64) -> KvUpdate {
+        KvUpdate::Delete {
+            key: key.into(),
+            version: VersionToken::from_u64(revision),
+        }
+    }
+
+    fn ten_byte_version() -> VersionToken {
+        VersionToken::from_bytes(&[1, 2, 3, 4, 5, 6, 7, 8, 9, 10]).expect("10 bytes fit")
+    }
+
+    fn open(dir: &Path) -> (AppendLogSnapshot, Recovery) {
+        AppendLogSnapshot::open(dir, AppendLogOptions::default()).expect("open")
+    }
+
+    fn open_ro(dir: &Path) -> (AppendLogSnapshot, Recovery) {
+        AppendLogSnapshot::open_read_only(dir).expect("open read-only")
+    }
+
+    /// The whole fold as comparable tuples, in key order.
+    fn contents(store: &AppendLogSnapshot) -> Vec<(String, Vec<u8>, VersionToken)> {
+        store
+            .range("")
+            .expect("range")
+            .into_iter()
+            .map(|e| (e.key, e.value.to_vec(), e.version))
+            .collect()
+    }
+
+    fn entry(key: &str, value: &[u8], version: VersionToken) -> (String, Vec<u8>, VersionToken) {
+        (key.into(), value.to_vec(), version)
+    }
+
+    fn log_bytes(dir: &Path) -> Vec<u8> {
+        fs::read(dir.join(LOG_NAME)).expect("read fold.log")
+    }
+
+    fn write_log(dir: &Path, bytes: &[u8]) {
+        fs::write(dir.join(LOG_NAME), bytes).expect("write fold.log");
+    }
+
+    fn fixture(name: &str) -> Vec<u8> {
+        fs::read(Path::new(FIXTURES).join(name)).expect("read fixture")
+    }
+
+    /// A temp store directory holding `fixture` as its log.
+    fn store_with_fixture(name: &str) -> tempfile::TempDir {
+        let dir = tempfile::tempdir().expect("tempdir");
+        write_log(dir.path(), &fixture(name));
+        dir
+    }
+
+    /// Encodes a log: header, then each batch followed by its cursor record.
+    fn encode_log(batches: &[(&[KvUpdate], WatchCursor)]) -> Vec<u8> {
+        let mut buf = Vec::new();
+        format::encode_header(&mut buf);
+        for (batch, cursor) in batches {
+            for u in *batch {
+                format::encode_update(&mut buf, u).expect("fits");
+            }
+            format::encode_cursor(&mut buf, *cursor);
+        }
+        buf
+    }
+
+    fn inode(path: &Path) -> u64 {
+        fs::metadata(path).expect("metadata").ino()
+    }
+
+    /// The fold `current.log` holds at its first cursor record (revision 4).
+    fn fixture_fold_at_4() -> Vec<(String, Vec<u8>, VersionToken)> {
+        vec![
+            entry("beta", b"two", ten_byte_version()),
+            entry("gamma", b"three", VersionToken::from_u64(3)),
+        ]
+    }
+
+    /// The fold `current.log` holds at its last cursor record (revision 6).
+    fn fixture_fold_at_6() -> Vec<(String, Vec<u8>, VersionToken)> {
+        vec![
+            entry("beta", b"two again", VersionToken::from_u64(6)),
+            entry("delta", b"four", VersionToken::from_u64(5)),
+            entry("gamma", b"three", VersionToken::from_u64(3)),
+        ]
+    }
+
+    fn fixture_batches() -> (Vec<KvUpdate>, Vec<KvUpdate>) {
+        let first = vec![
+            put("alpha", b"one", 1),
+            put_v("beta", b"two", ten_byte_version()),
+            put("gamma", b"three", 3),
+            del("alpha", 4),
+        ];
+        let second = vec![put("delta", b"four", 5), put("beta", b"two again", 6)];
+        (first, second)
+    }
+
+    #[test]
+    fn apply_then_reopen_round_trips_puts_deletes_purges_and_versions() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        store
+            .apply(
+                &[
+                    put("a", b"1", 1),
+                    put_v("ten", b"ten-byte version", ten_byte_version()),
+                    put("doomed", b"x", 3),
+                    put("purged", b"y", 4),
+                ],
+                WatchCursor::at(4),
+            )
+            .expect("apply");
+        store
+            .apply(
+                &[
+                    del("doomed", 5),
+                    KvUpdate::Purge {
+                        key: "purged".into(),
+                        version: VersionToken::from_u64(6),
+                    },
+                    put("a", b"2", 7),
+                ],
+                WatchCursor::at(7),
+            )
+            .expect("apply");
+        let expected = vec![
+            entry("a", b"2", VersionToken::from_u64(7)),
+            entry("ten", b"ten-byte version", ten_byte_version()),
+        ];
+        assert_eq!(contents(&store), expected);
+        drop(store);
+
+        let (store, recovery) = open(dir.path());
+        assert_eq!(recovery, Recovery::default());
+        assert_eq!(contents(&store), expected);
+        assert_eq!(store.cursor(), WatchCursor::at(7));
+        assert_eq!(store.len().expect("len"), 2);
+        let got = store.get("ten").expect("get").expect("present");
+        assert_eq!(got.version.as_bytes(), ten_byte_version().as_bytes());
+        assert_eq!(store.get("doomed").expect("get"), None);
+    }
+
+    #[test]
+    fn empty_values_and_unknown_versions_round_trip() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        store
+            .apply(
+                &[
+                    put("empty", b"", 1),
+                    put_v("unversioned", b"v", VersionToken::UNKNOWN),
+                ],
+                WatchCursor::at(1),
+            )
+            .expect("apply");
+        drop(store);
+        let (store, _) = open_ro(dir.path());
+        assert_eq!(
+            contents(&store),
+            vec![
+                entry("empty", b"", VersionToken::from_u64(1)),
+                entry("unversioned", b"v", VersionToken::UNKNOWN),
+            ]
+        );
+    }
+
+    #[test]
+    fn cursor_moves_from_none_to_at_n_and_survives_reopen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        assert_eq!(store.cursor(), WatchCursor::NONE);
+        assert!(store.is_empty().expect("is_empty"));
+        store
+            .apply(&[put("k", b"v", 1)], WatchCursor::NONE)
+            .expect("apply");
+        drop(store);
+        let (mut store, _) = open(dir.path());
+        assert_eq!(store.cursor(), WatchCursor::NONE);
+        assert_eq!(store.len().expect("len"), 1);
+        store.apply(&[], WatchCursor::at(42)).expect("apply");
+        assert_eq!(store.cursor(), WatchCursor::at(42));
+        drop(store);
+        let (store, _) = open(dir.path());
+        assert_eq!(store.cursor(), WatchCursor::at(42));
+    }
+
+    #[test]
+    fn for_each_in_range_visits_the_prefix_in_key_order_and_stops_early() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        let keys = ["b/2", "a/1", "b/1", "b", "b/3", "ba", "c"];
+        let batch: Vec<KvUpdate> = keys.iter().map(|k| put(k, k.as_bytes(), 1)).collect();
+        store.apply(&batch, WatchCursor::at(1)).expect("apply");
+
+        let mut seen = Vec::new();
+        store
+            .for_each_in_range("b/", &mut |e| {
+                assert_eq!(e.value.as_ref(), e.key.as_bytes());
+                seen.push(e.key.clone());
+                ControlFlow::Continue(())
+            })
+            .expect("scan");
+        assert_eq!(seen, ["b/1", "b/2", "b/3"]);
+
+        seen.clear();
+        store
+            .for_each_in_range("b", &mut |e| {
+                seen.push(e.key.clone());
+                if seen.len() == 2 {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            })
+            .expect("scan");
+        assert_eq!(seen, ["b", "b/1"]);
+
+        let all: Vec<String> = store
+            .range("")
+            .expect("range")
+            .into_iter()
+            .map(|e| e.key)
+            .collect();
+        assert_eq!(all, ["a/1", "b", "b/1", "b/2", "b/3", "ba", "c"]);
+        assert!(store.range("zz").expect("range").is_empty());
+    }
+
+    #[test]
+    fn oversized_value_is_refused_before_anything_is_written() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        store
+            .apply(&[put("keep", b"v", 1)], WatchCursor::at(1))
+            .expect("apply");
+        let before = log_bytes(dir.path());
+        let huge = KvUpdate::Put(KvEntry {
+            key: "huge".into(),
+            value: Bytes::from(vec![0u8; MAX_VALUE_LEN + 1]),
+            version: VersionToken::from_u64(3),
+        });
+        let err = store
+            .apply(&[put("small", b"s", 2), huge], WatchCursor::at(3))
+            .expect_err("over the cap");
+        assert!(matches!(err, SnapshotError::TooLarge(_)), "{err}");
+        assert_eq!(log_bytes(dir.path()), before);
+        assert_eq!(store.get("small").expect("get"), None);
+        assert_eq!(store.cursor(), WatchCursor::at(1));
+        // Not poisoned: the refusal happened before any I/O.
+        store
+            .apply(&[put("small", b"s", 2)], WatchCursor::at(2))
+            .expect("apply");
+    }
+
+    #[test]
+    fn value_declared_over_the_cap_on_disk_is_corrupted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut log = Vec::new();
+        format::encode_header(&mut log);
+        let start = log.len();
+        log.extend_from_slice(&[0, 0, 0, 0, 1, 1, 0, b'k']);
+        log.extend_from_slice(&(MAX_VALUE_LEN as u32 + 1).to_le_bytes());
+        log.extend_from_slice(b"a few bytes, not 64 MiB");
+        let crc = crc32fast::hash(&log[start + 4..]);
+        log[start..start + 4].copy_from_slice(&crc.to_le_bytes());
+        write_log(dir.path(), &log);
+
+        let err = AppendLogSnapshot::open_read_only(dir.path()).expect_err("corrupted");
+        match err {
+            SnapshotError::Corrupted {
+                offset,
+                reason,
+                path,
+            } => {
+                assert_eq!(offset, HEADER_LEN as u64);
+                assert!(reason.contains("cap"), "{reason}");
+                assert_eq!(path, dir.path().join(LOG_NAME));
+            }
+            other => panic!("expected Corrupted, got {other}"),
+        }
+        // The writable open refuses too, and leaves the evidence alone.
+        let err = AppendLogSnapshot::open(dir.path(), AppendLogOptions::default())
+            .expect_err("corrupted");
+        assert!(matches!(err, SnapshotError::Corrupted { .. }), "{err}");
+        assert_eq!(log_bytes(dir.path()), log);
+    }
+
+    fn assert_invalid_format(log: &[u8], needle: &str) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        write_log(dir.path(), log);
+        for err in [
+            AppendLogSnapshot::open_read_only(dir.path()).expect_err("invalid"),
+            AppendLogSnapshot::open(dir.path(), AppendLogOptions::default()).expect_err("invalid"),
+        ] {
+            match err {
+                SnapshotError::InvalidFormat { reason, .. } => {
+                    assert!(reason.contains(needle), "{reason:?} lacks {needle:?}")
+                }
+                other => panic!("expected InvalidFormat, got {other}"),
+            }
+        }
+        assert_eq!(
+            log_bytes(dir.path()),
+            log,
+            "a refused open must not touch the file"
+        );
+    }
+
+    #[test]
+    fn bad_magic_is_invalid_format() {
+        assert_invalid_format(b"FHLX\x01\x00rest", "magic");
+    }
+
+    #[test]
+    fn unknown_version_is_invalid_format_naming_the_version() {
+        assert_invalid_format(b"FHLG\x09\x00", "version 9");
+    }
+
+    #[test]
+    fn three_byte_file_is_invalid_format() {
+        assert_invalid_format(b"FHL", "3-byte");
+    }
+
+    #[test]
+    fn empty_file_opens_as_an_empty_fold() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        write_log(dir.path(), b"");
+        let (store, recovery) = open_ro(dir.path());
+        assert_eq!(recovery, Recovery::default());
+        assert!(store.is_empty().expect("is_empty"));
+        assert_eq!(store.cursor(), WatchCursor::NONE);
+
+        let (mut store, recovery) = open(dir.path());
+        assert_eq!(recovery, Recovery::default());
+        assert!(store.is_empty().expect("is_empty"));
+        // The writable open gave the file its header, so it is appendable.
+        assert_eq!(&log_bytes(dir.path())[..4], b"FHLG");
+        store
+            .apply(&[put("k", b"v", 1)], WatchCursor::at(1))
+            .expect("apply");
+        drop(store);
+        assert_eq!(open_ro(dir.path()).0.cursor(), WatchCursor::at(1));
+    }
+
+    #[test]
+    fn missing_log_is_created_by_open_and_an_error_for_read_only() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let store_dir = dir.path().join("nested/store");
+        let err = AppendLogSnapshot::open_read_only(&store_dir).expect_err("no log");
+        assert!(
+            matches!(&err, SnapshotError::Io { source, .. } if source.kind() == io::ErrorKind::NotFound),
+            "{err}"
+        );
+        let (store, recovery) = open(&store_dir);
+        assert_eq!(recovery, Recovery::default());
+        assert!(store.path().is_file());
+        assert_eq!(store.path(), store_dir.join(LOG_NAME));
+    }
+
+    #[test]
+    fn records_after_the_last_cursor_are_discarded_and_counted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut log = encode_log(&[(&[put("a", b"1", 1)], WatchCursor::at(1))]);
+        let committed = log.len();
+        format::encode_update(&mut log, &put("b", b"2", 2)).expect("fits");
+        format::encode_update(&mut log, &del("a", 3)).expect("fits");
+        write_log(dir.path(), &log);
+
+        let (store, recovery) = open_ro(dir.path());
+        assert_eq!(
+            contents(&store),
+            vec![entry("a", b"1", VersionToken::from_u64(1))]
+        );
+        assert_eq!(store.cursor(), WatchCursor::at(1));
+        assert_eq!(recovery.discarded_records, 2);
+        assert_eq!(
+            recovery.discarded_tail_bytes,
+            (log.len() - committed) as u64
+        );
+        let reason = recovery.reason.expect("a reason");
+        assert!(reason.contains("did not finish"), "{reason}");
+    }
+
+    #[test]
+    fn zero_filled_tail_is_discarded() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut log = encode_log(&[(&[put("a", b"1", 1)], WatchCursor::at(1))]);
+        let valid = log.len();
+        log.extend_from_slice(&[0; 100]);
+        write_log(dir.path(), &log);
+
+        let (store, recovery) = open_ro(dir.path());
+        assert_eq!(store.cursor(), WatchCursor::at(1));
+        assert_eq!(store.len().expect("len"), 1);
+        assert_eq!(recovery.discarded_tail_bytes, 100);
+        assert_eq!(recovery.discarded_records, 0);
+        assert!(recovery.reason.expect("reason").contains("zero-filled"));
+
+        // The writable open cuts the zeros off before appending.
+        let (mut store, _) = open(dir.path());
+        assert!(log_bytes(dir.path()).len() <= valid);
+        store
+            .apply(&[put("b", b"2", 2)], WatchCursor::at(2))
+            .expect("apply");
+        drop(store);
+        let (store, recovery) = open_ro(dir.path());
+        assert_eq!(recovery, Recovery::default());
+        assert_eq!(store.len().expect("len"), 2);
+    }
+
+    #[test]
+    fn bad_checksum_on_the_last_record_is_a_torn_tail() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let first = encode_log(&[(&[put("a", b"1", 1)], WatchCursor::at(1))]);
+        let mut log = encode_log(&[
+            (&[put("a", b"1", 1)], WatchCursor::at(1)),
+            (&[put("b", b"2", 2)], WatchCursor::at(2)),
+        ]);
+        let last = log.len() - 1;
+        log[last] ^= 0xff; // inside the last cursor record
+        // Zeros after the bad record are still a tail: a page that never reached the disk.
+        log.extend_from_slice(&[0; 7]);
+        write_log(dir.path(), &log);
+
+        let (store, recovery) = open_ro(dir.path());
+        assert_eq!(store.cursor(), WatchCursor::at(1));
+        assert_eq!(
+            contents(&store),
+            vec![entry("a", b"1", VersionToken::from_u64(1))]
+        );
+        assert_eq!(
+            recovery.discarded_tail_bytes,
+            (log.len() - first.len()) as u64
+        );
+        assert_eq!(recovery.discarded_records, 1);
+        assert!(recovery.reason.expect("reason").contains("bad checksum"));
+    }
+
+    #[test]
+    fn bad_checksum_followed_by_data_is_corrupted() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut log = encode_log(&[
+            (&[put("a", b"1", 1)], WatchCursor::at(1)),
+            (&[put("b", b"2", 2)], WatchCursor::at(2)),
+        ]);
+        // The first record's value: crc 4 + type 1 + key_len 2 + "a" 1 + value_len 4.
+        log[HEADER_LEN + 12] ^= 0x01;
+        write_log(dir.path(), &log);
+        let err = AppendLogSnapshot::open_read_only(dir.path()).expect_err("corrupted");
+        assert!(
+            matches!(&err, SnapshotError::Corrupted { offset, .. } if *offset == HEADER_LEN as u64),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn length_running_past_end_of_file_is_a_reported_torn_tail() {
+        // The rule the format allows: a record whose declared length runs past the end of the file
+        // cannot be told from a torn write, so it is discarded with everything after it, and the
+        // discard is reported. (This includes a flipped bit in a length field, which rolls the fold
+        // back to an earlier cursor: consistent, never silent.)
+        let dir = tempfile::tempdir().expect("tempdir");
+        let first = encode_log(&[(&[put("a", b"1", 1)], WatchCursor::at(1))]);
+        let mut log = encode_log(&[
+            (&[put("a", b"1", 1)], WatchCursor::at(1)),
+            (&[put("b", b"2", 2)], WatchCursor::at(2)),
+        ]);
+        // The second put's value_len (crc 4 + type 1 + key_len 2 + "b" 1).
+        log[first.len() + 8] = 0xff;
+        write_log(dir.path(), &log);
+        let (store, recovery) = open_ro(dir.path());
+        assert_eq!(store.cursor(), WatchCursor::at(1));
+        assert_eq!(
+            recovery.discarded_tail_bytes,
+            (log.len() - first.len()) as u64
+        );
+        let reason = recovery.reason.expect("reason");
+        assert!(
+            reason.contains(&format!("cut short at offset {}", first.len())),
+            "{reason}"
+        );
+    }
+
+    #[test]
+    fn encoder_reproduces_the_current_fixture_byte_for_byte() {
+        // The fixture was written by an independent generator (see the fixture README), so this pins
+        // the on-disk format: a change to the encoder that breaks old files fails here.
+        let (first, second) = fixture_batches();
+        let log = encode_log(&[(&first, WatchCursor::at(4)), (&second, WatchCursor::at(6))]);
+        assert_eq!(log, fixture("current.log"));
+    }
+
+    #[test]
+    fn current_fixture_loads_the_fold_at_its_last_cursor() {
+        let dir = store_with_fixture("current.log");
+        let (store, recovery) = open_ro(dir.path());
+        assert_eq!(recovery, Recovery::default());
+        assert_eq!(store.cursor(), WatchCursor::at(6));
+        assert_eq!(contents(&store), fixture_fold_at_6());
+    }
+
+    #[test]
+    fn truncated_tail_recovers_to_last_whole_record() {
+        let dir = store_with_fixture("torn_tail.log");
+        let (store, recovery) = open_ro(dir.path());
+        assert_eq!(store.cursor(), WatchCursor::at(4));
+        assert_eq!(contents(&store), fixture_fold_at_4());
+        // Everything after the cursor-4 record, which ends at byte 128.
+        assert_eq!(
+            recovery.discarded_tail_bytes,
+            fixture("torn_tail.log").len() as u64 - 128
+        );
+        assert_eq!(recovery.discarded_records, 2);
+        assert!(
+            recovery
+                .reason
+                .expect("reason")
+                .contains("cut short at offset 190")
+        );
+    }
+
+    #[test]
+    fn open_cuts_a_torn_tail_so_appends_follow_the_last_cursor() {
+        let dir = store_with_fixture("torn_tail.log");
+        let (mut store, recovery) = open(dir.path());
+        assert!(recovery.discarded_tail_bytes > 0);
+        store
+            .apply(&[put("epsilon", b"five", 7)], WatchCursor::at(7))
+            .expect("apply");
+        drop(store);
+        let (store, recovery) = open_ro(dir.path());
+        assert_eq!(recovery, Recovery::default());
+        assert_eq!(store.cursor(), WatchCursor::at(7));
+        let mut expected = fixture_fold_at_4();
+        expected.push(entry("epsilon", b"five", VersionToken::from_u64(7)));
+        expected.sort();
+        assert_eq!(contents(&store), expected);
+    }
+
+    #[test]
+    fn flipped_byte_mid_file_is_corrupted_at_that_record() {
+        let dir = store_with_fixture("mid_file_corrupt.log");
+        let err = AppendLogSnapshot::open_read_only(dir.path()).expect_err("corrupted");
+        match err {
+            // The second record ("beta"), which starts at byte 34.
+            SnapshotError::Corrupted { offset, reason, .. } => {
+                assert_eq!(offset, 34);
+                assert!(reason.contains("checksum"), "{reason}");
+            }
+            other => panic!("expected Corrupted, got {other}"),
+        }
+        let err = AppendLogSnapshot::open(dir.path(), AppendLogOptions::default())
+            .expect_err("corrupted");
+        assert!(
+            matches!(err, SnapshotError::Corrupted { offset: 34, .. }),
+            "{err}"
+        );
+        assert_eq!(log_bytes(dir.path()), fixture("mid_file_corrupt.log"));
+    }
+
+    #[test]
+    fn nuls_mid_file_followed_by_valid_records_are_corrupted_not_truncated() {
+        let dir = store_with_fixture("mid_file_nuls.log");
+        let err = AppendLogSnapshot::open_read_only(dir.path()).expect_err("corrupted");
+        match err {
+            SnapshotError::Corrupted { offset, reason, .. } => {
+                assert_eq!(offset, HEADER_LEN as u64);
+                assert!(reason.contains("NUL"), "{reason}");
+            }
+            other => panic!("expected Corrupted, got {other}"),
+        }
+        let err = AppendLogSnapshot::open(dir.path(), AppendLogOptions::default())
+            .expect_err("corrupted");
+        assert!(matches!(err, SnapshotError::Corrupted { .. }), "{err}");
+        assert_eq!(log_bytes(dir.path()), fixture("mid_file_nuls.log"));
+    }
+
+    #[test]
+    fn compaction_preserves_the_fold_and_cursor_and_shrinks_the_file() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        for rev in 1..=50 {
+            let batch = [
+                put("hot", &[rev as u8; 64], rev),
+                put(&format!("k{rev:02}"), b"v", rev),
+            ];
+            store.apply(&batch, WatchCursor::at(rev)).expect("apply");
+            if rev % 3 == 0 {
+                store
+                    .apply(&[del(&format!("k{rev:02}"), rev)], WatchCursor::at(rev))
+                    .expect("apply");
+            }
+        }
+        let before_len = log_bytes(dir.path()).len();
+        let before = contents(&store);
+        let before_inode = inode(store.path());
+        store.compact().expect("compact");
+        let after_len = log_bytes(dir.path()).len();
+        assert!(after_len < before_len, "{after_len} >= {before_len}");
+        assert_eq!(after_len as u64, store.fold.compacted_len());
+        assert_ne!(inode(store.path()), before_inode);
+        assert_eq!(contents(&store), before);
+        assert_eq!(store.cursor(), WatchCursor::at(50));
+        assert!(!dir.path().join(TMP_NAME).exists());
+
+        // Appends continue on the new file.
+        store
+            .apply(&[put("after", b"x", 51)], WatchCursor::at(51))
+            .expect("apply");
+        drop(store);
+        let (store, recovery) = open_ro(dir.path());
+        assert_eq!(recovery, Recovery::default());
+        assert_eq!(store.cursor(), WatchCursor::at(51));
+        assert_eq!(store.len().expect("len"), before.len() as u64 + 1);
+    }
+
+    #[test]
+    fn compact_is_a_no_op_when_nothing_was_appended() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        store
+            .apply(&[put("a", b"1", 1)], WatchCursor::at(1))
+            .expect("apply");
+        store.compact().expect("compact");
+        let compacted = inode(store.path());
+        store.compact().expect("compact");
+        assert_eq!(inode(store.path()), compacted);
+    }
+
+    #[test]
+    fn open_of_an_already_compact_file_does_not_rewrite_it() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        store
+            .apply(&[put("a", b"1", 1), put("b", b"2", 2)], WatchCursor::at(2))
+            .expect("apply");
+        store.compact().expect("compact");
+        let path = store.path().to_owned();
+        drop(store);
+        let (before_inode, before) = (inode(&path), log_bytes(dir.path()));
+
+        let (store, recovery) = open(dir.path());
+        assert_eq!(recovery, Recovery::default());
+        assert_eq!(inode(&path), before_inode);
+        assert_eq!(log_bytes(dir.path()), before);
+        assert_eq!(store.len().expect("len"), 2);
+    }
+
+    #[test]
+    fn open_compacts_a_file_with_superseded_records() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        store
+            .apply(&[put("a", b"1", 1)], WatchCursor::at(1))
+            .expect("apply");
+        store
+            .apply(&[put("a", b"2", 2)], WatchCursor::at(2))
+            .expect("apply");
+        let path = store.path().to_owned();
+        drop(store);
+        let (before_inode, before_len) = (inode(&path), log_bytes(dir.path()).len());
+
+        let (store, _) = open(dir.path());
+        assert_ne!(inode(&path), before_inode);
+        assert!(log_bytes(dir.path()).len() < before_len);
+        assert_eq!(
+            contents(&store),
+            vec![entry("a", b"2", VersionToken::from_u64(2))]
+        );
+        assert_eq!(store.cursor(), WatchCursor::at(2));
+    }
+
+    #[test]
+    fn automatic_compaction_bounds_file_growth() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let opts = AppendLogOptions {
+            compact_threshold: 0,
+        };
+        let (mut store, _) = AppendLogSnapshot::open(dir.path(), opts).expect("open");
+        let mut largest = 0;
+        for rev in 1..=500 {
+            store
+                .apply(&[put("k", &[7; 100], rev)], WatchCursor::at(rev))
+                .expect("apply");
+            largest = largest.max(log_bytes(dir.path()).len());
+        }
+        // Without compaction the log would hold 500 copies (> 60 KB); with it, garbage stays below
+        // the live fold, so the file never exceeds about twice the compacted size plus one batch.
+        let compacted = store.fold.compacted_len() as usize;
+        assert!(
+            largest <= 2 * compacted + 200,
+            "{largest} vs compacted {compacted}"
+        );
+        drop(store);
+        let (store, _) = open_ro(dir.path());
+        assert_eq!(store.cursor(), WatchCursor::at(500));
+        assert_eq!(store.len().expect("len"), 1);
+    }
+
+    #[test]
+    fn read_only_open_beside_a_writer_sees_the_fold_and_leaves_the_file_alone() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut writer, _) = open(dir.path());
+        writer
+            .apply(&[put("a", b"1", 1)], WatchCursor::at(1))
+            .expect("apply");
+        writer
+            .apply(&[put("a", b"2", 2)], WatchCursor::at(2))
+            .expect("apply");
+        // Simulate the writer's next append caught half-way.
+        let mut half = Vec::new();
+        format::encode_update(&mut half, &put("b", b"in flight", 3)).expect("fits");
+        half.truncate(half.len() / 2);
+        let mut file = OpenOptions::new()
+            .append(true)
+            .open(writer.path())
+            .expect("open");
+        file.write_all(&half).expect("write");
+        let before = log_bytes(dir.path());
+        let before_inode = inode(writer.path());
+
+        let (reader, recovery) = open_ro(dir.path());
+        assert_eq!(
+            contents(&reader),
+            vec![entry("a", b"2", VersionToken::from_u64(2))]
+        );
+        assert_eq!(reader.cursor(), WatchCursor::at(2));
+        assert_eq!(recovery.discarded_tail_bytes, half.len() as u64);
+        assert_eq!(
+            log_bytes(dir.path()),
+            before,
+            "read-only open must not truncate or compact"
+        );
+        assert_eq!(inode(writer.path()), before_inode);
+        drop(reader);
+    }
+
+    #[test]
+    fn read_only_store_refuses_apply_and_compact() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        drop(open(dir.path()));
+        let before = log_bytes(dir.path());
+        let (mut reader, _) = open_ro(dir.path());
+        let err = reader
+            .apply(&[put("a", b"1", 1)], WatchCursor::at(1))
+            .expect_err("read-only");
+        assert!(
+            matches!(&err, SnapshotError::Io { source, .. } if source.kind() == io::ErrorKind::PermissionDenied),
+            "{err}"
+        );
+        assert!(reader.compact().is_err());
+        assert_eq!(log_bytes(dir.path()), before);
+        assert_eq!(reader.cursor(), WatchCursor::NONE);
+    }
+
+    #[test]
+    fn second_writable_open_is_locked_until_the_first_is_dropped() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (first, _) = open(dir.path());
+        let err =
+            AppendLogSnapshot::open(dir.path(), AppendLogOptions::default()).expect_err("locked");
+        match err {
+            SnapshotError::Locked { path } => assert_eq!(path, dir.path().join(LOCK_NAME)),
+            other => panic!("expected Locked, got {other}"),
+        }
+        // A reader needs no lock.
+        open_ro(dir.path());
+        drop(first);
+        open(dir.path());
+    }
+
+    #[test]
+    fn failed_write_is_cut_back_and_a_later_apply_succeeds() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        store
+            .apply(&[put("a", b"1", 1)], WatchCursor::at(1))
+            .expect("apply");
+        let before = log_bytes(dir.path());
+
+        store.inject_fault(FaultPoint::PartialWrite);
+        let batch = [put("b", b"2", 2), del("a", 3)];
+        let err = store
+            .apply(&batch, WatchCursor::at(3))
+            .expect_err("injected");
+        assert!(matches!(err, SnapshotError::Io { .. }), "{err}");
+        assert_eq!(
+            log_bytes(dir.path()),
+            before,
+            "the partial write was cut back"
+        );
+        assert_eq!(store.cursor(), WatchCursor::at(1));
+        assert_eq!(
+            contents(&store),
+            vec![entry("a", b"1", VersionToken::from_u64(1))]
+        );
+
+        store.apply(&batch, WatchCursor::at(3)).expect("retry");
+        drop(store);
+        let (store, recovery) = open(dir.path());
+        assert_eq!(recovery, Recovery::default());
+        assert_eq!(store.cursor(), WatchCursor::at(3));
+        assert_eq!(
+            contents(&store),
+            vec![entry("b", b"2", VersionToken::from_u64(2))]
+        );
+    }
+
+    #[test]
+    fn failed_cut_back_poisons_until_reopen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        store
+            .apply(&[put("a", b"1", 1)], WatchCursor::at(1))
+            .expect("apply");
+        store.inject_fault(FaultPoint::PartialWriteUncut);
+        store
+            .apply(&[put("b", b"2", 2)], WatchCursor::at(2))
+            .expect_err("injected");
+        for err in [
+            store
+                .apply(&[put("c", b"3", 3)], WatchCursor::at(3))
+                .expect_err("poisoned"),
+            store.compact().expect_err("poisoned"),
+        ] {
+            match err {
+                SnapshotError::Poisoned { cause, .. } => {
+                    assert!(cause.contains("injected write fault"), "{cause}")
+                }
+                other => panic!("expected Poisoned, got {other}"),
+            }
+        }
+        // Reads still serve the last applied state.
+        assert_eq!(store.cursor(), WatchCursor::at(1));
+        drop(store);
+
+        let (store, recovery) = open(dir.path());
+        assert!(
+            recovery.discarded_tail_bytes > 0,
+            "the half batch is a torn tail"
+        );
+        assert_eq!(store.cursor(), WatchCursor::at(1));
+        assert_eq!(
+            contents(&store),
+            vec![entry("a", b"1", VersionToken::from_u64(1))]
+        );
+    }
+
+    fn assert_failed_compaction_poisons_and_reopen_recovers(point: FaultPoint) {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        store
+            .apply(&[put("a", b"1", 1)], WatchCursor::at(1))
+            .expect("apply");
+        store
+            .apply(&[put("a", b"2", 2), put("b", b"3", 3)], WatchCursor::at(3))
+            .expect("apply");
+        let expected = contents(&store);
+
+        store.inject_fault(point);
+        let err = store.compact().expect_err("injected");
+        assert!(matches!(err, SnapshotError::Io { .. }), "{err}");
+        assert!(!dir.path().join(TMP_NAME).exists(), "temp file left behind");
+        let err = store
+            .apply(&[put("c", b"4", 4)], WatchCursor::at(4))
+            .expect_err("poisoned");
+        assert!(matches!(err, SnapshotError::Poisoned { .. }), "{err}");
+        drop(store);
+
+        let (store, _) = open(dir.path());
+        assert_eq!(store.cursor(), WatchCursor::at(3));
+        assert_eq!(contents(&store), expected);
+    }
+
+    #[test]
+    fn failed_compaction_before_rename_poisons_and_reopen_recovers_the_last_cursor() {
+        assert_failed_compaction_poisons_and_reopen_recovers(FaultPoint::CompactBeforeRename);
+    }
+
+    #[test]
+    fn failed_compaction_after_rename_poisons_and_reopen_recovers_the_last_cursor() {
+        assert_failed_compaction_poisons_and_reopen_recovers(FaultPoint::CompactAfterRename);
+    }
+
+    #[test]
+    fn apply_whose_compaction_fails_reports_it_and_the_batch_survives_reopen() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let opts = AppendLogOptions {
+            compact_threshold: 0,
+        };
+        let (mut store, _) = AppendLogSnapshot::open(dir.path(), opts).expect("open");
+        store.inject_fault(FaultPoint::CompactBeforeRename);
+        // Appending to an empty fold makes garbage ≥ live fold, so this apply compacts.
+        let err = store
+            .apply(&[put("a", b"1", 1), del("a", 2)], WatchCursor::at(2))
+            .expect_err("injected compaction fault");
+        assert!(
+            matches!(err, SnapshotError::Io { op: "compact", .. }),
+            "{err}"
+        );
+        drop(store);
+        let (store, recovery) = open(dir.path());
+        assert_eq!(recovery, Recovery::default());
+        assert_eq!(store.cursor(), WatchCursor::at(2));
+        assert!(store.is_empty().expect("is_empty"));
+    }
+
+    #[test]
+    fn stale_compaction_temp_file_is_removed_on_open() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        drop(open(dir.path()));
+        fs::write(dir.path().join(TMP_NAME), b"half a compaction").expect("write");
+        drop(open(dir.path()));
+        assert!(!dir.path().join(TMP_NAME).exists());
+    }
+
+    #[test]
+    fn backend_is_named_append_log() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert_eq!(open(dir.path()).0.backend(), "append-log");
     }
 }
