@@ -5,7 +5,7 @@ use clap::Parser;
 fn main() {
     let cli = foldhost::cli::Cli::parse();
     let filter = tracing_subscriber::EnvFilter::try_from_env("FOLDHOST_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,async_nats=warn"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -8,7 +8,9 @@
 use std::time::Duration;
 
 use foldhost::kv::KvWriter;
-use foldhost_tests::{Harness, bucket_contents, dump_store, first_difference, foldhost};
+use foldhost_tests::{
+    Harness, bucket_contents, dump_store, first_difference, foldhost, status_store,
+};
 use rand::{Rng, SeedableRng};
 
 const KEYS: u32 = 20_000;
@@ -58,6 +60,7 @@ async fn sigkilled_fold_converges_to_the_bucket_exactly() -> anyhow::Result<()> 
     };
 
     let mut kills = 0;
+    let mut cursors: Vec<u64> = Vec::new();
     while !writer.is_finished() || kills < 3 {
         let mut child = foldhost()
             .args(["run", "--bucket", "crash", "--nats", &h.url(), "--store"])
@@ -71,12 +74,29 @@ async fn sigkilled_fold_converges_to_the_bucket_exactly() -> anyhow::Result<()> 
         child.kill()?; // SIGKILL
         child.wait()?;
         kills += 1;
+        if store.join("fold.log").exists() {
+            // Read-only, beside nothing: the cursor a restart will resume from.
+            let c = status_store(&store)?["applied_through"]
+                .as_u64()
+                .unwrap_or(0);
+            if let Some(prev) = cursors.last() {
+                assert!(
+                    c >= *prev,
+                    "cursor moved backward across a SIGKILL: {prev} -> {c}"
+                );
+            }
+            cursors.push(c);
+        }
         if kills > 200 {
             anyhow::bail!("writer did not finish");
         }
     }
     writer.await??;
-    eprintln!("killed foldhost run {kills} times");
+    eprintln!("killed foldhost run {kills} times; cursors after each kill: {cursors:?}");
+    assert!(
+        cursors.windows(2).filter(|w| w[1] > w[0]).count() >= 2,
+        "the fold made progress across restarts (a resume, not a re-list each time): {cursors:?}"
+    );
 
     let out = foldhost()
         .args([
