@@ -38,8 +38,9 @@ pub struct BatchConfig {
     pub window: Duration,
     /// Updates per batch before an early flush.
     pub max: usize,
-    /// Depth of the watch → fold channel. A full channel backpressures the watch (by design); while
-    /// hydrating a large bucket it becomes the effective batch boundary, so tune it with `max`.
+    /// Depth of the watch → fold channel, in updates (it carries chunks of up to
+    /// [`crate::nats::WATCH_CHUNK`], so it is rounded up to whole chunks). A full channel
+    /// backpressures the watch (by design).
     pub channel_capacity: usize,
 }
 
@@ -270,13 +271,24 @@ impl<S: SnapshotStore> Fold<S> {
             ));
         };
         let t = Instant::now();
-        let joined = tokio::task::spawn_blocking(move || {
-            let r = store.apply(&raw, cursor);
-            (store, raw, r)
-        })
-        .await
-        .map_err(|e| AppliedError::Task(e.to_string()))?;
-        let (store, raw, result) = joined;
+        // The commit blocks (a write, sometimes a compaction with fsync). On a multi-threaded
+        // runtime it runs in place, handing this worker's other tasks to another thread — no
+        // thread hop per batch; elsewhere it goes to the blocking pool.
+        let multi = tokio::runtime::Handle::try_current()
+            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+        let (store, raw, result) = if multi {
+            tokio::task::block_in_place(move || {
+                let r = store.apply(&raw, cursor);
+                (store, raw, r)
+            })
+        } else {
+            tokio::task::spawn_blocking(move || {
+                let r = store.apply(&raw, cursor);
+                (store, raw, r)
+            })
+            .await
+            .map_err(|e| AppliedError::Task(e.to_string()))?
+        };
         self.store = Some(store);
         self.status
             .last_commit_us
@@ -340,7 +352,13 @@ where
     A: Apply + ?Sized,
 {
     let mut fold = Fold::new(store, status.clone());
-    let (tx, mut rx) = mpsc::channel::<WatchEvent>(opts.batch.channel_capacity.max(1));
+    // The channel carries chunks of updates; size it so it holds about `channel_capacity` updates.
+    let depth = opts
+        .batch
+        .channel_capacity
+        .div_ceil(crate::nats::WATCH_CHUNK)
+        .max(2);
+    let (tx, mut rx) = mpsc::channel::<WatchEvent>(depth);
     let start = fold.cursor();
     let scope = opts.scope.clone();
     let watch_task = tokio::spawn(async move { watcher.watch_from(&scope, start, tx).await });
@@ -355,9 +373,13 @@ where
 
     tokio::pin!(shutdown);
     let mut batch: Vec<KvUpdate> = Vec::with_capacity(opts.batch.max);
-    let mut deadline: Option<tokio::time::Instant> = None;
+    // One timer, re-armed when the batch opens: a fresh timer per delivery costs more than the
+    // delivery. A full batch never waits for it (the timer wheel ticks in milliseconds).
+    let timer = tokio::time::sleep(Duration::from_secs(3600));
+    tokio::pin!(timer);
+    let mut timer_armed = false;
     let mut level: Option<Option<u64>> = None;
-    let mut retry_at: Option<tokio::time::Instant> = None;
+    let mut backing_off = false;
 
     loop {
         if opts.catch_up
@@ -368,65 +390,100 @@ where
         {
             break;
         }
-        let flush_at = match (deadline, retry_at) {
-            (_, Some(r)) => Some(r),
-            (d, None) => d,
-        };
+        let mut flush_now = false;
         tokio::select! {
             biased;
             _ = &mut shutdown => {
-                flush_all(&mut fold, &mut batch, apply).await?;
+                flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
                 break;
             }
-            _ = sleep_until_opt(flush_at) => {
-                retry_at = None;
-                deadline = None;
-                let b = std::mem::take(&mut batch);
-                if let Some(back) = fold.flush(b, apply).await? {
-                    batch = back;
-                    retry_at = Some(tokio::time::Instant::now() + apply_backoff(fold.apply_streak));
-                } else if !fold.is_settled() {
-                    // A store failure re-queued the batch: retry even if nothing new arrives.
-                    deadline = Some(tokio::time::Instant::now() + STORE_RETRY_DELAY);
+            _ = &mut timer, if timer_armed => {
+                flush_now = true;
+            }
+            ev = rx.recv(), if !backing_off && batch.len() < opts.batch.max => {
+                let mut next = ev;
+                // Take whatever else is already queued, up to a full batch, without re-entering
+                // the select for each update.
+                loop {
+                    match on_event(next, &mut batch, &mut level, &status) {
+                        EventOutcome::Continue => {}
+                        EventOutcome::FlushNow => flush_now = true,
+                        EventOutcome::Closed => {
+                            // The watch ended: flush what it delivered, then report why it ended.
+                            flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
+                            let result = (&mut watch_task.0).await;
+                            match result {
+                                Ok(Ok(())) => {
+                                    let cursor = fold.cursor();
+                                    let store = fold
+                                        .into_store()
+                                        .ok_or_else(|| AppliedError::Task("store lost".into()))?;
+                                    return Ok(Finished { store, cursor });
+                                }
+                                Ok(Err(e)) => return Err(AppliedError::Watch(e)),
+                                Err(e) => return Err(AppliedError::Task(e.to_string())),
+                            }
+                        }
+                    }
+                    if batch.len() >= opts.batch.max {
+                        flush_now = true;
+                        break;
+                    }
+                    match rx.try_recv() {
+                        Ok(ev) => next = Some(ev),
+                        Err(mpsc::error::TryRecvError::Empty) => break,
+                        Err(mpsc::error::TryRecvError::Disconnected) => next = None,
+                    }
+                }
+                if opts.catch_up && level.is_some() {
+                    flush_now = true;
+                }
+                if !flush_now && !timer_armed && !batch.is_empty() {
+                    timer.as_mut().reset(tokio::time::Instant::now() + opts.batch.window);
+                    timer_armed = true;
                 }
             }
-            ev = rx.recv(), if retry_at.is_none() && batch.len() < opts.batch.max => {
-                match ev {
-                    Some(WatchEvent::Update(u)) => {
-                        if let Some(r) = u.revision() {
-                            status.seq.fetch_max(r, Ordering::Relaxed);
-                        }
-                        status.delivered.fetch_add(1, Ordering::Relaxed);
-                        batch.push(u);
-                        if batch.len() == 1 {
-                            deadline = Some(tokio::time::Instant::now() + opts.batch.window);
-                        }
-                        if batch.len() >= opts.batch.max {
-                            deadline = Some(tokio::time::Instant::now());
-                        }
-                    }
-                    Some(WatchEvent::CaughtUp { through }) => {
-                        level = Some(through);
-                        status.caught_up.store(1, Ordering::Relaxed);
-                        status.pending.store(0, Ordering::Relaxed);
-                        if opts.catch_up {
-                            deadline = Some(tokio::time::Instant::now());
-                        }
-                    }
-                    Some(WatchEvent::Pending(n)) => {
-                        status.pending.store(n, Ordering::Relaxed);
-                    }
-                    None => {
-                        // The watch ended: flush what it delivered, then report why it ended.
-                        flush_all(&mut fold, &mut batch, apply).await?;
-                        let result = (&mut watch_task.0).await;
-                        match result {
-                            Ok(Ok(())) => break,
-                            Ok(Err(e)) => return Err(AppliedError::Watch(e)),
-                            Err(e) => return Err(AppliedError::Task(e.to_string())),
-                        }
-                    }
+        }
+        if flush_now {
+            timer_armed = false;
+            backing_off = false;
+            loop {
+                // A batch is at most `max` updates; a chunk from the watch can overfill it.
+                let b = if batch.len() > opts.batch.max {
+                    let rest = batch.split_off(opts.batch.max);
+                    std::mem::replace(&mut batch, rest)
+                } else {
+                    std::mem::take(&mut batch)
+                };
+                if let Some(mut back) = fold.flush(b, apply).await? {
+                    // apply failed: nothing committed; retry the same batch after a backoff,
+                    // taking no new deliveries meanwhile (the channel backpressures the watch).
+                    back.append(&mut batch);
+                    batch = back;
+                    backing_off = true;
+                    timer
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + apply_backoff(fold.apply_streak));
+                    timer_armed = true;
+                    break;
                 }
+                if !fold.is_settled() {
+                    // A store failure re-queued the batch: retry even if nothing new arrives.
+                    timer
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + STORE_RETRY_DELAY);
+                    timer_armed = true;
+                    break;
+                }
+                if batch.len() < opts.batch.max {
+                    break;
+                }
+            }
+            if !timer_armed && !batch.is_empty() {
+                timer
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + opts.batch.window);
+                timer_armed = true;
             }
         }
     }
@@ -441,25 +498,68 @@ where
 async fn flush_all<S: SnapshotStore, A: Apply + ?Sized>(
     fold: &mut Fold<S>,
     batch: &mut Vec<KvUpdate>,
+    max: usize,
     apply: &mut A,
 ) -> Result<(), AppliedError> {
     loop {
-        let b = std::mem::take(batch);
+        let b = if batch.len() > max {
+            let rest = batch.split_off(max);
+            std::mem::replace(batch, rest)
+        } else {
+            std::mem::take(batch)
+        };
         match fold.flush(b, apply).await? {
-            Some(back) => {
+            Some(mut back) => {
+                back.append(batch);
                 *batch = back;
                 tokio::time::sleep(apply_backoff(fold.apply_streak)).await;
             }
-            None if fold.is_settled() => return Ok(()),
+            None if fold.is_settled() && batch.is_empty() => return Ok(()),
+            None if fold.is_settled() => {}
             None => tokio::time::sleep(STORE_RETRY_DELAY).await,
         }
     }
 }
 
-async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(t) => tokio::time::sleep_until(t).await,
-        None => std::future::pending().await,
+enum EventOutcome {
+    Continue,
+    FlushNow,
+    Closed,
+}
+
+/// Takes one event off the watch channel into the batch and the progress figures.
+fn on_event(
+    ev: Option<WatchEvent>,
+    batch: &mut Vec<KvUpdate>,
+    level: &mut Option<Option<u64>>,
+    status: &FoldStatus,
+) -> EventOutcome {
+    match ev {
+        Some(WatchEvent::Updates(us)) => {
+            if let Some(r) = us.iter().rev().find_map(KvUpdate::revision) {
+                status.seq.fetch_max(r, Ordering::Relaxed);
+            }
+            status
+                .delivered
+                .fetch_add(us.len() as u64, Ordering::Relaxed);
+            if batch.is_empty() {
+                *batch = us;
+            } else {
+                batch.extend(us);
+            }
+            EventOutcome::Continue
+        }
+        Some(WatchEvent::CaughtUp { through }) => {
+            *level = Some(through);
+            status.caught_up.store(1, Ordering::Relaxed);
+            status.pending.store(0, Ordering::Relaxed);
+            EventOutcome::FlushNow
+        }
+        Some(WatchEvent::Pending(n)) => {
+            status.pending.store(n, Ordering::Relaxed);
+            EventOutcome::Continue
+        }
+        None => EventOutcome::Closed,
     }
 }
 

@@ -227,8 +227,9 @@ impl KvUpdate {
 /// What a watch delivers into the fold's channel: updates, plus the watch's own progress signals.
 #[derive(Debug)]
 pub enum WatchEvent {
-    /// One update from the stream.
-    Update(KvUpdate),
+    /// Updates from the stream, in revision order (a chunk of what the client had ready, at most
+    /// [`crate::nats::WATCH_CHUNK`]).
+    Updates(Vec<KvUpdate>),
     /// Everything in scope that existed when the watch started has been delivered, through this
     /// revision (the re-list is complete, or the delta caught up). Used by `--catch-up` and by
     /// hydration progress.

@@ -35,6 +35,17 @@ use crate::stores::{
     StoreConfig, credential_source,
 };
 
+/// The header carrying a KV operation (absent, `DEL` or `PURGE`). A static name: looking a header
+/// up by `&str` builds (and allocates) a name per message.
+const KV_OPERATION: async_nats::header::HeaderName =
+    async_nats::header::HeaderName::from_static("KV-Operation");
+/// Most updates sent through the watch channel as one message.
+pub const WATCH_CHUNK: usize = 64;
+
+/// The header a headers-only delivery carries with the payload's size.
+const NATS_MSG_SIZE: async_nats::header::HeaderName =
+    async_nats::header::HeaderName::from_static("Nats-Msg-Size");
+
 /// Runs `fut` under `limit`; a timeout is [`KvError::Timeout`] naming `op`.
 pub async fn timed<T>(
     op: &'static str,
@@ -339,9 +350,9 @@ impl NatsKv {
         let op = msg
             .headers
             .as_ref()
-            .and_then(|h| h.get("KV-Operation"))
-            .map(|v| v.as_str().to_string());
-        let update = match op.as_deref() {
+            .and_then(|h| h.get(KV_OPERATION))
+            .map(|v| v.as_str());
+        let update = match op {
             Some("DEL") => KvUpdate::Delete { key, version },
             Some("PURGE") => KvUpdate::Purge { key, version },
             _ => KvUpdate::Put(KvEntry {
@@ -429,7 +440,7 @@ impl NatsKv {
                 let size = if headers_only {
                     msg.headers
                         .as_ref()
-                        .and_then(|h| h.get("Nats-Msg-Size"))
+                        .and_then(|h| h.get(NATS_MSG_SIZE))
                         .and_then(|v| v.as_str().parse::<u64>().ok())
                         .unwrap_or(1)
                 } else {
@@ -471,7 +482,7 @@ impl NatsKv {
         })
         .await?;
         let initial_pending = consumer.cached_info().num_pending;
-        let mut messages = timed("watch subscribe", self.timeout, async {
+        let messages = timed("watch subscribe", self.timeout, async {
             consumer
                 .messages()
                 .await
@@ -494,45 +505,57 @@ impl NatsKv {
         }
         let mut consecutive_errors = 0u32;
         let mut since_progress = 0u32;
-        while let Some(item) = messages.next().await {
-            let msg = match item {
-                Ok(m) => {
-                    consecutive_errors = 0;
-                    m
-                }
-                Err(e) => {
-                    // The ordered consumer recreates itself after a gap or missed heartbeats; a
-                    // long run of errors means it cannot.
-                    consecutive_errors += 1;
-                    tracing::warn!(bucket = %self.bucket, error = %e, "watch: consumer error (recreating)");
-                    if consecutive_errors >= 30 {
-                        return Err(KvError::WatchError(format!(
-                            "bucket {}: {consecutive_errors} consecutive consumer errors, last: {e}",
-                            self.bucket
-                        )));
+        // Whatever the client already holds is taken as one chunk: one channel send (and at most
+        // one wake-up of the fold) per chunk instead of per update.
+        let mut chunks = messages.ready_chunks(WATCH_CHUNK);
+        while let Some(chunk) = chunks.next().await {
+            let mut out: Vec<KvUpdate> = Vec::with_capacity(chunk.len());
+            for item in chunk {
+                let msg = match item {
+                    Ok(m) => {
+                        consecutive_errors = 0;
+                        m
                     }
+                    Err(e) => {
+                        // The ordered consumer recreates itself after a gap or missed heartbeats;
+                        // a long run of errors means it cannot.
+                        consecutive_errors += 1;
+                        tracing::warn!(bucket = %self.bucket, error = %e, "watch: consumer error (recreating)");
+                        if consecutive_errors >= 30 {
+                            return Err(KvError::WatchError(format!(
+                                "bucket {}: {consecutive_errors} consecutive consumer errors, last: {e}",
+                                self.bucket
+                            )));
+                        }
+                        continue;
+                    }
+                };
+                let Some((update, meta)) = self.to_update(&msg.message) else {
+                    continue;
+                };
+                if scope.contains(update.key()) {
+                    last_delivered = update.revision().or(last_delivered);
+                    out.push(update);
+                }
+                let Some(m) = meta else { continue };
+                if level_reported {
                     continue;
                 }
-            };
-            let Some((update, meta)) = self.to_update(&msg.message) else {
-                continue;
-            };
-            let in_scope = scope.contains(update.key());
-            let revision = update.revision();
-            if in_scope {
-                last_delivered = revision.or(last_delivered);
-                if tx.send(WatchEvent::Update(update)).await.is_err() {
-                    return Ok(());
-                }
-            }
-            if let Some(m) = meta {
-                if !level_reported && m.pending == 0 {
+                if m.pending == 0 {
+                    // Level: everything before this point goes first, then the marker.
                     level_reported = true;
-                    let through = last_delivered;
-                    if tx.send(WatchEvent::CaughtUp { through }).await.is_err() {
+                    let done = std::mem::take(&mut out);
+                    if (!done.is_empty() && tx.send(WatchEvent::Updates(done)).await.is_err())
+                        || tx
+                            .send(WatchEvent::CaughtUp {
+                                through: last_delivered,
+                            })
+                            .await
+                            .is_err()
+                    {
                         return Ok(());
                     }
-                } else if !level_reported {
+                } else {
                     since_progress += 1;
                     if since_progress >= 1024 {
                         since_progress = 0;
@@ -541,6 +564,9 @@ impl NatsKv {
                         }
                     }
                 }
+            }
+            if !out.is_empty() && tx.send(WatchEvent::Updates(out)).await.is_err() {
+                return Ok(());
             }
         }
         Err(KvError::WatchError(format!(

@@ -23,7 +23,7 @@ async fn collect_until_level(
     let mut got = Vec::new();
     loop {
         match tokio::time::timeout(Duration::from_secs(20), rx.recv()).await? {
-            Some(WatchEvent::Update(u)) => got.push(u),
+            Some(WatchEvent::Updates(us)) => got.extend(us),
             Some(WatchEvent::CaughtUp { .. }) => break,
             Some(WatchEvent::Pending(_)) => {}
             None => {

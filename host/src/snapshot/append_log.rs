@@ -151,6 +151,7 @@ impl AppendLogSnapshot {
                 _lock: lock,
                 opts,
                 committed_len: replayed.valid_len,
+                scratch: Vec::new(),
                 compacted_len: replayed.valid_len,
                 poisoned: None,
                 fault: None,
@@ -229,12 +230,18 @@ impl SnapshotStore for AppendLogSnapshot {
             format::check_update(update)?;
             len += format::update_record_len(update);
         }
-        let mut buf = Vec::with_capacity(len);
+        let mut buf = std::mem::take(&mut w.scratch);
+        buf.clear();
+        buf.reserve(len);
         for update in batch {
             format::encode_update(&mut buf, update)?;
         }
         format::encode_cursor(&mut buf, cursor);
         w.append(&self.path, &buf)?;
+        // Keep the buffer for the next batch unless one huge batch inflated it.
+        if buf.capacity() <= SCRATCH_KEEP {
+            w.scratch = buf;
+        }
         for update in batch {
             self.fold.apply(update);
         }
@@ -332,6 +339,9 @@ impl Fold {
     }
 }
 
+/// The largest encode buffer kept between applies.
+const SCRATCH_KEEP: usize = 4 * 1024 * 1024;
+
 /// The writable half of an open store.
 struct Writer {
     /// `fold.log`, opened in append mode.
@@ -342,6 +352,8 @@ struct Writer {
     /// The file's length after the last successful append: a record boundary right after a cursor
     /// record, where a failed append is cut back to.
     committed_len: u64,
+    /// The encode buffer, reused across applies (one allocation, not one per batch).
+    scratch: Vec<u8>,
     /// The file's length right after the last compaction (or at open, when it was already compact).
     compacted_len: u64,
     /// The first failure that left the file's state unknown.
