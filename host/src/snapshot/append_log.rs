@@ -57,14 +57,16 @@ pub struct AppendLogOptions {
     /// Compact once the bytes appended since the last compaction reach the larger of this and the
     /// size of the live fold. The "live fold" term keeps compaction amortised (each rewrite is paid
     /// for by at least as many appended bytes); this term stops a small fold from being rewritten on
-    /// almost every apply. Default: 8 MiB.
+    /// almost every apply. Default: 32 MiB — a compaction rewrites and fsyncs the whole fold on the
+    /// apply path, so a small threshold puts that pause into every few thousand batches of a
+    /// hydration; the cost is up to this much garbage on disk (and in the replay on open).
     pub compact_threshold: u64,
 }
 
 impl Default for AppendLogOptions {
     fn default() -> Self {
         AppendLogOptions {
-            compact_threshold: 8 * 1024 * 1024,
+            compact_threshold: 32 * 1024 * 1024,
         }
     }
 }
