@@ -414,6 +414,63 @@ pub trait KvWatcher: Send + Sync {
         cursor: WatchCursor,
         tx: mpsc::Sender<WatchEvent>,
     ) -> Result<(), KvError>;
+
+    /// State-sync watch of the whole bucket.
+    async fn watch_all(&self, tx: mpsc::Sender<WatchEvent>) -> Result<(), KvError> {
+        self.watch(&WatchScope::All, tx).await
+    }
+
+    /// State-sync watch of the keys under `prefix`.
+    async fn watch_prefix(
+        &self,
+        prefix: &str,
+        tx: mpsc::Sender<WatchEvent>,
+    ) -> Result<(), KvError> {
+        self.watch(&WatchScope::Prefix(prefix.to_string()), tx)
+            .await
+    }
+
+    /// State-sync watch of the union of `prefixes`, through one multi-filter consumer.
+    async fn watch_prefixes(
+        &self,
+        prefixes: &[String],
+        tx: mpsc::Sender<WatchEvent>,
+    ) -> Result<(), KvError> {
+        self.watch(&WatchScope::Prefixes(prefixes.to_vec()), tx)
+            .await
+    }
+
+    /// Delta watch of the whole bucket from `cursor + 1`.
+    async fn watch_all_from(
+        &self,
+        cursor: WatchCursor,
+        tx: mpsc::Sender<WatchEvent>,
+    ) -> Result<(), KvError> {
+        self.watch_from(&WatchScope::All, cursor, tx).await
+    }
+
+    /// Delta watch of the keys under `prefix` from `cursor + 1`.
+    async fn watch_prefix_from(
+        &self,
+        prefix: &str,
+        cursor: WatchCursor,
+        tx: mpsc::Sender<WatchEvent>,
+    ) -> Result<(), KvError> {
+        self.watch_from(&WatchScope::Prefix(prefix.to_string()), cursor, tx)
+            .await
+    }
+
+    /// Delta watch of the union of `prefixes` from `cursor + 1` (a hand-built ordered consumer
+    /// with several filter subjects: the client library has no such watch).
+    async fn watch_prefixes_from(
+        &self,
+        prefixes: &[String],
+        cursor: WatchCursor,
+        tx: mpsc::Sender<WatchEvent>,
+    ) -> Result<(), KvError> {
+        self.watch_from(&WatchScope::Prefixes(prefixes.to_vec()), cursor, tx)
+            .await
+    }
 }
 
 #[cfg(test)]

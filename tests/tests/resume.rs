@@ -7,7 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use foldhost::applied::{
-    AppliedError, BatchConfig, CountingApply, FoldStatus, WatchOptions, watch_applied,
+    AppliedError, Apply, ApplyError, BatchConfig, CountingApply, FoldStatus, Verdict, WatchOptions,
+    watch_applied,
 };
 use foldhost::kv::{KvEntry, KvUpdate, KvWriter, WatchCursor, WatchScope};
 use foldhost::nats::NatsKv;
@@ -218,5 +219,59 @@ async fn store_failing_sixteen_times_in_a_row_fail_stops_without_moving_the_curs
     let reopened = open(tmp.path());
     assert_eq!(reopened.cursor(), WatchCursor::NONE);
     assert!(reopened.is_empty()?);
+    Ok(())
+}
+
+/// An applier that rejects everything (every key is irrelevant to it).
+struct SkipAll {
+    applied: usize,
+}
+
+#[async_trait::async_trait]
+impl Apply for SkipAll {
+    fn describe(&self) -> String {
+        "test:skip-all".into()
+    }
+    async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
+        Ok(vec![Verdict::Skip; batch.len()])
+    }
+    async fn apply(&mut self, batch: &[KvUpdate], verdicts: &[Verdict]) -> Result<(), ApplyError> {
+        self.applied += batch
+            .iter()
+            .zip(verdicts)
+            .filter(|(_, v)| **v == Verdict::Accept)
+            .count();
+        Ok(())
+    }
+    async fn on_applied(&mut self, _cursor: WatchCursor) {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cursor_covers_rejected_updates_so_a_restart_does_not_replay_them() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("skipped").await?;
+    for i in 0..250 {
+        kv.put(&format!("noise.{i}"), "irrelevant".into()).await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let mut apply = SkipAll { applied: 0 };
+    let f = watch_applied(
+        kv.clone(),
+        open(tmp.path()),
+        &mut apply,
+        opts(100),
+        Arc::new(FoldStatus::default()),
+        std::future::pending(),
+    )
+    .await?;
+    assert_eq!(apply.applied, 0, "nothing was accepted");
+    assert_eq!(
+        f.cursor,
+        WatchCursor::at(kv.positions().await?.last_sequence),
+        "a run of rejected updates still advances the cursor"
+    );
+    drop(f);
+    let (_, again) = fold_once(&kv, open(tmp.path()), 100).await?;
+    assert_eq!(again.parsed, 0, "a restart re-delivers none of them");
     Ok(())
 }
