@@ -29,7 +29,7 @@ use tokio::sync::mpsc;
 
 use crate::kv::{KvError, KvUpdate, KvWatcher, WatchCursor, WatchEvent, WatchScope};
 use crate::protocol;
-use crate::snapshot::{SnapshotError, SnapshotStore};
+use crate::snapshot::{SharedStore, SnapshotError, SnapshotStore};
 
 /// Batching knobs (seed defaults: 10 ms window, 100 updates, channel of 256).
 #[derive(Clone, Copy, Debug)]
@@ -93,6 +93,27 @@ pub trait Apply: Send {
 
     /// Called after the store committed through `cursor`.
     async fn on_applied(&mut self, cursor: WatchCursor);
+
+    /// Answers a query against the structure the applier built. Called between batches only, so it
+    /// never sees a half-applied batch.
+    async fn query(&mut self, _request: &[u8]) -> Result<Vec<u8>, ApplyError> {
+        Err(ApplyError {
+            applier: self.describe(),
+            call: "query",
+            message: "this applier answers no queries".into(),
+        })
+    }
+}
+
+/// A request to the running fold, handled between batches.
+pub enum Control {
+    /// Run a query against the applier.
+    Query {
+        /// The request bytes.
+        request: Vec<u8>,
+        /// Where the answer goes.
+        reply: tokio::sync::oneshot::Sender<Result<Vec<u8>, ApplyError>>,
+    },
 }
 
 /// Why a fold stopped.
@@ -145,6 +166,21 @@ pub struct FoldStatus {
     pub store_failure_streak: AtomicU64,
     /// 1 once the watch reported it is level with the stream as of its start.
     pub caught_up: AtomicU64,
+    /// The last apply or store failure (cleared by the next successful commit).
+    pub last_error: std::sync::Mutex<Option<String>>,
+}
+
+impl FoldStatus {
+    fn set_error(&self, e: Option<String>) {
+        if let Ok(mut g) = self.last_error.lock() {
+            *g = e;
+        }
+    }
+
+    /// The last failure, if the fold has not committed since.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().ok().and_then(|g| g.clone())
+    }
 }
 
 /// Options for one run of [`watch_applied`].
@@ -158,17 +194,16 @@ pub struct WatchOptions {
     pub catch_up: bool,
 }
 
-/// What a finished fold hands back.
-pub struct Finished<S> {
-    /// The store, with everything committed.
-    pub store: S,
-    /// The store's cursor.
+/// What a finished fold reports.
+#[derive(Debug, Clone, Copy)]
+pub struct Finished {
+    /// The store's cursor: everything through it is applied and committed.
     pub cursor: WatchCursor,
 }
 
 /// The batch, the applied cursor and the store: every change to the fold goes through here.
 pub struct Fold<S: SnapshotStore> {
-    store: Option<S>,
+    store: SharedStore<S>,
     applied: WatchCursor,
     /// Raw updates whose `apply` returned but whose store commit failed: committed first next time.
     requeued: Vec<KvUpdate>,
@@ -179,19 +214,19 @@ pub struct Fold<S: SnapshotStore> {
 
 impl<S: SnapshotStore> Fold<S> {
     /// A fold over `store`, resuming from the store's own cursor.
-    pub fn new(store: S, status: Arc<FoldStatus>) -> Self {
-        let applied = store.cursor();
+    pub fn new(store: SharedStore<S>, status: Arc<FoldStatus>) -> Result<Self, SnapshotError> {
+        let applied = store.read()?.cursor();
         let rev = applied.revision_or_zero();
         status.applied_through.store(rev, Ordering::Relaxed);
         status.seq.fetch_max(rev, Ordering::Relaxed);
-        Fold {
-            store: Some(store),
+        Ok(Fold {
+            store,
             applied,
             requeued: Vec::new(),
             store_streak: 0,
             apply_streak: 0,
             status,
-        }
+        })
     }
 
     /// The applied (committed) cursor.
@@ -205,13 +240,8 @@ impl<S: SnapshotStore> Fold<S> {
     }
 
     /// The store (for reads between flushes).
-    pub fn store(&self) -> Option<&S> {
-        self.store.as_ref()
-    }
-
-    /// Gives the store back (after the last flush).
-    pub fn into_store(self) -> Option<S> {
-        self.store
+    pub fn store(&self) -> &SharedStore<S> {
+        &self.store
     }
 
     /// Runs one flush of `batch` through `apply` and the store. On an apply failure the batch is
@@ -246,6 +276,7 @@ impl<S: SnapshotStore> Fold<S> {
                 .last_apply_us
                 .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
             if let Err(e) = outcome {
+                self.status.set_error(Some(e.to_string()));
                 self.apply_streak += 1;
                 if self.apply_streak >= MAX_APPLY_FAILURES {
                     return Err(AppliedError::Apply {
@@ -265,36 +296,30 @@ impl<S: SnapshotStore> Fold<S> {
             Some(r) => WatchCursor::at(r),
             None => WatchCursor::NONE,
         };
-        let Some(mut store) = self.store.take() else {
-            return Err(AppliedError::Task(
-                "store lost by an earlier failed task".into(),
-            ));
-        };
         let t = Instant::now();
         // The commit blocks (a write, sometimes a compaction with fsync). On a multi-threaded
         // runtime it runs in place, handing this worker's other tasks to another thread — no
         // thread hop per batch; elsewhere it goes to the blocking pool.
         let multi = tokio::runtime::Handle::try_current()
             .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        let (store, raw, result) = if multi {
-            tokio::task::block_in_place(move || {
-                let r = store.apply(&raw, cursor);
-                (store, raw, r)
-            })
+        let (raw, result) = if multi {
+            let r = tokio::task::block_in_place(|| self.store.write()?.apply(&raw, cursor));
+            (raw, r)
         } else {
+            let store = self.store.clone();
             tokio::task::spawn_blocking(move || {
-                let r = store.apply(&raw, cursor);
-                (store, raw, r)
+                let r = store.write().and_then(|mut s| s.apply(&raw, cursor));
+                (raw, r)
             })
             .await
             .map_err(|e| AppliedError::Task(e.to_string()))?
         };
-        self.store = Some(store);
         self.status
             .last_commit_us
             .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
         match result {
             Ok(()) => {
+                self.status.set_error(None);
                 self.store_streak = 0;
                 self.status.store_failure_streak.store(0, Ordering::Relaxed);
                 self.applied = cursor;
@@ -309,6 +334,7 @@ impl<S: SnapshotStore> Fold<S> {
                 Ok(None)
             }
             Err(e) => {
+                self.status.set_error(Some(e.to_string()));
                 self.store_streak += 1;
                 self.status
                     .store_failure_streak
@@ -341,17 +367,20 @@ fn apply_backoff(streak: u32) -> Duration {
 /// `catch_up`) once everything the stream held at the start is applied; every path flushes first.
 pub async fn watch_applied<S, A>(
     watcher: Arc<dyn KvWatcher>,
-    store: S,
+    store: SharedStore<S>,
     apply: &mut A,
     opts: WatchOptions,
     status: Arc<FoldStatus>,
+    control: Option<mpsc::Receiver<Control>>,
     shutdown: impl Future<Output = ()>,
-) -> Result<Finished<S>, AppliedError>
+) -> Result<Finished, AppliedError>
 where
     S: SnapshotStore,
     A: Apply + ?Sized,
 {
-    let mut fold = Fold::new(store, status.clone());
+    let mut fold =
+        Fold::new(store, status.clone()).map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+    let mut control = control;
     // The channel carries chunks of updates; size it so it holds about `channel_capacity` updates.
     let depth = opts
         .batch
@@ -400,6 +429,16 @@ where
             _ = &mut timer, if timer_armed => {
                 flush_now = true;
             }
+            c = recv_control(&mut control) => {
+                match c {
+                    Some(Control::Query { request, reply }) => {
+                        // Between batches: the applier's structure is whole.
+                        let answer = apply.query(&request).await;
+                        let _ = reply.send(answer);
+                    }
+                    None => control = None,
+                }
+            }
             ev = rx.recv(), if !backing_off && batch.len() < opts.batch.max => {
                 let mut next = ev;
                 // Take whatever else is already queued, up to a full batch, without re-entering
@@ -413,13 +452,7 @@ where
                             flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
                             let result = (&mut watch_task.0).await;
                             match result {
-                                Ok(Ok(())) => {
-                                    let cursor = fold.cursor();
-                                    let store = fold
-                                        .into_store()
-                                        .ok_or_else(|| AppliedError::Task("store lost".into()))?;
-                                    return Ok(Finished { store, cursor });
-                                }
+                                Ok(Ok(())) => return Ok(Finished { cursor: fold.cursor() }),
                                 Ok(Err(e)) => return Err(AppliedError::Watch(e)),
                                 Err(e) => return Err(AppliedError::Task(e.to_string())),
                             }
@@ -487,11 +520,9 @@ where
             }
         }
     }
-    let cursor = fold.cursor();
-    let store = fold
-        .into_store()
-        .ok_or_else(|| AppliedError::Task("store lost".into()))?;
-    Ok(Finished { store, cursor })
+    Ok(Finished {
+        cursor: fold.cursor(),
+    })
 }
 
 /// Flushes until the batch and the re-queued updates are committed (shutdown and channel close).
@@ -518,6 +549,13 @@ async fn flush_all<S: SnapshotStore, A: Apply + ?Sized>(
             None if fold.is_settled() => {}
             None => tokio::time::sleep(STORE_RETRY_DELAY).await,
         }
+    }
+}
+
+async fn recv_control(control: &mut Option<mpsc::Receiver<Control>>) -> Option<Control> {
+    match control {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
     }
 }
 

@@ -17,7 +17,7 @@ use clap::{Args, Parser, Subcommand};
 use crate::applied::{Apply, BatchConfig, CountingApply, FoldStatus, WatchOptions, watch_applied};
 use crate::kv::{WatchCursor, WatchScope};
 use crate::nats::NatsConnection;
-use crate::snapshot::SnapshotStore;
+use crate::snapshot::{SharedStore, SnapshotStore};
 use crate::storedir::{self, AnyStore, Backend, HostStatus};
 use crate::stores::{ConnectOptions, StoreConfig};
 
@@ -52,18 +52,33 @@ pub struct RunArgs {
     /// Bucket to fold (must exist).
     #[arg(long)]
     pub bucket: String,
-    /// What to watch: all, prefix:P, or prefixes:P1,P2.
-    #[arg(long, default_value = "all")]
-    pub scope: String,
+    /// What to watch: all, prefix:P, or prefixes:P1,P2 (default: the guest's manifest, else all).
+    #[arg(long)]
+    pub scope: Option<String>,
     /// Store directory.
     #[arg(long)]
     pub store: PathBuf,
     /// Storage backend.
     #[arg(long, default_value = "append-log")]
     pub backend: String,
-    /// Built-in applier until guests arrive: `count`.
+    /// The guest: a WebAssembly component (see `wit/guest.wit`). Without it, `--apply` runs.
+    #[arg(long)]
+    pub guest: Option<PathBuf>,
+    /// Guest configuration, `KEY=VALUE`, repeatable (handed to the guest's `init`).
+    #[arg(long = "guest-config", value_name = "KEY=VALUE")]
+    pub guest_config: Vec<String>,
+    /// Deadline of one guest call, in milliseconds.
+    #[arg(long, default_value_t = 1000)]
+    pub guest_deadline_ms: u64,
+    /// Memory cap of a guest, in MiB.
+    #[arg(long, default_value_t = 256)]
+    pub guest_memory_mb: usize,
+    /// The built-in native applier when no `--guest` is given: `count`.
     #[arg(long, default_value = "count")]
     pub apply: String,
+    /// Serve `GET /status` and `POST /query` on this address (e.g. 127.0.0.1:8080).
+    #[arg(long)]
+    pub listen: Option<String>,
     /// Fold to the stream's last sequence as of start, then exit 0.
     #[arg(long)]
     pub catch_up: bool,
@@ -112,6 +127,9 @@ pub struct DemoArgs {
     /// Routes to seed.
     #[arg(long, default_value_t = 2000)]
     pub routes: u32,
+    /// The router guest (default: the one `guests/build.sh` builds).
+    #[arg(long)]
+    pub guest: Option<PathBuf>,
 }
 
 /// Runs a parsed command line.
@@ -141,20 +159,26 @@ pub struct RunSummary {
 }
 
 async fn cmd_run(a: RunArgs) -> anyhow::Result<()> {
-    let (shutdown_tx, shutdown_rx) = tokio::sync::oneshot::channel::<()>();
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         wait_for_signal().await;
-        let _ = shutdown_tx.send(());
+        let _ = shutdown_tx.send(true);
     });
-    let summary = run_fold(&a, async {
-        let _ = shutdown_rx.await;
-    })
-    .await?;
+    let summary = run_fold(&a, shutdown_rx).await?;
     eprintln!(
         "foldhost: stopped at cursor {} ({} updates delivered this run)",
         summary.cursor, summary.delivered
     );
     Ok(())
+}
+
+async fn signalled(mut rx: tokio::sync::watch::Receiver<bool>) {
+    while !*rx.borrow_and_update() {
+        if rx.changed().await.is_err() {
+            // The sender is gone without a signal: never shut down from here.
+            std::future::pending::<()>().await;
+        }
+    }
 }
 
 async fn wait_for_signal() {
@@ -172,17 +196,20 @@ async fn wait_for_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
-/// The body of `foldhost run`, reusable by the demo: opens the store, connects, folds until
-/// `shutdown` (or caught up), keeps `status.json` current.
+/// The body of `foldhost run`, reusable by the demo: connects, opens the store, loads the guest and
+/// hydrates it, folds until `shutdown` is set (or caught up), keeps `status.json` current, and
+/// serves `--listen`. When the fold fails and `--listen` is set, the process stays up serving the
+/// failure in `/status` until `shutdown`.
 pub async fn run_fold(
     a: &RunArgs,
-    shutdown: impl std::future::Future<Output = ()>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<RunSummary> {
-    let scope = WatchScope::parse(&a.scope).map_err(|e| anyhow!("--scope: {e}"))?;
     let backend: Backend = a.backend.parse().map_err(|e| anyhow!("--backend: {e}"))?;
-    let mut apply: Box<dyn Apply> = match a.apply.as_str() {
-        "count" => Box::new(CountingApply::default()),
-        other => bail!("--apply {other:?}: the built-in appliers are: count"),
+    let guest_config = parse_config(&a.guest_config)?;
+    // Read the guest before touching anything: a missing file is a usage mistake, not a fold.
+    let guest_bytes = match &a.guest {
+        Some(p) => Some(crate::guest::read_guest_file(p)?),
+        None => None,
     };
     // Connect before touching the store: a run that cannot reach its server writes nothing.
     let mut copts = ConnectOptions::new(a.nats.clone());
@@ -218,7 +245,41 @@ pub async fn run_fold(
             store.len()?
         );
     }
-    tracing::info!(bucket = %a.bucket, scope = %scope, store = %a.store.display(), backend = backend.as_str(), cursor = %store.cursor(), "folding");
+    let shared = SharedStore::new(store);
+
+    let (mut apply, manifest_scope): (Box<dyn Apply>, Option<WatchScope>) =
+        match (&a.guest, guest_bytes) {
+            (Some(path), Some(bytes)) => {
+                let engine = crate::guest::GuestEngine::new()?;
+                let limits = crate::guest::GuestLimits {
+                    call_deadline: Duration::from_millis(a.guest_deadline_ms.max(1)),
+                    memory_bytes: a.guest_memory_mb.max(1) * 1024 * 1024,
+                    ..crate::guest::GuestLimits::default()
+                };
+                let mut g = crate::guest::GuestApply::load(
+                    &engine,
+                    &path.display().to_string(),
+                    &bytes,
+                    limits,
+                    guest_config,
+                    Arc::new(shared.clone()),
+                )
+                .await?;
+                g.hydrate().await.map_err(|e| anyhow!("hydrate: {e}"))?;
+                let scope = g.manifest().watch_scope();
+                (Box::new(g), Some(scope))
+            }
+            _ => match a.apply.as_str() {
+                "count" => (Box::new(CountingApply::default()), None),
+                other => bail!("--apply {other:?}: the built-in appliers are: count"),
+            },
+        };
+    let scope = match (&a.scope, manifest_scope) {
+        (Some(s), _) => WatchScope::parse(s).map_err(|e| anyhow!("--scope: {e}"))?,
+        (None, Some(m)) => m,
+        (None, None) => WatchScope::All,
+    };
+    tracing::info!(bucket = %a.bucket, scope = %scope, store = %a.store.display(), backend = backend.as_str(), guest = %apply.describe(), cursor = %shared.read()?.cursor(), "folding");
 
     let status = Arc::new(FoldStatus::default());
     let base = HostStatus {
@@ -229,6 +290,23 @@ pub async fn run_fold(
         scope: scope.to_string(),
         ..HostStatus::default()
     };
+    let fatal: Arc<std::sync::Mutex<Option<String>>> = Arc::new(std::sync::Mutex::new(None));
+    let (control_tx, control_rx) = tokio::sync::mpsc::channel(64);
+    let server = match &a.listen {
+        Some(addr) => {
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("--listen {addr}"))?;
+            tracing::info!(addr = %listener.local_addr()?, "serving /status and /query");
+            let state = Arc::new(crate::serve::ServeState {
+                status: status_renderer(base.clone(), status.clone(), backend, fatal.clone()),
+                control: control_tx.clone(),
+            });
+            Some(tokio::spawn(crate::serve::serve(listener, state)))
+        }
+        None => None,
+    };
+    drop(control_tx);
     let reporter = tokio::spawn(report_progress(
         a.store.clone(),
         base.clone(),
@@ -243,7 +321,16 @@ pub async fn run_fold(
         },
         catch_up: a.catch_up,
     };
-    let result = watch_applied(kv, store, apply.as_mut(), opts, status.clone(), shutdown).await;
+    let result = watch_applied(
+        kv,
+        shared,
+        apply.as_mut(),
+        opts,
+        status.clone(),
+        Some(control_rx),
+        signalled(shutdown.clone()),
+    )
+    .await;
     reporter.abort();
     let mut last = snapshot_status(&base, &status);
     let outcome = match result {
@@ -258,14 +345,65 @@ pub async fn run_fold(
         Err(e) => {
             last.state = "failed".into();
             last.error = Some(e.to_string());
+            if let Ok(mut f) = fatal.lock() {
+                *f = Some(e.to_string());
+            }
             Err(anyhow!(e))
         }
     };
     if let Err(e) = storedir::write_status(&a.store, &last) {
         tracing::warn!(error = %e, "status file not written");
     }
+    if let (Some(server), Err(e)) = (&server, &outcome) {
+        // The fold has stopped; the host stays up so `/status` can say why.
+        tracing::error!(error = %e, "fold failed; still serving /status until signalled");
+        signalled(shutdown).await;
+        server.abort();
+    }
     conn_shutdown(conn).await;
     outcome
+}
+
+fn parse_config(items: &[String]) -> anyhow::Result<Vec<(String, String)>> {
+    items
+        .iter()
+        .map(|kv| {
+            kv.split_once('=')
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .ok_or_else(|| anyhow!("--guest-config {kv:?}: expected KEY=VALUE"))
+        })
+        .collect()
+}
+
+/// The `/status` JSON: the same fields as `status --json`, live.
+fn status_renderer(
+    base: HostStatus,
+    status: Arc<FoldStatus>,
+    backend: Backend,
+    fatal: Arc<std::sync::Mutex<Option<String>>>,
+) -> Box<dyn Fn() -> serde_json::Value + Send + Sync> {
+    Box::new(move || {
+        let applied = status.applied_through.load(Ordering::Relaxed);
+        let seq = status.seq.load(Ordering::Relaxed).max(applied);
+        let fatal = fatal.lock().ok().and_then(|f| f.clone());
+        let state = if fatal.is_some() { "failed" } else { "running" };
+        serde_json::json!({
+            "cursor": (applied > 0).then_some(applied),
+            "seq": seq,
+            "applied_through": applied,
+            "lag": seq - applied,
+            "guest": base.guest,
+            "backend": backend.as_str(),
+            "bucket": base.bucket,
+            "scope": base.scope,
+            "state": state,
+            "error": fatal.or_else(|| status.last_error()),
+            "delivered": status.delivered.load(Ordering::Relaxed),
+            "batches": status.batches.load(Ordering::Relaxed),
+            "last_apply_us": status.last_apply_us.load(Ordering::Relaxed),
+            "last_commit_us": status.last_commit_us.load(Ordering::Relaxed),
+        })
+    })
 }
 
 async fn conn_shutdown(conn: NatsConnection) {
@@ -453,10 +591,34 @@ fn printable(v: &[u8]) -> String {
     }
 }
 
+/// Where the demo looks for the router guest when `--guest` is not given.
+fn find_router_guest() -> Option<PathBuf> {
+    let rel = Path::new("guests/target/wasm32-wasip2/release/router.wasm");
+    let mut candidates = vec![rel.to_path_buf()];
+    if let Ok(dir) = std::env::var("FOLDHOST_GUESTS_DIR") {
+        candidates.insert(0, Path::new(&dir).join("router.wasm"));
+    }
+    // Beside a checkout: target/<profile>/foldhost → ../../guests/...
+    if let Ok(exe) = std::env::current_exe()
+        && let Some(root) = exe.parent().and_then(Path::parent).and_then(Path::parent)
+    {
+        candidates.push(root.join(rel));
+    }
+    candidates.into_iter().find(|p| p.is_file())
+}
+
 async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
     use crate::localnats::LocalNats;
     use crate::stores::Connection;
-    println!("== foldhost demo: a local nats-server, a bucket of routes, a fold, a resume ==");
+    println!(
+        "== foldhost demo: a local nats-server, a bucket of routes, the router guest, a fold =="
+    );
+    let guest = match a.guest.clone().or_else(find_router_guest) {
+        Some(g) => g,
+        None => bail!(
+            "router.wasm not found: build the guests with `guests/build.sh` (`make demo` does), or pass --guest"
+        ),
+    };
     let server = LocalNats::start()?;
     println!("nats-server on {}", server.url());
     let work = tempfile::Builder::new()
@@ -482,24 +644,41 @@ async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         .await?;
     }
     println!("seeded {} routes into bucket 'routes'", a.routes);
-    let args = RunArgs {
+    let port = crate::localnats::free_port()?;
+    let listen = format!("127.0.0.1:{port}");
+    let mut args = RunArgs {
         nats: server.url(),
         bucket: "routes".into(),
-        scope: "prefix:route.".into(),
+        scope: None,
         store: store_dir.clone(),
         backend: "append-log".into(),
+        guest: Some(guest.clone()),
+        guest_config: Vec::new(),
+        guest_deadline_ms: 1000,
+        guest_memory_mb: 256,
         apply: "count".into(),
+        listen: None,
         catch_up: true,
         batch_window_ms: 10,
         batch_max: 100,
         channel: 256,
         creds_file: None,
     };
-    let first = run_fold(&args, std::future::pending()).await?;
+    let (_keep, never) = tokio::sync::watch::channel(false);
+    let first = run_fold(&args, never.clone()).await?;
     println!(
-        "first run: folded to cursor {} ({} updates delivered: the state-sync re-list)",
-        first.cursor, first.delivered
+        "first run ({}): folded to cursor {} ({} updates delivered: the state-sync re-list)",
+        guest.display(),
+        first.cursor,
+        first.delivered
     );
+
+    // Second run: live, serving queries, resuming from the cursor.
+    args.catch_up = false;
+    args.listen = Some(listen.clone());
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let live_args = args.clone();
+    let host = tokio::spawn(async move { run_fold(&live_args, stop_rx).await });
     for i in 0..10u32 {
         w.put(
             &format!("route.new{i}.example"),
@@ -508,30 +687,39 @@ async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         .await?;
     }
     w.delete("route.host00000.example").await?;
-    let second = run_fold(&args, std::future::pending()).await?;
+    let target = first.cursor.revision_or_zero() + 11;
+    let mut status = serde_json::Value::Null;
+    for _ in 0..200 {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        if let Ok((200, body)) = crate::serve::call(&listen, "GET", "/status", b"").await {
+            status = serde_json::from_slice(&body).unwrap_or_default();
+            if status["applied_through"].as_u64() >= Some(target) {
+                break;
+            }
+        }
+    }
+    println!("\n$ curl -s http://{listen}/status");
+    println!("{status}");
+    for host_name in ["host00042.example", "new7.example", "host00000.example"] {
+        let (code, body) =
+            crate::serve::call(&listen, "POST", "/query", host_name.as_bytes()).await?;
+        println!(
+            "\n$ curl -s -d {host_name} http://{listen}/query\n{code} {}",
+            String::from_utf8_lossy(&body).trim_end()
+        );
+    }
+    let _ = stop_tx.send(true);
+    let second = host.await.context("host task")??;
     println!(
-        "after 11 more writes, second run resumed from its cursor: {} updates delivered (a delta, not a replay), cursor {}",
+        "\nsecond run resumed from its cursor: {} updates delivered (a delta, not a replay), stopped at cursor {}",
         second.delivered, second.cursor
     );
-    println!("\n$ foldhost status --store {}", store_dir.display());
-    cmd_status(StatusArgs {
-        store: store_dir.clone(),
-        json: false,
-    })?;
-    println!(
-        "\n$ foldhost dump --store {} --prefix route.new",
-        store_dir.display()
-    );
-    cmd_dump(DumpArgs {
-        store: store_dir.clone(),
-        prefix: "route.new".into(),
-        json: false,
-    })?;
     conn.shutdown().await;
-    if second.delivered != 11 {
+    if second.delivered != 11 || second.cursor.revision_or_zero() != target {
         bail!(
-            "demo: expected the resume to deliver exactly 11 updates, got {}",
-            second.delivered
+            "demo: expected the resume to deliver exactly 11 updates through {target}, got {} through {}",
+            second.delivered,
+            second.cursor
         );
     }
     println!("\ndemo ok");

@@ -8,18 +8,22 @@
 //! - [`protocol`] — every correctness decision as a pure function.
 //! - [`snapshot`] — the durable fold contract and the append-log backend.
 //! - [`storedir`] — the store directory: backend choice, read-only opens, the status file.
+//! - [`guest`] — WebAssembly guests behind the `Apply` seam (wasmtime).
 //! - [`applied`] — `watch_applied` and [`applied::Fold`]: cursor-after-apply.
 //! - [`localnats`] — a throwaway local nats-server for the demo and the tests.
+//! - [`serve`] — the `--listen` endpoint: `/status`, `/query`.
 //! - [`cli`] — the command line.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod applied;
 pub mod cli;
+pub mod guest;
 pub mod kv;
 pub mod localnats;
 pub mod nats;
 pub mod protocol;
+pub mod serve;
 pub mod snapshot;
 pub mod storedir;
 pub mod stores;

@@ -98,7 +98,7 @@ pub struct Recovery {
 
 /// The durable-fold contract. Every backend keeps the same invariants (see the module docs), and
 /// the conformance suite checks them for each.
-pub trait SnapshotStore: Send + 'static {
+pub trait SnapshotStore: Send + Sync + 'static {
     /// Short backend name as the CLI spells it (`append-log`, `fjall`, `rocksdb`).
     fn backend(&self) -> &'static str;
 
@@ -121,6 +121,20 @@ pub trait SnapshotStore: Send + 'static {
         visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
     ) -> Result<(), SnapshotError>;
 
+    /// Like [`Self::for_each_in_range`], starting strictly after `after` (for paging). Backends
+    /// with ordered iteration override it to seek instead of skipping.
+    fn for_each_in_range_after(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) -> Result<(), SnapshotError> {
+        self.for_each_in_range(prefix, &mut |e| match after {
+            Some(a) if e.key.as_str() <= a => ControlFlow::Continue(()),
+            _ => visit(e),
+        })
+    }
+
     /// Every entry under `prefix`, in key order (materialised: for small ranges).
     fn range(&self, prefix: &str) -> Result<Vec<KvEntry>, SnapshotError> {
         let mut out = Vec::new();
@@ -137,5 +151,105 @@ pub trait SnapshotStore: Send + 'static {
     /// True when the fold holds no key.
     fn is_empty(&self) -> Result<bool, SnapshotError> {
         Ok(self.len()? == 0)
+    }
+}
+
+/// Read access to a committed fold, for appliers (a guest's `get`/`scan` imports, hydration).
+pub trait FoldRead: Send + Sync {
+    /// The live entry for `key`.
+    fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError>;
+    /// Entries under `prefix`, in key order, strictly after `start_after`, at most `limit`.
+    fn scan(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<KvEntry>, SnapshotError>;
+    /// Visits every entry under `prefix` in key order (for hydration: never materialises the fold).
+    fn visit(
+        &self,
+        prefix: &str,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) -> Result<(), SnapshotError>;
+}
+
+/// A store shared between the fold (the only writer) and readers of its committed state.
+///
+/// The fold takes the write lock only inside `apply`; appliers read between applies, so the lock
+/// is never contended on the hot path. A panic while holding it (a bug) reads as a poisoned store.
+pub struct SharedStore<S>(std::sync::Arc<std::sync::RwLock<S>>);
+
+impl<S> Clone for SharedStore<S> {
+    fn clone(&self) -> Self {
+        SharedStore(self.0.clone())
+    }
+}
+
+impl<S: SnapshotStore> SharedStore<S> {
+    /// Shares `store`.
+    pub fn new(store: S) -> Self {
+        SharedStore(std::sync::Arc::new(std::sync::RwLock::new(store)))
+    }
+
+    /// Shared read access.
+    pub fn read(&self) -> Result<std::sync::RwLockReadGuard<'_, S>, SnapshotError> {
+        self.0.read().map_err(|_| SnapshotError::Poisoned {
+            path: PathBuf::new(),
+            cause: "a thread panicked while holding the store".into(),
+        })
+    }
+
+    /// Exclusive access (the fold's commits).
+    pub fn write(&self) -> Result<std::sync::RwLockWriteGuard<'_, S>, SnapshotError> {
+        self.0.write().map_err(|_| SnapshotError::Poisoned {
+            path: PathBuf::new(),
+            cause: "a thread panicked while holding the store".into(),
+        })
+    }
+
+    /// The store back, when this is the last handle.
+    pub fn into_inner(self) -> Result<S, Self> {
+        match std::sync::Arc::try_unwrap(self.0) {
+            Ok(lock) => lock.into_inner().map_err(|p| {
+                SharedStore(std::sync::Arc::new(std::sync::RwLock::new(p.into_inner())))
+            }),
+            Err(arc) => Err(SharedStore(arc)),
+        }
+    }
+}
+
+impl<S: SnapshotStore> FoldRead for SharedStore<S> {
+    fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError> {
+        self.read()?.get(key)
+    }
+
+    fn scan(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<KvEntry>, SnapshotError> {
+        let mut out = Vec::new();
+        if limit == 0 {
+            return Ok(out);
+        }
+        self.read()?
+            .for_each_in_range_after(prefix, start_after, &mut |e| {
+                out.push(e.clone());
+                if out.len() >= limit {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            })?;
+        Ok(out)
+    }
+
+    fn visit(
+        &self,
+        prefix: &str,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) -> Result<(), SnapshotError> {
+        self.read()?.for_each_in_range(prefix, visit)
     }
 }

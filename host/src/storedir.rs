@@ -199,6 +199,16 @@ impl SnapshotStore for AnyStore {
             AnyStore::AppendLog(s) => s.for_each_in_range(prefix, visit),
         }
     }
+    fn for_each_in_range_after(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) -> Result<(), SnapshotError> {
+        match self {
+            AnyStore::AppendLog(s) => s.for_each_in_range_after(prefix, after, visit),
+        }
+    }
     fn len(&self) -> Result<u64, SnapshotError> {
         match self {
             AnyStore::AppendLog(s) => s.len(),

@@ -12,7 +12,9 @@ use foldhost::applied::{
 };
 use foldhost::kv::{KvEntry, KvUpdate, KvWriter, WatchCursor, WatchScope};
 use foldhost::nats::NatsKv;
-use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotError, SnapshotStore};
+use foldhost::snapshot::{
+    AppendLogOptions, AppendLogSnapshot, SharedStore, SnapshotError, SnapshotStore,
+};
 use foldhost_tests::{Contents, Harness, bucket_contents, first_difference};
 
 fn opts(max: usize) -> WatchOptions {
@@ -52,16 +54,21 @@ async fn fold_once<S: SnapshotStore>(
     max: usize,
 ) -> Result<(S, CountingApply), AppliedError> {
     let mut apply = CountingApply::default();
-    let f = watch_applied(
+    let shared = SharedStore::new(store);
+    watch_applied(
         kv.clone(),
-        store,
+        shared.clone(),
         &mut apply,
         opts(max),
         Arc::new(FoldStatus::default()),
+        None,
         std::future::pending(),
     )
     .await?;
-    Ok((f.store, apply))
+    let store = shared
+        .into_inner()
+        .map_err(|_| AppliedError::Task("store still shared".into()))?;
+    Ok((store, apply))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -257,10 +264,11 @@ async fn cursor_covers_rejected_updates_so_a_restart_does_not_replay_them() -> a
     let mut apply = SkipAll { applied: 0 };
     let f = watch_applied(
         kv.clone(),
-        open(tmp.path()),
+        SharedStore::new(open(tmp.path())),
         &mut apply,
         opts(100),
         Arc::new(FoldStatus::default()),
+        None,
         std::future::pending(),
     )
     .await?;
@@ -270,7 +278,6 @@ async fn cursor_covers_rejected_updates_so_a_restart_does_not_replay_them() -> a
         WatchCursor::at(kv.positions().await?.last_sequence),
         "a run of rejected updates still advances the cursor"
     );
-    drop(f);
     let (_, again) = fold_once(&kv, open(tmp.path()), 100).await?;
     assert_eq!(again.parsed, 0, "a restart re-delivers none of them");
     Ok(())

@@ -290,6 +290,39 @@ impl SnapshotStore for AppendLogSnapshot {
         Ok(())
     }
 
+    fn for_each_in_range_after(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) -> Result<(), SnapshotError> {
+        let Some(after) = after.filter(|a| *a >= prefix) else {
+            return self.for_each_in_range(prefix, visit);
+        };
+        let mut entry = KvEntry {
+            key: String::new(),
+            value: Bytes::new(),
+            version: VersionToken::UNKNOWN,
+        };
+        for (key, (value, version)) in self
+            .fold
+            .map
+            .range::<str, _>((Bound::Excluded(after), Bound::Unbounded))
+        {
+            if !key.starts_with(prefix) {
+                break;
+            }
+            entry.key.clear();
+            entry.key.push_str(key);
+            entry.value = value.clone();
+            entry.version = *version;
+            if visit(&entry).is_break() {
+                break;
+            }
+        }
+        Ok(())
+    }
+
     fn len(&self) -> Result<u64, SnapshotError> {
         Ok(self.fold.map.len() as u64)
     }

@@ -13,7 +13,7 @@ use foldhost::applied::{BatchConfig, CountingApply, FoldStatus, WatchOptions, wa
 use foldhost::kv::WatchScope;
 use foldhost::localnats::LocalNats;
 use foldhost::nats::NatsConnection;
-use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotStore};
+use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SharedStore, SnapshotStore};
 use foldhost::stores::{ConnectOptions, StoreConfig};
 use futures::StreamExt;
 
@@ -98,9 +98,10 @@ async fn main() -> anyhow::Result<()> {
         let (store, _) = AppendLogSnapshot::open(dir.path(), AppendLogOptions::default())?;
         let mut apply = CountingApply::default();
         let t = Instant::now();
-        let done = watch_applied(
+        let store = SharedStore::new(store);
+        watch_applied(
             kv.clone(),
-            store,
+            store.clone(),
             &mut apply,
             WatchOptions {
                 scope: WatchScope::All,
@@ -108,11 +109,12 @@ async fn main() -> anyhow::Result<()> {
                 catch_up: true,
             },
             Arc::new(FoldStatus::default()),
+            None,
             std::future::pending(),
         )
         .await?;
         let fold_rate = apply.parsed as f64 / t.elapsed().as_secs_f64();
-        anyhow::ensure!(done.store.len()? == keys, "fold incomplete");
+        anyhow::ensure!(store.read()?.len()? == keys, "fold incomplete");
         anyhow::ensure!(n == keys, "raw drain incomplete: {n}");
         println!(
             "run {run}: raw drain {raw_rate:>9.0} upd/s   fold ingest {fold_rate:>9.0} upd/s   ratio {:.2}",

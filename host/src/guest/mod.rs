@@ -1,0 +1,550 @@
+//! WebAssembly guests behind the [`Apply`] seam: one wasmtime [`Engine`], components compiled once
+//! and cached by content hash, imports type-checked before anything runs (`InstancePre`), a fresh
+//! `Store` per instance, an epoch deadline and a memory cap on every call.
+//!
+//! Invariants:
+//! - Only `guest/bindings.rs` names generated types; everything else speaks the host's types.
+//! - **No ambient authority.** A guest imports fold reads and logging (the WIT world) and the WASI
+//!   interfaces Rust's std pulls in. Those are linked from `wasmtime-wasi` with an *empty* context:
+//!   no preopened directories, no environment, no arguments, sockets and name lookup refused, stdin
+//!   closed, stdout discarded, stderr kept (16 KiB) only to report a panic message, and a clock that
+//!   never moves (time 0). Random numbers come from the host's generator (std's `HashMap` seeds need
+//!   them). Anything else a component imports is refused at load, naming the import.
+//! - **Every call is bounded**: re-armed epoch deadline before each call (a ticker thread advances the
+//!   epoch every [`TICK`]), memory capped by `StoreLimits`, batches passed whole.
+//! - **A failed call kills the instance.** After a trap, a deadline, a memory-cap hit or an `apply`
+//!   error the instance is dropped; the next call builds a fresh one and rebuilds it from the
+//!   committed fold (hydration) before retrying — so a retried batch never lands on half-applied
+//!   domain state.
+
+mod bindings;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::{Config, Engine, Store};
+
+use crate::applied::{Apply, ApplyError, Verdict};
+use crate::kv::{KvUpdate, WatchCursor, WatchScope};
+use crate::snapshot::FoldRead;
+use bindings::{GuestPre, HostState};
+
+/// How often the epoch advances: the granularity of call deadlines.
+pub const TICK: Duration = Duration::from_millis(2);
+
+/// Per-guest limits. Defaults: 1 s per call, 256 MiB of memory, hydration in chunks of 1 000.
+#[derive(Clone, Copy, Debug)]
+pub struct GuestLimits {
+    /// Longest one call may run (a whole batch's `apply`, one hydration chunk).
+    pub call_deadline: Duration,
+    /// Most linear memory a guest may hold.
+    pub memory_bytes: usize,
+    /// Entries per call while hydrating a fresh instance from the fold.
+    pub hydrate_chunk: usize,
+}
+
+impl Default for GuestLimits {
+    fn default() -> Self {
+        GuestLimits {
+            call_deadline: Duration::from_secs(1),
+            memory_bytes: 256 * 1024 * 1024,
+            hydrate_chunk: 1000,
+        }
+    }
+}
+
+/// Errors loading or running a guest.
+#[derive(Debug, thiserror::Error)]
+pub enum GuestError {
+    /// The engine could not be built.
+    #[error("wasm engine: {0}")]
+    Engine(String),
+    /// The file could not be read.
+    #[error("{path}: {reason}")]
+    Read {
+        /// The file.
+        path: String,
+        /// Why.
+        reason: String,
+    },
+    /// The bytes are not a component this host can compile.
+    #[error("{what}: not a loadable component: {reason}")]
+    Compile {
+        /// The file or guest.
+        what: String,
+        /// The compiler's message.
+        reason: String,
+    },
+    /// The component imports or exports something this host does not match.
+    #[error("{what}: refused at load: {reason}")]
+    Link {
+        /// The file or guest.
+        what: String,
+        /// The linker's message (names the import).
+        reason: String,
+    },
+    /// A call failed (trap, deadline, memory cap, or the guest's own error).
+    #[error(transparent)]
+    Call(#[from] ApplyError),
+}
+
+/// A guest's manifest, in host types.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GuestManifest {
+    /// The guest's name.
+    pub name: String,
+    /// Its version.
+    pub version: String,
+    /// The key prefixes it wants; empty = all.
+    pub scope: Vec<String>,
+}
+
+impl GuestManifest {
+    /// The watch scope the manifest asks for.
+    pub fn watch_scope(&self) -> WatchScope {
+        match self.scope.as_slice() {
+            [] => WatchScope::All,
+            [one] => WatchScope::Prefix(one.clone()),
+            many => WatchScope::Prefixes(many.to_vec()),
+        }
+    }
+}
+
+/// The engine, the linker and the compiled-component cache, shared by every guest of a host.
+pub struct GuestEngine {
+    engine: Engine,
+    linker: Linker<HostState>,
+    cache: Mutex<HashMap<[u8; 32], Component>>,
+    stop: Arc<AtomicBool>,
+}
+
+impl GuestEngine {
+    /// Builds the engine (epoch interruption on) and starts its epoch ticker.
+    pub fn new() -> Result<Arc<Self>, GuestError> {
+        let mut config = Config::new();
+        config.wasm_component_model(true);
+        config.epoch_interruption(true);
+        let engine = Engine::new(&config).map_err(|e| GuestError::Engine(format!("{e:#}")))?;
+        let mut linker: Linker<HostState> = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker)
+            .map_err(|e| GuestError::Engine(format!("link WASI: {e:#}")))?;
+        bindings::Guest::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
+            .map_err(|e| GuestError::Engine(format!("link host imports: {e:#}")))?;
+        let stop = Arc::new(AtomicBool::new(false));
+        {
+            let engine = engine.clone();
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name("foldhost-epoch".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(TICK);
+                        engine.increment_epoch();
+                    }
+                })
+                .map_err(|e| GuestError::Engine(format!("epoch ticker: {e}")))?;
+        }
+        Ok(Arc::new(GuestEngine {
+            engine,
+            linker,
+            cache: Mutex::new(HashMap::new()),
+            stop,
+        }))
+    }
+
+    /// Compiles `bytes` (or takes the cached compilation of the same bytes) and checks its imports
+    /// and exports against this host. `what` names it in errors.
+    pub fn prepare(&self, what: &str, bytes: &[u8]) -> Result<GuestPre<HostState>, GuestError> {
+        let hash: [u8; 32] = *blake3::hash(bytes).as_bytes();
+        let cached = self.cache.lock().ok().and_then(|c| c.get(&hash).cloned());
+        let component = match cached {
+            Some(c) => c,
+            None => {
+                let c = Component::new(&self.engine, bytes).map_err(|e| GuestError::Compile {
+                    what: what.to_string(),
+                    reason: format!("{e:#}"),
+                })?;
+                if let Ok(mut cache) = self.cache.lock() {
+                    cache.insert(hash, c.clone());
+                }
+                c
+            }
+        };
+        let pre = self
+            .linker
+            .instantiate_pre(&component)
+            .map_err(|e| GuestError::Link {
+                what: what.to_string(),
+                reason: format!("{e:#}"),
+            })?;
+        GuestPre::new(pre).map_err(|e| GuestError::Link {
+            what: what.to_string(),
+            reason: format!("{e:#}"),
+        })
+    }
+}
+
+impl Drop for GuestEngine {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+struct Live {
+    store: Store<HostState>,
+    guest: bindings::Guest,
+}
+
+/// What a guest's calls need besides the instance: `Sync`, so it can be borrowed across awaits
+/// while the (non-`Sync`) instance is borrowed mutably beside it.
+struct Core {
+    pre: GuestPre<HostState>,
+    manifest: GuestManifest,
+    limits: GuestLimits,
+    config: Vec<(String, String)>,
+    fold: Arc<dyn FoldRead>,
+}
+
+/// A guest as an [`Apply`]: parse/apply/on-applied/query cross into the component, once per batch.
+pub struct GuestApply {
+    core: Core,
+    live: Option<Live>,
+    /// Hydrations run (fresh instances rebuilt from the fold), for status and tests.
+    pub hydrations: u64,
+    /// Entries streamed into the last hydration, and how long it took.
+    pub last_hydration: Option<(u64, Duration)>,
+}
+
+impl GuestApply {
+    /// Loads the component at `bytes` (named `what` in errors), reads its manifest from a first
+    /// instance, and keeps that instance (initialised, not yet hydrated).
+    pub async fn load(
+        engine: &GuestEngine,
+        what: &str,
+        bytes: &[u8],
+        limits: GuestLimits,
+        config: Vec<(String, String)>,
+        fold: Arc<dyn FoldRead>,
+    ) -> Result<Self, GuestError> {
+        let pre = engine.prepare(what, bytes)?;
+        let mut core = Core {
+            pre,
+            manifest: GuestManifest {
+                name: what.to_string(),
+                version: "?".into(),
+                scope: Vec::new(),
+            },
+            limits,
+            config,
+            fold,
+        };
+        let mut live = core.instantiate().await?;
+        core.manifest = core.call_manifest(&mut live).await?;
+        core.call_init(&mut live).await?;
+        Ok(GuestApply {
+            core,
+            live: Some(live),
+            hydrations: 0,
+            last_hydration: None,
+        })
+    }
+
+    /// The guest's manifest.
+    pub fn manifest(&self) -> &GuestManifest {
+        &self.core.manifest
+    }
+
+    /// Builds the first instance's domain state from the committed fold (a no-op when the live
+    /// instance is already hydrated). Call before the first batch.
+    pub async fn hydrate(&mut self) -> Result<(), ApplyError> {
+        let live = self.live().await?;
+        self.live = Some(live);
+        Ok(())
+    }
+
+    /// The live instance, building and hydrating a fresh one if the last call killed it.
+    async fn live(&mut self) -> Result<Live, ApplyError> {
+        let mut l = match self.live.take() {
+            Some(l) if self.hydrations > 0 => return Ok(l),
+            Some(l) => l,
+            None => self.core.fresh().await?,
+        };
+        let stats = self.core.stream_fold(&mut l).await?;
+        self.hydrations += 1;
+        self.last_hydration = Some(stats);
+        Ok(l)
+    }
+}
+
+impl Core {
+    fn describe(&self) -> String {
+        format!("{}@{}", self.manifest.name, self.manifest.version)
+    }
+
+    fn err(&self, call: &'static str, message: String) -> ApplyError {
+        ApplyError {
+            applier: self.describe(),
+            call,
+            message,
+        }
+    }
+
+    /// Explains a failed call: deadline, memory cap, the guest's panic message, or the trap.
+    fn call_error(&self, live: &Live, call: &'static str, e: wasmtime::Error) -> ApplyError {
+        let message = if matches!(
+            e.downcast_ref::<wasmtime::Trap>(),
+            Some(wasmtime::Trap::Interrupt)
+        ) {
+            format!(
+                "deadline of {} ms exceeded (interrupted)",
+                self.limits.call_deadline.as_millis()
+            )
+        } else {
+            let text = format!("{e:#}");
+            if text.contains("forcing trap when growing memory") {
+                format!(
+                    "memory cap of {} MiB hit ({})",
+                    self.limits.memory_bytes / (1024 * 1024),
+                    text.lines().next().unwrap_or_default()
+                )
+            } else {
+                let first = text.lines().next().unwrap_or_default().to_string();
+                match live.store.data().last_stderr_line() {
+                    Some(panic) => format!("trapped: {first}; guest said: {panic}"),
+                    None => format!("trapped: {first}"),
+                }
+            }
+        };
+        self.err(call, message)
+    }
+
+    fn arm(&self, live: &mut Live) {
+        let ticks = self.limits.call_deadline.as_micros() / TICK.as_micros();
+        live.store.set_epoch_deadline((ticks as u64).max(1));
+    }
+
+    async fn instantiate(&self) -> Result<Live, ApplyError> {
+        let state = HostState::new(
+            self.fold.clone(),
+            self.manifest.name.clone(),
+            self.limits.memory_bytes,
+        );
+        let mut store = Store::new(self.pre.engine(), state);
+        store.limiter(|s| &mut s.limits);
+        store.set_epoch_deadline(1);
+        let ticks = self.limits.call_deadline.as_micros() / TICK.as_micros();
+        store.set_epoch_deadline((ticks as u64).max(1));
+        let guest = self
+            .pre
+            .instantiate_async(&mut store)
+            .await
+            .map_err(|e| self.err("instantiate", format!("{e:#}")))?;
+        Ok(Live { store, guest })
+    }
+
+    async fn call_manifest(&self, live: &mut Live) -> Result<GuestManifest, ApplyError> {
+        self.arm(live);
+        let folder = live.guest.foldhost_guest_folder();
+        let m = folder
+            .call_manifest(&mut live.store)
+            .await
+            .map_err(|e| self.call_error(live, "manifest", e))?;
+        Ok(GuestManifest {
+            name: m.name,
+            version: m.version,
+            scope: m.scope,
+        })
+    }
+
+    async fn call_init(&self, live: &mut Live) -> Result<(), ApplyError> {
+        self.arm(live);
+        let folder = live.guest.foldhost_guest_folder();
+        folder
+            .call_init(&mut live.store, &self.config)
+            .await
+            .map_err(|e| self.call_error(live, "init", e))?
+            .map_err(|m| self.err("init", m))
+    }
+
+    /// A fresh instance: instantiated, checked to be the same guest, initialised (not hydrated).
+    async fn fresh(&self) -> Result<Live, ApplyError> {
+        let mut live = self.instantiate().await?;
+        let m = self.call_manifest(&mut live).await?;
+        if m.name != self.manifest.name || m.version != self.manifest.version {
+            return Err(self.err(
+                "manifest",
+                format!("a fresh instance says it is {}@{}", m.name, m.version),
+            ));
+        }
+        self.call_init(&mut live).await?;
+        Ok(live)
+    }
+
+    async fn call_parse(
+        &self,
+        live: &mut Live,
+        batch: &[bindings::Update],
+    ) -> Result<Vec<Verdict>, ApplyError> {
+        self.arm(live);
+        let folder = live.guest.foldhost_guest_folder();
+        let verdicts = folder
+            .call_parse(&mut live.store, batch)
+            .await
+            .map_err(|e| self.call_error(live, "parse", e))?;
+        if verdicts.len() != batch.len() {
+            return Err(self.err(
+                "parse",
+                format!(
+                    "answered {} verdicts for a batch of {}",
+                    verdicts.len(),
+                    batch.len()
+                ),
+            ));
+        }
+        verdicts
+            .into_iter()
+            .map(|v| match v {
+                bindings::Verdict::Accept => Ok(Verdict::Accept),
+                bindings::Verdict::Skip => Ok(Verdict::Skip),
+                bindings::Verdict::Defer => Err(self.err(
+                    "parse",
+                    "answered defer, which this host does not retain yet".into(),
+                )),
+            })
+            .collect()
+    }
+
+    async fn call_apply(&self, live: &mut Live) -> Result<(), ApplyError> {
+        self.arm(live);
+        let folder = live.guest.foldhost_guest_folder();
+        folder
+            .call_apply(&mut live.store)
+            .await
+            .map_err(|e| self.call_error(live, "apply", e))?
+            .map_err(|m| self.err("apply", m))
+    }
+
+    /// Streams the committed fold (in scope) through parse/apply in chunks.
+    async fn stream_fold(&self, live: &mut Live) -> Result<(u64, Duration), ApplyError> {
+        let t = Instant::now();
+        let prefixes = match self.manifest.scope.as_slice() {
+            [] => vec![String::new()],
+            many => many.to_vec(),
+        };
+        let chunk = self.limits.hydrate_chunk.max(1);
+        let mut total = 0u64;
+        for prefix in prefixes {
+            let mut after: Option<String> = None;
+            loop {
+                let entries = self
+                    .fold
+                    .scan(&prefix, after.as_deref(), chunk)
+                    .map_err(|e| self.err("hydrate", format!("read the fold: {e}")))?;
+                let Some(last) = entries.last() else { break };
+                after = Some(last.key.clone());
+                let n = entries.len();
+                let batch: Vec<bindings::Update> = entries
+                    .into_iter()
+                    .map(|e| bindings::Update {
+                        revision: e.version.as_u64().unwrap_or(0),
+                        key: e.key,
+                        value: e.value.to_vec(),
+                        op: bindings::Op::Put,
+                    })
+                    .collect();
+                self.call_parse(live, &batch).await?;
+                self.call_apply(live).await?;
+                total += n as u64;
+                if n < chunk {
+                    break;
+                }
+            }
+        }
+        tracing::info!(
+            guest = %self.describe(),
+            entries = total,
+            ms = t.elapsed().as_millis() as u64,
+            "guest hydrated from the fold"
+        );
+        Ok((total, t.elapsed()))
+    }
+}
+
+#[async_trait]
+impl Apply for GuestApply {
+    fn describe(&self) -> String {
+        self.core.describe()
+    }
+
+    async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
+        let mut live = self.live().await?;
+        let updates: Vec<bindings::Update> = batch.iter().map(bindings::to_wit_update).collect();
+        let r = self.core.call_parse(&mut live, &updates).await;
+        if r.is_ok() {
+            self.live = Some(live);
+        }
+        r
+    }
+
+    async fn apply(
+        &mut self,
+        _batch: &[KvUpdate],
+        _verdicts: &[Verdict],
+    ) -> Result<(), ApplyError> {
+        let Some(mut live) = self.live.take() else {
+            return Err(self
+                .core
+                .err("apply", "no live instance (parse failed)".into()));
+        };
+        let r = self.core.call_apply(&mut live).await;
+        if r.is_ok() {
+            self.live = Some(live);
+        }
+        r
+    }
+
+    async fn on_applied(&mut self, cursor: WatchCursor) {
+        let Some(mut live) = self.live.take() else {
+            return;
+        };
+        self.core.arm(&mut live);
+        let folder = live.guest.foldhost_guest_folder();
+        match folder
+            .call_on_applied(&mut live.store, cursor.revision_or_zero())
+            .await
+        {
+            Ok(()) => self.live = Some(live),
+            Err(e) => {
+                // The batch is committed; the instance is not trustworthy any more. The next batch
+                // rebuilds a fresh one from the fold.
+                let err = self.core.call_error(&live, "on-applied", e);
+                tracing::warn!(error = %err, "guest failed after a commit; rebuilding it");
+            }
+        }
+    }
+
+    async fn query(&mut self, request: &[u8]) -> Result<Vec<u8>, ApplyError> {
+        let mut live = self.live().await?;
+        self.core.arm(&mut live);
+        let folder = live.guest.foldhost_guest_folder();
+        match folder.call_query(&mut live.store, request).await {
+            Ok(answer) => {
+                self.live = Some(live);
+                answer.map_err(|m| self.core.err("query", m))
+            }
+            Err(e) => Err(self.core.call_error(&live, "query", e)),
+        }
+    }
+}
+
+/// Reads a guest file, naming it in the error.
+pub fn read_guest_file(path: &std::path::Path) -> Result<Vec<u8>, GuestError> {
+    std::fs::read(path).map_err(|e| GuestError::Read {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })
+}

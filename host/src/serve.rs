@@ -1,0 +1,298 @@
+//! The `--listen` endpoint: `GET /status` and `POST /query`, over a deliberately small HTTP/1.1.
+//!
+//! Parsing is a pure function over bytes ([`parse_request`]); the I/O loop around it is thin. One
+//! request per connection (`Connection: close`), bounded head (16 KiB) and body (1 MiB), and a read
+//! timeout, so a slow or hostile client costs one task and a little memory, never the fold.
+//!
+//! Queries are handed to the fold loop ([`crate::applied::Control::Query`]) and answered between
+//! batches: a query never sees a half-applied batch.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::applied::Control;
+
+/// Largest request head accepted.
+pub const MAX_HEAD: usize = 16 * 1024;
+/// Largest request body accepted.
+pub const MAX_BODY: usize = 1024 * 1024;
+/// How long a client may take to send its request, and a query to be answered.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// A parsed request head.
+#[derive(Debug, PartialEq, Eq)]
+pub struct RequestHead {
+    /// `GET`, `POST`, …
+    pub method: String,
+    /// The path, without the query string.
+    pub path: String,
+    /// The declared body length.
+    pub content_length: usize,
+    /// Bytes of the head, including the blank line.
+    pub head_len: usize,
+}
+
+/// Why a request was refused.
+#[derive(Debug, PartialEq, Eq, thiserror::Error)]
+pub enum HttpError {
+    /// Malformed.
+    #[error("bad request: {0}")]
+    Bad(&'static str),
+    /// Over a limit.
+    #[error("too large")]
+    TooLarge,
+}
+
+/// Parses a request head from the bytes received so far: `Ok(None)` means "need more bytes".
+pub fn parse_request(buf: &[u8]) -> Result<Option<RequestHead>, HttpError> {
+    let Some(end) = find(buf, b"\r\n\r\n") else {
+        return if buf.len() > MAX_HEAD {
+            Err(HttpError::TooLarge)
+        } else {
+            Ok(None)
+        };
+    };
+    let head_len = end + 4;
+    if head_len > MAX_HEAD {
+        return Err(HttpError::TooLarge);
+    }
+    let head = std::str::from_utf8(&buf[..end]).map_err(|_| HttpError::Bad("head is not UTF-8"))?;
+    let mut lines = head.split("\r\n");
+    let request_line = lines.next().ok_or(HttpError::Bad("empty request"))?;
+    let mut parts = request_line.split(' ');
+    let method = parts.next().ok_or(HttpError::Bad("no method"))?;
+    let target = parts.next().ok_or(HttpError::Bad("no target"))?;
+    let version = parts.next().ok_or(HttpError::Bad("no version"))?;
+    if !version.starts_with("HTTP/1.") || parts.next().is_some() {
+        return Err(HttpError::Bad("not HTTP/1.x"));
+    }
+    let mut content_length = 0usize;
+    for line in lines {
+        let (name, value) = line
+            .split_once(':')
+            .ok_or(HttpError::Bad("header without a colon"))?;
+        if name.trim().eq_ignore_ascii_case("content-length") {
+            content_length = value
+                .trim()
+                .parse()
+                .map_err(|_| HttpError::Bad("bad content-length"))?;
+        } else if name.trim().eq_ignore_ascii_case("transfer-encoding") {
+            return Err(HttpError::Bad("chunked bodies are not accepted"));
+        }
+    }
+    if content_length > MAX_BODY {
+        return Err(HttpError::TooLarge);
+    }
+    let path = target.split('?').next().unwrap_or(target).to_string();
+    Ok(Some(RequestHead {
+        method: method.to_string(),
+        path,
+        content_length,
+        head_len,
+    }))
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).position(|w| w == needle)
+}
+
+/// Renders a response.
+pub fn response(status: u16, reason: &str, content_type: &str, body: &[u8]) -> Vec<u8> {
+    let mut out = format!(
+        "HTTP/1.1 {status} {reason}\r\nContent-Type: {content_type}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(body);
+    out
+}
+
+/// What the server needs from the host.
+pub struct ServeState {
+    /// Renders the status JSON.
+    pub status: Box<dyn Fn() -> serde_json::Value + Send + Sync>,
+    /// The fold's control channel (`None` once the fold stopped).
+    pub control: mpsc::Sender<Control>,
+}
+
+/// Serves until the listener fails; each connection on its own task.
+pub async fn serve(listener: TcpListener, state: Arc<ServeState>) {
+    loop {
+        let (sock, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "listen: accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let state = state.clone();
+        tokio::spawn(async move {
+            if let Err(e) = handle(sock, &state).await {
+                tracing::debug!(error = %e, "listen: connection ended");
+            }
+        });
+    }
+}
+
+async fn handle(mut sock: TcpStream, state: &ServeState) -> std::io::Result<()> {
+    let mut buf = Vec::with_capacity(1024);
+    let head = loop {
+        match parse_request(&buf) {
+            Ok(Some(h)) => break h,
+            Ok(None) => {}
+            Err(e) => {
+                let r = response(400, "Bad Request", "text/plain", e.to_string().as_bytes());
+                return sock.write_all(&r).await;
+            }
+        }
+        let mut chunk = [0u8; 4096];
+        let n = tokio::time::timeout(IO_TIMEOUT, sock.read(&mut chunk))
+            .await
+            .map_err(|_| std::io::Error::other("read timeout"))??;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    };
+    let want = head.head_len + head.content_length;
+    while buf.len() < want {
+        let mut chunk = [0u8; 8192];
+        let n = tokio::time::timeout(IO_TIMEOUT, sock.read(&mut chunk))
+            .await
+            .map_err(|_| std::io::Error::other("read timeout"))??;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let body = buf[head.head_len..want].to_vec();
+    let resp = route(&head, body, state).await;
+    sock.write_all(&resp).await?;
+    sock.shutdown().await
+}
+
+async fn route(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8> {
+    match (head.method.as_str(), head.path.as_str()) {
+        ("GET", "/status") => {
+            let v = (state.status)();
+            let mut b = serde_json::to_vec(&v).unwrap_or_default();
+            b.push(b'\n');
+            response(200, "OK", "application/json", &b)
+        }
+        ("POST", "/query") => {
+            let (tx, rx) = oneshot::channel();
+            if state
+                .control
+                .send(Control::Query {
+                    request: body,
+                    reply: tx,
+                })
+                .await
+                .is_err()
+            {
+                return response(
+                    503,
+                    "Service Unavailable",
+                    "text/plain",
+                    b"the fold is not running\n",
+                );
+            }
+            match tokio::time::timeout(IO_TIMEOUT, rx).await {
+                Ok(Ok(Ok(answer))) => response(200, "OK", "application/octet-stream", &answer),
+                Ok(Ok(Err(e))) => response(
+                    422,
+                    "Unprocessable Entity",
+                    "text/plain",
+                    format!("{e}\n").as_bytes(),
+                ),
+                Ok(Err(_)) => response(
+                    503,
+                    "Service Unavailable",
+                    "text/plain",
+                    b"the fold stopped\n",
+                ),
+                Err(_) => response(504, "Gateway Timeout", "text/plain", b"no answer in time\n"),
+            }
+        }
+        (_, "/status") | (_, "/query") => response(
+            405,
+            "Method Not Allowed",
+            "text/plain",
+            b"method not allowed\n",
+        ),
+        _ => response(404, "Not Found", "text/plain", b"not found\n"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_post_with_a_body_length_and_waits_for_the_blank_line() {
+        let raw = b"POST /query?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello";
+        let h = parse_request(raw).expect("valid").expect("complete");
+        assert_eq!(h.method, "POST");
+        assert_eq!(h.path, "/query");
+        assert_eq!(h.content_length, 5);
+        assert_eq!(&raw[h.head_len..], b"hello");
+        assert_eq!(
+            parse_request(b"GET /status HTTP/1.1\r\nHost: a\r\n"),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn refuses_oversized_heads_and_bodies_and_malformed_lines() {
+        let big = vec![b'a'; MAX_HEAD + 1];
+        assert_eq!(parse_request(&big), Err(HttpError::TooLarge));
+        let body = format!(
+            "POST / HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+            MAX_BODY + 1
+        );
+        assert_eq!(parse_request(body.as_bytes()), Err(HttpError::TooLarge));
+        assert!(parse_request(b"GARBAGE\r\n\r\n").is_err());
+        assert!(parse_request(b"GET / HTTP/1.1\r\nnocolon\r\n\r\n").is_err());
+        assert!(parse_request(b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n").is_err());
+        assert!(parse_request(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n").is_err());
+    }
+}
+
+/// A minimal client for this endpoint (the demo and the tests use it): one request, one response.
+pub async fn call(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> std::io::Result<(u16, Vec<u8>)> {
+    let mut sock = tokio::time::timeout(IO_TIMEOUT, TcpStream::connect(addr))
+        .await
+        .map_err(|_| std::io::Error::other("connect timeout"))??;
+    let mut req = format!(
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        body.len()
+    )
+    .into_bytes();
+    req.extend_from_slice(body);
+    sock.write_all(&req).await?;
+    let mut resp = Vec::new();
+    tokio::time::timeout(IO_TIMEOUT * 2, sock.read_to_end(&mut resp))
+        .await
+        .map_err(|_| std::io::Error::other("read timeout"))??;
+    let end = find(&resp, b"\r\n\r\n").ok_or_else(|| std::io::Error::other("no response head"))?;
+    let status_line = std::str::from_utf8(&resp[..end])
+        .ok()
+        .and_then(|h| h.lines().next())
+        .unwrap_or_default();
+    let code = status_line
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| std::io::Error::other(format!("bad status line {status_line:?}")))?;
+    Ok((code, resp[end + 4..].to_vec()))
+}
