@@ -409,6 +409,9 @@ where
     let mut timer_armed = false;
     let mut level: Option<Option<u64>> = None;
     let mut backing_off = false;
+    // After a failed apply the batch is retried in halves, so the updates before a poison one are
+    // committed and the fold stops exactly at it; the size grows back after successes.
+    let mut cap = opts.batch.max;
 
     loop {
         if opts.catch_up
@@ -482,13 +485,15 @@ where
             backing_off = false;
             loop {
                 // A batch is at most `max` updates; a chunk from the watch can overfill it.
-                let b = if batch.len() > opts.batch.max {
-                    let rest = batch.split_off(opts.batch.max);
+                let b = if batch.len() > cap {
+                    let rest = batch.split_off(cap);
                     std::mem::replace(&mut batch, rest)
                 } else {
                     std::mem::take(&mut batch)
                 };
+                let tried = b.len();
                 if let Some(mut back) = fold.flush(b, apply).await? {
+                    cap = (tried / 2).max(1);
                     // apply failed: nothing committed; retry the same batch after a backoff,
                     // taking no new deliveries meanwhile (the channel backpressures the watch).
                     back.append(&mut batch);
@@ -500,6 +505,7 @@ where
                     timer_armed = true;
                     break;
                 }
+                cap = cap.saturating_mul(2).min(opts.batch.max);
                 if !fold.is_settled() {
                     // A store failure re-queued the batch: retry even if nothing new arrives.
                     timer
@@ -508,7 +514,7 @@ where
                     timer_armed = true;
                     break;
                 }
-                if batch.len() < opts.batch.max {
+                if batch.is_empty() || (batch.len() < opts.batch.max && cap == opts.batch.max) {
                     break;
                 }
             }

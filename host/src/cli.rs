@@ -206,10 +206,16 @@ pub async fn run_fold(
 ) -> anyhow::Result<RunSummary> {
     let backend: Backend = a.backend.parse().map_err(|e| anyhow!("--backend: {e}"))?;
     let guest_config = parse_config(&a.guest_config)?;
-    // Read the guest before touching anything: a missing file is a usage mistake, not a fold.
-    let guest_bytes = match &a.guest {
-        Some(p) => Some(crate::guest::read_guest_file(p)?),
-        None => None,
+    // Read, compile and link-check the guest before touching anything: a bad guest is refused
+    // with the reason (a missing import named) and nothing is connected or written.
+    let (engine, guest_bytes) = match &a.guest {
+        Some(p) => {
+            let bytes = crate::guest::read_guest_file(p)?;
+            let engine = crate::guest::GuestEngine::new()?;
+            engine.prepare(&p.display().to_string(), &bytes)?;
+            (Some(engine), Some(bytes))
+        }
+        None => (None, None),
     };
     // Connect before touching the store: a run that cannot reach its server writes nothing.
     let mut copts = ConnectOptions::new(a.nats.clone());
@@ -250,7 +256,7 @@ pub async fn run_fold(
     let (mut apply, manifest_scope): (Box<dyn Apply>, Option<WatchScope>) =
         match (&a.guest, guest_bytes) {
             (Some(path), Some(bytes)) => {
-                let engine = crate::guest::GuestEngine::new()?;
+                let engine = engine.ok_or_else(|| anyhow!("guest engine missing"))?;
                 let limits = crate::guest::GuestLimits {
                     call_deadline: Duration::from_millis(a.guest_deadline_ms.max(1)),
                     memory_bytes: a.guest_memory_mb.max(1) * 1024 * 1024,

@@ -167,3 +167,51 @@ pub fn first_difference(want: &Contents, got: &Contents) -> Option<String> {
     }
     None
 }
+
+/// A guest component built by `guests/build.sh` (`FOLDHOST_GUESTS_DIR` overrides the directory).
+pub fn guest_wasm(name: &str) -> PathBuf {
+    let dir = std::env::var("FOLDHOST_GUESTS_DIR").map_or_else(
+        |_| Path::new(env!("CARGO_MANIFEST_DIR")).join("../guests/target/wasm32-wasip2/release"),
+        PathBuf::from,
+    );
+    let p = dir.join(format!("{name}.wasm"));
+    assert!(
+        p.is_file(),
+        "{} not built: run guests/build.sh (the test command does)",
+        p.display()
+    );
+    p
+}
+
+/// A hostile component that lives beside the guests as text (compiled by the host's WAT support).
+pub fn hostile_wat(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../guests/hostile-imports")
+        .join(name)
+}
+
+/// Polls `GET /status` on `addr` until `done` holds for it (or 30 s pass).
+pub async fn wait_status(
+    addr: &str,
+    mut done: impl FnMut(&serde_json::Value) -> bool,
+) -> anyhow::Result<serde_json::Value> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let mut last = serde_json::Value::Null;
+    while std::time::Instant::now() < deadline {
+        if let Ok((200, body)) = foldhost::serve::call(addr, "GET", "/status", b"").await {
+            last = serde_json::from_slice(&body)?;
+            if done(&last) {
+                return Ok(last);
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    anyhow::bail!("status never reached the expected state; last: {last}")
+}
+
+/// Sends SIGTERM to a child (a clean shutdown) and waits for it.
+pub fn terminate(child: &mut std::process::Child) -> anyhow::Result<std::process::ExitStatus> {
+    let pid = child.id().to_string();
+    Command::new("kill").args(["-TERM", &pid]).status()?;
+    Ok(child.wait()?)
+}
