@@ -1,17 +1,15 @@
 # The two commands of the README. Each does its own set-up on a fresh machine.
-#   make demo   — a local nats-server, a bucket, a fold, a resume: end to end
+#   make demo   — a local nats-server, a bucket of routes, the router guest, a fold, queries
 #   make test   — formatting, lints, and every test suite against a real nats-server
-.PHONY: demo test setup bench
+.PHONY: demo test setup guests bench lint
 
-SETUP = NATS_SERVER_BIN="$$(scripts/setup.sh)"
+SETUP = NATS_SERVER_BIN="$$(scripts/setup.sh)" && export NATS_SERVER_BIN
 
 demo:
-	$(SETUP) && export NATS_SERVER_BIN && cargo run --quiet -p foldhost -- demo
+	$(SETUP) && guests/build.sh >/dev/null && cargo run --quiet -p foldhost -- demo
 
 test:
-	$(SETUP) && export NATS_SERVER_BIN && \
-	cargo fmt --all -- --check && \
-	cargo clippy --workspace --all-targets --quiet -- -D warnings && \
+	$(SETUP) && guests/build.sh && $(MAKE) --no-print-directory lint && \
 	cargo build --workspace --bins --quiet && \
 	if cargo nextest --version >/dev/null 2>&1; then \
 	  cargo nextest run --workspace --no-fail-fast; \
@@ -19,9 +17,19 @@ test:
 	  cargo test --workspace --no-fail-fast; \
 	fi
 
+lint:
+	cargo fmt --all -- --check
+	cargo fmt --manifest-path guests/Cargo.toml --all -- --check
+	cargo fmt --manifest-path sdk/rust/Cargo.toml -- --check
+	cargo clippy --workspace --all-targets --quiet -- -D warnings
+	cargo clippy --manifest-path guests/Cargo.toml --target wasm32-wasip2 --quiet -- -D warnings
+
 setup:
 	scripts/setup.sh >/dev/null
 
+guests:
+	guests/build.sh
+
 bench:
-	$(SETUP) && export NATS_SERVER_BIN && \
+	$(SETUP) && guests/build.sh >/dev/null && \
 	cargo run --release --quiet -p foldhost-tests --bin foldhost-bench

@@ -34,7 +34,7 @@ pub struct Cli {
 #[derive(Subcommand, Debug)]
 pub enum Command {
     /// Fold a bucket into a local store and keep it current.
-    Run(RunArgs),
+    Run(Box<RunArgs>),
     /// Show a store's cursor, seq, applied_through, applier and lag.
     Status(StatusArgs),
     /// Print the fold's entries in key order, one per line.
@@ -135,7 +135,7 @@ pub struct DemoArgs {
 /// Runs a parsed command line.
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
-        Command::Run(a) => cmd_run(a).await,
+        Command::Run(a) => cmd_run(*a).await,
         Command::Status(a) => cmd_status(a),
         Command::Dump(a) => cmd_dump(a),
         Command::Demo(a) => cmd_demo(a).await,

@@ -229,40 +229,6 @@ async fn route(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8>
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn parses_a_post_with_a_body_length_and_waits_for_the_blank_line() {
-        let raw = b"POST /query?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello";
-        let h = parse_request(raw).expect("valid").expect("complete");
-        assert_eq!(h.method, "POST");
-        assert_eq!(h.path, "/query");
-        assert_eq!(h.content_length, 5);
-        assert_eq!(&raw[h.head_len..], b"hello");
-        assert_eq!(
-            parse_request(b"GET /status HTTP/1.1\r\nHost: a\r\n"),
-            Ok(None)
-        );
-    }
-
-    #[test]
-    fn refuses_oversized_heads_and_bodies_and_malformed_lines() {
-        let big = vec![b'a'; MAX_HEAD + 1];
-        assert_eq!(parse_request(&big), Err(HttpError::TooLarge));
-        let body = format!(
-            "POST / HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
-            MAX_BODY + 1
-        );
-        assert_eq!(parse_request(body.as_bytes()), Err(HttpError::TooLarge));
-        assert!(parse_request(b"GARBAGE\r\n\r\n").is_err());
-        assert!(parse_request(b"GET / HTTP/1.1\r\nnocolon\r\n\r\n").is_err());
-        assert!(parse_request(b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n").is_err());
-        assert!(parse_request(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n").is_err());
-    }
-}
-
 /// A minimal client for this endpoint (the demo and the tests use it): one request, one response.
 pub async fn call(
     addr: &str,
@@ -295,4 +261,38 @@ pub async fn call(
         .and_then(|c| c.parse().ok())
         .ok_or_else(|| std::io::Error::other(format!("bad status line {status_line:?}")))?;
     Ok((code, resp[end + 4..].to_vec()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_a_post_with_a_body_length_and_waits_for_the_blank_line() {
+        let raw = b"POST /query?x=1 HTTP/1.1\r\nHost: a\r\nContent-Length: 5\r\n\r\nhello";
+        let h = parse_request(raw).expect("valid").expect("complete");
+        assert_eq!(h.method, "POST");
+        assert_eq!(h.path, "/query");
+        assert_eq!(h.content_length, 5);
+        assert_eq!(&raw[h.head_len..], b"hello");
+        assert_eq!(
+            parse_request(b"GET /status HTTP/1.1\r\nHost: a\r\n"),
+            Ok(None)
+        );
+    }
+
+    #[test]
+    fn refuses_oversized_heads_and_bodies_and_malformed_lines() {
+        let big = vec![b'a'; MAX_HEAD + 1];
+        assert_eq!(parse_request(&big), Err(HttpError::TooLarge));
+        let body = format!(
+            "POST / HTTP/1.1\r\nContent-Length: {}\r\n\r\n",
+            MAX_BODY + 1
+        );
+        assert_eq!(parse_request(body.as_bytes()), Err(HttpError::TooLarge));
+        assert!(parse_request(b"GARBAGE\r\n\r\n").is_err());
+        assert!(parse_request(b"GET / HTTP/1.1\r\nnocolon\r\n\r\n").is_err());
+        assert!(parse_request(b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n").is_err());
+        assert!(parse_request(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n").is_err());
+    }
 }

@@ -68,14 +68,25 @@ impl HostState {
         }
     }
 
-    /// The last non-empty line the guest wrote to stderr (a Rust panic's message), if any.
-    pub fn last_stderr_line(&self) -> Option<String> {
+    /// What the guest said before it trapped: a Rust panic's message (the line after
+    /// `panicked at …:`, with that location), else the last line it wrote to stderr.
+    pub fn panic_message(&self) -> Option<String> {
         let bytes = self.stderr.contents();
         let text = String::from_utf8_lossy(&bytes);
-        text.lines()
+        let lines: Vec<&str> = text.lines().map(str::trim).collect();
+        if let Some(i) = lines.iter().rposition(|l| l.contains("panicked at")) {
+            let at = lines[i]
+                .split_once("panicked at")
+                .map(|(_, loc)| loc.trim().trim_end_matches(':'))
+                .unwrap_or_default();
+            let msg = lines.get(i + 1).copied().unwrap_or_default();
+            return Some(format!("panicked at {at}: {msg}"));
+        }
+        lines
+            .iter()
             .rev()
-            .find(|l| !l.trim().is_empty())
-            .map(|l| l.trim().to_string())
+            .find(|l| !l.is_empty() && !l.starts_with("note:"))
+            .map(|l| l.to_string())
     }
 }
 

@@ -202,6 +202,8 @@ struct Live {
 /// What a guest's calls need besides the instance: `Sync`, so it can be borrowed across awaits
 /// while the (non-`Sync`) instance is borrowed mutably beside it.
 struct Core {
+    /// Keeps the engine — and its epoch ticker, without which no deadline fires — alive.
+    _engine: Arc<GuestEngine>,
     pre: GuestPre<HostState>,
     manifest: GuestManifest,
     limits: GuestLimits,
@@ -223,7 +225,7 @@ impl GuestApply {
     /// Loads the component at `bytes` (named `what` in errors), reads its manifest from a first
     /// instance, and keeps that instance (initialised, not yet hydrated).
     pub async fn load(
-        engine: &GuestEngine,
+        engine: &Arc<GuestEngine>,
         what: &str,
         bytes: &[u8],
         limits: GuestLimits,
@@ -232,6 +234,7 @@ impl GuestApply {
     ) -> Result<Self, GuestError> {
         let pre = engine.prepare(what, bytes)?;
         let mut core = Core {
+            _engine: engine.clone(),
             pre,
             manifest: GuestManifest {
                 name: what.to_string(),
@@ -312,10 +315,13 @@ impl Core {
                     text.lines().next().unwrap_or_default()
                 )
             } else {
-                let first = text.lines().next().unwrap_or_default().to_string();
-                match live.store.data().last_stderr_line() {
-                    Some(panic) => format!("trapped: {first}; guest said: {panic}"),
-                    None => format!("trapped: {first}"),
+                let cause = match e.downcast_ref::<wasmtime::Trap>() {
+                    Some(trap) => trap.to_string(),
+                    None => e.root_cause().to_string(),
+                };
+                match live.store.data().panic_message() {
+                    Some(panic) => format!("trapped ({cause}): {panic}"),
+                    None => format!("trapped ({cause})"),
                 }
             }
         };

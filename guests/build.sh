@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Builds every guest in this workspace as a WebAssembly component (wasm32-wasip2, release) and lists
+# them: target/wasm32-wasip2/release/<crate_name_with_underscores>.wasm. Honours CARGO_BUILD_JOBS.
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+cd "$here"
+
+target=wasm32-wasip2
+if ! rustup target list --installed 2>/dev/null | grep -qx "$target"; then
+    echo "build.sh: the $target target is missing: rustup target add $target" >&2
+    exit 1
+fi
+
+jobs=()
+if [[ -n "${CARGO_BUILD_JOBS:-}" ]]; then
+    jobs=(-j "$CARGO_BUILD_JOBS")
+fi
+
+cargo build --release --target "$target" "${jobs[@]}"
+
+out="$here/target/$target/release"
+# Every workspace member (a directory with a Cargo.toml) is a cdylib guest.
+crates=()
+for manifest in */Cargo.toml; do
+    name="$(sed -n 's/^name *= *"\(.*\)"/\1/p' "$manifest" | head -n 1)"
+    crates+=("${name//-/_}")
+done
+if [[ ${#crates[@]} -eq 0 ]]; then
+    echo "build.sh: no guest crates found" >&2
+    exit 1
+fi
+
+status=0
+for crate in "${crates[@]}"; do
+    wasm="$out/$crate.wasm"
+    if [[ ! -f "$wasm" ]]; then
+        echo "build.sh: missing $wasm" >&2
+        status=1
+        continue
+    fi
+    # A component starts with \0asm and layer 0x0d 0x00 0x01 0x00 (a core module has 01 00 00 00).
+    magic="$(head -c 8 "$wasm" | od -An -tx1 | tr -d ' \n')"
+    if [[ "$magic" != "0061736d0d000100" ]]; then
+        echo "build.sh: $wasm is not a component (header $magic)" >&2
+        status=1
+        continue
+    fi
+    printf '%9d  %s\n' "$(stat -c %s "$wasm")" "${wasm#"$here"/}"
+done
+exit "$status"

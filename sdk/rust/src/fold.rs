@@ -1,0 +1,33 @@
+//! Read access to the host's committed fold (never the batch being applied).
+//!
+//! The fold is the host's durable key → value map of the bucket, as of the last committed batch.
+//! Values are the raw bytes from the bucket, not what [`Folder::parse`](crate::Folder::parse) made
+//! of them.
+
+use crate::Entry;
+use crate::bindings::foldhost::guest::fold as raw;
+
+/// The live entry for `key`, if the committed fold has one.
+pub fn get(key: &str) -> Option<Entry> {
+    raw::get(key).map(Entry::from)
+}
+
+/// Entries whose key starts with `prefix`, in key order, strictly after `start_after` when given, at
+/// most `limit` of them (the host caps it, so fewer than `limit` does not mean the end: page on
+/// with the last key as `start_after` until a page comes back empty).
+pub fn scan(prefix: &str, start_after: Option<&str>, limit: u32) -> Vec<Entry> {
+    raw::scan(prefix, start_after, limit)
+        .into_iter()
+        .map(Entry::from)
+        .collect()
+}
+
+impl From<raw::Entry> for Entry {
+    fn from(entry: raw::Entry) -> Self {
+        Entry {
+            key: entry.key,
+            value: entry.value,
+            revision: entry.revision,
+        }
+    }
+}

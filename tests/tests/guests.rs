@@ -1,0 +1,461 @@
+//! WebAssembly guests against a real nats-server: the router through SIGKILLs, a trap that stops the
+//! fold exactly before its key, runaway and memory-hungry guests stopped at their limits while the
+//! host stays up, hydration equivalence on 50 000 keys, and components refused at load.
+
+use std::collections::BTreeMap;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::Duration;
+
+use foldhost::applied::{Apply, BatchConfig, FoldStatus, WatchOptions, watch_applied};
+use foldhost::guest::{GuestApply, GuestEngine, GuestLimits};
+use foldhost::kv::{KvWriter, WatchScope};
+use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SharedStore};
+use foldhost_tests::{
+    Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, hostile_wat,
+    status_store, terminate, wait_status,
+};
+use rand::{Rng, SeedableRng};
+
+fn upstream(i: u32, generation: u32) -> String {
+    format!(
+        "{{\"upstream\":\"10.{generation}.{}.{}:80\"}}",
+        i / 250,
+        i % 250
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_guest_survives_sigkills_and_answers_every_host_like_the_bucket()
+-> anyhow::Result<()> {
+    let seed: u64 = std::env::var("FOLDHOST_TEST_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("seed = {seed} (replay with FOLDHOST_TEST_SEED={seed})");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let h = Harness::start().await?;
+    let kv = h.bucket("routes").await?;
+    let router = guest_wasm("router");
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    const HOSTS: u32 = 20_000;
+    let writer = {
+        let kv = kv.clone();
+        tokio::spawn(async move {
+            for i in 0..HOSTS {
+                kv.put(&format!("route.h{i:05}"), upstream(i, 0).into())
+                    .await?;
+                if i % 10 == 9 {
+                    kv.put(&format!("route.h{:05}", i - 3), upstream(i, 1).into())
+                        .await?;
+                }
+                if i % 25 == 24 {
+                    kv.delete(&format!("route.h{:05}", i - 12)).await?;
+                }
+                if i % 500 == 0 {
+                    kv.put(&format!("other.{i}"), "out of the router's scope".into())
+                        .await?;
+                }
+            }
+            anyhow::Ok(())
+        })
+    };
+    let mut kills = 0;
+    while !writer.is_finished() || kills < 3 {
+        let mut child = foldhost()
+            .args(["run", "--bucket", "routes", "--nats", &h.url(), "--guest"])
+            .arg(&router)
+            .arg("--store")
+            .arg(&store)
+            .spawn()?;
+        tokio::time::sleep(Duration::from_millis(rng.random_range(100..1200))).await;
+        if let Some(status) = child.try_wait()? {
+            anyhow::bail!("foldhost run exited on its own: {status}");
+        }
+        child.kill()?;
+        child.wait()?;
+        kills += 1;
+        anyhow::ensure!(kills < 200, "writer did not finish");
+    }
+    writer.await??;
+
+    // Final run: live, serving queries; wait until it has applied the whole stream.
+    let last = kv.positions().await?.last_sequence;
+    let port = foldhost::localnats::free_port()?;
+    let addr = format!("127.0.0.1:{port}");
+    let mut host = foldhost()
+        .args([
+            "run",
+            "--bucket",
+            "routes",
+            "--nats",
+            &h.url(),
+            "--listen",
+            &addr,
+        ])
+        .arg("--guest")
+        .arg(&router)
+        .arg("--store")
+        .arg(&store)
+        .stderr(Stdio::null())
+        .spawn()?;
+    // The router's scope is route.*: the last route write may precede the stream's last sequence.
+    let want = bucket_contents(&kv).await?;
+    let last_route = want
+        .iter()
+        .filter(|(k, _)| k.starts_with("route."))
+        .map(|(_, (_, r))| *r)
+        .max()
+        .unwrap_or(0);
+    wait_status(&addr, |s| {
+        s["applied_through"].as_u64() >= Some(last_route) && s["state"] == "running"
+    })
+    .await?;
+    eprintln!("{kills} SIGKILLs; stream at {last}, routes through {last_route}");
+
+    let routes: BTreeMap<&String, &(Vec<u8>, u64)> = want
+        .iter()
+        .filter(|(k, _)| k.starts_with("route."))
+        .collect();
+    assert_eq!(routes.len() as u32, HOSTS - HOSTS / 25);
+    let mut checked = 0;
+    for (key, (value, _)) in &routes {
+        let host_name = &key["route.".len()..];
+        let (code, body) =
+            foldhost::serve::call(&addr, "POST", "/query", host_name.as_bytes()).await?;
+        assert_eq!(code, 200, "{host_name}: {}", String::from_utf8_lossy(&body));
+        let got: serde_json::Value = serde_json::from_slice(&body)?;
+        let want: serde_json::Value = serde_json::from_slice(value)?;
+        assert_eq!(got["upstream"], want["upstream"], "{host_name}");
+        checked += 1;
+    }
+    // A deleted host is unknown to the router.
+    let (code, _) = foldhost::serve::call(&addr, "POST", "/query", b"h00012").await?;
+    assert_eq!(code, 422, "deleted hosts are gone from the router");
+    terminate(&mut host)?;
+    let fold = dump_store(&store)?;
+    let in_scope: foldhost_tests::Contents = want
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("route."))
+        .collect();
+    assert_eq!(first_difference(&in_scope, &fold), None);
+    eprintln!("checked {checked} hosts");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_trapping_on_one_key_stops_the_fold_just_before_it() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("poison").await?;
+    for i in 0..40 {
+        kv.put(&format!("a.{i:02}"), "before".into()).await?;
+    }
+    let poison = kv.put("trap.me", "boom".into()).await?;
+    let poison_rev = poison.as_u64().unwrap_or(0);
+    for i in 0..40 {
+        kv.put(&format!("b.{i:02}"), "after".into()).await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let out = foldhost()
+        .args([
+            "run",
+            "--catch-up",
+            "--bucket",
+            "poison",
+            "--nats",
+            &h.url(),
+        ])
+        .arg("--guest")
+        .arg(guest_wasm("hostile_trap"))
+        .arg("--store")
+        .arg(&store)
+        .output()?;
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    let line = err
+        .lines()
+        .rfind(|l| l.starts_with("foldhost: error:"))
+        .unwrap_or_default();
+    for part in ["hostile-trap@0.1.0", "apply", "trap.me"] {
+        assert!(line.contains(part), "the error names {part:?}: {line}");
+    }
+    let s = status_store(&store)?;
+    let cursor = s["cursor"].as_u64().unwrap_or(0);
+    assert_eq!(
+        cursor,
+        poison_rev - 1,
+        "the fold stops exactly before the poison revision"
+    );
+    assert_eq!(s["state"], "failed");
+    let fold = dump_store(&store)?;
+    assert_eq!(fold.len(), 40, "every key before the poison is applied");
+    assert!(fold.keys().all(|k| k.starts_with("a.")));
+
+    // A restart does not skip it: the same guest stops at the same place.
+    let again = foldhost()
+        .args([
+            "run",
+            "--catch-up",
+            "--bucket",
+            "poison",
+            "--nats",
+            &h.url(),
+        ])
+        .arg("--guest")
+        .arg(guest_wasm("hostile_trap"))
+        .arg("--store")
+        .arg(&store)
+        .output()?;
+    assert_eq!(again.status.code(), Some(1));
+    assert_eq!(status_store(&store)?["cursor"].as_u64(), Some(cursor));
+
+    // With the trap moved to a key nobody writes, the same guest folds on past it.
+    let fixed = foldhost()
+        .args([
+            "run",
+            "--catch-up",
+            "--bucket",
+            "poison",
+            "--nats",
+            &h.url(),
+        ])
+        .args(["--guest-config", "trap_key=never.written"])
+        .arg("--guest")
+        .arg(guest_wasm("hostile_trap"))
+        .arg("--store")
+        .arg(&store)
+        .output()?;
+    assert!(
+        fixed.status.success(),
+        "{}",
+        String::from_utf8_lossy(&fixed.stderr)
+    );
+    assert_eq!(dump_store(&store)?.len(), 81);
+    Ok(())
+}
+
+async fn runaway_guest_is_stopped_and_reported(
+    guest: &str,
+    limit_args: &[&str],
+    expect: &[&str],
+) -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("runaway").await?;
+    kv.put("k.1", "v".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let port = foldhost::localnats::free_port()?;
+    let addr = format!("127.0.0.1:{port}");
+    let mut host = foldhost()
+        .args([
+            "run",
+            "--bucket",
+            "runaway",
+            "--nats",
+            &h.url(),
+            "--listen",
+            &addr,
+        ])
+        .args(limit_args)
+        .arg("--guest")
+        .arg(guest_wasm(guest))
+        .arg("--store")
+        .arg(tmp.path().join("fold"))
+        .stderr(Stdio::null())
+        .spawn()?;
+    let s = wait_status(&addr, |s| s["state"] == "failed").await?;
+    let error = s["error"].as_str().unwrap_or_default().to_string();
+    for part in expect {
+        assert!(error.contains(part), "status error names {part:?}: {error}");
+    }
+    assert_eq!(s["applied_through"], 0, "nothing of the batch is committed");
+    // The host is still up and answering.
+    let (code, _) = foldhost::serve::call(&addr, "GET", "/status", b"").await?;
+    assert_eq!(code, 200);
+    assert!(host.try_wait()?.is_none(), "the host process stays up");
+    let exit = terminate(&mut host)?;
+    assert_eq!(
+        exit.code(),
+        Some(1),
+        "a failed fold exits 1 once told to stop"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn infinite_loop_guest_is_interrupted_at_its_deadline_and_the_host_stays_up()
+-> anyhow::Result<()> {
+    runaway_guest_is_stopped_and_reported(
+        "hostile_loop",
+        &["--guest-deadline-ms", "200"],
+        &["hostile-loop@0.1.0", "apply", "deadline of 200 ms"],
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_bomb_guest_fails_at_its_cap_and_the_host_stays_up() -> anyhow::Result<()> {
+    runaway_guest_is_stopped_and_reported(
+        "hostile_membomb",
+        &["--guest-memory-mb", "32"],
+        &["hostile-membomb@0.1.0", "apply", "memory cap of 32 MiB"],
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_parse_output_fails_the_batch_with_the_count_named() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("badparse").await?;
+    kv.put("k.1", "v".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let out = foldhost()
+        .args([
+            "run",
+            "--catch-up",
+            "--bucket",
+            "badparse",
+            "--nats",
+            &h.url(),
+        ])
+        .arg("--guest")
+        .arg(guest_wasm("hostile_badparse"))
+        .arg("--store")
+        .arg(tmp.path().join("fold"))
+        .output()?;
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("hostile-badparse@0.1.0: parse failed: answered 0 verdicts for a batch of 1"),
+        "{err}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_with_an_unprovided_import_is_refused_at_load_naming_it() -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let out = foldhost()
+        .args([
+            "run",
+            "--bucket",
+            "b",
+            "--nats",
+            "nats://127.0.0.1:1",
+            "--guest",
+        ])
+        .arg(hostile_wat("bad_import.wat"))
+        .arg("--store")
+        .arg(&store)
+        .output()?;
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("refused at load"), "{err}");
+    assert!(
+        err.contains("evil:net/exfil@1.0.0"),
+        "the import is named: {err}"
+    );
+    assert!(!store.exists(), "nothing was written");
+    // The same check through the library.
+    let engine = GuestEngine::new()?;
+    let bytes = std::fs::read(hostile_wat("bad_import.wat"))?;
+    let e = engine
+        .prepare("bad_import.wat", &bytes)
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("must be refused"))?;
+    assert!(e.to_string().contains("evil:net/exfil@1.0.0"), "{e}");
+    // And garbage is not a component.
+    let e = engine
+        .prepare("garbage", b"\0asm\x01\0\0\0not really")
+        .err()
+        .ok_or_else(|| anyhow::anyhow!("must be refused"))?;
+    assert!(e.to_string().contains("not a loadable component"), "{e}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hydrated_guest_answers_like_one_that_watched_from_the_start() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("hydrate").await?;
+    let js = kv.jetstream().clone();
+    const N: u32 = 50_000;
+    let mut acks = Vec::new();
+    for i in 0..N {
+        acks.push(
+            js.publish(format!("$KV.hydrate.route.h{i:05}"), upstream(i, 0).into())
+                .await?,
+        );
+        if acks.len() == 1000 {
+            for a in acks.drain(..) {
+                a.await?;
+            }
+        }
+    }
+    for a in acks {
+        a.await?;
+    }
+    for i in (0..N).step_by(7) {
+        kv.delete(&format!("route.h{i:05}")).await?;
+    }
+    let engine = GuestEngine::new()?;
+    let bytes = std::fs::read(guest_wasm("router"))?;
+    let tmp = tempfile::tempdir()?;
+    let (store, _) = AppendLogSnapshot::open(tmp.path(), AppendLogOptions::default())?;
+    let shared = SharedStore::new(store);
+
+    // One instance watches from the start.
+    let mut watched = GuestApply::load(
+        &engine,
+        "router",
+        &bytes,
+        GuestLimits::default(),
+        vec![],
+        Arc::new(shared.clone()),
+    )
+    .await?;
+    watched.hydrate().await?;
+    watch_applied(
+        kv.clone(),
+        shared.clone(),
+        &mut watched,
+        WatchOptions {
+            scope: WatchScope::Prefix("route.".into()),
+            batch: BatchConfig::default(),
+            catch_up: true,
+        },
+        Arc::new(FoldStatus::default()),
+        None,
+        std::future::pending(),
+    )
+    .await?;
+
+    // Another starts on the existing fold and is rebuilt from it.
+    let mut hydrated = GuestApply::load(
+        &engine,
+        "router",
+        &bytes,
+        GuestLimits::default(),
+        vec![],
+        Arc::new(shared.clone()),
+    )
+    .await?;
+    hydrated.hydrate().await?;
+    let (entries, _) = hydrated
+        .last_hydration
+        .ok_or_else(|| anyhow::anyhow!("no hydration recorded"))?;
+    assert_eq!(entries, u64::from(N - N.div_ceil(7)));
+    for i in 0..N {
+        let q = format!("h{i:05}");
+        let a = watched.query(q.as_bytes()).await;
+        let b = hydrated.query(q.as_bytes()).await;
+        match (&a, &b) {
+            (Ok(x), Ok(y)) => assert_eq!(x, y, "{q}"),
+            (Err(x), Err(y)) => assert_eq!(x.message, y.message, "{q}"),
+            _ => panic!("{q}: watched {a:?} vs hydrated {b:?}"),
+        }
+        assert_eq!(a.is_err(), i % 7 == 0, "{q}: deleted hosts are unknown");
+    }
+    Ok(())
+}
