@@ -459,3 +459,77 @@ async fn hydrated_guest_answers_like_one_that_watched_from_the_start() -> anyhow
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hashring_removing_a_node_moves_only_the_keys_it_owned() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("ring").await?;
+    for (id, w) in [("a", "1"), ("b", "2"), ("c", "1"), ("d", "3"), ("e", "1")] {
+        kv.put(&format!("node.{id}"), w.into()).await?;
+    }
+    kv.put("node.bad", "zero? no: 0".into()).await?; // skipped by parse
+    let engine = GuestEngine::new()?;
+    let bytes = std::fs::read(guest_wasm("hashring"))?;
+    let tmp = tempfile::tempdir()?;
+    let (store, _) = AppendLogSnapshot::open(tmp.path(), AppendLogOptions::default())?;
+    let shared = SharedStore::new(store);
+    let mut ring = GuestApply::load(
+        &engine,
+        "hashring",
+        &bytes,
+        GuestLimits::default(),
+        vec![],
+        Arc::new(shared.clone()),
+    )
+    .await?;
+    ring.hydrate().await?;
+    let opts = WatchOptions {
+        scope: ring.manifest().watch_scope(),
+        batch: BatchConfig::default(),
+        catch_up: true,
+    };
+    let fold = async |ring: &mut GuestApply| {
+        watch_applied(
+            kv.clone(),
+            shared.clone(),
+            ring,
+            opts.clone(),
+            Arc::new(FoldStatus::default()),
+            None,
+            std::future::pending(),
+        )
+        .await
+    };
+    fold(&mut ring).await?;
+    async fn owners(ring: &mut GuestApply) -> anyhow::Result<Vec<String>> {
+        let mut out = Vec::new();
+        for i in 0..2000 {
+            let answer = ring.query(format!("user-{i}").as_bytes()).await?;
+            let v: serde_json::Value = serde_json::from_slice(&answer)?;
+            out.push(v["node"].as_str().unwrap_or_default().to_string());
+        }
+        Ok(out)
+    }
+    let before = owners(&mut ring).await?;
+    for id in ["a", "b", "c", "d", "e"] {
+        assert!(before.iter().any(|n| n == id), "node {id} owns some keys");
+    }
+    assert!(
+        !before.iter().any(|n| n == "bad"),
+        "a skipped node owns nothing"
+    );
+    kv.delete("node.c").await?;
+    fold(&mut ring).await?;
+    let after = owners(&mut ring).await?;
+    for (i, (b, a)) in before.iter().zip(&after).enumerate() {
+        if b == "c" {
+            assert_ne!(a, "c", "user-{i} still maps to the removed node");
+        } else {
+            assert_eq!(
+                a, b,
+                "user-{i} moved from {b} to {a} though {b} is still there"
+            );
+        }
+    }
+    Ok(())
+}
