@@ -4,15 +4,16 @@
 //! this wrong). For an empty batch it answers an empty list; otherwise `len - 1` accepts. The
 //! other calls succeed and do nothing; every query answers the error `missing`.
 
-use foldhost_guest::bindings::exports::foldhost::guest::folder::{Guest, Update, Verdict};
-use foldhost_guest::bindings::foldhost::guest::types::Manifest;
+use foldhost_guest::bindings::exports::foldhost::guest::folder::{
+    Guest, GuestManifest, Update, Verdict,
+};
 
 /// The raw export.
 struct HostileBadParse;
 
 impl Guest for HostileBadParse {
-    fn manifest() -> Manifest {
-        Manifest {
+    fn manifest() -> GuestManifest {
+        GuestManifest {
             name: "hostile-badparse".into(),
             version: "0.1.0".into(),
             scope: Vec::new(),

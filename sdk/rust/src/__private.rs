@@ -4,7 +4,7 @@ use crate::bindings::foldhost::guest::types as raw;
 use crate::{Change, Folder, Manifest, Verdict, in_scope};
 
 pub use crate::bindings::exports::foldhost::guest::folder::Guest;
-pub use raw::Manifest as RawManifest;
+pub use raw::GuestManifest as RawManifest;
 pub use raw::Update as RawUpdate;
 pub use raw::Verdict as RawVerdict;
 

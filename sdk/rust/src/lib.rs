@@ -114,7 +114,7 @@ use std::fmt;
 #[allow(missing_docs, unsafe_code, clippy::all)]
 pub mod bindings {
     wit_bindgen::generate!({
-        path: "/tmp/witfix",
+        path: "../../wit",
         world: "guest",
         pub_export_macro: true,
         default_bindings_module: "foldhost_guest::bindings",
@@ -264,7 +264,7 @@ pub trait Folder: Default + 'static {
     fn manifest() -> Manifest;
 
     /// Configuration from the operator (a string map, in the host's order), once per instance,
-    /// after `manifest`. An error makes the instance unusable.
+    /// after `manifest`. An error refuses the configuration.
     fn init(&mut self, config: &[(String, String)]) -> Result<(), String> {
         let _ = config;
         Ok(())
