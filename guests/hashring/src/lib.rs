@@ -1,7 +1,7 @@
 //! `hashring`: weighted rendezvous (highest-random-weight) hashing over a set of nodes.
 //!
 //! Keys `node.<id>` hold the node's weight as an ASCII decimal `u32` greater than 0 (digits only;
-//! `0`, an empty value or anything else is skipped). A query's request is a key (its bytes); the
+//! `0`, an empty value or anything else takes the node out of the ring). A query's request is a key (its bytes); the
 //! answer is `{"node":"<id>"}` naming the node that owns it, or the error `no nodes`.
 //!
 //! Each node scores a key `-weight / ln(u)`, with `u` in (0, 1) drawn from a fixed 64-bit hash of
@@ -22,29 +22,35 @@ struct HashRing {
 }
 
 impl Folder for HashRing {
-    type Value = u32;
+    /// The weight, or `None` for a value that is not one (the node leaves the ring then).
+    type Value = Option<u32>;
 
     fn manifest() -> Manifest {
         Manifest::new("hashring", "0.1.0", [PREFIX])
     }
 
-    fn parse(&self, key: &str, value: &[u8]) -> Verdict<u32> {
+    fn parse(&self, key: &str, value: &[u8]) -> Verdict<Option<u32>> {
         let id = key.strip_prefix(PREFIX).unwrap_or_default();
         if id.is_empty() {
             return Verdict::Skip;
         }
         match parse_weight(value) {
-            Some(weight) => Verdict::Accept(weight),
-            None => Verdict::Skip,
+            Some(weight) => Verdict::Accept(Some(weight)),
+            // The key's current value is the truth: not a weight means not in the ring, exactly as
+            // a ring rebuilt from the fold would have it.
+            None => Verdict::Accept(None),
         }
     }
 
-    fn apply(&mut self, changes: Vec<Change<u32>>) -> Result<(), String> {
+    fn apply(&mut self, changes: Vec<Change<Option<u32>>>) -> Result<(), String> {
         for change in changes {
             match change {
                 Change::Put { key, value, .. } => {
                     if let Some(id) = key.strip_prefix(PREFIX) {
-                        self.nodes.insert(id.to_owned(), value);
+                        match value {
+                            Some(weight) => self.nodes.insert(id.to_owned(), weight),
+                            None => self.nodes.remove(id),
+                        };
                     }
                 }
                 Change::Delete { key, .. } => {
@@ -206,13 +212,13 @@ mod tests {
     #[test]
     fn fold_and_query() {
         let mut r = HashRing::default();
-        assert_eq!(r.parse("node.a", b"2"), Verdict::Accept(2));
+        assert_eq!(r.parse("node.a", b"2"), Verdict::Accept(Some(2)));
         assert_eq!(r.parse("node.", b"2"), Verdict::Skip);
-        assert_eq!(r.parse("node.a", b"0"), Verdict::Skip);
+        assert_eq!(r.parse("node.a", b"0"), Verdict::Accept(None));
         let put = |id: &str, w| Change::Put {
             key: format!("node.{id}"),
             revision: 1,
-            value: w,
+            value: Some(w),
         };
         r.apply(vec![put("a", 1), put("b\"q", 1)]).expect("apply");
         let answers: Vec<_> = keys()

@@ -3,8 +3,10 @@
 //! Keys `route.<host>` hold JSON `{"upstream": "<addr>"}`. A query's request is a host name (UTF-8);
 //! the answer is `{"upstream":"<addr>"}`, or the error `unknown host: <name>`.
 //!
-//! A put whose value is not such JSON (unparseable, no `upstream` string, an empty one) or whose
-//! host is empty is skipped: it changes nothing.
+//! The key's current value is the truth: a put whose value is not such a route (unparseable, no
+//! `upstream` string, an empty one) removes the host's route, exactly as if the router were rebuilt
+//! from the fold — a running instance and a freshly hydrated one always agree. A key with an empty
+//! host is skipped.
 
 use std::collections::BTreeMap;
 
@@ -26,29 +28,33 @@ struct Router {
 }
 
 impl Folder for Router {
-    type Value = String;
+    /// The upstream, or `None` for a value that is not a route (the host has no route then).
+    type Value = Option<String>;
 
     fn manifest() -> Manifest {
         Manifest::new("router", "0.1.0", [PREFIX])
     }
 
-    fn parse(&self, key: &str, value: &[u8]) -> Verdict<String> {
+    fn parse(&self, key: &str, value: &[u8]) -> Verdict<Option<String>> {
         let host = key.strip_prefix(PREFIX).unwrap_or_default();
         if host.is_empty() {
             return Verdict::Skip;
         }
         match serde_json::from_slice::<Route>(value) {
-            Ok(route) if !route.upstream.is_empty() => Verdict::Accept(route.upstream),
-            _ => Verdict::Skip,
+            Ok(route) if !route.upstream.is_empty() => Verdict::Accept(Some(route.upstream)),
+            _ => Verdict::Accept(None),
         }
     }
 
-    fn apply(&mut self, changes: Vec<Change<String>>) -> Result<(), String> {
+    fn apply(&mut self, changes: Vec<Change<Option<String>>>) -> Result<(), String> {
         for change in changes {
             match change {
                 Change::Put { key, value, .. } => {
                     if let Some(host) = key.strip_prefix(PREFIX) {
-                        self.routes.insert(host.to_owned(), value);
+                        match value {
+                            Some(upstream) => self.routes.insert(host.to_owned(), upstream),
+                            None => self.routes.remove(host),
+                        };
                     }
                 }
                 Change::Delete { key, .. } => {
@@ -80,11 +86,11 @@ foldhost_guest::export_folder!(Router);
 mod tests {
     use super::*;
 
-    fn put(key: &str, upstream: &str) -> Change<String> {
+    fn put(key: &str, upstream: &str) -> Change<Option<String>> {
         Change::Put {
             key: key.into(),
             revision: 1,
-            value: upstream.into(),
+            value: Some(upstream.into()),
         }
     }
 
@@ -94,7 +100,7 @@ mod tests {
         let ok = br#"{"upstream": "10.0.0.1:80", "extra": 1}"#;
         assert_eq!(
             r.parse("route.a.example", ok),
-            Verdict::Accept("10.0.0.1:80".into())
+            Verdict::Accept(Some("10.0.0.1:80".into()))
         );
         assert_eq!(r.parse("route.", ok), Verdict::Skip);
         for bad in [
@@ -104,8 +110,21 @@ mod tests {
             br#"{"upstream": ""}"#,
             b"",
         ] {
-            assert_eq!(r.parse("route.a", bad), Verdict::Skip);
+            assert_eq!(r.parse("route.a", bad), Verdict::Accept(None));
         }
+    }
+
+    #[test]
+    fn a_value_that_is_not_a_route_removes_the_route() {
+        let mut r = Router::default();
+        r.apply(vec![put("route.a", "1:80")]).expect("apply");
+        r.apply(vec![Change::Put {
+            key: "route.a".into(),
+            revision: 2,
+            value: None,
+        }])
+        .expect("apply");
+        assert_eq!(r.query(b"a"), Err("unknown host: a".into()));
     }
 
     #[test]
