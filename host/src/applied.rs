@@ -14,8 +14,10 @@
 //!   fail-stops. A poisoned store fail-stops at once.
 //! - `batch_high` covers rejected (skipped) updates; an update with the unknown version never mints
 //!   or lowers the cursor ([`protocol::commit_cursor`]).
-//! - A failed `parse`/`apply` commits nothing of its batch; the batch is retried (with backoff) and
-//!   after [`MAX_APPLY_FAILURES`] in a row the fold fail-stops naming the applier and its message.
+//! - A failed `parse`/`apply` commits nothing of its batch; the batch is retried (with backoff) in
+//!   halves, so the updates before a poison one still commit and the fold stops exactly at it; after
+//!   [`MAX_APPLY_FAILURES`] failures in a row the fold fail-stops naming the applier and its message.
+//! - Queries ([`Control::Query`]) run between flushes, never inside one.
 //! - A batch flushes when the window elapses, when it reaches `max`, on shutdown, and when the watch
 //!   channel closes.
 
