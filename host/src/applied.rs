@@ -96,6 +96,17 @@ pub trait Apply: Send {
     /// Called after the store committed through `cursor`.
     async fn on_applied(&mut self, cursor: WatchCursor);
 
+    /// Replaces the applier's logic with the component `bytes` (named `what`), rebuilt from the
+    /// committed fold, keeping the old one when anything fails. Called between batches with the fold
+    /// settled (everything applied is committed).
+    async fn swap(&mut self, what: &str, _bytes: &[u8]) -> Result<SwapReport, ApplyError> {
+        Err(ApplyError {
+            applier: self.describe(),
+            call: "swap",
+            message: format!("this applier cannot be replaced by {what}"),
+        })
+    }
+
     /// Answers a query against the structure the applier built. Called between batches only, so it
     /// never sees a half-applied batch.
     async fn query(&mut self, _request: &[u8]) -> Result<Vec<u8>, ApplyError> {
@@ -107,8 +118,32 @@ pub trait Apply: Send {
     }
 }
 
+/// What a hot swap did.
+#[derive(Clone, Debug, serde::Serialize, PartialEq, Eq)]
+pub struct SwapReport {
+    /// The applier before (name@version).
+    pub from: String,
+    /// The applier after.
+    pub to: String,
+    /// Entries the new instance was rebuilt from.
+    pub hydrated_entries: u64,
+    /// How long the rebuild took, milliseconds.
+    pub hydrate_ms: u64,
+    /// How long the fold was paused (settling, rebuild, switch), milliseconds.
+    pub paused_ms: u64,
+}
+
 /// A request to the running fold, handled between batches.
 pub enum Control {
+    /// Replace the applier (a hot swap).
+    Swap {
+        /// The new component.
+        bytes: Vec<u8>,
+        /// What to call it in errors (a file name).
+        what: String,
+        /// Where the outcome goes.
+        reply: tokio::sync::oneshot::Sender<Result<SwapReport, ApplyError>>,
+    },
     /// Run a query against the applier.
     Query {
         /// The request bytes.
@@ -170,9 +205,23 @@ pub struct FoldStatus {
     pub caught_up: AtomicU64,
     /// The last apply or store failure (cleared by the next successful commit).
     pub last_error: std::sync::Mutex<Option<String>>,
+    /// The applier now running (name@version).
+    pub guest: std::sync::Mutex<String>,
 }
 
 impl FoldStatus {
+    /// Records the applier now running.
+    pub fn set_guest(&self, name: &str) {
+        if let Ok(mut g) = self.guest.lock() {
+            *g = name.to_string();
+        }
+    }
+
+    /// The applier now running.
+    pub fn guest(&self) -> String {
+        self.guest.lock().map(|g| g.clone()).unwrap_or_default()
+    }
+
     fn set_error(&self, e: Option<String>) {
         if let Ok(mut g) = self.last_error.lock() {
             *g = e;
@@ -383,6 +432,7 @@ where
     let mut fold =
         Fold::new(store, status.clone()).map_err(|e| AppliedError::Store { streak: 0, last: e })?;
     let mut control = control;
+    status.set_guest(&apply.describe());
     // The channel carries chunks of updates; size it so it holds about `channel_capacity` updates.
     let depth = opts
         .batch
@@ -440,6 +490,26 @@ where
                         // Between batches: the applier's structure is whole.
                         let answer = apply.query(&request).await;
                         let _ = reply.send(answer);
+                    }
+                    Some(Control::Swap { bytes, what, reply }) => {
+                        // Settle first: the new instance is rebuilt from the committed fold, so
+                        // everything the old one applied must be committed. Deliveries wait in the
+                        // channel meanwhile; the watch never stops.
+                        let t = Instant::now();
+                        flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
+                        timer_armed = false;
+                        let outcome = apply.swap(&what, &bytes).await.map(|mut r| {
+                            r.paused_ms = t.elapsed().as_millis() as u64;
+                            r
+                        });
+                        match &outcome {
+                            Ok(r) => {
+                                status.set_guest(&r.to);
+                                tracing::info!(from = %r.from, to = %r.to, hydrated = r.hydrated_entries, hydrate_ms = r.hydrate_ms, paused_ms = r.paused_ms, "guest swapped");
+                            }
+                            Err(e) => tracing::warn!(error = %e, "swap refused; the running guest stays"),
+                        }
+                        let _ = reply.send(outcome);
                     }
                     None => control = None,
                 }

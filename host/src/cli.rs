@@ -41,6 +41,22 @@ pub enum Command {
     Dump(DumpArgs),
     /// Everything local, end to end: a nats-server, a bucket, a fold, a restart that resumes.
     Demo(DemoArgs),
+    /// Hot-swap the guest of a running host (`run --listen`): the fold never stops.
+    Swap(SwapArgs),
+}
+
+/// `foldhost swap`.
+#[derive(Args, Debug)]
+pub struct SwapArgs {
+    /// The running host's `--listen` address.
+    #[arg(long)]
+    pub listen: String,
+    /// The new guest component.
+    #[arg(long)]
+    pub guest: PathBuf,
+    /// The host's admin token.
+    #[arg(long, env = "FOLDHOST_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
 }
 
 /// `foldhost run`.
@@ -76,9 +92,12 @@ pub struct RunArgs {
     /// The built-in native applier when no `--guest` is given: `count`.
     #[arg(long, default_value = "count")]
     pub apply: String,
-    /// Serve `GET /status` and `POST /query` on this address (e.g. 127.0.0.1:8080).
+    /// Serve `GET /status`, `POST /query` and `POST /swap` on this address (e.g. 127.0.0.1:8080).
     #[arg(long)]
     pub listen: Option<String>,
+    /// Bearer token `POST /swap` requires; mandatory when `--listen` is not a loopback address.
+    #[arg(long, env = "FOLDHOST_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
     /// Fold to the stream's last sequence as of start, then exit 0.
     #[arg(long)]
     pub catch_up: bool,
@@ -139,6 +158,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Status(a) => cmd_status(a),
         Command::Dump(a) => cmd_dump(a),
         Command::Demo(a) => cmd_demo(a).await,
+        Command::Swap(a) => cmd_swap(a).await,
     }
 }
 
@@ -256,7 +276,9 @@ pub async fn run_fold(
     let (mut apply, manifest_scope): (Box<dyn Apply>, Option<WatchScope>) =
         match (&a.guest, guest_bytes) {
             (Some(path), Some(bytes)) => {
-                let engine = engine.ok_or_else(|| anyhow!("guest engine missing"))?;
+                let engine = engine
+                    .clone()
+                    .ok_or_else(|| anyhow!("guest engine missing"))?;
                 let limits = crate::guest::GuestLimits {
                     call_deadline: Duration::from_millis(a.guest_deadline_ms.max(1)),
                     memory_bytes: a.guest_memory_mb.max(1) * 1024 * 1024,
@@ -303,10 +325,18 @@ pub async fn run_fold(
             let listener = tokio::net::TcpListener::bind(addr)
                 .await
                 .with_context(|| format!("--listen {addr}"))?;
+            let local = listener.local_addr()?;
+            if !local.ip().is_loopback() && a.admin_token.is_none() {
+                bail!(
+                    "--listen {addr} is not a loopback address: set --admin-token (or FOLDHOST_ADMIN_TOKEN) so /swap is not open to the network"
+                );
+            }
             tracing::info!(addr = %listener.local_addr()?, "serving /status and /query");
             let state = Arc::new(crate::serve::ServeState {
                 status: status_renderer(base.clone(), status.clone(), backend, fatal.clone()),
                 control: control_tx.clone(),
+                engine: engine.clone(),
+                admin_token: a.admin_token.clone(),
             });
             Some(tokio::spawn(crate::serve::serve(listener, state)))
         }
@@ -398,7 +428,7 @@ fn status_renderer(
             "seq": seq,
             "applied_through": applied,
             "lag": seq - applied,
-            "guest": base.guest,
+            "guest": status.guest(),
             "backend": backend.as_str(),
             "bucket": base.bucket,
             "scope": base.scope,
@@ -418,7 +448,13 @@ async fn conn_shutdown(conn: NatsConnection) {
 }
 
 fn snapshot_status(base: &HostStatus, s: &FoldStatus) -> HostStatus {
+    let guest = s.guest();
     HostStatus {
+        guest: if guest.is_empty() {
+            base.guest.clone()
+        } else {
+            Some(guest)
+        },
         seq: s.seq.load(Ordering::Relaxed),
         applied_through: s.applied_through.load(Ordering::Relaxed),
         delivered: s.delivered.load(Ordering::Relaxed),
@@ -597,6 +633,20 @@ fn printable(v: &[u8]) -> String {
     }
 }
 
+async fn cmd_swap(a: SwapArgs) -> anyhow::Result<()> {
+    let bytes = crate::guest::read_guest_file(&a.guest)?;
+    let (code, body) =
+        crate::serve::call_with_token(&a.listen, "POST", "/swap", &bytes, a.admin_token.as_deref())
+            .await
+            .with_context(|| format!("swap via {}", a.listen))?;
+    let text = String::from_utf8_lossy(&body).trim_end().to_string();
+    if code != 200 {
+        bail!("{}: {text}", a.guest.display());
+    }
+    println!("{text}");
+    Ok(())
+}
+
 /// Where the demo looks for the router guest when `--guest` is not given.
 fn find_router_guest() -> Option<PathBuf> {
     let rel = Path::new("guests/target/wasm32-wasip2/release/router.wasm");
@@ -664,6 +714,7 @@ async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         guest_memory_mb: 256,
         apply: "count".into(),
         listen: None,
+        admin_token: None,
         catch_up: true,
         batch_window_ms: 10,
         batch_max: 100,

@@ -18,8 +18,10 @@ use crate::applied::Control;
 
 /// Largest request head accepted.
 pub const MAX_HEAD: usize = 16 * 1024;
-/// Largest request body accepted.
-pub const MAX_BODY: usize = 1024 * 1024;
+/// Largest request body accepted (a guest component for `/swap`).
+pub const MAX_BODY: usize = 64 * 1024 * 1024;
+/// Largest query body.
+pub const MAX_QUERY: usize = 1024 * 1024;
 /// How long a client may take to send its request, and a query to be answered.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -32,6 +34,8 @@ pub struct RequestHead {
     pub path: String,
     /// The declared body length.
     pub content_length: usize,
+    /// The bearer token of an `Authorization: Bearer …` header.
+    pub bearer: Option<String>,
     /// Bytes of the head, including the blank line.
     pub head_len: usize,
 }
@@ -71,6 +75,7 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<RequestHead>, HttpError> {
         return Err(HttpError::Bad("not HTTP/1.x"));
     }
     let mut content_length = 0usize;
+    let mut bearer = None;
     for line in lines {
         let (name, value) = line
             .split_once(':')
@@ -80,6 +85,11 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<RequestHead>, HttpError> {
                 .trim()
                 .parse()
                 .map_err(|_| HttpError::Bad("bad content-length"))?;
+        } else if name.trim().eq_ignore_ascii_case("authorization") {
+            bearer = value
+                .trim()
+                .strip_prefix("Bearer ")
+                .map(|t| t.trim().to_string());
         } else if name.trim().eq_ignore_ascii_case("transfer-encoding") {
             return Err(HttpError::Bad("chunked bodies are not accepted"));
         }
@@ -92,6 +102,7 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<RequestHead>, HttpError> {
         method: method.to_string(),
         path,
         content_length,
+        bearer,
         head_len,
     }))
 }
@@ -117,6 +128,10 @@ pub struct ServeState {
     pub status: Box<dyn Fn() -> serde_json::Value + Send + Sync>,
     /// The fold's control channel (`None` once the fold stopped).
     pub control: mpsc::Sender<Control>,
+    /// Compiles a swapped-in guest off the fold's path (`None`: no guest, no swap).
+    pub engine: Option<Arc<crate::guest::GuestEngine>>,
+    /// The token mutating routes (`/swap`) require, when set.
+    pub admin_token: Option<String>,
 }
 
 /// Serves until the listener fails; each connection on its own task.
@@ -184,6 +199,12 @@ async fn route(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8>
             b.push(b'\n');
             response(200, "OK", "application/json", &b)
         }
+        ("POST", "/query") if body.len() > MAX_QUERY => response(
+            413,
+            "Payload Too Large",
+            "text/plain",
+            b"query body over 1 MiB\n",
+        ),
         ("POST", "/query") => {
             let (tx, rx) = oneshot::channel();
             if state
@@ -219,13 +240,95 @@ async fn route(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8>
                 Err(_) => response(504, "Gateway Timeout", "text/plain", b"no answer in time\n"),
             }
         }
-        (_, "/status") | (_, "/query") => response(
+        ("POST", "/swap") => swap(head, body, state).await,
+        (_, "/status") | (_, "/query") | (_, "/swap") => response(
             405,
             "Method Not Allowed",
             "text/plain",
             b"method not allowed\n",
         ),
         _ => response(404, "Not Found", "text/plain", b"not found\n"),
+    }
+}
+
+/// How long a swap (settle, compile, rebuild from the fold) may take before the caller gives up
+/// waiting (the swap itself still completes or is refused).
+pub const SWAP_TIMEOUT: Duration = Duration::from_secs(300);
+
+async fn swap(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8> {
+    if let Some(token) = &state.admin_token
+        && head.bearer.as_deref() != Some(token.as_str())
+    {
+        return response(
+            401,
+            "Unauthorized",
+            "text/plain",
+            b"swap needs the admin bearer token\n",
+        );
+    }
+    let Some(engine) = state.engine.clone() else {
+        return response(
+            409,
+            "Conflict",
+            "text/plain",
+            b"this host runs no guest to swap\n",
+        );
+    };
+    // Compile off the fold's path: the fold keeps applying while this runs; the cache hands the
+    // compiled component to the fold's swap.
+    let bytes = Arc::new(body);
+    let compiled = {
+        let bytes = bytes.clone();
+        tokio::task::spawn_blocking(move || engine.prepare("the new guest", &bytes).map(|_| ()))
+            .await
+    };
+    match compiled {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            return response(
+                409,
+                "Conflict",
+                "text/plain",
+                format!("swap refused: {e}\n").as_bytes(),
+            );
+        }
+        Err(e) => {
+            return response(
+                500,
+                "Internal Server Error",
+                "text/plain",
+                e.to_string().as_bytes(),
+            );
+        }
+    }
+    let (tx, rx) = oneshot::channel();
+    let control = Control::Swap {
+        bytes: Arc::try_unwrap(bytes).unwrap_or_else(|b| b.as_ref().clone()),
+        what: "the new guest".into(),
+        reply: tx,
+    };
+    if state.control.send(control).await.is_err() {
+        return response(
+            503,
+            "Service Unavailable",
+            "text/plain",
+            b"the fold is not running\n",
+        );
+    }
+    match tokio::time::timeout(SWAP_TIMEOUT, rx).await {
+        Ok(Ok(Ok(report))) => {
+            let mut b = serde_json::to_vec(&report).unwrap_or_default();
+            b.push(b'\n');
+            response(200, "OK", "application/json", &b)
+        }
+        Ok(Ok(Err(e))) => response(409, "Conflict", "text/plain", format!("{e}\n").as_bytes()),
+        Ok(Err(_)) => response(
+            503,
+            "Service Unavailable",
+            "text/plain",
+            b"the fold stopped\n",
+        ),
+        Err(_) => response(504, "Gateway Timeout", "text/plain", b"no answer in time\n"),
     }
 }
 
@@ -236,18 +339,30 @@ pub async fn call(
     path: &str,
     body: &[u8],
 ) -> std::io::Result<(u16, Vec<u8>)> {
+    call_with_token(addr, method, path, body, None).await
+}
+
+/// [`call`] with an `Authorization: Bearer` token.
+pub async fn call_with_token(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &[u8],
+    token: Option<&str>,
+) -> std::io::Result<(u16, Vec<u8>)> {
     let mut sock = tokio::time::timeout(IO_TIMEOUT, TcpStream::connect(addr))
         .await
         .map_err(|_| std::io::Error::other("connect timeout"))??;
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
     let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\n{auth}Content-Length: {}\r\nConnection: close\r\n\r\n",
         body.len()
     )
     .into_bytes();
     req.extend_from_slice(body);
     sock.write_all(&req).await?;
     let mut resp = Vec::new();
-    tokio::time::timeout(IO_TIMEOUT * 2, sock.read_to_end(&mut resp))
+    tokio::time::timeout(SWAP_TIMEOUT, sock.read_to_end(&mut resp))
         .await
         .map_err(|_| std::io::Error::other("read timeout"))??;
     let end = find(&resp, b"\r\n\r\n").ok_or_else(|| std::io::Error::other("no response head"))?;

@@ -28,7 +28,7 @@ use async_trait::async_trait;
 use wasmtime::component::{Component, HasSelf, Linker};
 use wasmtime::{Config, Engine, Store};
 
-use crate::applied::{Apply, ApplyError, Verdict};
+use crate::applied::{Apply, ApplyError, SwapReport, Verdict};
 use crate::kv::{KvUpdate, WatchCursor, WatchScope};
 use crate::snapshot::FoldRead;
 use bindings::{GuestPre, HostState};
@@ -202,8 +202,9 @@ struct Live {
 /// What a guest's calls need besides the instance: `Sync`, so it can be borrowed across awaits
 /// while the (non-`Sync`) instance is borrowed mutably beside it.
 struct Core {
-    /// Keeps the engine — and its epoch ticker, without which no deadline fires — alive.
-    _engine: Arc<GuestEngine>,
+    /// Keeps the engine — and its epoch ticker, without which no deadline fires — alive, and
+    /// compiles replacements.
+    engine: Arc<GuestEngine>,
     pre: GuestPre<HostState>,
     manifest: GuestManifest,
     limits: GuestLimits,
@@ -234,7 +235,7 @@ impl GuestApply {
     ) -> Result<Self, GuestError> {
         let pre = engine.prepare(what, bytes)?;
         let mut core = Core {
-            _engine: engine.clone(),
+            engine: engine.clone(),
             pre,
             manifest: GuestManifest {
                 name: what.to_string(),
@@ -531,6 +532,67 @@ impl Apply for GuestApply {
                 tracing::warn!(error = %err, "guest failed after a commit; rebuilding it");
             }
         }
+    }
+
+    async fn swap(&mut self, what: &str, bytes: &[u8]) -> Result<SwapReport, ApplyError> {
+        let from = self.describe();
+        let refuse = |message: String| ApplyError {
+            applier: from.clone(),
+            call: "swap",
+            message: format!("{what} refused, {from} keeps running: {message}"),
+        };
+        // Compiled already by the caller off the hot path (the cache makes this a lookup); the
+        // import check runs again here all the same.
+        let pre = self
+            .core
+            .engine
+            .prepare(what, bytes)
+            .map_err(|e| refuse(e.to_string()))?;
+        let mut core = Core {
+            engine: self.core.engine.clone(),
+            pre,
+            manifest: GuestManifest {
+                name: what.to_string(),
+                version: "?".into(),
+                scope: Vec::new(),
+            },
+            limits: self.core.limits,
+            config: self.core.config.clone(),
+            fold: self.core.fold.clone(),
+        };
+        let mut live = core
+            .instantiate()
+            .await
+            .map_err(|e| refuse(e.to_string()))?;
+        core.manifest = core
+            .call_manifest(&mut live)
+            .await
+            .map_err(|e| refuse(e.to_string()))?;
+        if core.manifest.scope != self.core.manifest.scope {
+            return Err(refuse(format!(
+                "its scope {} differs from the running {} (a scope change needs a restart)",
+                core.manifest.watch_scope(),
+                self.core.manifest.watch_scope()
+            )));
+        }
+        core.call_init(&mut live)
+            .await
+            .map_err(|e| refuse(e.to_string()))?;
+        let (entries, took) = core
+            .stream_fold(&mut live)
+            .await
+            .map_err(|e| refuse(format!("hydration failed: {e}")))?;
+        self.core = core;
+        self.live = Some(live);
+        self.hydrations += 1;
+        self.last_hydration = Some((entries, took));
+        Ok(SwapReport {
+            from,
+            to: self.describe(),
+            hydrated_entries: entries,
+            hydrate_ms: took.as_millis() as u64,
+            paused_ms: 0,
+        })
     }
 
     async fn query(&mut self, request: &[u8]) -> Result<Vec<u8>, ApplyError> {

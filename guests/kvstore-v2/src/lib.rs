@@ -1,0 +1,77 @@
+//! `kvstore-v2`: version 0.2.0 of `kvstore`, for the hot-swap tests. Same name and scope, so the
+//! host accepts it as a replacement; it answers differently (`v2:` + the value) so a test can tell
+//! which version served a query, and it refuses to apply an update twice.
+//!
+//! Every key's revision is remembered: a put or delete whose revision is not above the key's last
+//! one fails `apply` with `applied twice`, so a host that replayed an update into the live instance
+//! would stop the fold instead of passing the test. (Revision 0 marks a synthetic update and is let
+//! through.)
+
+use std::collections::BTreeMap;
+
+use foldhost_guest::{Change, Folder, Manifest, Verdict};
+
+/// The copy: key → (raw value, revision), plus the revisions of deleted keys.
+#[derive(Default)]
+struct KvStoreV2 {
+    entries: BTreeMap<String, Vec<u8>>,
+    revisions: BTreeMap<String, u64>,
+}
+
+impl KvStoreV2 {
+    fn check(&mut self, key: &str, revision: u64) -> Result<(), String> {
+        if revision == 0 {
+            return Ok(());
+        }
+        let last = self.revisions.get(key).copied().unwrap_or(0);
+        if revision <= last {
+            return Err(format!(
+                "applied twice: {key} at revision {revision} after {last}"
+            ));
+        }
+        self.revisions.insert(key.to_owned(), revision);
+        Ok(())
+    }
+}
+
+impl Folder for KvStoreV2 {
+    type Value = Vec<u8>;
+
+    fn manifest() -> Manifest {
+        Manifest::whole_bucket("kvstore", "0.2.0")
+    }
+
+    fn parse(&self, _key: &str, value: &[u8]) -> Verdict<Vec<u8>> {
+        Verdict::Accept(value.to_vec())
+    }
+
+    fn apply(&mut self, changes: Vec<Change<Vec<u8>>>) -> Result<(), String> {
+        for change in changes {
+            match change {
+                Change::Put {
+                    key,
+                    value,
+                    revision,
+                } => {
+                    self.check(&key, revision)?;
+                    self.entries.insert(key, value);
+                }
+                Change::Delete { key, revision } => {
+                    self.check(&key, revision)?;
+                    self.entries.remove(&key);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn query(&self, request: &[u8]) -> Result<Vec<u8>, String> {
+        let key = std::str::from_utf8(request).map_err(|_| "missing")?;
+        let value = self.entries.get(key).ok_or("missing")?;
+        let mut answer = b"v2:".to_vec();
+        answer.extend_from_slice(value);
+        Ok(answer)
+    }
+}
+
+foldhost_guest::export_folder!(KvStoreV2);

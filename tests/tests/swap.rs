@@ -1,0 +1,211 @@
+//! Hot swap against a real nats-server and the real binary: v1 → v2 → v1 → v2 while a writer keeps
+//! writing, with nothing lost or applied twice; and swaps the host must refuse while the old guest
+//! keeps serving.
+
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use foldhost::kv::KvWriter;
+use foldhost_tests::{
+    Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, hostile_wat,
+    terminate, wait_status,
+};
+use rand::{Rng, SeedableRng};
+
+fn start_host(
+    h: &Harness,
+    bucket: &str,
+    store: &std::path::Path,
+    addr: &str,
+    token: Option<&str>,
+) -> anyhow::Result<Child> {
+    let mut c = foldhost();
+    c.args([
+        "run",
+        "--bucket",
+        bucket,
+        "--nats",
+        &h.url(),
+        "--listen",
+        addr,
+    ])
+    .arg("--guest")
+    .arg(guest_wasm("kvstore"))
+    .arg("--store")
+    .arg(store)
+    .stderr(Stdio::null());
+    if let Some(t) = token {
+        c.args(["--admin-token", t]);
+    }
+    Ok(c.spawn()?)
+}
+
+fn swap(
+    addr: &str,
+    guest: &std::path::Path,
+    token: Option<&str>,
+) -> anyhow::Result<(bool, String)> {
+    let mut c = foldhost();
+    c.args(["swap", "--listen", addr, "--guest"]).arg(guest);
+    c.env_remove("FOLDHOST_ADMIN_TOKEN");
+    if let Some(t) = token {
+        c.args(["--admin-token", t]);
+    }
+    let out = c.output()?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok((out.status.success(), text))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("swap").await?;
+    for i in 0..2000 {
+        kv.put(&format!("k.{i:04}"), format!("seed{i}").into())
+            .await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = start_host(&h, "swap", &store, &addr, None)?;
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(2000)).await?;
+
+    // The writer: pipelined puts over 5 000 keys, with deletes, for about three seconds.
+    let writer = {
+        let kv = kv.clone();
+        tokio::spawn(async move {
+            let js = kv.jetstream().clone();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+            let t = Instant::now();
+            let mut n = 0u64;
+            while t.elapsed() < Duration::from_secs(3) {
+                let mut acks = Vec::with_capacity(200);
+                for _ in 0..200 {
+                    let k = rng.random_range(0..5000);
+                    acks.push(
+                        js.publish(format!("$KV.swap.k.{k:04}"), format!("w{n}").into())
+                            .await?,
+                    );
+                    n += 1;
+                }
+                for a in acks {
+                    a.await?;
+                }
+                let k = rng.random_range(0..5000);
+                kv.delete(&format!("k.{k:04}")).await?;
+                n += 1;
+            }
+            anyhow::Ok(n as f64 / t.elapsed().as_secs_f64())
+        })
+    };
+    let v1 = guest_wasm("kvstore");
+    let v2 = guest_wasm("kvstore_v2");
+    let mut reports = Vec::new();
+    for (guest, to) in [
+        (&v2, "kvstore@0.2.0"),
+        (&v1, "kvstore@0.1.0"),
+        (&v2, "kvstore@0.2.0"),
+    ] {
+        tokio::time::sleep(Duration::from_millis(600)).await;
+        let (ok, text) = swap(&addr, guest, None)?;
+        assert!(ok, "swap to {to} failed: {text}");
+        let report: serde_json::Value = serde_json::from_str(text.trim())?;
+        assert_eq!(report["to"], to, "{text}");
+        reports.push(report);
+    }
+    let rate = writer.await??;
+    eprintln!("writer: {rate:.0} updates/s; swaps: {reports:?}");
+    assert!(
+        reports
+            .iter()
+            .all(|r| r["hydrated_entries"].as_u64() >= Some(1000)),
+        "each new instance was rebuilt from the fold: {reports:?}"
+    );
+
+    let last = kv.positions().await?.last_sequence;
+    let s = wait_status(&addr, |s| {
+        s["applied_through"].as_u64() >= Some(last) || s["state"] == "failed"
+    })
+    .await?;
+    assert_eq!(
+        s["state"], "running",
+        "v2 refuses updates applied twice: {s}"
+    );
+    assert_eq!(s["guest"], "kvstore@0.2.0");
+    let want = bucket_contents(&kv).await?;
+    for (key, (value, _)) in &want {
+        let (code, body) = foldhost::serve::call(&addr, "POST", "/query", key.as_bytes()).await?;
+        assert_eq!(code, 200, "{key}: {}", String::from_utf8_lossy(&body));
+        let mut expect = b"v2:".to_vec();
+        expect.extend_from_slice(value);
+        assert_eq!(
+            body, expect,
+            "{key}: v2's answer is computed from the whole fold"
+        );
+    }
+    for i in 0..5000 {
+        let key = format!("k.{i:04}");
+        if !want.contains_key(&key) {
+            let (code, _) = foldhost::serve::call(&addr, "POST", "/query", key.as_bytes()).await?;
+            assert_eq!(code, 422, "{key} was deleted");
+        }
+    }
+    terminate(&mut host)?;
+    assert_eq!(first_difference(&want, &dump_store(&store)?), None);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_swaps_leave_the_old_guest_serving() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("refuse").await?;
+    kv.put("route.a", "{\"upstream\":\"1\"}".into()).await?;
+    kv.put("trap.me", "the trap guest dies hydrating this".into())
+        .await?;
+    let tmp = tempfile::tempdir()?;
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let token = "s3cret";
+    let mut host = start_host(&h, "refuse", &tmp.path().join("fold"), &addr, Some(token))?;
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(2)).await?;
+
+    let cases = [
+        (guest_wasm("kvstore_v2"), None, "admin bearer token"),
+        (guest_wasm("hostile_trap"), Some(token), "hydration failed"),
+        (
+            hostile_wat("bad_import.wat"),
+            Some(token),
+            "evil:net/exfil@1.0.0",
+        ),
+        (guest_wasm("router"), Some(token), "scope"),
+    ];
+    for (guest, tok, why) in cases {
+        let (ok, text) = swap(&addr, &guest, tok)?;
+        assert!(!ok, "{} must be refused", guest.display());
+        assert!(
+            text.contains(why),
+            "{}: the reason names {why:?}: {text}",
+            guest.display()
+        );
+        let (code, body) = foldhost::serve::call(&addr, "POST", "/query", b"route.a").await?;
+        assert_eq!(
+            (code, body),
+            (200, b"{\"upstream\":\"1\"}".to_vec()),
+            "v1 still serves"
+        );
+        let s = wait_status(&addr, |_| true).await?;
+        assert_eq!(s["guest"], "kvstore@0.1.0");
+        assert_eq!(s["state"], "running");
+    }
+    // The fold kept going after the refusals.
+    kv.put("route.b", "{\"upstream\":\"2\"}".into()).await?;
+    let last = kv.positions().await?.last_sequence;
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(last)).await?;
+    let (code, _) = foldhost::serve::call(&addr, "POST", "/query", b"route.b").await?;
+    assert_eq!(code, 200);
+    terminate(&mut host)?;
+    Ok(())
+}
