@@ -98,6 +98,12 @@ pub struct RunArgs {
     /// Bearer token `POST /swap` requires; mandatory when `--listen` is not a loopback address.
     #[arg(long, env = "FOLDHOST_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Swap the guest whenever the `--guest` file's content changes (checked every second).
+    #[arg(long)]
+    pub watch_guest: bool,
+    /// Also serve the guest's query as a NATS request/reply service on this subject.
+    #[arg(long)]
+    pub query_subject: Option<String>,
     /// Fold to the stream's last sequence as of start, then exit 0.
     #[arg(long)]
     pub catch_up: bool,
@@ -342,6 +348,30 @@ pub async fn run_fold(
         }
         None => None,
     };
+    let mut side_tasks = Vec::new();
+    if a.watch_guest {
+        let (Some(path), Some(engine)) = (a.guest.clone(), engine.clone()) else {
+            bail!("--watch-guest needs --guest");
+        };
+        side_tasks.push(tokio::spawn(watch_guest_file(
+            path,
+            engine,
+            control_tx.clone(),
+        )));
+    }
+    if let Some(subject) = &a.query_subject {
+        let client = conn.client().await?;
+        let sub = client
+            .subscribe(subject.clone())
+            .await
+            .with_context(|| format!("--query-subject {subject}"))?;
+        tracing::info!(subject = %subject, "serving queries over NATS request/reply");
+        side_tasks.push(tokio::spawn(serve_nats_queries(
+            client,
+            sub,
+            control_tx.clone(),
+        )));
+    }
     drop(control_tx);
     let reporter = tokio::spawn(report_progress(
         a.store.clone(),
@@ -368,6 +398,9 @@ pub async fn run_fold(
     )
     .await;
     reporter.abort();
+    for t in side_tasks {
+        t.abort();
+    }
     let mut last = snapshot_status(&base, &status);
     let outcome = match result {
         Ok(finished) => {
@@ -398,6 +431,89 @@ pub async fn run_fold(
     }
     conn_shutdown(conn).await;
     outcome
+}
+
+/// `--watch-guest`: swaps the guest when the file's bytes change. A file that fails to compile or
+/// is refused leaves the running guest in place (and is retried only when it changes again).
+async fn watch_guest_file(
+    path: PathBuf,
+    engine: Arc<crate::guest::GuestEngine>,
+    control: tokio::sync::mpsc::Sender<crate::applied::Control>,
+) {
+    let mut current = std::fs::read(&path)
+        .map(|b| *blake3::hash(&b).as_bytes())
+        .ok();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let Ok(bytes) = tokio::fs::read(&path).await else {
+            continue; // mid-replacement, or removed: keep the running guest
+        };
+        let hash = *blake3::hash(&bytes).as_bytes();
+        if current == Some(hash) {
+            continue;
+        }
+        current = Some(hash);
+        let what = path.display().to_string();
+        tracing::info!(guest = %what, "guest file changed; swapping");
+        // Compile off the fold's path; the fold's swap then finds it in the cache.
+        let compiled = {
+            let (engine, bytes, what) = (engine.clone(), bytes.clone(), what.clone());
+            tokio::task::spawn_blocking(move || engine.prepare(&what, &bytes).map(|_| ())).await
+        };
+        if let Ok(Err(e)) = compiled {
+            tracing::warn!(error = %e, "swap refused; the running guest stays");
+            continue;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let swap = crate::applied::Control::Swap {
+            bytes,
+            what,
+            reply: tx,
+        };
+        if control.send(swap).await.is_err() {
+            return;
+        }
+        // The fold logs the outcome; nothing more to do here.
+        let _ = rx.await;
+    }
+}
+
+/// `--query-subject`: each request's payload goes to the guest's `query` (between batches); the
+/// reply is the answer, or the error text with a `Foldhost-Error: true` header.
+async fn serve_nats_queries(
+    client: async_nats::Client,
+    mut sub: async_nats::Subscriber,
+    control: tokio::sync::mpsc::Sender<crate::applied::Control>,
+) {
+    use futures::StreamExt;
+    while let Some(msg) = sub.next().await {
+        let Some(reply_to) = msg.reply.clone() else {
+            continue;
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let q = crate::applied::Control::Query {
+            request: msg.payload.to_vec(),
+            reply: tx,
+        };
+        if control.send(q).await.is_err() {
+            return;
+        }
+        let published = match rx.await {
+            Ok(Ok(answer)) => client.publish(reply_to, answer.into()).await,
+            Ok(Err(e)) => {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert("Foldhost-Error", "true");
+                client
+                    .publish_with_headers(reply_to, headers, e.to_string().into())
+                    .await
+            }
+            Err(_) => return,
+        };
+        if let Err(e) = published {
+            tracing::warn!(error = %e, "query reply not sent");
+        }
+    }
 }
 
 fn parse_config(items: &[String]) -> anyhow::Result<Vec<(String, String)>> {
@@ -715,6 +831,8 @@ async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         apply: "count".into(),
         listen: None,
         admin_token: None,
+        watch_guest: false,
+        query_subject: None,
         catch_up: true,
         batch_window_ms: 10,
         batch_max: 100,

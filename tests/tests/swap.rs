@@ -209,3 +209,92 @@ async fn refused_swaps_leave_the_old_guest_serving() -> anyhow::Result<()> {
     terminate(&mut host)?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_changed_guest_file_is_swapped_in_with_watch_guest() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("watchfile").await?;
+    kv.put("k", "v".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let guest = tmp.path().join("guest.wasm");
+    std::fs::copy(guest_wasm("kvstore"), &guest)?;
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = foldhost()
+        .args([
+            "run",
+            "--bucket",
+            "watchfile",
+            "--nats",
+            &h.url(),
+            "--listen",
+            &addr,
+        ])
+        .arg("--watch-guest")
+        .arg("--guest")
+        .arg(&guest)
+        .arg("--store")
+        .arg(tmp.path().join("fold"))
+        .stderr(Stdio::null())
+        .spawn()?;
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(1)).await?;
+    // A file that is not a component is refused; the running guest stays.
+    let staged = tmp.path().join("staged.wasm");
+    std::fs::write(&staged, b"not a component")?;
+    std::fs::rename(&staged, &guest)?;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let (code, body) = foldhost::serve::call(&addr, "POST", "/query", b"k").await?;
+    assert_eq!((code, body), (200, b"v".to_vec()), "v1 still serves");
+    // Replace the file atomically with v2: the host swaps it in.
+    std::fs::copy(guest_wasm("kvstore_v2"), &staged)?;
+    std::fs::rename(&staged, &guest)?;
+    wait_status(&addr, |s| s["guest"] == "kvstore@0.2.0").await?;
+    let (code, body) = foldhost::serve::call(&addr, "POST", "/query", b"k").await?;
+    assert_eq!((code, body), (200, b"v2:v".to_vec()));
+    terminate(&mut host)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queries_are_served_over_nats_request_reply() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("nq").await?;
+    kv.put("route.a", "{\"upstream\":\"1\"}".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = foldhost()
+        .args([
+            "run",
+            "--bucket",
+            "nq",
+            "--nats",
+            &h.url(),
+            "--listen",
+            &addr,
+        ])
+        .args(["--query-subject", "svc.kv.query"])
+        .arg("--guest")
+        .arg(guest_wasm("kvstore"))
+        .arg("--store")
+        .arg(tmp.path().join("fold"))
+        .stderr(Stdio::null())
+        .spawn()?;
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(1)).await?;
+    let client = h.conn.client().await?;
+    let answer = client.request("svc.kv.query", "route.a".into()).await?;
+    assert_eq!(&answer.payload[..], b"{\"upstream\":\"1\"}");
+    assert!(
+        answer
+            .headers
+            .is_none_or(|h| h.get("Foldhost-Error").is_none())
+    );
+    let missing = client.request("svc.kv.query", "route.zzz".into()).await?;
+    let is_error = missing
+        .headers
+        .as_ref()
+        .and_then(|h| h.get("Foldhost-Error"))
+        .map(|v| v.as_str() == "true");
+    assert_eq!(is_error, Some(true));
+    assert!(String::from_utf8_lossy(&missing.payload).contains("missing"));
+    terminate(&mut host)?;
+    Ok(())
+}
