@@ -89,6 +89,9 @@ pub struct RunArgs {
     /// Memory cap of a guest, in MiB.
     #[arg(long, default_value_t = 256)]
     pub guest_memory_mb: usize,
+    /// Most key and value bytes passed to the guest in one call.
+    #[arg(long, default_value_t = 16 * 1024 * 1024)]
+    pub guest_max_batch_bytes: usize,
     /// The built-in native applier when no `--guest` is given: `count`.
     #[arg(long, default_value = "count")]
     pub apply: String,
@@ -288,6 +291,7 @@ pub async fn run_fold(
                 let limits = crate::guest::GuestLimits {
                     call_deadline: Duration::from_millis(a.guest_deadline_ms.max(1)),
                     memory_bytes: a.guest_memory_mb.max(1) * 1024 * 1024,
+                    max_batch_bytes: a.guest_max_batch_bytes.max(1),
                     ..crate::guest::GuestLimits::default()
                 };
                 let mut g = crate::guest::GuestApply::load(
@@ -828,6 +832,7 @@ async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         guest_config: Vec::new(),
         guest_deadline_ms: 1000,
         guest_memory_mb: 256,
+        guest_max_batch_bytes: 16 * 1024 * 1024,
         apply: "count".into(),
         listen: None,
         admin_token: None,

@@ -533,3 +533,50 @@ async fn hashring_removing_a_node_moves_only_the_keys_it_owned() -> anyhow::Resu
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_over_the_guest_byte_limit_are_split_and_a_single_oversized_update_stops_the_fold()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("bytes").await?;
+    for i in 0..20 {
+        kv.put(&format!("k.{i:02}"), vec![b'x'; 1000].into())
+            .await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let run = || {
+        let mut c = foldhost();
+        c.args(["run", "--catch-up", "--bucket", "bytes", "--nats", &h.url()])
+            .args(["--guest-max-batch-bytes", "5000"])
+            .arg("--guest")
+            .arg(guest_wasm("kvstore"))
+            .arg("--store")
+            .arg(&store);
+        c
+    };
+    let out = run().output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(dump_store(&store)?.len(), 20, "split batches all committed");
+
+    // One update larger than the limit can never pass: the fold stops before it, naming the limit
+    // (and the restart first rebuilds the guest from the fold in chunks under the limit).
+    let big = kv.put("k.big", vec![b'y'; 6000].into()).await?;
+    let out = run().output()?;
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("kvstore@0.1.0: parse failed")
+            && err.contains("max-batch-bytes limit of 5000"),
+        "{err}"
+    );
+    assert_eq!(
+        status_store(&store)?["cursor"].as_u64(),
+        big.as_u64().map(|r| r - 1)
+    );
+    Ok(())
+}

@@ -36,7 +36,8 @@ use bindings::{GuestPre, HostState};
 /// How often the epoch advances: the granularity of call deadlines.
 pub const TICK: Duration = Duration::from_millis(2);
 
-/// Per-guest limits. Defaults: 1 s per call, 256 MiB of memory, hydration in chunks of 1 000.
+/// Per-guest limits. Defaults: 1 s per call, 256 MiB of memory, 16 MiB of keys and values per
+/// call, hydration in chunks of 1 000.
 #[derive(Clone, Copy, Debug)]
 pub struct GuestLimits {
     /// Longest one call may run (a whole batch's `apply`, one hydration chunk).
@@ -45,6 +46,9 @@ pub struct GuestLimits {
     pub memory_bytes: usize,
     /// Entries per call while hydrating a fresh instance from the fold.
     pub hydrate_chunk: usize,
+    /// Most key and value bytes passed in one call. A larger batch is refused with this limit
+    /// named; the fold then retries it in halves, so only a single update over the limit stops it.
+    pub max_batch_bytes: usize,
 }
 
 impl Default for GuestLimits {
@@ -53,6 +57,7 @@ impl Default for GuestLimits {
             call_deadline: Duration::from_secs(1),
             memory_bytes: 256 * 1024 * 1024,
             hydrate_chunk: 1000,
+            max_batch_bytes: 16 * 1024 * 1024,
         }
     }
 }
@@ -453,6 +458,30 @@ impl Core {
                     .map_err(|e| self.err("hydrate", format!("read the fold: {e}")))?;
                 let Some(last) = entries.last() else { break };
                 after = Some(last.key.clone());
+                let full = entries.len() == chunk;
+                // Keep each call under the byte limit too: cut the page where it would pass it.
+                let mut entries = entries;
+                let mut cut_short = false;
+                let mut bytes = 0usize;
+                if let Some(cut) = entries.iter().position(|e| {
+                    bytes += e.key.len() + e.value.len();
+                    bytes > self.limits.max_batch_bytes
+                }) {
+                    if cut == 0 {
+                        return Err(self.err(
+                            "hydrate",
+                            format!(
+                                "entry {:?} carries {bytes} bytes, over the guest's max-batch-bytes limit of {}",
+                                entries[0].key, self.limits.max_batch_bytes
+                            ),
+                        ));
+                    }
+                    if cut < entries.len() {
+                        entries.truncate(cut);
+                        after = entries.last().map(|e| e.key.clone());
+                        cut_short = true;
+                    }
+                }
                 let n = entries.len();
                 let batch: Vec<bindings::Update> = entries
                     .into_iter()
@@ -466,7 +495,7 @@ impl Core {
                 self.call_parse(live, &batch).await?;
                 self.call_apply(live).await?;
                 total += n as u64;
-                if n < chunk {
+                if !full && !cut_short {
                     break;
                 }
             }
@@ -488,6 +517,17 @@ impl Apply for GuestApply {
     }
 
     async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
+        let bytes: usize = batch.iter().map(KvUpdate::byte_len).sum();
+        if bytes > self.core.limits.max_batch_bytes {
+            return Err(self.core.err(
+                "parse",
+                format!(
+                    "a batch of {} updates carries {bytes} bytes, over the guest's max-batch-bytes limit of {}",
+                    batch.len(),
+                    self.core.limits.max_batch_bytes
+                ),
+            ));
+        }
         let mut live = self.live().await?;
         let updates: Vec<bindings::Update> = batch.iter().map(bindings::to_wit_update).collect();
         let r = self.core.call_parse(&mut live, &updates).await;
