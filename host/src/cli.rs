@@ -43,6 +43,21 @@ pub enum Command {
     Demo(DemoArgs),
     /// Hot-swap the guest of a running host (`run --listen`): the fold never stops.
     Swap(SwapArgs),
+    /// Scaffold a Rust guest that builds with one command.
+    NewGuest(NewGuestArgs),
+}
+
+/// `foldhost new-guest`.
+#[derive(Args, Debug)]
+pub struct NewGuestArgs {
+    /// The guest's name (a Rust crate name: letters, digits, `-`, `_`).
+    pub name: String,
+    /// Where to create it (default: ./NAME).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// The SDK crate (a foldhost checkout's `sdk/rust`; found automatically beside this binary).
+    #[arg(long)]
+    pub sdk: Option<PathBuf>,
 }
 
 /// `foldhost swap`.
@@ -168,6 +183,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Dump(a) => cmd_dump(a),
         Command::Demo(a) => cmd_demo(a).await,
         Command::Swap(a) => cmd_swap(a).await,
+        Command::NewGuest(a) => cmd_new_guest(a),
     }
 }
 
@@ -764,6 +780,134 @@ async fn cmd_swap(a: SwapArgs) -> anyhow::Result<()> {
         bail!("{}: {text}", a.guest.display());
     }
     println!("{text}");
+    Ok(())
+}
+
+fn find_sdk() -> Option<PathBuf> {
+    let rel = Path::new("sdk/rust/Cargo.toml");
+    let mut candidates = vec![rel.to_path_buf()];
+    if let Ok(exe) = std::env::current_exe()
+        && let Some(root) = exe.parent().and_then(Path::parent).and_then(Path::parent)
+    {
+        candidates.push(root.join(rel));
+    }
+    candidates
+        .into_iter()
+        .find(|p| p.is_file())
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+}
+
+fn cmd_new_guest(a: NewGuestArgs) -> anyhow::Result<()> {
+    let name = a.name.as_str();
+    let valid = !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        && name.chars().next().is_some_and(|c| c.is_ascii_alphabetic());
+    if !valid {
+        bail!("guest name {name:?}: use letters, digits, '-' and '_', starting with a letter");
+    }
+    let sdk = match a.sdk.clone().or_else(find_sdk) {
+        Some(p) => std::fs::canonicalize(&p).with_context(|| format!("--sdk {}", p.display()))?,
+        None => bail!("the SDK (sdk/rust of a foldhost checkout) was not found: pass --sdk PATH"),
+    };
+    let dir = a.dir.clone().unwrap_or_else(|| PathBuf::from(name));
+    if dir.exists() {
+        bail!("{}: already exists; not overwriting", dir.display());
+    }
+    std::fs::create_dir_all(dir.join("src"))
+        .with_context(|| format!("create {}", dir.display()))?;
+    let manifest = format!(
+        r#"[package]
+name = "{name}"
+version = "0.1.0"
+edition = "2024"
+
+[lib]
+crate-type = ["cdylib"]
+
+[dependencies]
+foldhost-guest = {{ path = "{sdk}" }}
+
+# A standalone workspace: the guest builds on its own, for wasm32-wasip2.
+[workspace]
+
+[profile.release]
+opt-level = "s"
+lto = true
+strip = true
+codegen-units = 1
+"#,
+        sdk = sdk.display()
+    );
+    let lib = format!(
+        r#"//! `{name}`: a foldhost guest. It keeps a copy of the keys in its scope and answers a query
+//! (a key) with the key's value. Change `manifest`, `parse`, `apply` and `query` to build your
+//! structure; the host rebuilds it from the fold whenever an instance starts, so there is no
+//! rebuild code to write.
+
+use std::collections::BTreeMap;
+
+use foldhost_guest::{{Change, Folder, Manifest, Verdict}};
+
+#[derive(Default)]
+struct Guest {{
+    entries: BTreeMap<String, Vec<u8>>,
+}}
+
+impl Folder for Guest {{
+    type Value = Vec<u8>;
+
+    fn manifest() -> Manifest {{
+        // The key prefixes this guest watches; `Manifest::whole_bucket` watches everything.
+        Manifest::new("{name}", "0.1.0", ["{name}."])
+    }}
+
+    fn parse(&self, _key: &str, value: &[u8]) -> Verdict<Vec<u8>> {{
+        Verdict::Accept(value.to_vec())
+    }}
+
+    fn apply(&mut self, changes: Vec<Change<Vec<u8>>>) -> Result<(), String> {{
+        for change in changes {{
+            match change {{
+                Change::Put {{ key, value, .. }} => {{
+                    self.entries.insert(key, value);
+                }}
+                Change::Delete {{ key, .. }} => {{
+                    self.entries.remove(&key);
+                }}
+            }}
+        }}
+        Ok(())
+    }}
+
+    fn query(&self, request: &[u8]) -> Result<Vec<u8>, String> {{
+        let key = String::from_utf8_lossy(request);
+        self.entries
+            .get(key.as_ref())
+            .cloned()
+            .ok_or_else(|| format!("unknown key: {{key}}"))
+    }}
+}}
+
+foldhost_guest::export_folder!(Guest);
+"#
+    );
+    let crate_file = name.replace('-', "_");
+    let readme = format!(
+        "# {name}\n\nA foldhost guest.\n\n```sh\ncargo build --release --target wasm32-wasip2\nfoldhost run --guest target/wasm32-wasip2/release/{crate_file}.wasm --nats URL --bucket B --store DIR --listen 127.0.0.1:8080\n```\n"
+    );
+    let write = |p: PathBuf, text: &str| {
+        std::fs::write(&p, text).with_context(|| format!("write {}", p.display()))
+    };
+    write(dir.join("Cargo.toml"), &manifest)?;
+    write(dir.join("src/lib.rs"), &lib)?;
+    write(dir.join("README.md"), &readme)?;
+    write(dir.join(".gitignore"), "target/\n")?;
+    println!(
+        "created {}: build it with `cargo build --release --target wasm32-wasip2` (→ target/wasm32-wasip2/release/{crate_file}.wasm)",
+        dir.display()
+    );
     Ok(())
 }
 
