@@ -8,9 +8,14 @@
 //!    guest (an empty `parse` + `apply`); and hydration of a fresh router from the fold vs the raw
 //!    scan of the same fold.
 //!
+//! 3. **swap** — on a KEYS-key fold followed live by `kvstore`: the pause of a hot swap to
+//!    `kvstore-v2` and back (the time the fold applies nothing) and the rebuild rate, against the raw
+//!    scan of the same store; and query latency (p50/p99 of 2 000 queries) with and without a
+//!    concurrent writer.
+//!
 //! Runs alternate between the compared sides; every figure is the median of RUNS runs.
 //!
-//! `cargo run --release -p foldhost-tests --bin foldhost-bench -- [ingest|guest|all] [KEYS] [RUNS]`
+//! `cargo run --release -p foldhost-tests --bin foldhost-bench -- [ingest|guest|swap|all] [KEYS] [RUNS]`
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -163,13 +168,166 @@ async fn bench_ingest(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::
     Ok(())
 }
 
-fn router_wasm() -> PathBuf {
+fn guest_file(name: &str) -> PathBuf {
     std::env::var("FOLDHOST_GUESTS_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|_| {
             PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../guests/target/wasm32-wasip2/release")
         })
-        .join("router.wasm")
+        .join(format!("{name}.wasm"))
+}
+
+fn read_guest(name: &str) -> anyhow::Result<Vec<u8>> {
+    let p = guest_file(name);
+    std::fs::read(&p).map_err(|e| anyhow::anyhow!("{}: {e} (run guests/build.sh)", p.display()))
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+async fn query_latencies(
+    control: &tokio::sync::mpsc::Sender<foldhost::applied::Control>,
+    keys: u64,
+    n: usize,
+) -> anyhow::Result<(f64, f64)> {
+    let mut lat = Vec::with_capacity(n);
+    for i in 0..n {
+        let key = format!("key.{:026}", (i as u64 * 7919) % keys);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let t = Instant::now();
+        control
+            .send(foldhost::applied::Control::Query {
+                request: key.into_bytes(),
+                reply: tx,
+            })
+            .await
+            .map_err(|_| anyhow::anyhow!("fold stopped"))?;
+        rx.await??;
+        lat.push(t.elapsed().as_secs_f64() * 1e6);
+    }
+    lat.sort_by(|a, b| a.total_cmp(b));
+    Ok((percentile(&lat, 0.5), percentile(&lat, 0.99)))
+}
+
+async fn bench_swap(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::Result<()> {
+    use foldhost::applied::Control;
+    let kv = conn.bucket("swapb", &unlimited()).await?;
+    seed(&kv, keys, |i| format!("key.{i:026}"), |_| vec![b'v'; 100]).await?;
+    let engine = GuestEngine::new()?;
+    let (v1, v2) = (read_guest("kvstore")?, read_guest("kvstore_v2")?);
+    let (_dir, store) = empty_store()?;
+    let mut g = GuestApply::load(
+        &engine,
+        "kvstore",
+        &v1,
+        GuestLimits::default(),
+        vec![],
+        Arc::new(store.clone()),
+    )
+    .await?;
+    g.hydrate().await?;
+    let (control, rx) = tokio::sync::mpsc::channel(16);
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let status = Arc::new(FoldStatus::default());
+    let fold = {
+        let (kv, store, status) = (kv.clone(), store.clone(), status.clone());
+        tokio::spawn(async move {
+            watch_applied(
+                kv,
+                store,
+                &mut g,
+                WatchOptions {
+                    scope: WatchScope::All,
+                    batch: BatchConfig::default(),
+                    catch_up: false,
+                },
+                status,
+                Some(rx),
+                async {
+                    let _ = stop_rx.await;
+                },
+            )
+            .await
+        })
+    };
+    while status
+        .applied_through
+        .load(std::sync::atomic::Ordering::Relaxed)
+        < keys
+    {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    engine.prepare("kvstore-v2", &v2)?; // compiled off the fold's path, as `swap` does
+    let mut pauses = Vec::new();
+    let mut rebuild = Vec::new();
+    let mut scan = Vec::new();
+    for run in 0..runs * 2 {
+        let bytes = if run % 2 == 0 { v2.clone() } else { v1.clone() };
+        let (tx, reply) = tokio::sync::oneshot::channel();
+        control
+            .send(Control::Swap {
+                bytes,
+                what: "bench".into(),
+                reply: tx,
+            })
+            .await
+            .map_err(|_| anyhow::anyhow!("fold stopped"))?;
+        let r = reply.await??;
+        anyhow::ensure!(r.hydrated_entries == keys, "rebuild incomplete: {r:?}");
+        pauses.push(r.paused_ms as f64);
+        rebuild.push(keys as f64 / (r.hydrate_ms.max(1) as f64 / 1000.0));
+        let t = Instant::now();
+        let mut n = 0u64;
+        store.visit("", &mut |_| {
+            n += 1;
+            ControlFlow::Continue(())
+        })?;
+        scan.push(n as f64 / t.elapsed().as_secs_f64());
+    }
+    let (p, rb, sc) = (median(pauses), median(rebuild), median(scan));
+    println!(
+        "swap, {keys}-key fold, median of {} swaps: fold paused {p:.0} ms; rebuild {rb:.0} keys/s through parse/apply vs raw fold scan {sc:.0} keys/s (ratio {:.3})",
+        runs * 2,
+        rb / sc
+    );
+
+    let (q50, q99) = query_latencies(&control, keys, 2000).await?;
+    let writer = {
+        let kv = kv.clone();
+        tokio::spawn(async move {
+            let js = kv.jetstream().clone();
+            let t = Instant::now();
+            let mut n = 0u64;
+            while t.elapsed() < Duration::from_secs(4) {
+                let mut acks = Vec::with_capacity(200);
+                for _ in 0..200 {
+                    acks.push(
+                        js.publish(
+                            format!("$KV.swapb.key.{:026}", n % keys),
+                            vec![b'w'; 100].into(),
+                        )
+                        .await?,
+                    );
+                    n += 1;
+                }
+                for a in acks {
+                    a.await?;
+                }
+            }
+            anyhow::Ok(n as f64 / t.elapsed().as_secs_f64())
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let (w50, w99) = query_latencies(&control, keys, 2000).await?;
+    let rate = writer.await??;
+    println!(
+        "swap: query latency idle p50 {q50:.0} µs / p99 {q99:.0} µs; under a {rate:.0} updates/s writer p50 {w50:.0} µs / p99 {w99:.0} µs"
+    );
+    let _ = stop_tx.send(());
+    fold.await??;
+    Ok(())
 }
 
 async fn bench_guest(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::Result<()> {
@@ -194,9 +352,7 @@ async fn bench_guest(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::R
         "guest: seeded {keys} routes in {:.2}s",
         t.elapsed().as_secs_f64()
     );
-    let path = router_wasm();
-    let bytes = std::fs::read(&path)
-        .map_err(|e| anyhow::anyhow!("{}: {e} (run guests/build.sh)", path.display()))?;
+    let bytes = read_guest("router")?;
     let engine = GuestEngine::new()?;
     let scope = WatchScope::Prefix("route.".into());
     for max in [100usize, 1000] {
@@ -322,8 +478,11 @@ async fn main() -> anyhow::Result<()> {
     if matches!(what, "guest" | "all") {
         bench_guest(&conn, keys, runs).await?;
     }
-    if !matches!(what, "ingest" | "guest" | "all") {
-        anyhow::bail!("usage: foldhost-bench [ingest|guest|all] [KEYS] [RUNS]");
+    if matches!(what, "swap" | "all") {
+        bench_swap(&conn, keys, runs).await?;
+    }
+    if !matches!(what, "ingest" | "guest" | "swap" | "all") {
+        anyhow::bail!("usage: foldhost-bench [ingest|guest|swap|all] [KEYS] [RUNS]");
     }
     Ok(())
 }
