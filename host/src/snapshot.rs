@@ -253,3 +253,52 @@ impl<S: SnapshotStore> FoldRead for SharedStore<S> {
         self.read()?.for_each_in_range(prefix, visit)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::{KvUpdate, VersionToken};
+
+    fn keys(v: Vec<KvEntry>) -> Vec<String> {
+        v.into_iter().map(|e| e.key).collect()
+    }
+
+    #[test]
+    fn scan_pages_through_a_prefix_with_start_after() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) =
+            AppendLogSnapshot::open(dir.path(), AppendLogOptions::default()).expect("open");
+        let batch: Vec<KvUpdate> = ["a.1", "a.2", "a.3", "a.4", "a.5", "b.1", "ab"]
+            .iter()
+            .map(|k| {
+                KvUpdate::Put(KvEntry {
+                    key: (*k).to_string(),
+                    value: bytes::Bytes::from_static(b"v"),
+                    version: VersionToken::from_u64(1),
+                })
+            })
+            .collect();
+        store.apply(&batch, WatchCursor::at(1)).expect("apply");
+        let shared = SharedStore::new(store);
+        assert_eq!(
+            keys(shared.scan("a.", None, 2).expect("scan")),
+            ["a.1", "a.2"]
+        );
+        assert_eq!(
+            keys(shared.scan("a.", Some("a.2"), 2).expect("scan")),
+            ["a.3", "a.4"]
+        );
+        assert_eq!(
+            keys(shared.scan("a.", Some("a.4"), 9).expect("scan")),
+            ["a.5"]
+        );
+        assert!(shared.scan("a.", Some("a.5"), 9).expect("scan").is_empty());
+        // `start_after` before the prefix starts at the prefix; after the range, nothing.
+        assert_eq!(
+            keys(shared.scan("b.", Some("a.3"), 9).expect("scan")),
+            ["b.1"]
+        );
+        assert!(shared.scan("a.", Some("zz"), 9).expect("scan").is_empty());
+        assert!(shared.scan("a.", None, 0).expect("scan").is_empty());
+    }
+}

@@ -267,26 +267,7 @@ impl SnapshotStore for AppendLogSnapshot {
         prefix: &str,
         visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
     ) -> Result<(), SnapshotError> {
-        // One entry reused across visits: the key's buffer is allocated once, not per key.
-        let mut entry = KvEntry {
-            key: String::new(),
-            value: Bytes::new(),
-            version: VersionToken::UNKNOWN,
-        };
-        let from = (Bound::Included(prefix), Bound::Unbounded);
-        for (key, (value, version)) in self.fold.map.range::<str, _>(from) {
-            // Keys sharing the prefix are contiguous in order: the first one without it ends the range.
-            if !key.starts_with(prefix) {
-                break;
-            }
-            entry.key.clear();
-            entry.key.push_str(key);
-            entry.value = value.clone();
-            entry.version = *version;
-            if visit(&entry).is_break() {
-                break;
-            }
-        }
+        self.fold.walk(prefix, Bound::Included(prefix), visit);
         Ok(())
     }
 
@@ -296,30 +277,12 @@ impl SnapshotStore for AppendLogSnapshot {
         after: Option<&str>,
         visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
     ) -> Result<(), SnapshotError> {
-        let Some(after) = after.filter(|a| *a >= prefix) else {
-            return self.for_each_in_range(prefix, visit);
+        // Seek past `after` when it lies inside (or beyond) the range; otherwise start at the prefix.
+        let from = match after.filter(|a| *a >= prefix) {
+            Some(a) => Bound::Excluded(a),
+            None => Bound::Included(prefix),
         };
-        let mut entry = KvEntry {
-            key: String::new(),
-            value: Bytes::new(),
-            version: VersionToken::UNKNOWN,
-        };
-        for (key, (value, version)) in self
-            .fold
-            .map
-            .range::<str, _>((Bound::Excluded(after), Bound::Unbounded))
-        {
-            if !key.starts_with(prefix) {
-                break;
-            }
-            entry.key.clear();
-            entry.key.push_str(key);
-            entry.value = value.clone();
-            entry.version = *version;
-            if visit(&entry).is_break() {
-                break;
-            }
-        }
+        self.fold.walk(prefix, from, visit);
         Ok(())
     }
 
@@ -365,6 +328,34 @@ impl Fold {
                 self.put(&e.key, e.value.clone(), e.version);
             }
             KvUpdate::Delete { key, .. } | KvUpdate::Purge { key, .. } => self.remove(key),
+        }
+    }
+
+    /// Visits the entries from `from` on whose keys start with `prefix`, in key order.
+    fn walk(
+        &self,
+        prefix: &str,
+        from: Bound<&str>,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) {
+        // One entry reused across visits: the key's buffer is allocated once, not per key.
+        let mut entry = KvEntry {
+            key: String::new(),
+            value: Bytes::new(),
+            version: VersionToken::UNKNOWN,
+        };
+        for (key, (value, version)) in self.map.range::<str, _>((from, Bound::Unbounded)) {
+            // Keys sharing the prefix are contiguous in order: the first one without it ends the range.
+            if !key.starts_with(prefix) {
+                break;
+            }
+            entry.key.clear();
+            entry.key.push_str(key);
+            entry.value = value.clone();
+            entry.version = *version;
+            if visit(&entry).is_break() {
+                break;
+            }
         }
     }
 
