@@ -1,0 +1,57 @@
+//! The fold rides out a nats-server restart: the watch resumes by itself and the fold converges.
+
+use std::process::Stdio;
+use std::time::Duration;
+
+use foldhost::kv::KvWriter;
+use foldhost_tests::{
+    Harness, bucket_contents, dump_store, first_difference, foldhost, terminate, wait_status,
+};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fold_resumes_by_itself_after_the_server_restarts() -> anyhow::Result<()> {
+    let mut h = Harness::start().await?;
+    let kv = h.bucket("restart").await?;
+    for i in 0..1000 {
+        kv.put(&format!("k.{i:04}"), "before".into()).await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = foldhost()
+        .args([
+            "run",
+            "--bucket",
+            "restart",
+            "--nats",
+            &h.url(),
+            "--listen",
+            &addr,
+        ])
+        .arg("--store")
+        .arg(&store)
+        .stderr(Stdio::null())
+        .spawn()?;
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(1000)).await?;
+
+    h.server.restart()?;
+    // Writes resume once the client has reconnected.
+    let mut written = 0;
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while written < 500 {
+        anyhow::ensure!(std::time::Instant::now() < deadline, "writes never resumed");
+        match kv.put(&format!("k.{written:04}"), "after".into()).await {
+            Ok(_) => written += 1,
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let last = kv.positions().await?.last_sequence;
+    let s = wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(last)).await?;
+    assert_eq!(s["state"], "running");
+    terminate(&mut host)?;
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &dump_store(&store)?),
+        None
+    );
+    Ok(())
+}
