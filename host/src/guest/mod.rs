@@ -334,9 +334,15 @@ impl Core {
         self.err(call, message)
     }
 
-    fn arm(&self, live: &mut Live) {
+    /// The call deadline in epoch ticks (at least one).
+    fn deadline_ticks(&self) -> u64 {
         let ticks = self.limits.call_deadline.as_micros() / TICK.as_micros();
-        live.store.set_epoch_deadline((ticks as u64).max(1));
+        u64::try_from(ticks).unwrap_or(u64::MAX).max(1)
+    }
+
+    /// Re-arms the deadline before a call: a deadline is relative to the epoch when it is set.
+    fn arm(&self, live: &mut Live) {
+        live.store.set_epoch_deadline(self.deadline_ticks());
     }
 
     async fn instantiate(&self) -> Result<Live, ApplyError> {
@@ -347,9 +353,8 @@ impl Core {
         );
         let mut store = Store::new(self.pre.engine(), state);
         store.limiter(|s| &mut s.limits);
-        store.set_epoch_deadline(1);
-        let ticks = self.limits.call_deadline.as_micros() / TICK.as_micros();
-        store.set_epoch_deadline((ticks as u64).max(1));
+        // Instantiation runs guest start-up code too: it gets a deadline like every call.
+        store.set_epoch_deadline(self.deadline_ticks());
         let guest = self
             .pre
             .instantiate_async(&mut store)
