@@ -141,10 +141,14 @@ pub struct RunArgs {
 
 /// `foldhost status`.
 #[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["store", "listen"])))]
 pub struct StatusArgs {
-    /// Store directory (read-only).
+    /// Store directory (read-only; works beside a running host).
     #[arg(long)]
-    pub store: PathBuf,
+    pub store: Option<PathBuf>,
+    /// A running host's `--listen` address (live figures).
+    #[arg(long)]
+    pub listen: Option<String>,
     /// One JSON object.
     #[arg(long)]
     pub json: bool,
@@ -179,7 +183,10 @@ pub struct DemoArgs {
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(a) => cmd_run(*a).await,
-        Command::Status(a) => cmd_status(a),
+        Command::Status(a) => match a.listen.clone() {
+            Some(addr) => cmd_status_live(&addr, a.json).await,
+            None => cmd_status(a),
+        },
         Command::Dump(a) => cmd_dump(a),
         Command::Demo(a) => cmd_demo(a).await,
         Command::Swap(a) => cmd_swap(a).await,
@@ -669,10 +676,38 @@ struct StatusJson {
     store: String,
 }
 
+async fn cmd_status_live(addr: &str, json: bool) -> anyhow::Result<()> {
+    let (code, body) = crate::serve::call(addr, "GET", "/status", b"")
+        .await
+        .with_context(|| format!("status via {addr}"))?;
+    if code != 200 {
+        bail!("{addr}: /status answered {code}");
+    }
+    let v: serde_json::Value = serde_json::from_slice(&body).context("status JSON")?;
+    let mut out = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer(&mut out, &v)?;
+        writeln!(out)?;
+    } else if let Some(map) = v.as_object() {
+        for (k, val) in map {
+            let text = match val {
+                serde_json::Value::String(t) => t.clone(),
+                serde_json::Value::Null => "-".into(),
+                other => other.to_string(),
+            };
+            writeln!(out, "{:<17}{text}", format!("{k}:"))?;
+        }
+    }
+    Ok(())
+}
+
 fn cmd_status(a: StatusArgs) -> anyhow::Result<()> {
-    let (store, _recovery) = AnyStore::open_read_only(&a.store)?;
+    let Some(dir) = a.store.clone() else {
+        bail!("status needs --store or --listen");
+    };
+    let (store, _recovery) = AnyStore::open_read_only(&dir)?;
     let cursor = store.cursor();
-    let host = storedir::read_status(&a.store);
+    let host = storedir::read_status(&dir);
     let applied = cursor.revision_or_zero();
     let seq = host.as_ref().map_or(applied, |h| h.seq.max(applied));
     let s = StatusJson {
@@ -687,7 +722,7 @@ fn cmd_status(a: StatusArgs) -> anyhow::Result<()> {
             .as_ref()
             .map_or_else(|| "unknown".to_string(), |h| h.state.clone()),
         error: host.as_ref().and_then(|h| h.error.clone()),
-        store: a.store.display().to_string(),
+        store: dir.display().to_string(),
     };
     let mut out = std::io::stdout().lock();
     if a.json {

@@ -20,6 +20,12 @@ fn usage_errors_exit_2() -> anyhow::Result<()> {
     assert_eq!(out.status.code(), Some(2));
     let out = foldhost().args(["no-such-command"]).output()?;
     assert_eq!(out.status.code(), Some(2));
+    let out = foldhost().args(["status", "--json"]).output()?;
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "status needs --store or --listen"
+    );
     Ok(())
 }
 

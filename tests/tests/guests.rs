@@ -270,6 +270,18 @@ async fn runaway_guest_is_stopped_and_reported(
         assert!(error.contains(part), "status error names {part:?}: {error}");
     }
     assert_eq!(s["applied_through"], 0, "nothing of the batch is committed");
+    // The CLI reads the same live status.
+    let out = foldhost()
+        .args(["status", "--json", "--listen", &addr])
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let cli: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(cli["state"], "failed");
+    assert_eq!(cli["error"], s["error"]);
     // The host is still up and answering.
     let (code, _) = foldhost::serve::call(&addr, "GET", "/status", b"").await?;
     assert_eq!(code, 200);
