@@ -134,9 +134,17 @@ pub struct ServeState {
     pub admin_token: Option<String>,
 }
 
-/// Serves until the listener fails; each connection on its own task.
+/// Most connections served at once; more wait in the listen backlog.
+pub const MAX_CONNECTIONS: usize = 256;
+
+/// Serves until the listener fails; each connection on its own task, at most
+/// [`MAX_CONNECTIONS`] at once.
 pub async fn serve(listener: TcpListener, state: Arc<ServeState>) {
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            return;
+        };
         let (sock, _) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
@@ -147,6 +155,7 @@ pub async fn serve(listener: TcpListener, state: Arc<ServeState>) {
         };
         let state = state.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             if let Err(e) = handle(sock, &state).await {
                 tracing::debug!(error = %e, "listen: connection ended");
             }

@@ -19,7 +19,6 @@
 
 mod bindings;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -32,6 +31,9 @@ use crate::applied::{Apply, ApplyError, SwapReport, Verdict};
 use crate::kv::{KvUpdate, WatchCursor, WatchScope};
 use crate::snapshot::FoldRead;
 use bindings::{GuestPre, HostState};
+
+/// Compiled components kept by one engine (the running one, the one before, a swap candidate…).
+pub const MAX_CACHED_COMPONENTS: usize = 8;
 
 /// How often the epoch advances: the granularity of call deadlines.
 pub const TICK: Duration = Duration::from_millis(2);
@@ -123,7 +125,8 @@ impl GuestManifest {
 pub struct GuestEngine {
     engine: Engine,
     linker: Linker<HostState>,
-    cache: Mutex<HashMap<[u8; 32], Component>>,
+    /// Compiled components by content hash, oldest first.
+    cache: Mutex<Vec<([u8; 32], Component)>>,
     stop: Arc<AtomicBool>,
 }
 
@@ -156,7 +159,7 @@ impl GuestEngine {
         Ok(Arc::new(GuestEngine {
             engine,
             linker,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(Vec::new()),
             stop,
         }))
     }
@@ -165,7 +168,11 @@ impl GuestEngine {
     /// and exports against this host. `what` names it in errors.
     pub fn prepare(&self, what: &str, bytes: &[u8]) -> Result<GuestPre<HostState>, GuestError> {
         let hash: [u8; 32] = *blake3::hash(bytes).as_bytes();
-        let cached = self.cache.lock().ok().and_then(|c| c.get(&hash).cloned());
+        let cached = self
+            .cache
+            .lock()
+            .ok()
+            .and_then(|c| c.iter().find(|(h, _)| *h == hash).map(|(_, c)| c.clone()));
         let component = match cached {
             Some(c) => c,
             None => {
@@ -174,7 +181,12 @@ impl GuestEngine {
                     reason: format!("{e:#}"),
                 })?;
                 if let Ok(mut cache) = self.cache.lock() {
-                    cache.insert(hash, c.clone());
+                    // Bounded: a host swapped back and forth keeps its recent components, not
+                    // every component it ever saw.
+                    if cache.len() >= MAX_CACHED_COMPONENTS {
+                        cache.remove(0);
+                    }
+                    cache.push((hash, c.clone()));
                 }
                 c
             }
