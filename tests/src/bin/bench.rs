@@ -352,7 +352,9 @@ async fn bench_guest(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::R
         "guest: seeded {keys} routes in {:.2}s",
         t.elapsed().as_secs_f64()
     );
-    let bytes = read_guest("router")?;
+    // FOLDHOST_BENCH_GUEST picks another guest for the comparison (default: the router).
+    let guest_name = std::env::var("FOLDHOST_BENCH_GUEST").unwrap_or_else(|_| "router".into());
+    let bytes = read_guest(&guest_name)?;
     let engine = GuestEngine::new()?;
     let scope = WatchScope::Prefix("route.".into());
     for max in [100usize, 1000] {
