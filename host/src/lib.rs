@@ -11,7 +11,7 @@
 //! - [`guest`] — WebAssembly guests behind the `Apply` seam (wasmtime).
 //! - [`applied`] — `watch_applied` and [`applied::Fold`]: cursor-after-apply.
 //! - [`localnats`] — a throwaway local nats-server for the demo and the tests.
-//! - [`serve`] — the `--listen` endpoint: `/status`, `/query`.
+//! - [`serve`] — the `--listen` endpoint: `/status`, `/query`, `/swap`.
 //! - [`cli`] — the command line.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
