@@ -17,6 +17,16 @@ use foldhost_tests::{
 };
 use rand::{Rng, SeedableRng};
 
+/// A guest with the default limits and no configuration.
+async fn load_default(
+    engine: &Arc<GuestEngine>,
+    what: &str,
+    bytes: &[u8],
+    fold: Arc<dyn foldhost::snapshot::FoldRead>,
+) -> anyhow::Result<GuestApply> {
+    Ok(GuestApply::load(engine, what, bytes, GuestLimits::default(), vec![], fold).await?)
+}
+
 fn upstream(i: u32, generation: u32) -> String {
     format!(
         "{{\"upstream\":\"10.{generation}.{}.{}:80\"}}",
@@ -418,15 +428,7 @@ async fn hydrated_guest_answers_like_one_that_watched_from_the_start() -> anyhow
     let shared = SharedStore::new(store);
 
     // One instance watches from the start.
-    let mut watched = GuestApply::load(
-        &engine,
-        "router",
-        &bytes,
-        GuestLimits::default(),
-        vec![],
-        Arc::new(shared.clone()),
-    )
-    .await?;
+    let mut watched = load_default(&engine, "router", &bytes, Arc::new(shared.clone())).await?;
     watched.hydrate().await?;
     watch_applied(
         kv.clone(),
@@ -444,15 +446,7 @@ async fn hydrated_guest_answers_like_one_that_watched_from_the_start() -> anyhow
     .await?;
 
     // Another starts on the existing fold and is rebuilt from it.
-    let mut hydrated = GuestApply::load(
-        &engine,
-        "router",
-        &bytes,
-        GuestLimits::default(),
-        vec![],
-        Arc::new(shared.clone()),
-    )
-    .await?;
+    let mut hydrated = load_default(&engine, "router", &bytes, Arc::new(shared.clone())).await?;
     hydrated.hydrate().await?;
     let (entries, _) = hydrated
         .last_hydration
@@ -485,15 +479,7 @@ async fn hashring_removing_a_node_moves_only_the_keys_it_owned() -> anyhow::Resu
     let tmp = tempfile::tempdir()?;
     let (store, _) = AppendLogSnapshot::open(tmp.path(), AppendLogOptions::default())?;
     let shared = SharedStore::new(store);
-    let mut ring = GuestApply::load(
-        &engine,
-        "hashring",
-        &bytes,
-        GuestLimits::default(),
-        vec![],
-        Arc::new(shared.clone()),
-    )
-    .await?;
+    let mut ring = load_default(&engine, "hashring", &bytes, Arc::new(shared.clone())).await?;
     ring.hydrate().await?;
     let opts = WatchOptions {
         scope: ring.manifest().watch_scope(),
@@ -645,12 +631,10 @@ async fn new_guest_scaffolds_a_guest_that_builds_with_one_command_and_runs() -> 
     );
     let engine = GuestEngine::new()?;
     let (fold, _) = AppendLogSnapshot::open_read_only(&store)?;
-    let mut g = GuestApply::load(
+    let mut g = load_default(
         &engine,
         "my-guest",
         &std::fs::read(&wasm)?,
-        GuestLimits::default(),
-        vec![],
         Arc::new(SharedStore::new(fold)),
     )
     .await?;
