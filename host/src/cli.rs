@@ -818,17 +818,20 @@ async fn cmd_swap(a: SwapArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn find_sdk() -> Option<PathBuf> {
-    let rel = Path::new("sdk/rust/Cargo.toml");
+/// `rel` in the current directory, else in the checkout the running binary was built in
+/// (`target/<profile>/foldhost` → `../../rel`).
+fn find_in_checkout(rel: &Path) -> Option<PathBuf> {
     let mut candidates = vec![rel.to_path_buf()];
     if let Ok(exe) = std::env::current_exe()
         && let Some(root) = exe.parent().and_then(Path::parent).and_then(Path::parent)
     {
         candidates.push(root.join(rel));
     }
-    candidates
-        .into_iter()
-        .find(|p| p.is_file())
+    candidates.into_iter().find(|p| p.exists())
+}
+
+fn find_sdk() -> Option<PathBuf> {
+    find_in_checkout(Path::new("sdk/rust/Cargo.toml"))
         .and_then(|p| p.parent().map(Path::to_path_buf))
 }
 
@@ -948,18 +951,13 @@ foldhost_guest::export_folder!(Guest);
 
 /// Where the demo looks for the router guest when `--guest` is not given.
 fn find_router_guest() -> Option<PathBuf> {
-    let rel = Path::new("guests/target/wasm32-wasip2/release/router.wasm");
-    let mut candidates = vec![rel.to_path_buf()];
     if let Ok(dir) = std::env::var("FOLDHOST_GUESTS_DIR") {
-        candidates.insert(0, Path::new(&dir).join("router.wasm"));
+        let p = Path::new(&dir).join("router.wasm");
+        if p.is_file() {
+            return Some(p);
+        }
     }
-    // Beside a checkout: target/<profile>/foldhost → ../../guests/...
-    if let Ok(exe) = std::env::current_exe()
-        && let Some(root) = exe.parent().and_then(Path::parent).and_then(Path::parent)
-    {
-        candidates.push(root.join(rel));
-    }
-    candidates.into_iter().find(|p| p.is_file())
+    find_in_checkout(Path::new("guests/target/wasm32-wasip2/release/router.wasm"))
 }
 
 async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {

@@ -46,21 +46,8 @@ impl LocalNats {
     /// Starts a server on `port` with its JetStream store in `dir` (kept: a restart on the same
     /// directory keeps the buckets).
     pub fn start_in(dir: &Path, port: u16) -> Result<Self, LocalNatsError> {
-        let bin = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into());
-        let child = Command::new(&bin)
-            .args(["-js", "-a", "127.0.0.1", "-p"])
-            .arg(port.to_string())
-            .arg("-sd")
-            .arg(dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| match e.kind() {
-                std::io::ErrorKind::NotFound => LocalNatsError::NotFound(bin.clone()),
-                _ => LocalNatsError::Other(format!("spawn {bin}: {e}")),
-            })?;
         let mut s = LocalNats {
-            child: Some(child),
+            child: Some(spawn_server(dir, port)?),
             port,
             store_dir: dir.to_path_buf(),
             _tmp: None,
@@ -117,19 +104,27 @@ impl LocalNats {
     /// Restarts the server on the same port and store directory.
     pub fn restart(&mut self) -> Result<(), LocalNatsError> {
         self.stop();
-        let bin = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into());
-        let child = Command::new(&bin)
-            .args(["-js", "-a", "127.0.0.1", "-p"])
-            .arg(self.port.to_string())
-            .arg("-sd")
-            .arg(&self.store_dir)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .map_err(|e| LocalNatsError::Other(format!("spawn {bin}: {e}")))?;
-        self.child = Some(child);
+        self.child = Some(spawn_server(&self.store_dir, self.port)?);
         self.wait_ready()
     }
+}
+
+/// Starts `nats-server` (or `NATS_SERVER_BIN`) with JetStream, loopback only, on `port`, its store
+/// in `dir`.
+fn spawn_server(dir: &Path, port: u16) -> Result<Child, LocalNatsError> {
+    let bin = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into());
+    Command::new(&bin)
+        .args(["-js", "-a", "127.0.0.1", "-p"])
+        .arg(port.to_string())
+        .arg("-sd")
+        .arg(dir)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .map_err(|e| match e.kind() {
+            std::io::ErrorKind::NotFound => LocalNatsError::NotFound(bin.clone()),
+            _ => LocalNatsError::Other(format!("spawn {bin}: {e}")),
+        })
 }
 
 impl Drop for LocalNats {

@@ -163,6 +163,16 @@ pub async fn serve(listener: TcpListener, state: Arc<ServeState>) {
     }
 }
 
+/// Reads what the client sent next into `buf`, under [`IO_TIMEOUT`]; `false` at end of stream.
+async fn read_more(sock: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<bool> {
+    let mut chunk = [0u8; 8192];
+    let n = tokio::time::timeout(IO_TIMEOUT, sock.read(&mut chunk))
+        .await
+        .map_err(|_| std::io::Error::other("read timeout"))??;
+    buf.extend_from_slice(&chunk[..n]);
+    Ok(n > 0)
+}
+
 async fn handle(mut sock: TcpStream, state: &ServeState) -> std::io::Result<()> {
     let mut buf = Vec::with_capacity(1024);
     let head = loop {
@@ -174,25 +184,15 @@ async fn handle(mut sock: TcpStream, state: &ServeState) -> std::io::Result<()> 
                 return sock.write_all(&r).await;
             }
         }
-        let mut chunk = [0u8; 4096];
-        let n = tokio::time::timeout(IO_TIMEOUT, sock.read(&mut chunk))
-            .await
-            .map_err(|_| std::io::Error::other("read timeout"))??;
-        if n == 0 {
+        if !read_more(&mut sock, &mut buf).await? {
             return Ok(());
         }
-        buf.extend_from_slice(&chunk[..n]);
     };
     let want = head.head_len + head.content_length;
     while buf.len() < want {
-        let mut chunk = [0u8; 8192];
-        let n = tokio::time::timeout(IO_TIMEOUT, sock.read(&mut chunk))
-            .await
-            .map_err(|_| std::io::Error::other("read timeout"))??;
-        if n == 0 {
+        if !read_more(&mut sock, &mut buf).await? {
             return Ok(());
         }
-        buf.extend_from_slice(&chunk[..n]);
     }
     let body = buf[head.head_len..want].to_vec();
     let resp = route(&head, body, state).await;

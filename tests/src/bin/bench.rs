@@ -182,6 +182,16 @@ fn read_guest(name: &str) -> anyhow::Result<Vec<u8>> {
     std::fs::read(&p).map_err(|e| anyhow::anyhow!("{}: {e} (run guests/build.sh)", p.display()))
 }
 
+/// A guest with the default limits and no configuration.
+async fn load_guest(
+    engine: &Arc<GuestEngine>,
+    what: &str,
+    bytes: &[u8],
+    fold: Arc<dyn FoldRead>,
+) -> anyhow::Result<GuestApply> {
+    Ok(GuestApply::load(engine, what, bytes, GuestLimits::default(), vec![], fold).await?)
+}
+
 fn percentile(sorted: &[f64], p: f64) -> f64 {
     let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
     sorted[i.min(sorted.len() - 1)]
@@ -218,15 +228,7 @@ async fn bench_swap(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::Re
     let engine = GuestEngine::new()?;
     let (v1, v2) = (read_guest("kvstore")?, read_guest("kvstore_v2")?);
     let (_dir, store) = empty_store()?;
-    let mut g = GuestApply::load(
-        &engine,
-        "kvstore",
-        &v1,
-        GuestLimits::default(),
-        vec![],
-        Arc::new(store.clone()),
-    )
-    .await?;
+    let mut g = load_guest(&engine, "kvstore", &v1, Arc::new(store.clone())).await?;
     g.hydrate().await?;
     let (control, rx) = tokio::sync::mpsc::channel(16);
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
@@ -365,15 +367,7 @@ async fn bench_guest(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::R
             native
                 .push(fold_rate(&kv, &mut CountingApply::default(), max, scope.clone(), s1).await?);
             let (_d2, s2) = empty_store()?;
-            let mut g = GuestApply::load(
-                &engine,
-                "router",
-                &bytes,
-                GuestLimits::default(),
-                vec![],
-                Arc::new(s2.clone()),
-            )
-            .await?;
+            let mut g = load_guest(&engine, "router", &bytes, Arc::new(s2.clone())).await?;
             g.hydrate().await?;
             guest.push(fold_rate(&kv, &mut g, max, scope.clone(), s2.clone()).await?);
             anyhow::ensure!(s2.read()?.len()? == keys, "guest fold incomplete");
@@ -388,15 +382,7 @@ async fn bench_guest(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::R
 
     // The fixed cost of one batch crossing into the guest: an empty parse + apply.
     let (_d, store) = empty_store()?;
-    let mut g = GuestApply::load(
-        &engine,
-        "router",
-        &bytes,
-        GuestLimits::default(),
-        vec![],
-        Arc::new(store.clone()),
-    )
-    .await?;
+    let mut g = load_guest(&engine, "router", &bytes, Arc::new(store.clone())).await?;
     g.hydrate().await?;
     let calls = 20_000;
     let t = Instant::now();
@@ -433,15 +419,7 @@ async fn bench_guest(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::R
         })?;
         anyhow::ensure!(n == keys && bytes_seen > 0, "scan incomplete");
         scan.push(n as f64 / t.elapsed().as_secs_f64());
-        let mut g = GuestApply::load(
-            &engine,
-            "router",
-            &bytes,
-            GuestLimits::default(),
-            vec![],
-            Arc::new(full.clone()),
-        )
-        .await?;
+        let mut g = load_guest(&engine, "router", &bytes, Arc::new(full.clone())).await?;
         let t = Instant::now();
         g.hydrate().await?;
         let rate = keys as f64 / t.elapsed().as_secs_f64();
