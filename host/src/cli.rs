@@ -98,6 +98,10 @@ pub struct RunArgs {
     /// Guest configuration, `KEY=VALUE`, repeatable (handed to the guest's `init`).
     #[arg(long = "guest-config", value_name = "KEY=VALUE")]
     pub guest_config: Vec<String>,
+    /// Guest configuration from a file: a JSON object of strings (`{"region": "eu"}`). Keys given
+    /// with `--guest-config` override it.
+    #[arg(long, value_name = "FILE")]
+    pub guest_config_file: Option<PathBuf>,
     /// Deadline of one guest call, in milliseconds.
     #[arg(long, default_value_t = 1000)]
     pub guest_deadline_ms: u64,
@@ -125,6 +129,10 @@ pub struct RunArgs {
     /// Fold to the stream's last sequence as of start, then exit 0.
     #[arg(long)]
     pub catch_up: bool,
+    /// Warn (log and status) about a record a guest deferred that stays retained longer than this
+    /// many seconds.
+    #[arg(long, default_value_t = 1800)]
+    pub defer_grace_secs: u64,
     /// Batch window in milliseconds.
     #[arg(long, default_value_t = 10)]
     pub batch_window_ms: u64,
@@ -257,7 +265,18 @@ pub async fn run_fold(
     shutdown: tokio::sync::watch::Receiver<bool>,
 ) -> anyhow::Result<RunSummary> {
     let backend: Backend = a.backend.parse().map_err(|e| anyhow!("--backend: {e}"))?;
-    let guest_config = parse_config(&a.guest_config)?;
+    let guest_config = match &a.guest_config_file {
+        Some(path) => {
+            let text = std::fs::read(path)
+                .with_context(|| format!("--guest-config-file {}", path.display()))?;
+            merge_config(
+                config_from_json(&text)
+                    .map_err(|e| anyhow!("--guest-config-file {}: {e}", path.display()))?,
+                parse_config(&a.guest_config)?,
+            )
+        }
+        None => parse_config(&a.guest_config)?,
+    };
     // Read, compile and link-check the guest before touching anything: a bad guest is refused
     // with the reason (a missing import named) and nothing is connected or written.
     let (engine, guest_bytes) = match &a.guest {
@@ -413,6 +432,7 @@ pub async fn run_fold(
             channel_capacity: a.channel.max(1),
         },
         catch_up: a.catch_up,
+        defer_grace: Duration::from_secs(a.defer_grace_secs),
     };
     let result = watch_applied(
         kv,
@@ -554,6 +574,46 @@ fn parse_config(items: &[String]) -> anyhow::Result<Vec<(String, String)>> {
         .collect()
 }
 
+/// A guest configuration file: one JSON object whose values are all strings (at most
+/// [`MAX_CONFIG_ENTRIES`] of them), in key order.
+fn config_from_json(bytes: &[u8]) -> Result<Vec<(String, String)>, String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| format!("not JSON: {e}"))?;
+    let obj = v.as_object().ok_or("expected a JSON object of strings")?;
+    if obj.len() > MAX_CONFIG_ENTRIES {
+        return Err(format!(
+            "{} entries, over the limit of {MAX_CONFIG_ENTRIES}",
+            obj.len()
+        ));
+    }
+    let mut out: Vec<(String, String)> = obj
+        .iter()
+        .map(|(k, v)| match v.as_str() {
+            Some(s) => Ok((k.clone(), s.to_string())),
+            None => Err(format!("{k:?} is not a string (got {v})")),
+        })
+        .collect::<Result<_, _>>()?;
+    out.sort();
+    Ok(out)
+}
+
+/// Most entries a guest configuration file may hold.
+const MAX_CONFIG_ENTRIES: usize = 4096;
+
+/// `base` with every key of `over` replaced or added (`over` wins).
+fn merge_config(
+    mut base: Vec<(String, String)>,
+    over: Vec<(String, String)>,
+) -> Vec<(String, String)> {
+    for (k, v) in over {
+        match base.iter_mut().find(|(bk, _)| *bk == k) {
+            Some(slot) => slot.1 = v,
+            None => base.push((k, v)),
+        }
+    }
+    base
+}
+
 /// The `/status` JSON: the same fields as `status --json`, live.
 fn status_renderer(
     base: HostStatus,
@@ -563,11 +623,14 @@ fn status_renderer(
 ) -> Box<dyn Fn() -> serde_json::Value + Send + Sync> {
     Box::new(move || {
         let applied = status.applied_through.load(Ordering::Relaxed);
-        let seq = status.seq.load(Ordering::Relaxed).max(applied);
+        let cursor = status.cursor.load(Ordering::Relaxed);
+        let seq = status.seq.load(Ordering::Relaxed).max(cursor);
         let fatal = fatal.lock().ok().and_then(|f| f.clone());
         let state = if fatal.is_some() { "failed" } else { "running" };
+        let oldest = status.oldest_retained_revision.load(Ordering::Relaxed);
+        let oldest_ms = status.oldest_retained_unix_ms.load(Ordering::Relaxed);
         serde_json::json!({
-            "cursor": (applied > 0).then_some(applied),
+            "cursor": (cursor > 0).then_some(cursor),
             "seq": seq,
             "applied_through": applied,
             "lag": seq - applied,
@@ -581,6 +644,10 @@ fn status_renderer(
             "batches": status.batches.load(Ordering::Relaxed),
             "last_apply_us": status.last_apply_us.load(Ordering::Relaxed),
             "last_commit_us": status.last_commit_us.load(Ordering::Relaxed),
+            "retained": status.retained.load(Ordering::Relaxed),
+            "oldest_retained_revision": (oldest_ms > 0).then_some(oldest),
+            "oldest_retained_age_s": (oldest_ms > 0).then(|| now_ms().saturating_sub(oldest_ms) / 1000),
+            "warnings": status.warnings(),
         })
     })
 }
@@ -600,6 +667,12 @@ fn snapshot_status(base: &HostStatus, s: &FoldStatus) -> HostStatus {
         },
         seq: s.seq.load(Ordering::Relaxed),
         applied_through: s.applied_through.load(Ordering::Relaxed),
+        retained: s.retained.load(Ordering::Relaxed),
+        oldest_retained_revision: (s.oldest_retained_unix_ms.load(Ordering::Relaxed) > 0)
+            .then(|| s.oldest_retained_revision.load(Ordering::Relaxed)),
+        oldest_retained_unix_ms: (s.oldest_retained_unix_ms.load(Ordering::Relaxed) > 0)
+            .then(|| s.oldest_retained_unix_ms.load(Ordering::Relaxed)),
+        warnings: s.warnings(),
         delivered: s.delivered.load(Ordering::Relaxed),
         batches: s.batches.load(Ordering::Relaxed),
         last_apply_us: s.last_apply_us.load(Ordering::Relaxed),
@@ -668,6 +741,10 @@ struct StatusJson {
     seq: u64,
     applied_through: u64,
     lag: u64,
+    retained: u64,
+    oldest_retained_revision: Option<u64>,
+    oldest_retained_age_s: Option<u64>,
+    warnings: Vec<String>,
     guest: Option<String>,
     backend: &'static str,
     keys: u64,
@@ -708,16 +785,28 @@ fn cmd_status(a: StatusArgs) -> anyhow::Result<()> {
     let (store, _recovery) = AnyStore::open_read_only(&dir)?;
     let cursor = store.cursor();
     let host = storedir::read_status(&dir);
-    let applied = cursor.revision_or_zero();
-    let seq = host.as_ref().map_or(applied, |h| h.seq.max(applied));
+    let retained = crate::retained::RetainedIndex::load(&store)?;
+    let oldest = retained.oldest();
+    let applied = crate::protocol::applied_through(cursor.revision(), oldest.map(|o| o.revision()))
+        .unwrap_or(0);
+    let seq = host.as_ref().map_or(cursor.revision_or_zero(), |h| {
+        h.seq.max(cursor.revision_or_zero())
+    });
     let s = StatusJson {
         cursor: cursor.revision(),
         seq,
         applied_through: applied,
         lag: seq.saturating_sub(applied),
+        retained: retained.len() as u64,
+        oldest_retained_revision: oldest.map(|o| o.revision()),
+        oldest_retained_age_s: oldest.map(|o| now_ms().saturating_sub(o.retained_unix_ms) / 1000),
+        warnings: host
+            .as_ref()
+            .map(|h| h.warnings.clone())
+            .unwrap_or_default(),
         guest: host.as_ref().and_then(|h| h.guest.clone()),
         backend: store.backend(),
-        keys: store.len()?,
+        keys: store.len()?.saturating_sub(retained.len() as u64),
         state: host
             .as_ref()
             .map_or_else(|| "unknown".to_string(), |h| h.state.clone()),
@@ -735,6 +824,17 @@ fn cmd_status(a: StatusArgs) -> anyhow::Result<()> {
         writeln!(out, "seq:             {}", s.seq)?;
         writeln!(out, "applied_through: {}", s.applied_through)?;
         writeln!(out, "lag:             {}", s.lag)?;
+        if let Some(oldest) = s.oldest_retained_revision {
+            writeln!(
+                out,
+                "retained:        {} (oldest revision {oldest}, {} s ago)",
+                s.retained,
+                s.oldest_retained_age_s.unwrap_or(0)
+            )?;
+        }
+        for w in &s.warnings {
+            writeln!(out, "warning:         {w}")?;
+        }
         writeln!(out, "keys:            {}", s.keys)?;
         writeln!(
             out,
@@ -754,6 +854,9 @@ fn cmd_dump(a: DumpArgs) -> anyhow::Result<()> {
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let mut err: Option<std::io::Error> = None;
     store.for_each_in_range(&a.prefix, &mut |e| {
+        if crate::retained::is_reserved(&e.key) {
+            return ControlFlow::Continue(());
+        }
         let r = if a.json {
             let line = serde_json::json!({
                 "key": e.key,
@@ -1007,6 +1110,7 @@ async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         backend: "append-log".into(),
         guest: Some(guest.clone()),
         guest_config: Vec::new(),
+        guest_config_file: None,
         guest_deadline_ms: 1000,
         guest_memory_mb: 256,
         guest_max_batch_bytes: 16 * 1024 * 1024,
@@ -1016,6 +1120,7 @@ async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         watch_guest: false,
         query_subject: None,
         catch_up: true,
+        defer_grace_secs: 1800,
         batch_window_ms: 10,
         batch_max: 100,
         channel: 256,
@@ -1109,4 +1214,28 @@ pub fn report_error(e: &anyhow::Error) -> i32 {
 /// The path of a store's status file (for tools).
 pub fn status_path(store: &Path) -> PathBuf {
     store.join(storedir::STATUS_FILE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_config_file_is_a_json_object_of_strings_and_the_command_line_overrides_it() {
+        let file = config_from_json(br#"{"region": "eu", "tier": "edge"}"#).expect("parses");
+        let cli = parse_config(&["tier=core".to_string(), "x=1".to_string()]).expect("parses");
+        assert_eq!(
+            merge_config(file, cli),
+            [("region", "eu"), ("tier", "core"), ("x", "1")]
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+        );
+        for (bad, why) in [
+            (&br#"{"n": 3}"#[..], "is not a string"),
+            (b"[\"a\"]", "JSON object"),
+            (b"{", "not JSON"),
+        ] {
+            let e = config_from_json(bad).expect_err("refused");
+            assert!(e.contains(why), "{e}");
+        }
+    }
 }

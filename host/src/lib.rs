@@ -7,6 +7,7 @@
 //! - [`nats`] — the JetStream implementation of the kv layer.
 //! - [`protocol`] — every correctness decision as a pure function.
 //! - [`snapshot`] — the durable fold contract and the append-log backend.
+//! - [`retained`] — deferred records kept in the fold until a guest can decode them.
 //! - [`storedir`] — the store directory: backend choice, read-only opens, the status file.
 //! - [`guest`] — WebAssembly guests behind the `Apply` seam (wasmtime).
 //! - [`applied`] — `watch_applied` and [`applied::Fold`]: cursor-after-apply.
@@ -23,6 +24,7 @@ pub mod kv;
 pub mod localnats;
 pub mod nats;
 pub mod protocol;
+pub mod retained;
 pub mod serve;
 pub mod snapshot;
 pub mod storedir;

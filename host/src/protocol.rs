@@ -94,9 +94,74 @@ pub fn caught_up(applied: Option<u64>, through: Option<u64>) -> bool {
     }
 }
 
+/// The highest revision every update at or below which has been *applied* (`applied_through`):
+/// the store's cursor, held below the oldest retained (deferred) record, which the cursor covers
+/// but no guest has applied yet (seed 004).
+pub fn applied_through(cursor: Option<u64>, oldest_retained: Option<u64>) -> Option<u64> {
+    match (cursor, oldest_retained) {
+        (c, None) => c,
+        (None, Some(_)) => None,
+        (Some(c), Some(r)) => Some(c.min(r.saturating_sub(1))),
+    }
+}
+
+/// Which updates of a batch must be held back because an earlier update of the same key is
+/// deferred: a key's applied history is always a prefix of its log. `deferred[i]` says update `i`
+/// is deferred (by the guest, or held already); the answer lists the positions not yet deferred that
+/// follow a deferred update of their key, in order.
+pub fn held_after_defers(keys: &[&str], deferred: &[bool]) -> Vec<usize> {
+    let mut blocked: Vec<&str> = Vec::new();
+    let mut out = Vec::new();
+    for (i, (key, d)) in keys.iter().zip(deferred).enumerate() {
+        if *d {
+            if !blocked.contains(key) {
+                blocked.push(key);
+            }
+        } else if blocked.contains(key) {
+            out.push(i);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn applied_through_stays_below_the_oldest_retained_record() {
+        // (cursor, oldest retained, expected)
+        let table = [
+            (None, None, None),
+            (Some(10), None, Some(10)),
+            (Some(10), Some(7), Some(6)),
+            (Some(10), Some(11), Some(10)),
+            (Some(10), Some(1), Some(0)),
+            (None, Some(3), None),
+        ];
+        for (c, r, want) in table {
+            assert_eq!(applied_through(c, r), want, "{c:?} {r:?}");
+        }
+    }
+
+    #[test]
+    fn updates_after_a_deferred_one_of_the_same_key_are_held() {
+        let keys = ["a", "b", "a", "c", "a", "b"];
+        assert_eq!(held_after_defers(&keys, &[false; 6]), Vec::<usize>::new());
+        assert_eq!(
+            held_after_defers(&keys, &[true, false, false, false, false, false]),
+            vec![2, 4]
+        );
+        // A later defer does not hold what came before it.
+        assert_eq!(
+            held_after_defers(&keys, &[false, false, true, false, false, false]),
+            vec![4]
+        );
+        assert_eq!(
+            held_after_defers(&keys, &[false, true, false, true, true, false]),
+            vec![5]
+        );
+    }
 
     #[test]
     fn resume_window_table_matches_the_seed() {

@@ -30,6 +30,7 @@ pub use append_log::{AppendLogOptions, AppendLogSnapshot};
 pub use format::{MAX_KEY_LEN, MAX_VALUE_LEN};
 
 use crate::kv::{KvEntry, KvUpdate, WatchCursor};
+use crate::retained::{Base, RetainedIndex, is_reserved};
 
 /// Errors of the durable fold.
 #[derive(Debug, thiserror::Error)]
@@ -173,53 +174,91 @@ pub trait FoldRead: Send + Sync {
     ) -> Result<(), SnapshotError>;
 }
 
-/// A store shared between the fold (the only writer) and readers of its committed state.
+/// A store shared between the fold (the only writer) and readers of its committed state, with the
+/// fold's retained records ([`RetainedIndex`]) beside it.
 ///
 /// The fold takes the write lock only inside `apply`; appliers read between applies, so the lock
 /// is never contended on the hot path. A panic while holding it (a bug) reads as a poisoned store.
-pub struct SharedStore<S>(std::sync::Arc<std::sync::RwLock<S>>);
+///
+/// As a [`FoldRead`] it is the *guest's view*: reserved keys never show, and a key with retained
+/// records shows the entry the guest last applied (its base), not the fold's latest raw value.
+pub struct SharedStore<S> {
+    store: std::sync::Arc<std::sync::RwLock<S>>,
+    /// Loaded from the store on first use.
+    retained: std::sync::Arc<std::sync::Mutex<Option<RetainedIndex>>>,
+}
 
 impl<S> Clone for SharedStore<S> {
     fn clone(&self) -> Self {
-        SharedStore(self.0.clone())
+        SharedStore {
+            store: self.store.clone(),
+            retained: self.retained.clone(),
+        }
+    }
+}
+
+fn poisoned() -> SnapshotError {
+    SnapshotError::Poisoned {
+        path: PathBuf::new(),
+        cause: "a thread panicked while holding the store".into(),
     }
 }
 
 impl<S: SnapshotStore> SharedStore<S> {
     /// Shares `store`.
     pub fn new(store: S) -> Self {
-        SharedStore(std::sync::Arc::new(std::sync::RwLock::new(store)))
+        SharedStore {
+            store: std::sync::Arc::new(std::sync::RwLock::new(store)),
+            retained: std::sync::Arc::new(std::sync::Mutex::new(None)),
+        }
     }
 
-    /// Shared read access.
+    /// Reads the store.
     pub fn read(&self) -> Result<std::sync::RwLockReadGuard<'_, S>, SnapshotError> {
-        self.0.read().map_err(|_| SnapshotError::Poisoned {
-            path: PathBuf::new(),
-            cause: "a thread panicked while holding the store".into(),
-        })
+        self.store.read().map_err(|_| poisoned())
     }
 
-    /// Exclusive access (the fold's commits).
+    /// Writes the store (the fold only).
     pub fn write(&self) -> Result<std::sync::RwLockWriteGuard<'_, S>, SnapshotError> {
-        self.0.write().map_err(|_| SnapshotError::Poisoned {
-            path: PathBuf::new(),
-            cause: "a thread panicked while holding the store".into(),
-        })
+        self.store.write().map_err(|_| poisoned())
+    }
+
+    /// Runs `f` on the retained records, loading them from the store the first time.
+    pub fn with_retained<R>(
+        &self,
+        f: impl FnOnce(&mut RetainedIndex) -> R,
+    ) -> Result<R, SnapshotError> {
+        let mut guard = self.retained.lock().map_err(|_| poisoned())?;
+        if guard.is_none() {
+            *guard = Some(RetainedIndex::load(&*self.read()?)?);
+        }
+        match guard.as_mut() {
+            Some(index) => Ok(f(index)),
+            None => Err(poisoned()),
+        }
     }
 
     /// The store back, when this is the last handle.
     pub fn into_inner(self) -> Result<S, Self> {
-        match std::sync::Arc::try_unwrap(self.0) {
-            Ok(lock) => lock.into_inner().map_err(|p| {
-                SharedStore(std::sync::Arc::new(std::sync::RwLock::new(p.into_inner())))
+        let retained = self.retained;
+        match std::sync::Arc::try_unwrap(self.store) {
+            Ok(lock) => lock.into_inner().map_err(|p| SharedStore {
+                store: std::sync::Arc::new(std::sync::RwLock::new(p.into_inner())),
+                retained,
             }),
-            Err(arc) => Err(SharedStore(arc)),
+            Err(store) => Err(SharedStore { store, retained }),
         }
     }
 }
 
 impl<S: SnapshotStore> FoldRead for SharedStore<S> {
     fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError> {
+        if is_reserved(key) {
+            return Ok(None);
+        }
+        if let Some(base) = self.with_retained(|r| r.base(key).cloned())? {
+            return Ok(base);
+        }
         self.read()?.get(key)
     }
 
@@ -233,8 +272,24 @@ impl<S: SnapshotStore> FoldRead for SharedStore<S> {
         if limit == 0 {
             return Ok(out);
         }
+        // Blocked keys in range show their base instead of the fold's entry (usually there are
+        // none). Collected first: the index lock is not taken per entry.
+        let in_range: Vec<(String, Base)> = self.with_retained(|r| {
+            r.bases_in(prefix)
+                .filter(|(k, _)| start_after.is_none_or(|a| k.as_str() > a))
+                .map(|(k, b)| (k.clone(), b.clone()))
+                .collect()
+        })?;
+        let blocked = |k: &str| {
+            in_range
+                .binary_search_by(|(b, _)| b.as_str().cmp(k))
+                .is_ok()
+        };
         self.read()?
             .for_each_in_range_after(prefix, start_after, &mut |e| {
+                if is_reserved(&e.key) || (!in_range.is_empty() && blocked(&e.key)) {
+                    return ControlFlow::Continue(());
+                }
                 out.push(e.clone());
                 if out.len() >= limit {
                     ControlFlow::Break(())
@@ -242,6 +297,22 @@ impl<S: SnapshotStore> FoldRead for SharedStore<S> {
                     ControlFlow::Continue(())
                 }
             })?;
+        if !in_range.is_empty() {
+            // A full page covers keys up to its last one; a short one, everything after start_after.
+            let bound = if out.len() >= limit {
+                out.last().map(|e| e.key.clone())
+            } else {
+                None
+            };
+            out.extend(
+                in_range
+                    .into_iter()
+                    .filter_map(|(_, b)| b)
+                    .filter(|b| bound.as_ref().is_none_or(|k| b.key <= *k)),
+            );
+            out.sort_by(|a, b| a.key.cmp(&b.key));
+            out.truncate(limit);
+        }
         Ok(out)
     }
 
@@ -250,7 +321,21 @@ impl<S: SnapshotStore> FoldRead for SharedStore<S> {
         prefix: &str,
         visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
     ) -> Result<(), SnapshotError> {
-        self.read()?.for_each_in_range(prefix, visit)
+        // Pages through `scan`, so the guest's view is the same whichever way it is read.
+        const PAGE: usize = 4096;
+        let mut after: Option<String> = None;
+        loop {
+            let page = self.scan(prefix, after.as_deref(), PAGE)?;
+            for e in &page {
+                if visit(e).is_break() {
+                    return Ok(());
+                }
+            }
+            match page.last() {
+                Some(last) if page.len() == PAGE => after = Some(last.key.clone()),
+                _ => return Ok(()),
+            }
+        }
     }
 }
 

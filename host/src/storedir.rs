@@ -225,8 +225,20 @@ pub struct HostStatus {
     pub pid: u32,
     /// Highest revision delivered.
     pub seq: u64,
-    /// Highest revision applied and committed.
+    /// Highest revision every update at or below which is applied and committed.
     pub applied_through: u64,
+    /// Records retained (deferred by a guest) in the fold.
+    #[serde(default)]
+    pub retained: u64,
+    /// Revision of the oldest retained record.
+    #[serde(default)]
+    pub oldest_retained_revision: Option<u64>,
+    /// When the oldest retained record was retained (Unix milliseconds).
+    #[serde(default)]
+    pub oldest_retained_unix_ms: Option<u64>,
+    /// Records retained longer than the grace.
+    #[serde(default)]
+    pub warnings: Vec<String>,
     /// The applier (guest name and version, or `native:count`).
     pub guest: Option<String>,
     /// The bucket folded.

@@ -1,6 +1,7 @@
-//! WebAssembly guests against a real nats-server: the router through SIGKILLs, a trap that stops the
-//! fold exactly before its key, runaway and memory-hungry guests stopped at their limits while the
-//! host stays up, hydration equivalence on 50 000 keys, and components refused at load.
+//! WebAssembly guests against a real nats-server: the router (in Rust and in C) through SIGKILLs, a
+//! trap that stops the fold exactly before its key, runaway and memory-hungry guests stopped at their
+//! limits while the host stays up, hydration equivalence on 50 000 keys, and components refused at
+//! load.
 
 use std::collections::BTreeMap;
 use std::process::Stdio;
@@ -38,6 +39,22 @@ fn upstream(i: u32, generation: u32) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn router_guest_survives_sigkills_and_answers_every_host_like_the_bucket()
 -> anyhow::Result<()> {
+    router_survives_sigkills_and_answers_every_host_like_the_bucket("router").await
+}
+
+/// The same test, the same guest semantics, written in C (`guests/router-c`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn c_router_guest_survives_sigkills_and_answers_every_host_like_the_bucket()
+-> anyhow::Result<()> {
+    router_survives_sigkills_and_answers_every_host_like_the_bucket("router_c").await
+}
+
+/// 20 000 routes written while a host folding them with `guest` is SIGKILLed at random moments;
+/// then a live host answers every route exactly as the bucket holds it, a deleted host is unknown,
+/// and the fold equals the bucket's `route.*` keys.
+async fn router_survives_sigkills_and_answers_every_host_like_the_bucket(
+    guest: &str,
+) -> anyhow::Result<()> {
     let seed: u64 = std::env::var("FOLDHOST_TEST_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -46,7 +63,7 @@ async fn router_guest_survives_sigkills_and_answers_every_host_like_the_bucket()
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let h = Harness::start().await?;
     let kv = h.bucket("routes").await?;
-    let router = guest_wasm("router");
+    let router = guest_wasm(guest);
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
     const HOSTS: u32 = 20_000;
@@ -438,6 +455,7 @@ async fn hydrated_guest_answers_like_one_that_watched_from_the_start() -> anyhow
             scope: WatchScope::Prefix("route.".into()),
             batch: BatchConfig::default(),
             catch_up: true,
+            defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
         },
         Arc::new(FoldStatus::default()),
         None,
@@ -485,6 +503,7 @@ async fn hashring_removing_a_node_moves_only_the_keys_it_owned() -> anyhow::Resu
         scope: ring.manifest().watch_scope(),
         batch: BatchConfig::default(),
         catch_up: true,
+        defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
     };
     let fold = async |ring: &mut GuestApply| {
         watch_applied(

@@ -25,6 +25,7 @@ fn opts(max: usize) -> WatchOptions {
             ..BatchConfig::default()
         },
         catch_up: true,
+        defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
     }
 }
 

@@ -6,6 +6,11 @@
 //! one fails `apply` with `applied twice`, so a host that replayed an update into the live instance
 //! would stop the fold instead of passing the test. (Revision 0 marks a synthetic update and is let
 //! through.)
+//!
+//! It decodes both value formats: plain values, and `fmt2:`-tagged ones that 0.1.0 defers (the
+//! tag is stripped). The query `history:<key>` answers the revisions this instance applied to the
+//! key, in order, comma-separated — how the deferral tests see that retained records were applied
+//! once each, in log order.
 
 use std::collections::BTreeMap;
 
@@ -16,6 +21,8 @@ use foldhost_guest::{Change, Folder, Manifest, Verdict};
 struct KvStoreV2 {
     entries: BTreeMap<String, Vec<u8>>,
     revisions: BTreeMap<String, u64>,
+    /// Every revision this instance applied per key, in the order applied.
+    history: BTreeMap<String, Vec<u64>>,
 }
 
 impl KvStoreV2 {
@@ -30,6 +37,10 @@ impl KvStoreV2 {
             ));
         }
         self.revisions.insert(key.to_owned(), revision);
+        self.history
+            .entry(key.to_owned())
+            .or_default()
+            .push(revision);
         Ok(())
     }
 }
@@ -42,7 +53,8 @@ impl Folder for KvStoreV2 {
     }
 
     fn parse(&self, _key: &str, value: &[u8]) -> Verdict<Vec<u8>> {
-        Verdict::Accept(value.to_vec())
+        // Both formats: `fmt2:` values (which 0.1.0 defers) are decoded to what follows the tag.
+        Verdict::Accept(value.strip_prefix(b"fmt2:").unwrap_or(value).to_vec())
     }
 
     fn apply(&mut self, changes: Vec<Change<Vec<u8>>>) -> Result<(), String> {
@@ -67,6 +79,11 @@ impl Folder for KvStoreV2 {
 
     fn query(&self, request: &[u8]) -> Result<Vec<u8>, String> {
         let key = std::str::from_utf8(request).map_err(|_| "missing")?;
+        if let Some(key) = key.strip_prefix("history:") {
+            let revisions = self.history.get(key).ok_or("missing")?;
+            let text: Vec<String> = revisions.iter().map(u64::to_string).collect();
+            return Ok(text.join(",").into_bytes());
+        }
         let value = self.entries.get(key).ok_or("missing")?;
         let mut answer = b"v2:".to_vec();
         answer.extend_from_slice(value);

@@ -2,6 +2,9 @@
 //!
 //! Every put's raw value is stored; a delete or purge removes the key. A query's request is a key
 //! (UTF-8); the answer is its value bytes, or the error `missing`. `init` logs one debug line.
+//!
+//! A value starting with `fmt2:` is in a format only version 0.2.0 (`kvstore-v2`) decodes: this
+//! version answers `defer` for it, so the host retains it until 0.2.0 runs.
 
 use std::collections::BTreeMap;
 
@@ -29,6 +32,10 @@ impl Folder for KvStore {
     }
 
     fn parse(&self, _key: &str, value: &[u8]) -> Verdict<Vec<u8>> {
+        // A newer writer's format this version cannot read: the host keeps it for 0.2.0.
+        if value.starts_with(b"fmt2:") {
+            return Verdict::Defer;
+        }
         Verdict::Accept(value.to_vec())
     }
 

@@ -439,10 +439,7 @@ impl Core {
             .map(|v| match v {
                 bindings::Verdict::Accept => Ok(Verdict::Accept),
                 bindings::Verdict::Skip => Ok(Verdict::Skip),
-                bindings::Verdict::Defer => Err(self.err(
-                    "parse",
-                    "answered defer, which this host does not retain yet".into(),
-                )),
+                bindings::Verdict::Defer => Ok(Verdict::Defer),
             })
             .collect()
     }
@@ -571,6 +568,11 @@ impl Apply for GuestApply {
         r
     }
 
+    fn discard(&mut self) {
+        // The next call builds a fresh instance and hydrates it from the fold.
+        self.live = None;
+    }
+
     async fn on_applied(&mut self, cursor: WatchCursor) {
         let Some(mut live) = self.live.take() else {
             return;
@@ -649,6 +651,8 @@ impl Apply for GuestApply {
             hydrated_entries: entries,
             hydrate_ms: took.as_millis() as u64,
             paused_ms: 0,
+            released: 0,
+            still_retained: 0,
         })
     }
 

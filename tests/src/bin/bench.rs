@@ -88,6 +88,7 @@ async fn fold_rate(
                 ..BatchConfig::default()
             },
             catch_up: true,
+            defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
         },
         status.clone(),
         None,
@@ -244,6 +245,7 @@ async fn bench_swap(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::Re
                     scope: WatchScope::All,
                     batch: BatchConfig::default(),
                     catch_up: false,
+                    defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
                 },
                 status,
                 Some(rx),

@@ -1,0 +1,389 @@
+//! Retained records: updates a guest answered `defer` for (it cannot decode them), kept durably in
+//! the fold until a guest version that can decode them is running (seed 004).
+//!
+//! Invariants:
+//! - **In the store, atomically with the batch.** A retained record lives under a reserved key
+//!   ([`RETAINED_PREFIX`] + revision + key) in the same store as the fold, written by the same
+//!   `apply` that commits its batch and moves the cursor over it. A restart therefore finds every
+//!   record the cursor covers either applied or retained, never neither. Reserved keys start with
+//!   `\x01`, a byte no NATS key can carry, and carry the unknown version, so they never mint or move
+//!   the cursor ([`crate::protocol::commit_cursor`] ignores them).
+//! - **A key's applied history is a prefix of its log.** Once a key has a retained record, every
+//!   later update of that key is retained too (the host holds it back before `parse`), until the
+//!   retained ones are released in log order.
+//! - **The guest's view is what it applied.** The fold keeps each key's *latest* raw value (so
+//!   `dump` always equals the bucket). For a blocked key the guest must see the value it last
+//!   applied instead, so the first retained record of a key (its *head*) carries that *base*: the
+//!   key's entry just before the record (or none). Guest reads and hydration show the base for
+//!   blocked keys ([`crate::snapshot::FoldRead`] on [`crate::snapshot::SharedStore`]), and never a
+//!   reserved key.
+//! - **Bounded and checked.** A record is decoded with every length checked against what is left;
+//!   a record that does not decode is an error naming its key, never a silent drop.
+
+use std::collections::BTreeMap;
+use std::ops::ControlFlow;
+
+use bytes::Bytes;
+
+use crate::kv::{KvEntry, KvUpdate, VersionToken};
+use crate::snapshot::{SnapshotError, SnapshotStore};
+
+/// Keys starting with this byte are the host's own; no NATS key can start with it.
+pub const RESERVED_PREFIX: &str = "\u{1}";
+
+/// Where retained records live: `RETAINED_PREFIX` + 20-digit revision + `/` + key (log order).
+pub const RETAINED_PREFIX: &str = "\u{1}retained/";
+
+/// Format tag of an encoded retained record.
+const RECORD_TAG: u8 = b'R';
+/// Format version of an encoded retained record.
+const RECORD_VERSION: u8 = 1;
+
+/// True for the host's own keys (never shown to guests, `dump` or listings).
+pub fn is_reserved(key: &str) -> bool {
+    key.starts_with(RESERVED_PREFIX)
+}
+
+/// What a blocked key's guest view holds: the entry as of its last applied update (`None`: absent).
+pub type Base = Option<KvEntry>;
+
+/// One retained update.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RetainedRecord {
+    /// The update as delivered.
+    pub update: KvUpdate,
+    /// When it was first retained (Unix milliseconds), for the grace warning.
+    pub retained_unix_ms: u64,
+    /// For the first retained record of its key: the key's entry before it. `None` for later ones.
+    pub base: Option<Base>,
+}
+
+impl RetainedRecord {
+    /// The revision (0 for an update of unknown version).
+    pub fn revision(&self) -> u64 {
+        self.update.revision().unwrap_or(0)
+    }
+
+    /// The reserved key this record is stored under.
+    pub fn store_key(&self) -> String {
+        format!(
+            "{RETAINED_PREFIX}{:020}/{}",
+            self.revision(),
+            self.update.key()
+        )
+    }
+
+    /// The store update that writes this record.
+    pub fn to_put(&self) -> KvUpdate {
+        KvUpdate::Put(KvEntry {
+            key: self.store_key(),
+            value: Bytes::from(encode(self)),
+            version: VersionToken::UNKNOWN,
+        })
+    }
+
+    /// The store update that releases this record.
+    pub fn to_delete(&self) -> KvUpdate {
+        KvUpdate::Delete {
+            key: self.store_key(),
+            version: VersionToken::UNKNOWN,
+        }
+    }
+}
+
+fn put_bytes(out: &mut Vec<u8>, b: &[u8]) {
+    out.extend_from_slice(&(b.len() as u32).to_le_bytes());
+    out.extend_from_slice(b);
+}
+
+fn put_version(out: &mut Vec<u8>, v: &VersionToken) {
+    out.push(v.as_bytes().len() as u8);
+    out.extend_from_slice(v.as_bytes());
+}
+
+/// Encodes a record: tag, version, op, retained-at, update version, key, value, base.
+pub fn encode(r: &RetainedRecord) -> Vec<u8> {
+    let (op, key, value): (u8, &str, &[u8]) = match &r.update {
+        KvUpdate::Put(e) => (0, &e.key, &e.value),
+        KvUpdate::Delete { key, .. } => (1, key, &[]),
+        KvUpdate::Purge { key, .. } => (2, key, &[]),
+    };
+    let mut out = Vec::with_capacity(32 + key.len() + value.len());
+    out.extend_from_slice(&[RECORD_TAG, RECORD_VERSION, op]);
+    out.extend_from_slice(&r.retained_unix_ms.to_le_bytes());
+    put_version(&mut out, &r.update.version());
+    put_bytes(&mut out, key.as_bytes());
+    put_bytes(&mut out, value);
+    match &r.base {
+        None => out.push(0),
+        Some(None) => out.push(1),
+        Some(Some(e)) => {
+            out.push(2);
+            put_version(&mut out, &e.version);
+            put_bytes(&mut out, &e.value);
+        }
+    }
+    out
+}
+
+/// A cursor over bytes whose every read is bounds-checked.
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], String> {
+        if self.0.len() < n {
+            return Err(format!(
+                "cut short: wanted {n} bytes, {} left",
+                self.0.len()
+            ));
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+
+    fn u8(&mut self) -> Result<u8, String> {
+        Ok(self.take(1)?[0])
+    }
+
+    fn u64(&mut self) -> Result<u64, String> {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(self.take(8)?);
+        Ok(u64::from_le_bytes(b))
+    }
+
+    fn bytes(&mut self) -> Result<&'a [u8], String> {
+        let mut b = [0u8; 4];
+        b.copy_from_slice(self.take(4)?);
+        let n = u32::from_le_bytes(b) as usize;
+        if n > crate::snapshot::MAX_VALUE_LEN {
+            return Err(format!("length {n} over the value cap"));
+        }
+        self.take(n)
+    }
+
+    fn version(&mut self) -> Result<VersionToken, String> {
+        let n = self.u8()? as usize;
+        VersionToken::from_bytes(self.take(n)?).ok_or_else(|| format!("version of {n} bytes"))
+    }
+}
+
+/// Decodes a record written by [`encode`].
+pub fn decode(bytes: &[u8]) -> Result<RetainedRecord, String> {
+    let mut r = Reader(bytes);
+    let (tag, version) = (r.u8()?, r.u8()?);
+    if tag != RECORD_TAG || version != RECORD_VERSION {
+        return Err(format!("unknown record tag {tag:#04x} version {version}"));
+    }
+    let op = r.u8()?;
+    let retained_unix_ms = r.u64()?;
+    let uversion = r.version()?;
+    let key = std::str::from_utf8(r.bytes()?)
+        .map_err(|_| "key is not UTF-8".to_string())?
+        .to_string();
+    let value = Bytes::copy_from_slice(r.bytes()?);
+    let update = match op {
+        0 => KvUpdate::Put(KvEntry {
+            key: key.clone(),
+            value,
+            version: uversion,
+        }),
+        1 => KvUpdate::Delete {
+            key: key.clone(),
+            version: uversion,
+        },
+        2 => KvUpdate::Purge {
+            key: key.clone(),
+            version: uversion,
+        },
+        other => return Err(format!("unknown op {other}")),
+    };
+    let base = match r.u8()? {
+        0 => None,
+        1 => Some(None),
+        2 => {
+            let version = r.version()?;
+            let value = Bytes::copy_from_slice(r.bytes()?);
+            Some(Some(KvEntry {
+                key,
+                value,
+                version,
+            }))
+        }
+        other => return Err(format!("unknown base tag {other}")),
+    };
+    if !r.0.is_empty() {
+        return Err(format!("{} trailing bytes", r.0.len()));
+    }
+    Ok(RetainedRecord {
+        update,
+        retained_unix_ms,
+        base,
+    })
+}
+
+/// The retained records of a fold, in memory (loaded once, kept in step with every commit).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RetainedIndex {
+    /// By store key: log order.
+    records: BTreeMap<String, RetainedRecord>,
+    /// Blocked key → its base (the head record's).
+    bases: BTreeMap<String, Base>,
+}
+
+impl RetainedIndex {
+    /// Reads every retained record of `store`.
+    pub fn load<S: SnapshotStore + ?Sized>(store: &S) -> Result<Self, SnapshotError> {
+        let mut index = RetainedIndex::default();
+        let mut bad: Option<SnapshotError> = None;
+        store.for_each_in_range(RETAINED_PREFIX, &mut |e| match decode(&e.value) {
+            Ok(r) => {
+                index.insert(r);
+                ControlFlow::Continue(())
+            }
+            Err(reason) => {
+                bad = Some(SnapshotError::Backend(format!(
+                    "retained record {:?} does not decode: {reason}",
+                    e.key.trim_start_matches(RESERVED_PREFIX)
+                )));
+                ControlFlow::Break(())
+            }
+        })?;
+        if let Some(e) = bad {
+            return Err(e);
+        }
+        for r in index.records.values() {
+            if !index.bases.contains_key(r.update.key()) {
+                return Err(SnapshotError::Backend(format!(
+                    "retained record for {:?} at revision {} has no head carrying the key's base",
+                    r.update.key(),
+                    r.revision()
+                )));
+            }
+        }
+        Ok(index)
+    }
+
+    /// Adds a record (a head also blocks its key).
+    pub fn insert(&mut self, r: RetainedRecord) {
+        if let Some(base) = &r.base {
+            self.bases.insert(r.update.key().to_string(), base.clone());
+        }
+        self.records.insert(r.store_key(), r);
+    }
+
+    /// True when `key` has retained records: its later updates are held back.
+    pub fn is_blocked(&self, key: &str) -> bool {
+        self.bases.contains_key(key)
+    }
+
+    /// The guest's view of a blocked key (`None` when the key is not blocked).
+    pub fn base(&self, key: &str) -> Option<&Base> {
+        self.bases.get(key)
+    }
+
+    /// Blocked keys with their bases whose key starts with `prefix`, in key order.
+    pub fn bases_in(&self, prefix: &str) -> impl Iterator<Item = (&String, &Base)> {
+        self.bases
+            .range(prefix.to_string()..)
+            .take_while(move |(k, _)| k.starts_with(prefix))
+    }
+
+    /// Records retained, in log order.
+    pub fn records(&self) -> impl Iterator<Item = &RetainedRecord> {
+        self.records.values()
+    }
+
+    /// Number of records retained.
+    pub fn len(&self) -> usize {
+        self.records.len()
+    }
+
+    /// True when nothing is retained.
+    pub fn is_empty(&self) -> bool {
+        self.records.is_empty()
+    }
+
+    /// The oldest retained record (lowest revision).
+    pub fn oldest(&self) -> Option<&RetainedRecord> {
+        self.records.values().next()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn put(key: &str, value: &str, rev: u64) -> KvUpdate {
+        KvUpdate::Put(KvEntry {
+            key: key.into(),
+            value: Bytes::from(value.to_string()),
+            version: VersionToken::from_u64(rev),
+        })
+    }
+
+    #[test]
+    fn records_round_trip_with_every_base_shape() {
+        let base_entry = KvEntry {
+            key: "k".into(),
+            value: Bytes::from_static(b"old"),
+            version: VersionToken::from_u64(3),
+        };
+        for update in [
+            put("k", "fmt2:x", 7),
+            KvUpdate::Delete {
+                key: "k".into(),
+                version: VersionToken::from_u64(8),
+            },
+            KvUpdate::Purge {
+                key: "k".into(),
+                version: VersionToken::UNKNOWN,
+            },
+        ] {
+            for base in [None, Some(None), Some(Some(base_entry.clone()))] {
+                let r = RetainedRecord {
+                    update: update.clone(),
+                    retained_unix_ms: 1_700_000_000_000,
+                    base,
+                };
+                assert_eq!(decode(&encode(&r)), Ok(r));
+            }
+        }
+    }
+
+    #[test]
+    fn every_truncation_and_a_trailing_byte_are_refused() {
+        let r = RetainedRecord {
+            update: put("key", "value", 9),
+            retained_unix_ms: 1,
+            base: Some(None),
+        };
+        let bytes = encode(&r);
+        for cut in 0..bytes.len() {
+            assert!(decode(&bytes[..cut]).is_err(), "cut at {cut} decoded");
+        }
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert!(decode(&longer).is_err());
+    }
+
+    #[test]
+    fn store_keys_sort_in_log_order_and_are_reserved() {
+        let a = RetainedRecord {
+            update: put("zz", "", 9),
+            retained_unix_ms: 0,
+            base: None,
+        };
+        let b = RetainedRecord {
+            update: put("aa", "", 10),
+            retained_unix_ms: 0,
+            base: None,
+        };
+        assert!(a.store_key() < b.store_key());
+        assert!(is_reserved(&a.store_key()));
+        assert!(!is_reserved("route.a"));
+        // Reserved keys sort before every key a NATS bucket can hold.
+        assert!(a.store_key().as_str() < "-");
+        assert!(a.to_put().revision().is_none(), "never moves the cursor");
+    }
+}

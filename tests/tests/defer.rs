@@ -1,0 +1,379 @@
+//! Deferral (seed 004): a record a guest version cannot decode is retained durably in the fold,
+//! later updates of its key wait behind it, `applied_through` stays below it while the cursor moves
+//! on, and a version that decodes it applies the retained records first, in log order.
+//!
+//! The first test drives [`Fold`] directly with a native applier (deterministic, no server): it pins
+//! the same-batch rule (an update after a deferred one of its key is held back even when the guest
+//! would accept it). The others run the real binary against a real nats-server with the `kvstore`
+//! guests: 0.1.0 defers `fmt2:` values, 0.2.0 decodes them and reports per key the revisions it
+//! applied (`history:<key>`), and fails on any revision applied twice or out of order.
+
+use std::process::{Child, Stdio};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use foldhost::applied::{Apply, ApplyError, Fold, FoldStatus, Verdict};
+use foldhost::kv::{KvEntry, KvUpdate, KvWriter, VersionToken, WatchCursor};
+use foldhost::snapshot::{
+    AppendLogOptions, AppendLogSnapshot, FoldRead, SharedStore, SnapshotStore,
+};
+use foldhost_tests::{
+    Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, status_store,
+    terminate, wait_status,
+};
+
+/// A native applier that defers `fmt2:` values unless it is the "new version", and records what it
+/// was offered and what it applied.
+#[derive(Default)]
+struct Recorder {
+    decodes_fmt2: bool,
+    offered: Vec<Vec<u64>>,
+    applied: Vec<(String, u64)>,
+}
+
+#[async_trait]
+impl Apply for Recorder {
+    fn describe(&self) -> String {
+        format!("native:recorder(fmt2={})", self.decodes_fmt2)
+    }
+
+    async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
+        self.offered
+            .push(batch.iter().filter_map(KvUpdate::revision).collect());
+        Ok(batch
+            .iter()
+            .map(|u| match u {
+                KvUpdate::Put(e) if e.value.starts_with(b"fmt2:") && !self.decodes_fmt2 => {
+                    Verdict::Defer
+                }
+                _ => Verdict::Accept,
+            })
+            .collect())
+    }
+
+    async fn apply(&mut self, batch: &[KvUpdate], verdicts: &[Verdict]) -> Result<(), ApplyError> {
+        for (u, v) in batch.iter().zip(verdicts) {
+            if *v == Verdict::Accept {
+                self.applied
+                    .push((u.key().to_string(), u.revision().unwrap_or(0)));
+            }
+        }
+        Ok(())
+    }
+
+    async fn on_applied(&mut self, _cursor: WatchCursor) {}
+}
+
+fn put(key: &str, value: &str, rev: u64) -> KvUpdate {
+    KvUpdate::Put(KvEntry {
+        key: key.into(),
+        value: Bytes::from(value.to_string()),
+        version: VersionToken::from_u64(rev),
+    })
+}
+
+fn applied(v: &[(&str, u64)]) -> Vec<(String, u64)> {
+    v.iter().map(|(k, r)| (k.to_string(), *r)).collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_with_a_deferred_record_applies_nothing_later_until_a_new_version_releases_it_in_order()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let open = || AppendLogSnapshot::open(dir.path(), AppendLogOptions::default());
+    let (store, _) = open()?;
+    let shared = SharedStore::new(store);
+    let status = Arc::new(FoldStatus::default());
+    let mut fold = Fold::new(shared.clone(), status.clone())?;
+    let mut v1 = Recorder::default();
+
+    // r2 holds `a` at a value the guest applied; r3 is a format v1 cannot read; r5 would be
+    // accepted by v1 but must wait behind r3.
+    let first = vec![
+        put("a", "a-old", 2),
+        put("b", "b1", 3),
+        put("a", "fmt2:a-new", 4),
+        put("c", "c1", 5),
+        put("a", "a-plain", 6),
+    ];
+    assert!(fold.flush(first, &mut v1).await?.is_none());
+    assert_eq!(
+        v1.offered,
+        vec![vec![2, 3, 4, 5, 6], vec![2, 3, 5]],
+        "re-parsed without the deferred record and the one behind it"
+    );
+    assert_eq!(applied(&[("a", 2), ("b", 3), ("c", 5)]), v1.applied);
+    // A later batch: `a` is still blocked, so its update is held before the guest sees it.
+    assert!(
+        fold.flush(vec![put("a", "a-later", 7), put("d", "d1", 8)], &mut v1)
+            .await?
+            .is_none()
+    );
+    assert_eq!(v1.offered.last(), Some(&vec![8]));
+    assert_eq!(
+        fold.cursor(),
+        WatchCursor::at(8),
+        "the cursor covers retained records"
+    );
+    let load = |s: &FoldStatus, f: fn(&FoldStatus) -> &std::sync::atomic::AtomicU64| {
+        f(s).load(std::sync::atomic::Ordering::Relaxed)
+    };
+    assert_eq!(load(&status, |s| &s.retained), 3);
+    assert_eq!(load(&status, |s| &s.applied_through), 3, "held below r4");
+    assert_eq!(load(&status, |s| &s.oldest_retained_revision), 4);
+    // The guest's view of `a` is what it applied (r2); the fold itself holds the latest value.
+    assert_eq!(
+        FoldRead::get(&shared, "a")?.map(|e| e.value),
+        Some(Bytes::from_static(b"a-old"))
+    );
+    assert_eq!(
+        shared.read()?.get("a")?.map(|e| e.value),
+        Some(Bytes::from_static(b"a-later"))
+    );
+    let keys: Vec<String> = FoldRead::scan(&shared, "", None, 100)?
+        .into_iter()
+        .map(|e| e.key)
+        .collect();
+    assert_eq!(
+        keys,
+        ["a", "b", "c", "d"],
+        "no reserved key in the guest's view"
+    );
+
+    // Durable: a reopened store still retains them, with the same view.
+    drop(fold);
+    let store = shared
+        .into_inner()
+        .map_err(|_| anyhow::anyhow!("store still shared"))?;
+    drop(store);
+    let shared = SharedStore::new(open()?.0);
+    let status = Arc::new(FoldStatus::default());
+    let mut fold = Fold::new(shared.clone(), status.clone())?;
+    assert_eq!(load(&status, |s| &s.retained), 3);
+    assert_eq!(
+        FoldRead::get(&shared, "a")?.map(|e| e.version),
+        Some(VersionToken::from_u64(2))
+    );
+
+    // The same version again defers again: nothing released.
+    let mut again = Recorder::default();
+    assert_eq!(fold.release(&mut again).await?, (0, 3));
+    assert!(again.applied.is_empty());
+
+    // A version that decodes it: released in log order, once each.
+    let mut v2 = Recorder {
+        decodes_fmt2: true,
+        ..Recorder::default()
+    };
+    assert_eq!(fold.release(&mut v2).await?, (3, 0));
+    assert_eq!(applied(&[("a", 4), ("a", 6), ("a", 7)]), v2.applied);
+    assert_eq!(load(&status, |s| &s.retained), 0);
+    assert_eq!(load(&status, |s| &s.applied_through), 8);
+    assert_eq!(
+        FoldRead::get(&shared, "a")?.map(|e| e.value),
+        Some(Bytes::from_static(b"a-later"))
+    );
+    assert!(
+        fold.flush(vec![put("a", "a9", 9)], &mut v2)
+            .await?
+            .is_none()
+    );
+    assert_eq!(v2.applied.last(), Some(&("a".to_string(), 9)));
+    Ok(())
+}
+
+fn start_host(
+    h: &Harness,
+    bucket: &str,
+    store: &std::path::Path,
+    addr: &str,
+    extra: &[&str],
+) -> anyhow::Result<Child> {
+    Ok(foldhost()
+        .args([
+            "run",
+            "--bucket",
+            bucket,
+            "--nats",
+            &h.url(),
+            "--listen",
+            addr,
+        ])
+        .arg("--guest")
+        .arg(guest_wasm("kvstore"))
+        .arg("--store")
+        .arg(store)
+        .args(extra)
+        .env("FOLDHOST_LOG", "foldhost=debug")
+        .stderr(Stdio::from(
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(store.with_extension("log"))?,
+        ))
+        .spawn()?)
+}
+
+/// The host's log (kept beside the store), for assertion messages.
+fn host_log(store: &std::path::Path) -> String {
+    std::fs::read_to_string(store.with_extension("log")).unwrap_or_default()
+}
+
+async fn query(addr: &str, request: &str) -> anyhow::Result<(u16, String)> {
+    let (code, body) = foldhost::serve::call(addr, "POST", "/query", request.as_bytes()).await?;
+    Ok((code, String::from_utf8_lossy(&body).into_owned()))
+}
+
+fn swap_to_v2(addr: &str) -> anyhow::Result<serde_json::Value> {
+    let out = foldhost()
+        .args(["swap", "--listen", addr, "--guest"])
+        .arg(guest_wasm("kvstore_v2"))
+        .env_remove("FOLDHOST_ADMIN_TOKEN")
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "swap failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_v2_record_and_a_later_v1_write_wait_for_v2_then_apply_in_order() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("defer").await?;
+    let a0 = kv.put("k.a", "a0".into()).await?.as_u64().unwrap_or(0);
+    for i in 0..50 {
+        kv.put(&format!("k.{i:02}"), format!("v{i}").into()).await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = start_host(&h, "defer", &store, &addr, &[])?;
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(51)).await?;
+
+    let rev = |v: VersionToken| v.as_u64().unwrap_or(0);
+    let r1 = rev(kv.put("k.a", "fmt2:a1".into()).await?);
+    let r2 = rev(kv.put("k.a", "a2".into()).await?);
+    let r3 = rev(kv.put("k.b", "b1".into()).await?);
+    let r4 = rev(kv.put("k.c", "fmt2:c1".into()).await?);
+    kv.delete("k.c").await?;
+    let r5 = kv.positions().await?.last_sequence;
+    let s = wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r5)).await?;
+    assert_eq!(s["state"], "running", "{s}");
+    assert_eq!(
+        s["retained"],
+        4,
+        "r1, r2 (behind r1), r4, r5 (behind r4): {s}\n{}",
+        host_log(&store)
+    );
+    assert_eq!(s["oldest_retained_revision"].as_u64(), Some(r1), "{s}");
+    assert_eq!(
+        s["seq"].as_u64(),
+        Some(r5),
+        "seq advances over retained records: {s}"
+    );
+    assert_eq!(
+        s["applied_through"].as_u64(),
+        Some(r1 - 1),
+        "applied_through stays below the oldest retained record: {s}"
+    );
+    // v1 serves what it applied: k.a as before the deferral; k.b (never deferred) moved on.
+    assert_eq!(query(&addr, "k.a").await?, (200, "a0".into()));
+    assert_eq!(query(&addr, "k.b").await?, (200, "b1".into()));
+    assert_eq!(query(&addr, "k.c").await?.0, 422);
+
+    let report = swap_to_v2(&addr)?;
+    assert_eq!(report["to"], "kvstore@0.2.0");
+    assert_eq!(report["released"], 4, "{report}");
+    assert_eq!(report["still_retained"], 0, "{report}");
+    let s = wait_status(&addr, |_| true).await?;
+    assert_eq!(s["retained"], 0, "{s}");
+    assert_eq!(
+        s["applied_through"], s["seq"],
+        "applied_through caught up to seq: {s}"
+    );
+    assert_eq!(query(&addr, "k.a").await?, (200, "v2:a2".into()));
+    assert_eq!(
+        query(&addr, "history:k.a").await?,
+        (200, format!("{a0},{r1},{r2}")),
+        "the base, then both retained records, in log order, once each"
+    );
+    assert_eq!(
+        query(&addr, "history:k.c").await?,
+        (200, format!("{r4},{r5}"))
+    );
+    assert_eq!(query(&addr, "k.c").await?.0, 422, "the delete applied last");
+    assert_eq!(query(&addr, "history:k.b").await?, (200, r3.to_string()));
+
+    // v2 decodes new writes directly.
+    let r6 = rev(kv.put("k.a", "fmt2:a3".into()).await?);
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(r6)).await?;
+    assert_eq!(query(&addr, "k.a").await?, (200, "v2:a3".into()));
+    terminate(&mut host)?;
+    let want = bucket_contents(&kv).await?;
+    assert_eq!(first_difference(&want, &dump_store(&store)?), None);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retained_records_survive_a_restart_warn_past_the_grace_and_release_after_the_swap()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("keep").await?;
+    let x0 = kv.put("k.x", "x0".into()).await?.as_u64().unwrap_or(0);
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = start_host(&h, "keep", &store, &addr, &[])?;
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(x0)).await?;
+    let rev = |v: VersionToken| v.as_u64().unwrap_or(0);
+    let r1 = rev(kv.put("k.x", "fmt2:x1".into()).await?);
+    let r2 = rev(kv.put("k.x", "x2".into()).await?);
+    wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r2)).await?;
+    // A crash, not a clean stop.
+    host.kill()?;
+    host.wait()?;
+
+    let s = status_store(&store)?;
+    assert_eq!(
+        s["retained"],
+        2,
+        "retained on disk: {s}\n{}",
+        host_log(&store)
+    );
+    assert_eq!(s["oldest_retained_revision"].as_u64(), Some(r1), "{s}");
+    assert_eq!(s["applied_through"].as_u64(), Some(r1 - 1), "{s}");
+    assert_eq!(s["cursor"].as_u64(), Some(r2), "{s}");
+
+    // Restarted with the same version and a 1 s grace: still retained, and soon warned about.
+    let mut host = start_host(&h, "keep", &store, &addr, &["--defer-grace-secs", "1"])?;
+    let s = wait_status(&addr, |s| {
+        s["warnings"].as_array().is_some_and(|w| !w.is_empty())
+    })
+    .await?;
+    assert_eq!(s["retained"], 2, "{s}");
+    let warning = s["warnings"][0].as_str().unwrap_or_default();
+    assert!(
+        warning.contains("k.x") && warning.contains(&r1.to_string()),
+        "the warning names the key and the revision: {warning}"
+    );
+    assert_eq!(query(&addr, "k.x").await?, (200, "x0".into()));
+
+    let report = swap_to_v2(&addr)?;
+    assert_eq!(report["released"], 2, "{report}");
+    let s = wait_status(&addr, |_| true).await?;
+    assert_eq!(s["retained"], 0, "{s}");
+    assert_eq!(s["warnings"].as_array().map(Vec::len), Some(0), "{s}");
+    assert_eq!(s["applied_through"].as_u64(), Some(r2), "{s}");
+    assert_eq!(query(&addr, "k.x").await?, (200, "v2:x2".into()));
+    assert_eq!(
+        query(&addr, "history:k.x").await?,
+        (200, format!("{x0},{r1},{r2}"))
+    );
+    terminate(&mut host)?;
+    let s = status_store(&store)?;
+    assert_eq!(s["retained"], 0, "released on disk too: {s}");
+    Ok(())
+}
