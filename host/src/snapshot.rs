@@ -149,6 +149,13 @@ pub trait SnapshotStore: Send + Sync + 'static {
     /// Number of live keys.
     fn len(&self) -> Result<u64, SnapshotError>;
 
+    /// Writes a consistent copy of the committed fold (data and cursor) into `dest`, an existing
+    /// empty directory: the backend's own files, exactly as [`crate::storedir::AnyStore`] would
+    /// open them (without `FOLDHOST.json`, which the artifact layer writes). Reopening `dest`
+    /// must recover [`Self::cursor`] as it was when the call began. Never modifies the live store's
+    /// contents.
+    fn export_to(&self, dest: &std::path::Path) -> Result<(), SnapshotError>;
+
     /// True when the fold holds no key.
     fn is_empty(&self) -> Result<bool, SnapshotError> {
         Ok(self.len()? == 0)

@@ -214,6 +214,12 @@ impl SnapshotStore for AnyStore {
             AnyStore::AppendLog(s) => s.len(),
         }
     }
+
+    fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
+        match self {
+            AnyStore::AppendLog(s) => s.export_to(dest),
+        }
+    }
 }
 
 /// What a running host reports in `status.json`.

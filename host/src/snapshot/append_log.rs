@@ -289,6 +289,17 @@ impl SnapshotStore for AppendLogSnapshot {
     fn len(&self) -> Result<u64, SnapshotError> {
         Ok(self.fold.map.len() as u64)
     }
+
+    /// A compacted copy: the live map and cursor written as one fresh log (fsynced, renamed into
+    /// place, directory fsynced). The in-RAM fold is the committed state, so no file of the live
+    /// store is read or touched.
+    fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
+        let tmp = dest.join(TMP_NAME);
+        let path = dest.join(LOG_NAME);
+        write_compacted(&tmp, &self.fold)?;
+        std::fs::rename(&tmp, &path).map_err(io_err(&path, "rename exported log"))?;
+        sync_dir(dest)
+    }
 }
 
 /// The in-RAM fold.
