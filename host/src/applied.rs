@@ -156,6 +156,16 @@ pub enum Control {
         /// Where the outcome goes.
         reply: tokio::sync::oneshot::Sender<Result<SwapReport, ApplyError>>,
     },
+    /// Copy the committed fold into `dir` (an existing empty directory) with
+    /// [`SnapshotStore::export_to`], after flushing everything pending: the copy's cursor is the
+    /// applied cursor, exactly. The rest of an export (verify, hash, manifest) runs off the fold's
+    /// path ([`crate::artifact::seal`]).
+    Export {
+        /// Where the backend's files go.
+        dir: std::path::PathBuf,
+        /// The cursor the copy holds, and the number of keys in it, or why it failed.
+        reply: tokio::sync::oneshot::Sender<Result<(WatchCursor, u64), SnapshotError>>,
+    },
     /// Run a query against the applier.
     Query {
         /// The request bytes.
@@ -830,6 +840,21 @@ where
                         // Between batches: the applier's structure is whole.
                         let answer = apply.query(&request).await;
                         let _ = reply.send(answer);
+                    }
+                    Some(Control::Export { dir, reply }) => {
+                        // Everything delivered so far is applied and committed first, so the copy
+                        // is exactly the applied cursor; deliveries wait in the channel meanwhile.
+                        flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
+                        timer_armed = false;
+                        let store = fold.store().clone();
+                        let copied = tokio::task::spawn_blocking(move || {
+                            let s = store.read()?;
+                            s.export_to(&dir)?;
+                            Ok((s.cursor(), s.len()?))
+                        })
+                        .await
+                        .map_err(|e| AppliedError::Task(e.to_string()))?;
+                        let _ = reply.send(copied);
                     }
                     Some(Control::Swap { bytes, what, reply }) => {
                         // Settle first: the new instance is rebuilt from the committed fold, so

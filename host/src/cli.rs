@@ -45,6 +45,43 @@ pub enum Command {
     Swap(SwapArgs),
     /// Scaffold a Rust guest that builds with one command.
     NewGuest(NewGuestArgs),
+    /// Write a verified artifact of a fold (a directory, or a `.tar`), from a store no host is
+    /// running on, or from a running host (`--listen`) without stopping it.
+    Export(ExportArgs),
+    /// Make a store from an artifact (every file's digest and the cursor re-checked first).
+    Import(ImportArgs),
+}
+
+/// `foldhost export`.
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// The store to export (no host may be running on it; use --listen for a running one).
+    #[arg(long, conflicts_with = "listen", required_unless_present = "listen")]
+    pub store: Option<PathBuf>,
+    /// A running host's `--listen` address: it exports between batches, exactly at its cursor.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Where the artifact goes (must not exist): a directory, or a file ending `.tar`.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// The host's admin token (with --listen).
+    #[arg(long, env = "FOLDHOST_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+}
+
+/// `foldhost import`.
+#[derive(Args, Debug)]
+pub struct ImportArgs {
+    /// The artifact: a directory with MANIFEST.json, or a `.tar` of one.
+    #[arg(long)]
+    pub artifact: PathBuf,
+    /// The store to create (must not exist, or be an empty directory).
+    #[arg(long)]
+    pub store: PathBuf,
+    /// The backend the store must have (refused before anything is written when the artifact
+    /// holds another).
+    #[arg(long)]
+    pub backend: Option<Backend>,
 }
 
 /// `foldhost new-guest`.
@@ -199,7 +236,87 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Demo(a) => cmd_demo(a).await,
         Command::Swap(a) => cmd_swap(a).await,
         Command::NewGuest(a) => cmd_new_guest(a),
+        Command::Export(a) => cmd_export(a).await,
+        Command::Import(a) => cmd_import(a).await,
     }
+}
+
+/// A byte-progress display for long copies and hashes: a bar on a terminal, nothing otherwise.
+fn byte_progress(what: &'static str) -> impl FnMut(u64, u64) {
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let b = indicatif::ProgressBar::new(0);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{msg} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b.set_message(what);
+        b
+    });
+    move |done, total| {
+        if let Some(b) = &bar {
+            b.set_length(total);
+            b.set_position(done);
+            if done >= total {
+                b.finish_and_clear();
+            }
+        }
+    }
+}
+
+async fn cmd_export(a: ExportArgs) -> anyhow::Result<()> {
+    let manifest = match (&a.listen, &a.store) {
+        (Some(addr), _) => {
+            let path = a.out.to_string_lossy().into_owned();
+            let (code, body) = crate::serve::call_with_token(
+                addr,
+                "POST",
+                "/export",
+                path.as_bytes(),
+                a.admin_token.as_deref(),
+            )
+            .await
+            .with_context(|| format!("export via {addr}"))?;
+            let text = String::from_utf8_lossy(&body).trim_end().to_string();
+            if code != 200 {
+                bail!("export to {}: {text}", a.out.display());
+            }
+            text
+        }
+        (None, Some(dir)) => {
+            let dir = dir.clone();
+            let out = a.out.clone();
+            let m = tokio::task::spawn_blocking(move || {
+                let (store, _) = AnyStore::open_read_only(&dir)?;
+                let backend: Backend = store
+                    .backend()
+                    .parse()
+                    .map_err(|e: String| anyhow!("{}: {e}", dir.display()))?;
+                let mut progress = byte_progress("hashing");
+                crate::artifact::export_store(&store, backend, &out, None, &mut progress)
+                    .with_context(|| format!("export to {}", out.display()))
+            })
+            .await
+            .context("export task")??;
+            serde_json::to_string(&m)?
+        }
+        (None, None) => bail!("export needs --store or --listen"),
+    };
+    println!("{manifest}");
+    Ok(())
+}
+
+async fn cmd_import(a: ImportArgs) -> anyhow::Result<()> {
+    let m = tokio::task::spawn_blocking(move || {
+        let mut progress = byte_progress("verifying");
+        crate::artifact::import_artifact(&a.artifact, &a.store, a.backend, &mut progress)
+            .with_context(|| format!("import {} into {}", a.artifact.display(), a.store.display()))
+    })
+    .await
+    .context("import task")??;
+    println!("{}", serde_json::to_string(&m)?);
+    Ok(())
 }
 
 fn now_ms() -> u64 {
@@ -389,6 +506,8 @@ pub async fn run_fold(
                 control: control_tx.clone(),
                 engine: engine.clone(),
                 admin_token: a.admin_token.clone(),
+                backend,
+                scope: scope.to_string(),
             });
             Some(tokio::spawn(crate::serve::serve(listener, state)))
         }

@@ -8,6 +8,7 @@
 //! - [`protocol`] — every correctness decision as a pure function.
 //! - [`snapshot`] — the durable fold contract and the append-log backend.
 //! - [`retained`] — deferred records kept in the fold until a guest can decode them.
+//! - [`artifact`] — verified copies of a fold: export, import (directory or tar).
 //! - [`storedir`] — the store directory: backend choice, read-only opens, the status file.
 //! - [`guest`] — WebAssembly guests behind the `Apply` seam (wasmtime).
 //! - [`applied`] — `watch_applied` and [`applied::Fold`]: cursor-after-apply.
@@ -18,6 +19,7 @@
 #![warn(missing_docs)]
 
 pub mod applied;
+pub mod artifact;
 pub mod cli;
 pub mod guest;
 pub mod kv;

@@ -130,8 +130,12 @@ pub struct ServeState {
     pub control: mpsc::Sender<Control>,
     /// Compiles a swapped-in guest off the fold's path (`None`: no guest, no swap).
     pub engine: Option<Arc<crate::guest::GuestEngine>>,
-    /// The token mutating routes (`/swap`) require, when set.
+    /// The token mutating routes (`/swap`, `/export`) require, when set.
     pub admin_token: Option<String>,
+    /// The store's backend (for `/export`).
+    pub backend: crate::storedir::Backend,
+    /// The watch scope (recorded in exported artifacts).
+    pub scope: String,
 }
 
 /// Most connections served at once; more wait in the listen backlog.
@@ -250,7 +254,8 @@ async fn route(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8>
             }
         }
         ("POST", "/swap") => swap(head, body, state).await,
-        (_, "/status") | (_, "/query") | (_, "/swap") => response(
+        ("POST", "/export") => export(head, body, state).await,
+        (_, "/status") | (_, "/query") | (_, "/swap") | (_, "/export") => response(
             405,
             "Method Not Allowed",
             "text/plain",
@@ -263,6 +268,40 @@ async fn route(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8>
 /// How long a swap (settle, compile, rebuild from the fold) may take before the caller gives up
 /// waiting (the swap itself still completes or is refused).
 pub const SWAP_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `POST /export`: the body is the output path (a directory, or a file ending `.tar`) on the host's
+/// machine; the answer is the artifact's manifest.
+async fn export(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8> {
+    if let Some(token) = &state.admin_token
+        && head.bearer.as_deref() != Some(token.as_str())
+    {
+        return response(
+            401,
+            "Unauthorized",
+            "text/plain",
+            b"export needs the admin bearer token\n",
+        );
+    }
+    let Ok(out) = String::from_utf8(body) else {
+        return response(400, "Bad Request", "text/plain", b"the path is not UTF-8\n");
+    };
+    let out = std::path::PathBuf::from(out.trim());
+    match crate::artifact::export_live(
+        &state.control,
+        state.backend,
+        out,
+        Some(state.scope.clone()),
+    )
+    .await
+    {
+        Ok(m) => {
+            let mut b = serde_json::to_vec(&m).unwrap_or_default();
+            b.push(b'\n');
+            response(200, "OK", "application/json", &b)
+        }
+        Err(e) => response(409, "Conflict", "text/plain", format!("{e}\n").as_bytes()),
+    }
+}
 
 async fn swap(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8> {
     if let Some(token) = &state.admin_token

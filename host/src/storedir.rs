@@ -108,6 +108,15 @@ fn read_meta(dir: &Path) -> Result<Option<Backend>, StoreDirError> {
     }
 }
 
+/// Writes `FOLDHOST.json` for `backend` into `dir` (atomically): what makes a directory of backend
+/// files a store directory (an artifact's payload carries one).
+pub fn write_meta(dir: &Path, backend: Backend) -> Result<(), StoreDirError> {
+    write_atomic(
+        &dir.join(META_FILE),
+        &serde_json::to_vec(&Meta { backend, layout: 1 }).unwrap_or_default(),
+    )
+}
+
 /// A store of any compiled-in backend, behind one type (the fold is generic over it).
 pub enum AnyStore {
     /// The append log.

@@ -47,6 +47,26 @@ impl Harness {
             .await
     }
 
+    /// Creates (or opens) `name` keeping `history` revisions per key: a history-1 bucket drops a
+    /// key's older message as soon as it is overwritten, so a watcher that lags behind never sees
+    /// it (tests that need every revision delivered use this).
+    pub async fn bucket_with_history(
+        &self,
+        name: &str,
+        history: i64,
+    ) -> Result<Arc<NatsKv>, KvError> {
+        self.conn
+            .bucket(
+                name,
+                &StoreConfig {
+                    max_bytes: None,
+                    max_history: history,
+                    ..StoreConfig::default()
+                },
+            )
+            .await
+    }
+
     /// The server URL.
     pub fn url(&self) -> String {
         self.server.url()

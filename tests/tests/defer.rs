@@ -242,7 +242,9 @@ fn swap_to_v2(addr: &str) -> anyhow::Result<serde_json::Value> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_v2_record_and_a_later_v1_write_wait_for_v2_then_apply_in_order() -> anyhow::Result<()> {
     let h = Harness::start().await?;
-    let kv = h.bucket("defer").await?;
+    // History 10: every revision stays in the stream until the host has it, even under load (with
+    // history 1, a lagging watcher would never see `fmt2:a1` once `a2` replaced it).
+    let kv = h.bucket_with_history("defer", 10).await?;
     let a0 = kv.put("k.a", "a0".into()).await?.as_u64().unwrap_or(0);
     for i in 0..50 {
         kv.put(&format!("k.{i:02}"), format!("v{i}").into()).await?;
@@ -321,7 +323,7 @@ async fn a_v2_record_and_a_later_v1_write_wait_for_v2_then_apply_in_order() -> a
 async fn retained_records_survive_a_restart_warn_past_the_grace_and_release_after_the_swap()
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
-    let kv = h.bucket("keep").await?;
+    let kv = h.bucket_with_history("keep", 10).await?;
     let x0 = kv.put("k.x", "x0".into()).await?.as_u64().unwrap_or(0);
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");

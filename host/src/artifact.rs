@@ -1,0 +1,827 @@
+//! Artifacts: a verified, self-describing copy of a fold that another node imports to start from
+//! (seed 000, "Export/import").
+//!
+//! An artifact is a directory (or the same tree in one tar file, for transport):
+//! - `data/` — the backend's own files, plus `FOLDHOST.json`: a complete store directory;
+//! - `MANIFEST.json` — [`ExportManifest`]: schema, backend and format generation, the cursor the
+//!   payload is exactly consistent with, the exporting watch's scope, and every file's size and
+//!   BLAKE3 digest.
+//!
+//! Invariants:
+//! - **An artifact that exists is complete.** Export writes into a hidden sibling directory
+//!   (`.NAME.export-…`), proves the copy by reopening it (its recovered cursor must equal the live
+//!   one: every apply commits its cursor with its data, so equality is a complete tail-loss
+//!   detector), hashes it, writes the manifest *last*, and renames the whole stage into place. A
+//!   crash at any point leaves only the hidden stage.
+//! - **A bad artifact never becomes a fold.** Import treats the artifact as untrusted: it refuses an
+//!   unknown schema, a backend this build lacks or the destination does not hold, any path that is
+//!   not plain relative components (`..`, absolute, links, devices), a missing or unlisted file,
+//!   before opening anything; it copies into a hidden stage beside the destination re-checking
+//!   every size and digest, opens the staged copy and gates on the manifest's cursor, and only then
+//!   renames it into place. The destination is untouched by every refusal.
+//! - **Bounded.** The manifest is at most [`MAX_MANIFEST_BYTES`], at most [`MAX_FILES`] files, and a
+//!   tar entry at most [`MAX_FILE_BYTES`].
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Component, Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::kv::WatchCursor;
+use crate::snapshot::{SnapshotError, SnapshotStore};
+use crate::storedir::{AnyStore, Backend, StoreDirError};
+
+/// The manifest's file name, at the artifact's root.
+pub const MANIFEST_FILE: &str = "MANIFEST.json";
+/// The payload directory, at the artifact's root.
+pub const DATA_DIR: &str = "data";
+/// The manifest schema this build writes (2: with the exporting watch's scope). Schema 1 (no
+/// scope) is still read.
+pub const SCHEMA: u32 = 2;
+/// Largest manifest read.
+pub const MAX_MANIFEST_BYTES: u64 = 16 * 1024 * 1024;
+/// Most files an artifact may list.
+pub const MAX_FILES: usize = 100_000;
+/// Largest single file a tar may carry (1 TiB: a sanity bound, not a quota).
+pub const MAX_FILE_BYTES: u64 = 1 << 40;
+
+/// One payload file.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ArtifactFile {
+    /// Path under `data/`, `/`-separated, plain relative components only.
+    pub path: String,
+    /// Size in bytes.
+    pub size: u64,
+    /// BLAKE3 digest, lowercase hex.
+    pub blake3: String,
+}
+
+/// What an artifact says about itself.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExportManifest {
+    /// Manifest schema ([`SCHEMA`]).
+    pub schema: u32,
+    /// The backend that wrote the payload (`append-log`, `fjall`, `rocksdb`).
+    pub backend: String,
+    /// The backend's on-disk format generation.
+    pub format: u32,
+    /// The watch cursor the payload is exactly consistent with (`None`: an empty fold).
+    pub cursor: Option<u64>,
+    /// The exporting watch's scope (`all`, `prefix:P`, `prefixes:P1,P2`), when exported by a host.
+    #[serde(default)]
+    pub scope: Option<String>,
+    /// Keys in the fold (retained records included).
+    pub keys: u64,
+    /// When the export was taken, Unix milliseconds.
+    pub created_unix_ms: u64,
+    /// Every payload file.
+    pub files: Vec<ArtifactFile>,
+}
+
+/// Why an export or an import failed.
+#[derive(Debug, thiserror::Error)]
+pub enum ArtifactError {
+    /// A filesystem call failed.
+    #[error("{path}: {op}: {source}")]
+    Io {
+        /// Where.
+        path: PathBuf,
+        /// What was being done.
+        op: &'static str,
+        /// The error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The output or destination already holds something.
+    #[error("{0}: already exists (refusing to overwrite)")]
+    Exists(PathBuf),
+    /// The manifest is unreadable, too large, or of an unknown schema.
+    #[error("{path}: bad manifest: {reason}")]
+    Manifest {
+        /// The manifest file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+    /// A path in the manifest or the tar is not plain relative components.
+    #[error("unsafe path {0:?} in the artifact (only plain relative paths are accepted)")]
+    UnsafePath(String),
+    /// A tar entry is not a regular file or directory.
+    #[error("tar entry {path:?} is a {kind}, not a regular file or directory")]
+    EntryType {
+        /// The entry.
+        path: String,
+        /// Its type.
+        kind: String,
+    },
+    /// A listed file is absent.
+    #[error("{0}: listed in the manifest but missing from the artifact")]
+    MissingFile(String),
+    /// A file is present that the manifest does not list.
+    #[error("{0}: in the artifact but not listed in the manifest")]
+    ExtraFile(String),
+    /// A file's size differs from the manifest.
+    #[error("{path}: size {got} bytes, the manifest says {want}")]
+    SizeMismatch {
+        /// The file.
+        path: String,
+        /// Per the manifest.
+        want: u64,
+        /// As found.
+        got: u64,
+    },
+    /// A file's digest differs from the manifest.
+    #[error("{path}: BLAKE3 {got} differs from the manifest's {want} (tampered or torn)")]
+    HashMismatch {
+        /// The file.
+        path: String,
+        /// Per the manifest.
+        want: String,
+        /// As computed.
+        got: String,
+    },
+    /// The artifact's backend is not the one asked for, or not compiled in.
+    #[error("artifact backend {artifact} does not match {wanted}")]
+    BackendMismatch {
+        /// Per the manifest.
+        artifact: String,
+        /// What the destination or the caller wants.
+        wanted: String,
+    },
+    /// The reopened copy's cursor differs from the one it must equal.
+    #[error("{what}: recovered cursor {got:?} differs from {want:?}")]
+    CursorMismatch {
+        /// Which gate.
+        what: &'static str,
+        /// The cursor it must equal.
+        want: Option<u64>,
+        /// The cursor recovered.
+        got: Option<u64>,
+    },
+    /// The store layer failed.
+    #[error(transparent)]
+    Store(#[from] StoreDirError),
+    /// The backend failed.
+    #[error(transparent)]
+    Snapshot(#[from] SnapshotError),
+    /// The running fold could not take the export.
+    #[error("the fold: {0}")]
+    Fold(String),
+    /// The tar file is unreadable.
+    #[error("{path}: bad tar: {reason}")]
+    Tar {
+        /// The tar file.
+        path: PathBuf,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+fn io_err<'a>(
+    path: &'a Path,
+    op: &'static str,
+) -> impl FnOnce(std::io::Error) -> ArtifactError + 'a {
+    move |source| ArtifactError::Io {
+        path: path.to_path_buf(),
+        op,
+        source,
+    }
+}
+
+/// The on-disk format generation of `backend`'s files (bumped when a backend's layout changes).
+pub fn format_generation(backend: Backend) -> u32 {
+    match backend {
+        Backend::AppendLog => 1,
+    }
+}
+
+/// Checks a payload path: non-empty, relative, `/`-separated plain components (no `.`, `..`, root
+/// or prefix), at most 4 096 bytes. Pure.
+pub fn check_path(p: &str) -> Result<PathBuf, ArtifactError> {
+    let unsafe_path = || ArtifactError::UnsafePath(p.to_string());
+    if p.is_empty() || p.len() > 4096 || p.contains('\0') || p.contains('\\') {
+        return Err(unsafe_path());
+    }
+    let mut out = PathBuf::new();
+    for part in p.split('/') {
+        let mut comps = Path::new(part).components();
+        match (comps.next(), comps.next()) {
+            (Some(Component::Normal(c)), None) if c == part => out.push(c),
+            _ => return Err(unsafe_path()),
+        }
+    }
+    Ok(out)
+}
+
+/// A hidden sibling of `path` for staging (`.NAME.TAG-PID-NANOS`).
+pub fn stage_path(path: &Path, tag: &str) -> PathBuf {
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "artifact".into());
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.subsec_nanos())
+        .unwrap_or(0);
+    let parent = path.parent().unwrap_or_else(|| Path::new("."));
+    parent.join(format!(".{name}.{tag}-{}-{nanos}", std::process::id()))
+}
+
+/// Removes a stage on a failure path (best effort: it is hidden and named as a stage).
+fn discard(stage: &Path) {
+    let _ = std::fs::remove_dir_all(stage);
+}
+
+fn sync_dir(dir: &Path) -> Result<(), ArtifactError> {
+    File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io_err(dir, "fsync directory"))
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// Progress of a long copy or hash: `(bytes done, bytes total)`.
+pub type Progress<'a> = &'a mut dyn FnMut(u64, u64);
+
+/// Streams `src` through BLAKE3 (and into `copy_to`, when given), reporting bytes to `tick`.
+fn hash_file(
+    src: &Path,
+    mut copy_to: Option<&mut File>,
+    tick: &mut dyn FnMut(u64),
+) -> Result<(u64, String), ArtifactError> {
+    let mut f = File::open(src).map_err(io_err(src, "open"))?;
+    let mut hasher = blake3::Hasher::new();
+    let mut buf = vec![0u8; 1 << 20];
+    let mut n = 0u64;
+    loop {
+        let got = f.read(&mut buf).map_err(io_err(src, "read"))?;
+        if got == 0 {
+            break;
+        }
+        hasher.update(&buf[..got]);
+        if let Some(out) = copy_to.as_deref_mut() {
+            out.write_all(&buf[..got]).map_err(io_err(src, "copy"))?;
+        }
+        n += got as u64;
+        tick(got as u64);
+    }
+    Ok((n, hasher.finalize().to_hex().to_string()))
+}
+
+/// Every regular file under `root`, as sorted `/`-separated relative paths. Anything that is not
+/// a regular file or a directory (a symlink, a device) is refused.
+fn list_files(root: &Path) -> Result<Vec<String>, ArtifactError> {
+    let mut out = Vec::new();
+    let mut stack = vec![PathBuf::new()];
+    while let Some(rel) = stack.pop() {
+        let dir = root.join(&rel);
+        for entry in std::fs::read_dir(&dir).map_err(io_err(&dir, "list"))? {
+            let entry = entry.map_err(io_err(&dir, "list"))?;
+            let ty = entry.file_type().map_err(io_err(&entry.path(), "stat"))?;
+            let name = entry.file_name();
+            let child = rel.join(&name);
+            let text = child
+                .to_str()
+                .ok_or_else(|| ArtifactError::UnsafePath(child.to_string_lossy().into_owned()))?
+                .replace(std::path::MAIN_SEPARATOR, "/");
+            if ty.is_dir() {
+                stack.push(child);
+            } else if ty.is_file() {
+                out.push(text);
+            } else {
+                return Err(ArtifactError::EntryType {
+                    path: text,
+                    kind: "link or special file".into(),
+                });
+            }
+            if out.len() > MAX_FILES {
+                return Err(ArtifactError::Manifest {
+                    path: root.to_path_buf(),
+                    reason: format!("more than {MAX_FILES} files"),
+                });
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The first half of an export, the part that needs the fold quiet: makes `stage` and copies the
+/// committed fold into `stage/data` (with its `FOLDHOST.json`). Returns the cursor the copy holds.
+pub fn export_stage<S: SnapshotStore + ?Sized>(
+    store: &S,
+    backend: Backend,
+    stage: &Path,
+) -> Result<WatchCursor, ArtifactError> {
+    let data = stage.join(DATA_DIR);
+    std::fs::create_dir_all(&data).map_err(io_err(&data, "create stage"))?;
+    let cursor = store.cursor();
+    store.export_to(&data)?;
+    crate::storedir::write_meta(&data, backend)?;
+    Ok(cursor)
+}
+
+/// The second half of an export, off the fold's path: proves the staged copy by reopening it
+/// (cursor equality), hashes every file, writes the manifest last, and renames the stage to `out`.
+/// The stage is removed on any failure.
+pub fn seal(
+    stage: &Path,
+    out: &Path,
+    cursor: WatchCursor,
+    scope: Option<String>,
+    progress: Progress<'_>,
+) -> Result<ExportManifest, ArtifactError> {
+    let r = seal_inner(stage, out, cursor, scope, progress);
+    if r.is_err() {
+        discard(stage);
+    }
+    r
+}
+
+fn seal_inner(
+    stage: &Path,
+    out: &Path,
+    cursor: WatchCursor,
+    scope: Option<String>,
+    progress: Progress<'_>,
+) -> Result<ExportManifest, ArtifactError> {
+    let data = stage.join(DATA_DIR);
+    let (copy, _) = AnyStore::open_read_only(&data)?;
+    let got = copy.cursor();
+    if got != cursor {
+        return Err(ArtifactError::CursorMismatch {
+            what: "verify-by-reopen of the exported copy",
+            want: cursor.revision(),
+            got: got.revision(),
+        });
+    }
+    let backend: Backend = copy
+        .backend()
+        .parse()
+        .map_err(|reason| ArtifactError::Manifest {
+            path: data.clone(),
+            reason,
+        })?;
+    let keys = copy.len()?;
+    drop(copy);
+    let names = list_files(&data)?;
+    let mut total = 0u64;
+    for n in &names {
+        let p = data.join(check_path(n)?);
+        total += std::fs::metadata(&p).map_err(io_err(&p, "stat"))?.len();
+    }
+    let mut done = 0u64;
+    let mut files = Vec::with_capacity(names.len());
+    for n in names {
+        let p = data.join(check_path(&n)?);
+        let (size, blake3) = hash_file(&p, None, &mut |b| {
+            done += b;
+            progress(done, total);
+        })?;
+        files.push(ArtifactFile {
+            path: n,
+            size,
+            blake3,
+        });
+    }
+    let manifest = ExportManifest {
+        schema: SCHEMA,
+        backend: backend.as_str().to_string(),
+        format: format_generation(backend),
+        cursor: cursor.revision(),
+        scope,
+        keys,
+        created_unix_ms: now_ms(),
+        files,
+    };
+    let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| ArtifactError::Manifest {
+        path: stage.join(MANIFEST_FILE),
+        reason: e.to_string(),
+    })?;
+    let mpath = stage.join(MANIFEST_FILE);
+    let mut f = File::create(&mpath).map_err(io_err(&mpath, "create"))?;
+    f.write_all(&bytes).map_err(io_err(&mpath, "write"))?;
+    f.sync_all().map_err(io_err(&mpath, "fsync"))?;
+    sync_dir(stage)?;
+    if out.exists() {
+        return Err(ArtifactError::Exists(out.to_path_buf()));
+    }
+    std::fs::rename(stage, out).map_err(io_err(out, "rename stage into place"))?;
+    sync_dir(out.parent().unwrap_or_else(|| Path::new(".")))?;
+    Ok(manifest)
+}
+
+/// Exports `store` to the artifact directory `out` (which must not exist): stage, verify, hash,
+/// manifest, rename. For a store no host is writing; a running host exports through
+/// [`crate::applied::Control::Export`] instead.
+pub fn export_store<S: SnapshotStore + ?Sized>(
+    store: &S,
+    backend: Backend,
+    out: &Path,
+    scope: Option<String>,
+    progress: Progress<'_>,
+) -> Result<ExportManifest, ArtifactError> {
+    if out.exists() {
+        return Err(ArtifactError::Exists(out.to_path_buf()));
+    }
+    let stage = stage_path(out, "export");
+    let cursor = match export_stage(store, backend, &stage) {
+        Ok(c) => c,
+        Err(e) => {
+            discard(&stage);
+            return Err(e);
+        }
+    };
+    seal_to(&stage, out, cursor, scope, progress)
+}
+
+/// True when `out` names a tar file rather than an artifact directory.
+pub fn is_tar(out: &Path) -> bool {
+    out.extension().is_some_and(|e| e == "tar")
+}
+
+/// [`seal`] into `out`, or, when `out` ends in `.tar`, into a hidden directory packed into `out`.
+pub fn seal_to(
+    stage: &Path,
+    out: &Path,
+    cursor: WatchCursor,
+    scope: Option<String>,
+    progress: Progress<'_>,
+) -> Result<ExportManifest, ArtifactError> {
+    if !is_tar(out) {
+        return seal(stage, out, cursor, scope, progress);
+    }
+    let dir = stage_path(out, "artifact");
+    let m = seal(stage, &dir, cursor, scope, progress)?;
+    let r = pack_tar(&dir, out);
+    discard(&dir);
+    r.map(|()| m)
+}
+
+/// Exports the fold of a running host through its control channel: the fold flushes and copies
+/// itself into a stage between batches (paused only for the copy), then the stage is verified,
+/// hashed and sealed here, off the fold's path.
+pub async fn export_live(
+    control: &tokio::sync::mpsc::Sender<crate::applied::Control>,
+    backend: Backend,
+    out: PathBuf,
+    scope: Option<String>,
+) -> Result<ExportManifest, ArtifactError> {
+    if out.exists() {
+        return Err(ArtifactError::Exists(out));
+    }
+    let stage = stage_path(&out, "export");
+    let data = stage.join(DATA_DIR);
+    std::fs::create_dir_all(&data).map_err(io_err(&data, "create stage"))?;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let sent = control
+        .send(crate::applied::Control::Export {
+            dir: data.clone(),
+            reply: tx,
+        })
+        .await;
+    let copied = match sent {
+        Ok(()) => rx
+            .await
+            .map_err(|_| ArtifactError::Fold("stopped before the export".into())),
+        Err(_) => Err(ArtifactError::Fold("not running".into())),
+    };
+    let cursor = match copied {
+        Ok(Ok((cursor, _keys))) => cursor,
+        Ok(Err(e)) => {
+            discard(&stage);
+            return Err(e.into());
+        }
+        Err(e) => {
+            discard(&stage);
+            return Err(e);
+        }
+    };
+    if let Err(e) = crate::storedir::write_meta(&data, backend) {
+        discard(&stage);
+        return Err(e.into());
+    }
+    tokio::task::spawn_blocking(move || seal_to(&stage, &out, cursor, scope, &mut |_, _| {}))
+        .await
+        .map_err(|e| ArtifactError::Fold(format!("export task: {e}")))?
+}
+
+/// Reads and checks an artifact's manifest: size cap, schema, file count, every path.
+pub fn read_manifest(artifact: &Path) -> Result<ExportManifest, ArtifactError> {
+    let path = artifact.join(MANIFEST_FILE);
+    let bad = |reason: String| ArtifactError::Manifest {
+        path: path.clone(),
+        reason,
+    };
+    let f = File::open(&path).map_err(io_err(&path, "open manifest"))?;
+    let mut bytes = Vec::new();
+    f.take(MAX_MANIFEST_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io_err(&path, "read manifest"))?;
+    if bytes.len() as u64 > MAX_MANIFEST_BYTES {
+        return Err(bad(format!("larger than {MAX_MANIFEST_BYTES} bytes")));
+    }
+    let m: ExportManifest =
+        serde_json::from_slice(&bytes).map_err(|e| bad(format!("unreadable: {e}")))?;
+    if !(1..=SCHEMA).contains(&m.schema) {
+        return Err(bad(format!(
+            "schema {} is not one this build reads (1..={SCHEMA})",
+            m.schema
+        )));
+    }
+    if m.files.len() > MAX_FILES {
+        return Err(bad(format!("{} files, over {MAX_FILES}", m.files.len())));
+    }
+    for f in &m.files {
+        check_path(&f.path)?;
+    }
+    Ok(m)
+}
+
+/// Imports the artifact at `artifact` (a directory, or a `.tar` of one) as the store `dest`, which
+/// must not exist (or be an empty directory). `want` is the backend the caller expects (`None`:
+/// whatever the artifact holds, if this build has it). Returns the manifest. On every refusal
+/// `dest` is untouched.
+pub fn import_artifact(
+    artifact: &Path,
+    dest: &Path,
+    want: Option<Backend>,
+    progress: Progress<'_>,
+) -> Result<ExportManifest, ArtifactError> {
+    if artifact.is_file() {
+        let unpacked = stage_path(dest, "unpack");
+        let r = unpack_tar(artifact, &unpacked)
+            .and_then(|()| import_dir(&unpacked, dest, want, progress));
+        discard(&unpacked);
+        return r;
+    }
+    import_dir(artifact, dest, want, progress)
+}
+
+fn dest_is_free(dest: &Path) -> Result<bool, ArtifactError> {
+    match std::fs::read_dir(dest) {
+        Ok(mut it) => Ok(it.next().is_none()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
+        Err(e) => Err(ArtifactError::Io {
+            path: dest.to_path_buf(),
+            op: "inspect destination",
+            source: e,
+        }),
+    }
+}
+
+fn import_dir(
+    artifact: &Path,
+    dest: &Path,
+    want: Option<Backend>,
+    progress: Progress<'_>,
+) -> Result<ExportManifest, ArtifactError> {
+    let m = read_manifest(artifact)?;
+    // Refusals that need nothing opened come first.
+    let backend: Backend =
+        m.backend
+            .parse()
+            .map_err(|reason: String| ArtifactError::BackendMismatch {
+                artifact: m.backend.clone(),
+                wanted: reason,
+            })?;
+    if let Some(w) = want
+        && w != backend
+    {
+        return Err(ArtifactError::BackendMismatch {
+            artifact: m.backend.clone(),
+            wanted: w.as_str().to_string(),
+        });
+    }
+    if m.format != format_generation(backend) {
+        return Err(ArtifactError::BackendMismatch {
+            artifact: format!("{} format {}", m.backend, m.format),
+            wanted: format!("{} format {}", backend.as_str(), format_generation(backend)),
+        });
+    }
+    if !dest_is_free(dest)? {
+        return Err(ArtifactError::Exists(dest.to_path_buf()));
+    }
+    let data = artifact.join(DATA_DIR);
+    let present = list_files(&data)?;
+    let listed: std::collections::BTreeSet<&str> =
+        m.files.iter().map(|f| f.path.as_str()).collect();
+    if let Some(extra) = present.iter().find(|p| !listed.contains(p.as_str())) {
+        return Err(ArtifactError::ExtraFile(extra.clone()));
+    }
+    let present: std::collections::BTreeSet<&str> = present.iter().map(String::as_str).collect();
+    if let Some(missing) = m.files.iter().find(|f| !present.contains(f.path.as_str())) {
+        return Err(ArtifactError::MissingFile(missing.path.clone()));
+    }
+    let stage = stage_path(dest, "import");
+    let r = import_stage(artifact, &m, &stage, dest, progress);
+    if r.is_err() {
+        discard(&stage);
+    }
+    r.map(|()| m)
+}
+
+fn import_stage(
+    artifact: &Path,
+    m: &ExportManifest,
+    stage: &Path,
+    dest: &Path,
+    progress: Progress<'_>,
+) -> Result<(), ArtifactError> {
+    let data = artifact.join(DATA_DIR);
+    let total: u64 = m.files.iter().map(|f| f.size).sum();
+    let mut done = 0u64;
+    for f in &m.files {
+        let rel = check_path(&f.path)?;
+        let src = data.join(&rel);
+        let got_size = std::fs::metadata(&src).map_err(io_err(&src, "stat"))?.len();
+        if got_size != f.size {
+            return Err(ArtifactError::SizeMismatch {
+                path: f.path.clone(),
+                want: f.size,
+                got: got_size,
+            });
+        }
+        let dst = stage.join(&rel);
+        if let Some(parent) = dst.parent() {
+            std::fs::create_dir_all(parent).map_err(io_err(parent, "create stage"))?;
+        }
+        let mut out = File::create(&dst).map_err(io_err(&dst, "create"))?;
+        let (size, digest) = hash_file(&src, Some(&mut out), &mut |b| {
+            done += b;
+            progress(done, total);
+        })?;
+        if size != f.size {
+            return Err(ArtifactError::SizeMismatch {
+                path: f.path.clone(),
+                want: f.size,
+                got: size,
+            });
+        }
+        if digest != f.blake3 {
+            return Err(ArtifactError::HashMismatch {
+                path: f.path.clone(),
+                want: f.blake3.clone(),
+                got: digest,
+            });
+        }
+        out.sync_all().map_err(io_err(&dst, "fsync"))?;
+    }
+    // The staged copy must open as the manifest's backend and recover the manifest's cursor.
+    let (copy, _) = AnyStore::open_read_only(stage)?;
+    if copy.backend() != m.backend {
+        return Err(ArtifactError::BackendMismatch {
+            artifact: m.backend.clone(),
+            wanted: format!("the payload's own {}", copy.backend()),
+        });
+    }
+    let got = copy.cursor().revision();
+    drop(copy);
+    if got != m.cursor {
+        return Err(ArtifactError::CursorMismatch {
+            what: "the imported copy",
+            want: m.cursor,
+            got,
+        });
+    }
+    sync_dir(stage)?;
+    if dest.exists() {
+        // An empty directory (checked free before): replace it.
+        std::fs::remove_dir(dest).map_err(io_err(dest, "replace empty destination"))?;
+    }
+    std::fs::rename(stage, dest).map_err(io_err(dest, "rename stage into place"))?;
+    sync_dir(dest.parent().unwrap_or_else(|| Path::new(".")))
+}
+
+/// Packs the artifact directory `artifact` into the tar file `out` (written beside, then renamed).
+pub fn pack_tar(artifact: &Path, out: &Path) -> Result<(), ArtifactError> {
+    let m = read_manifest(artifact)?;
+    let tmp = stage_path(out, "tar");
+    let r = (|| {
+        let file = File::create(&tmp).map_err(io_err(&tmp, "create"))?;
+        let mut b = tar::Builder::new(std::io::BufWriter::new(file));
+        let tar_err = |e: std::io::Error| ArtifactError::Io {
+            path: out.to_path_buf(),
+            op: "write tar",
+            source: e,
+        };
+        b.append_path_with_name(artifact.join(MANIFEST_FILE), MANIFEST_FILE)
+            .map_err(tar_err)?;
+        for f in &m.files {
+            let rel = check_path(&f.path)?;
+            b.append_path_with_name(
+                artifact.join(DATA_DIR).join(&rel),
+                Path::new(DATA_DIR).join(&rel),
+            )
+            .map_err(tar_err)?;
+        }
+        let w = b.into_inner().map_err(tar_err)?;
+        let file = w.into_inner().map_err(|e| tar_err(e.into_error()))?;
+        file.sync_all().map_err(io_err(&tmp, "fsync"))?;
+        std::fs::rename(&tmp, out).map_err(io_err(out, "rename tar into place"))
+    })();
+    if r.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    r
+}
+
+/// Unpacks a tar into the new directory `into`, refusing unsafe paths and anything but regular
+/// files and directories.
+fn unpack_tar(tar_path: &Path, into: &Path) -> Result<(), ArtifactError> {
+    let bad = |reason: String| ArtifactError::Tar {
+        path: tar_path.to_path_buf(),
+        reason,
+    };
+    std::fs::create_dir_all(into).map_err(io_err(into, "create unpack dir"))?;
+    let file = File::open(tar_path).map_err(io_err(tar_path, "open"))?;
+    let mut archive = tar::Archive::new(std::io::BufReader::new(file));
+    let entries = archive.entries().map_err(|e| bad(e.to_string()))?;
+    let mut count = 0usize;
+    for entry in entries {
+        let mut entry = entry.map_err(|e| bad(e.to_string()))?;
+        count += 1;
+        if count > MAX_FILES + 1 {
+            return Err(bad(format!("more than {MAX_FILES} entries")));
+        }
+        let raw = entry.path_bytes().into_owned();
+        let name = String::from_utf8(raw).map_err(|_| bad("an entry path is not UTF-8".into()))?;
+        let name = name.trim_end_matches('/');
+        let rel = check_path(name)?;
+        let kind = entry.header().entry_type();
+        if kind.is_dir() {
+            let d = into.join(&rel);
+            std::fs::create_dir_all(&d).map_err(io_err(&d, "create"))?;
+            continue;
+        }
+        if !kind.is_file() {
+            return Err(ArtifactError::EntryType {
+                path: name.to_string(),
+                kind: format!("{kind:?}"),
+            });
+        }
+        let size = entry.header().size().map_err(|e| bad(e.to_string()))?;
+        if size > MAX_FILE_BYTES {
+            return Err(bad(format!("{name}: {size} bytes, over {MAX_FILE_BYTES}")));
+        }
+        let dst = into.join(&rel);
+        if let Some(parent) = dst.parent() {
+            std::fs::create_dir_all(parent).map_err(io_err(parent, "create"))?;
+        }
+        let mut out = File::create(&dst).map_err(io_err(&dst, "create"))?;
+        std::io::copy(&mut (&mut entry).take(size), &mut out).map_err(io_err(&dst, "unpack"))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_plain_relative_paths_pass() {
+        for ok in [
+            "fold.log",
+            "data/fold.log",
+            "a/b/c",
+            "FOLDHOST.json",
+            "x..y",
+        ] {
+            assert!(check_path(ok).is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "/etc/passwd",
+            "../x",
+            "a/../b",
+            "a/./b",
+            ".",
+            "..",
+            "a//b",
+            "a/",
+            "a\\b",
+            "a\0b",
+        ] {
+            assert!(
+                matches!(check_path(bad), Err(ArtifactError::UnsafePath(_))),
+                "{bad:?} passed"
+            );
+        }
+    }
+
+    #[test]
+    fn stages_are_hidden_siblings() {
+        let s = stage_path(Path::new("/x/y/art"), "export");
+        assert_eq!(s.parent(), Some(Path::new("/x/y")));
+        assert!(
+            s.file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with(".art.export-"))
+        );
+    }
+}

@@ -1,0 +1,413 @@
+//! Artifacts (export / import) with the real binary: a live export under writes bootstraps a second
+//! node that resumes with exactly the tail; every kind of bad artifact is refused with its own error
+//! and the destination untouched; a SIGKILL mid-export never leaves a half artifact.
+
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use foldhost::kv::{KvEntry, KvUpdate, KvWriter, VersionToken, WatchCursor};
+use foldhost::snapshot::SnapshotStore;
+use foldhost::storedir::{AnyStore, Backend};
+use foldhost_tests::{
+    Harness, bucket_contents, dump_store, first_difference, foldhost, terminate, wait_status,
+};
+use rand::{Rng, SeedableRng};
+
+/// A store of `n` keys (values of `value_len` bytes) at cursor `n`, written directly.
+fn make_store(dir: &Path, n: u64, value_len: usize) -> anyhow::Result<()> {
+    let (mut store, _) = AnyStore::open(dir, Backend::AppendLog)?;
+    let value = Bytes::from(vec![b'v'; value_len]);
+    let mut rev = 0u64;
+    while rev < n {
+        let batch: Vec<KvUpdate> = (rev + 1..=(rev + 1000).min(n))
+            .map(|r| {
+                KvUpdate::Put(KvEntry {
+                    key: format!("k.{r:08}"),
+                    value: value.clone(),
+                    version: VersionToken::from_u64(r),
+                })
+            })
+            .collect();
+        rev += batch.len() as u64;
+        store.apply(&batch, WatchCursor::at(rev))?;
+    }
+    Ok(())
+}
+
+fn run(args: &[&std::ffi::OsStr]) -> anyhow::Result<Output> {
+    Ok(foldhost().args(args).output()?)
+}
+
+fn export_offline(store: &Path, out: &Path) -> anyhow::Result<serde_json::Value> {
+    let o = run(&[
+        "export".as_ref(),
+        "--store".as_ref(),
+        store.as_os_str(),
+        "--out".as_ref(),
+        out.as_os_str(),
+    ])?;
+    anyhow::ensure!(
+        o.status.success(),
+        "export failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(serde_json::from_slice(&o.stdout)?)
+}
+
+fn import(artifact: &Path, store: &Path, extra: &[&str]) -> anyhow::Result<Output> {
+    let mut c = foldhost();
+    c.args(["import", "--artifact"])
+        .arg(artifact)
+        .arg("--store")
+        .arg(store)
+        .args(extra);
+    Ok(c.output()?)
+}
+
+fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(to)?;
+    for e in std::fs::read_dir(from)? {
+        let e = e?;
+        let dst = to.join(e.file_name());
+        if e.file_type()?.is_dir() {
+            copy_dir(&e.path(), &dst)?;
+        } else {
+            std::fs::copy(e.path(), &dst)?;
+        }
+    }
+    Ok(())
+}
+
+/// Visible (not dot-hidden) entries of `dir`.
+fn visible(dir: &Path) -> anyhow::Result<Vec<String>> {
+    let mut v: Vec<String> = std::fs::read_dir(dir)?
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| !n.starts_with('.'))
+        .collect();
+    v.sort();
+    Ok(v)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_export_under_writes_bootstraps_a_node_that_replays_only_the_tail()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("art").await?;
+    for i in 0..3000 {
+        kv.put(&format!("k.{i:04}"), format!("seed{i}").into())
+            .await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("node1");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = foldhost()
+        .args([
+            "run",
+            "--bucket",
+            "art",
+            "--nats",
+            &h.url(),
+            "--listen",
+            &addr,
+        ])
+        .arg("--store")
+        .arg(&store)
+        .stderr(Stdio::null())
+        .spawn()?;
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(3000)).await?;
+
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // The writer keeps each key's last revision: a KV stream keeps one message per key, so the tail
+    // a resumed node must receive is the keys whose last message is after the artifact's cursor.
+    let writer = {
+        let (kv, stop) = (kv.clone(), stop.clone());
+        tokio::spawn(async move {
+            let js = kv.jetstream().clone();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+            let mut last_rev: std::collections::HashMap<u32, u64> = Default::default();
+            let mut n = 0u64;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let k = rng.random_range(0..4000u32);
+                let subject = format!("$KV.art.k.{k:04}");
+                let ack = if n % 10 == 9 {
+                    let mut headers = async_nats::HeaderMap::new();
+                    headers.insert("KV-Operation", "DEL");
+                    js.publish_with_headers(subject, headers, Bytes::new())
+                        .await?
+                } else {
+                    js.publish(subject, format!("w{n}").into()).await?
+                };
+                last_rev.insert(k, ack.await?.sequence);
+                n += 1;
+            }
+            anyhow::Ok((n, last_rev))
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let art = tmp.path().join("art.tar");
+    let o = run(&[
+        "export".as_ref(),
+        "--listen".as_ref(),
+        addr.as_ref(),
+        "--out".as_ref(),
+        art.as_os_str(),
+    ])?;
+    assert!(
+        o.status.success(),
+        "live export: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let manifest: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (writes, last_rev) = writer.await??;
+    terminate(&mut host)?;
+    let last = kv.positions().await?.last_sequence;
+    let cursor = manifest["cursor"]
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("no cursor in {manifest}"))?;
+    assert_eq!(manifest["scope"], "all");
+    assert!(
+        cursor > 3000 && cursor < last,
+        "exported mid-stream: cursor {cursor}, stream at {last}"
+    );
+
+    let node2 = tmp.path().join("node2");
+    let o = import(&art, &node2, &["--backend", "append-log"])?;
+    assert!(
+        o.status.success(),
+        "import: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let o = foldhost()
+        .args(["run", "--bucket", "art", "--nats", &h.url(), "--catch-up"])
+        .arg("--store")
+        .arg(&node2)
+        .env("FOLDHOST_LOG", "foldhost=debug")
+        .output()?;
+    let log = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(o.status.success(), "{log}");
+    let status = foldhost::storedir::read_status(&node2)
+        .ok_or_else(|| anyhow::anyhow!("no status.json after the catch-up run"))?;
+    let tail = last_rev.values().filter(|r| **r > cursor).count() as u64;
+    assert_eq!(
+        status.delivered,
+        tail,
+        "the imported node replays exactly the tail after the artifact's cursor ({writes} writes in all); stream at {last}, artifact at {cursor}\n{}",
+        log.lines()
+            .filter(|l| !l.contains("batch parsed"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let want = bucket_contents(&kv).await?;
+    assert_eq!(first_difference(&want, &dump_store(&node2)?), None);
+    Ok(())
+}
+
+#[test]
+fn every_kind_of_bad_artifact_is_refused_and_the_destination_is_untouched() -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let src = tmp.path().join("src");
+    make_store(&src, 2000, 64)?;
+    let good = tmp.path().join("good");
+    let m = export_offline(&src, &good)?;
+    assert_eq!(m["cursor"], 2000);
+    assert_eq!(m["backend"], "append-log");
+
+    // Each case: a fresh copy of the good artifact, broken one way, and the words its refusal names.
+    type Break = Box<dyn Fn(&Path) -> anyhow::Result<()>>;
+    let edit_manifest = |f: fn(&mut serde_json::Value)| -> Break {
+        Box::new(move |dir: &Path| {
+            let p = dir.join("MANIFEST.json");
+            let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p)?)?;
+            f(&mut v);
+            std::fs::write(&p, serde_json::to_vec(&v)?)?;
+            Ok(())
+        })
+    };
+    let cases: Vec<(&str, Break, &str)> = vec![
+        (
+            "tampered payload byte",
+            Box::new(|dir: &Path| {
+                let p = dir.join("data/fold.log");
+                let mut b = std::fs::read(&p)?;
+                let mid = b.len() / 2;
+                b[mid] ^= 0x01;
+                std::fs::write(&p, b)?;
+                Ok(())
+            }),
+            "BLAKE3",
+        ),
+        (
+            "missing file",
+            Box::new(|dir: &Path| Ok(std::fs::remove_file(dir.join("data/fold.log"))?)),
+            "missing from the artifact",
+        ),
+        (
+            "unlisted file",
+            Box::new(|dir: &Path| Ok(std::fs::write(dir.join("data/extra.bin"), b"x")?)),
+            "not listed in the manifest",
+        ),
+        (
+            "manifest cursor differs from the payload's",
+            edit_manifest(|v| v["cursor"] = 1999.into()),
+            "recovered cursor",
+        ),
+        (
+            "wrong backend",
+            edit_manifest(|v| v["backend"] = "vaxdb".into()),
+            "artifact backend vaxdb",
+        ),
+        (
+            "path traversal in the manifest",
+            edit_manifest(|v| v["files"][0]["path"] = "../../etc/passwd".into()),
+            "unsafe path",
+        ),
+        (
+            "unknown schema",
+            edit_manifest(|v| v["schema"] = 99.into()),
+            "schema 99",
+        ),
+    ];
+    for (what, breaker, words) in cases {
+        let bad = tmp.path().join(format!("bad-{}", what.replace(' ', "-")));
+        copy_dir(&good, &bad)?;
+        breaker(&bad)?;
+        let dest = tmp.path().join(format!("dest-{}", what.replace(' ', "-")));
+        let o = import(&bad, &dest, &[])?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{what}: {err}");
+        assert!(
+            err.contains(words),
+            "{what}: the error names {words:?}: {err}"
+        );
+        assert_eq!(err.trim_end().lines().count(), 1, "{what}: one line: {err}");
+        assert!(!dest.exists(), "{what}: the destination was touched");
+    }
+    // A backend the caller did not ask for is refused before anything is opened.
+    let dest = tmp.path().join("dest-wanted-backend");
+    let o = import(&good, &dest, &["--backend", "fjall"])?;
+    assert_ne!(o.status.code(), Some(0));
+    assert!(!dest.exists());
+
+    // A tar carrying a `../` entry: refused, nothing written outside or at the destination.
+    let evil = tmp.path().join("evil.tar");
+    {
+        let mut b = tar::Builder::new(std::fs::File::create(&evil)?);
+        let manifest = std::fs::read(good.join("MANIFEST.json"))?;
+        let mut h = tar::Header::new_gnu();
+        h.set_size(manifest.len() as u64);
+        h.set_mode(0o644);
+        h.set_path("MANIFEST.json")?;
+        h.set_cksum();
+        b.append(&h, manifest.as_slice())?;
+        let payload = b"escaped";
+        let mut h = tar::Header::new_gnu();
+        h.set_size(payload.len() as u64);
+        h.set_mode(0o644);
+        // `set_path` refuses `..`; a hostile tar is written byte by byte.
+        let name = b"data/../../escaped.txt";
+        h.as_old_mut().name[..name.len()].copy_from_slice(name);
+        h.set_cksum();
+        b.append(&h, &payload[..])?;
+        b.finish()?;
+    }
+    let dest = tmp.path().join("dest-tar");
+    let o = import(&evil, &dest, &[])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("unsafe path"), "{err}");
+    assert!(!dest.exists());
+    assert!(!tmp.path().join("escaped.txt").exists());
+    assert!(
+        !tmp.path()
+            .parent()
+            .map(|p| p.join("escaped.txt").exists())
+            .unwrap_or(false)
+    );
+
+    // The good one imports, as a directory and as a tar, and equals the source.
+    let tar = tmp.path().join("good.tar");
+    let o = run(&[
+        "export".as_ref(),
+        "--store".as_ref(),
+        src.as_os_str(),
+        "--out".as_ref(),
+        tar.as_os_str(),
+    ])?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    for (from, to) in [(&good, "imported-dir"), (&tar, "imported-tar")] {
+        let dest = tmp.path().join(to);
+        let o = import(from, &dest, &[])?;
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        assert_eq!(
+            first_difference(&dump_store(&src)?, &dump_store(&dest)?),
+            None
+        );
+    }
+    // An existing fold is never overwritten.
+    let o = import(&good, &src, &[])?;
+    assert!(String::from_utf8_lossy(&o.stderr).contains("already exists"));
+    Ok(())
+}
+
+#[test]
+fn a_sigkill_mid_export_leaves_only_a_hidden_stage_never_a_half_artifact() -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let src = tmp.path().join("src");
+    make_store(&src, 200_000, 256)?;
+    let outs = tmp.path().join("outs");
+    std::fs::create_dir_all(&outs)?;
+    // How long a whole export takes here: the kills land at fractions of it.
+    let t = Instant::now();
+    export_offline(&src, &outs.join("whole"))?;
+    let whole = t.elapsed();
+    let mut interrupted = 0;
+    let mut seeded = rand::rngs::StdRng::seed_from_u64(11);
+    for i in 0..8 {
+        let out: PathBuf = outs.join(format!("a{i}"));
+        let mut child = foldhost()
+            .args(["export", "--store"])
+            .arg(&src)
+            .arg("--out")
+            .arg(&out)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
+        let frac = (i as f64 + seeded.random_range(0.1..0.9)) / 8.0;
+        std::thread::sleep(whole.mul_f64(frac));
+        child.kill()?;
+        child.wait()?;
+        if out.exists() {
+            // Whatever exists is whole: it imports.
+            let o = import(&out, &tmp.path().join(format!("check{i}")), &[])?;
+            assert!(
+                o.status.success(),
+                "a{i} exists but does not import: {}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+        } else {
+            interrupted += 1;
+        }
+    }
+    let mut want: Vec<String> = (0..8)
+        .map(|i| format!("a{i}"))
+        .filter(|n| outs.join(n).exists())
+        .collect();
+    want.push("whole".into());
+    want.sort();
+    assert_eq!(
+        visible(&outs)?,
+        want,
+        "nothing but whole artifacts is visible"
+    );
+    assert!(
+        interrupted > 0,
+        "no kill landed during an export ({whole:?} each)"
+    );
+    eprintln!("{interrupted} of 8 exports killed mid-way (a whole export takes {whole:?})");
+    Ok(())
+}
