@@ -13,9 +13,13 @@
 //!    scan of the same store; and query latency (p50/p99 of 2 000 queries) with and without a
 //!    concurrent writer.
 //!
+//! 4. **artifact** — on a KEYS-key append-log fold (256 B values): export (copy, verify-by-reopen,
+//!    BLAKE3 of every file, manifest) and import (copy + re-hash, reopen gate) throughput, against
+//!    reading and BLAKE3-hashing the same bytes (what `b3sum` does) in the same run.
+//!
 //! Runs alternate between the compared sides; every figure is the median of RUNS runs.
 //!
-//! `cargo run --release -p foldhost-tests --bin foldhost-bench -- [ingest|guest|swap|all] [KEYS] [RUNS]`
+//! `cargo run --release -p foldhost-tests --bin foldhost-bench -- [ingest|guest|swap|artifact|all] [KEYS] [RUNS]`
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -446,6 +450,86 @@ fn unlimited() -> StoreConfig {
     }
 }
 
+/// Reads and BLAKE3-hashes every file under `dir` (the `b3sum` baseline); returns bytes hashed.
+fn hash_tree(dir: &std::path::Path) -> anyhow::Result<u64> {
+    let mut total = 0u64;
+    for e in std::fs::read_dir(dir)? {
+        let e = e?;
+        if e.file_type()?.is_dir() {
+            total += hash_tree(&e.path())?;
+        } else {
+            let mut h = blake3::Hasher::new();
+            let mut f = std::fs::File::open(e.path())?;
+            total += std::io::copy(&mut f, &mut h)?;
+            std::hint::black_box(h.finalize());
+        }
+    }
+    Ok(total)
+}
+
+fn bench_artifact(keys: u64, runs: usize) -> anyhow::Result<()> {
+    use foldhost::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
+    use foldhost::storedir::{AnyStore, Backend};
+    let tmp = tempfile::tempdir()?;
+    let src = tmp.path().join("src");
+    {
+        let (mut store, _) = AnyStore::open(&src, Backend::AppendLog)?;
+        let value = bytes::Bytes::from(vec![b'v'; 256]);
+        let mut rev = 0u64;
+        while rev < keys {
+            let batch: Vec<KvUpdate> = (rev + 1..=(rev + 1000).min(keys))
+                .map(|r| {
+                    KvUpdate::Put(KvEntry {
+                        key: format!("key.{r:012}"),
+                        value: value.clone(),
+                        version: VersionToken::from_u64(r),
+                    })
+                })
+                .collect();
+            rev += batch.len() as u64;
+            store.apply(&batch, WatchCursor::at(rev))?;
+        }
+    }
+    let (mut exp, mut imp, mut hash) = (Vec::new(), Vec::new(), Vec::new());
+    let mut bytes = 0u64;
+    for i in 0..runs {
+        let art = tmp.path().join(format!("art{i}"));
+        let t = Instant::now();
+        {
+            let (store, _) = AnyStore::open_read_only(&src)?;
+            foldhost::artifact::export_store(
+                &store,
+                Backend::AppendLog,
+                &art,
+                None,
+                &mut |_, _| {},
+            )?;
+        }
+        let e = t.elapsed().as_secs_f64();
+        let t = Instant::now();
+        bytes = hash_tree(&art.join("data"))?;
+        let hsec = t.elapsed().as_secs_f64();
+        let dest = tmp.path().join(format!("node{i}"));
+        let t = Instant::now();
+        foldhost::artifact::import_artifact(&art, &dest, None, &mut |_, _| {})?;
+        let isec = t.elapsed().as_secs_f64();
+        let mb = bytes as f64 / 1e6;
+        exp.push(mb / e);
+        imp.push(mb / isec);
+        hash.push(mb / hsec);
+        std::fs::remove_dir_all(&art)?;
+        std::fs::remove_dir_all(&dest)?;
+    }
+    let (e, i, h) = (median(exp), median(imp), median(hash));
+    println!(
+        "artifact: {keys} keys, {:.1} MB payload; export {e:.0} MB/s, import {i:.0} MB/s; read+BLAKE3 of the same bytes {h:.0} MB/s; ratios export {:.2}, import {:.2} (median of {runs})",
+        bytes as f64 / 1e6,
+        e / h,
+        i / h
+    );
+    Ok(())
+}
+
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let args: Vec<String> = std::env::args().collect();
@@ -463,8 +547,11 @@ async fn main() -> anyhow::Result<()> {
     if matches!(what, "swap" | "all") {
         bench_swap(&conn, keys, runs).await?;
     }
-    if !matches!(what, "ingest" | "guest" | "swap" | "all") {
-        anyhow::bail!("usage: foldhost-bench [ingest|guest|swap|all] [KEYS] [RUNS]");
+    if matches!(what, "artifact" | "all") {
+        bench_artifact(keys.max(1), runs.max(1))?;
+    }
+    if !matches!(what, "ingest" | "guest" | "swap" | "artifact" | "all") {
+        anyhow::bail!("usage: foldhost-bench [ingest|guest|swap|artifact|all] [KEYS] [RUNS]");
     }
     Ok(())
 }
