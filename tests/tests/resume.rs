@@ -150,6 +150,9 @@ impl<S: SnapshotStore> SnapshotStore for FaultyStore<S> {
     fn len(&self) -> Result<u64, SnapshotError> {
         self.inner.len()
     }
+    fn export_to(&self, dest: &std::path::Path) -> Result<(), SnapshotError> {
+        self.inner.export_to(dest)
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
