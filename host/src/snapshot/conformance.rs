@@ -25,7 +25,11 @@ pub(crate) trait Opener {
     /// The store type.
     type Store: SnapshotStore;
     /// Opens (creating) the store in `dir` for writing.
-    fn open(dir: &Path) -> Self::Store;
+    fn open(dir: &Path) -> Self::Store {
+        Self::try_open(dir).expect("open")
+    }
+    /// Like [`Self::open`], returning the error.
+    fn try_open(dir: &Path) -> Result<Self::Store, SnapshotError>;
     /// Opens the store in `dir` read-only (never writes into it).
     fn open_read_only(dir: &Path) -> Self::Store;
     /// Makes the store's next durable write fail in a way that leaves its state unknown.
@@ -460,6 +464,18 @@ pub(crate) fn a_failed_write_poisons_the_store_until_reopen<O: Opener>() {
         .expect("writes again after reopen");
 }
 
+pub(crate) fn a_second_writer_is_refused_while_the_first_is_open<O: Opener>() {
+    let dir = tempdir();
+    let first = O::open(dir.path());
+    match O::try_open(dir.path()) {
+        Err(SnapshotError::Locked { .. }) => {}
+        Err(other) => panic!("expected Locked, got {other}"),
+        Ok(_) => panic!("a second writer opened the same store"),
+    }
+    drop(first);
+    assert!(O::try_open(dir.path()).is_ok(), "free again once dropped");
+}
+
 pub(crate) fn oversized_values_are_refused_before_anything_is_written<O: Opener>() {
     let dir = tempdir();
     let mut s = O::open(dir.path());
@@ -537,6 +553,10 @@ macro_rules! conformance_suite {
                 c::a_failed_write_poisons_the_store_until_reopen::<$opener>();
             }
             #[test]
+            fn a_second_writer_is_refused_while_the_first_is_open() {
+                c::a_second_writer_is_refused_while_the_first_is_open::<$opener>();
+            }
+            #[test]
             fn oversized_values_are_refused_before_anything_is_written() {
                 c::oversized_values_are_refused_before_anything_is_written::<$opener>();
             }
@@ -549,10 +569,8 @@ pub(crate) struct AppendLog;
 
 impl Opener for AppendLog {
     type Store = super::AppendLogSnapshot;
-    fn open(dir: &Path) -> Self::Store {
-        super::AppendLogSnapshot::open(dir, super::AppendLogOptions::default())
-            .expect("open")
-            .0
+    fn try_open(dir: &Path) -> Result<Self::Store, SnapshotError> {
+        super::AppendLogSnapshot::open(dir, super::AppendLogOptions::default()).map(|(s, _)| s)
     }
     fn open_read_only(dir: &Path) -> Self::Store {
         super::AppendLogSnapshot::open_read_only(dir)
@@ -573,8 +591,8 @@ pub(crate) struct Fjall;
 #[cfg(feature = "fjall")]
 impl Opener for Fjall {
     type Store = super::FjallSnapshot;
-    fn open(dir: &Path) -> Self::Store {
-        super::FjallSnapshot::open(dir, super::FjallOptions::default()).expect("open")
+    fn try_open(dir: &Path) -> Result<Self::Store, SnapshotError> {
+        super::FjallSnapshot::open(dir, super::FjallOptions::default())
     }
     fn open_read_only(dir: &Path) -> Self::Store {
         super::FjallSnapshot::open_read_only(dir).expect("open read-only")
@@ -594,8 +612,8 @@ pub(crate) struct RocksDb;
 #[cfg(feature = "rocksdb")]
 impl Opener for RocksDb {
     type Store = super::RocksDbSnapshot;
-    fn open(dir: &Path) -> Self::Store {
-        super::RocksDbSnapshot::open(dir, super::RocksDbOptions::default()).expect("open")
+    fn try_open(dir: &Path) -> Result<Self::Store, SnapshotError> {
+        super::RocksDbSnapshot::open(dir, super::RocksDbOptions::default())
     }
     fn open_read_only(dir: &Path) -> Self::Store {
         super::RocksDbSnapshot::open_read_only(dir).expect("open read-only")

@@ -433,3 +433,47 @@ impl SnapshotStore for FjallSnapshot {
         Err(last_err.unwrap_or_else(|| SnapshotError::Backend("export failed".into())))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::VersionToken;
+
+    fn put(key: &str, rev: u64) -> KvUpdate {
+        KvUpdate::Put(KvEntry {
+            key: key.into(),
+            value: bytes::Bytes::from_static(b"v"),
+            version: VersionToken::from_u64(rev),
+        })
+    }
+
+    #[test]
+    fn sync_mode_commits_and_reopens() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let opts = FjallOptions {
+            sync: true,
+            ..FjallOptions::default()
+        };
+        let mut s = FjallSnapshot::open(dir.path(), opts).expect("open");
+        s.apply(&[put("a", 1), put("b", 2)], WatchCursor::at(2))
+            .expect("apply");
+        drop(s);
+        let s = FjallSnapshot::open(dir.path(), opts).expect("reopen");
+        assert_eq!((s.cursor(), s.len().expect("len")), (WatchCursor::at(2), 2));
+    }
+
+    #[test]
+    fn data_keys_and_meta_keys_never_share_a_tag() {
+        assert_eq!(data_key("\u{1}retained/x")[0], DATA_TAG);
+        assert_ne!(CURSOR_KEY[0], DATA_TAG);
+        assert_ne!(COUNT_KEY[0], DATA_TAG);
+    }
+
+    #[test]
+    fn only_tables_and_blobs_are_hard_linked() {
+        assert!(is_immutable(Path::new("keyspaces/1/tables/7")));
+        assert!(is_immutable(Path::new("keyspaces/1/blobs/3")));
+        assert!(!is_immutable(Path::new("keyspaces/1/current")));
+        assert!(!is_immutable(Path::new("0.jnl")));
+    }
+}

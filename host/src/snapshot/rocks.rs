@@ -425,3 +425,59 @@ impl SnapshotStore for RocksDbSnapshot {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::VersionToken;
+
+    #[test]
+    fn sync_mode_commits_and_reopens() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let opts = RocksDbOptions {
+            sync: true,
+            ..RocksDbOptions::default()
+        };
+        let mut s = RocksDbSnapshot::open(dir.path(), opts).expect("open");
+        s.apply(
+            &[KvUpdate::Put(KvEntry {
+                key: "a".into(),
+                value: bytes::Bytes::from_static(b"v"),
+                version: VersionToken::from_u64(1),
+            })],
+            WatchCursor::at(1),
+        )
+        .expect("apply");
+        drop(s);
+        let s = RocksDbSnapshot::open(dir.path(), opts).expect("reopen");
+        assert_eq!((s.cursor(), s.len().expect("len")), (WatchCursor::at(1), 1));
+    }
+
+    #[test]
+    fn read_only_open_of_a_missing_store_is_not_found_and_creates_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let err = RocksDbSnapshot::open_read_only(dir.path()).expect_err("missing");
+        assert!(
+            matches!(&err, SnapshotError::Io { source, .. } if source.kind() == std::io::ErrorKind::NotFound),
+            "{err}"
+        );
+        assert!(!dir.path().join(DB_DIR).exists());
+    }
+
+    #[test]
+    fn read_only_open_leaves_no_info_log_in_the_store() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        drop(RocksDbSnapshot::open(dir.path(), RocksDbOptions::default()).expect("open"));
+        let list = || {
+            let mut v: Vec<_> = std::fs::read_dir(dir.path().join(DB_DIR))
+                .expect("ls")
+                .map(|e| e.expect("entry").file_name())
+                .collect();
+            v.sort();
+            v
+        };
+        let before = list();
+        drop(RocksDbSnapshot::open_read_only(dir.path()).expect("read-only"));
+        assert_eq!(list(), before);
+    }
+}
