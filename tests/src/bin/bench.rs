@@ -699,7 +699,7 @@ mod backends {
                 ratio(fig.ingest_rss_mib, base.1)
             );
             println!(
-                "    open {keys}-key fold:        {:>8.3} s    ({:.2}×)",
+                "    open the fold:               {:>8.3} s    ({:.2}×)",
                 fig.open_s,
                 ratio(fig.open_s, base.2)
             );
