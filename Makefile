@@ -3,6 +3,10 @@
 #   make test   — formatting, lints, and every test suite against a real nats-server
 .PHONY: demo test setup guests bench lint
 
+# `test` and `lint` cover the optional storage backends too (RocksDB is a long C++ build; see
+# docs in host/src/snapshot/rocks.rs). `demo` stays on the default build.
+FEATURES = --features fjall,rocksdb
+
 SETUP = NATS_SERVER_BIN="$$(scripts/setup.sh)" && export NATS_SERVER_BIN
 
 demo:
@@ -11,18 +15,18 @@ demo:
 test:
 	$(SETUP) && guests/build.sh && guests/router-c/build.sh test && \
 	$(MAKE) --no-print-directory lint && \
-	cargo build --workspace --bins --quiet && \
+	cargo build --workspace --bins --quiet $(FEATURES) && \
 	if cargo nextest --version >/dev/null 2>&1; then \
-	  cargo nextest run --workspace --no-fail-fast; \
+	  cargo nextest run --workspace --no-fail-fast $(FEATURES); \
 	else \
-	  cargo test --workspace --no-fail-fast; \
+	  cargo test --workspace --no-fail-fast $(FEATURES); \
 	fi
 
 lint:
 	cargo fmt --all -- --check
 	cargo fmt --manifest-path guests/Cargo.toml --all -- --check
 	cargo fmt --manifest-path sdk/rust/Cargo.toml -- --check
-	cargo clippy --workspace --all-targets --quiet -- -D warnings
+	cargo clippy --workspace --all-targets --quiet $(FEATURES) -- -D warnings
 	cargo clippy --manifest-path guests/Cargo.toml --target wasm32-wasip2 --quiet -- -D warnings
 
 setup:

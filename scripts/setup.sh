@@ -77,6 +77,18 @@ cargo_install() { # crate version features binary
   cargo install --locked --quiet -j "${CARGO_INSTALL_JOBS:-2}" "$1@$2" \
     --no-default-features --features "$3" >&2
 }
+# The RocksDB backend (cargo feature `rocksdb`, built by `make test`) generates its bindings with
+# bindgen, which needs libclang.
+if ! ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang*.so* >/dev/null 2>&1; then
+  if command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing libclang-dev (RocksDB's bindgen)" >&2
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libclang-dev >&2 \
+      || { apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libclang-dev >&2; }
+  else
+    echo "setup: libclang is missing (needed to build the rocksdb feature) and there is no apt-get" >&2
+  fi
+fi
+
 cargo_install wit-bindgen-cli "$WIT_BINDGEN_VERSION" c wit-bindgen
 cargo_install wasm-tools "$WASM_TOOLS_VERSION" component,validate wasm-tools
 

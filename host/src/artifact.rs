@@ -192,7 +192,12 @@ fn io_err<'a>(
 /// The on-disk format generation of `backend`'s files (bumped when a backend's layout changes).
 pub fn format_generation(backend: Backend) -> u32 {
     match backend {
+        // `FHLG` v1 records.
         Backend::AppendLog => 1,
+        // fjall 3's on-disk format with our value-record codec and meta partition.
+        Backend::Fjall => 1,
+        // RocksDB 11's format with our value-record codec and meta column family.
+        Backend::RocksDb => 1,
     }
 }
 

@@ -19,15 +19,33 @@
 //!   rename, so a reopen recovers a consistent fold).
 //! - **Read-only opens never write.** [`AppendLogSnapshot::open_read_only`] replays without
 //!   truncating, compacting or locking, so `status` and `dump` work beside a running host.
+//!
+//! Backends: [`AppendLogSnapshot`] (always built), `FjallSnapshot` (cargo feature `fjall`) and
+//! `RocksDbSnapshot` (feature `rocksdb`). The two LSM backends share the value-record codec
+//! ([`value_codec`]) and keep the same contract; `conformance` (tests) checks every backend against
+//! it with one suite.
 
 mod append_log;
+#[cfg(test)]
+mod conformance;
+#[cfg(feature = "fjall")]
+mod fjall;
 mod format;
+#[cfg(any(feature = "fjall", feature = "rocksdb"))]
+mod lsm;
+#[cfg(feature = "rocksdb")]
+mod rocks;
+pub mod value_codec;
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 
 pub use append_log::{AppendLogOptions, AppendLogSnapshot};
+#[cfg(feature = "fjall")]
+pub use fjall::{FjallOptions, FjallSnapshot};
 pub use format::{MAX_KEY_LEN, MAX_VALUE_LEN};
+#[cfg(feature = "rocksdb")]
+pub use rocks::{RocksDbOptions, RocksDbSnapshot};
 
 use crate::kv::{KvEntry, KvUpdate, WatchCursor};
 use crate::retained::{Base, RetainedIndex, is_reserved};

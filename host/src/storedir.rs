@@ -4,7 +4,8 @@
 //! Layout of `--store DIR`:
 //! - `FOLDHOST.json` — `{"backend": "append-log", "layout": 1}`, written once when the store is
 //!   created; a later open with another `--backend` is refused rather than silently ignored.
-//! - the backend's own files (`fold.log` and `LOCK` for the append log).
+//! - the backend's own files: `fold.log` and `LOCK` for the append log; the `fjall/` or `rocksdb/`
+//!   subdirectory for the LSM backends (cargo features `fjall`, `rocksdb`).
 //! - `status.json` — written by a running host (atomically: temp file + rename), read by
 //!   `foldhost status --store`. The cursor always comes from the store itself; the status file only
 //!   adds what the store cannot know (`seq`, the applier, the host's state and last error).
@@ -21,18 +22,29 @@ use crate::kv::{KvEntry, KvUpdate, WatchCursor};
 use crate::snapshot::{
     AppendLogOptions, AppendLogSnapshot, Recovery, SnapshotError, SnapshotStore,
 };
+#[cfg(feature = "fjall")]
+use crate::snapshot::{FjallOptions, FjallSnapshot};
+#[cfg(feature = "rocksdb")]
+use crate::snapshot::{RocksDbOptions, RocksDbSnapshot};
 
 /// The meta file's name.
 pub const META_FILE: &str = "FOLDHOST.json";
 /// The status file's name.
 pub const STATUS_FILE: &str = "status.json";
 
-/// A storage backend.
+/// A storage backend. Every variant exists in every build (so `FOLDHOST.json` always parses);
+/// [`Backend::is_compiled`] says whether this build can open it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
 pub enum Backend {
     /// The append-only CRC log with an in-RAM fold.
+    #[serde(rename = "append-log")]
     AppendLog,
+    /// fjall, a pure-Rust LSM (cargo feature `fjall`).
+    #[serde(rename = "fjall")]
+    Fjall,
+    /// RocksDB (cargo feature `rocksdb`).
+    #[serde(rename = "rocksdb")]
+    RocksDb,
 }
 
 impl Backend {
@@ -40,21 +52,49 @@ impl Backend {
     pub fn as_str(&self) -> &'static str {
         match self {
             Backend::AppendLog => "append-log",
+            Backend::Fjall => "fjall",
+            Backend::RocksDb => "rocksdb",
         }
+    }
+
+    /// Whether this build includes the backend.
+    pub fn is_compiled(&self) -> bool {
+        match self {
+            Backend::AppendLog => true,
+            Backend::Fjall => cfg!(feature = "fjall"),
+            Backend::RocksDb => cfg!(feature = "rocksdb"),
+        }
+    }
+
+    /// Why this build cannot open the backend, naming the cargo feature; `None` when it can.
+    pub fn not_compiled_reason(&self) -> Option<String> {
+        (!self.is_compiled()).then(|| {
+            format!(
+                "backend {} is not built into this foldhost: rebuild with `--features {}`",
+                self.as_str(),
+                self.as_str()
+            )
+        })
     }
 }
 
 impl FromStr for Backend {
     type Err = String;
+    /// Parses the CLI spelling; a backend this build lacks is an error naming its cargo feature.
     fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "append-log" => Ok(Backend::AppendLog),
-            "fjall" | "rocksdb" => Err(format!(
-                "backend {s:?} is not built into this foldhost (only append-log)"
-            )),
-            _ => Err(format!(
-                "unknown backend {s:?}: expected append-log, fjall or rocksdb"
-            )),
+        let b = match s {
+            "append-log" => Backend::AppendLog,
+            "fjall" => Backend::Fjall,
+            "rocksdb" => Backend::RocksDb,
+            _ => {
+                return Err(format!(
+                    "unknown backend {s:?}: expected append-log, fjall or rocksdb"
+                ));
+            }
+        };
+        match b.not_compiled_reason() {
+            Some(reason) => Err(reason),
+            None => Ok(b),
         }
     }
 }
@@ -121,12 +161,43 @@ pub fn write_meta(dir: &Path, backend: Backend) -> Result<(), StoreDirError> {
 pub enum AnyStore {
     /// The append log.
     AppendLog(AppendLogSnapshot),
+    /// fjall.
+    #[cfg(feature = "fjall")]
+    Fjall(FjallSnapshot),
+    /// RocksDB.
+    #[cfg(feature = "rocksdb")]
+    RocksDb(RocksDbSnapshot),
+}
+
+/// Calls `$body` with `$s` bound to the store inside whichever variant `$self` is.
+macro_rules! each {
+    ($self:expr, $s:ident => $body:expr) => {
+        match $self {
+            AnyStore::AppendLog($s) => $body,
+            #[cfg(feature = "fjall")]
+            AnyStore::Fjall($s) => $body,
+            #[cfg(feature = "rocksdb")]
+            AnyStore::RocksDb($s) => $body,
+        }
+    };
+}
+
+fn not_compiled(dir: &Path, backend: Backend) -> StoreDirError {
+    StoreDirError::Meta {
+        path: dir.join(META_FILE),
+        reason: backend
+            .not_compiled_reason()
+            .unwrap_or_else(|| format!("backend {} unavailable", backend.as_str())),
+    }
 }
 
 impl AnyStore {
     /// Opens `dir` for writing with `backend`, creating it when absent. Refuses a directory that
     /// holds another backend.
     pub fn open(dir: &Path, backend: Backend) -> Result<(Self, Recovery), StoreDirError> {
+        if !backend.is_compiled() {
+            return Err(not_compiled(dir, backend));
+        }
         std::fs::create_dir_all(dir).map_err(|e| {
             StoreDirError::Snapshot(SnapshotError::Io {
                 path: dir.to_path_buf(),
@@ -156,10 +227,25 @@ impl AnyStore {
                 let (s, r) = AppendLogSnapshot::open(dir, AppendLogOptions::default())?;
                 Ok((AnyStore::AppendLog(s), r))
             }
+            #[cfg(feature = "fjall")]
+            Backend::Fjall => Ok((
+                AnyStore::Fjall(FjallSnapshot::open(dir, FjallOptions::default())?),
+                Recovery::default(),
+            )),
+            #[cfg(feature = "rocksdb")]
+            Backend::RocksDb => Ok((
+                AnyStore::RocksDb(RocksDbSnapshot::open(dir, RocksDbOptions::default())?),
+                Recovery::default(),
+            )),
+            #[allow(unreachable_patterns)]
+            other => Err(not_compiled(dir, other)),
         }
     }
 
-    /// Opens `dir` read-only, whatever backend it holds. Never writes.
+    /// Opens `dir` read-only, whatever backend it holds. Never writes into the store: the append log
+    /// replays without a lock, RocksDB opens in its read-only mode, fjall (which has no read-only
+    /// mode) opens a private hard-linked copy in a temporary directory. All work beside a running
+    /// host.
     pub fn open_read_only(dir: &Path) -> Result<(Self, Recovery), StoreDirError> {
         if !dir.is_dir() {
             return Err(StoreDirError::Missing(dir.to_path_buf()));
@@ -174,39 +260,41 @@ impl AnyStore {
                 let (s, r) = AppendLogSnapshot::open_read_only(dir)?;
                 Ok((AnyStore::AppendLog(s), r))
             }
+            #[cfg(feature = "fjall")]
+            Backend::Fjall => Ok((
+                AnyStore::Fjall(FjallSnapshot::open_read_only(dir)?),
+                Recovery::default(),
+            )),
+            #[cfg(feature = "rocksdb")]
+            Backend::RocksDb => Ok((
+                AnyStore::RocksDb(RocksDbSnapshot::open_read_only(dir)?),
+                Recovery::default(),
+            )),
+            #[allow(unreachable_patterns)]
+            other => Err(not_compiled(dir, other)),
         }
     }
 }
 
 impl SnapshotStore for AnyStore {
     fn backend(&self) -> &'static str {
-        match self {
-            AnyStore::AppendLog(s) => s.backend(),
-        }
+        each!(self, s => s.backend())
     }
     fn cursor(&self) -> WatchCursor {
-        match self {
-            AnyStore::AppendLog(s) => s.cursor(),
-        }
+        each!(self, s => s.cursor())
     }
     fn apply(&mut self, batch: &[KvUpdate], cursor: WatchCursor) -> Result<(), SnapshotError> {
-        match self {
-            AnyStore::AppendLog(s) => s.apply(batch, cursor),
-        }
+        each!(self, s => s.apply(batch, cursor))
     }
     fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError> {
-        match self {
-            AnyStore::AppendLog(s) => s.get(key),
-        }
+        each!(self, s => s.get(key))
     }
     fn for_each_in_range(
         &self,
         prefix: &str,
         visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
     ) -> Result<(), SnapshotError> {
-        match self {
-            AnyStore::AppendLog(s) => s.for_each_in_range(prefix, visit),
-        }
+        each!(self, s => s.for_each_in_range(prefix, visit))
     }
     fn for_each_in_range_after(
         &self,
@@ -214,20 +302,13 @@ impl SnapshotStore for AnyStore {
         after: Option<&str>,
         visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
     ) -> Result<(), SnapshotError> {
-        match self {
-            AnyStore::AppendLog(s) => s.for_each_in_range_after(prefix, after, visit),
-        }
+        each!(self, s => s.for_each_in_range_after(prefix, after, visit))
     }
     fn len(&self) -> Result<u64, SnapshotError> {
-        match self {
-            AnyStore::AppendLog(s) => s.len(),
-        }
+        each!(self, s => s.len())
     }
-
     fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
-        match self {
-            AnyStore::AppendLog(s) => s.export_to(dest),
-        }
+        each!(self, s => s.export_to(dest))
     }
 }
 
@@ -297,4 +378,94 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreDirError> {
     };
     std::fs::write(&tmp, bytes).map_err(|e| io("write", e))?;
     std::fs::rename(&tmp, path).map_err(|e| io("rename", e))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::VersionToken;
+
+    fn compiled() -> Vec<Backend> {
+        [Backend::AppendLog, Backend::Fjall, Backend::RocksDb]
+            .into_iter()
+            .filter(Backend::is_compiled)
+            .collect()
+    }
+
+    #[test]
+    fn backend_names_parse_and_round_trip_through_the_meta_file() {
+        for b in [Backend::AppendLog, Backend::Fjall, Backend::RocksDb] {
+            let json = serde_json::to_string(&b).expect("serialize");
+            assert_eq!(json, format!("\"{}\"", b.as_str()));
+            let back: Backend = serde_json::from_str(&json).expect("deserialize");
+            assert_eq!(back, b);
+            match b.as_str().parse::<Backend>() {
+                Ok(p) => assert_eq!(p, b),
+                Err(e) => {
+                    assert!(!b.is_compiled());
+                    assert!(e.contains(&format!("--features {}", b.as_str())), "{e}");
+                }
+            }
+        }
+        let err = "leveldb".parse::<Backend>().expect_err("unknown");
+        assert!(
+            err.contains("expected append-log, fjall or rocksdb"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn every_compiled_backend_opens_records_itself_and_reads_back_read_only() {
+        for b in compiled() {
+            let dir = tempfile::tempdir().expect("tempdir");
+            let (mut s, _) = AnyStore::open(dir.path(), b).expect("open");
+            assert_eq!(s.backend(), b.as_str());
+            s.apply(
+                &[KvUpdate::Put(KvEntry {
+                    key: "k".into(),
+                    value: bytes::Bytes::from_static(b"v"),
+                    version: VersionToken::from_u64(1),
+                })],
+                WatchCursor::at(1),
+            )
+            .expect("apply");
+            let meta = std::fs::read_to_string(dir.path().join(META_FILE)).expect("meta");
+            assert!(meta.contains(b.as_str()), "{meta}");
+            // Read-only beside the writer.
+            let (r, _) = AnyStore::open_read_only(dir.path()).expect("read-only");
+            assert_eq!(r.backend(), b.as_str());
+            assert_eq!(r.cursor(), WatchCursor::at(1));
+            assert_eq!(r.len().expect("len"), 1);
+            drop(r);
+            drop(s);
+            // Any other backend is refused for this directory.
+            for other in compiled().into_iter().filter(|o| *o != b) {
+                let err = AnyStore::open(dir.path(), other).err().expect("refused");
+                assert!(err.to_string().contains("holds backend"), "{err}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_store_of_a_backend_not_built_in_is_refused_naming_the_feature() {
+        for b in [Backend::Fjall, Backend::RocksDb] {
+            if b.is_compiled() {
+                continue;
+            }
+            let dir = tempfile::tempdir().expect("tempdir");
+            write_atomic(
+                &dir.path().join(META_FILE),
+                &serde_json::to_vec(&Meta {
+                    backend: b,
+                    layout: 1,
+                })
+                .expect("json"),
+            )
+            .expect("write meta");
+            let err = AnyStore::open_read_only(dir.path()).err().expect("refused");
+            assert!(err.to_string().contains("--features"), "{err}");
+            let err = AnyStore::open(dir.path(), b).err().expect("refused");
+            assert!(err.to_string().contains("--features"), "{err}");
+        }
+    }
 }

@@ -149,3 +149,87 @@ async fn run_catch_up_then_status_and_dump_json_shapes() -> anyhow::Result<()> {
     assert!(one_line_error(&missing).contains("\"nope\" not found"));
     Ok(())
 }
+
+/// The backends this test build (and so, under `make test`, the `foldhost` binary) includes.
+fn compiled_backends() -> Vec<&'static str> {
+    let mut v = vec!["append-log"];
+    if cfg!(feature = "fjall") {
+        v.push("fjall");
+    }
+    if cfg!(feature = "rocksdb") {
+        v.push("rocksdb");
+    }
+    v
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn run_backend_reaches_every_compiled_backend_and_status_and_dump_read_it()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("backends").await?;
+    kv.put("a", "1".into()).await?;
+    kv.put("b", "2".into()).await?;
+    kv.put("a", "3".into()).await?;
+    kv.delete("b").await?;
+    kv.put("c", "4".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    for backend in compiled_backends() {
+        let store = tmp.path().join(backend);
+        let run = |b: &str| {
+            foldhost()
+                .args(["run", "--catch-up", "--bucket", "backends", "--backend", b])
+                .args(["--nats", &h.url(), "--store"])
+                .arg(&store)
+                .output()
+        };
+        let out = run(backend)?;
+        assert!(
+            out.status.success(),
+            "{backend}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let s = status_store(&store)?;
+        assert_eq!(s["backend"], backend);
+        assert_eq!(s["cursor"], 5, "{backend}");
+        assert_eq!(s["keys"], 2, "{backend}");
+        let d = dump_store(&store)?;
+        assert_eq!(d.len(), 2, "{backend}");
+        assert_eq!(d["a"], (b"3".to_vec(), 3), "{backend}");
+        assert_eq!(d["c"], (b"4".to_vec(), 5), "{backend}");
+        // A second run resumes (the cursor came back from this backend).
+        assert!(run(backend)?.status.success());
+        assert_eq!(status_store(&store)?["cursor"], 5);
+        // The store refuses another backend, in one line.
+        let other = if backend == "append-log" {
+            compiled_backends().get(1).copied().unwrap_or("fjall")
+        } else {
+            "append-log"
+        };
+        let out = run(other)?;
+        assert_eq!(out.status.code(), Some(1), "{backend} opened as {other}");
+        let line = one_line_error(&out);
+        assert!(
+            line.contains("holds backend") || line.contains("--features"),
+            "{line}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn a_backend_not_built_in_is_a_one_line_error_naming_its_feature() -> anyhow::Result<()> {
+    for backend in ["fjall", "rocksdb"] {
+        if compiled_backends().contains(&backend) {
+            continue;
+        }
+        let tmp = tempfile::tempdir()?;
+        let out = foldhost()
+            .args(["run", "--bucket", "b", "--backend", backend, "--store"])
+            .arg(tmp.path().join("s"))
+            .output()?;
+        assert_ne!(out.status.code(), Some(0));
+        let line = one_line_error(&out);
+        assert!(line.contains(&format!("--features {backend}")), "{line}");
+    }
+    Ok(())
+}

@@ -16,10 +16,16 @@
 //! 4. **artifact** — on a KEYS-key append-log fold (256 B values): export (copy, verify-by-reopen,
 //!    BLAKE3 of every file, manifest) and import (copy + re-hash, reopen gate) throughput, against
 //!    reading and BLAKE3-hashing the same bytes (what `b3sum` does) in the same run.
+//! 5. **backends** — no NATS: each compiled-in storage backend (append-log, and fjall / rocksdb when
+//!    built with those features) in its own child process: `apply` throughput folding KEYS keys
+//!    (batch 100 and 1 000, 128 B and 1 KiB values, keys in scattered order), the time to reopen
+//!    the KEYS-key fold, and peak RSS (`VmHWM`) of the ingest and of open + full scan. Every figure
+//!    is printed beside the append log's as a ratio. Default KEYS for this one is 1 000 000.
 //!
 //! Runs alternate between the compared sides; every figure is the median of RUNS runs.
 //!
 //! `cargo run --release -p foldhost-tests --bin foldhost-bench -- [ingest|guest|swap|artifact|all] [KEYS] [RUNS]`
+//! `cargo run --release -p foldhost-tests --features fjall,rocksdb --bin foldhost-bench -- backends [KEYS]`
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -536,6 +542,16 @@ async fn main() -> anyhow::Result<()> {
     let what = args.get(1).map_or("all", String::as_str);
     let keys: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(100_000);
     let runs: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(5);
+    if what == "backends" {
+        let keys = args
+            .get(2)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1_000_000);
+        return backends::run(keys);
+    }
+    if what == backends::CHILD {
+        return backends::child(&args[2..]);
+    }
     let server = LocalNats::start()?;
     let conn = NatsConnection::open(ConnectOptions::new(server.url())).await?;
     if matches!(what, "ingest" | "all") {
@@ -551,7 +567,241 @@ async fn main() -> anyhow::Result<()> {
         bench_artifact(keys.max(1), runs.max(1))?;
     }
     if !matches!(what, "ingest" | "guest" | "swap" | "artifact" | "all") {
-        anyhow::bail!("usage: foldhost-bench [ingest|guest|swap|artifact|all] [KEYS] [RUNS]");
+        anyhow::bail!(
+            "usage: foldhost-bench [ingest|guest|swap|artifact|all|backends] [KEYS] [RUNS]"
+        );
     }
     Ok(())
+}
+
+/// The `backends` benchmark: storage backends compared without NATS, one child process each.
+mod backends {
+    use std::ops::ControlFlow;
+    use std::path::Path;
+    use std::time::Instant;
+
+    use anyhow::Context;
+    use bytes::Bytes;
+    use foldhost::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
+    use foldhost::snapshot::SnapshotStore;
+    use foldhost::storedir::{AnyStore, Backend};
+
+    /// The hidden subcommand a child runs: `__backend-child PHASE BACKEND KEYS DIR`.
+    pub const CHILD: &str = "__backend-child";
+    const CONFIGS: [(usize, usize); 4] = [(100, 128), (1000, 128), (100, 1024), (1000, 1024)];
+
+    fn peak_rss_kib() -> u64 {
+        std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find(|l| l.starts_with("VmHWM:"))
+                    .and_then(|l| l.split_whitespace().nth(1))
+                    .and_then(|n| n.parse().ok())
+            })
+            .unwrap_or(0)
+    }
+
+    /// A multiplier coprime with `keys`: `i * m % keys` visits 0..keys once each, scattered.
+    fn scatter(keys: u64) -> u64 {
+        let mut m: u64 = 2_654_435_761 % keys.max(1);
+        while gcd(m, keys) != 1 {
+            m += 1;
+        }
+        m
+    }
+
+    /// Key `i` of a KEYS-key fold, in scattered (not sorted) order.
+    fn key(i: u64, keys: u64, m: u64) -> String {
+        format!(
+            "bench/{:010}",
+            (i % keys.max(1)).wrapping_mul(m) % keys.max(1)
+        )
+    }
+
+    fn gcd(a: u64, b: u64) -> u64 {
+        if b == 0 { a } else { gcd(b, a % b) }
+    }
+
+    /// Folds `keys` keys into a new store in `dir`; returns updates/s.
+    fn ingest(
+        backend: Backend,
+        dir: &Path,
+        keys: u64,
+        batch: usize,
+        value_len: usize,
+    ) -> anyhow::Result<f64> {
+        let (mut store, _) = AnyStore::open(dir, backend)?;
+        let m = scatter(keys);
+        let value = Bytes::from(vec![0x5a; value_len]);
+        let mut buf = Vec::with_capacity(batch);
+        let t = Instant::now();
+        let mut i = 0;
+        while i < keys {
+            buf.clear();
+            for j in i..(i + batch as u64).min(keys) {
+                buf.push(KvUpdate::Put(KvEntry {
+                    key: key(j, keys, m),
+                    value: value.clone(),
+                    version: VersionToken::from_u64(j + 1),
+                }));
+            }
+            i += buf.len() as u64;
+            store.apply(&buf, WatchCursor::at(i))?;
+        }
+        let secs = t.elapsed().as_secs_f64();
+        anyhow::ensure!(
+            store.len()? == keys,
+            "{}: len {} != {keys}",
+            backend.as_str(),
+            store.len()?
+        );
+        Ok(keys as f64 / secs)
+    }
+
+    /// Child: runs one phase for one backend and prints one JSON line.
+    pub fn child(args: &[String]) -> anyhow::Result<()> {
+        let [phase, backend, keys, dir] = args else {
+            anyhow::bail!("usage: {CHILD} ingest|open BACKEND KEYS DIR");
+        };
+        let backend: Backend = backend.parse().map_err(anyhow::Error::msg)?;
+        let keys: u64 = keys.parse()?;
+        let dir = Path::new(dir);
+        let out = match phase.as_str() {
+            "ingest" => {
+                let mut rates = Vec::new();
+                for (i, (batch, value_len)) in CONFIGS.iter().enumerate() {
+                    let sub = dir.join(format!("c{i}"));
+                    rates.push(ingest(backend, &sub, keys, *batch, *value_len)?);
+                    // Keep the last (1 KiB values) fold for the open phase.
+                    if i + 1 < CONFIGS.len() {
+                        std::fs::remove_dir_all(&sub)?;
+                    }
+                }
+                serde_json::json!({ "rates": rates, "rss_kib": peak_rss_kib() })
+            }
+            "open" => {
+                let sub = dir.join(format!("c{}", CONFIGS.len() - 1));
+                let t = Instant::now();
+                let (store, _) = AnyStore::open(&sub, backend)?;
+                let open_s = t.elapsed().as_secs_f64();
+                anyhow::ensure!(store.len()? == keys, "reopened len");
+                let t = Instant::now();
+                let mut n = 0u64;
+                store.for_each_in_range("", &mut |_| {
+                    n += 1;
+                    ControlFlow::Continue(())
+                })?;
+                let scan_s = t.elapsed().as_secs_f64();
+                anyhow::ensure!(n == keys, "scanned {n} != {keys}");
+                serde_json::json!({ "open_s": open_s, "scan_s": scan_s, "rss_kib": peak_rss_kib() })
+            }
+            other => anyhow::bail!("unknown phase {other}"),
+        };
+        println!("{out}");
+        Ok(())
+    }
+
+    fn run_child(
+        phase: &str,
+        backend: Backend,
+        keys: u64,
+        dir: &Path,
+    ) -> anyhow::Result<serde_json::Value> {
+        let out = std::process::Command::new(std::env::current_exe()?)
+            .args([CHILD, phase, backend.as_str(), &keys.to_string()])
+            .arg(dir)
+            .stderr(std::process::Stdio::inherit())
+            .output()
+            .with_context(|| format!("{} {phase} child", backend.as_str()))?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{} {phase} child failed: {}",
+            backend.as_str(),
+            out.status
+        );
+        let line = String::from_utf8_lossy(&out.stdout);
+        serde_json::from_str(line.trim()).with_context(|| format!("child output {line:?}"))
+    }
+
+    struct Figures {
+        backend: Backend,
+        rates: Vec<f64>,
+        ingest_rss_mib: f64,
+        open_s: f64,
+        scan_s: f64,
+        open_rss_mib: f64,
+    }
+
+    /// Runs every compiled-in backend in child processes and prints the table.
+    pub fn run(keys: u64) -> anyhow::Result<()> {
+        let backends: Vec<Backend> = [Backend::AppendLog, Backend::Fjall, Backend::RocksDb]
+            .into_iter()
+            .filter(Backend::is_compiled)
+            .collect();
+        println!("backends — {keys} keys, each backend in its own process (ratios: ÷ append-log)");
+        let mut all = Vec::new();
+        for b in backends {
+            let dir = tempfile::tempdir()?;
+            let ing = run_child("ingest", b, keys, dir.path())?;
+            let open = run_child("open", b, keys, dir.path())?;
+            let f = |v: &serde_json::Value, k: &str| v[k].as_f64().unwrap_or(f64::NAN);
+            all.push(Figures {
+                backend: b,
+                rates: ing["rates"]
+                    .as_array()
+                    .map(|a| a.iter().map(|x| x.as_f64().unwrap_or(f64::NAN)).collect())
+                    .unwrap_or_default(),
+                ingest_rss_mib: f(&ing, "rss_kib") / 1024.0,
+                open_s: f(&open, "open_s"),
+                scan_s: f(&open, "scan_s"),
+                open_rss_mib: f(&open, "rss_kib") / 1024.0,
+            });
+        }
+        let Some(base) = all.first().map(|f| {
+            (
+                f.rates.clone(),
+                f.ingest_rss_mib,
+                f.open_s,
+                f.scan_s,
+                f.open_rss_mib,
+            )
+        }) else {
+            return Ok(());
+        };
+        let ratio = |x: f64, b: f64| if b > 0.0 { x / b } else { f64::NAN };
+        for fig in &all {
+            println!("  {}", fig.backend.as_str());
+            for (i, (batch, value_len)) in CONFIGS.iter().enumerate() {
+                let r = fig.rates.get(i).copied().unwrap_or(f64::NAN);
+                let b = base.0.get(i).copied().unwrap_or(f64::NAN);
+                println!(
+                    "    apply batch {batch:>4}, {value_len:>4} B values: {:>10.0} updates/s  ({:.2}×)",
+                    r,
+                    ratio(r, b)
+                );
+            }
+            println!(
+                "    peak RSS, ingest:            {:>8.1} MiB  ({:.2}×)",
+                fig.ingest_rss_mib,
+                ratio(fig.ingest_rss_mib, base.1)
+            );
+            println!(
+                "    open the fold:               {:>8.3} s    ({:.2}×)",
+                fig.open_s,
+                ratio(fig.open_s, base.2)
+            );
+            println!(
+                "    full scan after open:        {:>8.3} s    ({:.2}×)",
+                fig.scan_s,
+                ratio(fig.scan_s, base.3)
+            );
+            println!(
+                "    peak RSS, open + scan:       {:>8.1} MiB  ({:.2}×)",
+                fig.open_rss_mib,
+                ratio(fig.open_rss_mib, base.4)
+            );
+        }
+        Ok(())
+    }
 }

@@ -1,0 +1,479 @@
+//! [`FjallSnapshot`] (cargo feature `fjall`): the durable fold in fjall, a pure-Rust LSM, for folds
+//! too large for RAM. Files live in `STORE/fjall/`.
+//!
+//! Invariants:
+//! - **One keyspace, two key spaces, one atomic batch per apply.** Everything lives in a single
+//!   fjall keyspace (one LSM tree: one journal, one version file), with a tag byte in front of
+//!   every stored key: `d` + the KV key for data (values in the [`super::value_codec`] format),
+//!   `m` + a name for meta (`mcursor`, `mcount`). A data key — even one of the host's `\x01…`
+//!   reserved keys — is always `d…`, so it can never collide with a meta key. A batch's data
+//!   writes, its cursor and the new key count are one fjall write batch: after any crash, either
+//!   all of it is recovered or none of it. (One tree rather than two keyspaces also makes a file
+//!   copy of the store consistent as a whole: there is a single version file to check.)
+//! - **Durability.** With [`FjallOptions::sync`] `false` (the default) a committed apply is handed to
+//!   the OS (the journal's in-process buffer is flushed on every batch, `PersistMode::Buffer`; fjall
+//!   would otherwise keep it in the process until its buffer fills): it survives a *process* crash, not a
+//!   power loss; a power loss can take the fold back to an earlier cursor, never to a cursor
+//!   without its data (journal recovery drops a torn last batch). With `sync` `true` every apply
+//!   fsyncs the journal before returning and survives a power loss too.
+//! - **`len` is kept, not scanned**: the count is stored under `mcount` in the same batch; each
+//!   apply probes whether its keys existed (one point read per distinct key).
+//! - **Scans iterate** over a range of the tree; nothing materialises the fold.
+//! - **Poisoned after a failed write** until reopened (fjall poisons its own handle as well).
+//! - **Read-only opens never write into the store.** fjall has no read-only mode: every open takes
+//!   the directory's lock and may repair the journal. So [`FjallSnapshot::open_read_only`] opens a
+//!   *private copy*: the store's table and blob files hard-linked (immutable in fjall; byte-copied
+//!   when the temporary directory is on another filesystem), the journal and metadata byte-copied,
+//!   into a temporary directory that is removed when the store is dropped. It works beside a
+//!   running host and sees a consistent earlier-or-equal state (a torn last batch in the copied
+//!   journal is dropped by recovery, in the copy). The copy is retried (bounded) when the tree's
+//!   version changes or a file vanishes mid-copy.
+//! - **Export is persist + the same copy + verify.** [`SnapshotStore::export_to`] fsyncs the
+//!   journal, copies the directory into `DEST/fjall` as above (bounded retry), opens the copy and
+//!   requires the same cursor and count.
+
+use std::ops::{Bound, ControlFlow};
+use std::path::{Path, PathBuf};
+
+use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
+
+use super::lsm::{self, Op};
+use super::{SnapshotError, SnapshotStore};
+use crate::kv::{KvEntry, KvUpdate, WatchCursor};
+
+/// The subdirectory of the store directory that holds fjall's files.
+pub const DB_DIR: &str = "fjall";
+/// The keyspace holding data and meta.
+const KEYSPACE: &str = "fold";
+/// Tag of data keys.
+const DATA_TAG: u8 = b'd';
+/// Meta key of the cursor.
+const CURSOR_KEY: &[u8] = b"mcursor";
+/// Meta key of the live-key count.
+const COUNT_KEY: &[u8] = b"mcount";
+/// Attempts at a consistent copy before giving up.
+const COPY_ATTEMPTS: usize = 5;
+
+/// Tuning for [`FjallSnapshot`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FjallOptions {
+    /// Fsync the journal on every apply (survive a power loss), not only hand it to the OS (survive
+    /// a process crash). Default `false`.
+    pub sync: bool,
+    /// Block cache capacity in bytes. Default 64 MiB.
+    pub cache_bytes: u64,
+}
+
+impl Default for FjallOptions {
+    fn default() -> Self {
+        FjallOptions {
+            sync: false,
+            cache_bytes: 64 << 20,
+        }
+    }
+}
+
+/// The durable fold in fjall. See the module docs for what it guarantees.
+pub struct FjallSnapshot {
+    path: PathBuf,
+    db: Database,
+    tree: Keyspace,
+    cursor: WatchCursor,
+    count: u64,
+    sync: bool,
+    read_only: bool,
+    poisoned: Option<String>,
+    fail_next_write: bool,
+    /// The private copy a read-only open reads (removed on drop, after `db`).
+    _copy: Option<tempfile::TempDir>,
+}
+
+impl std::fmt::Debug for FjallSnapshot {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FjallSnapshot")
+            .field("path", &self.path)
+            .field("keys", &self.count)
+            .field("cursor", &self.cursor)
+            .field("read_only", &self.read_only)
+            .field("poisoned", &self.poisoned)
+            .finish()
+    }
+}
+
+fn ferr(path: &Path, op: &'static str) -> impl FnOnce(fjall::Error) -> SnapshotError {
+    let path = path.to_owned();
+    move |e| match e {
+        fjall::Error::Locked => SnapshotError::Locked {
+            path: path.join("lock"),
+        },
+        e => SnapshotError::Backend(format!("{}: fjall {op}: {e}", path.display())),
+    }
+}
+
+fn data_key(key: &str) -> Vec<u8> {
+    let mut k = Vec::with_capacity(1 + key.len());
+    k.push(DATA_TAG);
+    k.extend_from_slice(key.as_bytes());
+    k
+}
+
+fn open_db(path: &Path, opts: &FjallOptions) -> Result<(Database, Keyspace), SnapshotError> {
+    let db = Database::builder(path)
+        .cache_size(opts.cache_bytes)
+        .open()
+        .map_err(ferr(path, "open"))?;
+    let tree = db
+        .keyspace(KEYSPACE, KeyspaceCreateOptions::default)
+        .map_err(ferr(path, "open keyspace"))?;
+    Ok((db, tree))
+}
+
+impl FjallSnapshot {
+    /// Opens (creating when absent) the store in `STORE/fjall` for writing. fjall's lock refuses a
+    /// second writer ([`SnapshotError::Locked`]).
+    pub fn open(store_dir: &Path, opts: FjallOptions) -> Result<Self, SnapshotError> {
+        let path = store_dir.join(DB_DIR);
+        let (db, tree) = open_db(&path, &opts)?;
+        Self::load(path, db, tree, opts.sync, None)
+    }
+
+    /// Opens a private copy of `STORE/fjall` for reading (see the module docs): never writes into
+    /// the store, works beside a running host. [`SnapshotStore::apply`] is refused.
+    pub fn open_read_only(store_dir: &Path) -> Result<Self, SnapshotError> {
+        let path = store_dir.join(DB_DIR);
+        if !path.join("version").exists() {
+            return Err(SnapshotError::Io {
+                path: path.clone(),
+                op: "open read-only",
+                source: std::io::Error::new(std::io::ErrorKind::NotFound, "no fjall store here"),
+            });
+        }
+        let tmp = tempfile::Builder::new()
+            .prefix("foldhost-fjall-ro-")
+            .tempdir()
+            .map_err(|source| SnapshotError::Io {
+                path: std::env::temp_dir(),
+                op: "create temporary directory",
+                source,
+            })?;
+        let copy = tmp.path().join(DB_DIR);
+        copy_consistent(&path, &copy)?;
+        let (db, tree) = open_db(&copy, &FjallOptions::default())?;
+        let mut store = Self::load(copy, db, tree, false, Some(tmp))?;
+        store.read_only = true;
+        Ok(store)
+    }
+
+    fn load(
+        path: PathBuf,
+        db: Database,
+        tree: Keyspace,
+        sync: bool,
+        copy: Option<tempfile::TempDir>,
+    ) -> Result<Self, SnapshotError> {
+        let c = tree.get(CURSOR_KEY).map_err(ferr(&path, "read cursor"))?;
+        let n = tree.get(COUNT_KEY).map_err(ferr(&path, "read count"))?;
+        let cursor = lsm::decode_cursor(&path, c.as_deref())?;
+        let count = lsm::decode_count(&path, n.as_deref())?;
+        Ok(FjallSnapshot {
+            path,
+            db,
+            tree,
+            cursor,
+            count,
+            sync,
+            read_only: copy.is_some(),
+            poisoned: None,
+            fail_next_write: false,
+            _copy: copy,
+        })
+    }
+
+    /// The fjall directory (`STORE/fjall`, or the private copy of a read-only open).
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Makes the next apply's commit fail as an I/O error would (tests only).
+    #[doc(hidden)]
+    pub fn inject_write_fault(&mut self) {
+        self.fail_next_write = true;
+    }
+
+    fn writable(&self) -> Result<(), SnapshotError> {
+        if self.read_only {
+            return Err(SnapshotError::Io {
+                path: self.path.clone(),
+                op: "write",
+                source: std::io::Error::new(
+                    std::io::ErrorKind::PermissionDenied,
+                    "the store was opened read-only",
+                ),
+            });
+        }
+        if let Some(cause) = &self.poisoned {
+            return Err(SnapshotError::Poisoned {
+                path: self.path.clone(),
+                cause: cause.clone(),
+            });
+        }
+        Ok(())
+    }
+
+    fn walk(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) -> Result<(), SnapshotError> {
+        let (start, skip_equal) = lsm::seek_start(prefix, after);
+        let start = data_key(start);
+        let lower = if skip_equal {
+            Bound::Excluded(start.as_slice())
+        } else {
+            Bound::Included(start.as_slice())
+        };
+        let tagged_prefix = data_key(prefix);
+        let mut entry = lsm::blank_entry();
+        for guard in self.tree.range::<&[u8], _>((lower, Bound::Unbounded)) {
+            let (key, record) = guard.into_inner().map_err(ferr(&self.path, "iterate"))?;
+            if !key.starts_with(&tagged_prefix) {
+                break;
+            }
+            lsm::decode_entry_into(&self.path, &key[1..], &record, &mut entry)?;
+            if visit(&entry).is_break() {
+                break;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether a path inside a fjall directory is an immutable file (a table or a blob file).
+fn is_immutable(rel: &Path) -> bool {
+    rel.components()
+        .any(|c| c.as_os_str() == "tables" || c.as_os_str() == "blobs")
+}
+
+/// The contents of every version pointer (`version`, each tree's `current`) under `dir`, in path
+/// order: unchanged across a copy means no flush or compaction was installed meanwhile.
+fn version_state(dir: &Path) -> Result<Vec<(PathBuf, Vec<u8>)>, SnapshotError> {
+    fn walk(dir: &Path, out: &mut Vec<(PathBuf, Vec<u8>)>) -> std::io::Result<()> {
+        for item in std::fs::read_dir(dir)? {
+            let item = item?;
+            let path = item.path();
+            if item.file_type()?.is_dir() {
+                if !is_immutable(Path::new(&item.file_name())) {
+                    walk(&path, out)?;
+                }
+            } else if item.file_name() == "current" || item.file_name() == "version" {
+                out.push((path.clone(), std::fs::read(&path)?));
+            }
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    walk(dir, &mut out).map_err(|source| SnapshotError::Io {
+        path: dir.to_owned(),
+        op: "read version pointers",
+        source,
+    })?;
+    out.sort();
+    Ok(out)
+}
+
+/// Copies the fjall directory `src` to `dest` (absent) so that the copy is one consistent state:
+/// retried when a file vanishes mid-copy or the tree's version changes meanwhile.
+fn copy_consistent(src: &Path, dest: &Path) -> Result<(), SnapshotError> {
+    let mut last_err = None;
+    for attempt in 0..COPY_ATTEMPTS {
+        if attempt > 0 {
+            let _ = std::fs::remove_dir_all(dest);
+            std::thread::sleep(std::time::Duration::from_millis(20 << attempt));
+        }
+        let before = version_state(src)?;
+        match lsm::copy_tree(src, dest, &is_immutable, &|_| false) {
+            Ok(()) if version_state(src)? == before => return Ok(()),
+            Ok(()) => {
+                last_err = Some(SnapshotError::Backend(format!(
+                    "{}: the tree's version changed during the copy",
+                    src.display()
+                )))
+            }
+            Err(e) => last_err = Some(e),
+        }
+    }
+    let _ = std::fs::remove_dir_all(dest);
+    Err(last_err.unwrap_or_else(|| SnapshotError::Backend("copy failed".into())))
+}
+
+impl SnapshotStore for FjallSnapshot {
+    fn backend(&self) -> &'static str {
+        "fjall"
+    }
+
+    fn cursor(&self) -> WatchCursor {
+        self.cursor
+    }
+
+    /// One fjall write batch: the data writes, the cursor and the new count (see the module docs).
+    fn apply(&mut self, batch: &[KvUpdate], cursor: WatchCursor) -> Result<(), SnapshotError> {
+        self.writable()?;
+        let plan = lsm::plan(batch, self.count, |key| {
+            self.tree
+                .contains_key(data_key(key))
+                .map_err(ferr(&self.path, "read"))
+        })?;
+        // fjall's journal writer is buffered in the process; `Buffer` hands each batch to the OS
+        // (survives a process crash), `SyncAll` also fsyncs it (survives a power loss).
+        let durability = if self.sync {
+            PersistMode::SyncAll
+        } else {
+            PersistMode::Buffer
+        };
+        let mut wb = self.db.batch().durability(Some(durability));
+        for op in plan.ops {
+            match op {
+                Op::Put(key, record) => wb.insert(&self.tree, data_key(key), record),
+                Op::Delete(key) => wb.remove(&self.tree, data_key(key)),
+            }
+        }
+        wb.insert(&self.tree, CURSOR_KEY, cursor.to_bytes());
+        wb.insert(
+            &self.tree,
+            COUNT_KEY,
+            lsm::encode_count(plan.count).to_vec(),
+        );
+        let res = if std::mem::take(&mut self.fail_next_write) {
+            Err(SnapshotError::Io {
+                path: self.path.clone(),
+                op: "commit batch",
+                source: std::io::Error::other("injected write fault"),
+            })
+        } else {
+            wb.commit().map_err(ferr(&self.path, "commit batch"))
+        };
+        if let Err(e) = res {
+            tracing::warn!(cause = %e, "fjall store poisoned; reopen it to recover");
+            self.poisoned.get_or_insert_with(|| e.to_string());
+            return Err(e);
+        }
+        self.cursor = cursor;
+        self.count = plan.count;
+        Ok(())
+    }
+
+    fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError> {
+        let Some(record) = self
+            .tree
+            .get(data_key(key))
+            .map_err(ferr(&self.path, "get"))?
+        else {
+            return Ok(None);
+        };
+        let mut entry = lsm::blank_entry();
+        lsm::decode_entry_into(&self.path, key.as_bytes(), &record, &mut entry)?;
+        Ok(Some(entry))
+    }
+
+    fn for_each_in_range(
+        &self,
+        prefix: &str,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) -> Result<(), SnapshotError> {
+        self.walk(prefix, None, visit)
+    }
+
+    fn for_each_in_range_after(
+        &self,
+        prefix: &str,
+        after: Option<&str>,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) -> Result<(), SnapshotError> {
+        self.walk(prefix, after, visit)
+    }
+
+    fn len(&self) -> Result<u64, SnapshotError> {
+        Ok(self.count)
+    }
+
+    /// Persist (fsync the journal), copy into `DEST/fjall` (tables hard-linked), reopen the copy
+    /// and require the same cursor and count; the copy is retried a bounded number of times.
+    fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(ferr(&self.path, "persist"))?;
+        let target = dest.join(DB_DIR);
+        let mut last_err = None;
+        for _ in 0..COPY_ATTEMPTS {
+            copy_consistent(&self.path, &target)?;
+            let verified = open_db(&target, &FjallOptions::default()).and_then(|(db, tree)| {
+                let copy = Self::load(target.clone(), db, tree, false, None)?;
+                if copy.cursor == self.cursor && copy.count == self.count {
+                    Ok(())
+                } else {
+                    Err(SnapshotError::Backend(format!(
+                        "{}: the exported copy recovers {} with {} keys, the store is at {} with {} keys",
+                        target.display(),
+                        copy.cursor,
+                        copy.count,
+                        self.cursor,
+                        self.count
+                    )))
+                }
+            });
+            match verified {
+                Ok(()) => return Ok(()),
+                Err(e) => {
+                    let _ = std::fs::remove_dir_all(&target);
+                    last_err = Some(e);
+                }
+            }
+        }
+        Err(last_err.unwrap_or_else(|| SnapshotError::Backend("export failed".into())))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::VersionToken;
+
+    fn put(key: &str, rev: u64) -> KvUpdate {
+        KvUpdate::Put(KvEntry {
+            key: key.into(),
+            value: bytes::Bytes::from_static(b"v"),
+            version: VersionToken::from_u64(rev),
+        })
+    }
+
+    #[test]
+    fn sync_mode_commits_and_reopens() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let opts = FjallOptions {
+            sync: true,
+            ..FjallOptions::default()
+        };
+        let mut s = FjallSnapshot::open(dir.path(), opts).expect("open");
+        s.apply(&[put("a", 1), put("b", 2)], WatchCursor::at(2))
+            .expect("apply");
+        drop(s);
+        let s = FjallSnapshot::open(dir.path(), opts).expect("reopen");
+        assert_eq!((s.cursor(), s.len().expect("len")), (WatchCursor::at(2), 2));
+    }
+
+    #[test]
+    fn data_keys_and_meta_keys_never_share_a_tag() {
+        assert_eq!(data_key("\u{1}retained/x")[0], DATA_TAG);
+        assert_ne!(CURSOR_KEY[0], DATA_TAG);
+        assert_ne!(COUNT_KEY[0], DATA_TAG);
+    }
+
+    #[test]
+    fn only_tables_and_blobs_are_hard_linked() {
+        assert!(is_immutable(Path::new("keyspaces/1/tables/7")));
+        assert!(is_immutable(Path::new("keyspaces/1/blobs/3")));
+        assert!(!is_immutable(Path::new("keyspaces/1/current")));
+        assert!(!is_immutable(Path::new("0.jnl")));
+    }
+}
