@@ -126,9 +126,13 @@ pub struct RunArgs {
     /// Store directory.
     #[arg(long)]
     pub store: PathBuf,
-    /// Storage backend.
+    /// Storage backend: append-log, fjall or rocksdb (the last two when built with their features).
     #[arg(long, default_value = "append-log")]
     pub backend: String,
+    /// Fsync every apply (fjall, rocksdb): a power loss then loses nothing committed. Without it a
+    /// process crash loses nothing, a power loss may lose the tail since the last fsync.
+    #[arg(long)]
+    pub sync: bool,
     /// The guest: a WebAssembly component (see `wit/guest.wit`). Without it, `--apply` runs.
     #[arg(long)]
     pub guest: Option<PathBuf>,
@@ -288,11 +292,15 @@ async fn cmd_export(a: ExportArgs) -> anyhow::Result<()> {
             let dir = dir.clone();
             let out = a.out.clone();
             let m = tokio::task::spawn_blocking(move || {
-                let (store, _) = AnyStore::open_read_only(&dir)?;
-                let backend: Backend = store
-                    .backend()
-                    .parse()
-                    .map_err(|e: String| anyhow!("{}: {e}", dir.display()))?;
+                // Opened for writing: its lock proves no host is running on it, and the copy is
+                // taken from a writer's view (RocksDB cannot checkpoint a read-only instance).
+                let backend = storedir::backend_of(&dir)?;
+                let (store, _) = AnyStore::open(&dir, backend).with_context(|| {
+                    format!(
+                        "open {} (is a host running on it? export with --listen)",
+                        dir.display()
+                    )
+                })?;
                 let mut progress = byte_progress("hashing");
                 crate::artifact::export_store(&store, backend, &out, None, &mut progress)
                     .with_context(|| format!("export to {}", out.display()))
@@ -419,8 +427,9 @@ pub async fn run_fold(
         )
         .await?;
     let store_dir = a.store.clone();
+    let sync = a.sync;
     let (store, recovery) =
-        tokio::task::spawn_blocking(move || AnyStore::open(&store_dir, backend))
+        tokio::task::spawn_blocking(move || AnyStore::open_with(&store_dir, backend, sync))
             .await
             .context("store open task")?
             .with_context(|| format!("open store {}", a.store.display()))?;
@@ -1227,6 +1236,7 @@ async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         scope: None,
         store: store_dir.clone(),
         backend: "append-log".into(),
+        sync: false,
         guest: Some(guest.clone()),
         guest_config: Vec::new(),
         guest_config_file: None,

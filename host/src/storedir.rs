@@ -148,6 +148,15 @@ fn read_meta(dir: &Path) -> Result<Option<Backend>, StoreDirError> {
     }
 }
 
+/// The backend of the store at `dir` (from `FOLDHOST.json`; a bare `fold.log` is an append log).
+pub fn backend_of(dir: &Path) -> Result<Backend, StoreDirError> {
+    match read_meta(dir)? {
+        Some(b) => Ok(b),
+        None if dir.join("fold.log").exists() => Ok(Backend::AppendLog),
+        None => Err(StoreDirError::Missing(dir.to_path_buf())),
+    }
+}
+
 /// Writes `FOLDHOST.json` for `backend` into `dir` (atomically): what makes a directory of backend
 /// files a store directory (an artifact's payload carries one).
 pub fn write_meta(dir: &Path, backend: Backend) -> Result<(), StoreDirError> {
@@ -195,6 +204,23 @@ impl AnyStore {
     /// Opens `dir` for writing with `backend`, creating it when absent. Refuses a directory that
     /// holds another backend.
     pub fn open(dir: &Path, backend: Backend) -> Result<(Self, Recovery), StoreDirError> {
+        Self::open_with(dir, backend, false)
+    }
+
+    /// [`Self::open`], with `sync`: fsync every apply (fjall and RocksDB: what survives a power
+    /// loss, not only a process crash). The append log has one mode (process-crash durable) and
+    /// refuses `sync` rather than pretend.
+    pub fn open_with(
+        dir: &Path,
+        backend: Backend,
+        sync: bool,
+    ) -> Result<(Self, Recovery), StoreDirError> {
+        if sync && backend == Backend::AppendLog {
+            return Err(StoreDirError::Meta {
+                path: dir.to_path_buf(),
+                reason: "--sync: the append-log backend is process-crash durable only (it fsyncs at compaction); use --backend fjall or rocksdb for an fsync per apply".into(),
+            });
+        }
         if !backend.is_compiled() {
             return Err(not_compiled(dir, backend));
         }
@@ -229,12 +255,24 @@ impl AnyStore {
             }
             #[cfg(feature = "fjall")]
             Backend::Fjall => Ok((
-                AnyStore::Fjall(FjallSnapshot::open(dir, FjallOptions::default())?),
+                AnyStore::Fjall(FjallSnapshot::open(
+                    dir,
+                    FjallOptions {
+                        sync,
+                        ..FjallOptions::default()
+                    },
+                )?),
                 Recovery::default(),
             )),
             #[cfg(feature = "rocksdb")]
             Backend::RocksDb => Ok((
-                AnyStore::RocksDb(RocksDbSnapshot::open(dir, RocksDbOptions::default())?),
+                AnyStore::RocksDb(RocksDbSnapshot::open(
+                    dir,
+                    RocksDbOptions {
+                        sync,
+                        ..RocksDbOptions::default()
+                    },
+                )?),
                 Recovery::default(),
             )),
             #[allow(unreachable_patterns)]
@@ -250,11 +288,7 @@ impl AnyStore {
         if !dir.is_dir() {
             return Err(StoreDirError::Missing(dir.to_path_buf()));
         }
-        let backend = match read_meta(dir)? {
-            Some(b) => b,
-            None if dir.join("fold.log").exists() => Backend::AppendLog,
-            None => return Err(StoreDirError::Missing(dir.to_path_buf())),
-        };
+        let backend = backend_of(dir)?;
         match backend {
             Backend::AppendLog => {
                 let (s, r) = AppendLogSnapshot::open_read_only(dir)?;

@@ -15,9 +15,14 @@ use foldhost_tests::{
 };
 use rand::{Rng, SeedableRng};
 
-/// A store of `n` keys (values of `value_len` bytes) at cursor `n`, written directly.
+/// An append-log store of `n` keys (values of `value_len` bytes) at cursor `n`, written directly.
 fn make_store(dir: &Path, n: u64, value_len: usize) -> anyhow::Result<()> {
-    let (mut store, _) = AnyStore::open(dir, Backend::AppendLog)?;
+    make_store_with(dir, Backend::AppendLog, n, value_len)
+}
+
+/// [`make_store`] on `backend`.
+fn make_store_with(dir: &Path, backend: Backend, n: u64, value_len: usize) -> anyhow::Result<()> {
+    let (mut store, _) = AnyStore::open(dir, backend)?;
     let value = Bytes::from(vec![b'v'; value_len]);
     let mut rev = 0u64;
     while rev < n {
@@ -409,5 +414,59 @@ fn a_sigkill_mid_export_leaves_only_a_hidden_stage_never_a_half_artifact() -> an
         "no kill landed during an export ({whole:?} each)"
     );
     eprintln!("{interrupted} of 8 exports killed mid-way (a whole export takes {whole:?})");
+    Ok(())
+}
+
+/// The backends this build has.
+fn compiled_backends() -> Vec<Backend> {
+    #[allow(unused_mut)]
+    let mut v = vec![Backend::AppendLog];
+    #[cfg(feature = "fjall")]
+    v.push(Backend::Fjall);
+    #[cfg(feature = "rocksdb")]
+    v.push(Backend::RocksDb);
+    v
+}
+
+#[test]
+fn every_compiled_backend_round_trips_an_artifact_and_refuses_another_backends()
+-> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let backends = compiled_backends();
+    for &b in &backends {
+        let name = b.as_str();
+        let src = tmp.path().join(format!("src-{name}"));
+        make_store_with(&src, b, 5000, 100)?;
+        let art = tmp.path().join(format!("{name}.tar"));
+        let m = export_offline(&src, &art)?;
+        assert_eq!(m["backend"], name);
+        assert_eq!(m["cursor"], 5000);
+        assert_eq!(m["keys"], 5000);
+        for &other in backends.iter().filter(|o| **o != b) {
+            let dest = tmp.path().join(format!("{name}-as-{}", other.as_str()));
+            let o = import(&art, &dest, &["--backend", other.as_str()])?;
+            let err = String::from_utf8_lossy(&o.stderr);
+            assert_eq!(
+                o.status.code(),
+                Some(1),
+                "{name} as {}: {err}",
+                other.as_str()
+            );
+            assert!(err.contains("does not match"), "{err}");
+            assert!(!dest.exists());
+        }
+        let dest = tmp.path().join(format!("{name}-imported"));
+        let o = import(&art, &dest, &["--backend", name])?;
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert_eq!(
+            first_difference(&dump_store(&src)?, &dump_store(&dest)?),
+            None,
+            "{name}"
+        );
+    }
     Ok(())
 }
