@@ -124,9 +124,268 @@ pub fn held_after_defers(keys: &[&str], deferred: &[bool]) -> Vec<usize> {
     out
 }
 
+/// How an expired cursor may be repaired (`--repair`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RepairMode {
+    /// Re-list where the listing is the truth, restore from an artifact otherwise.
+    Auto,
+    /// Only the key-listing diff (refused where the listing is not the truth).
+    Relist,
+    /// Only an artifact restore.
+    Restore,
+    /// No repair: an expired cursor stops the fold.
+    None,
+}
+
+/// What to do about an expired cursor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RepairPlan {
+    /// Nothing: the fold stops with `CursorExpired`.
+    None,
+    /// Diff the fold against the bucket's live key listing.
+    Relist,
+    /// Restore from a newer artifact.
+    Restore,
+    /// A re-list was asked for where a listing cannot tell a deleted key from an evicted one.
+    RefuseRelist,
+}
+
+/// A bucket's retention as read live from its stream: whether it can evict a current value (an
+/// age limit, a size/count limit with `discard: old`, per-message TTLs), and its first retained
+/// revision.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Retention {
+    /// Retention can remove a key's *current* value (not only superseded ones).
+    pub evicts_current_values: bool,
+    /// The stream's first retained sequence.
+    pub first_revision: u64,
+}
+
+/// Whether "not listed" means "deleted": yes when retention never evicts current values, or when
+/// it can but has evicted nothing yet (first retained revision ≤ 1) — and never once this fold has
+/// seen it evict (`seen_evicting`, the cursor's memo).
+pub fn listing_is_truth(
+    evicts_current_values: bool,
+    first_revision: u64,
+    seen_evicting: bool,
+) -> bool {
+    !seen_evicting && (!evicts_current_values || first_revision <= 1)
+}
+
+/// [`listing_is_truth`] for a retention that may be unknown (`None`: the backend cannot say),
+/// which answers `None` unless the memo already settles it.
+pub fn listing_truth(retention: Option<Retention>, seen_evicting: bool) -> Option<bool> {
+    if seen_evicting {
+        return Some(false);
+    }
+    retention.map(|r| listing_is_truth(r.evicts_current_values, r.first_revision, false))
+}
+
+/// The repair for an expired cursor under `mode`, given whether the listing is the truth.
+pub fn plan_repair(mode: RepairMode, listing_truth: Option<bool>) -> RepairPlan {
+    match (mode, listing_truth) {
+        (RepairMode::None, _) => RepairPlan::None,
+        (RepairMode::Relist, Some(true)) => RepairPlan::Relist,
+        (RepairMode::Relist, _) => RepairPlan::RefuseRelist,
+        (RepairMode::Restore, _) => RepairPlan::Restore,
+        (RepairMode::Auto, Some(true)) => RepairPlan::Relist,
+        (RepairMode::Auto, _) => RepairPlan::Restore,
+    }
+}
+
+/// Whether a start without a cursor must repair first: when the fold holds data anyway (a re-list
+/// never removes what it does not deliver), or, with a restore armed, when the listing is not the
+/// truth (a re-list would miss evicted keys).
+pub fn cursorless_start_needs_repair(
+    mode: RepairMode,
+    fold_has_data: bool,
+    listing_truth: Option<bool>,
+) -> bool {
+    let restore_armed = matches!(mode, RepairMode::Restore | RepairMode::Auto);
+    fold_has_data || (restore_armed && listing_truth != Some(true))
+}
+
+/// Whether an artifact at `artifact_revision` is strictly ahead of the local fold (a restore never
+/// moves the fold, or a guest's structure, backward).
+pub fn restore_ahead(artifact_revision: u64, local_revision: Option<u64>) -> bool {
+    local_revision.is_none_or(|l| artifact_revision > l)
+}
+
+/// Whether an expired fold may be replaced by an artifact: strictly ahead of it, and with its
+/// cursor still inside retention so the resume from it is gap-free.
+pub fn restore_allowed(
+    artifact_revision: u64,
+    local_revision: Option<u64>,
+    first_sequence: u64,
+) -> bool {
+    restore_ahead(artifact_revision, local_revision)
+        && resume_window_ok(artifact_revision, first_sequence)
+}
+
+/// What a restore does to one key.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KeyRestore {
+    /// Leave the local entry (or absence) as it is.
+    Keep,
+    /// Take the artifact's entry.
+    Take,
+    /// Delete the local entry.
+    Delete,
+}
+
+/// The per-key restore decision. `local` and `artifact` are the entries' revisions (`None`:
+/// absent; an unknown local version is passed as 0, older than any artifact entry); `identical`
+/// says both entries are byte-equal; `listed_live` says the bucket's live listing has the key.
+/// Take the artifact's entry unless the local one is newer (never a move backward); delete a key
+/// the artifact lacks unless the bucket lists it live (never a phantom delete).
+pub fn restore_key(
+    local: Option<u64>,
+    artifact: Option<u64>,
+    identical: bool,
+    listed_live: bool,
+) -> KeyRestore {
+    match (local, artifact) {
+        (_, Some(_)) if identical => KeyRestore::Keep,
+        (Some(l), Some(a)) if l > a => KeyRestore::Keep,
+        (_, Some(_)) => KeyRestore::Take,
+        (Some(_), None) if listed_live => KeyRestore::Keep,
+        (Some(_), None) => KeyRestore::Delete,
+        (None, None) => KeyRestore::Keep,
+    }
+}
+
+/// Whether a cursor that looks expired on an age-only bucket hides no eviction: when age is the
+/// bucket's only way to evict a current value and the cursor's message is at most half of
+/// `max_age` old, every later message is younger still, so none aged out and each missing one was
+/// superseded by a later write the resume delivers (half is headroom for clock steps and leader
+/// changes).
+pub fn gap_holds_no_eviction(
+    age_only: bool,
+    max_age: std::time::Duration,
+    cursor_message_age: std::time::Duration,
+) -> bool {
+    age_only && !max_age.is_zero() && cursor_message_age.saturating_mul(2) <= max_age
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_listing_is_the_truth_only_where_nothing_current_was_ever_evicted() {
+        // (evicts current values, first revision, seen evicting, expected)
+        let table = [
+            (false, 1, false, true),
+            (false, 5000, false, true),
+            (true, 0, false, true),
+            (true, 1, false, true),
+            (true, 2, false, false),
+            (false, 1, true, false),
+            (true, 1, true, false),
+        ];
+        for (e, f, seen, want) in table {
+            assert_eq!(listing_is_truth(e, f, seen), want, "{e} {f} {seen}");
+        }
+        assert_eq!(listing_truth(None, false), None);
+        assert_eq!(listing_truth(None, true), Some(false));
+        let keep = Retention {
+            evicts_current_values: false,
+            first_revision: 900,
+        };
+        assert_eq!(listing_truth(Some(keep), false), Some(true));
+        assert_eq!(
+            listing_truth(Some(keep), true),
+            Some(false),
+            "the memo wins"
+        );
+    }
+
+    #[test]
+    fn repair_plans_follow_the_mode_and_the_listing() {
+        use RepairMode as M;
+        use RepairPlan as P;
+        let table = [
+            (M::None, Some(true), P::None),
+            (M::None, None, P::None),
+            (M::Relist, Some(true), P::Relist),
+            (M::Relist, Some(false), P::RefuseRelist),
+            (M::Relist, None, P::RefuseRelist),
+            (M::Restore, Some(true), P::Restore),
+            (M::Restore, None, P::Restore),
+            (M::Auto, Some(true), P::Relist),
+            (M::Auto, Some(false), P::Restore),
+            (M::Auto, None, P::Restore),
+        ];
+        for (m, t, want) in table {
+            assert_eq!(plan_repair(m, t), want, "{m:?} {t:?}");
+        }
+    }
+
+    #[test]
+    fn a_cursorless_start_repairs_when_the_fold_has_data_or_a_restore_is_armed_on_an_untrue_listing()
+     {
+        use RepairMode as M;
+        assert!(cursorless_start_needs_repair(M::Relist, true, Some(true)));
+        assert!(cursorless_start_needs_repair(M::None, true, Some(true)));
+        assert!(!cursorless_start_needs_repair(
+            M::Relist,
+            false,
+            Some(false)
+        ));
+        assert!(!cursorless_start_needs_repair(M::Auto, false, Some(true)));
+        assert!(cursorless_start_needs_repair(M::Auto, false, Some(false)));
+        assert!(cursorless_start_needs_repair(M::Restore, false, None));
+        assert!(!cursorless_start_needs_repair(M::None, false, None));
+    }
+
+    #[test]
+    fn a_restore_is_allowed_only_strictly_ahead_and_inside_retention() {
+        // (artifact, local, first sequence, expected)
+        let table = [
+            (100, Some(50), 90, true),
+            (100, Some(100), 90, false), // not strictly ahead
+            (100, Some(150), 90, false), // behind
+            (100, None, 90, true),       // an empty fold
+            (100, Some(50), 101, true),  // resume at 101 is the head
+            (100, Some(50), 102, false), // its cursor aged out too
+        ];
+        for (a, l, f, want) in table {
+            assert_eq!(restore_allowed(a, l, f), want, "{a} {l:?} {f}");
+        }
+    }
+
+    #[test]
+    fn a_restore_never_moves_a_key_backward_nor_deletes_a_live_one() {
+        use KeyRestore as K;
+        // (local, artifact, identical, listed live, expected)
+        let table = [
+            (Some(5), Some(5), true, true, K::Keep),
+            (Some(5), Some(9), false, true, K::Take),
+            (Some(9), Some(5), false, true, K::Keep),
+            (None, Some(5), false, false, K::Take),
+            (Some(5), None, false, true, K::Keep),
+            (Some(5), None, false, false, K::Delete),
+            (None, None, false, false, K::Keep),
+            (Some(0), Some(5), false, true, K::Take), // an unknown local version is older
+        ];
+        for (l, a, same, live, want) in table {
+            assert_eq!(
+                restore_key(l, a, same, live),
+                want,
+                "{l:?} {a:?} {same} {live}"
+            );
+        }
+    }
+
+    #[test]
+    fn an_age_only_gap_is_trusted_only_within_half_of_max_age() {
+        use std::time::Duration as D;
+        let hour = D::from_secs(3600);
+        assert!(gap_holds_no_eviction(true, hour, D::from_secs(1800)));
+        assert!(!gap_holds_no_eviction(true, hour, D::from_secs(1801)));
+        assert!(!gap_holds_no_eviction(false, hour, D::from_secs(1)));
+        assert!(!gap_holds_no_eviction(true, D::ZERO, D::ZERO));
+    }
 
     #[test]
     fn applied_through_stays_below_the_oldest_retained_record() {
