@@ -415,6 +415,12 @@ pub trait KvWatcher: Send + Sync {
         tx: mpsc::Sender<WatchEvent>,
     ) -> Result<(), KvError>;
 
+    /// The bucket's retention as the server holds it *now* (never the creation-time config:
+    /// retention can be edited). `None` when this backend cannot say.
+    async fn retention(&self) -> Result<Option<crate::protocol::Retention>, KvError> {
+        Ok(None)
+    }
+
     /// State-sync watch of the whole bucket.
     async fn watch_all(&self, tx: mpsc::Sender<WatchEvent>) -> Result<(), KvError> {
         self.watch(&WatchScope::All, tx).await

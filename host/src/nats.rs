@@ -298,6 +298,30 @@ impl NatsKv {
         })
     }
 
+    /// The stream's retention, read live: whether it can evict a current value, and its first
+    /// retained sequence.
+    pub async fn read_retention(&self) -> Result<crate::protocol::Retention, KvError> {
+        let info = timed("stream info", self.timeout, async {
+            self.kv
+                .stream
+                .get_info()
+                .await
+                .map_err(|e| backend("stream info", e))
+        })
+        .await?;
+        let c = &info.config;
+        Ok(crate::protocol::Retention {
+            evicts_current_values: crate::protocol::retention_evicts_current_values(
+                c.max_age,
+                c.max_bytes,
+                c.max_messages,
+                c.discard == async_nats::jetstream::stream::DiscardPolicy::Old,
+                c.allow_message_ttl,
+            ),
+            first_revision: info.state.first_sequence,
+        })
+    }
+
     /// The subject filters for a scope: whole-token prefixes filter on the server; a prefix that
     /// ends mid-token filters on its last whole token and the rest is checked per message.
     pub fn filter_subjects(&self, scope: &WatchScope) -> Result<Vec<String>, KvError> {
@@ -685,6 +709,10 @@ impl KvWriter for NatsKv {
 
 #[async_trait]
 impl KvWatcher for NatsKv {
+    async fn retention(&self) -> Result<Option<crate::protocol::Retention>, KvError> {
+        self.read_retention().await.map(Some)
+    }
+
     async fn watch(&self, scope: &WatchScope, tx: mpsc::Sender<WatchEvent>) -> Result<(), KvError> {
         self.run_watch(scope, consumer::DeliverPolicy::LastPerSubject, tx)
             .await

@@ -267,9 +267,45 @@ pub fn gap_holds_no_eviction(
     age_only && !max_age.is_zero() && cursor_message_age.saturating_mul(2) <= max_age
 }
 
+/// Whether a stream's retention can remove a key's *current* value (not only superseded ones): an
+/// age limit, a message or byte limit that discards the oldest messages, or per-message TTLs. A
+/// per-key history limit only drops superseded revisions, and `discard: new` refuses writes
+/// rather than evicting, so neither counts.
+pub fn retention_evicts_current_values(
+    max_age: std::time::Duration,
+    max_bytes: i64,
+    max_messages: i64,
+    discard_old: bool,
+    message_ttl: bool,
+) -> bool {
+    !max_age.is_zero() || (discard_old && (max_bytes > 0 || max_messages > 0)) || message_ttl
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_age_oldest_first_limits_and_ttls_evict_current_values() {
+        use std::time::Duration as D;
+        // (max_age, max_bytes, max_messages, discard old, ttl, expected)
+        let table = [
+            (D::ZERO, -1, -1, false, false, false),
+            (D::ZERO, -1, -1, true, false, false),
+            (D::from_secs(60), -1, -1, false, false, true),
+            (D::ZERO, 1 << 20, -1, true, false, true),
+            (D::ZERO, 1 << 20, -1, false, false, false), // discard new refuses writes instead
+            (D::ZERO, -1, 1000, true, false, true),
+            (D::ZERO, -1, -1, false, true, true),
+        ];
+        for (age, bytes, msgs, old, ttl, want) in table {
+            assert_eq!(
+                retention_evicts_current_values(age, bytes, msgs, old, ttl),
+                want,
+                "{age:?} {bytes} {msgs} {old} {ttl}"
+            );
+        }
+    }
 
     #[test]
     fn the_listing_is_the_truth_only_where_nothing_current_was_ever_evicted() {

@@ -207,3 +207,68 @@ async fn multi_prefix_delta_delivers_only_in_scope_updates_after_the_cursor() ->
     assert!(revs.iter().all(|r| *r > cursor.revision_or_zero()));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retention_is_read_live_from_the_stream_and_follows_an_edited_config() -> anyhow::Result<()>
+{
+    let h = Harness::start().await?;
+    let keep = h.bucket("keepvalues").await?;
+    for i in 0..5 {
+        keep.put(&format!("k{i}"), "v".into()).await?;
+    }
+    let r = keep
+        .retention()
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("NATS can say"))?;
+    assert!(!r.evicts_current_values, "no limits, history only: {r:?}");
+    assert_eq!(r.first_revision, 1);
+    assert!(foldhost::protocol::listing_is_truth(
+        r.evicts_current_values,
+        r.first_revision,
+        false
+    ));
+
+    let aging = h
+        .conn
+        .bucket(
+            "aging",
+            &foldhost::stores::StoreConfig {
+                max_bytes: None,
+                max_age: Some(Duration::from_secs(3600)),
+                ..foldhost::stores::StoreConfig::default()
+            },
+        )
+        .await?;
+    let r = aging
+        .retention()
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no retention"))?;
+    assert!(
+        r.evicts_current_values,
+        "max_age evicts current values: {r:?}"
+    );
+
+    // Edit the first bucket's stream: a message limit that discards the oldest. Read live, the
+    // retention changes at once; and once the limit has evicted, the listing is not the truth.
+    let js = keep.jetstream().clone();
+    let mut stream = js.get_stream("KV_keepvalues").await?;
+    let mut config = stream.info().await?.config.clone();
+    config.max_messages = 3;
+    config.discard = async_nats::jetstream::stream::DiscardPolicy::Old;
+    js.update_stream(config).await?;
+    let r = keep
+        .retention()
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no retention"))?;
+    assert!(
+        r.evicts_current_values,
+        "the edited config is what counts: {r:?}"
+    );
+    assert!(r.first_revision > 1, "the limit evicted k0 and k1: {r:?}");
+    assert!(!foldhost::protocol::listing_is_truth(
+        r.evicts_current_values,
+        r.first_revision,
+        false
+    ));
+    Ok(())
+}
