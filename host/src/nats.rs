@@ -283,14 +283,7 @@ impl NatsKv {
 
     /// Reads the stream's live positions.
     pub async fn positions(&self) -> Result<StreamPositions, KvError> {
-        let info = timed("stream info", self.timeout, async {
-            self.kv
-                .stream
-                .get_info()
-                .await
-                .map_err(|e| backend("stream info", e))
-        })
-        .await?;
+        let info = self.stream_info().await?;
         Ok(StreamPositions {
             first_sequence: info.state.first_sequence,
             last_sequence: info.state.last_sequence,
@@ -298,17 +291,22 @@ impl NatsKv {
         })
     }
 
-    /// The stream's retention, read live: whether it can evict a current value, and its first
-    /// retained sequence.
-    pub async fn read_retention(&self) -> Result<crate::protocol::Retention, KvError> {
-        let info = timed("stream info", self.timeout, async {
+    /// The stream's info (config and state), fresh from the server.
+    async fn stream_info(&self) -> Result<async_nats::jetstream::stream::Info, KvError> {
+        timed("stream info", self.timeout, async {
             self.kv
                 .stream
                 .get_info()
                 .await
                 .map_err(|e| backend("stream info", e))
         })
-        .await?;
+        .await
+    }
+
+    /// The stream's retention, read live: whether it can evict a current value, and its first
+    /// retained sequence.
+    pub async fn read_retention(&self) -> Result<crate::protocol::Retention, KvError> {
+        let info = self.stream_info().await?;
         let c = &info.config;
         Ok(crate::protocol::Retention {
             evicts_current_values: crate::protocol::retention_evicts_current_values(

@@ -271,16 +271,22 @@ pub const SWAP_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// `POST /export`: the body is the output path (a directory, or a file ending `.tar`) on the host's
 /// machine; the answer is the artifact's manifest.
-async fn export(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8> {
-    if let Some(token) = &state.admin_token
-        && head.bearer.as_deref() != Some(token.as_str())
-    {
-        return response(
+/// The 401 answer when `state` has an admin token and the request does not carry it.
+fn refuse_without_token(head: &RequestHead, state: &ServeState, what: &str) -> Option<Vec<u8>> {
+    let token = state.admin_token.as_deref()?;
+    (head.bearer.as_deref() != Some(token)).then(|| {
+        response(
             401,
             "Unauthorized",
             "text/plain",
-            b"export needs the admin bearer token\n",
-        );
+            format!("{what} needs the admin bearer token\n").as_bytes(),
+        )
+    })
+}
+
+async fn export(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8> {
+    if let Some(refused) = refuse_without_token(head, state, "export") {
+        return refused;
     }
     let Ok(out) = String::from_utf8(body) else {
         return response(400, "Bad Request", "text/plain", b"the path is not UTF-8\n");
@@ -304,15 +310,8 @@ async fn export(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8
 }
 
 async fn swap(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8> {
-    if let Some(token) = &state.admin_token
-        && head.bearer.as_deref() != Some(token.as_str())
-    {
-        return response(
-            401,
-            "Unauthorized",
-            "text/plain",
-            b"swap needs the admin bearer token\n",
-        );
+    if let Some(refused) = refuse_without_token(head, state, "swap") {
+        return refused;
     }
     let Some(engine) = state.engine.clone() else {
         return response(
