@@ -238,6 +238,21 @@ fn discard(stage: &Path) {
     let _ = std::fs::remove_dir_all(stage);
 }
 
+/// `r`, with `stage` removed when it is an error: every failure path of a staged step.
+fn or_discard<T>(stage: &Path, r: Result<T, ArtifactError>) -> Result<T, ArtifactError> {
+    if r.is_err() {
+        discard(stage);
+    }
+    r
+}
+
+/// Creates `stage/data` and returns it.
+fn make_stage(stage: &Path) -> Result<PathBuf, ArtifactError> {
+    let data = stage.join(DATA_DIR);
+    std::fs::create_dir_all(&data).map_err(io_err(&data, "create stage"))?;
+    Ok(data)
+}
+
 fn sync_dir(dir: &Path) -> Result<(), ArtifactError> {
     File::open(dir)
         .and_then(|d| d.sync_all())
@@ -324,8 +339,7 @@ pub fn export_stage<S: SnapshotStore + ?Sized>(
     backend: Backend,
     stage: &Path,
 ) -> Result<WatchCursor, ArtifactError> {
-    let data = stage.join(DATA_DIR);
-    std::fs::create_dir_all(&data).map_err(io_err(&data, "create stage"))?;
+    let data = make_stage(stage)?;
     let cursor = store.cursor();
     store.export_to(&data)?;
     crate::storedir::write_meta(&data, backend)?;
@@ -342,11 +356,7 @@ pub fn seal(
     scope: Option<String>,
     progress: Progress<'_>,
 ) -> Result<ExportManifest, ArtifactError> {
-    let r = seal_inner(stage, out, cursor, scope, progress);
-    if r.is_err() {
-        discard(stage);
-    }
-    r
+    or_discard(stage, seal_inner(stage, out, cursor, scope, progress))
 }
 
 fn seal_inner(
@@ -436,13 +446,7 @@ pub fn export_store<S: SnapshotStore + ?Sized>(
         return Err(ArtifactError::Exists(out.to_path_buf()));
     }
     let stage = stage_path(out, "export");
-    let cursor = match export_stage(store, backend, &stage) {
-        Ok(c) => c,
-        Err(e) => {
-            discard(&stage);
-            return Err(e);
-        }
-    };
+    let cursor = or_discard(&stage, export_stage(store, backend, &stage))?;
     seal_to(&stage, out, cursor, scope, progress)
 }
 
@@ -482,36 +486,23 @@ pub async fn export_live(
         return Err(ArtifactError::Exists(out));
     }
     let stage = stage_path(&out, "export");
-    let data = stage.join(DATA_DIR);
-    std::fs::create_dir_all(&data).map_err(io_err(&data, "create stage"))?;
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let sent = control
-        .send(crate::applied::Control::Export {
+    let copied = async {
+        let data = make_stage(&stage)?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let export = crate::applied::Control::Export {
             dir: data.clone(),
             reply: tx,
-        })
-        .await;
-    let copied = match sent {
-        Ok(()) => rx
+        };
+        if control.send(export).await.is_err() {
+            return Err(ArtifactError::Fold("not running".into()));
+        }
+        let (cursor, _keys) = rx
             .await
-            .map_err(|_| ArtifactError::Fold("stopped before the export".into())),
-        Err(_) => Err(ArtifactError::Fold("not running".into())),
+            .map_err(|_| ArtifactError::Fold("stopped before the export".into()))??;
+        crate::storedir::write_meta(&data, backend)?;
+        Ok(cursor)
     };
-    let cursor = match copied {
-        Ok(Ok((cursor, _keys))) => cursor,
-        Ok(Err(e)) => {
-            discard(&stage);
-            return Err(e.into());
-        }
-        Err(e) => {
-            discard(&stage);
-            return Err(e);
-        }
-    };
-    if let Err(e) = crate::storedir::write_meta(&data, backend) {
-        discard(&stage);
-        return Err(e.into());
-    }
+    let cursor = or_discard(&stage, copied.await)?;
     tokio::task::spawn_blocking(move || seal_to(&stage, &out, cursor, scope, &mut |_, _| {}))
         .await
         .map_err(|e| ArtifactError::Fold(format!("export task: {e}")))?
@@ -625,11 +616,7 @@ fn import_dir(
         return Err(ArtifactError::MissingFile(missing.path.clone()));
     }
     let stage = stage_path(dest, "import");
-    let r = import_stage(artifact, &m, &stage, dest, progress);
-    if r.is_err() {
-        discard(&stage);
-    }
-    r.map(|()| m)
+    or_discard(&stage, import_stage(artifact, &m, &stage, dest, progress)).map(|()| m)
 }
 
 fn import_stage(

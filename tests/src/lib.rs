@@ -102,6 +102,17 @@ pub fn foldhost_bin() -> PathBuf {
     dir.join("foldhost")
 }
 
+/// `foldhost run` of `bucket` on `h`'s server into `store`, serving `--listen ADDR` when given.
+pub fn run_command(h: &Harness, bucket: &str, store: &Path, listen: Option<&str>) -> Command {
+    let mut c = foldhost();
+    c.args(["run", "--bucket", bucket, "--nats", &h.url(), "--store"])
+        .arg(store);
+    if let Some(addr) = listen {
+        c.args(["--listen", addr]);
+    }
+    c
+}
+
 /// A `foldhost` command with logging quiet unless asked.
 pub fn foldhost() -> Command {
     let bin = foldhost_bin();

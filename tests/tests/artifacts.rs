@@ -11,7 +11,8 @@ use foldhost::kv::{KvEntry, KvUpdate, KvWriter, VersionToken, WatchCursor};
 use foldhost::snapshot::SnapshotStore;
 use foldhost::storedir::{AnyStore, Backend};
 use foldhost_tests::{
-    Harness, bucket_contents, dump_store, first_difference, foldhost, terminate, wait_status,
+    Harness, bucket_contents, dump_store, first_difference, foldhost, run_command, terminate,
+    wait_status,
 };
 use rand::{Rng, SeedableRng};
 
@@ -108,18 +109,7 @@ async fn a_live_export_under_writes_bootstraps_a_node_that_replays_only_the_tail
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("node1");
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
-    let mut host = foldhost()
-        .args([
-            "run",
-            "--bucket",
-            "art",
-            "--nats",
-            &h.url(),
-            "--listen",
-            &addr,
-        ])
-        .arg("--store")
-        .arg(&store)
+    let mut host = run_command(&h, "art", &store, Some(&addr))
         .stderr(Stdio::null())
         .spawn()?;
     wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(3000)).await?;
@@ -187,10 +177,8 @@ async fn a_live_export_under_writes_bootstraps_a_node_that_replays_only_the_tail
         "import: {}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let o = foldhost()
-        .args(["run", "--bucket", "art", "--nats", &h.url(), "--catch-up"])
-        .arg("--store")
-        .arg(&node2)
+    let o = run_command(&h, "art", &node2, None)
+        .arg("--catch-up")
         .env("FOLDHOST_LOG", "foldhost=debug")
         .output()?;
     let log = String::from_utf8_lossy(&o.stderr).into_owned();

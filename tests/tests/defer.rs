@@ -19,8 +19,8 @@ use foldhost::snapshot::{
     AppendLogOptions, AppendLogSnapshot, FoldRead, SharedStore, SnapshotStore,
 };
 use foldhost_tests::{
-    Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, status_store,
-    terminate, wait_status,
+    Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, run_command,
+    status_store, terminate, wait_status,
 };
 
 /// A native applier that defers `fmt2:` values unless it is the "new version", and records what it
@@ -190,20 +190,9 @@ fn start_host(
     addr: &str,
     extra: &[&str],
 ) -> anyhow::Result<Child> {
-    Ok(foldhost()
-        .args([
-            "run",
-            "--bucket",
-            bucket,
-            "--nats",
-            &h.url(),
-            "--listen",
-            addr,
-        ])
+    Ok(run_command(h, bucket, store, Some(addr))
         .arg("--guest")
         .arg(guest_wasm("kvstore"))
-        .arg("--store")
-        .arg(store)
         .args(extra)
         .env("FOLDHOST_LOG", "foldhost=debug")
         .stderr(Stdio::from(

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use foldhost::kv::KvWriter;
 use foldhost_tests::{
-    Harness, bucket_contents, dump_store, first_difference, foldhost, terminate, wait_status,
+    Harness, bucket_contents, dump_store, first_difference, run_command, terminate, wait_status,
 };
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -18,18 +18,7 @@ async fn fold_resumes_by_itself_after_the_server_restarts() -> anyhow::Result<()
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
-    let mut host = foldhost()
-        .args([
-            "run",
-            "--bucket",
-            "restart",
-            "--nats",
-            &h.url(),
-            "--listen",
-            &addr,
-        ])
-        .arg("--store")
-        .arg(&store)
+    let mut host = run_command(&h, "restart", &store, Some(&addr))
         .stderr(Stdio::null())
         .spawn()?;
     wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(1000)).await?;

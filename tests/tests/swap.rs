@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use foldhost::kv::KvWriter;
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, hostile_wat,
-    terminate, wait_status,
+    run_command, terminate, wait_status,
 };
 use rand::{Rng, SeedableRng};
 
@@ -19,21 +19,10 @@ fn start_host(
     addr: &str,
     token: Option<&str>,
 ) -> anyhow::Result<Child> {
-    let mut c = foldhost();
-    c.args([
-        "run",
-        "--bucket",
-        bucket,
-        "--nats",
-        &h.url(),
-        "--listen",
-        addr,
-    ])
-    .arg("--guest")
-    .arg(guest_wasm("kvstore"))
-    .arg("--store")
-    .arg(store)
-    .stderr(Stdio::null());
+    let mut c = run_command(h, bucket, store, Some(addr));
+    c.arg("--guest")
+        .arg(guest_wasm("kvstore"))
+        .stderr(Stdio::null());
     if let Some(t) = token {
         c.args(["--admin-token", t]);
     }
