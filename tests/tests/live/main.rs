@@ -1,0 +1,16 @@
+//! The integration suites, linked into one test binary.
+//!
+//! Every suite runs the real `foldhost` binary or library against a real nats-server. They live in
+//! one binary on purpose: each test binary links wasmtime, fjall and RocksDB (hundreds of MB with
+//! debug info), so nine binaries cost nine links and several GB of disk on a 2-core CI machine.
+//! nextest still runs every test in its own process.
+
+mod artifacts;
+mod cli;
+mod crash_safety;
+mod defer;
+mod guests;
+mod resume;
+mod server_restart;
+mod swap;
+mod watch_semantics;
