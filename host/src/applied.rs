@@ -200,6 +200,9 @@ pub enum AppliedError {
     /// A blocking store task panicked or was cancelled.
     #[error("store task: {0}")]
     Task(String),
+    /// An expired cursor could not be repaired (the fold is untouched by every refusal).
+    #[error(transparent)]
+    Repair(#[from] crate::repair::RepairError),
 }
 
 /// Live figures of a running fold, shared with status, metrics and progress displays.
@@ -242,6 +245,11 @@ pub struct FoldStatus {
     /// Records retained longer than the grace, named (key and revision), at most
     /// [`MAX_WARNINGS`] of them.
     pub warnings: std::sync::Mutex<Vec<String>>,
+    /// 1 once the fold's cursor carries the eviction memo (it has seen retention evict a current
+    /// value, and never trusts the bucket's listing again).
+    pub eviction_seen: AtomicU64,
+    /// Cursor-expiry repairs completed since start.
+    pub repairs: AtomicU64,
 }
 
 /// Most warnings kept in [`FoldStatus::warnings`].
@@ -298,6 +306,8 @@ pub struct WatchOptions {
     pub catch_up: bool,
     /// A record retained longer than this raises a warning naming it.
     pub defer_grace: Duration,
+    /// How an expired cursor is repaired (`--repair`, `--restore-from`).
+    pub repair: crate::repair::RepairConfig,
 }
 
 /// What a finished fold reports.
@@ -318,6 +328,8 @@ pub struct Fold<S: SnapshotStore> {
     status: Arc<FoldStatus>,
     /// Store keys of retained records already warned about (each is warned about once per run).
     warned: std::collections::BTreeSet<String>,
+    /// While set (a restore folding its difference), commits keep the cursor where it is.
+    frozen: bool,
 }
 
 impl<S: SnapshotStore> Fold<S> {
@@ -335,6 +347,7 @@ impl<S: SnapshotStore> Fold<S> {
             apply_streak: 0,
             status,
             warned: Default::default(),
+            frozen: false,
         };
         fold.publish_retained()?;
         Ok(fold)
@@ -352,6 +365,8 @@ impl<S: SnapshotStore> Fold<S> {
         let s = &self.status;
         s.cursor
             .store(self.applied.revision_or_zero(), Ordering::Relaxed);
+        s.eviction_seen
+            .store(u64::from(self.applied.memo().is_some()), Ordering::Relaxed);
         s.applied_through
             .store(through.unwrap_or(0), Ordering::Relaxed);
         s.retained.store(n, Ordering::Relaxed);
@@ -537,6 +552,45 @@ impl<S: SnapshotStore> Fold<S> {
         self.applied
     }
 
+    /// Keeps the cursor where it is on every commit while `frozen` (the restore's difference
+    /// carries real, older revisions that must not move it).
+    pub(crate) fn freeze_cursor(&mut self, frozen: bool) {
+        self.frozen = frozen;
+    }
+
+    /// Commits `cursor` with no data (a restore's final step, the eviction memo). The fold must
+    /// be settled.
+    pub async fn commit_position<A: Apply + ?Sized>(
+        &mut self,
+        cursor: WatchCursor,
+        apply: &mut A,
+    ) -> Result<(), AppliedError> {
+        debug_assert!(self.is_settled(), "commit_position on an unsettled fold");
+        let (_, r) = commit(&self.store, Vec::new(), cursor).await?;
+        r.map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        self.applied = cursor;
+        self.publish_retained()
+            .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        apply.on_applied(cursor).await;
+        Ok(())
+    }
+
+    /// Records durably, on the cursor, that this fold has seen retention evict a current value.
+    pub async fn remember_eviction<A: Apply + ?Sized>(
+        &mut self,
+        apply: &mut A,
+    ) -> Result<(), AppliedError> {
+        if self.applied.memo().is_some() {
+            return Ok(());
+        }
+        let cursor = self
+            .applied
+            .with_memo(Some(crate::kv::EvictionMemo::default()));
+        self.commit_position(cursor, apply).await?;
+        tracing::warn!(cursor = %cursor, "retention has evicted current values from this bucket: the fold will never trust its key listing again (eviction memo)");
+        Ok(())
+    }
+
     /// True when nothing waits to be committed.
     pub fn is_settled(&self) -> bool {
         self.requeued.is_empty()
@@ -611,9 +665,13 @@ impl<S: SnapshotStore> Fold<S> {
         // is the batch's).
         raw.extend(retained_now.iter().map(RetainedRecord::to_put));
         let batch_high = raw.iter().filter_map(KvUpdate::revision).max();
-        let cursor = match protocol::commit_cursor(self.applied.revision(), batch_high) {
-            Some(r) => WatchCursor::at(r),
-            None => WatchCursor::NONE,
+        // The memo rides along with every cursor; a frozen fold (a restore in progress) commits
+        // its data under the old cursor, so a crash re-runs the restore.
+        let cursor = if self.frozen {
+            self.applied
+        } else {
+            self.applied
+                .moved_to(protocol::commit_cursor(self.applied.revision(), batch_high))
         };
         let t = Instant::now();
         let (raw, result) = commit(&self.store, raw, cursor).await?;
@@ -779,16 +837,46 @@ where
         .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
     let mut grace_tick = tokio::time::interval(Duration::from_secs(1));
     grace_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Retention is read live at every watch start and every expiry, and periodically while a
+    // key-listing repair could still be planned and the memo is unset (seed 000: the fold reads
+    // retention while eviction is in force).
+    let retention = watcher.retention().await?;
+    note_retention(&mut fold, apply, retention).await?;
+    let mut retention_tick = tokio::time::interval(RETENTION_PERIOD);
+    retention_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    retention_tick.reset();
     // The channel carries chunks of updates; size it so it holds about `channel_capacity` updates.
     let depth = opts
         .batch
         .channel_capacity
         .div_ceil(crate::nats::WATCH_CHUNK)
         .max(2);
-    let (tx, mut rx) = mpsc::channel::<WatchEvent>(depth);
-    let start = fold.cursor();
-    let scope = opts.scope.clone();
-    let watch_task = tokio::spawn(async move { watcher.watch_from(&scope, start, tx).await });
+    // A start without a cursor repairs first when the fold holds data (a re-list would never
+    // remove what it does not deliver) or when a restore is armed and the listing is not the truth.
+    let mut relist_next = false;
+    if fold.cursor().revision().is_none() {
+        let has_data = {
+            let st = fold.store().clone();
+            let s = st
+                .read()
+                .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+            !s.is_empty()
+                .map_err(|e| AppliedError::Store { streak: 0, last: e })?
+        };
+        let armed = if opts.repair.restore_armed() {
+            opts.repair.mode
+        } else {
+            protocol::RepairMode::None
+        };
+        let truth = protocol::listing_truth(retention, fold.cursor().memo().is_some());
+        if protocol::cursorless_start_needs_repair(armed, has_data, truth) {
+            let why = KvError::CursorExpired {
+                resume_from: 1,
+                first_sequence: retention.map_or(0, |r| r.first_revision),
+            };
+            relist_next = repair_expired(&mut fold, apply, &*watcher, &opts, &status, why).await?;
+        }
+    }
     // Aborting on every exit path: the watch must not outlive the fold it feeds.
     struct AbortOnDrop(tokio::task::JoinHandle<Result<(), KvError>>);
     impl Drop for AbortOnDrop {
@@ -796,175 +884,216 @@ where
             self.0.abort();
         }
     }
-    let mut watch_task = AbortOnDrop(watch_task);
-
     tokio::pin!(shutdown);
-    let mut batch: Vec<KvUpdate> = Vec::with_capacity(opts.batch.max);
-    // One timer, re-armed when the batch opens: a fresh timer per delivery costs more than the
-    // delivery. A full batch never waits for it (the timer wheel ticks in milliseconds).
-    let timer = tokio::time::sleep(Duration::from_secs(3600));
-    tokio::pin!(timer);
-    let mut timer_armed = false;
-    let mut level: Option<Option<u64>> = None;
-    let mut backing_off = false;
-    // After a failed apply the batch is retried in halves, so the updates before a poison one are
-    // committed and the fold stops exactly at it; the size grows back after successes.
-    let mut cap = opts.batch.max;
 
-    loop {
-        if opts.catch_up
-            && let Some(through) = level
-            && protocol::caught_up(fold.cursor().revision(), through)
-            && batch.is_empty()
-            && fold.is_settled()
-        {
-            break;
-        }
-        let mut flush_now = false;
-        tokio::select! {
-            biased;
-            _ = &mut shutdown => {
-                flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
+    // One turn per watch: a repaired expiry starts the next (a delta from the restored cursor, or
+    // a state-sync re-list after the key-listing diff).
+    'watch: loop {
+        let (tx, mut rx) = mpsc::channel::<WatchEvent>(depth);
+        let start = fold.cursor();
+        let scope = opts.scope.clone();
+        let w = watcher.clone();
+        let relist = std::mem::take(&mut relist_next);
+        let watch_task = tokio::spawn(async move {
+            if relist {
+                w.watch(&scope, tx).await
+            } else {
+                w.watch_from(&scope, start, tx).await
+            }
+        });
+        let mut watch_task = AbortOnDrop(watch_task);
+        let mut expired: Option<KvError> = None;
+        let mut batch: Vec<KvUpdate> = Vec::with_capacity(opts.batch.max);
+        // One timer, re-armed when the batch opens: a fresh timer per delivery costs more than the
+        // delivery. A full batch never waits for it (the timer wheel ticks in milliseconds).
+        let timer = tokio::time::sleep(Duration::from_secs(3600));
+        tokio::pin!(timer);
+        let mut timer_armed = false;
+        let mut level: Option<Option<u64>> = None;
+        let mut backing_off = false;
+        // After a failed apply the batch is retried in halves, so the updates before a poison one are
+        // committed and the fold stops exactly at it; the size grows back after successes.
+        let mut cap = opts.batch.max;
+
+        'fold: loop {
+            if opts.catch_up
+                && let Some(through) = level
+                && protocol::caught_up(fold.cursor().revision(), through)
+                && batch.is_empty()
+                && fold.is_settled()
+            {
                 break;
             }
-            _ = &mut timer, if timer_armed => {
-                flush_now = true;
-            }
-            _ = grace_tick.tick() => {
-                fold.check_grace(opts.defer_grace)
-                    .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
-            }
-            c = recv_control(&mut control) => {
-                match c {
-                    Some(Control::Query { request, reply }) => {
-                        // Between batches: the applier's structure is whole.
-                        let answer = apply.query(&request).await;
-                        let _ = reply.send(answer);
-                    }
-                    Some(Control::Export { dir, reply }) => {
-                        // Everything delivered so far is applied and committed first, so the copy
-                        // is exactly the applied cursor; deliveries wait in the channel meanwhile.
-                        flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
-                        timer_armed = false;
-                        let store = fold.store().clone();
-                        let copied = tokio::task::spawn_blocking(move || {
-                            let s = store.read()?;
-                            s.export_to(&dir)?;
-                            Ok((s.cursor(), s.len()?))
-                        })
-                        .await
-                        .map_err(|e| AppliedError::Task(e.to_string()))?;
-                        let _ = reply.send(copied);
-                    }
-                    Some(Control::Swap { bytes, what, reply }) => {
-                        // Settle first: the new instance is rebuilt from the committed fold, so
-                        // everything the old one applied must be committed. Deliveries wait in the
-                        // channel meanwhile; the watch never stops.
-                        let t = Instant::now();
-                        flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
-                        timer_armed = false;
-                        let mut outcome = apply.swap(&what, &bytes).await;
-                        if let Ok(r) = &mut outcome {
-                            // The new version is offered the retained records first.
-                            let (released, still) = fold.release(apply).await?;
-                            r.released = released;
-                            r.still_retained = still;
-                            r.paused_ms = t.elapsed().as_millis() as u64;
-                        }
-                        match &outcome {
-                            Ok(r) => {
-                                status.set_guest(&r.to);
-                                tracing::info!(from = %r.from, to = %r.to, hydrated = r.hydrated_entries, hydrate_ms = r.hydrate_ms, paused_ms = r.paused_ms, "guest swapped");
-                            }
-                            Err(e) => tracing::warn!(error = %e, "swap refused; the running guest stays"),
-                        }
-                        let _ = reply.send(outcome);
-                    }
-                    None => control = None,
+            let mut flush_now = false;
+            tokio::select! {
+                biased;
+                _ = &mut shutdown => {
+                    flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
+                    break;
                 }
-            }
-            ev = rx.recv(), if !backing_off && batch.len() < opts.batch.max => {
-                let mut next = ev;
-                // Take whatever else is already queued, up to a full batch, without re-entering
-                // the select for each update.
-                loop {
-                    match on_event(next, &mut batch, &mut level, &status) {
-                        EventOutcome::Continue => {}
-                        EventOutcome::FlushNow => flush_now = true,
-                        EventOutcome::Closed => {
-                            // The watch ended: flush what it delivered, then report why it ended.
-                            flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
-                            let result = (&mut watch_task.0).await;
-                            match result {
-                                Ok(Ok(())) => return Ok(Finished { cursor: fold.cursor() }),
-                                Ok(Err(e)) => return Err(AppliedError::Watch(e)),
-                                Err(e) => return Err(AppliedError::Task(e.to_string())),
-                            }
-                        }
-                    }
-                    if batch.len() >= opts.batch.max {
-                        flush_now = true;
-                        break;
-                    }
-                    match rx.try_recv() {
-                        Ok(ev) => next = Some(ev),
-                        Err(mpsc::error::TryRecvError::Empty) => break,
-                        Err(mpsc::error::TryRecvError::Disconnected) => next = None,
-                    }
-                }
-                if opts.catch_up && level.is_some() {
+                _ = &mut timer, if timer_armed => {
                     flush_now = true;
                 }
-                if !flush_now && !timer_armed && !batch.is_empty() {
-                    timer.as_mut().reset(tokio::time::Instant::now() + opts.batch.window);
+                _ = grace_tick.tick() => {
+                    fold.check_grace(opts.defer_grace)
+                        .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+                }
+                _ = retention_tick.tick(), if watches_for_eviction(&opts, &fold) => {
+                    // Bounded: a slow server delays the fold by at most this, never stops it.
+                    if let Ok(Ok(Some(r))) = tokio::time::timeout(Duration::from_secs(5), watcher.retention()).await
+                        && protocol::retention_has_evicted(r)
+                    {
+                        flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
+                        timer_armed = false;
+                        note_retention(&mut fold, apply, Some(r)).await?;
+                    }
+                }
+                c = recv_control(&mut control) => {
+                    match c {
+                        Some(Control::Query { request, reply }) => {
+                            // Between batches: the applier's structure is whole.
+                            let answer = apply.query(&request).await;
+                            let _ = reply.send(answer);
+                        }
+                        Some(Control::Export { dir, reply }) => {
+                            // Everything delivered so far is applied and committed first, so the copy
+                            // is exactly the applied cursor; deliveries wait in the channel meanwhile.
+                            flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
+                            timer_armed = false;
+                            let store = fold.store().clone();
+                            let copied = tokio::task::spawn_blocking(move || {
+                                let s = store.read()?;
+                                s.export_to(&dir)?;
+                                Ok((s.cursor(), s.len()?))
+                            })
+                            .await
+                            .map_err(|e| AppliedError::Task(e.to_string()))?;
+                            let _ = reply.send(copied);
+                        }
+                        Some(Control::Swap { bytes, what, reply }) => {
+                            // Settle first: the new instance is rebuilt from the committed fold, so
+                            // everything the old one applied must be committed. Deliveries wait in the
+                            // channel meanwhile; the watch never stops.
+                            let t = Instant::now();
+                            flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
+                            timer_armed = false;
+                            let mut outcome = apply.swap(&what, &bytes).await;
+                            if let Ok(r) = &mut outcome {
+                                // The new version is offered the retained records first.
+                                let (released, still) = fold.release(apply).await?;
+                                r.released = released;
+                                r.still_retained = still;
+                                r.paused_ms = t.elapsed().as_millis() as u64;
+                            }
+                            match &outcome {
+                                Ok(r) => {
+                                    status.set_guest(&r.to);
+                                    tracing::info!(from = %r.from, to = %r.to, hydrated = r.hydrated_entries, hydrate_ms = r.hydrate_ms, paused_ms = r.paused_ms, "guest swapped");
+                                }
+                                Err(e) => tracing::warn!(error = %e, "swap refused; the running guest stays"),
+                            }
+                            let _ = reply.send(outcome);
+                        }
+                        None => control = None,
+                    }
+                }
+                ev = rx.recv(), if !backing_off && batch.len() < opts.batch.max => {
+                    let mut next = ev;
+                    // Take whatever else is already queued, up to a full batch, without re-entering
+                    // the select for each update.
+                    loop {
+                        match on_event(next, &mut batch, &mut level, &status) {
+                            EventOutcome::Continue => {}
+                            EventOutcome::FlushNow => flush_now = true,
+                            EventOutcome::Closed => {
+                                // The watch ended: flush what it delivered, then report why it ended.
+                                flush_all(&mut fold, &mut batch, opts.batch.max, apply).await?;
+                                let result = (&mut watch_task.0).await;
+                                match result {
+                                    Ok(Ok(())) => return Ok(Finished { cursor: fold.cursor() }),
+                                    Ok(Err(e @ KvError::CursorExpired { .. }))
+                                        if opts.repair.mode != protocol::RepairMode::None =>
+                                    {
+                                        expired = Some(e);
+                                        break 'fold;
+                                    }
+                                    Ok(Err(e)) => return Err(AppliedError::Watch(e)),
+                                    Err(e) => return Err(AppliedError::Task(e.to_string())),
+                                }
+                            }
+                        }
+                        if batch.len() >= opts.batch.max {
+                            flush_now = true;
+                            break;
+                        }
+                        match rx.try_recv() {
+                            Ok(ev) => next = Some(ev),
+                            Err(mpsc::error::TryRecvError::Empty) => break,
+                            Err(mpsc::error::TryRecvError::Disconnected) => next = None,
+                        }
+                    }
+                    if opts.catch_up && level.is_some() {
+                        flush_now = true;
+                    }
+                    if !flush_now && !timer_armed && !batch.is_empty() {
+                        timer.as_mut().reset(tokio::time::Instant::now() + opts.batch.window);
+                        timer_armed = true;
+                    }
+                }
+            }
+            if flush_now {
+                timer_armed = false;
+                backing_off = false;
+                loop {
+                    // A batch is at most `max` updates; a chunk from the watch can overfill it.
+                    let b = if batch.len() > cap {
+                        let rest = batch.split_off(cap);
+                        std::mem::replace(&mut batch, rest)
+                    } else {
+                        std::mem::take(&mut batch)
+                    };
+                    let tried = b.len();
+                    if let Some(mut back) = fold.flush(b, apply).await? {
+                        cap = (tried / 2).max(1);
+                        // apply failed: nothing committed; retry the same batch after a backoff,
+                        // taking no new deliveries meanwhile (the channel backpressures the watch).
+                        back.append(&mut batch);
+                        batch = back;
+                        backing_off = true;
+                        timer
+                            .as_mut()
+                            .reset(tokio::time::Instant::now() + apply_backoff(fold.apply_streak));
+                        timer_armed = true;
+                        break;
+                    }
+                    cap = cap.saturating_mul(2).min(opts.batch.max);
+                    if !fold.is_settled() {
+                        // A store failure re-queued the batch: retry even if nothing new arrives.
+                        timer
+                            .as_mut()
+                            .reset(tokio::time::Instant::now() + STORE_RETRY_DELAY);
+                        timer_armed = true;
+                        break;
+                    }
+                    if batch.is_empty() || (batch.len() < opts.batch.max && cap == opts.batch.max) {
+                        break;
+                    }
+                }
+                if !timer_armed && !batch.is_empty() {
+                    timer
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + opts.batch.window);
                     timer_armed = true;
                 }
             }
         }
-        if flush_now {
-            timer_armed = false;
-            backing_off = false;
-            loop {
-                // A batch is at most `max` updates; a chunk from the watch can overfill it.
-                let b = if batch.len() > cap {
-                    let rest = batch.split_off(cap);
-                    std::mem::replace(&mut batch, rest)
-                } else {
-                    std::mem::take(&mut batch)
-                };
-                let tried = b.len();
-                if let Some(mut back) = fold.flush(b, apply).await? {
-                    cap = (tried / 2).max(1);
-                    // apply failed: nothing committed; retry the same batch after a backoff,
-                    // taking no new deliveries meanwhile (the channel backpressures the watch).
-                    back.append(&mut batch);
-                    batch = back;
-                    backing_off = true;
-                    timer
-                        .as_mut()
-                        .reset(tokio::time::Instant::now() + apply_backoff(fold.apply_streak));
-                    timer_armed = true;
-                    break;
-                }
-                cap = cap.saturating_mul(2).min(opts.batch.max);
-                if !fold.is_settled() {
-                    // A store failure re-queued the batch: retry even if nothing new arrives.
-                    timer
-                        .as_mut()
-                        .reset(tokio::time::Instant::now() + STORE_RETRY_DELAY);
-                    timer_armed = true;
-                    break;
-                }
-                if batch.is_empty() || (batch.len() < opts.batch.max && cap == opts.batch.max) {
-                    break;
-                }
+        match expired {
+            // Everything delivered is committed (the close flushed it); repair, then watch again.
+            Some(why) => {
+                relist_next =
+                    repair_expired(&mut fold, apply, &*watcher, &opts, &status, why).await?;
             }
-            if !timer_armed && !batch.is_empty() {
-                timer
-                    .as_mut()
-                    .reset(tokio::time::Instant::now() + opts.batch.window);
-                timer_armed = true;
-            }
+            None => break 'watch,
         }
     }
     Ok(Finished {
@@ -972,8 +1101,90 @@ where
     })
 }
 
-/// Flushes until the batch and the re-queued updates are committed (shutdown and channel close).
-async fn flush_all<S: SnapshotStore, A: Apply + ?Sized>(
+/// How often retention is re-read during a live watch while a key-listing repair could still be
+/// planned and the memo is unset.
+pub const RETENTION_PERIOD: Duration = Duration::from_secs(60);
+
+fn watches_for_eviction<S: SnapshotStore>(opts: &WatchOptions, fold: &Fold<S>) -> bool {
+    matches!(
+        opts.repair.mode,
+        protocol::RepairMode::Relist | protocol::RepairMode::Auto
+    ) && fold.cursor().memo().is_none()
+}
+
+/// Commits the eviction memo the first time retention is seen to have evicted a current value.
+async fn note_retention<S: SnapshotStore, A: Apply + ?Sized>(
+    fold: &mut Fold<S>,
+    apply: &mut A,
+    retention: Option<protocol::Retention>,
+) -> Result<(), AppliedError> {
+    if let Some(r) = retention
+        && protocol::retention_has_evicted(r)
+        && fold.cursor().memo().is_none()
+    {
+        fold.remember_eviction(apply).await?;
+    }
+    Ok(())
+}
+
+/// Repairs an expired cursor (`why`) as `--repair` and the bucket's live retention allow; returns
+/// whether the next watch is a state-sync re-list. The fold must be settled.
+async fn repair_expired<S: SnapshotStore, A: Apply + ?Sized>(
+    fold: &mut Fold<S>,
+    apply: &mut A,
+    watcher: &dyn KvWatcher,
+    opts: &WatchOptions,
+    status: &FoldStatus,
+    why: KvError,
+) -> Result<bool, AppliedError> {
+    use crate::repair::{self, RepairError};
+    let retention = watcher.retention().await?;
+    note_retention(fold, apply, retention).await?;
+    let seen = fold.cursor().memo().is_some();
+    let plan = protocol::plan_repair(opts.repair.mode, protocol::listing_truth(retention, seen));
+    tracing::warn!(reason = %why, ?plan, cursor = %fold.cursor(), "cursor expired: repairing");
+    let report = match plan {
+        protocol::RepairPlan::None => return Err(AppliedError::Watch(why)),
+        protocol::RepairPlan::RefuseRelist => {
+            let because = if seen {
+                "this fold has seen the bucket's retention evict current values (eviction memo)"
+            } else if retention.is_none() {
+                "the bucket cannot report its retention"
+            } else {
+                "the bucket's retention evicts current values (max_age, a discard-old limit or per-message TTLs) and has evicted"
+            };
+            return Err(RepairError::Refused(format!(
+                "{why}; a key-listing repair would delete keys that only aged out: {because} (use --repair restore with --restore-from)"
+            ))
+            .into());
+        }
+        protocol::RepairPlan::Relist => {
+            repair::relist(fold, apply, &opts.repair, &opts.scope, opts.batch.max).await?
+        }
+        protocol::RepairPlan::Restore => repair::restore(
+            fold,
+            apply,
+            &opts.repair,
+            watcher,
+            &opts.scope,
+            opts.batch.max,
+        )
+        .await
+        .map_err(|e| match e {
+            AppliedError::Repair(RepairError::Refused(r)) => {
+                AppliedError::Repair(RepairError::Refused(format!("{why}; {r}")))
+            }
+            other => other,
+        })?,
+    };
+    status.repairs.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(kind = report.kind, listed = report.listed, deleted = report.deleted, taken = report.taken, cursor = ?report.cursor, "cursor-expiry repair done");
+    Ok(report.kind == "relist")
+}
+
+/// Flushes until the batch and the re-queued updates are committed (shutdown, channel close, and
+/// the repairs' own batches).
+pub(crate) async fn flush_all<S: SnapshotStore, A: Apply + ?Sized>(
     fold: &mut Fold<S>,
     batch: &mut Vec<KvUpdate>,
     max: usize,

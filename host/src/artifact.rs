@@ -511,20 +511,50 @@ pub async fn export_live(
 /// Reads and checks an artifact's manifest: size cap, schema, file count, every path.
 pub fn read_manifest(artifact: &Path) -> Result<ExportManifest, ArtifactError> {
     let path = artifact.join(MANIFEST_FILE);
-    let bad = |reason: String| ArtifactError::Manifest {
-        path: path.clone(),
-        reason,
-    };
     let f = File::open(&path).map_err(io_err(&path, "open manifest"))?;
     let mut bytes = Vec::new();
     f.take(MAX_MANIFEST_BYTES + 1)
         .read_to_end(&mut bytes)
         .map_err(io_err(&path, "read manifest"))?;
+    parse_manifest(&bytes, &path)
+}
+
+/// Reads and checks the manifest of a `.tar` artifact without unpacking it: the manifest is the
+/// tar's first entry ([`pack_tar`] writes it first).
+pub fn peek_tar_manifest(tar_path: &Path) -> Result<ExportManifest, ArtifactError> {
+    let bad = |reason: String| ArtifactError::Tar {
+        path: tar_path.to_path_buf(),
+        reason,
+    };
+    let file = File::open(tar_path).map_err(io_err(tar_path, "open"))?;
+    let mut archive = tar::Archive::new(std::io::BufReader::new(file));
+    let mut entries = archive.entries().map_err(|e| bad(e.to_string()))?;
+    let mut first = entries
+        .next()
+        .ok_or_else(|| bad("empty".into()))?
+        .map_err(|e| bad(e.to_string()))?;
+    if *first.path_bytes() != *MANIFEST_FILE.as_bytes() {
+        return Err(bad(format!("the first entry is not {MANIFEST_FILE}")));
+    }
+    let mut bytes = Vec::new();
+    (&mut first)
+        .take(MAX_MANIFEST_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| bad(e.to_string()))?;
+    parse_manifest(&bytes, &tar_path.join(MANIFEST_FILE))
+}
+
+/// Parses and checks manifest bytes read from `path`.
+fn parse_manifest(bytes: &[u8], path: &Path) -> Result<ExportManifest, ArtifactError> {
+    let bad = |reason: String| ArtifactError::Manifest {
+        path: path.to_path_buf(),
+        reason,
+    };
     if bytes.len() as u64 > MAX_MANIFEST_BYTES {
         return Err(bad(format!("larger than {MAX_MANIFEST_BYTES} bytes")));
     }
     let m: ExportManifest =
-        serde_json::from_slice(&bytes).map_err(|e| bad(format!("unreadable: {e}")))?;
+        serde_json::from_slice(bytes).map_err(|e| bad(format!("unreadable: {e}")))?;
     if !(1..=SCHEMA).contains(&m.schema) {
         return Err(bad(format!(
             "schema {} is not one this build reads (1..={SCHEMA})",

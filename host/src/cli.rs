@@ -170,6 +170,15 @@ pub struct RunArgs {
     /// Fold to the stream's last sequence as of start, then exit 0.
     #[arg(long)]
     pub catch_up: bool,
+    /// How an expired cursor is repaired: `auto` (the key-listing diff where the bucket's listing
+    /// is the truth, an artifact restore where retention evicts current values), `relist`,
+    /// `restore`, or `none` (stop with the expiry).
+    #[arg(long, default_value = "auto", value_name = "MODE")]
+    pub repair: String,
+    /// A directory of artifacts (directories or `.tar` files as `foldhost export` writes them); a
+    /// restore takes the one with the newest cursor. Without it no restore is armed.
+    #[arg(long, value_name = "DIR")]
+    pub restore_from: Option<PathBuf>,
     /// Warn (log and status) about a record a guest deferred that stays retained longer than this
     /// many seconds.
     #[arg(long, default_value_t = 1800)]
@@ -402,6 +411,15 @@ pub async fn run_fold(
         }
         None => parse_config(&a.guest_config)?,
     };
+    let repair_mode: crate::protocol::RepairMode = a
+        .repair
+        .parse()
+        .map_err(|e| anyhow!("--repair {}: {e}", a.repair))?;
+    if let Some(d) = &a.restore_from
+        && !d.is_dir()
+    {
+        bail!("--restore-from {}: not a directory", d.display());
+    }
     // Read, compile and link-check the guest before touching anything: a bad guest is refused
     // with the reason (a missing import named) and nothing is connected or written.
     let (engine, guest_bytes) = match &a.guest {
@@ -561,6 +579,16 @@ pub async fn run_fold(
         },
         catch_up: a.catch_up,
         defer_grace: Duration::from_secs(a.defer_grace_secs),
+        repair: crate::repair::RepairConfig {
+            mode: repair_mode,
+            restore_from: a
+                .restore_from
+                .clone()
+                .map(crate::repair::RestoreSource::new),
+            lister: Some(kv.clone() as Arc<dyn crate::kv::KvReader>),
+            scratch: Some(repair_scratch(&a.store)),
+            ..Default::default()
+        },
     };
     let result = watch_applied(
         kv,
@@ -742,6 +770,18 @@ fn merge_config(
     base
 }
 
+/// Where a run's repairs keep their scratch: a hidden directory beside the store (same file
+/// system, so the imported artifact is a rename away and the disk is the one the fold lives on).
+fn repair_scratch(store: &Path) -> PathBuf {
+    let name = store
+        .file_name()
+        .map_or_else(|| "store".into(), |n| n.to_string_lossy().into_owned());
+    store
+        .parent()
+        .unwrap_or_else(|| Path::new("."))
+        .join(format!(".{name}.repair"))
+}
+
 /// The `/status` JSON: the same fields as `status --json`, live.
 fn status_renderer(
     base: HostStatus,
@@ -776,6 +816,8 @@ fn status_renderer(
             "oldest_retained_revision": (oldest_ms > 0).then_some(oldest),
             "oldest_retained_age_s": (oldest_ms > 0).then(|| now_ms().saturating_sub(oldest_ms) / 1000),
             "warnings": status.warnings(),
+            "eviction_seen": status.eviction_seen.load(Ordering::Relaxed) == 1,
+            "repairs": status.repairs.load(Ordering::Relaxed),
         })
     })
 }
@@ -873,6 +915,8 @@ struct StatusJson {
     oldest_retained_revision: Option<u64>,
     oldest_retained_age_s: Option<u64>,
     warnings: Vec<String>,
+    /// The fold has seen retention evict current values (the cursor carries the eviction memo).
+    eviction_seen: bool,
     guest: Option<String>,
     backend: &'static str,
     keys: u64,
@@ -932,6 +976,7 @@ fn cmd_status(a: StatusArgs) -> anyhow::Result<()> {
             .as_ref()
             .map(|h| h.warnings.clone())
             .unwrap_or_default(),
+        eviction_seen: cursor.memo().is_some(),
         guest: host.as_ref().and_then(|h| h.guest.clone()),
         backend: store.backend(),
         keys: store.len()?.saturating_sub(retained.len() as u64),
@@ -964,6 +1009,12 @@ fn cmd_status(a: StatusArgs) -> anyhow::Result<()> {
             writeln!(out, "warning:         {w}")?;
         }
         writeln!(out, "keys:            {}", s.keys)?;
+        if s.eviction_seen {
+            writeln!(
+                out,
+                "eviction_seen:   true (retention evicted current values; the bucket's listing is never trusted)"
+            )?;
+        }
         writeln!(
             out,
             "guest:           {}",
@@ -1249,6 +1300,8 @@ async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         watch_guest: false,
         query_subject: None,
         catch_up: true,
+        repair: "auto".into(),
+        restore_from: None,
         defer_grace_secs: 1800,
         batch_window_ms: 10,
         batch_max: 100,

@@ -86,45 +86,129 @@ impl fmt::Debug for VersionToken {
 }
 
 /// A resume position in a watch stream (for NATS, the stream sequence of the last applied update).
-/// `None` means "never applied anything": a start from it is a full state-sync re-list.
+/// A revision of `None` means "never applied anything": a start from it is a full state-sync
+/// re-list.
+///
+/// A cursor may carry the **eviction memo** ([`EvictionMemo`]): this fold once saw the bucket's
+/// retention evict a current value, so a listing of the bucket is never again the truth for it
+/// (seed 000, "Retention can be edited"). Every cursor committed after it carries it on, and an
+/// artifact's store carries it to the node that imports it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
-pub struct WatchCursor(Option<u64>);
+pub struct WatchCursor {
+    revision: Option<u64>,
+    memo: Option<EvictionMemo>,
+}
+
+/// What a fold remembers once it has seen retention evict a current value.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
+pub struct EvictionMemo {
+    /// Server time (Unix nanoseconds) of the cursor's message when known, else 0.
+    pub server_time_unix_ns: u64,
+}
+
+/// The tag after the revision in a cursor with a memo (`'E' 'V' 'M'`, then flags).
+const MEMO_TAG: [u8; 3] = *b"EVM";
+/// Flag bit: the cursor has a revision (a memo can outlive a cursor-less fold's empty position).
+const MEMO_HAS_REVISION: u8 = 1;
 
 impl WatchCursor {
     /// The cursor of a fold that has applied nothing.
-    pub const NONE: WatchCursor = WatchCursor(None);
+    pub const NONE: WatchCursor = WatchCursor {
+        revision: None,
+        memo: None,
+    };
 
     /// A cursor at `revision`.
     pub fn at(revision: u64) -> Self {
-        WatchCursor(Some(revision))
+        WatchCursor {
+            revision: Some(revision),
+            memo: None,
+        }
     }
 
     /// The revision, if any.
     pub fn revision(&self) -> Option<u64> {
-        self.0
+        self.revision
     }
 
     /// The revision, or 0 for a cursor-less fold (comparisons treat "nothing" as 0).
     pub fn revision_or_zero(&self) -> u64 {
-        self.0.unwrap_or(0)
+        self.revision.unwrap_or(0)
     }
 
-    /// Encoding for durable storage: empty for `NONE`, else 8 bytes big-endian.
-    pub fn to_bytes(&self) -> Vec<u8> {
-        match self.0 {
-            None => Vec::new(),
-            Some(r) => r.to_be_bytes().to_vec(),
+    /// The eviction memo, if this fold has seen retention evict a current value.
+    pub fn memo(&self) -> Option<EvictionMemo> {
+        self.memo
+    }
+
+    /// This cursor carrying `memo` (or none).
+    pub fn with_memo(self, memo: Option<EvictionMemo>) -> Self {
+        WatchCursor {
+            revision: self.revision,
+            memo,
         }
     }
 
-    /// Decodes [`Self::to_bytes`]; `None` for any other length (the caller reports corruption).
+    /// The position `revision` keeping this cursor's memo: how a commit moves a cursor on.
+    pub fn moved_to(self, revision: Option<u64>) -> Self {
+        WatchCursor {
+            revision,
+            memo: self.memo,
+        }
+    }
+
+    /// Encoding for durable storage: empty for `NONE`; 8 bytes big-endian for a revision without
+    /// the memo (byte for byte the encoding before the memo existed); with the memo, 12 bytes
+    /// (`revision ++ "EVM" ++ flags`) or 20 when the server time is known (`++ time`), so a memo
+    /// cursor is longer than any bare one and an old reader refuses it rather than misread it.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        match (self.revision, self.memo) {
+            (None, None) => Vec::new(),
+            (Some(r), None) => r.to_be_bytes().to_vec(),
+            (r, Some(m)) => {
+                let mut out = Vec::with_capacity(20);
+                out.extend_from_slice(&r.unwrap_or(0).to_be_bytes());
+                out.extend_from_slice(&MEMO_TAG);
+                out.push(if r.is_some() { MEMO_HAS_REVISION } else { 0 });
+                if m.server_time_unix_ns != 0 {
+                    out.extend_from_slice(&m.server_time_unix_ns.to_be_bytes());
+                }
+                out
+            }
+        }
+    }
+
+    /// Decodes [`Self::to_bytes`]; `None` for any other shape (the caller reports corruption).
     pub fn from_bytes(raw: &[u8]) -> Option<Self> {
+        let u64_at = |at: usize| -> Option<u64> {
+            let b: [u8; 8] = raw.get(at..at + 8)?.try_into().ok()?;
+            Some(u64::from_be_bytes(b))
+        };
         match raw.len() {
-            0 => Some(WatchCursor(None)),
-            8 => {
-                let mut b = [0u8; 8];
-                b.copy_from_slice(raw);
-                Some(WatchCursor(Some(u64::from_be_bytes(b))))
+            0 => Some(WatchCursor::NONE),
+            8 => Some(WatchCursor::at(u64_at(0)?)),
+            12 | 20 => {
+                if raw[8..11] != MEMO_TAG || raw[11] & !MEMO_HAS_REVISION != 0 {
+                    return None;
+                }
+                let rev = u64_at(0)?;
+                let revision = if raw[11] & MEMO_HAS_REVISION != 0 {
+                    Some(rev)
+                } else if rev == 0 {
+                    None
+                } else {
+                    return None;
+                };
+                let server_time_unix_ns = if raw.len() == 20 { u64_at(12)? } else { 0 };
+                if raw.len() == 20 && server_time_unix_ns == 0 {
+                    return None; // a known time of 0 is written as the 12-byte form
+                }
+                Some(WatchCursor {
+                    revision,
+                    memo: Some(EvictionMemo {
+                        server_time_unix_ns,
+                    }),
+                })
             }
             _ => None,
         }
@@ -133,16 +217,20 @@ impl WatchCursor {
 
 impl fmt::Debug for WatchCursor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.0 {
-            Some(r) => write!(f, "cursor:{r}"),
-            None => write!(f, "cursor:none"),
+        match self.revision {
+            Some(r) => write!(f, "cursor:{r}")?,
+            None => write!(f, "cursor:none")?,
         }
+        if self.memo.is_some() {
+            write!(f, "+evicted")?;
+        }
+        Ok(())
     }
 }
 
 impl fmt::Display for WatchCursor {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.0 {
+        match self.revision {
             Some(r) => write!(f, "{r}"),
             None => write!(f, "none"),
         }
@@ -316,6 +404,25 @@ pub trait KvReader: Send + Sync {
     async fn keys(&self, prefix: &str) -> Result<Vec<String>, KvError>;
     /// Every live entry under `prefix` (empty: all), in key order.
     async fn scan(&self, prefix: &str) -> Result<Vec<KvEntry>, KvError>;
+    /// Calls `each` with every live key in `scope`, in no particular order, and returns how many.
+    /// A backend that can stream its listing overrides this so the listing is never held in
+    /// memory (the repair sorts it externally); the default lists through [`Self::keys`].
+    async fn for_each_key(
+        &self,
+        scope: &WatchScope,
+        each: &mut (dyn FnMut(String) -> Result<(), KvError> + Send),
+    ) -> Result<u64, KvError> {
+        let mut n = 0u64;
+        for prefix in scope.disjoint_prefixes() {
+            for k in self.keys(&prefix).await? {
+                if scope.contains(&k) {
+                    each(k)?;
+                    n += 1;
+                }
+            }
+        }
+        Ok(n)
+    }
 }
 
 /// Writes, soft deletes and compare-and-set. No multi-key transactions.
@@ -376,6 +483,27 @@ impl WatchScope {
         Err(KvError::Invalid(format!(
             "scope {s:?}: expected all, prefix:P or prefixes:P1,P2"
         )))
+    }
+
+    /// The scope as key prefixes in ascending order, none a prefix of another (`All` is `[""]`):
+    /// scanning each in turn visits every key in scope exactly once, in key order.
+    pub fn disjoint_prefixes(&self) -> Vec<String> {
+        let mut ps: Vec<String> = match self {
+            WatchScope::All => return vec![String::new()],
+            WatchScope::Prefix(p) => return vec![p.clone()],
+            WatchScope::Prefixes(ps) => ps.clone(),
+        };
+        ps.sort();
+        ps.dedup();
+        let mut out: Vec<String> = Vec::with_capacity(ps.len());
+        for p in ps {
+            // Sorted: a prefix that covers `p` sorts right before it (or before a run it covers).
+            if out.last().is_some_and(|q| p.starts_with(q.as_str())) {
+                continue;
+            }
+            out.push(p);
+        }
+        out
     }
 
     /// Whether `key` is inside this scope.
@@ -505,6 +633,61 @@ mod tests {
             assert_eq!(WatchCursor::from_bytes(&c.to_bytes()), Some(c));
         }
         assert_eq!(WatchCursor::from_bytes(&[1, 2, 3]), None);
+    }
+
+    #[test]
+    fn cursor_memo_round_trips_and_leaves_a_bare_cursor_byte_for_byte() {
+        let memo = Some(EvictionMemo {
+            server_time_unix_ns: 0,
+        });
+        let timed = Some(EvictionMemo {
+            server_time_unix_ns: 1_700_000_000_000_000_000,
+        });
+        // A bare cursor is the encoding every older fold holds: exactly 8 big-endian bytes.
+        assert_eq!(WatchCursor::at(7).to_bytes(), 7u64.to_be_bytes().to_vec());
+        for (c, len) in [
+            (WatchCursor::at(7).with_memo(memo), 12),
+            (WatchCursor::at(7).with_memo(timed), 20),
+            (WatchCursor::NONE.with_memo(memo), 12),
+            (WatchCursor::NONE.with_memo(timed), 20),
+            (WatchCursor::at(0).with_memo(memo), 12),
+        ] {
+            let b = c.to_bytes();
+            assert_eq!(b.len(), len, "{c:?}");
+            assert_eq!(WatchCursor::from_bytes(&b), Some(c), "{c:?}");
+        }
+        // The memo survives a move; a fresh cursor has none.
+        let moved = WatchCursor::at(7).with_memo(memo).moved_to(Some(9));
+        assert_eq!(moved.revision(), Some(9));
+        assert_eq!(moved.memo(), memo);
+        // Bad tags, flags, a revision without its flag, a zero 20-byte time: refused.
+        let mut bad = WatchCursor::at(7).with_memo(memo).to_bytes();
+        bad[9] = b'X';
+        assert_eq!(WatchCursor::from_bytes(&bad), None);
+        let mut bad = WatchCursor::at(7).with_memo(memo).to_bytes();
+        bad[11] = 0x80;
+        assert_eq!(WatchCursor::from_bytes(&bad), None);
+        let mut bad = WatchCursor::at(7).with_memo(memo).to_bytes();
+        bad[11] = 0;
+        assert_eq!(WatchCursor::from_bytes(&bad), None);
+        let mut bad = WatchCursor::at(7).with_memo(memo).to_bytes();
+        bad.extend_from_slice(&[0; 8]);
+        assert_eq!(WatchCursor::from_bytes(&bad), None);
+    }
+
+    #[test]
+    fn disjoint_prefixes_visit_each_key_in_scope_once_in_order() {
+        assert_eq!(WatchScope::All.disjoint_prefixes(), vec![String::new()]);
+        let s = WatchScope::Prefixes(vec!["b/".into(), "a".into(), "ab".into(), "b/".into()]);
+        assert_eq!(
+            s.disjoint_prefixes(),
+            vec!["a".to_string(), "b/".to_string()]
+        );
+        let s = WatchScope::Prefixes(vec!["x1".into(), "x".into(), "x2".into(), "y".into()]);
+        assert_eq!(
+            s.disjoint_prefixes(),
+            vec!["x".to_string(), "y".to_string()]
+        );
     }
 
     #[test]

@@ -26,6 +26,7 @@ pub mod kv;
 pub mod localnats;
 pub mod nats;
 pub mod protocol;
+pub mod repair;
 pub mod retained;
 pub mod serve;
 pub mod snapshot;

@@ -42,6 +42,14 @@ const KV_OPERATION: async_nats::header::HeaderName =
 /// Most updates sent through the watch channel as one message.
 pub const WATCH_CHUNK: usize = 64;
 
+/// Period of the floor guard's backstop probe: when no delivery arrives for this long, the stream's
+/// first sequence is checked against the frontier directly (seed 000: 30 s).
+pub const FLOOR_BACKSTOP: Duration = Duration::from_secs(30);
+
+/// How long the floor guard trusts a stream-info answer that retention does not evict current
+/// values (on such a bucket a skipped sequence was superseded, and its successor is delivered).
+pub const FLOOR_NON_EVICTING_TRUST: Duration = Duration::from_secs(1);
+
 /// The header a headers-only delivery carries with the payload's size.
 const NATS_MSG_SIZE: async_nats::header::HeaderName =
     async_nats::header::HeaderName::from_static("Nats-Msg-Size");
@@ -307,19 +315,57 @@ impl NatsKv {
     /// retained sequence.
     pub async fn read_retention(&self) -> Result<crate::protocol::Retention, KvError> {
         let info = self.stream_info().await?;
-        let c = &info.config;
-        Ok(crate::protocol::Retention {
-            evicts_current_values: crate::protocol::retention_evicts_current_values(
-                c.max_age,
-                c.max_bytes,
-                c.max_messages,
-                c.discard == async_nats::jetstream::stream::DiscardPolicy::Old,
-                c.allow_message_ttl,
-            ),
-            first_revision: info.state.first_sequence,
-        })
+        Ok(retention_of(&info))
     }
 
+    /// The live floor guard's check after a delivery gap (or a quiet backstop period) following
+    /// `frontier`, the last stream sequence delivered: ends the watch with `CursorExpired` when the
+    /// stream's retention evicts current values and its first retained sequence has passed
+    /// `frontier + 1` ([`protocol::floor_guard_trips`]). A non-evicting answer is trusted for
+    /// [`FLOOR_NON_EVICTING_TRUST`], so a keep-values bucket under overwrites costs at most one stream
+    /// info per second, not one per gapped chunk.
+    async fn check_floor(
+        &self,
+        frontier: u64,
+        non_evicting_at: &mut Option<std::time::Instant>,
+    ) -> Result<(), KvError> {
+        if non_evicting_at.is_some_and(|t| t.elapsed() < FLOOR_NON_EVICTING_TRUST) {
+            return Ok(());
+        }
+        let r = self.read_retention().await?;
+        if !r.evicts_current_values {
+            *non_evicting_at = Some(std::time::Instant::now());
+            return Ok(());
+        }
+        *non_evicting_at = None;
+        if protocol::floor_guard_trips(r.evicts_current_values, frontier, r.first_revision) {
+            tracing::warn!(bucket = %self.bucket, frontier, first_sequence = r.first_revision, "floor guard: retention overran the watch; ending it with CursorExpired");
+            return Err(KvError::CursorExpired {
+                resume_from: frontier.saturating_add(1),
+                first_sequence: r.first_revision,
+            });
+        }
+        Ok(())
+    }
+}
+
+/// A stream's retention from its info: whether it can evict a current value, and its first
+/// retained sequence.
+fn retention_of(info: &async_nats::jetstream::stream::Info) -> crate::protocol::Retention {
+    let c = &info.config;
+    crate::protocol::Retention {
+        evicts_current_values: crate::protocol::retention_evicts_current_values(
+            c.max_age,
+            c.max_bytes,
+            c.max_messages,
+            c.discard == async_nats::jetstream::stream::DiscardPolicy::Old,
+            c.allow_message_ttl,
+        ),
+        first_revision: info.state.first_sequence,
+    }
+}
+
+impl NatsKv {
     /// The subject filters for a scope: whole-token prefixes filter on the server; a prefix that
     /// ends mid-token filters on its last whole token and the rest is checked per message.
     pub fn filter_subjects(&self, scope: &WatchScope) -> Result<Vec<String>, KvError> {
@@ -386,15 +432,33 @@ impl NatsKv {
         Some((update, meta))
     }
 
-    /// Lists the latest message of every key under `prefix` through one ephemeral consumer.
-    /// `headers_only` skips the values (for `keys`). Deleted keys and tombstones are dropped.
+    /// Lists the latest message of every key under `prefix` through one ephemeral consumer, in key
+    /// order. `headers_only` skips the values (for `keys`). Deleted keys and tombstones are dropped.
     async fn list(&self, prefix: &str, headers_only: bool) -> Result<Vec<KvEntry>, KvError> {
         let scope = if prefix.is_empty() {
             WatchScope::All
         } else {
             WatchScope::Prefix(prefix.to_string())
         };
-        let filters = self.filter_subjects(&scope)?;
+        let mut out = Vec::new();
+        self.list_each(&scope, headers_only, &mut |e| {
+            out.push(e);
+            Ok(())
+        })
+        .await?;
+        out.sort_by(|a, b| a.key.cmp(&b.key));
+        Ok(out)
+    }
+
+    /// Streams the latest live entry of every key in `scope` into `each`, in delivery order, through
+    /// one ephemeral consumer (nothing is collected here). Returns how many were live.
+    async fn list_each(
+        &self,
+        scope: &WatchScope,
+        headers_only: bool,
+        each: &mut (dyn FnMut(KvEntry) -> Result<(), KvError> + Send),
+    ) -> Result<u64, KvError> {
+        let filters = self.filter_subjects(scope)?;
         let inbox = self.client.new_inbox();
         // Subscribe before the consumer exists: the server may deliver before a later subscribe.
         let mut sub = timed("list subscribe", self.timeout, async {
@@ -427,57 +491,61 @@ impl NatsKv {
             .await?;
         let total = consumer.cached_info().num_pending;
         let name = consumer.cached_info().name.clone();
-        let mut out = Vec::new();
+        let mut live = 0u64;
         let mut remaining = total;
-        while remaining > 0 {
-            let msg = match tokio::time::timeout(self.timeout, sub.next()).await {
-                Ok(Some(m)) => m,
-                Ok(None) => return Err(backend("list", "subscription closed")),
-                Err(_) => {
-                    return Err(KvError::Timeout {
-                        op: "list",
-                        secs: self.timeout.as_secs(),
-                    });
-                }
-            };
-            if msg.status.is_some() {
-                // Flow control requests carry a reply subject; answering resumes delivery.
-                if let Some(reply) = &msg.reply {
-                    let _ = self.client.publish(reply.clone(), Bytes::new()).await;
-                }
-                continue;
-            }
-            let Some((update, meta)) = self.to_update(&msg) else {
-                continue;
-            };
-            remaining = match meta {
-                Some(m) => m.pending,
-                None => remaining.saturating_sub(1),
-            };
-            if !scope.contains(update.key()) {
-                continue;
-            }
-            if let KvUpdate::Put(e) = update {
-                // A CAS tombstone is an empty value; a headers-only delivery reports the size.
-                let size = if headers_only {
-                    msg.headers
-                        .as_ref()
-                        .and_then(|h| h.get(NATS_MSG_SIZE))
-                        .and_then(|v| v.as_str().parse::<u64>().ok())
-                        .unwrap_or(1)
-                } else {
-                    e.value.len() as u64
+        let result = async {
+            while remaining > 0 {
+                let msg = match tokio::time::timeout(self.timeout, sub.next()).await {
+                    Ok(Some(m)) => m,
+                    Ok(None) => return Err(backend("list", "subscription closed")),
+                    Err(_) => {
+                        return Err(KvError::Timeout {
+                            op: "list",
+                            secs: self.timeout.as_secs(),
+                        });
+                    }
                 };
-                if size > 0 {
-                    out.push(e);
+                if msg.status.is_some() {
+                    // Flow control requests carry a reply subject; answering resumes delivery.
+                    if let Some(reply) = &msg.reply {
+                        let _ = self.client.publish(reply.clone(), Bytes::new()).await;
+                    }
+                    continue;
+                }
+                let Some((update, meta)) = self.to_update(&msg) else {
+                    continue;
+                };
+                remaining = match meta {
+                    Some(m) => m.pending,
+                    None => remaining.saturating_sub(1),
+                };
+                if !scope.contains(update.key()) {
+                    continue;
+                }
+                if let KvUpdate::Put(e) = update {
+                    // A CAS tombstone is an empty value; a headers-only delivery reports the size.
+                    let size = if headers_only {
+                        msg.headers
+                            .as_ref()
+                            .and_then(|h| h.get(NATS_MSG_SIZE))
+                            .and_then(|v| v.as_str().parse::<u64>().ok())
+                            .unwrap_or(1)
+                    } else {
+                        e.value.len() as u64
+                    };
+                    if size > 0 {
+                        live += 1;
+                        each(e)?;
+                    }
                 }
             }
+            Ok(live)
         }
+        .await;
         drop(sub);
         // Best effort: the consumer also expires by its inactivity threshold.
         let _ = tokio::time::timeout(self.timeout, self.kv.stream.delete_consumer(&name)).await;
-        out.sort_by(|a, b| a.key.cmp(&b.key));
-        Ok(out)
+        result
     }
 
     /// Runs an ordered push consumer with `policy` over `scope`, pushing events into `tx` until the
@@ -489,6 +557,12 @@ impl NatsKv {
         tx: mpsc::Sender<WatchEvent>,
     ) -> Result<(), KvError> {
         let filters = self.filter_subjects(scope)?;
+        let start_frontier = match &policy {
+            consumer::DeliverPolicy::ByStartSequence { start_sequence } => {
+                Some(start_sequence.saturating_sub(1))
+            }
+            _ => None,
+        };
         let cfg = consumer::push::OrderedConfig {
             deliver_subject: self.client.new_inbox(),
             filter_subjects: filters,
@@ -527,16 +601,45 @@ impl NatsKv {
         }
         let mut consecutive_errors = 0u32;
         let mut since_progress = 0u32;
+        // The live floor guard (All scope only: a prefix watch's revisions are sparse by nature, so
+        // a gap there says nothing). `frontier` is the last stream sequence delivered; a delta watch
+        // starts guarded at its cursor, a state-sync one once it is level (its re-list skips
+        // superseded sequences by design).
+        let guard = matches!(scope, WatchScope::All);
+        let mut frontier = start_frontier.filter(|_| guard);
+        let mut non_evicting_at: Option<std::time::Instant> = None;
+        let mut quiet = true;
+        let mut backstop = tokio::time::interval(FLOOR_BACKSTOP);
+        backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        backstop.reset();
         // Whatever the client already holds is taken as one chunk: one channel send (and at most
         // one wake-up of the fold) per chunk instead of per update.
         let mut chunks = messages.ready_chunks(WATCH_CHUNK);
-        while let Some(chunk) = chunks.next().await {
-            let mut out: Vec<KvUpdate> = Vec::with_capacity(chunk.len());
+        loop {
+            let chunk = tokio::select! {
+                c = chunks.next() => match c {
+                    Some(c) => c,
+                    None => break,
+                },
+                _ = backstop.tick(), if guard => {
+                    // Backstop: no delivery for a whole period leaves no in-band evidence of an
+                    // overrun, so ask the stream directly.
+                    if quiet && let Some(f) = frontier {
+                        self.check_floor(f, &mut non_evicting_at).await?;
+                    }
+                    quiet = true;
+                    continue;
+                }
+            };
+            quiet = false;
+            let mut decoded = Vec::with_capacity(chunk.len());
             for item in chunk {
-                let msg = match item {
+                match item {
                     Ok(m) => {
                         consecutive_errors = 0;
-                        m
+                        if let Some(d) = self.to_update(&m.message) {
+                            decoded.push(d);
+                        }
                     }
                     Err(e) => {
                         // The ordered consumer recreates itself after a gap or missed heartbeats;
@@ -549,12 +652,29 @@ impl NatsKv {
                                 self.bucket
                             )));
                         }
-                        continue;
                     }
-                };
-                let Some((update, meta)) = self.to_update(&msg.message) else {
-                    continue;
-                };
+                }
+            }
+            // In-band: a gap after the frontier is checked before anything after it is passed on,
+            // so the fold never advances past unexamined evidence of loss. One check per chunk, at
+            // its first gap: the first sequence only grows, so it covers the later gaps too.
+            if let Some(mut f) = frontier {
+                let mut gap_after = None;
+                for (_, meta) in &decoded {
+                    if let Some(m) = meta {
+                        if gap_after.is_none() && m.stream_sequence > f.saturating_add(1) {
+                            gap_after = Some(f);
+                        }
+                        f = f.max(m.stream_sequence);
+                    }
+                }
+                if let Some(g) = gap_after {
+                    self.check_floor(g, &mut non_evicting_at).await?;
+                }
+                frontier = Some(f);
+            }
+            let mut out: Vec<KvUpdate> = Vec::with_capacity(decoded.len());
+            for (update, meta) in decoded {
                 if scope.contains(update.key()) {
                     last_delivered = update.revision().or(last_delivered);
                     out.push(update);
@@ -566,6 +686,9 @@ impl NatsKv {
                 if m.pending == 0 {
                     // Level: everything before this point goes first, then the marker.
                     level_reported = true;
+                    if guard && frontier.is_none() {
+                        frontier = Some(m.stream_sequence);
+                    }
                     let done = std::mem::take(&mut out);
                     if (!done.is_empty() && tx.send(WatchEvent::Updates(done)).await.is_err())
                         || tx
@@ -635,6 +758,14 @@ impl KvReader for NatsKv {
 
     async fn scan(&self, prefix: &str) -> Result<Vec<KvEntry>, KvError> {
         self.list(prefix, false).await
+    }
+
+    async fn for_each_key(
+        &self,
+        scope: &WatchScope,
+        each: &mut (dyn FnMut(String) -> Result<(), KvError> + Send),
+    ) -> Result<u64, KvError> {
+        self.list_each(scope, true, &mut |e| each(e.key)).await
     }
 }
 

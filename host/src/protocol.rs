@@ -172,6 +172,12 @@ pub fn listing_is_truth(
     !seen_evicting && (!evicts_current_values || first_revision <= 1)
 }
 
+/// Whether a read of retention shows it has evicted a current value (eviction is on and the log
+/// is past its first revision): the moment a fold commits its eviction memo.
+pub fn retention_has_evicted(r: Retention) -> bool {
+    r.evicts_current_values && r.first_revision > 1
+}
+
 /// [`listing_is_truth`] for a retention that may be unknown (`None`: the backend cannot say),
 /// which answers `None` unless the memo already settles it.
 pub fn listing_truth(retention: Option<Retention>, seen_evicting: bool) -> Option<bool> {
@@ -265,6 +271,23 @@ pub fn gap_holds_no_eviction(
     cursor_message_age: std::time::Duration,
 ) -> bool {
     age_only && !max_age.is_zero() && cursor_message_age.saturating_mul(2) <= max_age
+}
+
+/// Whether the live floor guard ends a watch: after a delivery gap (or a quiet period) following
+/// `frontier`, the last sequence delivered, the stream's first retained sequence has passed
+/// `frontier + 1` on a stream whose retention evicts current values — messages after the frontier
+/// were evicted unseen (NATS skips them silently). Where retention never evicts a current value a
+/// skipped message was superseded and its successor is delivered, so the guard stays quiet.
+pub fn floor_guard_trips(evicts_current_values: bool, frontier: u64, first_sequence: u64) -> bool {
+    evicts_current_values && !resume_window_ok(frontier, first_sequence)
+}
+
+/// Whether every watch prefix lies inside some prefix an artifact covers (`""` covers every key),
+/// so a restore from it can speak for every key the watch folds.
+pub fn scope_covers(artifact_prefixes: &[&str], watch_prefixes: &[&str]) -> bool {
+    watch_prefixes
+        .iter()
+        .all(|w| artifact_prefixes.iter().any(|a| w.starts_with(a)))
 }
 
 /// Whether a stream's retention can remove a key's *current* value (not only superseded ones): an
@@ -411,6 +434,34 @@ mod tests {
                 "{l:?} {a:?} {same} {live}"
             );
         }
+    }
+
+    #[test]
+    fn the_floor_guard_trips_only_on_head_eviction_of_an_evicting_stream() {
+        // (evicts, frontier, first sequence, expected)
+        let table = [
+            (true, 10, 11, false), // the next message is still there
+            (true, 10, 5, false),
+            (true, 10, 12, true),    // 11 was evicted unseen
+            (false, 10, 500, false), // superseded, not evicted: the successor is delivered
+            (true, 0, 1, false),
+            (true, 0, 2, true),
+        ];
+        for (e, f, first, want) in table {
+            assert_eq!(floor_guard_trips(e, f, first), want, "{e} {f} {first}");
+        }
+    }
+
+    #[test]
+    fn an_artifact_covers_a_watch_only_if_every_watch_prefix_is_inside_one_of_its_own() {
+        assert!(scope_covers(&[""], &[""]));
+        assert!(scope_covers(&[""], &["a/", "b/"]));
+        assert!(scope_covers(&["a/"], &["a/x/"]));
+        assert!(scope_covers(&["a/", "b/"], &["b/"]));
+        assert!(!scope_covers(&["a/"], &[""]));
+        assert!(!scope_covers(&["a/x/"], &["a/"]));
+        assert!(!scope_covers(&["a/"], &["a/", "c/"]));
+        assert!(!scope_covers(&[], &["a/"]));
     }
 
     #[test]

@@ -76,7 +76,7 @@ pub(crate) enum Invalid {
     VersionTooLong(u8),
     /// The key is not UTF-8.
     KeyNotUtf8,
-    /// The cursor bytes are neither empty nor 8 bytes.
+    /// The cursor bytes are not a cursor encoding (0, 8, 12 or 20 bytes).
     BadCursorLength(u8),
 }
 
@@ -97,7 +97,9 @@ impl fmt::Display for Invalid {
                 VersionToken::MAX_LEN
             ),
             Invalid::KeyNotUtf8 => write!(f, "key is not UTF-8"),
-            Invalid::BadCursorLength(n) => write!(f, "cursor length {n} is neither 0 nor 8"),
+            Invalid::BadCursorLength(n) => {
+                write!(f, "cursor of {n} bytes is not a cursor (0, 8, 12 or 20)")
+            }
         }
     }
 }
@@ -234,7 +236,7 @@ pub(crate) fn encode_delete(out: &mut Vec<u8>, key: &str, version: VersionToken)
 pub(crate) fn encode_cursor(out: &mut Vec<u8>, cursor: WatchCursor) {
     let start = begin_record(out, TYPE_CURSOR);
     let bytes = cursor.to_bytes();
-    // to_bytes is 0 or 8 bytes long.
+    // to_bytes is 0, 8, 12 or 20 bytes long.
     out.push(bytes.len() as u8);
     out.extend_from_slice(&bytes);
     finish_record(out, start);
@@ -258,7 +260,7 @@ pub(crate) fn put_record_len(key_len: usize, value_len: usize, version: VersionT
 
 /// Encoded size of a Cursor record.
 pub(crate) fn cursor_record_len(cursor: WatchCursor) -> usize {
-    RECORD_PREFIX_LEN + 1 + if cursor.revision().is_some() { 8 } else { 0 }
+    RECORD_PREFIX_LEN + 1 + cursor.to_bytes().len()
 }
 
 /// Reserves the CRC, writes the type byte; returns where the record starts.
@@ -561,7 +563,14 @@ mod tests {
     #[test]
     fn cursor_record_lengths_match_the_encoder() {
         let mut buf = Vec::new();
-        for cursor in [WatchCursor::NONE, WatchCursor::at(3)] {
+        let memo = Some(crate::kv::EvictionMemo {
+            server_time_unix_ns: 5,
+        });
+        for cursor in [
+            WatchCursor::NONE,
+            WatchCursor::at(3),
+            WatchCursor::at(3).with_memo(memo),
+        ] {
             buf.clear();
             encode_cursor(&mut buf, cursor);
             assert_eq!(buf.len(), cursor_record_len(cursor));

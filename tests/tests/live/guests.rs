@@ -456,6 +456,7 @@ async fn hydrated_guest_answers_like_one_that_watched_from_the_start() -> anyhow
             batch: BatchConfig::default(),
             catch_up: true,
             defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
+            repair: Default::default(),
         },
         Arc::new(FoldStatus::default()),
         None,
@@ -504,6 +505,7 @@ async fn hashring_removing_a_node_moves_only_the_keys_it_owned() -> anyhow::Resu
         batch: BatchConfig::default(),
         catch_up: true,
         defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
+        repair: Default::default(),
     };
     let fold = async |ring: &mut GuestApply| {
         watch_applied(

@@ -10,6 +10,7 @@ mod cli;
 mod crash_safety;
 mod defer;
 mod guests;
+mod repair;
 mod resume;
 mod server_restart;
 mod swap;

@@ -1,0 +1,682 @@
+//! Cursor-expiry repair with the real binary on live evicting buckets (issue 6): NATS's silent clamp
+//! is pinned and reported as `CursorExpired`; a keep-values bucket is repaired by the key-listing
+//! diff; an evicting one refuses that diff and restores from an artifact, identical to the exporter;
+//! a stale artifact fails with the fold untouched; the eviction memo outlives the eviction; a
+//! stalled watcher overrun mid-stream trips the floor guard and restores in process; and a SIGKILL
+//! at any point of a repair re-runs it to the same result.
+
+use std::path::{Path, PathBuf};
+use std::process::{Output, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use foldhost::kv::{
+    KvEntry, KvError, KvUpdate, KvWatcher, KvWriter, VersionToken, WatchCursor, WatchScope,
+};
+use foldhost::nats::NatsKv;
+use foldhost::snapshot::SnapshotStore;
+use foldhost::storedir::{AnyStore, Backend};
+use foldhost::stores::StoreConfig;
+use foldhost_tests::{
+    Contents, Harness, bucket_contents, dump_store, first_difference, foldhost, run_command,
+    status_store, terminate, wait_status,
+};
+use futures::StreamExt;
+
+/// A bucket whose retention evicts current values by age.
+async fn aging_bucket(h: &Harness, name: &str, max_age: Duration) -> anyhow::Result<Arc<NatsKv>> {
+    Ok(h.conn
+        .bucket(
+            name,
+            &StoreConfig {
+                max_bytes: None,
+                max_age: Some(max_age),
+                ..StoreConfig::default()
+            },
+        )
+        .await?)
+}
+
+/// Waits until every message of the bucket has aged out (the stream is empty).
+async fn wait_aged_out(kv: &NatsKv) -> anyhow::Result<u64> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let p = kv.positions().await?;
+        if p.messages == 0 {
+            return Ok(p.first_sequence);
+        }
+        anyhow::ensure!(Instant::now() < deadline, "messages never aged out: {p:?}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// `foldhost run --catch-up` of `bucket` into `store` with `extra` arguments.
+fn catch_up(h: &Harness, bucket: &str, store: &Path, extra: &[&str]) -> anyhow::Result<Output> {
+    Ok(run_command(h, bucket, store, None)
+        .arg("--catch-up")
+        .args(extra)
+        .output()?)
+}
+
+fn ok(o: &Output, what: &str) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        o.status.success(),
+        "{what} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(())
+}
+
+/// The one error line of a failed run.
+fn error_line(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr)
+        .lines()
+        .filter(|l| l.starts_with("foldhost: error: "))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+/// A live export from the host serving `addr` into `out`; returns the manifest.
+fn export_live(addr: &str, out: &Path) -> anyhow::Result<serde_json::Value> {
+    let o = foldhost()
+        .args(["export", "--listen", addr, "--out"])
+        .arg(out)
+        .output()?;
+    ok(&o, "live export")?;
+    Ok(serde_json::from_slice(&o.stdout)?)
+}
+
+fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
+    let st = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(from)
+        .arg(to)
+        .status()?;
+    anyhow::ensure!(st.success(), "cp -a {} {}", from.display(), to.display());
+    Ok(())
+}
+
+fn kill9(child: &mut std::process::Child) -> anyhow::Result<()> {
+    std::process::Command::new("kill")
+        .args(["-KILL", &child.id().to_string()])
+        .status()?;
+    child.wait()?;
+    Ok(())
+}
+
+fn signal(child: &std::process::Child, sig: &str) -> anyhow::Result<()> {
+    std::process::Command::new("kill")
+        .args([sig, &child.id().to_string()])
+        .status()?;
+    Ok(())
+}
+
+fn addr() -> anyhow::Result<String> {
+    Ok(format!("127.0.0.1:{}", foldhost::localnats::free_port()?))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nats_clamps_a_resume_below_its_first_sequence_silently_and_foldhost_reports_cursor_expired()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("clamp").await?;
+    for i in 0..10 {
+        kv.put("only", format!("v{i}").into()).await?;
+    }
+    assert_eq!(kv.positions().await?.first_sequence, 10);
+    // The server itself: a consumer asked to start at 4 starts at 10 without a word.
+    let stream = kv.jetstream().get_stream("KV_clamp").await?;
+    let consumer = stream
+        .create_consumer(async_nats::jetstream::consumer::pull::Config {
+            deliver_policy: async_nats::jetstream::consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: 4,
+            },
+            ack_policy: async_nats::jetstream::consumer::AckPolicy::None,
+            ..Default::default()
+        })
+        .await?;
+    let mut msgs = consumer.fetch().max_messages(1).messages().await?;
+    let first = msgs
+        .next()
+        .await
+        .ok_or_else(|| anyhow::anyhow!("nothing delivered"))?
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let info = first.info().map_err(|e| anyhow::anyhow!("{e}"))?;
+    assert_eq!(info.stream_sequence, 10, "the server clamps silently");
+
+    // foldhost: the same resume is CursorExpired, at the watch and at the command line.
+    let (tx, _rx) = tokio::sync::mpsc::channel(8);
+    let r = kv
+        .watch_from(&WatchScope::All, WatchCursor::at(3), tx)
+        .await;
+    assert!(
+        matches!(
+            r,
+            Err(KvError::CursorExpired {
+                resume_from: 4,
+                first_sequence: 10
+            })
+        ),
+        "{r:?}"
+    );
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("s");
+    {
+        let (mut s, _) = AnyStore::open(&store, Backend::AppendLog)?;
+        s.apply(
+            &[KvUpdate::Put(KvEntry {
+                key: "only".into(),
+                value: Bytes::from_static(b"v2"),
+                version: VersionToken::from_u64(3),
+            })],
+            WatchCursor::at(3),
+        )?;
+    }
+    let before = dump_store(&store)?;
+    let o = catch_up(&h, "clamp", &store, &["--repair", "none"])?;
+    assert!(!o.status.success());
+    let err = error_line(&o);
+    assert!(
+        err.contains("expired") && err.contains("first retained"),
+        "{err}"
+    );
+    assert_eq!(dump_store(&store)?, before, "the fold is untouched");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keep_values_bucket_relist_deletes_keys_deleted_past_retention_and_keeps_a_recreated_one()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("keep").await?;
+    for k in ["a", "b", "c", "d"] {
+        kv.put(k, format!("{k}1").into()).await?;
+    }
+    for i in 0..20 {
+        kv.put(&format!("del.{i:02}"), "doomed".into()).await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("node");
+    ok(&catch_up(&h, "keep", &store, &[])?, "first catch-up")?;
+    let cursor = status_store(&store)?["cursor"].as_u64().unwrap_or(0);
+    assert_eq!(cursor, 24);
+
+    // While the node is down: deletes, a delete then a re-create, rewrites; then the delete
+    // markers are purged from the stream (as a KV "purge deletes" would), so the node's cursor
+    // falls out of the log and the deletes survive nowhere but in the listing's silence.
+    kv.delete("a").await?;
+    kv.delete("b").await?;
+    kv.put("b", "b2".into()).await?;
+    kv.put("c", "c2".into()).await?;
+    kv.put("d", "d2".into()).await?;
+    for i in 0..20 {
+        kv.delete(&format!("del.{i:02}")).await?;
+    }
+    let stream = kv.jetstream().get_stream("KV_keep").await?;
+    stream.purge().filter("$KV.keep.a").await?;
+    stream.purge().filter("$KV.keep.del.>").await?;
+    let first = kv.positions().await?.first_sequence;
+    assert!(first > cursor + 1, "the cursor is expired: first {first}");
+
+    let o = catch_up(&h, "keep", &store, &[])?;
+    ok(&o, "repairing catch-up")?;
+    let log = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        log.contains("cursor-expiry repair done") && log.contains("relist"),
+        "{log}"
+    );
+    let want = bucket_contents(&kv).await?;
+    let got = dump_store(&store)?;
+    assert_eq!(first_difference(&want, &got), None);
+    assert!(!got.contains_key("a") && !got.contains_key("del.00"));
+    assert_eq!(got.get("b").map(|(v, _)| v.as_slice()), Some(&b"b2"[..]));
+    Ok(())
+}
+
+/// The evicting-bucket scenario shared by the restore tests: a node `node` that caught up early,
+/// an exporter `exporter` that ran through a gap (a delete, a write), an artifact of it in
+/// `artifacts/`, and a stream whose every message has aged out since.
+struct Evicted {
+    h: Harness,
+    kv: Arc<NatsKv>,
+    tmp: tempfile::TempDir,
+    node: PathBuf,
+    exporter: PathBuf,
+    artifacts: PathBuf,
+    host: std::process::Child,
+    cursor: u64,
+}
+
+async fn evicted(
+    bucket: &str,
+    keys: usize,
+    rewrites: usize,
+    deletes: usize,
+) -> anyhow::Result<Evicted> {
+    let h = Harness::start().await?;
+    let kv = aging_bucket(&h, bucket, Duration::from_secs(3)).await?;
+    let js = kv.jetstream().clone();
+    let mut acks = Vec::new();
+    for i in 0..keys {
+        acks.push(
+            js.publish(format!("$KV.{bucket}.k.{i:06}"), format!("old{i}").into())
+                .await?,
+        );
+    }
+    for a in acks.drain(..) {
+        a.await?;
+    }
+    kv.put("x", "to be deleted".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let node = tmp.path().join("node");
+    ok(&catch_up(&h, bucket, &node, &[])?, "node's first catch-up")?;
+    let exporter = tmp.path().join("exporter");
+    let a = addr()?;
+    let host = run_command(&h, bucket, &exporter, Some(&a))
+        .stderr(Stdio::null())
+        .spawn()?;
+    // The gap: a real delete, a write that will age out before the node returns, rewrites.
+    kv.delete("x").await?;
+    for i in 0..deletes {
+        kv.delete(&format!("k.{i:06}")).await?;
+    }
+    kv.put("w", "written during the gap".into()).await?;
+    for i in 0..rewrites {
+        acks.push(
+            js.publish(
+                format!("$KV.{bucket}.k.{:06}", keys - 1 - i),
+                format!("new{i}").into(),
+            )
+            .await?,
+        );
+    }
+    for a in acks.drain(..) {
+        a.await?;
+    }
+    let last = kv.positions().await?.last_sequence;
+    wait_status(&a, |s| s["applied_through"].as_u64() >= Some(last)).await?;
+    let artifacts = tmp.path().join("artifacts");
+    std::fs::create_dir_all(&artifacts)?;
+    let m = export_live(&a, &artifacts.join("art1"))?;
+    let cursor = m["cursor"].as_u64().unwrap_or(0);
+    assert_eq!(cursor, last);
+    wait_aged_out(&kv).await?;
+    Ok(Evicted {
+        h,
+        kv,
+        tmp,
+        node,
+        exporter,
+        artifacts,
+        host,
+        cursor,
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn evicting_bucket_refuses_a_listing_diff_and_restores_from_an_artifact_like_the_exporter()
+-> anyhow::Result<()> {
+    let mut e = evicted("aging", 50, 10, 5).await?;
+    let before = dump_store(&e.node)?;
+    assert!(before.contains_key("x") && before.contains_key("k.000000"));
+
+    // A listing diff here would delete every key: refused, fold untouched.
+    let o = catch_up(&e.h, "aging", &e.node, &["--repair", "relist"])?;
+    assert!(!o.status.success());
+    let err = error_line(&o);
+    assert!(
+        err.contains("key-listing repair") && err.contains("evict"),
+        "{err}"
+    );
+    assert_eq!(
+        dump_store(&e.node)?,
+        before,
+        "refused: the fold is untouched"
+    );
+    // Auto without an artifact source: refused too, naming what is missing.
+    let o = catch_up(&e.h, "aging", &e.node, &[])?;
+    assert!(!o.status.success());
+    assert!(
+        error_line(&o).contains("--restore-from"),
+        "{}",
+        error_line(&o)
+    );
+    assert_eq!(dump_store(&e.node)?, before);
+
+    let arts = e.artifacts.display().to_string();
+    let o = catch_up(&e.h, "aging", &e.node, &["--restore-from", &arts])?;
+    ok(&o, "restoring catch-up")?;
+    let got = dump_store(&e.node)?;
+    let want = dump_store(&e.exporter)?;
+    assert_eq!(
+        first_difference(&want, &got),
+        None,
+        "identical to the exporter"
+    );
+    assert!(got.contains_key("k.000049"), "an aged-out key is kept");
+    assert!(
+        got.contains_key("w"),
+        "an aged-out write from the gap is recovered"
+    );
+    assert!(
+        !got.contains_key("x") && !got.contains_key("k.000000"),
+        "real deletes applied"
+    );
+    assert!(
+        bucket_contents(&e.kv).await?.is_empty(),
+        "NATS itself holds nothing"
+    );
+    let st = status_store(&e.node)?;
+    assert_eq!(st["cursor"].as_u64(), Some(e.cursor));
+    assert_eq!(st["eviction_seen"], true);
+
+    // A later gap the artifact does not reach: the stale artifact fails the watch, fold untouched.
+    e.kv.put("late", "after the artifact".into()).await?;
+    wait_aged_out(&e.kv).await?;
+    terminate(&mut e.host)?;
+    let before = dump_store(&e.node)?;
+    let o = catch_up(&e.h, "aging", &e.node, &["--restore-from", &arts])?;
+    assert!(!o.status.success());
+    let err = error_line(&o);
+    assert!(err.contains("stale artifact"), "{err}");
+    assert_eq!(err.lines().count(), 1, "{err}");
+    assert_eq!(dump_store(&e.node)?, before, "the fold is untouched");
+    drop(e.tmp);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn once_eviction_was_seen_the_listing_is_never_trusted_again_even_with_eviction_off()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = aging_bucket(&h, "memo", Duration::from_secs(2)).await?;
+    kv.put("a", "aged out before the node saw it".into())
+        .await?;
+    wait_aged_out(&kv).await?;
+    kv.put("c", "c1".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("node");
+    ok(&catch_up(&h, "memo", &store, &[])?, "catch-up")?;
+    assert_eq!(
+        status_store(&store)?["eviction_seen"],
+        true,
+        "the memo is committed"
+    );
+    // The fold still has `c`; then the operator turns eviction off.
+    let mut stream = kv.jetstream().get_stream("KV_memo").await?;
+    let mut config = stream.info().await?.config.clone();
+    config.max_age = Duration::ZERO;
+    kv.jetstream().update_stream(config).await?;
+    let r = kv
+        .retention()
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no retention"))?;
+    assert!(!r.evicts_current_values, "{r:?}");
+    // The node's cursor expires by rewrites; a listing now looks like the truth, but the fold
+    // remembers.
+    kv.put("d", "d1".into()).await?;
+    for i in 0..3 {
+        kv.put("c", format!("c{i}").into()).await?;
+        kv.put("d", format!("d{i}").into()).await?;
+    }
+    let before = dump_store(&store)?;
+    let o = catch_up(&h, "memo", &store, &["--repair", "relist"])?;
+    assert!(!o.status.success());
+    let err = error_line(&o);
+    assert!(err.contains("eviction memo"), "{err}");
+    assert_eq!(dump_store(&store)?, before);
+    // A fold without the memo (a fresh copy of the data at the same cursor) would be re-listed:
+    // the memo, not the bucket, is what refuses.
+    let bare = tmp.path().join("bare");
+    {
+        let (src, _) = AnyStore::open_read_only(&store)?;
+        let (mut dst, _) = AnyStore::open(&bare, Backend::AppendLog)?;
+        let rows = src.range("")?;
+        let updates: Vec<KvUpdate> = rows.into_iter().map(KvUpdate::Put).collect();
+        dst.apply(&updates, WatchCursor::at(src.cursor().revision_or_zero()))?;
+    }
+    ok(
+        &catch_up(&h, "memo", &bare, &["--repair", "relist"])?,
+        "bare fold re-list",
+    )?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_watcher_overrun_by_a_burst_trips_the_floor_guard_and_restores_in_process()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("burst").await?;
+    // Oldest-first discard under a 4 MiB limit: a burst evicts current values.
+    let mut stream = kv.jetstream().get_stream("KV_burst").await?;
+    let mut config = stream.info().await?.config.clone();
+    config.max_bytes = 4 << 20;
+    config.discard = async_nats::jetstream::stream::DiscardPolicy::Old;
+    kv.jetstream().update_stream(config).await?;
+    for i in 0..200 {
+        kv.put(&format!("k.{i:05}"), "seed".into()).await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let artifacts = tmp.path().join("artifacts");
+    std::fs::create_dir_all(&artifacts)?;
+    let (ea, na) = (addr()?, addr()?);
+    let exporter = tmp.path().join("exporter");
+    let node = tmp.path().join("node");
+    let mut ex = run_command(&h, "burst", &exporter, Some(&ea))
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut nd = run_command(&h, "burst", &node, Some(&na))
+        .args(["--restore-from"])
+        .arg(&artifacts)
+        .stderr(Stdio::null())
+        .spawn()?;
+    wait_status(&ea, |s| s["applied_through"].as_u64() >= Some(200)).await?;
+    wait_status(&na, |s| s["applied_through"].as_u64() >= Some(200)).await?;
+
+    signal(&nd, "-STOP")?;
+    // ~24 MB over 6 000 keys: the stream keeps ~4 MiB of it.
+    let js = kv.jetstream().clone();
+    let value = Bytes::from(vec![b'z'; 1000]);
+    let mut acks = Vec::new();
+    for i in 0..24_000u32 {
+        acks.push(
+            js.publish(format!("$KV.burst.k.{:05}", i % 6000), value.clone())
+                .await?,
+        );
+        if acks.len() >= 512 {
+            for a in acks.drain(..) {
+                a.await?;
+            }
+        }
+    }
+    for a in acks.drain(..) {
+        a.await?;
+    }
+    let p = kv.positions().await?;
+    assert!(
+        p.first_sequence > 201,
+        "the burst evicted the node's position: {p:?}"
+    );
+    wait_status(&ea, |s| {
+        s["applied_through"].as_u64() >= Some(p.last_sequence)
+    })
+    .await?;
+    let m = export_live(&ea, &artifacts.join("after-burst"))?;
+    assert_eq!(m["cursor"].as_u64(), Some(p.last_sequence));
+
+    signal(&nd, "-CONT")?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let st = loop {
+        if let Ok((200, body)) = foldhost::serve::call(&na, "GET", "/status", b"").await {
+            let s: serde_json::Value = serde_json::from_slice(&body)?;
+            if s["repairs"].as_u64() >= Some(1)
+                && s["applied_through"].as_u64() >= Some(p.last_sequence)
+            {
+                break s;
+            }
+            anyhow::ensure!(s["state"] != "failed", "node failed: {s}");
+        }
+        anyhow::ensure!(Instant::now() < deadline, "the node never repaired");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert_eq!(st["state"], "running", "{st}");
+    terminate(&mut nd)?;
+    terminate(&mut ex)?;
+    let want = dump_store(&exporter)?;
+    let got = dump_store(&node)?;
+    assert_eq!(
+        first_difference(&want, &got),
+        None,
+        "restored in process, like the exporter"
+    );
+    Ok(())
+}
+
+/// Kills `run` at `fraction` of `took`, then runs `run` again to completion.
+async fn kill_then_rerun(
+    mut spawn: impl FnMut() -> anyhow::Result<std::process::Child>,
+    took: Duration,
+    fraction: f64,
+) -> anyhow::Result<Output> {
+    let mut child = spawn()?;
+    tokio::time::sleep(took.mul_f64(fraction)).await;
+    kill9(&mut child)?;
+    let child = spawn()?;
+    Ok(child.wait_with_output()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkill_during_a_restore_reruns_it_on_restart_to_the_same_result() -> anyhow::Result<()>
+{
+    let mut e = evicted("crashrestore", 20_000, 15_000, 2_000).await?;
+    let arts = e.artifacts.display().to_string();
+    let want = dump_store(&e.exporter)?;
+    terminate(&mut e.host)?;
+    // Measure one whole restore on a copy.
+    let timed = e.tmp.path().join("timed");
+    copy_dir(&e.node, &timed)?;
+    let t = Instant::now();
+    ok(
+        &catch_up(&e.h, "crashrestore", &timed, &["--restore-from", &arts])?,
+        "timed restore",
+    )?;
+    let took = t.elapsed();
+    assert_eq!(first_difference(&want, &dump_store(&timed)?), None);
+    for (i, f) in [0.15, 0.4, 0.65, 0.9].into_iter().enumerate() {
+        let dir = e.tmp.path().join(format!("killed{i}"));
+        copy_dir(&e.node, &dir)?;
+        let url = e.h.url();
+        let (d, a) = (dir.clone(), arts.clone());
+        let o = kill_then_rerun(
+            || {
+                Ok(foldhost()
+                    .args([
+                        "run",
+                        "--bucket",
+                        "crashrestore",
+                        "--nats",
+                        &url,
+                        "--catch-up",
+                    ])
+                    .args(["--restore-from", &a, "--store"])
+                    .arg(&d)
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()?)
+            },
+            took,
+            f,
+        )
+        .await?;
+        ok(&o, &format!("re-run after a kill at {f} of {took:?}"))?;
+        assert_eq!(
+            first_difference(&want, &dump_store(&dir)?),
+            None,
+            "killed at {f} of {took:?}"
+        );
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sigkill_during_a_listing_diff_reruns_it_on_restart_to_the_same_result()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("crashrelist").await?;
+    let js = kv.jetstream().clone();
+    let mut acks = Vec::new();
+    for i in 0..20_000u32 {
+        let k = if i % 4 == 0 { "del" } else { "keep" };
+        acks.push(
+            js.publish(format!("$KV.crashrelist.{k}.{i:06}"), "v1".into())
+                .await?,
+        );
+    }
+    for a in acks.drain(..) {
+        a.await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let node = tmp.path().join("node");
+    ok(&catch_up(&h, "crashrelist", &node, &[])?, "first catch-up")?;
+    // Delete every del.* key, rewrite every keep.* key, purge the delete markers: expired.
+    for i in (0..20_000u32).step_by(4) {
+        kv.delete(&format!("del.{i:06}")).await?;
+    }
+    for i in 0..20_000u32 {
+        if i % 4 != 0 {
+            acks.push(
+                js.publish(format!("$KV.crashrelist.keep.{i:06}"), "v2".into())
+                    .await?,
+            );
+        }
+    }
+    for a in acks.drain(..) {
+        a.await?;
+    }
+    let stream = kv.jetstream().get_stream("KV_crashrelist").await?;
+    stream.purge().filter("$KV.crashrelist.del.>").await?;
+    let want = bucket_contents(&kv).await?;
+    assert_eq!(want.len(), 15_000);
+    let timed = tmp.path().join("timed");
+    copy_dir(&node, &timed)?;
+    let t = Instant::now();
+    ok(&catch_up(&h, "crashrelist", &timed, &[])?, "timed re-list")?;
+    let took = t.elapsed();
+    assert_eq!(first_difference(&want, &dump_store(&timed)?), None);
+    for (i, f) in [0.2, 0.5, 0.8].into_iter().enumerate() {
+        let dir = tmp.path().join(format!("killed{i}"));
+        copy_dir(&node, &dir)?;
+        let url = h.url();
+        let d = dir.clone();
+        let o = kill_then_rerun(
+            || {
+                Ok(foldhost()
+                    .args([
+                        "run",
+                        "--bucket",
+                        "crashrelist",
+                        "--nats",
+                        &url,
+                        "--catch-up",
+                        "--store",
+                    ])
+                    .arg(&d)
+                    .stdout(Stdio::piped())
+                    .stderr(Stdio::piped())
+                    .spawn()?)
+            },
+            took,
+            f,
+        )
+        .await?;
+        ok(&o, &format!("re-run after a kill at {f} of {took:?}"))?;
+        let got: Contents = dump_store(&dir)?;
+        assert_eq!(
+            first_difference(&want, &got),
+            None,
+            "killed at {f} of {took:?}"
+        );
+    }
+    Ok(())
+}
