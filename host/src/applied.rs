@@ -869,7 +869,15 @@ where
             protocol::RepairMode::None
         };
         let truth = protocol::listing_truth(retention, fold.cursor().memo().is_some());
-        if protocol::cursorless_start_needs_repair(armed, has_data, truth) {
+        if protocol::cursorless_start_needs_repair(armed, has_data, truth)
+            && opts.repair.mode == protocol::RepairMode::None
+        {
+            // No repair allowed: the state-sync re-list alone, which cannot remove a key it does
+            // not deliver.
+            tracing::warn!(
+                "the fold holds data but no cursor and --repair is none: re-listing without removing keys the bucket no longer has"
+            );
+        } else if protocol::cursorless_start_needs_repair(armed, has_data, truth) {
             let why = KvError::CursorExpired {
                 resume_from: 1,
                 first_sequence: retention.map_or(0, |r| r.first_revision),

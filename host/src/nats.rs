@@ -46,6 +46,9 @@ pub const WATCH_CHUNK: usize = 64;
 /// first sequence is checked against the frontier directly (seed 000: 30 s).
 pub const FLOOR_BACKSTOP: Duration = Duration::from_secs(30);
 
+/// How many times the floor guard retries a failed probe at a delivery gap before ending the watch.
+pub const FLOOR_PROBE_RETRIES: u32 = 4;
+
 /// How long the floor guard trusts a stream-info answer that retention does not evict current
 /// values (on such a bucket a skipped sequence was superseded, and its successor is delivered).
 pub const FLOOR_NON_EVICTING_TRUST: Duration = Duration::from_secs(1);
@@ -607,6 +610,12 @@ impl NatsKv {
         // superseded sequences by design).
         let guard = matches!(scope, WatchScope::All);
         let mut frontier = start_frontier.filter(|_| guard);
+        if guard && frontier.is_none() && level_reported {
+            // A state-sync start with nothing pending is level at once: guard from the stream's
+            // last sequence, read after the consumer exists (a message written in between is
+            // delivered anyway, so a frontier ahead of it only forgoes one check).
+            frontier = Some(self.positions().await?.last_sequence);
+        }
         let mut non_evicting_at: Option<std::time::Instant> = None;
         let mut quiet = true;
         let mut backstop = tokio::time::interval(FLOOR_BACKSTOP);
@@ -625,7 +634,12 @@ impl NatsKv {
                     // Backstop: no delivery for a whole period leaves no in-band evidence of an
                     // overrun, so ask the stream directly.
                     if quiet && let Some(f) = frontier {
-                        self.check_floor(f, &mut non_evicting_at).await?;
+                        match self.check_floor(f, &mut non_evicting_at).await {
+                            Ok(()) => {}
+                            Err(e @ KvError::CursorExpired { .. }) => return Err(e),
+                            // No evidence of loss waits on this probe: try again next period.
+                            Err(e) => tracing::warn!(bucket = %self.bucket, error = %e, "floor guard: backstop probe failed; retrying next period"),
+                        }
                     }
                     quiet = true;
                     continue;
@@ -669,7 +683,21 @@ impl NatsKv {
                     }
                 }
                 if let Some(g) = gap_after {
-                    self.check_floor(g, &mut non_evicting_at).await?;
+                    // Evidence of a possible loss is waiting: a failed probe is retried (a leader
+                    // change, an API hiccup) before the watch gives up, never skipped.
+                    let mut attempt = 0u32;
+                    loop {
+                        match self.check_floor(g, &mut non_evicting_at).await {
+                            Ok(()) => break,
+                            Err(e @ KvError::CursorExpired { .. }) => return Err(e),
+                            Err(e) if attempt >= FLOOR_PROBE_RETRIES => return Err(e),
+                            Err(e) => {
+                                attempt += 1;
+                                tracing::warn!(bucket = %self.bucket, error = %e, attempt, "floor guard: probe failed; retrying");
+                                tokio::time::sleep(Duration::from_millis(250u64 << attempt)).await;
+                            }
+                        }
+                    }
                 }
                 frontier = Some(f);
             }
@@ -681,6 +709,11 @@ impl NatsKv {
                 }
                 let Some(m) = meta else { continue };
                 if level_reported {
+                    // Live after the level: the frontier follows every delivered sequence.
+                    if guard {
+                        frontier =
+                            Some(frontier.map_or(m.stream_sequence, |f| f.max(m.stream_sequence)));
+                    }
                     continue;
                 }
                 if m.pending == 0 {

@@ -227,7 +227,8 @@ impl KeySorter {
         self.buf_bytes += key.len() + std::mem::size_of::<String>();
         self.buf.push(key);
         if self.buf_bytes >= self.run_bytes {
-            self.spill()?;
+            // Sorting and writing a run blocks; keep it off the runtime's async workers.
+            block(|| self.spill())?;
         }
         Ok(())
     }
@@ -397,7 +398,7 @@ async fn list_sorted(
         return Err(e);
     }
     tracing::info!(keys = n, runs = sorter.runs(), "repair: bucket listed");
-    Ok((sorter.finish()?, n))
+    Ok((block(|| sorter.finish())?, n))
 }
 
 /// Fold keys in `scope` the sorted listing does not have (reserved keys excluded): one
@@ -507,7 +508,7 @@ pub async fn relist<S: SnapshotStore, A: Apply + ?Sized>(
         .clone()
         .ok_or_else(|| RepairError::Refused("no key listing available for a re-list".into()))?;
     let scratch = cfg.scratch_dir();
-    clear_dir(&scratch)?;
+    block(|| clear_dir(&scratch))?;
     let (listing, listed) =
         list_sorted(&*lister, scope, &scratch.join("sort"), cfg.sort_run_bytes).await?;
     let store = fold.store().clone();
@@ -758,8 +759,12 @@ fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
                         break;
                     }
                     let ae = a.pop().expect("peeked");
-                    if protocol::restore_key(None, ae.version.as_u64(), false, false)
-                        == KeyRestore::Take
+                    if protocol::restore_key(
+                        None,
+                        Some(ae.version.as_u64().unwrap_or(0)),
+                        false,
+                        false,
+                    ) == KeyRestore::Take
                     {
                         take(&ae, &mut taken)?;
                     }
@@ -802,7 +807,9 @@ fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
         }
         while a.peek()?.is_some() {
             let ae = a.pop().expect("peeked");
-            if protocol::restore_key(None, ae.version.as_u64(), false, false) == KeyRestore::Take {
+            if protocol::restore_key(None, Some(ae.version.as_u64().unwrap_or(0)), false, false)
+                == KeyRestore::Take
+            {
                 take(&ae, &mut taken)?;
             }
         }
@@ -829,7 +836,7 @@ pub async fn restore<S: SnapshotStore, A: Apply + ?Sized>(
     };
     let first = first_sequence(watcher.retention().await.map_err(RepairError::from)?)?;
     let local = fold.cursor().revision();
-    let (path, peeked) = source.newest()?.ok_or_else(|| {
+    let (path, peeked) = block(|| source.newest())?.ok_or_else(|| {
         RepairError::Refused(format!(
             "no artifact in {} to restore from",
             source.dir().display()
@@ -838,7 +845,7 @@ pub async fn restore<S: SnapshotStore, A: Apply + ?Sized>(
     // Checked before anything is downloaded or imported.
     check_artifact(&path, &peeked, scope, local, first)?;
     let scratch = cfg.scratch_dir();
-    clear_dir(&scratch)?;
+    block(|| clear_dir(&scratch))?;
     let imported_dir = scratch.join("artifact");
     let (p2, d2) = (path.clone(), imported_dir.clone());
     let manifest = tokio::task::spawn_blocking(move || {
@@ -927,7 +934,9 @@ pub async fn restore<S: SnapshotStore, A: Apply + ?Sized>(
     let memo = fold.cursor().memo().or(art_cursor.memo());
     let cursor = crate::kv::WatchCursor::at(rev).with_memo(memo);
     fold.commit_position(cursor, apply).await?;
-    let _ = std::fs::remove_dir_all(&scratch);
+    block(|| {
+        let _ = std::fs::remove_dir_all(&scratch);
+    });
     Ok(RepairReport {
         kind: "restore",
         listed,

@@ -38,6 +38,15 @@ async fn aging_bucket(h: &Harness, name: &str, max_age: Duration) -> anyhow::Res
         .await?)
 }
 
+/// Edits the bucket's stream to `max_age` (zero: no age limit), as an operator would.
+async fn set_max_age(kv: &NatsKv, bucket: &str, max_age: Duration) -> anyhow::Result<()> {
+    let mut stream = kv.jetstream().get_stream(format!("KV_{bucket}")).await?;
+    let mut config = stream.info().await?.config.clone();
+    config.max_age = max_age;
+    kv.jetstream().update_stream(config).await?;
+    Ok(())
+}
+
 /// Waits until every message of the bucket has aged out (the stream is empty).
 async fn wait_aged_out(kv: &NatsKv) -> anyhow::Result<u64> {
     let deadline = Instant::now() + Duration::from_secs(60);
@@ -255,7 +264,9 @@ async fn evicted(
     deletes: usize,
 ) -> anyhow::Result<Evicted> {
     let h = Harness::start().await?;
-    let kv = aging_bucket(&h, bucket, Duration::from_secs(3)).await?;
+    // A long age limit while the scene is set (no process has to race it), cut to one second once
+    // the artifact exists, so everything ages out at once.
+    let kv = aging_bucket(&h, bucket, Duration::from_secs(3600)).await?;
     let js = kv.jetstream().clone();
     let mut acks = Vec::new();
     for i in 0..keys {
@@ -301,6 +312,7 @@ async fn evicted(
     let m = export_live(&a, &artifacts.join("art1"))?;
     let cursor = m["cursor"].as_u64().unwrap_or(0);
     assert_eq!(cursor, last);
+    set_max_age(&kv, bucket, Duration::from_secs(1)).await?;
     wait_aged_out(&kv).await?;
     Ok(Evicted {
         h,
@@ -390,10 +402,12 @@ async fn evicting_bucket_refuses_a_listing_diff_and_restores_from_an_artifact_li
 async fn once_eviction_was_seen_the_listing_is_never_trusted_again_even_with_eviction_off()
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
-    let kv = aging_bucket(&h, "memo", Duration::from_secs(2)).await?;
+    let kv = aging_bucket(&h, "memo", Duration::from_secs(1)).await?;
     kv.put("a", "aged out before the node saw it".into())
         .await?;
     wait_aged_out(&kv).await?;
+    // Still evicting, but slowly enough that `c` outlives the node's catch-up.
+    set_max_age(&kv, "memo", Duration::from_secs(3600)).await?;
     kv.put("c", "c1".into()).await?;
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("node");
@@ -404,10 +418,7 @@ async fn once_eviction_was_seen_the_listing_is_never_trusted_again_even_with_evi
         "the memo is committed"
     );
     // The fold still has `c`; then the operator turns eviction off.
-    let mut stream = kv.jetstream().get_stream("KV_memo").await?;
-    let mut config = stream.info().await?.config.clone();
-    config.max_age = Duration::ZERO;
-    kv.jetstream().update_stream(config).await?;
+    set_max_age(&kv, "memo", Duration::ZERO).await?;
     let r = kv
         .retention()
         .await?
@@ -448,10 +459,10 @@ async fn a_stalled_watcher_overrun_by_a_burst_trips_the_floor_guard_and_restores
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let kv = h.bucket("burst").await?;
-    // Oldest-first discard under a 4 MiB limit: a burst evicts current values.
+    // Oldest-first discard under an 8 MiB limit: a burst evicts current values.
     let mut stream = kv.jetstream().get_stream("KV_burst").await?;
     let mut config = stream.info().await?.config.clone();
-    config.max_bytes = 4 << 20;
+    config.max_bytes = 8 << 20;
     config.discard = async_nats::jetstream::stream::DiscardPolicy::Old;
     kv.jetstream().update_stream(config).await?;
     for i in 0..200 {
@@ -475,11 +486,11 @@ async fn a_stalled_watcher_overrun_by_a_burst_trips_the_floor_guard_and_restores
     wait_status(&na, |s| s["applied_through"].as_u64() >= Some(200)).await?;
 
     signal(&nd, "-STOP")?;
-    // ~24 MB over 6 000 keys: the stream keeps ~4 MiB of it.
+    // ~32 MB over 6 000 keys: the stream keeps ~8 MiB of it.
     let js = kv.jetstream().clone();
     let value = Bytes::from(vec![b'z'; 1000]);
     let mut acks = Vec::new();
-    for i in 0..24_000u32 {
+    for i in 0..32_000u32 {
         acks.push(
             js.publish(format!("$KV.burst.k.{:05}", i % 6000), value.clone())
                 .await?,
