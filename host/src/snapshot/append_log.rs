@@ -1307,6 +1307,23 @@ mod tests {
     }
 
     #[test]
+    fn memo_cursor_fixture_loads_the_memo_and_the_old_format_loads_without_one() {
+        let dir = store_with_fixture("memo_cursor.log");
+        let (store, recovery) = open_ro(dir.path());
+        assert_eq!(recovery, Recovery::default());
+        assert_eq!(store.cursor().revision(), Some(6));
+        assert_eq!(
+            store.cursor().memo(),
+            Some(crate::kv::EvictionMemo {
+                server_time_unix_ns: 1_700_000_000_000_000_000
+            })
+        );
+        assert_eq!(contents(&store), fixture_fold_at_6());
+        let old = store_with_fixture("current.log");
+        assert_eq!(open_ro(old.path()).0.cursor().memo(), None);
+    }
+
+    #[test]
     fn truncated_tail_recovers_to_last_whole_record() {
         let dir = store_with_fixture("torn_tail.log");
         let (store, recovery) = open_ro(dir.path());

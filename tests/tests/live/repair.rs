@@ -43,6 +43,10 @@ async fn set_max_age(kv: &NatsKv, bucket: &str, max_age: Duration) -> anyhow::Re
     let mut stream = kv.jetstream().get_stream(format!("KV_{bucket}")).await?;
     let mut config = stream.info().await?.config.clone();
     config.max_age = max_age;
+    // The server refuses a duplicate window longer than the age limit.
+    if !max_age.is_zero() && config.duplicate_window > max_age {
+        config.duplicate_window = max_age;
+    }
     kv.jetstream().update_stream(config).await?;
     Ok(())
 }
@@ -118,6 +122,27 @@ fn signal(child: &std::process::Child, sig: &str) -> anyhow::Result<()> {
     std::process::Command::new("kill")
         .args([sig, &child.id().to_string()])
         .status()?;
+    Ok(())
+}
+
+/// Publishes `(subject, value)` pairs, awaiting acks in windows of 512 (the JetStream context
+/// bounds the acks in flight: publishing more without awaiting them waits forever).
+async fn publish_all(
+    js: &async_nats::jetstream::Context,
+    msgs: impl IntoIterator<Item = (String, Bytes)>,
+) -> anyhow::Result<()> {
+    let mut acks = Vec::new();
+    for (subject, value) in msgs {
+        acks.push(js.publish(subject, value).await?);
+        if acks.len() >= 512 {
+            for a in acks.drain(..) {
+                a.await?;
+            }
+        }
+    }
+    for a in acks {
+        a.await?;
+    }
     Ok(())
 }
 
@@ -268,16 +293,11 @@ async fn evicted(
     // the artifact exists, so everything ages out at once.
     let kv = aging_bucket(&h, bucket, Duration::from_secs(3600)).await?;
     let js = kv.jetstream().clone();
-    let mut acks = Vec::new();
-    for i in 0..keys {
-        acks.push(
-            js.publish(format!("$KV.{bucket}.k.{i:06}"), format!("old{i}").into())
-                .await?,
-        );
-    }
-    for a in acks.drain(..) {
-        a.await?;
-    }
+    publish_all(
+        &js,
+        (0..keys).map(|i| (format!("$KV.{bucket}.k.{i:06}"), format!("old{i}").into())),
+    )
+    .await?;
     kv.put("x", "to be deleted".into()).await?;
     let tmp = tempfile::tempdir()?;
     let node = tmp.path().join("node");
@@ -293,18 +313,16 @@ async fn evicted(
         kv.delete(&format!("k.{i:06}")).await?;
     }
     kv.put("w", "written during the gap".into()).await?;
-    for i in 0..rewrites {
-        acks.push(
-            js.publish(
+    publish_all(
+        &js,
+        (0..rewrites).map(|i| {
+            (
                 format!("$KV.{bucket}.k.{:06}", keys - 1 - i),
                 format!("new{i}").into(),
             )
-            .await?,
-        );
-    }
-    for a in acks.drain(..) {
-        a.await?;
-    }
+        }),
+    )
+    .await?;
     let last = kv.positions().await?.last_sequence;
     wait_status(&a, |s| s["applied_through"].as_u64() >= Some(last)).await?;
     let artifacts = tmp.path().join("artifacts");
@@ -477,10 +495,12 @@ async fn a_stalled_watcher_overrun_by_a_burst_trips_the_floor_guard_and_restores
     let mut ex = run_command(&h, "burst", &exporter, Some(&ea))
         .stderr(Stdio::null())
         .spawn()?;
+    let node_log = tmp.path().join("node.log");
     let mut nd = run_command(&h, "burst", &node, Some(&na))
         .args(["--restore-from"])
         .arg(&artifacts)
-        .stderr(Stdio::null())
+        .env("FOLDHOST_LOG", "warn")
+        .stderr(std::fs::File::create(&node_log)?)
         .spawn()?;
     wait_status(&ea, |s| s["applied_through"].as_u64() >= Some(200)).await?;
     wait_status(&na, |s| s["applied_through"].as_u64() >= Some(200)).await?;
@@ -489,21 +509,11 @@ async fn a_stalled_watcher_overrun_by_a_burst_trips_the_floor_guard_and_restores
     // ~32 MB over 6 000 keys: the stream keeps ~8 MiB of it.
     let js = kv.jetstream().clone();
     let value = Bytes::from(vec![b'z'; 1000]);
-    let mut acks = Vec::new();
-    for i in 0..32_000u32 {
-        acks.push(
-            js.publish(format!("$KV.burst.k.{:05}", i % 6000), value.clone())
-                .await?,
-        );
-        if acks.len() >= 512 {
-            for a in acks.drain(..) {
-                a.await?;
-            }
-        }
-    }
-    for a in acks.drain(..) {
-        a.await?;
-    }
+    publish_all(
+        &js,
+        (0..32_000u32).map(|i| (format!("$KV.burst.k.{:05}", i % 6000), value.clone())),
+    )
+    .await?;
     let p = kv.positions().await?;
     assert!(
         p.first_sequence > 201,
@@ -533,6 +543,14 @@ async fn a_stalled_watcher_overrun_by_a_burst_trips_the_floor_guard_and_restores
     };
     assert_eq!(st["state"], "running", "{st}");
     terminate(&mut nd)?;
+    // The trip came from the live floor guard (no restart): the watch ended with CursorExpired
+    // in process and the restore followed.
+    let log = std::fs::read_to_string(&node_log)?;
+    assert!(
+        log.contains("floor guard: retention overran the watch")
+            && log.contains("kind=\"restore\""),
+        "{log}"
+    );
     terminate(&mut ex)?;
     let want = dump_store(&exporter)?;
     let got = dump_store(&node)?;
@@ -544,17 +562,89 @@ async fn a_stalled_watcher_overrun_by_a_burst_trips_the_floor_guard_and_restores
     Ok(())
 }
 
-/// Kills `run` at `fraction` of `took`, then runs `run` again to completion.
-async fn kill_then_rerun(
-    mut spawn: impl FnMut() -> anyhow::Result<std::process::Child>,
-    took: Duration,
+/// The log lines that open and close a repair.
+const REPAIR_START: &str = "cursor expired: repairing";
+const REPAIR_DONE: &str = "cursor-expiry repair done";
+
+/// Spawns `cmd` with its log watched: the receiver gets `(line kind, when)` for the repair's start
+/// and end lines.
+fn spawn_watched(
+    mut cmd: std::process::Command,
+) -> anyhow::Result<(
+    std::process::Child,
+    std::sync::mpsc::Receiver<(&'static str, Instant)>,
+)> {
+    use std::io::BufRead;
+    let mut child = cmd
+        .env("FOLDHOST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let stderr = child
+        .stderr
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stderr"))?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let kind = if line.contains(REPAIR_START) {
+                "start"
+            } else if line.contains(REPAIR_DONE) {
+                "done"
+            } else {
+                continue;
+            };
+            if tx.send((kind, Instant::now())).is_err() {
+                return;
+            }
+        }
+    });
+    Ok((child, rx))
+}
+
+/// How long the repair phase of `cmd` takes (from its start line to its done line).
+fn repair_duration(cmd: std::process::Command) -> anyhow::Result<Duration> {
+    let (mut child, rx) = spawn_watched(cmd)?;
+    let st = child.wait()?;
+    anyhow::ensure!(st.success(), "timed run failed: {st}");
+    let events: Vec<_> = rx.iter().collect();
+    let at = |k: &str| events.iter().find(|(kind, _)| *kind == k).map(|(_, t)| *t);
+    match (at("start"), at("done")) {
+        (Some(a), Some(b)) => Ok(b - a),
+        _ => anyhow::bail!("the timed run logged no repair: {events:?}"),
+    }
+}
+
+/// Runs `cmd()`, kills it with SIGKILL at `fraction` of `repair` after its repair started, then
+/// runs `cmd()` again to completion. Returns whether the kill landed inside the repair, and the
+/// re-run's output.
+async fn kill_during_repair_then_rerun(
+    cmd: impl Fn() -> std::process::Command,
+    repair: Duration,
     fraction: f64,
-) -> anyhow::Result<Output> {
-    let mut child = spawn()?;
-    tokio::time::sleep(took.mul_f64(fraction)).await;
+) -> anyhow::Result<(bool, Output)> {
+    let (mut child, rx) = spawn_watched(cmd())?;
+    let started = tokio::task::spawn_blocking(move || {
+        let first = rx.recv_timeout(Duration::from_secs(60));
+        (first, rx)
+    })
+    .await?;
+    let (first, rx) = started;
+    anyhow::ensure!(
+        matches!(first, Ok(("start", _))),
+        "the repair never started: {first:?}"
+    );
+    tokio::time::sleep(repair.mul_f64(fraction)).await;
+    let landed = rx.try_recv().is_err();
     kill9(&mut child)?;
-    let child = spawn()?;
-    Ok(child.wait_with_output()?)
+    let out = cmd()
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .output()?;
+    Ok((landed, out))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -564,49 +654,43 @@ async fn a_sigkill_during_a_restore_reruns_it_on_restart_to_the_same_result() ->
     let arts = e.artifacts.display().to_string();
     let want = dump_store(&e.exporter)?;
     terminate(&mut e.host)?;
+    let url = e.h.url();
+    let cmd = |dir: &Path| {
+        let mut c = foldhost();
+        c.args([
+            "run",
+            "--bucket",
+            "crashrestore",
+            "--nats",
+            &url,
+            "--catch-up",
+        ])
+        .args(["--restore-from", &arts, "--store"])
+        .arg(dir);
+        c
+    };
     // Measure one whole restore on a copy.
     let timed = e.tmp.path().join("timed");
     copy_dir(&e.node, &timed)?;
-    let t = Instant::now();
-    ok(
-        &catch_up(&e.h, "crashrestore", &timed, &["--restore-from", &arts])?,
-        "timed restore",
-    )?;
-    let took = t.elapsed();
+    let repair = repair_duration(cmd(&timed))?;
     assert_eq!(first_difference(&want, &dump_store(&timed)?), None);
+    let mut landed = 0;
     for (i, f) in [0.15, 0.4, 0.65, 0.9].into_iter().enumerate() {
         let dir = e.tmp.path().join(format!("killed{i}"));
         copy_dir(&e.node, &dir)?;
-        let url = e.h.url();
-        let (d, a) = (dir.clone(), arts.clone());
-        let o = kill_then_rerun(
-            || {
-                Ok(foldhost()
-                    .args([
-                        "run",
-                        "--bucket",
-                        "crashrestore",
-                        "--nats",
-                        &url,
-                        "--catch-up",
-                    ])
-                    .args(["--restore-from", &a, "--store"])
-                    .arg(&d)
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
-                    .spawn()?)
-            },
-            took,
-            f,
-        )
-        .await?;
-        ok(&o, &format!("re-run after a kill at {f} of {took:?}"))?;
+        let (inside, o) = kill_during_repair_then_rerun(|| cmd(&dir), repair, f).await?;
+        landed += usize::from(inside);
+        ok(&o, &format!("re-run after a kill at {f} of {repair:?}"))?;
         assert_eq!(
             first_difference(&want, &dump_store(&dir)?),
             None,
-            "killed at {f} of {took:?}"
+            "killed at {f} of {repair:?}"
         );
     }
+    assert!(
+        landed >= 2,
+        "only {landed} of 4 kills landed inside the restore ({repair:?})"
+    );
     Ok(())
 }
 
@@ -616,17 +700,14 @@ async fn a_sigkill_during_a_listing_diff_reruns_it_on_restart_to_the_same_result
     let h = Harness::start().await?;
     let kv = h.bucket("crashrelist").await?;
     let js = kv.jetstream().clone();
-    let mut acks = Vec::new();
-    for i in 0..20_000u32 {
-        let k = if i % 4 == 0 { "del" } else { "keep" };
-        acks.push(
-            js.publish(format!("$KV.crashrelist.{k}.{i:06}"), "v1".into())
-                .await?,
-        );
-    }
-    for a in acks.drain(..) {
-        a.await?;
-    }
+    publish_all(
+        &js,
+        (0..20_000u32).map(|i| {
+            let k = if i % 4 == 0 { "del" } else { "keep" };
+            (format!("$KV.crashrelist.{k}.{i:06}"), "v1".into())
+        }),
+    )
+    .await?;
     let tmp = tempfile::tempdir()?;
     let node = tmp.path().join("node");
     ok(&catch_up(&h, "crashrelist", &node, &[])?, "first catch-up")?;
@@ -634,60 +715,53 @@ async fn a_sigkill_during_a_listing_diff_reruns_it_on_restart_to_the_same_result
     for i in (0..20_000u32).step_by(4) {
         kv.delete(&format!("del.{i:06}")).await?;
     }
-    for i in 0..20_000u32 {
-        if i % 4 != 0 {
-            acks.push(
-                js.publish(format!("$KV.crashrelist.keep.{i:06}"), "v2".into())
-                    .await?,
-            );
-        }
-    }
-    for a in acks.drain(..) {
-        a.await?;
-    }
+    publish_all(
+        &js,
+        (0..20_000u32)
+            .filter(|i| i % 4 != 0)
+            .map(|i| (format!("$KV.crashrelist.keep.{i:06}"), "v2".into())),
+    )
+    .await?;
     let stream = kv.jetstream().get_stream("KV_crashrelist").await?;
     stream.purge().filter("$KV.crashrelist.del.>").await?;
     let want = bucket_contents(&kv).await?;
     assert_eq!(want.len(), 15_000);
+    let url = h.url();
+    let cmd = |dir: &Path| {
+        let mut c = foldhost();
+        c.args([
+            "run",
+            "--bucket",
+            "crashrelist",
+            "--nats",
+            &url,
+            "--catch-up",
+            "--store",
+        ])
+        .arg(dir);
+        c
+    };
     let timed = tmp.path().join("timed");
     copy_dir(&node, &timed)?;
-    let t = Instant::now();
-    ok(&catch_up(&h, "crashrelist", &timed, &[])?, "timed re-list")?;
-    let took = t.elapsed();
+    let repair = repair_duration(cmd(&timed))?;
     assert_eq!(first_difference(&want, &dump_store(&timed)?), None);
+    let mut landed = 0;
     for (i, f) in [0.2, 0.5, 0.8].into_iter().enumerate() {
         let dir = tmp.path().join(format!("killed{i}"));
         copy_dir(&node, &dir)?;
-        let url = h.url();
-        let d = dir.clone();
-        let o = kill_then_rerun(
-            || {
-                Ok(foldhost()
-                    .args([
-                        "run",
-                        "--bucket",
-                        "crashrelist",
-                        "--nats",
-                        &url,
-                        "--catch-up",
-                        "--store",
-                    ])
-                    .arg(&d)
-                    .stdout(Stdio::piped())
-                    .stderr(Stdio::piped())
-                    .spawn()?)
-            },
-            took,
-            f,
-        )
-        .await?;
-        ok(&o, &format!("re-run after a kill at {f} of {took:?}"))?;
+        let (inside, o) = kill_during_repair_then_rerun(|| cmd(&dir), repair, f).await?;
+        landed += usize::from(inside);
+        ok(&o, &format!("re-run after a kill at {f} of {repair:?}"))?;
         let got: Contents = dump_store(&dir)?;
         assert_eq!(
             first_difference(&want, &got),
             None,
-            "killed at {f} of {took:?}"
+            "killed at {f} of {repair:?}"
         );
     }
+    assert!(
+        landed >= 2,
+        "only {landed} of 3 kills landed inside the diff ({repair:?})"
+    );
     Ok(())
 }
