@@ -252,6 +252,9 @@ pub struct FoldStatus {
     pub repairs: AtomicU64,
 }
 
+/// Most delivery time stamps a fold keeps (one arrives per chunk of at most 64 updates).
+pub const MAX_STAMPS: usize = 1024;
+
 /// Most warnings kept in [`FoldStatus::warnings`].
 pub const MAX_WARNINGS: usize = 16;
 
@@ -330,6 +333,8 @@ pub struct Fold<S: SnapshotStore> {
     warned: std::collections::BTreeSet<String>,
     /// While set (a restore folding its difference), commits keep the cursor where it is.
     frozen: bool,
+    /// Server times of recently delivered revisions (ascending), for the memo's time.
+    stamps: std::collections::VecDeque<(u64, u64)>,
 }
 
 impl<S: SnapshotStore> Fold<S> {
@@ -348,6 +353,7 @@ impl<S: SnapshotStore> Fold<S> {
             status,
             warned: Default::default(),
             frozen: false,
+            stamps: Default::default(),
         };
         fold.publish_retained()?;
         Ok(fold)
@@ -552,6 +558,46 @@ impl<S: SnapshotStore> Fold<S> {
         self.applied
     }
 
+    /// Notes when the server stored the message at `revision` (at most [`MAX_STAMPS`] kept).
+    pub fn note_stamp(&mut self, revision: u64, server_time_unix_ns: u64) {
+        if self.stamps.back().is_some_and(|(r, _)| *r >= revision) {
+            return;
+        }
+        if self.stamps.len() >= MAX_STAMPS {
+            self.stamps.pop_front();
+        }
+        self.stamps.push_back((revision, server_time_unix_ns));
+    }
+
+    /// `cursor` with its memo's time moved to the newest known server time of a message at or
+    /// below its revision (never later than its own message's time: a resume judged by it is
+    /// conservative). Stamps below the one used are dropped.
+    fn stamped(&mut self, cursor: WatchCursor) -> WatchCursor {
+        let (Some(memo), Some(rev)) = (cursor.memo(), cursor.revision()) else {
+            return cursor;
+        };
+        let mut best = None;
+        while let Some(&(r, t)) = self.stamps.front() {
+            if r > rev {
+                break;
+            }
+            best = Some(t);
+            if self.stamps.len() > 1 && self.stamps[1].0 <= rev {
+                self.stamps.pop_front();
+            } else {
+                break;
+            }
+        }
+        match best {
+            Some(t) if t > memo.server_time_unix_ns => {
+                cursor.with_memo(Some(crate::kv::EvictionMemo {
+                    server_time_unix_ns: t,
+                }))
+            }
+            _ => cursor,
+        }
+    }
+
     /// Keeps the cursor where it is on every commit while `frozen` (the restore's difference
     /// carries real, older revisions that must not move it).
     pub(crate) fn freeze_cursor(&mut self, frozen: bool) {
@@ -670,8 +716,10 @@ impl<S: SnapshotStore> Fold<S> {
         let cursor = if self.frozen {
             self.applied
         } else {
-            self.applied
-                .moved_to(protocol::commit_cursor(self.applied.revision(), batch_high))
+            let moved = self
+                .applied
+                .moved_to(protocol::commit_cursor(self.applied.revision(), batch_high));
+            self.stamped(moved)
         };
         let t = Instant::now();
         let (raw, result) = commit(&self.store, raw, cursor).await?;
@@ -1010,7 +1058,7 @@ where
                     // Take whatever else is already queued, up to a full batch, without re-entering
                     // the select for each update.
                     loop {
-                        match on_event(next, &mut batch, &mut level, &status) {
+                        match on_event(next, &mut batch, &mut level, &status, &mut fold) {
                             EventOutcome::Continue => {}
                             EventOutcome::FlushNow => flush_now = true,
                             EventOutcome::Closed => {
@@ -1232,13 +1280,21 @@ enum EventOutcome {
 }
 
 /// Takes one event off the watch channel into the batch and the progress figures.
-fn on_event(
+fn on_event<S: SnapshotStore>(
     ev: Option<WatchEvent>,
     batch: &mut Vec<KvUpdate>,
     level: &mut Option<Option<u64>>,
     status: &FoldStatus,
+    fold: &mut Fold<S>,
 ) -> EventOutcome {
     match ev {
+        Some(WatchEvent::Stamp {
+            revision,
+            server_time_unix_ns,
+        }) => {
+            fold.note_stamp(revision, server_time_unix_ns);
+            EventOutcome::Continue
+        }
         Some(WatchEvent::Updates(us)) => {
             if let Some(r) = us.iter().rev().find_map(KvUpdate::revision) {
                 status.seq.fetch_max(r, Ordering::Relaxed);

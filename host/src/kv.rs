@@ -327,6 +327,15 @@ pub enum WatchEvent {
     },
     /// Progress while catching up: how many updates remain pending on the server.
     Pending(u64),
+    /// When the server stored the message at `revision` (the last update of a chunk just sent).
+    /// A fold whose cursor carries the eviction memo keeps the newest such time at or below its
+    /// cursor, for the supersession-only resume.
+    Stamp {
+        /// The message's revision.
+        revision: u64,
+        /// Server time, Unix nanoseconds.
+        server_time_unix_ns: u64,
+    },
 }
 
 /// Errors from the key-value layer. `Clone` so one failed connect can fan out to many waiters; the

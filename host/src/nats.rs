@@ -352,6 +352,60 @@ impl NatsKv {
     }
 }
 
+impl NatsKv {
+    /// The supersession-only resume (seed 000): when a cursor with the eviction memo looks expired
+    /// on a bucket where age is the only eviction and the cursor's message is at most half of
+    /// `max_age` old by the server's clock, every later message is younger still, so none aged
+    /// out and each one missing was superseded by a later write: the resume may start at the
+    /// first retained revision. `None` when that cannot be shown (no memo time, other limits, an
+    /// older cursor, a server that does not report its clock).
+    async fn supersession_resume(&self, cursor: WatchCursor) -> Result<Option<u64>, KvError> {
+        let Some(t) = cursor
+            .memo()
+            .map(|m| m.server_time_unix_ns)
+            .filter(|t| *t > 0)
+        else {
+            return Ok(None);
+        };
+        // The raw reply: the typed one drops the server's clock (`ts`).
+        let subject = format!("$JS.API.STREAM.INFO.{}", self.stream_name);
+        let reply = timed("stream info", self.timeout, async {
+            self.client
+                .request(subject, Bytes::new())
+                .await
+                .map_err(|e| backend("stream info", e))
+        })
+        .await?;
+        let v: serde_json::Value = serde_json::from_slice(&reply.payload)
+            .map_err(|e| backend("stream info", format!("unreadable reply: {e}")))?;
+        let Some(now) = v["ts"].as_str().and_then(rfc3339_unix_ns) else {
+            return Ok(None);
+        };
+        let c = &v["config"];
+        let max_age = Duration::from_nanos(c["max_age"].as_u64().unwrap_or(0));
+        let age_only = protocol::age_only(
+            max_age,
+            c["max_bytes"].as_i64().unwrap_or(-1),
+            c["max_msgs"].as_i64().unwrap_or(-1),
+            c["discard"].as_str() == Some("old"),
+            c["allow_msg_ttl"].as_bool().unwrap_or(false),
+        );
+        let first = v["state"]["first_seq"].as_u64().unwrap_or(0);
+        let age = Duration::from_nanos(now.saturating_sub(t));
+        if first == 0 || !protocol::gap_holds_no_eviction(age_only, max_age, age) {
+            return Ok(None);
+        }
+        tracing::info!(bucket = %self.bucket, cursor = %cursor, first, cursor_message_age_ms = age.as_millis() as u64, "supersession-only gap: every message after the cursor was superseded, none aged out; resuming at the first retained revision");
+        Ok(Some(first))
+    }
+}
+
+/// Parses an RFC 3339 time into Unix nanoseconds.
+fn rfc3339_unix_ns(s: &str) -> Option<u64> {
+    let t = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).ok()?;
+    u64::try_from(t.unix_timestamp_nanos()).ok()
+}
+
 /// A stream's retention from its info: whether it can evict a current value, and its first
 /// retained sequence.
 fn retention_of(info: &async_nats::jetstream::stream::Info) -> crate::protocol::Retention {
@@ -702,9 +756,15 @@ impl NatsKv {
                 frontier = Some(f);
             }
             let mut out: Vec<KvUpdate> = Vec::with_capacity(decoded.len());
+            let mut stamp: Option<(u64, u64)> = None;
             for (update, meta) in decoded {
                 if scope.contains(update.key()) {
                     last_delivered = update.revision().or(last_delivered);
+                    if let (Some(r), Some(m)) = (update.revision(), meta)
+                        && m.timestamp_unix_ns > 0
+                    {
+                        stamp = Some((r, m.timestamp_unix_ns));
+                    }
                     out.push(update);
                 }
                 let Some(m) = meta else { continue };
@@ -744,6 +804,17 @@ impl NatsKv {
                 }
             }
             if !out.is_empty() && tx.send(WatchEvent::Updates(out)).await.is_err() {
+                return Ok(());
+            }
+            if let Some((revision, server_time_unix_ns)) = stamp
+                && tx
+                    .send(WatchEvent::Stamp {
+                        revision,
+                        server_time_unix_ns,
+                    })
+                    .await
+                    .is_err()
+            {
                 return Ok(());
             }
         }
@@ -891,6 +962,17 @@ impl KvWatcher for NatsKv {
         };
         let pos = self.positions().await?;
         if !protocol::resume_window_ok(rev, pos.first_sequence) {
+            if let Some(start) = self.supersession_resume(cursor).await? {
+                return self
+                    .run_watch(
+                        scope,
+                        consumer::DeliverPolicy::ByStartSequence {
+                            start_sequence: start,
+                        },
+                        tx,
+                    )
+                    .await;
+            }
             return Err(KvError::CursorExpired {
                 resume_from: rev.saturating_add(1),
                 first_sequence: pos.first_sequence,

@@ -22,6 +22,8 @@ pub struct AckMeta {
     pub stream_sequence: u64,
     /// Messages still pending for the consumer after this one.
     pub pending: u64,
+    /// When the server stored the message, Unix nanoseconds (0: unreadable).
+    pub timestamp_unix_ns: u64,
 }
 
 /// Parses a JetStream ACK subject without allocating.
@@ -49,16 +51,19 @@ pub fn parse_ack_subject(subject: &str) -> Option<AckMeta> {
     if tokens[0] != "$JS" || tokens[1] != "ACK" {
         return None;
     }
-    let (seq_idx, pending_idx) = match count {
-        9 => (5, 8),
-        11 | 12 => (7, 10),
+    let (seq_idx, ts_idx, pending_idx) = match count {
+        9 => (5, 7, 8),
+        11 | 12 => (7, 9, 10),
         _ => return None,
     };
     let stream_sequence = tokens[seq_idx].parse::<u64>().ok()?;
     let pending = tokens[pending_idx].parse::<u64>().ok()?;
+    // The timestamp only ever makes a resume more conservative when missing, so it is optional.
+    let timestamp_unix_ns = tokens[ts_idx].parse::<u64>().unwrap_or(0);
     Some(AckMeta {
         stream_sequence,
         pending,
+        timestamp_unix_ns,
     })
 }
 
@@ -290,6 +295,19 @@ pub fn scope_covers(artifact_prefixes: &[&str], watch_prefixes: &[&str]) -> bool
         .all(|w| artifact_prefixes.iter().any(|a| w.starts_with(a)))
 }
 
+/// Whether age is a stream's only way to evict a current value: an age limit, and neither an
+/// oldest-first size/count limit nor per-message TTLs (the precondition of the supersession-only
+/// resume: only then does "every later message is younger" mean "none aged out").
+pub fn age_only(
+    max_age: std::time::Duration,
+    max_bytes: i64,
+    max_messages: i64,
+    discard_old: bool,
+    message_ttl: bool,
+) -> bool {
+    !max_age.is_zero() && !(discard_old && (max_bytes > 0 || max_messages > 0)) && !message_ttl
+}
+
 /// Whether a stream's retention can remove a key's *current* value (not only superseded ones): an
 /// age limit, a message or byte limit that discards the oldest messages, or per-message TTLs. A
 /// per-key history limit only drops superseded revisions, and `discard: new` refuses writes
@@ -465,6 +483,18 @@ mod tests {
     }
 
     #[test]
+    fn only_an_age_limit_without_oldest_first_limits_or_ttls_is_age_only() {
+        use std::time::Duration as D;
+        let hour = D::from_secs(3600);
+        assert!(age_only(hour, -1, -1, false, false));
+        assert!(age_only(hour, 1 << 20, -1, false, false)); // discard new: refuses, never evicts
+        assert!(!age_only(hour, 1 << 20, -1, true, false));
+        assert!(!age_only(hour, -1, 10, true, false));
+        assert!(!age_only(hour, -1, -1, false, true));
+        assert!(!age_only(D::ZERO, -1, -1, false, false));
+    }
+
+    #[test]
     fn an_age_only_gap_is_trusted_only_within_half_of_max_age() {
         use std::time::Duration as D;
         let hour = D::from_secs(3600);
@@ -540,7 +570,8 @@ mod tests {
             parse_ack_subject(legacy),
             Some(AckMeta {
                 stream_sequence: 42,
-                pending: 3
+                pending: 3,
+                timestamp_unix_ns: 1_700_000_000_000_000_000
             })
         );
         let modern11 = "$JS.ACK._.ACCT.KV_b.cons.1.43.8.1700000000000000000.0";
@@ -548,7 +579,8 @@ mod tests {
             parse_ack_subject(modern11),
             Some(AckMeta {
                 stream_sequence: 43,
-                pending: 0
+                pending: 0,
+                timestamp_unix_ns: 1_700_000_000_000_000_000
             })
         );
         let modern12 = "$JS.ACK.hub.ACCT.KV_b.cons.2.44.9.1700000000000000000.5.rAnd0m";
@@ -556,7 +588,8 @@ mod tests {
             parse_ack_subject(modern12),
             Some(AckMeta {
                 stream_sequence: 44,
-                pending: 5
+                pending: 5,
+                timestamp_unix_ns: 1_700_000_000_000_000_000
             })
         );
     }

@@ -401,6 +401,15 @@ async fn evicting_bucket_refuses_a_listing_diff_and_restores_from_an_artifact_li
     assert_eq!(st["cursor"].as_u64(), Some(e.cursor));
     assert_eq!(st["eviction_seen"], true);
 
+    // An empty fold on this bucket would re-list nothing (everything aged out): with a restore
+    // armed it seeds from the artifact instead.
+    let fresh = e.tmp.path().join("fresh");
+    ok(
+        &catch_up(&e.h, "aging", &fresh, &["--restore-from", &arts])?,
+        "seeding a fresh node",
+    )?;
+    assert_eq!(first_difference(&want, &dump_store(&fresh)?), None);
+
     // A later gap the artifact does not reach: the stale artifact fails the watch, fold untouched.
     e.kv.put("late", "after the artifact".into()).await?;
     wait_aged_out(&e.kv).await?;
@@ -763,5 +772,76 @@ async fn a_sigkill_during_a_listing_diff_reruns_it_on_restart_to_the_same_result
         landed >= 2,
         "only {landed} of 3 kills landed inside the diff ({repair:?})"
     );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn supersession_only_restart_resumes_on_a_max_age_bucket_without_an_artifact()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = aging_bucket(&h, "supersede", Duration::from_secs(1)).await?;
+    kv.put("x", "aged out".into()).await?;
+    wait_aged_out(&kv).await?;
+    // Age-only eviction with room: the node sees it has evicted (memo, with its message's time).
+    set_max_age(&kv, "supersede", Duration::from_secs(3600)).await?;
+    kv.put("a", "a0".into()).await?;
+    kv.put("b", "b0".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("node");
+    ok(&catch_up(&h, "supersede", &store, &[])?, "catch-up")?;
+    assert_eq!(status_store(&store)?["eviction_seen"], true);
+    {
+        let (s, _) = AnyStore::open_read_only(&store)?;
+        let memo = s
+            .cursor()
+            .memo()
+            .ok_or_else(|| anyhow::anyhow!("no memo"))?;
+        assert!(
+            memo.server_time_unix_ns > 0,
+            "the memo keeps its message's server time"
+        );
+    }
+    // While the node is down every key is rewritten: the messages after its cursor are all gone,
+    // superseded, none aged out. The cursor looks expired.
+    for i in 1..4 {
+        kv.put("a", format!("a{i}").into()).await?;
+        kv.put("b", format!("b{i}").into()).await?;
+    }
+    let cursor = status_store(&store)?["cursor"].as_u64().unwrap_or(0);
+    let first = kv.positions().await?.first_sequence;
+    assert!(
+        first > cursor + 1,
+        "expired-looking: cursor {cursor}, first {first}"
+    );
+    // No artifact anywhere: only the supersession-only resume can bring it back.
+    let o = catch_up(&h, "supersede", &store, &[])?;
+    ok(&o, "supersession-only resume")?;
+    let log = String::from_utf8_lossy(&o.stderr).to_string();
+    assert!(!log.contains("cursor expired: repairing"), "{log}");
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &dump_store(&store)?),
+        None
+    );
+
+    // The same gap under an oldest-first limit is not age-only: it reads as expired, and with no
+    // artifact it is refused, the fold untouched.
+    let mut stream = kv.jetstream().get_stream("KV_supersede").await?;
+    let mut config = stream.info().await?.config.clone();
+    config.max_messages = 1000;
+    config.discard = async_nats::jetstream::stream::DiscardPolicy::Old;
+    kv.jetstream().update_stream(config).await?;
+    for i in 4..7 {
+        kv.put("a", format!("a{i}").into()).await?;
+        kv.put("b", format!("b{i}").into()).await?;
+    }
+    let before = dump_store(&store)?;
+    let o = catch_up(&h, "supersede", &store, &[])?;
+    assert!(!o.status.success());
+    assert!(
+        error_line(&o).contains("--restore-from"),
+        "{}",
+        error_line(&o)
+    );
+    assert_eq!(dump_store(&store)?, before);
     Ok(())
 }

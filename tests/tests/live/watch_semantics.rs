@@ -25,7 +25,7 @@ async fn collect_until_level(
         match tokio::time::timeout(Duration::from_secs(20), rx.recv()).await? {
             Some(WatchEvent::Updates(us)) => got.extend(us),
             Some(WatchEvent::CaughtUp { .. }) => break,
-            Some(WatchEvent::Pending(_)) => {}
+            Some(WatchEvent::Pending(_) | WatchEvent::Stamp { .. }) => {}
             None => {
                 let r = task.await?;
                 anyhow::bail!("watch ended before it was level: {r:?}");
