@@ -459,9 +459,14 @@ pub async fn run_fold(
             "store recovered: {reason}"
         );
     }
-    if store.cursor().revision().is_none() && !store.is_empty()? {
+    // Without a repair a re-list would never remove what the bucket no longer has; with one, the
+    // fold repairs this like an expiry at revision 0.
+    if repair_mode == crate::protocol::RepairMode::None
+        && store.cursor().revision().is_none()
+        && !store.is_empty()?
+    {
         bail!(
-            "{}: the fold holds {} keys but no cursor; it cannot be resumed safely (import an artifact or start from an empty store)",
+            "{}: the fold holds {} keys but no cursor and --repair is none; it cannot be resumed safely (allow a repair, import an artifact, or start from an empty store)",
             a.store.display(),
             store.len()?
         );

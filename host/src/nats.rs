@@ -383,13 +383,14 @@ impl NatsKv {
         };
         let c = &v["config"];
         let max_age = Duration::from_nanos(c["max_age"].as_u64().unwrap_or(0));
-        let age_only = protocol::age_only(
+        let age_only = protocol::StreamLimits {
             max_age,
-            c["max_bytes"].as_i64().unwrap_or(-1),
-            c["max_msgs"].as_i64().unwrap_or(-1),
-            c["discard"].as_str() == Some("old"),
-            c["allow_msg_ttl"].as_bool().unwrap_or(false),
-        );
+            max_bytes: c["max_bytes"].as_i64().unwrap_or(-1),
+            max_messages: c["max_msgs"].as_i64().unwrap_or(-1),
+            discard_old: c["discard"].as_str() == Some("old"),
+            message_ttl: c["allow_msg_ttl"].as_bool().unwrap_or(false),
+        }
+        .age_only();
         let first = v["state"]["first_seq"].as_u64().unwrap_or(0);
         let age = Duration::from_nanos(now.saturating_sub(t));
         if first == 0 || !protocol::gap_holds_no_eviction(age_only, max_age, age) {
@@ -411,13 +412,14 @@ fn rfc3339_unix_ns(s: &str) -> Option<u64> {
 fn retention_of(info: &async_nats::jetstream::stream::Info) -> crate::protocol::Retention {
     let c = &info.config;
     crate::protocol::Retention {
-        evicts_current_values: crate::protocol::retention_evicts_current_values(
-            c.max_age,
-            c.max_bytes,
-            c.max_messages,
-            c.discard == async_nats::jetstream::stream::DiscardPolicy::Old,
-            c.allow_message_ttl,
-        ),
+        evicts_current_values: crate::protocol::StreamLimits {
+            max_age: c.max_age,
+            max_bytes: c.max_bytes,
+            max_messages: c.max_messages,
+            discard_old: c.discard == async_nats::jetstream::stream::DiscardPolicy::Old,
+            message_ttl: c.allow_message_ttl,
+        }
+        .evicts_current_values(),
         first_revision: info.state.first_sequence,
     }
 }

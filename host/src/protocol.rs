@@ -295,56 +295,85 @@ pub fn scope_covers(artifact_prefixes: &[&str], watch_prefixes: &[&str]) -> bool
         .all(|w| artifact_prefixes.iter().any(|a| w.starts_with(a)))
 }
 
-/// Whether age is a stream's only way to evict a current value: an age limit, and neither an
-/// oldest-first size/count limit nor per-message TTLs (the precondition of the supersession-only
-/// resume: only then does "every later message is younger" mean "none aged out").
-pub fn age_only(
-    max_age: std::time::Duration,
-    max_bytes: i64,
-    max_messages: i64,
-    discard_old: bool,
-    message_ttl: bool,
-) -> bool {
-    !max_age.is_zero() && !(discard_old && (max_bytes > 0 || max_messages > 0)) && !message_ttl
+/// The parts of a stream's config that decide what its retention removes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StreamLimits {
+    /// Age limit (zero: none).
+    pub max_age: std::time::Duration,
+    /// Size limit in bytes (≤ 0: none).
+    pub max_bytes: i64,
+    /// Message count limit (≤ 0: none).
+    pub max_messages: i64,
+    /// A full stream discards its oldest messages (`discard: old`) rather than refusing writes.
+    pub discard_old: bool,
+    /// Messages may carry their own TTL.
+    pub message_ttl: bool,
 }
 
-/// Whether a stream's retention can remove a key's *current* value (not only superseded ones): an
-/// age limit, a message or byte limit that discards the oldest messages, or per-message TTLs. A
-/// per-key history limit only drops superseded revisions, and `discard: new` refuses writes
-/// rather than evicting, so neither counts.
-pub fn retention_evicts_current_values(
-    max_age: std::time::Duration,
-    max_bytes: i64,
-    max_messages: i64,
-    discard_old: bool,
-    message_ttl: bool,
-) -> bool {
-    !max_age.is_zero() || (discard_old && (max_bytes > 0 || max_messages > 0)) || message_ttl
+impl StreamLimits {
+    /// A size or count limit that discards the oldest messages.
+    fn oldest_first(&self) -> bool {
+        self.discard_old && (self.max_bytes > 0 || self.max_messages > 0)
+    }
+
+    /// Whether retention can remove a key's *current* value (not only superseded ones): an age
+    /// limit, an oldest-first size/count limit, or per-message TTLs. A per-key history limit only
+    /// drops superseded revisions, and `discard: new` refuses writes rather than evicting, so
+    /// neither counts.
+    pub fn evicts_current_values(&self) -> bool {
+        !self.max_age.is_zero() || self.oldest_first() || self.message_ttl
+    }
+
+    /// Whether age is the only way to evict a current value (the precondition of the
+    /// supersession-only resume: only then does "every later message is younger" mean "none aged
+    /// out").
+    pub fn age_only(&self) -> bool {
+        !self.max_age.is_zero() && !self.oldest_first() && !self.message_ttl
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    fn limits(
+        max_age: std::time::Duration,
+        max_bytes: i64,
+        max_messages: i64,
+        discard_old: bool,
+        message_ttl: bool,
+    ) -> StreamLimits {
+        StreamLimits {
+            max_age,
+            max_bytes,
+            max_messages,
+            discard_old,
+            message_ttl,
+        }
+    }
+
     #[test]
-    fn only_age_oldest_first_limits_and_ttls_evict_current_values() {
+    fn only_age_oldest_first_limits_and_ttls_evict_current_values_and_only_age_is_age_only() {
         use std::time::Duration as D;
-        // (max_age, max_bytes, max_messages, discard old, ttl, expected)
+        let hour = D::from_secs(3600);
+        // (max_age, max_bytes, max_messages, discard old, ttl, evicts, age only)
         let table = [
-            (D::ZERO, -1, -1, false, false, false),
-            (D::ZERO, -1, -1, true, false, false),
-            (D::from_secs(60), -1, -1, false, false, true),
-            (D::ZERO, 1 << 20, -1, true, false, true),
-            (D::ZERO, 1 << 20, -1, false, false, false), // discard new refuses writes instead
-            (D::ZERO, -1, 1000, true, false, true),
-            (D::ZERO, -1, -1, false, true, true),
+            (D::ZERO, -1, -1, false, false, false, false),
+            (D::ZERO, -1, -1, true, false, false, false),
+            (hour, -1, -1, false, false, true, true),
+            (hour, 1 << 20, -1, false, false, true, true), // discard new refuses, never evicts
+            (hour, 1 << 20, -1, true, false, true, false),
+            (hour, -1, 10, true, false, true, false),
+            (hour, -1, -1, false, true, true, false),
+            (D::ZERO, 1 << 20, -1, true, false, true, false),
+            (D::ZERO, 1 << 20, -1, false, false, false, false),
+            (D::ZERO, -1, 1000, true, false, true, false),
+            (D::ZERO, -1, -1, false, true, true, false),
         ];
-        for (age, bytes, msgs, old, ttl, want) in table {
-            assert_eq!(
-                retention_evicts_current_values(age, bytes, msgs, old, ttl),
-                want,
-                "{age:?} {bytes} {msgs} {old} {ttl}"
-            );
+        for (age, bytes, msgs, old, ttl, evicts, only) in table {
+            let l = limits(age, bytes, msgs, old, ttl);
+            assert_eq!(l.evicts_current_values(), evicts, "{l:?}");
+            assert_eq!(l.age_only(), only, "{l:?}");
         }
     }
 
@@ -480,18 +509,6 @@ mod tests {
         assert!(!scope_covers(&["a/x/"], &["a/"]));
         assert!(!scope_covers(&["a/"], &["a/", "c/"]));
         assert!(!scope_covers(&[], &["a/"]));
-    }
-
-    #[test]
-    fn only_an_age_limit_without_oldest_first_limits_or_ttls_is_age_only() {
-        use std::time::Duration as D;
-        let hour = D::from_secs(3600);
-        assert!(age_only(hour, -1, -1, false, false));
-        assert!(age_only(hour, 1 << 20, -1, false, false)); // discard new: refuses, never evicts
-        assert!(!age_only(hour, 1 << 20, -1, true, false));
-        assert!(!age_only(hour, -1, 10, true, false));
-        assert!(!age_only(hour, -1, -1, false, true));
-        assert!(!age_only(D::ZERO, -1, -1, false, false));
     }
 
     #[test]

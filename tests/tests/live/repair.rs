@@ -845,3 +845,38 @@ async fn supersession_only_restart_resumes_on_a_max_age_bucket_without_an_artifa
     assert_eq!(dump_store(&store)?, before);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fold_with_data_but_no_cursor_is_repaired_like_an_expiry_at_revision_zero()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("nocursor").await?;
+    kv.put("live", "in the bucket".into()).await?;
+    // A fold that holds a key the bucket no longer has, and no cursor (say, a first batch whose
+    // cursor record was torn off): a plain re-list would never remove `gone`.
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("node");
+    {
+        let (mut s, _) = AnyStore::open(&store, Backend::AppendLog)?;
+        s.apply(
+            &[KvUpdate::Put(KvEntry {
+                key: "gone".into(),
+                value: Bytes::from_static(b"stale"),
+                version: VersionToken::UNKNOWN,
+            })],
+            WatchCursor::NONE,
+        )?;
+    }
+    let o = catch_up(&h, "nocursor", &store, &[])?;
+    ok(&o, "cursor-less catch-up")?;
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("cursor-expiry repair done"),
+        "{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &dump_store(&store)?),
+        None
+    );
+    Ok(())
+}
