@@ -571,21 +571,19 @@ async fn a_stalled_watcher_overrun_by_a_burst_trips_the_floor_guard_and_restores
     Ok(())
 }
 
-/// The log lines that open and close a repair.
+/// The log lines that open and close a repair, and the one every committed batch writes.
 const REPAIR_START: &str = "cursor expired: repairing";
 const REPAIR_DONE: &str = "cursor-expiry repair done";
+const BATCH: &str = "batch parsed and applied";
 
-/// Spawns `cmd` with its log watched: the receiver gets `(line kind, when)` for the repair's start
-/// and end lines.
+/// Spawns `cmd` with its log watched: the receiver gets the kind of every repair start, repair
+/// end and committed batch line, in order.
 fn spawn_watched(
     mut cmd: std::process::Command,
-) -> anyhow::Result<(
-    std::process::Child,
-    std::sync::mpsc::Receiver<(&'static str, Instant)>,
-)> {
+) -> anyhow::Result<(std::process::Child, std::sync::mpsc::Receiver<&'static str>)> {
     use std::io::BufRead;
     let mut child = cmd
-        .env("FOLDHOST_LOG", "warn")
+        .env("FOLDHOST_LOG", "warn,foldhost::applied=debug")
         .stdout(Stdio::null())
         .stderr(Stdio::piped())
         .spawn()?;
@@ -603,10 +601,12 @@ fn spawn_watched(
                 "start"
             } else if line.contains(REPAIR_DONE) {
                 "done"
+            } else if line.contains(BATCH) {
+                "batch"
             } else {
                 continue;
             };
-            if tx.send((kind, Instant::now())).is_err() {
+            if tx.send(kind).is_err() {
                 return;
             }
         }
@@ -614,41 +614,51 @@ fn spawn_watched(
     Ok((child, rx))
 }
 
-/// How long the repair phase of `cmd` takes (from its start line to its done line).
-fn repair_duration(cmd: std::process::Command) -> anyhow::Result<Duration> {
+/// How many batches the repair of `cmd` commits (between its start and done lines).
+fn repair_batches(cmd: std::process::Command) -> anyhow::Result<usize> {
     let (mut child, rx) = spawn_watched(cmd)?;
     let st = child.wait()?;
-    anyhow::ensure!(st.success(), "timed run failed: {st}");
+    anyhow::ensure!(st.success(), "measuring run failed: {st}");
     let events: Vec<_> = rx.iter().collect();
-    let at = |k: &str| events.iter().find(|(kind, _)| *kind == k).map(|(_, t)| *t);
-    match (at("start"), at("done")) {
-        (Some(a), Some(b)) => Ok(b - a),
-        _ => anyhow::bail!("the timed run logged no repair: {events:?}"),
+    let start = events.iter().position(|k| *k == "start");
+    let done = events.iter().position(|k| *k == "done");
+    match (start, done) {
+        (Some(a), Some(b)) => Ok(events[a..b].iter().filter(|k| **k == "batch").count()),
+        _ => anyhow::bail!("the measuring run logged no repair: {events:?}"),
     }
 }
 
-/// Runs `cmd()`, kills it with SIGKILL at `fraction` of `repair` after its repair started, then
-/// runs `cmd()` again to completion. Returns whether the kill landed inside the repair, and the
-/// re-run's output.
+/// Runs `cmd()` and kills it with SIGKILL once its repair has committed `after` batches (a point
+/// in the repair's own progress, not in time), then runs `cmd()` again to completion. Returns
+/// whether the kill landed before the repair finished, and the re-run's output.
 async fn kill_during_repair_then_rerun(
     cmd: impl Fn() -> std::process::Command,
-    repair: Duration,
-    fraction: f64,
+    after: usize,
 ) -> anyhow::Result<(bool, Output)> {
     let (mut child, rx) = spawn_watched(cmd())?;
-    let started = tokio::task::spawn_blocking(move || {
-        let first = rx.recv_timeout(Duration::from_secs(60));
-        (first, rx)
+    let (reached, rx) = tokio::task::spawn_blocking(move || {
+        let mut started = false;
+        let mut batches = 0usize;
+        loop {
+            match rx.recv_timeout(Duration::from_secs(60)) {
+                Ok("start") => started = true,
+                Ok("batch") if started => {
+                    batches += 1;
+                    if batches >= after {
+                        return (Ok(true), rx);
+                    }
+                }
+                Ok("done") => return (Ok(false), rx),
+                Ok(_) => {}
+                Err(e) => return (Err(anyhow::anyhow!("the repair never got there: {e}")), rx),
+            }
+        }
     })
     .await?;
-    let (first, rx) = started;
-    anyhow::ensure!(
-        matches!(first, Ok(("start", _))),
-        "the repair never started: {first:?}"
-    );
-    tokio::time::sleep(repair.mul_f64(fraction)).await;
-    let landed = rx.try_recv().is_err();
+    let mut landed = reached?;
     kill9(&mut child)?;
+    // A done line already in the pipe means the repair finished before the kill.
+    landed &= !rx.try_iter().any(|k| k == "done");
     let out = cmd()
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -678,27 +688,35 @@ async fn a_sigkill_during_a_restore_reruns_it_on_restart_to_the_same_result() ->
         .arg(dir);
         c
     };
-    // Measure one whole restore on a copy.
+    // Count one whole restore's batches on a copy; the kills land at fractions of them.
     let timed = e.tmp.path().join("timed");
     copy_dir(&e.node, &timed)?;
-    let repair = repair_duration(cmd(&timed))?;
+    let batches = repair_batches(cmd(&timed))?;
+    assert!(
+        batches >= 20,
+        "a restore of {batches} batches is too short to kill inside"
+    );
     assert_eq!(first_difference(&want, &dump_store(&timed)?), None);
     let mut landed = 0;
-    for (i, f) in [0.15, 0.4, 0.65, 0.9].into_iter().enumerate() {
+    for (i, f) in [0.1, 0.35, 0.6, 0.85].into_iter().enumerate() {
         let dir = e.tmp.path().join(format!("killed{i}"));
         copy_dir(&e.node, &dir)?;
-        let (inside, o) = kill_during_repair_then_rerun(|| cmd(&dir), repair, f).await?;
+        let after = ((batches as f64 * f) as usize).max(1);
+        let (inside, o) = kill_during_repair_then_rerun(|| cmd(&dir), after).await?;
         landed += usize::from(inside);
-        ok(&o, &format!("re-run after a kill at {f} of {repair:?}"))?;
+        ok(
+            &o,
+            &format!("re-run after a kill at batch {after} of {batches}"),
+        )?;
         assert_eq!(
             first_difference(&want, &dump_store(&dir)?),
             None,
-            "killed at {f} of {repair:?}"
+            "killed at batch {after} of {batches}"
         );
     }
     assert!(
-        landed >= 2,
-        "only {landed} of 4 kills landed inside the restore ({repair:?})"
+        landed >= 3,
+        "only {landed} of 4 kills landed inside the restore ({batches} batches)"
     );
     Ok(())
 }
@@ -752,25 +770,33 @@ async fn a_sigkill_during_a_listing_diff_reruns_it_on_restart_to_the_same_result
     };
     let timed = tmp.path().join("timed");
     copy_dir(&node, &timed)?;
-    let repair = repair_duration(cmd(&timed))?;
+    let batches = repair_batches(cmd(&timed))?;
+    assert!(
+        batches >= 20,
+        "a diff of {batches} batches is too short to kill inside"
+    );
     assert_eq!(first_difference(&want, &dump_store(&timed)?), None);
     let mut landed = 0;
     for (i, f) in [0.2, 0.5, 0.8].into_iter().enumerate() {
         let dir = tmp.path().join(format!("killed{i}"));
         copy_dir(&node, &dir)?;
-        let (inside, o) = kill_during_repair_then_rerun(|| cmd(&dir), repair, f).await?;
+        let after = ((batches as f64 * f) as usize).max(1);
+        let (inside, o) = kill_during_repair_then_rerun(|| cmd(&dir), after).await?;
         landed += usize::from(inside);
-        ok(&o, &format!("re-run after a kill at {f} of {repair:?}"))?;
+        ok(
+            &o,
+            &format!("re-run after a kill at batch {after} of {batches}"),
+        )?;
         let got: Contents = dump_store(&dir)?;
         assert_eq!(
             first_difference(&want, &got),
             None,
-            "killed at {f} of {repair:?}"
+            "killed at batch {after} of {batches}"
         );
     }
     assert!(
         landed >= 2,
-        "only {landed} of 3 kills landed inside the diff ({repair:?})"
+        "only {landed} of 3 kills landed inside the diff ({batches} batches)"
     );
     Ok(())
 }
