@@ -785,13 +785,28 @@ impl NatsKv {
                         frontier = Some(m.stream_sequence);
                     }
                     let done = std::mem::take(&mut out);
-                    if (!done.is_empty() && tx.send(WatchEvent::Updates(done)).await.is_err())
-                        || tx
-                            .send(WatchEvent::CaughtUp {
-                                through: last_delivered,
+                    // The stamp goes before the level: a `--catch-up` fold commits and stops on
+                    // the level, and its memo should carry the time of what it committed.
+                    if !done.is_empty() && tx.send(WatchEvent::Updates(done)).await.is_err() {
+                        return Ok(());
+                    }
+                    if let Some((revision, server_time_unix_ns)) = stamp
+                        && tx
+                            .send(WatchEvent::Stamp {
+                                revision,
+                                server_time_unix_ns,
                             })
                             .await
                             .is_err()
+                    {
+                        return Ok(());
+                    }
+                    if tx
+                        .send(WatchEvent::CaughtUp {
+                            through: last_delivered,
+                        })
+                        .await
+                        .is_err()
                     {
                         return Ok(());
                     }
