@@ -790,15 +790,7 @@ impl NatsKv {
                     if !done.is_empty() && tx.send(WatchEvent::Updates(done)).await.is_err() {
                         return Ok(());
                     }
-                    if let Some((revision, server_time_unix_ns)) = stamp
-                        && tx
-                            .send(WatchEvent::Stamp {
-                                revision,
-                                server_time_unix_ns,
-                            })
-                            .await
-                            .is_err()
-                    {
+                    if !send_stamp(&tx, stamp).await {
                         return Ok(());
                     }
                     if tx
@@ -823,15 +815,7 @@ impl NatsKv {
             if !out.is_empty() && tx.send(WatchEvent::Updates(out)).await.is_err() {
                 return Ok(());
             }
-            if let Some((revision, server_time_unix_ns)) = stamp
-                && tx
-                    .send(WatchEvent::Stamp {
-                        revision,
-                        server_time_unix_ns,
-                    })
-                    .await
-                    .is_err()
-            {
+            if !send_stamp(&tx, stamp).await {
                 return Ok(());
             }
         }
@@ -839,6 +823,21 @@ impl NatsKv {
             "bucket {}: watch stream ended",
             self.bucket
         )))
+    }
+}
+
+/// Sends a chunk's delivery stamp (`(revision, server time)`), if it has one. False when the
+/// receiver is gone.
+async fn send_stamp(tx: &mpsc::Sender<WatchEvent>, stamp: Option<(u64, u64)>) -> bool {
+    match stamp {
+        Some((revision, server_time_unix_ns)) => tx
+            .send(WatchEvent::Stamp {
+                revision,
+                server_time_unix_ns,
+            })
+            .await
+            .is_ok(),
+        None => true,
     }
 }
 

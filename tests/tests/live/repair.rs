@@ -666,6 +666,49 @@ async fn kill_during_repair_then_rerun(
     Ok((landed, out))
 }
 
+/// Counts the batches one whole repair of a copy of `node` commits, then for each fraction kills a
+/// run on a fresh copy after that fraction of them and re-runs it: every re-run must end at `want`,
+/// and all kills but one must have landed inside the repair.
+async fn kills_inside_the_repair_converge(
+    cmd: &dyn Fn(&Path) -> std::process::Command,
+    node: &Path,
+    scratch: &Path,
+    want: &Contents,
+    fractions: &[f64],
+) -> anyhow::Result<()> {
+    let timed = scratch.join("timed");
+    copy_dir(node, &timed)?;
+    let batches = repair_batches(cmd(&timed))?;
+    assert!(
+        batches >= 20,
+        "a repair of {batches} batches is too short to kill inside"
+    );
+    assert_eq!(first_difference(want, &dump_store(&timed)?), None);
+    let mut landed = 0;
+    for (i, f) in fractions.iter().enumerate() {
+        let dir = scratch.join(format!("killed{i}"));
+        copy_dir(node, &dir)?;
+        let after = ((batches as f64 * f) as usize).max(1);
+        let (inside, o) = kill_during_repair_then_rerun(|| cmd(&dir), after).await?;
+        landed += usize::from(inside);
+        ok(
+            &o,
+            &format!("re-run after a kill at batch {after} of {batches}"),
+        )?;
+        assert_eq!(
+            first_difference(want, &dump_store(&dir)?),
+            None,
+            "killed at batch {after} of {batches}"
+        );
+    }
+    assert!(
+        landed + 1 >= fractions.len(),
+        "only {landed} of {} kills landed inside the repair ({batches} batches)",
+        fractions.len()
+    );
+    Ok(())
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sigkill_during_a_restore_reruns_it_on_restart_to_the_same_result() -> anyhow::Result<()>
 {
@@ -688,37 +731,8 @@ async fn a_sigkill_during_a_restore_reruns_it_on_restart_to_the_same_result() ->
         .arg(dir);
         c
     };
-    // Count one whole restore's batches on a copy; the kills land at fractions of them.
-    let timed = e.tmp.path().join("timed");
-    copy_dir(&e.node, &timed)?;
-    let batches = repair_batches(cmd(&timed))?;
-    assert!(
-        batches >= 20,
-        "a restore of {batches} batches is too short to kill inside"
-    );
-    assert_eq!(first_difference(&want, &dump_store(&timed)?), None);
-    let mut landed = 0;
-    for (i, f) in [0.1, 0.35, 0.6, 0.85].into_iter().enumerate() {
-        let dir = e.tmp.path().join(format!("killed{i}"));
-        copy_dir(&e.node, &dir)?;
-        let after = ((batches as f64 * f) as usize).max(1);
-        let (inside, o) = kill_during_repair_then_rerun(|| cmd(&dir), after).await?;
-        landed += usize::from(inside);
-        ok(
-            &o,
-            &format!("re-run after a kill at batch {after} of {batches}"),
-        )?;
-        assert_eq!(
-            first_difference(&want, &dump_store(&dir)?),
-            None,
-            "killed at batch {after} of {batches}"
-        );
-    }
-    assert!(
-        landed >= 3,
-        "only {landed} of 4 kills landed inside the restore ({batches} batches)"
-    );
-    Ok(())
+    kills_inside_the_repair_converge(&cmd, &e.node, e.tmp.path(), &want, &[0.1, 0.35, 0.6, 0.85])
+        .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -768,37 +782,7 @@ async fn a_sigkill_during_a_listing_diff_reruns_it_on_restart_to_the_same_result
         .arg(dir);
         c
     };
-    let timed = tmp.path().join("timed");
-    copy_dir(&node, &timed)?;
-    let batches = repair_batches(cmd(&timed))?;
-    assert!(
-        batches >= 20,
-        "a diff of {batches} batches is too short to kill inside"
-    );
-    assert_eq!(first_difference(&want, &dump_store(&timed)?), None);
-    let mut landed = 0;
-    for (i, f) in [0.2, 0.5, 0.8].into_iter().enumerate() {
-        let dir = tmp.path().join(format!("killed{i}"));
-        copy_dir(&node, &dir)?;
-        let after = ((batches as f64 * f) as usize).max(1);
-        let (inside, o) = kill_during_repair_then_rerun(|| cmd(&dir), after).await?;
-        landed += usize::from(inside);
-        ok(
-            &o,
-            &format!("re-run after a kill at batch {after} of {batches}"),
-        )?;
-        let got: Contents = dump_store(&dir)?;
-        assert_eq!(
-            first_difference(&want, &got),
-            None,
-            "killed at batch {after} of {batches}"
-        );
-    }
-    assert!(
-        landed >= 2,
-        "only {landed} of 3 kills landed inside the diff ({batches} batches)"
-    );
-    Ok(())
+    kills_inside_the_repair_converge(&cmd, &node, tmp.path(), &want, &[0.2, 0.5, 0.8]).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
