@@ -903,29 +903,26 @@ where
     // remove what it does not deliver) or when a restore is armed and the listing is not the truth.
     let mut relist_next = false;
     if fold.cursor().revision().is_none() {
-        let has_data = {
-            let st = fold.store().clone();
-            let s = st
-                .read()
-                .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
-            !s.is_empty()
-                .map_err(|e| AppliedError::Store { streak: 0, last: e })?
-        };
+        let has_data = !fold
+            .store()
+            .read()
+            .and_then(|s| s.is_empty())
+            .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
         let armed = if opts.repair.restore_armed() {
             opts.repair.mode
         } else {
             protocol::RepairMode::None
         };
         let truth = protocol::listing_truth(retention, fold.cursor().memo().is_some());
-        if protocol::cursorless_start_needs_repair(armed, has_data, truth)
-            && opts.repair.mode == protocol::RepairMode::None
-        {
+        if !protocol::cursorless_start_needs_repair(armed, has_data, truth) {
+            // A plain state-sync re-list is all this start needs.
+        } else if opts.repair.mode == protocol::RepairMode::None {
             // No repair allowed: the state-sync re-list alone, which cannot remove a key it does
             // not deliver.
             tracing::warn!(
                 "the fold holds data but no cursor and --repair is none: re-listing without removing keys the bucket no longer has"
             );
-        } else if protocol::cursorless_start_needs_repair(armed, has_data, truth) {
+        } else {
             let why = KvError::CursorExpired {
                 resume_from: 1,
                 first_sequence: retention.map_or(0, |r| r.first_revision),

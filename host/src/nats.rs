@@ -46,6 +46,9 @@ pub const WATCH_CHUNK: usize = 64;
 /// first sequence is checked against the frontier directly (seed 000: 30 s).
 pub const FLOOR_BACKSTOP: Duration = Duration::from_secs(30);
 
+/// Least time between two delivery stamps (`WatchEvent::Stamp`) outside the level.
+pub const STAMP_PERIOD: Duration = Duration::from_millis(100);
+
 /// How many times the floor guard retries a failed probe at a delivery gap before ending the watch.
 pub const FLOOR_PROBE_RETRIES: u32 = 4;
 
@@ -673,6 +676,7 @@ impl NatsKv {
             frontier = Some(self.positions().await?.last_sequence);
         }
         let mut non_evicting_at: Option<std::time::Instant> = None;
+        let mut last_stamp = std::time::Instant::now() - STAMP_PERIOD;
         let mut quiet = true;
         let mut backstop = tokio::time::interval(FLOOR_BACKSTOP);
         backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -815,8 +819,14 @@ impl NatsKv {
             if !out.is_empty() && tx.send(WatchEvent::Updates(out)).await.is_err() {
                 return Ok(());
             }
-            if !send_stamp(&tx, stamp).await {
-                return Ok(());
+            // Stamps are sparse (one per period, and one before the level): an older stamp only
+            // makes the memo's time older, which errs on the safe side, and a send per chunk would
+            // double the channel traffic of the hot path.
+            if stamp.is_some() && last_stamp.elapsed() >= STAMP_PERIOD {
+                last_stamp = std::time::Instant::now();
+                if !send_stamp(&tx, stamp).await {
+                    return Ok(());
+                }
             }
         }
         Err(KvError::WatchError(format!(
