@@ -1,11 +1,16 @@
 # The two commands of the README. Each does its own set-up on a fresh machine.
 #   make demo   — a local nats-server, a bucket of routes, the router guest, a fold, queries
 #   make test   — formatting, lints, and every test suite against a real nats-server
-.PHONY: demo test setup guests bench lint
+# and, beside them:
+#   make flake  — the whole suite RUNS times (default 5) with one core held busy; names every failure
+.PHONY: demo test setup guests bench lint flake
 
 # `test` and `lint` cover the optional storage backends too (RocksDB is a long C++ build; see
-# docs in host/src/snapshot/rocks.rs). `demo` stays on the default build.
-FEATURES = --features fjall,rocksdb
+# docs in host/src/snapshot/rocks.rs) and compile in the crash points the crash tests arm
+# (host/src/crashpoint.rs; never in `demo`, `bench` or a release build). `demo` stays on the
+# default build.
+FEATURES = --features fjall,rocksdb,crashpoints
+RUNS ?= 5
 
 SETUP = NATS_SERVER_BIN="$$(scripts/setup.sh)" && export NATS_SERVER_BIN
 
@@ -31,6 +36,9 @@ lint:
 
 setup:
 	scripts/setup.sh >/dev/null
+
+flake:
+	scripts/flake.sh $(RUNS)
 
 guests:
 	guests/build.sh

@@ -29,6 +29,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use tokio::sync::mpsc;
 
+use crate::crashpoint;
 use crate::kv::{KvError, KvUpdate, KvWatcher, WatchCursor, WatchEvent, WatchScope};
 use crate::protocol;
 use crate::retained::{Base, RetainedIndex, RetainedRecord, is_reserved};
@@ -739,7 +740,9 @@ impl<S: SnapshotStore> Fold<S> {
                     .committed
                     .fetch_add(updates as u64, Ordering::Relaxed);
                 self.status.batches.fetch_add(1, Ordering::Relaxed);
+                crashpoint::hit(crashpoint::FOLD_BEFORE_ON_APPLIED);
                 apply.on_applied(cursor).await;
+                crashpoint::hit(crashpoint::FOLD_COMMITTED);
                 Ok(None)
             }
             Err(e) => {

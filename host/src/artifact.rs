@@ -366,6 +366,7 @@ fn seal_inner(
     scope: Option<String>,
     progress: Progress<'_>,
 ) -> Result<ExportManifest, ArtifactError> {
+    crate::crashpoint::hit(crate::crashpoint::EXPORT_STAGED);
     let data = stage.join(DATA_DIR);
     let (copy, _) = AnyStore::open_read_only(&data)?;
     let got = copy.cursor();
@@ -404,6 +405,7 @@ fn seal_inner(
             size,
             blake3,
         });
+        crate::crashpoint::hit(crate::crashpoint::EXPORT_FILE);
     }
     let manifest = ExportManifest {
         schema: SCHEMA,

@@ -15,12 +15,14 @@
 //! - [`localnats`] — a throwaway local nats-server for the demo and the tests.
 //! - [`serve`] — the `--listen` endpoint: `/status`, `/query`, `/swap`.
 //! - [`cli`] — the command line.
+//! - [`crashpoint`] — named crash points, compiled in only with the `crashpoints` feature (tests).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod applied;
 pub mod artifact;
 pub mod cli;
+pub mod crashpoint;
 pub mod guest;
 pub mod kv;
 pub mod localnats;

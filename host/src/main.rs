@@ -4,6 +4,10 @@ use clap::Parser;
 
 fn main() {
     let cli = foldhost::cli::Cli::parse();
+    if let Err(e) = foldhost::crashpoint::check_env() {
+        eprintln!("foldhost: error: {e}");
+        std::process::exit(2);
+    }
     let filter = tracing_subscriber::EnvFilter::try_from_env("FOLDHOST_LOG")
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,async_nats=warn"));
     tracing_subscriber::fmt()

@@ -37,6 +37,7 @@ use bytes::Bytes;
 
 use crate::applied::{AppliedError, Apply, Fold};
 use crate::artifact::{self, ArtifactError, ExportManifest};
+use crate::crashpoint;
 use crate::kv::{KvEntry, KvError, KvReader, KvUpdate, KvWatcher, VersionToken, WatchScope};
 use crate::protocol::{self, KeyRestore, RepairMode};
 use crate::retained::is_reserved;
@@ -450,12 +451,14 @@ fn stale_keys<S: SnapshotStore + ?Sized>(
     Ok(stale)
 }
 
-/// Folds synthetic deletes of `keys` (unknown version: no cursor move) in batches of `max`.
+/// Folds synthetic deletes of `keys` (unknown version: no cursor move) in batches of `max`,
+/// passing the crash point `point` after each committed batch.
 async fn fold_deletes<S: SnapshotStore, A: Apply + ?Sized>(
     fold: &mut Fold<S>,
     apply: &mut A,
     keys: Vec<String>,
     max: usize,
+    point: &'static str,
 ) -> Result<u64, AppliedError> {
     let n = keys.len() as u64;
     let mut batch: Vec<KvUpdate> = Vec::with_capacity(max);
@@ -466,9 +469,13 @@ async fn fold_deletes<S: SnapshotStore, A: Apply + ?Sized>(
         });
         if batch.len() >= max {
             crate::applied::flush_all(fold, &mut batch, max, apply).await?;
+            crashpoint::hit(point);
         }
     }
-    crate::applied::flush_all(fold, &mut batch, max, apply).await?;
+    if !batch.is_empty() {
+        crate::applied::flush_all(fold, &mut batch, max, apply).await?;
+        crashpoint::hit(point);
+    }
     Ok(n)
 }
 
@@ -517,7 +524,7 @@ pub async fn relist<S: SnapshotStore, A: Apply + ?Sized>(
         stale_keys(&*s, scope, listing)
     })?;
     tracing::info!(listed, stale = stale.len(), "repair: re-list diff");
-    let deleted = fold_deletes(fold, apply, stale, max).await?;
+    let deleted = fold_deletes(fold, apply, stale, max, crashpoint::RELIST_BATCH).await?;
     let _ = std::fs::remove_dir_all(&scratch);
     Ok(RepairReport {
         kind: "relist",
@@ -921,18 +928,21 @@ pub async fn restore<S: SnapshotStore, A: Apply + ?Sized>(
             }
             if batch.len() >= max || (end && !batch.is_empty()) {
                 crate::applied::flush_all(fold, &mut batch, max, apply).await?;
+                crashpoint::hit(crashpoint::RESTORE_BATCH);
             }
             if end {
                 break;
             }
         }
-        fold_deletes(fold, apply, std::mem::take(&mut deletes), max).await
+        let deletes = std::mem::take(&mut deletes);
+        fold_deletes(fold, apply, deletes, max, crashpoint::RESTORE_BATCH).await
     }
     .await;
     fold.freeze_cursor(false);
     let deleted = folded?;
     let memo = fold.cursor().memo().or(art_cursor.memo());
     let cursor = crate::kv::WatchCursor::at(rev).with_memo(memo);
+    crashpoint::hit(crashpoint::RESTORE_BEFORE_CURSOR);
     fold.commit_position(cursor, apply).await?;
     block(|| {
         let _ = std::fs::remove_dir_all(&scratch);

@@ -87,6 +87,27 @@ pub async fn bucket_contents(kv: &NatsKv) -> anyhow::Result<Contents> {
     Ok(out)
 }
 
+/// Publishes `(subject, value)` pairs, awaiting acks in windows of 512 (the JetStream context
+/// bounds the acks in flight: publishing more without awaiting them waits forever).
+pub async fn publish_all(
+    js: &async_nats::jetstream::Context,
+    msgs: impl IntoIterator<Item = (String, bytes::Bytes)>,
+) -> anyhow::Result<()> {
+    let mut acks = Vec::new();
+    for (subject, value) in msgs {
+        acks.push(js.publish(subject, value).await?);
+        if acks.len() >= 512 {
+            for a in acks.drain(..) {
+                a.await?;
+            }
+        }
+    }
+    for a in acks {
+        a.await?;
+    }
+    Ok(())
+}
+
 /// The `foldhost` binary built beside this test (target/<profile>/foldhost), or `FOLDHOST_BIN`.
 pub fn foldhost_bin() -> PathBuf {
     if let Ok(p) = std::env::var("FOLDHOST_BIN") {
@@ -127,6 +148,31 @@ pub fn foldhost() -> Command {
         std::env::var("FOLDHOST_LOG").unwrap_or_else(|_| "warn".into()),
     );
     c
+}
+
+/// The last line a process writes when it dies at an armed crash point.
+pub fn crash_line(point: &str, n: u64) -> String {
+    format!("foldhost: crash point {point} reached (hit {n}): aborting")
+}
+
+/// Runs `cmd` armed at the crash point `point:n` (`FOLDHOST_CRASH_AT`) to its end, and checks that
+/// it died there: killed by SIGABRT (not a panic's exit 1, not a clean exit) with the crash line
+/// as the last line of its stderr. Returns its output. The binary must be a `crashpoints` build
+/// (the test command's); any other refuses the variable with exit code 2, which fails here.
+pub fn run_to_crash(mut cmd: Command, point: &str, n: u64) -> anyhow::Result<std::process::Output> {
+    use std::os::unix::process::ExitStatusExt as _;
+    let out = cmd
+        .env(foldhost::crashpoint::ENV, format!("{point}:{n}"))
+        .stdin(std::process::Stdio::null())
+        .output()?;
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let last = stderr.lines().rev().find(|l| !l.trim().is_empty());
+    anyhow::ensure!(
+        out.status.signal() == Some(6) && last == Some(crash_line(point, n).as_str()),
+        "armed at {point}:{n}, the process did not crash there: {} — last stderr line {last:?}\n{stderr}",
+        out.status
+    );
+    Ok(out)
 }
 
 /// `foldhost dump --json` of a store, parsed.
@@ -221,12 +267,13 @@ pub fn hostile_wat(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// Polls `GET /status` on `addr` until `done` holds for it (or 30 s pass).
+/// Polls `GET /status` on `addr` until `done` holds for it. The deadline (120 s) only bounds a
+/// test that would otherwise hang; nothing asserts how fast the state is reached.
 pub async fn wait_status(
     addr: &str,
     mut done: impl FnMut(&serde_json::Value) -> bool,
 ) -> anyhow::Result<serde_json::Value> {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     let mut last = serde_json::Value::Null;
     while std::time::Instant::now() < deadline {
         if let Ok((200, body)) = foldhost::serve::call(addr, "GET", "/status", b"").await {
@@ -238,6 +285,107 @@ pub async fn wait_status(
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     anyhow::bail!("status never reached the expected state; last: {last}")
+}
+
+/// Polls `cond` every 20 ms until it holds. The deadline (120 s) only bounds a test that would
+/// otherwise hang; nothing asserts how fast `what` happens.
+pub async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !cond() {
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "waited 120 s for {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    Ok(())
+}
+
+/// The stderr lines of a spawned child, read by a thread as they come ([`spawn_logged`]).
+pub struct LogLines {
+    rx: std::sync::mpsc::Receiver<String>,
+    seen: Vec<String>,
+}
+
+impl LogLines {
+    /// Waits for a line containing `needle` and returns it. The deadline (120 s) only bounds a
+    /// test that would otherwise hang. Fails at once if the child closed its stderr first.
+    pub fn wait_for(&mut self, needle: &str) -> anyhow::Result<String> {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match self.rx.recv_timeout(left) {
+                Ok(line) => {
+                    let hit = line.contains(needle);
+                    self.seen.push(line.clone());
+                    if hit {
+                        return Ok(line);
+                    }
+                }
+                Err(e) => anyhow::bail!(
+                    "no log line containing {needle:?} ({e}); the log so far:\n{}",
+                    self.seen.join("\n")
+                ),
+            }
+        }
+    }
+}
+
+/// Spawns `cmd` with its stderr read line by line into a [`LogLines`] (stdout is discarded).
+pub fn spawn_logged(mut cmd: Command) -> anyhow::Result<(std::process::Child, LogLines)> {
+    use std::io::BufRead as _;
+    let mut child = cmd
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()?;
+    let stderr = child
+        .stderr
+        .take()
+        .ok_or_else(|| anyhow::anyhow!("no stderr pipe"))?;
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr)
+            .lines()
+            .map_while(Result::ok)
+        {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    Ok((
+        child,
+        LogLines {
+            rx,
+            seen: Vec::new(),
+        },
+    ))
+}
+
+/// Asks the router guest serving `addr` for every `route.<host>` in `routes` and checks each
+/// answer's upstream is the one in the route's value. Returns how many it checked.
+pub async fn check_routes_served(addr: &str, routes: &Contents) -> anyhow::Result<usize> {
+    let mut checked = 0;
+    for (key, (value, _)) in routes {
+        let Some(host_name) = key.strip_prefix("route.") else {
+            continue;
+        };
+        let (code, body) =
+            foldhost::serve::call(addr, "POST", "/query", host_name.as_bytes()).await?;
+        anyhow::ensure!(
+            code == 200,
+            "{host_name}: {code} {}",
+            String::from_utf8_lossy(&body)
+        );
+        let got: serde_json::Value = serde_json::from_slice(&body)?;
+        let want: serde_json::Value = serde_json::from_slice(value)?;
+        anyhow::ensure!(
+            got["upstream"] == want["upstream"],
+            "{host_name}: answered {got}, the bucket says {want}"
+        );
+        checked += 1;
+    }
+    Ok(checked)
 }
 
 /// Sends SIGTERM to a child (a clean shutdown) and waits for it.

@@ -57,23 +57,9 @@ async fn seed(
     key: impl Fn(u64) -> String,
     value: impl Fn(u64) -> Vec<u8>,
 ) -> anyhow::Result<()> {
-    let js = kv.jetstream().clone();
-    let mut acks = Vec::with_capacity(1000);
-    for i in 0..keys {
-        acks.push(
-            js.publish(format!("$KV.{}.{}", kv.bucket(), key(i)), value(i).into())
-                .await?,
-        );
-        if acks.len() == 1000 {
-            for a in acks.drain(..) {
-                a.await?;
-            }
-        }
-    }
-    for a in acks {
-        a.await?;
-    }
-    Ok(())
+    let bucket = kv.bucket();
+    let msgs = (0..keys).map(|i| (format!("$KV.{bucket}.{}", key(i)), value(i).into()));
+    foldhost_tests::publish_all(kv.jetstream(), msgs).await
 }
 
 /// Folds the whole bucket into an empty append log; returns updates/s and the shared store.

@@ -1,18 +1,19 @@
 //! Artifacts (export / import) with the real binary: a live export under writes bootstraps a second
 //! node that resumes with exactly the tail; every kind of bad artifact is refused with its own error
-//! and the destination untouched; a SIGKILL mid-export never leaves a half artifact.
+//! and the destination untouched; a crash at any point of an export (placed by the binary's crash
+//! points) never leaves a half artifact.
 
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
-use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use foldhost::crashpoint;
 use foldhost::kv::{KvEntry, KvUpdate, KvWriter, VersionToken, WatchCursor};
 use foldhost::snapshot::SnapshotStore;
 use foldhost::storedir::{AnyStore, Backend};
 use foldhost_tests::{
-    Harness, bucket_contents, dump_store, first_difference, foldhost, run_command, terminate,
-    wait_status,
+    Harness, bucket_contents, dump_store, first_difference, foldhost, run_command, run_to_crash,
+    terminate, wait_status, wait_until,
 };
 use rand::{Rng, SeedableRng};
 
@@ -115,10 +116,12 @@ async fn a_live_export_under_writes_bootstraps_a_node_that_replays_only_the_tail
     wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(3000)).await?;
 
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    // The writer's last acknowledged stream sequence: the test waits on it, not on a clock.
+    let acked = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
     // The writer keeps each key's last revision: a KV stream keeps one message per key, so the tail
     // a resumed node must receive is the keys whose last message is after the artifact's cursor.
     let writer = {
-        let (kv, stop) = (kv.clone(), stop.clone());
+        let (kv, stop, acked) = (kv.clone(), stop.clone(), acked.clone());
         tokio::spawn(async move {
             let js = kv.jetstream().clone();
             let mut rng = rand::rngs::StdRng::seed_from_u64(7);
@@ -135,13 +138,16 @@ async fn a_live_export_under_writes_bootstraps_a_node_that_replays_only_the_tail
                 } else {
                     js.publish(subject, format!("w{n}").into()).await?
                 };
-                last_rev.insert(k, ack.await?.sequence);
+                let seq = ack.await?.sequence;
+                last_rev.insert(k, seq);
+                acked.store(seq, std::sync::atomic::Ordering::Relaxed);
                 n += 1;
             }
             anyhow::Ok((n, last_rev))
         })
     };
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    // Exported mid-stream: the host has folded some of the writer's updates, the writer goes on.
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(3200)).await?;
     let art = tmp.path().join("art.tar");
     let o = run(&[
         "export".as_ref(),
@@ -156,14 +162,18 @@ async fn a_live_export_under_writes_bootstraps_a_node_that_replays_only_the_tail
         String::from_utf8_lossy(&o.stderr)
     );
     let manifest: serde_json::Value = serde_json::from_slice(&o.stdout)?;
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    let cursor = manifest["cursor"]
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("no cursor in {manifest}"))?;
+    // A tail to replay: the writer has gone 200 writes past the artifact's cursor.
+    wait_until("the writer to pass the artifact's cursor by 200", || {
+        acked.load(std::sync::atomic::Ordering::Relaxed) > cursor + 200
+    })
+    .await?;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (writes, last_rev) = writer.await??;
     terminate(&mut host)?;
     let last = kv.positions().await?.last_sequence;
-    let cursor = manifest["cursor"]
-        .as_u64()
-        .ok_or_else(|| anyhow::anyhow!("no cursor in {manifest}"))?;
     assert_eq!(manifest["scope"], "all");
     assert!(
         cursor > 3000 && cursor < last,
@@ -348,60 +358,68 @@ fn every_kind_of_bad_artifact_is_refused_and_the_destination_is_untouched() -> a
 }
 
 #[test]
-fn a_sigkill_mid_export_leaves_only_a_hidden_stage_never_a_half_artifact() -> anyhow::Result<()> {
+fn a_crash_at_every_point_of_an_export_leaves_only_a_hidden_stage_never_a_half_artifact()
+-> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let src = tmp.path().join("src");
-    make_store(&src, 200_000, 256)?;
+    make_store(&src, 20_000, 256)?;
     let outs = tmp.path().join("outs");
     std::fs::create_dir_all(&outs)?;
-    // How long a whole export takes here: the kills land at fractions of it.
-    let t = Instant::now();
-    export_offline(&src, &outs.join("whole"))?;
-    let whole = t.elapsed();
-    let mut interrupted = 0;
-    let mut seeded = rand::rngs::StdRng::seed_from_u64(11);
-    for i in 0..8 {
-        let out: PathBuf = outs.join(format!("a{i}"));
-        let mut child = foldhost()
-            .args(["export", "--store"])
+    let whole = export_offline(&src, &outs.join("whole"))?;
+    let files = whole["files"]
+        .as_array()
+        .map(Vec::len)
+        .ok_or_else(|| anyhow::anyhow!("no files in {whole}"))? as u64;
+    anyhow::ensure!(files >= 2, "an export of {files} file(s) has no middle");
+    // After the copy into the stage, and after every staged file is hashed (the last one: just
+    // before the manifest would be written).
+    let mut arms = vec![(crashpoint::EXPORT_STAGED, 1)];
+    arms.extend((1..=files).map(|n| (crashpoint::EXPORT_FILE, n)));
+    let export = |out: &Path| {
+        let mut c = foldhost();
+        c.args(["export", "--store"])
             .arg(&src)
             .arg("--out")
-            .arg(&out)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()?;
-        let frac = (i as f64 + seeded.random_range(0.1..0.9)) / 8.0;
-        std::thread::sleep(whole.mul_f64(frac));
-        child.kill()?;
-        child.wait()?;
-        if out.exists() {
-            // Whatever exists is whole: it imports.
-            let o = import(&out, &tmp.path().join(format!("check{i}")), &[])?;
-            assert!(
-                o.status.success(),
-                "a{i} exists but does not import: {}",
-                String::from_utf8_lossy(&o.stderr)
-            );
-        } else {
-            interrupted += 1;
-        }
+            .arg(out);
+        c
+    };
+    for (i, (point, n)) in arms.iter().enumerate() {
+        let out: PathBuf = outs.join(format!("a{i}"));
+        run_to_crash(export(&out), point, *n)?;
+        assert!(!out.exists(), "{point}:{n} left a visible artifact");
+        // Visible: the whole export and the earlier iterations' re-exports, nothing of this one.
+        let mut want: Vec<String> = (0..i).map(|j| format!("a{j}")).collect();
+        want.push("whole".into());
+        want.sort();
+        assert_eq!(
+            visible(&outs)?,
+            want,
+            "nothing but whole artifacts is visible after a crash at {point}:{n}"
+        );
+        let stages = std::fs::read_dir(&outs)?
+            .filter_map(Result::ok)
+            .filter(|e| {
+                e.file_name()
+                    .to_string_lossy()
+                    .starts_with(&format!(".a{i}."))
+            })
+            .count();
+        assert_eq!(stages, 1, "the crash at {point}:{n} left its hidden stage");
+        // The same export, run again, succeeds beside the dead stage and imports to the source.
+        let m = export_offline(&src, &out)?;
+        assert_eq!(m["cursor"], 20_000);
+        let check = tmp.path().join(format!("check{i}"));
+        let o = import(&out, &check, &[])?;
+        assert!(
+            o.status.success(),
+            "a{i} re-exported but does not import: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        assert_eq!(
+            first_difference(&dump_store(&src)?, &dump_store(&check)?),
+            None
+        );
     }
-    let mut want: Vec<String> = (0..8)
-        .map(|i| format!("a{i}"))
-        .filter(|n| outs.join(n).exists())
-        .collect();
-    want.push("whole".into());
-    want.sort();
-    assert_eq!(
-        visible(&outs)?,
-        want,
-        "nothing but whole artifacts is visible"
-    );
-    assert!(
-        interrupted > 0,
-        "no kill landed during an export ({whole:?} each)"
-    );
-    eprintln!("{interrupted} of 8 exports killed mid-way (a whole export takes {whole:?})");
     Ok(())
 }
 

@@ -3,7 +3,6 @@
 //! limits while the host stays up, hydration equivalence on 50 000 keys, and components refused at
 //! load.
 
-use std::collections::BTreeMap;
 use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
@@ -141,31 +140,17 @@ async fn router_survives_sigkills_and_answers_every_host_like_the_bucket(
     .await?;
     eprintln!("{kills} SIGKILLs; stream at {last}, routes through {last_route}");
 
-    let routes: BTreeMap<&String, &(Vec<u8>, u64)> = want
-        .iter()
+    let in_scope: foldhost_tests::Contents = want
+        .into_iter()
         .filter(|(k, _)| k.starts_with("route."))
         .collect();
-    assert_eq!(routes.len() as u32, HOSTS - HOSTS / 25);
-    let mut checked = 0;
-    for (key, (value, _)) in &routes {
-        let host_name = &key["route.".len()..];
-        let (code, body) =
-            foldhost::serve::call(&addr, "POST", "/query", host_name.as_bytes()).await?;
-        assert_eq!(code, 200, "{host_name}: {}", String::from_utf8_lossy(&body));
-        let got: serde_json::Value = serde_json::from_slice(&body)?;
-        let want: serde_json::Value = serde_json::from_slice(value)?;
-        assert_eq!(got["upstream"], want["upstream"], "{host_name}");
-        checked += 1;
-    }
+    assert_eq!(in_scope.len() as u32, HOSTS - HOSTS / 25);
+    let checked = foldhost_tests::check_routes_served(&addr, &in_scope).await?;
     // A deleted host is unknown to the router.
     let (code, _) = foldhost::serve::call(&addr, "POST", "/query", b"h00012").await?;
     assert_eq!(code, 422, "deleted hosts are gone from the router");
     terminate(&mut host)?;
     let fold = dump_store(&store)?;
-    let in_scope: foldhost_tests::Contents = want
-        .into_iter()
-        .filter(|(k, _)| k.starts_with("route."))
-        .collect();
     assert_eq!(first_difference(&in_scope, &fold), None);
     eprintln!("checked {checked} hosts");
     Ok(())
@@ -418,23 +403,9 @@ async fn a_guest_with_an_unprovided_import_is_refused_at_load_naming_it() -> any
 async fn hydrated_guest_answers_like_one_that_watched_from_the_start() -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let kv = h.bucket("hydrate").await?;
-    let js = kv.jetstream().clone();
     const N: u32 = 50_000;
-    let mut acks = Vec::new();
-    for i in 0..N {
-        acks.push(
-            js.publish(format!("$KV.hydrate.route.h{i:05}"), upstream(i, 0).into())
-                .await?,
-        );
-        if acks.len() == 1000 {
-            for a in acks.drain(..) {
-                a.await?;
-            }
-        }
-    }
-    for a in acks {
-        a.await?;
-    }
+    let msgs = (0..N).map(|i| (format!("$KV.hydrate.route.h{i:05}"), upstream(i, 0).into()));
+    foldhost_tests::publish_all(kv.jetstream(), msgs).await?;
     for i in (0..N).step_by(7) {
         kv.delete(&format!("route.h{i:05}")).await?;
     }

@@ -2,8 +2,8 @@
 //! is pinned and reported as `CursorExpired`; a keep-values bucket is repaired by the key-listing
 //! diff; an evicting one refuses that diff and restores from an artifact, identical to the exporter;
 //! a stale artifact fails with the fold untouched; the eviction memo outlives the eviction; a
-//! stalled watcher overrun mid-stream trips the floor guard and restores in process; and a SIGKILL
-//! at any point of a repair re-runs it to the same result.
+//! stalled watcher overrun mid-stream trips the floor guard and restores in process; and a crash
+//! at any point of a repair (placed by the binary's crash points) re-runs it to the same result.
 
 use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use foldhost::crashpoint;
 use foldhost::kv::{
     KvEntry, KvError, KvUpdate, KvWatcher, KvWriter, VersionToken, WatchCursor, WatchScope,
 };
@@ -19,8 +20,8 @@ use foldhost::snapshot::SnapshotStore;
 use foldhost::storedir::{AnyStore, Backend};
 use foldhost::stores::StoreConfig;
 use foldhost_tests::{
-    Contents, Harness, bucket_contents, dump_store, first_difference, foldhost, run_command,
-    status_store, terminate, wait_status,
+    Contents, Harness, bucket_contents, dump_store, first_difference, foldhost, publish_all,
+    run_command, run_to_crash, status_store, terminate, wait_status,
 };
 use futures::StreamExt;
 
@@ -53,7 +54,7 @@ async fn set_max_age(kv: &NatsKv, bucket: &str, max_age: Duration) -> anyhow::Re
 
 /// Waits until every message of the bucket has aged out (the stream is empty).
 async fn wait_aged_out(kv: &NatsKv) -> anyhow::Result<u64> {
-    let deadline = Instant::now() + Duration::from_secs(60);
+    let deadline = Instant::now() + Duration::from_secs(120);
     loop {
         let p = kv.positions().await?;
         if p.messages == 0 {
@@ -110,39 +111,10 @@ fn copy_dir(from: &Path, to: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn kill9(child: &mut std::process::Child) -> anyhow::Result<()> {
-    std::process::Command::new("kill")
-        .args(["-KILL", &child.id().to_string()])
-        .status()?;
-    child.wait()?;
-    Ok(())
-}
-
 fn signal(child: &std::process::Child, sig: &str) -> anyhow::Result<()> {
     std::process::Command::new("kill")
         .args([sig, &child.id().to_string()])
         .status()?;
-    Ok(())
-}
-
-/// Publishes `(subject, value)` pairs, awaiting acks in windows of 512 (the JetStream context
-/// bounds the acks in flight: publishing more without awaiting them waits forever).
-async fn publish_all(
-    js: &async_nats::jetstream::Context,
-    msgs: impl IntoIterator<Item = (String, Bytes)>,
-) -> anyhow::Result<()> {
-    let mut acks = Vec::new();
-    for (subject, value) in msgs {
-        acks.push(js.publish(subject, value).await?);
-        if acks.len() >= 512 {
-            for a in acks.drain(..) {
-                a.await?;
-            }
-        }
-    }
-    for a in acks {
-        a.await?;
-    }
     Ok(())
 }
 
@@ -576,142 +548,79 @@ const REPAIR_START: &str = "cursor expired: repairing";
 const REPAIR_DONE: &str = "cursor-expiry repair done";
 const BATCH: &str = "batch parsed and applied";
 
-/// Spawns `cmd` with its log watched: the receiver gets the kind of every repair start, repair
-/// end and committed batch line, in order.
-fn spawn_watched(
-    mut cmd: std::process::Command,
-) -> anyhow::Result<(std::process::Child, std::sync::mpsc::Receiver<&'static str>)> {
-    use std::io::BufRead;
-    let mut child = cmd
+/// How many batches the repair of `cmd` commits: the committed-batch lines between its start and
+/// done lines, counted in the finished run's log (the count depends on the data, not on timing).
+fn repair_batches(mut cmd: std::process::Command) -> anyhow::Result<usize> {
+    let o = cmd
         .env("FOLDHOST_LOG", "warn,foldhost::applied=debug")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()?;
-    let stderr = child
-        .stderr
-        .take()
-        .ok_or_else(|| anyhow::anyhow!("no stderr"))?;
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stderr)
-            .lines()
-            .map_while(Result::ok)
-        {
-            let kind = if line.contains(REPAIR_START) {
-                "start"
-            } else if line.contains(REPAIR_DONE) {
-                "done"
-            } else if line.contains(BATCH) {
-                "batch"
-            } else {
-                continue;
-            };
-            if tx.send(kind).is_err() {
-                return;
-            }
-        }
-    });
-    Ok((child, rx))
-}
-
-/// How many batches the repair of `cmd` commits (between its start and done lines).
-fn repair_batches(cmd: std::process::Command) -> anyhow::Result<usize> {
-    let (mut child, rx) = spawn_watched(cmd)?;
-    let st = child.wait()?;
-    anyhow::ensure!(st.success(), "measuring run failed: {st}");
-    let events: Vec<_> = rx.iter().collect();
-    let start = events.iter().position(|k| *k == "start");
-    let done = events.iter().position(|k| *k == "done");
+        .output()?;
+    ok(&o, "measuring run")?;
+    let log = String::from_utf8_lossy(&o.stderr);
+    let lines: Vec<&str> = log.lines().collect();
+    let start = lines.iter().position(|l| l.contains(REPAIR_START));
+    let done = lines.iter().position(|l| l.contains(REPAIR_DONE));
     match (start, done) {
-        (Some(a), Some(b)) => Ok(events[a..b].iter().filter(|k| **k == "batch").count()),
-        _ => anyhow::bail!("the measuring run logged no repair: {events:?}"),
+        (Some(a), Some(b)) => Ok(lines[a..b].iter().filter(|l| l.contains(BATCH)).count()),
+        _ => anyhow::bail!("the measuring run logged no repair:\n{log}"),
     }
 }
 
-/// Runs `cmd()` and kills it with SIGKILL once its repair has committed `after` batches (a point
-/// in the repair's own progress, not in time), then runs `cmd()` again to completion. Returns
-/// whether the kill landed before the repair finished, and the re-run's output.
-async fn kill_during_repair_then_rerun(
-    cmd: impl Fn() -> std::process::Command,
-    after: usize,
-) -> anyhow::Result<(bool, Output)> {
-    let (mut child, rx) = spawn_watched(cmd())?;
-    let (reached, rx) = tokio::task::spawn_blocking(move || {
-        let mut started = false;
-        let mut batches = 0usize;
-        loop {
-            match rx.recv_timeout(Duration::from_secs(60)) {
-                Ok("start") => started = true,
-                Ok("batch") if started => {
-                    batches += 1;
-                    if batches >= after {
-                        return (Ok(true), rx);
-                    }
-                }
-                Ok("done") => return (Ok(false), rx),
-                Ok(_) => {}
-                Err(e) => return (Err(anyhow::anyhow!("the repair never got there: {e}")), rx),
-            }
-        }
-    })
-    .await?;
-    let mut landed = reached?;
-    kill9(&mut child)?;
-    // A done line already in the pipe means the repair finished before the kill.
-    landed &= !rx.try_iter().any(|k| k == "done");
-    let out = cmd()
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .output()?;
-    Ok((landed, out))
-}
-
-/// Counts the batches one whole repair of a copy of `node` commits, then for each fraction kills a
-/// run on a fresh copy after that fraction of them and re-runs it: every re-run must end at `want`,
-/// and all kills but one must have landed inside the repair.
-async fn kills_inside_the_repair_converge(
+/// Crashes a repair of a copy of `node` at the crash point `point` (a repair-batch point) after
+/// each fraction of the batches one whole repair commits, and after the last of them; and once
+/// at [`crashpoint::RESTORE_BEFORE_CURSOR`] when `restore` is set. After every crash the fold's
+/// cursor is where it was before the repair (no repair moves the cursor early), and a re-run ends
+/// at `want`.
+async fn crashes_inside_the_repair_converge(
     cmd: &dyn Fn(&Path) -> std::process::Command,
     node: &Path,
     scratch: &Path,
     want: &Contents,
+    point: &'static str,
     fractions: &[f64],
 ) -> anyhow::Result<()> {
-    let timed = scratch.join("timed");
-    copy_dir(node, &timed)?;
-    let batches = repair_batches(cmd(&timed))?;
+    let measured = scratch.join("measured");
+    copy_dir(node, &measured)?;
+    let batches = repair_batches(cmd(&measured))?;
     assert!(
         batches >= 20,
-        "a repair of {batches} batches is too short to kill inside"
+        "a repair of {batches} batches is too short to crash inside"
     );
-    assert_eq!(first_difference(want, &dump_store(&timed)?), None);
-    let mut landed = 0;
-    for (i, f) in fractions.iter().enumerate() {
-        let dir = scratch.join(format!("killed{i}"));
+    assert_eq!(first_difference(want, &dump_store(&measured)?), None);
+    let before = status_store(node)?["cursor"].clone();
+    let mut arms: Vec<(&'static str, usize)> = fractions
+        .iter()
+        .map(|f| (point, ((batches as f64 * f) as usize).clamp(1, batches)))
+        .collect();
+    arms.push((point, batches));
+    if point == crashpoint::RESTORE_BATCH {
+        arms.push((crashpoint::RESTORE_BEFORE_CURSOR, 1));
+    }
+    for (i, (at, n)) in arms.into_iter().enumerate() {
+        let dir = scratch.join(format!("crashed{i}"));
         copy_dir(node, &dir)?;
-        let after = ((batches as f64 * f) as usize).max(1);
-        let (inside, o) = kill_during_repair_then_rerun(|| cmd(&dir), after).await?;
-        landed += usize::from(inside);
+        run_to_crash(cmd(&dir), at, n as u64)?;
+        assert_eq!(
+            status_store(&dir)?["cursor"],
+            before,
+            "the cursor moved before the repair finished (crashed at {at}:{n} of {batches} batches)"
+        );
+        let o = cmd(&dir).output()?;
         ok(
             &o,
-            &format!("re-run after a kill at batch {after} of {batches}"),
+            &format!("re-run after a crash at {at}:{n} ({batches} batches)"),
         )?;
         assert_eq!(
             first_difference(want, &dump_store(&dir)?),
             None,
-            "killed at batch {after} of {batches}"
+            "crashed at {at}:{n} of {batches} batches"
         );
     }
-    assert!(
-        landed + 1 >= fractions.len(),
-        "only {landed} of {} kills landed inside the repair ({batches} batches)",
-        fractions.len()
-    );
     Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sigkill_during_a_restore_reruns_it_on_restart_to_the_same_result() -> anyhow::Result<()>
-{
+async fn a_crash_at_every_point_of_a_restore_reruns_it_on_restart_to_the_same_result()
+-> anyhow::Result<()> {
     let mut e = evicted("crashrestore", 20_000, 15_000, 2_000).await?;
     let arts = e.artifacts.display().to_string();
     let want = dump_store(&e.exporter)?;
@@ -731,12 +640,19 @@ async fn a_sigkill_during_a_restore_reruns_it_on_restart_to_the_same_result() ->
         .arg(dir);
         c
     };
-    kills_inside_the_repair_converge(&cmd, &e.node, e.tmp.path(), &want, &[0.1, 0.35, 0.6, 0.85])
-        .await
+    crashes_inside_the_repair_converge(
+        &cmd,
+        &e.node,
+        e.tmp.path(),
+        &want,
+        crashpoint::RESTORE_BATCH,
+        &[0.0, 0.35, 0.7],
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sigkill_during_a_listing_diff_reruns_it_on_restart_to_the_same_result()
+async fn a_crash_inside_a_listing_diff_reruns_it_on_restart_to_the_same_result()
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let kv = h.bucket("crashrelist").await?;
@@ -782,7 +698,15 @@ async fn a_sigkill_during_a_listing_diff_reruns_it_on_restart_to_the_same_result
         .arg(dir);
         c
     };
-    kills_inside_the_repair_converge(&cmd, &node, tmp.path(), &want, &[0.2, 0.5, 0.8]).await
+    crashes_inside_the_repair_converge(
+        &cmd,
+        &node,
+        tmp.path(),
+        &want,
+        crashpoint::RELIST_BATCH,
+        &[0.0, 0.5],
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -3,12 +3,14 @@
 //! keeps serving.
 
 use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::Instant;
 
 use foldhost::kv::KvWriter;
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, hostile_wat,
-    run_command, terminate, wait_status,
+    run_command, spawn_logged, terminate, wait_status, wait_until,
 };
 use rand::{Rng, SeedableRng};
 
@@ -63,15 +65,18 @@ async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Resu
     let mut host = start_host(&h, "swap", &store, &addr, None)?;
     wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(2000)).await?;
 
-    // The writer: pipelined puts over 5 000 keys, with deletes, for about three seconds.
+    // The writer: pipelined puts over 5 000 keys, with deletes, until stopped; it counts what
+    // the server acknowledged, and the swaps are placed by that count, not by a clock.
+    let stop = Arc::new(AtomicBool::new(false));
+    let acked = Arc::new(AtomicU64::new(0));
     let writer = {
-        let kv = kv.clone();
+        let (kv, stop, acked) = (kv.clone(), stop.clone(), acked.clone());
         tokio::spawn(async move {
             let js = kv.jetstream().clone();
             let mut rng = rand::rngs::StdRng::seed_from_u64(42);
             let t = Instant::now();
             let mut n = 0u64;
-            while t.elapsed() < Duration::from_secs(3) {
+            while !stop.load(Ordering::Relaxed) {
                 let mut acks = Vec::with_capacity(200);
                 for _ in 0..200 {
                     let k = rng.random_range(0..5000);
@@ -87,6 +92,7 @@ async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Resu
                 let k = rng.random_range(0..5000);
                 kv.delete(&format!("k.{k:04}")).await?;
                 n += 1;
+                acked.store(n, Ordering::Relaxed);
             }
             anyhow::Ok(n as f64 / t.elapsed().as_secs_f64())
         })
@@ -94,18 +100,33 @@ async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Resu
     let v1 = guest_wasm("kvstore");
     let v2 = guest_wasm("kvstore_v2");
     let mut reports = Vec::new();
-    for (guest, to) in [
+    for (i, (guest, to)) in [
         (&v2, "kvstore@0.2.0"),
         (&v1, "kvstore@0.1.0"),
         (&v2, "kvstore@0.2.0"),
-    ] {
-        tokio::time::sleep(Duration::from_millis(600)).await;
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // Each swap lands after another 2 000 acknowledged writes, with the writer still going.
+        let target = 2000 * (i as u64 + 1);
+        wait_until("2 000 more acknowledged writes", || {
+            acked.load(Ordering::Relaxed) >= target
+        })
+        .await?;
         let (ok, text) = swap(&addr, guest, None)?;
         assert!(ok, "swap to {to} failed: {text}");
         let report: serde_json::Value = serde_json::from_str(text.trim())?;
         assert_eq!(report["to"], to, "{text}");
         reports.push(report);
     }
+    // More writes after the last swap, then the writer stops.
+    let target = acked.load(Ordering::Relaxed) + 2000;
+    wait_until("2 000 writes after the last swap", || {
+        acked.load(Ordering::Relaxed) >= target
+    })
+    .await?;
+    stop.store(true, Ordering::Relaxed);
     let rate = writer.await??;
     eprintln!("writer: {rate:.0} updates/s; swaps: {reports:?}");
     assert!(
@@ -208,29 +229,29 @@ async fn a_changed_guest_file_is_swapped_in_with_watch_guest() -> anyhow::Result
     let guest = tmp.path().join("guest.wasm");
     std::fs::copy(guest_wasm("kvstore"), &guest)?;
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
-    let mut host = foldhost()
-        .args([
-            "run",
-            "--bucket",
-            "watchfile",
-            "--nats",
-            &h.url(),
-            "--listen",
-            &addr,
-        ])
-        .arg("--watch-guest")
-        .arg("--guest")
-        .arg(&guest)
-        .arg("--store")
-        .arg(tmp.path().join("fold"))
-        .stderr(Stdio::null())
-        .spawn()?;
+    let mut cmd = foldhost();
+    cmd.args([
+        "run",
+        "--bucket",
+        "watchfile",
+        "--nats",
+        &h.url(),
+        "--listen",
+        &addr,
+    ])
+    .arg("--watch-guest")
+    .arg("--guest")
+    .arg(&guest)
+    .arg("--store")
+    .arg(tmp.path().join("fold"));
+    // The refusal of a bad file is waited for in the host's log (warn level), not by a clock.
+    let (mut host, mut log) = spawn_logged(cmd)?;
     wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(1)).await?;
     // A file that is not a component is refused; the running guest stays.
     let staged = tmp.path().join("staged.wasm");
     std::fs::write(&staged, b"not a component")?;
     std::fs::rename(&staged, &guest)?;
-    tokio::time::sleep(Duration::from_millis(2500)).await;
+    log.wait_for("swap refused; the running guest stays")?;
     let (code, body) = foldhost::serve::call(&addr, "POST", "/query", b"k").await?;
     assert_eq!((code, body), (200, b"v".to_vec()), "v1 still serves");
     // Replace the file atomically with v2: the host swaps it in.

@@ -22,7 +22,7 @@ async fn collect_until_level(
     let task = tokio::spawn(async move { kv.watch_from(&scope, cursor, tx).await });
     let mut got = Vec::new();
     loop {
-        match tokio::time::timeout(Duration::from_secs(20), rx.recv()).await? {
+        match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await? {
             Some(WatchEvent::Updates(us)) => got.extend(us),
             Some(WatchEvent::CaughtUp { .. }) => break,
             Some(WatchEvent::Pending(_) | WatchEvent::Stamp { .. }) => {}

@@ -1,0 +1,189 @@
+//! Crash points: named places in the code where a test build can be made to die, so that crash
+//! tests place their crash by the code's own progress instead of racing the clock.
+//!
+//! A test arms one point from outside the process with `FOLDHOST_CRASH_AT=NAME:N` (N ≥ 1): the
+//! N-th time the process passes `NAME`, it writes one line to stderr
+//! (`foldhost: crash point NAME reached (hit N): aborting`) and calls [`std::process::abort`].
+//! Abort has the effect of SIGKILL on everything the tests check: no destructor runs, no buffer
+//! is flushed, no lock file is removed, nothing is committed that was not already durable. The
+//! exit is by `SIGABRT`, which tells a test the crash happened where it armed it (and not by a
+//! stray panic, which exits with status 1, or by a kill).
+//!
+//! Invariants:
+//! - **Absent from release builds.** Without the cargo feature `crashpoints`, [`hit`] is an empty
+//!   inline function and the environment is never read; `make test` builds with the feature,
+//!   `make demo`, `make bench` and release builds without.
+//! - **Only the names in [`POINTS`]** can be armed; an unknown name in `FOLDHOST_CRASH_AT`, or
+//!   the variable set on a build without the feature, is refused at start ([`check_env`], called
+//!   by `main`) with one line and exit code 2, so a typo in a test never reads as "the crash did
+//!   not happen".
+//! - **A point never changes what the code does** until the armed hit: counting is one relaxed
+//!   atomic increment on the armed point, nothing on the others.
+
+/// The points a build can be crashed at, with what is durable when each fires.
+pub const POINTS: &[(&str, &str)] = &[
+    (
+        FOLD_COMMITTED,
+        "after a fold batch (data + cursor) committed and `on-applied` returned",
+    ),
+    (
+        FOLD_BEFORE_ON_APPLIED,
+        "between a fold batch's store commit and the applier's `on-applied`",
+    ),
+    (
+        RELIST_BATCH,
+        "inside the key-listing diff, after a batch of its synthetic deletes committed",
+    ),
+    (
+        RESTORE_BATCH,
+        "inside an artifact restore, after a batch of its difference committed (old cursor)",
+    ),
+    (
+        RESTORE_BEFORE_CURSOR,
+        "inside an artifact restore, after the whole difference committed, before the final cursor commit",
+    ),
+    (
+        EXPORT_STAGED,
+        "mid-export: the fold copied into the hidden stage, before its verify-by-reopen",
+    ),
+    (
+        EXPORT_FILE,
+        "mid-export: after one more staged file was hashed, before the manifest is written",
+    ),
+];
+
+/// After a fold batch committed and `on-applied` returned.
+pub const FOLD_COMMITTED: &str = "fold.committed";
+/// Between a fold batch's store commit and `on-applied`.
+pub const FOLD_BEFORE_ON_APPLIED: &str = "fold.before-on-applied";
+/// Inside the key-listing diff, after a committed batch of synthetic deletes.
+pub const RELIST_BATCH: &str = "repair.relist.batch";
+/// Inside an artifact restore, after a committed batch of its difference.
+pub const RESTORE_BATCH: &str = "repair.restore.batch";
+/// Inside an artifact restore, between the last difference batch and the final cursor commit.
+pub const RESTORE_BEFORE_CURSOR: &str = "repair.restore.before-cursor";
+/// Mid-export, after the fold was copied into the stage.
+pub const EXPORT_STAGED: &str = "export.staged";
+/// Mid-export, after each staged file was hashed.
+pub const EXPORT_FILE: &str = "export.file";
+
+/// The environment variable that arms a point: `NAME:N`.
+pub const ENV: &str = "FOLDHOST_CRASH_AT";
+
+/// Passes the crash point `name`; in a `crashpoints` build armed at `name:N`, the N-th pass
+/// aborts the process.
+#[cfg(not(feature = "crashpoints"))]
+#[inline(always)]
+pub fn hit(name: &'static str) {
+    let _ = name;
+}
+
+/// Passes the crash point `name`; in a `crashpoints` build armed at `name:N`, the N-th pass
+/// aborts the process.
+#[cfg(feature = "crashpoints")]
+pub fn hit(name: &'static str) {
+    armed::hit(name);
+}
+
+/// Checks `FOLDHOST_CRASH_AT` at process start: unset is fine; set, it must parse, and the
+/// build must have crash points (a test arming a point on a build without them would otherwise
+/// wait for a crash that cannot happen). Returns the one-line reason otherwise.
+pub fn check_env() -> Result<(), String> {
+    let Ok(v) = std::env::var(ENV) else {
+        return Ok(());
+    };
+    parse_arm(&v)?;
+    if cfg!(feature = "crashpoints") {
+        Ok(())
+    } else {
+        Err(format!(
+            "{ENV} is set but this build has no crash points (cargo feature `crashpoints`)"
+        ))
+    }
+}
+
+/// Parses `NAME:N` (the value of [`ENV`]): the point must be one of [`POINTS`] and N ≥ 1.
+pub fn parse_arm(s: &str) -> Result<(&'static str, u64), String> {
+    let (name, n) = s
+        .rsplit_once(':')
+        .ok_or_else(|| format!("{ENV}={s:?}: expected NAME:N"))?;
+    let point = POINTS
+        .iter()
+        .map(|(p, _)| *p)
+        .find(|p| *p == name)
+        .ok_or_else(|| {
+            let known: Vec<&str> = POINTS.iter().map(|(p, _)| *p).collect();
+            format!(
+                "{ENV}={s:?}: unknown crash point {name:?} (known: {})",
+                known.join(", ")
+            )
+        })?;
+    match n.parse::<u64>() {
+        Ok(n) if n >= 1 => Ok((point, n)),
+        _ => Err(format!("{ENV}={s:?}: N must be a whole number ≥ 1")),
+    }
+}
+
+#[cfg(feature = "crashpoints")]
+mod armed {
+    use std::io::Write as _;
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    static ARMED: OnceLock<Option<(&'static str, u64)>> = OnceLock::new();
+    static HITS: AtomicU64 = AtomicU64::new(0);
+
+    fn armed() -> Option<(&'static str, u64)> {
+        *ARMED.get_or_init(|| {
+            let v = std::env::var(super::ENV).ok()?;
+            match super::parse_arm(&v) {
+                Ok(a) => Some(a),
+                Err(e) => {
+                    eprintln!("foldhost: error: {e}");
+                    std::process::exit(2);
+                }
+            }
+        })
+    }
+
+    pub(super) fn hit(name: &'static str) {
+        let Some((point, n)) = armed() else {
+            return;
+        };
+        if point != name {
+            return;
+        }
+        let k = HITS.fetch_add(1, Ordering::Relaxed) + 1;
+        if k == n {
+            // One write of the whole line, straight to fd 2 (stderr is unbuffered): it is the
+            // last line the process writes.
+            let line = format!("foldhost: crash point {name} reached (hit {k}): aborting\n");
+            let _ = std::io::stderr().lock().write_all(line.as_bytes());
+            std::process::abort();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_arm_names_a_known_point_and_a_positive_count() {
+        assert_eq!(parse_arm("repair.relist.batch:7"), Ok((RELIST_BATCH, 7)));
+        assert_eq!(parse_arm("fold.committed:1"), Ok((FOLD_COMMITTED, 1)));
+        assert!(parse_arm("fold.comitted:1").is_err_and(|e| e.contains("unknown crash point")));
+        assert!(parse_arm("fold.committed:0").is_err());
+        assert!(parse_arm("fold.committed").is_err());
+        assert!(parse_arm("fold.committed:x").is_err());
+    }
+
+    #[test]
+    fn every_point_is_listed_once() {
+        let mut names: Vec<&str> = POINTS.iter().map(|(p, _)| *p).collect();
+        names.sort_unstable();
+        let n = names.len();
+        names.dedup();
+        assert_eq!(names.len(), n);
+    }
+}
