@@ -22,7 +22,7 @@ guests/router-c/build.sh test >/dev/null
 cargo build --workspace --bins --quiet "${features[@]}"
 if cargo nextest --version >/dev/null 2>&1; then
   runner=(cargo nextest run --workspace --no-fail-fast --final-status-level fail "${features[@]}")
-  cargo nextest run --workspace --no-run --quiet "${features[@]}"
+  cargo nextest run --workspace --no-run "${features[@]}"
   # nextest's status lines: `FAIL [ 1.2s] crate::binary module::test` (and SIGABRT, TIMEOUT…).
   failed_lines() { grep -E '^\s*(FAIL|SIG[A-Z]+|TIMEOUT|ABORT|LEAK-FAIL) \[' "$1" | sed -E 's/^\s*//' | sort -u; }
 else
