@@ -334,6 +334,9 @@ pub struct Fold<S: SnapshotStore> {
     warned: std::collections::BTreeSet<String>,
     /// While set (a restore folding its difference), commits keep the cursor where it is.
     frozen: bool,
+    /// The highest revision of a skipped reserved-space bucket key not yet under a committed
+    /// cursor ([`protocol::bucket_key_admitted`]).
+    skipped_high: Option<u64>,
     /// Server times of recently delivered revisions (ascending), for the memo's time.
     stamps: std::collections::VecDeque<(u64, u64)>,
 }
@@ -354,6 +357,7 @@ impl<S: SnapshotStore> Fold<S> {
             status,
             warned: Default::default(),
             frozen: false,
+            skipped_high: None,
             stamps: Default::default(),
         };
         fold.publish_retained()?;
@@ -648,6 +652,28 @@ impl<S: SnapshotStore> Fold<S> {
         &self.store
     }
 
+    /// `batch` without the bucket keys in the host's reserved space: they never reach the guest or
+    /// the store; their revisions are kept to move the cursor past them.
+    fn drop_reserved(&mut self, batch: Vec<KvUpdate>) -> Vec<KvUpdate> {
+        if batch.iter().all(|u| protocol::bucket_key_admitted(u.key())) {
+            return batch;
+        }
+        let mut high = self.skipped_high;
+        let kept = batch
+            .into_iter()
+            .filter(|u| {
+                let admitted = protocol::bucket_key_admitted(u.key());
+                if !admitted {
+                    tracing::warn!(key = ?u.key(), revision = ?u.revision(), "skipped a bucket key in the host's reserved space (it starts with \\x01): never folded, never shown to a guest");
+                    high = high.max(u.revision());
+                }
+                admitted
+            })
+            .collect();
+        self.skipped_high = high;
+        kept
+    }
+
     /// Runs one flush of `batch` through `apply` and the store. On an apply failure the batch is
     /// handed back in `Err`-free form (returned as `Some(batch)`) for a retry; on a transient store
     /// failure it is re-queued internally. Errors are fail-stops.
@@ -656,7 +682,8 @@ impl<S: SnapshotStore> Fold<S> {
         batch: Vec<KvUpdate>,
         apply: &mut A,
     ) -> Result<Option<Vec<KvUpdate>>, AppliedError> {
-        if batch.is_empty() && self.requeued.is_empty() {
+        let batch = self.drop_reserved(batch);
+        if batch.is_empty() && self.requeued.is_empty() && self.skipped_high.is_none() {
             return Ok(None);
         }
         let mut retained_now = Vec::new();
@@ -711,7 +738,11 @@ impl<S: SnapshotStore> Fold<S> {
         // Retained records commit with their batch (reserved keys, unknown version: the cursor
         // is the batch's).
         raw.extend(retained_now.iter().map(RetainedRecord::to_put));
-        let batch_high = raw.iter().filter_map(KvUpdate::revision).max();
+        let batch_high = raw
+            .iter()
+            .filter_map(KvUpdate::revision)
+            .max()
+            .max(self.skipped_high);
         // The memo rides along with every cursor; a frozen fold (a restore in progress) commits
         // its data under the old cursor, so a crash re-runs the restore.
         let cursor = if self.frozen {
@@ -730,6 +761,7 @@ impl<S: SnapshotStore> Fold<S> {
         match result {
             Ok(()) => {
                 self.status.set_error(None);
+                self.skipped_high = None;
                 self.store_streak = 0;
                 self.status.store_failure_streak.store(0, Ordering::Relaxed);
                 self.applied = cursor;

@@ -64,9 +64,13 @@ pub struct ExportArgs {
     /// Where the artifact goes (must not exist): a directory, or a file ending `.tar`.
     #[arg(long)]
     pub out: PathBuf,
-    /// The host's admin token (with --listen).
+    /// The host's admin token, with --listen (default: read from the file the host names in its
+    /// `/status`).
     #[arg(long, env = "FOLDHOST_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Read the admin token from this file (with --listen).
+    #[arg(long, value_name = "FILE", conflicts_with = "admin_token")]
+    pub admin_token_file: Option<PathBuf>,
 }
 
 /// `foldhost import`.
@@ -106,9 +110,12 @@ pub struct SwapArgs {
     /// The new guest component.
     #[arg(long)]
     pub guest: PathBuf,
-    /// The host's admin token.
+    /// The host's admin token (default: read from the file the host names in its `/status`).
     #[arg(long, env = "FOLDHOST_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Read the admin token from this file.
+    #[arg(long, value_name = "FILE", conflicts_with = "admin_token")]
+    pub admin_token_file: Option<PathBuf>,
 }
 
 /// `foldhost run`.
@@ -158,15 +165,31 @@ pub struct RunArgs {
     /// Serve `GET /status`, `POST /query` and `POST /swap` on this address (e.g. 127.0.0.1:8080).
     #[arg(long)]
     pub listen: Option<String>,
-    /// Bearer token `POST /swap` requires; mandatory when `--listen` is not a loopback address.
+    /// Bearer token the admin routes (`/swap`, `/export`) require. Without it (or
+    /// `--admin-token-file`) the host generates one and writes it to `STORE/admin-token` (mode 0600),
+    /// where `foldhost swap` and `foldhost export --listen` find it.
     #[arg(long, env = "FOLDHOST_ADMIN_TOKEN", hide_env_values = true)]
     pub admin_token: Option<String>,
+    /// Read the admin token from this file (keeps it out of `ps`).
+    #[arg(long, value_name = "FILE", conflicts_with = "admin_token")]
+    pub admin_token_file: Option<PathBuf>,
+    /// Bearer token `/status` and `/query` require (the admin token opens them too). Without it
+    /// they are open to whoever reaches the listener.
+    #[arg(long, env = "FOLDHOST_QUERY_TOKEN", hide_env_values = true)]
+    pub query_token: Option<String>,
+    /// Largest `/query` body, in bytes.
+    #[arg(long, default_value_t = crate::serve::MAX_QUERY)]
+    pub query_max_bytes: usize,
     /// Swap the guest whenever the `--guest` file's content changes (checked every second).
     #[arg(long)]
     pub watch_guest: bool,
     /// Also serve the guest's query as a NATS request/reply service on this subject.
     #[arg(long)]
     pub query_subject: Option<String>,
+    /// `--query-subject` answers only requests whose reply subject starts with this prefix (a
+    /// requester cannot have the host publish, with its credentials, to a subject it names).
+    #[arg(long, default_value = "_INBOX.")]
+    pub query_reply_prefix: String,
     /// Fold to the stream's last sequence as of start, then exit 0.
     #[arg(long)]
     pub catch_up: bool,
@@ -282,12 +305,14 @@ async fn cmd_export(a: ExportArgs) -> anyhow::Result<()> {
     let manifest = match (&a.listen, &a.store) {
         (Some(addr), _) => {
             let path = a.out.to_string_lossy().into_owned();
+            let token =
+                admin_token_for(addr, a.admin_token.clone(), a.admin_token_file.as_deref()).await?;
             let (code, body) = crate::serve::call_with_token(
                 addr,
                 "POST",
                 "/export",
                 path.as_bytes(),
-                a.admin_token.as_deref(),
+                token.as_deref(),
             )
             .await
             .with_context(|| format!("export via {addr}"))?;
@@ -420,13 +445,30 @@ pub async fn run_fold(
     {
         bail!("--restore-from {}: not a directory", d.display());
     }
-    // Read, compile and link-check the guest before touching anything: a bad guest is refused
-    // with the reason (a missing import named) and nothing is connected or written.
+    let limits = crate::guest::GuestLimits {
+        call_deadline: Duration::from_millis(a.guest_deadline_ms.max(1)),
+        memory_bytes: a.guest_memory_mb.max(1) * 1024 * 1024,
+        max_batch_bytes: a.guest_max_batch_bytes.max(1),
+        ..crate::guest::GuestLimits::default()
+    };
+    // Read, compile, link-check and start the guest (instantiate, `manifest`, `init`, against an
+    // empty fold) before touching anything: a bad guest is refused with the reason (a missing
+    // import named, a trap in `init`) and nothing is connected or written.
     let (engine, guest_bytes) = match &a.guest {
         Some(p) => {
             let bytes = crate::guest::read_guest_file(p)?;
             let engine = crate::guest::GuestEngine::new()?;
             engine.prepare(&p.display().to_string(), &bytes)?;
+            let probe = crate::guest::GuestApply::load(
+                &engine,
+                &p.display().to_string(),
+                &bytes,
+                limits,
+                guest_config.clone(),
+                Arc::new(crate::snapshot::EmptyFold),
+            )
+            .await?;
+            drop(probe);
             (Some(engine), Some(bytes))
         }
         None => (None, None),
@@ -479,12 +521,6 @@ pub async fn run_fold(
                 let engine = engine
                     .clone()
                     .ok_or_else(|| anyhow!("guest engine missing"))?;
-                let limits = crate::guest::GuestLimits {
-                    call_deadline: Duration::from_millis(a.guest_deadline_ms.max(1)),
-                    memory_bytes: a.guest_memory_mb.max(1) * 1024 * 1024,
-                    max_batch_bytes: a.guest_max_batch_bytes.max(1),
-                    ..crate::guest::GuestLimits::default()
-                };
                 let mut g = crate::guest::GuestApply::load(
                     &engine,
                     &path.display().to_string(),
@@ -527,17 +563,34 @@ pub async fn run_fold(
                 .await
                 .with_context(|| format!("--listen {addr}"))?;
             let local = listener.local_addr()?;
-            if !local.ip().is_loopback() && a.admin_token.is_none() {
-                bail!(
-                    "--listen {addr} is not a loopback address: set --admin-token (or FOLDHOST_ADMIN_TOKEN) so /swap is not open to the network"
-                );
-            }
-            tracing::info!(addr = %listener.local_addr()?, "serving /status and /query");
+            let (admin_token, token_file) = match (&a.admin_token, &a.admin_token_file) {
+                (Some(t), _) => (t.clone(), None),
+                (None, Some(f)) => (crate::serve::read_token_file(f)?, Some(f.clone())),
+                (None, None) => {
+                    let f = a.store.join(crate::serve::ADMIN_TOKEN_FILE);
+                    let t = crate::serve::generate_token_file(&f)?;
+                    tracing::info!(file = %f.display(), "admin token generated (mode 0600): foldhost swap and export --listen read it from there");
+                    (t, Some(f))
+                }
+            };
+            tracing::info!(addr = %local, "serving /status, /query, /swap and /export");
+            let policy = crate::serve::AccessPolicy {
+                admin_token,
+                query_token: a.query_token.clone(),
+                listen: local,
+                limits: crate::serve::Limits {
+                    query_body: a.query_max_bytes,
+                    ..Default::default()
+                },
+            };
+            let mut base = base.clone();
+            base.admin_token_file =
+                token_file.map(|f| std::path::absolute(&f).unwrap_or(f).display().to_string());
             let state = Arc::new(crate::serve::ServeState {
-                status: status_renderer(base.clone(), status.clone(), backend, fatal.clone()),
+                status: status_renderer(base, status.clone(), backend, fatal.clone()),
                 control: control_tx.clone(),
                 engine: engine.clone(),
-                admin_token: a.admin_token.clone(),
+                policy,
                 backend,
                 scope: scope.to_string(),
             });
@@ -566,6 +619,7 @@ pub async fn run_fold(
         side_tasks.push(tokio::spawn(serve_nats_queries(
             client,
             sub,
+            a.query_reply_prefix.clone(),
             control_tx.clone(),
         )));
     }
@@ -692,6 +746,7 @@ async fn watch_guest_file(
 async fn serve_nats_queries(
     client: async_nats::Client,
     mut sub: async_nats::Subscriber,
+    reply_prefix: String,
     control: tokio::sync::mpsc::Sender<crate::applied::Control>,
 ) {
     use futures::StreamExt;
@@ -699,6 +754,10 @@ async fn serve_nats_queries(
         let Some(reply_to) = msg.reply.clone() else {
             continue;
         };
+        if !crate::protocol::reply_subject_allowed(&reply_to, &reply_prefix) {
+            tracing::warn!(reply = %reply_to, prefix = %reply_prefix, "query refused: its reply subject is not an inbox");
+            continue;
+        }
         let (tx, rx) = tokio::sync::oneshot::channel();
         let q = crate::applied::Control::Query {
             request: msg.payload.to_vec(),
@@ -823,6 +882,7 @@ fn status_renderer(
             "warnings": status.warnings(),
             "eviction_seen": status.eviction_seen.load(Ordering::Relaxed) == 1,
             "repairs": status.repairs.load(Ordering::Relaxed),
+            "admin_token_file": base.admin_token_file,
         })
     })
 }
@@ -1091,10 +1151,39 @@ fn printable(v: &[u8]) -> String {
     }
 }
 
+/// The admin token for the host at `listen`: given, read from `file`, or read from the file the
+/// host names in its `/status` (`admin_token_file`: readable only by the host's user, so only a
+/// local caller with the same rights finds it). `None` when none of these has one.
+async fn admin_token_for(
+    listen: &str,
+    token: Option<String>,
+    file: Option<&Path>,
+) -> anyhow::Result<Option<String>> {
+    if token.is_some() {
+        return Ok(token);
+    }
+    if let Some(f) = file {
+        return Ok(Some(crate::serve::read_token_file(f)?));
+    }
+    let Ok((200, body)) = crate::serve::call(listen, "GET", "/status", b"").await else {
+        return Ok(None);
+    };
+    let named = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v["admin_token_file"].as_str().map(PathBuf::from));
+    Ok(named.and_then(|f| crate::serve::read_token_file(&f).ok()))
+}
+
 async fn cmd_swap(a: SwapArgs) -> anyhow::Result<()> {
     let bytes = crate::guest::read_guest_file(&a.guest)?;
+    let token = admin_token_for(
+        &a.listen,
+        a.admin_token.clone(),
+        a.admin_token_file.as_deref(),
+    )
+    .await?;
     let (code, body) =
-        crate::serve::call_with_token(&a.listen, "POST", "/swap", &bytes, a.admin_token.as_deref())
+        crate::serve::call_with_token(&a.listen, "POST", "/swap", &bytes, token.as_deref())
             .await
             .with_context(|| format!("swap via {}", a.listen))?;
     let text = String::from_utf8_lossy(&body).trim_end().to_string();
@@ -1302,8 +1391,12 @@ async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         apply: "count".into(),
         listen: None,
         admin_token: None,
+        admin_token_file: None,
+        query_token: None,
+        query_max_bytes: crate::serve::MAX_QUERY,
         watch_guest: false,
         query_subject: None,
+        query_reply_prefix: "_INBOX.".into(),
         catch_up: true,
         repair: "auto".into(),
         restore_from: None,

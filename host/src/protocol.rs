@@ -332,6 +332,27 @@ impl StreamLimits {
     }
 }
 
+/// Whether a key delivered from the bucket may be folded. Keys starting with `\x01` are the
+/// host's own record space (retained records live there); NATS accepts such a subject on a raw
+/// publish, and folding one would put a forged host record — a fake base, a deleted deferred
+/// update — where the host keeps its own, or make the store undecodable. The rule: such a key is
+/// skipped with a warning, never stored and never shown to a guest; its revision still moves the
+/// cursor, like a key a guest skips.
+pub fn bucket_key_admitted(key: &str) -> bool {
+    !key.starts_with('\u{1}')
+}
+
+/// Whether the host may publish a query's answer to `reply`: only to subjects under `prefix`
+/// (an inbox, `_INBOX.` by default). Without this, a requester could name any subject — a
+/// `$KV.<bucket>.<key>` or a `$JS.API` call — and have the host publish the answer there with its
+/// own credentials.
+pub fn reply_subject_allowed(reply: &str, prefix: &str) -> bool {
+    !prefix.is_empty()
+        && reply.len() > prefix.len()
+        && reply.starts_with(prefix)
+        && !reply.contains([' ', '\t', '\r', '\n', '*', '>'])
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -663,5 +684,30 @@ mod tests {
         assert!(!caught_up(None, Some(1)));
         assert!(!caught_up(Some(4), Some(5)));
         assert!(caught_up(Some(5), Some(5)));
+    }
+
+    #[test]
+    fn query_answers_go_only_to_inbox_subjects() {
+        assert!(reply_subject_allowed("_INBOX.abc.1", "_INBOX."));
+        assert!(!reply_subject_allowed("$KV.routes.route.a", "_INBOX."));
+        assert!(!reply_subject_allowed(
+            "$JS.API.STREAM.DELETE.KV_routes",
+            "_INBOX."
+        ));
+        assert!(!reply_subject_allowed("_INBOX.", "_INBOX."));
+        assert!(!reply_subject_allowed("_INBOX.>", "_INBOX."));
+        assert!(!reply_subject_allowed("_INBOX.a", ""));
+        assert!(reply_subject_allowed("svc.replies.7", "svc.replies."));
+    }
+
+    #[test]
+    fn bucket_keys_in_the_hosts_reserved_space_are_not_admitted() {
+        assert!(bucket_key_admitted("route.a"));
+        assert!(bucket_key_admitted(""));
+        assert!(bucket_key_admitted("a\u{1}b"));
+        assert!(!bucket_key_admitted(
+            "\u{1}retained/00000000000000000001/k1"
+        ));
+        assert!(!bucket_key_admitted("\u{1}"));
     }
 }

@@ -28,7 +28,8 @@ use bytes::Bytes;
 use crate::kv::{KvEntry, KvUpdate, VersionToken};
 use crate::snapshot::{SnapshotError, SnapshotStore};
 
-/// Keys starting with this byte are the host's own; no NATS key can start with it.
+/// Keys starting with this byte are the host's own. A raw publish can put such a key in a bucket;
+/// the fold skips those at its edge (`protocol::bucket_key_admitted`), so none reaches the store.
 pub const RESERVED_PREFIX: &str = "\u{1}";
 
 /// Where retained records live: `RETAINED_PREFIX` + 20-digit revision + `/` + key (log order).

@@ -1,28 +1,60 @@
-//! The `--listen` endpoint: `GET /status` and `POST /query`, over a deliberately small HTTP/1.1.
+//! The `--listen` endpoint: `GET /status`, `POST /query`, and the admin routes `POST /swap` and
+//! `POST /export`, over a deliberately small HTTP/1.1.
 //!
-//! Parsing is a pure function over bytes ([`parse_request`]); the I/O loop around it is thin. One
-//! request per connection (`Connection: close`), bounded head (16 KiB) and body (1 MiB), and a read
-//! timeout, so a slow or hostile client costs one task and a little memory, never the fold.
+//! Parsing is a pure function over bytes ([`parse_request`]), and so is every decision about a
+//! request before its body is read ([`admit`]); the I/O loop around them is thin. One request per
+//! connection (`Connection: close`).
+//!
+//! Invariants — what an unauthenticated or hostile client cannot do:
+//! - **No body byte is read before the request is admitted**: the route known, the caller
+//!   authorized (admin routes: the admin token; with `--query-token`, `/status` and `/query` too),
+//!   the Host and Origin checked, and the declared length under the route's own limit (`/status`
+//!   none, `/query` [`Limits::query_body`], `/swap` [`Limits::swap_body`], `/export` 4 KiB).
+//! - **Bodies in flight are bounded in total**: unauthenticated bodies (queries) share one byte
+//!   budget ([`QUERY_BODY_BUDGET`]) taken before the read — a request that cannot get its share at
+//!   once is refused with 503 — and admin bodies are read one at a time. Memory held by clients is
+//!   therefore at most the budget plus one component, whatever they announce.
+//! - **Every connection is bounded in time**: the head within [`HEAD_DEADLINE`], the whole request
+//!   within [`REQUEST_DEADLINE`] (a trickling client is cut, not waited for), the response written
+//!   within [`WRITE_DEADLINE`]. Idle clients therefore hold a connection slot for seconds, not for
+//!   ever.
+//! - **Admin routes always need the token** (`--admin-token`, `--admin-token-file`, or one the
+//!   host generates into a 0600 file beside the store); tokens are compared in constant time.
+//! - **No cross-site or rebound request on loopback**: on a loopback listener the `Host` header must
+//!   name the listener (`127.0.0.1:PORT`, `localhost:PORT`, …), and a browser's `Origin`, when
+//!   present, must be that same origin.
 //!
 //! Queries are handed to the fold loop ([`crate::applied::Control::Query`]) and answered between
 //! batches: a query never sees a half-applied batch.
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::applied::Control;
 
 /// Largest request head accepted.
 pub const MAX_HEAD: usize = 16 * 1024;
-/// Largest request body accepted (a guest component for `/swap`).
+/// Largest body any route accepts (the default component size limit for `/swap`); each route
+/// has its own, lower or equal ([`Limits`]).
 pub const MAX_BODY: usize = 64 * 1024 * 1024;
-/// Largest query body.
+/// Largest query body by default.
 pub const MAX_QUERY: usize = 1024 * 1024;
-/// How long a client may take to send its request, and a query to be answered.
+/// Largest `/export` body (a path).
+pub const MAX_EXPORT_BODY: usize = 4096;
+/// The bytes of query bodies all connections together may hold while they are read.
+pub const QUERY_BODY_BUDGET: usize = 32 * 1024 * 1024;
+/// How long a client may take to send its request head.
+pub const HEAD_DEADLINE: Duration = Duration::from_secs(5);
+/// How long a client may take to send its whole request (head and body).
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(30);
+/// How long writing a response may take.
+pub const WRITE_DEADLINE: Duration = Duration::from_secs(10);
+/// How long a query may wait for its answer.
 pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// A parsed request head.
@@ -36,6 +68,10 @@ pub struct RequestHead {
     pub content_length: usize,
     /// The bearer token of an `Authorization: Bearer …` header.
     pub bearer: Option<String>,
+    /// The `Host` header.
+    pub host: Option<String>,
+    /// The `Origin` header (browsers send it on cross-site requests).
+    pub origin: Option<String>,
     /// Bytes of the head, including the blank line.
     pub head_len: usize,
 }
@@ -76,21 +112,27 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<RequestHead>, HttpError> {
     }
     let mut content_length = 0usize;
     let mut bearer = None;
+    let mut host = None;
+    let mut origin = None;
     for line in lines {
         let (name, value) = line
             .split_once(':')
             .ok_or(HttpError::Bad("header without a colon"))?;
-        if name.trim().eq_ignore_ascii_case("content-length") {
+        let (name, value) = (name.trim(), value.trim());
+        if name.eq_ignore_ascii_case("content-length") {
             content_length = value
-                .trim()
                 .parse()
                 .map_err(|_| HttpError::Bad("bad content-length"))?;
-        } else if name.trim().eq_ignore_ascii_case("authorization") {
-            bearer = value
-                .trim()
-                .strip_prefix("Bearer ")
-                .map(|t| t.trim().to_string());
-        } else if name.trim().eq_ignore_ascii_case("transfer-encoding") {
+        } else if name.eq_ignore_ascii_case("authorization") {
+            bearer = value.strip_prefix("Bearer ").map(|t| t.trim().to_string());
+        } else if name.eq_ignore_ascii_case("host") {
+            if host.is_some() {
+                return Err(HttpError::Bad("more than one Host header"));
+            }
+            host = Some(value.to_string());
+        } else if name.eq_ignore_ascii_case("origin") {
+            origin = Some(value.to_string());
+        } else if name.eq_ignore_ascii_case("transfer-encoding") {
             return Err(HttpError::Bad("chunked bodies are not accepted"));
         }
     }
@@ -103,6 +145,8 @@ pub fn parse_request(buf: &[u8]) -> Result<Option<RequestHead>, HttpError> {
         path,
         content_length,
         bearer,
+        host,
+        origin,
         head_len,
     }))
 }
@@ -122,6 +166,261 @@ pub fn response(status: u16, reason: &str, content_type: &str, body: &[u8]) -> V
     out
 }
 
+/// The routes the endpoint serves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Route {
+    /// `GET /status`.
+    Status,
+    /// `POST /query`.
+    Query,
+    /// `POST /swap` (admin).
+    Swap,
+    /// `POST /export` (admin).
+    Export,
+}
+
+impl Route {
+    /// True for the routes that change the host (they need the admin token).
+    pub fn is_admin(self) -> bool {
+        matches!(self, Route::Swap | Route::Export)
+    }
+}
+
+/// Body limits per route.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Largest `/query` body.
+    pub query_body: usize,
+    /// Largest `/swap` body (a component).
+    pub swap_body: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            query_body: MAX_QUERY,
+            swap_body: MAX_BODY,
+        }
+    }
+}
+
+/// Who may call what, and where the endpoint listens: everything [`admit`] decides with.
+#[derive(Debug, Clone)]
+pub struct AccessPolicy {
+    /// The token admin routes require (always set: given, or generated by the host).
+    pub admin_token: String,
+    /// The token `/status` and `/query` require, when set (the admin token also opens them).
+    pub query_token: Option<String>,
+    /// The listener's address (Host and Origin are checked against it when it is loopback).
+    pub listen: SocketAddr,
+    /// Body limits.
+    pub limits: Limits,
+}
+
+/// A refused request: the status, its reason phrase, and a one-line message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// HTTP status.
+    pub status: u16,
+    /// Reason phrase.
+    pub reason: &'static str,
+    /// What was wrong.
+    pub message: String,
+}
+
+impl Refusal {
+    fn new(status: u16, reason: &'static str, message: impl Into<String>) -> Self {
+        Refusal {
+            status,
+            reason,
+            message: message.into(),
+        }
+    }
+
+    /// The response for this refusal.
+    pub fn response(&self) -> Vec<u8> {
+        response(
+            self.status,
+            self.reason,
+            "text/plain",
+            format!("{}\n", self.message).as_bytes(),
+        )
+    }
+}
+
+/// `a == b` in time independent of where they differ (both are hashed first, and BLAKE3 hashes
+/// compare in constant time), so a token cannot be guessed byte by byte from response times.
+pub fn token_matches(given: Option<&str>, want: &str) -> bool {
+    given.is_some_and(|g| blake3::hash(g.as_bytes()) == blake3::hash(want.as_bytes()))
+}
+
+/// The `Host` values that name `listen` (its address, and `localhost` on loopback).
+fn own_hosts(listen: SocketAddr) -> Vec<String> {
+    let port = listen.port();
+    let mut v = vec![listen.to_string()];
+    if listen.ip().is_loopback() {
+        v.extend([
+            format!("localhost:{port}"),
+            format!("127.0.0.1:{port}"),
+            format!("[::1]:{port}"),
+        ]);
+    }
+    v
+}
+
+/// Decides, from the head alone, whether a request may proceed, and returns its route and the
+/// largest body it may then read. Checked in this order: route and method (404, 405), Host and
+/// Origin on a loopback listener (403: a rebound name or a cross-site browser request), the token
+/// (401), the declared body length against the route's limit (413).
+pub fn admit(head: &RequestHead, policy: &AccessPolicy) -> Result<(Route, usize), Refusal> {
+    let route = match head.path.as_str() {
+        "/status" => Route::Status,
+        "/query" => Route::Query,
+        "/swap" => Route::Swap,
+        "/export" => Route::Export,
+        _ => return Err(Refusal::new(404, "Not Found", "not found")),
+    };
+    let method = if route == Route::Status {
+        "GET"
+    } else {
+        "POST"
+    };
+    if head.method != method {
+        return Err(Refusal::new(
+            405,
+            "Method Not Allowed",
+            format!("{} takes {method}", head.path),
+        ));
+    }
+    if policy.listen.ip().is_loopback() {
+        let own = own_hosts(policy.listen);
+        let host_ok = head
+            .host
+            .as_deref()
+            .is_some_and(|h| own.iter().any(|o| o.eq_ignore_ascii_case(h)));
+        if !host_ok {
+            return Err(Refusal::new(
+                403,
+                "Forbidden",
+                format!(
+                    "Host {:?} does not name this listener ({})",
+                    head.host.as_deref().unwrap_or(""),
+                    policy.listen
+                ),
+            ));
+        }
+    }
+    if let Some(origin) = &head.origin {
+        let same = head
+            .host
+            .as_deref()
+            .is_some_and(|h| origin.eq_ignore_ascii_case(&format!("http://{h}")));
+        if !same {
+            return Err(Refusal::new(
+                403,
+                "Forbidden",
+                format!("cross-origin request from {origin:?} refused"),
+            ));
+        }
+    }
+    let bearer = head.bearer.as_deref();
+    let admin = token_matches(bearer, &policy.admin_token);
+    if route.is_admin() && !admin {
+        return Err(Refusal::new(
+            401,
+            "Unauthorized",
+            format!("{} needs the admin bearer token", head.path),
+        ));
+    }
+    if let Some(q) = &policy.query_token
+        && !route.is_admin()
+        && !admin
+        && !token_matches(bearer, q)
+    {
+        return Err(Refusal::new(
+            401,
+            "Unauthorized",
+            format!("{} needs the query bearer token", head.path),
+        ));
+    }
+    let limit = match route {
+        Route::Status => 0,
+        Route::Query => policy.limits.query_body,
+        Route::Swap => policy.limits.swap_body,
+        Route::Export => MAX_EXPORT_BODY,
+    };
+    if head.content_length > limit {
+        return Err(Refusal::new(
+            413,
+            "Payload Too Large",
+            format!(
+                "{} takes at most {limit} body bytes, {} announced",
+                head.path, head.content_length
+            ),
+        ));
+    }
+    Ok((route, limit))
+}
+
+/// The admin token file a host generates in its store directory when no token is given.
+pub const ADMIN_TOKEN_FILE: &str = "admin-token";
+/// Largest token file read.
+const MAX_TOKEN_FILE: u64 = 4096;
+
+/// Reads a token file: its content, trimmed, must be non-empty and at most 4 KiB.
+pub fn read_token_file(path: &std::path::Path) -> std::io::Result<String> {
+    use std::io::Read as _;
+    let f = std::fs::File::open(path).map_err(|e| {
+        std::io::Error::new(e.kind(), format!("token file {}: {e}", path.display()))
+    })?;
+    let mut text = String::new();
+    f.take(MAX_TOKEN_FILE + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| {
+            std::io::Error::new(e.kind(), format!("token file {}: {e}", path.display()))
+        })?;
+    let t = text.trim();
+    if t.is_empty() || text.len() as u64 > MAX_TOKEN_FILE {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("token file {}: empty or over 4 KiB", path.display()),
+        ));
+    }
+    Ok(t.to_string())
+}
+
+/// Generates a token (32 bytes from the OS's random source, hex) and writes it to `path`
+/// readable and writable by this user only (mode 0600, written beside and renamed into place).
+pub fn generate_token_file(path: &std::path::Path) -> std::io::Result<String> {
+    use std::io::{Read as _, Write as _};
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut raw = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut raw))
+        .map_err(|e| std::io::Error::new(e.kind(), format!("/dev/urandom: {e}")))?;
+    let token: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+    let tmp = path.with_extension("tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(token.as_bytes())?;
+            f.write_all(b"\n")?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, path));
+    written.map_err(|e| {
+        std::io::Error::new(
+            e.kind(),
+            format!("admin token file {}: {e}", path.display()),
+        )
+    })?;
+    Ok(token)
+}
+
 /// What the server needs from the host.
 pub struct ServeState {
     /// Renders the status JSON.
@@ -130,21 +429,34 @@ pub struct ServeState {
     pub control: mpsc::Sender<Control>,
     /// Compiles a swapped-in guest off the fold's path (`None`: no guest, no swap).
     pub engine: Option<Arc<crate::guest::GuestEngine>>,
-    /// The token mutating routes (`/swap`, `/export`) require, when set.
-    pub admin_token: Option<String>,
+    /// Tokens, limits and the listener's address.
+    pub policy: AccessPolicy,
     /// The store's backend (for `/export`).
     pub backend: crate::storedir::Backend,
     /// The watch scope (recorded in exported artifacts).
     pub scope: String,
 }
 
-/// Most connections served at once; more wait in the listen backlog.
+/// Most connections served at once; more wait in the listen backlog. Each holds its slot for at
+/// most [`REQUEST_DEADLINE`] + the time its answer takes + [`WRITE_DEADLINE`].
 pub const MAX_CONNECTIONS: usize = 256;
+
+/// The byte budgets bodies are read under (see the module invariants).
+struct Budgets {
+    /// Query bodies, in KiB.
+    query_kib: Arc<Semaphore>,
+    /// One admin body at a time.
+    admin: Arc<Semaphore>,
+}
 
 /// Serves until the listener fails; each connection on its own task, at most
 /// [`MAX_CONNECTIONS`] at once.
 pub async fn serve(listener: TcpListener, state: Arc<ServeState>) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let budgets = Arc::new(Budgets {
+        query_kib: Arc::new(Semaphore::new(QUERY_BODY_BUDGET / 1024)),
+        admin: Arc::new(Semaphore::new(1)),
+    });
     loop {
         let Ok(permit) = slots.clone().acquire_owned().await else {
             return;
@@ -157,111 +469,178 @@ pub async fn serve(listener: TcpListener, state: Arc<ServeState>) {
                 continue;
             }
         };
-        let state = state.clone();
+        let (state, budgets) = (state.clone(), budgets.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            if let Err(e) = handle(sock, &state).await {
+            if let Err(e) = handle(sock, &state, &budgets).await {
                 tracing::debug!(error = %e, "listen: connection ended");
             }
         });
     }
 }
 
-/// Reads what the client sent next into `buf`, under [`IO_TIMEOUT`]; `false` at end of stream.
-async fn read_more(sock: &mut TcpStream, buf: &mut Vec<u8>) -> std::io::Result<bool> {
-    let mut chunk = [0u8; 8192];
-    let n = tokio::time::timeout(IO_TIMEOUT, sock.read(&mut chunk))
-        .await
-        .map_err(|_| std::io::Error::other("read timeout"))??;
+/// Reads what the client sent next into `buf`, at most `max` bytes more; `false` at end of
+/// stream.
+async fn read_more(sock: &mut TcpStream, buf: &mut Vec<u8>, max: usize) -> std::io::Result<bool> {
+    let mut chunk = [0u8; 16 * 1024];
+    let take = chunk.len().min(max.max(1));
+    let n = sock.read(&mut chunk[..take]).await?;
     buf.extend_from_slice(&chunk[..n]);
     Ok(n > 0)
 }
 
-async fn handle(mut sock: TcpStream, state: &ServeState) -> std::io::Result<()> {
-    let mut buf = Vec::with_capacity(1024);
-    let head = loop {
-        match parse_request(&buf) {
-            Ok(Some(h)) => break h,
-            Ok(None) => {}
-            Err(e) => {
-                let r = response(400, "Bad Request", "text/plain", e.to_string().as_bytes());
-                return sock.write_all(&r).await;
-            }
-        }
-        if !read_more(&mut sock, &mut buf).await? {
-            return Ok(());
-        }
-    };
-    let want = head.head_len + head.content_length;
-    while buf.len() < want {
-        if !read_more(&mut sock, &mut buf).await? {
-            return Ok(());
-        }
-    }
-    let body = buf[head.head_len..want].to_vec();
-    let resp = route(&head, body, state).await;
-    sock.write_all(&resp).await?;
-    sock.shutdown().await
+fn timed_out(what: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::TimedOut, what.to_string())
 }
 
-async fn route(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8> {
-    match (head.method.as_str(), head.path.as_str()) {
-        ("GET", "/status") => {
+async fn write_response(sock: &mut TcpStream, resp: &[u8]) -> std::io::Result<()> {
+    tokio::time::timeout(WRITE_DEADLINE, async {
+        sock.write_all(resp).await?;
+        sock.shutdown().await
+    })
+    .await
+    .map_err(|_| timed_out("response write deadline"))?
+}
+
+/// The head, read under [`HEAD_DEADLINE`]: `Ok(Err(response))` for a malformed one, `Ok(Ok(None))`
+/// when the client hung up first.
+async fn read_head(
+    sock: &mut TcpStream,
+    buf: &mut Vec<u8>,
+) -> std::io::Result<Result<Option<RequestHead>, Vec<u8>>> {
+    tokio::time::timeout(HEAD_DEADLINE, async {
+        loop {
+            match parse_request(buf) {
+                Ok(Some(h)) => return Ok(Ok(Some(h))),
+                Ok(None) => {}
+                Err(e) => {
+                    let r = response(400, "Bad Request", "text/plain", e.to_string().as_bytes());
+                    return Ok(Err(r));
+                }
+            }
+            if !read_more(sock, buf, MAX_HEAD + 4 - buf.len().min(MAX_HEAD)).await? {
+                return Ok(Ok(None));
+            }
+        }
+    })
+    .await
+    .map_err(|_| timed_out("request head deadline"))?
+}
+
+async fn handle(mut sock: TcpStream, state: &ServeState, budgets: &Budgets) -> std::io::Result<()> {
+    let started = tokio::time::Instant::now();
+    let mut buf = Vec::with_capacity(1024);
+    let head = match read_head(&mut sock, &mut buf).await? {
+        Ok(Some(h)) => h,
+        Ok(None) => return Ok(()),
+        Err(resp) => return write_response(&mut sock, &resp).await,
+    };
+    let (route, _limit) = match admit(&head, &state.policy) {
+        Ok(r) => r,
+        Err(refusal) => return write_response(&mut sock, &refusal.response()).await,
+    };
+    // The body's share of a budget, taken before a byte of it is read.
+    let _budget = match route {
+        Route::Query if head.content_length > 0 => {
+            let kib = head.content_length.div_ceil(1024);
+            match u32::try_from(kib)
+                .ok()
+                .and_then(|k| budgets.query_kib.clone().try_acquire_many_owned(k).ok())
+            {
+                Some(p) => Some(p),
+                None => {
+                    let busy = Refusal::new(
+                        503,
+                        "Service Unavailable",
+                        "too many query bodies in flight; retry",
+                    );
+                    return write_response(&mut sock, &busy.response()).await;
+                }
+            }
+        }
+        Route::Swap | Route::Export => match budgets.admin.clone().try_acquire_owned() {
+            Ok(p) => Some(p),
+            Err(_) => {
+                let busy = Refusal::new(
+                    503,
+                    "Service Unavailable",
+                    "another admin request is in flight; retry",
+                );
+                return write_response(&mut sock, &busy.response()).await;
+            }
+        },
+        _ => None,
+    };
+    let want = head.head_len + head.content_length;
+    buf.truncate(want.min(buf.len()));
+    let rest = REQUEST_DEADLINE.saturating_sub(started.elapsed());
+    let complete = tokio::time::timeout(rest, async {
+        while buf.len() < want {
+            let left = want - buf.len();
+            if !read_more(&mut sock, &mut buf, left).await? {
+                return Ok::<bool, std::io::Error>(false);
+            }
+        }
+        Ok(true)
+    })
+    .await
+    .map_err(|_| timed_out("request deadline"))??;
+    if !complete {
+        return Ok(());
+    }
+    let body = buf.split_off(head.head_len);
+    drop(buf);
+    let resp = route_request(route, body, state).await;
+    write_response(&mut sock, &resp).await
+}
+
+async fn route_request(route: Route, body: Vec<u8>, state: &ServeState) -> Vec<u8> {
+    match route {
+        Route::Status => {
             let v = (state.status)();
             let mut b = serde_json::to_vec(&v).unwrap_or_default();
             b.push(b'\n');
             response(200, "OK", "application/json", &b)
         }
-        ("POST", "/query") if body.len() > MAX_QUERY => response(
-            413,
-            "Payload Too Large",
+        Route::Query => query(body, state).await,
+        Route::Swap => swap(body, state).await,
+        Route::Export => export(body, state).await,
+    }
+}
+
+async fn query(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
+    let (tx, rx) = oneshot::channel();
+    if state
+        .control
+        .send(Control::Query {
+            request: body,
+            reply: tx,
+        })
+        .await
+        .is_err()
+    {
+        return response(
+            503,
+            "Service Unavailable",
             "text/plain",
-            b"query body over 1 MiB\n",
-        ),
-        ("POST", "/query") => {
-            let (tx, rx) = oneshot::channel();
-            if state
-                .control
-                .send(Control::Query {
-                    request: body,
-                    reply: tx,
-                })
-                .await
-                .is_err()
-            {
-                return response(
-                    503,
-                    "Service Unavailable",
-                    "text/plain",
-                    b"the fold is not running\n",
-                );
-            }
-            match tokio::time::timeout(IO_TIMEOUT, rx).await {
-                Ok(Ok(Ok(answer))) => response(200, "OK", "application/octet-stream", &answer),
-                Ok(Ok(Err(e))) => response(
-                    422,
-                    "Unprocessable Entity",
-                    "text/plain",
-                    format!("{e}\n").as_bytes(),
-                ),
-                Ok(Err(_)) => response(
-                    503,
-                    "Service Unavailable",
-                    "text/plain",
-                    b"the fold stopped\n",
-                ),
-                Err(_) => response(504, "Gateway Timeout", "text/plain", b"no answer in time\n"),
-            }
-        }
-        ("POST", "/swap") => swap(head, body, state).await,
-        ("POST", "/export") => export(head, body, state).await,
-        (_, "/status") | (_, "/query") | (_, "/swap") | (_, "/export") => response(
-            405,
-            "Method Not Allowed",
+            b"the fold is not running\n",
+        );
+    }
+    match tokio::time::timeout(IO_TIMEOUT, rx).await {
+        Ok(Ok(Ok(answer))) => response(200, "OK", "application/octet-stream", &answer),
+        Ok(Ok(Err(e))) => response(
+            422,
+            "Unprocessable Entity",
             "text/plain",
-            b"method not allowed\n",
+            format!("{e}\n").as_bytes(),
         ),
-        _ => response(404, "Not Found", "text/plain", b"not found\n"),
+        Ok(Err(_)) => response(
+            503,
+            "Service Unavailable",
+            "text/plain",
+            b"the fold stopped\n",
+        ),
+        Err(_) => response(504, "Gateway Timeout", "text/plain", b"no answer in time\n"),
     }
 }
 
@@ -271,23 +650,7 @@ pub const SWAP_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// `POST /export`: the body is the output path (a directory, or a file ending `.tar`) on the host's
 /// machine; the answer is the artifact's manifest.
-/// The 401 answer when `state` has an admin token and the request does not carry it.
-fn refuse_without_token(head: &RequestHead, state: &ServeState, what: &str) -> Option<Vec<u8>> {
-    let token = state.admin_token.as_deref()?;
-    (head.bearer.as_deref() != Some(token)).then(|| {
-        response(
-            401,
-            "Unauthorized",
-            "text/plain",
-            format!("{what} needs the admin bearer token\n").as_bytes(),
-        )
-    })
-}
-
-async fn export(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8> {
-    if let Some(refused) = refuse_without_token(head, state, "export") {
-        return refused;
-    }
+async fn export(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
     let Ok(out) = String::from_utf8(body) else {
         return response(400, "Bad Request", "text/plain", b"the path is not UTF-8\n");
     };
@@ -309,10 +672,7 @@ async fn export(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8
     }
 }
 
-async fn swap(head: &RequestHead, body: Vec<u8>, state: &ServeState) -> Vec<u8> {
-    if let Some(refused) = refuse_without_token(head, state, "swap") {
-        return refused;
-    }
+async fn swap(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
     let Some(engine) = state.engine.clone() else {
         return response(
             409,
@@ -456,5 +816,132 @@ mod tests {
         assert!(parse_request(b"GET / HTTP/1.1\r\nnocolon\r\n\r\n").is_err());
         assert!(parse_request(b"POST / HTTP/1.1\r\nContent-Length: x\r\n\r\n").is_err());
         assert!(parse_request(b"POST / HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\n").is_err());
+        assert!(parse_request(b"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n").is_err());
+    }
+
+    fn head(method: &str, path: &str, host: &str, len: usize) -> RequestHead {
+        RequestHead {
+            method: method.into(),
+            path: path.into(),
+            content_length: len,
+            bearer: None,
+            host: Some(host.into()),
+            origin: None,
+            head_len: 0,
+        }
+    }
+
+    fn policy(listen: &str, query_token: Option<&str>) -> AccessPolicy {
+        AccessPolicy {
+            admin_token: "admin-secret".into(),
+            query_token: query_token.map(Into::into),
+            listen: listen.parse().expect("addr"),
+            limits: Limits::default(),
+        }
+    }
+
+    fn status_of(r: Result<(Route, usize), Refusal>) -> u16 {
+        r.map_or_else(|e| e.status, |_| 200)
+    }
+
+    #[test]
+    fn admin_routes_always_need_the_admin_token_even_on_loopback() {
+        let p = policy("127.0.0.1:8080", None);
+        for path in ["/swap", "/export"] {
+            let mut h = head("POST", path, "127.0.0.1:8080", 10);
+            assert_eq!(status_of(admit(&h, &p)), 401, "{path} without a token");
+            h.bearer = Some("admin-secre".into());
+            assert_eq!(status_of(admit(&h, &p)), 401, "{path} with a near miss");
+            h.bearer = Some("admin-secret".into());
+            assert_eq!(status_of(admit(&h, &p)), 200, "{path} with the token");
+        }
+        // Without a query token, status and query are open; with one, they need it (or the admin's).
+        let h = head("GET", "/status", "127.0.0.1:8080", 0);
+        assert_eq!(status_of(admit(&h, &p)), 200);
+        let q = policy("127.0.0.1:8080", Some("reader"));
+        let mut h = head("POST", "/query", "127.0.0.1:8080", 3);
+        assert_eq!(status_of(admit(&h, &q)), 401);
+        h.bearer = Some("reader".into());
+        assert_eq!(status_of(admit(&h, &q)), 200);
+        h.bearer = Some("admin-secret".into());
+        assert_eq!(status_of(admit(&h, &q)), 200);
+        // The query token does not open admin routes.
+        let mut h = head("POST", "/swap", "127.0.0.1:8080", 3);
+        h.bearer = Some("reader".into());
+        assert_eq!(status_of(admit(&h, &q)), 401);
+    }
+
+    #[test]
+    fn every_route_has_its_own_body_limit_checked_before_the_body() {
+        let p = policy("127.0.0.1:8080", None);
+        let mut h = head("GET", "/status", "127.0.0.1:8080", 1);
+        assert_eq!(status_of(admit(&h, &p)), 413, "/status takes no body");
+        h = head("POST", "/query", "127.0.0.1:8080", MAX_QUERY);
+        assert_eq!(admit(&h, &p), Ok((Route::Query, MAX_QUERY)));
+        h.content_length = MAX_QUERY + 1;
+        assert_eq!(status_of(admit(&h, &p)), 413);
+        h = head("POST", "/export", "127.0.0.1:8080", MAX_EXPORT_BODY + 1);
+        h.bearer = Some("admin-secret".into());
+        assert_eq!(status_of(admit(&h, &p)), 413);
+        // An unauthenticated swap is refused for its token before its size is even looked at.
+        h = head("POST", "/swap", "127.0.0.1:8080", MAX_BODY);
+        assert_eq!(status_of(admit(&h, &p)), 401);
+        assert_eq!(
+            status_of(admit(&head("PUT", "/query", "127.0.0.1:8080", 0), &p)),
+            405
+        );
+        assert_eq!(
+            status_of(admit(&head("GET", "/nope", "127.0.0.1:8080", 0), &p)),
+            404
+        );
+    }
+
+    #[test]
+    fn a_loopback_listener_refuses_foreign_hosts_and_cross_site_origins() {
+        let p = policy("127.0.0.1:8080", None);
+        for ok in ["127.0.0.1:8080", "localhost:8080", "LOCALHOST:8080"] {
+            assert_eq!(
+                status_of(admit(&head("GET", "/status", ok, 0), &p)),
+                200,
+                "{ok}"
+            );
+        }
+        for bad in ["evil.example:8080", "127.0.0.1:9090", "localhost"] {
+            assert_eq!(
+                status_of(admit(&head("GET", "/status", bad, 0), &p)),
+                403,
+                "{bad}"
+            );
+        }
+        let mut h = head("GET", "/status", "127.0.0.1:8080", 0);
+        h.host = None;
+        assert_eq!(status_of(admit(&h, &p)), 403, "no Host header");
+        let mut h = head("POST", "/query", "localhost:8080", 0);
+        h.origin = Some("http://evil.example".into());
+        assert_eq!(
+            status_of(admit(&h, &p)),
+            403,
+            "a cross-site browser request"
+        );
+        h.origin = Some("http://localhost:8080".into());
+        assert_eq!(status_of(admit(&h, &p)), 200, "same origin");
+        // A non-loopback listener cannot know its names: any Host, the token guards it.
+        let wide = policy("0.0.0.0:8080", None);
+        assert_eq!(
+            status_of(admit(
+                &head("GET", "/status", "node7.internal:8080", 0),
+                &wide
+            )),
+            200
+        );
+    }
+
+    #[test]
+    fn tokens_match_only_exactly() {
+        assert!(token_matches(Some("abc"), "abc"));
+        assert!(!token_matches(Some("abd"), "abc"));
+        assert!(!token_matches(Some("ab"), "abc"));
+        assert!(!token_matches(Some(""), "abc"));
+        assert!(!token_matches(None, "abc"));
     }
 }

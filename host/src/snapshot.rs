@@ -276,6 +276,34 @@ impl<S: SnapshotStore> SharedStore<S> {
     }
 }
 
+/// A fold with nothing in it: what a guest sees while it is proven to start (instantiate,
+/// `manifest`, `init`) before any store is opened.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct EmptyFold;
+
+impl FoldRead for EmptyFold {
+    fn get(&self, _key: &str) -> Result<Option<KvEntry>, SnapshotError> {
+        Ok(None)
+    }
+
+    fn scan(
+        &self,
+        _prefix: &str,
+        _start_after: Option<&str>,
+        _limit: usize,
+    ) -> Result<Vec<KvEntry>, SnapshotError> {
+        Ok(Vec::new())
+    }
+
+    fn visit(
+        &self,
+        _prefix: &str,
+        _visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) -> Result<(), SnapshotError> {
+        Ok(())
+    }
+}
+
 impl<S: SnapshotStore> FoldRead for SharedStore<S> {
     fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError> {
         if is_reserved(key) {

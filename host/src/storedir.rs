@@ -387,6 +387,10 @@ pub struct HostStatus {
     pub error: Option<String>,
     /// When this was written (Unix milliseconds).
     pub updated_unix_ms: u64,
+    /// The file holding the admin token of the host's `--listen` endpoint (mode 0600), when the
+    /// host generated it or was given it as a file.
+    #[serde(default)]
+    pub admin_token_file: Option<String>,
 }
 
 /// Writes the status file atomically.

@@ -1,8 +1,9 @@
 //! `hostile-trap`: a key → value store whose `apply` traps (panics) on one key.
 //!
 //! The key is the `init` config's `trap_key` (default `trap.me`): a batch holding a put or a delete
-//! of it logs a warning, then traps in `apply`. Otherwise it behaves like `kvstore`: a query's request is a key, the
-//! answer its value bytes, or the error `missing`.
+//! of it logs a warning, then traps in `apply`. With the config key `fail_init` set, `init` fails.
+//! Otherwise it behaves like `kvstore`: a query's request is a key, the answer its value bytes, or
+//! the error `missing`.
 
 use std::collections::BTreeMap;
 
@@ -31,6 +32,9 @@ impl Folder for HostileTrap {
     }
 
     fn init(&mut self, config: &[(String, String)]) -> Result<(), String> {
+        if config.iter().any(|(name, _)| name == "fail_init") {
+            return Err("refusing to start: fail_init is set".into());
+        }
         if let Some((_, key)) = config.iter().find(|(name, _)| name == "trap_key") {
             self.trap_key = key.clone();
         }

@@ -5,7 +5,6 @@
 use std::sync::Arc;
 
 use wasmtime::component::ResourceTable;
-use wasmtime::{StoreLimits, StoreLimitsBuilder};
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
@@ -27,14 +26,123 @@ pub const MAX_SCAN_LIMIT: u32 = 10_000;
 /// Bytes of a guest's stderr kept for error reports (a panic message lands there).
 const STDERR_CAPACITY: usize = 16 * 1024;
 
+/// Longest guest log line or error message kept; the rest is cut with its length marked.
+pub const MAX_MESSAGE_BYTES: usize = 4096;
+/// Most log lines one guest call may write; the rest are dropped (counted in one last line).
+pub const MAX_LOG_LINES_PER_CALL: u32 = 1000;
+/// Most elements a guest table may have (`table.grow` is one instruction no deadline interrupts).
+pub const MAX_TABLE_ELEMENTS: usize = 1_000_000;
+/// Most core instances in one guest (language runtimes such as componentize-py use several).
+pub const MAX_INSTANCES: usize = 64;
+/// Most tables in one guest.
+pub const MAX_TABLES: usize = 64;
+/// Most linear memories in one guest (together under the memory cap).
+pub const MAX_MEMORIES: usize = 16;
+
+/// `text` cut to at most `max` bytes (at a character boundary), with what was cut marked.
+pub fn clip_text(text: String, max: usize) -> String {
+    if text.len() <= max {
+        return text;
+    }
+    let mut end = max;
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}… [cut: {} bytes in all]", &text[..end], text.len())
+}
+
+/// The memory cap was hit: the guest's memories together asked for more than the cap.
+#[derive(Debug, thiserror::Error)]
+#[error("memory cap of {cap_mib} MiB hit (all of the guest's memories together)")]
+pub struct MemoryCapHit {
+    /// The cap, in MiB.
+    pub cap_mib: usize,
+}
+
+/// A table grew past [`MAX_TABLE_ELEMENTS`].
+#[derive(Debug, thiserror::Error)]
+#[error("table limit of {max} elements hit (asked for {desired})")]
+pub struct TableCapHit {
+    /// The limit.
+    pub max: usize,
+    /// What the guest asked for.
+    pub desired: usize,
+}
+
+/// The limits of one instance's `Store`: memory counted across all of the guest's memories (not
+/// per memory), table elements, and the counts of instances, tables and memories. A grow over a
+/// limit traps the call with the limit named.
+pub struct GuestLimiter {
+    memory_cap: usize,
+    memory_used: usize,
+}
+
+impl GuestLimiter {
+    /// A limiter for a guest that may hold `memory_cap` bytes of linear memory in all.
+    pub fn new(memory_cap: usize) -> Self {
+        GuestLimiter {
+            memory_cap,
+            memory_used: 0,
+        }
+    }
+}
+
+impl wasmtime::ResourceLimiter for GuestLimiter {
+    fn memory_growing(
+        &mut self,
+        current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        let grow = desired.saturating_sub(current);
+        let total = self.memory_used.saturating_add(grow);
+        if total > self.memory_cap {
+            return Err(wasmtime::Error::new(MemoryCapHit {
+                cap_mib: self.memory_cap / (1024 * 1024),
+            }));
+        }
+        self.memory_used = total;
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired > MAX_TABLE_ELEMENTS {
+            return Err(wasmtime::Error::new(TableCapHit {
+                max: MAX_TABLE_ELEMENTS,
+                desired,
+            }));
+        }
+        Ok(true)
+    }
+
+    fn instances(&self) -> usize {
+        MAX_INSTANCES
+    }
+
+    fn tables(&self) -> usize {
+        MAX_TABLES
+    }
+
+    fn memories(&self) -> usize {
+        MAX_MEMORIES
+    }
+}
+
 /// What one instance's `Store` holds.
 pub struct HostState {
     wasi: WasiCtx,
     table: ResourceTable,
-    /// The memory cap.
-    pub limits: StoreLimits,
+    /// The memory, table and instance limits.
+    pub limits: GuestLimiter,
     fold: Arc<dyn FoldRead>,
     guest: String,
+    /// Log lines written in the current call (reset when a call is armed).
+    pub log_lines: u32,
     /// The guest's stderr (its panic messages), for error reports.
     pub stderr: MemoryOutputPipe,
 }
@@ -55,17 +163,17 @@ impl HostState {
         HostState {
             wasi,
             table: ResourceTable::new(),
-            limits: StoreLimitsBuilder::new()
-                .memory_size(memory_bytes)
-                .trap_on_grow_failure(true)
-                .instances(4)
-                .tables(16)
-                .memories(4)
-                .build(),
+            limits: GuestLimiter::new(memory_bytes),
             fold,
             guest,
+            log_lines: 0,
             stderr,
         }
+    }
+
+    /// Names the guest in its log lines (`name@version`, once its manifest is known).
+    pub fn set_guest(&mut self, guest: String) {
+        self.guest = guest;
     }
 
     /// What the guest said before it trapped: a Rust panic's message (the line after
@@ -80,13 +188,16 @@ impl HostState {
                 .map(|(_, loc)| loc.trim().trim_end_matches(':'))
                 .unwrap_or_default();
             let msg = lines.get(i + 1).copied().unwrap_or_default();
-            return Some(format!("panicked at {at}: {msg}"));
+            return Some(clip_text(
+                format!("panicked at {at}: {msg}"),
+                MAX_MESSAGE_BYTES,
+            ));
         }
         lines
             .iter()
             .rev()
             .find(|l| !l.is_empty() && !l.starts_with("note:"))
-            .map(|l| l.to_string())
+            .map(|l| clip_text(l.to_string(), MAX_MESSAGE_BYTES))
     }
 }
 
@@ -158,7 +269,18 @@ impl foldhost::guest::fold::Host for HostState {
 impl foldhost::guest::log::Host for HostState {
     fn log(&mut self, level: foldhost::guest::log::Level, message: String) -> wasmtime::Result<()> {
         use foldhost::guest::log::Level;
+        self.log_lines = self.log_lines.saturating_add(1);
         let guest = self.guest.as_str();
+        if self.log_lines > MAX_LOG_LINES_PER_CALL {
+            if self.log_lines == MAX_LOG_LINES_PER_CALL + 1 {
+                tracing::warn!(
+                    guest,
+                    "more than {MAX_LOG_LINES_PER_CALL} log lines in one call: the rest of this call's are dropped"
+                );
+            }
+            return Ok(());
+        }
+        let message = clip_text(message, MAX_MESSAGE_BYTES);
         match level {
             Level::Trace => tracing::trace!(guest, "{message}"),
             Level::Debug => tracing::debug!(guest, "{message}"),
@@ -182,5 +304,42 @@ pub fn to_wit_update(u: &KvUpdate) -> Update {
         value,
         revision: u.revision().unwrap_or(0),
         op,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use wasmtime::ResourceLimiter as _;
+
+    #[test]
+    fn long_text_is_cut_at_a_character_boundary_with_its_length_marked() {
+        assert_eq!(clip_text("short".into(), 10), "short");
+        let cut = clip_text("ééééé".into(), 3);
+        assert_eq!(cut, "é… [cut: 10 bytes in all]");
+        let big = clip_text("x".repeat(100 << 20), MAX_MESSAGE_BYTES);
+        assert!(big.len() < MAX_MESSAGE_BYTES + 64);
+        assert!(big.ends_with(&format!("[cut: {} bytes in all]", 100 << 20)));
+    }
+
+    #[test]
+    fn memory_is_capped_across_all_memories_and_tables_by_elements() {
+        let mut l = GuestLimiter::new(64 << 20);
+        // Four memories of 16 MiB fit; a fifth byte over the cap in any of them does not.
+        for _ in 0..4 {
+            assert!(l.memory_growing(0, 16 << 20, None).is_ok_and(|ok| ok));
+        }
+        let e = l.memory_growing(16 << 20, (16 << 20) + 65536, None);
+        assert!(e.is_err_and(|e| e.to_string().contains("memory cap of 64 MiB")));
+        assert!(
+            l.table_growing(0, MAX_TABLE_ELEMENTS, None)
+                .is_ok_and(|ok| ok)
+        );
+        let e = l.table_growing(10, MAX_TABLE_ELEMENTS + 1, None);
+        assert!(e.is_err_and(|e| e.to_string().contains("table limit")));
+        assert!(
+            l.instances() >= 32,
+            "language runtimes need more than a few core instances"
+        );
     }
 }

@@ -30,10 +30,16 @@ use wasmtime::{Config, Engine, Store};
 use crate::applied::{Apply, ApplyError, SwapReport, Verdict};
 use crate::kv::{KvUpdate, WatchCursor, WatchScope};
 use crate::snapshot::FoldRead;
-use bindings::{GuestPre, HostState};
+use bindings::{GuestPre, HostState, MAX_MESSAGE_BYTES, clip_text};
 
 /// Compiled components kept by one engine (the running one, the one before, a swap candidate…).
 pub const MAX_CACHED_COMPONENTS: usize = 8;
+
+/// The wasm stack of a guest call, in bytes (a deeper recursion traps).
+pub const MAX_WASM_STACK: usize = 512 * 1024;
+
+/// Largest answer a guest's `query` may give.
+pub const MAX_QUERY_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 
 /// How often the epoch advances: the granularity of call deadlines.
 pub const TICK: Duration = Duration::from_millis(2);
@@ -136,6 +142,8 @@ impl GuestEngine {
         let mut config = Config::new();
         config.wasm_component_model(true);
         config.epoch_interruption(true);
+        // Named rather than inherited: deep recursion in a guest traps at this depth.
+        config.max_wasm_stack(MAX_WASM_STACK);
         let engine = Engine::new(&config).map_err(|e| GuestError::Engine(format!("{e:#}")))?;
         let mut linker: Linker<HostState> = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)
@@ -265,6 +273,8 @@ impl GuestApply {
         };
         let mut live = core.instantiate().await?;
         core.manifest = core.call_manifest(&mut live).await?;
+        // From here on its log lines carry its name@version, not the file it came from.
+        live.store.data_mut().set_guest(core.describe());
         core.call_init(&mut live).await?;
         Ok(GuestApply {
             core,
@@ -316,6 +326,14 @@ impl Core {
 
     /// Explains a failed call: deadline, memory cap, the guest's panic message, or the trap.
     fn call_error(&self, live: &Live, call: &'static str, e: wasmtime::Error) -> ApplyError {
+        let limit_hit = e.chain().find_map(|c| {
+            c.downcast_ref::<bindings::MemoryCapHit>()
+                .map(ToString::to_string)
+                .or_else(|| {
+                    c.downcast_ref::<bindings::TableCapHit>()
+                        .map(ToString::to_string)
+                })
+        });
         let message = if matches!(
             e.downcast_ref::<wasmtime::Trap>(),
             Some(wasmtime::Trap::Interrupt)
@@ -324,6 +342,8 @@ impl Core {
                 "deadline of {} ms exceeded (interrupted)",
                 self.limits.call_deadline.as_millis()
             )
+        } else if let Some(hit) = limit_hit {
+            hit
         } else {
             let text = format!("{e:#}");
             if text.contains("forcing trap when growing memory") {
@@ -353,24 +373,43 @@ impl Core {
     }
 
     /// Re-arms the deadline before a call: a deadline is relative to the epoch when it is set.
+    /// Also resets the call's log-line count.
     fn arm(&self, live: &mut Live) {
         live.store.set_epoch_deadline(self.deadline_ticks());
+        live.store.data_mut().log_lines = 0;
+    }
+
+    /// Runs one guest call under the call deadline in wall-clock time. The epoch deadline stops a
+    /// guest that computes; this stops one that waits in a host call (a WASI sleep or poll),
+    /// where no wasm runs and the epoch cannot interrupt it. The call's future is dropped at the
+    /// deadline, and with it the instance's state: the caller drops the instance.
+    async fn within<F: std::future::Future>(
+        &self,
+        call: &'static str,
+        fut: F,
+    ) -> Result<F::Output, ApplyError> {
+        tokio::time::timeout(self.limits.call_deadline, fut)
+            .await
+            .map_err(|_| {
+                self.err(
+                    call,
+                    format!(
+                        "deadline of {} ms exceeded (wall clock: the guest was waiting in a host call)",
+                        self.limits.call_deadline.as_millis()
+                    ),
+                )
+            })
     }
 
     async fn instantiate(&self) -> Result<Live, ApplyError> {
-        let state = HostState::new(
-            self.fold.clone(),
-            self.manifest.name.clone(),
-            self.limits.memory_bytes,
-        );
+        let state = HostState::new(self.fold.clone(), self.describe(), self.limits.memory_bytes);
         let mut store = Store::new(self.pre.engine(), state);
         store.limiter(|s| &mut s.limits);
         // Instantiation runs guest start-up code too: it gets a deadline like every call.
         store.set_epoch_deadline(self.deadline_ticks());
         let guest = self
-            .pre
-            .instantiate_async(&mut store)
-            .await
+            .within("instantiate", self.pre.instantiate_async(&mut store))
+            .await?
             .map_err(|e| self.err("instantiate", format!("{e:#}")))?;
         Ok(Live { store, guest })
     }
@@ -378,9 +417,9 @@ impl Core {
     async fn call_manifest(&self, live: &mut Live) -> Result<GuestManifest, ApplyError> {
         self.arm(live);
         let folder = live.guest.foldhost_guest_folder();
-        let m = folder
-            .call_manifest(&mut live.store)
-            .await
+        let m = self
+            .within("manifest", folder.call_manifest(&mut live.store))
+            .await?
             .map_err(|e| self.call_error(live, "manifest", e))?;
         Ok(GuestManifest {
             name: m.name,
@@ -392,11 +431,10 @@ impl Core {
     async fn call_init(&self, live: &mut Live) -> Result<(), ApplyError> {
         self.arm(live);
         let folder = live.guest.foldhost_guest_folder();
-        folder
-            .call_init(&mut live.store, &self.config)
-            .await
+        self.within("init", folder.call_init(&mut live.store, &self.config))
+            .await?
             .map_err(|e| self.call_error(live, "init", e))?
-            .map_err(|m| self.err("init", m))
+            .map_err(|m| self.err("init", clip_text(m, MAX_MESSAGE_BYTES)))
     }
 
     /// A fresh instance: instantiated, checked to be the same guest, initialised (not hydrated).
@@ -420,9 +458,9 @@ impl Core {
     ) -> Result<Vec<Verdict>, ApplyError> {
         self.arm(live);
         let folder = live.guest.foldhost_guest_folder();
-        let verdicts = folder
-            .call_parse(&mut live.store, batch)
-            .await
+        let verdicts = self
+            .within("parse", folder.call_parse(&mut live.store, batch))
+            .await?
             .map_err(|e| self.call_error(live, "parse", e))?;
         if verdicts.len() != batch.len() {
             return Err(self.err(
@@ -447,11 +485,10 @@ impl Core {
     async fn call_apply(&self, live: &mut Live) -> Result<(), ApplyError> {
         self.arm(live);
         let folder = live.guest.foldhost_guest_folder();
-        folder
-            .call_apply(&mut live.store)
-            .await
+        self.within("apply", folder.call_apply(&mut live.store))
+            .await?
             .map_err(|e| self.call_error(live, "apply", e))?
-            .map_err(|m| self.err("apply", m))
+            .map_err(|m| self.err("apply", clip_text(m, MAX_MESSAGE_BYTES)))
     }
 
     /// Streams the committed fold (in scope) through parse/apply in chunks.
@@ -579,15 +616,22 @@ impl Apply for GuestApply {
         };
         self.core.arm(&mut live);
         let folder = live.guest.foldhost_guest_folder();
-        match folder
-            .call_on_applied(&mut live.store, cursor.revision_or_zero())
-            .await
-        {
-            Ok(()) => self.live = Some(live),
-            Err(e) => {
-                // The batch is committed; the instance is not trustworthy any more. The next batch
-                // rebuilds a fresh one from the fold.
+        let called = self
+            .core
+            .within(
+                "on-applied",
+                folder.call_on_applied(&mut live.store, cursor.revision_or_zero()),
+            )
+            .await;
+        // On a failure the batch is committed but the instance is not trustworthy any more: the
+        // next batch rebuilds a fresh one from the fold.
+        match called {
+            Ok(Ok(())) => self.live = Some(live),
+            Ok(Err(e)) => {
                 let err = self.core.call_error(&live, "on-applied", e);
+                tracing::warn!(error = %err, "guest failed after a commit; rebuilding it");
+            }
+            Err(err) => {
                 tracing::warn!(error = %err, "guest failed after a commit; rebuilding it");
             }
         }
@@ -660,10 +704,25 @@ impl Apply for GuestApply {
         let mut live = self.live().await?;
         self.core.arm(&mut live);
         let folder = live.guest.foldhost_guest_folder();
-        match folder.call_query(&mut live.store, request).await {
+        match self
+            .core
+            .within("query", folder.call_query(&mut live.store, request))
+            .await?
+        {
             Ok(answer) => {
                 self.live = Some(live);
-                answer.map_err(|m| self.core.err("query", m))
+                let answer =
+                    answer.map_err(|m| self.core.err("query", clip_text(m, MAX_MESSAGE_BYTES)))?;
+                if answer.len() > MAX_QUERY_ANSWER_BYTES {
+                    return Err(self.core.err(
+                        "query",
+                        format!(
+                            "answer of {} bytes is over the limit of {MAX_QUERY_ANSWER_BYTES}",
+                            answer.len()
+                        ),
+                    ));
+                }
+                Ok(answer)
             }
             Err(e) => Err(self.core.call_error(&live, "query", e)),
         }

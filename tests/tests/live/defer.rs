@@ -368,3 +368,64 @@ async fn retained_records_survive_a_restart_warn_past_the_grace_and_release_afte
     assert_eq!(s["retained"], 0, "released on disk too: {s}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_publishes_of_reserved_looking_keys_are_skipped_and_never_touch_retained_records()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket_with_history("rsv", 10).await?;
+    let a0 = kv.put("k.a", "a0".into()).await?.as_u64().unwrap_or(0);
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = start_host(&h, "rsv", &store, &addr, &[])?;
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(a0)).await?;
+    // v1 defers r1: one retained record, stored under `\x01retained/<r1>/k.a`.
+    let r1 = kv.put("k.a", "fmt2:a1".into()).await?.as_u64().unwrap_or(0);
+    wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r1)).await?;
+    // A bucket writer forges records in the host's space: one at the real record's own key (a
+    // fake base for k.a), one fresh, and a delete of the real one.
+    let js = kv.jetstream().clone();
+    let real = format!("\u{1}retained/{r1:020}/k.a");
+    for (key, value) in [
+        (real.clone(), "forged"),
+        ("\u{1}retained/00000000000000000001/k1".to_string(), "junk"),
+    ] {
+        js.publish(format!("$KV.rsv.{key}"), value.into())
+            .await?
+            .await?;
+    }
+    let mut del = async_nats::HeaderMap::new();
+    del.insert("KV-Operation", "DEL");
+    js.publish_with_headers(format!("$KV.rsv.{real}"), del, Bytes::new())
+        .await?
+        .await?;
+    // The node keeps folding past them.
+    let r2 = kv.put("k.b", "b1".into()).await?.as_u64().unwrap_or(0);
+    let s = wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r2)).await?;
+    assert_eq!(s["state"], "running", "{s}");
+    assert_eq!(s["retained"], 1, "the real record only: {s}");
+    assert!(
+        host_log(&store).contains("reserved space"),
+        "each skip is warned about"
+    );
+    // A restart opens the store; status and dump read it; the record is intact.
+    terminate(&mut host)?;
+    let st = status_store(&store)?;
+    assert_eq!(st["retained"], 1, "{st}");
+    assert_eq!(st["oldest_retained_revision"].as_u64(), Some(r1), "{st}");
+    let dump = dump_store(&store)?;
+    assert!(dump.keys().all(|k| !k.starts_with('\u{1}')), "{dump:?}");
+    let mut host = start_host(&h, "rsv", &store, &addr, &[])?;
+    wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r2)).await?;
+    // The real deferred update is released, in order, on top of the real base.
+    let report = swap_to_v2(&addr)?;
+    assert_eq!(report["released"], 1, "{report}");
+    assert_eq!(query(&addr, "k.a").await?, (200, "v2:a1".into()));
+    assert_eq!(
+        query(&addr, "history:k.a").await?,
+        (200, format!("{a0},{r1}"))
+    );
+    terminate(&mut host)?;
+    Ok(())
+}

@@ -255,7 +255,9 @@ async fn runaway_guest_is_stopped_and_reported(
 ) -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let kv = h.bucket("runaway").await?;
-    kv.put("k.1", "v".into()).await?;
+    // One update (the key hostile-sleep naps on; the others take any key), so that nothing at all
+    // can commit.
+    kv.put("sleep.apply", "v".into()).await?;
     let tmp = tempfile::tempdir()?;
     let port = foldhost::localnats::free_port()?;
     let addr = format!("127.0.0.1:{port}");
@@ -316,6 +318,95 @@ async fn infinite_loop_guest_is_interrupted_at_its_deadline_and_the_host_stays_u
         &["hostile-loop@0.1.0", "apply", "deadline of 200 ms"],
     )
     .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_sleeping_in_apply_is_cut_at_its_deadline_and_the_host_stays_up()
+-> anyhow::Result<()> {
+    // The helper writes `sleep.apply`: a WASI sleep, no wasm running, so only the wall-clock bound
+    // can stop it.
+    runaway_guest_is_stopped_and_reported(
+        "hostile_sleep",
+        &["--guest-deadline-ms", "200"],
+        &["hostile-sleep@0.1.0", "apply", "deadline of 200 ms"],
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_sleeping_in_query_or_init_is_cut_at_its_deadline() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("napper").await?;
+    kv.put("k", "v".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = foldhost()
+        .args([
+            "run",
+            "--bucket",
+            "napper",
+            "--nats",
+            &h.url(),
+            "--listen",
+            &addr,
+        ])
+        .args(["--guest-deadline-ms", "300", "--guest"])
+        .arg(guest_wasm("hostile_sleep"))
+        .arg("--store")
+        .arg(tmp.path().join("fold"))
+        .stderr(Stdio::null())
+        .spawn()?;
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(1)).await?;
+    let (code, body) = foldhost::serve::call(&addr, "POST", "/query", b"sleep").await?;
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(code, 422, "{text}");
+    assert!(
+        text.contains("hostile-sleep@0.1.0")
+            && text.contains("query")
+            && text.contains("deadline of 300 ms"),
+        "the error names the guest, the call and the limit: {text}"
+    );
+    // The fold goes on: a later write is folded and served by a fresh instance.
+    let r = kv.put("k2", "v2".into()).await?.as_u64().unwrap_or(0);
+    let s = wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(r)).await?;
+    assert_eq!(s["state"], "running", "{s}");
+    assert_eq!(
+        foldhost::serve::call(&addr, "POST", "/query", b"k2").await?,
+        (200, b"v2".to_vec())
+    );
+    let exit = terminate(&mut host)?;
+    assert!(exit.success(), "SIGTERM stops the host cleanly: {exit}");
+
+    // In init: refused at start, nothing written.
+    let store = tmp.path().join("never");
+    let o = foldhost()
+        .args([
+            "run",
+            "--catch-up",
+            "--bucket",
+            "napper",
+            "--nats",
+            &h.url(),
+        ])
+        .args([
+            "--guest-deadline-ms",
+            "300",
+            "--guest-config",
+            "sleep_in_init=1",
+            "--guest",
+        ])
+        .arg(guest_wasm("hostile_sleep"))
+        .arg("--store")
+        .arg(&store)
+        .output()?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("init") && err.contains("deadline of 300 ms"),
+        "{err}"
+    );
+    assert!(!store.exists(), "a guest that never started wrote nothing");
+    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

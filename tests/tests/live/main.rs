@@ -9,6 +9,7 @@ mod artifacts;
 mod cli;
 mod crash_safety;
 mod defer;
+mod endpoint;
 mod guests;
 mod repair;
 mod resume;

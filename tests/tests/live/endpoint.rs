@@ -1,0 +1,263 @@
+//! The `--listen` endpoint against hostile callers, with the real binary and a real nats-server:
+//! admin routes need a token even on loopback (one the host generates into a 0600 file that
+//! `foldhost swap` finds), rebound Host names and cross-site Origins are refused, fast and slow
+//! clients announcing large bodies on every route cannot pin the host's memory or stop the fold, and
+//! a guest that fails in `init` leaves no store behind.
+
+use std::io::{Read as _, Write as _};
+use std::net::TcpStream;
+use std::os::unix::fs::PermissionsExt as _;
+use std::process::Stdio;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use foldhost::kv::KvWriter;
+use foldhost_tests::{
+    Harness, foldhost, guest_wasm, run_command, terminate, wait_status, wait_until,
+};
+
+fn addr() -> anyhow::Result<String> {
+    Ok(format!("127.0.0.1:{}", foldhost::localnats::free_port()?))
+}
+
+/// Sends `raw` as a whole request and returns the status code of the answer.
+fn raw_request(addr: &str, raw: &[u8]) -> anyhow::Result<u16> {
+    let mut s = TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(std::time::Duration::from_secs(60)))?;
+    s.write_all(raw)?;
+    let mut resp = Vec::new();
+    s.read_to_end(&mut resp)?;
+    let text = String::from_utf8_lossy(&resp);
+    text.split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no status in {text:?}"))
+}
+
+/// Peak resident memory of a process, in bytes (`VmHWM`).
+fn peak_rss(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kb = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .ok_or_else(|| anyhow::anyhow!("no VmHWM for {pid}"))?;
+    Ok(kb * 1024)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_routes_need_the_generated_token_even_on_loopback_and_foldhost_swap_finds_it()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("admin").await?;
+    kv.put("k", "v".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let a = addr()?;
+    let mut host = run_command(&h, "admin", &store, Some(&a))
+        .arg("--guest")
+        .arg(guest_wasm("kvstore"))
+        .stderr(Stdio::null())
+        .spawn()?;
+    let s = wait_status(&a, |s| s["applied_through"].as_u64() >= Some(1)).await?;
+
+    // The generated token: in a file only this user can read, named by /status.
+    let file = store.join("admin-token");
+    assert_eq!(
+        s["admin_token_file"].as_str(),
+        Some(&*file.to_string_lossy()),
+        "{s}"
+    );
+    let mode = std::fs::metadata(&file)?.permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the token file is private");
+    let token = std::fs::read_to_string(&file)?.trim().to_string();
+    assert!(token.len() >= 32, "a real token: {token:?}");
+
+    // Without it, every admin route is refused on loopback, before any body is read.
+    let guest = std::fs::read(guest_wasm("kvstore_v2"))?;
+    for path in ["/swap", "/export"] {
+        let (code, body) = foldhost::serve::call(&a, "POST", path, &guest).await?;
+        assert_eq!(code, 401, "{path}: {}", String::from_utf8_lossy(&body));
+        let (code, _) =
+            foldhost::serve::call_with_token(&a, "POST", path, b"x", Some("not-it")).await?;
+        assert_eq!(code, 401, "{path} with a wrong token");
+    }
+    // A rebound name or a cross-site browser request is refused even for open routes.
+    let port = a.rsplit(':').next().unwrap_or_default();
+    let rebound = format!("GET /status HTTP/1.1\r\nHost: evil.example:{port}\r\n\r\n");
+    assert_eq!(raw_request(&a, rebound.as_bytes())?, 403);
+    let cross = format!(
+        "POST /query HTTP/1.1\r\nHost: {a}\r\nOrigin: http://evil.example\r\nContent-Length: 1\r\n\r\nk"
+    );
+    assert_eq!(raw_request(&a, cross.as_bytes())?, 403);
+    let same = format!("POST /query HTTP/1.1\r\nHost: {a}\r\nContent-Length: 1\r\n\r\nk");
+    assert_eq!(raw_request(&a, same.as_bytes())?, 200);
+
+    // `foldhost swap` with no token argument finds the file through /status.
+    let o = foldhost()
+        .args(["swap", "--listen", &a, "--guest"])
+        .arg(guest_wasm("kvstore_v2"))
+        .output()?;
+    assert!(
+        o.status.success(),
+        "foldhost swap: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    wait_status(&a, |s| s["guest"] == "kvstore@0.2.0").await?;
+    terminate(&mut host)?;
+    Ok(())
+}
+
+/// One client: announces `len` body bytes to `path` and sends them — as fast as the host takes
+/// them, or, with `pace`, 1 KiB per `pace` (a trickle) — until it has sent them all, `stop` is set,
+/// or the host closes the connection.
+fn body_client(
+    addr: String,
+    path: &'static str,
+    len: usize,
+    pace: Option<std::time::Duration>,
+    stop: Arc<AtomicBool>,
+) {
+    let Ok(mut s) = TcpStream::connect(&addr) else {
+        return;
+    };
+    let method = if path == "/status" { "GET" } else { "POST" };
+    let head = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: {len}\r\n\r\n");
+    if s.write_all(head.as_bytes()).is_err() {
+        return;
+    }
+    let chunk = vec![b'x'; if pace.is_some() { 1024 } else { 64 * 1024 }];
+    let mut sent = 0;
+    while sent < len && !stop.load(Ordering::Relaxed) {
+        let n = chunk.len().min(len - sent);
+        if s.write_all(&chunk[..n]).is_err() {
+            return;
+        }
+        sent += n;
+        if let Some(p) = pace {
+            std::thread::sleep(p);
+        }
+    }
+}
+
+async fn slow_clients_round(query_token: Option<&str>) -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("slow").await?;
+    let tmp = tempfile::tempdir()?;
+    let a = addr()?;
+    let mut cmd = run_command(&h, "slow", &tmp.path().join("fold"), Some(&a));
+    cmd.arg("--guest").arg(guest_wasm("kvstore"));
+    if let Some(t) = query_token {
+        cmd.args(["--query-token", t]);
+    }
+    let mut host = cmd.stderr(Stdio::null()).spawn()?;
+    let status = |a: String| async move {
+        foldhost::serve::call_with_token(&a, "GET", "/status", b"", query_token).await
+    };
+    wait_until("the host to listen", || {
+        std::net::TcpStream::connect(&a).is_ok()
+    })
+    .await?;
+
+    // 64 clients, 16 on each route, each announcing a large body (the query ones the most a query
+    // may have, 1 MiB): half send it as fast as the host reads, half trickle it. Read whole, the
+    // fast ones alone would be 1.5 GiB.
+    let stop = Arc::new(AtomicBool::new(false));
+    let (mut fast, mut slow) = (Vec::new(), Vec::new());
+    for i in 0..64 {
+        let (path, len) = match i % 4 {
+            0 => ("/status", 64 << 20),
+            1 => ("/query", 1 << 20),
+            2 => ("/swap", 64 << 20),
+            _ => ("/export", 64 << 20),
+        };
+        let pace = (i % 8 >= 4).then(|| std::time::Duration::from_millis(20));
+        let (a, stop) = (a.clone(), stop.clone());
+        let client = std::thread::spawn(move || body_client(a, path, len, pace, stop));
+        if pace.is_some() {
+            slow.push(client);
+        } else {
+            fast.push(client);
+        }
+    }
+    // A writer the fold must keep up with while they trickle.
+    let written = Arc::new(AtomicU64::new(0));
+    for i in 0..2000u64 {
+        kv.put(&format!("k.{i:04}"), format!("v{i}").into()).await?;
+        written.store(i + 1, Ordering::Relaxed);
+        if i % 500 == 0 {
+            let (code, body) = status(a.clone()).await?;
+            assert_eq!(
+                code,
+                200,
+                "/status answers: {}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+    }
+    let last = kv.positions().await?.last_sequence;
+    loop {
+        let (code, body) = status(a.clone()).await?;
+        assert_eq!(code, 200);
+        let s: serde_json::Value = serde_json::from_slice(&body)?;
+        assert_eq!(s["state"], "running", "{s}");
+        if s["applied_through"].as_u64() >= Some(last) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    // Every fast client has sent all it could (or was cut off) before the peak is read.
+    for c in fast {
+        let _ = c.join();
+    }
+    let peak = peak_rss(host.id())?;
+    stop.store(true, Ordering::Relaxed);
+    for c in slow {
+        let _ = c.join();
+    }
+    terminate(&mut host)?;
+    eprintln!(
+        "query token {query_token:?}: peak RSS {} MiB with 64 clients announcing large bodies",
+        peak >> 20
+    );
+    assert!(
+        peak < 256 << 20,
+        "peak RSS {} MiB with 64 clients announcing large bodies",
+        peak >> 20
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_with_large_bodies_on_every_route_cannot_pin_memory_or_stop_the_fold()
+-> anyhow::Result<()> {
+    slow_clients_round(None).await?;
+    slow_clients_round(Some("reader-token")).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_failing_in_init_leaves_no_store_behind() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("initfail").await?;
+    kv.put("k", "v".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let o = run_command(&h, "initfail", &store, None)
+        .arg("--catch-up")
+        .arg("--guest")
+        .arg(guest_wasm("hostile_trap"))
+        .args(["--guest-config", "fail_init=1"])
+        .output()?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("fail_init"),
+        "the error names the guest's reason: {err}"
+    );
+    assert!(
+        !store.exists(),
+        "nothing written: {} exists",
+        store.display()
+    );
+    Ok(())
+}
