@@ -410,6 +410,93 @@ async fn a_guest_sleeping_in_query_or_init_is_cut_at_its_deadline() -> anyhow::R
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_loud_guests_log_lines_errors_and_answers_are_cut_at_their_limits() -> anyhow::Result<()>
+{
+    let h = Harness::start().await?;
+    let kv = h.bucket("loud").await?;
+    kv.put("k", "v".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let log_path = tmp.path().join("host.log");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = foldhost()
+        .args([
+            "run",
+            "--bucket",
+            "loud",
+            "--nats",
+            &h.url(),
+            "--listen",
+            &addr,
+        ])
+        // The deadline is not under test here: generous, so the size limits are what stop it.
+        .args(["--guest-deadline-ms", "60000"])
+        .env("FOLDHOST_LOG", "info")
+        .arg("--guest")
+        .arg(guest_wasm("hostile_loud"))
+        .arg("--store")
+        .arg(&store)
+        .stderr(std::fs::File::create(&log_path)?)
+        .spawn()?;
+    // A 10 MiB log line is written cut, its length marked.
+    let r = kv.put("loud.log", "x".into()).await?.as_u64().unwrap_or(0);
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(r)).await?;
+    // A 120 MiB answer is refused with the limit named.
+    let (code, body) = foldhost::serve::call(&addr, "POST", "/query", b"big").await?;
+    let text = String::from_utf8_lossy(&body);
+    assert_eq!(code, 422, "{}", &text[..text.len().min(200)]);
+    assert!(
+        text.contains("hostile-loud@0.1.0")
+            && text.contains("query")
+            && text.contains("over the limit"),
+        "{text}"
+    );
+    assert_eq!(
+        foldhost::serve::call(&addr, "POST", "/query", b"k").await?,
+        (200, b"v".to_vec())
+    );
+    // A 100 MiB error stops the fold with a short status.
+    kv.put("loud.error", "x".into()).await?;
+    let s = wait_status(&addr, |s| s["state"] == "failed").await?;
+    let error = s["error"].as_str().unwrap_or_default();
+    assert!(
+        error.len() < 8192,
+        "the error is cut: {} bytes",
+        error.len()
+    );
+    assert!(
+        error.contains("hostile-loud@0.1.0")
+            && error.contains("apply")
+            && error.contains("[cut: 104857600 bytes in all]"),
+        "{}",
+        &error[..error.len().min(300)]
+    );
+    let peak = std::fs::read_to_string(format!("/proc/{}/status", host.id()))?
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .unwrap_or(u64::MAX);
+    terminate(&mut host)?;
+    let status_file = std::fs::metadata(store.join("status.json"))?.len();
+    assert!(
+        status_file < 64 * 1024,
+        "status.json is {status_file} bytes"
+    );
+    let log = std::fs::read_to_string(&log_path)?;
+    let longest = log.lines().map(str::len).max().unwrap_or(0);
+    assert!(
+        longest < 16 * 1024,
+        "the longest log line is {longest} bytes"
+    );
+    assert!(
+        log.contains("[cut: 10485760 bytes in all]") && log.contains("hostile-loud@0.1.0"),
+        "the cut line names its guest and its length"
+    );
+    assert!(peak < 512 * 1024, "peak RSS {} MiB", peak / 1024);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_bomb_guest_fails_at_its_cap_and_the_host_stays_up() -> anyhow::Result<()> {
     runaway_guest_is_stopped_and_reported(
         "hostile_membomb",

@@ -305,6 +305,20 @@ async fn queries_are_served_over_nats_request_reply() -> anyhow::Result<()> {
         .map(|v| v.as_str() == "true");
     assert_eq!(is_error, Some(true));
     assert!(String::from_utf8_lossy(&missing.payload).contains("missing"));
+    // A requester naming a bucket subject as its reply gets nothing published there: only inbox
+    // replies are answered. Requests are served in order, so once the next one is answered the
+    // forged one has been handled.
+    let before = kv.positions().await?.last_sequence;
+    client
+        .publish_with_reply("svc.kv.query", "$KV.nq.route.a", "route.a".into())
+        .await?;
+    let after = client.request("svc.kv.query", "route.a".into()).await?;
+    assert_eq!(&after.payload[..], b"{\"upstream\":\"1\"}");
+    assert_eq!(
+        kv.positions().await?.last_sequence,
+        before,
+        "nothing was published into the bucket"
+    );
     terminate(&mut host)?;
     Ok(())
 }
