@@ -19,8 +19,10 @@ if [[ -n "${CARGO_BUILD_JOBS:-}" ]]; then
 fi
 
 cargo build --release --target "$target" "${jobs[@]}"
-# Guests in other languages build themselves into the same directory.
+# Guests in other languages build themselves into the same directory, and so do the hand-written
+# hostile components (core WAT made components with wasm-tools).
 router-c/build.sh
+hostile-wat/build.sh
 
 out="$here/target/$target/release"
 # Every workspace member (a directory with a Cargo.toml) is a cdylib guest.
@@ -33,7 +35,8 @@ if [[ ${#crates[@]} -eq 0 ]]; then
     echo "build.sh: no guest crates found" >&2
     exit 1
 fi
-crates+=(router_c) # built by router-c/build.sh above
+crates+=(router_c)                    # built by router-c/build.sh above
+crates+=(table_bomb four_memories)    # built by hostile-wat/build.sh above
 
 status=0
 for crate in "${crates[@]}"; do

@@ -360,6 +360,23 @@ impl<S: SnapshotStore> Fold<S> {
             skipped_high: None,
             stamps: Default::default(),
         };
+        // The migration of folds written before bucket keys in the host's space were skipped:
+        // forged retained records go, in one commit that does not move the cursor.
+        let forged = fold.store.with_retained(RetainedIndex::take_forged)?;
+        if !forged.is_empty() {
+            let deletes: Vec<KvUpdate> = forged
+                .into_iter()
+                .map(|key| KvUpdate::Delete {
+                    key,
+                    version: crate::kv::VersionToken::UNKNOWN,
+                })
+                .collect();
+            tracing::warn!(
+                records = deletes.len(),
+                "deleting retained records no host wrote (a raw publish into the host's key space, folded by an older version)"
+            );
+            fold.store.write()?.apply(&deletes, applied)?;
+        }
         fold.publish_retained()?;
         Ok(fold)
     }

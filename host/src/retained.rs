@@ -6,8 +6,9 @@
 //!   ([`RETAINED_PREFIX`] + revision + key) in the same store as the fold, written by the same
 //!   `apply` that commits its batch and moves the cursor over it. A restart therefore finds every
 //!   record the cursor covers either applied or retained, never neither. Reserved keys start with
-//!   `\x01`, a byte no NATS key can carry, and carry the unknown version, so they never mint or move
-//!   the cursor ([`crate::protocol::commit_cursor`] ignores them).
+//!   `\x01`; a bucket key starting so is skipped at the fold's edge
+//!   ([`crate::protocol::bucket_key_admitted`]), so none of them comes from a bucket. They carry the
+//!   unknown version, so they never mint or move the cursor.
 //! - **A key's applied history is a prefix of its log.** Once a key has a retained record, every
 //!   later update of that key is retained too (the host holds it back before `parse`), until the
 //!   retained ones are released in log order.
@@ -17,8 +18,9 @@
 //!   key's entry just before the record (or none). Guest reads and hydration show the base for
 //!   blocked keys ([`crate::snapshot::FoldRead`] on [`crate::snapshot::SharedStore`]), and never a
 //!   reserved key.
-//! - **Bounded and checked.** A record is decoded with every length checked against what is left;
-//!   a record that does not decode is an error naming its key, never a silent drop.
+//! - **Bounded and checked.** A record is decoded with every length checked against what is left.
+//!   A record that does not decode (or has no head) cannot have been written by a host: it is set
+//!   aside as forged with a warning naming its key, never used, and deleted by the fold at start.
 
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
@@ -230,39 +232,54 @@ pub struct RetainedIndex {
     records: BTreeMap<String, RetainedRecord>,
     /// Blocked key → its base (the head record's).
     bases: BTreeMap<String, Base>,
+    /// Store keys under [`RETAINED_PREFIX`] that no host wrote (see [`RetainedIndex::load`]).
+    forged: Vec<String>,
 }
 
 impl RetainedIndex {
     /// Reads every retained record of `store`.
+    ///
+    /// A record that does not decode, or whose key has no head carrying its base, was not written
+    /// by a host: every host-written record decodes (the stores checksum what they hold), and
+    /// heads are written with the records behind them. Such records are what a bucket writer's raw
+    /// publish of a `\x01retained/…` key left in a fold before the fold's edge skipped those keys
+    /// ([`crate::protocol::bucket_key_admitted`]). They are set aside as *forged*, each named in a
+    /// warning, never used; the fold deletes them at start ([`RetainedIndex::take_forged`]) — the
+    /// migration of such stores.
     pub fn load<S: SnapshotStore + ?Sized>(store: &S) -> Result<Self, SnapshotError> {
         let mut index = RetainedIndex::default();
-        let mut bad: Option<SnapshotError> = None;
-        store.for_each_in_range(RETAINED_PREFIX, &mut |e| match decode(&e.value) {
-            Ok(r) => {
-                index.insert(r);
-                ControlFlow::Continue(())
+        store.for_each_in_range(RETAINED_PREFIX, &mut |e| {
+            match decode(&e.value) {
+                Ok(r) if r.store_key() == e.key => index.insert(r),
+                Ok(_) => {
+                    tracing::warn!(key = ?e.key, "a retained record under another record's key: set aside as forged");
+                    index.forged.push(e.key.clone());
+                }
+                Err(reason) => {
+                    tracing::warn!(key = ?e.key, %reason, "a retained record that does not decode: set aside as forged");
+                    index.forged.push(e.key.clone());
+                }
             }
-            Err(reason) => {
-                bad = Some(SnapshotError::Backend(format!(
-                    "retained record {:?} does not decode: {reason}",
-                    e.key.trim_start_matches(RESERVED_PREFIX)
-                )));
-                ControlFlow::Break(())
-            }
+            ControlFlow::Continue(())
         })?;
-        if let Some(e) = bad {
-            return Err(e);
-        }
-        for r in index.records.values() {
-            if !index.bases.contains_key(r.update.key()) {
-                return Err(SnapshotError::Backend(format!(
-                    "retained record for {:?} at revision {} has no head carrying the key's base",
-                    r.update.key(),
-                    r.revision()
-                )));
-            }
+        let orphans: Vec<String> = index
+            .records
+            .iter()
+            .filter(|(_, r)| !index.bases.contains_key(r.update.key()))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in orphans {
+            tracing::warn!(key = ?k, "a retained record with no head carrying its key's base: set aside as forged");
+            index.records.remove(&k);
+            index.forged.push(k);
         }
         Ok(index)
+    }
+
+    /// The store keys of forged records found at load (see [`RetainedIndex::load`]), handed over
+    /// once to be deleted.
+    pub fn take_forged(&mut self) -> Vec<String> {
+        std::mem::take(&mut self.forged)
     }
 
     /// Adds a record (a head also blocks its key).

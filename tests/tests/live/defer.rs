@@ -429,3 +429,54 @@ async fn raw_publishes_of_reserved_looking_keys_are_skipped_and_never_touch_reta
     terminate(&mut host)?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fold_holding_forged_retained_records_from_an_older_version_opens_and_drops_them()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("migrate").await?;
+    let r1 = kv.put("k", "v".into()).await?.as_u64().unwrap_or(0);
+    // The fold an older version left after a raw publish of `\x01retained/…/k1`: the bucket's key
+    // at revision r1, and the forged "record" beside it.
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let forged = "\u{1}retained/00000000000000000001/k1".to_string();
+    {
+        let (mut s, _) =
+            foldhost::storedir::AnyStore::open(&store, foldhost::storedir::Backend::AppendLog)?;
+        let batch = [
+            KvUpdate::Put(KvEntry {
+                key: "k".into(),
+                value: Bytes::from_static(b"v"),
+                version: VersionToken::from_u64(r1),
+            }),
+            KvUpdate::Put(KvEntry {
+                key: forged.clone(),
+                value: Bytes::from_static(b"junk"),
+                version: VersionToken::UNKNOWN,
+            }),
+        ];
+        s.apply(&batch, WatchCursor::at(r1))?;
+    }
+    // Read-only readers are not bricked by it.
+    let st = status_store(&store)?;
+    assert_eq!(st["retained"], 0, "{st}");
+    assert_eq!(st["cursor"].as_u64(), Some(r1), "{st}");
+    // A run opens the fold, deletes the forged record, and folds on.
+    let r2 = kv.put("k2", "v2".into()).await?.as_u64().unwrap_or(0);
+    let o = run_command(&h, "migrate", &store, None)
+        .arg("--catch-up")
+        .arg("--guest")
+        .arg(guest_wasm("kvstore"))
+        .output()?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let (s, _) = foldhost::storedir::AnyStore::open_read_only(&store)?;
+    assert_eq!(s.get(&forged)?, None, "the forged record is gone");
+    assert_eq!(s.cursor().revision(), Some(r2));
+    drop(s);
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &dump_store(&store)?),
+        None
+    );
+    Ok(())
+}

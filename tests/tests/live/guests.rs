@@ -496,6 +496,64 @@ async fn a_loud_guests_log_lines_errors_and_answers_are_cut_at_their_limits() ->
     Ok(())
 }
 
+/// Runs `guest` (failing in `init`) with `args` and checks it is refused with one line naming the
+/// guest, the call and `limit`, and that nothing was written.
+async fn refused_in_init(
+    guest: &str,
+    args: &[&str],
+    name: &str,
+    limit: &str,
+) -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("bomb").await?;
+    kv.put("k", "v".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let o = foldhost()
+        .args(["run", "--catch-up", "--bucket", "bomb", "--nats", &h.url()])
+        .args(args)
+        .arg("--guest")
+        .arg(guest_wasm(guest))
+        .arg("--store")
+        .arg(&store)
+        .output()?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    let line = err
+        .lines()
+        .find(|l| l.starts_with("foldhost: error: "))
+        .unwrap_or_default();
+    assert!(
+        line.contains(name) && line.contains("init") && line.contains(limit),
+        "one line names the guest, the call and the limit: {err}"
+    );
+    assert!(!store.exists(), "nothing written");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_table_grow_bomb_is_stopped_at_the_table_limit() -> anyhow::Result<()> {
+    refused_in_init(
+        "table_bomb",
+        &[],
+        "hostile-table-bomb@0.1.0",
+        "table limit of 1000000 elements",
+    )
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn four_memories_are_capped_together_not_each() -> anyhow::Result<()> {
+    // Four memories of 9 MiB each: under a per-memory cap of 32 MiB they would all fit.
+    refused_in_init(
+        "four_memories",
+        &["--guest-memory-mb", "32"],
+        "hostile-4-memories@0.1.0",
+        "memory cap of 32 MiB",
+    )
+    .await
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_bomb_guest_fails_at_its_cap_and_the_host_stays_up() -> anyhow::Result<()> {
     runaway_guest_is_stopped_and_reported(
