@@ -16,8 +16,8 @@
 //!   therefore at most the budget plus one component, whatever they announce.
 //! - **Every connection is bounded in time**: the head within [`HEAD_DEADLINE`], the whole request
 //!   within [`REQUEST_DEADLINE`] (a trickling client is cut, not waited for), the response written
-//!   within [`WRITE_DEADLINE`]. Idle clients therefore hold a connection slot for seconds, not for
-//!   ever.
+//!   within [`WRITE_DEADLINE`]. Idle clients cannot hold every slot either: with all taken, a new
+//!   connection evicts the oldest one that has not sent its head yet ([`HeadPhase`]).
 //! - **Admin routes always need the token** (`--admin-token`, `--admin-token-file`, or one the
 //!   host generates into a 0600 file beside the store); tokens are compared in constant time.
 //! - **No cross-site or rebound request on loopback**: on a loopback listener the `Host` header must
@@ -441,6 +441,49 @@ pub struct ServeState {
 /// most [`REQUEST_DEADLINE`] + the time its answer takes + [`WRITE_DEADLINE`].
 pub const MAX_CONNECTIONS: usize = 256;
 
+/// The connections still sending their head, oldest first: when every slot is taken, a new
+/// connection takes the slot of the oldest of these (it is told to close), so clients that open
+/// connections and send nothing cannot lock out one that sends its request at once. A connection
+/// leaves the queue once its head is read; from then on only its deadlines end it.
+#[derive(Debug, Default)]
+pub struct HeadPhase {
+    next: u64,
+    queue: std::collections::VecDeque<(u64, Arc<tokio::sync::Notify>)>,
+}
+
+impl HeadPhase {
+    /// Enters a connection; returns its ticket and what tells it to close.
+    pub fn enter(&mut self) -> (u64, Arc<tokio::sync::Notify>) {
+        let id = self.next;
+        self.next += 1;
+        let n = Arc::new(tokio::sync::Notify::new());
+        self.queue.push_back((id, n.clone()));
+        (id, n)
+    }
+
+    /// The connection `id` has sent its head (or ended): it can no longer be evicted.
+    pub fn leave(&mut self, id: u64) {
+        self.queue.retain(|(i, _)| *i != id);
+    }
+
+    /// Tells the oldest connection still in its head phase to close; its ticket, if there was one.
+    pub fn evict_oldest(&mut self) -> Option<u64> {
+        let (id, n) = self.queue.pop_front()?;
+        n.notify_one();
+        Some(id)
+    }
+
+    /// Connections in their head phase.
+    pub fn len(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// True when no connection is in its head phase.
+    pub fn is_empty(&self) -> bool {
+        self.queue.is_empty()
+    }
+}
+
 /// The byte budgets bodies are read under (see the module invariants).
 struct Budgets {
     /// Query bodies, in KiB.
@@ -450,17 +493,16 @@ struct Budgets {
 }
 
 /// Serves until the listener fails; each connection on its own task, at most
-/// [`MAX_CONNECTIONS`] at once.
+/// [`MAX_CONNECTIONS`] at once. With every slot taken, a new connection evicts the oldest one still
+/// sending its head ([`HeadPhase`]).
 pub async fn serve(listener: TcpListener, state: Arc<ServeState>) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let budgets = Arc::new(Budgets {
         query_kib: Arc::new(Semaphore::new(QUERY_BODY_BUDGET / 1024)),
         admin: Arc::new(Semaphore::new(1)),
     });
+    let heads = Arc::new(std::sync::Mutex::new(HeadPhase::default()));
     loop {
-        let Ok(permit) = slots.clone().acquire_owned().await else {
-            return;
-        };
         let (sock, _) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
@@ -469,10 +511,24 @@ pub async fn serve(listener: TcpListener, state: Arc<ServeState>) {
                 continue;
             }
         };
-        let (state, budgets) = (state.clone(), budgets.clone());
+        let permit = match slots.clone().try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                if let Ok(mut h) = heads.lock() {
+                    h.evict_oldest();
+                }
+                // The evicted connection (or, with none to evict, one whose deadlines run out)
+                // gives its slot back.
+                let Ok(p) = slots.clone().acquire_owned().await else {
+                    return;
+                };
+                p
+            }
+        };
+        let (state, budgets, heads) = (state.clone(), budgets.clone(), heads.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            if let Err(e) = handle(sock, &state, &budgets).await {
+            if let Err(e) = handle(sock, &state, &budgets, &heads).await {
                 tracing::debug!(error = %e, "listen: connection ended");
             }
         });
@@ -527,13 +583,36 @@ async fn read_head(
     .map_err(|_| timed_out("request head deadline"))?
 }
 
-async fn handle(mut sock: TcpStream, state: &ServeState, budgets: &Budgets) -> std::io::Result<()> {
+async fn handle(
+    mut sock: TcpStream,
+    state: &ServeState,
+    budgets: &Budgets,
+    heads: &std::sync::Mutex<HeadPhase>,
+) -> std::io::Result<()> {
     let started = tokio::time::Instant::now();
     let mut buf = Vec::with_capacity(1024);
-    let head = match read_head(&mut sock, &mut buf).await? {
-        Ok(Some(h)) => h,
-        Ok(None) => return Ok(()),
-        Err(resp) => return write_response(&mut sock, &resp).await,
+    let (ticket, evicted) = heads
+        .lock()
+        .map_err(|_| std::io::Error::other("head-phase registry poisoned"))?
+        .enter();
+    let read = tokio::select! {
+        r = read_head(&mut sock, &mut buf) => Some(r),
+        () = evicted.notified() => None,
+    };
+    if let Ok(mut h) = heads.lock() {
+        h.leave(ticket);
+    }
+    let head = match read {
+        None => {
+            return Err(std::io::Error::other(
+                "evicted while sending its head: every slot was taken",
+            ));
+        }
+        Some(r) => match r? {
+            Ok(Some(h)) => h,
+            Ok(None) => return Ok(()),
+            Err(resp) => return write_response(&mut sock, &resp).await,
+        },
     };
     let (route, _limit) = match admit(&head, &state.policy) {
         Ok(r) => r,
@@ -934,6 +1013,23 @@ mod tests {
             )),
             200
         );
+    }
+
+    #[test]
+    fn with_every_slot_taken_the_oldest_connection_still_sending_its_head_is_evicted() {
+        let mut h = HeadPhase::default();
+        let (a, na) = h.enter();
+        let (b, _nb) = h.enter();
+        let (c, _nc) = h.enter();
+        // `b` sent its head: it can no longer be evicted.
+        h.leave(b);
+        assert_eq!(h.evict_oldest(), Some(a));
+        assert_eq!(h.evict_oldest(), Some(c));
+        assert_eq!(h.evict_oldest(), None);
+        assert!(h.is_empty());
+        // The evicted one is told (the notification is kept until it waits for it).
+        let woke = futures::FutureExt::now_or_never(na.notified());
+        assert!(woke.is_some(), "the oldest was told to close");
     }
 
     #[test]

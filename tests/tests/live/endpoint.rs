@@ -236,6 +236,34 @@ async fn slow_clients_with_large_bodies_on_every_route_cannot_pin_memory_or_stop
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_holding_every_slot_cannot_lock_out_a_caller() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("idle").await?;
+    kv.put("k", "v".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let a = addr()?;
+    let mut host = run_command(&h, "idle", &tmp.path().join("fold"), Some(&a))
+        .stderr(Stdio::null())
+        .spawn()?;
+    wait_status(&a, |s| s["applied_through"].as_u64() >= Some(1)).await?;
+    // More idle connections than there are slots, each with half a head, all held open.
+    let idle: Vec<TcpStream> = (0..300)
+        .map(|_| {
+            let mut s = TcpStream::connect(&a)?;
+            s.write_all(b"GET /status HTTP/1.1\r\n")?;
+            Ok(s)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    for _ in 0..3 {
+        let (code, body) = foldhost::serve::call(&a, "GET", "/status", b"").await?;
+        assert_eq!(code, 200, "{}", String::from_utf8_lossy(&body));
+    }
+    drop(idle);
+    terminate(&mut host)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_failing_in_init_leaves_no_store_behind() -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let kv = h.bucket("initfail").await?;
