@@ -334,9 +334,9 @@ pub struct Fold<S: SnapshotStore> {
     warned: std::collections::BTreeSet<String>,
     /// While set (a restore folding its difference), commits keep the cursor where it is.
     frozen: bool,
-    /// The highest revision of a skipped reserved-space bucket key not yet under a committed
-    /// cursor ([`protocol::bucket_key_admitted`]).
-    skipped_high: Option<u64>,
+    /// The highest revision of a skipped reserved-space bucket key ([`protocol::bucket_key_admitted`])
+    /// whose batch is re-queued whole after a failed store commit: it rides with `requeued`.
+    requeued_skipped: Option<u64>,
     /// Server times of recently delivered revisions (ascending), for the memo's time.
     stamps: std::collections::VecDeque<(u64, u64)>,
 }
@@ -357,7 +357,7 @@ impl<S: SnapshotStore> Fold<S> {
             status,
             warned: Default::default(),
             frozen: false,
-            skipped_high: None,
+            requeued_skipped: None,
             stamps: Default::default(),
         };
         // The migration of folds written before bucket keys in the host's space were skipped:
@@ -661,7 +661,7 @@ impl<S: SnapshotStore> Fold<S> {
 
     /// True when nothing waits to be committed.
     pub fn is_settled(&self) -> bool {
-        self.requeued.is_empty()
+        self.requeued.is_empty() && self.requeued_skipped.is_none()
     }
 
     /// The store (for reads between flushes).
@@ -669,13 +669,16 @@ impl<S: SnapshotStore> Fold<S> {
         &self.store
     }
 
-    /// `batch` without the bucket keys in the host's reserved space: they never reach the guest or
-    /// the store; their revisions are kept to move the cursor past them.
-    fn drop_reserved(&mut self, batch: Vec<KvUpdate>) -> Vec<KvUpdate> {
+    /// `batch` without the bucket keys in the host's reserved space (they never reach the guest
+    /// or the store), the highest revision among those, and — when there were any — the batch as
+    /// delivered (an apply failure hands that back, so a retry in halves never commits a cursor
+    /// over a skipped key it has not reached).
+    fn split_reserved(batch: Vec<KvUpdate>) -> (Vec<KvUpdate>, Option<u64>, Option<Vec<KvUpdate>>) {
         if batch.iter().all(|u| protocol::bucket_key_admitted(u.key())) {
-            return batch;
+            return (batch, None, None);
         }
-        let mut high = self.skipped_high;
+        let original = batch.clone();
+        let mut high = None;
         let kept = batch
             .into_iter()
             .filter(|u| {
@@ -687,8 +690,7 @@ impl<S: SnapshotStore> Fold<S> {
                 admitted
             })
             .collect();
-        self.skipped_high = high;
-        kept
+        (kept, high, Some(original))
     }
 
     /// Runs one flush of `batch` through `apply` and the store. On an apply failure the batch is
@@ -699,8 +701,8 @@ impl<S: SnapshotStore> Fold<S> {
         batch: Vec<KvUpdate>,
         apply: &mut A,
     ) -> Result<Option<Vec<KvUpdate>>, AppliedError> {
-        let batch = self.drop_reserved(batch);
-        if batch.is_empty() && self.requeued.is_empty() && self.skipped_high.is_none() {
+        let (batch, skipped_high, delivered) = Self::split_reserved(batch);
+        if batch.is_empty() && skipped_high.is_none() && self.is_settled() {
             return Ok(None);
         }
         let mut retained_now = Vec::new();
@@ -740,7 +742,7 @@ impl<S: SnapshotStore> Fold<S> {
                         });
                     }
                     tracing::warn!(error = %e, streak = self.apply_streak, "apply failed; the batch will be retried, nothing of it is committed");
-                    return Ok(Some(batch));
+                    return Ok(Some(delivered.unwrap_or(batch)));
                 }
             };
             self.apply_streak = 0;
@@ -759,7 +761,8 @@ impl<S: SnapshotStore> Fold<S> {
             .iter()
             .filter_map(KvUpdate::revision)
             .max()
-            .max(self.skipped_high);
+            .max(skipped_high)
+            .max(self.requeued_skipped);
         // The memo rides along with every cursor; a frozen fold (a restore in progress) commits
         // its data under the old cursor, so a crash re-runs the restore.
         let cursor = if self.frozen {
@@ -778,7 +781,7 @@ impl<S: SnapshotStore> Fold<S> {
         match result {
             Ok(()) => {
                 self.status.set_error(None);
-                self.skipped_high = None;
+                self.requeued_skipped = None;
                 self.store_streak = 0;
                 self.status.store_failure_streak.store(0, Ordering::Relaxed);
                 self.applied = cursor;
@@ -809,6 +812,8 @@ impl<S: SnapshotStore> Fold<S> {
                 }
                 tracing::warn!(error = %e, streak = self.store_streak, "store apply failed; batch re-queued");
                 self.requeued = raw;
+                // The whole batch is re-queued, so its skipped keys' revisions ride with it.
+                self.requeued_skipped = self.requeued_skipped.max(skipped_high);
                 Ok(None)
             }
         }

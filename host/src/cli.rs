@@ -162,7 +162,8 @@ pub struct RunArgs {
     /// The built-in native applier when no `--guest` is given: `count`.
     #[arg(long, default_value = "count")]
     pub apply: String,
-    /// Serve `GET /status`, `POST /query` and `POST /swap` on this address (e.g. 127.0.0.1:8080).
+    /// Serve `GET /status`, `POST /query`, `POST /swap` and `POST /export` on this address (e.g.
+    /// 127.0.0.1:8080).
     #[arg(long)]
     pub listen: Option<String>,
     /// Bearer token the admin routes (`/swap`, `/export`) require. Without it (or
@@ -574,6 +575,13 @@ pub async fn run_fold(
                 }
             };
             tracing::info!(addr = %local, "serving /status, /query, /swap and /export");
+            if a.query_max_bytes > crate::serve::QUERY_BODY_BUDGET {
+                bail!(
+                    "--query-max-bytes {}: over the {} bytes all query bodies in flight may hold together",
+                    a.query_max_bytes,
+                    crate::serve::QUERY_BODY_BUDGET
+                );
+            }
             let policy = crate::serve::AccessPolicy {
                 admin_token,
                 query_token: a.query_token.clone(),
@@ -1153,7 +1161,8 @@ fn printable(v: &[u8]) -> String {
 
 /// The admin token for the host at `listen`: given, read from `file`, or read from the file the
 /// host names in its `/status` (`admin_token_file`: readable only by the host's user, so only a
-/// local caller with the same rights finds it). `None` when none of these has one.
+/// local caller with the same rights finds it; and only a file the host generated is followed,
+/// see [`crate::serve::read_generated_token`]). `None` when none of these has one.
 async fn admin_token_for(
     listen: &str,
     token: Option<String>,
@@ -1171,7 +1180,7 @@ async fn admin_token_for(
     let named = serde_json::from_slice::<serde_json::Value>(&body)
         .ok()
         .and_then(|v| v["admin_token_file"].as_str().map(PathBuf::from));
-    Ok(named.and_then(|f| crate::serve::read_token_file(&f).ok()))
+    Ok(named.and_then(|f| crate::serve::read_generated_token(&f).ok()))
 }
 
 async fn cmd_swap(a: SwapArgs) -> anyhow::Result<()> {

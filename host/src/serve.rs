@@ -10,14 +10,18 @@
 //!   authorized (admin routes: the admin token; with `--query-token`, `/status` and `/query` too),
 //!   the Host and Origin checked, and the declared length under the route's own limit (`/status`
 //!   none, `/query` [`Limits::query_body`], `/swap` [`Limits::swap_body`], `/export` 4 KiB).
-//! - **Bodies in flight are bounded in total**: unauthenticated bodies (queries) share one byte
-//!   budget ([`QUERY_BODY_BUDGET`]) taken before the read — a request that cannot get its share at
-//!   once is refused with 503 — and admin bodies are read one at a time. Memory held by clients is
-//!   therefore at most the budget plus one component, whatever they announce.
+//! - **Bodies and answers in flight are bounded in total**: unauthenticated bodies (queries) share
+//!   one byte budget ([`QUERY_BODY_BUDGET`]) taken before the read, answers waiting to be written
+//!   another ([`ANSWER_BUDGET`]) — a request that cannot get its share at once is refused with
+//!   503 — and admin bodies are read one at a time. A query waits at most [`IO_TIMEOUT`] for room
+//!   in the fold's control channel (64 deep), then for its answer. Memory held for clients is
+//!   therefore bounded by the budgets, one component, and the channel's queries, whatever they
+//!   announce.
 //! - **Every connection is bounded in time**: the head within [`HEAD_DEADLINE`], the whole request
 //!   within [`REQUEST_DEADLINE`] (a trickling client is cut, not waited for), the response written
 //!   within [`WRITE_DEADLINE`]. Idle clients cannot hold every slot either: with all taken, a new
-//!   connection evicts the oldest one that has not sent its head yet ([`HeadPhase`]).
+//!   connection evicts the oldest one whose request is not yet whole and not authenticated
+//!   ([`HeadPhase`]).
 //! - **Admin routes always need the token** (`--admin-token`, `--admin-token-file`, or one the
 //!   host generates into a 0600 file beside the store); tokens are compared in constant time.
 //! - **No cross-site or rebound request on loopback**: on a loopback listener the `Host` header must
@@ -48,6 +52,8 @@ pub const MAX_QUERY: usize = 1024 * 1024;
 pub const MAX_EXPORT_BODY: usize = 4096;
 /// The bytes of query bodies all connections together may hold while they are read.
 pub const QUERY_BODY_BUDGET: usize = 32 * 1024 * 1024;
+/// The bytes of query answers all connections together may hold while they are written.
+pub const ANSWER_BUDGET: usize = 64 * 1024 * 1024;
 /// How long a client may take to send its request head.
 pub const HEAD_DEADLINE: Duration = Duration::from_secs(5);
 /// How long a client may take to send its whole request (head and body).
@@ -389,6 +395,36 @@ pub fn read_token_file(path: &std::path::Path) -> std::io::Result<String> {
     Ok(t.to_string())
 }
 
+/// Reads a token file a host generated ([`generate_token_file`]), refusing anything else: the
+/// file must be named [`ADMIN_TOKEN_FILE`], be a regular file no one but its owner can read
+/// (mode 0600 or stricter), and hold 64 hex digits. A client that follows the path a listener
+/// names in `/status` uses this, so a listener that is not the host (a squatter on the port)
+/// cannot make it send some other file (a private key) as a bearer token.
+pub fn read_generated_token(path: &std::path::Path) -> std::io::Result<String> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let refuse = |why: &str| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "{}: not a generated admin token file: {why}",
+                path.display()
+            ),
+        )
+    };
+    if path.file_name() != Some(std::ffi::OsStr::new(ADMIN_TOKEN_FILE)) {
+        return Err(refuse("wrong name"));
+    }
+    let meta = std::fs::symlink_metadata(path)?;
+    if !meta.file_type().is_file() || meta.permissions().mode() & 0o077 != 0 {
+        return Err(refuse("not a private regular file"));
+    }
+    let token = read_token_file(path)?;
+    if token.len() != 64 || !token.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(refuse("not 64 hex digits"));
+    }
+    Ok(token)
+}
+
 /// Generates a token (32 bytes from the OS's random source, hex) and writes it to `path`
 /// readable and writable by this user only (mode 0600, written beside and renamed into place).
 pub fn generate_token_file(path: &std::path::Path) -> std::io::Result<String> {
@@ -437,14 +473,16 @@ pub struct ServeState {
     pub scope: String,
 }
 
-/// Most connections served at once; more wait in the listen backlog. Each holds its slot for at
-/// most [`REQUEST_DEADLINE`] + the time its answer takes + [`WRITE_DEADLINE`].
+/// Most connections served at once; more wait in the listen backlog. An unauthenticated one holds
+/// its slot until it is evicted ([`HeadPhase`]) or, once whole, for at most the time its answer
+/// takes ([`IO_TIMEOUT`] twice) + [`WRITE_DEADLINE`].
 pub const MAX_CONNECTIONS: usize = 256;
 
-/// The connections still sending their head, oldest first: when every slot is taken, a new
+/// The connections still sending their request, oldest first: when every slot is taken, a new
 /// connection takes the slot of the oldest of these (it is told to close), so clients that open
-/// connections and send nothing cannot lock out one that sends its request at once. A connection
-/// leaves the queue once its head is read; from then on only its deadlines end it.
+/// connections and send nothing — or a head and never the body — cannot lock out one that sends
+/// its request at once. A connection leaves the queue once its request is whole, or once it is
+/// admitted with the admin token; from then on only its deadlines end it.
 #[derive(Debug, Default)]
 pub struct HeadPhase {
     next: u64,
@@ -461,7 +499,8 @@ impl HeadPhase {
         (id, n)
     }
 
-    /// The connection `id` has sent its head (or ended): it can no longer be evicted.
+    /// The connection `id` has sent its whole request, was authenticated, or ended: it can no
+    /// longer be evicted.
     pub fn leave(&mut self, id: u64) {
         self.queue.retain(|(i, _)| *i != id);
     }
@@ -484,21 +523,24 @@ impl HeadPhase {
     }
 }
 
-/// The byte budgets bodies are read under (see the module invariants).
+/// The byte budgets bodies are read under and answers written under (see the module invariants).
 struct Budgets {
     /// Query bodies, in KiB.
     query_kib: Arc<Semaphore>,
+    /// Query answers waiting to be written, in KiB.
+    answer_kib: Arc<Semaphore>,
     /// One admin body at a time.
     admin: Arc<Semaphore>,
 }
 
 /// Serves until the listener fails; each connection on its own task, at most
-/// [`MAX_CONNECTIONS`] at once. With every slot taken, a new connection evicts the oldest one still
-/// sending its head ([`HeadPhase`]).
+/// [`MAX_CONNECTIONS`] at once. With every slot taken, a new connection evicts the oldest one that
+/// has not yet sent a whole unauthenticated request ([`HeadPhase`]), retrying while it waits.
 pub async fn serve(listener: TcpListener, state: Arc<ServeState>) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let budgets = Arc::new(Budgets {
         query_kib: Arc::new(Semaphore::new(QUERY_BODY_BUDGET / 1024)),
+        answer_kib: Arc::new(Semaphore::new(ANSWER_BUDGET / 1024)),
         admin: Arc::new(Semaphore::new(1)),
     });
     let heads = Arc::new(std::sync::Mutex::new(HeadPhase::default()));
@@ -511,26 +553,43 @@ pub async fn serve(listener: TcpListener, state: Arc<ServeState>) {
                 continue;
             }
         };
-        let permit = match slots.clone().try_acquire_owned() {
-            Ok(p) => p,
-            Err(_) => {
-                if let Ok(mut h) = heads.lock() {
-                    h.evict_oldest();
-                }
-                // The evicted connection (or, with none to evict, one whose deadlines run out)
-                // gives its slot back.
-                let Ok(p) = slots.clone().acquire_owned().await else {
-                    return;
-                };
-                p
+        let permit = loop {
+            match slots.clone().try_acquire_owned() {
+                Ok(p) => break Some(p),
+                Err(tokio::sync::TryAcquireError::Closed) => break None,
+                Err(tokio::sync::TryAcquireError::NoPermits) => {}
             }
+            if let Ok(mut h) = heads.lock() {
+                h.evict_oldest();
+            }
+            // The evicted connection gives its slot back (or, with none to evict, one whose
+            // deadlines run out); evict again if another took it first.
+            if let Ok(p) =
+                tokio::time::timeout(Duration::from_millis(50), slots.clone().acquire_owned()).await
+            {
+                break p.ok();
+            }
+        };
+        let Some(permit) = permit else {
+            return;
+        };
+        // Registered before its task runs, so an accept burst always finds someone to evict.
+        let Ok((ticket, evicted)) = heads.lock().map(|mut h| h.enter()) else {
+            return;
         };
         let (state, budgets, heads) = (state.clone(), budgets.clone(), heads.clone());
         tokio::spawn(async move {
             let _permit = permit;
-            if let Err(e) = handle(sock, &state, &budgets, &heads).await {
+            let conn = Conn {
+                state: &state,
+                budgets: &budgets,
+                heads: &heads,
+                ticket,
+            };
+            if let Err(e) = conn.handle(sock, &evicted).await {
                 tracing::debug!(error = %e, "listen: connection ended");
             }
+            conn.leave();
         });
     }
 }
@@ -559,19 +618,26 @@ async fn write_response(sock: &mut TcpStream, resp: &[u8]) -> std::io::Result<()
 }
 
 /// The head, read under [`HEAD_DEADLINE`]: `Ok(Err(response))` for a malformed one, `Ok(Ok(None))`
-/// when the client hung up first.
+/// when the client hung up first. The blank line is searched only in what each read added, so a
+/// head sent a byte at a time costs linear, not quadratic, work.
 async fn read_head(
     sock: &mut TcpStream,
     buf: &mut Vec<u8>,
 ) -> std::io::Result<Result<Option<RequestHead>, Vec<u8>>> {
     tokio::time::timeout(HEAD_DEADLINE, async {
+        let mut searched = 0usize;
         loop {
-            match parse_request(buf) {
-                Ok(Some(h)) => return Ok(Ok(Some(h))),
-                Ok(None) => {}
-                Err(e) => {
-                    let r = response(400, "Bad Request", "text/plain", e.to_string().as_bytes());
-                    return Ok(Err(r));
+            let complete = find(&buf[searched.saturating_sub(3)..], b"\r\n\r\n").is_some();
+            searched = buf.len();
+            if complete || buf.len() > MAX_HEAD {
+                match parse_request(buf) {
+                    Ok(Some(h)) => return Ok(Ok(Some(h))),
+                    Ok(None) => {}
+                    Err(e) => {
+                        let r =
+                            response(400, "Bad Request", "text/plain", e.to_string().as_bytes());
+                        return Ok(Err(r));
+                    }
                 }
             }
             if !read_more(sock, buf, MAX_HEAD + 4 - buf.len().min(MAX_HEAD)).await? {
@@ -583,143 +649,225 @@ async fn read_head(
     .map_err(|_| timed_out("request head deadline"))?
 }
 
-async fn handle(
-    mut sock: TcpStream,
-    state: &ServeState,
-    budgets: &Budgets,
-    heads: &std::sync::Mutex<HeadPhase>,
-) -> std::io::Result<()> {
-    let started = tokio::time::Instant::now();
-    let mut buf = Vec::with_capacity(1024);
-    let (ticket, evicted) = heads
-        .lock()
-        .map_err(|_| std::io::Error::other("head-phase registry poisoned"))?
-        .enter();
-    let read = tokio::select! {
-        r = read_head(&mut sock, &mut buf) => Some(r),
-        () = evicted.notified() => None,
-    };
-    if let Ok(mut h) = heads.lock() {
-        h.leave(ticket);
-    }
-    let head = match read {
-        None => {
-            return Err(std::io::Error::other(
-                "evicted while sending its head: every slot was taken",
-            ));
+/// A whole request, admitted and read: its route, its body, and the budget its body holds.
+struct Request {
+    route: Route,
+    body: Vec<u8>,
+    _budget: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+/// One connection's view of the server.
+struct Conn<'a> {
+    state: &'a ServeState,
+    budgets: &'a Budgets,
+    heads: &'a std::sync::Mutex<HeadPhase>,
+    ticket: u64,
+}
+
+impl Conn<'_> {
+    /// Leaves the eviction queue (idempotent).
+    fn leave(&self) {
+        if let Ok(mut h) = self.heads.lock() {
+            h.leave(self.ticket);
         }
-        Some(r) => match r? {
+    }
+
+    async fn handle(
+        &self,
+        mut sock: TcpStream,
+        evicted: &tokio::sync::Notify,
+    ) -> std::io::Result<()> {
+        // Evictable until the request is whole (an authenticated one leaves at admission).
+        let request = tokio::select! {
+            r = self.read_request(&mut sock) => r?,
+            () = evicted.notified() => {
+                return Err(std::io::Error::other(
+                    "evicted before its request was whole: every slot was taken",
+                ));
+            }
+        };
+        self.leave();
+        let Some(request) = request else {
+            return Ok(());
+        };
+        let (resp, _answer_budget) = self.route_request(request).await;
+        write_response(&mut sock, &resp).await
+    }
+
+    /// Reads the head, admits it, takes the body's budget and reads the body, under the deadlines.
+    /// `Ok(None)` when the request was refused (the refusal written) or the client went away.
+    async fn read_request(&self, sock: &mut TcpStream) -> std::io::Result<Option<Request>> {
+        let started = tokio::time::Instant::now();
+        let mut buf = Vec::with_capacity(1024);
+        let head = match read_head(sock, &mut buf).await? {
             Ok(Some(h)) => h,
-            Ok(None) => return Ok(()),
-            Err(resp) => return write_response(&mut sock, &resp).await,
-        },
-    };
-    let (route, _limit) = match admit(&head, &state.policy) {
-        Ok(r) => r,
-        Err(refusal) => return write_response(&mut sock, &refusal.response()).await,
-    };
-    // The body's share of a budget, taken before a byte of it is read.
-    let _budget = match route {
-        Route::Query if head.content_length > 0 => {
-            let kib = head.content_length.div_ceil(1024);
-            match u32::try_from(kib)
-                .ok()
-                .and_then(|k| budgets.query_kib.clone().try_acquire_many_owned(k).ok())
-            {
-                Some(p) => Some(p),
-                None => {
-                    let busy = Refusal::new(
-                        503,
-                        "Service Unavailable",
-                        "too many query bodies in flight; retry",
-                    );
-                    return write_response(&mut sock, &busy.response()).await;
+            Ok(None) => return Ok(None),
+            Err(resp) => {
+                write_response(sock, &resp).await?;
+                return Ok(None);
+            }
+        };
+        let (route, _limit) = match admit(&head, &self.state.policy) {
+            Ok(r) => r,
+            Err(refusal) => {
+                write_response(sock, &refusal.response()).await?;
+                return Ok(None);
+            }
+        };
+        // The body's share of a budget, taken before a byte of it is read.
+        let budget = match route {
+            Route::Query if head.content_length > 0 => {
+                let kib = head.content_length.div_ceil(1024);
+                match u32::try_from(kib).ok().and_then(|k| {
+                    self.budgets
+                        .query_kib
+                        .clone()
+                        .try_acquire_many_owned(k)
+                        .ok()
+                }) {
+                    Some(p) => Some(p),
+                    None => {
+                        let busy = Refusal::new(
+                            503,
+                            "Service Unavailable",
+                            "too many query bodies in flight; retry",
+                        );
+                        write_response(sock, &busy.response()).await?;
+                        return Ok(None);
+                    }
                 }
             }
-        }
-        Route::Swap | Route::Export => match budgets.admin.clone().try_acquire_owned() {
-            Ok(p) => Some(p),
-            Err(_) => {
-                let busy = Refusal::new(
-                    503,
-                    "Service Unavailable",
-                    "another admin request is in flight; retry",
-                );
-                return write_response(&mut sock, &busy.response()).await;
+            Route::Swap | Route::Export => {
+                // Admitted with the admin token: no longer a stranger to evict.
+                self.leave();
+                match self.budgets.admin.clone().try_acquire_owned() {
+                    Ok(p) => Some(p),
+                    Err(_) => {
+                        let busy = Refusal::new(
+                            503,
+                            "Service Unavailable",
+                            "another admin request is in flight; retry",
+                        );
+                        write_response(sock, &busy.response()).await?;
+                        return Ok(None);
+                    }
+                }
             }
-        },
-        _ => None,
-    };
-    let want = head.head_len + head.content_length;
-    buf.truncate(want.min(buf.len()));
-    let rest = REQUEST_DEADLINE.saturating_sub(started.elapsed());
-    let complete = tokio::time::timeout(rest, async {
-        while buf.len() < want {
-            let left = want - buf.len();
-            if !read_more(&mut sock, &mut buf, left).await? {
-                return Ok::<bool, std::io::Error>(false);
+            _ => None,
+        };
+        let want = head.head_len + head.content_length;
+        buf.truncate(want.min(buf.len()));
+        let rest = REQUEST_DEADLINE.saturating_sub(started.elapsed());
+        let complete = tokio::time::timeout(rest, async {
+            while buf.len() < want {
+                let left = want - buf.len();
+                if !read_more(sock, &mut buf, left).await? {
+                    return Ok::<bool, std::io::Error>(false);
+                }
             }
-        }
-        Ok(true)
-    })
-    .await
-    .map_err(|_| timed_out("request deadline"))??;
-    if !complete {
-        return Ok(());
-    }
-    let body = buf.split_off(head.head_len);
-    drop(buf);
-    let resp = route_request(route, body, state).await;
-    write_response(&mut sock, &resp).await
-}
-
-async fn route_request(route: Route, body: Vec<u8>, state: &ServeState) -> Vec<u8> {
-    match route {
-        Route::Status => {
-            let v = (state.status)();
-            let mut b = serde_json::to_vec(&v).unwrap_or_default();
-            b.push(b'\n');
-            response(200, "OK", "application/json", &b)
-        }
-        Route::Query => query(body, state).await,
-        Route::Swap => swap(body, state).await,
-        Route::Export => export(body, state).await,
-    }
-}
-
-async fn query(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
-    let (tx, rx) = oneshot::channel();
-    if state
-        .control
-        .send(Control::Query {
-            request: body,
-            reply: tx,
+            Ok(true)
         })
         .await
-        .is_err()
-    {
-        return response(
-            503,
-            "Service Unavailable",
-            "text/plain",
-            b"the fold is not running\n",
-        );
+        .map_err(|_| timed_out("request deadline"))??;
+        if !complete {
+            return Ok(None);
+        }
+        let body = buf.split_off(head.head_len);
+        Ok(Some(Request {
+            route,
+            body,
+            _budget: budget,
+        }))
+    }
+
+    /// Serves an admitted request; a query's answer holds its share of [`ANSWER_BUDGET`] until it
+    /// is written (the second value).
+    async fn route_request(
+        &self,
+        request: Request,
+    ) -> (Vec<u8>, Option<tokio::sync::OwnedSemaphorePermit>) {
+        let Request {
+            route,
+            body,
+            _budget,
+        } = request;
+        let state = self.state;
+        match route {
+            Route::Status => {
+                let v = (state.status)();
+                let mut b = serde_json::to_vec(&v).unwrap_or_default();
+                b.push(b'\n');
+                (response(200, "OK", "application/json", &b), None)
+            }
+            Route::Query => query(body, state, self.budgets).await,
+            Route::Swap => (swap(body, state).await, None),
+            Route::Export => (export(body, state).await, None),
+        }
+    }
+}
+
+/// A 503 response with `message`.
+fn unavailable(message: &str) -> Vec<u8> {
+    response(
+        503,
+        "Service Unavailable",
+        "text/plain",
+        format!("{message}\n").as_bytes(),
+    )
+}
+
+async fn query(
+    body: Vec<u8>,
+    state: &ServeState,
+    budgets: &Budgets,
+) -> (Vec<u8>, Option<tokio::sync::OwnedSemaphorePermit>) {
+    let (tx, rx) = oneshot::channel();
+    let sent = tokio::time::timeout(
+        IO_TIMEOUT,
+        state.control.send(Control::Query {
+            request: body,
+            reply: tx,
+        }),
+    )
+    .await;
+    match sent {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => return (unavailable("the fold is not running"), None),
+        Err(_) => {
+            return (
+                unavailable("the fold is busy: no room for the query in time"),
+                None,
+            );
+        }
     }
     match tokio::time::timeout(IO_TIMEOUT, rx).await {
-        Ok(Ok(Ok(answer))) => response(200, "OK", "application/octet-stream", &answer),
-        Ok(Ok(Err(e))) => response(
-            422,
-            "Unprocessable Entity",
-            "text/plain",
-            format!("{e}\n").as_bytes(),
+        Ok(Ok(Ok(answer))) => {
+            let kib = answer.len().div_ceil(1024);
+            let budget = u32::try_from(kib)
+                .ok()
+                .and_then(|k| budgets.answer_kib.clone().try_acquire_many_owned(k).ok());
+            match budget {
+                Some(b) => (
+                    response(200, "OK", "application/octet-stream", &answer),
+                    Some(b),
+                ),
+                None => (unavailable("too many answers in flight; retry"), None),
+            }
+        }
+        Ok(Ok(Err(e))) => (
+            response(
+                422,
+                "Unprocessable Entity",
+                "text/plain",
+                format!("{e}\n").as_bytes(),
+            ),
+            None,
         ),
-        Ok(Err(_)) => response(
-            503,
-            "Service Unavailable",
-            "text/plain",
-            b"the fold stopped\n",
+        Ok(Err(_)) => (unavailable("the fold stopped"), None),
+        Err(_) => (
+            response(504, "Gateway Timeout", "text/plain", b"no answer in time\n"),
+            None,
         ),
-        Err(_) => response(504, "Gateway Timeout", "text/plain", b"no answer in time\n"),
     }
 }
 
@@ -793,13 +941,10 @@ async fn swap(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
         what: "the new guest".into(),
         reply: tx,
     };
-    if state.control.send(control).await.is_err() {
-        return response(
-            503,
-            "Service Unavailable",
-            "text/plain",
-            b"the fold is not running\n",
-        );
+    match tokio::time::timeout(SWAP_TIMEOUT, state.control.send(control)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => return unavailable("the fold is not running"),
+        Err(_) => return unavailable("the fold is busy: no room for the swap in time"),
     }
     match tokio::time::timeout(SWAP_TIMEOUT, rx).await {
         Ok(Ok(Ok(report))) => {
@@ -1030,6 +1175,34 @@ mod tests {
         // The evicted one is told (the notification is kept until it waits for it).
         let woke = futures::FutureExt::now_or_never(na.notified());
         assert!(woke.is_some(), "the oldest was told to close");
+    }
+
+    #[test]
+    fn only_a_generated_private_token_file_is_followed() -> std::io::Result<()> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join(ADMIN_TOKEN_FILE);
+        let token = generate_token_file(&file)?;
+        assert_eq!(
+            std::fs::metadata(&file)?.permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(read_generated_token(&file)?, token);
+        // Readable by others: refused.
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644))?;
+        assert!(read_generated_token(&file).is_err());
+        // Another name (a private key, say), or content that is not a generated token: refused.
+        let key = dir.path().join("id_ed25519");
+        std::fs::write(&key, "-----BEGIN OPENSSH PRIVATE KEY-----\n")?;
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600))?;
+        assert!(read_generated_token(&key).is_err());
+        let other = dir.path().join("sub");
+        std::fs::create_dir(&other)?;
+        let fake = other.join(ADMIN_TOKEN_FILE);
+        std::fs::write(&fake, "-----BEGIN OPENSSH PRIVATE KEY-----\n")?;
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o600))?;
+        assert!(read_generated_token(&fake).is_err());
+        Ok(())
     }
 
     #[test]

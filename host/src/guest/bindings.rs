@@ -30,7 +30,8 @@ const STDERR_CAPACITY: usize = 16 * 1024;
 pub const MAX_MESSAGE_BYTES: usize = 4096;
 /// Most log lines one guest call may write; the rest are dropped (counted in one last line).
 pub const MAX_LOG_LINES_PER_CALL: u32 = 1000;
-/// Most elements a guest table may have (`table.grow` is one instruction no deadline interrupts).
+/// Most elements a guest's tables may have together (`table.grow` is one instruction no deadline
+/// interrupts).
 pub const MAX_TABLE_ELEMENTS: usize = 1_000_000;
 /// Most core instances in one guest (language runtimes such as componentize-py use several).
 pub const MAX_INSTANCES: usize = 64;
@@ -61,11 +62,11 @@ pub struct MemoryCapHit {
 
 /// A table grew past [`MAX_TABLE_ELEMENTS`].
 #[derive(Debug, thiserror::Error)]
-#[error("table limit of {max} elements hit (asked for {desired})")]
+#[error("table limit of {max} elements hit (all tables together would hold {desired})")]
 pub struct TableCapHit {
     /// The limit.
     pub max: usize,
-    /// What the guest asked for.
+    /// What the tables together would have held.
     pub desired: usize,
 }
 
@@ -75,6 +76,10 @@ pub struct TableCapHit {
 pub struct GuestLimiter {
     memory_cap: usize,
     memory_used: usize,
+    /// The last memory grow allowed (taken back if the memory itself refuses it).
+    memory_last: usize,
+    table_used: usize,
+    table_last: usize,
 }
 
 impl GuestLimiter {
@@ -83,6 +88,9 @@ impl GuestLimiter {
         GuestLimiter {
             memory_cap,
             memory_used: 0,
+            memory_last: 0,
+            table_used: 0,
+            table_last: 0,
         }
     }
 }
@@ -102,22 +110,42 @@ impl wasmtime::ResourceLimiter for GuestLimiter {
             }));
         }
         self.memory_used = total;
+        self.memory_last = grow;
         Ok(true)
+    }
+
+    fn memory_grow_failed(&mut self, _error: wasmtime::Error) -> wasmtime::Result<()> {
+        // Allowed here, refused by the memory (its own maximum): it holds nothing more.
+        self.memory_used = self
+            .memory_used
+            .saturating_sub(std::mem::take(&mut self.memory_last));
+        Ok(())
     }
 
     fn table_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
-        if desired > MAX_TABLE_ELEMENTS {
+        let grow = desired.saturating_sub(current);
+        let total = self.table_used.saturating_add(grow);
+        if total > MAX_TABLE_ELEMENTS {
             return Err(wasmtime::Error::new(TableCapHit {
                 max: MAX_TABLE_ELEMENTS,
-                desired,
+                desired: total,
             }));
         }
+        self.table_used = total;
+        self.table_last = grow;
         Ok(true)
+    }
+
+    fn table_grow_failed(&mut self, _error: wasmtime::Error) -> wasmtime::Result<()> {
+        self.table_used = self
+            .table_used
+            .saturating_sub(std::mem::take(&mut self.table_last));
+        Ok(())
     }
 
     fn instances(&self) -> usize {
@@ -331,11 +359,19 @@ mod tests {
         }
         let e = l.memory_growing(16 << 20, (16 << 20) + 65536, None);
         assert!(e.is_err_and(|e| e.to_string().contains("memory cap of 64 MiB")));
+        // A grow the memory itself refuses is taken back.
+        let mut l = GuestLimiter::new(64 << 20);
+        assert!(l.memory_growing(0, 60 << 20, None).is_ok_and(|ok| ok));
         assert!(
-            l.table_growing(0, MAX_TABLE_ELEMENTS, None)
-                .is_ok_and(|ok| ok)
+            l.memory_grow_failed(wasmtime::Error::msg("over its maximum"))
+                .is_ok()
         );
-        let e = l.table_growing(10, MAX_TABLE_ELEMENTS + 1, None);
+        assert!(l.memory_growing(0, 60 << 20, None).is_ok_and(|ok| ok));
+        // Tables are counted together too.
+        let half = MAX_TABLE_ELEMENTS / 2;
+        assert!(l.table_growing(0, half, None).is_ok_and(|ok| ok));
+        assert!(l.table_growing(0, half, None).is_ok_and(|ok| ok));
+        let e = l.table_growing(0, 1, None);
         assert!(e.is_err_and(|e| e.to_string().contains("table limit")));
         assert!(
             l.instances() >= 32,

@@ -35,6 +35,11 @@ use bindings::{GuestPre, HostState, MAX_MESSAGE_BYTES, clip_text};
 /// Compiled components kept by one engine (the running one, the one before, a swap candidate…).
 pub const MAX_CACHED_COMPONENTS: usize = 8;
 
+/// Longest guest name or version accepted from a manifest.
+pub const MAX_MANIFEST_NAME: usize = 128;
+/// Most scope prefixes a manifest may declare.
+pub const MAX_SCOPE_PREFIXES: usize = 256;
+
 /// The wasm stack of a guest call, in bytes (a deeper recursion traps).
 pub const MAX_WASM_STACK: usize = 512 * 1024;
 
@@ -421,6 +426,29 @@ impl Core {
             .within("manifest", folder.call_manifest(&mut live.store))
             .await?
             .map_err(|e| self.call_error(live, "manifest", e))?;
+        // The name and version go into every log line, error and status: short, printable.
+        let printable = |s: &str| {
+            !s.is_empty() && s.len() <= MAX_MANIFEST_NAME && !s.chars().any(char::is_control)
+        };
+        if !printable(&m.name) || !printable(&m.version) {
+            return Err(self.err(
+                "manifest",
+                format!(
+                    "name and version must be 1 to {MAX_MANIFEST_NAME} printable bytes (got {} and {} bytes)",
+                    m.name.len(),
+                    m.version.len()
+                ),
+            ));
+        }
+        if m.scope.len() > MAX_SCOPE_PREFIXES || m.scope.iter().any(|p| p.len() > MAX_MESSAGE_BYTES)
+        {
+            return Err(self.err(
+                "manifest",
+                format!(
+                    "scope must be at most {MAX_SCOPE_PREFIXES} prefixes of at most {MAX_MESSAGE_BYTES} bytes"
+                ),
+            ));
+        }
         Ok(GuestManifest {
             name: m.name,
             version: m.version,

@@ -480,3 +480,86 @@ async fn a_fold_holding_forged_retained_records_from_an_older_version_opens_and_
     );
     Ok(())
 }
+
+/// Fails `apply` whenever its batch holds the key `bad` (accepting everything in `parse`).
+#[derive(Default)]
+struct FailsOnBad;
+
+#[async_trait]
+impl Apply for FailsOnBad {
+    fn describe(&self) -> String {
+        "native:fails-on-bad".into()
+    }
+
+    async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
+        Ok(vec![Verdict::Accept; batch.len()])
+    }
+
+    async fn apply(&mut self, batch: &[KvUpdate], _verdicts: &[Verdict]) -> Result<(), ApplyError> {
+        if batch.iter().any(|u| u.key() == "bad") {
+            return Err(ApplyError {
+                applier: self.describe(),
+                call: "apply",
+                message: "bad".into(),
+            });
+        }
+        Ok(())
+    }
+
+    async fn on_applied(&mut self, _cursor: WatchCursor) {}
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_skipped_reserved_key_never_lets_a_retried_half_commit_a_cursor_over_unapplied_updates()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let (store, _) = AppendLogSnapshot::open(dir.path(), AppendLogOptions::default())?;
+    let mut fold = Fold::new(SharedStore::new(store), Arc::new(FoldStatus::default()))?;
+    let mut apply = FailsOnBad;
+    let batch = vec![
+        put("a", "1", 1),
+        put("\u{1}retained/00000000000000000009/x", "forged", 2),
+        put("b", "3", 3),
+        put("bad", "4", 4),
+    ];
+    // The apply fails: the batch comes back as delivered, the skipped key in it.
+    let back = fold
+        .flush(batch.clone(), &mut apply)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("the failed batch was not handed back"))?;
+    assert_eq!(back, batch);
+    // A retry of the first update alone commits a cursor at 1, not over the skipped key at 2
+    // (b at 3 and bad at 4 are not applied).
+    assert!(fold.flush(back[..1].to_vec(), &mut apply).await?.is_none());
+    assert_eq!(fold.cursor(), WatchCursor::at(1));
+    // The next half, with the skipped key and b, moves it to 3; bad (4) stays unapplied.
+    assert!(fold.flush(back[1..3].to_vec(), &mut apply).await?.is_none());
+    assert_eq!(fold.cursor(), WatchCursor::at(3));
+    assert!(fold.flush(back[3..].to_vec(), &mut apply).await?.is_some());
+    assert_eq!(fold.cursor(), WatchCursor::at(3));
+    assert_eq!(
+        fold.store()
+            .read()?
+            .get("\u{1}retained/00000000000000000009/x")?,
+        None
+    );
+
+    // A batch of nothing but a skipped key (the stream's last message, say) still moves the
+    // cursor, so a catch-up reaches its target.
+    let dir = tempfile::tempdir()?;
+    let (store, _) = AppendLogSnapshot::open(dir.path(), AppendLogOptions::default())?;
+    let mut fold = Fold::new(SharedStore::new(store), Arc::new(FoldStatus::default()))?;
+    assert!(
+        fold.flush(vec![put("a", "1", 1)], &mut apply)
+            .await?
+            .is_none()
+    );
+    assert!(
+        fold.flush(vec![put("\u{1}x", "y", 2)], &mut apply)
+            .await?
+            .is_none()
+    );
+    assert_eq!(fold.cursor(), WatchCursor::at(2));
+    assert_eq!(fold.store().read()?.get("\u{1}x")?, None);
+    Ok(())
+}

@@ -13,7 +13,7 @@ use foldhost::kv::{KvWriter, WatchScope};
 use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SharedStore};
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, hostile_wat,
-    status_store, terminate, wait_status,
+    run_command, status_store, terminate, wait_status,
 };
 use rand::{Rng, SeedableRng};
 
@@ -340,20 +340,9 @@ async fn a_guest_sleeping_in_query_or_init_is_cut_at_its_deadline() -> anyhow::R
     kv.put("k", "v".into()).await?;
     let tmp = tempfile::tempdir()?;
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
-    let mut host = foldhost()
-        .args([
-            "run",
-            "--bucket",
-            "napper",
-            "--nats",
-            &h.url(),
-            "--listen",
-            &addr,
-        ])
+    let mut host = run_command(&h, "napper", &tmp.path().join("fold"), Some(&addr))
         .args(["--guest-deadline-ms", "300", "--guest"])
         .arg(guest_wasm("hostile_sleep"))
-        .arg("--store")
-        .arg(tmp.path().join("fold"))
         .stderr(Stdio::null())
         .spawn()?;
     wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(1)).await?;
@@ -419,23 +408,12 @@ async fn a_loud_guests_log_lines_errors_and_answers_are_cut_at_their_limits() ->
     let store = tmp.path().join("fold");
     let log_path = tmp.path().join("host.log");
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
-    let mut host = foldhost()
-        .args([
-            "run",
-            "--bucket",
-            "loud",
-            "--nats",
-            &h.url(),
-            "--listen",
-            &addr,
-        ])
+    let mut host = run_command(&h, "loud", &store, Some(&addr))
         // The deadline is not under test here: generous, so the size limits are what stop it.
         .args(["--guest-deadline-ms", "60000"])
         .env("FOLDHOST_LOG", "info")
         .arg("--guest")
         .arg(guest_wasm("hostile_loud"))
-        .arg("--store")
-        .arg(&store)
         .stderr(std::fs::File::create(&log_path)?)
         .spawn()?;
     // A 10 MiB log line is written cut, its length marked.
