@@ -39,6 +39,9 @@ use crate::stores::{
 /// up by `&str` builds (and allocates) a name per message.
 const KV_OPERATION: async_nats::header::HeaderName =
     async_nats::header::HeaderName::from_static("KV-Operation");
+/// The header of the server's delete markers (NATS 2.11+): why the subject's last message went.
+const NATS_MARKER_REASON: async_nats::header::HeaderName =
+    async_nats::header::HeaderName::from_static("Nats-Marker-Reason");
 /// Most updates sent through the watch channel as one message.
 pub const WATCH_CHUNK: usize = 64;
 
@@ -477,15 +480,16 @@ impl NatsKv {
         let version = meta
             .map(|m| VersionToken::from_u64(m.stream_sequence))
             .unwrap_or(VersionToken::UNKNOWN);
-        let op = msg
-            .headers
-            .as_ref()
-            .and_then(|h| h.get(KV_OPERATION))
-            .map(|v| v.as_str());
-        let update = match op {
-            Some("DEL") => KvUpdate::Delete { key, version },
-            Some("PURGE") => KvUpdate::Purge { key, version },
-            _ => KvUpdate::Put(KvEntry {
+        let header = |name: &async_nats::header::HeaderName| {
+            msg.headers
+                .as_ref()
+                .and_then(|h| h.get(name.clone()))
+                .map(|v| v.as_str())
+        };
+        let update = match protocol::kv_op(header(&KV_OPERATION), header(&NATS_MARKER_REASON)) {
+            protocol::KvOp::Delete => KvUpdate::Delete { key, version },
+            protocol::KvOp::Purge => KvUpdate::Purge { key, version },
+            protocol::KvOp::Put => KvUpdate::Put(KvEntry {
                 key,
                 value: msg.payload.clone(),
                 version,

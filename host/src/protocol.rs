@@ -332,6 +332,33 @@ impl StreamLimits {
     }
 }
 
+/// What a delivered message does to its key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KvOp {
+    /// The key now holds the message's payload.
+    Put,
+    /// The key is deleted.
+    Delete,
+    /// The key is purged (deleted, its history gone).
+    Purge,
+}
+
+/// The fold's rule for a message's operation, from its `KV-Operation` header and the server's
+/// `Nats-Marker-Reason` (NATS 2.11+: the marker the server writes when a subject's last message
+/// goes by age, per-message TTL, or purge). A marker carries no `KV-Operation`; read as a put, it
+/// would leave every expired key in the fold as an empty value. So: `KV-Operation` `DEL` → delete,
+/// `PURGE` → purge; otherwise a marker is a removal — `MaxAge` and `Purge` purge, `Remove` and any
+/// reason this host does not know delete (a marker never carries a value); otherwise a put.
+pub fn kv_op(kv_operation: Option<&str>, marker_reason: Option<&str>) -> KvOp {
+    match (kv_operation, marker_reason) {
+        (Some("DEL"), _) => KvOp::Delete,
+        (Some("PURGE"), _) => KvOp::Purge,
+        (_, Some("MaxAge" | "Purge")) => KvOp::Purge,
+        (_, Some(_)) => KvOp::Delete,
+        _ => KvOp::Put,
+    }
+}
+
 /// Whether a key delivered from the bucket may be folded. Keys starting with `\x01` are the
 /// host's own record space (retained records live there); NATS accepts such a subject on a raw
 /// publish, and folding one would put a forged host record — a fake base, a deleted deferred
@@ -709,5 +736,23 @@ mod tests {
             "\u{1}retained/00000000000000000001/k1"
         ));
         assert!(!bucket_key_admitted("\u{1}"));
+    }
+
+    #[test]
+    fn delete_markers_and_kv_operations_are_removals_and_nothing_else_is() {
+        let cases = [
+            (None, None, KvOp::Put),
+            (Some("PUT"), None, KvOp::Put),
+            (Some("DEL"), None, KvOp::Delete),
+            (Some("PURGE"), None, KvOp::Purge),
+            (None, Some("MaxAge"), KvOp::Purge),
+            (None, Some("Purge"), KvOp::Purge),
+            (None, Some("Remove"), KvOp::Delete),
+            (None, Some("SomethingNew"), KvOp::Delete),
+            (Some("DEL"), Some("MaxAge"), KvOp::Delete),
+        ];
+        for (op, reason, want) in cases {
+            assert_eq!(kv_op(op, reason), want, "{op:?} {reason:?}");
+        }
     }
 }

@@ -13,7 +13,7 @@ use foldhost::kv::{KvWriter, WatchScope};
 use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SharedStore};
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, hostile_wat,
-    run_command, status_store, terminate, wait_status,
+    run_command, status_store, terminate, wait_status, wait_until,
 };
 use rand::{Rng, SeedableRng};
 
@@ -856,5 +856,78 @@ async fn new_guest_scaffolds_a_guest_that_builds_with_one_command_and_runs() -> 
         .arg(&dir)
         .output()?;
     assert_eq!(again.status.code(), Some(1));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_expiring_by_per_message_ttl_leave_the_fold_and_the_router_live_and_across_a_restart()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("ttl").await?;
+    // Per-message TTLs, and the server's delete markers when a subject's last message expires.
+    let js = kv.jetstream().clone();
+    let mut config = js.get_stream("KV_ttl").await?.info().await?.config.clone();
+    config.allow_message_ttl = true;
+    config.subject_delete_marker_ttl = Some(Duration::from_secs(1));
+    js.update_stream(config).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = run_command(&h, "ttl", &store, Some(&addr))
+        .arg("--guest")
+        .arg(guest_wasm("router"))
+        .stderr(Stdio::null())
+        .spawn()?;
+    wait_status(&addr, |s| s["state"] == "running").await?;
+    // Ten hosts that stay, ten that expire after 2 s.
+    for i in 0..20u32 {
+        let subject = format!("$KV.ttl.route.h{i:02}");
+        let value = bytes::Bytes::from(upstream(i, 0));
+        let ack = if i % 2 == 0 {
+            js.publish(subject, value).await?
+        } else {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Nats-TTL", "2s");
+            js.publish_with_headers(subject, headers, value).await?
+        };
+        ack.await?;
+    }
+    let expiring: Vec<String> = (0..20u32)
+        .filter(|i| i % 2 == 1)
+        .map(|i| format!("route.h{i:02}"))
+        .collect();
+    // Folded first (the router answers for every host), then gone once the server expires them.
+    let s = wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(20)).await?;
+    assert_eq!(s["state"], "running", "{s}");
+    wait_until("the expired keys to leave the fold", || {
+        dump_store(&store)
+            .is_ok_and(|d| d.len() == 10 && expiring.iter().all(|k| !d.contains_key(k)))
+    })
+    .await?;
+    for i in 0..20u32 {
+        let (code, body) =
+            foldhost::serve::call(&addr, "POST", "/query", format!("h{i:02}").as_bytes()).await?;
+        let want = if i % 2 == 0 { 200 } else { 422 };
+        assert_eq!(code, want, "h{i:02}: {}", String::from_utf8_lossy(&body));
+    }
+    terminate(&mut host)?;
+    // A restart (a delta from the cursor) and a fresh node (a re-list) agree with the bucket.
+    let fresh = tmp.path().join("fresh");
+    for dir in [&store, &fresh] {
+        let o = run_command(&h, "ttl", dir, None)
+            .args(["--catch-up", "--guest"])
+            .arg(guest_wasm("router"))
+            .output()?;
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        let d = dump_store(dir)?;
+        assert_eq!(
+            d.len(),
+            10,
+            "{}: {:?}",
+            dir.display(),
+            d.keys().collect::<Vec<_>>()
+        );
+        assert!(expiring.iter().all(|k| !d.contains_key(k)));
+    }
     Ok(())
 }
