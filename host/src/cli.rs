@@ -675,7 +675,14 @@ pub async fn run_fold(
     let outcome = match result {
         Ok(finished) => {
             last.state = "stopped".into();
-            last.applied_through = finished.cursor.revision_or_zero();
+            // The one rule, as `/status` and `status --store` apply it: never past the oldest
+            // retained record.
+            let oldest = status.oldest_retained_revision.load(Ordering::Relaxed);
+            last.applied_through = crate::protocol::applied_through(
+                finished.cursor.revision(),
+                (oldest > 0).then_some(oldest),
+            )
+            .unwrap_or(0);
             Ok(RunSummary {
                 cursor: finished.cursor,
                 delivered: status.delivered.load(Ordering::Relaxed),

@@ -563,3 +563,33 @@ async fn a_skipped_reserved_key_never_lets_a_retried_half_commit_a_cursor_over_u
     assert_eq!(fold.store().read()?.get("\u{1}x")?, None);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_stop_writes_the_same_applied_through_as_status_while_records_are_retained()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket_with_history("stopped", 10).await?;
+    let x0 = kv.put("k.x", "x0".into()).await?.as_u64().unwrap_or(0);
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = start_host(&h, "stopped", &store, &addr, &[])?;
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(x0)).await?;
+    let r1 = kv.put("k.x", "fmt2:x1".into()).await?.as_u64().unwrap_or(0);
+    let r2 = kv.put("k.y", "y1".into()).await?.as_u64().unwrap_or(0);
+    let live = wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r2)).await?;
+    assert_eq!(live["applied_through"].as_u64(), Some(r1 - 1), "{live}");
+    let exit = terminate(&mut host)?;
+    assert!(exit.success(), "{exit}");
+    let file = foldhost::storedir::read_status(&store)
+        .ok_or_else(|| anyhow::anyhow!("no status.json after a clean stop"))?;
+    assert_eq!(file.state, "stopped");
+    assert_eq!(file.applied_through, r1 - 1, "status.json after the stop");
+    let st = status_store(&store)?;
+    assert_eq!(
+        st["applied_through"].as_u64(),
+        Some(r1 - 1),
+        "status --store: {st}"
+    );
+    Ok(())
+}
