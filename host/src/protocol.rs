@@ -317,11 +317,17 @@ impl StreamLimits {
     }
 
     /// Whether retention can remove a key's *current* value (not only superseded ones): an age
-    /// limit, an oldest-first size/count limit, or per-message TTLs. A per-key history limit only
-    /// drops superseded revisions, and `discard: new` refuses writes rather than evicting, so
-    /// neither counts.
+    /// limit or an oldest-first size/count limit. A per-key history limit only drops superseded
+    /// revisions, and `discard: new` refuses writes rather than evicting, so neither counts.
+    ///
+    /// Per-message TTLs do not count either — a deliberate refinement of seed 000, which classes
+    /// TTL buckets with `max_age` ones: a message expires by its TTL because its writer asked for
+    /// it, so the expiry is the writer's own delete. A key absent from the listing was deleted or
+    /// expired — both deletes — so the listing stays the truth and the re-list repair is allowed.
+    /// (The Python client creates every KV stream with `allow_msg_ttl`; classing those as evicting
+    /// made them impossible to re-list.)
     pub fn evicts_current_values(&self) -> bool {
-        !self.max_age.is_zero() || self.oldest_first() || self.message_ttl
+        !self.max_age.is_zero() || self.oldest_first()
     }
 
     /// Whether age is the only way to evict a current value (the precondition of the
@@ -401,7 +407,7 @@ mod tests {
     }
 
     #[test]
-    fn only_age_oldest_first_limits_and_ttls_evict_current_values_and_only_age_is_age_only() {
+    fn only_age_and_oldest_first_limits_evict_current_values_and_only_age_is_age_only() {
         use std::time::Duration as D;
         let hour = D::from_secs(3600);
         // (max_age, max_bytes, max_messages, discard old, ttl, evicts, age only)
@@ -412,11 +418,12 @@ mod tests {
             (hour, 1 << 20, -1, false, false, true, true), // discard new refuses, never evicts
             (hour, 1 << 20, -1, true, false, true, false),
             (hour, -1, 10, true, false, true, false),
-            (hour, -1, -1, false, true, true, false),
+            (hour, -1, -1, false, true, true, false), // TTLs: no supersession-only resume
+            (D::ZERO, -1, -1, false, true, false, false), // TTL only: the writer's deletes
             (D::ZERO, 1 << 20, -1, true, false, true, false),
             (D::ZERO, 1 << 20, -1, false, false, false, false),
             (D::ZERO, -1, 1000, true, false, true, false),
-            (D::ZERO, -1, -1, false, true, true, false),
+            (D::ZERO, 1 << 20, -1, true, true, true, false),
         ];
         for (age, bytes, msgs, old, ttl, evicts, only) in table {
             let l = limits(age, bytes, msgs, old, ttl);

@@ -814,3 +814,72 @@ async fn a_fold_with_data_but_no_cursor_is_repaired_like_an_expiry_at_revision_z
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ttl_only_buckets_are_re_listed_to_exactly_the_bucket_without_an_artifact()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("ttlonly").await?;
+    // As nats-py creates every KV stream: per-message TTLs allowed, no age or size limit.
+    let js = kv.jetstream().clone();
+    let mut config = js
+        .get_stream("KV_ttlonly")
+        .await?
+        .info()
+        .await?
+        .config
+        .clone();
+    config.allow_message_ttl = true;
+    js.update_stream(config).await?;
+    publish_all(
+        &js,
+        (0..400u32).map(|i| {
+            let k = if i % 4 == 0 { "del" } else { "keep" };
+            (format!("$KV.ttlonly.{k}.{i:04}"), "v1".into())
+        }),
+    )
+    .await?;
+    let tmp = tempfile::tempdir()?;
+    let node = tmp.path().join("node");
+    ok(&catch_up(&h, "ttlonly", &node, &[])?, "first catch-up")?;
+    // The gap: deletes (their markers purged), rewrites, and one key written with a 1 s TTL that
+    // expires before the node returns.
+    for i in (0..400u32).step_by(4) {
+        kv.delete(&format!("del.{i:04}")).await?;
+    }
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-TTL", "1s");
+    js.publish_with_headers("$KV.ttlonly.gone.soon", headers, "brief".into())
+        .await?
+        .await?;
+    publish_all(
+        &js,
+        (0..400u32)
+            .filter(|i| i % 4 != 0)
+            .map(|i| (format!("$KV.ttlonly.keep.{i:04}"), "v2".into())),
+    )
+    .await?;
+    let stream = js.get_stream("KV_ttlonly").await?;
+    stream.purge().filter("$KV.ttlonly.del.>").await?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while foldhost::kv::KvReader::get(&*kv, "gone.soon")
+        .await?
+        .is_some()
+    {
+        anyhow::ensure!(Instant::now() < deadline, "the TTL'd key never expired");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let want = bucket_contents(&kv).await?;
+    assert_eq!(want.len(), 300);
+    assert!(!want.contains_key("gone.soon"));
+    // The cursor is expired; the default repair re-lists (no artifact anywhere) to the bucket.
+    let o = catch_up(&h, "ttlonly", &node, &[])?;
+    ok(&o, "catch-up over the expired cursor")?;
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("relist"),
+        "repaired by re-list: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    assert_eq!(first_difference(&want, &dump_store(&node)?), None);
+    Ok(())
+}
