@@ -30,7 +30,7 @@ use async_trait::async_trait;
 use tokio::sync::mpsc;
 
 use crate::crashpoint;
-use crate::kv::{KvError, KvUpdate, KvWatcher, WatchCursor, WatchEvent, WatchScope};
+use crate::kv::{KvEntry, KvError, KvUpdate, KvWatcher, WatchCursor, WatchEvent, WatchScope};
 use crate::protocol;
 use crate::retained::{Base, RetainedIndex, RetainedRecord, is_reserved};
 use crate::snapshot::{SharedStore, SnapshotError, SnapshotStore};
@@ -204,6 +204,10 @@ pub enum AppliedError {
     /// An expired cursor could not be repaired (the fold is untouched by every refusal).
     #[error(transparent)]
     Repair(#[from] crate::repair::RepairError),
+    /// The bucket's stream is not the one the fold folds (`--on-recreated refuse`); the fold is
+    /// untouched.
+    #[error("{0}")]
+    Recreated(String),
 }
 
 /// Live figures of a running fold, shared with status, metrics and progress displays.
@@ -643,6 +647,73 @@ impl<S: SnapshotStore> Fold<S> {
         Ok(())
     }
 
+    /// The stream identity committed with the fold (`None`: none recorded yet). A record that does
+    /// not decode is corruption, reported as such.
+    pub fn identity(&self) -> Result<Option<crate::kv::StreamIdentity>, SnapshotError> {
+        let Some(e) = self.store.read()?.get(crate::retained::IDENTITY_KEY)? else {
+            return Ok(None);
+        };
+        crate::kv::StreamIdentity::from_bytes(&e.value)
+            .map(Some)
+            .ok_or_else(|| {
+                SnapshotError::Backend(format!(
+                    "the fold's stream identity record ({} bytes) does not decode",
+                    e.value.len()
+                ))
+            })
+    }
+
+    /// Commits `identity` as the stream this fold folds, with `cursor` (the fold's own, or
+    /// [`WatchCursor::NONE`] for a reset). The fold must be settled.
+    async fn commit_identity<A: Apply + ?Sized>(
+        &mut self,
+        identity: &crate::kv::StreamIdentity,
+        cursor: WatchCursor,
+        apply: &mut A,
+    ) -> Result<(), AppliedError> {
+        debug_assert!(self.is_settled(), "commit_identity on an unsettled fold");
+        let record = vec![KvUpdate::Put(KvEntry {
+            key: crate::retained::IDENTITY_KEY.to_string(),
+            value: bytes::Bytes::from(identity.to_bytes()),
+            version: crate::kv::VersionToken::UNKNOWN,
+        })];
+        let (_, r) = commit(&self.store, record, cursor).await?;
+        r.map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        self.applied = cursor;
+        self.publish_retained()
+            .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        apply.on_applied(cursor).await;
+        Ok(())
+    }
+
+    /// Drops every retained record (they belong to a stream that no longer exists), in one
+    /// commit that keeps the cursor, and has the applier rebuild from the fold: a blocked key's
+    /// guest view was its base, and is the fold's latest value from here on. The fold must be
+    /// settled.
+    async fn drop_retained<A: Apply + ?Sized>(
+        &mut self,
+        apply: &mut A,
+    ) -> Result<u64, AppliedError> {
+        let store_err = |e| AppliedError::Store { streak: 0, last: e };
+        let deletes: Vec<KvUpdate> = self
+            .store
+            .with_retained(|r| r.records().map(RetainedRecord::to_delete).collect())
+            .map_err(store_err)?;
+        if deletes.is_empty() {
+            return Ok(0);
+        }
+        let n = deletes.len() as u64;
+        let (_, r) = commit(&self.store, deletes, self.applied).await?;
+        r.map_err(store_err)?;
+        self.store
+            .with_retained(|r| *r = RetainedIndex::default())
+            .map_err(store_err)?;
+        self.warned.clear();
+        self.publish_retained().map_err(store_err)?;
+        apply.discard();
+        Ok(n)
+    }
+
     /// Records durably, on the cursor, that this fold has seen retention evict a current value.
     pub async fn remember_eviction<A: Apply + ?Sized>(
         &mut self,
@@ -945,6 +1016,9 @@ where
     // Retention is read live at every watch start and every expiry, and periodically while a
     // key-listing repair could still be planned and the memo is unset (seed 000: the fold reads
     // retention while eviction is in force).
+    // The identity check comes first: a fold of another stream is refused (or reset) before any
+    // repair or watch trusts its cursor.
+    let reset = check_identity(&mut fold, apply, &*watcher, &opts, &status).await?;
     let retention = watcher.retention().await?;
     note_retention(&mut fold, apply, retention).await?;
     let mut retention_tick = tokio::time::interval(RETENTION_PERIOD);
@@ -958,13 +1032,14 @@ where
         .max(2);
     // A start without a cursor repairs first when the fold holds data (a re-list would never
     // remove what it does not deliver) or when a restore is armed and the listing is not the truth.
-    let mut relist_next = false;
-    if fold.cursor().revision().is_none() {
-        let has_data = !fold
+    let mut relist_next = reset;
+    if fold.cursor().revision().is_none() && !reset {
+        let has_data = fold
             .store()
             .read()
-            .and_then(|s| s.is_empty())
-            .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+            .and_then(|s| crate::snapshot::bucket_len(&*s))
+            .map_err(|e| AppliedError::Store { streak: 0, last: e })?
+            > 0;
         let armed = if opts.repair.restore_armed() {
             opts.repair.mode
         } else {
@@ -998,7 +1073,14 @@ where
 
     // One turn per watch: a repaired expiry starts the next (a delta from the restored cursor, or
     // a state-sync re-list after the key-listing diff).
+    let mut first_turn = true;
     'watch: loop {
+        // Every watch (re)start checks the stream again (the first one was checked above).
+        if !std::mem::take(&mut first_turn)
+            && check_identity(&mut fold, apply, &*watcher, &opts, &status).await?
+        {
+            relist_next = true;
+        }
         let (tx, mut rx) = mpsc::channel::<WatchEvent>(depth);
         let start = fold.cursor();
         let scope = opts.scope.clone();
@@ -1013,6 +1095,7 @@ where
         });
         let mut watch_task = AbortOnDrop(watch_task);
         let mut expired: Option<KvError> = None;
+        let mut changed = false;
         let mut batch: Vec<KvUpdate> = Vec::with_capacity(opts.batch.max);
         // One timer, re-armed when the batch opens: a fresh timer per delivery costs more than the
         // delivery. A full batch never waits for it (the timer wheel ticks in milliseconds).
@@ -1127,6 +1210,13 @@ where
                                         expired = Some(e);
                                         break 'fold;
                                     }
+                                    // The stream changed under the watch: the next turn's
+                                    // identity check refuses, or resets for the new stream.
+                                    Ok(Err(e @ KvError::StreamChanged { .. })) => {
+                                        tracing::warn!(error = %e, "watch ended: checking the bucket's identity again");
+                                        changed = true;
+                                        break 'fold;
+                                    }
                                     Ok(Err(e)) => return Err(AppliedError::Watch(e)),
                                     Err(e) => return Err(AppliedError::Task(e.to_string())),
                                 }
@@ -1203,6 +1293,7 @@ where
                 relist_next =
                     repair_expired(&mut fold, apply, &*watcher, &opts, &status, why).await?;
             }
+            None if changed => {}
             None => break 'watch,
         }
     }
@@ -1235,6 +1326,124 @@ async fn note_retention<S: SnapshotStore, A: Apply + ?Sized>(
         fold.remember_eviction(apply).await?;
     }
     Ok(())
+}
+
+/// The bucket identity check ([`protocol::stream_identity_check`]) at a watch (re)start: pins the
+/// stream on the watcher and returns `false` when the fold folds it (recording it first when the
+/// fold has none); refuses with [`AppliedError::Recreated`] when the stream is another one, or —
+/// with `--on-recreated relist` — resets the fold for it and returns `true` (the next watch is a
+/// state-sync re-list). The fold must be settled.
+///
+/// The reset, step by step, each a commit (a crash between two reruns the check, which finds the
+/// stream still unrecorded and resets again): the old stream's retained records go (the guest
+/// rebuilds from the fold); the key-listing diff deletes every fold key the new stream does not
+/// list; the cursor goes to none (the eviction memo with it) and the new identity is recorded.
+async fn check_identity<S: SnapshotStore, A: Apply + ?Sized>(
+    fold: &mut Fold<S>,
+    apply: &mut A,
+    watcher: &dyn KvWatcher,
+    opts: &WatchOptions,
+    status: &FoldStatus,
+) -> Result<bool, AppliedError> {
+    let Some(found) = watcher.stream_state().await? else {
+        return Ok(false);
+    };
+    let store_err = |e| AppliedError::Store { streak: 0, last: e };
+    let recorded = fold.identity().map_err(store_err)?;
+    let cursor = fold.cursor();
+    let verdict = protocol::stream_identity_check(
+        recorded.as_ref(),
+        &found.identity,
+        cursor.revision(),
+        found.last_sequence,
+    );
+    let bucket = watcher.bucket_name();
+    match verdict {
+        protocol::IdentityVerdict::Same => {}
+        protocol::IdentityVerdict::Record => {
+            if cursor.revision().is_some() {
+                tracing::warn!(bucket = %bucket, identity = %found.identity, cursor = %cursor, "the fold records no stream identity (written by an older version): recording this stream's, which still covers the cursor");
+            }
+            fold.commit_identity(&found.identity, cursor, apply).await?;
+        }
+        protocol::IdentityVerdict::Recreated | protocol::IdentityVerdict::CursorAhead => {
+            let why = other_stream(verdict, recorded.as_ref(), cursor, &found);
+            if opts.repair.on_recreated == protocol::OnRecreated::Refuse {
+                return Err(AppliedError::Recreated(refusal(&bucket, &why)));
+            }
+            tracing::warn!(bucket = %bucket, reason = %why, "--on-recreated relist: re-folding the new bucket as a cursor-less start");
+            let dropped = fold.drop_retained(apply).await?;
+            let report =
+                crate::repair::relist(fold, apply, &opts.repair, &opts.scope, opts.batch.max)
+                    .await?;
+            fold.commit_identity(&found.identity, WatchCursor::NONE, apply)
+                .await?;
+            status.seq.store(0, Ordering::Relaxed);
+            status.repairs.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(bucket = %bucket, retained_dropped = dropped, listed = report.listed, deleted = report.deleted, "recreated bucket: fold reset; re-listing the new bucket");
+            watcher.pin_identity(found.identity);
+            return Ok(true);
+        }
+    }
+    watcher.pin_identity(found.identity);
+    Ok(false)
+}
+
+/// Why a fold may not resume on `found` (for a [`protocol::IdentityVerdict::Recreated`] or
+/// [`protocol::IdentityVerdict::CursorAhead`] verdict), in words naming both streams.
+fn other_stream(
+    verdict: protocol::IdentityVerdict,
+    recorded: Option<&crate::kv::StreamIdentity>,
+    cursor: WatchCursor,
+    found: &crate::kv::StreamState,
+) -> String {
+    let was = match recorded {
+        Some(r) => r.to_string(),
+        None => "a stream it did not record".to_string(),
+    };
+    if verdict == protocol::IdentityVerdict::Recreated {
+        format!(
+            "the fold folds {was} but the bucket is now {} (deleted and created again, or another bucket's fold)",
+            found.identity
+        )
+    } else {
+        format!(
+            "the fold's cursor {cursor} is above the last sequence {} of {} (recreated, or the server lost its tail)",
+            found.last_sequence, found.identity
+        )
+    }
+}
+
+/// The one line a refused run ends with.
+fn refusal(bucket: &str, why: &str) -> String {
+    format!(
+        "bucket {bucket}: {why}; the fold is untouched: rerun with --on-recreated relist to re-fold the new bucket, or start from an empty store"
+    )
+}
+
+/// The refusal line for a fold (its recorded identity and cursor, read without opening it for
+/// writing) on the stream `found`, or `None` when the fold may go on (or needs only to record the
+/// identity). The run checks this before it opens the store, so a refused run writes nothing —
+/// not even the store's own open-time housekeeping.
+pub fn identity_refusal(
+    bucket: &str,
+    recorded: Option<&crate::kv::StreamIdentity>,
+    cursor: WatchCursor,
+    found: &crate::kv::StreamState,
+) -> Option<String> {
+    let verdict = protocol::stream_identity_check(
+        recorded,
+        &found.identity,
+        cursor.revision(),
+        found.last_sequence,
+    );
+    match verdict {
+        protocol::IdentityVerdict::Same | protocol::IdentityVerdict::Record => None,
+        _ => Some(refusal(
+            bucket,
+            &other_stream(verdict, recorded, cursor, found),
+        )),
+    }
 }
 
 /// Repairs an expired cursor (`why`) as `--repair` and the bucket's live retention allow; returns

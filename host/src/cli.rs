@@ -199,6 +199,11 @@ pub struct RunArgs {
     /// `restore`, or `none` (stop with the expiry).
     #[arg(long, default_value = "auto", value_name = "MODE")]
     pub repair: String,
+    /// What to do when the bucket's stream is not the one the fold recorded (deleted and created
+    /// again) or ends below the fold's cursor: `refuse` (stop with one line saying so, the fold
+    /// untouched) or `relist` (re-fold the new bucket: the key-listing diff, then a re-list).
+    #[arg(long, default_value = "refuse", value_name = "WHAT")]
+    pub on_recreated: String,
     /// A directory of artifacts (directories or `.tar` files as `foldhost export` writes them); a
     /// restore takes the one with the newest cursor. Without it no restore is armed.
     #[arg(long, value_name = "DIR")]
@@ -416,6 +421,45 @@ async fn wait_for_signal() {
     let _ = tokio::signal::ctrl_c().await;
 }
 
+/// Refuses, before the store is opened for writing, a fold of another stream than the bucket's
+/// (recreated, or another bucket's store): the fold's recorded identity and cursor are read
+/// through a read-only open, so a refused run leaves every file of the store as it was.
+async fn refuse_another_stream(
+    store: &std::path::Path,
+    bucket: &str,
+    kv: &crate::nats::NatsKv,
+) -> anyhow::Result<()> {
+    use crate::kv::KvWatcher as _;
+    if storedir::backend_of(store).is_err() {
+        return Ok(()); // no fold yet (or not one: the writable open reports that)
+    }
+    let dir = store.to_path_buf();
+    let (recorded, cursor) = tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
+        let (ro, _) = AnyStore::open_read_only(&dir)?;
+        let recorded = match ro.get(crate::retained::IDENTITY_KEY)? {
+            Some(e) => Some(
+                crate::kv::StreamIdentity::from_bytes(&e.value).ok_or_else(|| {
+                    anyhow!(
+                        "{}: the fold's stream identity record does not decode",
+                        dir.display()
+                    )
+                })?,
+            ),
+            None => None,
+        };
+        Ok((recorded, ro.cursor()))
+    })
+    .await
+    .context("store identity read task")??;
+    if let Some(found) = kv.stream_state().await?
+        && let Some(line) =
+            crate::applied::identity_refusal(bucket, recorded.as_ref(), cursor, &found)
+    {
+        bail!(line);
+    }
+    Ok(())
+}
+
 /// The body of `foldhost run`, reusable by the demo: connects, opens the store, loads the guest and
 /// hydrates it, folds until `shutdown` is set (or caught up), keeps `status.json` current, and
 /// serves `--listen`. When the fold fails and `--listen` is set, the process stays up serving the
@@ -441,6 +485,10 @@ pub async fn run_fold(
         .repair
         .parse()
         .map_err(|e| anyhow!("--repair {}: {e}", a.repair))?;
+    let on_recreated: crate::protocol::OnRecreated = a
+        .on_recreated
+        .parse()
+        .map_err(|e| anyhow!("--on-recreated {}: {e}", a.on_recreated))?;
     if let Some(d) = &a.restore_from
         && !d.is_dir()
     {
@@ -487,6 +535,9 @@ pub async fn run_fold(
             },
         )
         .await?;
+    if on_recreated == crate::protocol::OnRecreated::Refuse {
+        refuse_another_stream(&a.store, &a.bucket, &*kv).await?;
+    }
     let store_dir = a.store.clone();
     let sync = a.sync;
     let (store, recovery) =
@@ -506,12 +557,12 @@ pub async fn run_fold(
     // fold repairs this like an expiry at revision 0.
     if repair_mode == crate::protocol::RepairMode::None
         && store.cursor().revision().is_none()
-        && !store.is_empty()?
+        && crate::snapshot::bucket_len(&store)? > 0
     {
         bail!(
             "{}: the fold holds {} keys but no cursor and --repair is none; it cannot be resumed safely (allow a repair, import an artifact, or start from an empty store)",
             a.store.display(),
-            store.len()?
+            crate::snapshot::bucket_len(&store)?
         );
     }
     let shared = SharedStore::new(store);
@@ -654,6 +705,7 @@ pub async fn run_fold(
                 .map(crate::repair::RestoreSource::new),
             lister: Some(kv.clone() as Arc<dyn crate::kv::KvReader>),
             scratch: Some(repair_scratch(&a.store)),
+            on_recreated,
             ..Default::default()
         },
     };
@@ -1059,7 +1111,7 @@ fn cmd_status(a: StatusArgs) -> anyhow::Result<()> {
         eviction_seen: cursor.memo().is_some(),
         guest: host.as_ref().and_then(|h| h.guest.clone()),
         backend: store.backend(),
-        keys: store.len()?.saturating_sub(retained.len() as u64),
+        keys: crate::snapshot::bucket_len(&store)?,
         state: host
             .as_ref()
             .map_or_else(|| "unknown".to_string(), |h| h.state.clone()),
@@ -1415,6 +1467,7 @@ async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         query_reply_prefix: "_INBOX.".into(),
         catch_up: true,
         repair: "auto".into(),
+        on_recreated: "refuse".into(),
         restore_from: None,
         defer_grace_secs: 1800,
         batch_window_ms: 10,

@@ -237,6 +237,75 @@ impl fmt::Display for WatchCursor {
     }
 }
 
+/// Which stream a fold folds: the stream's name and the server's creation time for it. A bucket
+/// deleted and created again under the same name is a different stream (a new creation time, its
+/// sequences starting over), and a fold of the old one must never be resumed on it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamIdentity {
+    /// The stream's name (`KV_<bucket>` on NATS).
+    pub name: String,
+    /// When the server created the stream, Unix nanoseconds.
+    pub created_unix_ns: u64,
+}
+
+/// Format tag of an encoded [`StreamIdentity`] (`'I'`, then a version byte).
+const IDENTITY_TAG: [u8; 2] = [b'I', 1];
+
+/// Longest stream name an identity holds (NATS limits stream names to 255 bytes).
+const MAX_STREAM_NAME: usize = 255;
+
+impl StreamIdentity {
+    /// Encoding for the store: tag, creation time (8 bytes big-endian), then the name's bytes.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(10 + self.name.len());
+        out.extend_from_slice(&IDENTITY_TAG);
+        out.extend_from_slice(&self.created_unix_ns.to_be_bytes());
+        out.extend_from_slice(self.name.as_bytes());
+        out
+    }
+
+    /// Decodes [`Self::to_bytes`]; `None` for any other shape (the caller reports corruption).
+    pub fn from_bytes(raw: &[u8]) -> Option<Self> {
+        let rest = raw.strip_prefix(&IDENTITY_TAG)?;
+        let (time, name) = rest.split_at_checked(8)?;
+        if name.is_empty() || name.len() > MAX_STREAM_NAME {
+            return None;
+        }
+        Some(StreamIdentity {
+            name: std::str::from_utf8(name).ok()?.to_string(),
+            created_unix_ns: u64::from_be_bytes(time.try_into().ok()?),
+        })
+    }
+}
+
+impl fmt::Display for StreamIdentity {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let t = i128::from(self.created_unix_ns);
+        match time::OffsetDateTime::from_unix_timestamp_nanos(t)
+            .ok()
+            .and_then(|d| {
+                d.format(&time::format_description::well_known::Rfc3339)
+                    .ok()
+            }) {
+            Some(d) => write!(f, "stream {} created {d}", self.name),
+            None => write!(
+                f,
+                "stream {} created at {} ns",
+                self.name, self.created_unix_ns
+            ),
+        }
+    }
+}
+
+/// A stream's identity with its last sequence, read live (for the identity check at a watch start).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct StreamState {
+    /// The stream's identity.
+    pub identity: StreamIdentity,
+    /// The last sequence written.
+    pub last_sequence: u64,
+}
+
 /// One key, its value and its version, as read. Immutable once returned.
 #[derive(Clone, PartialEq, Eq)]
 pub struct KvEntry {
@@ -400,6 +469,15 @@ pub enum KvError {
     /// The caller passed something the layer refuses (a bad key, a bad scope).
     #[error("invalid argument: {0}")]
     Invalid(String),
+    /// The stream under the watch is not the one it started on (the bucket was deleted and
+    /// created again), or its last sequence is below what the watch delivered.
+    #[error("bucket {bucket}: the stream changed under the watch: {detail}")]
+    StreamChanged {
+        /// The bucket.
+        bucket: String,
+        /// What was found.
+        detail: String,
+    },
 }
 
 /// Point-in-time reads of one bucket.
@@ -558,6 +636,22 @@ pub trait KvWatcher: Send + Sync {
         Ok(None)
     }
 
+    /// The stream's identity and last sequence as the server holds them *now*. `None` when this
+    /// backend has no notion of a stream's identity (the identity check is then skipped).
+    async fn stream_state(&self) -> Result<Option<StreamState>, KvError> {
+        Ok(None)
+    }
+
+    /// The bucket's name, for messages.
+    fn bucket_name(&self) -> String {
+        String::new()
+    }
+
+    /// Holds every later watch to `identity`, the stream the fold checked and recorded: a watch
+    /// that starts on, or a floor probe that reads, another stream ends with
+    /// [`KvError::StreamChanged`]. A backend without identities ignores it.
+    fn pin_identity(&self, _identity: StreamIdentity) {}
+
     /// State-sync watch of the whole bucket.
     async fn watch_all(&self, tx: mpsc::Sender<WatchEvent>) -> Result<(), KvError> {
         self.watch(&WatchScope::All, tx).await
@@ -619,6 +713,30 @@ pub trait KvWatcher: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn stream_identities_round_trip_and_every_other_shape_is_refused() {
+        let id = StreamIdentity {
+            name: "KV_routes".into(),
+            created_unix_ns: 1_764_000_000_123_456_789,
+        };
+        let bytes = id.to_bytes();
+        assert_eq!(StreamIdentity::from_bytes(&bytes), Some(id.clone()));
+        for cut in 0..bytes.len() - "KV_routes".len() + 1 {
+            assert_eq!(
+                StreamIdentity::from_bytes(&bytes[..cut]),
+                None,
+                "cut at {cut}"
+            );
+        }
+        let mut other_version = bytes.clone();
+        other_version[1] = 2;
+        assert_eq!(StreamIdentity::from_bytes(&other_version), None);
+        let mut not_utf8 = bytes.clone();
+        not_utf8.push(0xff);
+        assert_eq!(StreamIdentity::from_bytes(&not_utf8), None);
+        assert!(id.to_string().contains("KV_routes created 2025-"), "{id}");
+    }
 
     #[test]
     fn version_token_round_trips_ten_bytes_and_u64() {

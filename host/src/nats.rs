@@ -26,8 +26,8 @@ use futures::StreamExt;
 use tokio::sync::{Mutex, mpsc};
 
 use crate::kv::{
-    KvEntry, KvError, KvReader, KvUpdate, KvWatcher, KvWriter, VersionToken, WatchCursor,
-    WatchEvent, WatchScope,
+    KvEntry, KvError, KvReader, KvUpdate, KvWatcher, KvWriter, StreamIdentity, StreamState,
+    VersionToken, WatchCursor, WatchEvent, WatchScope,
 };
 use crate::protocol;
 use crate::stores::{
@@ -217,6 +217,9 @@ pub struct NatsKv {
     stream_name: String,
     subject_prefix: String,
     timeout: Duration,
+    /// The stream identity the fold checked and recorded ([`KvWatcher::pin_identity`]): every
+    /// watch compares the stream it starts on, and every floor probe the stream it reads, with it.
+    pinned: std::sync::Mutex<Option<StreamIdentity>>,
 }
 
 /// Live stream positions, read from the server (not the client's creation-time cache).
@@ -290,6 +293,7 @@ impl NatsKv {
             bucket: bucket.to_string(),
             stream_name,
             timeout,
+            pinned: std::sync::Mutex::new(None),
         }))
     }
 
@@ -327,24 +331,39 @@ impl NatsKv {
         Ok(retention_of(&info))
     }
 
-    /// The live floor guard's check after a delivery gap (or a quiet backstop period) following
-    /// `frontier`, the last stream sequence delivered: ends the watch with `CursorExpired` when the
-    /// stream's retention evicts current values and its first retained sequence has passed
-    /// `frontier + 1` ([`protocol::floor_guard_trips`]). A non-evicting answer is trusted for
-    /// [`FLOOR_NON_EVICTING_TRUST`], so a keep-values bucket under overwrites costs at most one stream
-    /// info per second, not one per gapped chunk.
+    /// The identity the watch holds the stream to: the pinned one, else the one it started on.
+    fn pinned(&self) -> Option<StreamIdentity> {
+        self.pinned.lock().ok().and_then(|p| p.clone())
+    }
+
+    /// The live floor guard's check after a delivery gap, a consumer re-creation or a quiet
+    /// backstop period following `frontier`, the last stream sequence the watch passed: ends the
+    /// watch with `CursorExpired` when the stream's retention evicts current values and its first
+    /// retained sequence has passed `frontier + 1` ([`protocol::floor_guard_trips`]), and with
+    /// `StreamChanged` when the stream is not `start` (recreated under the watch) or ends below
+    /// the frontier. A non-evicting answer is trusted for [`FLOOR_NON_EVICTING_TRUST`], so a
+    /// keep-values bucket under overwrites costs at most one stream info per second, not one per
+    /// gapped chunk. Returns the stream's state when it read one.
     async fn check_floor(
         &self,
         frontier: u64,
+        start: &StreamIdentity,
         non_evicting_at: &mut Option<std::time::Instant>,
-    ) -> Result<(), KvError> {
+    ) -> Result<Option<StreamPositions>, KvError> {
         if non_evicting_at.is_some_and(|t| t.elapsed() < FLOOR_NON_EVICTING_TRUST) {
-            return Ok(());
+            return Ok(None);
         }
-        let r = self.read_retention().await?;
+        let info = self.stream_info().await?;
+        self.check_same_stream(&info, start, frontier)?;
+        let r = retention_of(&info);
+        let positions = StreamPositions {
+            first_sequence: info.state.first_sequence,
+            last_sequence: info.state.last_sequence,
+            messages: info.state.messages,
+        };
         if !r.evicts_current_values {
             *non_evicting_at = Some(std::time::Instant::now());
-            return Ok(());
+            return Ok(Some(positions));
         }
         *non_evicting_at = None;
         if protocol::floor_guard_trips(r.evicts_current_values, frontier, r.first_revision) {
@@ -354,7 +373,86 @@ impl NatsKv {
                 first_sequence: r.first_revision,
             });
         }
-        Ok(())
+        Ok(Some(positions))
+    }
+
+    /// `StreamChanged` unless `info` is the stream `start` names and reaches `frontier`.
+    fn check_same_stream(
+        &self,
+        info: &async_nats::jetstream::stream::Info,
+        start: &StreamIdentity,
+        frontier: u64,
+    ) -> Result<(), KvError> {
+        let found = identity_of(info);
+        let detail = if found != *start {
+            format!("the watch started on {start}, the bucket is now {found}")
+        } else if info.state.last_sequence < frontier {
+            format!(
+                "its last sequence {} is below the {frontier} the watch already passed",
+                info.state.last_sequence
+            )
+        } else {
+            return Ok(());
+        };
+        tracing::warn!(bucket = %self.bucket, %detail, "the stream changed under the watch");
+        Err(KvError::StreamChanged {
+            bucket: self.bucket.clone(),
+            detail,
+        })
+    }
+
+    /// For a prefix watch that is level and quiet: the position every in-scope message up to
+    /// which has been delivered, when it can be shown to have moved past `frontier` (`None` when
+    /// it cannot). A prefix watch's own deliveries say nothing about the out-of-scope messages
+    /// the consumer passed, so without this a quiet prefix on a busy `max_age` bucket would look
+    /// overrun by the next eviction. The argument, in three reads: `before` (the stream's last
+    /// sequence, read first) is at or above every message written before the next read; the
+    /// next-by-subject read finds no in-scope message after `frontier`; the last read finds the
+    /// same stream with its first sequence still at most `frontier + 1`, so nothing after the
+    /// frontier had been evicted when the middle read looked. Then no in-scope message lies in
+    /// `(frontier, before]`: the watch has seen everything in scope through `before`.
+    async fn quiet_watermark(
+        &self,
+        filters: &[String],
+        frontier: u64,
+        before: u64,
+        start: &StreamIdentity,
+    ) -> Result<Option<u64>, KvError> {
+        if before <= frontier {
+            return Ok(None);
+        }
+        for f in filters {
+            let found = timed("next in scope", self.timeout, async {
+                match self
+                    .kv
+                    .stream
+                    .get_first_raw_message_by_subject(f, frontier.saturating_add(1))
+                    .await
+                {
+                    Ok(m) => Ok(Some(m.sequence)),
+                    Err(e) if e.kind() == stream::RawMessageErrorKind::NoMessageFound => Ok(None),
+                    Err(e) => Err(backend("next in scope", e)),
+                }
+            })
+            .await?;
+            if found.is_some() {
+                return Ok(None);
+            }
+        }
+        let info = self.stream_info().await?;
+        self.check_same_stream(&info, start, frontier)?;
+        if !protocol::resume_window_ok(frontier, info.state.first_sequence) {
+            return Ok(None);
+        }
+        Ok(Some(before))
+    }
+}
+
+/// The identity of the stream `info` describes.
+fn identity_of(info: &async_nats::jetstream::stream::Info) -> StreamIdentity {
+    StreamIdentity {
+        name: info.config.name.clone(),
+        created_unix_ns: u64::try_from(info.created.unix_timestamp_nanos()).unwrap_or(0),
     }
 }
 
@@ -629,9 +727,23 @@ impl NatsKv {
             }
             _ => None,
         };
+        // The stream this watch folds: the one the fold pinned, and it must be the one here now
+        // (read before the consumer exists, so a recreation after this read is caught by the
+        // floor probes, which compare against it).
+        let here = identity_of(&self.stream_info().await?);
+        let start_identity = match self.pinned() {
+            Some(p) if p != here => {
+                return Err(KvError::StreamChanged {
+                    bucket: self.bucket.clone(),
+                    detail: format!("the fold folds {p}, the bucket is now {here}"),
+                });
+            }
+            Some(p) => p,
+            None => here,
+        };
         let cfg = consumer::push::OrderedConfig {
             deliver_subject: self.client.new_inbox(),
-            filter_subjects: filters,
+            filter_subjects: filters.clone(),
             deliver_policy: policy,
             ..Default::default()
         };
@@ -667,13 +779,14 @@ impl NatsKv {
         }
         let mut consecutive_errors = 0u32;
         let mut since_progress = 0u32;
-        // The live floor guard (All scope only: a prefix watch's revisions are sparse by nature, so
-        // a gap there says nothing). `frontier` is the last stream sequence delivered; a delta watch
-        // starts guarded at its cursor, a state-sync one once it is level (its re-list skips
-        // superseded sequences by design).
-        let guard = matches!(scope, WatchScope::All);
-        let mut frontier = start_frontier.filter(|_| guard);
-        if guard && frontier.is_none() && level_reported {
+        // The live floor guard, for every scope. `frontier` is the last stream sequence the watch
+        // is known to have passed; a delta watch starts guarded at its cursor, a state-sync one
+        // once it is level (its re-list skips superseded sequences by design). A prefix watch's
+        // deliveries are sparse, so its frontier also moves by the quiet watermark
+        // ([`Self::quiet_watermark`]); a gap before a delivery is checked the same way for both.
+        let prefix_scope = !matches!(scope, WatchScope::All);
+        let mut frontier = start_frontier;
+        if frontier.is_none() && level_reported {
             // A state-sync start with nothing pending is level at once: guard from the stream's
             // last sequence, read after the consumer exists (a message written in between is
             // delivered anyway, so a frontier ahead of it only forgoes one check).
@@ -682,6 +795,12 @@ impl NatsKv {
         let mut non_evicting_at: Option<std::time::Instant> = None;
         let mut last_stamp = std::time::Instant::now() - STAMP_PERIOD;
         let mut quiet = true;
+        // Set by a consumer error (the ordered consumer re-creates itself after one) and by a
+        // delivery from a re-created consumer: the next chunk is checked before it is passed on,
+        // gap or not — a re-created consumer starts at the first retained message, silently past
+        // whatever aged out meanwhile.
+        let mut recreated = false;
+        let mut delivered_any = false;
         let mut backstop = tokio::time::interval(FLOOR_BACKSTOP);
         backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         backstop.reset();
@@ -694,13 +813,21 @@ impl NatsKv {
                     Some(c) => c,
                     None => break,
                 },
-                _ = backstop.tick(), if guard => {
+                _ = backstop.tick() => {
                     // Backstop: no delivery for a whole period leaves no in-band evidence of an
-                    // overrun, so ask the stream directly.
+                    // overrun (or of a recreated stream), so ask the stream directly.
                     if quiet && let Some(f) = frontier {
-                        match self.check_floor(f, &mut non_evicting_at).await {
-                            Ok(()) => {}
-                            Err(e @ KvError::CursorExpired { .. }) => return Err(e),
+                        match self.check_floor(f, &start_identity, &mut non_evicting_at).await {
+                            Ok(Some(p)) if prefix_scope && level_reported && !recreated => {
+                                match self.quiet_watermark(&filters, f, p.last_sequence, &start_identity).await {
+                                    Ok(Some(w)) => frontier = Some(w),
+                                    Ok(None) => {}
+                                    Err(e @ KvError::StreamChanged { .. }) => return Err(e),
+                                    Err(e) => tracing::warn!(bucket = %self.bucket, error = %e, "floor guard: watermark probe failed; retrying next period"),
+                                }
+                            }
+                            Ok(_) => {}
+                            Err(e @ (KvError::CursorExpired { .. } | KvError::StreamChanged { .. })) => return Err(e),
                             // No evidence of loss waits on this probe: try again next period.
                             Err(e) => tracing::warn!(bucket = %self.bucket, error = %e, "floor guard: backstop probe failed; retrying next period"),
                         }
@@ -709,7 +836,6 @@ impl NatsKv {
                     continue;
                 }
             };
-            quiet = false;
             let mut decoded = Vec::with_capacity(chunk.len());
             for item in chunk {
                 match item {
@@ -723,6 +849,7 @@ impl NatsKv {
                         // The ordered consumer recreates itself after a gap or missed heartbeats;
                         // a long run of errors means it cannot.
                         consecutive_errors += 1;
+                        recreated = true;
                         tracing::warn!(bucket = %self.bucket, error = %e, "watch: consumer error (recreating)");
                         if consecutive_errors >= 30 {
                             return Err(KvError::WatchError(format!(
@@ -733,27 +860,58 @@ impl NatsKv {
                     }
                 }
             }
-            // In-band: a gap after the frontier is checked before anything after it is passed on,
-            // so the fold never advances past unexamined evidence of loss. One check per chunk, at
-            // its first gap: the first sequence only grows, so it covers the later gaps too.
+            if decoded.is_empty() {
+                // Only consumer errors: the ordered consumer is re-creating itself (its stream may
+                // be gone, or another one by now). Ask the stream at once rather than at the next
+                // backstop; an unreachable stream is asked again at the next delivery or period.
+                if recreated && let Some(f) = frontier {
+                    match self.check_floor(f, &start_identity, &mut None).await {
+                        Ok(_) => {}
+                        Err(
+                            e @ (KvError::CursorExpired { .. } | KvError::StreamChanged { .. }),
+                        ) => return Err(e),
+                        Err(e) => {
+                            tracing::warn!(bucket = %self.bucket, error = %e, "floor guard: probe after a consumer error failed; the next delivery is checked")
+                        }
+                    }
+                }
+                continue;
+            }
+            quiet = false;
+            // In-band: a gap after the frontier, or a delivery from a re-created consumer, is
+            // checked before anything after it is passed on, so the fold never advances past
+            // unexamined evidence of loss. One check per chunk, at its first such point: the first
+            // sequence only grows, so it covers the later ones too.
             if let Some(mut f) = frontier {
-                let mut gap_after = None;
+                let mut check_after = None;
                 for (_, meta) in &decoded {
                     if let Some(m) = meta {
-                        if gap_after.is_none() && m.stream_sequence > f.saturating_add(1) {
-                            gap_after = Some(f);
+                        let fresh_consumer = delivered_any && m.consumer_sequence == 1;
+                        if check_after.is_none()
+                            && (recreated
+                                || fresh_consumer
+                                || m.stream_sequence > f.saturating_add(1))
+                        {
+                            check_after = Some(f);
                         }
+                        recreated = false;
+                        delivered_any = true;
                         f = f.max(m.stream_sequence);
                     }
                 }
-                if let Some(g) = gap_after {
+                if let Some(g) = check_after {
                     // Evidence of a possible loss is waiting: a failed probe is retried (a leader
                     // change, an API hiccup) before the watch gives up, never skipped.
                     let mut attempt = 0u32;
                     loop {
-                        match self.check_floor(g, &mut non_evicting_at).await {
-                            Ok(()) => break,
-                            Err(e @ KvError::CursorExpired { .. }) => return Err(e),
+                        match self
+                            .check_floor(g, &start_identity, &mut non_evicting_at)
+                            .await
+                        {
+                            Ok(_) => break,
+                            Err(
+                                e @ (KvError::CursorExpired { .. } | KvError::StreamChanged { .. }),
+                            ) => return Err(e),
                             Err(e) if attempt >= FLOOR_PROBE_RETRIES => return Err(e),
                             Err(e) => {
                                 attempt += 1;
@@ -764,6 +922,8 @@ impl NatsKv {
                     }
                 }
                 frontier = Some(f);
+            } else {
+                delivered_any |= decoded.iter().any(|(_, m)| m.is_some());
             }
             let mut out: Vec<KvUpdate> = Vec::with_capacity(decoded.len());
             let mut stamp: Option<(u64, u64)> = None;
@@ -780,16 +940,14 @@ impl NatsKv {
                 let Some(m) = meta else { continue };
                 if level_reported {
                     // Live after the level: the frontier follows every delivered sequence.
-                    if guard {
-                        frontier =
-                            Some(frontier.map_or(m.stream_sequence, |f| f.max(m.stream_sequence)));
-                    }
+                    frontier =
+                        Some(frontier.map_or(m.stream_sequence, |f| f.max(m.stream_sequence)));
                     continue;
                 }
                 if m.pending == 0 {
                     // Level: everything before this point goes first, then the marker.
                     level_reported = true;
-                    if guard && frontier.is_none() {
+                    if frontier.is_none() {
                         frontier = Some(m.stream_sequence);
                     }
                     let done = std::mem::take(&mut out);
@@ -974,6 +1132,24 @@ impl KvWriter for NatsKv {
 impl KvWatcher for NatsKv {
     async fn retention(&self) -> Result<Option<crate::protocol::Retention>, KvError> {
         self.read_retention().await.map(Some)
+    }
+
+    async fn stream_state(&self) -> Result<Option<StreamState>, KvError> {
+        let info = self.stream_info().await?;
+        Ok(Some(StreamState {
+            identity: identity_of(&info),
+            last_sequence: info.state.last_sequence,
+        }))
+    }
+
+    fn bucket_name(&self) -> String {
+        self.bucket.clone()
+    }
+
+    fn pin_identity(&self, identity: StreamIdentity) {
+        if let Ok(mut p) = self.pinned.lock() {
+            *p = Some(identity);
+        }
     }
 
     async fn watch(&self, scope: &WatchScope, tx: mpsc::Sender<WatchEvent>) -> Result<(), KvError> {

@@ -20,6 +20,9 @@ pub fn resume_window_ok(revision: u64, first_sequence: u64) -> bool {
 pub struct AckMeta {
     /// The stream sequence: a KV entry's revision.
     pub stream_sequence: u64,
+    /// The consumer's own delivery count: 1 for the first message a consumer delivers, so a 1
+    /// after earlier deliveries says the consumer was re-created (0: unreadable).
+    pub consumer_sequence: u64,
     /// Messages still pending for the consumer after this one.
     pub pending: u64,
     /// When the server stored the message, Unix nanoseconds (0: unreadable).
@@ -57,11 +60,14 @@ pub fn parse_ack_subject(subject: &str) -> Option<AckMeta> {
         _ => return None,
     };
     let stream_sequence = tokens[seq_idx].parse::<u64>().ok()?;
+    // Right after the stream sequence in both layouts; it only ever triggers an extra check.
+    let consumer_sequence = tokens[seq_idx + 1].parse::<u64>().unwrap_or(0);
     let pending = tokens[pending_idx].parse::<u64>().ok()?;
     // The timestamp only ever makes a resume more conservative when missing, so it is optional.
     let timestamp_unix_ns = tokens[ts_idx].parse::<u64>().unwrap_or(0);
     Some(AckMeta {
         stream_sequence,
+        consumer_sequence,
         pending,
         timestamp_unix_ns,
     })
@@ -293,6 +299,58 @@ pub fn scope_covers(artifact_prefixes: &[&str], watch_prefixes: &[&str]) -> bool
     watch_prefixes
         .iter()
         .all(|w| artifact_prefixes.iter().any(|a| w.starts_with(a)))
+}
+
+/// What the identity check at a watch start found (see [`stream_identity_check`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum IdentityVerdict {
+    /// The fold folds this stream: go on.
+    Same,
+    /// The fold records no identity yet (a first start, or a store written before identities
+    /// were recorded, whose cursor the stream still covers): record the found one, then go on.
+    Record,
+    /// The stream is not the one the fold recorded (deleted and created again, or another
+    /// bucket's): resuming would mix two streams' keys.
+    Recreated,
+    /// The fold's cursor is above the stream's last sequence: whatever the identity says, the fold
+    /// has seen revisions this stream never wrote (a recreated stream before identities were
+    /// recorded, or a server that lost its tail), and a resume would wait for — then fold — the
+    /// new stream's writes on top of the old keys.
+    CursorAhead,
+}
+
+/// The bucket identity check, made at every start and every watch (re)start, before a revision is
+/// trusted (issue 12). `recorded` is the identity committed with the fold (`None`: none yet),
+/// `found` the stream's now, `cursor` the fold's cursor and `last_sequence` the stream's last
+/// sequence. A change of name or creation time is [`IdentityVerdict::Recreated`]; a cursor past
+/// the stream's end is [`IdentityVerdict::CursorAhead`]; a fold with no identity adopts the
+/// found one only when the cursor passes that test. Never silently mixes two streams: every other
+/// answer ends the run or repairs as a cursor-less start (`--on-recreated`).
+pub fn stream_identity_check(
+    recorded: Option<&crate::kv::StreamIdentity>,
+    found: &crate::kv::StreamIdentity,
+    cursor: Option<u64>,
+    last_sequence: u64,
+) -> IdentityVerdict {
+    match recorded {
+        Some(r) if r != found => IdentityVerdict::Recreated,
+        _ if cursor.is_some_and(|c| c > last_sequence) => IdentityVerdict::CursorAhead,
+        Some(_) => IdentityVerdict::Same,
+        None => IdentityVerdict::Record,
+    }
+}
+
+/// What a run does when the identity check finds the stream recreated (`--on-recreated`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OnRecreated {
+    /// Refuse with one line naming the bucket, both identities and what to do; the fold is
+    /// untouched (the default: a recreated bucket is an operator's act worth a look).
+    #[default]
+    Refuse,
+    /// Repair as a cursor-less start: the key-listing diff against the new stream, the cursor
+    /// and the old stream's retained records and eviction memo dropped, the new identity
+    /// recorded, then a state-sync re-list.
+    Relist,
 }
 
 /// The parts of a stream's config that decide what its retention removes.
@@ -642,6 +700,7 @@ mod tests {
             parse_ack_subject(legacy),
             Some(AckMeta {
                 stream_sequence: 42,
+                consumer_sequence: 7,
                 pending: 3,
                 timestamp_unix_ns: 1_700_000_000_000_000_000
             })
@@ -651,6 +710,7 @@ mod tests {
             parse_ack_subject(modern11),
             Some(AckMeta {
                 stream_sequence: 43,
+                consumer_sequence: 8,
                 pending: 0,
                 timestamp_unix_ns: 1_700_000_000_000_000_000
             })
@@ -660,6 +720,7 @@ mod tests {
             parse_ack_subject(modern12),
             Some(AckMeta {
                 stream_sequence: 44,
+                consumer_sequence: 9,
                 pending: 5,
                 timestamp_unix_ns: 1_700_000_000_000_000_000
             })
@@ -760,6 +821,59 @@ mod tests {
         ];
         for (op, reason, want) in cases {
             assert_eq!(kv_op(op, reason), want, "{op:?} {reason:?}");
+        }
+    }
+
+    #[test]
+    fn a_fold_resumes_only_on_the_stream_it_recorded_and_never_past_its_end() {
+        use crate::kv::StreamIdentity;
+        let id = |name: &str, t: u64| StreamIdentity {
+            name: name.into(),
+            created_unix_ns: t,
+        };
+        let old = id("KV_b", 100);
+        use IdentityVerdict::*;
+        // (recorded, found, cursor, last sequence, verdict)
+        let table = [
+            (None, id("KV_b", 100), None, 0, Record),
+            (None, id("KV_b", 100), Some(3000), 3000, Record),
+            // A store from before identities: its cursor above the stream's end is the only tell.
+            (None, id("KV_b", 100), Some(3000), 500, CursorAhead),
+            (Some(old.clone()), id("KV_b", 100), Some(3000), 3000, Same),
+            (Some(old.clone()), id("KV_b", 100), None, 0, Same),
+            // Recreated: a new creation time, whatever the sequences say.
+            (
+                Some(old.clone()),
+                id("KV_b", 200),
+                Some(3000),
+                500,
+                Recreated,
+            ),
+            (
+                Some(old.clone()),
+                id("KV_b", 200),
+                Some(400),
+                500,
+                Recreated,
+            ),
+            (Some(old.clone()), id("KV_b", 200), None, 5, Recreated),
+            // Another bucket's store pointed at this one.
+            (Some(old.clone()), id("KV_c", 100), Some(10), 500, Recreated),
+            // The same stream, but behind the fold: it lost its tail.
+            (
+                Some(old.clone()),
+                id("KV_b", 100),
+                Some(3000),
+                2999,
+                CursorAhead,
+            ),
+        ];
+        for (recorded, found, cursor, last, want) in table {
+            assert_eq!(
+                stream_identity_check(recorded.as_ref(), &found, cursor, last),
+                want,
+                "{recorded:?} {found:?} {cursor:?} {last}"
+            );
         }
     }
 }

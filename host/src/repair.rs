@@ -74,6 +74,8 @@ pub struct RepairConfig {
     pub scratch: Option<PathBuf>,
     /// Bytes of keys held in memory per sorted run before spilling.
     pub sort_run_bytes: usize,
+    /// `--on-recreated`: what a fold does when its bucket's stream was recreated.
+    pub on_recreated: crate::protocol::OnRecreated,
 }
 
 impl Default for RepairConfig {
@@ -84,6 +86,7 @@ impl Default for RepairConfig {
             lister: None,
             scratch: None,
             sort_run_bytes: DEFAULT_SORT_RUN_BYTES,
+            on_recreated: crate::protocol::OnRecreated::Refuse,
         }
     }
 }
@@ -96,6 +99,7 @@ impl std::fmt::Debug for RepairConfig {
             .field("lister", &self.lister.is_some())
             .field("scratch", &self.scratch)
             .field("sort_run_bytes", &self.sort_run_bytes)
+            .field("on_recreated", &self.on_recreated)
             .finish()
     }
 }
@@ -123,6 +127,19 @@ impl std::str::FromStr for RepairMode {
             "none" => Ok(RepairMode::None),
             other => Err(format!(
                 "{other:?} is not a repair mode (auto, relist, restore, none)"
+            )),
+        }
+    }
+}
+
+impl std::str::FromStr for crate::protocol::OnRecreated {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "refuse" => Ok(crate::protocol::OnRecreated::Refuse),
+            "relist" => Ok(crate::protocol::OnRecreated::Relist),
+            other => Err(format!(
+                "{other:?} is not what to do with a recreated bucket (refuse, relist)"
             )),
         }
     }

@@ -34,6 +34,11 @@ use crate::snapshot::{SnapshotError, SnapshotStore};
 /// the fold skips those at its edge (`protocol::bucket_key_admitted`), so none reaches the store.
 pub const RESERVED_PREFIX: &str = "\u{1}";
 
+/// Where the fold records which stream it folds ([`crate::kv::StreamIdentity`]): one reserved
+/// key, committed with the fold's first cursor and replaced only by a reset for a recreated
+/// stream (`--on-recreated relist`).
+pub const IDENTITY_KEY: &str = "\u{1}identity";
+
 /// Where retained records live: `RETAINED_PREFIX` + 20-digit revision + `/` + key (log order).
 pub const RETAINED_PREFIX: &str = "\u{1}retained/";
 

@@ -180,6 +180,22 @@ pub trait SnapshotStore: Send + Sync + 'static {
     }
 }
 
+/// How many of the store's keys are the host's own (retained records, the stream identity): they
+/// sort before every bucket key, so this visits only them.
+pub fn reserved_len<S: SnapshotStore + ?Sized>(store: &S) -> Result<u64, SnapshotError> {
+    let mut n = 0u64;
+    store.for_each_in_range(crate::retained::RESERVED_PREFIX, &mut |_| {
+        n += 1;
+        ControlFlow::Continue(())
+    })?;
+    Ok(n)
+}
+
+/// How many bucket keys the fold holds (its live keys less the host's own).
+pub fn bucket_len<S: SnapshotStore + ?Sized>(store: &S) -> Result<u64, SnapshotError> {
+    Ok(store.len()?.saturating_sub(reserved_len(store)?))
+}
+
 /// Read access to a committed fold, for appliers (a guest's `get`/`scan` imports, hydration).
 pub trait FoldRead: Send + Sync {
     /// The live entry for `key`.

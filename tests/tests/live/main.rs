@@ -11,6 +11,7 @@ mod crash_safety;
 mod defer;
 mod endpoint;
 mod guests;
+mod identity;
 mod repair;
 mod resume;
 mod server_restart;

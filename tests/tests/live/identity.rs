@@ -1,0 +1,232 @@
+//! Bucket identity (issue 12): a fold records which stream it folds (name and creation time) and
+//! checks it at every start and every watch (re)start, so a bucket deleted and created again under
+//! the same name is never folded as if it were the old one — under a stopped node and under a
+//! running one. By default the run refuses with one line and leaves the fold byte for byte as it
+//! was; with `--on-recreated relist` the fold becomes exactly the new bucket.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::process::Output;
+
+use bytes::Bytes;
+use foldhost::kv::KvWriter;
+use foldhost_tests::{
+    Harness, bucket_contents, dump_store, first_difference, publish_all, run_command, spawn_logged,
+    status_store, wait_status,
+};
+
+/// 3 000 writes over 1 000 keys (`old.0000`…`old.0999`), then the node catches up.
+async fn fold_old_bucket(h: &Harness, bucket: &str, store: &Path) -> anyhow::Result<u64> {
+    let kv = h.bucket(bucket).await?;
+    publish_all(
+        kv.jetstream(),
+        (0..3000u32).map(|i| {
+            (
+                format!("$KV.{bucket}.old.{:04}", i % 1000),
+                Bytes::from(format!("old-{i}")),
+            )
+        }),
+    )
+    .await?;
+    let o = run_command(h, bucket, store, None)
+        .arg("--catch-up")
+        .output()?;
+    ok(&o, "first catch-up")?;
+    let cursor = status_store(store)?["cursor"].as_u64().unwrap_or(0);
+    assert_eq!(cursor, 3000);
+    Ok(cursor)
+}
+
+/// Deletes the bucket's stream and creates the bucket again with 500 writes: 450 new keys and 50
+/// of the old names with new values.
+async fn recreate(
+    h: &Harness,
+    bucket: &str,
+) -> anyhow::Result<std::sync::Arc<foldhost::nats::NatsKv>> {
+    let kv = h.bucket(bucket).await?;
+    kv.jetstream().delete_stream(format!("KV_{bucket}")).await?;
+    let kv = h.bucket(bucket).await?;
+    for i in 0..450u32 {
+        kv.put(&format!("new.{i:04}"), Bytes::from(format!("new-{i}")))
+            .await?;
+    }
+    for i in 0..50u32 {
+        kv.put(&format!("old.{i:04}"), Bytes::from(format!("again-{i}")))
+            .await?;
+    }
+    assert_eq!(kv.positions().await?.last_sequence, 500);
+    Ok(kv)
+}
+
+/// Waits until the node serving `addr` is watching live: a write after its start is applied.
+async fn watching(h: &Harness, bucket: &str, addr: &str) -> anyhow::Result<()> {
+    h.bucket(bucket)
+        .await?
+        .put("old.live", Bytes::from_static(b"live"))
+        .await?;
+    wait_status(addr, |s| s["applied_through"].as_u64() == Some(3001)).await?;
+    Ok(())
+}
+
+fn ok(o: &Output, what: &str) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        o.status.success(),
+        "{what} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(())
+}
+
+/// Every file of the store's fold, byte for byte (the status file a run rewrites on exit, and the
+/// lock, left out).
+fn fold_files(store: &Path) -> anyhow::Result<BTreeMap<String, Vec<u8>>> {
+    let mut out = BTreeMap::new();
+    let mut dirs = vec![store.to_path_buf()];
+    while let Some(d) = dirs.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let e = e?;
+            let p = e.path();
+            let rel = p.strip_prefix(store)?.to_string_lossy().to_string();
+            if e.file_type()?.is_dir() {
+                dirs.push(p);
+            } else if !rel.ends_with("status.json") && !rel.ends_with(".lock") && rel != "LOCK" {
+                out.insert(rel, std::fs::read(&p)?);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The refusal: one error line naming the bucket, both identities and what to do.
+fn assert_refused(o: &Output, bucket: &str) {
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success(),
+        "a recreated bucket was folded:\n{stderr}"
+    );
+    let line = stderr
+        .lines()
+        .find(|l| l.starts_with("foldhost: error: "))
+        .unwrap_or_default();
+    assert!(
+        line.contains(&format!("bucket {bucket}:"))
+            && line.contains(&format!("the fold folds stream KV_{bucket} created"))
+            && line.contains(&format!("the bucket is now stream KV_{bucket} created"))
+            && line.contains("--on-recreated relist"),
+        "not the one-line refusal: {line:?}\n{stderr}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bucket_recreated_under_a_stopped_node_is_refused_untouched_and_relisted_on_request()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("node");
+    fold_old_bucket(&h, "recr", &store).await?;
+    let before = fold_files(&store)?;
+    let kv = recreate(&h, "recr").await?;
+
+    // Refused by default, the fold byte for byte as it was (a catch-up and a long-running start).
+    let o = run_command(&h, "recr", &store, None)
+        .arg("--catch-up")
+        .output()?;
+    assert_refused(&o, "recr");
+    let o = run_command(&h, "recr", &store, None)
+        .args(["--on-recreated", "refuse"])
+        .output()?;
+    assert_refused(&o, "recr");
+    let after = fold_files(&store)?;
+    let changed: Vec<&String> = before
+        .keys()
+        .chain(after.keys())
+        .filter(|k| before.get(*k) != after.get(*k))
+        .collect();
+    assert!(
+        changed.is_empty(),
+        "a refused run changed the fold: {changed:?}"
+    );
+
+    // On request: re-folded to exactly the new bucket, its cursor the new stream's.
+    let o = run_command(&h, "recr", &store, None)
+        .args(["--catch-up", "--on-recreated", "relist"])
+        .output()?;
+    ok(&o, "relisting catch-up")?;
+    let want = bucket_contents(&kv).await?;
+    assert_eq!(want.len(), 500);
+    assert_eq!(first_difference(&want, &dump_store(&store)?), None);
+    assert_eq!(status_store(&store)?["cursor"].as_u64(), Some(500));
+
+    // The new identity is recorded: a plain restart resumes with a delta.
+    kv.put("new.late", Bytes::from_static(b"late")).await?;
+    let o = run_command(&h, "recr", &store, None)
+        .arg("--catch-up")
+        .output()?;
+    ok(&o, "restart on the new bucket")?;
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &dump_store(&store)?),
+        None
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bucket_recreated_under_a_running_node_stops_it_untouched_or_is_relisted_live()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let bucket = "live";
+
+    // Default: the running node stops with the refusal, the fold as it was.
+    let store = tmp.path().join("refusing");
+    fold_old_bucket(&h, bucket, &store).await?;
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut child = run_command(&h, bucket, &store, Some(&addr))
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    watching(&h, bucket, &addr).await?;
+    recreate(&h, bucket).await?;
+    // A node serving `--listen` stays up to report its failure.
+    let st = wait_status(&addr, |s| s["state"] == "failed").await?;
+    let error = st["error"].as_str().unwrap_or_default();
+    assert!(
+        error.starts_with(&format!(
+            "bucket {bucket}: the fold folds stream KV_{bucket} created"
+        )) && error.contains("--on-recreated relist"),
+        "{st}"
+    );
+    foldhost_tests::terminate(&mut child)?;
+    let o = run_command(&h, bucket, &store, None)
+        .arg("--catch-up")
+        .output()?;
+    assert_refused(&o, bucket);
+    let old: Vec<String> = dump_store(&store)?.into_keys().collect();
+    assert_eq!(old.len(), 1001, "the refused fold keeps the old keys");
+    assert!(old.iter().all(|k| k.starts_with("old.")));
+
+    // With --on-recreated relist: the running node re-folds the new bucket in process.
+    h.bucket(bucket)
+        .await?
+        .jetstream()
+        .delete_stream(format!("KV_{bucket}"))
+        .await?;
+    let store = tmp.path().join("relisting");
+    fold_old_bucket(&h, bucket, &store).await?;
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut cmd = run_command(&h, bucket, &store, Some(&addr));
+    cmd.args(["--on-recreated", "relist"]);
+    let (mut child, mut log) = spawn_logged(cmd)?;
+    watching(&h, bucket, &addr).await?;
+    let kv = recreate(&h, bucket).await?;
+    log.wait_for("recreated bucket: fold reset")?;
+    kv.put("new.after", Bytes::from_static(b"after")).await?;
+    let st = wait_status(&addr, |s| s["applied_through"].as_u64() == Some(501)).await?;
+    assert_eq!(st["repairs"].as_u64(), Some(1), "{st}");
+    assert_eq!(st["state"], "running", "{st}");
+    foldhost_tests::terminate(&mut child)?;
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &dump_store(&store)?),
+        None
+    );
+    Ok(())
+}
