@@ -343,6 +343,9 @@ pub struct Fold<S: SnapshotStore> {
     requeued_skipped: Option<u64>,
     /// Server times of recently delivered revisions (ascending), for the memo's time.
     stamps: std::collections::VecDeque<(u64, u64)>,
+    /// The stream identity to record with the next committed batch (a fold that records none yet:
+    /// it is committed with the first cursor, see `check_identity`).
+    pending_identity: Option<crate::kv::StreamIdentity>,
 }
 
 impl<S: SnapshotStore> Fold<S> {
@@ -363,6 +366,7 @@ impl<S: SnapshotStore> Fold<S> {
             frozen: false,
             requeued_skipped: None,
             stamps: Default::default(),
+            pending_identity: None,
         };
         // The migration of folds written before bucket keys in the host's space were skipped:
         // forged retained records go, in one commit that does not move the cursor.
@@ -387,13 +391,14 @@ impl<S: SnapshotStore> Fold<S> {
 
     /// Brings the status's applied-through and retained figures in line with the fold.
     fn publish_retained(&self) -> Result<(), SnapshotError> {
-        let (n, oldest) = self.store.with_retained(|r| {
+        let cursor = self.applied.revision();
+        let (n, oldest, through) = self.store.with_retained(|r| {
             (
                 r.len() as u64,
-                r.oldest().map(|o| (o.revision(), o.retained_unix_ms)),
+                r.oldest().map(|o| (o.position(), o.retained_unix_ms)),
+                r.applied_through(cursor),
             )
         })?;
-        let through = protocol::applied_through(self.applied.revision(), oldest.map(|o| o.0));
         let s = &self.status;
         s.cursor
             .store(self.applied.revision_or_zero(), Ordering::Relaxed);
@@ -427,7 +432,7 @@ impl<S: SnapshotStore> Fold<S> {
                     (
                         rec.store_key(),
                         rec.update.key().to_string(),
-                        rec.revision(),
+                        rec.position(),
                         now.saturating_sub(rec.retained_unix_ms) / 1000,
                     )
                 })
@@ -467,8 +472,17 @@ impl<S: SnapshotStore> Fold<S> {
         let now = now_unix_ms();
         let store = self.store.clone();
         let requeued = &self.requeued;
+        let at = self.applied.revision_or_zero();
         self.store.with_retained(|index| {
             let mut out = Vec::new();
+            // The position of an update of unknown revision: the highest revision before it, in
+            // the committed fold or earlier in this batch (log order, never 0).
+            let mut position = at;
+            let mut positions = Vec::with_capacity(batch.len());
+            for u in batch {
+                positions.push(position);
+                position = position.max(u.revision().unwrap_or(0));
+            }
             for (i, u) in batch.iter().enumerate().filter(|(i, _)| deferred[*i]) {
                 let key = u.key();
                 let base = if index.is_blocked(key) {
@@ -486,10 +500,15 @@ impl<S: SnapshotStore> Fold<S> {
                         None => store.read()?.get(key)?,
                     })
                 };
+                let order = u
+                    .revision()
+                    .is_none()
+                    .then(|| (positions[i], index.next_sequence()));
                 let r = RetainedRecord {
                     update: u.clone(),
                     retained_unix_ms: now,
                     base,
+                    order,
                 };
                 index.insert(r.clone());
                 out.push(r);
@@ -663,8 +682,8 @@ impl<S: SnapshotStore> Fold<S> {
             })
     }
 
-    /// Commits `identity` as the stream this fold folds, with `cursor` (the fold's own, or
-    /// [`WatchCursor::NONE`] for a reset). The fold must be settled.
+    /// Commits `identity` as the stream this fold folds, with `cursor` ([`WatchCursor::NONE`]: the
+    /// reset for a recreated stream). The fold must be settled.
     async fn commit_identity<A: Apply + ?Sized>(
         &mut self,
         identity: &crate::kv::StreamIdentity,
@@ -672,11 +691,8 @@ impl<S: SnapshotStore> Fold<S> {
         apply: &mut A,
     ) -> Result<(), AppliedError> {
         debug_assert!(self.is_settled(), "commit_identity on an unsettled fold");
-        let record = vec![KvUpdate::Put(KvEntry {
-            key: crate::retained::IDENTITY_KEY.to_string(),
-            value: bytes::Bytes::from(identity.to_bytes()),
-            version: crate::kv::VersionToken::UNKNOWN,
-        })];
+        self.pending_identity = None;
+        let record = vec![identity_record(identity)];
         let (_, r) = commit(&self.store, record, cursor).await?;
         r.map_err(|e| AppliedError::Store { streak: 0, last: e })?;
         self.applied = cursor;
@@ -766,12 +782,24 @@ impl<S: SnapshotStore> Fold<S> {
 
     /// Runs one flush of `batch` through `apply` and the store. On an apply failure the batch is
     /// handed back in `Err`-free form (returned as `Some(batch)`) for a retry; on a transient store
-    /// failure it is re-queued internally. Errors are fail-stops.
+    /// failure it is re-queued internally, and committed before any later batch reaches the guest
+    /// (a later batch is handed back untouched while that commit still fails). Errors are
+    /// fail-stops.
     pub async fn flush<A: Apply + ?Sized>(
         &mut self,
         batch: Vec<KvUpdate>,
         apply: &mut A,
     ) -> Result<Option<Vec<KvUpdate>>, AppliedError> {
+        // A re-queued batch (applied by the guest, its commit failed) commits before the guest
+        // sees anything newer: should the guest fail on the next batch and be rebuilt, it is
+        // rebuilt from a fold that holds every batch the dropped instance applied.
+        if !self.is_settled() && !batch.is_empty() {
+            Box::pin(self.flush(Vec::new(), apply)).await?;
+            if !self.is_settled() {
+                // Still failing: the new batch goes back untouched (the guest never saw it).
+                return Ok(Some(batch));
+            }
+        }
         let (batch, skipped_high, delivered) = Self::split_reserved(batch);
         if batch.is_empty() && skipped_high.is_none() && self.is_settled() {
             return Ok(None);
@@ -825,6 +853,10 @@ impl<S: SnapshotStore> Fold<S> {
         }
         let mut raw = std::mem::take(&mut self.requeued);
         raw.extend(batch);
+        // A re-queue after a failed commit carries it along.
+        if let Some(identity) = self.pending_identity.take() {
+            raw.push(identity_record(&identity));
+        }
         // Retained records commit with their batch (reserved keys, unknown version: the cursor
         // is the batch's).
         raw.extend(retained_now.iter().map(RetainedRecord::to_put));
@@ -915,6 +947,15 @@ async fn commit<S: SnapshotStore>(
         .await
         .map_err(|e| AppliedError::Task(e.to_string()))
     }
+}
+
+/// The store update that records `identity` (a reserved key, unknown version: no cursor move).
+fn identity_record(identity: &crate::kv::StreamIdentity) -> KvUpdate {
+    KvUpdate::Put(KvEntry {
+        key: crate::retained::IDENTITY_KEY.to_string(),
+        value: bytes::Bytes::from(identity.to_bytes()),
+        version: crate::kv::VersionToken::UNKNOWN,
+    })
 }
 
 /// The entry an update leaves its key with (`None` after a delete or purge).
@@ -1364,7 +1405,8 @@ async fn check_identity<S: SnapshotStore, A: Apply + ?Sized>(
             if cursor.revision().is_some() {
                 tracing::warn!(bucket = %bucket, identity = %found.identity, cursor = %cursor, "the fold records no stream identity (written by an older version): recording this stream's, which still covers the cursor");
             }
-            fold.commit_identity(&found.identity, cursor, apply).await?;
+            // Committed with the next batch (the first cursor, on a new fold).
+            fold.pending_identity = Some(found.identity.clone());
         }
         protocol::IdentityVerdict::Recreated | protocol::IdentityVerdict::CursorAhead => {
             let why = other_stream(verdict, recorded.as_ref(), cursor, &found);

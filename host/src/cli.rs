@@ -727,14 +727,9 @@ pub async fn run_fold(
     let outcome = match result {
         Ok(finished) => {
             last.state = "stopped".into();
-            // The one rule, as `/status` and `status --store` apply it: never past the oldest
-            // retained record.
-            let oldest = status.oldest_retained_revision.load(Ordering::Relaxed);
-            last.applied_through = crate::protocol::applied_through(
-                finished.cursor.revision(),
-                (oldest > 0).then_some(oldest),
-            )
-            .unwrap_or(0);
+            // The one rule (`RetainedIndex::applied_through`), as the fold published it with its
+            // last commit — what `/status` showed and `status --store` computes.
+            last.applied_through = status.applied_through.load(Ordering::Relaxed);
             Ok(RunSummary {
                 cursor: finished.cursor,
                 delivered: status.delivered.load(Ordering::Relaxed),
@@ -1091,8 +1086,7 @@ fn cmd_status(a: StatusArgs) -> anyhow::Result<()> {
     let host = storedir::read_status(&dir);
     let retained = crate::retained::RetainedIndex::load(&store)?;
     let oldest = retained.oldest();
-    let applied = crate::protocol::applied_through(cursor.revision(), oldest.map(|o| o.revision()))
-        .unwrap_or(0);
+    let applied = retained.applied_through(cursor.revision()).unwrap_or(0);
     let seq = host.as_ref().map_or(cursor.revision_or_zero(), |h| {
         h.seq.max(cursor.revision_or_zero())
     });
@@ -1102,7 +1096,7 @@ fn cmd_status(a: StatusArgs) -> anyhow::Result<()> {
         applied_through: applied,
         lag: seq.saturating_sub(applied),
         retained: retained.len() as u64,
-        oldest_retained_revision: oldest.map(|o| o.revision()),
+        oldest_retained_revision: oldest.map(|o| o.position()),
         oldest_retained_age_s: oldest.map(|o| now_ms().saturating_sub(o.retained_unix_ms) / 1000),
         warnings: host
             .as_ref()

@@ -40,12 +40,21 @@ pub const RESERVED_PREFIX: &str = "\u{1}";
 pub const IDENTITY_KEY: &str = "\u{1}identity";
 
 /// Where retained records live: `RETAINED_PREFIX` + 20-digit revision + `/` + key (log order).
+/// A record of unknown revision (a synthetic delete of a re-list or restore) has no revision of
+/// its own: it is stored at its *position* — the fold's revision when it was retained — as
+/// `RETAINED_PREFIX` + 20-digit position + `~` + 20-digit sequence + `/` + key, which sorts after
+/// every record of a known revision at or below that position (`~` > `/`) and before any later
+/// one, so log order holds through every path and two records never share a store key.
 pub const RETAINED_PREFIX: &str = "\u{1}retained/";
 
 /// Format tag of an encoded retained record.
 const RECORD_TAG: u8 = b'R';
-/// Format version of an encoded retained record.
+/// Format version of an encoded retained record of a known revision (also what every host before
+/// positions existed wrote).
 const RECORD_VERSION: u8 = 1;
+/// Format version of a record of unknown revision: version 1 followed by its position and
+/// sequence.
+const RECORD_VERSION_POSITIONED: u8 = 2;
 
 /// True for the host's own keys (never shown to guests, `dump` or listings).
 pub fn is_reserved(key: &str) -> bool {
@@ -64,21 +73,46 @@ pub struct RetainedRecord {
     pub retained_unix_ms: u64,
     /// For the first retained record of its key: the key's entry before it. `None` for later ones.
     pub base: Option<Base>,
+    /// For an update of unknown revision: its position (the fold's revision when it was retained,
+    /// or the highest revision before it in its batch) and a sequence unique among retained
+    /// records. `None` for an update with a revision.
+    pub order: Option<(u64, u64)>,
 }
 
 impl RetainedRecord {
-    /// The revision (0 for an update of unknown version).
-    pub fn revision(&self) -> u64 {
-        self.update.revision().unwrap_or(0)
+    /// Where the record sits in the log: its revision, or for one of unknown revision its
+    /// position (the revision the fold was at when it was retained).
+    pub fn position(&self) -> u64 {
+        match (self.update.revision(), self.order) {
+            (Some(r), _) => r,
+            (None, Some((p, _))) => p,
+            (None, None) => 0,
+        }
+    }
+
+    /// The first revision this record keeps from being applied: its own revision, or for one of
+    /// unknown revision the one after its position (everything at its position was applied
+    /// before it was retained). `applied_through` stays below it.
+    pub fn first_unapplied(&self) -> u64 {
+        match (self.update.revision(), self.order) {
+            (Some(r), _) => r,
+            (None, Some((p, _))) => p.saturating_add(1),
+            (None, None) => 0,
+        }
     }
 
     /// The reserved key this record is stored under.
     pub fn store_key(&self) -> String {
-        format!(
-            "{RETAINED_PREFIX}{:020}/{}",
-            self.revision(),
-            self.update.key()
-        )
+        match (self.update.revision(), self.order) {
+            (None, Some((p, seq))) => {
+                format!("{RETAINED_PREFIX}{p:020}~{seq:020}/{}", self.update.key())
+            }
+            _ => format!(
+                "{RETAINED_PREFIX}{:020}/{}",
+                self.position(),
+                self.update.key()
+            ),
+        }
     }
 
     /// The store update that writes this record.
@@ -116,8 +150,13 @@ pub fn encode(r: &RetainedRecord) -> Vec<u8> {
         KvUpdate::Delete { key, .. } => (1, key, &[]),
         KvUpdate::Purge { key, .. } => (2, key, &[]),
     };
-    let mut out = Vec::with_capacity(32 + key.len() + value.len());
-    out.extend_from_slice(&[RECORD_TAG, RECORD_VERSION, op]);
+    let mut out = Vec::with_capacity(48 + key.len() + value.len());
+    let version = if r.order.is_some() {
+        RECORD_VERSION_POSITIONED
+    } else {
+        RECORD_VERSION
+    };
+    out.extend_from_slice(&[RECORD_TAG, version, op]);
     out.extend_from_slice(&r.retained_unix_ms.to_le_bytes());
     put_version(&mut out, &r.update.version());
     put_bytes(&mut out, key.as_bytes());
@@ -130,6 +169,10 @@ pub fn encode(r: &RetainedRecord) -> Vec<u8> {
             put_version(&mut out, &e.version);
             put_bytes(&mut out, &e.value);
         }
+    }
+    if let Some((position, seq)) = r.order {
+        out.extend_from_slice(&position.to_le_bytes());
+        out.extend_from_slice(&seq.to_le_bytes());
     }
     out
 }
@@ -180,7 +223,7 @@ impl<'a> Reader<'a> {
 pub fn decode(bytes: &[u8]) -> Result<RetainedRecord, String> {
     let mut r = Reader(bytes);
     let (tag, version) = (r.u8()?, r.u8()?);
-    if tag != RECORD_TAG || version != RECORD_VERSION {
+    if tag != RECORD_TAG || !(version == RECORD_VERSION || version == RECORD_VERSION_POSITIONED) {
         return Err(format!("unknown record tag {tag:#04x} version {version}"));
     }
     let op = r.u8()?;
@@ -220,6 +263,14 @@ pub fn decode(bytes: &[u8]) -> Result<RetainedRecord, String> {
         }
         other => return Err(format!("unknown base tag {other}")),
     };
+    let order = if version == RECORD_VERSION_POSITIONED {
+        if !uversion.is_unknown() {
+            return Err("a positioned record with a revision of its own".into());
+        }
+        Some((r.u64()?, r.u64()?))
+    } else {
+        None
+    };
     if !r.0.is_empty() {
         return Err(format!("{} trailing bytes", r.0.len()));
     }
@@ -227,6 +278,7 @@ pub fn decode(bytes: &[u8]) -> Result<RetainedRecord, String> {
         update,
         retained_unix_ms,
         base,
+        order,
     })
 }
 
@@ -327,9 +379,25 @@ impl RetainedIndex {
         self.records.is_empty()
     }
 
-    /// The oldest retained record (lowest revision).
+    /// The oldest retained record (first in log order).
     pub fn oldest(&self) -> Option<&RetainedRecord> {
         self.records.values().next()
+    }
+
+    /// The sequence the next record of unknown revision gets: above every one retained.
+    pub fn next_sequence(&self) -> u64 {
+        self.records
+            .values()
+            .filter_map(|r| r.order.map(|(_, seq)| seq))
+            .max()
+            .map_or(1, |s| s.saturating_add(1))
+    }
+
+    /// `applied_through` for a fold at `cursor` with these records: the one rule
+    /// ([`crate::protocol::applied_through`]) held below the oldest record's first unapplied
+    /// revision. `/status`, `status.json` and `status --store` all come here.
+    pub fn applied_through(&self, cursor: Option<u64>) -> Option<u64> {
+        crate::protocol::applied_through(cursor, self.oldest().map(RetainedRecord::first_unapplied))
     }
 }
 
@@ -364,10 +432,12 @@ mod tests {
             },
         ] {
             for base in [None, Some(None), Some(Some(base_entry.clone()))] {
+                let order = update.revision().is_none().then_some((41, 3));
                 let r = RetainedRecord {
                     update: update.clone(),
                     retained_unix_ms: 1_700_000_000_000,
                     base,
+                    order,
                 };
                 assert_eq!(decode(&encode(&r)), Ok(r));
             }
@@ -380,14 +450,26 @@ mod tests {
             update: put("key", "value", 9),
             retained_unix_ms: 1,
             base: Some(None),
+            order: None,
         };
-        let bytes = encode(&r);
-        for cut in 0..bytes.len() {
-            assert!(decode(&bytes[..cut]).is_err(), "cut at {cut} decoded");
+        let positioned = RetainedRecord {
+            update: KvUpdate::Delete {
+                key: "key".into(),
+                version: VersionToken::UNKNOWN,
+            },
+            retained_unix_ms: 1,
+            base: None,
+            order: Some((9, 1)),
+        };
+        for r in [r, positioned] {
+            let bytes = encode(&r);
+            for cut in 0..bytes.len() {
+                assert!(decode(&bytes[..cut]).is_err(), "cut at {cut} decoded");
+            }
+            let mut longer = bytes.clone();
+            longer.push(0);
+            assert!(decode(&longer).is_err());
         }
-        let mut longer = bytes.clone();
-        longer.push(0);
-        assert!(decode(&longer).is_err());
     }
 
     #[test]
@@ -396,17 +478,61 @@ mod tests {
             update: put("zz", "", 9),
             retained_unix_ms: 0,
             base: None,
+            order: None,
         };
         let b = RetainedRecord {
             update: put("aa", "", 10),
             retained_unix_ms: 0,
             base: None,
+            order: None,
         };
         assert!(a.store_key() < b.store_key());
+        // A synthetic delete of `zz` retained when the fold was at 9: after `zz`'s record at 9
+        // (never under its key), before anything later; two of them at one position stay apart.
+        let synthetic = |seq| RetainedRecord {
+            update: KvUpdate::Delete {
+                key: "zz".into(),
+                version: VersionToken::UNKNOWN,
+            },
+            retained_unix_ms: 0,
+            base: None,
+            order: Some((9, seq)),
+        };
+        let (s1, s2) = (synthetic(1), synthetic(2));
+        assert!(a.store_key() < s1.store_key() && s1.store_key() < s2.store_key());
+        assert!(s2.store_key() < b.store_key());
+        assert_eq!((s1.position(), s1.first_unapplied()), (9, 10));
+        assert_eq!((a.position(), a.first_unapplied()), (9, 9));
         assert!(is_reserved(&a.store_key()));
         assert!(!is_reserved("route.a"));
         // Reserved keys sort before every key a NATS bucket can hold.
         assert!(a.store_key().as_str() < "-");
         assert!(a.to_put().revision().is_none(), "never moves the cursor");
+    }
+
+    #[test]
+    fn applied_through_never_drops_for_a_record_retained_at_the_cursor() {
+        let mut index = RetainedIndex::default();
+        assert_eq!(index.applied_through(Some(20)), Some(20));
+        // A synthetic delete retained with the fold at 20: everything through 20 was applied.
+        index.insert(RetainedRecord {
+            update: KvUpdate::Delete {
+                key: "k".into(),
+                version: VersionToken::UNKNOWN,
+            },
+            retained_unix_ms: 0,
+            base: Some(None),
+            order: Some((20, index.next_sequence())),
+        });
+        assert_eq!(index.applied_through(Some(20)), Some(20));
+        assert_eq!(index.next_sequence(), 2);
+        // A record of a known revision 15 is older in the log: it holds applied_through at 14.
+        index.insert(RetainedRecord {
+            update: put("j", "v", 15),
+            retained_unix_ms: 0,
+            base: Some(None),
+            order: None,
+        });
+        assert_eq!(index.applied_through(Some(20)), Some(14));
     }
 }

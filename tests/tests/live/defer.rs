@@ -593,3 +593,76 @@ async fn a_clean_stop_writes_the_same_applied_through_as_status_while_records_ar
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relist_delete_of_a_key_with_a_retained_record_is_released_after_it_in_log_order()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket_with_history("resync", 10).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let rev = |v: VersionToken| v.as_u64().unwrap_or(0);
+    // The host starts first: each revision is delivered (a state-sync start would deliver the
+    // key's last revision only).
+    let mut host = start_host(&h, "resync", &store, &addr, &[])?;
+    wait_status(&addr, |s| s["state"] == "running").await?;
+    let a0 = rev(kv.put("k.a", "a0".into()).await?);
+    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(a0)).await?;
+    let r1 = rev(kv.put("k.a", "fmt2:a1".into()).await?);
+    let s = wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r1)).await?;
+    assert_eq!(s["retained"], 1, "{s}");
+    assert_eq!(s["applied_through"].as_u64(), Some(a0), "{s}");
+    terminate(&mut host)?;
+
+    // While the node is down the key is deleted and its every message purged: the cursor is
+    // expired, and the delete survives only as the listing's silence.
+    kv.delete("k.a").await?;
+    let stream = kv.jetstream().get_stream("KV_resync").await?;
+    stream.purge().filter("$KV.resync.k.a").await?;
+    let b1 = rev(kv.put("k.b", "b1".into()).await?);
+    assert!(kv.positions().await?.first_sequence > r1 + 1, "expired");
+
+    // The re-list's synthetic delete of k.a waits behind k.a's retained record (k.a is blocked),
+    // retained after it in log order: applied_through stays where it was, never 0.
+    let mut host = start_host(&h, "resync", &store, &addr, &[])?;
+    let s = wait_status(&addr, |s| s["cursor"].as_u64() >= Some(b1)).await?;
+    assert_eq!(s["repairs"], 1, "{s}\n{}", host_log(&store));
+    assert_eq!(s["retained"], 2, "{s}\n{}", host_log(&store));
+    assert_eq!(
+        s["applied_through"].as_u64(),
+        Some(a0),
+        "applied_through never goes backwards: {s}"
+    );
+    assert_eq!(s["oldest_retained_revision"].as_u64(), Some(r1), "{s}");
+    assert_eq!(
+        query(&addr, "k.a").await?,
+        (200, "a0".into()),
+        "v1 serves the base: {}",
+        host_log(&store)
+    );
+
+    // The version that decodes it applies k.a's history as the log has it: the put, then the
+    // delete — so the guest's answer is the fold's (no k.a).
+    let report = swap_to_v2(&addr)?;
+    assert_eq!(report["released"], 2, "{report}");
+    assert_eq!(report["still_retained"], 0, "{report}");
+    let s = wait_status(&addr, |_| true).await?;
+    assert_eq!(s["applied_through"].as_u64(), Some(b1), "{s}");
+    assert_eq!(
+        query(&addr, "history:k.a").await?,
+        (200, format!("{a0},{r1}")),
+        "the base, then the retained put (the synthetic delete carries no revision)"
+    );
+    assert_eq!(
+        query(&addr, "k.a").await?.0,
+        422,
+        "the delete applied last: {}",
+        host_log(&store)
+    );
+    assert_eq!(query(&addr, "k.b").await?, (200, "v2:b1".into()));
+    terminate(&mut host)?;
+    let want = bucket_contents(&kv).await?;
+    assert_eq!(first_difference(&want, &dump_store(&store)?), None);
+    Ok(())
+}

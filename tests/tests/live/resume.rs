@@ -40,6 +40,9 @@ fn contents_of(store: &impl SnapshotStore) -> Contents {
     let mut c = Contents::new();
     store
         .for_each_in_range("", &mut |e| {
+            if foldhost::retained::is_reserved(&e.key) {
+                return ControlFlow::Continue(()); // the host's own keys (the stream identity)
+            }
             c.insert(
                 e.key.clone(),
                 (e.value.to_vec(), e.version.as_u64().unwrap_or(0)),
@@ -285,5 +288,93 @@ async fn cursor_covers_rejected_updates_so_a_restart_does_not_replay_them() -> a
     );
     let (_, again) = fold_once(&kv, open(tmp.path()), 100).await?;
     assert_eq!(again.parsed, 0, "a restart re-delivers none of them");
+    Ok(())
+}
+
+fn put_at(key: &str, value: &str, rev: u64) -> KvUpdate {
+    KvUpdate::Put(KvEntry {
+        key: key.into(),
+        value: bytes::Bytes::from(value.to_string()),
+        version: foldhost::kv::VersionToken::from_u64(rev),
+    })
+}
+
+/// The interleaving of a store failure and a guest failure (issue 12): a batch the guest applied
+/// whose commit failed is re-queued; the guest then fails on the next batch and is dropped; the
+/// instance built after it must not be hydrated from a fold that lacks the re-queued batch — the
+/// fold commits the re-queued batch before the guest sees anything newer. Placed deterministically:
+/// the store fails its 2nd apply, and the guest (`kvstore-v2`, which fails `apply` on a revision
+/// it already applied) fails on a replayed revision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_rebuilt_after_a_store_failure_sees_the_re_queued_batch() -> anyhow::Result<()> {
+    use foldhost::applied::Fold;
+    use foldhost::guest::{GuestApply, GuestEngine, GuestLimits};
+    let tmp = tempfile::tempdir()?;
+    let faulty = FaultyStore {
+        inner: open(tmp.path()),
+        calls: Arc::new(AtomicU32::new(0)),
+        fail: vec![2],
+        fail_always: false,
+    };
+    let shared = SharedStore::new(faulty);
+    let engine = GuestEngine::new()?;
+    let bytes = std::fs::read(foldhost_tests::guest_wasm("kvstore_v2"))?;
+    let load = async || {
+        GuestApply::load(
+            &engine,
+            "kvstore_v2",
+            &bytes,
+            GuestLimits::default(),
+            vec![],
+            Arc::new(shared.clone()),
+        )
+        .await
+    };
+    let mut guest = load().await?;
+    guest.hydrate().await?;
+    let mut fold = Fold::new(shared.clone(), Arc::new(FoldStatus::default()))?;
+
+    let b1 = vec![put_at("k.a", "a1", 1), put_at("k.b", "b1", 2)];
+    assert!(fold.flush(b1, &mut guest).await?.is_none());
+    // Applied by the guest, then the store fails: re-queued, not committed.
+    let b2 = vec![put_at("k.c", "c1", 3), put_at("k.a", "a2", 4)];
+    assert!(fold.flush(b2, &mut guest).await?.is_none());
+    assert!(
+        !fold.is_settled(),
+        "the 2nd store apply failed: the batch is re-queued"
+    );
+    // The guest fails on the next batch (a revision it already applied) and is dropped.
+    let replay = vec![put_at("k.b", "b1", 2)];
+    assert!(
+        fold.flush(replay, &mut guest).await?.is_some(),
+        "the guest refused the replay"
+    );
+    // The next batch goes to a fresh instance, rebuilt from the fold.
+    assert!(
+        fold.flush(vec![put_at("k.d", "d1", 5)], &mut guest)
+            .await?
+            .is_none()
+    );
+    assert!(fold.is_settled());
+    assert_eq!(fold.cursor(), WatchCursor::at(5));
+
+    // Its answers equal a fresh hydration's, and the fold's.
+    let mut fresh = load().await?;
+    fresh.hydrate().await?;
+    for (key, want) in [("k.a", "a2"), ("k.b", "b1"), ("k.c", "c1"), ("k.d", "d1")] {
+        let got = guest
+            .query(key.as_bytes())
+            .await
+            .map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
+        let hydrated = fresh
+            .query(key.as_bytes())
+            .await
+            .map_err(|e| anyhow::anyhow!("{key}: {e}"))?;
+        assert_eq!(
+            got, hydrated,
+            "{key}: the rebuilt guest and a fresh hydration differ"
+        );
+        assert_eq!(got, format!("v2:{want}").into_bytes(), "{key}");
+    }
     Ok(())
 }
