@@ -23,7 +23,7 @@ use foldhost_tests::{
     Contents, Harness, bucket_contents, dump_store, first_difference, foldhost, publish_all,
     run_command, run_to_crash, status_store, terminate, wait_status,
 };
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 
 /// A bucket whose retention evicts current values by age.
 async fn aging_bucket(h: &Harness, name: &str, max_age: Duration) -> anyhow::Result<Arc<NatsKv>> {
@@ -881,5 +881,81 @@ async fn ttl_only_buckets_are_re_listed_to_exactly_the_bucket_without_an_artifac
         String::from_utf8_lossy(&o.stderr)
     );
     assert_eq!(first_difference(&want, &dump_store(&node)?), None);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_watch_cut_off_while_in_scope_messages_age_out_trips_the_floor_guard_never_skips()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = aging_bucket(&h, "cutoff", Duration::from_secs(3600)).await?;
+    for i in 0..20 {
+        kv.put(
+            &format!("route.h{i}"),
+            format!("{{\"upstream\":\"10.0.0.{i}:80\"}}").into(),
+        )
+        .await?;
+        kv.put(&format!("other.{i}"), "noise".into()).await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let node = tmp.path().join("node");
+    let na = addr()?;
+    let log_path = tmp.path().join("node.log");
+    let mut nd = run_command(&h, "cutoff", &node, Some(&na))
+        .arg("--guest")
+        .arg(foldhost_tests::guest_wasm("router"))
+        .env("FOLDHOST_LOG", "warn")
+        .stderr(std::fs::File::create(&log_path)?)
+        .spawn()?;
+    let last = kv.positions().await?.last_sequence;
+    let before = wait_status(&na, |s| s["applied_through"].as_u64() >= Some(last - 1)).await?;
+    let cursor = before["cursor"].as_u64().unwrap_or(0);
+    let (code, _) = foldhost::serve::call(&na, "POST", "/query", b"h1").await?;
+    assert_eq!(code, 200);
+
+    // Cut off: the node is stopped and its consumer deleted on the server, so nothing more is
+    // pushed to it. Meanwhile in-scope writes (a delete, a change) and out-of-scope noise happen
+    // and every message ages out (the operator shortens max_age), then a new in-scope write.
+    signal(&nd, "-STOP")?;
+    let stream = kv.jetstream().get_stream("KV_cutoff").await?;
+    let names: Vec<String> = stream.consumer_names().try_collect().await?;
+    assert!(!names.is_empty(), "the node's watch consumer exists");
+    for n in &names {
+        stream.delete_consumer(n).await?;
+    }
+    kv.delete("route.h1").await?;
+    kv.put("route.h2", "{\"upstream\":\"10.9.9.9:80\"}".into())
+        .await?;
+    kv.put("other.x", "noise".into()).await?;
+    set_max_age(&kv, "cutoff", Duration::from_secs(2)).await?;
+    let first = wait_aged_out(&kv).await?;
+    assert!(first > cursor + 1, "the in-scope writes aged out unseen");
+    kv.put("route.h99", "{\"upstream\":\"10.0.0.99:80\"}".into())
+        .await?;
+    signal(&nd, "-CONT")?;
+
+    // The re-created consumer starts at the first retained message: the guard trips before
+    // anything after the gap is applied. With no artifact armed the node stops.
+    let st = wait_status(&na, |s| s["state"] == "failed").await?;
+    terminate(&mut nd)?;
+    let log = std::fs::read_to_string(&log_path)?;
+    assert!(
+        log.contains("floor guard: retention overran the watch"),
+        "{st}\n{log}"
+    );
+    assert!(
+        st["error"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("cursor expired"),
+        "{st}"
+    );
+    let fold = dump_store(&node)?;
+    assert!(!fold.contains_key("route.h99"), "the fold skipped the gap");
+    assert!(
+        fold.contains_key("route.h1"),
+        "the fold moved past the lost delete"
+    );
+    assert_eq!(status_store(&node)?["cursor"].as_u64(), Some(cursor));
     Ok(())
 }
