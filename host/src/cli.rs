@@ -536,7 +536,7 @@ pub async fn run_fold(
         )
         .await?;
     if on_recreated == crate::protocol::OnRecreated::Refuse {
-        refuse_another_stream(&a.store, &a.bucket, &*kv).await?;
+        refuse_another_stream(&a.store, &a.bucket, &kv).await?;
     }
     let store_dir = a.store.clone();
     let sync = a.sync;
