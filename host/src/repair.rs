@@ -886,6 +886,44 @@ pub async fn restore<S: SnapshotStore, A: Apply + ?Sized>(
         .map_err(|e: String| RepairError::Refused(format!("artifact {}: {e}", path.display())))?;
     let (art, _) = block(|| AnyStore::open(&imported_dir, backend)).map_err(RepairError::from)?;
     let art_cursor = art.cursor();
+    // An artifact of another stream (the bucket's earlier incarnation, another bucket) would mix
+    // two streams' keys: refused by the identity check the fold's own start makes.
+    if let Some(live) = watcher.stream_state().await.map_err(RepairError::from)? {
+        let recorded = match art
+            .get(crate::retained::IDENTITY_KEY)
+            .map_err(RepairError::from)?
+        {
+            Some(e) => Some(
+                crate::kv::StreamIdentity::from_bytes(&e.value).ok_or_else(|| {
+                    RepairError::Refused(format!(
+                        "artifact {}: its stream identity record does not decode",
+                        path.display()
+                    ))
+                })?,
+            ),
+            None => None,
+        };
+        let verdict = protocol::stream_identity_check(
+            recorded.as_ref(),
+            &live.identity,
+            Some(rev),
+            live.last_sequence,
+        );
+        if matches!(
+            verdict,
+            protocol::IdentityVerdict::Recreated | protocol::IdentityVerdict::CursorAhead
+        ) {
+            let was =
+                recorded.map_or_else(|| "an unrecorded stream".to_string(), |r| r.to_string());
+            return Err(RepairError::Refused(format!(
+                "artifact {} folds {was} at cursor {rev}, but the bucket is {} with last sequence {}",
+                path.display(),
+                live.identity,
+                live.last_sequence
+            ))
+            .into());
+        }
+    }
     let spill_path = scratch.join("take.spill");
     let store = fold.store().clone();
     let (taken, candidates) = block(|| -> Result<(u64, Vec<String>), RepairError> {

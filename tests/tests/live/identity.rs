@@ -230,3 +230,67 @@ async fn a_bucket_recreated_under_a_running_node_stops_it_untouched_or_is_relist
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_artifact_of_the_buckets_earlier_incarnation_is_never_restored() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let exporter = tmp.path().join("exporter");
+    fold_old_bucket(&h, "incarn", &exporter).await?;
+    let artifacts = tmp.path().join("artifacts");
+    std::fs::create_dir_all(&artifacts)?;
+    // Exported from a running host (an artifact records the scope it vouches for).
+    let ea = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut ex = run_command(&h, "incarn", &exporter, Some(&ea))
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    wait_status(&ea, |s| s["applied_through"].as_u64() == Some(3000)).await?;
+    let o = foldhost_tests::foldhost()
+        .args(["export", "--listen", &ea, "--out"])
+        .arg(artifacts.join("old"))
+        .output()?;
+    ok(&o, "export")?;
+    foldhost_tests::terminate(&mut ex)?;
+
+    // The bucket is created again, evicting by age, with more writes than the artifact's cursor:
+    // by revisions alone the old artifact would look ahead of a fresh node and inside retention.
+    let kv = h.bucket("incarn").await?;
+    kv.jetstream().delete_stream("KV_incarn").await?;
+    let kv = h
+        .conn
+        .bucket(
+            "incarn",
+            &foldhost::stores::StoreConfig {
+                max_bytes: None,
+                max_age: Some(std::time::Duration::from_secs(3600)),
+                ..foldhost::stores::StoreConfig::default()
+            },
+        )
+        .await?;
+    publish_all(
+        kv.jetstream(),
+        (0..3500u32).map(|i| (format!("$KV.incarn.new.{:04}", i % 700), Bytes::from("new"))),
+    )
+    .await?;
+
+    let node = tmp.path().join("node");
+    let o = run_command(&h, "incarn", &node, None)
+        .args(["--catch-up", "--restore-from"])
+        .arg(&artifacts)
+        .output()?;
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success(),
+        "restored an artifact of another stream:\n{stderr}"
+    );
+    assert!(
+        stderr.contains("folds stream KV_incarn created")
+            && stderr.contains("but the bucket is stream KV_incarn created"),
+        "{stderr}"
+    );
+    assert!(
+        foldhost_tests::dump_store(&node).map_or(true, |d| d.is_empty()),
+        "nothing of the old stream reached the fold"
+    );
+    Ok(())
+}
