@@ -381,11 +381,14 @@ impl KvUpdate {
     }
 }
 
+/// Most updates a watch sends through the fold's channel as one [`WatchEvent::Updates`].
+pub const WATCH_CHUNK: usize = 64;
+
 /// What a watch delivers into the fold's channel: updates, plus the watch's own progress signals.
 #[derive(Debug)]
 pub enum WatchEvent {
     /// Updates from the stream, in revision order (a chunk of what the client had ready, at most
-    /// [`crate::nats::WATCH_CHUNK`]).
+    /// [`WATCH_CHUNK`]).
     Updates(Vec<KvUpdate>),
     /// Everything in scope that existed when the watch started has been delivered, through this
     /// revision (the re-list is complete, or the delta caught up). Used by `--catch-up` and by

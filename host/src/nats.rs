@@ -42,8 +42,7 @@ const KV_OPERATION: async_nats::header::HeaderName =
 /// The header of the server's delete markers (NATS 2.11+): why the subject's last message went.
 const NATS_MARKER_REASON: async_nats::header::HeaderName =
     async_nats::header::HeaderName::from_static("Nats-Marker-Reason");
-/// Most updates sent through the watch channel as one message.
-pub const WATCH_CHUNK: usize = 64;
+pub use crate::kv::WATCH_CHUNK;
 
 /// Period of the floor guard's backstop probe: when no delivery arrives for this long, the stream's
 /// first sequence is checked against the frontier directly (seed 000: 30 s).

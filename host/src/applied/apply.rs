@@ -1,0 +1,168 @@
+//! The domain-logic seam: [`Apply`] (a native Rust applier and a WebAssembly guest sit behind the
+//! same trait), what `parse` answers ([`Verdict`]), what a failed call says ([`ApplyError`]), the
+//! requests a running fold serves between batches ([`Control`]) and the native reference applier
+//! ([`CountingApply`]).
+//!
+//! Invariant: calls cross the seam once per batch, and never inside a store commit.
+
+use async_trait::async_trait;
+
+use crate::kv::{KvUpdate, WatchCursor};
+use crate::snapshot::SnapshotError;
+
+/// What `parse` says of one update.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verdict {
+    /// Apply it.
+    Accept,
+    /// Irrelevant or corrupt: nothing to apply, but the cursor covers it.
+    Skip,
+    /// This version cannot decode it: the host retains it (durably, in the fold) for a later
+    /// version, and holds back every later update of its key ([`crate::retained`]).
+    Defer,
+}
+
+/// A failed `parse` or `apply`, with the applier's own words.
+#[derive(Clone, Debug, thiserror::Error, PartialEq, Eq)]
+#[error("{applier}: {call} failed: {message}")]
+pub struct ApplyError {
+    /// Who failed (a guest's name and version, or a native applier's name).
+    pub applier: String,
+    /// Which call (`parse`, `apply`).
+    pub call: &'static str,
+    /// The applier's message.
+    pub message: String,
+}
+
+/// The domain-logic seam: what turns a batch of updates into live structures. A native Rust
+/// implementation and a WebAssembly guest sit behind the same trait. Calls cross it once per batch.
+#[async_trait]
+pub trait Apply: Send {
+    /// Name and version, for status and errors.
+    fn describe(&self) -> String;
+
+    /// One verdict per update of `batch`, in order.
+    async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError>;
+
+    /// Applies the updates of `batch` that `verdicts` accepted (the batch `parse` just saw).
+    async fn apply(&mut self, batch: &[KvUpdate], verdicts: &[Verdict]) -> Result<(), ApplyError>;
+
+    /// Called after the store committed through `cursor`.
+    async fn on_applied(&mut self, cursor: WatchCursor);
+
+    /// Drops whatever state the applier built that the committed fold does not back (after a
+    /// failed release of retained records): the next call rebuilds it from the fold.
+    fn discard(&mut self) {}
+
+    /// Replaces the applier's logic with the component `bytes` (named `what`), rebuilt from the
+    /// committed fold, keeping the old one when anything fails. Called between batches with the fold
+    /// settled (everything applied is committed).
+    async fn swap(&mut self, what: &str, _bytes: &[u8]) -> Result<SwapReport, ApplyError> {
+        Err(ApplyError {
+            applier: self.describe(),
+            call: "swap",
+            message: format!("this applier cannot be replaced by {what}"),
+        })
+    }
+
+    /// Answers a query against the structure the applier built. Called between batches only, so it
+    /// never sees a half-applied batch.
+    async fn query(&mut self, _request: &[u8]) -> Result<Vec<u8>, ApplyError> {
+        Err(ApplyError {
+            applier: self.describe(),
+            call: "query",
+            message: "this applier answers no queries".into(),
+        })
+    }
+}
+
+/// What a hot swap did.
+#[derive(Clone, Debug, serde::Serialize, PartialEq, Eq)]
+pub struct SwapReport {
+    /// The applier before (name@version).
+    pub from: String,
+    /// The applier after.
+    pub to: String,
+    /// Entries the new instance was rebuilt from.
+    pub hydrated_entries: u64,
+    /// How long the rebuild took, milliseconds.
+    pub hydrate_ms: u64,
+    /// How long the fold was paused (settling, rebuild, switch, release), milliseconds.
+    pub paused_ms: u64,
+    /// Retained records the new version applied and released.
+    pub released: u64,
+    /// Retained records still retained after the swap (the new version deferred them too).
+    pub still_retained: u64,
+}
+
+/// A request to the running fold, handled between batches.
+pub enum Control {
+    /// Replace the applier (a hot swap).
+    Swap {
+        /// The new component.
+        bytes: Vec<u8>,
+        /// What to call it in errors (a file name).
+        what: String,
+        /// Where the outcome goes.
+        reply: tokio::sync::oneshot::Sender<Result<SwapReport, ApplyError>>,
+    },
+    /// Copy the committed fold into `dir` (an existing empty directory) with
+    /// [`SnapshotStore::export_to`], after flushing everything pending: the copy's cursor is the
+    /// applied cursor, exactly. The rest of an export (verify, hash, manifest) runs off the fold's
+    /// path ([`crate::artifact::seal`]).
+    Export {
+        /// Where the backend's files go.
+        dir: std::path::PathBuf,
+        /// The cursor the copy holds, and the number of keys in it, or why it failed.
+        reply: tokio::sync::oneshot::Sender<Result<(WatchCursor, u64), SnapshotError>>,
+    },
+    /// Run a query against the applier.
+    Query {
+        /// The request bytes.
+        request: Vec<u8>,
+        /// Where the answer goes.
+        reply: tokio::sync::oneshot::Sender<Result<Vec<u8>, ApplyError>>,
+    },
+}
+
+/// A native applier that counts what it sees: the built-in `apply` of `foldhost run` until a guest
+/// is loaded, and the reference applier of the tests.
+#[derive(Debug, Default, Clone)]
+pub struct CountingApply {
+    /// Updates parsed (deliveries that reached the applier).
+    pub parsed: u64,
+    /// Puts applied.
+    pub puts: u64,
+    /// Deletes and purges applied.
+    pub deletes: u64,
+    /// The last committed cursor seen by `on_applied`.
+    pub last_cursor: WatchCursor,
+}
+
+#[async_trait]
+impl Apply for CountingApply {
+    fn describe(&self) -> String {
+        "native:count".into()
+    }
+
+    async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
+        self.parsed += batch.len() as u64;
+        Ok(vec![Verdict::Accept; batch.len()])
+    }
+
+    async fn apply(&mut self, batch: &[KvUpdate], verdicts: &[Verdict]) -> Result<(), ApplyError> {
+        for (u, v) in batch.iter().zip(verdicts) {
+            if *v == Verdict::Accept {
+                match u {
+                    KvUpdate::Put(_) => self.puts += 1,
+                    KvUpdate::Delete { .. } | KvUpdate::Purge { .. } => self.deletes += 1,
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn on_applied(&mut self, cursor: WatchCursor) {
+        self.last_cursor = cursor;
+    }
+}

@@ -1,0 +1,759 @@
+//! [`Fold`]: the one place a batch, the applied cursor and the store change together — flush
+//! (parse, apply, commit, `on-applied`), retain and release deferred records, the eviction memo and
+//! the stream identity records.
+//!
+//! Invariants: a cursor is committed only with (or after) the data it covers; a re-queued batch
+//! (applied, its commit failed) commits before the applier sees anything newer; a retained record
+//! commits with its batch.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use crate::crashpoint;
+use crate::kv::{KvEntry, KvUpdate, WatchCursor};
+use crate::protocol;
+use crate::retained::{Base, RetainedIndex, RetainedRecord, is_reserved};
+use crate::snapshot::{SharedStore, SnapshotError, SnapshotStore};
+
+use super::{
+    AppliedError, Apply, ApplyError, FoldStatus, MAX_APPLY_FAILURES, MAX_STAMPS, MAX_WARNINGS,
+    Verdict,
+};
+
+pub(super) fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+/// The batch, the applied cursor and the store: every change to the fold goes through here.
+pub struct Fold<S: SnapshotStore> {
+    store: SharedStore<S>,
+    applied: WatchCursor,
+    /// Raw updates whose `apply` returned but whose store commit failed: committed first next time.
+    requeued: Vec<KvUpdate>,
+    store_streak: u32,
+    pub(super) apply_streak: u32,
+    status: Arc<FoldStatus>,
+    /// Store keys of retained records already warned about (each is warned about once per run).
+    warned: std::collections::BTreeSet<String>,
+    /// While set (a restore folding its difference), commits keep the cursor where it is.
+    frozen: bool,
+    /// The highest revision of a skipped reserved-space bucket key ([`protocol::bucket_key_admitted`])
+    /// whose batch is re-queued whole after a failed store commit: it rides with `requeued`.
+    requeued_skipped: Option<u64>,
+    /// Server times of recently delivered revisions (ascending), for the memo's time.
+    stamps: std::collections::VecDeque<(u64, u64)>,
+    /// The stream identity to record with the next committed batch (a fold that records none yet:
+    /// it is committed with the first cursor, see `check_identity`).
+    pub(super) pending_identity: Option<crate::kv::StreamIdentity>,
+}
+
+impl<S: SnapshotStore> Fold<S> {
+    /// A fold over `store`, resuming from the store's own cursor.
+    pub fn new(store: SharedStore<S>, status: Arc<FoldStatus>) -> Result<Self, SnapshotError> {
+        let applied = store.read()?.cursor();
+        status
+            .seq
+            .fetch_max(applied.revision_or_zero(), Ordering::Relaxed);
+        let fold = Fold {
+            store,
+            applied,
+            requeued: Vec::new(),
+            store_streak: 0,
+            apply_streak: 0,
+            status,
+            warned: Default::default(),
+            frozen: false,
+            requeued_skipped: None,
+            stamps: Default::default(),
+            pending_identity: None,
+        };
+        // The migration of folds written before bucket keys in the host's space were skipped:
+        // forged retained records go, in one commit that does not move the cursor.
+        let forged = fold.store.with_retained(RetainedIndex::take_forged)?;
+        if !forged.is_empty() {
+            let deletes: Vec<KvUpdate> = forged
+                .into_iter()
+                .map(|key| KvUpdate::Delete {
+                    key,
+                    version: crate::kv::VersionToken::UNKNOWN,
+                })
+                .collect();
+            tracing::warn!(
+                records = deletes.len(),
+                "deleting retained records no host wrote (a raw publish into the host's key space, folded by an older version)"
+            );
+            fold.store.write()?.apply(&deletes, applied)?;
+        }
+        fold.publish_retained()?;
+        Ok(fold)
+    }
+
+    /// Brings the status's applied-through and retained figures in line with the fold.
+    fn publish_retained(&self) -> Result<(), SnapshotError> {
+        let cursor = self.applied.revision();
+        let (n, oldest, through) = self.store.with_retained(|r| {
+            (
+                r.len() as u64,
+                r.oldest().map(|o| (o.position(), o.retained_unix_ms)),
+                r.applied_through(cursor),
+            )
+        })?;
+        let s = &self.status;
+        s.cursor
+            .store(self.applied.revision_or_zero(), Ordering::Relaxed);
+        s.eviction_seen
+            .store(u64::from(self.applied.memo().is_some()), Ordering::Relaxed);
+        s.applied_through
+            .store(through.unwrap_or(0), Ordering::Relaxed);
+        s.retained.store(n, Ordering::Relaxed);
+        s.oldest_retained_revision
+            .store(oldest.map_or(0, |o| o.0), Ordering::Relaxed);
+        s.oldest_retained_unix_ms
+            .store(oldest.map_or(0, |o| o.1), Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Warns (once per record and run) about records retained longer than `grace`, and lists them
+    /// in the status.
+    pub fn check_grace(&mut self, grace: Duration) -> Result<(), SnapshotError> {
+        if self.status.retained.load(Ordering::Relaxed) == 0 {
+            if let Ok(mut w) = self.status.warnings.lock() {
+                w.clear();
+            }
+            return Ok(());
+        }
+        let now = now_unix_ms();
+        let grace_ms = grace.as_millis() as u64;
+        let overdue: Vec<(String, String, u64, u64)> = self.store.with_retained(|r| {
+            r.records()
+                .filter(|rec| now.saturating_sub(rec.retained_unix_ms) > grace_ms)
+                .map(|rec| {
+                    (
+                        rec.store_key(),
+                        rec.update.key().to_string(),
+                        rec.position(),
+                        now.saturating_sub(rec.retained_unix_ms) / 1000,
+                    )
+                })
+                .collect()
+        })?;
+        let mut lines = Vec::new();
+        for (store_key, key, revision, age_s) in &overdue {
+            if self.warned.insert(store_key.clone()) {
+                tracing::warn!(key = %key, revision, age_s, grace_s = grace.as_secs(), "record retained longer than the grace: no running guest version can decode it");
+            }
+            if lines.len() < MAX_WARNINGS {
+                lines.push(format!(
+                    "{key} at revision {revision} retained {age_s} s, longer than the {} s grace",
+                    grace.as_secs()
+                ));
+            }
+        }
+        if overdue.len() > MAX_WARNINGS {
+            lines.push(format!(
+                "and {} more retained records past the grace",
+                overdue.len() - MAX_WARNINGS
+            ));
+        }
+        if let Ok(mut w) = self.status.warnings.lock() {
+            *w = lines;
+        }
+        Ok(())
+    }
+
+    /// Records of `batch` marked in `deferred`, as retained records; the first of each key not
+    /// blocked yet carries the key's base (its entry just before it). Updates the index.
+    fn retain(
+        &mut self,
+        batch: &[KvUpdate],
+        deferred: &[bool],
+    ) -> Result<Vec<RetainedRecord>, SnapshotError> {
+        let now = now_unix_ms();
+        let store = self.store.clone();
+        let requeued = &self.requeued;
+        let at = self.applied.revision_or_zero();
+        self.store.with_retained(|index| {
+            let mut out = Vec::new();
+            // The position of an update of unknown revision: the highest revision before it, in
+            // the committed fold or earlier in this batch (log order, never 0).
+            let mut position = at;
+            let mut positions = Vec::with_capacity(batch.len());
+            for u in batch {
+                positions.push(position);
+                position = position.max(u.revision().unwrap_or(0));
+            }
+            for (i, u) in batch.iter().enumerate().filter(|(i, _)| deferred[*i]) {
+                let key = u.key();
+                let base = if index.is_blocked(key) {
+                    None
+                } else {
+                    // The key's last update before this one is applied (else the key would be
+                    // blocked): in this batch, in the re-queued updates, or committed.
+                    let before = batch[..i]
+                        .iter()
+                        .rev()
+                        .chain(requeued.iter().rev().filter(|r| !is_reserved(r.key())))
+                        .find(|p| p.key() == key);
+                    Some(match before {
+                        Some(p) => entry_of(p),
+                        None => store.read()?.get(key)?,
+                    })
+                };
+                let order = u
+                    .revision()
+                    .is_none()
+                    .then(|| (positions[i], index.next_sequence()));
+                let r = RetainedRecord {
+                    update: u.clone(),
+                    retained_unix_ms: now,
+                    base,
+                    order,
+                };
+                index.insert(r.clone());
+                out.push(r);
+            }
+            Ok(out)
+        })?
+    }
+
+    /// Offers every retained record, in log order, to `apply` (after a swap or at start); what it
+    /// accepts or skips is released, in one commit that does not move the cursor. What it defers
+    /// again stays retained, with its key's base moved past what was released. A failed offer
+    /// leaves everything retained and has the applier rebuild from the fold.
+    pub async fn release<A: Apply + ?Sized>(
+        &mut self,
+        apply: &mut A,
+    ) -> Result<(u64, u64), AppliedError> {
+        let store_err = |e| AppliedError::Store { streak: 0, last: e };
+        let (records, old) = self
+            .store
+            .with_retained(|r| (r.records().cloned().collect::<Vec<_>>(), r.clone()))
+            .map_err(store_err)?;
+        if records.is_empty() {
+            return Ok((0, 0));
+        }
+        let batch: Vec<KvUpdate> = records.iter().map(|r| r.update.clone()).collect();
+        let deferred = match parse_with_deferral(apply, &batch, vec![false; batch.len()]).await {
+            Ok(d) => d,
+            Err(e) => {
+                apply.discard();
+                tracing::warn!(error = %e, retained = records.len(), "retained records could not be applied; they stay retained");
+                return Ok((0, records.len() as u64));
+            }
+        };
+        let mut index = RetainedIndex::default();
+        let mut writes = Vec::new();
+        let mut released_last: std::collections::HashMap<&str, Base> = Default::default();
+        for (r, d) in records.iter().zip(&deferred) {
+            let key = r.update.key();
+            if !d {
+                writes.push(r.to_delete());
+                released_last.insert(key, entry_of(&r.update));
+                continue;
+            }
+            let base = if index.is_blocked(key) {
+                None
+            } else {
+                match released_last.get(key) {
+                    Some(b) => Some(b.clone()),
+                    None => old.base(key).cloned(),
+                }
+            };
+            let kept = RetainedRecord { base, ..r.clone() };
+            if kept != *r {
+                writes.push(kept.to_put());
+            }
+            index.insert(kept);
+        }
+        let released = records.len() - index.len();
+        let cursor = self.applied;
+        let (_, result) = commit(&self.store, writes, cursor).await?;
+        if let Err(e) = result {
+            apply.discard();
+            self.status.set_error(Some(e.to_string()));
+            if matches!(e, SnapshotError::Poisoned { .. }) {
+                return Err(store_err(e));
+            }
+            tracing::warn!(error = %e, "releasing retained records failed to commit; they stay retained");
+            return Ok((0, records.len() as u64));
+        }
+        let still = index.len() as u64;
+        self.store
+            .with_retained(|r| *r = index)
+            .map_err(store_err)?;
+        self.warned.clear();
+        if still == 0
+            && let Ok(mut w) = self.status.warnings.lock()
+        {
+            w.clear();
+        }
+        self.publish_retained().map_err(store_err)?;
+        apply.on_applied(cursor).await;
+        tracing::info!(
+            released,
+            still_retained = still,
+            "retained records released"
+        );
+        Ok((released as u64, still))
+    }
+
+    /// The applied (committed) cursor.
+    pub fn cursor(&self) -> WatchCursor {
+        self.applied
+    }
+
+    /// Notes when the server stored the message at `revision` (at most [`MAX_STAMPS`] kept).
+    pub fn note_stamp(&mut self, revision: u64, server_time_unix_ns: u64) {
+        if self.stamps.back().is_some_and(|(r, _)| *r >= revision) {
+            return;
+        }
+        if self.stamps.len() >= MAX_STAMPS {
+            self.stamps.pop_front();
+        }
+        self.stamps.push_back((revision, server_time_unix_ns));
+    }
+
+    /// `cursor` with its memo's time moved to the newest known server time of a message at or
+    /// below its revision (never later than its own message's time: a resume judged by it is
+    /// conservative). Stamps below the one used are dropped.
+    fn stamped(&mut self, cursor: WatchCursor) -> WatchCursor {
+        let (Some(memo), Some(rev)) = (cursor.memo(), cursor.revision()) else {
+            return cursor;
+        };
+        let mut best = None;
+        while let Some(&(r, t)) = self.stamps.front() {
+            if r > rev {
+                break;
+            }
+            best = Some(t);
+            if self.stamps.len() > 1 && self.stamps[1].0 <= rev {
+                self.stamps.pop_front();
+            } else {
+                break;
+            }
+        }
+        match best {
+            Some(t) if t > memo.server_time_unix_ns => {
+                cursor.with_memo(Some(crate::kv::EvictionMemo {
+                    server_time_unix_ns: t,
+                }))
+            }
+            _ => cursor,
+        }
+    }
+
+    /// Keeps the cursor where it is on every commit while `frozen` (the restore's difference
+    /// carries real, older revisions that must not move it).
+    pub(crate) fn freeze_cursor(&mut self, frozen: bool) {
+        self.frozen = frozen;
+    }
+
+    /// Commits `cursor` with no data (a restore's final step, the eviction memo). The fold must
+    /// be settled.
+    pub async fn commit_position<A: Apply + ?Sized>(
+        &mut self,
+        cursor: WatchCursor,
+        apply: &mut A,
+    ) -> Result<(), AppliedError> {
+        debug_assert!(self.is_settled(), "commit_position on an unsettled fold");
+        let (_, r) = commit(&self.store, Vec::new(), cursor).await?;
+        r.map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        self.applied = cursor;
+        self.publish_retained()
+            .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        apply.on_applied(cursor).await;
+        Ok(())
+    }
+
+    /// The stream identity committed with the fold (`None`: none recorded yet). A record that does
+    /// not decode is corruption, reported as such.
+    pub fn identity(&self) -> Result<Option<crate::kv::StreamIdentity>, SnapshotError> {
+        let Some(e) = self.store.read()?.get(crate::retained::IDENTITY_KEY)? else {
+            return Ok(None);
+        };
+        crate::kv::StreamIdentity::from_bytes(&e.value)
+            .map(Some)
+            .ok_or_else(|| {
+                SnapshotError::Backend(format!(
+                    "the fold's stream identity record ({} bytes) does not decode",
+                    e.value.len()
+                ))
+            })
+    }
+
+    /// Commits `identity` as the stream this fold folds, with `cursor` ([`WatchCursor::NONE`]: the
+    /// reset for a recreated stream). The fold must be settled.
+    pub(super) async fn commit_identity<A: Apply + ?Sized>(
+        &mut self,
+        identity: &crate::kv::StreamIdentity,
+        cursor: WatchCursor,
+        apply: &mut A,
+    ) -> Result<(), AppliedError> {
+        debug_assert!(self.is_settled(), "commit_identity on an unsettled fold");
+        self.pending_identity = None;
+        let record = vec![identity_record(identity)];
+        let (_, r) = commit(&self.store, record, cursor).await?;
+        r.map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        self.applied = cursor;
+        self.publish_retained()
+            .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        apply.on_applied(cursor).await;
+        Ok(())
+    }
+
+    /// Drops every retained record (they belong to a stream that no longer exists), in one
+    /// commit that keeps the cursor, and has the applier rebuild from the fold: a blocked key's
+    /// guest view was its base, and is the fold's latest value from here on. The fold must be
+    /// settled.
+    pub(super) async fn drop_retained<A: Apply + ?Sized>(
+        &mut self,
+        apply: &mut A,
+    ) -> Result<u64, AppliedError> {
+        let store_err = |e| AppliedError::Store { streak: 0, last: e };
+        let deletes: Vec<KvUpdate> = self
+            .store
+            .with_retained(|r| r.records().map(RetainedRecord::to_delete).collect())
+            .map_err(store_err)?;
+        if deletes.is_empty() {
+            return Ok(0);
+        }
+        let n = deletes.len() as u64;
+        let (_, r) = commit(&self.store, deletes, self.applied).await?;
+        r.map_err(store_err)?;
+        self.store
+            .with_retained(|r| *r = RetainedIndex::default())
+            .map_err(store_err)?;
+        self.warned.clear();
+        self.publish_retained().map_err(store_err)?;
+        apply.discard();
+        Ok(n)
+    }
+
+    /// Records durably, on the cursor, that this fold has seen retention evict a current value.
+    pub async fn remember_eviction<A: Apply + ?Sized>(
+        &mut self,
+        apply: &mut A,
+    ) -> Result<(), AppliedError> {
+        if self.applied.memo().is_some() {
+            return Ok(());
+        }
+        let cursor = self
+            .applied
+            .with_memo(Some(crate::kv::EvictionMemo::default()));
+        self.commit_position(cursor, apply).await?;
+        tracing::warn!(cursor = %cursor, "retention has evicted current values from this bucket: the fold will never trust its key listing again (eviction memo)");
+        Ok(())
+    }
+
+    /// True when nothing waits to be committed.
+    pub fn is_settled(&self) -> bool {
+        self.requeued.is_empty() && self.requeued_skipped.is_none()
+    }
+
+    /// The store (for reads between flushes).
+    pub fn store(&self) -> &SharedStore<S> {
+        &self.store
+    }
+
+    /// `batch` without the bucket keys in the host's reserved space (they never reach the guest
+    /// or the store), the highest revision among those, and — when there were any — the batch as
+    /// delivered (an apply failure hands that back, so a retry in halves never commits a cursor
+    /// over a skipped key it has not reached).
+    fn split_reserved(batch: Vec<KvUpdate>) -> (Vec<KvUpdate>, Option<u64>, Option<Vec<KvUpdate>>) {
+        if batch.iter().all(|u| protocol::bucket_key_admitted(u.key())) {
+            return (batch, None, None);
+        }
+        let original = batch.clone();
+        let mut high = None;
+        let kept = batch
+            .into_iter()
+            .filter(|u| {
+                let admitted = protocol::bucket_key_admitted(u.key());
+                if !admitted {
+                    tracing::warn!(key = ?u.key(), revision = ?u.revision(), "skipped a bucket key in the host's reserved space (it starts with \\x01): never folded, never shown to a guest");
+                    high = high.max(u.revision());
+                }
+                admitted
+            })
+            .collect();
+        (kept, high, Some(original))
+    }
+
+    /// Runs one flush of `batch` through `apply` and the store. On an apply failure the batch is
+    /// handed back in `Err`-free form (returned as `Some(batch)`) for a retry; on a transient store
+    /// failure it is re-queued internally, and committed before any later batch reaches the guest
+    /// (a later batch is handed back untouched while that commit still fails). Errors are
+    /// fail-stops.
+    pub async fn flush<A: Apply + ?Sized>(
+        &mut self,
+        batch: Vec<KvUpdate>,
+        apply: &mut A,
+    ) -> Result<Option<Vec<KvUpdate>>, AppliedError> {
+        // A re-queued batch (applied by the guest, its commit failed) commits before the guest
+        // sees anything newer: should the guest fail on the next batch and be rebuilt, it is
+        // rebuilt from a fold that holds every batch the dropped instance applied.
+        if !self.is_settled() && !batch.is_empty() {
+            Box::pin(self.flush(Vec::new(), apply)).await?;
+            if !self.is_settled() {
+                // Still failing: the new batch goes back untouched (the guest never saw it).
+                return Ok(Some(batch));
+            }
+        }
+        let (batch, skipped_high, delivered) = Self::split_reserved(batch);
+        if batch.is_empty() && skipped_high.is_none() && self.is_settled() {
+            return Ok(None);
+        }
+        let mut retained_now = Vec::new();
+        if !batch.is_empty() {
+            let t = Instant::now();
+            // Updates of keys with retained records are held back before the guest sees them.
+            let held = self
+                .store
+                .with_retained(|r| {
+                    if r.is_empty() {
+                        vec![false; batch.len()]
+                    } else {
+                        batch.iter().map(|u| r.is_blocked(u.key())).collect()
+                    }
+                })
+                .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+            let outcome = parse_with_deferral(apply, &batch, held).await;
+            tracing::debug!(
+                updates = batch.len(),
+                first = ?batch.first().and_then(KvUpdate::revision),
+                last = ?batch.last().and_then(KvUpdate::revision),
+                deferred = ?outcome.as_ref().map(|d| d.iter().filter(|x| **x).count()),
+                "batch parsed and applied"
+            );
+            self.status
+                .last_apply_us
+                .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+            let deferred = match outcome {
+                Ok(d) => d,
+                Err(e) => {
+                    self.status.set_error(Some(e.to_string()));
+                    self.apply_streak += 1;
+                    if self.apply_streak >= MAX_APPLY_FAILURES {
+                        return Err(AppliedError::Apply {
+                            streak: self.apply_streak,
+                            last: e,
+                        });
+                    }
+                    tracing::warn!(error = %e, streak = self.apply_streak, "apply failed; the batch will be retried, nothing of it is committed");
+                    return Ok(Some(delivered.unwrap_or(batch)));
+                }
+            };
+            self.apply_streak = 0;
+            if deferred.contains(&true) {
+                retained_now = self
+                    .retain(&batch, &deferred)
+                    .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+            }
+        }
+        let mut raw = std::mem::take(&mut self.requeued);
+        raw.extend(batch);
+        // A re-queue after a failed commit carries it along.
+        if let Some(identity) = self.pending_identity.take() {
+            raw.push(identity_record(&identity));
+        }
+        // Retained records commit with their batch (reserved keys, unknown version: the cursor
+        // is the batch's).
+        raw.extend(retained_now.iter().map(RetainedRecord::to_put));
+        let batch_high = raw
+            .iter()
+            .filter_map(KvUpdate::revision)
+            .max()
+            .max(skipped_high)
+            .max(self.requeued_skipped);
+        // The memo rides along with every cursor; a frozen fold (a restore in progress) commits
+        // its data under the old cursor, so a crash re-runs the restore.
+        let cursor = if self.frozen {
+            self.applied
+        } else {
+            let moved = self
+                .applied
+                .moved_to(protocol::commit_cursor(self.applied.revision(), batch_high));
+            self.stamped(moved)
+        };
+        let t = Instant::now();
+        let (raw, result) = commit(&self.store, raw, cursor).await?;
+        self.status
+            .last_commit_us
+            .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+        match result {
+            Ok(()) => {
+                self.status.set_error(None);
+                self.requeued_skipped = None;
+                self.store_streak = 0;
+                self.status.store_failure_streak.store(0, Ordering::Relaxed);
+                self.applied = cursor;
+                self.publish_retained()
+                    .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+                let updates = raw.iter().filter(|u| !is_reserved(u.key())).count();
+                self.status
+                    .committed
+                    .fetch_add(updates as u64, Ordering::Relaxed);
+                self.status.batches.fetch_add(1, Ordering::Relaxed);
+                crashpoint::hit(crashpoint::FOLD_BEFORE_ON_APPLIED);
+                apply.on_applied(cursor).await;
+                crashpoint::hit(crashpoint::FOLD_COMMITTED);
+                Ok(None)
+            }
+            Err(e) => {
+                self.status.set_error(Some(e.to_string()));
+                self.store_streak += 1;
+                self.status
+                    .store_failure_streak
+                    .store(u64::from(self.store_streak), Ordering::Relaxed);
+                let poisoned = matches!(e, SnapshotError::Poisoned { .. });
+                if poisoned || protocol::store_failures_fatal(self.store_streak) {
+                    return Err(AppliedError::Store {
+                        streak: self.store_streak,
+                        last: e,
+                    });
+                }
+                tracing::warn!(error = %e, streak = self.store_streak, "store apply failed; batch re-queued");
+                self.requeued = raw;
+                // The whole batch is re-queued, so its skipped keys' revisions ride with it.
+                self.requeued_skipped = self.requeued_skipped.max(skipped_high);
+                Ok(None)
+            }
+        }
+    }
+}
+
+/// Commits `raw` with `cursor` (data and cursor atomically) and hands `raw` back with the outcome.
+///
+/// The commit blocks (a write, sometimes a compaction with fsync). On a multi-threaded runtime it
+/// runs in place, handing this worker's other tasks to another thread — no thread hop per batch;
+/// elsewhere it goes to the blocking pool.
+async fn commit<S: SnapshotStore>(
+    store: &SharedStore<S>,
+    raw: Vec<KvUpdate>,
+    cursor: WatchCursor,
+) -> Result<(Vec<KvUpdate>, Result<(), SnapshotError>), AppliedError> {
+    let multi = tokio::runtime::Handle::try_current()
+        .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
+    if multi {
+        let r = tokio::task::block_in_place(|| store.write()?.apply(&raw, cursor));
+        Ok((raw, r))
+    } else {
+        let store = store.clone();
+        tokio::task::spawn_blocking(move || {
+            let r = store.write().and_then(|mut s| s.apply(&raw, cursor));
+            (raw, r)
+        })
+        .await
+        .map_err(|e| AppliedError::Task(e.to_string()))
+    }
+}
+
+/// The store update that records `identity` (a reserved key, unknown version: no cursor move).
+fn identity_record(identity: &crate::kv::StreamIdentity) -> KvUpdate {
+    KvUpdate::Put(KvEntry {
+        key: crate::retained::IDENTITY_KEY.to_string(),
+        value: bytes::Bytes::from(identity.to_bytes()),
+        version: crate::kv::VersionToken::UNKNOWN,
+    })
+}
+
+/// The entry an update leaves its key with (`None` after a delete or purge).
+fn entry_of(u: &KvUpdate) -> Base {
+    match u {
+        KvUpdate::Put(e) => Some(e.clone()),
+        KvUpdate::Delete { .. } | KvUpdate::Purge { .. } => None,
+    }
+}
+
+/// Parses and applies `batch` except the updates already `held`, holding back every update that
+/// follows a deferred one of its key (re-parsing without them: the guest applies what the *last*
+/// `parse` accepted). Returns which updates are deferred (held or deferred by the guest). Each
+/// re-parse holds at least one more update, so there are at most `batch.len()` rounds; in the
+/// usual batch (no defer) there is exactly one.
+async fn parse_with_deferral<A: Apply + ?Sized>(
+    apply: &mut A,
+    batch: &[KvUpdate],
+    mut held: Vec<bool>,
+) -> Result<Vec<bool>, ApplyError> {
+    let keys: Vec<&str> = batch.iter().map(KvUpdate::key).collect();
+    loop {
+        let offered: Vec<usize> = (0..batch.len()).filter(|&i| !held[i]).collect();
+        if offered.is_empty() {
+            return Ok(held);
+        }
+        let owned: Vec<KvUpdate>;
+        let sub: &[KvUpdate] = if offered.len() == batch.len() {
+            batch
+        } else {
+            owned = offered.iter().map(|&i| batch[i].clone()).collect();
+            &owned
+        };
+        let verdicts = apply.parse(sub).await?;
+        if verdicts.len() != sub.len() {
+            return Err(ApplyError {
+                applier: apply.describe(),
+                call: "parse",
+                message: format!(
+                    "answered {} verdicts for a batch of {}",
+                    verdicts.len(),
+                    sub.len()
+                ),
+            });
+        }
+        let mut deferred = held.clone();
+        for (j, &i) in offered.iter().enumerate() {
+            if verdicts[j] == Verdict::Defer {
+                deferred[i] = true;
+            }
+        }
+        let later = protocol::held_after_defers(&keys, &deferred);
+        if later.is_empty() {
+            apply.apply(sub, &verdicts).await?;
+            return Ok(deferred);
+        }
+        held = deferred;
+        for i in later {
+            held[i] = true;
+        }
+    }
+}
+
+/// Delay before re-committing a batch re-queued by a failed store apply.
+pub(super) const STORE_RETRY_DELAY: Duration = Duration::from_millis(20);
+
+/// Backoff before retrying a failed apply: grows with the streak, capped.
+pub(super) fn apply_backoff(streak: u32) -> Duration {
+    Duration::from_millis(50u64.saturating_mul(1 << streak.min(6)))
+}
+
+/// Flushes until the batch and the re-queued updates are committed (shutdown, channel close, and
+/// the repairs' own batches).
+pub(crate) async fn flush_all<S: SnapshotStore, A: Apply + ?Sized>(
+    fold: &mut Fold<S>,
+    batch: &mut Vec<KvUpdate>,
+    max: usize,
+    apply: &mut A,
+) -> Result<(), AppliedError> {
+    loop {
+        let b = if batch.len() > max {
+            let rest = batch.split_off(max);
+            std::mem::replace(batch, rest)
+        } else {
+            std::mem::take(batch)
+        };
+        match fold.flush(b, apply).await? {
+            Some(mut back) => {
+                back.append(batch);
+                *batch = back;
+                tokio::time::sleep(apply_backoff(fold.apply_streak)).await;
+            }
+            None if fold.is_settled() && batch.is_empty() => return Ok(()),
+            None if fold.is_settled() => {}
+            None => tokio::time::sleep(STORE_RETRY_DELAY).await,
+        }
+    }
+}

@@ -1,0 +1,492 @@
+//! [`watch_applied`]: the fold loop. One `select!` (in [`FoldLoop::turn`]) waits on shutdown, the
+//! batch timer, the grace and retention ticks, the control channel and the watch; each event is
+//! handed to one short step — [`FoldLoop::on_control`], [`FoldLoop::on_events`],
+//! [`FoldLoop::flush_ready`] — and every change to the fold goes through [`Fold`].
+//!
+//! Invariants: nothing here moves a cursor (only [`Fold::flush`] and the repairs do); a query, an
+//! export or a swap runs between flushes, after everything delivered so far is committed; a watch
+//! never outlives the loop that feeds on it (its task is aborted on every exit path).
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc;
+
+use crate::kv::{KvError, KvUpdate, KvWatcher, WatchEvent};
+use crate::protocol;
+use crate::snapshot::{SharedStore, SnapshotStore};
+
+use super::fold::{STORE_RETRY_DELAY, apply_backoff, flush_all};
+use super::start::{check_identity, note_retention, prepare, repair_expired, watches_for_eviction};
+use super::{
+    AppliedError, Apply, Control, Finished, Fold, FoldStatus, RETENTION_PERIOD, WatchOptions,
+};
+
+/// Watches `scope` from the store's cursor and folds every update through `apply` into `store`,
+/// keeping cursor-after-apply. Returns when `shutdown` resolves, when the watch ends cleanly, or (with
+/// `catch_up`) once everything the stream held at the start is applied; every path flushes first.
+pub async fn watch_applied<S, A>(
+    watcher: Arc<dyn KvWatcher>,
+    store: SharedStore<S>,
+    apply: &mut A,
+    opts: WatchOptions,
+    status: Arc<FoldStatus>,
+    control: Option<mpsc::Receiver<Control>>,
+    shutdown: impl Future<Output = ()>,
+) -> Result<Finished, AppliedError>
+where
+    S: SnapshotStore,
+    A: Apply + ?Sized,
+{
+    let mut fold =
+        Fold::new(store, status.clone()).map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+    status.set_guest(&apply.describe());
+    let relist = prepare(&mut fold, apply, &*watcher, &opts, &status).await?;
+    let mut grace_tick = tokio::time::interval(Duration::from_secs(1));
+    grace_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // Retention is read live at every watch start and every expiry, and periodically while a
+    // key-listing repair could still be planned and the memo is unset (seed 000: the fold reads
+    // retention while eviction is in force).
+    let mut retention_tick = tokio::time::interval(RETENTION_PERIOD);
+    retention_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    retention_tick.reset();
+    // The channel carries chunks of updates; size it so it holds about `channel_capacity` updates.
+    let depth = opts
+        .batch
+        .channel_capacity
+        .div_ceil(crate::kv::WATCH_CHUNK)
+        .max(2);
+    let mut lp = FoldLoop {
+        fold,
+        apply,
+        watcher,
+        opts,
+        status,
+        control,
+        grace_tick,
+        retention_tick,
+        depth,
+    };
+    tokio::pin!(shutdown);
+    lp.run(relist, shutdown).await
+}
+
+/// The state the loop keeps across watches.
+struct FoldLoop<'a, S: SnapshotStore, A: Apply + ?Sized> {
+    fold: Fold<S>,
+    apply: &'a mut A,
+    watcher: Arc<dyn KvWatcher>,
+    opts: WatchOptions,
+    status: Arc<FoldStatus>,
+    control: Option<mpsc::Receiver<Control>>,
+    grace_tick: tokio::time::Interval,
+    retention_tick: tokio::time::Interval,
+    /// Depth of the watch channel, in chunks.
+    depth: usize,
+}
+
+/// The state of one watch: the open batch and what the loop waits for.
+struct Turn {
+    batch: Vec<KvUpdate>,
+    /// `Some(through)` once the watch reported it is level with the stream.
+    level: Option<Option<u64>>,
+    timer_armed: bool,
+    /// After a failed apply: no new deliveries until the backoff timer fires.
+    backing_off: bool,
+    /// The batch size to try next: halved after a failed apply (so the updates before a poison one
+    /// commit and the fold stops exactly at it), doubled back after successes.
+    cap: usize,
+}
+
+/// How a watch ended.
+enum TurnEnd {
+    /// Shutdown, caught up, or the watch ended cleanly: the fold is done.
+    Done,
+    /// The cursor expired (at start or by the floor guard): repair, then watch again.
+    Expired(KvError),
+    /// The stream changed under the watch: check its identity again, then watch again.
+    Changed,
+}
+
+/// What one look at the watch channel asks for.
+enum Step {
+    Continue,
+    Closed,
+}
+
+/// Aborts the watch task on every exit path: the watch must not outlive the fold it feeds.
+struct AbortOnDrop(tokio::task::JoinHandle<Result<(), KvError>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
+    /// One turn per watch: a repaired expiry starts the next (a delta from the restored cursor, or
+    /// a state-sync re-list after the key-listing diff); every restart checks the stream again.
+    async fn run(
+        &mut self,
+        mut relist: bool,
+        mut shutdown: Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<Finished, AppliedError> {
+        let mut first_turn = true;
+        loop {
+            // The first watch's identity was checked by `prepare`.
+            if !std::mem::take(&mut first_turn)
+                && check_identity(
+                    &mut self.fold,
+                    self.apply,
+                    &*self.watcher,
+                    &self.opts,
+                    &self.status,
+                )
+                .await?
+            {
+                relist = true;
+            }
+            match self
+                .turn(std::mem::take(&mut relist), shutdown.as_mut())
+                .await?
+            {
+                TurnEnd::Done => {
+                    return Ok(Finished {
+                        cursor: self.fold.cursor(),
+                    });
+                }
+                // Everything delivered is committed (the close flushed it); repair, then watch
+                // again.
+                TurnEnd::Expired(why) => {
+                    relist = repair_expired(
+                        &mut self.fold,
+                        self.apply,
+                        &*self.watcher,
+                        &self.opts,
+                        &self.status,
+                        why,
+                    )
+                    .await?;
+                }
+                TurnEnd::Changed => {}
+            }
+        }
+    }
+
+    /// Starts one watch and folds what it delivers until it ends or the loop is done.
+    async fn turn(
+        &mut self,
+        relist: bool,
+        mut shutdown: Pin<&mut impl Future<Output = ()>>,
+    ) -> Result<TurnEnd, AppliedError> {
+        let (tx, mut rx) = mpsc::channel::<WatchEvent>(self.depth);
+        let start = self.fold.cursor();
+        let scope = self.opts.scope.clone();
+        let w = self.watcher.clone();
+        let mut watch_task = AbortOnDrop(tokio::spawn(async move {
+            if relist {
+                w.watch(&scope, tx).await
+            } else {
+                w.watch_from(&scope, start, tx).await
+            }
+        }));
+        let max = self.opts.batch.max;
+        let mut t = Turn {
+            batch: Vec::with_capacity(max),
+            level: None,
+            timer_armed: false,
+            backing_off: false,
+            cap: max,
+        };
+        // One timer, re-armed when the batch opens: a fresh timer per delivery costs more than the
+        // delivery. A full batch never waits for it (the timer wheel ticks in milliseconds).
+        let timer = tokio::time::sleep(Duration::from_secs(3600));
+        tokio::pin!(timer);
+        loop {
+            if self.opts.catch_up
+                && let Some(through) = t.level
+                && protocol::caught_up(self.fold.cursor().revision(), through)
+                && t.batch.is_empty()
+                && self.fold.is_settled()
+            {
+                return Ok(TurnEnd::Done);
+            }
+            let mut flush_now = false;
+            tokio::select! {
+                biased;
+                _ = &mut shutdown => {
+                    flush_all(&mut self.fold, &mut t.batch, max, self.apply).await?;
+                    return Ok(TurnEnd::Done);
+                }
+                _ = &mut timer, if t.timer_armed => flush_now = true,
+                _ = self.grace_tick.tick() => {
+                    self.fold
+                        .check_grace(self.opts.defer_grace)
+                        .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+                }
+                _ = self.retention_tick.tick(), if watches_for_eviction(&self.opts, &self.fold) => {
+                    self.on_retention_tick(&mut t).await?;
+                }
+                c = recv_control(&mut self.control) => self.on_control(c, &mut t).await?,
+                ev = rx.recv(), if !t.backing_off && t.batch.len() < max => {
+                    if let Step::Closed = self.on_events(ev, &mut rx, &mut t, &mut flush_now) {
+                        return self.on_closed(&mut t, &mut watch_task).await;
+                    }
+                    if !flush_now && !t.timer_armed && !t.batch.is_empty() {
+                        timer
+                            .as_mut()
+                            .reset(tokio::time::Instant::now() + self.opts.batch.window);
+                        t.timer_armed = true;
+                    }
+                }
+            }
+            if flush_now {
+                self.flush_ready(&mut t, timer.as_mut()).await?;
+            }
+        }
+    }
+
+    /// The periodic retention read: when it shows a current value evicted, commits the memo
+    /// (after flushing, so the memo rides on everything delivered). Bounded: a slow server delays
+    /// the fold by at most 5 s, never stops it.
+    async fn on_retention_tick(&mut self, t: &mut Turn) -> Result<(), AppliedError> {
+        if let Ok(Ok(Some(r))) =
+            tokio::time::timeout(Duration::from_secs(5), self.watcher.retention()).await
+            && protocol::retention_has_evicted(r)
+        {
+            flush_all(
+                &mut self.fold,
+                &mut t.batch,
+                self.opts.batch.max,
+                self.apply,
+            )
+            .await?;
+            t.timer_armed = false;
+            note_retention(&mut self.fold, self.apply, Some(r)).await?;
+        }
+        Ok(())
+    }
+
+    /// A query, an export or a swap, between batches.
+    async fn on_control(&mut self, c: Option<Control>, t: &mut Turn) -> Result<(), AppliedError> {
+        let max = self.opts.batch.max;
+        match c {
+            Some(Control::Query { request, reply }) => {
+                // Between batches: the applier's structure is whole.
+                let answer = self.apply.query(&request).await;
+                let _ = reply.send(answer);
+            }
+            Some(Control::Export { dir, reply }) => {
+                // Everything delivered so far is applied and committed first, so the copy is
+                // exactly the applied cursor; deliveries wait in the channel meanwhile.
+                flush_all(&mut self.fold, &mut t.batch, max, self.apply).await?;
+                t.timer_armed = false;
+                let store = self.fold.store().clone();
+                let copied = tokio::task::spawn_blocking(move || {
+                    let s = store.read()?;
+                    s.export_to(&dir)?;
+                    Ok((s.cursor(), s.len()?))
+                })
+                .await
+                .map_err(|e| AppliedError::Task(e.to_string()))?;
+                let _ = reply.send(copied);
+            }
+            Some(Control::Swap { bytes, what, reply }) => {
+                // Settle first: the new instance is rebuilt from the committed fold, so everything
+                // the old one applied must be committed. Deliveries wait in the channel meanwhile;
+                // the watch never stops.
+                let began = Instant::now();
+                flush_all(&mut self.fold, &mut t.batch, max, self.apply).await?;
+                t.timer_armed = false;
+                let mut outcome = self.apply.swap(&what, &bytes).await;
+                if let Ok(r) = &mut outcome {
+                    // The new version is offered the retained records first.
+                    let (released, still) = self.fold.release(self.apply).await?;
+                    r.released = released;
+                    r.still_retained = still;
+                    r.paused_ms = began.elapsed().as_millis() as u64;
+                }
+                match &outcome {
+                    Ok(r) => {
+                        self.status.set_guest(&r.to);
+                        tracing::info!(from = %r.from, to = %r.to, hydrated = r.hydrated_entries, hydrate_ms = r.hydrate_ms, paused_ms = r.paused_ms, "guest swapped");
+                    }
+                    Err(e) => tracing::warn!(error = %e, "swap refused; the running guest stays"),
+                }
+                let _ = reply.send(outcome);
+            }
+            None => self.control = None,
+        }
+        Ok(())
+    }
+
+    /// Takes `first` and whatever else is already queued, up to a full batch, without re-entering
+    /// the `select!` for each chunk. Sets `flush_now` when the batch is full or the watch is level.
+    fn on_events(
+        &mut self,
+        first: Option<WatchEvent>,
+        rx: &mut mpsc::Receiver<WatchEvent>,
+        t: &mut Turn,
+        flush_now: &mut bool,
+    ) -> Step {
+        let mut next = first;
+        loop {
+            match next.take() {
+                None => return Step::Closed,
+                Some(ev) => {
+                    if self.on_event(ev, t) {
+                        *flush_now = true;
+                    }
+                }
+            }
+            if t.batch.len() >= self.opts.batch.max {
+                *flush_now = true;
+                break;
+            }
+            match rx.try_recv() {
+                Ok(ev) => next = Some(ev),
+                Err(mpsc::error::TryRecvError::Empty) => break,
+                Err(mpsc::error::TryRecvError::Disconnected) => return Step::Closed,
+            }
+        }
+        if self.opts.catch_up && t.level.is_some() {
+            *flush_now = true;
+        }
+        Step::Continue
+    }
+
+    /// One event into the batch and the progress figures; true when it asks for a flush (the
+    /// watch is level).
+    fn on_event(&mut self, ev: WatchEvent, t: &mut Turn) -> bool {
+        let status = &self.status;
+        match ev {
+            WatchEvent::Stamp {
+                revision,
+                server_time_unix_ns,
+            } => {
+                self.fold.note_stamp(revision, server_time_unix_ns);
+                false
+            }
+            WatchEvent::Updates(us) => {
+                if let Some(r) = us.iter().rev().find_map(KvUpdate::revision) {
+                    status.seq.fetch_max(r, Ordering::Relaxed);
+                }
+                status
+                    .delivered
+                    .fetch_add(us.len() as u64, Ordering::Relaxed);
+                if t.batch.is_empty() {
+                    t.batch = us;
+                } else {
+                    t.batch.extend(us);
+                }
+                false
+            }
+            WatchEvent::CaughtUp { through } => {
+                t.level = Some(through);
+                status.caught_up.store(1, Ordering::Relaxed);
+                status.pending.store(0, Ordering::Relaxed);
+                true
+            }
+            WatchEvent::Pending(n) => {
+                status.pending.store(n, Ordering::Relaxed);
+                false
+            }
+        }
+    }
+
+    /// The watch ended: flush what it delivered, then say why it ended.
+    async fn on_closed(
+        &mut self,
+        t: &mut Turn,
+        watch_task: &mut AbortOnDrop,
+    ) -> Result<TurnEnd, AppliedError> {
+        flush_all(
+            &mut self.fold,
+            &mut t.batch,
+            self.opts.batch.max,
+            self.apply,
+        )
+        .await?;
+        match (&mut watch_task.0).await {
+            Ok(Ok(())) => Ok(TurnEnd::Done),
+            Ok(Err(e @ KvError::CursorExpired { .. }))
+                if self.opts.repair.mode != protocol::RepairMode::None =>
+            {
+                Ok(TurnEnd::Expired(e))
+            }
+            // The stream changed under the watch: the next turn's identity check refuses, or
+            // resets for the new stream.
+            Ok(Err(e @ KvError::StreamChanged { .. })) => {
+                tracing::warn!(error = %e, "watch ended: checking the bucket's identity again");
+                Ok(TurnEnd::Changed)
+            }
+            Ok(Err(e)) => Err(AppliedError::Watch(e)),
+            Err(e) => Err(AppliedError::Task(e.to_string())),
+        }
+    }
+
+    /// Flushes the open batch in batches of at most `cap`. After a failed apply the batch comes
+    /// back, `cap` halves and deliveries wait for a backoff; after a store failure the fold retries
+    /// the re-queued batch even if nothing new arrives.
+    async fn flush_ready(
+        &mut self,
+        t: &mut Turn,
+        mut timer: Pin<&mut tokio::time::Sleep>,
+    ) -> Result<(), AppliedError> {
+        let max = self.opts.batch.max;
+        t.timer_armed = false;
+        t.backing_off = false;
+        loop {
+            // A batch is at most `cap` updates; a chunk from the watch can overfill it.
+            let b = if t.batch.len() > t.cap {
+                let rest = t.batch.split_off(t.cap);
+                std::mem::replace(&mut t.batch, rest)
+            } else {
+                std::mem::take(&mut t.batch)
+            };
+            let tried = b.len();
+            if let Some(mut back) = self.fold.flush(b, self.apply).await? {
+                // Nothing of it committed: retry the same updates after a backoff, taking no new
+                // deliveries meanwhile (the channel backpressures the watch).
+                t.cap = (tried / 2).max(1);
+                back.append(&mut t.batch);
+                t.batch = back;
+                t.backing_off = true;
+                timer
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + apply_backoff(self.fold.apply_streak));
+                t.timer_armed = true;
+                break;
+            }
+            t.cap = t.cap.saturating_mul(2).min(max);
+            if !self.fold.is_settled() {
+                // A store failure re-queued the batch: retry even if nothing new arrives.
+                timer
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + STORE_RETRY_DELAY);
+                t.timer_armed = true;
+                break;
+            }
+            if t.batch.is_empty() || (t.batch.len() < max && t.cap == max) {
+                break;
+            }
+        }
+        if !t.timer_armed && !t.batch.is_empty() {
+            timer
+                .as_mut()
+                .reset(tokio::time::Instant::now() + self.opts.batch.window);
+            t.timer_armed = true;
+        }
+        Ok(())
+    }
+}
+
+async fn recv_control(control: &mut Option<mpsc::Receiver<Control>>) -> Option<Control> {
+    match control {
+        Some(rx) => rx.recv().await,
+        None => std::future::pending().await,
+    }
+}
