@@ -14,6 +14,10 @@
 //! - Revisions come from the ACK subject through [`protocol::parse_ack_subject`]; an unparseable one
 //!   becomes [`VersionToken::UNKNOWN`], never a made-up number.
 
+mod floor;
+
+use floor::FloorGuard;
+
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -334,117 +338,6 @@ impl NatsKv {
     fn pinned(&self) -> Option<StreamIdentity> {
         self.pinned.lock().ok().and_then(|p| p.clone())
     }
-
-    /// The live floor guard's check after a delivery gap, a consumer re-creation or a quiet
-    /// backstop period following `frontier`, the last stream sequence the watch passed: ends the
-    /// watch with `CursorExpired` when the stream's retention evicts current values and its first
-    /// retained sequence has passed `frontier + 1` ([`protocol::floor_guard_trips`]), and with
-    /// `StreamChanged` when the stream is not `start` (recreated under the watch) or ends below
-    /// the frontier. A non-evicting answer is trusted for [`FLOOR_NON_EVICTING_TRUST`], so a
-    /// keep-values bucket under overwrites costs at most one stream info per second, not one per
-    /// gapped chunk. Returns the stream's state when it read one.
-    async fn check_floor(
-        &self,
-        frontier: u64,
-        start: &StreamIdentity,
-        non_evicting_at: &mut Option<std::time::Instant>,
-    ) -> Result<Option<StreamPositions>, KvError> {
-        if non_evicting_at.is_some_and(|t| t.elapsed() < FLOOR_NON_EVICTING_TRUST) {
-            return Ok(None);
-        }
-        let info = self.stream_info().await?;
-        self.check_same_stream(&info, start, frontier)?;
-        let r = retention_of(&info);
-        let positions = StreamPositions {
-            first_sequence: info.state.first_sequence,
-            last_sequence: info.state.last_sequence,
-            messages: info.state.messages,
-        };
-        if !r.evicts_current_values {
-            *non_evicting_at = Some(std::time::Instant::now());
-            return Ok(Some(positions));
-        }
-        *non_evicting_at = None;
-        if protocol::floor_guard_trips(r.evicts_current_values, frontier, r.first_revision) {
-            tracing::warn!(bucket = %self.bucket, frontier, first_sequence = r.first_revision, "floor guard: retention overran the watch; ending it with CursorExpired");
-            return Err(KvError::CursorExpired {
-                resume_from: frontier.saturating_add(1),
-                first_sequence: r.first_revision,
-            });
-        }
-        Ok(Some(positions))
-    }
-
-    /// `StreamChanged` unless `info` is the stream `start` names and reaches `frontier`.
-    fn check_same_stream(
-        &self,
-        info: &async_nats::jetstream::stream::Info,
-        start: &StreamIdentity,
-        frontier: u64,
-    ) -> Result<(), KvError> {
-        let found = identity_of(info);
-        let detail = if found != *start {
-            format!("the watch started on {start}, the bucket is now {found}")
-        } else if info.state.last_sequence < frontier {
-            format!(
-                "its last sequence {} is below the {frontier} the watch already passed",
-                info.state.last_sequence
-            )
-        } else {
-            return Ok(());
-        };
-        tracing::warn!(bucket = %self.bucket, %detail, "the stream changed under the watch");
-        Err(KvError::StreamChanged {
-            bucket: self.bucket.clone(),
-            detail,
-        })
-    }
-
-    /// For a prefix watch that is level and quiet: the position every in-scope message up to
-    /// which has been delivered, when it can be shown to have moved past `frontier` (`None` when
-    /// it cannot). A prefix watch's own deliveries say nothing about the out-of-scope messages
-    /// the consumer passed, so without this a quiet prefix on a busy `max_age` bucket would look
-    /// overrun by the next eviction. The argument, in three reads: `before` (the stream's last
-    /// sequence, read first) is at or above every message written before the next read; the
-    /// next-by-subject read finds no in-scope message after `frontier`; the last read finds the
-    /// same stream with its first sequence still at most `frontier + 1`, so nothing after the
-    /// frontier had been evicted when the middle read looked. Then no in-scope message lies in
-    /// `(frontier, before]`: the watch has seen everything in scope through `before`.
-    async fn quiet_watermark(
-        &self,
-        filters: &[String],
-        frontier: u64,
-        before: u64,
-        start: &StreamIdentity,
-    ) -> Result<Option<u64>, KvError> {
-        if before <= frontier {
-            return Ok(None);
-        }
-        for f in filters {
-            let found = timed("next in scope", self.timeout, async {
-                match self
-                    .kv
-                    .stream
-                    .get_first_raw_message_by_subject(f, frontier.saturating_add(1))
-                    .await
-                {
-                    Ok(m) => Ok(Some(m.sequence)),
-                    Err(e) if e.kind() == stream::RawMessageErrorKind::NoMessageFound => Ok(None),
-                    Err(e) => Err(backend("next in scope", e)),
-                }
-            })
-            .await?;
-            if found.is_some() {
-                return Ok(None);
-            }
-        }
-        let info = self.stream_info().await?;
-        self.check_same_stream(&info, start, frontier)?;
-        if !protocol::resume_window_ok(frontier, info.state.first_sequence) {
-            return Ok(None);
-        }
-        Ok(Some(before))
-    }
 }
 
 /// The identity of the stream `info` describes.
@@ -712,7 +605,8 @@ impl NatsKv {
     }
 
     /// Runs an ordered push consumer with `policy` over `scope`, pushing events into `tx` until the
-    /// receiver is dropped (`Ok`) or the watch fails.
+    /// receiver is dropped (`Ok`) or the watch fails. Every chunk passes the floor guard
+    /// ([`floor::FloorGuard`]) before it is forwarded ([`Forwarder`]).
     async fn run_watch(
         &self,
         scope: &WatchScope,
@@ -762,44 +656,21 @@ impl NatsKv {
                 .map_err(|e| backend("watch subscribe", e))
         })
         .await?;
-        let mut level_reported = false;
-        let mut last_delivered: Option<u64> = None;
-        if initial_pending == 0 {
-            level_reported = true;
-            if tx
-                .send(WatchEvent::CaughtUp { through: None })
-                .await
-                .is_err()
-            {
-                return Ok(());
-            }
-        } else if tx.send(WatchEvent::Pending(initial_pending)).await.is_err() {
+        let mut out = Forwarder::new(tx);
+        if !out.start(initial_pending).await {
             return Ok(());
         }
-        let mut consecutive_errors = 0u32;
-        let mut since_progress = 0u32;
-        // The live floor guard, for every scope. `frontier` is the last stream sequence the watch
-        // is known to have passed; a delta watch starts guarded at its cursor, a state-sync one
-        // once it is level (its re-list skips superseded sequences by design). A prefix watch's
-        // deliveries are sparse, so its frontier also moves by the quiet watermark
-        // ([`Self::quiet_watermark`]); a gap before a delivery is checked the same way for both.
+        // A delta watch is guarded from its cursor, a state-sync one once it is level (its re-list
+        // skips superseded sequences by design).
         let prefix_scope = !matches!(scope, WatchScope::All);
-        let mut frontier = start_frontier;
-        if frontier.is_none() && level_reported {
+        let mut guard = FloorGuard::new(start_frontier, start_identity, filters, prefix_scope);
+        if out.level && !guard.is_guarded() {
             // A state-sync start with nothing pending is level at once: guard from the stream's
             // last sequence, read after the consumer exists (a message written in between is
             // delivered anyway, so a frontier ahead of it only forgoes one check).
-            frontier = Some(self.positions().await?.last_sequence);
+            guard.guard_from(self.positions().await?.last_sequence);
         }
-        let mut non_evicting_at: Option<std::time::Instant> = None;
-        let mut last_stamp = std::time::Instant::now() - STAMP_PERIOD;
-        let mut quiet = true;
-        // Set by a consumer error (the ordered consumer re-creates itself after one) and by a
-        // delivery from a re-created consumer: the next chunk is checked before it is passed on,
-        // gap or not — a re-created consumer starts at the first retained message, silently past
-        // whatever aged out meanwhile.
-        let mut recreated = false;
-        let mut delivered_any = false;
+        let mut consecutive_errors = 0u32;
         let mut backstop = tokio::time::interval(FLOOR_BACKSTOP);
         backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         backstop.reset();
@@ -813,25 +684,7 @@ impl NatsKv {
                     None => break,
                 },
                 _ = backstop.tick() => {
-                    // Backstop: no delivery for a whole period leaves no in-band evidence of an
-                    // overrun (or of a recreated stream), so ask the stream directly.
-                    if quiet && let Some(f) = frontier {
-                        match self.check_floor(f, &start_identity, &mut non_evicting_at).await {
-                            Ok(Some(p)) if prefix_scope && level_reported && !recreated => {
-                                match self.quiet_watermark(&filters, f, p.last_sequence, &start_identity).await {
-                                    Ok(Some(w)) => frontier = Some(w),
-                                    Ok(None) => {}
-                                    Err(e @ KvError::StreamChanged { .. }) => return Err(e),
-                                    Err(e) => tracing::warn!(bucket = %self.bucket, error = %e, "floor guard: watermark probe failed; retrying next period"),
-                                }
-                            }
-                            Ok(_) => {}
-                            Err(e @ (KvError::CursorExpired { .. } | KvError::StreamChanged { .. })) => return Err(e),
-                            // No evidence of loss waits on this probe: try again next period.
-                            Err(e) => tracing::warn!(bucket = %self.bucket, error = %e, "floor guard: backstop probe failed; retrying next period"),
-                        }
-                    }
-                    quiet = true;
+                    guard.backstop(self, out.level).await?;
                     continue;
                 }
             };
@@ -848,7 +701,7 @@ impl NatsKv {
                         // The ordered consumer recreates itself after a gap or missed heartbeats;
                         // a long run of errors means it cannot.
                         consecutive_errors += 1;
-                        recreated = true;
+                        guard.consumer_error();
                         tracing::warn!(bucket = %self.bucket, error = %e, "watch: consumer error (recreating)");
                         if consecutive_errors >= 30 {
                             return Err(KvError::WatchError(format!(
@@ -860,140 +713,126 @@ impl NatsKv {
                 }
             }
             if decoded.is_empty() {
-                // Only consumer errors: the ordered consumer is re-creating itself (its stream may
-                // be gone, or another one by now). Ask the stream at once rather than at the next
-                // backstop; an unreachable stream is asked again at the next delivery or period.
-                if recreated && let Some(f) = frontier {
-                    match self.check_floor(f, &start_identity, &mut None).await {
-                        Ok(_) => {}
-                        Err(
-                            e @ (KvError::CursorExpired { .. } | KvError::StreamChanged { .. }),
-                        ) => return Err(e),
-                        Err(e) => {
-                            tracing::warn!(bucket = %self.bucket, error = %e, "floor guard: probe after a consumer error failed; the next delivery is checked")
-                        }
-                    }
-                }
+                guard.after_errors(self).await?;
                 continue;
             }
-            quiet = false;
-            // In-band: a gap after the frontier, or a delivery from a re-created consumer, is
-            // checked before anything after it is passed on, so the fold never advances past
-            // unexamined evidence of loss. One check per chunk, at its first such point: the first
-            // sequence only grows, so it covers the later ones too.
-            if let Some(mut f) = frontier {
-                let mut check_after = None;
-                for (_, meta) in &decoded {
-                    if let Some(m) = meta {
-                        let fresh_consumer = delivered_any && m.consumer_sequence == 1;
-                        if check_after.is_none()
-                            && (recreated
-                                || fresh_consumer
-                                || m.stream_sequence > f.saturating_add(1))
-                        {
-                            check_after = Some(f);
-                        }
-                        recreated = false;
-                        delivered_any = true;
-                        f = f.max(m.stream_sequence);
-                    }
-                }
-                if let Some(g) = check_after {
-                    // Evidence of a possible loss is waiting: a failed probe is retried (a leader
-                    // change, an API hiccup) before the watch gives up, never skipped.
-                    let mut attempt = 0u32;
-                    loop {
-                        match self
-                            .check_floor(g, &start_identity, &mut non_evicting_at)
-                            .await
-                        {
-                            Ok(_) => break,
-                            Err(
-                                e @ (KvError::CursorExpired { .. } | KvError::StreamChanged { .. }),
-                            ) => return Err(e),
-                            Err(e) if attempt >= FLOOR_PROBE_RETRIES => return Err(e),
-                            Err(e) => {
-                                attempt += 1;
-                                tracing::warn!(bucket = %self.bucket, error = %e, attempt, "floor guard: probe failed; retrying");
-                                tokio::time::sleep(Duration::from_millis(250u64 << attempt)).await;
-                            }
-                        }
-                    }
-                }
-                frontier = Some(f);
-            } else {
-                delivered_any |= decoded.iter().any(|(_, m)| m.is_some());
-            }
-            let mut out: Vec<KvUpdate> = Vec::with_capacity(decoded.len());
-            let mut stamp: Option<(u64, u64)> = None;
-            for (update, meta) in decoded {
-                if scope.contains(update.key()) {
-                    last_delivered = update.revision().or(last_delivered);
-                    if let (Some(r), Some(m)) = (update.revision(), meta)
-                        && m.timestamp_unix_ns > 0
-                    {
-                        stamp = Some((r, m.timestamp_unix_ns));
-                    }
-                    out.push(update);
-                }
-                let Some(m) = meta else { continue };
-                if level_reported {
-                    // Live after the level: the frontier follows every delivered sequence.
-                    frontier =
-                        Some(frontier.map_or(m.stream_sequence, |f| f.max(m.stream_sequence)));
-                    continue;
-                }
-                if m.pending == 0 {
-                    // Level: everything before this point goes first, then the marker.
-                    level_reported = true;
-                    if frontier.is_none() {
-                        frontier = Some(m.stream_sequence);
-                    }
-                    let done = std::mem::take(&mut out);
-                    // The stamp goes before the level: a `--catch-up` fold commits and stops on
-                    // the level, and its memo should carry the time of what it committed.
-                    if !done.is_empty() && tx.send(WatchEvent::Updates(done)).await.is_err() {
-                        return Ok(());
-                    }
-                    if !send_stamp(&tx, stamp).await {
-                        return Ok(());
-                    }
-                    if tx
-                        .send(WatchEvent::CaughtUp {
-                            through: last_delivered,
-                        })
-                        .await
-                        .is_err()
-                    {
-                        return Ok(());
-                    }
-                } else {
-                    since_progress += 1;
-                    if since_progress >= 1024 {
-                        since_progress = 0;
-                        if tx.send(WatchEvent::Pending(m.pending)).await.is_err() {
-                            return Ok(());
-                        }
-                    }
-                }
-            }
-            if !out.is_empty() && tx.send(WatchEvent::Updates(out)).await.is_err() {
+            guard
+                .before_chunk(self, decoded.iter().filter_map(|(_, m)| m.as_ref()))
+                .await?;
+            if !out.forward(scope, decoded, &mut guard).await {
                 return Ok(());
-            }
-            // Stamps are sparse (one per period, and one before the level): an older stamp only
-            // makes the memo's time older, which errs on the safe side, and a send per chunk would
-            // double the channel traffic of the hot path.
-            if stamp.is_some() && last_stamp.elapsed() >= STAMP_PERIOD {
-                last_stamp = std::time::Instant::now();
-                if !send_stamp(&tx, stamp).await {
-                    return Ok(());
-                }
             }
         }
         Err(KvError::WatchError(format!(
             "bucket {}: watch stream ended",
             self.bucket
         )))
+    }
+}
+
+/// Forwards a watch's decoded chunks into the fold's channel: the updates in scope, the level
+/// marker once the consumer has nothing pending (everything before it first), progress counts, and
+/// sparse delivery stamps. Every method answers `false` once the fold has gone (the receiver was
+/// dropped): the watch then ends quietly.
+struct Forwarder {
+    tx: mpsc::Sender<WatchEvent>,
+    /// The watch reported it is level with the stream.
+    level: bool,
+    last_delivered: Option<u64>,
+    since_progress: u32,
+    last_stamp: std::time::Instant,
+}
+
+impl Forwarder {
+    fn new(tx: mpsc::Sender<WatchEvent>) -> Self {
+        Forwarder {
+            tx,
+            level: false,
+            last_delivered: None,
+            since_progress: 0,
+            last_stamp: std::time::Instant::now() - STAMP_PERIOD,
+        }
+    }
+
+    /// Reports the consumer's initial backlog: level at once when nothing is pending.
+    async fn start(&mut self, initial_pending: u64) -> bool {
+        if initial_pending == 0 {
+            self.level = true;
+            self.send(WatchEvent::CaughtUp { through: None }).await
+        } else {
+            self.send(WatchEvent::Pending(initial_pending)).await
+        }
+    }
+
+    async fn send(&self, ev: WatchEvent) -> bool {
+        self.tx.send(ev).await.is_ok()
+    }
+
+    /// Forwards one checked chunk; live after the level, the guard's frontier follows every
+    /// delivered sequence, and the level itself guards a state-sync watch from there.
+    async fn forward(
+        &mut self,
+        scope: &WatchScope,
+        decoded: Vec<(KvUpdate, Option<protocol::AckMeta>)>,
+        guard: &mut FloorGuard,
+    ) -> bool {
+        let mut out: Vec<KvUpdate> = Vec::with_capacity(decoded.len());
+        let mut stamp: Option<(u64, u64)> = None;
+        for (update, meta) in decoded {
+            if scope.contains(update.key()) {
+                self.last_delivered = update.revision().or(self.last_delivered);
+                if let (Some(r), Some(m)) = (update.revision(), meta)
+                    && m.timestamp_unix_ns > 0
+                {
+                    stamp = Some((r, m.timestamp_unix_ns));
+                }
+                out.push(update);
+            }
+            let Some(m) = meta else { continue };
+            if self.level {
+                guard.follow(m.stream_sequence);
+                continue;
+            }
+            if m.pending == 0 {
+                // Level: everything before this point goes first, then the marker.
+                self.level = true;
+                guard.guard_from(m.stream_sequence);
+                let done = std::mem::take(&mut out);
+                // The stamp goes before the level: a `--catch-up` fold commits and stops on the
+                // level, and its memo should carry the time of what it committed.
+                if !done.is_empty() && !self.send(WatchEvent::Updates(done)).await {
+                    return false;
+                }
+                if !send_stamp(&self.tx, stamp).await {
+                    return false;
+                }
+                let through = self.last_delivered;
+                if !self.send(WatchEvent::CaughtUp { through }).await {
+                    return false;
+                }
+            } else {
+                self.since_progress += 1;
+                if self.since_progress >= 1024 {
+                    self.since_progress = 0;
+                    if !self.send(WatchEvent::Pending(m.pending)).await {
+                        return false;
+                    }
+                }
+            }
+        }
+        if !out.is_empty() && !self.send(WatchEvent::Updates(out)).await {
+            return false;
+        }
+        // Stamps are sparse (one per period, and one before the level): an older stamp only makes
+        // the memo's time older, which errs on the safe side, and a send per chunk would double
+        // the channel traffic of the hot path.
+        if stamp.is_some() && self.last_stamp.elapsed() >= STAMP_PERIOD {
+            self.last_stamp = std::time::Instant::now();
+            if !send_stamp(&self.tx, stamp).await {
+                return false;
+            }
+        }
+        true
     }
 }
 
