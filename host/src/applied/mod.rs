@@ -38,7 +38,6 @@ mod watch;
 
 pub use apply::{Apply, ApplyError, Control, CountingApply, SwapReport, Verdict};
 pub use fold::Fold;
-pub(crate) use fold::flush_all;
 pub use start::identity_refusal;
 pub use watch::watch_applied;
 

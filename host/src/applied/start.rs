@@ -133,9 +133,13 @@ pub(super) async fn check_identity<S: SnapshotStore, A: Apply + ?Sized>(
             }
             tracing::warn!(bucket = %bucket, reason = %why, "--on-recreated relist: re-folding the new bucket as a cursor-less start");
             let dropped = fold.drop_retained(apply).await?;
-            let report =
-                crate::repair::relist(fold, apply, &opts.repair, &opts.scope, opts.batch.max)
-                    .await?;
+            let report = crate::repair::relist(
+                &mut Repairing { fold, apply },
+                &opts.repair,
+                &opts.scope,
+                opts.batch.max,
+            )
+            .await?;
             fold.commit_identity(&found.identity, WatchCursor::NONE, apply)
                 .await?;
             status.seq.store(0, Ordering::Relaxed);
@@ -238,11 +242,16 @@ pub(super) async fn repair_expired<S: SnapshotStore, A: Apply + ?Sized>(
             .into());
         }
         protocol::RepairPlan::Relist => {
-            repair::relist(fold, apply, &opts.repair, &opts.scope, opts.batch.max).await?
+            repair::relist(
+                &mut Repairing { fold, apply },
+                &opts.repair,
+                &opts.scope,
+                opts.batch.max,
+            )
+            .await?
         }
         protocol::RepairPlan::Restore => repair::restore(
-            fold,
-            apply,
+            &mut Repairing { fold, apply },
             &opts.repair,
             watcher,
             &opts.scope,
@@ -259,4 +268,41 @@ pub(super) async fn repair_expired<S: SnapshotStore, A: Apply + ?Sized>(
     status.repairs.fetch_add(1, Ordering::Relaxed);
     tracing::warn!(kind = report.kind, listed = report.listed, deleted = report.deleted, taken = report.taken, cursor = ?report.cursor, "cursor-expiry repair done");
     Ok(report.kind == "relist")
+}
+
+/// The running fold as a repair sees it ([`crate::repair::RepairTarget`]): the fold and its
+/// applier, committing through [`Fold::flush`] like every other batch.
+struct Repairing<'a, S: SnapshotStore, A: Apply + ?Sized> {
+    fold: &'a mut Fold<S>,
+    apply: &'a mut A,
+}
+
+#[async_trait::async_trait]
+impl<S: SnapshotStore, A: Apply + ?Sized> crate::repair::RepairTarget for Repairing<'_, S, A> {
+    type Store = S;
+    type Error = AppliedError;
+
+    fn store(&self) -> crate::snapshot::SharedStore<S> {
+        self.fold.store().clone()
+    }
+
+    fn cursor(&self) -> WatchCursor {
+        self.fold.cursor()
+    }
+
+    async fn commit_all(
+        &mut self,
+        batch: &mut Vec<crate::kv::KvUpdate>,
+        max: usize,
+    ) -> Result<(), AppliedError> {
+        super::fold::flush_all(self.fold, batch, max, self.apply).await
+    }
+
+    fn freeze_cursor(&mut self, frozen: bool) {
+        self.fold.freeze_cursor(frozen);
+    }
+
+    async fn commit_position(&mut self, cursor: WatchCursor) -> Result<(), AppliedError> {
+        self.fold.commit_position(cursor, self.apply).await
+    }
 }

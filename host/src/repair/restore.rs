@@ -1,0 +1,527 @@
+//! The artifact restore (for buckets whose retention evicts current values): the newest artifact
+//! that covers the scope, is strictly ahead of the fold and still inside retention is imported
+//! (every digest checked), diffed against the fold key by key ([`protocol::restore_key`]), and the
+//! difference folded through the applier under the old cursor; the cursor moves to the artifact's
+//! in the last commit only, so a crash re-runs the restore.
+
+use std::collections::HashSet;
+use std::fs::File;
+use std::io::{BufReader, BufWriter, Read, Write};
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+
+use crate::artifact::{self, ExportManifest};
+use crate::crashpoint;
+use crate::kv::{KvEntry, KvUpdate, KvWatcher, VersionToken, WatchScope};
+use crate::protocol::{self, KeyRestore};
+use crate::retained::is_reserved;
+use crate::snapshot::{SnapshotError, SnapshotStore};
+use crate::storedir::{AnyStore, Backend};
+
+use super::extsort::MAX_SPILL_KEY;
+use super::relist::fold_deletes;
+use super::{
+    MAX_HELD_KEYS, RepairConfig, RepairError, RepairReport, RepairTarget, block, clear_dir, io_err,
+};
+
+/// Entries read from the artifact per page of its key-ordered scan.
+const PAGE: usize = 1024;
+
+/// Largest value the spill file accepts (the store's own limit is lower).
+const MAX_SPILL_VALUE: usize = 64 << 20;
+
+/// Where artifacts for a restore come from: a local directory holding artifact directories and
+/// `.tar` files (the object-store transport plugs in here later). Names starting with `.` (stages
+/// being written) are ignored.
+#[derive(Clone, Debug)]
+pub struct RestoreSource {
+    dir: PathBuf,
+}
+
+impl RestoreSource {
+    /// A source reading `dir`.
+    pub fn new(dir: impl Into<PathBuf>) -> Self {
+        RestoreSource { dir: dir.into() }
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The artifact with the highest cursor and its manifest (peeked, not verified: the import
+    /// verifies). Entries whose manifest cannot be read are skipped with a warning.
+    pub fn newest(&self) -> Result<Option<(PathBuf, ExportManifest)>, RepairError> {
+        let rd = std::fs::read_dir(&self.dir).map_err(io_err(&self.dir, "list artifacts"))?;
+        let mut best: Option<(PathBuf, ExportManifest)> = None;
+        for ent in rd {
+            let ent = ent.map_err(io_err(&self.dir, "list artifacts"))?;
+            let path = ent.path();
+            if ent.file_name().to_string_lossy().starts_with('.') {
+                continue;
+            }
+            let m = if path.is_dir() {
+                artifact::read_manifest(&path)
+            } else {
+                artifact::peek_tar_manifest(&path)
+            };
+            match m {
+                Ok(m) => {
+                    let better = best
+                        .as_ref()
+                        .is_none_or(|(_, b)| m.cursor.unwrap_or(0) > b.cursor.unwrap_or(0));
+                    if better {
+                        best = Some((path, m));
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(artifact = %path.display(), error = %e, "restore source: skipping an unreadable artifact")
+                }
+            }
+        }
+        Ok(best)
+    }
+}
+
+/// The prefixes an artifact's recorded scope covers; `None` when it recorded none.
+fn artifact_prefixes(m: &ExportManifest) -> Option<Vec<String>> {
+    let s = WatchScope::parse(m.scope.as_deref()?).ok()?;
+    Some(s.disjoint_prefixes())
+}
+
+/// Refuses an artifact that does not cover `scope` or may not replace the fold.
+fn check_artifact(
+    path: &Path,
+    m: &ExportManifest,
+    scope: &WatchScope,
+    local: Option<u64>,
+    first_sequence: u64,
+) -> Result<u64, RepairError> {
+    let what = path.display();
+    let Some(rev) = m.cursor else {
+        return Err(RepairError::Refused(format!(
+            "artifact {what} has no cursor"
+        )));
+    };
+    let Some(covers) = artifact_prefixes(m) else {
+        return Err(RepairError::Refused(format!(
+            "artifact {what} records no watch scope (exported offline?): it cannot vouch for a scope; export from a running host"
+        )));
+    };
+    let a: Vec<&str> = covers.iter().map(String::as_str).collect();
+    let want = scope.disjoint_prefixes();
+    let w: Vec<&str> = want.iter().map(String::as_str).collect();
+    if !protocol::scope_covers(&a, &w) {
+        return Err(RepairError::Refused(format!(
+            "artifact {what} covers scope {} but the watch is {scope}",
+            m.scope.as_deref().unwrap_or("?")
+        )));
+    }
+    if !protocol::restore_allowed(rev, local, first_sequence) {
+        return Err(RepairError::Refused(format!(
+            "stale artifact {what}: its cursor {rev}, the fold's {}, the stream's first retained revision {first_sequence} (a restore needs an artifact strictly ahead of the fold whose cursor is still inside retention)",
+            local.map_or("none".to_string(), |l| l.to_string())
+        )));
+    }
+    Ok(rev)
+}
+
+/// Appends one entry to the spill.
+fn spill_entry(w: &mut impl Write, e: &KvEntry) -> std::io::Result<()> {
+    w.write_all(&(e.key.len() as u32).to_le_bytes())?;
+    w.write_all(e.key.as_bytes())?;
+    let v = e.version.as_bytes();
+    w.write_all(&[v.len() as u8])?;
+    w.write_all(v)?;
+    w.write_all(&(e.value.len() as u32).to_le_bytes())?;
+    w.write_all(&e.value)
+}
+
+/// Reads one spilled entry back (`None` at the end), bounds-checked.
+fn read_spilled(r: &mut impl Read, path: &Path) -> Result<Option<KvEntry>, RepairError> {
+    let corrupt = |reason: &str| RepairError::Corrupt {
+        path: path.to_path_buf(),
+        reason: reason.to_string(),
+    };
+    let mut len = [0u8; 4];
+    match r.read_exact(&mut len) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
+        Err(e) => return Err(io_err(path, "read spill")(e)),
+    }
+    let kl = u32::from_le_bytes(len) as usize;
+    if kl > MAX_SPILL_KEY {
+        return Err(corrupt("key length over the limit"));
+    }
+    let mut key = vec![0u8; kl];
+    r.read_exact(&mut key).map_err(io_err(path, "read spill"))?;
+    let key = String::from_utf8(key).map_err(|_| corrupt("key not UTF-8"))?;
+    let mut vl = [0u8; 1];
+    r.read_exact(&mut vl).map_err(io_err(path, "read spill"))?;
+    let mut ver = vec![0u8; vl[0] as usize];
+    r.read_exact(&mut ver).map_err(io_err(path, "read spill"))?;
+    let version = VersionToken::from_bytes(&ver).ok_or_else(|| corrupt("version too long"))?;
+    r.read_exact(&mut len).map_err(io_err(path, "read spill"))?;
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_SPILL_VALUE {
+        return Err(corrupt("value length over the limit"));
+    }
+    let mut value = vec![0u8; n];
+    r.read_exact(&mut value)
+        .map_err(io_err(path, "read spill"))?;
+    Ok(Some(KvEntry {
+        key,
+        value: Bytes::from(value),
+        version,
+    }))
+}
+
+/// A local entry's revision for [`protocol::restore_key`]: an unknown version counts as 0.
+fn local_revision(e: &KvEntry) -> u64 {
+    e.version.as_u64().unwrap_or(0)
+}
+
+/// Pages through `store`'s entries under `prefix` in key order (a pull iterator over a push scan).
+struct Paged<'a, T: SnapshotStore + ?Sized> {
+    store: &'a T,
+    prefix: &'a str,
+    buf: std::collections::VecDeque<KvEntry>,
+    last: Option<String>,
+    done: bool,
+}
+
+impl<'a, T: SnapshotStore + ?Sized> Paged<'a, T> {
+    fn new(store: &'a T, prefix: &'a str) -> Self {
+        Paged {
+            store,
+            prefix,
+            buf: Default::default(),
+            last: None,
+            done: false,
+        }
+    }
+
+    fn peek(&mut self) -> Result<Option<&KvEntry>, SnapshotError> {
+        while self.buf.is_empty() && !self.done {
+            let mut page = Vec::with_capacity(PAGE);
+            self.store
+                .for_each_in_range_after(self.prefix, self.last.as_deref(), &mut |e| {
+                    page.push(e.clone());
+                    if page.len() >= PAGE {
+                        ControlFlow::Break(())
+                    } else {
+                        ControlFlow::Continue(())
+                    }
+                })?;
+            if page.len() < PAGE {
+                self.done = true;
+            }
+            self.last = page.last().map(|e| e.key.clone());
+            // The artifact's own reserved keys (its exporter's retained records) are not ours.
+            self.buf
+                .extend(page.into_iter().filter(|e| !is_reserved(&e.key)));
+        }
+        Ok(self.buf.front())
+    }
+
+    fn pop(&mut self) -> Option<KvEntry> {
+        self.buf.pop_front()
+    }
+}
+
+/// One key-ordered pass over the fold and the artifact: entries to take go to `spill`, local keys
+/// the artifact lacks are returned as delete candidates (with the listing not yet consulted).
+fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
+    local: &L,
+    art: &R,
+    scope: &WatchScope,
+    spill: &mut impl Write,
+    spill_path: &Path,
+) -> Result<(u64, Vec<String>), RepairError> {
+    let mut taken = 0u64;
+    let mut candidates = Vec::new();
+    let mut failed: Option<RepairError> = None;
+    let mut take = |e: &KvEntry, taken: &mut u64| -> Result<(), RepairError> {
+        *taken += 1;
+        spill_entry(spill, e).map_err(io_err(spill_path, "write spill"))
+    };
+    for prefix in scope.disjoint_prefixes() {
+        let mut a = Paged::new(art, &prefix);
+        local.for_each_in_range(&prefix, &mut |l| {
+            if is_reserved(&l.key) {
+                return ControlFlow::Continue(());
+            }
+            let step = (|| -> Result<(), RepairError> {
+                // Artifact keys before this local key: absent locally.
+                while let Some(ae) = a.peek()? {
+                    if ae.key.as_str() >= l.key.as_str() {
+                        break;
+                    }
+                    let ae = a.pop().expect("peeked");
+                    if protocol::restore_key(
+                        None,
+                        Some(ae.version.as_u64().unwrap_or(0)),
+                        false,
+                        false,
+                    ) == KeyRestore::Take
+                    {
+                        take(&ae, &mut taken)?;
+                    }
+                }
+                let same_key = a.peek()?.is_some_and(|ae| ae.key == l.key);
+                if same_key {
+                    let ae = a.pop().expect("peeked");
+                    let identical = ae.version == l.version && ae.value == l.value;
+                    let d = protocol::restore_key(
+                        Some(local_revision(l)),
+                        Some(ae.version.as_u64().unwrap_or(0)),
+                        identical,
+                        false,
+                    );
+                    if d == KeyRestore::Take {
+                        take(&ae, &mut taken)?;
+                    }
+                } else if protocol::restore_key(Some(local_revision(l)), None, false, false)
+                    == KeyRestore::Delete
+                {
+                    if candidates.len() >= MAX_HELD_KEYS {
+                        return Err(RepairError::Refused(format!(
+                            "more than {MAX_HELD_KEYS} delete candidates"
+                        )));
+                    }
+                    candidates.push(l.key.clone());
+                }
+                Ok(())
+            })();
+            match step {
+                Ok(()) => ControlFlow::Continue(()),
+                Err(e) => {
+                    failed = Some(e);
+                    ControlFlow::Break(())
+                }
+            }
+        })?;
+        if let Some(e) = failed.take() {
+            return Err(e);
+        }
+        while a.peek()?.is_some() {
+            let ae = a.pop().expect("peeked");
+            if protocol::restore_key(None, Some(ae.version.as_u64().unwrap_or(0)), false, false)
+                == KeyRestore::Take
+            {
+                take(&ae, &mut taken)?;
+            }
+        }
+    }
+    Ok((taken, candidates))
+}
+
+/// The artifact restore. The fold must be settled. On success the cursor is the artifact's and
+/// the caller resumes from it; on a refusal the fold is untouched.
+pub async fn restore<T: RepairTarget>(
+    target: &mut T,
+    cfg: &RepairConfig,
+    watcher: &dyn KvWatcher,
+    scope: &WatchScope,
+    max: usize,
+) -> Result<RepairReport, T::Error> {
+    let source = cfg.restore_from.as_ref().ok_or_else(|| {
+        RepairError::Refused("no artifact source to restore from (give --restore-from DIR)".into())
+    })?;
+    let first_sequence = |r: Option<protocol::Retention>| {
+        r.map(|r| r.first_revision)
+            .ok_or_else(|| RepairError::Refused("the bucket cannot report its retention".into()))
+    };
+    let first = first_sequence(watcher.retention().await.map_err(RepairError::from)?)?;
+    let local = target.cursor().revision();
+    let (path, peeked) = block(|| source.newest())?.ok_or_else(|| {
+        RepairError::Refused(format!(
+            "no artifact in {} to restore from",
+            source.dir().display()
+        ))
+    })?;
+    // Checked before anything is downloaded or imported.
+    check_artifact(&path, &peeked, scope, local, first)?;
+    let scratch = cfg.scratch_dir();
+    block(|| clear_dir(&scratch))?;
+    let imported_dir = scratch.join("artifact");
+    let (p2, d2) = (path.clone(), imported_dir.clone());
+    let manifest = tokio::task::spawn_blocking(move || {
+        artifact::import_artifact(&p2, &d2, None, &mut |_, _| {})
+    })
+    .await
+    .map_err(|e| RepairError::Task(e.to_string()))?
+    .map_err(RepairError::from)?;
+    // Re-checked against what actually arrived, and against the fold's own cursor now.
+    let rev = check_artifact(&path, &manifest, scope, target.cursor().revision(), first)?;
+    let backend: Backend = manifest
+        .backend
+        .parse()
+        .map_err(|e: String| RepairError::Refused(format!("artifact {}: {e}", path.display())))?;
+    let (art, _) = block(|| AnyStore::open(&imported_dir, backend)).map_err(RepairError::from)?;
+    let art_cursor = art.cursor();
+    // An artifact of another stream (the bucket's earlier incarnation, another bucket) would mix
+    // two streams' keys: refused by the identity check the fold's own start makes.
+    if let Some(live) = watcher.stream_state().await.map_err(RepairError::from)? {
+        let recorded = match art
+            .get(crate::retained::IDENTITY_KEY)
+            .map_err(RepairError::from)?
+        {
+            Some(e) => Some(
+                crate::kv::StreamIdentity::from_bytes(&e.value).ok_or_else(|| {
+                    RepairError::Refused(format!(
+                        "artifact {}: its stream identity record does not decode",
+                        path.display()
+                    ))
+                })?,
+            ),
+            None => None,
+        };
+        let verdict = protocol::stream_identity_check(
+            recorded.as_ref(),
+            &live.identity,
+            Some(rev),
+            live.last_sequence,
+        );
+        if matches!(
+            verdict,
+            protocol::IdentityVerdict::Recreated | protocol::IdentityVerdict::CursorAhead
+        ) {
+            let was =
+                recorded.map_or_else(|| "an unrecorded stream".to_string(), |r| r.to_string());
+            return Err(RepairError::Refused(format!(
+                "artifact {} folds {was} at cursor {rev}, but the bucket is {} with last sequence {}",
+                path.display(),
+                live.identity,
+                live.last_sequence
+            ))
+            .into());
+        }
+    }
+    let spill_path = scratch.join("take.spill");
+    let store = target.store();
+    let (taken, candidates) = block(|| -> Result<(u64, Vec<String>), RepairError> {
+        let f = File::create(&spill_path).map_err(io_err(&spill_path, "create spill"))?;
+        let mut w = BufWriter::new(f);
+        let s = store.read()?;
+        let r = restore_diff(&*s, &art, scope, &mut w, &spill_path)?;
+        w.flush().map_err(io_err(&spill_path, "write spill"))?;
+        Ok(r)
+    })?;
+    drop(art);
+    let mut listed = 0;
+    let mut deletes = candidates;
+    if !deletes.is_empty() {
+        // A key the artifact lacks is deleted only if the bucket does not list it live: a live
+        // key's latest write is after the artifact's cursor, and the resume delivers it.
+        let lister = cfg.lister.clone().ok_or_else(|| {
+            RepairError::Refused("no key listing to check delete candidates against".into())
+        })?;
+        let mut live: HashSet<String> = HashSet::new();
+        let cands: HashSet<&str> = deletes.iter().map(String::as_str).collect();
+        listed = lister
+            .for_each_key(scope, &mut |k| {
+                if cands.contains(k.as_str()) {
+                    live.insert(k);
+                }
+                Ok(())
+            })
+            .await
+            .map_err(RepairError::from)?;
+        drop(cands);
+        deletes.retain(|k| {
+            protocol::restore_key(Some(1), None, false, live.contains(k)) == KeyRestore::Delete
+        });
+        // The listing vouches for writes after the artifact's cursor only while the log still
+        // holds all of them.
+        let first = first_sequence(watcher.retention().await.map_err(RepairError::from)?)?;
+        if !protocol::resume_window_ok(rev, first) {
+            return Err(RepairError::Refused(format!(
+                "retention passed the artifact's cursor {rev} during the restore (first retained revision now {first})"
+            ))
+            .into());
+        }
+    }
+    tracing::info!(artifact = %path.display(), cursor = rev, taken, deletes = deletes.len(), "repair: restore diff");
+    // Fold the difference under the old cursor, then move the cursor in one last commit.
+    target.freeze_cursor(true);
+    let folded = async {
+        let f = File::open(&spill_path).map_err(io_err(&spill_path, "open spill"))?;
+        let mut r = BufReader::new(f);
+        let mut batch: Vec<KvUpdate> = Vec::with_capacity(max);
+        loop {
+            let next = read_spilled(&mut r, &spill_path)?;
+            let end = next.is_none();
+            if let Some(e) = next {
+                batch.push(KvUpdate::Put(e));
+            }
+            if batch.len() >= max || (end && !batch.is_empty()) {
+                target.commit_all(&mut batch, max).await?;
+                crashpoint::hit(crashpoint::RESTORE_BATCH);
+            }
+            if end {
+                break;
+            }
+        }
+        let deletes = std::mem::take(&mut deletes);
+        fold_deletes(target, deletes, max, crashpoint::RESTORE_BATCH).await
+    }
+    .await;
+    target.freeze_cursor(false);
+    let deleted = folded?;
+    let memo = target.cursor().memo().or(art_cursor.memo());
+    let cursor = crate::kv::WatchCursor::at(rev).with_memo(memo);
+    crashpoint::hit(crashpoint::RESTORE_BEFORE_CURSOR);
+    target.commit_position(cursor).await?;
+    block(|| {
+        let _ = std::fs::remove_dir_all(&scratch);
+    });
+    Ok(RepairReport {
+        kind: "restore",
+        listed,
+        deleted,
+        taken,
+        artifact: Some(path),
+        cursor: Some(rev),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn spilled_entries_read_back_exactly_and_a_bad_length_is_an_error() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let p = dir.path().join("s");
+        let entries = [
+            KvEntry {
+                key: "a".into(),
+                value: Bytes::from_static(b"1"),
+                version: VersionToken::from_u64(7),
+            },
+            KvEntry {
+                key: "b/c".into(),
+                value: Bytes::new(),
+                version: VersionToken::from_bytes(&[9; 10]).expect("ten"),
+            },
+        ];
+        let mut buf = Vec::new();
+        for e in &entries {
+            spill_entry(&mut buf, e).expect("write");
+        }
+        let mut r = &buf[..];
+        for e in &entries {
+            assert_eq!(read_spilled(&mut r, &p).expect("read").as_ref(), Some(e));
+        }
+        assert!(read_spilled(&mut r, &p).expect("end").is_none());
+        let mut bad = buf.clone();
+        bad[..4].copy_from_slice(&u32::MAX.to_le_bytes());
+        assert!(matches!(
+            read_spilled(&mut &bad[..], &p),
+            Err(RepairError::Corrupt { .. })
+        ));
+    }
+}
