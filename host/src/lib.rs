@@ -16,6 +16,8 @@
 //! - [`serve`] — the `--listen` endpoint: `/status`, `/query`, `/swap`.
 //! - [`cli`] — the command line.
 //! - [`crashpoint`] — named crash points, compiled in only with the `crashpoints` feature (tests).
+//! - `testkit` — `SimBucket`, an in-memory JetStream KV bucket for fast tests of the fold (tests and
+//!   the `testkit` feature).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -32,5 +34,8 @@ pub mod repair;
 pub mod retained;
 pub mod serve;
 pub mod snapshot;
+pub mod status;
 pub mod storedir;
 pub mod stores;
+#[cfg(any(test, feature = "testkit"))]
+pub mod testkit;

@@ -1,0 +1,158 @@
+//! The one status model: [`StatusReport`] is what `GET /status` answers, what `status --json`
+//! prints (from a running host or from a store at rest), what a host keeps in `status.json`, and
+//! what the test harness reads — one type, serialised one way.
+//!
+//! Invariants: `lag` and the retained record's age are computed here only ([`lag`], [`age_s`]);
+//! `applied_through` is the fold's ([`crate::retained::RetainedIndex::applied_through`], published
+//! by the fold with every commit), never recomputed from other fields.
+
+use std::sync::atomic::Ordering;
+
+use serde::{Deserialize, Serialize};
+
+use crate::applied::FoldStatus;
+
+/// A host's status. Fields a source cannot know are `None` (or zero), never made up. Unknown
+/// fields are ignored and missing ones default when read, so a `status.json` written by an older
+/// version still reads.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct StatusReport {
+    /// `running`, `stopped`, `failed`, or `unknown` (a store at rest with no status file).
+    pub state: String,
+    /// Why the fold stopped, or the last transient error while it runs.
+    pub error: Option<String>,
+    /// The host's process id (0: not known).
+    pub pid: u32,
+    /// The bucket folded.
+    pub bucket: String,
+    /// The watch scope.
+    pub scope: String,
+    /// The store directory (set by `status --store`).
+    pub store: Option<String>,
+    /// The store's backend (`append-log`, `fjall`, `rocksdb`).
+    pub backend: String,
+    /// The applier (guest name and version, or `native:count`).
+    pub guest: Option<String>,
+    /// The store's cursor: everything through it is applied or retained, and committed.
+    pub cursor: Option<u64>,
+    /// Highest revision delivered.
+    pub seq: u64,
+    /// Highest revision every update at or below which is applied and committed.
+    pub applied_through: u64,
+    /// `seq - applied_through` ([`lag`]).
+    pub lag: u64,
+    /// Updates delivered since the host started.
+    pub delivered: u64,
+    /// Batches committed since the host started.
+    pub batches: u64,
+    /// Last apply time, microseconds.
+    pub last_apply_us: u64,
+    /// Last store commit time, microseconds.
+    pub last_commit_us: u64,
+    /// Records retained (deferred by a guest) in the fold.
+    pub retained: u64,
+    /// Position of the oldest retained record.
+    pub oldest_retained_revision: Option<u64>,
+    /// When the oldest retained record was retained (Unix milliseconds).
+    pub oldest_retained_unix_ms: Option<u64>,
+    /// How long ago the oldest retained record was retained, seconds ([`age_s`]).
+    pub oldest_retained_age_s: Option<u64>,
+    /// Records retained longer than the grace, in words.
+    pub warnings: Vec<String>,
+    /// The fold has seen retention evict current values (its cursor carries the eviction memo).
+    pub eviction_seen: bool,
+    /// Cursor-expiry repairs (and recreated-bucket resets) run since the host started.
+    pub repairs: u64,
+    /// Bucket keys in the fold (set by `status --store`).
+    pub keys: Option<u64>,
+    /// The file holding the admin token of the host's `--listen` endpoint (mode 0600), when the
+    /// host generated it or was given it as a file.
+    pub admin_token_file: Option<String>,
+    /// When this was taken (Unix milliseconds).
+    pub updated_unix_ms: u64,
+}
+
+/// How far the applied fold is behind what was delivered.
+pub fn lag(seq: u64, applied_through: u64) -> u64 {
+    seq.saturating_sub(applied_through)
+}
+
+/// Seconds from `since_unix_ms` to `now_unix_ms` (`None` when `since` is unknown, 0).
+pub fn age_s(since_unix_ms: u64, now_unix_ms: u64) -> Option<u64> {
+    (since_unix_ms > 0).then(|| now_unix_ms.saturating_sub(since_unix_ms) / 1000)
+}
+
+/// The wall clock in Unix milliseconds (0 if the clock is before 1970).
+pub fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}
+
+impl StatusReport {
+    /// `self` (the host's fixed facts: state, bucket, scope, backend, pid, token file) with the
+    /// running fold's live figures from `s`.
+    pub fn with_live(&self, s: &FoldStatus) -> StatusReport {
+        let guest = s.guest();
+        let cursor = s.cursor.load(Ordering::Relaxed);
+        let applied_through = s.applied_through.load(Ordering::Relaxed);
+        let seq = s.seq.load(Ordering::Relaxed).max(cursor);
+        let oldest_ms = s.oldest_retained_unix_ms.load(Ordering::Relaxed);
+        let now = now_unix_ms();
+        StatusReport {
+            guest: if guest.is_empty() {
+                self.guest.clone()
+            } else {
+                Some(guest)
+            },
+            error: self.error.clone().or_else(|| s.last_error()),
+            cursor: (cursor > 0).then_some(cursor),
+            seq,
+            applied_through,
+            lag: lag(seq, applied_through),
+            delivered: s.delivered.load(Ordering::Relaxed),
+            batches: s.batches.load(Ordering::Relaxed),
+            last_apply_us: s.last_apply_us.load(Ordering::Relaxed),
+            last_commit_us: s.last_commit_us.load(Ordering::Relaxed),
+            retained: s.retained.load(Ordering::Relaxed),
+            oldest_retained_revision: (oldest_ms > 0)
+                .then(|| s.oldest_retained_revision.load(Ordering::Relaxed)),
+            oldest_retained_unix_ms: (oldest_ms > 0).then_some(oldest_ms),
+            oldest_retained_age_s: age_s(oldest_ms, now),
+            warnings: s.warnings(),
+            eviction_seen: s.eviction_seen.load(Ordering::Relaxed) == 1,
+            repairs: s.repairs.load(Ordering::Relaxed),
+            updated_unix_ms: now,
+            ..self.clone()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_file_from_an_older_version_still_reads() {
+        let old = br#"{"state":"stopped","pid":7,"seq":9,"applied_through":9,"guest":null,
+            "bucket":"b","scope":"all","delivered":9,"batches":1,"last_apply_us":1,
+            "last_commit_us":2,"error":null,"updated_unix_ms":1}"#;
+        let r: StatusReport = serde_json::from_slice(old).expect("reads");
+        assert_eq!(
+            (r.state.as_str(), r.seq, r.applied_through),
+            ("stopped", 9, 9)
+        );
+        assert_eq!(r.retained, 0);
+    }
+
+    #[test]
+    fn lag_and_age_never_underflow() {
+        assert_eq!(lag(5, 9), 0);
+        assert_eq!(lag(9, 5), 4);
+        assert_eq!(age_s(0, 10_000), None);
+        assert_eq!(age_s(2_000, 10_000), Some(8));
+        assert_eq!(age_s(20_000, 10_000), Some(0));
+    }
+}

@@ -1,0 +1,901 @@
+//! Fast tests of the fold's loop over a [`SimBucket`]: the real [`watch_applied`], the real append
+//! log in a temp directory, native appliers written here. Time is paused (tokio advances it when
+//! every task waits), so backoffs and batch windows cost nothing and each test runs in
+//! milliseconds.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::ops::ControlFlow;
+use std::path::Path;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use tokio::sync::{mpsc, oneshot};
+
+use super::*;
+use crate::applied::{
+    AppliedError, Apply, ApplyError, BatchConfig, Control, CountingApply, FoldStatus,
+    MAX_APPLY_FAILURES, SwapReport, Verdict, WatchOptions, watch_applied,
+};
+use crate::retained::{RETAINED_PREFIX, is_reserved};
+use crate::snapshot::{
+    AppendLogOptions, AppendLogSnapshot, FoldRead, SharedStore, SnapshotError, SnapshotStore,
+};
+
+/// Longest (virtual) time any wait in these tests may take: it only stops a hung test.
+const DEADLINE: Duration = Duration::from_secs(600);
+
+fn opts(max: usize, window: Duration, catch_up: bool) -> WatchOptions {
+    WatchOptions {
+        scope: WatchScope::All,
+        batch: BatchConfig {
+            window,
+            max,
+            ..BatchConfig::default()
+        },
+        catch_up,
+        defer_grace: crate::applied::DEFAULT_DEFER_GRACE,
+        repair: crate::repair::RepairConfig::default(),
+    }
+}
+
+fn open(dir: &Path) -> AppendLogSnapshot {
+    AppendLogSnapshot::open(dir, AppendLogOptions::default())
+        .expect("open store")
+        .0
+}
+
+fn load(a: &AtomicU64) -> u64 {
+    a.load(Ordering::Relaxed)
+}
+
+/// Waits (in virtual time) until `cond` holds.
+async fn until(what: &str, cond: impl Fn() -> bool) {
+    let start = tokio::time::Instant::now();
+    while !cond() {
+        assert!(start.elapsed() < DEADLINE, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+/// The next event of a watch.
+async fn next_event(rx: &mut mpsc::Receiver<WatchEvent>) -> WatchEvent {
+    tokio::time::timeout(DEADLINE, rx.recv())
+        .await
+        .expect("an event in time")
+        .expect("the watch is open")
+}
+
+/// The (revision, key) pairs of an `Updates` event.
+fn updates(ev: WatchEvent) -> Vec<(u64, String)> {
+    match ev {
+        WatchEvent::Updates(us) => us
+            .iter()
+            .map(|u| (u.revision().expect("a revision"), u.key().to_string()))
+            .collect(),
+        other => panic!("expected updates, got {other:?}"),
+    }
+}
+
+/// Bucket keys of a store with their values and revisions (the host's own keys left out).
+fn contents(store: &impl SnapshotStore) -> BTreeMap<String, (Bytes, u64)> {
+    let mut out = BTreeMap::new();
+    store
+        .for_each_in_range("", &mut |e| {
+            if !is_reserved(&e.key) {
+                let rev = e.version.as_u64().unwrap_or(0);
+                out.insert(e.key.clone(), (e.value.clone(), rev));
+            }
+            ControlFlow::Continue(())
+        })
+        .expect("scan store");
+    out
+}
+
+/// The live keys of the bucket with their values and revisions.
+async fn bucket(sim: &SimBucket) -> BTreeMap<String, (Bytes, u64)> {
+    sim.scan("")
+        .await
+        .expect("scan bucket")
+        .into_iter()
+        .map(|e| {
+            let rev = e.version.as_u64().unwrap_or(0);
+            (e.key, (e.value, rev))
+        })
+        .collect()
+}
+
+/// Runs the fold until it ends by itself (catch-up, fail-stop, a watch error).
+async fn fold_alone<S: SnapshotStore, A: Apply>(
+    sim: &SimBucket,
+    store: SharedStore<S>,
+    apply: &mut A,
+    opts: WatchOptions,
+    status: Arc<FoldStatus>,
+) -> Result<crate::applied::Finished, AppliedError> {
+    let watcher: Arc<dyn KvWatcher> = Arc::new(sim.clone());
+    tokio::time::timeout(
+        DEADLINE,
+        watch_applied(
+            watcher,
+            store,
+            apply,
+            opts,
+            status,
+            None,
+            std::future::pending(),
+        ),
+    )
+    .await
+    .expect("the fold ended in time")
+}
+
+// ---------------------------------------------------------------------------------------------
+// The simulation itself.
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test(start_paused = true)]
+async fn sim_state_sync_delivers_the_last_message_per_key_then_the_level_then_live_writes() {
+    let sim = SimBucket::new(); // history 1
+    sim.put_now("a", "1"); // 1, superseded by 3
+    sim.put_now("b", "1"); // 2, superseded by 4
+    sim.put_now("a", "2"); // 3
+    sim.delete_now("b"); // 4: a delete marker is the key's last message
+    sim.put_now("x.c", "1"); // 5
+    assert_eq!(sim.first_sequence(), 3, "superseded messages left the log");
+    assert_eq!(sim.last_sequence(), 5);
+
+    let (tx, mut rx) = mpsc::channel(8);
+    let w = sim.clone();
+    let task = tokio::spawn(async move { w.watch(&WatchScope::All, tx).await });
+    assert!(matches!(next_event(&mut rx).await, WatchEvent::Pending(3)));
+    assert_eq!(
+        updates(next_event(&mut rx).await),
+        [(3, "a".into()), (4, "b".into()), (5, "x.c".into())]
+    );
+    assert!(matches!(
+        next_event(&mut rx).await,
+        WatchEvent::CaughtUp { through: Some(5) }
+    ));
+    // Live: a write after the start is pushed to the open watch.
+    sim.put_now("a", "3");
+    assert_eq!(updates(next_event(&mut rx).await), [(6, "a".into())]);
+    assert_eq!(sim.open_watches(), 1);
+    drop(rx);
+    assert_eq!(task.await.expect("the watch task"), Ok(()));
+    assert_eq!(sim.open_watches(), 0);
+
+    // A prefix watch sees only its keys; an empty scope is level at once.
+    let (tx, mut rx) = mpsc::channel(8);
+    let w = sim.clone();
+    let task = tokio::spawn(async move { w.watch(&WatchScope::Prefix("x.".into()), tx).await });
+    assert!(matches!(next_event(&mut rx).await, WatchEvent::Pending(1)));
+    assert_eq!(updates(next_event(&mut rx).await), [(5, "x.c".into())]);
+    assert!(matches!(
+        next_event(&mut rx).await,
+        WatchEvent::CaughtUp { through: Some(5) }
+    ));
+    drop(rx);
+    assert_eq!(task.await.expect("the watch task"), Ok(()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn sim_delta_refuses_a_cursor_below_the_first_sequence_and_chunks_what_it_delivers() {
+    let sim = SimBucket::new();
+    for i in 1..=200 {
+        sim.put_now(&format!("k{i:03}"), "v");
+    }
+    assert_eq!(sim.evict_through(10), 10);
+    assert_eq!(sim.first_sequence(), 11);
+    let (tx, _rx) = mpsc::channel(8);
+    assert_eq!(
+        sim.watch_from(&WatchScope::All, WatchCursor::at(9), tx)
+            .await,
+        Err(KvError::CursorExpired {
+            resume_from: 10,
+            first_sequence: 11
+        })
+    );
+    let (tx, mut rx) = mpsc::channel(8);
+    let w = sim.clone();
+    let task = tokio::spawn(async move {
+        w.watch_from(&WatchScope::All, WatchCursor::at(10), tx)
+            .await
+    });
+    assert!(matches!(
+        next_event(&mut rx).await,
+        WatchEvent::Pending(190)
+    ));
+    let mut got = Vec::new();
+    for want in [WATCH_CHUNK, WATCH_CHUNK, 190 - 2 * WATCH_CHUNK] {
+        let chunk = updates(next_event(&mut rx).await);
+        assert_eq!(chunk.len(), want);
+        got.extend(chunk.into_iter().map(|(rev, _)| rev));
+    }
+    assert_eq!(got, (11..=200).collect::<Vec<_>>(), "in sequence order");
+    assert!(matches!(
+        next_event(&mut rx).await,
+        WatchEvent::CaughtUp { through: Some(200) }
+    ));
+    sim.break_watches(KvError::WatchError("injected".into()));
+    assert_eq!(
+        task.await.expect("the watch task"),
+        Err(KvError::WatchError("injected".into()))
+    );
+    assert_eq!(sim.watches_started(), 2);
+}
+
+#[tokio::test(start_paused = true)]
+async fn sim_writes_follow_kv_semantics() {
+    let sim = SimBucket::with_config(SimConfig {
+        history: 5,
+        ..SimConfig::default()
+    });
+    let v1 = sim.create("a", "1".into()).await.expect("create");
+    assert_eq!(
+        sim.create("a", "x".into()).await,
+        Err(KvError::AlreadyExists("a".into()))
+    );
+    let stale = VersionToken::from_u64(99);
+    assert!(matches!(
+        sim.update("a", "x".into(), stale).await,
+        Err(KvError::RevisionMismatch { .. })
+    ));
+    let v2 = sim.update("a", "2".into(), v1).await.expect("update");
+    assert_eq!(
+        sim.get("a").await.expect("get").map(|e| e.version),
+        Some(v2)
+    );
+    assert!(sim.delete("a").await.expect("delete"));
+    assert_eq!(sim.get("a").await.expect("get"), None);
+    sim.create("a", "3".into())
+        .await
+        .expect("create after delete");
+    sim.put_now("b", "1");
+    sim.put_now("b", "2");
+    let purge = sim.purge_now("b");
+    assert_eq!(
+        sim.messages()
+            .iter()
+            .filter(|m| m.key == "b")
+            .map(|m| m.sequence)
+            .collect::<Vec<_>>(),
+        [purge],
+        "a purge rolls the key's history up"
+    );
+    assert_eq!(sim.keys("").await.expect("keys"), ["a"]);
+    let r = sim.retention().await.expect("retention").expect("known");
+    assert!(!r.evicts_current_values);
+    assert_eq!(r.first_revision, 1);
+    let s = sim.stream_state().await.expect("state").expect("known");
+    assert_eq!(s.identity.name, SIM_STREAM);
+    assert_eq!(s.last_sequence, purge);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fold over the simulation.
+// ---------------------------------------------------------------------------------------------
+
+/// Applies everything except one key, whose every `apply` fails (a poison update).
+struct FailsOn {
+    poison: String,
+    applied: Vec<u64>,
+    last_cursor: WatchCursor,
+}
+
+#[async_trait]
+impl Apply for FailsOn {
+    fn describe(&self) -> String {
+        "native:fails-on".into()
+    }
+
+    async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
+        Ok(vec![Verdict::Accept; batch.len()])
+    }
+
+    async fn apply(&mut self, batch: &[KvUpdate], verdicts: &[Verdict]) -> Result<(), ApplyError> {
+        // All or nothing: a failed call leaves the applier as it was.
+        if let Some(u) = batch
+            .iter()
+            .zip(verdicts)
+            .find(|(u, v)| **v == Verdict::Accept && u.key() == self.poison)
+            .map(|(u, _)| u)
+        {
+            return Err(ApplyError {
+                applier: self.describe(),
+                call: "apply",
+                message: format!("cannot apply {:?}", u.key()),
+            });
+        }
+        self.applied
+            .extend(batch.iter().filter_map(KvUpdate::revision));
+        Ok(())
+    }
+
+    async fn on_applied(&mut self, cursor: WatchCursor) {
+        self.last_cursor = cursor;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_apply_is_retried_in_halves_so_the_fold_stops_exactly_before_the_poison() {
+    let sim = SimBucket::new();
+    for i in 1..=10 {
+        sim.put_now(&format!("k{i:02}"), format!("v{i}"));
+    }
+    let poison_rev = 6;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let status = Arc::new(FoldStatus::default());
+    let mut apply = FailsOn {
+        poison: "k06".into(),
+        applied: Vec::new(),
+        last_cursor: WatchCursor::NONE,
+    };
+    let result = fold_alone(
+        &sim,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), false),
+        status.clone(),
+    )
+    .await;
+    match result {
+        Err(AppliedError::Apply { streak, last }) => {
+            assert_eq!(streak, MAX_APPLY_FAILURES);
+            assert!(last.message.contains("k06"), "{last}");
+        }
+        other => panic!("expected an apply fail-stop, got {other:?}"),
+    }
+    // Everything before the poison update committed, nothing from it on.
+    let below = poison_rev - 1;
+    assert_eq!(store.read().expect("read").cursor(), WatchCursor::at(below));
+    assert_eq!(load(&status.cursor), below);
+    assert_eq!(apply.applied, (1..=below).collect::<Vec<_>>());
+    assert_eq!(apply.last_cursor, WatchCursor::at(below));
+    let folded = contents(&*store.read().expect("read"));
+    assert_eq!(
+        folded.keys().cloned().collect::<Vec<_>>(),
+        (1..=below).map(|i| format!("k{i:02}")).collect::<Vec<_>>()
+    );
+    assert!(status.last_error().is_some_and(|e| e.contains("k06")));
+}
+
+/// A store whose chosen `apply` calls (1-based) fail, and that checks on every commit that the
+/// cursor covers no revision it never committed.
+struct FaultyStore<S> {
+    inner: S,
+    calls: Arc<AtomicU32>,
+    fail: Vec<u32>,
+    committed: BTreeSet<u64>,
+    holes: Arc<Mutex<Vec<String>>>,
+}
+
+impl<S: SnapshotStore> SnapshotStore for FaultyStore<S> {
+    fn backend(&self) -> &'static str {
+        self.inner.backend()
+    }
+
+    fn cursor(&self) -> WatchCursor {
+        self.inner.cursor()
+    }
+
+    fn apply(&mut self, batch: &[KvUpdate], cursor: WatchCursor) -> Result<(), SnapshotError> {
+        let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
+        if self.fail.contains(&n) {
+            return Err(SnapshotError::Io {
+                path: "fault".into(),
+                op: "injected apply failure",
+                source: std::io::Error::other(format!("call {n}")),
+            });
+        }
+        self.inner.apply(batch, cursor)?;
+        self.committed.extend(
+            batch
+                .iter()
+                .filter(|u| !is_reserved(u.key()))
+                .filter_map(KvUpdate::revision),
+        );
+        if let Some(c) = cursor.revision()
+            && let Some(missing) = (1..=c).find(|r| !self.committed.contains(r))
+            && let Ok(mut holes) = self.holes.lock()
+        {
+            holes.push(format!("call {n}: cursor {c} without revision {missing}"));
+        }
+        Ok(())
+    }
+
+    fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError> {
+        self.inner.get(key)
+    }
+
+    fn for_each_in_range(
+        &self,
+        prefix: &str,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) -> Result<(), SnapshotError> {
+        self.inner.for_each_in_range(prefix, visit)
+    }
+
+    fn len(&self) -> Result<u64, SnapshotError> {
+        self.inner.len()
+    }
+
+    fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
+        self.inner.export_to(dest)
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_failed_store_commit_requeues_the_batch_and_the_cursor_never_moves_over_a_hole() {
+    let sim = SimBucket::new();
+    for i in 1..=50 {
+        sim.put_now(&format!("k{i:02}"), format!("v{i}"));
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let calls = Arc::new(AtomicU32::new(0));
+    let holes = Arc::new(Mutex::new(Vec::new()));
+    // The 2nd, 3rd and 5th commits fail; each is followed by good ones.
+    let store = SharedStore::new(FaultyStore {
+        inner: open(dir.path()),
+        calls: calls.clone(),
+        fail: vec![2, 3, 5],
+        committed: BTreeSet::new(),
+        holes: holes.clone(),
+    });
+    let status = Arc::new(FoldStatus::default());
+    let mut apply = CountingApply::default();
+    let finished = fold_alone(
+        &sim,
+        store.clone(),
+        &mut apply,
+        opts(10, Duration::from_millis(10), true),
+        status.clone(),
+    )
+    .await
+    .expect("the fold catches up through the failures");
+    assert_eq!(finished.cursor, WatchCursor::at(50));
+    assert!(
+        calls.load(Ordering::SeqCst) >= 8,
+        "the failures were exercised"
+    );
+    assert_eq!(
+        *holes.lock().expect("holes"),
+        Vec::<String>::new(),
+        "a cursor moved over an uncommitted revision"
+    );
+    assert_eq!(apply.parsed, 50, "the applier saw each update once");
+    assert_eq!(apply.last_cursor, WatchCursor::at(50));
+    assert_eq!(load(&status.committed), 50);
+    assert_eq!(load(&status.store_failure_streak), 0);
+    // What survives a restart is what the disk holds: the whole bucket, at its last revision.
+    drop(store);
+    let reopened = open(dir.path());
+    assert_eq!(reopened.cursor(), WatchCursor::at(50));
+    assert_eq!(contents(&reopened), bucket(&sim).await);
+}
+
+/// Defers every put whose value starts with `new-format` (a version that cannot decode it); keeps
+/// the view it applied.
+#[derive(Default)]
+struct Decoder {
+    /// Every revision handed to `apply` (accepted or not).
+    handed: Vec<u64>,
+    applied: Vec<u64>,
+    view: BTreeMap<String, Bytes>,
+}
+
+#[async_trait]
+impl Apply for Decoder {
+    fn describe(&self) -> String {
+        "native:decoder".into()
+    }
+
+    async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
+        Ok(batch
+            .iter()
+            .map(|u| match u {
+                KvUpdate::Put(e) if e.value.starts_with(b"new-format") => Verdict::Defer,
+                _ => Verdict::Accept,
+            })
+            .collect())
+    }
+
+    async fn apply(&mut self, batch: &[KvUpdate], verdicts: &[Verdict]) -> Result<(), ApplyError> {
+        self.handed
+            .extend(batch.iter().filter_map(KvUpdate::revision));
+        for (u, v) in batch.iter().zip(verdicts) {
+            if *v != Verdict::Accept {
+                continue;
+            }
+            self.applied.extend(u.revision());
+            match u {
+                KvUpdate::Put(e) => {
+                    self.view.insert(e.key.clone(), e.value.clone());
+                }
+                KvUpdate::Delete { key, .. } | KvUpdate::Purge { key, .. } => {
+                    self.view.remove(key);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    async fn on_applied(&mut self, _cursor: WatchCursor) {}
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_deferred_update_holds_later_updates_of_its_key_and_applied_through_stays_below() {
+    // History 10: a delta sees every message of a key, not only its last.
+    let sim = SimBucket::with_config(SimConfig {
+        history: 10,
+        ..SimConfig::default()
+    });
+    sim.put_now("a", "1"); // 1
+    sim.put_now("b", "1"); // 2
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let mut apply = Decoder::default();
+    let first = fold_alone(
+        &sim,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), true),
+        Arc::new(FoldStatus::default()),
+    )
+    .await
+    .expect("first run");
+    assert_eq!(first.cursor, WatchCursor::at(2));
+
+    sim.put_now("a", "new-format:1"); // 3: deferred
+    sim.put_now("a", "2"); // 4: held behind 3, never applied
+    sim.put_now("b", "2"); // 5
+    sim.put_now("c", "1"); // 6
+    let status = Arc::new(FoldStatus::default());
+    let second = fold_alone(
+        &sim,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), true),
+        status.clone(),
+    )
+    .await
+    .expect("second run (a delta)");
+
+    // The cursor covers everything (retained records commit with their batch) ...
+    assert_eq!(second.cursor, WatchCursor::at(6));
+    assert_eq!(load(&status.cursor), 6);
+    // ... but applied_through stays below the oldest retained record.
+    assert_eq!(load(&status.applied_through), 2);
+    assert_eq!(load(&status.retained), 2);
+    assert_eq!(load(&status.oldest_retained_revision), 3);
+    // The held update never reached `apply` (the batch was re-parsed without it), and only the
+    // others were applied.
+    assert!(!apply.handed.contains(&4), "handed {:?}", apply.handed);
+    assert_eq!(apply.applied, [1, 2, 5, 6]);
+    let view: Vec<(&str, &[u8])> = apply
+        .view
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_ref()))
+        .collect();
+    assert_eq!(view, [("a", &b"1"[..]), ("b", &b"2"[..]), ("c", &b"1"[..])]);
+    // The fold keeps the raw latest value (it equals the bucket); the guest's view of the blocked
+    // key is what it last applied; both retained records are in the store.
+    let raw = store.read().expect("read").get("a").expect("get");
+    assert_eq!(raw.map(|e| e.version.as_u64()), Some(Some(4)));
+    let guest_view = FoldRead::get(&store, "a").expect("get");
+    assert_eq!(
+        guest_view.map(|e| (e.value, e.version.as_u64())),
+        Some((Bytes::from_static(b"1"), Some(1)))
+    );
+    assert_eq!(
+        store
+            .read()
+            .expect("read")
+            .range(RETAINED_PREFIX)
+            .expect("range")
+            .len(),
+        2
+    );
+    let folded = contents(&*store.read().expect("read"));
+    assert_eq!(folded, bucket(&sim).await);
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_eviction_past_the_frontier_ends_the_watch_and_without_repair_the_fold_stops_at_its_cursor()
+ {
+    let sim = SimBucket::with_config(SimConfig {
+        evicts_current_values: true, // max_age or discard-old: a current value can go
+        ..SimConfig::default()
+    });
+    for i in 1..=5 {
+        sim.put_now(&format!("k{i}"), "v");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let status = Arc::new(FoldStatus::default());
+    let mut apply = CountingApply::default();
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let watcher: Arc<dyn KvWatcher> = Arc::new(sim.clone());
+    let fold = watch_applied(
+        watcher,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), false),
+        status.clone(),
+        None,
+        async {
+            let _ = stop_rx.await;
+        },
+    );
+    let driver = async {
+        until("the first five committed", || load(&status.cursor) == 5).await;
+        sim.hold_deliveries();
+        sim.put_now("k6", "v"); // 6: evicted before the watch sees it
+        sim.put_now("k7", "v"); // 7
+        sim.evict_through(6);
+        assert_eq!(sim.first_sequence(), 7);
+        sim.release_deliveries();
+        stop_tx // kept until the fold ends: dropping it would shut the fold down
+    };
+    let (result, _stop) = tokio::time::timeout(DEADLINE, async { tokio::join!(fold, driver) })
+        .await
+        .expect("the fold ended in time");
+    match result {
+        Err(AppliedError::Watch(KvError::CursorExpired {
+            resume_from,
+            first_sequence,
+        })) => {
+            assert_eq!((resume_from, first_sequence), (6, 7));
+        }
+        other => panic!("expected the floor guard's CursorExpired, got {other:?}"),
+    }
+    assert_eq!(store.read().expect("read").cursor(), WatchCursor::at(5));
+    assert_eq!(load(&status.cursor), 5);
+    assert_eq!(apply.parsed, 5, "nothing past the gap reached the applier");
+    assert_eq!(sim.open_watches(), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_superseded_gap_on_a_bucket_that_keeps_current_values_is_folded_past() {
+    let sim = SimBucket::new(); // history 1, never evicts a current value
+    for i in 1..=5 {
+        sim.put_now(&format!("k{i}"), "v");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let status = Arc::new(FoldStatus::default());
+    let mut apply = CountingApply::default();
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let watcher: Arc<dyn KvWatcher> = Arc::new(sim.clone());
+    let fold = watch_applied(
+        watcher,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), false),
+        status.clone(),
+        None,
+        async {
+            let _ = stop_rx.await;
+        },
+    );
+    let driver = async {
+        until("the first five committed", || load(&status.cursor) == 5).await;
+        sim.hold_deliveries();
+        sim.put_now("x", "1"); // 6: superseded by 7 before the watch sees it
+        sim.put_now("x", "2"); // 7
+        assert_eq!(sim.first_sequence(), 1);
+        sim.release_deliveries();
+        until("the successor committed", || load(&status.cursor) == 7).await;
+        drop(stop_tx); // shut down
+    };
+    let (result, ()) = tokio::time::timeout(DEADLINE, async { tokio::join!(fold, driver) })
+        .await
+        .expect("the fold ended in time");
+    assert_eq!(result.expect("no expiry").cursor, WatchCursor::at(7));
+    let folded = contents(&*store.read().expect("read"));
+    assert_eq!(folded, bucket(&sim).await);
+}
+
+/// What the swapping applier saw, in order.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Seen {
+    /// A batch applied by this version, with its revisions.
+    Applied(u32, Vec<u64>),
+    /// The swap, with the fold's figures at that moment.
+    Swapped {
+        delivered: u64,
+        committed: u64,
+        seq: u64,
+        cursor: u64,
+        store_cursor: WatchCursor,
+    },
+}
+
+/// A native applier whose logic is "version N"; a swap to `bytes` (a version number) switches it.
+struct Versioned {
+    version: u32,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    status: Arc<FoldStatus>,
+    store: SharedStore<AppendLogSnapshot>,
+}
+
+impl Versioned {
+    fn note(&self, s: Seen) {
+        if let Ok(mut seen) = self.seen.lock() {
+            seen.push(s);
+        }
+    }
+}
+
+#[async_trait]
+impl Apply for Versioned {
+    fn describe(&self) -> String {
+        format!("native:v{}", self.version)
+    }
+
+    async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
+        Ok(vec![Verdict::Accept; batch.len()])
+    }
+
+    async fn apply(&mut self, batch: &[KvUpdate], _verdicts: &[Verdict]) -> Result<(), ApplyError> {
+        let revs = batch.iter().filter_map(KvUpdate::revision).collect();
+        self.note(Seen::Applied(self.version, revs));
+        Ok(())
+    }
+
+    async fn on_applied(&mut self, _cursor: WatchCursor) {}
+
+    async fn swap(&mut self, what: &str, bytes: &[u8]) -> Result<SwapReport, ApplyError> {
+        let to: u32 = std::str::from_utf8(bytes)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| ApplyError {
+                applier: self.describe(),
+                call: "swap",
+                message: format!("{what}: not a version"),
+            })?;
+        let s = &self.status;
+        let (store_cursor, hydrated_entries) = {
+            let st = self.store.read().map_err(|e| ApplyError {
+                applier: self.describe(),
+                call: "swap",
+                message: e.to_string(),
+            })?;
+            (st.cursor(), crate::snapshot::bucket_len(&*st).unwrap_or(0))
+        };
+        self.note(Seen::Swapped {
+            delivered: load(&s.delivered),
+            committed: load(&s.committed),
+            seq: load(&s.seq),
+            cursor: load(&s.cursor),
+            store_cursor,
+        });
+        let from = self.describe();
+        self.version = to;
+        Ok(SwapReport {
+            from,
+            to: self.describe(),
+            hydrated_entries,
+            hydrate_ms: 0,
+            paused_ms: 0,
+            released: 0,
+            still_retained: 0,
+        })
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_swap_runs_between_batches_after_everything_delivered_is_committed() {
+    let sim = SimBucket::new();
+    for i in 1..=10 {
+        sim.put_now(&format!("k{i:02}"), "v");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let status = Arc::new(FoldStatus::default());
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let mut apply = Versioned {
+        version: 1,
+        seen: seen.clone(),
+        status: status.clone(),
+        store: store.clone(),
+    };
+    let (control_tx, control_rx) = mpsc::channel(4);
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let watcher: Arc<dyn KvWatcher> = Arc::new(sim.clone());
+    // A long window: live updates sit in the open batch until something flushes it.
+    let fold = watch_applied(
+        watcher,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_secs(1), false),
+        status.clone(),
+        Some(control_rx),
+        async {
+            let _ = stop_rx.await;
+        },
+    );
+    let driver = async {
+        // The re-list flushes at the level.
+        until("the re-list committed", || load(&status.cursor) == 10).await;
+        for i in 11..=15 {
+            sim.put_now(&format!("k{i:02}"), "v");
+        }
+        until("the live updates delivered", || {
+            load(&status.delivered) == 15
+        })
+        .await;
+        assert_eq!(load(&status.cursor), 10, "the batch is still open");
+        let (reply, answer) = oneshot::channel();
+        control_tx
+            .send(Control::Swap {
+                bytes: b"2".to_vec(),
+                what: "v2".into(),
+                reply,
+            })
+            .await
+            .expect("the fold takes controls");
+        let report = answer
+            .await
+            .expect("the fold answers")
+            .expect("the swap succeeds");
+        for i in 16..=20 {
+            sim.put_now(&format!("k{i:02}"), "v");
+        }
+        until("the updates after the swap committed", || {
+            load(&status.cursor) == 20
+        })
+        .await;
+        drop(stop_tx);
+        report
+    };
+    let (result, report) = tokio::time::timeout(DEADLINE, async { tokio::join!(fold, driver) })
+        .await
+        .expect("the fold ended in time");
+    assert_eq!(
+        result.expect("a clean shutdown").cursor,
+        WatchCursor::at(20)
+    );
+    assert_eq!(report.from, "native:v1");
+    assert_eq!(report.to, "native:v2");
+    assert_eq!(report.hydrated_entries, 15);
+    assert_eq!(status.guest(), "native:v2");
+
+    let seen = seen.lock().expect("seen").clone();
+    let at = seen
+        .iter()
+        .position(|s| matches!(s, Seen::Swapped { .. }))
+        .expect("the swap was seen");
+    // Everything delivered before the swap was committed before it ran.
+    assert_eq!(
+        seen[at],
+        Seen::Swapped {
+            delivered: 15,
+            committed: 15,
+            seq: 15,
+            cursor: 15,
+            store_cursor: WatchCursor::at(15),
+        }
+    );
+    // The old version applied exactly 1..=15, the new one exactly 16..=20: the swap fell between
+    // two batches.
+    let applied_by = |version: u32, part: &[Seen]| -> Vec<u64> {
+        part.iter()
+            .flat_map(|s| match s {
+                Seen::Applied(v, revs) => {
+                    assert_eq!(*v, version, "{s:?}");
+                    revs.clone()
+                }
+                Seen::Swapped { .. } => Vec::new(),
+            })
+            .collect()
+    };
+    assert_eq!(applied_by(1, &seen[..at]), (1..=15).collect::<Vec<_>>());
+    assert_eq!(
+        applied_by(2, &seen[at + 1..]),
+        (16..=20).collect::<Vec<_>>()
+    );
+}
