@@ -29,6 +29,7 @@ pub mod guest;
 pub mod kv;
 pub mod localnats;
 pub mod nats;
+pub mod node;
 pub mod protocol;
 pub mod repair;
 pub mod retained;

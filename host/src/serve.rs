@@ -459,8 +459,8 @@ pub fn generate_token_file(path: &std::path::Path) -> std::io::Result<String> {
 
 /// What the server needs from the host.
 pub struct ServeState {
-    /// Renders the status JSON.
-    pub status: Box<dyn Fn() -> serde_json::Value + Send + Sync>,
+    /// The host's status, now.
+    pub status: Box<dyn Fn() -> crate::status::StatusReport + Send + Sync>,
     /// The fold's control channel (`None` once the fold stopped).
     pub control: mpsc::Sender<Control>,
     /// Compiles a swapped-in guest off the fold's path (`None`: no guest, no swap).

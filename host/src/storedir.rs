@@ -78,6 +78,12 @@ impl Backend {
     }
 }
 
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 impl FromStr for Backend {
     type Err = String;
     /// Parses the CLI spelling; a backend this build lacks is an error naming its cargo feature.
@@ -346,61 +352,14 @@ impl SnapshotStore for AnyStore {
     }
 }
 
-/// What a running host reports in `status.json`.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-pub struct HostStatus {
-    /// `running`, `stopped` or `failed`.
-    pub state: String,
-    /// The host's process id.
-    pub pid: u32,
-    /// Highest revision delivered.
-    pub seq: u64,
-    /// Highest revision every update at or below which is applied and committed.
-    pub applied_through: u64,
-    /// Records retained (deferred by a guest) in the fold.
-    #[serde(default)]
-    pub retained: u64,
-    /// Revision of the oldest retained record.
-    #[serde(default)]
-    pub oldest_retained_revision: Option<u64>,
-    /// When the oldest retained record was retained (Unix milliseconds).
-    #[serde(default)]
-    pub oldest_retained_unix_ms: Option<u64>,
-    /// Records retained longer than the grace.
-    #[serde(default)]
-    pub warnings: Vec<String>,
-    /// The applier (guest name and version, or `native:count`).
-    pub guest: Option<String>,
-    /// The bucket folded.
-    pub bucket: String,
-    /// The watch scope.
-    pub scope: String,
-    /// Updates delivered since the host started.
-    pub delivered: u64,
-    /// Batches committed since the host started.
-    pub batches: u64,
-    /// Last apply time, microseconds.
-    pub last_apply_us: u64,
-    /// Last store commit time, microseconds.
-    pub last_commit_us: u64,
-    /// Why the host stopped, when it failed.
-    pub error: Option<String>,
-    /// When this was written (Unix milliseconds).
-    pub updated_unix_ms: u64,
-    /// The file holding the admin token of the host's `--listen` endpoint (mode 0600), when the
-    /// host generated it or was given it as a file.
-    #[serde(default)]
-    pub admin_token_file: Option<String>,
-}
-
 /// Writes the status file atomically.
-pub fn write_status(dir: &Path, status: &HostStatus) -> Result<(), StoreDirError> {
+pub fn write_status(dir: &Path, status: &crate::status::StatusReport) -> Result<(), StoreDirError> {
     let bytes = serde_json::to_vec_pretty(status).unwrap_or_default();
     write_atomic(&dir.join(STATUS_FILE), &bytes)
 }
 
 /// Reads the status file, if any (an unreadable one reads as absent: it is advisory).
-pub fn read_status(dir: &Path) -> Option<HostStatus> {
+pub fn read_status(dir: &Path) -> Option<crate::status::StatusReport> {
     let bytes = std::fs::read(dir.join(STATUS_FILE)).ok()?;
     serde_json::from_slice(&bytes).ok()
 }

@@ -128,6 +128,26 @@ impl std::str::FromStr for RepairMode {
     }
 }
 
+impl std::fmt::Display for RepairMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RepairMode::Auto => "auto",
+            RepairMode::Relist => "relist",
+            RepairMode::Restore => "restore",
+            RepairMode::None => "none",
+        })
+    }
+}
+
+impl std::fmt::Display for crate::protocol::OnRecreated {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            crate::protocol::OnRecreated::Refuse => "refuse",
+            crate::protocol::OnRecreated::Relist => "relist",
+        })
+    }
+}
+
 impl std::str::FromStr for crate::protocol::OnRecreated {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {

@@ -1,0 +1,781 @@
+//! The command line: a contract (scripts and tests outside the project use it).
+//!
+//! Exit codes: 0 success, 2 usage (clap), 1 anything else with one line on stderr. Only this module
+//! and `main.rs` use `anyhow`; the library layers return their own error enums.
+
+use std::io::{IsTerminal, Write};
+use std::ops::ControlFlow;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, anyhow, bail};
+use base64::Engine as _;
+use clap::{Args, Parser, Subcommand};
+
+use crate::applied::BatchConfig;
+use crate::kv::WatchScope;
+use crate::node::{ListenConfig, NativeApply, Node, NodeConfig};
+use crate::protocol::{OnRecreated, RepairMode};
+use crate::snapshot::SnapshotStore;
+use crate::status::StatusReport;
+use crate::storedir::{self, AnyStore, Backend};
+
+mod demo;
+mod scaffold;
+
+/// foldhost: a local, durable fold of NATS JetStream KV buckets.
+#[derive(Parser, Debug)]
+#[command(name = "foldhost", version, about)]
+pub struct Cli {
+    /// The command.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Fold a bucket into a local store and keep it current.
+    Run(Box<RunArgs>),
+    /// Show a store's cursor, seq, applied_through, applier and lag.
+    Status(StatusArgs),
+    /// Print the fold's entries in key order, one per line.
+    Dump(DumpArgs),
+    /// Everything local, end to end: a nats-server, a bucket, a fold, a restart that resumes.
+    Demo(DemoArgs),
+    /// Hot-swap the guest of a running host (`run --listen`): the fold never stops.
+    Swap(SwapArgs),
+    /// Scaffold a Rust guest that builds with one command.
+    NewGuest(NewGuestArgs),
+    /// Write a verified artifact of a fold (a directory, or a `.tar`), from a store no host is
+    /// running on, or from a running host (`--listen`) without stopping it.
+    Export(ExportArgs),
+    /// Make a store from an artifact (every file's digest and the cursor re-checked first).
+    Import(ImportArgs),
+}
+
+/// `foldhost export`.
+#[derive(Args, Debug)]
+pub struct ExportArgs {
+    /// The store to export (no host may be running on it; use --listen for a running one).
+    #[arg(long, conflicts_with = "listen", required_unless_present = "listen")]
+    pub store: Option<PathBuf>,
+    /// A running host's `--listen` address: it exports between batches, exactly at its cursor.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Where the artifact goes (must not exist): a directory, or a file ending `.tar`.
+    #[arg(long)]
+    pub out: PathBuf,
+    /// The host's admin token, with --listen (default: read from the file the host names in its
+    /// `/status`).
+    #[arg(long, env = "FOLDHOST_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Read the admin token from this file (with --listen).
+    #[arg(long, value_name = "FILE", conflicts_with = "admin_token")]
+    pub admin_token_file: Option<PathBuf>,
+}
+
+/// `foldhost import`.
+#[derive(Args, Debug)]
+pub struct ImportArgs {
+    /// The artifact: a directory with MANIFEST.json, or a `.tar` of one.
+    #[arg(long)]
+    pub artifact: PathBuf,
+    /// The store to create (must not exist, or be an empty directory).
+    #[arg(long)]
+    pub store: PathBuf,
+    /// The backend the store must have (refused before anything is written when the artifact
+    /// holds another).
+    #[arg(long)]
+    pub backend: Option<Backend>,
+}
+
+/// `foldhost new-guest`.
+#[derive(Args, Debug)]
+pub struct NewGuestArgs {
+    /// The guest's name (a Rust crate name: letters, digits, `-`, `_`).
+    pub name: String,
+    /// Where to create it (default: ./NAME).
+    #[arg(long)]
+    pub dir: Option<PathBuf>,
+    /// The SDK crate (a foldhost checkout's `sdk/rust`; found automatically beside this binary).
+    #[arg(long)]
+    pub sdk: Option<PathBuf>,
+}
+
+/// `foldhost swap`.
+#[derive(Args, Debug)]
+pub struct SwapArgs {
+    /// The running host's `--listen` address.
+    #[arg(long)]
+    pub listen: String,
+    /// The new guest component.
+    #[arg(long)]
+    pub guest: PathBuf,
+    /// The host's admin token (default: read from the file the host names in its `/status`).
+    #[arg(long, env = "FOLDHOST_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Read the admin token from this file.
+    #[arg(long, value_name = "FILE", conflicts_with = "admin_token")]
+    pub admin_token_file: Option<PathBuf>,
+}
+
+/// `foldhost run`. Every default comes from [`NodeConfig::new`] and the types it holds.
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// NATS server URL.
+    #[arg(long, env = "FOLDHOST_NATS")]
+    pub nats: String,
+    /// Bucket to fold (must exist).
+    #[arg(long)]
+    pub bucket: String,
+    /// What to watch: all, prefix:P, or prefixes:P1,P2 (default: the guest's manifest, else all).
+    #[arg(long, value_parser = parse_scope)]
+    pub scope: Option<WatchScope>,
+    /// Store directory.
+    #[arg(long)]
+    pub store: PathBuf,
+    /// Storage backend: append-log, fjall or rocksdb (the last two when built with their features).
+    #[arg(long, default_value_t = defaults().backend)]
+    pub backend: Backend,
+    /// Fsync every apply (fjall, rocksdb): a power loss then loses nothing committed. Without it a
+    /// process crash loses nothing, a power loss may lose the tail since the last fsync.
+    #[arg(long)]
+    pub sync: bool,
+    /// The guest: a WebAssembly component (see `wit/guest.wit`). Without it, `--apply` runs.
+    #[arg(long)]
+    pub guest: Option<PathBuf>,
+    /// Guest configuration, `KEY=VALUE`, repeatable (handed to the guest's `init`).
+    #[arg(long = "guest-config", value_name = "KEY=VALUE", value_parser = parse_config_item)]
+    pub guest_config: Vec<(String, String)>,
+    /// Guest configuration from a file: a JSON object of strings (`{"region": "eu"}`). Keys given
+    /// with `--guest-config` override it.
+    #[arg(long, value_name = "FILE")]
+    pub guest_config_file: Option<PathBuf>,
+    /// Deadline of one guest call, in milliseconds.
+    #[arg(long, default_value_t = defaults().guest_limits.call_deadline.as_millis() as u64)]
+    pub guest_deadline_ms: u64,
+    /// Memory cap of a guest, in MiB.
+    #[arg(long, default_value_t = defaults().guest_limits.memory_bytes >> 20)]
+    pub guest_memory_mb: usize,
+    /// Most key and value bytes passed to the guest in one call.
+    #[arg(long, default_value_t = defaults().guest_limits.max_batch_bytes)]
+    pub guest_max_batch_bytes: usize,
+    /// The built-in native applier when no `--guest` is given.
+    #[arg(long, value_enum, default_value_t = defaults().apply)]
+    pub apply: NativeApply,
+    /// Serve `GET /status`, `POST /query`, `POST /swap` and `POST /export` on this address (e.g.
+    /// 127.0.0.1:8080).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Bearer token the admin routes (`/swap`, `/export`) require. Without it (or
+    /// `--admin-token-file`) the host generates one and writes it to `STORE/admin-token` (mode 0600),
+    /// where `foldhost swap` and `foldhost export --listen` find it.
+    #[arg(long, env = "FOLDHOST_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Read the admin token from this file (keeps it out of `ps`).
+    #[arg(long, value_name = "FILE", conflicts_with = "admin_token")]
+    pub admin_token_file: Option<PathBuf>,
+    /// Bearer token `/status` and `/query` require (the admin token opens them too). Without it
+    /// they are open to whoever reaches the listener.
+    #[arg(long, env = "FOLDHOST_QUERY_TOKEN", hide_env_values = true)]
+    pub query_token: Option<String>,
+    /// Largest `/query` body, in bytes.
+    #[arg(long, default_value_t = crate::serve::MAX_QUERY)]
+    pub query_max_bytes: usize,
+    /// Swap the guest whenever the `--guest` file's content changes (checked every second).
+    #[arg(long)]
+    pub watch_guest: bool,
+    /// Also serve the guest's query as a NATS request/reply service on this subject.
+    #[arg(long)]
+    pub query_subject: Option<String>,
+    /// `--query-subject` answers only requests whose reply subject starts with this prefix (a
+    /// requester cannot have the host publish, with its credentials, to a subject it names).
+    #[arg(long, default_value_t = defaults().query_reply_prefix)]
+    pub query_reply_prefix: String,
+    /// Fold to the stream's last sequence as of start, then exit 0.
+    #[arg(long)]
+    pub catch_up: bool,
+    /// How an expired cursor is repaired: `auto` (the key-listing diff where the bucket's listing
+    /// is the truth, an artifact restore where retention evicts current values), `relist`,
+    /// `restore`, or `none` (stop with the expiry).
+    #[arg(long, default_value_t = defaults().repair, value_name = "MODE")]
+    pub repair: RepairMode,
+    /// What to do when the bucket's stream is not the one the fold recorded (deleted and created
+    /// again) or ends below the fold's cursor: `refuse` (stop with one line saying so, the fold
+    /// untouched) or `relist` (re-fold the new bucket: the key-listing diff, then a re-list).
+    #[arg(long, default_value_t = defaults().on_recreated, value_name = "WHAT")]
+    pub on_recreated: OnRecreated,
+    /// A directory of artifacts (directories or `.tar` files as `foldhost export` writes them); a
+    /// restore takes the one with the newest cursor. Without it no restore is armed.
+    #[arg(long, value_name = "DIR")]
+    pub restore_from: Option<PathBuf>,
+    /// Warn (log and status) about a record a guest deferred that stays retained longer than this
+    /// many seconds.
+    #[arg(long, default_value_t = defaults().defer_grace.as_secs())]
+    pub defer_grace_secs: u64,
+    /// Batch window in milliseconds.
+    #[arg(long, default_value_t = defaults().batch.window.as_millis() as u64)]
+    pub batch_window_ms: u64,
+    /// Maximum updates per batch.
+    #[arg(long, default_value_t = defaults().batch.max)]
+    pub batch_max: usize,
+    /// Watch → fold channel depth, in updates.
+    #[arg(long, default_value_t = defaults().batch.channel_capacity)]
+    pub channel: usize,
+    /// A `.creds` file for the NATS connection.
+    #[arg(long)]
+    pub creds_file: Option<PathBuf>,
+}
+
+/// The defaults of a run, from the one place they are defined.
+fn defaults() -> NodeConfig {
+    NodeConfig::new("", "", "")
+}
+
+fn parse_scope(s: &str) -> Result<WatchScope, String> {
+    WatchScope::parse(s).map_err(|e| e.to_string())
+}
+
+fn parse_config_item(kv: &str) -> Result<(String, String), String> {
+    kv.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{kv:?}: expected KEY=VALUE"))
+}
+
+impl RunArgs {
+    /// The typed configuration these arguments describe (reading `--guest-config-file`).
+    pub fn into_config(self) -> anyhow::Result<NodeConfig> {
+        let guest_config = match &self.guest_config_file {
+            Some(path) => {
+                let text = std::fs::read(path)
+                    .with_context(|| format!("--guest-config-file {}", path.display()))?;
+                merge_config(
+                    config_from_json(&text)
+                        .map_err(|e| anyhow!("--guest-config-file {}: {e}", path.display()))?,
+                    self.guest_config.clone(),
+                )
+            }
+            None => self.guest_config.clone(),
+        };
+        let d = defaults();
+        Ok(NodeConfig {
+            nats: self.nats,
+            creds_file: self.creds_file,
+            bucket: self.bucket,
+            scope: self.scope,
+            store: self.store.clone(),
+            backend: self.backend,
+            sync: self.sync,
+            guest: self.guest,
+            guest_config,
+            guest_limits: crate::guest::GuestLimits {
+                call_deadline: Duration::from_millis(self.guest_deadline_ms.max(1)),
+                memory_bytes: self.guest_memory_mb.max(1) * 1024 * 1024,
+                max_batch_bytes: self.guest_max_batch_bytes.max(1),
+                ..d.guest_limits
+            },
+            apply: self.apply,
+            listen: self.listen.map(|addr| ListenConfig {
+                admin_token: self.admin_token,
+                admin_token_file: self.admin_token_file,
+                query_token: self.query_token,
+                query_max_bytes: self.query_max_bytes,
+                ..ListenConfig::new(addr)
+            }),
+            watch_guest: self.watch_guest,
+            query_subject: self.query_subject,
+            query_reply_prefix: self.query_reply_prefix,
+            catch_up: self.catch_up,
+            repair: self.repair,
+            on_recreated: self.on_recreated,
+            restore_from: self.restore_from,
+            defer_grace: Duration::from_secs(self.defer_grace_secs),
+            batch: BatchConfig {
+                window: Duration::from_millis(self.batch_window_ms),
+                max: self.batch_max.max(1),
+                channel_capacity: self.channel.max(1),
+            },
+        })
+    }
+}
+
+/// `foldhost status`.
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["store", "listen"])))]
+pub struct StatusArgs {
+    /// Store directory (read-only; works beside a running host).
+    #[arg(long)]
+    pub store: Option<PathBuf>,
+    /// A running host's `--listen` address (live figures).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// One JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `foldhost dump`.
+#[derive(Args, Debug)]
+pub struct DumpArgs {
+    /// Store directory (read-only).
+    #[arg(long)]
+    pub store: PathBuf,
+    /// Only keys with this prefix.
+    #[arg(long, default_value = "")]
+    pub prefix: String,
+    /// One JSON object per line: {"key", "value_b64", "revision"}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `foldhost demo`.
+#[derive(Args, Debug)]
+pub struct DemoArgs {
+    /// Routes to seed.
+    #[arg(long, default_value_t = 2000)]
+    pub routes: u32,
+    /// The router guest (default: the one `guests/build.sh` builds).
+    #[arg(long)]
+    pub guest: Option<PathBuf>,
+}
+
+/// Runs a parsed command line.
+pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Run(a) => cmd_run(*a).await,
+        Command::Status(a) => match a.listen.clone() {
+            Some(addr) => cmd_status_live(&addr, a.json).await,
+            None => cmd_status(a),
+        },
+        Command::Dump(a) => cmd_dump(a),
+        Command::Demo(a) => demo::cmd_demo(a).await,
+        Command::Swap(a) => cmd_swap(a).await,
+        Command::NewGuest(a) => scaffold::cmd_new_guest(a),
+        Command::Export(a) => cmd_export(a).await,
+        Command::Import(a) => cmd_import(a).await,
+    }
+}
+
+/// A byte-progress display for long copies and hashes: a bar on a terminal, nothing otherwise.
+fn byte_progress(what: &'static str) -> impl FnMut(u64, u64) {
+    let bar = std::io::stderr().is_terminal().then(|| {
+        let b = indicatif::ProgressBar::new(0);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{msg} [{bar:40}] {bytes}/{total_bytes} ({bytes_per_sec}, eta {eta})",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        b.set_message(what);
+        b
+    });
+    move |done, total| {
+        if let Some(b) = &bar {
+            b.set_length(total);
+            b.set_position(done);
+            if done >= total {
+                b.finish_and_clear();
+            }
+        }
+    }
+}
+
+async fn cmd_export(a: ExportArgs) -> anyhow::Result<()> {
+    let manifest = match (&a.listen, &a.store) {
+        (Some(addr), _) => {
+            let path = a.out.to_string_lossy().into_owned();
+            let token =
+                admin_token_for(addr, a.admin_token.clone(), a.admin_token_file.as_deref()).await?;
+            let (code, body) = crate::serve::call_with_token(
+                addr,
+                "POST",
+                "/export",
+                path.as_bytes(),
+                token.as_deref(),
+            )
+            .await
+            .with_context(|| format!("export via {addr}"))?;
+            let text = String::from_utf8_lossy(&body).trim_end().to_string();
+            if code != 200 {
+                bail!("export to {}: {text}", a.out.display());
+            }
+            text
+        }
+        (None, Some(dir)) => {
+            let dir = dir.clone();
+            let out = a.out.clone();
+            let m = tokio::task::spawn_blocking(move || {
+                // Opened for writing: its lock proves no host is running on it, and the copy is
+                // taken from a writer's view (RocksDB cannot checkpoint a read-only instance).
+                let backend = storedir::backend_of(&dir)?;
+                let (store, _) = AnyStore::open(&dir, backend).with_context(|| {
+                    format!(
+                        "open {} (is a host running on it? export with --listen)",
+                        dir.display()
+                    )
+                })?;
+                let mut progress = byte_progress("hashing");
+                crate::artifact::export_store(&store, backend, &out, None, &mut progress)
+                    .with_context(|| format!("export to {}", out.display()))
+            })
+            .await
+            .context("export task")??;
+            serde_json::to_string(&m)?
+        }
+        (None, None) => bail!("export needs --store or --listen"),
+    };
+    println!("{manifest}");
+    Ok(())
+}
+
+async fn cmd_import(a: ImportArgs) -> anyhow::Result<()> {
+    let m = tokio::task::spawn_blocking(move || {
+        let mut progress = byte_progress("verifying");
+        crate::artifact::import_artifact(&a.artifact, &a.store, a.backend, &mut progress)
+            .with_context(|| format!("import {} into {}", a.artifact.display(), a.store.display()))
+    })
+    .await
+    .context("import task")??;
+    println!("{}", serde_json::to_string(&m)?);
+    Ok(())
+}
+
+async fn cmd_run(a: RunArgs) -> anyhow::Result<()> {
+    let cfg = a.into_config()?;
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        let _ = shutdown_tx.send(true);
+    });
+    let summary = Node::run(cfg, shutdown_rx).await?;
+    eprintln!(
+        "foldhost: stopped at cursor {} ({} updates delivered this run)",
+        summary.cursor, summary.delivered
+    );
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// A guest configuration file: one JSON object whose values are all strings (at most
+/// [`MAX_CONFIG_ENTRIES`] of them), in key order.
+fn config_from_json(bytes: &[u8]) -> Result<Vec<(String, String)>, String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| format!("not JSON: {e}"))?;
+    let obj = v.as_object().ok_or("expected a JSON object of strings")?;
+    if obj.len() > MAX_CONFIG_ENTRIES {
+        return Err(format!(
+            "{} entries, over the limit of {MAX_CONFIG_ENTRIES}",
+            obj.len()
+        ));
+    }
+    let mut out: Vec<(String, String)> = obj
+        .iter()
+        .map(|(k, v)| match v.as_str() {
+            Some(s) => Ok((k.clone(), s.to_string())),
+            None => Err(format!("{k:?} is not a string (got {v})")),
+        })
+        .collect::<Result<_, _>>()?;
+    out.sort();
+    Ok(out)
+}
+
+/// Most entries a guest configuration file may hold.
+const MAX_CONFIG_ENTRIES: usize = 4096;
+
+/// `base` with every key of `over` replaced or added (`over` wins).
+fn merge_config(
+    mut base: Vec<(String, String)>,
+    over: Vec<(String, String)>,
+) -> Vec<(String, String)> {
+    for (k, v) in over {
+        match base.iter_mut().find(|(bk, _)| *bk == k) {
+            Some(slot) => slot.1 = v,
+            None => base.push((k, v)),
+        }
+    }
+    base
+}
+
+async fn cmd_status_live(addr: &str, json: bool) -> anyhow::Result<()> {
+    let (code, body) = crate::serve::call(addr, "GET", "/status", b"")
+        .await
+        .with_context(|| format!("status via {addr}"))?;
+    if code != 200 {
+        bail!("{addr}: /status answered {code}");
+    }
+    let report: StatusReport = serde_json::from_slice(&body).context("status JSON")?;
+    print_status(&report, json)
+}
+
+/// The status of a store at rest (read-only: works beside a running host): the fold's own figures,
+/// and what the host last wrote in `status.json`.
+fn cmd_status(a: StatusArgs) -> anyhow::Result<()> {
+    let Some(dir) = a.store.clone() else {
+        bail!("status needs --store or --listen");
+    };
+    let (store, _recovery) = AnyStore::open_read_only(&dir)?;
+    let cursor = store.cursor();
+    let host = storedir::read_status(&dir).unwrap_or_else(|| StatusReport {
+        state: "unknown".into(),
+        ..StatusReport::default()
+    });
+    let retained = crate::retained::RetainedIndex::load(&store)?;
+    let oldest = retained.oldest();
+    let applied_through = retained.applied_through(cursor.revision()).unwrap_or(0);
+    let seq = host.seq.max(cursor.revision_or_zero());
+    let report = StatusReport {
+        store: Some(dir.display().to_string()),
+        backend: store.backend().to_string(),
+        cursor: cursor.revision(),
+        seq,
+        applied_through,
+        lag: crate::status::lag(seq, applied_through),
+        retained: retained.len() as u64,
+        oldest_retained_revision: oldest.map(|o| o.position()),
+        oldest_retained_unix_ms: oldest.map(|o| o.retained_unix_ms),
+        oldest_retained_age_s: oldest
+            .and_then(|o| crate::status::age_s(o.retained_unix_ms, crate::status::now_unix_ms())),
+        eviction_seen: cursor.memo().is_some(),
+        keys: Some(crate::snapshot::bucket_len(&store)?),
+        ..host
+    };
+    print_status(&report, a.json)
+}
+
+/// Prints a status: one JSON line, or `field: value` lines for a person.
+fn print_status(s: &StatusReport, json: bool) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer(&mut out, s)?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    let opt = |v: Option<u64>| v.map_or_else(|| "none".to_string(), |v| v.to_string());
+    if let Some(store) = &s.store {
+        writeln!(out, "store:           {store}")?;
+    }
+    writeln!(out, "backend:         {}", s.backend)?;
+    if !s.bucket.is_empty() {
+        writeln!(out, "bucket:          {} (scope {})", s.bucket, s.scope)?;
+    }
+    writeln!(out, "cursor:          {}", opt(s.cursor))?;
+    writeln!(out, "seq:             {}", s.seq)?;
+    writeln!(out, "applied_through: {}", s.applied_through)?;
+    writeln!(out, "lag:             {}", s.lag)?;
+    if let Some(oldest) = s.oldest_retained_revision {
+        writeln!(
+            out,
+            "retained:        {} (oldest revision {oldest}, {} s ago)",
+            s.retained,
+            s.oldest_retained_age_s.unwrap_or(0)
+        )?;
+    }
+    for w in &s.warnings {
+        writeln!(out, "warning:         {w}")?;
+    }
+    if let Some(keys) = s.keys {
+        writeln!(out, "keys:            {keys}")?;
+    }
+    if s.eviction_seen {
+        writeln!(
+            out,
+            "eviction_seen:   true (retention evicted current values; the bucket's listing is never trusted)"
+        )?;
+    }
+    writeln!(
+        out,
+        "guest:           {}",
+        s.guest.as_deref().unwrap_or("(none recorded)")
+    )?;
+    writeln!(out, "state:           {}", s.state)?;
+    if let Some(e) = &s.error {
+        writeln!(out, "error:           {e}")?;
+    }
+    if let Some(f) = &s.admin_token_file {
+        writeln!(out, "admin_token_file: {f}")?;
+    }
+    Ok(())
+}
+
+fn cmd_dump(a: DumpArgs) -> anyhow::Result<()> {
+    let (store, _recovery) = AnyStore::open_read_only(&a.store)?;
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    let mut err: Option<std::io::Error> = None;
+    store.for_each_in_range(&a.prefix, &mut |e| {
+        if crate::retained::is_reserved(&e.key) {
+            return ControlFlow::Continue(());
+        }
+        let r = if a.json {
+            let line = serde_json::json!({
+                "key": e.key,
+                "value_b64": base64::engine::general_purpose::STANDARD.encode(&e.value),
+                "revision": e.version.as_u64(),
+            });
+            writeln!(out, "{line}")
+        } else {
+            writeln!(
+                out,
+                "{}\t{}\t{}",
+                e.key,
+                printable(&e.value),
+                e.version
+                    .as_u64()
+                    .map_or("-".to_string(), |r| r.to_string())
+            )
+        };
+        match r {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(e) => {
+                err = Some(e);
+                ControlFlow::Break(())
+            }
+        }
+    })?;
+    if let Some(e) = err {
+        // A closed pipe (`dump | head`) is not a failure of the dump.
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            return Err(e.into());
+        }
+        return Ok(());
+    }
+    match out.flush() {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
+/// Text form of a value: as-is when it is printable UTF-8, else `b64:` + base64.
+fn printable(v: &[u8]) -> String {
+    match std::str::from_utf8(v) {
+        Ok(s) if !s.chars().any(|c| c.is_control()) => s.to_string(),
+        _ => format!(
+            "b64:{}",
+            base64::engine::general_purpose::STANDARD.encode(v)
+        ),
+    }
+}
+
+/// The admin token for the host at `listen`: given, read from `file`, or read from the file the
+/// host names in its `/status` (`admin_token_file`: readable only by the host's user, so only a
+/// local caller with the same rights finds it; and only a file the host generated is followed,
+/// see [`crate::serve::read_generated_token`]). `None` when none of these has one.
+async fn admin_token_for(
+    listen: &str,
+    token: Option<String>,
+    file: Option<&Path>,
+) -> anyhow::Result<Option<String>> {
+    if token.is_some() {
+        return Ok(token);
+    }
+    if let Some(f) = file {
+        return Ok(Some(crate::serve::read_token_file(f)?));
+    }
+    let Ok((200, body)) = crate::serve::call(listen, "GET", "/status", b"").await else {
+        return Ok(None);
+    };
+    let named = serde_json::from_slice::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|v| v["admin_token_file"].as_str().map(PathBuf::from));
+    Ok(named.and_then(|f| crate::serve::read_generated_token(&f).ok()))
+}
+
+async fn cmd_swap(a: SwapArgs) -> anyhow::Result<()> {
+    let bytes = crate::guest::read_guest_file(&a.guest)?;
+    let token = admin_token_for(
+        &a.listen,
+        a.admin_token.clone(),
+        a.admin_token_file.as_deref(),
+    )
+    .await?;
+    let (code, body) =
+        crate::serve::call_with_token(&a.listen, "POST", "/swap", &bytes, token.as_deref())
+            .await
+            .with_context(|| format!("swap via {}", a.listen))?;
+    let text = String::from_utf8_lossy(&body).trim_end().to_string();
+    if code != 200 {
+        bail!("{}: {text}", a.guest.display());
+    }
+    println!("{text}");
+    Ok(())
+}
+
+/// `rel` in the current directory, else in the checkout the running binary was built in
+/// (`target/<profile>/foldhost` → `../../rel`).
+fn find_in_checkout(rel: &Path) -> Option<PathBuf> {
+    let mut candidates = vec![rel.to_path_buf()];
+    if let Ok(exe) = std::env::current_exe()
+        && let Some(root) = exe.parent().and_then(Path::parent).and_then(Path::parent)
+    {
+        candidates.push(root.join(rel));
+    }
+    candidates.into_iter().find(|p| p.exists())
+}
+
+/// Exit code for an error: 1 (clap's usage errors exit 2 on their own).
+pub fn report_error(e: &anyhow::Error) -> i32 {
+    // One line: the chain joined, no backtrace.
+    let mut line = String::new();
+    for cause in e.chain() {
+        let text = cause.to_string();
+        // thiserror messages often embed their source already; don't say it twice.
+        if line.contains(&text) {
+            continue;
+        }
+        if !line.is_empty() {
+            line.push_str(": ");
+        }
+        line.push_str(&text);
+    }
+    let _ = writeln!(
+        std::io::stderr(),
+        "foldhost: error: {}",
+        line.replace('\n', " ")
+    );
+    1
+}
+
+/// The path of a store's status file (for tools).
+pub fn status_path(store: &Path) -> PathBuf {
+    store.join(storedir::STATUS_FILE)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_config_file_is_a_json_object_of_strings_and_the_command_line_overrides_it() {
+        let file = config_from_json(br#"{"region": "eu", "tier": "edge"}"#).expect("parses");
+        let cli = ["tier=core", "x=1"]
+            .map(|kv| parse_config_item(kv).expect("parses"))
+            .to_vec();
+        assert_eq!(
+            merge_config(file, cli),
+            [("region", "eu"), ("tier", "core"), ("x", "1")]
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+        );
+        for (bad, why) in [
+            (&br#"{"n": 3}"#[..], "is not a string"),
+            (b"[\"a\"]", "JSON object"),
+            (b"{", "not JSON"),
+        ] {
+            let e = config_from_json(bad).expect_err("refused");
+            assert!(e.contains(why), "{e}");
+        }
+    }
+}

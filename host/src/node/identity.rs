@@ -1,0 +1,51 @@
+//! The bucket identity check a run makes before it opens its store for writing.
+
+use std::path::Path;
+
+use crate::kv::KvWatcher as _;
+use crate::nats::NatsKv;
+use crate::storedir::{self, AnyStore};
+
+use super::NodeError;
+
+/// Refuses, before the store is opened for writing, a fold of another stream than the bucket's
+/// (recreated, or another bucket's store): the fold's recorded identity and cursor are read
+/// through a read-only open, so a refused run leaves every file of the store as it was.
+pub(super) async fn refuse_another_stream(
+    store: &Path,
+    bucket: &str,
+    kv: &NatsKv,
+) -> Result<(), NodeError> {
+    if storedir::backend_of(store).is_err() {
+        return Ok(()); // no fold yet (or not one: the writable open reports that)
+    }
+    let dir = store.to_path_buf();
+    let (recorded, cursor) = tokio::task::spawn_blocking(move || -> Result<_, NodeError> {
+        let (ro, _) = AnyStore::open_read_only(&dir).map_err(|source| NodeError::Store {
+            path: dir.clone(),
+            source,
+        })?;
+        let recorded =
+            match crate::snapshot::SnapshotStore::get(&ro, crate::retained::IDENTITY_KEY)? {
+                Some(e) => Some(crate::kv::StreamIdentity::from_bytes(&e.value).ok_or_else(
+                    || {
+                        NodeError::Refused(format!(
+                            "{}: the fold's stream identity record does not decode",
+                            dir.display()
+                        ))
+                    },
+                )?),
+                None => None,
+            };
+        Ok((recorded, crate::snapshot::SnapshotStore::cursor(&ro)))
+    })
+    .await
+    .map_err(|e| NodeError::Task("store identity read", e.to_string()))??;
+    if let Some(found) = kv.stream_state().await?
+        && let Some(line) =
+            crate::applied::identity_refusal(bucket, recorded.as_ref(), cursor, &found)
+    {
+        return Err(NodeError::Refused(line));
+    }
+    Ok(())
+}

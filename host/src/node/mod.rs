@@ -1,0 +1,473 @@
+//! The composition root of a running host: [`Node::run`] takes a typed [`NodeConfig`] and wires
+//! the guest, the NATS bucket, the store, the `--listen` endpoint, the NATS query service, the
+//! status file and the fold loop, in that order, and takes them down again.
+//!
+//! Invariants (each a step of [`Node::run`], in this order):
+//! - **No connection before a proven guest**: the guest is read, compiled, link-checked and started
+//!   (instantiate, `manifest`, `init` against an empty fold) before anything is connected.
+//! - **No store before the server answers and the stream is the fold's**: the bucket is opened
+//!   first, and a fold of another stream is refused through a read-only open
+//!   ([`identity::refuse_another_stream`]), so a refused run writes nothing.
+//! - **Every default is defined once**, in [`NodeConfig::new`] and the types it holds
+//!   ([`BatchConfig`], [`GuestLimits`]); the command line takes its defaults from there.
+//! - **A failed fold with `--listen` keeps serving `/status`** (saying why) until shutdown.
+
+mod identity;
+mod side;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::applied::{
+    AppliedError, Apply, ApplyError, BatchConfig, CountingApply, FoldStatus, WatchOptions,
+    watch_applied,
+};
+use crate::guest::{GuestApply, GuestEngine, GuestError, GuestLimits};
+use crate::kv::{KvError, WatchCursor, WatchScope};
+use crate::nats::NatsConnection;
+use crate::protocol::{OnRecreated, RepairMode};
+use crate::snapshot::{SharedStore, SnapshotError, SnapshotStore};
+use crate::status::StatusReport;
+use crate::storedir::{self, AnyStore, Backend, StoreDirError};
+use crate::stores::{ConnectOptions, StoreConfig};
+
+/// Why a node did not start, or stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    /// The configuration cannot run (a flag combination, a limit over its ceiling).
+    #[error("{0}")]
+    Config(String),
+    /// The guest could not be read, compiled, linked or started.
+    #[error(transparent)]
+    Guest(#[from] GuestError),
+    /// The NATS server or the bucket could not be reached or opened.
+    #[error(transparent)]
+    Nats(#[from] KvError),
+    /// The store could not be opened or read.
+    #[error("open store {}", path.display())]
+    Store {
+        /// The store directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: StoreDirError,
+    },
+    /// Reading the fold failed.
+    #[error(transparent)]
+    Fold(#[from] SnapshotError),
+    /// The store holds a fold this run must not resume (another stream's, or data without a
+    /// cursor and no repair allowed); the fold is untouched.
+    #[error("{0}")]
+    Refused(String),
+    /// Hydrating the guest from the fold failed.
+    #[error("hydrate: {0}")]
+    Hydrate(ApplyError),
+    /// The `--listen` endpoint could not be set up.
+    #[error("--listen {addr}: {source}")]
+    Listen {
+        /// The address.
+        addr: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The fold stopped (the watch, the store, the applier or a repair).
+    #[error(transparent)]
+    Applied(#[from] AppliedError),
+    /// A task of the node panicked or was cancelled.
+    #[error("{0}: {1}")]
+    Task(&'static str, String),
+}
+
+/// The built-in native appliers (`--apply`), used when no guest is given.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum NativeApply {
+    /// Counts updates (the reference applier).
+    #[default]
+    Count,
+}
+
+/// The `--listen` endpoint's settings.
+#[derive(Clone, Debug)]
+pub struct ListenConfig {
+    /// Address to bind (`127.0.0.1:0` picks a free port).
+    pub addr: String,
+    /// The admin token (`/swap`, `/export`); `None` with no file: one is generated beside the store.
+    pub admin_token: Option<String>,
+    /// A file holding the admin token.
+    pub admin_token_file: Option<PathBuf>,
+    /// A token `/query` must present (`None`: open on loopback only).
+    pub query_token: Option<String>,
+    /// Largest `/query` body accepted.
+    pub query_max_bytes: usize,
+}
+
+impl ListenConfig {
+    /// Serving `addr` with every other setting at its default.
+    pub fn new(addr: impl Into<String>) -> Self {
+        ListenConfig {
+            addr: addr.into(),
+            admin_token: None,
+            admin_token_file: None,
+            query_token: None,
+            query_max_bytes: crate::serve::MAX_QUERY,
+        }
+    }
+}
+
+/// Everything a running host is configured by, typed. [`NodeConfig::new`] holds every default.
+#[derive(Clone, Debug)]
+pub struct NodeConfig {
+    /// NATS server URL.
+    pub nats: String,
+    /// NATS credentials file.
+    pub creds_file: Option<PathBuf>,
+    /// The bucket to fold.
+    pub bucket: String,
+    /// What to watch (`None`: the guest's manifest scope, or the whole bucket).
+    pub scope: Option<WatchScope>,
+    /// The store directory (the local fold).
+    pub store: PathBuf,
+    /// The store's backend.
+    pub backend: Backend,
+    /// fsync every commit (append log: survive a power loss, not only a crash).
+    pub sync: bool,
+    /// The guest component (`None`: the native applier).
+    pub guest: Option<PathBuf>,
+    /// The guest's configuration (`init`), in order.
+    pub guest_config: Vec<(String, String)>,
+    /// Limits on every guest call.
+    pub guest_limits: GuestLimits,
+    /// The native applier used without a guest.
+    pub apply: NativeApply,
+    /// The `--listen` endpoint.
+    pub listen: Option<ListenConfig>,
+    /// Swap the guest whenever its file's content changes.
+    pub watch_guest: bool,
+    /// Also serve queries as NATS request/reply on this subject.
+    pub query_subject: Option<String>,
+    /// Reply subjects of NATS queries must start with this.
+    pub query_reply_prefix: String,
+    /// Fold to the stream's last sequence as of start, then return.
+    pub catch_up: bool,
+    /// Which cursor-expiry repairs are allowed.
+    pub repair: RepairMode,
+    /// What to do with a recreated bucket.
+    pub on_recreated: OnRecreated,
+    /// Where artifacts for a restore come from.
+    pub restore_from: Option<PathBuf>,
+    /// A retained record older than this is warned about.
+    pub defer_grace: Duration,
+    /// Batching.
+    pub batch: BatchConfig,
+}
+
+impl NodeConfig {
+    /// Folding `bucket` on the server at `nats` into `store`, every other setting at its default.
+    pub fn new(
+        nats: impl Into<String>,
+        bucket: impl Into<String>,
+        store: impl Into<PathBuf>,
+    ) -> Self {
+        NodeConfig {
+            nats: nats.into(),
+            creds_file: None,
+            bucket: bucket.into(),
+            scope: None,
+            store: store.into(),
+            backend: Backend::AppendLog,
+            sync: false,
+            guest: None,
+            guest_config: Vec::new(),
+            guest_limits: GuestLimits::default(),
+            apply: NativeApply::Count,
+            listen: None,
+            watch_guest: false,
+            query_subject: None,
+            query_reply_prefix: DEFAULT_QUERY_REPLY_PREFIX.to_string(),
+            catch_up: false,
+            repair: RepairMode::Auto,
+            on_recreated: OnRecreated::Refuse,
+            restore_from: None,
+            defer_grace: crate::applied::DEFAULT_DEFER_GRACE,
+            batch: BatchConfig::default(),
+        }
+    }
+
+    /// Refuses combinations that cannot run, before anything is read or connected.
+    fn check(&self) -> Result<(), NodeError> {
+        if let Some(d) = &self.restore_from
+            && !d.is_dir()
+        {
+            return Err(NodeError::Config(format!(
+                "--restore-from {}: not a directory",
+                d.display()
+            )));
+        }
+        if self.watch_guest && self.guest.is_none() {
+            return Err(NodeError::Config("--watch-guest needs --guest".into()));
+        }
+        if let Some(l) = &self.listen
+            && l.query_max_bytes > crate::serve::QUERY_BODY_BUDGET
+        {
+            return Err(NodeError::Config(format!(
+                "--query-max-bytes {}: over the {} bytes all query bodies in flight may hold together",
+                l.query_max_bytes,
+                crate::serve::QUERY_BODY_BUDGET
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// The default prefix a NATS query's reply subject must have.
+pub const DEFAULT_QUERY_REPLY_PREFIX: &str = "_INBOX.";
+
+/// What a finished run reports.
+#[derive(Debug, Clone, Copy)]
+pub struct RunSummary {
+    /// The store's cursor at the end.
+    pub cursor: WatchCursor,
+    /// Updates delivered during the run.
+    pub delivered: u64,
+}
+
+/// A running host (see the module docs for the order of its steps).
+pub struct Node;
+
+impl Node {
+    /// Runs a host with `cfg` until `shutdown` turns true (or, with `catch_up`, until it is level
+    /// with the stream). Writes the final `status.json` on every exit after the store opened.
+    pub async fn run(
+        cfg: NodeConfig,
+        shutdown: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<RunSummary, NodeError> {
+        cfg.check()?;
+        let proven = prove_guest(&cfg).await?;
+        // Connect before touching the store: a run that cannot reach its server writes nothing.
+        let mut copts = ConnectOptions::new(cfg.nats.clone());
+        copts.creds_file = cfg.creds_file.clone();
+        let conn = NatsConnection::open(copts).await?;
+        let kv = conn
+            .bucket(
+                &cfg.bucket,
+                &StoreConfig {
+                    create: false,
+                    ..StoreConfig::default()
+                },
+            )
+            .await?;
+        if cfg.on_recreated == OnRecreated::Refuse {
+            identity::refuse_another_stream(&cfg.store, &cfg.bucket, &kv).await?;
+        }
+        let shared = open_store(&cfg).await?;
+        let (mut apply, scope) = build_applier(&cfg, proven.as_ref(), &shared).await?;
+        tracing::info!(bucket = %cfg.bucket, scope = %scope, store = %cfg.store.display(), backend = cfg.backend.as_str(), guest = %apply.describe(), cursor = %shared.read()?.cursor(), "folding");
+        let status = Arc::new(FoldStatus::default());
+        let base = StatusReport {
+            state: "running".into(),
+            pid: std::process::id(),
+            guest: Some(apply.describe()),
+            bucket: cfg.bucket.clone(),
+            scope: scope.to_string(),
+            backend: cfg.backend.as_str().to_string(),
+            ..StatusReport::default()
+        };
+        let (control_tx, control_rx) = tokio::sync::mpsc::channel(64);
+        let engine = proven.map(|p| p.engine);
+        let mut tasks =
+            side::SideTasks::start(&cfg, &conn, &base, &status, &scope, engine, control_tx).await?;
+        let opts = WatchOptions {
+            scope,
+            batch: cfg.batch,
+            catch_up: cfg.catch_up,
+            defer_grace: cfg.defer_grace,
+            repair: crate::repair::RepairConfig {
+                mode: cfg.repair,
+                restore_from: cfg
+                    .restore_from
+                    .clone()
+                    .map(crate::repair::RestoreSource::new),
+                lister: Some(kv.clone() as Arc<dyn crate::kv::KvReader>),
+                scratch: Some(repair_scratch(&cfg.store)),
+                on_recreated: cfg.on_recreated,
+                ..Default::default()
+            },
+        };
+        let result = watch_applied(
+            kv,
+            shared,
+            apply.as_mut(),
+            opts,
+            status.clone(),
+            Some(control_rx),
+            signalled(shutdown.clone()),
+        )
+        .await;
+        let outcome = tasks.finish(&cfg, &status, result, shutdown).await;
+        {
+            use crate::stores::Connection as _;
+            conn.shutdown().await;
+        }
+        outcome
+    }
+}
+
+/// A guest proven to start: its engine (which caches the compiled component) and bytes.
+struct ProvenGuest {
+    engine: Arc<GuestEngine>,
+    bytes: Vec<u8>,
+    path: PathBuf,
+}
+
+/// Reads, compiles, link-checks and starts the guest (instantiate, `manifest`, `init`, against an
+/// empty fold) before anything is touched: a bad guest is refused with the reason (a missing
+/// import named, a trap in `init`) and nothing is connected or written.
+async fn prove_guest(cfg: &NodeConfig) -> Result<Option<ProvenGuest>, NodeError> {
+    let Some(path) = &cfg.guest else {
+        return Ok(None);
+    };
+    let bytes = crate::guest::read_guest_file(path)?;
+    let engine = GuestEngine::new()?;
+    let what = path.display().to_string();
+    engine.prepare(&what, &bytes)?;
+    let probe = GuestApply::load(
+        &engine,
+        &what,
+        &bytes,
+        cfg.guest_limits,
+        cfg.guest_config.clone(),
+        Arc::new(crate::snapshot::EmptyFold),
+    )
+    .await?;
+    drop(probe);
+    Ok(Some(ProvenGuest {
+        engine,
+        bytes,
+        path: path.clone(),
+    }))
+}
+
+/// Opens the store (off the async threads: a replay or an LSM open blocks), logs what recovery
+/// discarded, and refuses a fold with data but no cursor when no repair is allowed (a re-list would
+/// never remove what the bucket no longer has).
+async fn open_store(cfg: &NodeConfig) -> Result<SharedStore<AnyStore>, NodeError> {
+    let (dir, backend, sync) = (cfg.store.clone(), cfg.backend, cfg.sync);
+    let (store, recovery) =
+        tokio::task::spawn_blocking(move || AnyStore::open_with(&dir, backend, sync))
+            .await
+            .map_err(|e| NodeError::Task("store open", e.to_string()))?
+            .map_err(|source| NodeError::Store {
+                path: cfg.store.clone(),
+                source,
+            })?;
+    if let Some(reason) = &recovery.reason {
+        tracing::warn!(
+            store = %cfg.store.display(),
+            discarded_bytes = recovery.discarded_tail_bytes,
+            discarded_records = recovery.discarded_records,
+            "store recovered: {reason}"
+        );
+    }
+    if cfg.repair == RepairMode::None
+        && store.cursor().revision().is_none()
+        && crate::snapshot::bucket_len(&store)? > 0
+    {
+        return Err(NodeError::Refused(format!(
+            "{}: the fold holds {} keys but no cursor and --repair is none; it cannot be resumed safely (allow a repair, import an artifact, or start from an empty store)",
+            cfg.store.display(),
+            crate::snapshot::bucket_len(&store)?
+        )));
+    }
+    Ok(SharedStore::new(store))
+}
+
+/// The applier (the proven guest, hydrated from the fold, or the native one) and the scope to
+/// watch (`--scope`, else the guest's manifest, else the whole bucket).
+async fn build_applier(
+    cfg: &NodeConfig,
+    proven: Option<&ProvenGuest>,
+    shared: &SharedStore<AnyStore>,
+) -> Result<(Box<dyn Apply>, WatchScope), NodeError> {
+    let (apply, manifest_scope): (Box<dyn Apply>, Option<WatchScope>) = match proven {
+        Some(p) => {
+            let mut g = GuestApply::load(
+                &p.engine,
+                &p.path.display().to_string(),
+                &p.bytes,
+                cfg.guest_limits,
+                cfg.guest_config.clone(),
+                Arc::new(shared.clone()),
+            )
+            .await?;
+            g.hydrate().await.map_err(NodeError::Hydrate)?;
+            let scope = g.manifest().watch_scope();
+            (Box::new(g), Some(scope))
+        }
+        None => match cfg.apply {
+            NativeApply::Count => (Box::new(CountingApply::default()), None),
+        },
+    };
+    let scope = match (&cfg.scope, manifest_scope) {
+        (Some(s), _) => s.clone(),
+        (None, Some(m)) => m,
+        (None, None) => WatchScope::All,
+    };
+    Ok((apply, scope))
+}
+
+/// Where a run's repairs keep their scratch: a hidden directory beside the store (same file
+/// system, so the imported artifact is a rename away and the disk is the one the fold lives on).
+fn repair_scratch(store: &Path) -> PathBuf {
+    let name = store
+        .file_name()
+        .map_or_else(|| "store".into(), |n| n.to_string_lossy().into_owned());
+    store
+        .parent()
+        .unwrap_or_else(|| Path::new("."))
+        .join(format!(".{name}.repair"))
+}
+
+/// Resolves once `rx` turns true; never, if its sender goes away without that.
+pub async fn signalled(mut rx: tokio::sync::watch::Receiver<bool>) {
+    while !*rx.borrow_and_update() {
+        if rx.changed().await.is_err() {
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// The status a host's fixed facts and its fold's live figures make, as of now.
+fn live_status(base: &StatusReport, status: &FoldStatus) -> StatusReport {
+    base.with_live(status)
+}
+
+/// The final status: `stopped` with the fold's `applied_through` (the one rule, as the fold
+/// published it with its last commit), or `failed` with the reason.
+fn final_status(
+    base: &StatusReport,
+    status: &FoldStatus,
+    result: &Result<crate::applied::Finished, AppliedError>,
+) -> StatusReport {
+    let mut last = live_status(base, status);
+    match result {
+        Ok(_) => {
+            last.state = "stopped".into();
+            last.applied_through = status.applied_through.load(Ordering::Relaxed);
+        }
+        Err(e) => {
+            last.state = "failed".into();
+            last.error = Some(e.to_string());
+        }
+    }
+    last
+}
+
+/// Writes `status.json`, warning (not failing) when it cannot: the file is advisory.
+fn write_status_file(store: &Path, report: &StatusReport) {
+    if let Err(e) = storedir::write_status(store, report) {
+        tracing::warn!(error = %e, "status file not written");
+    }
+}

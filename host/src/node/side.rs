@@ -1,0 +1,337 @@
+//! The tasks that run beside the fold: the `--listen` endpoint, `--watch-guest`, the NATS query
+//! service (`--query-subject`) and the status reporter (`status.json`, hydration progress). They
+//! reach the fold only through its control channel, between batches.
+
+use std::io::IsTerminal as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+
+use crate::applied::{AppliedError, Control, Finished, FoldStatus};
+use crate::guest::GuestEngine;
+use crate::kv::WatchScope;
+use crate::nats::NatsConnection;
+use crate::status::StatusReport;
+
+use super::{
+    NodeConfig, NodeError, RunSummary, final_status, live_status, signalled, write_status_file,
+};
+
+/// The running side tasks of a node.
+pub(super) struct SideTasks {
+    /// The `--listen` server, if any.
+    server: Option<JoinHandle<()>>,
+    /// `--watch-guest`, `--query-subject`, the reporter.
+    others: Vec<JoinHandle<()>>,
+    /// The reason the fold stopped, shown by `/status` once it has.
+    fatal: Arc<std::sync::Mutex<Option<String>>>,
+    /// The host's fixed facts.
+    base: StatusReport,
+}
+
+impl SideTasks {
+    /// Starts the side tasks `cfg` asks for; `control` is the fold's control channel.
+    pub(super) async fn start(
+        cfg: &NodeConfig,
+        conn: &NatsConnection,
+        base: &StatusReport,
+        status: &Arc<FoldStatus>,
+        scope: &WatchScope,
+        engine: Option<Arc<GuestEngine>>,
+        control: mpsc::Sender<Control>,
+    ) -> Result<SideTasks, NodeError> {
+        let fatal: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+        let mut base = base.clone();
+        let server = match &cfg.listen {
+            Some(l) => Some(
+                listen(
+                    cfg,
+                    l,
+                    &mut base,
+                    status,
+                    scope,
+                    engine.clone(),
+                    control.clone(),
+                    &fatal,
+                )
+                .await?,
+            ),
+            None => None,
+        };
+        let mut others = Vec::new();
+        if cfg.watch_guest
+            && let (Some(path), Some(engine)) = (cfg.guest.clone(), engine)
+        {
+            others.push(tokio::spawn(watch_guest_file(
+                path,
+                engine,
+                control.clone(),
+            )));
+        }
+        if let Some(subject) = &cfg.query_subject {
+            let client = conn.client().await?;
+            let sub = client
+                .subscribe(subject.clone())
+                .await
+                .map_err(|e| NodeError::Config(format!("--query-subject {subject}: {e}")))?;
+            tracing::info!(subject = %subject, "serving queries over NATS request/reply");
+            others.push(tokio::spawn(serve_nats_queries(
+                client,
+                sub,
+                cfg.query_reply_prefix.clone(),
+                control.clone(),
+            )));
+        }
+        others.push(tokio::spawn(report_progress(
+            cfg.store.clone(),
+            base.clone(),
+            status.clone(),
+        )));
+        Ok(SideTasks {
+            server,
+            others,
+            fatal,
+            base,
+        })
+    }
+
+    /// After the fold returned: stops the side tasks, writes the final `status.json`, and — when
+    /// the fold failed and `--listen` is up — keeps serving `/status` (saying why) until
+    /// `shutdown`.
+    pub(super) async fn finish(
+        &mut self,
+        cfg: &NodeConfig,
+        status: &FoldStatus,
+        result: Result<Finished, AppliedError>,
+        shutdown: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<RunSummary, NodeError> {
+        for t in self.others.drain(..) {
+            t.abort();
+        }
+        write_status_file(&cfg.store, &final_status(&self.base, status, &result));
+        let outcome = match result {
+            Ok(finished) => Ok(RunSummary {
+                cursor: finished.cursor,
+                delivered: status.delivered.load(Ordering::Relaxed),
+            }),
+            Err(e) => {
+                if let Ok(mut f) = self.fatal.lock() {
+                    *f = Some(e.to_string());
+                }
+                Err(NodeError::Applied(e))
+            }
+        };
+        if let Some(server) = self.server.take() {
+            if let Err(e) = &outcome {
+                // The fold has stopped; the host stays up so `/status` can say why.
+                tracing::error!(error = %e, "fold failed; still serving /status until signalled");
+                signalled(shutdown).await;
+            }
+            server.abort();
+        }
+        outcome
+    }
+}
+
+/// Binds `--listen`, settles the admin token (given, read from a file, or generated beside the
+/// store), and serves `/status`, `/query`, `/swap` and `/export`.
+#[allow(clippy::too_many_arguments)] // one call site, each argument a different part of the node
+async fn listen(
+    cfg: &NodeConfig,
+    l: &super::ListenConfig,
+    base: &mut StatusReport,
+    status: &Arc<FoldStatus>,
+    scope: &WatchScope,
+    engine: Option<Arc<GuestEngine>>,
+    control: mpsc::Sender<Control>,
+    fatal: &Arc<std::sync::Mutex<Option<String>>>,
+) -> Result<JoinHandle<()>, NodeError> {
+    let io = |source| NodeError::Listen {
+        addr: l.addr.clone(),
+        source,
+    };
+    let listener = tokio::net::TcpListener::bind(&l.addr).await.map_err(io)?;
+    let local = listener.local_addr().map_err(io)?;
+    let (admin_token, token_file) = match (&l.admin_token, &l.admin_token_file) {
+        (Some(t), _) => (t.clone(), None),
+        (None, Some(f)) => (
+            crate::serve::read_token_file(f).map_err(io)?,
+            Some(f.clone()),
+        ),
+        (None, None) => {
+            let f = cfg.store.join(crate::serve::ADMIN_TOKEN_FILE);
+            let t = crate::serve::generate_token_file(&f).map_err(io)?;
+            tracing::info!(file = %f.display(), "admin token generated (mode 0600): foldhost swap and export --listen read it from there");
+            (t, Some(f))
+        }
+    };
+    tracing::info!(addr = %local, "serving /status, /query, /swap and /export");
+    let policy = crate::serve::AccessPolicy {
+        admin_token,
+        query_token: l.query_token.clone(),
+        listen: local,
+        limits: crate::serve::Limits {
+            query_body: l.query_max_bytes,
+            ..Default::default()
+        },
+    };
+    base.admin_token_file =
+        token_file.map(|f| std::path::absolute(&f).unwrap_or(f).display().to_string());
+    let (render_base, render_status, render_fatal) = (base.clone(), status.clone(), fatal.clone());
+    let state = Arc::new(crate::serve::ServeState {
+        status: Box::new(move || {
+            let mut r = live_status(&render_base, &render_status);
+            if let Some(f) = render_fatal.lock().ok().and_then(|f| f.clone()) {
+                r.state = "failed".into();
+                r.error = Some(f);
+            }
+            r
+        }),
+        control,
+        engine,
+        policy,
+        backend: cfg.backend,
+        scope: scope.to_string(),
+    });
+    Ok(tokio::spawn(crate::serve::serve(listener, state)))
+}
+
+/// `--watch-guest`: swaps the guest when the file's bytes change. A file that fails to compile or
+/// is refused leaves the running guest in place (and is retried only when it changes again).
+async fn watch_guest_file(path: PathBuf, engine: Arc<GuestEngine>, control: mpsc::Sender<Control>) {
+    let mut current = std::fs::read(&path)
+        .map(|b| *blake3::hash(&b).as_bytes())
+        .ok();
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let Ok(bytes) = tokio::fs::read(&path).await else {
+            continue; // mid-replacement, or removed: keep the running guest
+        };
+        let hash = *blake3::hash(&bytes).as_bytes();
+        if current == Some(hash) {
+            continue;
+        }
+        current = Some(hash);
+        let what = path.display().to_string();
+        tracing::info!(guest = %what, "guest file changed; swapping");
+        // Compile off the fold's path; the fold's swap then finds it in the cache.
+        let compiled = {
+            let (engine, bytes, what) = (engine.clone(), bytes.clone(), what.clone());
+            tokio::task::spawn_blocking(move || engine.prepare(&what, &bytes).map(|_| ())).await
+        };
+        if let Ok(Err(e)) = compiled {
+            tracing::warn!(error = %e, "swap refused; the running guest stays");
+            continue;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let swap = Control::Swap {
+            bytes,
+            what,
+            reply: tx,
+        };
+        if control.send(swap).await.is_err() {
+            return;
+        }
+        // The fold logs the outcome; nothing more to do here.
+        let _ = rx.await;
+    }
+}
+
+/// `--query-subject`: each request's payload goes to the guest's `query` (between batches); the
+/// reply is the answer, or the error text with a `Foldhost-Error: true` header. A request whose
+/// reply subject is not under the configured prefix is dropped
+/// ([`crate::protocol::reply_subject_allowed`]).
+async fn serve_nats_queries(
+    client: async_nats::Client,
+    mut sub: async_nats::Subscriber,
+    reply_prefix: String,
+    control: mpsc::Sender<Control>,
+) {
+    use futures::StreamExt;
+    while let Some(msg) = sub.next().await {
+        let Some(reply_to) = msg.reply.clone() else {
+            continue;
+        };
+        if !crate::protocol::reply_subject_allowed(&reply_to, &reply_prefix) {
+            tracing::warn!(reply = %reply_to, prefix = %reply_prefix, "query refused: its reply subject is not an inbox");
+            continue;
+        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let q = Control::Query {
+            request: msg.payload.to_vec(),
+            reply: tx,
+        };
+        if control.send(q).await.is_err() {
+            return;
+        }
+        let published = match rx.await {
+            Ok(Ok(answer)) => client.publish(reply_to, answer.into()).await,
+            Ok(Err(e)) => {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert("Foldhost-Error", "true");
+                client
+                    .publish_with_headers(reply_to, headers, e.to_string().into())
+                    .await
+            }
+            Err(_) => return,
+        };
+        if let Err(e) = published {
+            tracing::warn!(error = %e, "query reply not sent");
+        }
+    }
+}
+
+/// Keeps `status.json` current and shows hydration progress: a bar on a terminal, log lines
+/// otherwise.
+async fn report_progress(dir: PathBuf, base: StatusReport, status: Arc<FoldStatus>) {
+    let bar = if std::io::stderr().is_terminal() {
+        let b = indicatif::ProgressBar::new(0);
+        b.set_style(
+            indicatif::ProgressStyle::with_template(
+                "{spinner} hydrating [{bar:40}] {pos}/{len} updates ({per_sec}, eta {eta})",
+            )
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
+        Some(b)
+    } else {
+        None
+    };
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    let mut n = 0u64;
+    let mut hydrated_logged = false;
+    loop {
+        tick.tick().await;
+        n += 1;
+        let committed = status.committed.load(Ordering::Relaxed);
+        let pending = status.pending.load(Ordering::Relaxed);
+        let delivered = status.delivered.load(Ordering::Relaxed);
+        let level = status.caught_up.load(Ordering::Relaxed) == 1;
+        if !level {
+            let total = delivered + pending;
+            if let Some(b) = &bar {
+                b.set_length(total);
+                b.set_position(committed);
+            } else if n.is_multiple_of(8) {
+                tracing::info!(committed, total, "hydrating");
+            }
+        } else if !hydrated_logged {
+            hydrated_logged = true;
+            if let Some(b) = &bar {
+                b.finish_and_clear();
+            }
+            tracing::info!(
+                committed,
+                applied_through = status.applied_through.load(Ordering::Relaxed),
+                "level with the stream; following live updates"
+            );
+        }
+        if n.is_multiple_of(4) {
+            write_status_file(&dir, &live_status(&base, &status));
+        }
+    }
+}
