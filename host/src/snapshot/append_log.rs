@@ -99,7 +99,7 @@ impl FaultPoint {
 pub struct AppendLogSnapshot {
     dir: PathBuf,
     path: PathBuf,
-    fold: Fold,
+    fold: LiveMap,
     /// `None` for a read-only open.
     writer: Option<Writer>,
 }
@@ -302,9 +302,9 @@ impl SnapshotStore for AppendLogSnapshot {
     }
 }
 
-/// The in-RAM fold.
+/// The in-RAM map of the live fold (keys, values, versions and the cursor), replayed from the log.
 #[derive(Debug, Default)]
-struct Fold {
+struct LiveMap {
     map: BTreeMap<String, (Bytes, VersionToken)>,
     cursor: WatchCursor,
     /// Encoded size of the live map's Put records, kept as entries change so the compaction trigger
@@ -312,7 +312,7 @@ struct Fold {
     put_bytes: u64,
 }
 
-impl Fold {
+impl LiveMap {
     /// Sets `key`; returns whether it replaced an entry (a superseded record in the log).
     fn put(&mut self, key: &str, value: Bytes, version: VersionToken) -> bool {
         self.put_bytes += format::put_record_len(key.len(), value.len(), version) as u64;
@@ -434,7 +434,7 @@ impl Writer {
     }
 
     /// Compacts (see [`AppendLogSnapshot::compact`]); poisons on failure.
-    fn rewrite(&mut self, dir: &Path, path: &Path, fold: &Fold) -> Result<(), SnapshotError> {
+    fn rewrite(&mut self, dir: &Path, path: &Path, fold: &LiveMap) -> Result<(), SnapshotError> {
         let tmp = dir.join(TMP_NAME);
         match self.try_rewrite(dir, path, &tmp, fold) {
             Ok((file, len)) => {
@@ -459,7 +459,7 @@ impl Writer {
         dir: &Path,
         path: &Path,
         tmp: &Path,
-        fold: &Fold,
+        fold: &LiveMap,
     ) -> Result<(File, u64), SnapshotError> {
         let len = write_compacted(tmp, fold)?;
         self.fault_at(FaultPoint::CompactBeforeRename, tmp)?;
@@ -523,7 +523,7 @@ fn write_batch(file: &mut File, buf: &[u8], fault: Option<FaultPoint>) -> io::Re
 }
 
 /// Writes the compacted log to `tmp` and fsyncs it; returns its length.
-fn write_compacted(tmp: &Path, fold: &Fold) -> Result<u64, SnapshotError> {
+fn write_compacted(tmp: &Path, fold: &LiveMap) -> Result<u64, SnapshotError> {
     let mut file = OpenOptions::new()
         .write(true)
         .create(true)
@@ -601,7 +601,7 @@ fn io_err(path: &Path, op: &'static str) -> impl FnOnce(io::Error) -> SnapshotEr
 /// What replaying a log produced.
 #[derive(Debug)]
 struct Replayed {
-    fold: Fold,
+    fold: LiveMap,
     recovery: Recovery,
     /// End of the last cursor record (or of the header): where appends continue.
     valid_len: u64,
@@ -642,7 +642,7 @@ fn replay(file: &Bytes, path: &Path) -> Result<Replayed, SnapshotError> {
         // A crash right after creating the file: an empty new fold, but not a compact file (no
         // header), so a writable open rewrites it.
         return Ok(Replayed {
-            fold: Fold::default(),
+            fold: LiveMap::default(),
             recovery: Recovery::default(),
             valid_len: 0,
             compact: false,
@@ -654,7 +654,7 @@ fn replay(file: &Bytes, path: &Path) -> Result<Replayed, SnapshotError> {
     })?;
     let mut scan = Scan {
         file,
-        fold: Fold::default(),
+        fold: LiveMap::default(),
         pending: Vec::new(),
         committed_end: HEADER_LEN,
         cursor_records: 0,
@@ -676,7 +676,7 @@ fn replay(file: &Bytes, path: &Path) -> Result<Replayed, SnapshotError> {
 /// so records of an unfinished apply never reach the fold.
 struct Scan<'a> {
     file: &'a Bytes,
-    fold: Fold,
+    fold: LiveMap,
     pending: Vec<Record<'a>>,
     /// End of the last cursor record.
     committed_end: usize,
