@@ -1,8 +1,9 @@
 //! Every decision the fold's correctness rests on, as a pure function. Production code calls these;
-//! the tests, models and the simulator call the same functions rather than copies, so a change to a
-//! rule is re-checked everywhere at once (seed 000, "Machine-checked protocol kernels").
+//! the tests and the simulated bucket (`testkit`) call the same functions rather than copies, so a
+//! change to a rule is re-checked everywhere at once (seed 000, "Machine-checked protocol kernels").
 //!
-//! Invariants: nothing in this module does I/O, allocates on the hot path, or reads a clock.
+//! Invariants: nothing in this module does I/O, allocates on the hot path, or reads a clock; and it
+//! imports nothing else of the crate (every other module may build on it).
 
 /// Whether a watch may resume after `revision` on a stream whose first retained sequence is
 /// `first_sequence`.
@@ -320,22 +321,22 @@ pub enum IdentityVerdict {
 }
 
 /// The bucket identity check, made at every start and every watch (re)start, before a revision is
-/// trusted (issue 12). `recorded` is the identity committed with the fold (`None`: none yet),
-/// `found` the stream's now, `cursor` the fold's cursor and `last_sequence` the stream's last
-/// sequence. A change of name or creation time is [`IdentityVerdict::Recreated`]; a cursor past
-/// the stream's end is [`IdentityVerdict::CursorAhead`]; a fold with no identity adopts the
-/// found one only when the cursor passes that test. Never silently mixes two streams: every other
-/// answer ends the run or repairs as a cursor-less start (`--on-recreated`).
+/// trusted (issue 12). `recorded_is_found` says whether the identity committed with the fold is the
+/// stream's now (`None`: the fold records none yet), `cursor` is the fold's cursor and
+/// `last_sequence` the stream's last sequence. Another stream (a change of name or creation time)
+/// is [`IdentityVerdict::Recreated`]; a cursor past the stream's end is
+/// [`IdentityVerdict::CursorAhead`]; a fold with no identity adopts the found one only when the
+/// cursor passes that test. Never silently mixes two streams: every other answer ends the run or
+/// repairs as a cursor-less start (`--on-recreated`).
 pub fn stream_identity_check(
-    recorded: Option<&crate::kv::StreamIdentity>,
-    found: &crate::kv::StreamIdentity,
+    recorded_is_found: Option<bool>,
     cursor: Option<u64>,
     last_sequence: u64,
 ) -> IdentityVerdict {
-    match recorded {
-        Some(r) if r != found => IdentityVerdict::Recreated,
+    match recorded_is_found {
+        Some(false) => IdentityVerdict::Recreated,
         _ if cursor.is_some_and(|c| c > last_sequence) => IdentityVerdict::CursorAhead,
-        Some(_) => IdentityVerdict::Same,
+        Some(true) => IdentityVerdict::Same,
         None => IdentityVerdict::Record,
     }
 }
@@ -826,53 +827,28 @@ mod tests {
 
     #[test]
     fn a_fold_resumes_only_on_the_stream_it_recorded_and_never_past_its_end() {
-        use crate::kv::StreamIdentity;
-        let id = |name: &str, t: u64| StreamIdentity {
-            name: name.into(),
-            created_unix_ns: t,
-        };
-        let old = id("KV_b", 100);
         use IdentityVerdict::*;
-        // (recorded, found, cursor, last sequence, verdict)
+        // (recorded is the found stream?, cursor, last sequence, verdict)
         let table = [
-            (None, id("KV_b", 100), None, 0, Record),
-            (None, id("KV_b", 100), Some(3000), 3000, Record),
+            (None, None, 0, Record),
+            (None, Some(3000), 3000, Record),
             // A store from before identities: its cursor above the stream's end is the only tell.
-            (None, id("KV_b", 100), Some(3000), 500, CursorAhead),
-            (Some(old.clone()), id("KV_b", 100), Some(3000), 3000, Same),
-            (Some(old.clone()), id("KV_b", 100), None, 0, Same),
-            // Recreated: a new creation time, whatever the sequences say.
-            (
-                Some(old.clone()),
-                id("KV_b", 200),
-                Some(3000),
-                500,
-                Recreated,
-            ),
-            (
-                Some(old.clone()),
-                id("KV_b", 200),
-                Some(400),
-                500,
-                Recreated,
-            ),
-            (Some(old.clone()), id("KV_b", 200), None, 5, Recreated),
-            // Another bucket's store pointed at this one.
-            (Some(old.clone()), id("KV_c", 100), Some(10), 500, Recreated),
+            (None, Some(3000), 500, CursorAhead),
+            (Some(true), Some(3000), 3000, Same),
+            (Some(true), None, 0, Same),
+            // Recreated (a new creation time, or another bucket's stream), whatever the
+            // sequences say.
+            (Some(false), Some(3000), 500, Recreated),
+            (Some(false), Some(400), 500, Recreated),
+            (Some(false), None, 5, Recreated),
             // The same stream, but behind the fold: it lost its tail.
-            (
-                Some(old.clone()),
-                id("KV_b", 100),
-                Some(3000),
-                2999,
-                CursorAhead,
-            ),
+            (Some(true), Some(3000), 2999, CursorAhead),
         ];
-        for (recorded, found, cursor, last, want) in table {
+        for (same, cursor, last, want) in table {
             assert_eq!(
-                stream_identity_check(recorded.as_ref(), &found, cursor, last),
+                stream_identity_check(same, cursor, last),
                 want,
-                "{recorded:?} {found:?} {cursor:?} {last}"
+                "{same:?} {cursor:?} {last}"
             );
         }
     }

@@ -111,8 +111,7 @@ pub(super) async fn check_identity<S: SnapshotStore, A: Apply + ?Sized>(
     let recorded = fold.identity().map_err(store_err)?;
     let cursor = fold.cursor();
     let verdict = protocol::stream_identity_check(
-        recorded.as_ref(),
-        &found.identity,
+        recorded.as_ref().map(|r| *r == found.identity),
         cursor.revision(),
         found.last_sequence,
     );
@@ -196,8 +195,7 @@ pub fn identity_refusal(
     found: &crate::kv::StreamState,
 ) -> Option<String> {
     let verdict = protocol::stream_identity_check(
-        recorded,
-        &found.identity,
+        recorded.map(|r| *r == found.identity),
         cursor.revision(),
         found.last_sequence,
     );

@@ -380,8 +380,7 @@ pub async fn restore<T: RepairTarget>(
             None => None,
         };
         let verdict = protocol::stream_identity_check(
-            recorded.as_ref(),
-            &live.identity,
+            recorded.as_ref().map(|r| *r == live.identity),
             Some(rev),
             live.last_sequence,
         );
