@@ -13,6 +13,7 @@ use base64::Engine as _;
 use foldhost::kv::KvError;
 use foldhost::localnats::LocalNats;
 use foldhost::nats::{NatsConnection, NatsKv};
+use foldhost::status::StatusReport;
 use foldhost::stores::{ConnectOptions, StoreConfig};
 
 /// A bucket's contents: key → (value, revision).
@@ -206,8 +207,8 @@ pub fn dump_store(store: &Path) -> anyhow::Result<Contents> {
     Ok(c)
 }
 
-/// `foldhost status --json` of a store, parsed.
-pub fn status_store(store: &Path) -> anyhow::Result<serde_json::Value> {
+/// `foldhost status --json` of a store, read as the one status model.
+pub fn status_store(store: &Path) -> anyhow::Result<StatusReport> {
     let out = foldhost()
         .args(["status", "--json", "--store"])
         .arg(store)
@@ -267,24 +268,26 @@ pub fn hostile_wat(name: &str) -> PathBuf {
         .join(name)
 }
 
-/// Polls `GET /status` on `addr` until `done` holds for it. The deadline (120 s) only bounds a
-/// test that would otherwise hang; nothing asserts how fast the state is reached.
+/// Polls `GET /status` on `addr`, read as the one status model, until `done` holds for it. The
+/// deadline (120 s) only bounds a test that would otherwise hang; nothing asserts how fast the
+/// state is reached.
 pub async fn wait_status(
     addr: &str,
-    mut done: impl FnMut(&serde_json::Value) -> bool,
-) -> anyhow::Result<serde_json::Value> {
+    mut done: impl FnMut(&StatusReport) -> bool,
+) -> anyhow::Result<StatusReport> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    let mut last = serde_json::Value::Null;
+    let mut last = None;
     while std::time::Instant::now() < deadline {
         if let Ok((200, body)) = foldhost::serve::call(addr, "GET", "/status", b"").await {
-            last = serde_json::from_slice(&body)?;
-            if done(&last) {
-                return Ok(last);
+            let s: StatusReport = serde_json::from_slice(&body)?;
+            if done(&s) {
+                return Ok(s);
             }
+            last = Some(s);
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
-    anyhow::bail!("status never reached the expected state; last: {last}")
+    anyhow::bail!("status never reached the expected state; last: {last:?}")
 }
 
 /// Polls `cond` every 20 ms until it holds. The deadline (120 s) only bounds a test that would

@@ -113,7 +113,7 @@ async fn a_live_export_under_writes_bootstraps_a_node_that_replays_only_the_tail
     let mut host = run_command(&h, "art", &store, Some(&addr))
         .stderr(Stdio::null())
         .spawn()?;
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(3000)).await?;
+    wait_status(&addr, |s| s.applied_through >= 3000).await?;
 
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     // The writer's last acknowledged stream sequence: the test waits on it, not on a clock.
@@ -147,7 +147,7 @@ async fn a_live_export_under_writes_bootstraps_a_node_that_replays_only_the_tail
         })
     };
     // Exported mid-stream: the host has folded some of the writer's updates, the writer goes on.
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(3200)).await?;
+    wait_status(&addr, |s| s.applied_through >= 3200).await?;
     let art = tmp.path().join("art.tar");
     let o = run(&[
         "export".as_ref(),

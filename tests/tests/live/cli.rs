@@ -123,12 +123,12 @@ async fn run_catch_up_then_status_and_dump_json_shapes() -> anyhow::Result<()> {
         String::from_utf8_lossy(&out.stderr)
     );
     let s = status_store(&store)?;
-    assert_eq!(s["cursor"], 2);
-    assert_eq!(s["applied_through"], 2);
-    assert_eq!(s["seq"], 2);
-    assert_eq!(s["backend"], "append-log");
-    assert_eq!(s["guest"], "native:count");
-    assert_eq!(s["keys"], 2);
+    assert_eq!(s.cursor, Some(2));
+    assert_eq!(s.applied_through, 2);
+    assert_eq!(s.seq, 2);
+    assert_eq!(s.backend, "append-log");
+    assert_eq!(s.guest.as_deref(), Some("native:count"));
+    assert_eq!(s.keys, Some(2));
     let d = dump_store(&store)?;
     assert_eq!(d.len(), 2, "the scope keeps `other` out");
     assert_eq!(d["route.b"], (vec![0, 159, 146, 150], 2));
@@ -189,16 +189,16 @@ async fn run_backend_reaches_every_compiled_backend_and_status_and_dump_read_it(
             String::from_utf8_lossy(&out.stderr)
         );
         let s = status_store(&store)?;
-        assert_eq!(s["backend"], backend);
-        assert_eq!(s["cursor"], 5, "{backend}");
-        assert_eq!(s["keys"], 2, "{backend}");
+        assert_eq!(s.backend, backend);
+        assert_eq!(s.cursor, Some(5), "{backend}");
+        assert_eq!(s.keys, Some(2), "{backend}");
         let d = dump_store(&store)?;
         assert_eq!(d.len(), 2, "{backend}");
         assert_eq!(d["a"], (b"3".to_vec(), 3), "{backend}");
         assert_eq!(d["c"], (b"4".to_vec(), 5), "{backend}");
         // A second run resumes (the cursor came back from this backend).
         assert!(run(backend)?.status.success());
-        assert_eq!(status_store(&store)?["cursor"], 5);
+        assert_eq!(status_store(&store)?.cursor, Some(5));
         // The store refuses another backend, in one line.
         let other = if backend == "append-log" {
             compiled_backends().get(1).copied().unwrap_or("fjall")

@@ -84,9 +84,7 @@ async fn sigkilled_fold_converges_to_the_bucket_exactly() -> anyhow::Result<()> 
         kills += 1;
         if store.join("fold.log").exists() {
             // Read-only, beside nothing: the cursor a restart will resume from.
-            let c = status_store(&store)?["applied_through"]
-                .as_u64()
-                .unwrap_or(0);
+            let c = status_store(&store)?.applied_through;
             if let Some(prev) = cursors.last() {
                 assert!(
                     c >= *prev,
@@ -152,8 +150,8 @@ async fn publish_distinct(
 
 /// The committed cursor of a store (read-only).
 fn store_cursor(store: &std::path::Path) -> anyhow::Result<u64> {
-    status_store(store)?["cursor"]
-        .as_u64()
+    status_store(store)?
+        .cursor
         .ok_or_else(|| anyhow::anyhow!("the store has no cursor"))
 }
 
@@ -242,10 +240,10 @@ async fn a_crash_between_the_commit_and_on_applied_keeps_the_batch_and_the_rebui
         .stderr(std::process::Stdio::null())
         .spawn()?;
     let s = wait_status(&addr, |s| {
-        s["applied_through"].as_u64() >= Some(u64::from(N)) || s["state"] == "failed"
+        s.applied_through >= u64::from(N) || s.state == "failed"
     })
     .await?;
-    assert_eq!(s["state"], "running", "{s}");
+    assert_eq!(s.state, "running", "{s:?}");
     assert_eq!(check_routes_served(&addr, &want).await?, N as usize);
     terminate(&mut host)?;
     assert_eq!(first_difference(&want, &dump_store(&store)?), None);

@@ -242,7 +242,7 @@ async fn a_v2_record_and_a_later_v1_write_wait_for_v2_then_apply_in_order() -> a
     let store = tmp.path().join("fold");
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
     let mut host = start_host(&h, "defer", &store, &addr, &[])?;
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(51)).await?;
+    wait_status(&addr, |s| s.applied_through >= 51).await?;
 
     let rev = |v: VersionToken| v.as_u64().unwrap_or(0);
     let r1 = rev(kv.put("k.a", "fmt2:a1".into()).await?);
@@ -251,24 +251,20 @@ async fn a_v2_record_and_a_later_v1_write_wait_for_v2_then_apply_in_order() -> a
     let r4 = rev(kv.put("k.c", "fmt2:c1".into()).await?);
     kv.delete("k.c").await?;
     let r5 = kv.positions().await?.last_sequence;
-    let s = wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r5)).await?;
-    assert_eq!(s["state"], "running", "{s}");
+    let s = wait_status(&addr, |s| s.cursor >= Some(r5)).await?;
+    assert_eq!(s.state, "running", "{s:?}");
     assert_eq!(
-        s["retained"],
+        s.retained,
         4,
-        "r1, r2 (behind r1), r4, r5 (behind r4): {s}\n{}",
+        "r1, r2 (behind r1), r4, r5 (behind r4): {s:?}\n{}",
         host_log(&store)
     );
-    assert_eq!(s["oldest_retained_revision"].as_u64(), Some(r1), "{s}");
+    assert_eq!(s.oldest_retained_revision, Some(r1), "{s:?}");
+    assert_eq!(s.seq, r5, "seq advances over retained records: {s:?}");
     assert_eq!(
-        s["seq"].as_u64(),
-        Some(r5),
-        "seq advances over retained records: {s}"
-    );
-    assert_eq!(
-        s["applied_through"].as_u64(),
-        Some(r1 - 1),
-        "applied_through stays below the oldest retained record: {s}"
+        s.applied_through,
+        r1 - 1,
+        "applied_through stays below the oldest retained record: {s:?}"
     );
     // v1 serves what it applied: k.a as before the deferral; k.b (never deferred) moved on.
     assert_eq!(query(&addr, "k.a").await?, (200, "a0".into()));
@@ -280,10 +276,10 @@ async fn a_v2_record_and_a_later_v1_write_wait_for_v2_then_apply_in_order() -> a
     assert_eq!(report["released"], 4, "{report}");
     assert_eq!(report["still_retained"], 0, "{report}");
     let s = wait_status(&addr, |_| true).await?;
-    assert_eq!(s["retained"], 0, "{s}");
+    assert_eq!(s.retained, 0, "{s:?}");
     assert_eq!(
-        s["applied_through"], s["seq"],
-        "applied_through caught up to seq: {s}"
+        s.applied_through, s.seq,
+        "applied_through caught up to seq: {s:?}"
     );
     assert_eq!(query(&addr, "k.a").await?, (200, "v2:a2".into()));
     assert_eq!(
@@ -300,7 +296,7 @@ async fn a_v2_record_and_a_later_v1_write_wait_for_v2_then_apply_in_order() -> a
 
     // v2 decodes new writes directly.
     let r6 = rev(kv.put("k.a", "fmt2:a3".into()).await?);
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(r6)).await?;
+    wait_status(&addr, |s| s.applied_through >= r6).await?;
     assert_eq!(query(&addr, "k.a").await?, (200, "v2:a3".into()));
     terminate(&mut host)?;
     let want = bucket_contents(&kv).await?;
@@ -318,34 +314,31 @@ async fn retained_records_survive_a_restart_warn_past_the_grace_and_release_afte
     let store = tmp.path().join("fold");
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
     let mut host = start_host(&h, "keep", &store, &addr, &[])?;
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(x0)).await?;
+    wait_status(&addr, |s| s.applied_through >= x0).await?;
     let rev = |v: VersionToken| v.as_u64().unwrap_or(0);
     let r1 = rev(kv.put("k.x", "fmt2:x1".into()).await?);
     let r2 = rev(kv.put("k.x", "x2".into()).await?);
-    wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r2)).await?;
+    wait_status(&addr, |s| s.cursor >= Some(r2)).await?;
     // A crash, not a clean stop.
     host.kill()?;
     host.wait()?;
 
     let s = status_store(&store)?;
     assert_eq!(
-        s["retained"],
+        s.retained,
         2,
-        "retained on disk: {s}\n{}",
+        "retained on disk: {s:?}\n{}",
         host_log(&store)
     );
-    assert_eq!(s["oldest_retained_revision"].as_u64(), Some(r1), "{s}");
-    assert_eq!(s["applied_through"].as_u64(), Some(r1 - 1), "{s}");
-    assert_eq!(s["cursor"].as_u64(), Some(r2), "{s}");
+    assert_eq!(s.oldest_retained_revision, Some(r1), "{s:?}");
+    assert_eq!(s.applied_through, r1 - 1, "{s:?}");
+    assert_eq!(s.cursor, Some(r2), "{s:?}");
 
     // Restarted with the same version and a 1 s grace: still retained, and soon warned about.
     let mut host = start_host(&h, "keep", &store, &addr, &["--defer-grace-secs", "1"])?;
-    let s = wait_status(&addr, |s| {
-        s["warnings"].as_array().is_some_and(|w| !w.is_empty())
-    })
-    .await?;
-    assert_eq!(s["retained"], 2, "{s}");
-    let warning = s["warnings"][0].as_str().unwrap_or_default();
+    let s = wait_status(&addr, |s| !s.warnings.is_empty()).await?;
+    assert_eq!(s.retained, 2, "{s:?}");
+    let warning = s.warnings.first().map(String::as_str).unwrap_or_default();
     assert!(
         warning.contains("k.x") && warning.contains(&r1.to_string()),
         "the warning names the key and the revision: {warning}"
@@ -355,9 +348,9 @@ async fn retained_records_survive_a_restart_warn_past_the_grace_and_release_afte
     let report = swap_to_v2(&addr)?;
     assert_eq!(report["released"], 2, "{report}");
     let s = wait_status(&addr, |_| true).await?;
-    assert_eq!(s["retained"], 0, "{s}");
-    assert_eq!(s["warnings"].as_array().map(Vec::len), Some(0), "{s}");
-    assert_eq!(s["applied_through"].as_u64(), Some(r2), "{s}");
+    assert_eq!(s.retained, 0, "{s:?}");
+    assert_eq!(s.warnings.len(), 0, "{s:?}");
+    assert_eq!(s.applied_through, r2, "{s:?}");
     assert_eq!(query(&addr, "k.x").await?, (200, "v2:x2".into()));
     assert_eq!(
         query(&addr, "history:k.x").await?,
@@ -365,7 +358,7 @@ async fn retained_records_survive_a_restart_warn_past_the_grace_and_release_afte
     );
     terminate(&mut host)?;
     let s = status_store(&store)?;
-    assert_eq!(s["retained"], 0, "released on disk too: {s}");
+    assert_eq!(s.retained, 0, "released on disk too: {s:?}");
     Ok(())
 }
 
@@ -379,10 +372,10 @@ async fn raw_publishes_of_reserved_looking_keys_are_skipped_and_never_touch_reta
     let store = tmp.path().join("fold");
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
     let mut host = start_host(&h, "rsv", &store, &addr, &[])?;
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(a0)).await?;
+    wait_status(&addr, |s| s.applied_through >= a0).await?;
     // v1 defers r1: one retained record, stored under `\x01retained/<r1>/k.a`.
     let r1 = kv.put("k.a", "fmt2:a1".into()).await?.as_u64().unwrap_or(0);
-    wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r1)).await?;
+    wait_status(&addr, |s| s.cursor >= Some(r1)).await?;
     // A bucket writer forges records in the host's space: one at the real record's own key (a
     // fake base for k.a), one fresh, and a delete of the real one.
     let js = kv.jetstream().clone();
@@ -402,9 +395,9 @@ async fn raw_publishes_of_reserved_looking_keys_are_skipped_and_never_touch_reta
         .await?;
     // The node keeps folding past them.
     let r2 = kv.put("k.b", "b1".into()).await?.as_u64().unwrap_or(0);
-    let s = wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r2)).await?;
-    assert_eq!(s["state"], "running", "{s}");
-    assert_eq!(s["retained"], 1, "the real record only: {s}");
+    let s = wait_status(&addr, |s| s.cursor >= Some(r2)).await?;
+    assert_eq!(s.state, "running", "{s:?}");
+    assert_eq!(s.retained, 1, "the real record only: {s:?}");
     assert!(
         host_log(&store).contains("reserved space"),
         "each skip is warned about"
@@ -412,12 +405,12 @@ async fn raw_publishes_of_reserved_looking_keys_are_skipped_and_never_touch_reta
     // A restart opens the store; status and dump read it; the record is intact.
     terminate(&mut host)?;
     let st = status_store(&store)?;
-    assert_eq!(st["retained"], 1, "{st}");
-    assert_eq!(st["oldest_retained_revision"].as_u64(), Some(r1), "{st}");
+    assert_eq!(st.retained, 1, "{st:?}");
+    assert_eq!(st.oldest_retained_revision, Some(r1), "{st:?}");
     let dump = dump_store(&store)?;
     assert!(dump.keys().all(|k| !k.starts_with('\u{1}')), "{dump:?}");
     let mut host = start_host(&h, "rsv", &store, &addr, &[])?;
-    wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r2)).await?;
+    wait_status(&addr, |s| s.cursor >= Some(r2)).await?;
     // The real deferred update is released, in order, on top of the real base.
     let report = swap_to_v2(&addr)?;
     assert_eq!(report["released"], 1, "{report}");
@@ -460,8 +453,8 @@ async fn a_fold_holding_forged_retained_records_from_an_older_version_opens_and_
     }
     // Read-only readers are not bricked by it.
     let st = status_store(&store)?;
-    assert_eq!(st["retained"], 0, "{st}");
-    assert_eq!(st["cursor"].as_u64(), Some(r1), "{st}");
+    assert_eq!(st.retained, 0, "{st:?}");
+    assert_eq!(st.cursor, Some(r1), "{st:?}");
     // A run opens the fold, deletes the forged record, and folds on.
     let r2 = kv.put("k2", "v2".into()).await?.as_u64().unwrap_or(0);
     let o = run_command(&h, "migrate", &store, None)
@@ -574,11 +567,11 @@ async fn a_clean_stop_writes_the_same_applied_through_as_status_while_records_ar
     let store = tmp.path().join("fold");
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
     let mut host = start_host(&h, "stopped", &store, &addr, &[])?;
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(x0)).await?;
+    wait_status(&addr, |s| s.applied_through >= x0).await?;
     let r1 = kv.put("k.x", "fmt2:x1".into()).await?.as_u64().unwrap_or(0);
     let r2 = kv.put("k.y", "y1".into()).await?.as_u64().unwrap_or(0);
-    let live = wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r2)).await?;
-    assert_eq!(live["applied_through"].as_u64(), Some(r1 - 1), "{live}");
+    let live = wait_status(&addr, |s| s.cursor >= Some(r2)).await?;
+    assert_eq!(live.applied_through, r1 - 1, "{live:?}");
     let exit = terminate(&mut host)?;
     assert!(exit.success(), "{exit}");
     let file = foldhost::storedir::read_status(&store)
@@ -586,11 +579,7 @@ async fn a_clean_stop_writes_the_same_applied_through_as_status_while_records_ar
     assert_eq!(file.state, "stopped");
     assert_eq!(file.applied_through, r1 - 1, "status.json after the stop");
     let st = status_store(&store)?;
-    assert_eq!(
-        st["applied_through"].as_u64(),
-        Some(r1 - 1),
-        "status --store: {st}"
-    );
+    assert_eq!(st.applied_through, r1 - 1, "status --store: {st:?}");
     Ok(())
 }
 
@@ -606,13 +595,13 @@ async fn a_relist_delete_of_a_key_with_a_retained_record_is_released_after_it_in
     // The host starts first: each revision is delivered (a state-sync start would deliver the
     // key's last revision only).
     let mut host = start_host(&h, "resync", &store, &addr, &[])?;
-    wait_status(&addr, |s| s["state"] == "running").await?;
+    wait_status(&addr, |s| s.state == "running").await?;
     let a0 = rev(kv.put("k.a", "a0".into()).await?);
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(a0)).await?;
+    wait_status(&addr, |s| s.applied_through >= a0).await?;
     let r1 = rev(kv.put("k.a", "fmt2:a1".into()).await?);
-    let s = wait_status(&addr, |s| s["cursor"].as_u64() >= Some(r1)).await?;
-    assert_eq!(s["retained"], 1, "{s}");
-    assert_eq!(s["applied_through"].as_u64(), Some(a0), "{s}");
+    let s = wait_status(&addr, |s| s.cursor >= Some(r1)).await?;
+    assert_eq!(s.retained, 1, "{s:?}");
+    assert_eq!(s.applied_through, a0, "{s:?}");
     terminate(&mut host)?;
 
     // While the node is down the key is deleted and its every message purged: the cursor is
@@ -626,15 +615,14 @@ async fn a_relist_delete_of_a_key_with_a_retained_record_is_released_after_it_in
     // The re-list's synthetic delete of k.a waits behind k.a's retained record (k.a is blocked),
     // retained after it in log order: applied_through stays where it was, never 0.
     let mut host = start_host(&h, "resync", &store, &addr, &[])?;
-    let s = wait_status(&addr, |s| s["cursor"].as_u64() >= Some(b1)).await?;
-    assert_eq!(s["repairs"], 1, "{s}\n{}", host_log(&store));
-    assert_eq!(s["retained"], 2, "{s}\n{}", host_log(&store));
+    let s = wait_status(&addr, |s| s.cursor >= Some(b1)).await?;
+    assert_eq!(s.repairs, 1, "{s:?}\n{}", host_log(&store));
+    assert_eq!(s.retained, 2, "{s:?}\n{}", host_log(&store));
     assert_eq!(
-        s["applied_through"].as_u64(),
-        Some(a0),
-        "applied_through never goes backwards: {s}"
+        s.applied_through, a0,
+        "applied_through never goes backwards: {s:?}"
     );
-    assert_eq!(s["oldest_retained_revision"].as_u64(), Some(r1), "{s}");
+    assert_eq!(s.oldest_retained_revision, Some(r1), "{s:?}");
     assert_eq!(
         query(&addr, "k.a").await?,
         (200, "a0".into()),
@@ -648,7 +636,7 @@ async fn a_relist_delete_of_a_key_with_a_retained_record_is_released_after_it_in
     assert_eq!(report["released"], 2, "{report}");
     assert_eq!(report["still_retained"], 0, "{report}");
     let s = wait_status(&addr, |_| true).await?;
-    assert_eq!(s["applied_through"].as_u64(), Some(b1), "{s}");
+    assert_eq!(s.applied_through, b1, "{s:?}");
     assert_eq!(
         query(&addr, "history:k.a").await?,
         (200, format!("{a0},{r1}")),

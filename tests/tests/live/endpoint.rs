@@ -12,6 +12,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use foldhost::kv::KvWriter;
+use foldhost::status::StatusReport;
 use foldhost_tests::{
     Harness, foldhost, guest_wasm, run_command, terminate, wait_status, wait_until,
 };
@@ -59,14 +60,14 @@ async fn admin_routes_need_the_generated_token_even_on_loopback_and_foldhost_swa
         .arg(guest_wasm("kvstore"))
         .stderr(Stdio::null())
         .spawn()?;
-    let s = wait_status(&a, |s| s["applied_through"].as_u64() >= Some(1)).await?;
+    let s = wait_status(&a, |s| s.applied_through >= 1).await?;
 
     // The generated token: in a file only this user can read, named by /status.
     let file = store.join("admin-token");
     assert_eq!(
-        s["admin_token_file"].as_str(),
+        s.admin_token_file.as_deref(),
         Some(&*file.to_string_lossy()),
-        "{s}"
+        "{s:?}"
     );
     let mode = std::fs::metadata(&file)?.permissions().mode() & 0o777;
     assert_eq!(mode, 0o600, "the token file is private");
@@ -103,7 +104,7 @@ async fn admin_routes_need_the_generated_token_even_on_loopback_and_foldhost_swa
         "foldhost swap: {}",
         String::from_utf8_lossy(&o.stderr)
     );
-    wait_status(&a, |s| s["guest"] == "kvstore@0.2.0").await?;
+    wait_status(&a, |s| s.guest.as_deref() == Some("kvstore@0.2.0")).await?;
     terminate(&mut host)?;
     Ok(())
 }
@@ -199,9 +200,9 @@ async fn slow_clients_round(query_token: Option<&str>) -> anyhow::Result<()> {
     loop {
         let (code, body) = status(a.clone()).await?;
         assert_eq!(code, 200);
-        let s: serde_json::Value = serde_json::from_slice(&body)?;
-        assert_eq!(s["state"], "running", "{s}");
-        if s["applied_through"].as_u64() >= Some(last) {
+        let s: StatusReport = serde_json::from_slice(&body)?;
+        assert_eq!(s.state, "running", "{s:?}");
+        if s.applied_through >= last {
             break;
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -245,7 +246,7 @@ async fn idle_connections_holding_every_slot_cannot_lock_out_a_caller() -> anyho
     let mut host = run_command(&h, "idle", &tmp.path().join("fold"), Some(&a))
         .stderr(Stdio::null())
         .spawn()?;
-    wait_status(&a, |s| s["applied_through"].as_u64() >= Some(1)).await?;
+    wait_status(&a, |s| s.applied_through >= 1).await?;
     // More idle connections than there are slots, each with half a head, all held open.
     let idle: Vec<TcpStream> = (0..300)
         .map(|_| {

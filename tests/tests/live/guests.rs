@@ -11,6 +11,7 @@ use foldhost::applied::{Apply, BatchConfig, FoldStatus, WatchOptions, watch_appl
 use foldhost::guest::{GuestApply, GuestEngine, GuestLimits};
 use foldhost::kv::{KvWriter, WatchScope};
 use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SharedStore};
+use foldhost::status::StatusReport;
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, hostile_wat,
     run_command, status_store, terminate, wait_status, wait_until,
@@ -135,7 +136,7 @@ async fn router_survives_sigkills_and_answers_every_host_like_the_bucket(
         .max()
         .unwrap_or(0);
     wait_status(&addr, |s| {
-        s["applied_through"].as_u64() >= Some(last_route) && s["state"] == "running"
+        s.applied_through >= last_route && s.state == "running"
     })
     .await?;
     eprintln!("{kills} SIGKILLs; stream at {last}, routes through {last_route}");
@@ -194,13 +195,13 @@ async fn a_guest_trapping_on_one_key_stops_the_fold_just_before_it() -> anyhow::
         assert!(line.contains(part), "the error names {part:?}: {line}");
     }
     let s = status_store(&store)?;
-    let cursor = s["cursor"].as_u64().unwrap_or(0);
+    let cursor = s.cursor.unwrap_or(0);
     assert_eq!(
         cursor,
         poison_rev - 1,
         "the fold stops exactly before the poison revision"
     );
-    assert_eq!(s["state"], "failed");
+    assert_eq!(s.state, "failed");
     let fold = dump_store(&store)?;
     assert_eq!(fold.len(), 40, "every key before the poison is applied");
     assert!(fold.keys().all(|k| k.starts_with("a.")));
@@ -221,7 +222,7 @@ async fn a_guest_trapping_on_one_key_stops_the_fold_just_before_it() -> anyhow::
         .arg(&store)
         .output()?;
     assert_eq!(again.status.code(), Some(1));
-    assert_eq!(status_store(&store)?["cursor"].as_u64(), Some(cursor));
+    assert_eq!(status_store(&store)?.cursor, Some(cursor));
 
     // With the trap moved to a key nobody writes, the same guest folds on past it.
     let fixed = foldhost()
@@ -278,12 +279,12 @@ async fn runaway_guest_is_stopped_and_reported(
         .arg(tmp.path().join("fold"))
         .stderr(Stdio::null())
         .spawn()?;
-    let s = wait_status(&addr, |s| s["state"] == "failed").await?;
-    let error = s["error"].as_str().unwrap_or_default().to_string();
+    let s = wait_status(&addr, |s| s.state == "failed").await?;
+    let error = s.error.as_deref().unwrap_or_default().to_string();
     for part in expect {
         assert!(error.contains(part), "status error names {part:?}: {error}");
     }
-    assert_eq!(s["applied_through"], 0, "nothing of the batch is committed");
+    assert_eq!(s.applied_through, 0, "nothing of the batch is committed");
     // The CLI reads the same live status.
     let out = foldhost()
         .args(["status", "--json", "--listen", &addr])
@@ -293,9 +294,9 @@ async fn runaway_guest_is_stopped_and_reported(
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let cli: serde_json::Value = serde_json::from_slice(&out.stdout)?;
-    assert_eq!(cli["state"], "failed");
-    assert_eq!(cli["error"], s["error"]);
+    let cli: StatusReport = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(cli.state, "failed");
+    assert_eq!(cli.error, s.error);
     // The host is still up and answering.
     let (code, _) = foldhost::serve::call(&addr, "GET", "/status", b"").await?;
     assert_eq!(code, 200);
@@ -345,7 +346,7 @@ async fn a_guest_sleeping_in_query_or_init_is_cut_at_its_deadline() -> anyhow::R
         .arg(guest_wasm("hostile_sleep"))
         .stderr(Stdio::null())
         .spawn()?;
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(1)).await?;
+    wait_status(&addr, |s| s.applied_through >= 1).await?;
     let (code, body) = foldhost::serve::call(&addr, "POST", "/query", b"sleep").await?;
     let text = String::from_utf8_lossy(&body);
     assert_eq!(code, 422, "{text}");
@@ -357,8 +358,8 @@ async fn a_guest_sleeping_in_query_or_init_is_cut_at_its_deadline() -> anyhow::R
     );
     // The fold goes on: a later write is folded and served by a fresh instance.
     let r = kv.put("k2", "v2".into()).await?.as_u64().unwrap_or(0);
-    let s = wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(r)).await?;
-    assert_eq!(s["state"], "running", "{s}");
+    let s = wait_status(&addr, |s| s.applied_through >= r).await?;
+    assert_eq!(s.state, "running", "{s:?}");
     assert_eq!(
         foldhost::serve::call(&addr, "POST", "/query", b"k2").await?,
         (200, b"v2".to_vec())
@@ -418,7 +419,7 @@ async fn a_loud_guests_log_lines_errors_and_answers_are_cut_at_their_limits() ->
         .spawn()?;
     // A 10 MiB log line is written cut, its length marked.
     let r = kv.put("loud.log", "x".into()).await?.as_u64().unwrap_or(0);
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(r)).await?;
+    wait_status(&addr, |s| s.applied_through >= r).await?;
     // A 120 MiB answer is refused with the limit named.
     let (code, body) = foldhost::serve::call(&addr, "POST", "/query", b"big").await?;
     let text = String::from_utf8_lossy(&body);
@@ -435,8 +436,8 @@ async fn a_loud_guests_log_lines_errors_and_answers_are_cut_at_their_limits() ->
     );
     // A 100 MiB error stops the fold with a short status.
     kv.put("loud.error", "x".into()).await?;
-    let s = wait_status(&addr, |s| s["state"] == "failed").await?;
-    let error = s["error"].as_str().unwrap_or_default();
+    let s = wait_status(&addr, |s| s.state == "failed").await?;
+    let error = s.error.as_deref().unwrap_or_default();
     assert!(
         error.len() < 8192,
         "the error is cut: {} bytes",
@@ -778,10 +779,7 @@ async fn batches_over_the_guest_byte_limit_are_split_and_a_single_oversized_upda
             && err.contains("max-batch-bytes limit of 5000"),
         "{err}"
     );
-    assert_eq!(
-        status_store(&store)?["cursor"].as_u64(),
-        big.as_u64().map(|r| r - 1)
-    );
+    assert_eq!(status_store(&store)?.cursor, big.as_u64().map(|r| r - 1));
     Ok(())
 }
 
@@ -878,7 +876,7 @@ async fn keys_expiring_by_per_message_ttl_leave_the_fold_and_the_router_live_and
         .arg(guest_wasm("router"))
         .stderr(Stdio::null())
         .spawn()?;
-    wait_status(&addr, |s| s["state"] == "running").await?;
+    wait_status(&addr, |s| s.state == "running").await?;
     // Ten hosts that stay, ten that expire after 2 s.
     for i in 0..20u32 {
         let subject = format!("$KV.ttl.route.h{i:02}");
@@ -897,8 +895,8 @@ async fn keys_expiring_by_per_message_ttl_leave_the_fold_and_the_router_live_and
         .map(|i| format!("route.h{i:02}"))
         .collect();
     // Folded first (the router answers for every host), then gone once the server expires them.
-    let s = wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(20)).await?;
-    assert_eq!(s["state"], "running", "{s}");
+    let s = wait_status(&addr, |s| s.applied_through >= 20).await?;
+    assert_eq!(s.state, "running", "{s:?}");
     wait_until("the expired keys to leave the fold", || {
         dump_store(&store)
             .is_ok_and(|d| d.len() == 10 && expiring.iter().all(|k| !d.contains_key(k)))

@@ -32,7 +32,7 @@ async fn fold_old_bucket(h: &Harness, bucket: &str, store: &Path) -> anyhow::Res
         .arg("--catch-up")
         .output()?;
     ok(&o, "first catch-up")?;
-    let cursor = status_store(store)?["cursor"].as_u64().unwrap_or(0);
+    let cursor = status_store(store)?.cursor.unwrap_or(0);
     assert_eq!(cursor, 3000);
     Ok(cursor)
 }
@@ -64,7 +64,7 @@ async fn watching(h: &Harness, bucket: &str, addr: &str) -> anyhow::Result<()> {
         .await?
         .put("old.live", Bytes::from_static(b"live"))
         .await?;
-    wait_status(addr, |s| s["applied_through"].as_u64() == Some(3001)).await?;
+    wait_status(addr, |s| s.applied_through == 3001).await?;
     Ok(())
 }
 
@@ -155,7 +155,7 @@ async fn a_bucket_recreated_under_a_stopped_node_is_refused_untouched_and_relist
     let want = bucket_contents(&kv).await?;
     assert_eq!(want.len(), 500);
     assert_eq!(first_difference(&want, &dump_store(&store)?), None);
-    assert_eq!(status_store(&store)?["cursor"].as_u64(), Some(500));
+    assert_eq!(status_store(&store)?.cursor, Some(500));
 
     // The new identity is recorded: a plain restart resumes with a delta.
     kv.put("new.late", Bytes::from_static(b"late")).await?;
@@ -187,13 +187,13 @@ async fn a_bucket_recreated_under_a_running_node_stops_it_untouched_or_is_relist
     watching(&h, bucket, &addr).await?;
     recreate(&h, bucket).await?;
     // A node serving `--listen` stays up to report its failure.
-    let st = wait_status(&addr, |s| s["state"] == "failed").await?;
-    let error = st["error"].as_str().unwrap_or_default();
+    let st = wait_status(&addr, |s| s.state == "failed").await?;
+    let error = st.error.as_deref().unwrap_or_default();
     assert!(
         error.starts_with(&format!(
             "bucket {bucket}: the fold folds stream KV_{bucket} created"
         )) && error.contains("--on-recreated relist"),
-        "{st}"
+        "{st:?}"
     );
     foldhost_tests::terminate(&mut child)?;
     let o = run_command(&h, bucket, &store, None)
@@ -220,9 +220,9 @@ async fn a_bucket_recreated_under_a_running_node_stops_it_untouched_or_is_relist
     let kv = recreate(&h, bucket).await?;
     log.wait_for("recreated bucket: fold reset")?;
     kv.put("new.after", Bytes::from_static(b"after")).await?;
-    let st = wait_status(&addr, |s| s["applied_through"].as_u64() == Some(501)).await?;
-    assert_eq!(st["repairs"].as_u64(), Some(1), "{st}");
-    assert_eq!(st["state"], "running", "{st}");
+    let st = wait_status(&addr, |s| s.applied_through == 501).await?;
+    assert_eq!(st.repairs, 1, "{st:?}");
+    assert_eq!(st.state, "running", "{st:?}");
     foldhost_tests::terminate(&mut child)?;
     assert_eq!(
         first_difference(&bucket_contents(&kv).await?, &dump_store(&store)?),
@@ -244,7 +244,7 @@ async fn an_artifact_of_the_buckets_earlier_incarnation_is_never_restored() -> a
     let mut ex = run_command(&h, "incarn", &exporter, Some(&ea))
         .stderr(std::process::Stdio::null())
         .spawn()?;
-    wait_status(&ea, |s| s["applied_through"].as_u64() == Some(3000)).await?;
+    wait_status(&ea, |s| s.applied_through == 3000).await?;
     let o = foldhost_tests::foldhost()
         .args(["export", "--listen", &ea, "--out"])
         .arg(artifacts.join("old"))

@@ -17,6 +17,7 @@ use foldhost::kv::{
 };
 use foldhost::nats::NatsKv;
 use foldhost::snapshot::SnapshotStore;
+use foldhost::status::StatusReport;
 use foldhost::storedir::{AnyStore, Backend};
 use foldhost::stores::StoreConfig;
 use foldhost_tests::{
@@ -205,7 +206,7 @@ async fn keep_values_bucket_relist_deletes_keys_deleted_past_retention_and_keeps
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("node");
     ok(&catch_up(&h, "keep", &store, &[])?, "first catch-up")?;
-    let cursor = status_store(&store)?["cursor"].as_u64().unwrap_or(0);
+    let cursor = status_store(&store)?.cursor.unwrap_or(0);
     assert_eq!(cursor, 24);
 
     // While the node is down: deletes, a delete then a re-create, rewrites; then the delete
@@ -296,7 +297,7 @@ async fn evicted(
     )
     .await?;
     let last = kv.positions().await?.last_sequence;
-    wait_status(&a, |s| s["applied_through"].as_u64() >= Some(last)).await?;
+    wait_status(&a, |s| s.applied_through >= last).await?;
     let artifacts = tmp.path().join("artifacts");
     std::fs::create_dir_all(&artifacts)?;
     let m = export_live(&a, &artifacts.join("art1"))?;
@@ -370,8 +371,8 @@ async fn evicting_bucket_refuses_a_listing_diff_and_restores_from_an_artifact_li
         "NATS itself holds nothing"
     );
     let st = status_store(&e.node)?;
-    assert_eq!(st["cursor"].as_u64(), Some(e.cursor));
-    assert_eq!(st["eviction_seen"], true);
+    assert_eq!(st.cursor, Some(e.cursor));
+    assert!(st.eviction_seen);
 
     // An empty fold on this bucket would re-list nothing (everything aged out): with a restore
     // armed it seeds from the artifact instead.
@@ -411,11 +412,7 @@ async fn once_eviction_was_seen_the_listing_is_never_trusted_again_even_with_evi
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("node");
     ok(&catch_up(&h, "memo", &store, &[])?, "catch-up")?;
-    assert_eq!(
-        status_store(&store)?["eviction_seen"],
-        true,
-        "the memo is committed"
-    );
+    assert!(status_store(&store)?.eviction_seen, "the memo is committed");
     // The fold still has `c`; then the operator turns eviction off.
     set_max_age(&kv, "memo", Duration::ZERO).await?;
     let r = kv
@@ -483,8 +480,8 @@ async fn a_stalled_watcher_overrun_by_a_burst_trips_the_floor_guard_and_restores
         .env("FOLDHOST_LOG", "warn")
         .stderr(std::fs::File::create(&node_log)?)
         .spawn()?;
-    wait_status(&ea, |s| s["applied_through"].as_u64() >= Some(200)).await?;
-    wait_status(&na, |s| s["applied_through"].as_u64() >= Some(200)).await?;
+    wait_status(&ea, |s| s.applied_through >= 200).await?;
+    wait_status(&na, |s| s.applied_through >= 200).await?;
 
     signal(&nd, "-STOP")?;
     // ~32 MB over 6 000 keys: the stream keeps ~8 MiB of it.
@@ -500,10 +497,7 @@ async fn a_stalled_watcher_overrun_by_a_burst_trips_the_floor_guard_and_restores
         p.first_sequence > 201,
         "the burst evicted the node's position: {p:?}"
     );
-    wait_status(&ea, |s| {
-        s["applied_through"].as_u64() >= Some(p.last_sequence)
-    })
-    .await?;
+    wait_status(&ea, |s| s.applied_through >= p.last_sequence).await?;
     let m = export_live(&ea, &artifacts.join("after-burst"))?;
     assert_eq!(m["cursor"].as_u64(), Some(p.last_sequence));
 
@@ -511,18 +505,16 @@ async fn a_stalled_watcher_overrun_by_a_burst_trips_the_floor_guard_and_restores
     let deadline = Instant::now() + Duration::from_secs(120);
     let st = loop {
         if let Ok((200, body)) = foldhost::serve::call(&na, "GET", "/status", b"").await {
-            let s: serde_json::Value = serde_json::from_slice(&body)?;
-            if s["repairs"].as_u64() >= Some(1)
-                && s["applied_through"].as_u64() >= Some(p.last_sequence)
-            {
+            let s: StatusReport = serde_json::from_slice(&body)?;
+            if s.repairs >= 1 && s.applied_through >= p.last_sequence {
                 break s;
             }
-            anyhow::ensure!(s["state"] != "failed", "node failed: {s}");
+            anyhow::ensure!(s.state != "failed", "node failed: {s:?}");
         }
         anyhow::ensure!(Instant::now() < deadline, "the node never repaired");
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
-    assert_eq!(st["state"], "running", "{st}");
+    assert_eq!(st.state, "running", "{st:?}");
     terminate(&mut nd)?;
     // The trip came from the live floor guard (no restart): the watch ended with CursorExpired
     // in process and the restore followed.
@@ -586,7 +578,7 @@ async fn crashes_inside_the_repair_converge(
         "a repair of {batches} batches is too short to crash inside"
     );
     assert_eq!(first_difference(want, &dump_store(&measured)?), None);
-    let before = status_store(node)?["cursor"].clone();
+    let before = status_store(node)?.cursor;
     let mut arms: Vec<(&'static str, usize)> = fractions
         .iter()
         .map(|f| (point, ((batches as f64 * f) as usize).clamp(1, batches)))
@@ -600,7 +592,7 @@ async fn crashes_inside_the_repair_converge(
         copy_dir(node, &dir)?;
         run_to_crash(cmd(&dir), at, n as u64)?;
         assert_eq!(
-            status_store(&dir)?["cursor"],
+            status_store(&dir)?.cursor,
             before,
             "the cursor moved before the repair finished (crashed at {at}:{n} of {batches} batches)"
         );
@@ -723,7 +715,7 @@ async fn supersession_only_restart_resumes_on_a_max_age_bucket_without_an_artifa
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("node");
     ok(&catch_up(&h, "supersede", &store, &[])?, "catch-up")?;
-    assert_eq!(status_store(&store)?["eviction_seen"], true);
+    assert!(status_store(&store)?.eviction_seen);
     {
         let (s, _) = AnyStore::open_read_only(&store)?;
         let memo = s
@@ -741,7 +733,7 @@ async fn supersession_only_restart_resumes_on_a_max_age_bucket_without_an_artifa
         kv.put("a", format!("a{i}").into()).await?;
         kv.put("b", format!("b{i}").into()).await?;
     }
-    let cursor = status_store(&store)?["cursor"].as_u64().unwrap_or(0);
+    let cursor = status_store(&store)?.cursor.unwrap_or(0);
     let first = kv.positions().await?.first_sequence;
     assert!(
         first > cursor + 1,
@@ -908,8 +900,8 @@ async fn a_prefix_watch_cut_off_while_in_scope_messages_age_out_trips_the_floor_
         .stderr(std::fs::File::create(&log_path)?)
         .spawn()?;
     let last = kv.positions().await?.last_sequence;
-    let before = wait_status(&na, |s| s["applied_through"].as_u64() >= Some(last - 1)).await?;
-    let cursor = before["cursor"].as_u64().unwrap_or(0);
+    let before = wait_status(&na, |s| s.applied_through >= last - 1).await?;
+    let cursor = before.cursor.unwrap_or(0);
     let (code, _) = foldhost::serve::call(&na, "POST", "/query", b"h1").await?;
     assert_eq!(code, 200);
 
@@ -936,19 +928,19 @@ async fn a_prefix_watch_cut_off_while_in_scope_messages_age_out_trips_the_floor_
 
     // The re-created consumer starts at the first retained message: the guard trips before
     // anything after the gap is applied. With no artifact armed the node stops.
-    let st = wait_status(&na, |s| s["state"] == "failed").await?;
+    let st = wait_status(&na, |s| s.state == "failed").await?;
     terminate(&mut nd)?;
     let log = std::fs::read_to_string(&log_path)?;
     assert!(
         log.contains("floor guard: retention overran the watch"),
-        "{st}\n{log}"
+        "{st:?}\n{log}"
     );
     assert!(
-        st["error"]
-            .as_str()
+        st.error
+            .as_deref()
             .unwrap_or_default()
             .contains("cursor expired"),
-        "{st}"
+        "{st:?}"
     );
     let fold = dump_store(&node)?;
     assert!(!fold.contains_key("route.h99"), "the fold skipped the gap");
@@ -956,6 +948,6 @@ async fn a_prefix_watch_cut_off_while_in_scope_messages_age_out_trips_the_floor_
         fold.contains_key("route.h1"),
         "the fold moved past the lost delete"
     );
-    assert_eq!(status_store(&node)?["cursor"].as_u64(), Some(cursor));
+    assert_eq!(status_store(&node)?.cursor, Some(cursor));
     Ok(())
 }

@@ -21,7 +21,7 @@ async fn fold_resumes_by_itself_after_the_server_restarts() -> anyhow::Result<()
     let mut host = run_command(&h, "restart", &store, Some(&addr))
         .stderr(Stdio::null())
         .spawn()?;
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(1000)).await?;
+    wait_status(&addr, |s| s.applied_through >= 1000).await?;
 
     h.server.restart()?;
     // Writes resume once the client has reconnected.
@@ -35,8 +35,8 @@ async fn fold_resumes_by_itself_after_the_server_restarts() -> anyhow::Result<()
         }
     }
     let last = kv.positions().await?.last_sequence;
-    let s = wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(last)).await?;
-    assert_eq!(s["state"], "running");
+    let s = wait_status(&addr, |s| s.applied_through >= last).await?;
+    assert_eq!(s.state, "running");
     terminate(&mut host)?;
     assert_eq!(
         first_difference(&bucket_contents(&kv).await?, &dump_store(&store)?),

@@ -63,7 +63,7 @@ async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Resu
     let store = tmp.path().join("fold");
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
     let mut host = start_host(&h, "swap", &store, &addr, None)?;
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(2000)).await?;
+    wait_status(&addr, |s| s.applied_through >= 2000).await?;
 
     // The writer: pipelined puts over 5 000 keys, with deletes, until stopped; it counts what
     // the server acknowledged, and the swaps are placed by that count, not by a clock.
@@ -137,15 +137,12 @@ async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Resu
     );
 
     let last = kv.positions().await?.last_sequence;
-    let s = wait_status(&addr, |s| {
-        s["applied_through"].as_u64() >= Some(last) || s["state"] == "failed"
-    })
-    .await?;
+    let s = wait_status(&addr, |s| s.applied_through >= last || s.state == "failed").await?;
     assert_eq!(
-        s["state"], "running",
-        "v2 refuses updates applied twice: {s}"
+        s.state, "running",
+        "v2 refuses updates applied twice: {s:?}"
     );
-    assert_eq!(s["guest"], "kvstore@0.2.0");
+    assert_eq!(s.guest.as_deref(), Some("kvstore@0.2.0"));
     let want = bucket_contents(&kv).await?;
     for (key, (value, _)) in &want {
         let (code, body) = foldhost::serve::call(&addr, "POST", "/query", key.as_bytes()).await?;
@@ -180,7 +177,7 @@ async fn refused_swaps_leave_the_old_guest_serving() -> anyhow::Result<()> {
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
     let token = "s3cret";
     let mut host = start_host(&h, "refuse", &tmp.path().join("fold"), &addr, Some(token))?;
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(2)).await?;
+    wait_status(&addr, |s| s.applied_through >= 2).await?;
 
     let cases = [
         (guest_wasm("kvstore_v2"), None, "admin bearer token"),
@@ -207,13 +204,13 @@ async fn refused_swaps_leave_the_old_guest_serving() -> anyhow::Result<()> {
             "v1 still serves"
         );
         let s = wait_status(&addr, |_| true).await?;
-        assert_eq!(s["guest"], "kvstore@0.1.0");
-        assert_eq!(s["state"], "running");
+        assert_eq!(s.guest.as_deref(), Some("kvstore@0.1.0"));
+        assert_eq!(s.state, "running");
     }
     // The fold kept going after the refusals.
     kv.put("route.b", "{\"upstream\":\"2\"}".into()).await?;
     let last = kv.positions().await?.last_sequence;
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(last)).await?;
+    wait_status(&addr, |s| s.applied_through >= last).await?;
     let (code, _) = foldhost::serve::call(&addr, "POST", "/query", b"route.b").await?;
     assert_eq!(code, 200);
     terminate(&mut host)?;
@@ -246,7 +243,7 @@ async fn a_changed_guest_file_is_swapped_in_with_watch_guest() -> anyhow::Result
     .arg(tmp.path().join("fold"));
     // The refusal of a bad file is waited for in the host's log (warn level), not by a clock.
     let (mut host, mut log) = spawn_logged(cmd)?;
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(1)).await?;
+    wait_status(&addr, |s| s.applied_through >= 1).await?;
     // A file that is not a component is refused; the running guest stays.
     let staged = tmp.path().join("staged.wasm");
     std::fs::write(&staged, b"not a component")?;
@@ -257,7 +254,7 @@ async fn a_changed_guest_file_is_swapped_in_with_watch_guest() -> anyhow::Result
     // Replace the file atomically with v2: the host swaps it in.
     std::fs::copy(guest_wasm("kvstore_v2"), &staged)?;
     std::fs::rename(&staged, &guest)?;
-    wait_status(&addr, |s| s["guest"] == "kvstore@0.2.0").await?;
+    wait_status(&addr, |s| s.guest.as_deref() == Some("kvstore@0.2.0")).await?;
     let (code, body) = foldhost::serve::call(&addr, "POST", "/query", b"k").await?;
     assert_eq!((code, body), (200, b"v2:v".to_vec()));
     terminate(&mut host)?;
@@ -288,7 +285,7 @@ async fn queries_are_served_over_nats_request_reply() -> anyhow::Result<()> {
         .arg(tmp.path().join("fold"))
         .stderr(Stdio::null())
         .spawn()?;
-    wait_status(&addr, |s| s["applied_through"].as_u64() >= Some(1)).await?;
+    wait_status(&addr, |s| s.applied_through >= 1).await?;
     let client = h.conn.client().await?;
     let answer = client.request("svc.kv.query", "route.a".into()).await?;
     assert_eq!(&answer.payload[..], b"{\"upstream\":\"1\"}");
