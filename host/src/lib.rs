@@ -1,20 +1,25 @@
 //! foldhost keeps a local, durable fold of NATS JetStream key-value buckets and runs the domain
 //! logic that turns those keys into live structures behind one seam ([`applied::Apply`]).
 //!
-//! Module map (names follow seed 000 so the two can be read side by side):
-//! - [`kv`] — the vocabulary: entries, updates, versions, cursors, errors, the capability traits.
-//! - [`stores`] — connections and buckets ([`stores::Connection`], [`stores::KvStore`]).
-//! - [`nats`] — the JetStream implementation of the kv layer.
+//! Module map (names follow seed 000 so the two can be read side by side; `ARCHITECTURE.md` has
+//! the map with where to start reading):
+//! - [`node`] — the composition root: [`node::Node::run`] over a typed [`node::NodeConfig`].
 //! - [`protocol`] — every correctness decision as a pure function.
-//! - [`snapshot`] — the durable fold contract and the append-log backend.
+//! - [`kv`] — the vocabulary: entries, updates, versions, cursors, errors, the capability traits.
+//! - [`bucket`] — connections and buckets ([`bucket::Connection`], [`bucket::BucketHandle`]).
+//! - [`nats`] — the JetStream implementation of the kv layer, and the live floor guard.
+//! - [`snapshot`] — the durable store contract and its backends.
 //! - [`retained`] — deferred records kept in the fold until a guest can decode them.
+//! - [`view`] — the fold as its readers (guests) see it.
+//! - [`applied`] — the fold: the `Apply` seam, [`applied::Fold`], the loop (`watch_applied`).
+//! - [`repair`] — the cursor-expiry repairs (key-listing diff, artifact restore).
 //! - [`artifact`] — verified copies of a fold: export, import (directory or tar).
 //! - [`storedir`] — the store directory: backend choice, read-only opens, the status file.
+//! - [`status`] — the one status model ([`status::StatusReport`]).
 //! - [`guest`] — WebAssembly guests behind the `Apply` seam (wasmtime).
-//! - [`applied`] — `watch_applied` and [`applied::Fold`]: cursor-after-apply.
+//! - [`serve`] — the `--listen` endpoint: `/status`, `/query`, `/swap`, `/export`.
+//! - [`cli`] — the command line (a shell over `node`).
 //! - [`localnats`] — a throwaway local nats-server for the demo and the tests.
-//! - [`serve`] — the `--listen` endpoint: `/status`, `/query`, `/swap`.
-//! - [`cli`] — the command line.
 //! - [`crashpoint`] — named crash points, compiled in only with the `crashpoints` feature (tests).
 //! - `testkit` — `SimBucket`, an in-memory JetStream KV bucket for fast tests of the fold (tests and
 //!   the `testkit` feature).
@@ -23,6 +28,7 @@
 
 pub mod applied;
 pub mod artifact;
+pub mod bucket;
 pub mod cli;
 pub mod crashpoint;
 pub mod guest;
@@ -37,6 +43,6 @@ pub mod serve;
 pub mod snapshot;
 pub mod status;
 pub mod storedir;
-pub mod stores;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
+pub mod view;

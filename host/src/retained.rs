@@ -16,7 +16,7 @@
 //!   `dump` always equals the bucket). For a blocked key the guest must see the value it last
 //!   applied instead, so the first retained record of a key (its *head*) carries that *base*: the
 //!   key's entry just before the record (or none). Guest reads and hydration show the base for
-//!   blocked keys ([`crate::snapshot::FoldRead`] on [`crate::snapshot::SharedStore`]), and never a
+//!   blocked keys ([`crate::view::FoldRead`] on [`crate::view::SharedStore`]), and never a
 //!   reserved key.
 //! - **Bounded and checked.** A record is decoded with every length checked against what is left.
 //!   A record that does not decode (or has no head) cannot have been written by a host: it is set
@@ -30,9 +30,7 @@ use bytes::Bytes;
 use crate::kv::{KvEntry, KvUpdate, VersionToken};
 use crate::snapshot::{SnapshotError, SnapshotStore};
 
-/// Keys starting with this byte are the host's own. A raw publish can put such a key in a bucket;
-/// the fold skips those at its edge (`protocol::bucket_key_admitted`), so none reaches the store.
-pub const RESERVED_PREFIX: &str = "\u{1}";
+pub use crate::snapshot::{RESERVED_PREFIX, is_reserved};
 
 /// Where the fold records which stream it folds ([`crate::kv::StreamIdentity`]): one reserved
 /// key, committed with the fold's first cursor and replaced only by a reset for a recreated
@@ -55,11 +53,6 @@ const RECORD_VERSION: u8 = 1;
 /// Format version of a record of unknown revision: version 1 followed by its position and
 /// sequence.
 const RECORD_VERSION_POSITIONED: u8 = 2;
-
-/// True for the host's own keys (never shown to guests, `dump` or listings).
-pub fn is_reserved(key: &str) -> bool {
-    key.starts_with(RESERVED_PREFIX)
-}
 
 /// What a blocked key's guest view holds: the entry as of its last applied update (`None`: absent).
 pub type Base = Option<KvEntry>;

@@ -10,11 +10,11 @@ use std::process::Command;
 use std::sync::Arc;
 
 use base64::Engine as _;
+use foldhost::bucket::{BucketConfig, ConnectOptions};
 use foldhost::kv::KvError;
 use foldhost::localnats::LocalNats;
 use foldhost::nats::{NatsConnection, NatsKv};
 use foldhost::status::StatusReport;
-use foldhost::stores::{ConnectOptions, StoreConfig};
 
 /// A bucket's contents: key → (value, revision).
 pub type Contents = BTreeMap<String, (Vec<u8>, u64)>;
@@ -40,9 +40,9 @@ impl Harness {
         self.conn
             .bucket(
                 name,
-                &StoreConfig {
+                &BucketConfig {
                     max_bytes: None,
-                    ..StoreConfig::default()
+                    ..BucketConfig::default()
                 },
             )
             .await
@@ -59,10 +59,10 @@ impl Harness {
         self.conn
             .bucket(
                 name,
-                &StoreConfig {
+                &BucketConfig {
                     max_bytes: None,
                     max_history: history,
-                    ..StoreConfig::default()
+                    ..BucketConfig::default()
                 },
             )
             .await

@@ -14,7 +14,8 @@ use crate::crashpoint;
 use crate::kv::{KvEntry, KvUpdate, WatchCursor};
 use crate::protocol;
 use crate::retained::{Base, RetainedIndex, RetainedRecord, is_reserved};
-use crate::snapshot::{SharedStore, SnapshotError, SnapshotStore};
+use crate::snapshot::{SnapshotError, SnapshotStore};
+use crate::view::SharedStore;
 
 use super::{
     AppliedError, Apply, ApplyError, FoldStatus, MAX_APPLY_FAILURES, MAX_STAMPS, MAX_WARNINGS,

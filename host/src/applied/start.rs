@@ -280,7 +280,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> crate::repair::RepairTarget for Repair
     type Store = S;
     type Error = AppliedError;
 
-    fn store(&self) -> crate::snapshot::SharedStore<S> {
+    fn store(&self) -> crate::view::SharedStore<S> {
         self.fold.store().clone()
     }
 

@@ -17,7 +17,8 @@ use tokio::sync::mpsc;
 
 use crate::kv::{KvError, KvUpdate, KvWatcher, WatchEvent};
 use crate::protocol;
-use crate::snapshot::{SharedStore, SnapshotStore};
+use crate::snapshot::SnapshotStore;
+use crate::view::SharedStore;
 
 use super::fold::{STORE_RETRY_DELAY, apply_backoff, flush_all};
 use super::start::{check_identity, note_retention, prepare, repair_expired, watches_for_eviction};

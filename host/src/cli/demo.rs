@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 
+use crate::bucket::{BucketConfig, ConnectOptions};
 use crate::nats::NatsConnection;
 use crate::node::{ListenConfig, Node, NodeConfig};
 use crate::status::StatusReport;
-use crate::stores::{ConnectOptions, StoreConfig};
 
 use super::{DemoArgs, find_in_checkout};
 
@@ -26,8 +26,8 @@ fn find_router_guest() -> Option<PathBuf> {
 }
 
 pub(super) async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
+    use crate::bucket::Connection;
     use crate::localnats::LocalNats;
-    use crate::stores::Connection;
     println!(
         "== foldhost demo: a local nats-server, a bucket of routes, the router guest, a fold =="
     );
@@ -45,11 +45,11 @@ pub(super) async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
     let store_dir = work.path().join("store");
     let conn = NatsConnection::open(ConnectOptions::new(server.url())).await?;
     let kv = conn
-        .store(
+        .open_bucket(
             "routes",
-            &StoreConfig {
+            &BucketConfig {
                 max_bytes: None,
-                ..StoreConfig::default()
+                ..BucketConfig::default()
             },
         )
         .await?;

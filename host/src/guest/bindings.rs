@@ -9,7 +9,7 @@ use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use crate::kv::{KvEntry, KvUpdate};
-use crate::snapshot::FoldRead;
+use crate::view::FoldRead;
 
 wasmtime::component::bindgen!({
     path: "../wit",

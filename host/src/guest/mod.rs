@@ -29,7 +29,7 @@ use wasmtime::{Config, Engine, Store};
 
 use crate::applied::{Apply, ApplyError, SwapReport, Verdict};
 use crate::kv::{KvUpdate, WatchCursor, WatchScope};
-use crate::snapshot::FoldRead;
+use crate::view::FoldRead;
 use bindings::{GuestPre, HostState, MAX_MESSAGE_BYTES, clip_text};
 
 /// Compiled components kept by one engine (the running one, the one before, a swap candidate…).

@@ -29,15 +29,15 @@ use bytes::Bytes;
 use futures::StreamExt;
 use tokio::sync::{Mutex, mpsc};
 
+use crate::bucket::{
+    BucketConfig, BucketHandle, ConnectOptions, Connection, ConnectionCapabilities,
+    CredentialSource, StorageType, credential_source,
+};
 use crate::kv::{
     KvEntry, KvError, KvReader, KvUpdate, KvWatcher, KvWriter, StreamIdentity, StreamState,
     VersionToken, WatchCursor, WatchEvent, WatchScope,
 };
 use crate::protocol;
-use crate::stores::{
-    ConnectOptions, Connection, ConnectionCapabilities, CredentialSource, KvStore, StorageType,
-    StoreConfig, credential_source,
-};
 
 /// The header carrying a KV operation (absent, `DEL` or `PURGE`). A static name: looking a header
 /// up by `&str` builds (and allocates) a name per message.
@@ -121,8 +121,8 @@ impl NatsConnection {
             .ok_or(KvError::NotConnected)
     }
 
-    /// Opens a bucket and returns the concrete handle (the trait method wraps it in a [`KvStore`]).
-    pub async fn bucket(&self, name: &str, config: &StoreConfig) -> Result<Arc<NatsKv>, KvError> {
+    /// Opens a bucket and returns the concrete handle (the trait method wraps it in a [`BucketHandle`]).
+    pub async fn bucket(&self, name: &str, config: &BucketConfig) -> Result<Arc<NatsKv>, KvError> {
         let client = self.client().await?;
         NatsKv::open(client, name, config, self.opts.op_timeout).await
     }
@@ -197,9 +197,13 @@ impl Connection for NatsConnection {
         self.healthy.load(Ordering::Acquire)
     }
 
-    async fn store(&self, bucket: &str, config: &StoreConfig) -> Result<KvStore, KvError> {
+    async fn open_bucket(
+        &self,
+        bucket: &str,
+        config: &BucketConfig,
+    ) -> Result<BucketHandle, KvError> {
         let kv = self.bucket(bucket, config).await?;
-        Ok(KvStore::new(bucket, kv.clone(), kv.clone(), kv))
+        Ok(BucketHandle::new(bucket, kv.clone(), kv.clone(), kv))
     }
 
     fn capabilities(&self) -> ConnectionCapabilities {
@@ -240,7 +244,7 @@ impl NatsKv {
     async fn open(
         client: async_nats::Client,
         bucket: &str,
-        config: &StoreConfig,
+        config: &BucketConfig,
         timeout: Duration,
     ) -> Result<Arc<Self>, KvError> {
         let js = jetstream::new(client.clone());

@@ -24,14 +24,15 @@ use crate::applied::{
     AppliedError, Apply, ApplyError, BatchConfig, CountingApply, FoldStatus, WatchOptions,
     watch_applied,
 };
+use crate::bucket::{BucketConfig, ConnectOptions};
 use crate::guest::{GuestApply, GuestEngine, GuestError, GuestLimits};
 use crate::kv::{KvError, WatchCursor, WatchScope};
 use crate::nats::NatsConnection;
 use crate::protocol::{OnRecreated, RepairMode};
-use crate::snapshot::{SharedStore, SnapshotError, SnapshotStore};
+use crate::snapshot::{SnapshotError, SnapshotStore};
 use crate::status::StatusReport;
 use crate::storedir::{self, AnyStore, Backend, StoreDirError};
-use crate::stores::{ConnectOptions, StoreConfig};
+use crate::view::SharedStore;
 
 /// Why a node did not start, or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -253,9 +254,9 @@ impl Node {
         let kv = conn
             .bucket(
                 &cfg.bucket,
-                &StoreConfig {
+                &BucketConfig {
                     create: false,
-                    ..StoreConfig::default()
+                    ..BucketConfig::default()
                 },
             )
             .await?;
@@ -308,7 +309,7 @@ impl Node {
         .await;
         let outcome = tasks.finish(&cfg, &status, result, shutdown).await;
         {
-            use crate::stores::Connection as _;
+            use crate::bucket::Connection as _;
             conn.shutdown().await;
         }
         outcome
@@ -339,7 +340,7 @@ async fn prove_guest(cfg: &NodeConfig) -> Result<Option<ProvenGuest>, NodeError>
         &bytes,
         cfg.guest_limits,
         cfg.guest_config.clone(),
-        Arc::new(crate::snapshot::EmptyFold),
+        Arc::new(crate::view::EmptyFold),
     )
     .await?;
     drop(probe);

@@ -39,7 +39,8 @@ use async_trait::async_trait;
 use crate::artifact::ArtifactError;
 use crate::kv::{KvError, KvReader, KvUpdate, WatchCursor};
 use crate::protocol::RepairMode;
-use crate::snapshot::{SharedStore, SnapshotError, SnapshotStore};
+use crate::snapshot::{SnapshotError, SnapshotStore};
+use crate::view::SharedStore;
 
 mod extsort;
 mod relist;

@@ -20,9 +20,8 @@ use crate::applied::{
     MAX_APPLY_FAILURES, SwapReport, Verdict, WatchOptions, watch_applied,
 };
 use crate::retained::{RETAINED_PREFIX, is_reserved};
-use crate::snapshot::{
-    AppendLogOptions, AppendLogSnapshot, FoldRead, SharedStore, SnapshotError, SnapshotStore,
-};
+use crate::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotError, SnapshotStore};
+use crate::view::{FoldRead, SharedStore};
 
 /// Longest (virtual) time any wait in these tests may take: it only stops a hung test.
 const DEADLINE: Duration = Duration::from_secs(600);

@@ -36,14 +36,13 @@ use async_nats::jetstream::consumer;
 use foldhost::applied::{
     Apply, BatchConfig, CountingApply, FoldStatus, WatchOptions, watch_applied,
 };
+use foldhost::bucket::{BucketConfig, ConnectOptions};
 use foldhost::guest::{GuestApply, GuestEngine, GuestLimits};
 use foldhost::kv::WatchScope;
 use foldhost::localnats::LocalNats;
 use foldhost::nats::{NatsConnection, NatsKv};
-use foldhost::snapshot::{
-    AppendLogOptions, AppendLogSnapshot, FoldRead, SharedStore, SnapshotStore,
-};
-use foldhost::stores::{ConnectOptions, StoreConfig};
+use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotStore};
+use foldhost::view::{FoldRead, SharedStore};
 use futures::StreamExt;
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -437,10 +436,10 @@ async fn bench_guest(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::R
     Ok(())
 }
 
-fn unlimited() -> StoreConfig {
-    StoreConfig {
+fn unlimited() -> BucketConfig {
+    BucketConfig {
         max_bytes: None,
-        ..StoreConfig::default()
+        ..BucketConfig::default()
     }
 }
 

@@ -15,9 +15,8 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use foldhost::applied::{Apply, ApplyError, Fold, FoldStatus, Verdict};
 use foldhost::kv::{KvEntry, KvUpdate, KvWriter, VersionToken, WatchCursor};
-use foldhost::snapshot::{
-    AppendLogOptions, AppendLogSnapshot, FoldRead, SharedStore, SnapshotStore,
-};
+use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotStore};
+use foldhost::view::{FoldRead, SharedStore};
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, run_command,
     status_store, terminate, wait_status,

@@ -10,8 +10,9 @@ use std::time::Duration;
 use foldhost::applied::{Apply, BatchConfig, FoldStatus, WatchOptions, watch_applied};
 use foldhost::guest::{GuestApply, GuestEngine, GuestLimits};
 use foldhost::kv::{KvWriter, WatchScope};
-use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SharedStore};
+use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot};
 use foldhost::status::StatusReport;
+use foldhost::view::SharedStore;
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, hostile_wat,
     run_command, status_store, terminate, wait_status, wait_until,
@@ -23,7 +24,7 @@ async fn load_default(
     engine: &Arc<GuestEngine>,
     what: &str,
     bytes: &[u8],
-    fold: Arc<dyn foldhost::snapshot::FoldRead>,
+    fold: Arc<dyn foldhost::view::FoldRead>,
 ) -> anyhow::Result<GuestApply> {
     Ok(GuestApply::load(engine, what, bytes, GuestLimits::default(), vec![], fold).await?)
 }

@@ -260,10 +260,10 @@ async fn an_artifact_of_the_buckets_earlier_incarnation_is_never_restored() -> a
         .conn
         .bucket(
             "incarn",
-            &foldhost::stores::StoreConfig {
+            &foldhost::bucket::BucketConfig {
                 max_bytes: None,
                 max_age: Some(std::time::Duration::from_secs(3600)),
-                ..foldhost::stores::StoreConfig::default()
+                ..foldhost::bucket::BucketConfig::default()
             },
         )
         .await?;

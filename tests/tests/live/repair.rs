@@ -11,6 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use foldhost::bucket::BucketConfig;
 use foldhost::crashpoint;
 use foldhost::kv::{
     KvEntry, KvError, KvUpdate, KvWatcher, KvWriter, VersionToken, WatchCursor, WatchScope,
@@ -19,7 +20,6 @@ use foldhost::nats::NatsKv;
 use foldhost::snapshot::SnapshotStore;
 use foldhost::status::StatusReport;
 use foldhost::storedir::{AnyStore, Backend};
-use foldhost::stores::StoreConfig;
 use foldhost_tests::{
     Contents, Harness, bucket_contents, dump_store, first_difference, foldhost, publish_all,
     run_command, run_to_crash, status_store, terminate, wait_status,
@@ -31,10 +31,10 @@ async fn aging_bucket(h: &Harness, name: &str, max_age: Duration) -> anyhow::Res
     Ok(h.conn
         .bucket(
             name,
-            &StoreConfig {
+            &BucketConfig {
                 max_bytes: None,
                 max_age: Some(max_age),
-                ..StoreConfig::default()
+                ..BucketConfig::default()
             },
         )
         .await?)

@@ -12,9 +12,8 @@ use foldhost::applied::{
 };
 use foldhost::kv::{KvEntry, KvUpdate, KvWriter, WatchCursor, WatchScope};
 use foldhost::nats::NatsKv;
-use foldhost::snapshot::{
-    AppendLogOptions, AppendLogSnapshot, SharedStore, SnapshotError, SnapshotStore,
-};
+use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotError, SnapshotStore};
+use foldhost::view::SharedStore;
 use foldhost_tests::{Contents, Harness, bucket_contents, first_difference};
 
 fn opts(max: usize) -> WatchOptions {

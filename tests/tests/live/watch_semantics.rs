@@ -232,10 +232,10 @@ async fn retention_is_read_live_from_the_stream_and_follows_an_edited_config() -
         .conn
         .bucket(
             "aging",
-            &foldhost::stores::StoreConfig {
+            &foldhost::bucket::BucketConfig {
                 max_bytes: None,
                 max_age: Some(Duration::from_secs(3600)),
-                ..foldhost::stores::StoreConfig::default()
+                ..foldhost::bucket::BucketConfig::default()
             },
         )
         .await?;

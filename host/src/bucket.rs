@@ -1,5 +1,6 @@
-//! Connections and buckets: [`Connection`] manages a socket's lifecycle and vends [`KvStore`]s; a
-//! `KvStore` is a named bucket that vends narrowed capabilities (reader, watcher, writer).
+//! Connections and buckets (the NATS side; the local fold is the *store*): [`Connection`] manages a
+//! socket's lifecycle and vends [`BucketHandle`]s; a `BucketHandle` is a named bucket that vends
+//! narrowed capabilities (reader, watcher, writer).
 //!
 //! Invariants:
 //! - Credentials are chosen by one pure function, [`credential_source`]: `creds` (inline) >
@@ -91,7 +92,7 @@ pub enum StorageType {
 
 /// Bucket configuration, applied only when the bucket is created.
 #[derive(Clone, Debug)]
-pub struct StoreConfig {
+pub struct BucketConfig {
     /// Total size cap. Default 10 MiB (Synadia Cloud requires one); `None` for unlimited.
     pub max_bytes: Option<i64>,
     /// Values kept per key. Default 1.
@@ -107,9 +108,9 @@ pub struct StoreConfig {
     pub create: bool,
 }
 
-impl Default for StoreConfig {
+impl Default for BucketConfig {
     fn default() -> Self {
-        StoreConfig {
+        BucketConfig {
             max_bytes: Some(10 * 1024 * 1024),
             max_history: 1,
             num_replicas: 1,
@@ -133,7 +134,7 @@ pub struct ConnectionCapabilities {
 
 /// A named bucket: vends the three capabilities. Holds no socket of its own.
 #[derive(Clone)]
-pub struct KvStore {
+pub struct BucketHandle {
     /// The bucket name.
     pub name: String,
     reader: Arc<dyn KvReader>,
@@ -141,7 +142,7 @@ pub struct KvStore {
     writer: Arc<dyn KvWriter>,
 }
 
-impl KvStore {
+impl BucketHandle {
     /// Bundles a backend's capabilities.
     pub fn new(
         name: impl Into<String>,
@@ -149,7 +150,7 @@ impl KvStore {
         watcher: Arc<dyn KvWatcher>,
         writer: Arc<dyn KvWriter>,
     ) -> Self {
-        KvStore {
+        BucketHandle {
             name: name.into(),
             reader,
             watcher,
@@ -173,7 +174,7 @@ impl KvStore {
     }
 }
 
-/// A socket lifecycle manager and store factory.
+/// A socket lifecycle manager and bucket factory.
 #[async_trait]
 pub trait Connection: Send + Sync {
     /// Dials (idempotent while connected).
@@ -183,7 +184,11 @@ pub trait Connection: Send + Sync {
     /// Whether the socket is up (an atomic load).
     fn is_healthy(&self) -> bool;
     /// Opens (or, per `config.create`, creates) a bucket.
-    async fn store(&self, bucket: &str, config: &StoreConfig) -> Result<KvStore, KvError>;
+    async fn open_bucket(
+        &self,
+        bucket: &str,
+        config: &BucketConfig,
+    ) -> Result<BucketHandle, KvError>;
     /// What this backend supports.
     fn capabilities(&self) -> ConnectionCapabilities;
 }
