@@ -107,7 +107,7 @@ pub enum Control {
         reply: tokio::sync::oneshot::Sender<Result<SwapReport, ApplyError>>,
     },
     /// Copy the committed fold into `dir` (an existing empty directory) with
-    /// [`SnapshotStore::export_to`], after flushing everything pending: the copy's cursor is the
+    /// [`crate::snapshot::SnapshotStore::export_to`], after flushing everything pending: the copy's cursor is the
     /// applied cursor, exactly. The rest of an export (verify, hash, manifest) runs off the fold's
     /// path ([`crate::artifact::seal`]).
     Export {

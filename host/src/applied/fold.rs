@@ -508,53 +508,86 @@ impl<S: SnapshotStore> Fold<S> {
         if batch.is_empty() && skipped_high.is_none() && self.is_settled() {
             return Ok(None);
         }
-        let mut retained_now = Vec::new();
-        if !batch.is_empty() {
-            let t = Instant::now();
-            // Updates of keys with retained records are held back before the guest sees them.
-            let held = self
-                .store
-                .with_retained(|r| {
-                    if r.is_empty() {
-                        vec![false; batch.len()]
-                    } else {
-                        batch.iter().map(|u| r.is_blocked(u.key())).collect()
-                    }
-                })
-                .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
-            let outcome = parse_with_deferral(apply, &batch, held).await;
-            tracing::debug!(
-                updates = batch.len(),
-                first = ?batch.first().and_then(KvUpdate::revision),
-                last = ?batch.last().and_then(KvUpdate::revision),
-                deferred = ?outcome.as_ref().map(|d| d.iter().filter(|x| **x).count()),
-                "batch parsed and applied"
-            );
-            self.status
-                .last_apply_us
-                .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
-            let deferred = match outcome {
-                Ok(d) => d,
-                Err(e) => {
-                    self.status.set_error(Some(e.to_string()));
-                    self.apply_streak += 1;
-                    if self.apply_streak >= MAX_APPLY_FAILURES {
-                        return Err(AppliedError::Apply {
-                            streak: self.apply_streak,
-                            last: e,
-                        });
-                    }
-                    tracing::warn!(error = %e, streak = self.apply_streak, "apply failed; the batch will be retried, nothing of it is committed");
-                    return Ok(Some(delivered.unwrap_or(batch)));
-                }
-            };
-            self.apply_streak = 0;
-            if deferred.contains(&true) {
-                retained_now = self
-                    .retain(&batch, &deferred)
-                    .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        let retained_now = if batch.is_empty() {
+            Vec::new()
+        } else {
+            match self.parse_and_apply(&batch, apply).await? {
+                Ok(retained) => retained,
+                // Nothing of it committed: the batch as delivered goes back for a retry.
+                Err(()) => return Ok(Some(delivered.unwrap_or(batch))),
             }
+        };
+        self.commit_batch(batch, retained_now, skipped_high, apply)
+            .await
+    }
+
+    /// The applier's half of a flush: `parse` (holding back the updates of blocked keys and those
+    /// after a deferred one), `apply`, then the retained records of what was deferred. `Ok(Err(()))`
+    /// is a failed call below the streak limit (nothing of the batch applied), retried by the
+    /// caller.
+    async fn parse_and_apply<A: Apply + ?Sized>(
+        &mut self,
+        batch: &[KvUpdate],
+        apply: &mut A,
+    ) -> Result<Result<Vec<RetainedRecord>, ()>, AppliedError> {
+        let t = Instant::now();
+        // Updates of keys with retained records are held back before the guest sees them.
+        let held = self
+            .store
+            .with_retained(|r| {
+                if r.is_empty() {
+                    vec![false; batch.len()]
+                } else {
+                    batch.iter().map(|u| r.is_blocked(u.key())).collect()
+                }
+            })
+            .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        let outcome = parse_with_deferral(apply, batch, held).await;
+        tracing::debug!(
+            updates = batch.len(),
+            first = ?batch.first().and_then(KvUpdate::revision),
+            last = ?batch.last().and_then(KvUpdate::revision),
+            deferred = ?outcome.as_ref().map(|d| d.iter().filter(|x| **x).count()),
+            "batch parsed and applied"
+        );
+        self.status
+            .last_apply_us
+            .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+        let deferred = match outcome {
+            Ok(d) => d,
+            Err(e) => {
+                self.status.set_error(Some(e.to_string()));
+                self.apply_streak += 1;
+                if self.apply_streak >= MAX_APPLY_FAILURES {
+                    return Err(AppliedError::Apply {
+                        streak: self.apply_streak,
+                        last: e,
+                    });
+                }
+                tracing::warn!(error = %e, streak = self.apply_streak, "apply failed; the batch will be retried, nothing of it is committed");
+                return Ok(Err(()));
+            }
+        };
+        self.apply_streak = 0;
+        if !deferred.contains(&true) {
+            return Ok(Ok(Vec::new()));
         }
+        self.retain(batch, &deferred)
+            .map(Ok)
+            .map_err(|e| AppliedError::Store { streak: 0, last: e })
+    }
+
+    /// The store's half of a flush: the re-queued updates, `batch`, the pending identity record
+    /// and the retained records, committed with the cursor the batch moves to (or the old one while
+    /// frozen); then `on-applied`. A failed commit re-queues all of it (fail-stop after
+    /// [`protocol::MAX_STORE_APPLY_FAILURES`], or at once on a poisoned store).
+    async fn commit_batch<A: Apply + ?Sized>(
+        &mut self,
+        batch: Vec<KvUpdate>,
+        retained_now: Vec<RetainedRecord>,
+        skipped_high: Option<u64>,
+        apply: &mut A,
+    ) -> Result<Option<Vec<KvUpdate>>, AppliedError> {
         let mut raw = std::mem::take(&mut self.requeued);
         raw.extend(batch);
         // A re-queue after a failed commit carries it along.

@@ -10,10 +10,10 @@
 //! Further rules kept here:
 //! - The cursor is the store's. After a transient store failure the raw batch is re-queued in front
 //!   of the next one (never dropped: a dropped batch followed by a good flush would leave a hole the
-//!   restart never re-reads), and after [`protocol::MAX_STORE_APPLY_FAILURES`] in a row the fold
+//!   restart never re-reads), and after [`crate::protocol::MAX_STORE_APPLY_FAILURES`] in a row the fold
 //!   fail-stops. A poisoned store fail-stops at once.
 //! - `batch_high` covers rejected (skipped) updates; an update with the unknown version never mints
-//!   or lowers the cursor ([`protocol::commit_cursor`]).
+//!   or lowers the cursor ([`crate::protocol::commit_cursor`]).
 //! - A failed `parse`/`apply` commits nothing of its batch; the batch is retried (with backoff) in
 //!   halves, so the updates before a poison one still commit and the fold stops exactly at it; after
 //!   [`MAX_APPLY_FAILURES`] failures in a row the fold fail-stops naming the applier and its message.

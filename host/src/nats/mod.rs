@@ -608,25 +608,15 @@ impl NatsKv {
         result
     }
 
-    /// Runs an ordered push consumer with `policy` over `scope`, pushing events into `tx` until the
-    /// receiver is dropped (`Ok`) or the watch fails. Every chunk passes the floor guard
-    /// ([`floor::FloorGuard`]) before it is forwarded ([`Forwarder`]).
-    async fn run_watch(
+    /// Opens the ordered push consumer of a watch on the stream the fold pinned (which must be the
+    /// one here now: read before the consumer exists, so a recreation after this read is caught by
+    /// the floor probes, which compare against it). Returns that stream's identity, the message
+    /// stream and the consumer's initial backlog.
+    async fn open_consumer(
         &self,
-        scope: &WatchScope,
+        filters: &[String],
         policy: consumer::DeliverPolicy,
-        tx: mpsc::Sender<WatchEvent>,
-    ) -> Result<(), KvError> {
-        let filters = self.filter_subjects(scope)?;
-        let start_frontier = match &policy {
-            consumer::DeliverPolicy::ByStartSequence { start_sequence } => {
-                Some(start_sequence.saturating_sub(1))
-            }
-            _ => None,
-        };
-        // The stream this watch folds: the one the fold pinned, and it must be the one here now
-        // (read before the consumer exists, so a recreation after this read is caught by the
-        // floor probes, which compare against it).
+    ) -> Result<(StreamIdentity, consumer::push::Ordered, u64), KvError> {
         let here = identity_of(&self.stream_info().await?);
         let start_identity = match self.pinned() {
             Some(p) if p != here => {
@@ -640,7 +630,7 @@ impl NatsKv {
         };
         let cfg = consumer::push::OrderedConfig {
             deliver_subject: self.client.new_inbox(),
-            filter_subjects: filters.clone(),
+            filter_subjects: filters.to_vec(),
             deliver_policy: policy,
             ..Default::default()
         };
@@ -660,6 +650,29 @@ impl NatsKv {
                 .map_err(|e| backend("watch subscribe", e))
         })
         .await?;
+        Ok((start_identity, messages, initial_pending))
+    }
+
+    /// Runs an ordered push consumer with `policy` over `scope`, pushing events into `tx` until the
+    /// receiver is dropped (`Ok`) or the watch fails. Every chunk passes the floor guard
+    /// ([`floor::FloorGuard`]) before it is forwarded ([`Forwarder`]). (A little over 80 lines: the
+    /// one `select!` and the chunk decode stay together so the order "check, then forward" is read
+    /// in one place.)
+    async fn run_watch(
+        &self,
+        scope: &WatchScope,
+        policy: consumer::DeliverPolicy,
+        tx: mpsc::Sender<WatchEvent>,
+    ) -> Result<(), KvError> {
+        let filters = self.filter_subjects(scope)?;
+        let start_frontier = match &policy {
+            consumer::DeliverPolicy::ByStartSequence { start_sequence } => {
+                Some(start_sequence.saturating_sub(1))
+            }
+            _ => None,
+        };
+        let (start_identity, messages, initial_pending) =
+            self.open_consumer(&filters, policy).await?;
         let mut out = Forwarder::new(tx);
         if !out.start(initial_pending).await {
             return Ok(());

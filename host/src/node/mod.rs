@@ -7,7 +7,7 @@
 //!   (instantiate, `manifest`, `init` against an empty fold) before anything is connected.
 //! - **No store before the server answers and the stream is the fold's**: the bucket is opened
 //!   first, and a fold of another stream is refused through a read-only open
-//!   ([`identity::refuse_another_stream`]), so a refused run writes nothing.
+//!   (`identity::refuse_another_stream`), so a refused run writes nothing.
 //! - **Every default is defined once**, in [`NodeConfig::new`] and the types it holds
 //!   ([`BatchConfig`], [`GuestLimits`]); the command line takes its defaults from there.
 //! - **A failed fold with `--listen` keeps serving `/status`** (saying why) until shutdown.

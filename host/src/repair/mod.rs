@@ -2,7 +2,7 @@
 //! resume — its cursor fell out of the stream at start, the live floor guard tripped mid-stream, or
 //! a fold holds data but no cursor — `watch_applied` settles the fold and calls one of two repairs:
 //!
-//! - [`relist`]: where "not in the bucket" means "deleted" ([`protocol::listing_truth`]), the
+//! - [`relist`]: where "not in the bucket" means "deleted" ([`crate::protocol::listing_truth`]), the
 //!   bucket's live keys are listed, sorted externally ([`KeySorter`]), merge-joined against the
 //!   fold's own key-ordered scan, and every fold key the bucket no longer lists gets a synthetic
 //!   delete (unknown version: it never moves the cursor) through parse/apply/store. The caller then
@@ -10,7 +10,7 @@
 //! - [`restore`]: where eviction may have removed current values, the newest artifact from a
 //!   [`RestoreSource`] that covers the watch's scope and is strictly ahead of the fold with its
 //!   cursor still inside retention is imported into scratch, diffed against the fold in one
-//!   key-ordered pass ([`protocol::restore_key`]: never a key backward, never a live key deleted),
+//!   key-ordered pass ([`crate::protocol::restore_key`]: never a key backward, never a live key deleted),
 //!   and the difference is folded through parse/apply/store; the cursor moves to the artifact's in
 //!   the final commit only.
 //!

@@ -232,7 +232,8 @@ impl<'a, T: SnapshotStore + ?Sized> Paged<'a, T> {
 }
 
 /// One key-ordered pass over the fold and the artifact: entries to take go to `spill`, local keys
-/// the artifact lacks are returned as delete candidates (with the listing not yet consulted).
+/// the artifact lacks are returned as delete candidates (with the listing not yet consulted). (A
+/// merge-join over two paged cursors: its cases read best side by side in one function.)
 fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
     local: &L,
     art: &R,
@@ -330,10 +331,6 @@ pub async fn restore<T: RepairTarget>(
     let source = cfg.restore_from.as_ref().ok_or_else(|| {
         RepairError::Refused("no artifact source to restore from (give --restore-from DIR)".into())
     })?;
-    let first_sequence = |r: Option<protocol::Retention>| {
-        r.map(|r| r.first_revision)
-            .ok_or_else(|| RepairError::Refused("the bucket cannot report its retention".into()))
-    };
     let first = first_sequence(watcher.retention().await.map_err(RepairError::from)?)?;
     let local = target.cursor().revision();
     let (path, peeked) = block(|| source.newest())?.ok_or_else(|| {
@@ -362,43 +359,7 @@ pub async fn restore<T: RepairTarget>(
         .map_err(|e: String| RepairError::Refused(format!("artifact {}: {e}", path.display())))?;
     let (art, _) = block(|| AnyStore::open(&imported_dir, backend)).map_err(RepairError::from)?;
     let art_cursor = art.cursor();
-    // An artifact of another stream (the bucket's earlier incarnation, another bucket) would mix
-    // two streams' keys: refused by the identity check the fold's own start makes.
-    if let Some(live) = watcher.stream_state().await.map_err(RepairError::from)? {
-        let recorded = match art
-            .get(crate::retained::IDENTITY_KEY)
-            .map_err(RepairError::from)?
-        {
-            Some(e) => Some(
-                crate::kv::StreamIdentity::from_bytes(&e.value).ok_or_else(|| {
-                    RepairError::Refused(format!(
-                        "artifact {}: its stream identity record does not decode",
-                        path.display()
-                    ))
-                })?,
-            ),
-            None => None,
-        };
-        let verdict = protocol::stream_identity_check(
-            recorded.as_ref().map(|r| *r == live.identity),
-            Some(rev),
-            live.last_sequence,
-        );
-        if matches!(
-            verdict,
-            protocol::IdentityVerdict::Recreated | protocol::IdentityVerdict::CursorAhead
-        ) {
-            let was =
-                recorded.map_or_else(|| "an unrecorded stream".to_string(), |r| r.to_string());
-            return Err(RepairError::Refused(format!(
-                "artifact {} folds {was} at cursor {rev}, but the bucket is {} with last sequence {}",
-                path.display(),
-                live.identity,
-                live.last_sequence
-            ))
-            .into());
-        }
-    }
+    refuse_other_stream(watcher, &art, &path, rev).await?;
     let spill_path = scratch.join("take.spill");
     let store = target.store();
     let (taken, candidates) = block(|| -> Result<(u64, Vec<String>), RepairError> {
@@ -410,64 +371,11 @@ pub async fn restore<T: RepairTarget>(
         Ok(r)
     })?;
     drop(art);
-    let mut listed = 0;
-    let mut deletes = candidates;
-    if !deletes.is_empty() {
-        // A key the artifact lacks is deleted only if the bucket does not list it live: a live
-        // key's latest write is after the artifact's cursor, and the resume delivers it.
-        let lister = cfg.lister.clone().ok_or_else(|| {
-            RepairError::Refused("no key listing to check delete candidates against".into())
-        })?;
-        let mut live: HashSet<String> = HashSet::new();
-        let cands: HashSet<&str> = deletes.iter().map(String::as_str).collect();
-        listed = lister
-            .for_each_key(scope, &mut |k| {
-                if cands.contains(k.as_str()) {
-                    live.insert(k);
-                }
-                Ok(())
-            })
-            .await
-            .map_err(RepairError::from)?;
-        drop(cands);
-        deletes.retain(|k| {
-            protocol::restore_key(Some(1), None, false, live.contains(k)) == KeyRestore::Delete
-        });
-        // The listing vouches for writes after the artifact's cursor only while the log still
-        // holds all of them.
-        let first = first_sequence(watcher.retention().await.map_err(RepairError::from)?)?;
-        if !protocol::resume_window_ok(rev, first) {
-            return Err(RepairError::Refused(format!(
-                "retention passed the artifact's cursor {rev} during the restore (first retained revision now {first})"
-            ))
-            .into());
-        }
-    }
+    let (deletes, listed) = filter_deletes(cfg, watcher, scope, candidates, rev).await?;
     tracing::info!(artifact = %path.display(), cursor = rev, taken, deletes = deletes.len(), "repair: restore diff");
     // Fold the difference under the old cursor, then move the cursor in one last commit.
     target.freeze_cursor(true);
-    let folded = async {
-        let f = File::open(&spill_path).map_err(io_err(&spill_path, "open spill"))?;
-        let mut r = BufReader::new(f);
-        let mut batch: Vec<KvUpdate> = Vec::with_capacity(max);
-        loop {
-            let next = read_spilled(&mut r, &spill_path)?;
-            let end = next.is_none();
-            if let Some(e) = next {
-                batch.push(KvUpdate::Put(e));
-            }
-            if batch.len() >= max || (end && !batch.is_empty()) {
-                target.commit_all(&mut batch, max).await?;
-                crashpoint::hit(crashpoint::RESTORE_BATCH);
-            }
-            if end {
-                break;
-            }
-        }
-        let deletes = std::mem::take(&mut deletes);
-        fold_deletes(target, deletes, max, crashpoint::RESTORE_BATCH).await
-    }
-    .await;
+    let folded = fold_difference(target, &spill_path, deletes, max).await;
     target.freeze_cursor(false);
     let deleted = folded?;
     let memo = target.cursor().memo().or(art_cursor.memo());
@@ -485,6 +393,122 @@ pub async fn restore<T: RepairTarget>(
         artifact: Some(path),
         cursor: Some(rev),
     })
+}
+
+/// The retention's first revision, or a refusal when the bucket cannot say.
+fn first_sequence(r: Option<protocol::Retention>) -> Result<u64, RepairError> {
+    r.map(|r| r.first_revision)
+        .ok_or_else(|| RepairError::Refused("the bucket cannot report its retention".into()))
+}
+
+/// Refuses an artifact of another stream (the bucket's earlier incarnation, another bucket): it
+/// would mix two streams' keys. The same identity check the fold's own start makes.
+async fn refuse_other_stream(
+    watcher: &dyn KvWatcher,
+    art: &AnyStore,
+    path: &Path,
+    rev: u64,
+) -> Result<(), RepairError> {
+    let Some(live) = watcher.stream_state().await? else {
+        return Ok(());
+    };
+    let recorded = match art.get(crate::retained::IDENTITY_KEY)? {
+        Some(e) => Some(
+            crate::kv::StreamIdentity::from_bytes(&e.value).ok_or_else(|| {
+                RepairError::Refused(format!(
+                    "artifact {}: its stream identity record does not decode",
+                    path.display()
+                ))
+            })?,
+        ),
+        None => None,
+    };
+    let verdict = protocol::stream_identity_check(
+        recorded.as_ref().map(|r| *r == live.identity),
+        Some(rev),
+        live.last_sequence,
+    );
+    if matches!(
+        verdict,
+        protocol::IdentityVerdict::Recreated | protocol::IdentityVerdict::CursorAhead
+    ) {
+        let was = recorded.map_or_else(|| "an unrecorded stream".to_string(), |r| r.to_string());
+        return Err(RepairError::Refused(format!(
+            "artifact {} folds {was} at cursor {rev}, but the bucket is {} with last sequence {}",
+            path.display(),
+            live.identity,
+            live.last_sequence
+        )));
+    }
+    Ok(())
+}
+
+/// The delete candidates (keys the artifact lacks) the bucket does not list live, and how many
+/// keys the listing held: a live key's latest write is after the artifact's cursor, and the resume
+/// delivers it. The listing vouches for those writes only while the log still holds all of them,
+/// so retention is read again after it.
+async fn filter_deletes(
+    cfg: &RepairConfig,
+    watcher: &dyn KvWatcher,
+    scope: &WatchScope,
+    mut deletes: Vec<String>,
+    rev: u64,
+) -> Result<(Vec<String>, u64), RepairError> {
+    if deletes.is_empty() {
+        return Ok((deletes, 0));
+    }
+    let lister = cfg.lister.clone().ok_or_else(|| {
+        RepairError::Refused("no key listing to check delete candidates against".into())
+    })?;
+    let mut live: HashSet<String> = HashSet::new();
+    let cands: HashSet<&str> = deletes.iter().map(String::as_str).collect();
+    let listed = lister
+        .for_each_key(scope, &mut |k| {
+            if cands.contains(k.as_str()) {
+                live.insert(k);
+            }
+            Ok(())
+        })
+        .await?;
+    drop(cands);
+    deletes.retain(|k| {
+        protocol::restore_key(Some(1), None, false, live.contains(k)) == KeyRestore::Delete
+    });
+    let first = first_sequence(watcher.retention().await?)?;
+    if !protocol::resume_window_ok(rev, first) {
+        return Err(RepairError::Refused(format!(
+            "retention passed the artifact's cursor {rev} during the restore (first retained revision now {first})"
+        )));
+    }
+    Ok((deletes, listed))
+}
+
+/// Folds the spilled entries to take, then the deletes, through `target` in batches of `max`
+/// (the caller has frozen the cursor), passing the restore's crash point after each batch.
+async fn fold_difference<T: RepairTarget>(
+    target: &mut T,
+    spill_path: &Path,
+    deletes: Vec<String>,
+    max: usize,
+) -> Result<u64, T::Error> {
+    let f = File::open(spill_path).map_err(io_err(spill_path, "open spill"))?;
+    let mut r = BufReader::new(f);
+    let mut batch: Vec<KvUpdate> = Vec::with_capacity(max);
+    loop {
+        let next = read_spilled(&mut r, spill_path)?;
+        let end = next.is_none();
+        if let Some(e) = next {
+            batch.push(KvUpdate::Put(e));
+        }
+        if batch.len() >= max || (end && !batch.is_empty()) {
+            target.commit_all(&mut batch, max).await?;
+            crashpoint::hit(crashpoint::RESTORE_BATCH);
+        }
+        if end {
+            break;
+        }
+    }
+    fold_deletes(target, deletes, max, crashpoint::RESTORE_BATCH).await
 }
 
 #[cfg(test)]
