@@ -778,4 +778,40 @@ mod tests {
             assert!(e.contains(why), "{e}");
         }
     }
+
+    /// The README's limit tables name a default beside each flag; they must be the defaults the
+    /// command line really has (one definition: `NodeConfig::new` and the types it holds).
+    #[test]
+    fn the_readme_states_the_defaults_the_command_line_has() {
+        use clap::CommandFactory as _;
+        let readme = include_str!("../../../README.md");
+        let cli = Cli::command();
+        let run = cli.find_subcommand("run").expect("run exists");
+        let default_of = |flag: &str| -> String {
+            let arg = run
+                .get_arguments()
+                .find(|a| a.get_long() == Some(flag))
+                .unwrap_or_else(|| panic!("--{flag} exists"));
+            arg.get_default_values()
+                .iter()
+                .map(|v| v.to_string_lossy().into_owned())
+                .collect()
+        };
+        // (flag, the README's words for its default, the default as clap prints it)
+        let stated = [
+            ("guest-deadline-ms", "1 000 ms", "1000"),
+            ("guest-memory-mb", "256 MiB", "256"),
+            ("guest-max-batch-bytes", "16 MiB", "16777216"),
+            ("query-max-bytes", "1 MiB", "1048576"),
+            ("batch-max", "100 updates", "100"),
+        ];
+        for (flag, words, value) in stated {
+            let row = format!("| {words} | `--{flag}` |");
+            assert!(
+                readme.contains(&row),
+                "the README states no `{row}` for --{flag}"
+            );
+            assert_eq!(default_of(flag), value, "--{flag}'s default");
+        }
+    }
 }
