@@ -19,7 +19,9 @@ use crate::kv::{KvError, KvReader, KvWatcher, KvWriter};
 /// How to reach and authenticate to a server.
 #[derive(Clone, Debug)]
 pub struct ConnectOptions {
-    /// `nats://host:port` or `tls://…`; may embed `user:pass@`.
+    /// `nats://host:port` or `tls://…`, or several separated by commas (the members of a cluster,
+    /// as the nats tools take them: the client connects to one and reconnects to another when it
+    /// dies); may embed `user:pass@`.
     pub url: String,
     /// The content of a `.creds` file (for containers without a file mount).
     pub creds: Option<String>,
@@ -72,6 +74,14 @@ pub fn credential_source(opts: &ConnectOptions) -> CredentialSource {
     } else {
         CredentialSource::None
     }
+}
+
+/// The server URLs of a `--nats` value: comma-separated, trimmed, empty ones dropped.
+pub fn server_urls(url: &str) -> Vec<&str> {
+    url.split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .collect()
 }
 
 fn url_has_userinfo(url: &str) -> bool {
@@ -196,6 +206,16 @@ pub trait Connection: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_nats_value_names_every_member_of_a_cluster() {
+        assert_eq!(server_urls("nats://a:4222"), ["nats://a:4222"]);
+        assert_eq!(
+            server_urls("nats://a:4222, nats://b:4222,,nats://c:4222 "),
+            ["nats://a:4222", "nats://b:4222", "nats://c:4222"]
+        );
+        assert!(server_urls(" , ").is_empty());
+    }
 
     #[test]
     fn credentials_priority_is_creds_then_file_then_url_then_none() {

@@ -483,6 +483,23 @@ pub enum KvError {
     },
 }
 
+impl KvError {
+    /// Whether a watch that ended with this error is resumed from the applied cursor rather than
+    /// ending the fold: the connection, the server or the consumer failed, not the fold's position
+    /// (`CursorExpired`, handled by the repair), the stream (`StreamChanged`, by the identity
+    /// check) or the caller's request (`Invalid`).
+    pub fn watch_resumable(&self) -> bool {
+        matches!(
+            self,
+            KvError::Connect { .. }
+                | KvError::NotConnected
+                | KvError::Timeout { .. }
+                | KvError::WatchError(_)
+                | KvError::Backend { .. }
+        )
+    }
+}
+
 /// Point-in-time reads of one bucket.
 #[async_trait]
 pub trait KvReader: Send + Sync {

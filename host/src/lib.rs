@@ -14,6 +14,7 @@
 //! - [`applied`] — the fold: the `Apply` seam, [`applied::Fold`], the loop (`watch_applied`).
 //! - [`repair`] — the cursor-expiry repairs (key-listing diff, artifact restore).
 //! - [`artifact`] — verified copies of a fold: export, import (directory or tar).
+//! - [`lease`] — the export lease: one exporter per round across a fleet (NATS KV CAS).
 //! - [`storedir`] — the store directory: backend choice, read-only opens, the status file.
 //! - [`status`] — the one status model ([`status::StatusReport`]).
 //! - [`guest`] — WebAssembly guests behind the `Apply` seam (wasmtime).
@@ -33,6 +34,7 @@ pub mod cli;
 pub mod crashpoint;
 pub mod guest;
 pub mod kv;
+pub mod lease;
 pub mod localnats;
 pub mod nats;
 pub mod node;

@@ -341,6 +341,73 @@ pub fn stream_identity_check(
     }
 }
 
+/// How long a fold waits before resuming a watch that broke for the `streak`-th time in a row
+/// (the count resets once a resumed watch commits): 100 ms doubling, capped at 5 s — bounded, so a
+/// server that comes back is picked up within seconds, and never a tight loop.
+pub fn watch_resume_backoff(streak: u32) -> std::time::Duration {
+    std::time::Duration::from_millis(100u64.saturating_mul(1 << streak.min(10)).min(5_000))
+}
+
+/// What an artifact pointer in the object store holds, as read before a publish.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PointerState {
+    /// No pointer yet.
+    Absent,
+    /// A pointer that does not parse (a partial write by a store without atomic puts, a foreign
+    /// object): replaceable.
+    Corrupt,
+    /// A pointer to an artifact at this cursor.
+    At(u64),
+}
+
+/// Whether an exporter may publish a pointer to its artifact at `cursor` over `current` (seed 000,
+/// "the pointer"): never backward, and never sideways to an equal cursor (the pointer's artifact
+/// already speaks for it); a corrupt pointer is replaceable. A `false` is `SupersededByNewer` for
+/// the exporter, which abandons its round.
+pub fn pointer_publish_allowed(current: PointerState, cursor: u64) -> bool {
+    match current {
+        PointerState::Absent | PointerState::Corrupt => true,
+        PointerState::At(c) => cursor > c,
+    }
+}
+
+/// Whether a payload may be pruned: never the pointer's target (whatever its age, even at zero
+/// grace), and otherwise only once it is older than `grace` (a node may still be downloading a
+/// payload a newer pointer has just replaced).
+pub fn payload_prunable(
+    is_pointer_target: bool,
+    age: std::time::Duration,
+    grace: std::time::Duration,
+) -> bool {
+    !is_pointer_target && age > grace
+}
+
+/// What the export lease key holds, as read before a round.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LeaseState {
+    /// No lease key yet.
+    Absent,
+    /// A tombstone (an empty value): freed.
+    Free,
+    /// A value that does not decode: nobody can be holding it.
+    Corrupt,
+    /// A lease that runs out at this time (Unix milliseconds, the holder's clock).
+    Held {
+        /// Expiry.
+        expires_unix_ms: u64,
+    },
+}
+
+/// Whether a node may take the export lease (seed 000, "Fleet coordination"): when it is absent,
+/// freed or corrupt, or when the holder's expiry has passed by the taker's clock. The take is
+/// itself a CAS on the revision read, so of two nodes deciding "yes" at once only one wins.
+pub fn lease_takeover_allowed(state: LeaseState, now_unix_ms: u64) -> bool {
+    match state {
+        LeaseState::Absent | LeaseState::Free | LeaseState::Corrupt => true,
+        LeaseState::Held { expires_unix_ms } => now_unix_ms >= expires_unix_ms,
+    }
+}
+
 /// What a run does when the identity check finds the stream recreated (`--on-recreated`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum OnRecreated {
@@ -849,6 +916,92 @@ mod tests {
                 stream_identity_check(same, cursor, last),
                 want,
                 "{same:?} {cursor:?} {last}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_broken_watch_is_resumed_after_a_bounded_growing_backoff() {
+        use std::time::Duration as D;
+        assert_eq!(watch_resume_backoff(0), D::from_millis(100));
+        assert_eq!(watch_resume_backoff(1), D::from_millis(200));
+        assert_eq!(watch_resume_backoff(5), D::from_millis(3_200));
+        for streak in [6, 10, 31, u32::MAX] {
+            assert_eq!(watch_resume_backoff(streak), D::from_secs(5), "{streak}");
+        }
+    }
+
+    #[test]
+    fn a_pointer_never_moves_backward_and_a_corrupt_one_is_replaceable() {
+        use PointerState::*;
+        let table = [
+            (Absent, 1, true),
+            (Corrupt, 1, true),
+            (At(10), 11, true),
+            (At(10), 10, false),
+            (At(10), 9, false),
+            (At(u64::MAX), u64::MAX, false),
+        ];
+        for (current, cursor, want) in table {
+            assert_eq!(
+                pointer_publish_allowed(current, cursor),
+                want,
+                "{current:?} {cursor}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_payload_is_pruned_only_past_the_grace_and_never_the_pointers_target() {
+        use std::time::Duration as D;
+        assert!(!payload_prunable(true, D::from_secs(1_000_000), D::ZERO));
+        assert!(!payload_prunable(true, D::ZERO, D::ZERO));
+        assert!(payload_prunable(false, D::from_secs(61), D::from_secs(60)));
+        assert!(!payload_prunable(false, D::from_secs(60), D::from_secs(60)));
+        assert!(payload_prunable(false, D::from_millis(1), D::ZERO));
+    }
+
+    #[test]
+    fn a_lease_is_taken_only_when_free_corrupt_or_expired() {
+        use LeaseState::*;
+        let table = [
+            (Absent, 0, true),
+            (Free, 0, true),
+            (Corrupt, 0, true),
+            (
+                Held {
+                    expires_unix_ms: 1_000,
+                },
+                999,
+                false,
+            ),
+            (
+                Held {
+                    expires_unix_ms: 1_000,
+                },
+                1_000,
+                true,
+            ),
+            (
+                Held {
+                    expires_unix_ms: 1_000,
+                },
+                5_000,
+                true,
+            ),
+            (
+                Held {
+                    expires_unix_ms: u64::MAX,
+                },
+                u64::MAX - 1,
+                false,
+            ),
+        ];
+        for (state, now, want) in table {
+            assert_eq!(
+                lease_takeover_allowed(state, now),
+                want,
+                "{state:?} at {now}"
             );
         }
     }

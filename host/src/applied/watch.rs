@@ -110,6 +110,9 @@ enum TurnEnd {
     Expired(KvError),
     /// The stream changed under the watch: check its identity again, then watch again.
     Changed,
+    /// The watch broke (the connection, the server or the consumer failed): resume from the
+    /// applied cursor after a backoff.
+    Broken(KvError),
 }
 
 /// What one look at the watch channel asks for.
@@ -129,31 +132,44 @@ impl Drop for AbortOnDrop {
 
 impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
     /// One turn per watch: a repaired expiry starts the next (a delta from the restored cursor, or
-    /// a state-sync re-list after the key-listing diff); every restart checks the stream again.
+    /// a state-sync re-list after the key-listing diff), and so does a broken watch, after a
+    /// bounded backoff ([`protocol::watch_resume_backoff`]); every restart checks the stream again.
     async fn run(
         &mut self,
         mut relist: bool,
         mut shutdown: Pin<&mut impl Future<Output = ()>>,
     ) -> Result<Finished, AppliedError> {
         let mut first_turn = true;
+        // Consecutive broken watches, and the cursor at the last break: a resumed watch that
+        // commits resets the count.
+        let mut broken = 0u32;
+        let mut broken_at = self.fold.cursor();
         loop {
             // The first watch's identity was checked by `prepare`.
-            if !std::mem::take(&mut first_turn)
-                && check_identity(
+            let end = if std::mem::take(&mut first_turn) {
+                self.turn(std::mem::take(&mut relist), shutdown.as_mut())
+                    .await?
+            } else {
+                match check_identity(
                     &mut self.fold,
                     self.apply,
                     &*self.watcher,
                     &self.opts,
                     &self.status,
                 )
-                .await?
-            {
-                relist = true;
-            }
-            match self
-                .turn(std::mem::take(&mut relist), shutdown.as_mut())
-                .await?
-            {
+                .await
+                {
+                    Ok(reset) => {
+                        relist |= reset;
+                        self.turn(std::mem::take(&mut relist), shutdown.as_mut())
+                            .await?
+                    }
+                    // The server is not back yet: the same as a broken watch.
+                    Err(AppliedError::Watch(e)) if e.watch_resumable() => TurnEnd::Broken(e),
+                    Err(e) => return Err(e),
+                }
+            };
+            match end {
                 TurnEnd::Done => {
                     return Ok(Finished {
                         cursor: self.fold.cursor(),
@@ -173,6 +189,26 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                     .await?;
                 }
                 TurnEnd::Changed => {}
+                TurnEnd::Broken(e) => {
+                    if self.fold.cursor() != broken_at {
+                        broken = 0;
+                        broken_at = self.fold.cursor();
+                    }
+                    let delay = protocol::watch_resume_backoff(broken);
+                    broken = broken.saturating_add(1);
+                    self.status
+                        .set_error(Some(format!("watch broke, resuming: {e}")));
+                    tracing::warn!(error = %e, attempt = broken, delay_ms = delay.as_millis() as u64, cursor = %self.fold.cursor(), "watch broke; resuming from the applied cursor");
+                    tokio::select! {
+                        biased;
+                        _ = shutdown.as_mut() => {
+                            return Ok(Finished {
+                                cursor: self.fold.cursor(),
+                            });
+                        }
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                }
             }
         }
     }
@@ -424,6 +460,8 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 tracing::warn!(error = %e, "watch ended: checking the bucket's identity again");
                 Ok(TurnEnd::Changed)
             }
+            // The connection, the server or the consumer failed: resumed from the applied cursor.
+            Ok(Err(e)) if e.watch_resumable() => Ok(TurnEnd::Broken(e)),
             Ok(Err(e)) => Err(AppliedError::Watch(e)),
             Err(e) => Err(AppliedError::Task(e.to_string())),
         }

@@ -170,10 +170,14 @@ impl Connection for NatsConnection {
                 .map_err(|e| err(format!("{}: {e}", p.display())))?,
             CredentialSource::Url | CredentialSource::None => o,
         };
+        // Every member of the cluster named: the client connects to one and, when that server
+        // dies, reconnects to another (the watch then resumes from the applied cursor).
+        let servers = crate::bucket::server_urls(&self.opts.url);
+        if servers.is_empty() {
+            return Err(err("no server URL".into()));
+        }
         let client = timed("connect", self.opts.op_timeout, async {
-            o.connect(self.opts.url.as_str())
-                .await
-                .map_err(|e| err(e.to_string()))
+            o.connect(servers).await.map_err(|e| err(e.to_string()))
         })
         .await?;
         self.healthy.store(true, Ordering::Release);

@@ -898,3 +898,58 @@ async fn a_swap_runs_between_batches_after_everything_delivered_is_committed() {
         (16..=20).collect::<Vec<_>>()
     );
 }
+
+/// Issue 14: a watch that breaks (the connection, the server or the consumer failed) is resumed
+/// from the applied cursor after a bounded backoff — the fold does not stop, and nothing is lost
+/// or applied twice. Repeated breaks only lengthen the backoff up to its cap.
+#[tokio::test(start_paused = true)]
+async fn a_broken_watch_is_resumed_from_the_applied_cursor_without_a_restart() {
+    let sim = SimBucket::new();
+    for i in 1..=10 {
+        sim.put_now(&format!("k{i:02}"), "v");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let status = Arc::new(FoldStatus::default());
+    let mut apply = CountingApply::default();
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let watcher: Arc<dyn KvWatcher> = Arc::new(sim.clone());
+    let fold = watch_applied(
+        watcher,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), false),
+        status.clone(),
+        None,
+        async {
+            let _ = stop_rx.await;
+        },
+    );
+    let driver = async {
+        until("the re-list committed", || load(&status.cursor) == 10).await;
+        for round in 0..5u64 {
+            sim.break_watches(KvError::WatchError(format!("injected break {round}")));
+            let next = 10 + (round + 1) * 4;
+            for i in next - 3..=next {
+                sim.put_now(&format!("k{i:02}"), "v");
+            }
+            until("the writes after the break committed", || {
+                load(&status.cursor) == next
+            })
+            .await;
+        }
+        let _ = stop_tx.send(());
+    };
+    let (finished, ()) = tokio::time::timeout(DEADLINE, async { tokio::join!(fold, driver) })
+        .await
+        .expect("in time");
+    let finished = finished.expect("the fold never stopped on a broken watch");
+    assert_eq!(finished.cursor, WatchCursor::at(30));
+    assert_eq!(sim.watches_started(), 6, "one watch, then one per break");
+    assert_eq!(
+        apply.parsed, 30,
+        "every update applied once: resumed, not replayed"
+    );
+    let committed = contents(&*store.read().expect("read"));
+    assert_eq!(committed, bucket(&sim).await);
+}

@@ -12,6 +12,7 @@ mod defer;
 mod endpoint;
 mod guests;
 mod identity;
+mod lease;
 mod repair;
 mod resume;
 mod server_restart;

@@ -44,3 +44,59 @@ async fn fold_resumes_by_itself_after_the_server_restarts() -> anyhow::Result<()
     );
     Ok(())
 }
+
+/// Issue 14, test 7: the watch's consumer deleted from the server side, again and again, and the
+/// server restarted twice, under a writer: the host (one process, never restarted) resumes from
+/// its applied cursor every time, stays `running`, and its fold converges to the bucket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_whose_consumer_is_deleted_or_whose_server_restarts_resumes_without_a_restart()
+-> anyhow::Result<()> {
+    use futures::TryStreamExt as _;
+    let mut h = Harness::start().await?;
+    let kv = h.bucket("resume").await?;
+    for i in 0..200 {
+        kv.put(&format!("k.{i:04}"), "before".into()).await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = run_command(&h, "resume", &store, Some(&addr))
+        .stderr(Stdio::null())
+        .spawn()?;
+    let started = wait_status(&addr, |s| s.applied_through >= 200).await?;
+    let mut n = 200u32;
+    // Writes that retry while the server is away.
+    async fn put_retrying(kv: &foldhost::nats::NatsKv, key: &str) -> anyhow::Result<()> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(120);
+        while kv.put(key, "after".into()).await.is_err() {
+            anyhow::ensure!(std::time::Instant::now() < deadline, "writes never resumed");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        Ok(())
+    }
+    for round in 0..6 {
+        if round % 3 == 2 {
+            h.server.restart()?;
+        } else {
+            let stream = kv.jetstream().get_stream("KV_resume").await?;
+            let names: Vec<String> = stream.consumer_names().try_collect().await?;
+            for name in names {
+                let _ = stream.delete_consumer(&name).await;
+            }
+        }
+        for _ in 0..50 {
+            put_retrying(&kv, &format!("k.{n:04}")).await?;
+            n += 1;
+        }
+        let last = kv.positions().await?.last_sequence;
+        let s = wait_status(&addr, |s| s.applied_through >= last).await?;
+        assert_eq!(s.state, "running", "round {round}: {s:?}");
+        assert_eq!(s.pid, started.pid, "the same host process");
+    }
+    terminate(&mut host)?;
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &dump_store(&store)?),
+        None
+    );
+    Ok(())
+}

@@ -1,0 +1,218 @@
+//! The export lease (seed 000, "Fleet coordination"): at most one node of a fleet exports an
+//! artifact of a bucket per round. The lease is one key in a NATS KV bucket, won by compare-and-set
+//! only: a create-only write when the key is absent, a CAS takeover (on the revision read) when the
+//! lease it holds has expired or does not decode. The expiry lives inside the value, so no clock
+//! on the server is trusted and a dropped holder's lease simply runs out.
+//!
+//! Invariants: every write is a CAS on what was read (two nodes can never both win a round); the
+//! decision to take a lease over is [`crate::protocol::lease_takeover_allowed`]; a held lease is
+//! released only by its holder (`complete` stamps the exported cursor, `abandon` frees the round),
+//! each again a CAS — a holder whose lease was taken over after it expired gets `Lost`, never
+//! overwrites the new holder.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::kv::{KvError, KvReader, KvWriter, VersionToken};
+use crate::protocol::{self, LeaseState};
+
+/// Why a lease call failed.
+#[derive(Debug, thiserror::Error)]
+pub enum LeaseError {
+    /// The bucket could not be read or written.
+    #[error("export lease {key}: {source}")]
+    Kv {
+        /// The lease key.
+        key: String,
+        /// The bucket's error.
+        #[source]
+        source: KvError,
+    },
+    /// The lease this holder had was taken over (it expired first): the round is not its own.
+    #[error("export lease {key}: lost to {holder} (ours expired)")]
+    Lost {
+        /// The lease key.
+        key: String,
+        /// Who holds it now, as far as the last read tells.
+        holder: String,
+    },
+}
+
+/// The lease's value: who holds it, until when, and what the last completed round exported.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LeaseValue {
+    /// The holder's name (a node id).
+    pub holder: String,
+    /// When the lease runs out, Unix milliseconds (0: free).
+    pub expires_unix_ms: u64,
+    /// The cursor of the last completed export round.
+    pub last_cursor: Option<u64>,
+    /// When the last round completed, Unix milliseconds.
+    pub last_unix_ms: Option<u64>,
+}
+
+impl LeaseValue {
+    fn to_bytes(&self) -> Bytes {
+        Bytes::from(serde_json::to_vec(self).unwrap_or_default())
+    }
+
+    /// Decodes a lease value; `None` for anything else (a corrupt lease is taken over).
+    pub fn from_bytes(raw: &[u8]) -> Option<Self> {
+        if raw.len() > MAX_LEASE_BYTES {
+            return None;
+        }
+        serde_json::from_slice(raw).ok()
+    }
+}
+
+/// Largest lease value read (a lease is a few dozen bytes; anything larger is not one).
+const MAX_LEASE_BYTES: usize = 4096;
+
+/// A bucket the lease lives in: reads and compare-and-set writes.
+pub trait LeaseBucket: KvReader + KvWriter {}
+impl<T: KvReader + KvWriter + ?Sized> LeaseBucket for T {}
+
+/// The export lease of one artifact key, as one node sees it.
+pub struct ExportLease {
+    bucket: Arc<dyn LeaseBucket>,
+    key: String,
+    holder: String,
+    ttl: Duration,
+}
+
+/// A lease this node holds for one round: the revision it wrote, to CAS its release on.
+#[derive(Debug)]
+pub struct HeldLease {
+    version: VersionToken,
+    value: LeaseValue,
+}
+
+impl HeldLease {
+    /// When the lease runs out if not released (Unix milliseconds).
+    pub fn expires_unix_ms(&self) -> u64 {
+        self.value.expires_unix_ms
+    }
+}
+
+impl ExportLease {
+    /// The lease `key` in `bucket`, for the node `holder`, held for `ttl` per round.
+    pub fn new(
+        bucket: Arc<dyn LeaseBucket>,
+        key: impl Into<String>,
+        holder: impl Into<String>,
+        ttl: Duration,
+    ) -> Self {
+        ExportLease {
+            bucket,
+            key: key.into(),
+            holder: holder.into(),
+            ttl,
+        }
+    }
+
+    fn kv(&self, source: KvError) -> LeaseError {
+        LeaseError::Kv {
+            key: self.key.clone(),
+            source,
+        }
+    }
+
+    /// Tries to win this round at `now_unix_ms`: `Some` when this node now holds the lease,
+    /// `None` when another holder's lease is still running (or another node won the race for an
+    /// expired one). The last completed round's cursor is carried over.
+    pub async fn acquire(&self, now_unix_ms: u64) -> Result<Option<HeldLease>, LeaseError> {
+        let current = self.bucket.entry(&self.key).await.map_err(|e| self.kv(e))?;
+        let (state, read, carried) = match &current {
+            None => (LeaseState::Absent, None, LeaseValue::default()),
+            Some(e) if e.value.is_empty() => {
+                (LeaseState::Free, Some(e.version), LeaseValue::default())
+            }
+            Some(e) => match LeaseValue::from_bytes(&e.value) {
+                None => (LeaseState::Corrupt, Some(e.version), LeaseValue::default()),
+                Some(v) => (
+                    LeaseState::Held {
+                        expires_unix_ms: v.expires_unix_ms,
+                    },
+                    Some(e.version),
+                    v,
+                ),
+            },
+        };
+        if !protocol::lease_takeover_allowed(state, now_unix_ms) {
+            return Ok(None);
+        }
+        let value = LeaseValue {
+            holder: self.holder.clone(),
+            expires_unix_ms: now_unix_ms.saturating_add(self.ttl.as_millis() as u64),
+            ..carried
+        };
+        let written = match read {
+            None => self.bucket.create(&self.key, value.to_bytes()).await,
+            Some(v) => self.bucket.update(&self.key, value.to_bytes(), v).await,
+        };
+        match written {
+            Ok(version) => Ok(Some(HeldLease { version, value })),
+            // Another node won the race for this round.
+            Err(KvError::AlreadyExists(_) | KvError::RevisionMismatch { .. }) => Ok(None),
+            Err(e) => Err(self.kv(e)),
+        }
+    }
+
+    /// Ends a round that exported `cursor` at `now_unix_ms`: the lease is freed (its expiry set to
+    /// now) and stamped with the cursor, by CAS on the revision this holder wrote.
+    pub async fn complete(
+        &self,
+        held: HeldLease,
+        cursor: u64,
+        now_unix_ms: u64,
+    ) -> Result<(), LeaseError> {
+        let value = LeaseValue {
+            expires_unix_ms: now_unix_ms,
+            last_cursor: Some(cursor),
+            last_unix_ms: Some(now_unix_ms),
+            ..held.value.clone()
+        };
+        self.release(held, value).await
+    }
+
+    /// Ends a round that exported nothing: the lease is freed, the last round's stamp kept.
+    pub async fn abandon(&self, held: HeldLease, now_unix_ms: u64) -> Result<(), LeaseError> {
+        let value = LeaseValue {
+            expires_unix_ms: now_unix_ms,
+            ..held.value.clone()
+        };
+        self.release(held, value).await
+    }
+
+    async fn release(&self, held: HeldLease, value: LeaseValue) -> Result<(), LeaseError> {
+        match self
+            .bucket
+            .update(&self.key, value.to_bytes(), held.version)
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(KvError::RevisionMismatch { .. }) => {
+                let holder = self
+                    .read()
+                    .await
+                    .ok()
+                    .flatten()
+                    .map_or_else(|| "nobody".to_string(), |v| v.holder);
+                Err(LeaseError::Lost {
+                    key: self.key.clone(),
+                    holder,
+                })
+            }
+            Err(e) => Err(self.kv(e)),
+        }
+    }
+
+    /// The lease's value as it stands (`None`: absent, freed by a tombstone, or corrupt).
+    pub async fn read(&self) -> Result<Option<LeaseValue>, LeaseError> {
+        let e = self.bucket.entry(&self.key).await.map_err(|e| self.kv(e))?;
+        Ok(e.and_then(|e| LeaseValue::from_bytes(&e.value)))
+    }
+}
