@@ -89,6 +89,16 @@ if ! ls /usr/lib/llvm-*/lib/libclang.so* /usr/lib/x86_64-linux-gnu/libclang*.so*
   fi
 fi
 
+# The S3-compatible server the object-store tests start on loopback (moto, server mode; it honours
+# If-None-Match: * and If-Match on PUT, which the artifact pointer relies on).
+MOTO_VERSION="${MOTO_VERSION:-5.2.1}"
+if ! command -v moto_server >/dev/null 2>&1; then
+  echo "setup: installing moto[server]==${MOTO_VERSION} from PyPI" >&2
+  python3 -m pip install --quiet --disable-pip-version-check "moto[server]==${MOTO_VERSION}" >&2 \
+    || python3 -m pip install --quiet --user --disable-pip-version-check "moto[server]==${MOTO_VERSION}" >&2
+  command -v pyenv >/dev/null 2>&1 && pyenv rehash >&2 || true
+fi
+
 cargo_install wit-bindgen-cli "$WIT_BINDGEN_VERSION" c wit-bindgen
 cargo_install wasm-tools "$WASM_TOOLS_VERSION" component,validate wasm-tools
 

@@ -14,6 +14,7 @@
 //! - [`applied`] — the fold: the `Apply` seam, [`applied::Fold`], the loop (`watch_applied`).
 //! - [`repair`] — the cursor-expiry repairs (key-listing diff, artifact restore).
 //! - [`artifact`] — verified copies of a fold: export, import (directory or tar).
+//! - [`transport`] — artifacts in object storage: content-addressed payloads, a CAS pointer, prune.
 //! - [`lease`] — the export lease: one exporter per round across a fleet (NATS KV CAS).
 //! - [`storedir`] — the store directory: backend choice, read-only opens, the status file.
 //! - [`status`] — the one status model ([`status::StatusReport`]).
@@ -47,4 +48,5 @@ pub mod status;
 pub mod storedir;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
+pub mod transport;
 pub mod view;

@@ -397,3 +397,75 @@ pub fn terminate(child: &mut std::process::Child) -> anyhow::Result<std::process
     Command::new("kill").args(["-TERM", &pid]).status()?;
     Ok(child.wait()?)
 }
+
+/// A throwaway S3-compatible server (moto, server mode) on loopback with one bucket, killed on
+/// drop. `scripts/setup.sh` installs it; `MOTO_SERVER_BIN` overrides where it is found.
+pub struct Moto {
+    child: std::process::Child,
+    /// `127.0.0.1:PORT`.
+    pub addr: String,
+    /// The bucket created at start.
+    pub bucket: String,
+}
+
+impl Moto {
+    /// Starts moto and creates the bucket `artifacts`. Waits (on a condition: the port answers)
+    /// at most 60 s.
+    pub async fn start() -> anyhow::Result<Self> {
+        let bin = std::env::var("MOTO_SERVER_BIN").unwrap_or_else(|_| "moto_server".into());
+        let port = foldhost::localnats::free_port()?;
+        let addr = format!("127.0.0.1:{port}");
+        let child = Command::new(&bin)
+            .args(["-H", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("{bin}: {e} (run scripts/setup.sh)"))?;
+        let moto = Moto {
+            child,
+            addr,
+            bucket: "artifacts".into(),
+        };
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        loop {
+            // S3 CreateBucket: `PUT /bucket` (moto accepts it unsigned).
+            match foldhost::serve::call(&moto.addr, "PUT", &format!("/{}", moto.bucket), b"").await
+            {
+                Ok((200, _)) => return Ok(moto),
+                Ok((code, body)) => anyhow::bail!(
+                    "moto: create bucket answered {code}: {}",
+                    String::from_utf8_lossy(&body)
+                ),
+                Err(_) if std::time::Instant::now() < deadline => {
+                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+                }
+                Err(e) => anyhow::bail!("moto never answered on {}: {e}", moto.addr),
+            }
+        }
+    }
+
+    /// The `--artifacts` URL of `prefix` in the bucket.
+    pub fn url(&self, prefix: &str) -> String {
+        format!("s3://{}/{prefix}", self.bucket)
+    }
+
+    /// The environment the object-store client needs to talk to this server (conditional puts on).
+    pub fn env(&self) -> Vec<(&'static str, String)> {
+        vec![
+            ("AWS_ENDPOINT", format!("http://{}", self.addr)),
+            ("AWS_ALLOW_HTTP", "true".into()),
+            ("AWS_ACCESS_KEY_ID", "test".into()),
+            ("AWS_SECRET_ACCESS_KEY", "test".into()),
+            ("AWS_REGION", "us-east-1".into()),
+            ("AWS_CONDITIONAL_PUT", "etag".into()),
+            ("AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "false".into()),
+        ]
+    }
+}
+
+impl Drop for Moto {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -52,6 +52,13 @@ pub enum Command {
     Export(ExportArgs),
     /// Make a store from an artifact (every file's digest and the cursor re-checked first).
     Import(ImportArgs),
+    /// Publish an artifact directory to object storage (`--artifacts URL`): the payload, then the
+    /// pointer, which never moves backward.
+    Publish(PublishArgs),
+    /// Make a store from the artifact published under a key (every file re-checked first).
+    Bootstrap(BootstrapArgs),
+    /// Delete a key's published payloads older than a grace, never the pointer's target.
+    Prune(PruneArgs),
 }
 
 /// `foldhost export`.
@@ -88,6 +95,78 @@ pub struct ImportArgs {
     /// holds another).
     #[arg(long)]
     pub backend: Option<Backend>,
+}
+
+/// Where a fleet's artifacts live (`publish`, `bootstrap`, `prune`, `run`).
+#[derive(Args, Debug, Clone)]
+pub struct ArtifactsArgs {
+    /// The object store and prefix: `s3://bucket/prefix`, `gs://…`, `az://…`, `file:///dir`.
+    /// Credentials and endpoints come from the environment (`AWS_*`, `GOOGLE_*`, `AZURE_*`).
+    #[arg(long, value_name = "URL")]
+    pub artifacts: String,
+    /// The artifact key (one per bucket and scope): letters, digits, `.`, `-`, `_`.
+    #[arg(long, value_name = "KEY", value_parser = parse_artifact_key)]
+    pub artifact_key: String,
+    /// Development only: publish on a store that cannot replace the pointer atomically (the
+    /// local file system); every publish says so in the log.
+    #[arg(long)]
+    pub allow_non_atomic_pointer: bool,
+}
+
+fn parse_artifact_key(k: &str) -> Result<String, String> {
+    if crate::transport::key_allowed(k) {
+        Ok(k.to_string())
+    } else {
+        Err(format!(
+            "{k:?}: use letters, digits, '.', '-' and '_', not starting with '.'"
+        ))
+    }
+}
+
+impl ArtifactsArgs {
+    fn transport(&self) -> anyhow::Result<crate::transport::ArtifactTransport> {
+        Ok(crate::transport::ArtifactTransport::from_url(
+            &self.artifacts,
+            self.allow_non_atomic_pointer,
+        )?)
+    }
+}
+
+/// `foldhost publish`.
+#[derive(Args, Debug)]
+pub struct PublishArgs {
+    /// The artifact directory (as `foldhost export` writes it).
+    #[arg(long)]
+    pub artifact: PathBuf,
+    /// Where to publish.
+    #[command(flatten)]
+    pub to: ArtifactsArgs,
+}
+
+/// `foldhost bootstrap`.
+#[derive(Args, Debug)]
+pub struct BootstrapArgs {
+    /// Where the artifact is published.
+    #[command(flatten)]
+    pub from: ArtifactsArgs,
+    /// The store to create (must not exist, or be an empty directory).
+    #[arg(long)]
+    pub store: PathBuf,
+    /// The backend the store must have.
+    #[arg(long)]
+    pub backend: Option<Backend>,
+}
+
+/// `foldhost prune`.
+#[derive(Args, Debug)]
+pub struct PruneArgs {
+    /// Where the payloads are.
+    #[command(flatten)]
+    pub at: ArtifactsArgs,
+    /// Keep every payload younger than this many seconds (a node may still be downloading one a
+    /// newer pointer has just replaced).
+    #[arg(long, default_value_t = 4 * 60)]
+    pub grace_secs: u64,
 }
 
 /// `foldhost new-guest`.
@@ -226,6 +305,18 @@ pub struct RunArgs {
     /// A `.creds` file for the NATS connection.
     #[arg(long)]
     pub creds_file: Option<PathBuf>,
+    /// Restore an expired fold from the artifact published here (an object store URL, see
+    /// `foldhost publish`); with `--artifact-key`.
+    #[arg(
+        long,
+        value_name = "URL",
+        requires = "artifact_key",
+        conflicts_with = "restore_from"
+    )]
+    pub artifacts: Option<String>,
+    /// The artifact key under `--artifacts`.
+    #[arg(long, value_name = "KEY", value_parser = parse_artifact_key, requires = "artifacts")]
+    pub artifact_key: Option<String>,
 }
 
 /// The defaults of a run, from the one place they are defined.
@@ -290,6 +381,7 @@ impl RunArgs {
             repair: self.repair,
             on_recreated: self.on_recreated,
             restore_from: self.restore_from,
+            artifacts: self.artifacts.zip(self.artifact_key),
             defer_grace: Duration::from_secs(self.defer_grace_secs),
             batch: BatchConfig {
                 window: Duration::from_millis(self.batch_window_ms),
@@ -354,6 +446,9 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::NewGuest(a) => scaffold::cmd_new_guest(a),
         Command::Export(a) => cmd_export(a).await,
         Command::Import(a) => cmd_import(a).await,
+        Command::Publish(a) => cmd_publish(a).await,
+        Command::Bootstrap(a) => cmd_bootstrap(a).await,
+        Command::Prune(a) => cmd_prune(a).await,
     }
 }
 
@@ -438,6 +533,65 @@ async fn cmd_import(a: ImportArgs) -> anyhow::Result<()> {
     .await
     .context("import task")??;
     println!("{}", serde_json::to_string(&m)?);
+    Ok(())
+}
+
+async fn cmd_publish(a: PublishArgs) -> anyhow::Result<()> {
+    let t = a.to.transport()?;
+    let scratch = a
+        .artifact
+        .parent()
+        .unwrap_or_else(|| Path::new("."))
+        .join(".foldhost-publish");
+    let published = t.upload(&a.to.artifact_key, &a.artifact, &scratch).await;
+    let _ = std::fs::remove_dir_all(&scratch);
+    let p = published?;
+    println!(
+        "{}",
+        serde_json::json!({"cursor": p.cursor, "payload": p.payload})
+    );
+    Ok(())
+}
+
+async fn cmd_bootstrap(a: BootstrapArgs) -> anyhow::Result<()> {
+    let t = a.from.transport()?;
+    let name = a
+        .store
+        .file_name()
+        .map_or_else(|| "store".into(), |n| n.to_string_lossy().into_owned());
+    let download = a
+        .store
+        .parent()
+        .unwrap_or_else(|| Path::new("."))
+        .join(format!(".{name}.bootstrap"));
+    let imported = async {
+        let (tar, _) = t.download(&a.from.artifact_key, &download).await?;
+        let (store, backend) = (a.store.clone(), a.backend);
+        tokio::task::spawn_blocking(move || {
+            let mut progress = byte_progress("verifying");
+            crate::artifact::import_artifact(&tar, &store, backend, &mut progress)
+        })
+        .await
+        .context("import task")?
+        .with_context(|| format!("bootstrap {}", a.store.display()))
+    }
+    .await;
+    let _ = std::fs::remove_dir_all(&download);
+    let m = imported?;
+    println!("{}", serde_json::to_string(&m)?);
+    Ok(())
+}
+
+async fn cmd_prune(a: PruneArgs) -> anyhow::Result<()> {
+    let t = a.at.transport()?;
+    let n = t
+        .prune(
+            &a.at.artifact_key,
+            Duration::from_secs(a.grace_secs),
+            crate::transport::clock::Now::system(),
+        )
+        .await?;
+    println!("{}", serde_json::json!({"pruned": n}));
     Ok(())
 }
 

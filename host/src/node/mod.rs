@@ -77,6 +77,9 @@ pub enum NodeError {
     /// The fold stopped (the watch, the store, the applier or a repair).
     #[error(transparent)]
     Applied(#[from] AppliedError),
+    /// The artifact transport (`--artifacts`).
+    #[error(transparent)]
+    Transport(#[from] crate::transport::TransportError),
     /// A task of the node panicked or was cancelled.
     #[error("{0}: {1}")]
     Task(&'static str, String),
@@ -157,8 +160,10 @@ pub struct NodeConfig {
     pub repair: RepairMode,
     /// What to do with a recreated bucket.
     pub on_recreated: OnRecreated,
-    /// Where artifacts for a restore come from.
+    /// Where artifacts for a restore come from: a local directory…
     pub restore_from: Option<PathBuf>,
+    /// …or the artifact published under a key in an object store (URL, key).
+    pub artifacts: Option<(String, String)>,
     /// A retained record older than this is warned about.
     pub defer_grace: Duration,
     /// Batching.
@@ -192,6 +197,7 @@ impl NodeConfig {
             repair: RepairMode::Auto,
             on_recreated: OnRecreated::Refuse,
             restore_from: None,
+            artifacts: None,
             defer_grace: crate::applied::DEFAULT_DEFER_GRACE,
             batch: BatchConfig::default(),
         }
@@ -287,10 +293,7 @@ impl Node {
             defer_grace: cfg.defer_grace,
             repair: crate::repair::RepairConfig {
                 mode: cfg.repair,
-                restore_from: cfg
-                    .restore_from
-                    .clone()
-                    .map(crate::repair::RestoreSource::new),
+                restore_from: restore_source(&cfg)?,
                 lister: Some(kv.clone() as Arc<dyn crate::kv::KvReader>),
                 scratch: Some(repair_scratch(&cfg.store)),
                 on_recreated: cfg.on_recreated,
@@ -417,6 +420,21 @@ async fn build_applier(
         (None, None) => WatchScope::All,
     };
     Ok((apply, scope))
+}
+
+/// The run's restore source: `--restore-from DIR`, or `--artifacts URL --artifact-key K`.
+fn restore_source(cfg: &NodeConfig) -> Result<Option<crate::repair::RestoreSource>, NodeError> {
+    if let Some((url, key)) = &cfg.artifacts {
+        let transport = crate::transport::ArtifactTransport::from_url(url, false)?;
+        return Ok(Some(crate::repair::RestoreSource::Transport {
+            transport: Arc::new(transport),
+            key: key.clone(),
+        }));
+    }
+    Ok(cfg
+        .restore_from
+        .clone()
+        .map(crate::repair::RestoreSource::new))
 }
 
 /// Where a run's repairs keep their scratch: a hidden directory beside the store (same file

@@ -33,56 +33,115 @@ const PAGE: usize = 1024;
 const MAX_SPILL_VALUE: usize = 64 << 20;
 
 /// Where artifacts for a restore come from: a local directory holding artifact directories and
-/// `.tar` files (the object-store transport plugs in here later). Names starting with `.` (stages
-/// being written) are ignored.
-#[derive(Clone, Debug)]
-pub struct RestoreSource {
-    dir: PathBuf,
+/// `.tar` files (names starting with `.`, stages being written, are ignored), or the published
+/// artifact of a key in an object store ([`crate::transport::ArtifactTransport`]).
+#[derive(Clone)]
+pub enum RestoreSource {
+    /// A local directory of artifacts.
+    Dir(PathBuf),
+    /// The artifact published under `key`.
+    Transport {
+        /// The object store.
+        transport: std::sync::Arc<crate::transport::ArtifactTransport>,
+        /// The artifact key.
+        key: String,
+    },
+}
+
+impl std::fmt::Debug for RestoreSource {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.describe())
+    }
+}
+
+/// Where a chosen artifact is: on disk already, or to be downloaded.
+pub enum Located {
+    /// A local artifact directory or `.tar`.
+    Local(PathBuf),
+    /// The published artifact of the transport's key.
+    Remote,
 }
 
 impl RestoreSource {
     /// A source reading `dir`.
     pub fn new(dir: impl Into<PathBuf>) -> Self {
-        RestoreSource { dir: dir.into() }
+        RestoreSource::Dir(dir.into())
     }
 
-    /// The directory.
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
-    /// The artifact with the highest cursor and its manifest (peeked, not verified: the import
-    /// verifies). Entries whose manifest cannot be read are skipped with a warning.
-    pub fn newest(&self) -> Result<Option<(PathBuf, ExportManifest)>, RepairError> {
-        let rd = std::fs::read_dir(&self.dir).map_err(io_err(&self.dir, "list artifacts"))?;
-        let mut best: Option<(PathBuf, ExportManifest)> = None;
-        for ent in rd {
-            let ent = ent.map_err(io_err(&self.dir, "list artifacts"))?;
-            let path = ent.path();
-            if ent.file_name().to_string_lossy().starts_with('.') {
-                continue;
-            }
-            let m = if path.is_dir() {
-                artifact::read_manifest(&path)
-            } else {
-                artifact::peek_tar_manifest(&path)
-            };
-            match m {
-                Ok(m) => {
-                    let better = best
-                        .as_ref()
-                        .is_none_or(|(_, b)| m.cursor.unwrap_or(0) > b.cursor.unwrap_or(0));
-                    if better {
-                        best = Some((path, m));
-                    }
-                }
-                Err(e) => {
-                    tracing::warn!(artifact = %path.display(), error = %e, "restore source: skipping an unreadable artifact")
-                }
+    /// The source in words, for messages.
+    pub fn describe(&self) -> String {
+        match self {
+            RestoreSource::Dir(d) => d.display().to_string(),
+            RestoreSource::Transport { transport, key } => {
+                format!("{} (key {key})", transport.url())
             }
         }
-        Ok(best)
     }
+
+    /// The newest artifact and its manifest (peeked, not verified: the import verifies) — for a
+    /// transport, the pointer's manifest, before anything is downloaded.
+    pub async fn newest(&self) -> Result<Option<(Located, ExportManifest)>, RepairError> {
+        match self {
+            RestoreSource::Dir(dir) => {
+                let dir = dir.clone();
+                Ok(block(|| newest_in(&dir))?.map(|(p, m)| (Located::Local(p), m)))
+            }
+            RestoreSource::Transport { transport, key } => Ok(transport
+                .pointer(key)
+                .await
+                .map_err(|e| RepairError::Refused(e.to_string()))?
+                .map(|(_, m)| (Located::Remote, m))),
+        }
+    }
+
+    /// A local path for `located` (downloading a remote artifact into `scratch`).
+    pub async fn fetch(&self, located: Located, scratch: &Path) -> Result<PathBuf, RepairError> {
+        match (located, self) {
+            (Located::Local(p), _) => Ok(p),
+            (Located::Remote, RestoreSource::Transport { transport, key }) => Ok(transport
+                .download(key, scratch)
+                .await
+                .map_err(|e| RepairError::Refused(e.to_string()))?
+                .0),
+            (Located::Remote, RestoreSource::Dir(d)) => Err(RepairError::Refused(format!(
+                "{}: no remote artifacts here",
+                d.display()
+            ))),
+        }
+    }
+}
+
+/// The artifact with the highest cursor in `dir`, and its manifest. Entries whose manifest cannot
+/// be read are skipped with a warning.
+fn newest_in(dir: &Path) -> Result<Option<(PathBuf, ExportManifest)>, RepairError> {
+    let rd = std::fs::read_dir(dir).map_err(io_err(dir, "list artifacts"))?;
+    let mut best: Option<(PathBuf, ExportManifest)> = None;
+    for ent in rd {
+        let ent = ent.map_err(io_err(dir, "list artifacts"))?;
+        let path = ent.path();
+        if ent.file_name().to_string_lossy().starts_with('.') {
+            continue;
+        }
+        let m = if path.is_dir() {
+            artifact::read_manifest(&path)
+        } else {
+            artifact::peek_tar_manifest(&path)
+        };
+        match m {
+            Ok(m) => {
+                let better = best
+                    .as_ref()
+                    .is_none_or(|(_, b)| m.cursor.unwrap_or(0) > b.cursor.unwrap_or(0));
+                if better {
+                    best = Some((path, m));
+                }
+            }
+            Err(e) => {
+                tracing::warn!(artifact = %path.display(), error = %e, "restore source: skipping an unreadable artifact")
+            }
+        }
+    }
+    Ok(best)
 }
 
 /// The prefixes an artifact's recorded scope covers; `None` when it recorded none.
@@ -333,16 +392,21 @@ pub async fn restore<T: RepairTarget>(
     })?;
     let first = first_sequence(watcher.retention().await.map_err(RepairError::from)?)?;
     let local = target.cursor().revision();
-    let (path, peeked) = block(|| source.newest())?.ok_or_else(|| {
+    let (located, peeked) = source.newest().await?.ok_or_else(|| {
         RepairError::Refused(format!(
             "no artifact in {} to restore from",
-            source.dir().display()
+            source.describe()
         ))
     })?;
+    let named = match &located {
+        Located::Local(p) => p.clone(),
+        Located::Remote => PathBuf::from(source.describe()),
+    };
     // Checked before anything is downloaded or imported.
-    check_artifact(&path, &peeked, scope, local, first)?;
+    check_artifact(&named, &peeked, scope, local, first)?;
     let scratch = cfg.scratch_dir();
     block(|| clear_dir(&scratch))?;
+    let path = source.fetch(located, &scratch.join("download")).await?;
     let imported_dir = scratch.join("artifact");
     let (p2, d2) = (path.clone(), imported_dir.clone());
     let manifest = tokio::task::spawn_blocking(move || {

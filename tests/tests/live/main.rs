@@ -17,4 +17,5 @@ mod repair;
 mod resume;
 mod server_restart;
 mod swap;
+mod transport;
 mod watch_semantics;

@@ -1,0 +1,585 @@
+//! The artifact transport (seed 000, "Transport"): artifacts published to object storage, where a
+//! fleet bootstraps from them. One URL names the store and a prefix (`s3://bucket/prefix`,
+//! `gs://…`, `az://…`, `file:///…`; credentials from the environment, as the `object_store` crate
+//! reads them). Under the prefix, per artifact key:
+//!
+//! - `<key>.payloads/<blake3(manifest)[..16] hex>.tar` — the payload, written once, addressed by
+//!   its content (the manifest names every file's digest, so the manifest's hash names the whole);
+//! - `<key>.manifest.json` — the pointer: the manifest's bytes exactly, published last.
+//!
+//! Invariants:
+//! - **Nothing half-written is addressable**: the payload is a streamed multipart upload (8 MiB
+//!   parts, at most [`UPLOAD_CONCURRENCY`] in flight, aborted on failure) to a name no pointer names
+//!   yet; the pointer moves only after the payload is whole.
+//! - **The pointer never regresses**: it moves by a conditional put (create-if-absent, or
+//!   update-if-unchanged) decided by [`protocol::pointer_publish_allowed`], retried a bounded number
+//!   of times; a slower exporter gets [`TransportError::SupersededByNewer`]. A store without
+//!   conditional updates (the local file system) **fails closed** unless the operator allows a
+//!   non-atomic pointer, and every publish under that allowance says so in the log.
+//! - **A download is untrusted**: the payload streams to a file beside the destination (memory
+//!   bounded by the chunk size), its embedded manifest must equal the pointer's bytes, and the
+//!   import then re-checks every file's digest before anything becomes a store.
+//! - **Prune** deletes only what [`protocol::payload_prunable`] allows: never the pointer's target.
+
+use std::io::{Read as _, Write as _};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt as _;
+use object_store::path::Path as ObjectPath;
+use object_store::{
+    ObjectStore, ObjectStoreExt as _, PutMode, PutOptions, PutPayload, UpdateVersion,
+    WriteMultipart,
+};
+
+use crate::artifact::{self, ArtifactError, ExportManifest, MANIFEST_FILE};
+use crate::protocol::{self, PointerState};
+
+/// Size of one part of a payload upload.
+pub const PART_BYTES: usize = 8 << 20;
+/// Parts of one upload in flight at once (memory: about this many parts).
+pub const UPLOAD_CONCURRENCY: usize = 2;
+/// Attempts at publishing a pointer against concurrent exporters before giving up.
+pub const POINTER_ATTEMPTS: u32 = 8;
+
+/// Errors of the artifact transport.
+#[derive(Debug, thiserror::Error)]
+pub enum TransportError {
+    /// The URL does not name a store this build reaches.
+    #[error("--artifacts {url}: {reason}")]
+    Url {
+        /// The URL.
+        url: String,
+        /// Why.
+        reason: String,
+    },
+    /// The object store failed.
+    #[error("{what} {path}: {source}")]
+    Store {
+        /// What was being done.
+        what: &'static str,
+        /// The object.
+        path: String,
+        /// The store's error.
+        #[source]
+        source: object_store::Error,
+    },
+    /// A local file failed.
+    #[error("{}: {op}: {source}", path.display())]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What was being done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The artifact itself (its manifest, its files).
+    #[error(transparent)]
+    Artifact(#[from] ArtifactError),
+    /// A newer artifact than this one is already published: the pointer stays.
+    #[error("artifact {key}: superseded by a newer one (pointer at cursor {current}, ours {ours})")]
+    SupersededByNewer {
+        /// The artifact key.
+        key: String,
+        /// The published cursor.
+        current: u64,
+        /// This artifact's cursor.
+        ours: u64,
+    },
+    /// Other exporters kept moving the pointer: no publish in [`POINTER_ATTEMPTS`] attempts.
+    #[error("artifact {key}: the pointer kept changing; gave up after {attempts} attempts")]
+    Contended {
+        /// The artifact key.
+        key: String,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// The store cannot move a pointer atomically and no non-atomic pointer was allowed.
+    #[error(
+        "--artifacts {url}: this store cannot replace the pointer atomically (no conditional update); refusing to publish (allow it for development with --allow-non-atomic-pointer)"
+    )]
+    NoAtomicPointer {
+        /// The URL.
+        url: String,
+    },
+    /// Nothing is published under the key.
+    #[error("artifact {key}: nothing published under --artifacts {url}")]
+    NothingPublished {
+        /// The artifact key.
+        key: String,
+        /// The URL.
+        url: String,
+    },
+    /// A downloaded payload is not the one its pointer describes.
+    #[error("artifact {key}: payload {path} does not match its pointer: {reason}")]
+    Mismatch {
+        /// The artifact key.
+        key: String,
+        /// The payload.
+        path: String,
+        /// What differs.
+        reason: String,
+    },
+}
+
+/// Where a fleet's artifacts live: an object store and a prefix in it.
+pub struct ArtifactTransport {
+    store: Arc<dyn ObjectStore>,
+    prefix: ObjectPath,
+    url: String,
+    /// The store can replace an object conditionally (`If-Match`).
+    atomic_pointer: bool,
+    /// The operator allowed a non-atomic pointer on a store without conditional updates.
+    allow_non_atomic: bool,
+}
+
+/// What [`ArtifactTransport::upload`] published.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Published {
+    /// The artifact's cursor.
+    pub cursor: u64,
+    /// The payload's object path.
+    pub payload: String,
+}
+
+/// The payload name of a manifest: the first 16 bytes of its BLAKE3, in hex.
+pub fn payload_name(manifest_bytes: &[u8]) -> String {
+    let h = blake3::hash(manifest_bytes);
+    let hex: String = h.as_bytes()[..16]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    format!("{hex}.tar")
+}
+
+/// Whether `key` is a usable artifact key (a path segment of the store: letters, digits, `.`,
+/// `-`, `_`, not starting with `.`).
+pub fn key_allowed(key: &str) -> bool {
+    !key.is_empty()
+        && key.len() <= 200
+        && !key.starts_with('.')
+        && key
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+}
+
+impl ArtifactTransport {
+    /// The transport at `url`, configured from the environment (`AWS_*`, `GOOGLE_*`, `AZURE_*`).
+    pub fn from_url(url: &str, allow_non_atomic: bool) -> Result<Self, TransportError> {
+        let bad = |reason: String| TransportError::Url {
+            url: url.to_string(),
+            reason,
+        };
+        let u = url::Url::parse(url).map_err(|e| bad(e.to_string()))?;
+        let options: Vec<(String, String)> = std::env::vars()
+            .filter(|(k, _)| {
+                let k = k.to_ascii_uppercase();
+                k.starts_with("AWS_") || k.starts_with("GOOGLE_") || k.starts_with("AZURE_")
+            })
+            .map(|(k, v)| (k.to_ascii_lowercase(), v))
+            .collect();
+        let (store, prefix) =
+            object_store::parse_url_opts(&u, options).map_err(|e| bad(e.to_string()))?;
+        // The local file system creates conditionally but cannot update conditionally.
+        let atomic_pointer = u.scheme() != "file";
+        Ok(ArtifactTransport {
+            store: Arc::from(store),
+            prefix,
+            url: url.to_string(),
+            atomic_pointer,
+            allow_non_atomic,
+        })
+    }
+
+    /// The URL this transport was made from.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    fn pointer_path(&self, key: &str) -> ObjectPath {
+        self.prefix.clone().join(format!("{key}.manifest.json"))
+    }
+
+    fn payloads_dir(&self, key: &str) -> ObjectPath {
+        self.prefix.clone().join(format!("{key}.payloads"))
+    }
+
+    fn store_err(
+        what: &'static str,
+        path: &ObjectPath,
+    ) -> impl FnOnce(object_store::Error) -> TransportError {
+        let path = path.to_string();
+        move |source| TransportError::Store { what, path, source }
+    }
+
+    /// Publishes the artifact directory `artifact` under `key`: the payload first (a tar packed in
+    /// `scratch`, streamed up in parts), then the pointer. The packed tar is removed on every path.
+    pub async fn upload(
+        &self,
+        key: &str,
+        artifact: &Path,
+        scratch: &Path,
+    ) -> Result<Published, TransportError> {
+        if !self.atomic_pointer && !self.allow_non_atomic {
+            return Err(TransportError::NoAtomicPointer {
+                url: self.url.clone(),
+            });
+        }
+        let manifest_path = artifact.join(MANIFEST_FILE);
+        let manifest_bytes =
+            std::fs::read(&manifest_path).map_err(|source| TransportError::Io {
+                path: manifest_path.clone(),
+                op: "read manifest",
+                source,
+            })?;
+        let manifest = artifact::read_manifest(artifact)?;
+        let cursor = manifest.cursor.unwrap_or(0);
+        let payload = self.payloads_dir(key).join(payload_name(&manifest_bytes));
+        std::fs::create_dir_all(scratch).map_err(|source| TransportError::Io {
+            path: scratch.to_path_buf(),
+            op: "create scratch",
+            source,
+        })?;
+        let tar = scratch.join(format!(".upload-{}", payload_name(&manifest_bytes)));
+        let packed = {
+            let (a, t) = (artifact.to_path_buf(), tar.clone());
+            tokio::task::spawn_blocking(move || artifact::pack_tar(&a, &t))
+                .await
+                .map_err(|e| TransportError::Io {
+                    path: tar.clone(),
+                    op: "pack task",
+                    source: std::io::Error::other(e.to_string()),
+                })
+        };
+        let result = match packed {
+            Ok(Ok(())) => self.upload_payload(&payload, &tar).await,
+            Ok(Err(e)) => Err(e.into()),
+            Err(e) => Err(e),
+        };
+        let _ = std::fs::remove_file(&tar);
+        result?;
+        self.publish(key, &manifest_bytes, cursor).await?;
+        Ok(Published {
+            cursor,
+            payload: payload.to_string(),
+        })
+    }
+
+    /// Streams the file `tar` to `payload` in parts; aborts the upload on any failure, so no
+    /// partial object is ever addressable.
+    async fn upload_payload(&self, payload: &ObjectPath, tar: &Path) -> Result<(), TransportError> {
+        let upload = self
+            .store
+            .put_multipart(payload)
+            .await
+            .map_err(Self::store_err("start upload of", payload))?;
+        let mut w = WriteMultipart::new_with_chunk_size(upload, PART_BYTES);
+        let streamed: Result<(), TransportError> = async {
+            let mut f = std::fs::File::open(tar).map_err(|source| TransportError::Io {
+                path: tar.to_path_buf(),
+                op: "open packed payload",
+                source,
+            })?;
+            let mut buf = vec![0u8; 1 << 20];
+            loop {
+                let n = f.read(&mut buf).map_err(|source| TransportError::Io {
+                    path: tar.to_path_buf(),
+                    op: "read packed payload",
+                    source,
+                })?;
+                if n == 0 {
+                    return Ok(());
+                }
+                w.wait_for_capacity(UPLOAD_CONCURRENCY)
+                    .await
+                    .map_err(Self::store_err("upload", payload))?;
+                w.write(&buf[..n]);
+            }
+        }
+        .await;
+        match streamed {
+            Ok(()) => {
+                w.finish()
+                    .await
+                    .map_err(Self::store_err("finish upload of", payload))?;
+                Ok(())
+            }
+            Err(e) => {
+                let _ = w.abort().await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Moves the pointer of `key` to `manifest_bytes` (an artifact at `cursor`), never backward.
+    async fn publish(
+        &self,
+        key: &str,
+        manifest_bytes: &[u8],
+        cursor: u64,
+    ) -> Result<(), TransportError> {
+        let pointer = self.pointer_path(key);
+        for _ in 0..POINTER_ATTEMPTS {
+            let (state, version) = self.read_pointer_state(&pointer).await?;
+            if !protocol::pointer_publish_allowed(state, cursor) {
+                let current = match state {
+                    PointerState::At(c) => c,
+                    _ => 0,
+                };
+                return Err(TransportError::SupersededByNewer {
+                    key: key.to_string(),
+                    current,
+                    ours: cursor,
+                });
+            }
+            let mode = match (&state, version) {
+                _ if !self.atomic_pointer => {
+                    tracing::warn!(key, url = %self.url, "publishing a NON-ATOMIC pointer (--allow-non-atomic-pointer): a concurrent exporter may overwrite a newer one");
+                    PutMode::Overwrite
+                }
+                (PointerState::Absent, _) => PutMode::Create,
+                (_, Some(v)) => PutMode::Update(v),
+                (_, None) => PutMode::Create,
+            };
+            let put = self
+                .store
+                .put_opts(
+                    &pointer,
+                    PutPayload::from(manifest_bytes.to_vec()),
+                    PutOptions::from(mode),
+                )
+                .await;
+            match put {
+                Ok(_) => {
+                    tracing::info!(key, cursor, url = %self.url, "artifact pointer published");
+                    return Ok(());
+                }
+                // Another exporter moved it between the read and the put: read again.
+                Err(
+                    object_store::Error::AlreadyExists { .. }
+                    | object_store::Error::Precondition { .. }
+                    | object_store::Error::NotFound { .. },
+                ) => continue,
+                Err(e) => return Err(Self::store_err("publish pointer", &pointer)(e)),
+            }
+        }
+        Err(TransportError::Contended {
+            key: key.to_string(),
+            attempts: POINTER_ATTEMPTS,
+        })
+    }
+
+    /// The pointer's state and the version a conditional update must match.
+    async fn read_pointer_state(
+        &self,
+        pointer: &ObjectPath,
+    ) -> Result<(PointerState, Option<UpdateVersion>), TransportError> {
+        match self.store.get(pointer).await {
+            Ok(r) => {
+                let version = UpdateVersion {
+                    e_tag: r.meta.e_tag.clone(),
+                    version: r.meta.version.clone(),
+                };
+                let bytes = r
+                    .bytes()
+                    .await
+                    .map_err(Self::store_err("read pointer", pointer))?;
+                let state = match parse_pointer(&bytes) {
+                    Some(m) => PointerState::At(m.cursor.unwrap_or(0)),
+                    None => PointerState::Corrupt,
+                };
+                Ok((state, Some(version)))
+            }
+            Err(object_store::Error::NotFound { .. }) => Ok((PointerState::Absent, None)),
+            Err(e) => Err(Self::store_err("read pointer", pointer)(e)),
+        }
+    }
+
+    /// The published manifest of `key` (its exact bytes, parsed), if any; a corrupt pointer reads
+    /// as none.
+    pub async fn pointer(
+        &self,
+        key: &str,
+    ) -> Result<Option<(Vec<u8>, ExportManifest)>, TransportError> {
+        let pointer = self.pointer_path(key);
+        match self.store.get(&pointer).await {
+            Ok(r) => {
+                let bytes = r
+                    .bytes()
+                    .await
+                    .map_err(Self::store_err("read pointer", &pointer))?;
+                Ok(parse_pointer(&bytes).map(|m| (bytes.to_vec(), m)))
+            }
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(Self::store_err("read pointer", &pointer)(e)),
+        }
+    }
+
+    /// Downloads the published artifact of `key` into `dir` (created): streams the payload to a
+    /// `.tar` there and checks its embedded manifest against the pointer's bytes. Returns the tar
+    /// (for [`artifact::import_artifact`], which re-checks every file) and the manifest.
+    pub async fn download(
+        &self,
+        key: &str,
+        dir: &Path,
+    ) -> Result<(PathBuf, ExportManifest), TransportError> {
+        let Some((manifest_bytes, manifest)) = self.pointer(key).await? else {
+            return Err(TransportError::NothingPublished {
+                key: key.to_string(),
+                url: self.url.clone(),
+            });
+        };
+        let name = payload_name(&manifest_bytes);
+        let payload = self.payloads_dir(key).join(name.clone());
+        let io = |path: &Path, op: &'static str| {
+            let path = path.to_path_buf();
+            move |source| TransportError::Io { path, op, source }
+        };
+        std::fs::create_dir_all(dir).map_err(io(dir, "create download dir"))?;
+        let tar = dir.join(&name);
+        let r = self
+            .store
+            .get(&payload)
+            .await
+            .map_err(Self::store_err("download", &payload))?;
+        let mut stream = r.into_stream();
+        let mut f = std::fs::File::create(&tar).map_err(io(&tar, "create"))?;
+        while let Some(chunk) = stream.next().await {
+            let chunk = chunk.map_err(Self::store_err("download", &payload))?;
+            f.write_all(&chunk).map_err(io(&tar, "write"))?;
+        }
+        f.sync_all().map_err(io(&tar, "fsync"))?;
+        drop(f);
+        let embedded = embedded_manifest(&tar)?;
+        if embedded != manifest_bytes {
+            let _ = std::fs::remove_file(&tar);
+            return Err(TransportError::Mismatch {
+                key: key.to_string(),
+                path: payload.to_string(),
+                reason: "its embedded manifest is not the pointer's".into(),
+            });
+        }
+        Ok((tar, manifest))
+    }
+
+    /// Deletes the payloads of `key` that [`protocol::payload_prunable`] allows at `now`: older
+    /// than `grace`, and never the pointer's target. Returns how many went.
+    pub async fn prune(
+        &self,
+        key: &str,
+        grace: Duration,
+        now: clock::Now,
+    ) -> Result<u64, TransportError> {
+        let target = self
+            .pointer(key)
+            .await?
+            .map(|(bytes, _)| payload_name(&bytes));
+        let dir = self.payloads_dir(key);
+        let mut listed = self.store.list(Some(&dir));
+        let mut doomed = Vec::new();
+        while let Some(meta) = listed.next().await {
+            let meta = meta.map_err(Self::store_err("list", &dir))?;
+            let is_target = target
+                .as_deref()
+                .is_some_and(|t| meta.location.filename() == Some(t));
+            let age = now.since(meta.last_modified.timestamp_millis());
+            if protocol::payload_prunable(is_target, age, grace) {
+                doomed.push(meta.location);
+            }
+        }
+        let mut n = 0;
+        for path in doomed {
+            match self.store.delete(&path).await {
+                Ok(()) | Err(object_store::Error::NotFound { .. }) => n += 1,
+                Err(e) => return Err(Self::store_err("prune", &path)(e)),
+            }
+        }
+        Ok(n)
+    }
+}
+
+/// Wall-clock time for prune decisions, passed in so a caller (and a test) states it.
+pub mod clock {
+    use std::time::Duration;
+
+    /// A point in time, Unix milliseconds.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct Now(pub i64);
+
+    impl Now {
+        /// The wall clock now.
+        pub fn system() -> Self {
+            Now(crate::status::now_unix_ms() as i64)
+        }
+
+        /// How long ago `then_ms` was (zero when it is in the future).
+        pub fn since(self, then_ms: i64) -> Duration {
+            Duration::from_millis(u64::try_from(self.0.saturating_sub(then_ms)).unwrap_or(0))
+        }
+    }
+}
+
+/// A pointer's manifest, or `None` when the bytes are not one (a corrupt pointer).
+fn parse_pointer(bytes: &[u8]) -> Option<ExportManifest> {
+    if bytes.len() as u64 > artifact::MAX_MANIFEST_BYTES {
+        return None;
+    }
+    serde_json::from_slice(bytes).ok()
+}
+
+/// The raw bytes of a payload tar's first entry, which must be its manifest.
+fn embedded_manifest(tar: &Path) -> Result<Vec<u8>, TransportError> {
+    let bad = |reason: String| {
+        TransportError::Artifact(ArtifactError::Tar {
+            path: tar.to_path_buf(),
+            reason,
+        })
+    };
+    let file = std::fs::File::open(tar).map_err(|source| TransportError::Io {
+        path: tar.to_path_buf(),
+        op: "open",
+        source,
+    })?;
+    let mut archive = tar::Archive::new(std::io::BufReader::new(file));
+    let mut entries = archive.entries().map_err(|e| bad(e.to_string()))?;
+    let mut first = entries
+        .next()
+        .ok_or_else(|| bad("empty".into()))?
+        .map_err(|e| bad(e.to_string()))?;
+    if *first.path_bytes() != *MANIFEST_FILE.as_bytes() {
+        return Err(bad(format!("the first entry is not {MANIFEST_FILE}")));
+    }
+    let mut bytes = Vec::new();
+    (&mut first)
+        .take(artifact::MAX_MANIFEST_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| bad(e.to_string()))?;
+    Ok(bytes)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payload_names_address_the_manifest_and_keys_are_plain_segments() {
+        let a = payload_name(b"{\"cursor\":1}");
+        assert_eq!(a.len(), 32 + 4);
+        assert!(a.ends_with(".tar"));
+        assert_ne!(a, payload_name(b"{\"cursor\":2}"));
+        assert!(key_allowed("routes.prod-1") && key_allowed("a_b"));
+        for bad in ["", ".hidden", "a/b", "a b", "..", &"k".repeat(201)] {
+            assert!(!key_allowed(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn prune_ages_are_never_negative() {
+        let now = clock::Now(10_000);
+        assert_eq!(now.since(4_000), Duration::from_secs(6));
+        assert_eq!(now.since(20_000), Duration::ZERO);
+    }
+}

@@ -1,0 +1,284 @@
+//! The artifact transport (issue 14) against a real S3-compatible server (moto, on loopback) and a
+//! real nats-server: an artifact published to object storage bootstraps a node that resumes with a
+//! delta only; the pointer never moves backward; prune never deletes the pointer's target and waits
+//! for the grace; a corrupt pointer is replaced; the local file system refuses to publish a pointer
+//! it cannot replace atomically unless told to.
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+use bytes::Bytes;
+use foldhost::kv::KvWriter;
+use foldhost_tests::{
+    Harness, Moto, bucket_contents, dump_store, first_difference, foldhost, publish_all,
+    run_command, terminate, wait_status,
+};
+
+fn ok(o: &Output, what: &str) -> anyhow::Result<serde_json::Value> {
+    anyhow::ensure!(
+        o.status.success(),
+        "{what} failed: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(serde_json::from_slice(&o.stdout)?)
+}
+
+/// `foldhost <cmd> --artifacts URL --artifact-key routes` with moto's environment.
+fn with_artifacts(moto: &Moto, cmd: &str, url: &str) -> Command {
+    let mut c = foldhost();
+    c.args([cmd, "--artifacts", url, "--artifact-key", "routes"]);
+    for (k, v) in moto.env() {
+        c.env(k, v);
+    }
+    c
+}
+
+/// Exports the running host at `addr` into `out`; returns the artifact's cursor.
+fn export_live(addr: &str, out: &Path) -> anyhow::Result<u64> {
+    let m = ok(
+        &foldhost()
+            .args(["export", "--listen", addr, "--out"])
+            .arg(out)
+            .output()?,
+        "live export",
+    )?;
+    m["cursor"]
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("no cursor in {m}"))
+}
+
+fn publish(moto: &Moto, url: &str, artifact: &Path) -> anyhow::Result<Output> {
+    Ok(with_artifacts(moto, "publish", url)
+        .arg("--artifact")
+        .arg(artifact)
+        .output()?)
+}
+
+/// The cursor of the published artifact, read by bootstrapping a throwaway store from it.
+fn published_cursor(moto: &Moto, url: &str, scratch: &Path) -> anyhow::Result<Option<u64>> {
+    let store = scratch.join(format!("probe-{}", foldhost::localnats::free_port()?));
+    let m = ok(
+        &with_artifacts(moto, "bootstrap", url)
+            .arg("--store")
+            .arg(&store)
+            .output()?,
+        "bootstrap",
+    )?;
+    Ok(m["cursor"].as_u64())
+}
+
+/// A bucket of `n` routes and a host folding it, serving `--listen`.
+async fn folding_host(
+    h: &Harness,
+    bucket: &str,
+    n: u32,
+    store: &Path,
+) -> anyhow::Result<(std::process::Child, String)> {
+    let kv = h.bucket(bucket).await?;
+    publish_all(
+        kv.jetstream(),
+        (0..n).map(|i| (format!("$KV.{bucket}.route.h{i:05}"), Bytes::from("v1"))),
+    )
+    .await?;
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let child = run_command(h, bucket, store, Some(&addr))
+        .stderr(Stdio::null())
+        .spawn()?;
+    wait_status(&addr, |s| s.applied_through == u64::from(n)).await?;
+    Ok((child, addr))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_artifact_published_to_s3_bootstraps_a_node_that_resumes_with_a_delta_only()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let moto = Moto::start().await?;
+    let url = moto.url("fleet");
+    let tmp = tempfile::tempdir()?;
+    let (mut a, addr) = folding_host(&h, "fleet", 2000, &tmp.path().join("a")).await?;
+    let cursor = export_live(&addr, &tmp.path().join("art"))?;
+    terminate(&mut a)?;
+    let p = ok(&publish(&moto, &url, &tmp.path().join("art"))?, "publish")?;
+    assert_eq!(p["cursor"].as_u64(), Some(cursor));
+    assert!(
+        p["payload"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("routes.payloads/")
+    );
+
+    // The log moves on while B is not there yet.
+    let kv = h.bucket("fleet").await?;
+    for i in 0..50 {
+        kv.put(&format!("route.late{i:02}"), "v2".into()).await?;
+    }
+    let b = tmp.path().join("b");
+    let m = ok(
+        &with_artifacts(&moto, "bootstrap", &url)
+            .arg("--store")
+            .arg(&b)
+            .output()?,
+        "bootstrap",
+    )?;
+    assert_eq!(m["cursor"].as_u64(), Some(cursor));
+    let o = run_command(&h, "fleet", &b, None)
+        .arg("--catch-up")
+        .output()?;
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("(50 updates delivered this run)"),
+        "B resumed from the artifact's cursor with the delta only: {stderr}"
+    );
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &dump_store(&b)?),
+        None
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_pointer_never_moves_backward_and_prune_keeps_its_target_and_the_grace()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let moto = Moto::start().await?;
+    let url = moto.url("race");
+    let tmp = tempfile::tempdir()?;
+    let (mut host, addr) = folding_host(&h, "race", 100, &tmp.path().join("a")).await?;
+    let kv = h.bucket("race").await?;
+    let older = tmp.path().join("older");
+    let c1 = export_live(&addr, &older)?;
+    kv.put("route.more", "v".into()).await?;
+    wait_status(&addr, |s| s.applied_through == c1 + 1).await?;
+    let newer = tmp.path().join("newer");
+    let c2 = export_live(&addr, &newer)?;
+    assert!(c2 > c1);
+
+    // The slower exporter (the older artifact) publishes after the newer one: superseded, and
+    // the pointer stays; an equal cursor does not move it either.
+    ok(&publish(&moto, &url, &newer)?, "publish the newer")?;
+    for (artifact, what) in [(&older, "older"), (&newer, "the same")] {
+        let o = publish(&moto, &url, artifact)?;
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert!(
+            !o.status.success() && stderr.contains("superseded by a newer one"),
+            "publishing {what} artifact: {stderr}"
+        );
+    }
+    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c2));
+
+    // A second payload exists (the older one, uploaded before its pointer swap was refused).
+    // Prune within the grace deletes nothing; at zero grace only the orphan, never the target.
+    let prune = |grace: &str| -> anyhow::Result<u64> {
+        let v = ok(
+            &with_artifacts(&moto, "prune", &url)
+                .args(["--grace-secs", grace])
+                .output()?,
+            "prune",
+        )?;
+        v["pruned"]
+            .as_u64()
+            .ok_or_else(|| anyhow::anyhow!("no count in {v}"))
+    };
+    assert_eq!(prune("3600")?, 0, "nothing is older than the grace");
+    assert_eq!(prune("0")?, 1, "the orphan goes");
+    assert_eq!(
+        prune("0")?,
+        0,
+        "the pointer's target stays, even at zero grace"
+    );
+    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c2));
+
+    // A corrupt pointer (a foreign write) is replaced by the next publish.
+    {
+        use object_store::ObjectStoreExt as _;
+        let s3 = object_store::aws::AmazonS3Builder::new()
+            .with_endpoint(format!("http://{}", moto.addr))
+            .with_allow_http(true)
+            .with_bucket_name(&moto.bucket)
+            .with_access_key_id("test")
+            .with_secret_access_key("test")
+            .with_region("us-east-1")
+            .build()?;
+        s3.put(
+            &object_store::path::Path::from("race/routes.manifest.json"),
+            Bytes::from_static(b"not a manifest").into(),
+        )
+        .await?;
+    }
+    kv.put("route.after", "v".into()).await?;
+    wait_status(&addr, |s| s.applied_through == c2 + 1).await?;
+    let newest = tmp.path().join("newest");
+    let c3 = export_live(&addr, &newest)?;
+    ok(
+        &publish(&moto, &url, &newest)?,
+        "publish over a corrupt pointer",
+    )?;
+    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c3));
+    terminate(&mut host)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_file_store_publishes_a_pointer_only_when_told_it_is_not_atomic()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let (mut host, addr) = folding_host(&h, "local", 50, &tmp.path().join("a")).await?;
+    let art = tmp.path().join("art");
+    let cursor = export_live(&addr, &art)?;
+    terminate(&mut host)?;
+    let objects = tmp.path().join("objects");
+    std::fs::create_dir_all(&objects)?;
+    let url = format!("file://{}", objects.display());
+    let publish = |extra: &[&str]| -> anyhow::Result<Output> {
+        Ok(foldhost()
+            .args([
+                "publish",
+                "--artifacts",
+                &url,
+                "--artifact-key",
+                "routes",
+                "--artifact",
+            ])
+            .arg(&art)
+            .args(extra)
+            .output()?)
+    };
+    let o = publish(&[])?;
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("cannot replace the pointer atomically")
+            && stderr.contains("--allow-non-atomic-pointer"),
+        "{stderr}"
+    );
+    assert!(
+        std::fs::read_dir(&objects)?.next().is_none(),
+        "nothing was written"
+    );
+    let o = publish(&["--allow-non-atomic-pointer"])?;
+    let p = ok(&o, "publish, non-atomic allowed")?;
+    assert_eq!(p["cursor"].as_u64(), Some(cursor));
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("NON-ATOMIC pointer"),
+        "the log says so"
+    );
+    let b = tmp.path().join("b");
+    let m = ok(
+        &foldhost()
+            .args([
+                "bootstrap",
+                "--artifacts",
+                &url,
+                "--artifact-key",
+                "routes",
+                "--store",
+            ])
+            .arg(&b)
+            .output()?,
+        "bootstrap from the file store",
+    )?;
+    assert_eq!(m["cursor"].as_u64(), Some(cursor));
+    Ok(())
+}
