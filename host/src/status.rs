@@ -71,6 +71,20 @@ pub struct StatusReport {
     pub admin_token_file: Option<String>,
     /// When this was taken (Unix milliseconds).
     pub updated_unix_ms: u64,
+    /// The last export round of this host (`--export-every`), if any ran.
+    pub last_export: Option<ExportRoundReport>,
+}
+
+/// What a host's last export round did.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct ExportRoundReport {
+    /// When it ended (Unix milliseconds).
+    pub unix_ms: u64,
+    /// The published artifact's cursor, when this node published one.
+    pub cursor: Option<u64>,
+    /// `published`, `not-ours`, `superseded by N`, or `failed: why`.
+    pub outcome: String,
 }
 
 /// How far the applied fold is behind what was delivered.

@@ -317,6 +317,19 @@ pub struct RunArgs {
     /// The artifact key under `--artifacts`.
     #[arg(long, value_name = "KEY", value_parser = parse_artifact_key, requires = "artifacts")]
     pub artifact_key: Option<String>,
+    /// Run an export round every this many seconds (with `--artifacts`): win the export lease,
+    /// export live, upload, move the pointer, prune. One node of a fleet exports per round.
+    #[arg(long, value_name = "SECS", requires = "artifacts")]
+    pub export_every: Option<u64>,
+    /// How long a won export lease lasts, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = defaults().export_lease.as_secs())]
+    pub export_lease_secs: u64,
+    /// The NATS KV bucket holding export leases (created when absent).
+    #[arg(long, default_value_t = defaults().lease_bucket)]
+    pub lease_bucket: String,
+    /// This node's name in the export lease (default: the store's path and the process id).
+    #[arg(long)]
+    pub node_id: Option<String>,
 }
 
 /// The defaults of a run, from the one place they are defined.
@@ -382,6 +395,10 @@ impl RunArgs {
             on_recreated: self.on_recreated,
             restore_from: self.restore_from,
             artifacts: self.artifacts.zip(self.artifact_key),
+            export_every: self.export_every.map(|s| Duration::from_secs(s.max(1))),
+            export_lease: Duration::from_secs(self.export_lease_secs.max(1)),
+            lease_bucket: self.lease_bucket,
+            node_id: self.node_id,
             defer_grace: Duration::from_secs(self.defer_grace_secs),
             batch: BatchConfig {
                 window: Duration::from_millis(self.batch_window_ms),

@@ -12,8 +12,11 @@
 //!   ([`BatchConfig`], [`GuestLimits`]); the command line takes its defaults from there.
 //! - **A failed fold with `--listen` keeps serving `/status`** (saying why) until shutdown.
 
+mod export;
 mod identity;
 mod side;
+
+pub use export::{ExportRounds, RoundOutcome};
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -164,6 +167,15 @@ pub struct NodeConfig {
     pub restore_from: Option<PathBuf>,
     /// …or the artifact published under a key in an object store (URL, key).
     pub artifacts: Option<(String, String)>,
+    /// Run an export round this often (needs `artifacts`): lease, live export, upload, pointer.
+    pub export_every: Option<Duration>,
+    /// How long a won export lease lasts (a round must finish within it; payloads younger than
+    /// 4× it are never pruned).
+    pub export_lease: Duration,
+    /// The NATS KV bucket holding export leases (created when absent).
+    pub lease_bucket: String,
+    /// This node's name in the lease (default: the store's path and the process id).
+    pub node_id: Option<String>,
     /// A retained record older than this is warned about.
     pub defer_grace: Duration,
     /// Batching.
@@ -198,6 +210,10 @@ impl NodeConfig {
             on_recreated: OnRecreated::Refuse,
             restore_from: None,
             artifacts: None,
+            export_every: None,
+            export_lease: DEFAULT_EXPORT_LEASE,
+            lease_bucket: DEFAULT_LEASE_BUCKET.to_string(),
+            node_id: None,
             defer_grace: crate::applied::DEFAULT_DEFER_GRACE,
             batch: BatchConfig::default(),
         }
@@ -216,6 +232,11 @@ impl NodeConfig {
         if self.watch_guest && self.guest.is_none() {
             return Err(NodeError::Config("--watch-guest needs --guest".into()));
         }
+        if self.export_every.is_some() && self.artifacts.is_none() {
+            return Err(NodeError::Config(
+                "--export-every needs --artifacts and --artifact-key".into(),
+            ));
+        }
         if let Some(l) = &self.listen
             && l.query_max_bytes > crate::serve::QUERY_BODY_BUDGET
         {
@@ -228,6 +249,12 @@ impl NodeConfig {
         Ok(())
     }
 }
+
+/// How long a won export lease lasts by default.
+pub const DEFAULT_EXPORT_LEASE: Duration = Duration::from_secs(600);
+
+/// The NATS KV bucket holding export leases by default.
+pub const DEFAULT_LEASE_BUCKET: &str = "foldhost_leases";
 
 /// The default prefix a NATS query's reply subject must have.
 pub const DEFAULT_QUERY_REPLY_PREFIX: &str = "_INBOX.";
@@ -284,8 +311,23 @@ impl Node {
         };
         let (control_tx, control_rx) = tokio::sync::mpsc::channel(64);
         let engine = proven.map(|p| p.engine);
-        let mut tasks =
-            side::SideTasks::start(&cfg, &conn, &base, &status, &scope, engine, control_tx).await?;
+        let transport = match &cfg.artifacts {
+            Some((url, _)) => Some(Arc::new(crate::transport::ArtifactTransport::from_url(
+                url, false,
+            )?)),
+            None => None,
+        };
+        let mut tasks = side::SideTasks::start(
+            &cfg,
+            &conn,
+            &base,
+            &status,
+            &scope,
+            engine,
+            transport.clone(),
+            control_tx,
+        )
+        .await?;
         let opts = WatchOptions {
             scope,
             batch: cfg.batch,
@@ -293,7 +335,7 @@ impl Node {
             defer_grace: cfg.defer_grace,
             repair: crate::repair::RepairConfig {
                 mode: cfg.repair,
-                restore_from: restore_source(&cfg)?,
+                restore_from: restore_source(&cfg, transport),
                 lister: Some(kv.clone() as Arc<dyn crate::kv::KvReader>),
                 scratch: Some(repair_scratch(&cfg.store)),
                 on_recreated: cfg.on_recreated,
@@ -422,19 +464,20 @@ async fn build_applier(
     Ok((apply, scope))
 }
 
-/// The run's restore source: `--restore-from DIR`, or `--artifacts URL --artifact-key K`.
-fn restore_source(cfg: &NodeConfig) -> Result<Option<crate::repair::RestoreSource>, NodeError> {
-    if let Some((url, key)) = &cfg.artifacts {
-        let transport = crate::transport::ArtifactTransport::from_url(url, false)?;
-        return Ok(Some(crate::repair::RestoreSource::Transport {
-            transport: Arc::new(transport),
+/// The run's restore source: `--artifacts URL --artifact-key K`, or `--restore-from DIR`.
+fn restore_source(
+    cfg: &NodeConfig,
+    transport: Option<Arc<crate::transport::ArtifactTransport>>,
+) -> Option<crate::repair::RestoreSource> {
+    if let (Some(transport), Some((_, key))) = (transport, &cfg.artifacts) {
+        return Some(crate::repair::RestoreSource::Transport {
+            transport,
             key: key.clone(),
-        }));
+        });
     }
-    Ok(cfg
-        .restore_from
+    cfg.restore_from
         .clone()
-        .map(crate::repair::RestoreSource::new))
+        .map(crate::repair::RestoreSource::new)
 }
 
 /// Where a run's repairs keep their scratch: a hidden directory beside the store (same file

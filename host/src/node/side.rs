@@ -31,10 +31,13 @@ pub(super) struct SideTasks {
     fatal: Arc<std::sync::Mutex<Option<String>>>,
     /// The host's fixed facts.
     base: StatusReport,
+    /// The last export round, shown by `/status`.
+    last_export: Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
 }
 
 impl SideTasks {
     /// Starts the side tasks `cfg` asks for; `control` is the fold's control channel.
+    #[allow(clippy::too_many_arguments)] // one call site; each argument a different part of the node
     pub(super) async fn start(
         cfg: &NodeConfig,
         conn: &NatsConnection,
@@ -42,9 +45,12 @@ impl SideTasks {
         status: &Arc<FoldStatus>,
         scope: &WatchScope,
         engine: Option<Arc<GuestEngine>>,
+        transport: Option<Arc<crate::transport::ArtifactTransport>>,
         control: mpsc::Sender<Control>,
     ) -> Result<SideTasks, NodeError> {
         let fatal: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
+        let last_export: Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>> =
+            Arc::default();
         let mut base = base.clone();
         let server = match &cfg.listen {
             Some(l) => Some(
@@ -57,6 +63,7 @@ impl SideTasks {
                     engine.clone(),
                     control.clone(),
                     &fatal,
+                    &last_export,
                 )
                 .await?,
             ),
@@ -86,6 +93,14 @@ impl SideTasks {
                 control.clone(),
             )));
         }
+        if let (Some(every), Some(transport), Some((_, key))) =
+            (cfg.export_every, transport, &cfg.artifacts)
+        {
+            let rounds =
+                export_rounds(cfg, conn, transport, key, scope, &control, &last_export).await?;
+            tracing::info!(every_s = every.as_secs_f64(), key = %key, "export rounds on");
+            others.push(tokio::spawn(rounds.run(every)));
+        }
         others.push(tokio::spawn(report_progress(
             cfg.store.clone(),
             base.clone(),
@@ -96,6 +111,7 @@ impl SideTasks {
             others,
             fatal,
             base,
+            last_export,
         })
     }
 
@@ -112,7 +128,9 @@ impl SideTasks {
         for t in self.others.drain(..) {
             t.abort();
         }
-        write_status_file(&cfg.store, &final_status(&self.base, status, &result));
+        let mut last = final_status(&self.base, status, &result);
+        last.last_export = self.last_export.lock().ok().and_then(|l| l.clone());
+        write_status_file(&cfg.store, &last);
         let outcome = match result {
             Ok(finished) => Ok(RunSummary {
                 cursor: finished.cursor,
@@ -149,6 +167,7 @@ async fn listen(
     engine: Option<Arc<GuestEngine>>,
     control: mpsc::Sender<Control>,
     fatal: &Arc<std::sync::Mutex<Option<String>>>,
+    last_export: &Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
 ) -> Result<JoinHandle<()>, NodeError> {
     let io = |source| NodeError::Listen {
         addr: l.addr.clone(),
@@ -181,10 +200,16 @@ async fn listen(
     };
     base.admin_token_file =
         token_file.map(|f| std::path::absolute(&f).unwrap_or(f).display().to_string());
-    let (render_base, render_status, render_fatal) = (base.clone(), status.clone(), fatal.clone());
+    let (render_base, render_status, render_fatal, render_export) = (
+        base.clone(),
+        status.clone(),
+        fatal.clone(),
+        last_export.clone(),
+    );
     let state = Arc::new(crate::serve::ServeState {
         status: Box::new(move || {
             let mut r = live_status(&render_base, &render_status);
+            r.last_export = render_export.lock().ok().and_then(|l| l.clone());
             if let Some(f) = render_fatal.lock().ok().and_then(|f| f.clone()) {
                 r.state = "failed".into();
                 r.error = Some(f);
@@ -198,6 +223,62 @@ async fn listen(
         scope: scope.to_string(),
     });
     Ok(tokio::spawn(crate::serve::serve(listener, state)))
+}
+
+/// The export rounds `--export-every` asks for: the lease in its own NATS KV bucket (created when
+/// absent), this node's name in it, a scratch directory beside the store.
+async fn export_rounds(
+    cfg: &NodeConfig,
+    conn: &NatsConnection,
+    transport: Arc<crate::transport::ArtifactTransport>,
+    key: &str,
+    scope: &WatchScope,
+    control: &mpsc::Sender<Control>,
+    last: &Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
+) -> Result<super::ExportRounds, NodeError> {
+    let leases = conn
+        .bucket(
+            &cfg.lease_bucket,
+            &crate::bucket::BucketConfig {
+                create: true,
+                max_bytes: None,
+                ..crate::bucket::BucketConfig::default()
+            },
+        )
+        .await?;
+    let node_id = cfg.node_id.clone().unwrap_or_else(|| {
+        format!(
+            "{}#{}",
+            std::path::absolute(&cfg.store)
+                .unwrap_or_else(|_| cfg.store.clone())
+                .display(),
+            std::process::id()
+        )
+    });
+    let name = cfg
+        .store
+        .file_name()
+        .map_or_else(|| "store".into(), |n| n.to_string_lossy().into_owned());
+    Ok(super::ExportRounds {
+        transport,
+        key: key.to_string(),
+        lease: crate::lease::ExportLease::new(
+            leases,
+            format!("export.{key}"),
+            node_id,
+            cfg.export_lease,
+        ),
+        lease_ttl: cfg.export_lease,
+        scratch: cfg
+            .store
+            .parent()
+            .unwrap_or_else(|| std::path::Path::new("."))
+            .join(format!(".{name}.export")),
+        backend: cfg.backend,
+        scope: scope.to_string(),
+        control: control.clone(),
+        last: last.clone(),
+    })
 }
 
 /// `--watch-guest`: swaps the guest when the file's bytes change. A file that fails to compile or

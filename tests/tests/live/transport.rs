@@ -282,3 +282,100 @@ async fn the_local_file_store_publishes_a_pointer_only_when_told_it_is_not_atomi
     assert_eq!(m["cursor"].as_u64(), Some(cursor));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_exporting_in_rounds_publish_a_pointer_a_third_node_bootstraps_from()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let moto = Moto::start().await?;
+    let url = moto.url("rounds");
+    let tmp = tempfile::tempdir()?;
+    let kv = h.bucket("rounds").await?;
+    publish_all(
+        kv.jetstream(),
+        (0..500u32).map(|i| (format!("$KV.rounds.route.h{i:05}"), Bytes::from("v1"))),
+    )
+    .await?;
+    // Two exporters on the same key, a round a second each.
+    let mut nodes = Vec::new();
+    for name in ["a", "b"] {
+        let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+        let mut cmd = run_command(&h, "rounds", &tmp.path().join(name), Some(&addr));
+        cmd.args([
+            "--artifacts",
+            &url,
+            "--artifact-key",
+            "routes",
+            "--export-every",
+            "1",
+            "--node-id",
+            name,
+        ])
+        .stderr(Stdio::null());
+        for (k, v) in moto.env() {
+            cmd.env(k, v);
+        }
+        nodes.push((cmd.spawn()?, addr));
+    }
+    for i in 0..100 {
+        kv.put(&format!("route.more{i:03}"), "v2".into()).await?;
+    }
+    let last = kv.positions().await?.last_sequence;
+    // Rounds run until one of them publishes the bucket's last revision; both nodes take part.
+    for (_, addr) in &nodes {
+        wait_status(addr, |s| {
+            s.applied_through == last && s.last_export.is_some()
+        })
+        .await?;
+    }
+    let published = |s: &foldhost::status::StatusReport| {
+        s.last_export.as_ref().and_then(|e| e.cursor) == Some(last)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let mut done = false;
+        for (_, addr) in &nodes {
+            done |= wait_status(addr, |_| true)
+                .await
+                .is_ok_and(|s| published(&s));
+        }
+        if done {
+            break;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "no round published {last}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+    for (child, _) in &mut nodes {
+        terminate(child)?;
+    }
+    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(last));
+    // No local artifact is left behind by a round.
+    for name in [".a.export", ".b.export"] {
+        let scratch = tmp.path().join(name);
+        let left: Vec<_> = std::fs::read_dir(&scratch)
+            .map(|d| d.filter_map(Result::ok).map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        assert!(left.is_empty(), "{name}: {left:?}");
+    }
+    // A third node bootstraps from the pointer and folds to the bucket.
+    let c = tmp.path().join("c");
+    ok(
+        &with_artifacts(&moto, "bootstrap", &url)
+            .arg("--store")
+            .arg(&c)
+            .output()?,
+        "bootstrap",
+    )?;
+    let o = run_command(&h, "rounds", &c, None)
+        .arg("--catch-up")
+        .output()?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &dump_store(&c)?),
+        None
+    );
+    Ok(())
+}

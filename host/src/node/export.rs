@@ -1,0 +1,155 @@
+//! Export rounds (seed 000, the export state machine): every `--export-every`, a node tries to win
+//! the export lease; the winner exports its fold live (between batches — the fold pauses only for
+//! the copy), uploads the artifact, moves the pointer, completes the lease with the cursor, prunes
+//! old payloads, and removes its local copy on every path, success or failure. A node that loses
+//! the lease, or whose artifact is superseded, does nothing more that round.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc;
+
+use crate::applied::Control;
+use crate::lease::ExportLease;
+use crate::status::{ExportRoundReport, now_unix_ms};
+use crate::storedir::Backend;
+use crate::transport::{ArtifactTransport, TransportError, clock};
+
+/// What one round did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum RoundOutcome {
+    /// This node exported and published an artifact at `cursor`.
+    Published {
+        /// The artifact's cursor.
+        cursor: u64,
+    },
+    /// Another node holds the lease this round.
+    NotOurs,
+    /// A newer artifact was already published; the lease was abandoned.
+    Superseded {
+        /// The published cursor.
+        current: u64,
+    },
+    /// The round failed; the lease was abandoned (or runs out by itself).
+    Failed(String),
+}
+
+/// The export rounds of one node.
+pub struct ExportRounds {
+    /// Where artifacts are published.
+    pub transport: Arc<ArtifactTransport>,
+    /// The artifact key.
+    pub key: String,
+    /// The lease of the key.
+    pub lease: ExportLease,
+    /// The lease's time to live (also the prune grace's unit: payloads younger than 4× stay).
+    pub lease_ttl: Duration,
+    /// A scratch directory beside the store (same file system) for the round's artifact.
+    pub scratch: PathBuf,
+    /// The store's backend.
+    pub backend: Backend,
+    /// The fold's scope (recorded in the artifact).
+    pub scope: String,
+    /// The fold's control channel.
+    pub control: mpsc::Sender<Control>,
+    /// The last round's report, shown by `/status`.
+    pub last: Arc<std::sync::Mutex<Option<ExportRoundReport>>>,
+}
+
+impl ExportRounds {
+    /// Runs a round every `every` until the fold stops taking controls.
+    pub async fn run(self, every: Duration) {
+        let mut tick = tokio::time::interval(every);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        tick.tick().await; // the first round one period after start
+        loop {
+            tick.tick().await;
+            if self.control.is_closed() {
+                return;
+            }
+            let outcome = self.round().await;
+            let report = ExportRoundReport {
+                unix_ms: now_unix_ms(),
+                cursor: match &outcome {
+                    RoundOutcome::Published { cursor } => Some(*cursor),
+                    _ => None,
+                },
+                outcome: match &outcome {
+                    RoundOutcome::Published { .. } => "published".into(),
+                    RoundOutcome::NotOurs => "not-ours".into(),
+                    RoundOutcome::Superseded { current } => format!("superseded by {current}"),
+                    RoundOutcome::Failed(e) => format!("failed: {e}"),
+                },
+            };
+            if let Ok(mut l) = self.last.lock() {
+                *l = Some(report);
+            }
+        }
+    }
+
+    /// One round: lease → live export → upload → pointer → complete → prune; the local artifact
+    /// removed on every path.
+    pub async fn round(&self) -> RoundOutcome {
+        let held = match self.lease.acquire(now_unix_ms()).await {
+            Ok(Some(h)) => h,
+            Ok(None) => return RoundOutcome::NotOurs,
+            Err(e) => return RoundOutcome::Failed(e.to_string()),
+        };
+        let dir = self.scratch.join(format!("round-{}", now_unix_ms()));
+        let published: Result<_, Result<u64, String>> = async {
+            std::fs::create_dir_all(&self.scratch)
+                .map_err(|e| Err(format!("{}: {e}", self.scratch.display())))?;
+            crate::artifact::export_live(
+                &self.control,
+                self.backend,
+                dir.clone(),
+                Some(self.scope.clone()),
+            )
+            .await
+            .map_err(|e| Err(e.to_string()))?;
+            // `Err(Ok(current))`: superseded by the published cursor; `Err(Err(why))`: failed.
+            self.transport
+                .upload(&self.key, &dir, &self.scratch)
+                .await
+                .map_err(|e| match e {
+                    TransportError::SupersededByNewer { current, .. } => Ok(current),
+                    other => Err(other.to_string()),
+                })
+        }
+        .await;
+        let _ = std::fs::remove_dir_all(&dir);
+        match published {
+            Ok(p) => {
+                if let Err(e) = self.lease.complete(held, p.cursor, now_unix_ms()).await {
+                    tracing::warn!(error = %e, "export round: the lease could not be completed");
+                }
+                match self
+                    .transport
+                    .prune(&self.key, self.lease_ttl * 4, clock::Now::system())
+                    .await
+                {
+                    Ok(n) if n > 0 => {
+                        tracing::info!(pruned = n, "export round: old payloads pruned")
+                    }
+                    Ok(_) => {}
+                    Err(e) => tracing::warn!(error = %e, "export round: prune failed"),
+                }
+                tracing::info!(cursor = p.cursor, payload = %p.payload, "export round: artifact published");
+                RoundOutcome::Published { cursor: p.cursor }
+            }
+            Err(e) => {
+                if let Err(le) = self.lease.abandon(held, now_unix_ms()).await {
+                    tracing::warn!(error = %le, "export round: the lease could not be abandoned (it runs out by itself)");
+                }
+                match e {
+                    Ok(current) => RoundOutcome::Superseded { current },
+                    Err(why) => {
+                        tracing::warn!(error = %why, "export round failed");
+                        RoundOutcome::Failed(why)
+                    }
+                }
+            }
+        }
+    }
+}
