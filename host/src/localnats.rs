@@ -27,7 +27,16 @@ pub struct LocalNats {
     child: Option<Child>,
     port: u16,
     store_dir: PathBuf,
+    cluster: Option<ClusterMember>,
     _tmp: Option<tempfile::TempDir>,
+}
+
+/// How a server joins a local cluster: its name, its route port and its peers' route ports.
+#[derive(Clone, Debug)]
+struct ClusterMember {
+    server_name: String,
+    route_port: u16,
+    peer_route_ports: Vec<u16>,
 }
 
 impl LocalNats {
@@ -47,13 +56,19 @@ impl LocalNats {
     /// directory keeps the buckets).
     pub fn start_in(dir: &Path, port: u16) -> Result<Self, LocalNatsError> {
         let mut s = LocalNats {
-            child: Some(spawn_server(dir, port)?),
+            child: Some(spawn_server(dir, port, None)?),
             port,
             store_dir: dir.to_path_buf(),
+            cluster: None,
             _tmp: None,
         };
         s.wait_ready()?;
         Ok(s)
+    }
+
+    /// The server's name in its cluster (`None` for a standalone server).
+    pub fn server_name(&self) -> Option<&str> {
+        self.cluster.as_ref().map(|c| c.server_name.as_str())
     }
 
     fn wait_ready(&mut self) -> Result<(), LocalNatsError> {
@@ -104,27 +119,116 @@ impl LocalNats {
     /// Restarts the server on the same port and store directory.
     pub fn restart(&mut self) -> Result<(), LocalNatsError> {
         self.stop();
-        self.child = Some(spawn_server(&self.store_dir, self.port)?);
+        self.child = Some(spawn_server(
+            &self.store_dir,
+            self.port,
+            self.cluster.as_ref(),
+        )?);
         self.wait_ready()
     }
 }
 
 /// Starts `nats-server` (or `NATS_SERVER_BIN`) with JetStream, loopback only, on `port`, its store
 /// in `dir`.
-fn spawn_server(dir: &Path, port: u16) -> Result<Child, LocalNatsError> {
+fn spawn_server(
+    dir: &Path,
+    port: u16,
+    cluster: Option<&ClusterMember>,
+) -> Result<Child, LocalNatsError> {
     let bin = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into());
-    Command::new(&bin)
-        .args(["-js", "-a", "127.0.0.1", "-p"])
+    let mut cmd = Command::new(&bin);
+    cmd.args(["-js", "-a", "127.0.0.1", "-p"])
         .arg(port.to_string())
         .arg("-sd")
-        .arg(dir)
-        .stdout(Stdio::null())
+        .arg(dir);
+    if let Some(c) = cluster {
+        let routes: Vec<String> = c
+            .peer_route_ports
+            .iter()
+            .map(|p| format!("nats://127.0.0.1:{p}"))
+            .collect();
+        cmd.args([
+            "--server_name",
+            &c.server_name,
+            "--cluster_name",
+            "foldhost",
+        ])
+        .arg("--cluster")
+        .arg(format!("nats://127.0.0.1:{}", c.route_port))
+        .arg("--routes")
+        .arg(routes.join(","));
+    }
+    cmd.stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
         .map_err(|e| match e.kind() {
             std::io::ErrorKind::NotFound => LocalNatsError::NotFound(bin.clone()),
             _ => LocalNatsError::Other(format!("spawn {bin}: {e}")),
         })
+}
+
+/// A local cluster of JetStream servers on loopback, joined by routes (for replicated buckets and
+/// leader-loss tests). Each member keeps its own store directory; all are killed on drop.
+pub struct LocalCluster {
+    /// The members, `n1`, `n2`, … in order.
+    pub members: Vec<LocalNats>,
+    _tmp: tempfile::TempDir,
+}
+
+impl LocalCluster {
+    /// Starts `n` servers that route to each other. JetStream elects its meta leader a few seconds
+    /// later: callers retry their first stream operation.
+    pub fn start(n: usize) -> Result<Self, LocalNatsError> {
+        let tmp = tempfile::Builder::new()
+            .prefix("foldhost-cluster-")
+            .tempdir()
+            .map_err(|e| LocalNatsError::Other(format!("temp dir: {e}")))?;
+        let ports: Vec<u16> = (0..n).map(|_| free_port()).collect::<Result<_, _>>()?;
+        let route_ports: Vec<u16> = (0..n).map(|_| free_port()).collect::<Result<_, _>>()?;
+        let mut members = Vec::with_capacity(n);
+        for i in 0..n {
+            let dir = tmp.path().join(format!("n{}", i + 1));
+            std::fs::create_dir_all(&dir)
+                .map_err(|e| LocalNatsError::Other(format!("{}: {e}", dir.display())))?;
+            let cluster = ClusterMember {
+                server_name: format!("n{}", i + 1),
+                route_port: route_ports[i],
+                peer_route_ports: route_ports
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, _)| *j != i)
+                    .map(|(_, p)| *p)
+                    .collect(),
+            };
+            members.push(LocalNats {
+                child: Some(spawn_server(&dir, ports[i], Some(&cluster))?),
+                port: ports[i],
+                store_dir: dir,
+                cluster: Some(cluster),
+                _tmp: None,
+            });
+        }
+        for m in &mut members {
+            m.wait_ready()?;
+        }
+        Ok(LocalCluster { members, _tmp: tmp })
+    }
+
+    /// Every member's URL, comma-separated (a `--nats` value).
+    pub fn urls(&self) -> String {
+        self.members
+            .iter()
+            .map(LocalNats::url)
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
+    /// The member named `name`.
+    pub fn member_mut(&mut self, name: &str) -> Option<&mut LocalNats> {
+        self.members
+            .iter_mut()
+            .find(|m| m.server_name() == Some(name))
+    }
 }
 
 impl Drop for LocalNats {

@@ -287,12 +287,25 @@ impl NatsKv {
                 },
                 ..Default::default()
             };
-            timed("create bucket", timeout, async {
+            let created = timed("create bucket", timeout, async {
                 js.create_key_value(cfg)
                     .await
                     .map_err(|e| backend("create bucket", e))
             })
-            .await?
+            .await;
+            match created {
+                Ok(kv) => kv,
+                // Another client created it between our look and our create (nodes of a fleet
+                // start together), or the server's reply did not parse: if the bucket is there
+                // now, that is success.
+                Err(e) => match js.get_key_value(bucket).await {
+                    Ok(kv) => {
+                        tracing::info!(bucket, error = %e, "bucket create answered an error, but the bucket is there: using it");
+                        kv
+                    }
+                    Err(_) => return Err(e),
+                },
+            }
         } else {
             return Err(KvError::BucketNotFound(bucket.to_string()));
         };

@@ -7,6 +7,7 @@
 
 mod artifacts;
 mod cli;
+mod cluster;
 mod crash_safety;
 mod defer;
 mod endpoint;

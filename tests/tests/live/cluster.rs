@@ -1,0 +1,271 @@
+//! A fleet on a real cluster (issue 14, test 6): three `nats-server` processes joined by routes, an
+//! R3 bucket under a continuous writer, three `foldhost run --artifacts …` nodes exporting in
+//! rounds. The stream leader's server is killed mid-run and later restarted: nothing is lost and
+//! every fold converges to the bucket. The bucket is then made to evict its oldest messages, and a
+//! fourth node whose start the log no longer holds bootstraps from the published artifact and
+//! converges to the same dump.
+
+use std::process::{Child, Stdio};
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use foldhost::bucket::{BucketConfig, ConnectOptions};
+use foldhost::kv::KvWriter;
+use foldhost::localnats::LocalCluster;
+use foldhost::nats::{NatsConnection, NatsKv};
+use foldhost_tests::{
+    Moto, bucket_contents, dump_store, first_difference, foldhost, terminate, wait_status,
+};
+
+/// Retries `f` until it succeeds (the cluster electing a leader answers errors meanwhile).
+async fn retrying<T, F: Future<Output = Result<T, E>>, E: std::fmt::Display>(
+    what: &str,
+    mut f: impl FnMut() -> F,
+) -> anyhow::Result<T> {
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        match f().await {
+            Ok(v) => return Ok(v),
+            Err(e) if Instant::now() < deadline => {
+                tracing_free_sleep(&e).await;
+            }
+            Err(e) => anyhow::bail!("{what}: {e}"),
+        }
+    }
+}
+
+async fn tracing_free_sleep(_e: &dyn std::fmt::Display) {
+    tokio::time::sleep(Duration::from_millis(250)).await;
+}
+
+/// A `foldhost run` of the cluster's bucket `fleet` into `store`, exporting in rounds.
+fn node(
+    cluster: &LocalCluster,
+    moto: &Moto,
+    store: &std::path::Path,
+    name: &str,
+    addr: &str,
+    extra: &[&str],
+) -> anyhow::Result<Child> {
+    let mut c = foldhost();
+    c.args([
+        "run",
+        "--bucket",
+        "fleet",
+        "--nats",
+        &cluster.urls(),
+        "--store",
+    ])
+    .arg(store)
+    .args([
+        "--listen",
+        addr,
+        "--artifacts",
+        &moto.url("fleet"),
+        "--artifact-key",
+        "fleet",
+        "--node-id",
+        name,
+    ])
+    .args(extra)
+    .env("FOLDHOST_LOG", "info,async_nats=info")
+    .stderr(Stdio::from(std::fs::File::create(
+        store.with_extension("log"),
+    )?));
+    for (k, v) in moto.env() {
+        c.env(k, v);
+    }
+    Ok(c.spawn()?)
+}
+
+/// The stream's leader, as the cluster reports it.
+async fn leader(kv: &NatsKv) -> anyhow::Result<String> {
+    retrying("stream leader", || async {
+        let mut s = kv.jetstream().get_stream("KV_fleet").await?;
+        let info = s.info().await?;
+        info.cluster
+            .as_ref()
+            .and_then(|c| c.leader.clone())
+            .ok_or_else(|| async_nats::Error::from("no leader yet"))
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_node_bootstraps()
+-> anyhow::Result<()> {
+    let mut cluster = LocalCluster::start(3)?;
+    let moto = Moto::start().await?;
+    let conn = NatsConnection::open(ConnectOptions::new(cluster.urls())).await?;
+    let r3 = BucketConfig {
+        max_bytes: None,
+        num_replicas: 3,
+        ..BucketConfig::default()
+    };
+    let kv: Arc<NatsKv> = retrying("create the R3 bucket", || conn.bucket("fleet", &r3)).await?;
+    let tmp = tempfile::tempdir()?;
+
+    // A continuous writer: keys w.000000…, retried through the leader change.
+    let stop = Arc::new(AtomicBool::new(false));
+    let written = Arc::new(AtomicU64::new(0));
+    let writer = {
+        let (kv, stop, written) = (kv.clone(), stop.clone(), written.clone());
+        tokio::spawn(async move {
+            let mut i = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                if kv
+                    .put(&format!("w.{:06}", i % 5000), format!("v{i}").into())
+                    .await
+                    .is_ok()
+                {
+                    i += 1;
+                    written.store(i, Ordering::Relaxed);
+                }
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+        })
+    };
+
+    let mut nodes = Vec::new();
+    for name in ["a", "b", "c"] {
+        let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+        let child = node(
+            &cluster,
+            &moto,
+            &tmp.path().join(name),
+            name,
+            &addr,
+            &["--export-every", "1"],
+        )?;
+        nodes.push((child, addr));
+    }
+    for (i, (_, addr)) in nodes.iter().enumerate() {
+        let log = tmp.path().join(["a", "b", "c"][i]).with_extension("log");
+        wait_status(addr, |s| s.applied_through > 100 && s.last_export.is_some())
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!("{e}\n{}", std::fs::read_to_string(&log).unwrap_or_default())
+            })?;
+    }
+
+    // Kill the stream leader's server mid-run; writes go on once a new leader is elected.
+    let old = leader(&kv).await?;
+    let before = written.load(Ordering::Relaxed);
+    cluster
+        .member_mut(&old)
+        .ok_or_else(|| anyhow::anyhow!("no member {old}"))?
+        .stop();
+    foldhost_tests::wait_until("writes after the leader died", || {
+        written.load(Ordering::Relaxed) > before + 300
+    })
+    .await?;
+    assert_ne!(leader(&kv).await?, old, "a new leader took over");
+    cluster
+        .member_mut(&old)
+        .ok_or_else(|| anyhow::anyhow!("no member {old}"))?
+        .restart()?;
+    let after_restart = written.load(Ordering::Relaxed);
+    foldhost_tests::wait_until("writes after the restart", || {
+        written.load(Ordering::Relaxed) > after_restart + 300
+    })
+    .await?;
+    stop.store(true, Ordering::Relaxed);
+    writer.await?;
+
+    // Every fold converges to the bucket.
+    let last = retrying("last sequence", || kv.positions())
+        .await?
+        .last_sequence;
+    for (_, addr) in &nodes {
+        let s = wait_status(addr, |s| s.applied_through == last).await?;
+        assert_eq!(s.state, "running", "{s:?}");
+    }
+    let want = retrying("bucket contents", || bucket_contents(&kv)).await?;
+    for (child, _) in &mut nodes {
+        terminate(child)?;
+    }
+    for name in ["a", "b", "c"] {
+        assert_eq!(
+            first_difference(&want, &dump_store(&tmp.path().join(name))?),
+            None,
+            "node {name}"
+        );
+    }
+
+    // Now the bucket evicts its oldest messages; a node whose start the log no longer holds
+    // bootstraps from the artifact a round publishes.
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut exporter = node(
+        &cluster,
+        &moto,
+        &tmp.path().join("a"),
+        "a",
+        &addr,
+        &["--export-every", "1"],
+    )?;
+    retrying("make the stream evict", || async {
+        let mut s = kv.jetstream().get_stream("KV_fleet").await?;
+        let mut config = s.info().await?.config.clone();
+        config.max_messages = 2000;
+        config.discard = async_nats::jetstream::stream::DiscardPolicy::Old;
+        kv.jetstream()
+            .update_stream(config)
+            .await
+            .map(|_| ())
+            .map_err(async_nats::Error::from)
+    })
+    .await?;
+    for i in 0..3000u32 {
+        let key = format!("late.{i:05}");
+        retrying("write", || kv.put(&key, "v".into())).await?;
+    }
+    let p = retrying("positions", || kv.positions()).await?;
+    assert!(
+        p.first_sequence > 1,
+        "the log no longer holds its start: {p:?}"
+    );
+    wait_status(&addr, |s| {
+        s.last_export
+            .as_ref()
+            .and_then(|e| e.cursor)
+            .is_some_and(|c| c >= p.last_sequence)
+    })
+    .await?;
+    terminate(&mut exporter)?;
+    let late = tmp.path().join("late");
+    let o = foldhost()
+        .args([
+            "run",
+            "--bucket",
+            "fleet",
+            "--nats",
+            &cluster.urls(),
+            "--store",
+        ])
+        .arg(&late)
+        .args([
+            "--catch-up",
+            "--artifacts",
+            &moto.url("fleet"),
+            "--artifact-key",
+            "fleet",
+        ])
+        .envs(moto.env())
+        .env("FOLDHOST_LOG", "warn")
+        .output()?;
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("kind=\"restore\""),
+        "the late node seeded itself from the artifact: {stderr}"
+    );
+    // On an evicting bucket the listing is not the truth (a current value can age out unseen):
+    // the late node converges to the exporter's fold, the one its artifact came from.
+    assert_eq!(
+        first_difference(&dump_store(&tmp.path().join("a"))?, &dump_store(&late)?),
+        None
+    );
+    Ok(())
+}
