@@ -50,6 +50,10 @@ pub const POINTS: &[(&str, &str)] = &[
         EXPORT_FILE,
         "mid-export: after one more staged file was hashed, before the manifest is written",
     ),
+    (
+        PUBLISH_BEFORE_POINTER,
+        "mid-publish: the payload uploaded whole, before the pointer moves",
+    ),
 ];
 
 /// After a fold batch committed and `on-applied` returned.
@@ -66,6 +70,9 @@ pub const RESTORE_BEFORE_CURSOR: &str = "repair.restore.before-cursor";
 pub const EXPORT_STAGED: &str = "export.staged";
 /// Mid-export, after each staged file was hashed.
 pub const EXPORT_FILE: &str = "export.file";
+
+/// Mid-publish, after the payload was uploaded, before the pointer moves.
+pub const PUBLISH_BEFORE_POINTER: &str = "publish.before-pointer";
 
 /// The environment variable that arms a point: `NAME:N`.
 pub const ENV: &str = "FOLDHOST_CRASH_AT";

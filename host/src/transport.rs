@@ -261,6 +261,7 @@ impl ArtifactTransport {
         };
         let _ = std::fs::remove_file(&tar);
         result?;
+        crate::crashpoint::hit(crate::crashpoint::PUBLISH_BEFORE_POINTER);
         self.publish(key, &manifest_bytes, cursor).await?;
         Ok(Published {
             cursor,

@@ -379,3 +379,49 @@ async fn two_nodes_exporting_in_rounds_publish_a_pointer_a_third_node_bootstraps
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_the_payload_and_the_pointer_leaves_the_old_artifact_and_an_orphan_pruned_after_the_grace()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let moto = Moto::start().await?;
+    let url = moto.url("crash");
+    let tmp = tempfile::tempdir()?;
+    let (mut host, addr) = folding_host(&h, "crash", 100, &tmp.path().join("a")).await?;
+    let first = tmp.path().join("first");
+    let c1 = export_live(&addr, &first)?;
+    ok(&publish(&moto, &url, &first)?, "publish the first")?;
+    h.bucket("crash")
+        .await?
+        .put("route.new", "v".into())
+        .await?;
+    wait_status(&addr, |s| s.applied_through == c1 + 1).await?;
+    let second = tmp.path().join("second");
+    let c2 = export_live(&addr, &second)?;
+    terminate(&mut host)?;
+    // The publisher dies after uploading the payload, before moving the pointer.
+    let mut cmd = with_artifacts(&moto, "publish", &url);
+    cmd.arg("--artifact").arg(&second);
+    foldhost_tests::run_to_crash(cmd, foldhost::crashpoint::PUBLISH_BEFORE_POINTER, 1)?;
+    // The old pointer still bootstraps a node.
+    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c1));
+    // The orphan payload is pruned after the grace, never before; the target never.
+    let prune = |grace: &str| -> anyhow::Result<u64> {
+        let v = ok(
+            &with_artifacts(&moto, "prune", &url)
+                .args(["--grace-secs", grace])
+                .output()?,
+            "prune",
+        )?;
+        v["pruned"]
+            .as_u64()
+            .ok_or_else(|| anyhow::anyhow!("no count in {v}"))
+    };
+    assert_eq!(prune("3600")?, 0, "within the grace");
+    assert_eq!(prune("0")?, 1, "the orphan, past the grace");
+    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c1));
+    // Publishing the second again completes the round.
+    ok(&publish(&moto, &url, &second)?, "publish again")?;
+    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c2));
+    Ok(())
+}
