@@ -132,7 +132,7 @@ impl Default for BucketConfig {
 }
 
 /// Advisory feature flags for callers that branch on what a backend supports.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct ConnectionCapabilities {
     /// Compare-and-set writes.
     pub cas: bool,
@@ -140,6 +140,14 @@ pub struct ConnectionCapabilities {
     pub streaming_watch: bool,
     /// Writes at all.
     pub writes: bool,
+    /// The server's version, as it announced it (empty before a connection).
+    pub server_version: String,
+    /// Messages may carry their own TTL, with server delete markers (NATS 2.11+).
+    pub message_ttl: bool,
+    /// Publishes conditional on a subject's last sequence (`Nats-Expected-Last-Subject-Sequence`).
+    pub conditional_publish: bool,
+    /// Direct gets (reads served by any replica).
+    pub direct_get: bool,
 }
 
 /// A named bucket: vends the three capabilities. Holds no socket of its own.

@@ -408,6 +408,23 @@ pub fn lease_takeover_allowed(state: LeaseState, now_unix_ms: u64) -> bool {
     }
 }
 
+/// The JetStream features a server of `version` (`"2.11.3"`, `"v2.10.0-beta"`) offers, as
+/// `(message TTL with delete markers, conditional publish, direct get)`. An unreadable version
+/// offers none (the host then assumes the least and says so).
+pub fn server_features(version: &str) -> (bool, bool, bool) {
+    let v = version.trim().trim_start_matches('v');
+    let mut parts = v.split(|c: char| !c.is_ascii_digit());
+    let major = parts.next().and_then(|p| p.parse::<u32>().ok());
+    let minor = parts.next().and_then(|p| p.parse::<u32>().ok());
+    match (major, minor) {
+        (Some(major), Some(minor)) => {
+            let at_least = |a: u32, b: u32| major > a || (major == a && minor >= b);
+            (at_least(2, 11), at_least(2, 6), at_least(2, 9))
+        }
+        _ => (false, false, false),
+    }
+}
+
 /// What a run does when the identity check finds the stream recreated (`--on-recreated`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum OnRecreated {
@@ -1004,5 +1021,17 @@ mod tests {
                 "{state:?} at {now}"
             );
         }
+    }
+
+    #[test]
+    fn server_features_follow_the_version_and_an_unreadable_one_offers_none() {
+        assert_eq!(server_features("2.15.1"), (true, true, true));
+        assert_eq!(server_features("v2.11.0"), (true, true, true));
+        assert_eq!(server_features("2.10.22"), (false, true, true));
+        assert_eq!(server_features("2.9.0-beta.1"), (false, true, true));
+        assert_eq!(server_features("2.6.0"), (false, true, false));
+        assert_eq!(server_features("3.0.0"), (true, true, true));
+        assert_eq!(server_features("nonsense"), (false, false, false));
+        assert_eq!(server_features(""), (false, false, false));
     }
 }

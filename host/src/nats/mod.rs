@@ -211,10 +211,22 @@ impl Connection for NatsConnection {
     }
 
     fn capabilities(&self) -> ConnectionCapabilities {
+        let server_version = self
+            .client
+            .try_lock()
+            .ok()
+            .and_then(|c| c.as_ref().map(|c| c.server_info().version))
+            .unwrap_or_default();
+        let (message_ttl, conditional_publish, direct_get) =
+            protocol::server_features(&server_version);
         ConnectionCapabilities {
             cas: true,
             streaming_watch: true,
             writes: true,
+            server_version,
+            message_ttl,
+            conditional_publish,
+            direct_get,
         }
     }
 }

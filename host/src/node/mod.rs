@@ -284,6 +284,11 @@ impl Node {
         let mut copts = ConnectOptions::new(cfg.nats.clone());
         copts.creds_file = cfg.creds_file.clone();
         let conn = NatsConnection::open(copts).await?;
+        {
+            use crate::bucket::Connection as _;
+            let caps = conn.capabilities();
+            tracing::info!(server = %caps.server_version, message_ttl = caps.message_ttl, conditional_publish = caps.conditional_publish, direct_get = caps.direct_get, "server capabilities");
+        }
         let kv = conn
             .bucket(
                 &cfg.bucket,

@@ -78,19 +78,25 @@ impl RestoreSource {
         }
     }
 
-    /// The newest artifact and its manifest (peeked, not verified: the import verifies) — for a
-    /// transport, the pointer's manifest, before anything is downloaded.
-    pub async fn newest(&self) -> Result<Option<(Located, ExportManifest)>, RepairError> {
+    /// The artifacts to try, newest (highest cursor) first, with their manifests (peeked, not
+    /// verified: the import verifies) — for a transport, the pointer's manifest, before anything
+    /// is downloaded.
+    pub async fn candidates(&self) -> Result<Vec<(Located, ExportManifest)>, RepairError> {
         match self {
             RestoreSource::Dir(dir) => {
                 let dir = dir.clone();
-                Ok(block(|| newest_in(&dir))?.map(|(p, m)| (Located::Local(p), m)))
+                Ok(block(|| artifacts_in(&dir))?
+                    .into_iter()
+                    .map(|(p, m)| (Located::Local(p), m))
+                    .collect())
             }
             RestoreSource::Transport { transport, key } => Ok(transport
                 .pointer(key)
                 .await
                 .map_err(|e| RepairError::Refused(e.to_string()))?
-                .map(|(_, m)| (Located::Remote, m))),
+                .map(|(_, m)| (Located::Remote, m))
+                .into_iter()
+                .collect()),
         }
     }
 
@@ -111,11 +117,11 @@ impl RestoreSource {
     }
 }
 
-/// The artifact with the highest cursor in `dir`, and its manifest. Entries whose manifest cannot
+/// The artifacts in `dir` with their manifests, highest cursor first. Entries whose manifest cannot
 /// be read are skipped with a warning.
-fn newest_in(dir: &Path) -> Result<Option<(PathBuf, ExportManifest)>, RepairError> {
+fn artifacts_in(dir: &Path) -> Result<Vec<(PathBuf, ExportManifest)>, RepairError> {
     let rd = std::fs::read_dir(dir).map_err(io_err(dir, "list artifacts"))?;
-    let mut best: Option<(PathBuf, ExportManifest)> = None;
+    let mut found: Vec<(PathBuf, ExportManifest)> = Vec::new();
     for ent in rd {
         let ent = ent.map_err(io_err(dir, "list artifacts"))?;
         let path = ent.path();
@@ -128,20 +134,70 @@ fn newest_in(dir: &Path) -> Result<Option<(PathBuf, ExportManifest)>, RepairErro
             artifact::peek_tar_manifest(&path)
         };
         match m {
-            Ok(m) => {
-                let better = best
-                    .as_ref()
-                    .is_none_or(|(_, b)| m.cursor.unwrap_or(0) > b.cursor.unwrap_or(0));
-                if better {
-                    best = Some((path, m));
-                }
-            }
+            Ok(m) => found.push((path, m)),
             Err(e) => {
                 tracing::warn!(artifact = %path.display(), error = %e, "restore source: skipping an unreadable artifact")
             }
         }
     }
-    Ok(best)
+    found.sort_by(|a, b| b.1.cursor.cmp(&a.1.cursor).then_with(|| a.0.cmp(&b.0)));
+    Ok(found)
+}
+
+/// Chooses, fetches and imports the newest usable artifact into `scratch/artifact`: each candidate
+/// is checked from its manifest before anything is downloaded (`check_artifact`), imported (every
+/// digest and the cursor verified) and checked again against the fold's cursor now; one that fails
+/// verification is skipped for the next newest, never for nothing. Returns its local path, its
+/// manifest and its cursor.
+async fn choose_and_import(
+    source: &RestoreSource,
+    scratch: &Path,
+    scope: &WatchScope,
+    local: Option<u64>,
+    first: u64,
+) -> Result<(PathBuf, ExportManifest, u64), RepairError> {
+    let candidates = source.candidates().await?;
+    if candidates.is_empty() {
+        return Err(RepairError::Refused(format!(
+            "no artifact in {} to restore from",
+            source.describe()
+        )));
+    }
+    let mut last: Option<RepairError> = None;
+    for (located, peeked) in candidates {
+        let named = match &located {
+            Located::Local(p) => p.clone(),
+            Located::Remote => PathBuf::from(source.describe()),
+        };
+        // Checked before anything is downloaded or imported.
+        if let Err(e) = check_artifact(&named, &peeked, scope, local, first) {
+            last = Some(e);
+            continue;
+        }
+        block(|| clear_dir(scratch))?;
+        let imported = async {
+            let path = source.fetch(located, &scratch.join("download")).await?;
+            let (p2, d2) = (path.clone(), scratch.join("artifact"));
+            let manifest = tokio::task::spawn_blocking(move || {
+                artifact::import_artifact(&p2, &d2, None, &mut |_, _| {})
+            })
+            .await
+            .map_err(|e| RepairError::Task(e.to_string()))?
+            .map_err(RepairError::from)?;
+            // Re-checked against what actually arrived.
+            let rev = check_artifact(&path, &manifest, scope, local, first)?;
+            Ok::<_, RepairError>((path, manifest, rev))
+        }
+        .await;
+        match imported {
+            Ok(chosen) => return Ok(chosen),
+            Err(e) => {
+                tracing::warn!(artifact = %named.display(), error = %e, "restore: this artifact failed verification; trying the next newest");
+                last = Some(e);
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| RepairError::Refused("no usable artifact".into())))
 }
 
 /// The prefixes an artifact's recorded scope covers; `None` when it recorded none.
@@ -392,31 +448,10 @@ pub async fn restore<T: RepairTarget>(
     })?;
     let first = first_sequence(watcher.retention().await.map_err(RepairError::from)?)?;
     let local = target.cursor().revision();
-    let (located, peeked) = source.newest().await?.ok_or_else(|| {
-        RepairError::Refused(format!(
-            "no artifact in {} to restore from",
-            source.describe()
-        ))
-    })?;
-    let named = match &located {
-        Located::Local(p) => p.clone(),
-        Located::Remote => PathBuf::from(source.describe()),
-    };
-    // Checked before anything is downloaded or imported.
-    check_artifact(&named, &peeked, scope, local, first)?;
     let scratch = cfg.scratch_dir();
-    block(|| clear_dir(&scratch))?;
-    let path = source.fetch(located, &scratch.join("download")).await?;
+    // The fold is settled: its cursor stays `local` until this repair commits.
+    let (path, manifest, rev) = choose_and_import(source, &scratch, scope, local, first).await?;
     let imported_dir = scratch.join("artifact");
-    let (p2, d2) = (path.clone(), imported_dir.clone());
-    let manifest = tokio::task::spawn_blocking(move || {
-        artifact::import_artifact(&p2, &d2, None, &mut |_, _| {})
-    })
-    .await
-    .map_err(|e| RepairError::Task(e.to_string()))?
-    .map_err(RepairError::from)?;
-    // Re-checked against what actually arrived, and against the fold's own cursor now.
-    let rev = check_artifact(&path, &manifest, scope, target.cursor().revision(), first)?;
     let backend: Backend = manifest
         .backend
         .parse()

@@ -951,3 +951,41 @@ async fn a_prefix_watch_cut_off_while_in_scope_messages_age_out_trips_the_floor_
     assert_eq!(status_store(&node)?.cursor, Some(cursor));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restore_skips_an_artifact_that_fails_verification_for_the_next_newest()
+-> anyhow::Result<()> {
+    let mut e = evicted("fallback", 50, 10, 5).await?;
+    // A copy of the artifact, tried first (same cursor, earlier name), with one payload byte
+    // flipped: its import fails the digest check.
+    let bad = e.artifacts.join("art0");
+    copy_dir(&e.artifacts.join("art1"), &bad)?;
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(bad.join("MANIFEST.json"))?)?;
+    let file = manifest["files"]
+        .as_array()
+        .and_then(|f| f.iter().find(|f| f["size"].as_u64().unwrap_or(0) > 0))
+        .and_then(|f| f["path"].as_str())
+        .ok_or_else(|| anyhow::anyhow!("no non-empty payload file in {manifest}"))?;
+    let path = bad.join("data").join(file);
+    let mut bytes = std::fs::read(&path)?;
+    let last = bytes.len() - 1;
+    bytes[last] ^= 0xff;
+    std::fs::write(&path, bytes)?;
+
+    let arts = e.artifacts.display().to_string();
+    let o = catch_up(&e.h, "fallback", &e.node, &["--restore-from", &arts])?;
+    ok(&o, "restoring catch-up")?;
+    let log = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        log.contains("failed verification; trying the next newest"),
+        "{log}"
+    );
+    assert_eq!(
+        first_difference(&dump_store(&e.exporter)?, &dump_store(&e.node)?),
+        None,
+        "restored from the good artifact, identical to the exporter"
+    );
+    terminate(&mut e.host)?;
+    Ok(())
+}
