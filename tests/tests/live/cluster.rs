@@ -137,7 +137,7 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
             &tmp.path().join(name),
             name,
             &addr,
-            &["--export-every", "1"],
+            &["--export-every", "1", "--export-lease-secs", "3"],
         )?;
         nodes.push((child, addr));
     }
@@ -195,7 +195,8 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
     }
 
     // Now the bucket evicts its oldest messages; a node whose start the log no longer holds
-    // bootstraps from the artifact a round publishes.
+    // bootstraps from the artifact a round publishes. (A node stopped mid-round leaves its lease
+    // to run out: 3 s here.)
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
     let mut exporter = node(
         &cluster,
@@ -203,7 +204,7 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
         &tmp.path().join("a"),
         "a",
         &addr,
-        &["--export-every", "1"],
+        &["--export-every", "1", "--export-lease-secs", "3"],
     )?;
     retrying("make the stream evict", || async {
         let mut s = kv.jetstream().get_stream("KV_fleet").await?;
