@@ -105,6 +105,7 @@ impl SideTasks {
             cfg.store.clone(),
             base.clone(),
             status.clone(),
+            last_export.clone(),
         )));
         Ok(SideTasks {
             server,
@@ -369,7 +370,12 @@ async fn serve_nats_queries(
 
 /// Keeps `status.json` current and shows hydration progress: a bar on a terminal, log lines
 /// otherwise.
-async fn report_progress(dir: PathBuf, base: StatusReport, status: Arc<FoldStatus>) {
+async fn report_progress(
+    dir: PathBuf,
+    base: StatusReport,
+    status: Arc<FoldStatus>,
+    last_export: Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
+) {
     let bar = if std::io::stderr().is_terminal() {
         let b = indicatif::ProgressBar::new(0);
         b.set_style(
@@ -412,7 +418,9 @@ async fn report_progress(dir: PathBuf, base: StatusReport, status: Arc<FoldStatu
             );
         }
         if n.is_multiple_of(4) {
-            write_status_file(&dir, &live_status(&base, &status));
+            let mut report = live_status(&base, &status);
+            report.last_export = last_export.lock().ok().and_then(|l| l.clone());
+            write_status_file(&dir, &report);
         }
     }
 }

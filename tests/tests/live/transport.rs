@@ -348,6 +348,14 @@ async fn two_nodes_exporting_in_rounds_publish_a_pointer_a_third_node_bootstraps
         );
         tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     }
+    // The status file a running host keeps says what its last round did, like `/status`.
+    foldhost_tests::wait_until("status.json shows the last export round", || {
+        ["a", "b"].iter().all(|n| {
+            foldhost_tests::status_store(&tmp.path().join(n))
+                .is_ok_and(|s| s.state == "running" && s.last_export.is_some())
+        })
+    })
+    .await?;
     for (child, _) in &mut nodes {
         terminate(child)?;
     }
