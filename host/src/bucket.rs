@@ -84,6 +84,53 @@ pub fn server_urls(url: &str) -> Vec<&str> {
         .collect()
 }
 
+/// The credentials embedded in a `--nats` value's first URL that carries any, percent-decoded:
+/// `(user, Some(password))` for `user:pass@`, `(token, None)` for a bare `token@`. The nats client
+/// does not read them from the URL itself (async-nats 0.51 parses but never sends them), so the
+/// connection passes them explicitly; without this a URL-authenticated server refuses the node.
+pub fn url_credentials(urls: &str) -> Option<(String, Option<String>)> {
+    server_urls(urls).into_iter().find_map(|u| {
+        let with_scheme = if u.contains("://") {
+            u.to_string()
+        } else {
+            format!("nats://{u}")
+        };
+        let parsed = url::Url::parse(&with_scheme).ok()?;
+        if parsed.username().is_empty() {
+            return None;
+        }
+        Some((
+            percent_decode(parsed.username()),
+            parsed.password().map(percent_decode),
+        ))
+    })
+}
+
+/// Decodes the `%XX` escapes a URL's userinfo keeps; a malformed escape or a result that is not
+/// UTF-8 leaves the text as written.
+fn percent_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = b
+            .get(i + 1..i + 3)
+            .and_then(|h| std::str::from_utf8(h).ok())
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match (b[i], hex) {
+            (b'%', Some(v)) => {
+                out.push(v);
+                i += 3;
+            }
+            (c, _) => {
+                out.push(c);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).unwrap_or_else(|_| s.to_string())
+}
+
 fn url_has_userinfo(url: &str) -> bool {
     let rest = url.split_once("://").map_or(url, |(_, r)| r);
     let authority = rest.split('/').next().unwrap_or(rest);
@@ -223,6 +270,24 @@ mod tests {
             ["nats://a:4222", "nats://b:4222", "nats://c:4222"]
         );
         assert!(server_urls(" , ").is_empty());
+    }
+
+    #[test]
+    fn url_credentials_are_read_from_the_first_url_that_has_them_and_decoded() {
+        assert_eq!(
+            url_credentials("nats://a:4222, nats://u%40x:p%3Aw@b:4222"),
+            Some(("u@x".into(), Some("p:w".into())))
+        );
+        assert_eq!(
+            url_credentials("tls://s3cr3t@host:4222"),
+            Some(("s3cr3t".into(), None))
+        );
+        assert_eq!(url_credentials("nats://host:4222,nats://h2"), None);
+        assert_eq!(
+            url_credentials("user:pw@host:4222").map(|c| c.0),
+            Some("user".into())
+        );
+        assert_eq!(percent_decode("a%zzb%4"), "a%zzb%4");
     }
 
     #[test]

@@ -28,6 +28,7 @@ pub struct LocalNats {
     port: u16,
     store_dir: PathBuf,
     cluster: Option<ClusterMember>,
+    config: Option<PathBuf>,
     _tmp: Option<tempfile::TempDir>,
 }
 
@@ -56,11 +57,37 @@ impl LocalNats {
     /// directory keeps the buckets).
     pub fn start_in(dir: &Path, port: u16) -> Result<Self, LocalNatsError> {
         let mut s = LocalNats {
-            child: Some(spawn_server(dir, port, None)?),
+            child: Some(spawn_server(dir, port, None, None)?),
             port,
             store_dir: dir.to_path_buf(),
             cluster: None,
+            config: None,
             _tmp: None,
+        };
+        s.wait_ready()?;
+        Ok(s)
+    }
+
+    /// Starts a server like [`LocalNats::start`] that also reads `config` (nats-server's config
+    /// syntax), for accounts and their JetStream limits. The command line's port, address and
+    /// store directory win over the file's.
+    pub fn start_with_config(config: &str) -> Result<Self, LocalNatsError> {
+        let tmp = tempfile::Builder::new()
+            .prefix("foldhost-nats-")
+            .tempdir()
+            .map_err(|e| LocalNatsError::Other(format!("temp dir: {e}")))?;
+        let file = tmp.path().join("server.conf");
+        std::fs::write(&file, config)
+            .map_err(|e| LocalNatsError::Other(format!("{}: {e}", file.display())))?;
+        let dir = tmp.path().join("js");
+        let port = free_port()?;
+        let mut s = LocalNats {
+            child: Some(spawn_server(&dir, port, None, Some(&file))?),
+            port,
+            store_dir: dir,
+            cluster: None,
+            config: Some(file),
+            _tmp: Some(tmp),
         };
         s.wait_ready()?;
         Ok(s)
@@ -123,20 +150,25 @@ impl LocalNats {
             &self.store_dir,
             self.port,
             self.cluster.as_ref(),
+            self.config.as_deref(),
         )?);
         self.wait_ready()
     }
 }
 
 /// Starts `nats-server` (or `NATS_SERVER_BIN`) with JetStream, loopback only, on `port`, its store
-/// in `dir`.
+/// in `dir`, reading `config` when given.
 fn spawn_server(
     dir: &Path,
     port: u16,
     cluster: Option<&ClusterMember>,
+    config: Option<&Path>,
 ) -> Result<Child, LocalNatsError> {
     let bin = std::env::var("NATS_SERVER_BIN").unwrap_or_else(|_| "nats-server".into());
     let mut cmd = Command::new(&bin);
+    if let Some(c) = config {
+        cmd.arg("-c").arg(c);
+    }
     cmd.args(["-js", "-a", "127.0.0.1", "-p"])
         .arg(port.to_string())
         .arg("-sd")
@@ -201,10 +233,11 @@ impl LocalCluster {
                     .collect(),
             };
             members.push(LocalNats {
-                child: Some(spawn_server(&dir, ports[i], Some(&cluster))?),
+                child: Some(spawn_server(&dir, ports[i], Some(&cluster), None)?),
                 port: ports[i],
                 store_dir: dir,
                 cluster: Some(cluster),
+                config: None,
                 _tmp: None,
             });
         }

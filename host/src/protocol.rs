@@ -425,6 +425,47 @@ pub fn server_features(version: &str) -> (bool, bool, bool) {
     }
 }
 
+/// How a raw `$JS.API.STREAM.CREATE` reply is taken (seed 000, hosted NATS).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamCreateVerdict {
+    /// The server created the stream (or found it already there with the same configuration).
+    Created,
+    /// JetStream error 10058: a stream of that name exists. Not fatal: the bucket is checked.
+    AlreadyExists,
+    /// The account's stream limit is reached. Not fatal when the bucket is already there (a
+    /// provider answers this even for a bucket it holds): the bucket is checked.
+    AtStreamLimit,
+    /// Anything else: the create failed.
+    Refused,
+}
+
+/// JetStream's error code for "stream name already in use".
+pub const JS_STREAM_NAME_IN_USE: u64 = 10058;
+
+/// Decides a raw stream-create reply from its error fields (`None` when the reply carries no
+/// error). 10058 in either `code` or `err_code` (providers differ in which) is "already exists";
+/// a 400 whose description says the maximum number of streams is reached is the at-limit answer;
+/// any other error refuses. The two non-fatal verdicts are only half of the decision: the caller
+/// must then find the bucket, or fail.
+pub fn stream_create_verdict(
+    error: Option<(Option<u64>, Option<u64>, &str)>,
+) -> StreamCreateVerdict {
+    let Some((code, err_code, description)) = error else {
+        return StreamCreateVerdict::Created;
+    };
+    if code == Some(JS_STREAM_NAME_IN_USE) || err_code == Some(JS_STREAM_NAME_IN_USE) {
+        return StreamCreateVerdict::AlreadyExists;
+    }
+    if code == Some(400)
+        && description
+            .to_ascii_lowercase()
+            .contains("maximum number of streams")
+    {
+        return StreamCreateVerdict::AtStreamLimit;
+    }
+    StreamCreateVerdict::Refused
+}
+
 /// What a run does when the identity check finds the stream recreated (`--on-recreated`).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub enum OnRecreated {
@@ -1033,5 +1074,40 @@ mod tests {
         assert_eq!(server_features("3.0.0"), (true, true, true));
         assert_eq!(server_features("nonsense"), (false, false, false));
         assert_eq!(server_features(""), (false, false, false));
+    }
+
+    #[test]
+    fn a_stream_create_reply_is_fatal_only_when_it_is_neither_exists_nor_at_limit() {
+        use StreamCreateVerdict::*;
+        assert_eq!(stream_create_verdict(None), Created);
+        // nats-server's shape: the JetStream code in err_code.
+        let in_use = "stream name already in use with a different configuration";
+        assert_eq!(
+            stream_create_verdict(Some((Some(400), Some(10058), in_use))),
+            AlreadyExists
+        );
+        // A provider that puts it in code.
+        assert_eq!(
+            stream_create_verdict(Some((Some(10058), None, ""))),
+            AlreadyExists
+        );
+        assert_eq!(
+            stream_create_verdict(Some((
+                Some(400),
+                Some(10027),
+                "Maximum number of streams reached"
+            ))),
+            AtStreamLimit
+        );
+        // The limit wording without the 400 is not the provider's at-limit answer.
+        assert_eq!(
+            stream_create_verdict(Some((Some(500), None, "maximum number of streams reached"))),
+            Refused
+        );
+        assert_eq!(
+            stream_create_verdict(Some((Some(400), Some(10052), "replicas > 1 not supported"))),
+            Refused
+        );
+        assert_eq!(stream_create_verdict(Some((None, None, ""))), Refused);
     }
 }

@@ -14,7 +14,10 @@
 //! - Revisions come from the ACK subject through [`protocol::parse_ack_subject`]; an unparseable one
 //!   becomes [`VersionToken::UNKNOWN`], never a made-up number.
 
+mod create;
 mod floor;
+
+pub use create::{create_bucket_raw, kv_stream_config, parse_stream_create_reply};
 
 use floor::FloorGuard;
 
@@ -23,7 +26,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use async_nats::jetstream::{self, consumer, kv, stream};
+use async_nats::jetstream::{self, consumer, kv};
 use async_trait::async_trait;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -31,7 +34,7 @@ use tokio::sync::{Mutex, mpsc};
 
 use crate::bucket::{
     BucketConfig, BucketHandle, ConnectOptions, Connection, ConnectionCapabilities,
-    CredentialSource, StorageType, credential_source,
+    CredentialSource, credential_source,
 };
 use crate::kv::{
     KvEntry, KvError, KvReader, KvUpdate, KvWatcher, KvWriter, StreamIdentity, StreamState,
@@ -168,7 +171,12 @@ impl Connection for NatsConnection {
                 .credentials_file(&p)
                 .await
                 .map_err(|e| err(format!("{}: {e}", p.display())))?,
-            CredentialSource::Url | CredentialSource::None => o,
+            CredentialSource::Url => match crate::bucket::url_credentials(&self.opts.url) {
+                Some((user, Some(pass))) => o.user_and_password(user, pass),
+                Some((token, None)) => o.token(token),
+                None => o,
+            },
+            CredentialSource::None => o,
         };
         // Every member of the cluster named: the client connects to one and, when that server
         // dies, reconnects to another (the watch then resumes from the applied cursor).
@@ -287,37 +295,7 @@ impl NatsKv {
             })
             .await?
         } else if config.create {
-            let cfg = kv::Config {
-                bucket: bucket.to_string(),
-                history: config.max_history,
-                max_bytes: config.max_bytes.unwrap_or(-1),
-                max_age: config.max_age.unwrap_or_default(),
-                num_replicas: config.num_replicas,
-                storage: match config.storage {
-                    StorageType::File => stream::StorageType::File,
-                    StorageType::Memory => stream::StorageType::Memory,
-                },
-                ..Default::default()
-            };
-            let created = timed("create bucket", timeout, async {
-                js.create_key_value(cfg)
-                    .await
-                    .map_err(|e| backend("create bucket", e))
-            })
-            .await;
-            match created {
-                Ok(kv) => kv,
-                // Another client created it between our look and our create (nodes of a fleet
-                // start together), or the server's reply did not parse: if the bucket is there
-                // now, that is success.
-                Err(e) => match js.get_key_value(bucket).await {
-                    Ok(kv) => {
-                        tracing::info!(bucket, error = %e, "bucket create answered an error, but the bucket is there: using it");
-                        kv
-                    }
-                    Err(_) => return Err(e),
-                },
-            }
+            create::create_bucket(&client, &js, bucket, config, timeout).await?
         } else {
             return Err(KvError::BucketNotFound(bucket.to_string()));
         };

@@ -12,6 +12,7 @@ mod crash_safety;
 mod defer;
 mod endpoint;
 mod guests;
+mod hosted;
 mod identity;
 mod lease;
 mod repair;
