@@ -19,6 +19,11 @@
 //!   not happen".
 //! - **A point never changes what the code does** until the armed hit: counting is one relaxed
 //!   atomic increment on the armed point, nothing on the others.
+//!
+//! A point at an `async` site can also be **held** instead of crashed, to place a race by the
+//! code's progress: `FOLDHOST_HOLD_AT=NAME:PATH` makes the first pass of `NAME` create
+//! `PATH.reached` and wait until `PATH.release` exists (the test does its part in between, then
+//! releases). Like crashing, holding exists only in `crashpoints` builds and is checked at start.
 
 /// The points a build can be crashed at, with what is durable when each fires.
 pub const POINTS: &[(&str, &str)] = &[
@@ -77,6 +82,65 @@ pub const PUBLISH_BEFORE_POINTER: &str = "publish.before-pointer";
 /// The environment variable that arms a point: `NAME:N`.
 pub const ENV: &str = "FOLDHOST_CRASH_AT";
 
+/// The environment variable that holds a point: `NAME:PATH`.
+pub const HOLD_ENV: &str = "FOLDHOST_HOLD_AT";
+
+/// Passes the point `name` at an async site; in a `crashpoints` build with `name` held
+/// (`FOLDHOST_HOLD_AT=name:PATH`), the first pass creates `PATH.reached` and waits for
+/// `PATH.release` to exist.
+#[cfg(not(feature = "crashpoints"))]
+#[inline(always)]
+pub async fn hold(name: &'static str) {
+    let _ = name;
+}
+
+/// Passes the point `name` at an async site; in a `crashpoints` build with `name` held
+/// (`FOLDHOST_HOLD_AT=name:PATH`), the first pass creates `PATH.reached` and waits for
+/// `PATH.release` to exist.
+#[cfg(feature = "crashpoints")]
+pub async fn hold(name: &'static str) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static HELD: AtomicBool = AtomicBool::new(false);
+    let Ok(v) = std::env::var(HOLD_ENV) else {
+        return;
+    };
+    let Ok((point, path)) = parse_hold(&v) else {
+        return;
+    };
+    if point != name || HELD.swap(true, Ordering::Relaxed) {
+        return;
+    }
+    let reached = format!("{path}.reached");
+    let release = std::path::PathBuf::from(format!("{path}.release"));
+    if let Err(e) = std::fs::write(&reached, name) {
+        eprintln!("foldhost: hold point {name}: {reached}: {e}");
+        return;
+    }
+    eprintln!(
+        "foldhost: hold point {name} reached: waiting for {}",
+        release.display()
+    );
+    while !release.exists() {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// Parses `NAME:PATH` (the value of [`HOLD_ENV`]): the point must be one of [`POINTS`].
+pub fn parse_hold(s: &str) -> Result<(&'static str, &str), String> {
+    let (name, path) = s
+        .split_once(':')
+        .ok_or_else(|| format!("{HOLD_ENV}={s:?}: expected NAME:PATH"))?;
+    let point = POINTS
+        .iter()
+        .map(|(p, _)| *p)
+        .find(|p| *p == name)
+        .ok_or_else(|| format!("{HOLD_ENV}={s:?}: unknown point {name:?}"))?;
+    if path.is_empty() {
+        return Err(format!("{HOLD_ENV}={s:?}: empty path"));
+    }
+    Ok((point, path))
+}
+
 /// Passes the crash point `name`; in a `crashpoints` build armed at `name:N`, the N-th pass
 /// aborts the process.
 #[cfg(not(feature = "crashpoints"))]
@@ -96,15 +160,22 @@ pub fn hit(name: &'static str) {
 /// build must have crash points (a test arming a point on a build without them would otherwise
 /// wait for a crash that cannot happen). Returns the one-line reason otherwise.
 pub fn check_env() -> Result<(), String> {
-    let Ok(v) = std::env::var(ENV) else {
+    let crash = std::env::var(ENV).ok();
+    let hold = std::env::var(HOLD_ENV).ok();
+    if crash.is_none() && hold.is_none() {
         return Ok(());
-    };
-    parse_arm(&v)?;
+    }
+    if let Some(v) = &crash {
+        parse_arm(v)?;
+    }
+    if let Some(v) = &hold {
+        parse_hold(v)?;
+    }
     if cfg!(feature = "crashpoints") {
         Ok(())
     } else {
         Err(format!(
-            "{ENV} is set but this build has no crash points (cargo feature `crashpoints`)"
+            "{ENV} or {HOLD_ENV} is set but this build has no crash points (cargo feature `crashpoints`)"
         ))
     }
 }
@@ -183,6 +254,12 @@ mod tests {
         assert!(parse_arm("fold.committed:0").is_err());
         assert!(parse_arm("fold.committed").is_err());
         assert!(parse_arm("fold.committed:x").is_err());
+        assert_eq!(
+            parse_hold("publish.before-pointer:/tmp/x:y"),
+            Ok((PUBLISH_BEFORE_POINTER, "/tmp/x:y"))
+        );
+        assert!(parse_hold("publish.before-pointer:").is_err());
+        assert!(parse_hold("nope:/tmp/x").is_err());
     }
 
     #[test]

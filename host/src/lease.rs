@@ -95,6 +95,12 @@ impl HeldLease {
     pub fn expires_unix_ms(&self) -> u64 {
         self.value.expires_unix_ms
     }
+
+    /// The bucket revision of the write that won the lease: unique per won round, since every
+    /// win is a compare-and-set on the revision before it.
+    pub fn revision(&self) -> u64 {
+        self.version.as_u64().unwrap_or(0)
+    }
 }
 
 impl ExportLease {

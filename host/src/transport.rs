@@ -262,6 +262,7 @@ impl ArtifactTransport {
         let _ = std::fs::remove_file(&tar);
         result?;
         crate::crashpoint::hit(crate::crashpoint::PUBLISH_BEFORE_POINTER);
+        crate::crashpoint::hold(crate::crashpoint::PUBLISH_BEFORE_POINTER).await;
         self.publish(key, &manifest_bytes, cursor).await?;
         Ok(Published {
             cursor,

@@ -96,6 +96,8 @@ impl ExportRounds {
             Ok(None) => return RoundOutcome::NotOurs,
             Err(e) => return RoundOutcome::Failed(e.to_string()),
         };
+        let lease_revision = held.revision();
+        tracing::info!(lease_revision, "export round: lease won");
         let dir = self.scratch.join(format!("round-{}", now_unix_ms()));
         let published: Result<_, Result<u64, String>> = async {
             std::fs::create_dir_all(&self.scratch)
@@ -135,7 +137,7 @@ impl ExportRounds {
                     Ok(_) => {}
                     Err(e) => tracing::warn!(error = %e, "export round: prune failed"),
                 }
-                tracing::info!(cursor = p.cursor, payload = %p.payload, "export round: artifact published");
+                tracing::info!(cursor = p.cursor, payload = %p.payload, lease_revision, "export round: artifact published");
                 RoundOutcome::Published { cursor: p.cursor }
             }
             Err(e) => {
@@ -143,7 +145,14 @@ impl ExportRounds {
                     tracing::warn!(error = %le, "export round: the lease could not be abandoned (it runs out by itself)");
                 }
                 match e {
-                    Ok(current) => RoundOutcome::Superseded { current },
+                    Ok(current) => {
+                        tracing::info!(
+                            current,
+                            lease_revision,
+                            "export round: superseded by a newer artifact; lease abandoned"
+                        );
+                        RoundOutcome::Superseded { current }
+                    }
                     Err(why) => {
                         tracing::warn!(error = %why, "export round failed");
                         RoundOutcome::Failed(why)

@@ -193,6 +193,44 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
             "node {name}"
         );
     }
+    // Exactly one node exports per round: every lease win is a CAS on the revision before it, so
+    // no lease revision is won by two nodes, and every published artifact was exported under a
+    // lease its node won.
+    let mut winners: std::collections::BTreeMap<u64, &str> = Default::default();
+    let mut published = 0;
+    for name in ["a", "b", "c"] {
+        let log = std::fs::read_to_string(tmp.path().join(name).with_extension("log"))?;
+        let mut won_here = std::collections::BTreeSet::new();
+        for line in log.lines() {
+            let revision = || -> anyhow::Result<u64> {
+                let v = line
+                    .split("lease_revision=")
+                    .nth(1)
+                    .and_then(|r| r.split_whitespace().next())
+                    .ok_or_else(|| anyhow::anyhow!("no lease revision in {line}"))?;
+                Ok(v.parse()?)
+            };
+            if line.contains("export round: lease won") {
+                let r = revision()?;
+                if let Some(other) = winners.insert(r, name) {
+                    anyhow::bail!("lease revision {r} won by both {other} and {name}");
+                }
+                won_here.insert(r);
+            } else if line.contains("export round: artifact published") {
+                let r = revision()?;
+                anyhow::ensure!(
+                    won_here.contains(&r),
+                    "{name} published under a lease it did not win: {line}"
+                );
+                published += 1;
+            }
+        }
+    }
+    assert!(
+        published > 0 && winners.len() >= published,
+        "{published} published, {} rounds won",
+        winners.len()
+    );
 
     // Now the bucket evicts its oldest messages; a node whose start the log no longer holds
     // bootstraps from the artifact a round publishes. (A node stopped mid-round leaves its lease

@@ -433,3 +433,109 @@ async fn a_crash_between_the_payload_and_the_pointer_leaves_the_old_artifact_and
     assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c2));
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_the_pointer()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let moto = Moto::start().await?;
+    let url = moto.url("slow");
+    let tmp = tempfile::tempdir()?;
+    let kv = h.bucket("slow").await?;
+    publish_all(
+        kv.jetstream(),
+        (0..100u32).map(|i| (format!("$KV.slow.route.h{i:05}"), Bytes::from("v1"))),
+    )
+    .await?;
+    // Node A exports in rounds under a long lease; its first round is held after the payload is
+    // uploaded, before the pointer moves (a slow exporter, placed by the code's progress).
+    let hold = tmp.path().join("hold");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let log = tmp.path().join("a.log");
+    let mut cmd = run_command(&h, "slow", &tmp.path().join("a"), Some(&addr));
+    cmd.args([
+        "--artifacts",
+        &url,
+        "--artifact-key",
+        "routes",
+        "--export-every",
+        "1",
+        "--export-lease-secs",
+        "600",
+        "--node-id",
+        "a",
+    ])
+    .env(
+        foldhost::crashpoint::HOLD_ENV,
+        format!(
+            "{}:{}",
+            foldhost::crashpoint::PUBLISH_BEFORE_POINTER,
+            hold.display()
+        ),
+    )
+    .env("FOLDHOST_LOG", "info")
+    .stderr(std::fs::File::create(&log)?);
+    for (k, v) in moto.env() {
+        cmd.env(k, v);
+    }
+    let mut a = cmd.spawn()?;
+    let reached = hold.with_extension("reached");
+    foldhost_tests::wait_until("node A's round to hold before its pointer", || {
+        reached.exists()
+    })
+    .await?;
+    let leases = h.bucket(foldhost::node::DEFAULT_LEASE_BUCKET).await?;
+    let lease = foldhost::lease::ExportLease::new(
+        leases,
+        "export.routes",
+        "reader",
+        std::time::Duration::from_secs(1),
+    );
+    let now = foldhost::status::now_unix_ms();
+    let held = lease.read().await?.expect("A holds the lease");
+    assert_eq!(held.holder, "a");
+    assert!(held.expires_unix_ms > now + 60_000, "{held:?}");
+
+    // Meanwhile a faster exporter publishes a newer artifact.
+    for i in 0..10 {
+        kv.put(&format!("route.more{i}"), "v2".into()).await?;
+    }
+    let last = kv.positions().await?.last_sequence;
+    wait_status(&addr, |s| s.applied_through == last).await?;
+    let newer = tmp.path().join("newer");
+    let c2 = export_live(&addr, &newer)?;
+    ok(&publish(&moto, &url, &newer)?, "publish the newer")?;
+
+    // A goes on: its pointer swap is refused, the pointer stays, and its lease is abandoned: the
+    // next round wins it again, long before the 600 s it was taken for run out.
+    std::fs::write(hold.with_extension("release"), b"")?;
+    let won_after_superseded = |l: &str| {
+        l.split_once("superseded by a newer artifact; lease abandoned")
+            .is_some_and(|(_, after)| after.contains("export round: lease won"))
+    };
+    foldhost_tests::wait_until("A's round to be superseded and the lease won again", || {
+        std::fs::read_to_string(&log).is_ok_and(|l| won_after_superseded(&l))
+    })
+    .await?;
+    let text = std::fs::read_to_string(&log)?;
+    let superseded = text
+        .lines()
+        .find(|l| l.contains("superseded by a newer artifact"))
+        .unwrap_or_default();
+    assert!(
+        superseded.contains(&format!("current={c2}")),
+        "superseded by the newer cursor {c2}: {superseded}"
+    );
+    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c2));
+
+    // The freed lease is won again: a later round publishes the next revision.
+    kv.put("route.last", "v3".into()).await?;
+    let c3 = kv.positions().await?.last_sequence;
+    wait_status(&addr, |s| {
+        s.last_export.as_ref().and_then(|e| e.cursor) == Some(c3)
+    })
+    .await?;
+    terminate(&mut a)?;
+    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c3));
+    Ok(())
+}
