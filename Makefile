@@ -3,7 +3,7 @@
 #   make test   — formatting, lints, and every test suite against a real nats-server
 # and, beside them:
 #   make flake  — the whole suite RUNS times (default 5) with one core held busy; names every failure
-.PHONY: demo test setup guests bench lint flake
+.PHONY: demo test setup guests bench bench-bootstrap lint flake
 
 # `test` and `lint` cover the optional storage backends too (RocksDB is a long C++ build; see
 # docs in host/src/snapshot/rocks.rs) and compile in the crash points the crash tests arm
@@ -46,3 +46,8 @@ guests:
 bench:
 	$(SETUP) && guests/build.sh >/dev/null && \
 	cargo run --release --quiet -p foldhost-tests --bin foldhost-bench
+
+# Artifact bootstrap vs full replay, 1 000 000 keys on fjall and RocksDB (the release binary).
+bench-bootstrap:
+	$(SETUP) && cargo build --release --quiet -p foldhost --features fjall,rocksdb && \
+	cargo run --release --quiet -p foldhost-tests --features fjall,rocksdb --bin foldhost-bench -- bootstrap $(KEYS)

@@ -85,6 +85,8 @@ pub struct ExportRoundReport {
     pub cursor: Option<u64>,
     /// `published`, `not-ours`, `superseded by N`, or `failed: why`.
     pub outcome: String,
+    /// How long the round took, lease to prune (milliseconds).
+    pub duration_ms: u64,
 }
 
 /// How far the applied fold is behind what was delivered.

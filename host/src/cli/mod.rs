@@ -317,6 +317,10 @@ pub struct RunArgs {
     /// The artifact key under `--artifacts`.
     #[arg(long, value_name = "KEY", value_parser = parse_artifact_key, requires = "artifacts")]
     pub artifact_key: Option<String>,
+    /// Development only: export rounds publish on a store that cannot replace the pointer
+    /// atomically (the local file system); every publish says so in the log.
+    #[arg(long, requires = "artifacts")]
+    pub allow_non_atomic_pointer: bool,
     /// Run an export round every this many seconds (with `--artifacts`): win the export lease,
     /// export live, upload, move the pointer, prune. One node of a fleet exports per round.
     #[arg(long, value_name = "SECS", requires = "artifacts")]
@@ -395,6 +399,7 @@ impl RunArgs {
             on_recreated: self.on_recreated,
             restore_from: self.restore_from,
             artifacts: self.artifacts.zip(self.artifact_key),
+            allow_non_atomic_pointer: self.allow_non_atomic_pointer,
             export_every: self.export_every.map(|s| Duration::from_secs(s.max(1))),
             export_lease: Duration::from_secs(self.export_lease_secs.max(1)),
             lease_bucket: self.lease_bucket,

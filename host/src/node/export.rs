@@ -68,8 +68,10 @@ impl ExportRounds {
             if self.control.is_closed() {
                 return;
             }
+            let started = std::time::Instant::now();
             let outcome = self.round().await;
             let report = ExportRoundReport {
+                duration_ms: started.elapsed().as_millis() as u64,
                 unix_ms: now_unix_ms(),
                 cursor: match &outcome {
                     RoundOutcome::Published { cursor } => Some(*cursor),

@@ -167,6 +167,9 @@ pub struct NodeConfig {
     pub restore_from: Option<PathBuf>,
     /// …or the artifact published under a key in an object store (URL, key).
     pub artifacts: Option<(String, String)>,
+    /// Development only: export rounds may publish on a store that cannot replace the pointer
+    /// atomically (the local file system); every such publish says so in the log.
+    pub allow_non_atomic_pointer: bool,
     /// Run an export round this often (needs `artifacts`): lease, live export, upload, pointer.
     pub export_every: Option<Duration>,
     /// How long a won export lease lasts (a round must finish within it; payloads younger than
@@ -210,6 +213,7 @@ impl NodeConfig {
             on_recreated: OnRecreated::Refuse,
             restore_from: None,
             artifacts: None,
+            allow_non_atomic_pointer: false,
             export_every: None,
             export_lease: DEFAULT_EXPORT_LEASE,
             lease_bucket: DEFAULT_LEASE_BUCKET.to_string(),
@@ -318,7 +322,8 @@ impl Node {
         let engine = proven.map(|p| p.engine);
         let transport = match &cfg.artifacts {
             Some((url, _)) => Some(Arc::new(crate::transport::ArtifactTransport::from_url(
-                url, false,
+                url,
+                cfg.allow_non_atomic_pointer,
             )?)),
             None => None,
         };

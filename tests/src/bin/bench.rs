@@ -22,10 +22,16 @@
 //!    the KEYS-key fold, and peak RSS (`VmHWM`) of the ingest and of open + full scan. Every figure
 //!    is printed beside the append log's as a ratio. Default KEYS for this one is 1 000 000.
 //!
+//! 6. **bootstrap** — on a KEYS-key bucket (default 1 000 000), for fjall and RocksDB, through the
+//!    release `foldhost` binary: a full replay from revision 1 against export + upload and download
+//!    + import of an artifact (S3 on moto, and the local file system), with the peak RSS of each.
+//!    See `bench/bootstrap.rs`.
+//!
 //! Runs alternate between the compared sides; every figure is the median of RUNS runs.
 //!
 //! `cargo run --release -p foldhost-tests --bin foldhost-bench -- [ingest|guest|swap|artifact|all] [KEYS] [RUNS]`
 //! `cargo run --release -p foldhost-tests --features fjall,rocksdb --bin foldhost-bench -- backends [KEYS]`
+//! `make bench-bootstrap` (`foldhost-bench bootstrap [KEYS]`, needs `target/release/foldhost`)
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -44,6 +50,9 @@ use foldhost::nats::{NatsConnection, NatsKv};
 use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotStore};
 use foldhost::view::{FoldRead, SharedStore};
 use futures::StreamExt;
+
+#[path = "bench/bootstrap.rs"]
+mod bootstrap;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -542,6 +551,13 @@ async fn main() -> anyhow::Result<()> {
             .unwrap_or(1_000_000);
         return backends::run(keys);
     }
+    if what == "bootstrap" {
+        let keys = args
+            .get(2)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1_000_000);
+        return bootstrap::run(keys).await;
+    }
     if what == backends::CHILD {
         return backends::child(&args[2..]);
     }
@@ -561,7 +577,7 @@ async fn main() -> anyhow::Result<()> {
     }
     if !matches!(what, "ingest" | "guest" | "swap" | "artifact" | "all") {
         anyhow::bail!(
-            "usage: foldhost-bench [ingest|guest|swap|artifact|all|backends] [KEYS] [RUNS]"
+            "usage: foldhost-bench [ingest|guest|swap|artifact|all|backends|bootstrap] [KEYS] [RUNS]"
         );
     }
     Ok(())

@@ -1,0 +1,274 @@
+//! The `bootstrap` benchmark (issue 14): on a KEYS-key bucket (default 1 000 000; 32 B keys,
+//! 100 B values), for each of fjall and RocksDB, through the release `foldhost` binary as a user
+//! runs it:
+//!
+//! - **replay** (the baseline): `foldhost run --catch-up` of an empty store from revision 1;
+//! - **export + upload**: a node folding the same bucket with `--export-every`; one round's time
+//!   (lease, live export, upload, pointer, prune — `/status`'s `duration_ms`) and the node's peak
+//!   RSS during the round above its steady state (the peak is reset through
+//!   `/proc/PID/clear_refs` once the node is caught up);
+//! - **download + import**: `foldhost bootstrap` of an empty store from the published pointer,
+//!   its time and peak RSS.
+//!
+//! Each through S3 (moto on loopback) and through the local file system (`file://`), so the
+//! object store's own cost shows. The figure that matters is replay ÷ (download + import).
+//!
+//! Needs `target/release/foldhost` built with `--features fjall,rocksdb` (`make bench-bootstrap`
+//! builds both), or `FOLDHOST_BIN`.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use foldhost::bucket::ConnectOptions;
+use foldhost::localnats::LocalNats;
+use foldhost::nats::NatsConnection;
+use foldhost_tests::{Moto, wait_status};
+
+fn foldhost_release() -> anyhow::Result<PathBuf> {
+    if let Ok(p) = std::env::var("FOLDHOST_BIN") {
+        return Ok(PathBuf::from(p));
+    }
+    let exe = std::env::current_exe()?;
+    let bin = exe
+        .parent()
+        .map(|d| d.join("foldhost"))
+        .ok_or_else(|| anyhow::anyhow!("no directory for {}", exe.display()))?;
+    anyhow::ensure!(
+        bin.exists(),
+        "{} is missing: cargo build --release -p foldhost --features fjall,rocksdb",
+        bin.display()
+    );
+    Ok(bin)
+}
+
+fn proc_kib(pid: u32, field: &str) -> Option<u64> {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()?
+        .lines()
+        .find(|l| l.starts_with(field))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// Runs `cmd` to completion, sampling its peak RSS (`VmHWM`, monotone: the last sample is the
+/// closest to the true peak); returns (seconds, peak MiB, stdout).
+fn timed_child(mut cmd: Command) -> anyhow::Result<(f64, f64, String)> {
+    let t = Instant::now();
+    let mut child = cmd.stdout(Stdio::piped()).stderr(Stdio::piped()).spawn()?;
+    let pid = child.id();
+    let mut peak = 0u64;
+    let status = loop {
+        if let Some(kib) = proc_kib(pid, "VmHWM:") {
+            peak = peak.max(kib);
+        }
+        if let Some(s) = child.try_wait()? {
+            break s;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    };
+    let secs = t.elapsed().as_secs_f64();
+    let mut out = String::new();
+    let mut err = String::new();
+    use std::io::Read as _;
+    if let Some(mut o) = child.stdout.take() {
+        o.read_to_string(&mut out)?;
+    }
+    if let Some(mut e) = child.stderr.take() {
+        e.read_to_string(&mut err)?;
+    }
+    anyhow::ensure!(status.success(), "{cmd:?} failed: {err}");
+    Ok((secs, peak as f64 / 1024.0, out))
+}
+
+struct Node(Child);
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// One transport: its URL and the environment the client needs.
+struct Target {
+    name: &'static str,
+    url: String,
+    env: Vec<(&'static str, String)>,
+    flags: Vec<&'static str>,
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn one(
+    bin: &Path,
+    nats: &str,
+    backend: &str,
+    keys: u64,
+    last: u64,
+    target: &Target,
+    tmp: &Path,
+    replay_s: f64,
+) -> anyhow::Result<()> {
+    let key = format!("boot-{backend}");
+    let store = tmp.join(format!("{backend}-replayed"));
+    // Export + upload: a node on the replayed store, one round.
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut cmd = Command::new(bin);
+    cmd.args(["run", "--bucket", "boot", "--nats", nats, "--store"])
+        .arg(&store)
+        .args(["--backend", backend, "--listen", &addr])
+        .args(["--artifacts", &target.url, "--artifact-key", &key])
+        .args(&target.flags)
+        .args(["--export-every", "5", "--node-id", "bench"])
+        .envs(target.env.iter().map(|(k, v)| (*k, v.as_str())))
+        .env("FOLDHOST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let node = Node(cmd.spawn()?);
+    let pid = node.0.id();
+    let s = wait_status(&addr, |s| s.applied_through == last).await?;
+    anyhow::ensure!(
+        s.last_export.is_none(),
+        "a round started before the steady state was read"
+    );
+    let steady = proc_kib(pid, "VmRSS:").unwrap_or(0) as f64 / 1024.0;
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5")?;
+    let s = wait_status(&addr, |s| s.last_export.is_some()).await?;
+    let round_peak = proc_kib(pid, "VmHWM:").unwrap_or(0) as f64 / 1024.0;
+    drop(node);
+    let round = s.last_export.ok_or_else(|| anyhow::anyhow!("no round"))?;
+    anyhow::ensure!(
+        round.cursor == Some(last),
+        "the round did not publish: {round:?}"
+    );
+    let export_s = round.duration_ms as f64 / 1000.0;
+
+    // Download + import: a new node's bootstrap.
+    let fresh = tmp.join(format!("{backend}-{}-boot", target.name));
+    let mut cmd = Command::new(bin);
+    cmd.args([
+        "bootstrap",
+        "--artifacts",
+        &target.url,
+        "--artifact-key",
+        &key,
+    ])
+    .args(&target.flags)
+    .arg("--store")
+    .arg(&fresh)
+    .envs(target.env.iter().map(|(k, v)| (*k, v.as_str())));
+    let (boot_s, boot_peak, out) = timed_child(cmd)?;
+    let m: serde_json::Value = serde_json::from_str(out.trim())?;
+    anyhow::ensure!(m["cursor"].as_u64() == Some(last), "bootstrapped {m}");
+    let bytes: u64 = m["files"]
+        .as_array()
+        .map(|fs| fs.iter().filter_map(|f| f["size"].as_u64()).sum())
+        .unwrap_or(0);
+    let mb = bytes as f64 / 1e6;
+    std::fs::remove_dir_all(&fresh)?;
+    println!(
+        "  {backend:>7} via {:<4}: artifact {mb:.1} MB; export+upload {export_s:.2} s ({:.0} keys/s, {:.0} MB/s); download+import {boot_s:.2} s ({:.0} keys/s, {:.0} MB/s); replay ÷ bootstrap = {:.1}×",
+        target.name,
+        keys as f64 / export_s,
+        mb / export_s,
+        keys as f64 / boot_s,
+        mb / boot_s,
+        replay_s / boot_s,
+    );
+    println!(
+        "  {backend:>7} via {:<4}: RSS node steady {steady:.0} MiB, round peak {round_peak:.0} MiB (+{:.0}); bootstrap process peak {boot_peak:.0} MiB ({:+.0} vs the node's steady state)",
+        target.name,
+        round_peak - steady,
+        boot_peak - steady,
+    );
+    Ok(())
+}
+
+/// A 100-byte value that compresses about as well as real configuration (hex digits: 2:1), not
+/// the 50:1 of a repeated byte.
+fn value(i: u64) -> Vec<u8> {
+    let h = blake3::hash(&i.to_le_bytes()).to_hex();
+    let mut v = h.as_bytes().to_vec();
+    v.extend_from_slice(&h.as_bytes()[..36]);
+    v
+}
+
+/// Runs the benchmark for `keys` keys.
+pub async fn run(keys: u64) -> anyhow::Result<()> {
+    let bin = foldhost_release()?;
+    let server = LocalNats::start()?;
+    let moto = Moto::start().await?;
+    let conn = NatsConnection::open(ConnectOptions::new(server.url())).await?;
+    let kv = conn
+        .bucket(
+            "boot",
+            &foldhost::bucket::BucketConfig {
+                max_bytes: None,
+                ..Default::default()
+            },
+        )
+        .await?;
+    let t = Instant::now();
+    foldhost_tests::publish_all(
+        kv.jetstream(),
+        (0..keys).map(|i| (format!("$KV.boot.key.{i:026}"), value(i).into())),
+    )
+    .await?;
+    let last = kv.positions().await?.last_sequence;
+    println!(
+        "bootstrap — {keys} keys (32 B keys, 100 B hex values) seeded in {:.1} s; replay = `foldhost run --catch-up` from revision 1",
+        t.elapsed().as_secs_f64()
+    );
+    let tmp = tempfile::tempdir()?;
+    let files = tmp.path().join("objects");
+    std::fs::create_dir_all(&files)?;
+    let targets = [
+        Target {
+            name: "s3",
+            url: moto.url("bench"),
+            env: moto.env(),
+            flags: vec![],
+        },
+        Target {
+            name: "file",
+            url: format!("file://{}", files.display()),
+            env: vec![],
+            flags: vec!["--allow-non-atomic-pointer"],
+        },
+    ];
+    for backend in ["fjall", "rocksdb"] {
+        let store = tmp.path().join(format!("{backend}-replayed"));
+        let mut cmd = Command::new(&bin);
+        cmd.args([
+            "run",
+            "--bucket",
+            "boot",
+            "--nats",
+            &server.url(),
+            "--store",
+        ])
+        .arg(&store)
+        .args(["--backend", backend, "--catch-up"])
+        .env("FOLDHOST_LOG", "warn");
+        let (replay_s, replay_peak, _) = timed_child(cmd)?;
+        println!(
+            "  {backend:>7} replay: {replay_s:.2} s ({:.0} keys/s), peak RSS {replay_peak:.0} MiB",
+            keys as f64 / replay_s
+        );
+        for target in &targets {
+            one(
+                &bin,
+                &server.url(),
+                backend,
+                keys,
+                last,
+                target,
+                tmp.path(),
+                replay_s,
+            )
+            .await?;
+        }
+    }
+    Ok(())
+}
