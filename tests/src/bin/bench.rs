@@ -23,9 +23,9 @@
 //!    is printed beside the append log's as a ratio. Default KEYS for this one is 1 000 000.
 //!
 //! 6. **bootstrap** — on a KEYS-key bucket (default 1 000 000), for fjall and RocksDB, through the
-//!    release `foldhost` binary: a full replay from revision 1 against export + upload and download
-//!    + import of an artifact (S3 on moto, and the local file system), with the peak RSS of each.
-//!    See `bench/bootstrap.rs`.
+//!    release `foldhost` binary: a full replay from revision 1 against an artifact's export and
+//!    upload, and its download and import (S3 on moto, and the local file system), with the peak
+//!    RSS of each. See `bench/bootstrap.rs`.
 //!
 //! Runs alternate between the compared sides; every figure is the median of RUNS runs.
 //!
