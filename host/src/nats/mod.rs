@@ -124,6 +124,11 @@ impl NatsConnection {
             .ok_or(KvError::NotConnected)
     }
 
+    /// The limit every NATS call of this connection runs under.
+    pub fn op_timeout(&self) -> Duration {
+        self.opts.op_timeout
+    }
+
     /// Opens a bucket and returns the concrete handle (the trait method wraps it in a [`BucketHandle`]).
     pub async fn bucket(&self, name: &str, config: &BucketConfig) -> Result<Arc<NatsKv>, KvError> {
         let client = self.client().await?;
@@ -265,7 +270,9 @@ pub struct StreamPositions {
 }
 
 impl NatsKv {
-    async fn open(
+    /// Opens `bucket` on a connected client (creating it under `config` when absent and
+    /// `config.create`), every call under `timeout`.
+    pub async fn open(
         client: async_nats::Client,
         bucket: &str,
         config: &BucketConfig,

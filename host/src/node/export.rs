@@ -3,6 +3,10 @@
 //! the copy), uploads the artifact, moves the pointer, completes the lease with the cursor, prunes
 //! old payloads, and removes its local copy on every path, success or failure. A node that loses
 //! the lease, or whose artifact is superseded, does nothing more that round.
+//!
+//! Nothing here is fatal to the node: the lease's bucket is opened by the first round that needs
+//! it (a cluster still electing its leader when the node starts fails that round, not the node),
+//! and every failure is the round's outcome, retried by the next round.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -41,8 +45,8 @@ pub struct ExportRounds {
     pub transport: Arc<ArtifactTransport>,
     /// The artifact key.
     pub key: String,
-    /// The lease of the key.
-    pub lease: ExportLease,
+    /// The lease of the key, opened by the first round that needs it.
+    pub lease: LeaseSlot,
     /// The lease's time to live (also the prune grace's unit: payloads younger than 4× stay).
     pub lease_ttl: Duration,
     /// A scratch directory beside the store (same file system) for the round's artifact.
@@ -55,6 +59,31 @@ pub struct ExportRounds {
     pub control: mpsc::Sender<Control>,
     /// The last round's report, shown by `/status`.
     pub last: Arc<std::sync::Mutex<Option<ExportRoundReport>>>,
+}
+
+/// Opens a lease (its bucket) when first asked.
+pub type LeaseOpener =
+    Box<dyn Fn() -> futures::future::BoxFuture<'static, Result<ExportLease, String>> + Send + Sync>;
+
+/// The export lease of a node's rounds: opened once, by the first round that needs it; a failed
+/// open fails only that round.
+pub struct LeaseSlot {
+    lease: tokio::sync::OnceCell<ExportLease>,
+    open: LeaseOpener,
+}
+
+impl LeaseSlot {
+    /// A lease opened by `open` when a round first needs it.
+    pub fn opening(open: LeaseOpener) -> Self {
+        LeaseSlot {
+            lease: tokio::sync::OnceCell::new(),
+            open,
+        }
+    }
+
+    async fn get(&self) -> Result<&ExportLease, String> {
+        self.lease.get_or_try_init(|| (self.open)()).await
+    }
 }
 
 impl ExportRounds {
@@ -93,7 +122,14 @@ impl ExportRounds {
     /// One round: lease → live export → upload → pointer → complete → prune; the local artifact
     /// removed on every path.
     pub async fn round(&self) -> RoundOutcome {
-        let held = match self.lease.acquire(now_unix_ms()).await {
+        let lease = match self.lease.get().await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(error = %e, "export round: the lease bucket could not be opened");
+                return RoundOutcome::Failed(e);
+            }
+        };
+        let held = match lease.acquire(now_unix_ms()).await {
             Ok(Some(h)) => h,
             Ok(None) => return RoundOutcome::NotOurs,
             Err(e) => return RoundOutcome::Failed(e.to_string()),
@@ -125,7 +161,7 @@ impl ExportRounds {
         let _ = std::fs::remove_dir_all(&dir);
         match published {
             Ok(p) => {
-                if let Err(e) = self.lease.complete(held, p.cursor, now_unix_ms()).await {
+                if let Err(e) = lease.complete(held, p.cursor, now_unix_ms()).await {
                     tracing::warn!(error = %e, "export round: the lease could not be completed");
                 }
                 match self
@@ -143,7 +179,7 @@ impl ExportRounds {
                 RoundOutcome::Published { cursor: p.cursor }
             }
             Err(e) => {
-                if let Err(le) = self.lease.abandon(held, now_unix_ms()).await {
+                if let Err(le) = lease.abandon(held, now_unix_ms()).await {
                     tracing::warn!(error = %le, "export round: the lease could not be abandoned (it runs out by itself)");
                 }
                 match e {

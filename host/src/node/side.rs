@@ -237,16 +237,6 @@ async fn export_rounds(
     control: &mpsc::Sender<Control>,
     last: &Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
 ) -> Result<super::ExportRounds, NodeError> {
-    let leases = conn
-        .bucket(
-            &cfg.lease_bucket,
-            &crate::bucket::BucketConfig {
-                create: true,
-                max_bytes: None,
-                ..crate::bucket::BucketConfig::default()
-            },
-        )
-        .await?;
     let node_id = cfg.node_id.clone().unwrap_or_else(|| {
         format!(
             "{}#{}",
@@ -263,12 +253,7 @@ async fn export_rounds(
     Ok(super::ExportRounds {
         transport,
         key: key.to_string(),
-        lease: crate::lease::ExportLease::new(
-            leases,
-            format!("export.{key}"),
-            node_id,
-            cfg.export_lease,
-        ),
+        lease: lease_slot(conn, cfg, key, node_id).await?,
         lease_ttl: cfg.export_lease,
         scratch: cfg
             .store
@@ -280,6 +265,39 @@ async fn export_rounds(
         control: control.clone(),
         last: last.clone(),
     })
+}
+
+/// The lease of `key` in `--lease-bucket` (created when absent), opened by the first round that
+/// needs it: a cluster still electing a leader at start fails that round, never the node.
+async fn lease_slot(
+    conn: &NatsConnection,
+    cfg: &NodeConfig,
+    key: &str,
+    node_id: String,
+) -> Result<super::export::LeaseSlot, NodeError> {
+    let client = conn.client().await?;
+    let timeout = conn.op_timeout();
+    let bucket = cfg.lease_bucket.clone();
+    let (lease_key, ttl) = (format!("export.{key}"), cfg.export_lease);
+    Ok(super::export::LeaseSlot::opening(Box::new(move || {
+        let (client, bucket, lease_key, node_id) = (
+            client.clone(),
+            bucket.clone(),
+            lease_key.clone(),
+            node_id.clone(),
+        );
+        Box::pin(async move {
+            let config = crate::bucket::BucketConfig {
+                create: true,
+                max_bytes: None,
+                ..crate::bucket::BucketConfig::default()
+            };
+            let kv = crate::nats::NatsKv::open(client, &bucket, &config, timeout)
+                .await
+                .map_err(|e| format!("lease bucket {bucket}: {e}"))?;
+            Ok(crate::lease::ExportLease::new(kv, lease_key, node_id, ttl))
+        })
+    })))
 }
 
 /// `--watch-guest`: swaps the guest when the file's bytes change. A file that fails to compile or
