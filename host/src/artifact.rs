@@ -604,14 +604,13 @@ fn dest_is_free(dest: &Path) -> Result<bool, ArtifactError> {
     }
 }
 
-fn import_dir(
-    artifact: &Path,
+/// The refusals that need nothing opened: the manifest's backend (this build's, and `want`),
+/// its format generation, and a free destination.
+fn check_importable(
+    m: &ExportManifest,
     dest: &Path,
     want: Option<Backend>,
-    progress: Progress<'_>,
-) -> Result<ExportManifest, ArtifactError> {
-    let m = read_manifest(artifact)?;
-    // Refusals that need nothing opened come first.
+) -> Result<(), ArtifactError> {
     let backend: Backend =
         m.backend
             .parse()
@@ -636,6 +635,17 @@ fn import_dir(
     if !dest_is_free(dest)? {
         return Err(ArtifactError::Exists(dest.to_path_buf()));
     }
+    Ok(())
+}
+
+fn import_dir(
+    artifact: &Path,
+    dest: &Path,
+    want: Option<Backend>,
+    progress: Progress<'_>,
+) -> Result<ExportManifest, ArtifactError> {
+    let m = read_manifest(artifact)?;
+    check_importable(&m, dest, want)?;
     let data = artifact.join(DATA_DIR);
     let present = list_files(&data)?;
     let listed: std::collections::BTreeSet<&str> =
@@ -697,7 +707,12 @@ fn import_stage(
         }
         out.sync_all().map_err(io_err(&dst, "fsync"))?;
     }
-    // The staged copy must open as the manifest's backend and recover the manifest's cursor.
+    seal_import(stage, m, dest)
+}
+
+/// The last step of every import: the staged copy must open as the manifest's backend and recover
+/// the manifest's cursor; then it is synced and renamed into `dest`.
+fn seal_import(stage: &Path, m: &ExportManifest, dest: &Path) -> Result<(), ArtifactError> {
     let (copy, _) = AnyStore::open_read_only(stage)?;
     if copy.backend() != m.backend {
         return Err(ArtifactError::BackendMismatch {
@@ -721,6 +736,145 @@ fn import_stage(
     }
     std::fs::rename(stage, dest).map_err(io_err(dest, "rename stage into place"))?;
     sync_dir(dest.parent().unwrap_or_else(|| Path::new(".")))
+}
+
+/// Imports an artifact straight from its tar stream `reader` (a download, never stored as a tar):
+/// each payload file is written once, into the stage, while it is hashed. `pointer` is the
+/// manifest the caller was given (an object store's pointer): the tar's embedded manifest must be
+/// byte for byte the same, and every file must be listed in it, once, with its size and digest.
+/// Then the same gate as every import (reopen, cursor) before the rename into `dest`. On every
+/// refusal `dest` is untouched and the stage removed. Memory: one 1 MiB buffer.
+pub fn import_tar_stream(
+    reader: impl Read,
+    pointer: &[u8],
+    dest: &Path,
+    want: Option<Backend>,
+    progress: Progress<'_>,
+) -> Result<ExportManifest, ArtifactError> {
+    let m = parse_manifest(pointer, &dest.join(MANIFEST_FILE))?;
+    check_importable(&m, dest, want)?;
+    let stage = stage_path(dest, "import");
+    or_discard(
+        &stage,
+        import_tar_entries(reader, pointer, &m, &stage, progress),
+    )?;
+    or_discard(&stage, seal_import(&stage, &m, dest)).map(|()| m)
+}
+
+fn import_tar_entries(
+    reader: impl Read,
+    pointer: &[u8],
+    m: &ExportManifest,
+    stage: &Path,
+    progress: Progress<'_>,
+) -> Result<(), ArtifactError> {
+    let bad = |reason: String| ArtifactError::Tar {
+        path: stage.to_path_buf(),
+        reason,
+    };
+    std::fs::create_dir_all(stage).map_err(io_err(stage, "create stage"))?;
+    let listed: std::collections::BTreeMap<&str, &ArtifactFile> =
+        m.files.iter().map(|f| (f.path.as_str(), f)).collect();
+    let mut seen = std::collections::BTreeSet::new();
+    let mut manifest_seen = false;
+    let total: u64 = m.files.iter().map(|f| f.size).sum();
+    let mut done = 0u64;
+    let mut buf = vec![0u8; 1 << 20];
+    let mut archive = tar::Archive::new(reader);
+    let entries = archive.entries().map_err(|e| bad(e.to_string()))?;
+    for (count, entry) in entries.enumerate() {
+        let mut entry = entry.map_err(|e| bad(e.to_string()))?;
+        if count > MAX_FILES + 1 {
+            return Err(bad(format!("more than {MAX_FILES} entries")));
+        }
+        let raw = entry.path_bytes().into_owned();
+        let name = String::from_utf8(raw).map_err(|_| bad("an entry path is not UTF-8".into()))?;
+        let name = name.trim_end_matches('/').to_string();
+        check_path(&name)?;
+        let kind = entry.header().entry_type();
+        if kind.is_dir() {
+            continue;
+        }
+        if !kind.is_file() {
+            return Err(ArtifactError::EntryType {
+                path: name,
+                kind: format!("{kind:?}"),
+            });
+        }
+        if name == MANIFEST_FILE {
+            let mut embedded = Vec::new();
+            (&mut entry)
+                .take(MAX_MANIFEST_BYTES + 1)
+                .read_to_end(&mut embedded)
+                .map_err(|e| bad(e.to_string()))?;
+            if embedded != pointer {
+                return Err(bad("its embedded manifest is not the pointer's".into()));
+            }
+            manifest_seen = true;
+            continue;
+        }
+        let rel_name = name
+            .strip_prefix(DATA_DIR)
+            .and_then(|r| r.strip_prefix('/'))
+            .ok_or_else(|| ArtifactError::ExtraFile(name.clone()))?;
+        let f = listed
+            .get(rel_name)
+            .ok_or_else(|| ArtifactError::ExtraFile(rel_name.to_string()))?;
+        if !seen.insert(rel_name.to_string()) {
+            return Err(bad(format!("{rel_name}: in the tar twice")));
+        }
+        let size = entry.header().size().map_err(|e| bad(e.to_string()))?;
+        if size != f.size {
+            return Err(ArtifactError::SizeMismatch {
+                path: f.path.clone(),
+                want: f.size,
+                got: size,
+            });
+        }
+        let dst = stage.join(check_path(rel_name)?);
+        if let Some(parent) = dst.parent() {
+            std::fs::create_dir_all(parent).map_err(io_err(parent, "create stage"))?;
+        }
+        let mut out = File::create(&dst).map_err(io_err(&dst, "create"))?;
+        let mut hasher = blake3::Hasher::new();
+        let mut n = 0u64;
+        loop {
+            let got = entry
+                .read(&mut buf)
+                .map_err(io_err(&dst, "read the download"))?;
+            if got == 0 {
+                break;
+            }
+            hasher.update(&buf[..got]);
+            out.write_all(&buf[..got]).map_err(io_err(&dst, "write"))?;
+            n += got as u64;
+            done += got as u64;
+            progress(done, total);
+        }
+        let digest = hasher.finalize().to_hex().to_string();
+        if n != f.size {
+            return Err(ArtifactError::SizeMismatch {
+                path: f.path.clone(),
+                want: f.size,
+                got: n,
+            });
+        }
+        if digest != f.blake3 {
+            return Err(ArtifactError::HashMismatch {
+                path: f.path.clone(),
+                want: f.blake3.clone(),
+                got: digest,
+            });
+        }
+        out.sync_all().map_err(io_err(&dst, "fsync"))?;
+    }
+    if !manifest_seen {
+        return Err(bad(format!("no {MANIFEST_FILE} in the payload")));
+    }
+    if let Some(missing) = m.files.iter().find(|f| !seen.contains(&f.path)) {
+        return Err(ArtifactError::MissingFile(missing.path.clone()));
+    }
+    Ok(())
 }
 
 /// Packs the artifact directory `artifact` into the tar file `out` (written beside, then renamed).

@@ -467,6 +467,71 @@ impl ArtifactTransport {
         Ok((tar, manifest))
     }
 
+    /// Makes the store `dest` (absent, or an empty directory) from the artifact the pointer of
+    /// `key` names, streaming the payload from the object store straight into the import
+    /// ([`artifact::import_tar_stream`]): every file is written once, into the stage, while it is
+    /// hashed against the pointer's manifest; nothing is stored as a tar first. Memory: the
+    /// channel's few chunks and the import's buffer, never the artifact. On any failure `dest` is
+    /// untouched.
+    pub async fn bootstrap_into(
+        &self,
+        key: &str,
+        dest: &Path,
+        want: Option<crate::storedir::Backend>,
+    ) -> Result<ExportManifest, TransportError> {
+        let Some((manifest_bytes, _)) = self.pointer(key).await? else {
+            return Err(TransportError::NothingPublished {
+                key: key.to_string(),
+                url: self.url.clone(),
+            });
+        };
+        let payload = self.payloads_dir(key).join(payload_name(&manifest_bytes));
+        let r = self
+            .store
+            .get(&payload)
+            .await
+            .map_err(Self::store_err("download", &payload))?;
+        let mut stream = r.into_stream();
+        let (tx, rx) =
+            tokio::sync::mpsc::channel::<std::io::Result<bytes::Bytes>>(DOWNLOAD_CHUNKS_IN_FLIGHT);
+        let dest_owned = dest.to_path_buf();
+        let import = tokio::task::spawn_blocking(move || {
+            let reader = ChunkReader {
+                rx,
+                current: bytes::Bytes::new(),
+            };
+            artifact::import_tar_stream(reader, &manifest_bytes, &dest_owned, want, &mut |_, _| {})
+        });
+        let mut download_error = None;
+        while let Some(chunk) = stream.next().await {
+            let chunk = match chunk {
+                Ok(c) => Ok(c),
+                Err(e) => {
+                    let err = Self::store_err("download", &payload)(e);
+                    let line = err.to_string();
+                    download_error = Some(err);
+                    Err(std::io::Error::other(line))
+                }
+            };
+            let stop = chunk.is_err();
+            // A closed channel: the import refused the payload already; its error says why.
+            if tx.send(chunk).await.is_err() || stop {
+                break;
+            }
+        }
+        drop(tx);
+        let imported = import.await.map_err(|e| TransportError::Io {
+            path: dest.to_path_buf(),
+            op: "import task",
+            source: std::io::Error::other(e.to_string()),
+        })?;
+        match (imported, download_error) {
+            (Ok(m), _) => Ok(m),
+            (Err(_), Some(download)) => Err(download),
+            (Err(e), None) => Err(e.into()),
+        }
+    }
+
     /// Deletes the payloads of `key` that [`protocol::payload_prunable`] allows at `now`: older
     /// than `grace`, and never the pointer's target. Returns how many went.
     pub async fn prune(
@@ -583,5 +648,30 @@ mod tests {
         let now = clock::Now(10_000);
         assert_eq!(now.since(4_000), Duration::from_secs(6));
         assert_eq!(now.since(20_000), Duration::ZERO);
+    }
+}
+
+/// Downloaded chunks queued between the object store's stream and the import (each is what the
+/// store hands over, typically well under 1 MiB).
+const DOWNLOAD_CHUNKS_IN_FLIGHT: usize = 8;
+
+/// A blocking `Read` over the chunks of a download, for the import running on a blocking thread.
+struct ChunkReader {
+    rx: tokio::sync::mpsc::Receiver<std::io::Result<bytes::Bytes>>,
+    current: bytes::Bytes,
+}
+
+impl std::io::Read for ChunkReader {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        while self.current.is_empty() {
+            match self.rx.blocking_recv() {
+                Some(Ok(chunk)) => self.current = chunk,
+                Some(Err(e)) => return Err(e),
+                None => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.current.len());
+        buf[..n].copy_from_slice(&self.current.split_to(n));
+        Ok(n)
     }
 }

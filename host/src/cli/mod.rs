@@ -577,29 +577,10 @@ async fn cmd_publish(a: PublishArgs) -> anyhow::Result<()> {
 
 async fn cmd_bootstrap(a: BootstrapArgs) -> anyhow::Result<()> {
     let t = a.from.transport()?;
-    let name = a
-        .store
-        .file_name()
-        .map_or_else(|| "store".into(), |n| n.to_string_lossy().into_owned());
-    let download = a
-        .store
-        .parent()
-        .unwrap_or_else(|| Path::new("."))
-        .join(format!(".{name}.bootstrap"));
-    let imported = async {
-        let (tar, _) = t.download(&a.from.artifact_key, &download).await?;
-        let (store, backend) = (a.store.clone(), a.backend);
-        tokio::task::spawn_blocking(move || {
-            let mut progress = byte_progress("verifying");
-            crate::artifact::import_artifact(&tar, &store, backend, &mut progress)
-        })
+    let m = t
+        .bootstrap_into(&a.from.artifact_key, &a.store, a.backend)
         .await
-        .context("import task")?
-        .with_context(|| format!("bootstrap {}", a.store.display()))
-    }
-    .await;
-    let _ = std::fs::remove_dir_all(&download);
-    let m = imported?;
+        .with_context(|| format!("bootstrap {}", a.store.display()))?;
     println!("{}", serde_json::to_string(&m)?);
     Ok(())
 }

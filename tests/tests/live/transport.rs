@@ -539,3 +539,146 @@ async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_
     assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c3));
     Ok(())
 }
+
+/// Rewrites the tar object at `path` in `s3`: every entry through `edit` (name, bytes → new bytes,
+/// or `None` to drop it), then `extra` appended.
+async fn rewrite_payload(
+    s3: &dyn object_store::ObjectStore,
+    path: &object_store::path::Path,
+    edit: impl Fn(&str, Vec<u8>) -> Option<Vec<u8>>,
+    extra: Option<(&str, &[u8])>,
+) -> anyhow::Result<()> {
+    use object_store::ObjectStoreExt as _;
+    use std::io::Read as _;
+    let bytes = s3.get(path).await?.bytes().await?;
+    let mut out = tar::Builder::new(Vec::new());
+    let mut archive = tar::Archive::new(&bytes[..]);
+    for entry in archive.entries()? {
+        let mut entry = entry?;
+        let name = String::from_utf8(entry.path_bytes().into_owned())?;
+        let mut body = Vec::new();
+        entry.read_to_end(&mut body)?;
+        if let Some(body) = edit(&name, body) {
+            let mut header = entry.header().clone();
+            header.set_size(body.len() as u64);
+            header.set_cksum();
+            out.append(&header, &body[..])?;
+        }
+    }
+    if let Some((name, body)) = extra {
+        let mut header = tar::Header::new_gnu();
+        header.set_size(body.len() as u64);
+        header.set_mode(0o644);
+        header.set_cksum();
+        out.append_data(&mut header, name, body)?;
+    }
+    s3.put(path, Bytes::from(out.into_inner()?).into()).await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tampered_download_is_refused_in_one_line_and_leaves_no_store_behind()
+-> anyhow::Result<()> {
+    use futures::StreamExt as _;
+    use object_store::ObjectStore as _;
+    let h = Harness::start().await?;
+    let moto = Moto::start().await?;
+    let url = moto.url("tamper");
+    let tmp = tempfile::tempdir()?;
+    let (mut a, addr) = folding_host(&h, "tamper", 500, &tmp.path().join("a")).await?;
+    export_live(&addr, &tmp.path().join("art"))?;
+    terminate(&mut a)?;
+    ok(&publish(&moto, &url, &tmp.path().join("art"))?, "publish")?;
+    let s3 = object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(format!("http://{}", moto.addr))
+        .with_allow_http(true)
+        .with_bucket_name(&moto.bucket)
+        .with_access_key_id("test")
+        .with_secret_access_key("test")
+        .with_region("us-east-1")
+        .build()?;
+    let listed: Vec<_> = s3
+        .list(Some(&object_store::path::Path::from(
+            "tamper/routes.payloads",
+        )))
+        .collect()
+        .await;
+    let [Ok(payload)] = &listed[..] else {
+        anyhow::bail!("one payload expected: {listed:?}");
+    };
+    let payload = payload.location.clone();
+    let original = {
+        use object_store::ObjectStoreExt as _;
+        s3.get(&payload).await?.bytes().await?
+    };
+
+    type Edit = Box<dyn Fn(&str, Vec<u8>) -> Option<Vec<u8>>>;
+    let cases: Vec<(&str, Edit, Option<(&str, &[u8])>, &str)> = vec![
+        (
+            "a flipped byte in a data file",
+            Box::new(|name, mut b| {
+                if name.starts_with("data/") && !b.is_empty() {
+                    let mid = b.len() / 2;
+                    b[mid] ^= 1;
+                }
+                Some(b)
+            }),
+            None,
+            "BLAKE3",
+        ),
+        (
+            "an embedded manifest that is not the pointer",
+            Box::new(|name, mut b| {
+                if name == "MANIFEST.json" {
+                    b.push(b' ');
+                }
+                Some(b)
+            }),
+            None,
+            "embedded manifest is not the pointer's",
+        ),
+        (
+            "a data file dropped",
+            Box::new(|name, b| (!name.starts_with("data/")).then_some(b)),
+            None,
+            "missing from the artifact",
+        ),
+        (
+            "an unlisted file added",
+            Box::new(|_, b| Some(b)),
+            Some(("data/extra.bin", b"x")),
+            "not listed in the manifest",
+        ),
+    ];
+    for (what, edit, extra, words) in cases {
+        rewrite_payload(&s3, &payload, edit, extra).await?;
+        let dest = tmp.path().join("b");
+        let o = with_artifacts(&moto, "bootstrap", &url)
+            .arg("--store")
+            .arg(&dest)
+            .output()?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(1), "{what}: {err}");
+        assert!(err.contains(words), "{what}: names {words:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{what}: one line: {err}");
+        assert!(!dest.exists(), "{what}: a store was left behind");
+        let left: Vec<_> = std::fs::read_dir(tmp.path())?
+            .filter_map(Result::ok)
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(".b."))
+            .collect();
+        assert!(left.is_empty(), "{what}: a stage was left behind: {left:?}");
+        // Put the good payload back for the next case.
+        use object_store::ObjectStoreExt as _;
+        s3.put(&payload, original.clone().into()).await?;
+    }
+    // The untouched payload still bootstraps.
+    ok(
+        &with_artifacts(&moto, "bootstrap", &url)
+            .arg("--store")
+            .arg(tmp.path().join("b"))
+            .output()?,
+        "bootstrap the good payload",
+    )?;
+    Ok(())
+}
