@@ -627,30 +627,6 @@ fn embedded_manifest(tar: &Path) -> Result<Vec<u8>, TransportError> {
     Ok(bytes)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn payload_names_address_the_manifest_and_keys_are_plain_segments() {
-        let a = payload_name(b"{\"cursor\":1}");
-        assert_eq!(a.len(), 32 + 4);
-        assert!(a.ends_with(".tar"));
-        assert_ne!(a, payload_name(b"{\"cursor\":2}"));
-        assert!(key_allowed("routes.prod-1") && key_allowed("a_b"));
-        for bad in ["", ".hidden", "a/b", "a b", "..", &"k".repeat(201)] {
-            assert!(!key_allowed(bad), "{bad:?}");
-        }
-    }
-
-    #[test]
-    fn prune_ages_are_never_negative() {
-        let now = clock::Now(10_000);
-        assert_eq!(now.since(4_000), Duration::from_secs(6));
-        assert_eq!(now.since(20_000), Duration::ZERO);
-    }
-}
-
 /// Downloaded chunks queued between the object store's stream and the import (each is what the
 /// store hands over, typically well under 1 MiB).
 const DOWNLOAD_CHUNKS_IN_FLIGHT: usize = 8;
@@ -673,5 +649,29 @@ impl std::io::Read for ChunkReader {
         let n = buf.len().min(self.current.len());
         buf[..n].copy_from_slice(&self.current.split_to(n));
         Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn payload_names_address_the_manifest_and_keys_are_plain_segments() {
+        let a = payload_name(b"{\"cursor\":1}");
+        assert_eq!(a.len(), 32 + 4);
+        assert!(a.ends_with(".tar"));
+        assert_ne!(a, payload_name(b"{\"cursor\":2}"));
+        assert!(key_allowed("routes.prod-1") && key_allowed("a_b"));
+        for bad in ["", ".hidden", "a/b", "a b", "..", &"k".repeat(201)] {
+            assert!(!key_allowed(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn prune_ages_are_never_negative() {
+        let now = clock::Now(10_000);
+        assert_eq!(now.since(4_000), Duration::from_secs(6));
+        assert_eq!(now.since(20_000), Duration::ZERO);
     }
 }
