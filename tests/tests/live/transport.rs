@@ -613,7 +613,8 @@ async fn a_tampered_download_is_refused_in_one_line_and_leaves_no_store_behind()
     };
 
     type Edit = Box<dyn Fn(&str, Vec<u8>) -> Option<Vec<u8>>>;
-    let cases: Vec<(&str, Edit, Option<(&str, &[u8])>, &str)> = vec![
+    type Extra<'a> = Option<(&'a str, &'a [u8])>;
+    let cases: Vec<(&str, Edit, Extra, &str)> = vec![
         (
             "a flipped byte in a data file",
             Box::new(|name, mut b| {
