@@ -16,12 +16,13 @@
 //!   of times; a slower exporter gets [`TransportError::SupersededByNewer`]. A store without
 //!   conditional updates (the local file system) **fails closed** unless the operator allows a
 //!   non-atomic pointer, and every publish under that allowance says so in the log.
-//! - **A download is untrusted**: the payload streams to a file beside the destination (memory
-//!   bounded by the chunk size), its embedded manifest must equal the pointer's bytes, and the
-//!   import then re-checks every file's digest before anything becomes a store.
+//! - **A download is untrusted**: the payload streams straight into the import (memory bounded by
+//!   a few chunks and one buffer; nothing is stored as a tar), its embedded manifest must equal the
+//!   pointer's bytes, every file must be listed there once with its size and BLAKE3 digest, and the
+//!   staged copy must reopen at the manifest's cursor before it is renamed into a store.
 //! - **Prune** deletes only what [`protocol::payload_prunable`] allows: never the pointer's target.
 
-use std::io::{Read as _, Write as _};
+use std::io::Read as _;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -112,16 +113,6 @@ pub enum TransportError {
         key: String,
         /// The URL.
         url: String,
-    },
-    /// A downloaded payload is not the one its pointer describes.
-    #[error("artifact {key}: payload {path} does not match its pointer: {reason}")]
-    Mismatch {
-        /// The artifact key.
-        key: String,
-        /// The payload.
-        path: String,
-        /// What differs.
-        reason: String,
     },
 }
 
@@ -420,53 +411,6 @@ impl ArtifactTransport {
         }
     }
 
-    /// Downloads the published artifact of `key` into `dir` (created): streams the payload to a
-    /// `.tar` there and checks its embedded manifest against the pointer's bytes. Returns the tar
-    /// (for [`artifact::import_artifact`], which re-checks every file) and the manifest.
-    pub async fn download(
-        &self,
-        key: &str,
-        dir: &Path,
-    ) -> Result<(PathBuf, ExportManifest), TransportError> {
-        let Some((manifest_bytes, manifest)) = self.pointer(key).await? else {
-            return Err(TransportError::NothingPublished {
-                key: key.to_string(),
-                url: self.url.clone(),
-            });
-        };
-        let name = payload_name(&manifest_bytes);
-        let payload = self.payloads_dir(key).join(name.clone());
-        let io = |path: &Path, op: &'static str| {
-            let path = path.to_path_buf();
-            move |source| TransportError::Io { path, op, source }
-        };
-        std::fs::create_dir_all(dir).map_err(io(dir, "create download dir"))?;
-        let tar = dir.join(&name);
-        let r = self
-            .store
-            .get(&payload)
-            .await
-            .map_err(Self::store_err("download", &payload))?;
-        let mut stream = r.into_stream();
-        let mut f = std::fs::File::create(&tar).map_err(io(&tar, "create"))?;
-        while let Some(chunk) = stream.next().await {
-            let chunk = chunk.map_err(Self::store_err("download", &payload))?;
-            f.write_all(&chunk).map_err(io(&tar, "write"))?;
-        }
-        f.sync_all().map_err(io(&tar, "fsync"))?;
-        drop(f);
-        let embedded = embedded_manifest(&tar)?;
-        if embedded != manifest_bytes {
-            let _ = std::fs::remove_file(&tar);
-            return Err(TransportError::Mismatch {
-                key: key.to_string(),
-                path: payload.to_string(),
-                reason: "its embedded manifest is not the pointer's".into(),
-            });
-        }
-        Ok((tar, manifest))
-    }
-
     /// Makes the store `dest` (absent, or an empty directory) from the artifact the pointer of
     /// `key` names, streaming the payload from the object store straight into the import
     /// ([`artifact::import_tar_stream`]): every file is written once, into the stage, while it is
@@ -595,36 +539,6 @@ fn parse_pointer(bytes: &[u8]) -> Option<ExportManifest> {
         return None;
     }
     serde_json::from_slice(bytes).ok()
-}
-
-/// The raw bytes of a payload tar's first entry, which must be its manifest.
-fn embedded_manifest(tar: &Path) -> Result<Vec<u8>, TransportError> {
-    let bad = |reason: String| {
-        TransportError::Artifact(ArtifactError::Tar {
-            path: tar.to_path_buf(),
-            reason,
-        })
-    };
-    let file = std::fs::File::open(tar).map_err(|source| TransportError::Io {
-        path: tar.to_path_buf(),
-        op: "open",
-        source,
-    })?;
-    let mut archive = tar::Archive::new(std::io::BufReader::new(file));
-    let mut entries = archive.entries().map_err(|e| bad(e.to_string()))?;
-    let mut first = entries
-        .next()
-        .ok_or_else(|| bad("empty".into()))?
-        .map_err(|e| bad(e.to_string()))?;
-    if *first.path_bytes() != *MANIFEST_FILE.as_bytes() {
-        return Err(bad(format!("the first entry is not {MANIFEST_FILE}")));
-    }
-    let mut bytes = Vec::new();
-    (&mut first)
-        .take(artifact::MAX_MANIFEST_BYTES + 1)
-        .read_to_end(&mut bytes)
-        .map_err(|e| bad(e.to_string()))?;
-    Ok(bytes)
 }
 
 /// Downloaded chunks queued between the object store's stream and the import (each is what the

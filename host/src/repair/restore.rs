@@ -100,15 +100,29 @@ impl RestoreSource {
         }
     }
 
-    /// A local path for `located` (downloading a remote artifact into `scratch`).
-    pub async fn fetch(&self, located: Located, scratch: &Path) -> Result<PathBuf, RepairError> {
+    /// Imports the artifact at `located` as the store `dest`: a local one through
+    /// [`artifact::import_artifact`], a remote one streamed from the object store straight into
+    /// the import ([`crate::transport::ArtifactTransport::bootstrap_into`]: each file written
+    /// once). Returns the manifest of what arrived.
+    pub async fn import(
+        &self,
+        located: Located,
+        dest: &Path,
+    ) -> Result<ExportManifest, RepairError> {
         match (located, self) {
-            (Located::Local(p), _) => Ok(p),
-            (Located::Remote, RestoreSource::Transport { transport, key }) => Ok(transport
-                .download(key, scratch)
+            (Located::Local(p), _) => {
+                let dest = dest.to_path_buf();
+                tokio::task::spawn_blocking(move || {
+                    artifact::import_artifact(&p, &dest, None, &mut |_, _| {})
+                })
                 .await
-                .map_err(|e| RepairError::Refused(e.to_string()))?
-                .0),
+                .map_err(|e| RepairError::Task(e.to_string()))?
+                .map_err(RepairError::from)
+            }
+            (Located::Remote, RestoreSource::Transport { transport, key }) => transport
+                .bootstrap_into(key, dest, None)
+                .await
+                .map_err(|e| RepairError::Refused(e.to_string())),
             (Located::Remote, RestoreSource::Dir(d)) => Err(RepairError::Refused(format!(
                 "{}: no remote artifacts here",
                 d.display()
@@ -176,17 +190,10 @@ async fn choose_and_import(
         }
         block(|| clear_dir(scratch))?;
         let imported = async {
-            let path = source.fetch(located, &scratch.join("download")).await?;
-            let (p2, d2) = (path.clone(), scratch.join("artifact"));
-            let manifest = tokio::task::spawn_blocking(move || {
-                artifact::import_artifact(&p2, &d2, None, &mut |_, _| {})
-            })
-            .await
-            .map_err(|e| RepairError::Task(e.to_string()))?
-            .map_err(RepairError::from)?;
+            let manifest = source.import(located, &scratch.join("artifact")).await?;
             // Re-checked against what actually arrived.
-            let rev = check_artifact(&path, &manifest, scope, local, first)?;
-            Ok::<_, RepairError>((path, manifest, rev))
+            let rev = check_artifact(&named, &manifest, scope, local, first)?;
+            Ok::<_, RepairError>((named.clone(), manifest, rev))
         }
         .await;
         match imported {
