@@ -269,11 +269,14 @@ fn now_ms() -> u64 {
 /// Progress of a long copy or hash: `(bytes done, bytes total)`.
 pub type Progress<'a> = &'a mut dyn FnMut(u64, u64);
 
-/// Streams `src` through BLAKE3 (and into `copy_to`, when given), reporting bytes to `tick`.
-fn hash_file(
+/// Streams `src` through BLAKE3 (and into `copy_to`, when given), reporting bytes to `tick` and
+/// handing every chunk to `check` (a streaming check of the file's contents, so verifying it costs
+/// no second read).
+fn hash_file_checked(
     src: &Path,
     mut copy_to: Option<&mut File>,
     tick: &mut dyn FnMut(u64),
+    mut check: Option<&mut crate::snapshot::CompactLogCheck>,
 ) -> Result<(u64, String), ArtifactError> {
     let mut f = File::open(src).map_err(io_err(src, "open"))?;
     let mut hasher = blake3::Hasher::new();
@@ -285,6 +288,9 @@ fn hash_file(
             break;
         }
         hasher.update(&buf[..got]);
+        if let Some(c) = check.as_deref_mut() {
+            c.feed(&buf[..got]);
+        }
         if let Some(out) = copy_to.as_deref_mut() {
             out.write_all(&buf[..got]).map_err(io_err(src, "copy"))?;
         }
@@ -368,44 +374,59 @@ fn seal_inner(
 ) -> Result<ExportManifest, ArtifactError> {
     crate::crashpoint::hit(crate::crashpoint::EXPORT_STAGED);
     let data = stage.join(DATA_DIR);
-    let (copy, _) = AnyStore::open_read_only(&data)?;
-    let got = copy.cursor();
-    if got != cursor {
-        return Err(ArtifactError::CursorMismatch {
-            what: "verify-by-reopen of the exported copy",
-            want: cursor.revision(),
-            got: got.revision(),
-        });
-    }
-    let backend: Backend = copy
-        .backend()
-        .parse()
-        .map_err(|reason| ArtifactError::Manifest {
-            path: data.clone(),
-            reason,
-        })?;
-    let keys = copy.len()?;
-    drop(copy);
+    let backend = crate::storedir::backend_of(&data)?;
     let names = list_files(&data)?;
     let mut total = 0u64;
     for n in &names {
         let p = data.join(check_path(n)?);
         total += std::fs::metadata(&p).map_err(io_err(&p, "stat"))?.len();
     }
+    // The append log is verified in the hashing pass (a streaming check of its compacted log);
+    // an LSM backend by reopening the copy, which reads only its metadata.
+    let mut log_check = (backend == Backend::AppendLog)
+        .then(|| crate::snapshot::CompactLogCheck::new(&data.join(crate::snapshot::LOG_FILE)));
     let mut done = 0u64;
     let mut files = Vec::with_capacity(names.len());
     for n in names {
         let p = data.join(check_path(&n)?);
-        let (size, blake3) = hash_file(&p, None, &mut |b| {
-            done += b;
-            progress(done, total);
-        })?;
+        let check = log_check
+            .as_mut()
+            .filter(|_| n == crate::snapshot::LOG_FILE);
+        let (size, blake3) = hash_file_checked(
+            &p,
+            None,
+            &mut |b| {
+                done += b;
+                progress(done, total);
+            },
+            check,
+        )?;
         files.push(ArtifactFile {
             path: n,
             size,
             blake3,
         });
         crate::crashpoint::hit(crate::crashpoint::EXPORT_FILE);
+    }
+    let (got, keys) = match log_check {
+        Some(c) => c.finish()?,
+        None => {
+            let (copy, _) = AnyStore::open_read_only(&data)?;
+            if copy.backend() != backend.as_str() {
+                return Err(ArtifactError::BackendMismatch {
+                    artifact: backend.as_str().to_string(),
+                    wanted: format!("the payload's own {}", copy.backend()),
+                });
+            }
+            (copy.cursor(), copy.len()?)
+        }
+    };
+    if got != cursor {
+        return Err(ArtifactError::CursorMismatch {
+            what: "verify of the exported copy",
+            want: cursor.revision(),
+            got: got.revision(),
+        });
     }
     let manifest = ExportManifest {
         schema: SCHEMA,
@@ -604,6 +625,12 @@ fn dest_is_free(dest: &Path) -> Result<bool, ArtifactError> {
     }
 }
 
+/// A streaming check of the append log's file, when `m` is an append-log artifact.
+fn log_check_for(m: &ExportManifest, stage: &Path) -> Option<crate::snapshot::CompactLogCheck> {
+    (m.backend == Backend::AppendLog.as_str())
+        .then(|| crate::snapshot::CompactLogCheck::new(&stage.join(crate::snapshot::LOG_FILE)))
+}
+
 /// The refusals that need nothing opened: the manifest's backend (this build's, and `want`),
 /// its format generation, and a free destination.
 fn check_importable(
@@ -671,6 +698,7 @@ fn import_stage(
     let data = artifact.join(DATA_DIR);
     let total: u64 = m.files.iter().map(|f| f.size).sum();
     let mut done = 0u64;
+    let mut log_check = log_check_for(m, stage);
     for f in &m.files {
         let rel = check_path(&f.path)?;
         let src = data.join(&rel);
@@ -687,10 +715,18 @@ fn import_stage(
             std::fs::create_dir_all(parent).map_err(io_err(parent, "create stage"))?;
         }
         let mut out = File::create(&dst).map_err(io_err(&dst, "create"))?;
-        let (size, digest) = hash_file(&src, Some(&mut out), &mut |b| {
-            done += b;
-            progress(done, total);
-        })?;
+        let check = log_check
+            .as_mut()
+            .filter(|_| f.path == crate::snapshot::LOG_FILE);
+        let (size, digest) = hash_file_checked(
+            &src,
+            Some(&mut out),
+            &mut |b| {
+                done += b;
+                progress(done, total);
+            },
+            check,
+        )?;
         if size != f.size {
             return Err(ArtifactError::SizeMismatch {
                 path: f.path.clone(),
@@ -707,21 +743,40 @@ fn import_stage(
         }
         out.sync_all().map_err(io_err(&dst, "fsync"))?;
     }
-    seal_import(stage, m, dest)
+    seal_import(stage, m, dest, log_check)
 }
 
 /// The last step of every import: the staged copy must open as the manifest's backend and recover
 /// the manifest's cursor; then it is synced and renamed into `dest`.
-fn seal_import(stage: &Path, m: &ExportManifest, dest: &Path) -> Result<(), ArtifactError> {
-    let (copy, _) = AnyStore::open_read_only(stage)?;
-    if copy.backend() != m.backend {
-        return Err(ArtifactError::BackendMismatch {
-            artifact: m.backend.clone(),
-            wanted: format!("the payload's own {}", copy.backend()),
-        });
-    }
-    let got = copy.cursor().revision();
-    drop(copy);
+fn seal_import(
+    stage: &Path,
+    m: &ExportManifest,
+    dest: &Path,
+    log_check: Option<crate::snapshot::CompactLogCheck>,
+) -> Result<(), ArtifactError> {
+    let got = match log_check {
+        // The append log was checked as it was copied: no reopen (no map) needed.
+        Some(c) => {
+            let own = crate::storedir::backend_of(stage)?;
+            if own.as_str() != m.backend {
+                return Err(ArtifactError::BackendMismatch {
+                    artifact: m.backend.clone(),
+                    wanted: format!("the payload's own {}", own.as_str()),
+                });
+            }
+            c.finish()?.0.revision()
+        }
+        None => {
+            let (copy, _) = AnyStore::open_read_only(stage)?;
+            if copy.backend() != m.backend {
+                return Err(ArtifactError::BackendMismatch {
+                    artifact: m.backend.clone(),
+                    wanted: format!("the payload's own {}", copy.backend()),
+                });
+            }
+            copy.cursor().revision()
+        }
+    };
     if got != m.cursor {
         return Err(ArtifactError::CursorMismatch {
             what: "the imported copy",
@@ -754,11 +809,11 @@ pub fn import_tar_stream(
     let m = parse_manifest(pointer, &dest.join(MANIFEST_FILE))?;
     check_importable(&m, dest, want)?;
     let stage = stage_path(dest, "import");
-    or_discard(
+    let log_check = or_discard(
         &stage,
         import_tar_entries(reader, pointer, &m, &stage, progress),
     )?;
-    or_discard(&stage, seal_import(&stage, &m, dest)).map(|()| m)
+    or_discard(&stage, seal_import(&stage, &m, dest, log_check)).map(|()| m)
 }
 
 fn import_tar_entries(
@@ -767,12 +822,13 @@ fn import_tar_entries(
     m: &ExportManifest,
     stage: &Path,
     progress: Progress<'_>,
-) -> Result<(), ArtifactError> {
+) -> Result<Option<crate::snapshot::CompactLogCheck>, ArtifactError> {
     let bad = |reason: String| ArtifactError::Tar {
         path: stage.to_path_buf(),
         reason,
     };
     std::fs::create_dir_all(stage).map_err(io_err(stage, "create stage"))?;
+    let mut log_check = log_check_for(m, stage);
     let listed: std::collections::BTreeMap<&str, &ArtifactFile> =
         m.files.iter().map(|f| (f.path.as_str(), f)).collect();
     let mut seen = std::collections::BTreeSet::new();
@@ -846,6 +902,11 @@ fn import_tar_entries(
                 break;
             }
             hasher.update(&buf[..got]);
+            if rel_name == crate::snapshot::LOG_FILE
+                && let Some(c) = log_check.as_mut()
+            {
+                c.feed(&buf[..got]);
+            }
             out.write_all(&buf[..got]).map_err(io_err(&dst, "write"))?;
             n += got as u64;
             done += got as u64;
@@ -874,7 +935,7 @@ fn import_tar_entries(
     if let Some(missing) = m.files.iter().find(|f| !seen.contains(&f.path)) {
         return Err(ArtifactError::MissingFile(missing.path.clone()));
     }
-    Ok(())
+    Ok(log_check)
 }
 
 /// Packs the artifact directory `artifact` into the tar file `out` (written beside, then renamed).

@@ -40,7 +40,7 @@ pub mod value_codec;
 use std::ops::ControlFlow;
 use std::path::PathBuf;
 
-pub use append_log::{AppendLogOptions, AppendLogSnapshot};
+pub use append_log::{AppendLogOptions, AppendLogSnapshot, CompactLogCheck, LOG_FILE};
 #[cfg(feature = "fjall")]
 pub use fjall::{FjallOptions, FjallSnapshot};
 pub use format::{MAX_KEY_LEN, MAX_VALUE_LEN};
