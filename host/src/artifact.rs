@@ -9,16 +9,19 @@
 //!
 //! Invariants:
 //! - **An artifact that exists is complete.** Export writes into a hidden sibling directory
-//!   (`.NAME.export-…`), proves the copy by reopening it (its recovered cursor must equal the live
-//!   one: every apply commits its cursor with its data, so equality is a complete tail-loss
-//!   detector), hashes it, writes the manifest *last*, and renames the whole stage into place. A
-//!   crash at any point leaves only the hidden stage.
+//!   (`.NAME.export-…`), proves the copy recovers the live cursor (every apply commits its cursor
+//!   with its data, so equality is a complete tail-loss detector) — an LSM copy by reopening it,
+//!   the append log by [`crate::snapshot::CompactLogCheck`] streaming its records in the same pass
+//!   that hashes it (what a reopen proves, without rebuilding the map) — writes the manifest
+//!   *last*, and renames the whole stage into place. A crash at any point leaves only the hidden
+//!   stage.
 //! - **A bad artifact never becomes a fold.** Import treats the artifact as untrusted: it refuses an
 //!   unknown schema, a backend this build lacks or the destination does not hold, any path that is
 //!   not plain relative components (`..`, absolute, links, devices), a missing or unlisted file,
 //!   before opening anything; it copies into a hidden stage beside the destination re-checking
-//!   every size and digest, opens the staged copy and gates on the manifest's cursor, and only then
-//!   renames it into place. The destination is untouched by every refusal.
+//!   every size and digest (a download streams straight into the stage, [`import_tar_stream`]),
+//!   proves the staged copy recovers the manifest's cursor (the same two ways as export), and only
+//!   then renames it into place. The destination is untouched by every refusal.
 //! - **Bounded.** The manifest is at most [`MAX_MANIFEST_BYTES`], at most [`MAX_FILES`] files, and a
 //!   tar entry at most [`MAX_FILE_BYTES`].
 

@@ -49,7 +49,7 @@ pub const POINTS: &[(&str, &str)] = &[
     ),
     (
         EXPORT_STAGED,
-        "mid-export: the fold copied into the hidden stage, before its verify-by-reopen",
+        "mid-export: the fold copied into the hidden stage, before its verify and hashing pass",
     ),
     (
         EXPORT_FILE,
