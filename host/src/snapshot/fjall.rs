@@ -117,13 +117,25 @@ fn data_key(key: &str) -> Vec<u8> {
     k
 }
 
+/// Journal cap (fjall's minimum).
+const MAX_JOURNALING_BYTES: u64 = 64 << 20;
+/// Memtable size before it is sealed and flushed to a table.
+const MAX_MEMTABLE_BYTES: u64 = 16 << 20;
+
 fn open_db(path: &Path, opts: &FjallOptions) -> Result<(Database, Keyspace), SnapshotError> {
+    // Journals are what an open replays and what an export copies beside the tables. Capped at
+    // fjall's minimum (64 MiB; default 512 MiB) with 16 MiB memtables (default 64 MiB), a
+    // 1 000 000-key fold (`foldhost-bench bootstrap`) exported 151 MB instead of 179 MB, resumed
+    // in 0.72 s instead of 0.97 s, and its full replay peaked at 139 MiB instead of 259 MiB.
     let db = Database::builder(path)
         .cache_size(opts.cache_bytes)
+        .max_journaling_size(MAX_JOURNALING_BYTES)
         .open()
         .map_err(ferr(path, "open"))?;
     let tree = db
-        .keyspace(KEYSPACE, KeyspaceCreateOptions::default)
+        .keyspace(KEYSPACE, || {
+            KeyspaceCreateOptions::default().max_memtable_size(MAX_MEMTABLE_BYTES)
+        })
         .map_err(ferr(path, "open keyspace"))?;
     Ok((db, tree))
 }

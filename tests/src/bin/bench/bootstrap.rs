@@ -10,6 +10,9 @@
 //! - **download + import**: `foldhost bootstrap` of an empty store from the published pointer,
 //!   its time and peak RSS.
 //!
+//! - **resume**: 1 000 writes later, `foldhost run --catch-up` of the replayed store, which must
+//!   deliver exactly those 1 000 (the figure: resume ÷ replay, target ≤ 0.01).
+//!
 //! Each through S3 (moto on loopback) and through the local file system (`file://`), so the
 //! object store's own cost shows. The figure that matters is replay ÷ (download + import).
 //!
@@ -51,6 +54,21 @@ fn proc_kib(pid: u32, field: &str) -> Option<u64> {
         .nth(1)?
         .parse()
         .ok()
+}
+
+/// [`timed_child`], also requiring `check` of its stderr to hold.
+fn timed_child_stderr(
+    mut cmd: Command,
+    check: impl Fn(&str) -> bool,
+) -> anyhow::Result<(f64, f64, String)> {
+    let log = tempfile::NamedTempFile::new()?;
+    cmd.stderr(log.reopen()?);
+    let t = Instant::now();
+    let status = cmd.stdout(Stdio::null()).status()?;
+    let secs = t.elapsed().as_secs_f64();
+    let err = std::fs::read_to_string(log.path())?;
+    anyhow::ensure!(status.success() && check(&err), "{cmd:?}: {err}");
+    Ok((secs, 0.0, err))
 }
 
 /// Runs `cmd` to completion, sampling its peak RSS (`VmHWM`, monotone: the last sample is the
@@ -215,7 +233,6 @@ pub async fn run(keys: u64) -> anyhow::Result<()> {
         (0..keys).map(|i| (format!("$KV.boot.key.{i:026}"), value(i).into())),
     )
     .await?;
-    let last = kv.positions().await?.last_sequence;
     println!(
         "bootstrap — {keys} keys (32 B keys, 100 B hex values) seeded in {:.1} s; replay = `foldhost run --catch-up` from revision 1",
         t.elapsed().as_secs_f64()
@@ -238,6 +255,7 @@ pub async fn run(keys: u64) -> anyhow::Result<()> {
         },
     ];
     for backend in ["fjall", "rocksdb"] {
+        let last = kv.positions().await?.last_sequence;
         let store = tmp.path().join(format!("{backend}-replayed"));
         let mut cmd = Command::new(&bin);
         cmd.args([
@@ -269,6 +287,36 @@ pub async fn run(keys: u64) -> anyhow::Result<()> {
             )
             .await?;
         }
+        // Resume: 1 000 writes after the replayed fold's cursor.
+        foldhost_tests::publish_all(
+            kv.jetstream(),
+            (0..1000u64).map(|i| {
+                (
+                    format!("$KV.boot.key.{:026}", i * 997 % keys.max(1)),
+                    value(i + keys).into(),
+                )
+            }),
+        )
+        .await?;
+        let mut cmd = Command::new(&bin);
+        cmd.args([
+            "run",
+            "--bucket",
+            "boot",
+            "--nats",
+            &server.url(),
+            "--store",
+        ])
+        .arg(&store)
+        .args(["--backend", backend, "--catch-up"])
+        .env("FOLDHOST_LOG", "warn");
+        let (resume_s, _, _) = timed_child_stderr(cmd, |stderr| {
+            stderr.contains("(1000 updates delivered this run)")
+        })?;
+        println!(
+            "  {backend:>7} resume after 1 000 writes: {resume_s:.3} s, exactly 1 000 delivered; resume ÷ replay = {:.4}",
+            resume_s / replay_s
+        );
     }
     Ok(())
 }
