@@ -11,7 +11,8 @@
 //!   its time and peak RSS.
 //!
 //! - **resume**: 1 000 writes later, `foldhost run --catch-up` of the replayed store, which must
-//!   deliver exactly those 1 000 (the figure: resume ÷ replay, target ≤ 0.01).
+//!   deliver exactly those 1 000 (the figure: resume ÷ replay, target ≤ 0.01). With
+//!   `FOLDHOST_BENCH_RESUME_LOG=<filter>` the resume runs at that log level and its log is printed.
 //!
 //! Each through S3 (moto on loopback) and through the local file system (`file://`), so the
 //! object store's own cost shows. The figure that matters is replay ÷ (download + import).
@@ -128,7 +129,9 @@ async fn one(
     tmp: &Path,
     replay_s: f64,
 ) -> anyhow::Result<()> {
-    let key = format!("boot-{backend}");
+    // A key (and so a lease) per backend and store: a round cut short when the previous node was
+    // stopped holds its lease until it runs out.
+    let key = format!("boot-{backend}-{}", target.name);
     let store = tmp.join(format!("{backend}-replayed"));
     // Export + upload: a node on the replayed store, one round.
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
@@ -152,7 +155,10 @@ async fn one(
     );
     let steady = proc_kib(pid, "VmRSS:").unwrap_or(0) as f64 / 1024.0;
     std::fs::write(format!("/proc/{pid}/clear_refs"), "5")?;
-    let s = wait_status(&addr, |s| s.last_export.is_some()).await?;
+    let s = wait_status(&addr, |s| {
+        s.last_export.as_ref().and_then(|e| e.cursor) == Some(last)
+    })
+    .await?;
     let round_peak = proc_kib(pid, "VmHWM:").unwrap_or(0) as f64 / 1024.0;
     drop(node);
     let round = s.last_export.ok_or_else(|| anyhow::anyhow!("no round"))?;
@@ -309,10 +315,16 @@ pub async fn run(keys: u64) -> anyhow::Result<()> {
         ])
         .arg(&store)
         .args(["--backend", backend, "--catch-up"])
-        .env("FOLDHOST_LOG", "warn");
-        let (resume_s, _, _) = timed_child_stderr(cmd, |stderr| {
+        .env(
+            "FOLDHOST_LOG",
+            std::env::var("FOLDHOST_BENCH_RESUME_LOG").unwrap_or_else(|_| "warn".into()),
+        );
+        let (resume_s, _, log) = timed_child_stderr(cmd, |stderr| {
             stderr.contains("(1000 updates delivered this run)")
         })?;
+        if std::env::var_os("FOLDHOST_BENCH_RESUME_LOG").is_some() {
+            eprintln!("{log}");
+        }
         println!(
             "  {backend:>7} resume after 1 000 writes: {resume_s:.3} s, exactly 1 000 delivered; resume ÷ replay = {:.4}",
             resume_s / replay_s
