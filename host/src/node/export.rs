@@ -30,6 +30,12 @@ pub enum RoundOutcome {
     },
     /// Another node holds the lease this round.
     NotOurs,
+    /// The published artifact already holds everything this node has folded: nothing to export
+    /// (no lease taken, nothing uploaded).
+    UpToDate {
+        /// The published cursor.
+        published: u64,
+    },
     /// A newer artifact was already published; the lease was abandoned.
     Superseded {
         /// The published cursor.
@@ -59,6 +65,8 @@ pub struct ExportRounds {
     pub control: mpsc::Sender<Control>,
     /// The last round's report, shown by `/status`.
     pub last: Arc<std::sync::Mutex<Option<ExportRoundReport>>>,
+    /// The fold's live figures (its committed cursor decides whether a round has anything new).
+    pub fold: Arc<crate::applied::FoldStatus>,
 }
 
 /// Opens a lease (its bucket) when first asked.
@@ -104,11 +112,13 @@ impl ExportRounds {
                 unix_ms: now_unix_ms(),
                 cursor: match &outcome {
                     RoundOutcome::Published { cursor } => Some(*cursor),
+                    RoundOutcome::UpToDate { published } => Some(*published),
                     _ => None,
                 },
                 outcome: match &outcome {
                     RoundOutcome::Published { .. } => "published".into(),
                     RoundOutcome::NotOurs => "not-ours".into(),
+                    RoundOutcome::UpToDate { .. } => "up-to-date".into(),
                     RoundOutcome::Superseded { current } => format!("superseded by {current}"),
                     RoundOutcome::Failed(e) => format!("failed: {e}"),
                 },
@@ -122,6 +132,21 @@ impl ExportRounds {
     /// One round: lease → live export → upload → pointer → complete → prune; the local artifact
     /// removed on every path.
     pub async fn round(&self) -> RoundOutcome {
+        // A quiet fold exports nothing: when the pointer already holds this node's committed
+        // cursor, the round ends before the lease (an absent or corrupt pointer is exported over).
+        let at = self.fold.cursor.load(std::sync::atomic::Ordering::Acquire);
+        if at > 0
+            && let Ok(Some((_, m))) = self.transport.pointer(&self.key).await
+            && let Some(published) = m.cursor
+            && published >= at
+        {
+            tracing::debug!(
+                published,
+                at,
+                "export round: the published artifact is up to date"
+            );
+            return RoundOutcome::UpToDate { published };
+        }
         let lease = match self.lease.get().await {
             Ok(l) => l,
             Err(e) => {

@@ -97,7 +97,7 @@ impl SideTasks {
             (cfg.export_every, transport, &cfg.artifacts)
         {
             let rounds =
-                export_rounds(cfg, conn, transport, key, scope, &control, &last_export).await?;
+                export_rounds(cfg, conn, transport, scope, &control, &last_export, status).await?;
             tracing::info!(every_s = every.as_secs_f64(), key = %key, "export rounds on");
             others.push(tokio::spawn(rounds.run(every)));
         }
@@ -232,11 +232,16 @@ async fn export_rounds(
     cfg: &NodeConfig,
     conn: &NatsConnection,
     transport: Arc<crate::transport::ArtifactTransport>,
-    key: &str,
     scope: &WatchScope,
     control: &mpsc::Sender<Control>,
     last: &Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
+    fold: &Arc<FoldStatus>,
 ) -> Result<super::ExportRounds, NodeError> {
+    let key = cfg
+        .artifacts
+        .as_ref()
+        .map(|(_, k)| k.as_str())
+        .ok_or_else(|| NodeError::Config("export rounds need --artifact-key".into()))?;
     let node_id = cfg.node_id.clone().unwrap_or_else(|| {
         format!(
             "{}#{}",
@@ -264,6 +269,7 @@ async fn export_rounds(
         scope: scope.to_string(),
         control: control.clone(),
         last: last.clone(),
+        fold: fold.clone(),
     })
 }
 

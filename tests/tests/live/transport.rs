@@ -506,15 +506,11 @@ async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_
     let c2 = export_live(&addr, &newer)?;
     ok(&publish(&moto, &url, &newer)?, "publish the newer")?;
 
-    // A goes on: its pointer swap is refused, the pointer stays, and its lease is abandoned: the
-    // next round wins it again, long before the 600 s it was taken for run out.
+    // A goes on: its pointer swap is refused, the pointer stays, and its lease is abandoned.
     std::fs::write(hold.with_extension("release"), b"")?;
-    let won_after_superseded = |l: &str| {
-        l.split_once("superseded by a newer artifact; lease abandoned")
-            .is_some_and(|(_, after)| after.contains("export round: lease won"))
-    };
-    foldhost_tests::wait_until("A's round to be superseded and the lease won again", || {
-        std::fs::read_to_string(&log).is_ok_and(|l| won_after_superseded(&l))
+    foldhost_tests::wait_until("A's round to be superseded", || {
+        std::fs::read_to_string(&log)
+            .is_ok_and(|l| l.contains("superseded by a newer artifact; lease abandoned"))
     })
     .await?;
     let text = std::fs::read_to_string(&log)?;
@@ -528,13 +524,34 @@ async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_
     );
     assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c2));
 
-    // The freed lease is won again: a later round publishes the next revision.
+    // While nothing is new, rounds end before the lease (the pointer holds A's cursor). Then the
+    // freed lease is won again, long before the 600 s it was taken for run out: a later round
+    // publishes the next revision.
     kv.put("route.last", "v3".into()).await?;
     let c3 = kv.positions().await?.last_sequence;
     wait_status(&addr, |s| {
         s.last_export.as_ref().and_then(|e| e.cursor) == Some(c3)
     })
     .await?;
+    // Nothing new since: the next rounds end before the lease, uploading nothing.
+    let wins = |l: &str| l.matches("export round: lease won").count();
+    let before = wins(&std::fs::read_to_string(&log)?);
+    let s = wait_status(&addr, |s| {
+        s.last_export
+            .as_ref()
+            .is_some_and(|e| e.outcome == "up-to-date" && e.cursor == Some(c3))
+    })
+    .await?;
+    let up_to_date_at = s.last_export.map(|e| e.unix_ms);
+    wait_status(&addr, |s| {
+        s.last_export.as_ref().map(|e| e.unix_ms) != up_to_date_at
+    })
+    .await?;
+    assert_eq!(
+        wins(&std::fs::read_to_string(&log)?),
+        before,
+        "a round with nothing new took the lease"
+    );
     terminate(&mut a)?;
     assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c3));
     Ok(())
