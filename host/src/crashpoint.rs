@@ -56,6 +56,10 @@ pub const POINTS: &[(&str, &str)] = &[
         "mid-export: after one more staged file was hashed, before the manifest is written",
     ),
     (
+        SWAP_HYDRATING,
+        "mid-swap: the new version hydrated its first chunk beside the running one (hold only)",
+    ),
+    (
         PUBLISH_BEFORE_POINTER,
         "mid-publish: the payload uploaded whole, before the pointer moves",
     ),
@@ -75,6 +79,9 @@ pub const RESTORE_BEFORE_CURSOR: &str = "repair.restore.before-cursor";
 pub const EXPORT_STAGED: &str = "export.staged";
 /// Mid-export, after each staged file was hashed.
 pub const EXPORT_FILE: &str = "export.file";
+
+/// Mid-swap, after the new version's first hydration chunk (the old one still folding).
+pub const SWAP_HYDRATING: &str = "swap.hydrating";
 
 /// Mid-publish, after the payload was uploaded, before the pointer moves.
 pub const PUBLISH_BEFORE_POINTER: &str = "publish.before-pointer";

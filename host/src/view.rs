@@ -5,9 +5,21 @@
 //! Invariants: a reader never sees a reserved key; a key with retained records reads as its base
 //! (what the guest last applied), not the fold's latest raw value; reads happen between applies, so
 //! the lock is never contended on the hot path.
+//!
+//! **Pre-images (a swap's view at C).** While a swap candidate hydrates beside the running applier,
+//! the fold keeps committing. [`SharedStore::begin_pre_images`] starts a capture at the committed
+//! cursor C; from then on, before the fold changes any key's guest view, it records that key's
+//! view at C ([`SharedStore::capture_pre_images`], called by the fold *before* parse, retain or
+//! commit). A [`PinnedView`] reads the live fold and then the pre-images: a value it read that
+//! is newer than C always finds its key's pre-image (recorded before the write, read after it),
+//! so the candidate sees exactly the fold at C however long it takes. The capture is bounded
+//! ([`MAX_PRE_IMAGE_KEYS`], [`MAX_PRE_IMAGE_BYTES`]); past the bound it is marked overflowed and the
+//! swap is refused at its cut-over, never served from a torn view.
 
+use std::collections::BTreeMap;
 use std::ops::ControlFlow;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use crate::kv::KvEntry;
 use crate::retained::{Base, RetainedIndex};
@@ -41,9 +53,11 @@ pub trait FoldRead: Send + Sync {
 /// As a [`FoldRead`] it is the *guest's view*: reserved keys never show, and a key with retained
 /// records shows the entry the guest last applied (its base), not the fold's latest raw value.
 pub struct SharedStore<S> {
-    store: std::sync::Arc<std::sync::RwLock<S>>,
+    store: Arc<std::sync::RwLock<S>>,
     /// Loaded from the store on first use.
-    retained: std::sync::Arc<std::sync::Mutex<Option<RetainedIndex>>>,
+    retained: Arc<std::sync::Mutex<Option<RetainedIndex>>>,
+    /// The running capture of pre-images, while a swap candidate hydrates.
+    pre_images: Arc<std::sync::Mutex<Option<PreImages>>>,
 }
 
 impl<S> Clone for SharedStore<S> {
@@ -51,7 +65,69 @@ impl<S> Clone for SharedStore<S> {
         SharedStore {
             store: self.store.clone(),
             retained: self.retained.clone(),
+            pre_images: self.pre_images.clone(),
         }
+    }
+}
+
+/// Most keys a pre-image capture records before it overflows (the swap is then refused).
+pub const MAX_PRE_IMAGE_KEYS: usize = 1 << 20;
+/// Most key and value bytes a pre-image capture holds before it overflows.
+pub const MAX_PRE_IMAGE_BYTES: usize = 256 * 1024 * 1024;
+
+/// The guest views at C of the keys the fold changed since a capture began (see the module docs).
+#[derive(Debug, Default)]
+pub struct PreImages {
+    /// Which capture this is: a [`PinnedView`] reads only its own.
+    generation: u64,
+    /// Key → its guest view at C (`None`: absent at C).
+    keys: BTreeMap<String, Base>,
+    bytes: usize,
+    overflowed: bool,
+}
+
+impl PreImages {
+    /// The keys changed since C, each with its guest view at C, in key order.
+    pub fn into_keys(self) -> BTreeMap<String, Base> {
+        self.keys
+    }
+
+    /// True when the capture passed its bounds (its view at C is incomplete).
+    pub fn overflowed(&self) -> bool {
+        self.overflowed
+    }
+
+    /// Keys recorded.
+    pub fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// True when no key changed since C.
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// The catch-up of a candidate hydrated at C, with `now` the guest view of the fold now: one
+    /// update per key whose view differs from its view at C — a put of its entry now, or a
+    /// synthetic delete (version unknown) when it is gone — in key order. A key changed and changed
+    /// back reads the same and is left out. So the candidate never gets an update it already
+    /// applied at C (nothing applied twice), and every key ends at its view now (nothing skipped).
+    pub fn catch_up(self, now: &dyn FoldRead) -> Result<Vec<crate::kv::KvUpdate>, SnapshotError> {
+        let mut out = Vec::new();
+        for (key, at_c) in self.keys {
+            let current = now.get(&key)?;
+            if current == at_c {
+                continue;
+            }
+            out.push(match current {
+                Some(e) => crate::kv::KvUpdate::Put(e),
+                None => crate::kv::KvUpdate::Delete {
+                    key,
+                    version: crate::kv::VersionToken::UNKNOWN,
+                },
+            });
+        }
+        Ok(out)
     }
 }
 
@@ -66,9 +142,103 @@ impl<S: SnapshotStore> SharedStore<S> {
     /// Shares `store`.
     pub fn new(store: S) -> Self {
         SharedStore {
-            store: std::sync::Arc::new(std::sync::RwLock::new(store)),
-            retained: std::sync::Arc::new(std::sync::Mutex::new(None)),
+            store: Arc::new(std::sync::RwLock::new(store)),
+            retained: Arc::new(std::sync::Mutex::new(None)),
+            pre_images: Arc::new(std::sync::Mutex::new(None)),
         }
+    }
+
+    /// Starts capturing pre-images at the committed cursor (the fold must be settled: nothing
+    /// applied and uncommitted) and returns the view of the fold as it is now, which keeps reading
+    /// the fold at this point until the capture ends ([`SharedStore::take_pre_images`]). A capture
+    /// already running is replaced (its view then reads the live fold).
+    pub fn begin_pre_images(&self) -> Result<PinnedView<S>, SnapshotError> {
+        let mut guard = self.pre_images.lock().map_err(|_| poisoned())?;
+        let generation = guard.as_ref().map_or(0, |p| p.generation) + 1;
+        *guard = Some(PreImages {
+            generation,
+            ..PreImages::default()
+        });
+        Ok(PinnedView {
+            shared: self.clone(),
+            generation,
+        })
+    }
+
+    /// Records the guest view of each of `keys` not recorded yet, when a capture runs. The fold
+    /// calls this before anything can change those keys' views (parse, retain, commit, release).
+    pub fn capture_pre_images<'k>(
+        &self,
+        keys: impl IntoIterator<Item = &'k str>,
+    ) -> Result<(), SnapshotError> {
+        let mut guard = self.pre_images.lock().map_err(|_| poisoned())?;
+        let Some(p) = guard.as_mut() else {
+            return Ok(());
+        };
+        if p.overflowed {
+            return Ok(());
+        }
+        for key in keys {
+            if is_reserved(key) || p.keys.contains_key(key) {
+                continue;
+            }
+            // Lock order: pre-images, then the retained index, then the store (a reader never
+            // holds the latter two while it takes the first).
+            let view = self.get(key)?;
+            p.bytes += key.len() + view.as_ref().map_or(0, |e| e.value.len());
+            p.keys.insert(key.to_string(), view);
+            if p.keys.len() > MAX_PRE_IMAGE_KEYS || p.bytes > MAX_PRE_IMAGE_BYTES {
+                p.overflowed = true;
+                p.keys.clear();
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends the running capture and hands over what it recorded; every [`PinnedView`] reads the
+    /// live fold from here on.
+    pub fn take_pre_images(&self) -> Result<Option<PreImages>, SnapshotError> {
+        let mut guard = self.pre_images.lock().map_err(|_| poisoned())?;
+        Ok(guard.take())
+    }
+
+    /// The pre-image of `key` in capture `generation`: `Some(view at C)` when the key changed since.
+    fn pre_image(&self, generation: u64, key: &str) -> Result<Option<Base>, SnapshotError> {
+        let guard = self.pre_images.lock().map_err(|_| poisoned())?;
+        Ok(guard
+            .as_ref()
+            .filter(|p| p.generation == generation)
+            .and_then(|p| p.keys.get(key).cloned()))
+    }
+
+    /// The pre-images of capture `generation` with keys under `prefix` in `(after, through]`;
+    /// `None` when that capture is over.
+    fn pre_images_in(
+        &self,
+        generation: u64,
+        prefix: &str,
+        after: Option<&str>,
+        through: Option<&str>,
+    ) -> Result<Option<Vec<(String, Base)>>, SnapshotError> {
+        use std::ops::Bound;
+        let guard = self.pre_images.lock().map_err(|_| poisoned())?;
+        let Some(p) = guard.as_ref().filter(|p| p.generation == generation) else {
+            return Ok(None);
+        };
+        let lower = match after {
+            Some(a) if a >= prefix => Bound::Excluded(a),
+            _ => Bound::Included(prefix),
+        };
+        Ok(Some(
+            p.keys
+                .range::<str, _>((lower, Bound::Unbounded))
+                .take_while(|(k, _)| {
+                    k.starts_with(prefix) && through.is_none_or(|t| k.as_str() <= t)
+                })
+                .map(|(k, b)| (k.clone(), b.clone()))
+                .collect(),
+        ))
     }
 
     /// Reads the store.
@@ -101,10 +271,15 @@ impl<S: SnapshotStore> SharedStore<S> {
         let retained = self.retained;
         match std::sync::Arc::try_unwrap(self.store) {
             Ok(lock) => lock.into_inner().map_err(|p| SharedStore {
-                store: std::sync::Arc::new(std::sync::RwLock::new(p.into_inner())),
+                store: Arc::new(std::sync::RwLock::new(p.into_inner())),
                 retained,
+                pre_images: self.pre_images,
             }),
-            Err(store) => Err(SharedStore { store, retained }),
+            Err(store) => Err(SharedStore {
+                store,
+                retained,
+                pre_images: self.pre_images,
+            }),
         }
     }
 }
@@ -207,21 +382,101 @@ impl<S: SnapshotStore> FoldRead for SharedStore<S> {
         prefix: &str,
         visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
     ) -> Result<(), SnapshotError> {
-        // Pages through `scan`, so the guest's view is the same whichever way it is read.
-        const PAGE: usize = 4096;
-        let mut after: Option<String> = None;
-        loop {
-            let page = self.scan(prefix, after.as_deref(), PAGE)?;
-            for e in &page {
-                if visit(e).is_break() {
-                    return Ok(());
-                }
-            }
-            match page.last() {
-                Some(last) if page.len() == PAGE => after = Some(last.key.clone()),
-                _ => return Ok(()),
+        visit_by_pages(self, prefix, visit)
+    }
+}
+
+/// Visits through `scan` pages, so a reader's view is the same whichever way it is read.
+fn visit_by_pages(
+    reader: &dyn FoldRead,
+    prefix: &str,
+    visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+) -> Result<(), SnapshotError> {
+    const PAGE: usize = 4096;
+    let mut after: Option<String> = None;
+    loop {
+        let page = reader.scan(prefix, after.as_deref(), PAGE)?;
+        for e in &page {
+            if visit(e).is_break() {
+                return Ok(());
             }
         }
+        match page.last() {
+            Some(last) if page.len() == PAGE => after = Some(last.key.clone()),
+            _ => return Ok(()),
+        }
+    }
+}
+
+/// The fold as it was when a pre-image capture began ([`SharedStore::begin_pre_images`]), for as
+/// long as that capture runs; the live fold after it ends. What a swap candidate hydrates from.
+pub struct PinnedView<S> {
+    shared: SharedStore<S>,
+    generation: u64,
+}
+
+impl<S: SnapshotStore> FoldRead for PinnedView<S> {
+    fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError> {
+        // Live first, pre-image after: a live value newer than C has its pre-image recorded by then.
+        let live = self.shared.get(key)?;
+        Ok(match self.shared.pre_image(self.generation, key)? {
+            Some(at_c) => at_c,
+            None => live,
+        })
+    }
+
+    fn scan(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+        limit: usize,
+    ) -> Result<Vec<KvEntry>, SnapshotError> {
+        let mut out: Vec<KvEntry> = Vec::new();
+        let mut after: Option<String> = start_after.map(str::to_string);
+        // Each round reads a live page, then the pre-images over the same key range (after it:
+        // see `get`), and replaces the page's changed keys with their views at C. A round can come
+        // out short while the fold goes on, so rounds repeat until the page is full or the live
+        // fold ends: a short answer still means "nothing after this".
+        while out.len() < limit {
+            let want = limit - out.len();
+            let page = self.shared.scan(prefix, after.as_deref(), want)?;
+            let full = page.len() == want;
+            let through = if full {
+                page.last().map(|e| e.key.clone())
+            } else {
+                None
+            };
+            let Some(pre) = self.shared.pre_images_in(
+                self.generation,
+                prefix,
+                after.as_deref(),
+                through.as_deref(),
+            )?
+            else {
+                // The capture ended: the live page is the answer.
+                out.extend(page);
+                break;
+            };
+            let changed = |k: &str| pre.binary_search_by(|(p, _)| p.as_str().cmp(k)).is_ok();
+            let mut round: Vec<KvEntry> = page.into_iter().filter(|e| !changed(&e.key)).collect();
+            round.extend(pre.into_iter().filter_map(|(_, b)| b));
+            round.sort_by(|a, b| a.key.cmp(&b.key));
+            out.extend(round);
+            match through {
+                Some(t) => after = Some(t),
+                None => break,
+            }
+        }
+        out.truncate(limit);
+        Ok(out)
+    }
+
+    fn visit(
+        &self,
+        prefix: &str,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) -> Result<(), SnapshotError> {
+        visit_by_pages(self, prefix, visit)
     }
 }
 
@@ -233,6 +488,83 @@ mod tests {
 
     fn keys(v: Vec<KvEntry>) -> Vec<String> {
         v.into_iter().map(|e| e.key).collect()
+    }
+
+    fn put(key: &str, value: &'static str, rev: u64) -> KvUpdate {
+        KvUpdate::Put(KvEntry {
+            key: key.to_string(),
+            value: bytes::Bytes::from_static(value.as_bytes()),
+            version: VersionToken::from_u64(rev),
+        })
+    }
+
+    #[test]
+    fn a_pinned_view_reads_the_fold_at_the_capture_however_it_changes_after() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) =
+            AppendLogSnapshot::open(dir.path(), AppendLogOptions::default()).expect("open");
+        let at_c: Vec<KvUpdate> = (1..=9).map(|i| put(&format!("k{i}"), "c", i)).collect();
+        store.apply(&at_c, WatchCursor::at(9)).expect("apply");
+        let shared = SharedStore::new(store);
+        let view = shared.begin_pre_images().expect("begin");
+        // The fold changes after C: each change records its pre-image first, as the fold does.
+        let later = vec![
+            put("k2", "later", 10),
+            KvUpdate::Delete {
+                key: "k3".into(),
+                version: VersionToken::from_u64(11),
+            },
+            put("k35", "new", 12),
+            put("k9", "later", 13),
+        ];
+        shared
+            .capture_pre_images(later.iter().map(KvUpdate::key))
+            .expect("capture");
+        shared
+            .write()
+            .expect("write")
+            .apply(&later, WatchCursor::at(13))
+            .expect("apply");
+        // Through the view, every page and every get is the fold at C.
+        let mut paged = Vec::new();
+        let mut after: Option<String> = None;
+        loop {
+            let page = view.scan("k", after.as_deref(), 2).expect("scan");
+            paged.extend(page.iter().map(|e| (e.key.clone(), e.version.as_u64())));
+            match page.last() {
+                Some(l) if page.len() == 2 => after = Some(l.key.clone()),
+                _ => break,
+            }
+        }
+        let want: Vec<(String, Option<u64>)> =
+            (1..=9).map(|i| (format!("k{i}"), Some(i))).collect();
+        assert_eq!(paged, want);
+        assert_eq!(
+            view.get("k3").expect("get").map(|e| e.version.as_u64()),
+            Some(Some(3))
+        );
+        assert_eq!(view.get("k35").expect("get"), None);
+        // The live fold is the new one; the catch-up is each changed key once, its value now.
+        assert_eq!(shared.get("k3").expect("get"), None);
+        let pre = shared.take_pre_images().expect("take").expect("a capture");
+        let catch_up: Vec<(String, Option<u64>)> = pre
+            .catch_up(&shared)
+            .expect("catch up")
+            .iter()
+            .map(|u| (u.key().to_string(), u.revision()))
+            .collect();
+        assert_eq!(
+            catch_up,
+            [
+                ("k2".to_string(), Some(10)),
+                ("k3".to_string(), None),
+                ("k35".to_string(), Some(12)),
+                ("k9".to_string(), Some(13)),
+            ]
+        );
+        // The capture is over: the view reads the live fold.
+        assert_eq!(view.get("k3").expect("get"), None);
+        assert_eq!(view.scan("k", None, 100).expect("scan").len(), 9);
     }
 
     #[test]

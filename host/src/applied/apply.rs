@@ -9,6 +9,7 @@ use async_trait::async_trait;
 
 use crate::kv::{KvUpdate, WatchCursor};
 use crate::snapshot::SnapshotError;
+use crate::view::FoldRead;
 
 /// What `parse` says of one update.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,14 +55,30 @@ pub trait Apply: Send {
     /// failed release of retained records): the next call rebuilds it from the fold.
     fn discard(&mut self) {}
 
-    /// Replaces the applier's logic with the component `bytes` (named `what`), rebuilt from the
-    /// committed fold, keeping the old one when anything fails. Called between batches with the fold
-    /// settled (everything applied is committed).
-    async fn swap(&mut self, what: &str, _bytes: &[u8]) -> Result<SwapReport, ApplyError> {
+    /// Starts a replacement of this applier from the component `bytes` (named `what`): checked now
+    /// (compiled, its imports linked), then built and hydrated by the candidate itself from `view`
+    /// (the fold at the swap's cursor C) beside the running applier, off the fold's path. Nothing of
+    /// the running applier changes until [`Apply::adopt`].
+    fn swap_candidate(
+        &mut self,
+        what: &str,
+        _bytes: &[u8],
+        _view: std::sync::Arc<dyn FoldRead>,
+    ) -> Result<Box<dyn SwapCandidate>, ApplyError> {
         Err(ApplyError {
             applier: self.describe(),
             call: "swap",
             message: format!("this applier cannot be replaced by {what}"),
+        })
+    }
+
+    /// Makes `candidate` — one this applier started, hydrated and caught up to the committed fold —
+    /// the running applier. Called between batches with the fold settled.
+    fn adopt(&mut self, candidate: Box<dyn SwapCandidate>) -> Result<(), ApplyError> {
+        Err(ApplyError {
+            applier: self.describe(),
+            call: "swap",
+            message: format!("{} is not a replacement for it", candidate.describe()),
         })
     }
 
@@ -76,6 +93,33 @@ pub trait Apply: Send {
     }
 }
 
+/// A replacement applier being built beside the running one ([`Apply::swap_candidate`]).
+///
+/// Its life: [`SwapCandidate::hydrate`] off the fold's path, from the fold at the swap's cursor C
+/// while the running applier keeps folding; then, at the cut-over (between batches, the fold
+/// settled), [`SwapCandidate::catch_up`] with the keys whose view changed since C, each once with
+/// its value now; then [`Apply::adopt`]. A failure at any step refuses the swap and the running
+/// applier never noticed.
+#[async_trait]
+pub trait SwapCandidate: Send {
+    /// Name and version (known once `hydrate` read its manifest).
+    fn describe(&self) -> String;
+
+    /// Builds the new instance and its domain state from its view: instantiate, check it may
+    /// replace the running applier (its scope), initialise, then every entry in scope. Returns the
+    /// entries hydrated.
+    async fn hydrate(&mut self) -> Result<u64, ApplyError>;
+
+    /// Brings the hydrated instance level with the committed fold: `updates` are the keys changed
+    /// since C, each once (a put of its entry now, or a synthetic delete, revision unknown). They
+    /// are part of the rebuild from the fold, so they are applied as hydration applies: what the new
+    /// version skips or defers is not built.
+    async fn catch_up(&mut self, updates: &[KvUpdate]) -> Result<(), ApplyError>;
+
+    /// The candidate as `Any`, for the applier that started it to take it back.
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
+}
+
 /// What a hot swap did.
 #[derive(Clone, Debug, serde::Serialize, PartialEq, Eq)]
 pub struct SwapReport {
@@ -85,9 +129,12 @@ pub struct SwapReport {
     pub to: String,
     /// Entries the new instance was rebuilt from.
     pub hydrated_entries: u64,
-    /// How long the rebuild took, milliseconds.
+    /// How long the rebuild took, milliseconds (beside the running applier: the fold kept going).
     pub hydrate_ms: u64,
-    /// How long the fold was paused (settling, rebuild, switch, release), milliseconds.
+    /// Keys changed while the new instance hydrated, applied to it at the cut-over.
+    pub caught_up: u64,
+    /// How long the fold was paused for the cut-over (settling, catch-up, switch, release),
+    /// milliseconds.
     pub paused_ms: u64,
     /// Retained records the new version applied and released.
     pub released: u64,

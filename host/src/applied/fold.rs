@@ -237,6 +237,9 @@ impl<S: SnapshotStore> Fold<S> {
         if records.is_empty() {
             return Ok((0, 0));
         }
+        self.store
+            .capture_pre_images(records.iter().map(|r| r.update.key()))
+            .map_err(store_err)?;
         let batch: Vec<KvUpdate> = records.iter().map(|r| r.update.clone()).collect();
         let deferred = match parse_with_deferral(apply, &batch, vec![false; batch.len()]).await {
             Ok(d) => d,
@@ -415,13 +418,20 @@ impl<S: SnapshotStore> Fold<S> {
         apply: &mut A,
     ) -> Result<u64, AppliedError> {
         let store_err = |e| AppliedError::Store { streak: 0, last: e };
-        let deletes: Vec<KvUpdate> = self
+        let (deletes, keys): (Vec<KvUpdate>, Vec<String>) = self
             .store
-            .with_retained(|r| r.records().map(RetainedRecord::to_delete).collect())
+            .with_retained(|r| {
+                r.records()
+                    .map(|r| (r.to_delete(), r.update.key().to_string()))
+                    .unzip()
+            })
             .map_err(store_err)?;
         if deletes.is_empty() {
             return Ok(0);
         }
+        self.store
+            .capture_pre_images(keys.iter().map(String::as_str))
+            .map_err(store_err)?;
         let n = deletes.len() as u64;
         let (_, r) = commit(&self.store, deletes, self.applied).await?;
         r.map_err(store_err)?;
@@ -504,6 +514,11 @@ impl<S: SnapshotStore> Fold<S> {
                 return Ok(Some(batch));
             }
         }
+        // A swap candidate hydrating from the fold at C keeps seeing C: the keys this flush can
+        // change record their views first ([`SharedStore::capture_pre_images`]).
+        self.store
+            .capture_pre_images(batch.iter().map(KvUpdate::key))
+            .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
         let (batch, skipped_high, delivered) = Self::split_reserved(batch);
         if batch.is_empty() && skipped_high.is_none() && self.is_settled() {
             return Ok(None);

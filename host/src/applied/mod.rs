@@ -36,7 +36,7 @@ mod fold;
 mod start;
 mod watch;
 
-pub use apply::{Apply, ApplyError, Control, CountingApply, SwapReport, Verdict};
+pub use apply::{Apply, ApplyError, Control, CountingApply, SwapCandidate, SwapReport, Verdict};
 pub use fold::Fold;
 pub use start::identity_refusal;
 pub use watch::watch_applied;

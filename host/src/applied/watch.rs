@@ -23,7 +23,8 @@ use crate::view::SharedStore;
 use super::fold::{STORE_RETRY_DELAY, apply_backoff, flush_all};
 use super::start::{check_identity, note_retention, prepare, repair_expired, watches_for_eviction};
 use super::{
-    AppliedError, Apply, Control, Finished, Fold, FoldStatus, RETENTION_PERIOD, WatchOptions,
+    AppliedError, Apply, ApplyError, Control, Finished, Fold, FoldStatus, RETENTION_PERIOD,
+    SwapCandidate, SwapReport, WatchOptions,
 };
 
 /// Watches `scope` from the store's cursor and folds every update through `apply` into `store`,
@@ -70,6 +71,7 @@ where
         grace_tick,
         retention_tick,
         depth,
+        swap: None,
     };
     tokio::pin!(shutdown);
     lp.run(relist, shutdown).await
@@ -87,6 +89,8 @@ struct FoldLoop<'a, S: SnapshotStore, A: Apply + ?Sized> {
     retention_tick: tokio::time::Interval,
     /// Depth of the watch channel, in chunks.
     depth: usize,
+    /// The swap whose candidate is hydrating, if any.
+    swap: Option<PendingSwap>,
 }
 
 /// The state of one watch: the open batch and what the loop waits for.
@@ -121,13 +125,69 @@ enum Step {
     Closed,
 }
 
-/// Aborts the watch task on every exit path: the watch must not outlive the fold it feeds.
-struct AbortOnDrop(tokio::task::JoinHandle<Result<(), KvError>>);
+/// Aborts a task on every exit path: a watch must not outlive the fold it feeds, nor a swap's
+/// hydration the fold it would join.
+struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
 
-impl Drop for AbortOnDrop {
+impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
     }
+}
+
+/// Where a swap's outcome goes.
+type SwapReply = tokio::sync::oneshot::Sender<Result<SwapReport, ApplyError>>;
+
+/// A hydration's end: the candidate back with what its hydration said, or the task's failure.
+type Hydrated = Result<(Box<dyn SwapCandidate>, Result<u64, ApplyError>), tokio::task::JoinError>;
+
+/// A swap whose candidate hydrates beside the running applier. Dropped (the loop ended, or the
+/// swap finished), it aborts the hydration and ends the pre-image capture.
+struct PendingSwap {
+    task: AbortOnDrop<(Box<dyn SwapCandidate>, Result<u64, ApplyError>)>,
+    /// Taken when the outcome is sent; dropped unsent, the requester hears the fold stopped.
+    reply: Option<SwapReply>,
+    what: String,
+    from: String,
+    began: Instant,
+    /// Ends the capture.
+    store: Box<dyn Fn() + Send>,
+}
+
+impl Drop for PendingSwap {
+    fn drop(&mut self) {
+        (self.store)();
+    }
+}
+
+/// Waits for the pending swap's hydration (forever when there is none).
+async fn hydrated(swap: &mut Option<PendingSwap>) -> Hydrated {
+    match swap {
+        Some(p) => (&mut p.task.0).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// The refusal of a swap to `what`, with `e` as the reason.
+fn refused(from: &str, what: &str, e: &ApplyError) -> ApplyError {
+    ApplyError {
+        applier: from.to_string(),
+        call: "swap",
+        message: format!("{what} refused, {from} keeps running: {e}"),
+    }
+}
+
+/// An error in the candidate's name.
+fn candidate_error(c: &dyn SwapCandidate, message: String) -> ApplyError {
+    ApplyError {
+        applier: c.describe(),
+        call: "swap",
+        message,
+    }
+}
+
+fn store_err(last: crate::snapshot::SnapshotError) -> AppliedError {
+    AppliedError::Store { streak: 0, last }
 }
 
 impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
@@ -268,6 +328,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                     self.on_retention_tick(&mut t).await?;
                 }
                 c = recv_control(&mut self.control) => self.on_control(c, &mut t).await?,
+                done = hydrated(&mut self.swap) => self.cut_over(done, &mut t).await?,
                 ev = rx.recv(), if !t.backing_off && t.batch.len() < max => {
                     if let Step::Closed = self.on_events(ev, &mut rx, &mut t, &mut flush_now) {
                         return self.on_closed(&mut t, &mut watch_task).await;
@@ -332,32 +393,165 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 let _ = reply.send(copied);
             }
             Some(Control::Swap { bytes, what, reply }) => {
-                // Settle first: the new instance is rebuilt from the committed fold, so everything
-                // the old one applied must be committed. Deliveries wait in the channel meanwhile;
-                // the watch never stops.
-                let began = Instant::now();
-                flush_all(&mut self.fold, &mut t.batch, max, self.apply).await?;
-                t.timer_armed = false;
-                let mut outcome = self.apply.swap(&what, &bytes).await;
-                if let Ok(r) = &mut outcome {
-                    // The new version is offered the retained records first.
-                    let (released, still) = self.fold.release(self.apply).await?;
-                    r.released = released;
-                    r.still_retained = still;
-                    r.paused_ms = began.elapsed().as_millis() as u64;
-                }
-                match &outcome {
-                    Ok(r) => {
-                        self.status.set_guest(&r.to);
-                        tracing::info!(from = %r.from, to = %r.to, hydrated = r.hydrated_entries, hydrate_ms = r.hydrate_ms, paused_ms = r.paused_ms, "guest swapped");
-                    }
-                    Err(e) => tracing::warn!(error = %e, "swap refused; the running guest stays"),
-                }
-                let _ = reply.send(outcome);
+                self.start_swap(bytes, what, reply, t).await?;
             }
             None => self.control = None,
         }
         Ok(())
+    }
+
+    /// A swap's first half: settle (so the candidate's view starts at the committed fold with
+    /// nothing applied and uncommitted), start the pre-image capture at that cursor C, and hydrate
+    /// the candidate from the fold at C in a task of its own, beside the running applier. The fold
+    /// goes on at once; [`FoldLoop::cut_over`] finishes the swap when the hydration ends.
+    async fn start_swap(
+        &mut self,
+        bytes: Vec<u8>,
+        what: String,
+        reply: SwapReply,
+        t: &mut Turn,
+    ) -> Result<(), AppliedError> {
+        let from = self.apply.describe();
+        if let Some(p) = &self.swap {
+            let _ = reply.send(Err(ApplyError {
+                applier: from.clone(),
+                call: "swap",
+                message: format!(
+                    "{what} refused, {from} keeps running: the swap to {} is still hydrating",
+                    p.what
+                ),
+            }));
+            return Ok(());
+        }
+        flush_all(
+            &mut self.fold,
+            &mut t.batch,
+            self.opts.batch.max,
+            self.apply,
+        )
+        .await?;
+        t.timer_armed = false;
+        let store = self.fold.store().clone();
+        let view = store.begin_pre_images().map_err(store_err)?;
+        let mut candidate = match self.apply.swap_candidate(&what, &bytes, Arc::new(view)) {
+            Ok(c) => c,
+            Err(e) => {
+                store.take_pre_images().map_err(store_err)?;
+                tracing::warn!(error = %e, "swap refused; the running guest stays");
+                let _ = reply.send(Err(refused(&from, &what, &e)));
+                return Ok(());
+            }
+        };
+        tracing::info!(from = %from, cursor = %self.fold.cursor(), "swap: hydrating the new version beside the running one");
+        let task = tokio::spawn(async move {
+            let r = candidate.hydrate().await;
+            (candidate, r)
+        });
+        self.swap = Some(PendingSwap {
+            task: AbortOnDrop(task),
+            reply: Some(reply),
+            what,
+            from,
+            began: Instant::now(),
+            store: Box::new(move || {
+                let _ = store.take_pre_images();
+            }),
+        });
+        Ok(())
+    }
+
+    /// A swap's second half, between batches once the candidate hydrated: settle, end the
+    /// capture, catch the candidate up with the keys changed since C (each once, its value now),
+    /// switch, and offer it the retained records. Only this is on the fold's path (`paused_ms`).
+    /// Any failure refuses the swap; the running applier never noticed.
+    async fn cut_over(&mut self, done: Hydrated, t: &mut Turn) -> Result<(), AppliedError> {
+        let Some(mut p) = self.swap.take() else {
+            return Ok(());
+        };
+        let hydrate_ms = p.began.elapsed().as_millis() as u64;
+        let mut outcome = self.finish_swap(&mut p, done, t).await?;
+        if let Ok(r) = &mut outcome {
+            r.hydrate_ms = hydrate_ms;
+            self.status.set_guest(&r.to);
+            tracing::info!(from = %r.from, to = %r.to, hydrated = r.hydrated_entries, caught_up = r.caught_up, hydrate_ms = r.hydrate_ms, paused_ms = r.paused_ms, "guest swapped");
+        } else if let Err(e) = &outcome {
+            tracing::warn!(error = %e, "swap refused; the running guest stays");
+        }
+        if let Some(reply) = p.reply.take() {
+            let _ = reply.send(outcome);
+        }
+        Ok(())
+    }
+
+    /// [`FoldLoop::cut_over`]'s steps; the capture is over whichever way it returns (the pending
+    /// swap ends it when dropped).
+    async fn finish_swap(
+        &mut self,
+        p: &mut PendingSwap,
+        done: Hydrated,
+        t: &mut Turn,
+    ) -> Result<Result<SwapReport, ApplyError>, AppliedError> {
+        let refuse = |e: ApplyError| refused(&p.from, &p.what, &e);
+        let (mut candidate, hydrated) = match done {
+            Ok(pair) => pair,
+            Err(e) => {
+                return Ok(Err(refuse(ApplyError {
+                    applier: p.what.clone(),
+                    call: "hydrate",
+                    message: format!("the hydration task failed: {e}"),
+                })));
+            }
+        };
+        let entries = match hydrated {
+            Ok(n) => n,
+            Err(e) => return Ok(Err(refuse(e))),
+        };
+        let paused = Instant::now();
+        flush_all(
+            &mut self.fold,
+            &mut t.batch,
+            self.opts.batch.max,
+            self.apply,
+        )
+        .await?;
+        t.timer_armed = false;
+        let store = self.fold.store().clone();
+        let Some(pre) = store.take_pre_images().map_err(store_err)? else {
+            return Ok(Err(refuse(candidate_error(
+                &*candidate,
+                "its view of the fold was lost (another capture replaced it)".into(),
+            ))));
+        };
+        if pre.overflowed() {
+            return Ok(Err(refuse(candidate_error(
+                &*candidate,
+                format!(
+                    "the fold changed more than {} keys or {} MiB while it hydrated; retry when fewer keys change",
+                    crate::view::MAX_PRE_IMAGE_KEYS,
+                    crate::view::MAX_PRE_IMAGE_BYTES >> 20
+                ),
+            ))));
+        }
+        let updates = pre.catch_up(&store).map_err(store_err)?;
+        if let Err(e) = candidate.catch_up(&updates).await {
+            return Ok(Err(refuse(e)));
+        }
+        let to = candidate.describe();
+        if let Err(e) = self.apply.adopt(candidate) {
+            return Ok(Err(refuse(e)));
+        }
+        // The new version is offered the retained records first.
+        let (released, still_retained) = self.fold.release(self.apply).await?;
+        Ok(Ok(SwapReport {
+            from: p.from.clone(),
+            to,
+            hydrated_entries: entries,
+            hydrate_ms: 0,
+            caught_up: updates.len() as u64,
+            paused_ms: paused.elapsed().as_millis() as u64,
+            released,
+            still_retained,
+        }))
     }
 
     /// Takes `first` and whatever else is already queued, up to a full batch, without re-entering
@@ -438,7 +632,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
     async fn on_closed(
         &mut self,
         t: &mut Turn,
-        watch_task: &mut AbortOnDrop,
+        watch_task: &mut AbortOnDrop<Result<(), KvError>>,
     ) -> Result<TurnEnd, AppliedError> {
         flush_all(
             &mut self.fold,

@@ -27,7 +27,7 @@ use async_trait::async_trait;
 use wasmtime::component::{Component, HasSelf, Linker};
 use wasmtime::{Config, Engine, Store};
 
-use crate::applied::{Apply, ApplyError, SwapReport, Verdict};
+use crate::applied::{Apply, ApplyError, SwapCandidate, Verdict};
 use crate::kv::{KvUpdate, WatchCursor, WatchScope};
 use crate::view::FoldRead;
 use bindings::{GuestPre, HostState, MAX_MESSAGE_BYTES, clip_text};
@@ -309,7 +309,7 @@ impl GuestApply {
             Some(l) => l,
             None => self.core.fresh().await?,
         };
-        let stats = self.core.stream_fold(&mut l).await?;
+        let stats = self.core.stream_fold(&mut l, false).await?;
         self.hydrations += 1;
         self.last_hydration = Some(stats);
         Ok(l)
@@ -519,8 +519,52 @@ impl Core {
             .map_err(|m| self.err("apply", clip_text(m, MAX_MESSAGE_BYTES)))
     }
 
-    /// Streams the committed fold (in scope) through parse/apply in chunks.
-    async fn stream_fold(&self, live: &mut Live) -> Result<(u64, Duration), ApplyError> {
+    /// Parses and applies `updates` in calls of at most `hydrate_chunk` entries and
+    /// `max_batch_bytes` bytes (a single update over the byte limit is refused, named). Verdicts
+    /// are the guest's own business here: what it skips or defers it does not build.
+    async fn feed(
+        &self,
+        live: &mut Live,
+        updates: Vec<bindings::Update>,
+    ) -> Result<(), ApplyError> {
+        let chunk = self.limits.hydrate_chunk.max(1);
+        let mut rest = updates.into_iter().peekable();
+        while rest.peek().is_some() {
+            let mut call = Vec::with_capacity(chunk);
+            let mut bytes = 0usize;
+            while let Some(u) = rest.peek() {
+                let size = u.key.len() + u.value.len();
+                if call.len() == chunk
+                    || (!call.is_empty() && bytes + size > self.limits.max_batch_bytes)
+                {
+                    break;
+                }
+                if size > self.limits.max_batch_bytes {
+                    return Err(self.err(
+                        "hydrate",
+                        format!(
+                            "entry {:?} carries {size} bytes, over the guest's max-batch-bytes limit of {}",
+                            u.key, self.limits.max_batch_bytes
+                        ),
+                    ));
+                }
+                bytes += size;
+                call.extend(rest.next());
+            }
+            self.call_parse(live, &call).await?;
+            self.call_apply(live).await?;
+        }
+        Ok(())
+    }
+
+    /// Streams the fold (in scope, through this guest's view of it) through parse/apply in chunks.
+    /// `swapping`: this is a swap candidate's hydration (the fold keeps going beside it), where the
+    /// [`crate::crashpoint::SWAP_HYDRATING`] hold point sits after the first chunk.
+    async fn stream_fold(
+        &self,
+        live: &mut Live,
+        swapping: bool,
+    ) -> Result<(u64, Duration), ApplyError> {
         let t = Instant::now();
         let prefixes = match self.manifest.scope.as_slice() {
             [] => vec![String::new()],
@@ -538,30 +582,7 @@ impl Core {
                 let Some(last) = entries.last() else { break };
                 after = Some(last.key.clone());
                 let full = entries.len() == chunk;
-                // Keep each call under the byte limit too: cut the page where it would pass it.
-                let mut entries = entries;
-                let mut cut_short = false;
-                let mut bytes = 0usize;
-                if let Some(cut) = entries.iter().position(|e| {
-                    bytes += e.key.len() + e.value.len();
-                    bytes > self.limits.max_batch_bytes
-                }) {
-                    if cut == 0 {
-                        return Err(self.err(
-                            "hydrate",
-                            format!(
-                                "entry {:?} carries {bytes} bytes, over the guest's max-batch-bytes limit of {}",
-                                entries[0].key, self.limits.max_batch_bytes
-                            ),
-                        ));
-                    }
-                    if cut < entries.len() {
-                        entries.truncate(cut);
-                        after = entries.last().map(|e| e.key.clone());
-                        cut_short = true;
-                    }
-                }
-                let n = entries.len();
+                total += entries.len() as u64;
                 let batch: Vec<bindings::Update> = entries
                     .into_iter()
                     .map(|e| bindings::Update {
@@ -571,10 +592,11 @@ impl Core {
                         op: bindings::Op::Put,
                     })
                     .collect();
-                self.call_parse(live, &batch).await?;
-                self.call_apply(live).await?;
-                total += n as u64;
-                if !full && !cut_short {
+                self.feed(live, batch).await?;
+                if swapping {
+                    crate::crashpoint::hold(crate::crashpoint::SWAP_HYDRATING).await;
+                }
+                if !full {
                     break;
                 }
             }
@@ -665,67 +687,65 @@ impl Apply for GuestApply {
         }
     }
 
-    async fn swap(&mut self, what: &str, bytes: &[u8]) -> Result<SwapReport, ApplyError> {
+    fn swap_candidate(
+        &mut self,
+        what: &str,
+        bytes: &[u8],
+        view: Arc<dyn FoldRead>,
+    ) -> Result<Box<dyn SwapCandidate>, ApplyError> {
         let from = self.describe();
-        let refuse = |message: String| ApplyError {
-            applier: from.clone(),
-            call: "swap",
-            message: format!("{what} refused, {from} keeps running: {message}"),
-        };
-        // Compiled already by the caller off the hot path (the cache makes this a lookup); the
+        // Compiled already by the caller off the fold's path (the cache makes this a lookup); the
         // import check runs again here all the same.
         let pre = self
             .core
             .engine
             .prepare(what, bytes)
-            .map_err(|e| refuse(e.to_string()))?;
-        let mut core = Core {
-            engine: self.core.engine.clone(),
-            pre,
-            manifest: GuestManifest {
-                name: what.to_string(),
-                version: "?".into(),
-                scope: Vec::new(),
+            .map_err(|e| ApplyError {
+                applier: from.clone(),
+                call: "swap",
+                message: e.to_string(),
+            })?;
+        Ok(Box::new(GuestCandidate {
+            core: Core {
+                engine: self.core.engine.clone(),
+                pre,
+                manifest: GuestManifest {
+                    name: what.to_string(),
+                    version: "?".into(),
+                    scope: Vec::new(),
+                },
+                limits: self.core.limits,
+                config: self.core.config.clone(),
+                fold: view,
             },
-            limits: self.core.limits,
-            config: self.core.config.clone(),
-            fold: self.core.fold.clone(),
+            live: None,
+            running: self.core.manifest.clone(),
+            hydrated: None,
+        }))
+    }
+
+    fn adopt(&mut self, candidate: Box<dyn SwapCandidate>) -> Result<(), ApplyError> {
+        let described = candidate.describe();
+        let c = candidate
+            .into_any()
+            .downcast::<GuestCandidate>()
+            .map_err(|_| self.core.err("swap", format!("{described} is not a guest")))?;
+        let GuestCandidate {
+            core,
+            live,
+            hydrated,
+            ..
+        } = *c;
+        let (Some(live), Some(stats)) = (live, hydrated) else {
+            return Err(self
+                .core
+                .err("swap", format!("{described} was not hydrated")));
         };
-        let mut live = core
-            .instantiate()
-            .await
-            .map_err(|e| refuse(e.to_string()))?;
-        core.manifest = core
-            .call_manifest(&mut live)
-            .await
-            .map_err(|e| refuse(e.to_string()))?;
-        if core.manifest.scope != self.core.manifest.scope {
-            return Err(refuse(format!(
-                "its scope {} differs from the running {} (a scope change needs a restart)",
-                core.manifest.watch_scope(),
-                self.core.manifest.watch_scope()
-            )));
-        }
-        core.call_init(&mut live)
-            .await
-            .map_err(|e| refuse(e.to_string()))?;
-        let (entries, took) = core
-            .stream_fold(&mut live)
-            .await
-            .map_err(|e| refuse(format!("hydration failed: {e}")))?;
         self.core = core;
         self.live = Some(live);
         self.hydrations += 1;
-        self.last_hydration = Some((entries, took));
-        Ok(SwapReport {
-            from,
-            to: self.describe(),
-            hydrated_entries: entries,
-            hydrate_ms: took.as_millis() as u64,
-            paused_ms: 0,
-            released: 0,
-            still_retained: 0,
-        })
+        self.last_hydration = Some(stats);
+        Ok(())
     }
 
     async fn query(&mut self, request: &[u8]) -> Result<Vec<u8>, ApplyError> {
@@ -754,6 +774,73 @@ impl Apply for GuestApply {
             }
             Err(e) => Err(self.core.call_error(&live, "query", e)),
         }
+    }
+}
+
+/// A guest built beside the running one ([`Apply::swap_candidate`]): its own engine store and
+/// instance, reading the fold through the swap's view (the fold at C until the cut-over).
+struct GuestCandidate {
+    core: Core,
+    live: Option<Live>,
+    /// The running guest's manifest (a scope change is refused).
+    running: GuestManifest,
+    /// Entries hydrated and how long it took, once hydrated.
+    hydrated: Option<(u64, Duration)>,
+}
+
+#[async_trait]
+impl SwapCandidate for GuestCandidate {
+    fn describe(&self) -> String {
+        self.core.describe()
+    }
+
+    async fn hydrate(&mut self) -> Result<u64, ApplyError> {
+        let mut live = self.core.instantiate().await?;
+        self.core.manifest = self.core.call_manifest(&mut live).await?;
+        live.store.data_mut().set_guest(self.core.describe());
+        if self.core.manifest.scope != self.running.scope {
+            return Err(self.core.err(
+                "swap",
+                format!(
+                    "its scope {} differs from the running {} (a scope change needs a restart)",
+                    self.core.manifest.watch_scope(),
+                    self.running.watch_scope()
+                ),
+            ));
+        }
+        self.core.call_init(&mut live).await?;
+        let stats = self
+            .core
+            .stream_fold(&mut live, true)
+            .await
+            .map_err(|e| self.core.err("swap", format!("hydration failed: {e}")))?;
+        self.live = Some(live);
+        self.hydrated = Some(stats);
+        Ok(stats.0)
+    }
+
+    async fn catch_up(&mut self, updates: &[KvUpdate]) -> Result<(), ApplyError> {
+        let Some(mut live) = self.live.take() else {
+            return Err(self
+                .core
+                .err("swap", "caught up before it was hydrated".into()));
+        };
+        let scope = self.core.manifest.watch_scope();
+        let updates: Vec<bindings::Update> = updates
+            .iter()
+            .filter(|u| scope.contains(u.key()))
+            .map(bindings::to_wit_update)
+            .collect();
+        self.core
+            .feed(&mut live, updates)
+            .await
+            .map_err(|e| self.core.err("swap", format!("catch-up failed: {e}")))?;
+        self.live = Some(live);
+        Ok(())
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
     }
 }
 

@@ -17,7 +17,7 @@ use tokio::sync::{mpsc, oneshot};
 use super::*;
 use crate::applied::{
     AppliedError, Apply, ApplyError, BatchConfig, Control, CountingApply, FoldStatus,
-    MAX_APPLY_FAILURES, SwapReport, Verdict, WatchOptions, watch_applied,
+    MAX_APPLY_FAILURES, SwapCandidate, Verdict, WatchOptions, watch_applied,
 };
 use crate::retained::{RETAINED_PREFIX, is_reserved};
 use crate::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotError, SnapshotStore};
@@ -713,20 +713,61 @@ enum Seen {
     },
 }
 
-/// A native applier whose logic is "version N"; a swap to `bytes` (a version number) switches it.
+/// A native applier whose logic is "version N" and whose domain state is a copy of the fold; a
+/// swap to `bytes` (a version number) builds the next version beside it from the swap's view.
 struct Versioned {
     version: u32,
     seen: Arc<Mutex<Vec<Seen>>>,
     status: Arc<FoldStatus>,
     store: SharedStore<AppendLogSnapshot>,
+    /// The copy this version built: key → (value, revision).
+    state: BTreeMap<String, (Bytes, u64)>,
+    /// Every (key, revision) this version applied, hydration and catch-up included.
+    applied: Vec<(String, u64)>,
+    /// The keys of the last swap's catch-up.
+    caught_up: Vec<String>,
+    /// Holds the next candidate's hydration after its first page: signals the first sender, waits
+    /// for the second.
+    gate: Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>,
 }
 
 impl Versioned {
+    fn new(status: Arc<FoldStatus>, store: SharedStore<AppendLogSnapshot>) -> Self {
+        Versioned {
+            version: 1,
+            seen: Arc::default(),
+            status,
+            store,
+            state: BTreeMap::new(),
+            applied: Vec::new(),
+            caught_up: Vec::new(),
+            gate: None,
+        }
+    }
+
     fn note(&self, s: Seen) {
         if let Ok(mut seen) = self.seen.lock() {
             seen.push(s);
         }
     }
+}
+
+/// Applies `u` to a copy of the fold, logging what was applied.
+fn apply_to_copy(
+    state: &mut BTreeMap<String, (Bytes, u64)>,
+    applied: &mut Vec<(String, u64)>,
+    u: &KvUpdate,
+) {
+    let rev = u.revision().unwrap_or(0);
+    match u {
+        KvUpdate::Put(e) => {
+            state.insert(e.key.clone(), (e.value.clone(), rev));
+        }
+        KvUpdate::Delete { key, .. } | KvUpdate::Purge { key, .. } => {
+            state.remove(key);
+        }
+    }
+    applied.push((u.key().to_string(), rev));
 }
 
 #[async_trait]
@@ -742,12 +783,20 @@ impl Apply for Versioned {
     async fn apply(&mut self, batch: &[KvUpdate], _verdicts: &[Verdict]) -> Result<(), ApplyError> {
         let revs = batch.iter().filter_map(KvUpdate::revision).collect();
         self.note(Seen::Applied(self.version, revs));
+        for u in batch {
+            apply_to_copy(&mut self.state, &mut self.applied, u);
+        }
         Ok(())
     }
 
     async fn on_applied(&mut self, _cursor: WatchCursor) {}
 
-    async fn swap(&mut self, what: &str, bytes: &[u8]) -> Result<SwapReport, ApplyError> {
+    fn swap_candidate(
+        &mut self,
+        what: &str,
+        bytes: &[u8],
+        view: Arc<dyn FoldRead>,
+    ) -> Result<Box<dyn SwapCandidate>, ApplyError> {
         let to: u32 = std::str::from_utf8(bytes)
             .ok()
             .and_then(|s| s.parse().ok())
@@ -756,15 +805,27 @@ impl Apply for Versioned {
                 call: "swap",
                 message: format!("{what}: not a version"),
             })?;
-        let s = &self.status;
-        let (store_cursor, hydrated_entries) = {
-            let st = self.store.read().map_err(|e| ApplyError {
+        Ok(Box::new(VersionedCandidate {
+            to,
+            view,
+            state: BTreeMap::new(),
+            applied: Vec::new(),
+            caught_up: Vec::new(),
+            gate: self.gate.take(),
+        }))
+    }
+
+    fn adopt(&mut self, candidate: Box<dyn SwapCandidate>) -> Result<(), ApplyError> {
+        let c = candidate
+            .into_any()
+            .downcast::<VersionedCandidate>()
+            .map_err(|_| ApplyError {
                 applier: self.describe(),
                 call: "swap",
-                message: e.to_string(),
+                message: "not a versioned candidate".into(),
             })?;
-            (st.cursor(), crate::snapshot::bucket_len(&*st).unwrap_or(0))
-        };
+        let s = &self.status;
+        let store_cursor = self.store.read().expect("read").cursor();
         self.note(Seen::Swapped {
             delivered: load(&s.delivered),
             committed: load(&s.committed),
@@ -772,17 +833,68 @@ impl Apply for Versioned {
             cursor: load(&s.cursor),
             store_cursor,
         });
-        let from = self.describe();
-        self.version = to;
-        Ok(SwapReport {
-            from,
-            to: self.describe(),
-            hydrated_entries,
-            hydrate_ms: 0,
-            paused_ms: 0,
-            released: 0,
-            still_retained: 0,
-        })
+        self.version = c.to;
+        self.state = c.state;
+        self.applied = c.applied;
+        self.caught_up = c.caught_up;
+        Ok(())
+    }
+}
+
+/// The next version of [`Versioned`], hydrating from the swap's view.
+struct VersionedCandidate {
+    to: u32,
+    view: Arc<dyn FoldRead>,
+    state: BTreeMap<String, (Bytes, u64)>,
+    applied: Vec<(String, u64)>,
+    caught_up: Vec<String>,
+    gate: Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>,
+}
+
+#[async_trait]
+impl SwapCandidate for VersionedCandidate {
+    fn describe(&self) -> String {
+        format!("native:v{}", self.to)
+    }
+
+    async fn hydrate(&mut self) -> Result<u64, ApplyError> {
+        // Small pages, so a held hydration reads most of the fold after the writes it overlaps.
+        let mut after: Option<String> = None;
+        let mut n = 0u64;
+        loop {
+            let page = self
+                .view
+                .scan("", after.as_deref(), 4)
+                .expect("scan the view");
+            for e in &page {
+                apply_to_copy(
+                    &mut self.state,
+                    &mut self.applied,
+                    &KvUpdate::Put(e.clone()),
+                );
+            }
+            n += page.len() as u64;
+            if let Some((reached, release)) = self.gate.take() {
+                let _ = reached.send(());
+                let _ = release.await;
+            }
+            match page.last() {
+                Some(last) if page.len() == 4 => after = Some(last.key.clone()),
+                _ => return Ok(n),
+            }
+        }
+    }
+
+    async fn catch_up(&mut self, updates: &[KvUpdate]) -> Result<(), ApplyError> {
+        for u in updates {
+            apply_to_copy(&mut self.state, &mut self.applied, u);
+            self.caught_up.push(u.key().to_string());
+        }
+        Ok(())
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
     }
 }
 
@@ -795,13 +907,8 @@ async fn a_swap_runs_between_batches_after_everything_delivered_is_committed() {
     let dir = tempfile::tempdir().expect("tempdir");
     let store = SharedStore::new(open(dir.path()));
     let status = Arc::new(FoldStatus::default());
-    let seen = Arc::new(Mutex::new(Vec::new()));
-    let mut apply = Versioned {
-        version: 1,
-        seen: seen.clone(),
-        status: status.clone(),
-        store: store.clone(),
-    };
+    let mut apply = Versioned::new(status.clone(), store.clone());
+    let seen = apply.seen.clone();
     let (control_tx, control_rx) = mpsc::channel(4);
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
     let watcher: Arc<dyn KvWatcher> = Arc::new(sim.clone());
@@ -897,6 +1004,142 @@ async fn a_swap_runs_between_batches_after_everything_delivered_is_committed() {
         applied_by(2, &seen[at + 1..]),
         (16..=20).collect::<Vec<_>>()
     );
+}
+
+/// Issue 15: a swap hydrates the new version beside the running one, from the fold as it was when
+/// the swap began (cursor C), while the old version keeps folding; the cut-over hands the new one
+/// each key changed since C exactly once, with its value now. Nothing applied twice, nothing
+/// skipped, and the new version's copy equals the fold.
+#[tokio::test(start_paused = true)]
+async fn a_swap_hydrates_beside_the_running_fold_and_catches_up_each_changed_key_once() {
+    let sim = SimBucket::new();
+    for i in 1..=20 {
+        sim.put_now(&format!("k{i:02}"), format!("v{i}"));
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let status = Arc::new(FoldStatus::default());
+    let mut apply = Versioned::new(status.clone(), store.clone());
+    let seen = apply.seen.clone();
+    let (reached_tx, reached_rx) = oneshot::channel();
+    let (release_tx, release_rx) = oneshot::channel();
+    apply.gate = Some((reached_tx, release_rx));
+    let (control_tx, control_rx) = mpsc::channel(4);
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let watcher: Arc<dyn KvWatcher> = Arc::new(sim.clone());
+    let fold = watch_applied(
+        watcher,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), false),
+        status.clone(),
+        Some(control_rx),
+        async {
+            let _ = stop_rx.await;
+        },
+    );
+    let driver = async {
+        until("the first 20 committed", || load(&status.cursor) == 20).await;
+        let (reply, answer) = oneshot::channel();
+        control_tx
+            .send(Control::Swap {
+                bytes: b"2".to_vec(),
+                what: "v2".into(),
+                reply,
+            })
+            .await
+            .expect("the fold takes controls");
+        // The candidate read its first page (k01..k04) and is held there.
+        reached_rx.await.expect("the candidate started hydrating");
+        sim.put_now("k02", "changed after its page was read"); // 21
+        sim.put_now("k10", "changed before its page is read"); // 22
+        sim.delete_now("k15"); // 23
+        sim.put_now("k21", "new"); // 24
+        sim.delete_now("k07"); // 25
+        sim.put_now("k07", "back"); // 26
+        sim.put_now("k30", "short-lived"); // 27
+        sim.delete_now("k30"); // 28
+        until("the old version committed the writes", || {
+            load(&status.cursor) == 28
+        })
+        .await;
+        assert_eq!(
+            status.guest(),
+            "native:v1",
+            "the old version is still folding"
+        );
+        release_tx.send(()).expect("release the hydration");
+        let report = answer
+            .await
+            .expect("the fold answers")
+            .expect("the swap succeeds");
+        sim.put_now("k31", "after"); // 29
+        until("the update after the swap committed", || {
+            load(&status.cursor) == 29
+        })
+        .await;
+        drop(stop_tx);
+        report
+    };
+    let (result, report) = tokio::time::timeout(DEADLINE, async { tokio::join!(fold, driver) })
+        .await
+        .expect("the fold ended in time");
+    assert_eq!(
+        result.expect("a clean shutdown").cursor,
+        WatchCursor::at(29)
+    );
+    assert_eq!(report.to, "native:v2");
+    assert_eq!(
+        report.hydrated_entries, 20,
+        "the candidate hydrated the fold at C, not the fold it was reading"
+    );
+    assert_eq!(report.caught_up, 5);
+    assert_eq!(apply.caught_up, ["k02", "k07", "k10", "k15", "k21"]);
+    // k10 was read after it changed, yet hydrated at its value at C; the catch-up brought it up.
+    let k10: Vec<u64> = apply
+        .applied
+        .iter()
+        .filter(|(k, _)| k == "k10")
+        .map(|(_, r)| *r)
+        .collect();
+    assert_eq!(k10, [10, 22]);
+    // Nothing applied twice: every known revision once (synthetic deletes carry none).
+    let mut revs: Vec<&(String, u64)> = apply.applied.iter().filter(|(_, r)| *r != 0).collect();
+    let n = revs.len();
+    revs.sort();
+    revs.dedup();
+    assert_eq!(
+        revs.len(),
+        n,
+        "an update applied twice: {:?}",
+        apply.applied
+    );
+    // Nothing skipped: the new version's copy is the fold.
+    assert_eq!(apply.state, contents(&*store.read().expect("read")));
+    assert_eq!(apply.state, bucket(&sim).await);
+    // The old version folded 21..=28 during the hydration; the new one took over at 29.
+    let seen = seen.lock().expect("seen").clone();
+    let at = seen
+        .iter()
+        .position(|s| matches!(s, Seen::Swapped { .. }))
+        .expect("swapped");
+    let by = |v: u32, part: &[Seen]| -> Vec<u64> {
+        part.iter()
+            .flat_map(|s| match s {
+                Seen::Applied(w, revs) if *w == v => revs.clone(),
+                _ => Vec::new(),
+            })
+            .collect()
+    };
+    // (The watch may coalesce a key's updates delivered together: 25 and 27 are superseded.)
+    let old = by(1, &seen[..at]);
+    assert_eq!(old[..20], (1..=20).collect::<Vec<_>>());
+    assert_eq!(
+        old.last(),
+        Some(&28),
+        "the old version folded through 28: {old:?}"
+    );
+    assert_eq!(by(2, &seen[at + 1..]), [29]);
 }
 
 /// Issue 14: a watch that breaks (the connection, the server or the consumer failed) is resumed

@@ -21,14 +21,63 @@ fn start_host(
     addr: &str,
     token: Option<&str>,
 ) -> anyhow::Result<Child> {
+    start_host_holding(h, bucket, store, addr, token, "kvstore", None)
+}
+
+/// The host running `guest`; with `hold`, its first swap's hydration is held after its first
+/// chunk (the `swap.hydrating` hold point) until `hold.release` exists.
+fn start_host_holding(
+    h: &Harness,
+    bucket: &str,
+    store: &std::path::Path,
+    addr: &str,
+    token: Option<&str>,
+    guest: &str,
+    hold: Option<&std::path::Path>,
+) -> anyhow::Result<Child> {
     let mut c = run_command(h, bucket, store, Some(addr));
     c.arg("--guest")
-        .arg(guest_wasm("kvstore"))
+        .arg(guest_wasm(guest))
         .stderr(Stdio::null());
     if let Some(t) = token {
         c.args(["--admin-token", t]);
     }
+    if let Some(hold) = hold {
+        c.env(
+            foldhost::crashpoint::HOLD_ENV,
+            format!(
+                "{}:{}",
+                foldhost::crashpoint::SWAP_HYDRATING,
+                hold.display()
+            ),
+        );
+    }
     Ok(c.spawn()?)
+}
+
+/// Swaps to `guest` with the first swap's hydration held (see [`start_host_holding`]): waits until
+/// it is held, then until the fold committed `batches` more batches beside it, then releases it.
+async fn swap_overlapping(
+    addr: &str,
+    guest: &std::path::Path,
+    hold: &std::path::Path,
+    batches: u64,
+) -> anyhow::Result<(bool, String, u64)> {
+    let swapping = {
+        let (addr, guest) = (addr.to_string(), guest.to_path_buf());
+        tokio::task::spawn_blocking(move || swap(&addr, &guest, None))
+    };
+    let reached = hold.with_extension("reached");
+    wait_until("the swap's hydration to be held", || reached.exists()).await?;
+    let before = wait_status(addr, |_| true).await?;
+    let during = wait_status(addr, |s| s.batches >= before.batches + batches).await?;
+    assert_eq!(
+        during.guest, before.guest,
+        "the old version folds while the new one hydrates"
+    );
+    std::fs::write(hold.with_extension("release"), b"")?;
+    let (ok, text) = swapping.await??;
+    Ok((ok, text, during.batches - before.batches))
 }
 
 fn swap(
@@ -62,7 +111,8 @@ async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Resu
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
-    let mut host = start_host(&h, "swap", &store, &addr, None)?;
+    let hold = tmp.path().join("hold");
+    let mut host = start_host_holding(&h, "swap", &store, &addr, None, "kvstore", Some(&hold))?;
     wait_status(&addr, |s| s.applied_through >= 2000).await?;
 
     // The writer: pipelined puts over 5 000 keys, with deletes, until stopped; it counts what
@@ -114,10 +164,25 @@ async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Resu
             acked.load(Ordering::Relaxed) >= target
         })
         .await?;
-        let (ok, text) = swap(&addr, guest, None)?;
+        let (ok, text) = if i == 0 {
+            // The first swap's hydration is held after its first chunk of 1 000 entries while the
+            // fold commits at least 50 batches beside it; the rest of it reads the fold at the
+            // swap's cursor all the same.
+            let (ok, text, overlapped) = swap_overlapping(&addr, guest, &hold, 50).await?;
+            assert!(overlapped >= 50);
+            (ok, text)
+        } else {
+            swap(&addr, guest, None)?
+        };
         assert!(ok, "swap to {to} failed: {text}");
         let report: serde_json::Value = serde_json::from_str(text.trim())?;
         assert_eq!(report["to"], to, "{text}");
+        if i == 0 {
+            assert!(
+                report["caught_up"].as_u64() > Some(0),
+                "keys changed during the hydration were caught up at the cut-over: {text}"
+            );
+        }
         reports.push(report);
     }
     // More writes after the last swap, then the writer stops.
@@ -155,6 +220,81 @@ async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Resu
         );
     }
     for i in 0..5000 {
+        let key = format!("k.{i:04}");
+        if !want.contains_key(&key) {
+            let (code, _) = foldhost::serve::call(&addr, "POST", "/query", key.as_bytes()).await?;
+            assert_eq!(code, 422, "{key} was deleted");
+        }
+    }
+    terminate(&mut host)?;
+    assert_eq!(first_difference(&want, &dump_store(&store)?), None);
+    Ok(())
+}
+
+/// A swap whose new version traps halfway through its hydration — after the fold committed 50
+/// batches beside it — is refused; the running version (kvstore v2, which fails on any update
+/// applied twice) never noticed: it keeps serving every key, and applied nothing twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swap_refused_mid_hydration_leaves_the_old_version_serving_and_applies_nothing_twice()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("midway").await?;
+    for i in 0..1500 {
+        kv.put(&format!("k.{i:04}"), format!("seed{i}").into())
+            .await?;
+    }
+    // Sorted after every k.*: the trap guest reaches it in its second hydration chunk.
+    kv.put("trap.me", "the trap guest dies hydrating this".into())
+        .await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let hold = tmp.path().join("hold");
+    let mut host =
+        start_host_holding(&h, "midway", &store, &addr, None, "kvstore_v2", Some(&hold))?;
+    wait_status(&addr, |s| s.applied_through >= 1501).await?;
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let writer = {
+        let (kv, stop) = (kv.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                kv.put(&format!("k.{:04}", n % 2000), format!("w{n}").into())
+                    .await?;
+                if n.is_multiple_of(7) {
+                    kv.delete(&format!("k.{:04}", (n * 13) % 2000)).await?;
+                }
+                n += 1;
+            }
+            anyhow::Ok(n)
+        })
+    };
+    let (ok, text, overlapped) =
+        swap_overlapping(&addr, &guest_wasm("hostile_trap"), &hold, 50).await?;
+    assert!(!ok, "the trapping version must be refused: {text}");
+    assert!(text.contains("hydration failed"), "{text}");
+    assert!(overlapped >= 50);
+    stop.store(true, Ordering::Relaxed);
+    let writes = writer.await??;
+    assert!(writes > 0);
+
+    let last = kv.positions().await?.last_sequence;
+    let s = wait_status(&addr, |s| s.applied_through >= last || s.state == "failed").await?;
+    assert_eq!(
+        s.state, "running",
+        "v2 refuses updates applied twice: {s:?}"
+    );
+    assert_eq!(s.guest.as_deref(), Some("kvstore@0.2.0"));
+    let want = bucket_contents(&kv).await?;
+    for (key, (value, _)) in &want {
+        let (code, body) = foldhost::serve::call(&addr, "POST", "/query", key.as_bytes()).await?;
+        assert_eq!(code, 200, "{key}: {}", String::from_utf8_lossy(&body));
+        let mut expect = b"v2:".to_vec();
+        expect.extend_from_slice(value);
+        assert_eq!(body, expect, "{key}: the running version kept folding");
+    }
+    for i in 0..2000 {
         let key = format!("k.{i:04}");
         if !want.contains_key(&key) {
             let (code, _) = foldhost::serve::call(&addr, "POST", "/query", key.as_bytes()).await?;
