@@ -570,6 +570,23 @@ pub fn reply_subject_allowed(reply: &str, prefix: &str) -> bool {
         && !reply.contains([' ', '\t', '\r', '\n', '*', '>'])
 }
 
+/// Most catch-up rounds a swap runs beside the fold before its cut-over.
+pub const MAX_SWAP_CATCH_UP_ROUNDS: u32 = 4;
+
+/// Keys changed since the candidate's capture began that the cut-over takes on itself; more, and
+/// another catch-up round runs beside the fold first.
+pub const SWAP_CUT_OVER_KEYS: usize = 256;
+
+/// Whether a swap whose candidate is level with its capture's cursor, with `changed` keys changed
+/// since and `rounds` catch-up rounds run, runs another round beside the fold before its
+/// cut-over. Each round takes the keys changed during the one before, so under a steady writer
+/// the cut-over's share shrinks round by round to what changes during one short round — the pause
+/// is bounded by the write rate, not by the fold's size. Capped, so a writer faster than the
+/// candidate's catch-up cannot hold a swap off for ever: the last round is the cut-over.
+pub fn swap_needs_another_round(rounds: u32, changed: usize) -> bool {
+    rounds < MAX_SWAP_CATCH_UP_ROUNDS && changed > SWAP_CUT_OVER_KEYS
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1109,5 +1126,20 @@ mod tests {
             Refused
         );
         assert_eq!(stream_create_verdict(Some((None, None, ""))), Refused);
+    }
+
+    #[test]
+    fn a_swap_runs_catch_up_rounds_while_many_keys_changed_and_at_most_the_cap() {
+        assert!(swap_needs_another_round(0, SWAP_CUT_OVER_KEYS + 1));
+        assert!(!swap_needs_another_round(0, SWAP_CUT_OVER_KEYS));
+        assert!(!swap_needs_another_round(0, 0));
+        assert!(swap_needs_another_round(
+            MAX_SWAP_CATCH_UP_ROUNDS - 1,
+            usize::MAX
+        ));
+        assert!(!swap_needs_another_round(
+            MAX_SWAP_CATCH_UP_ROUNDS,
+            usize::MAX
+        ));
     }
 }

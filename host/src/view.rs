@@ -161,8 +161,37 @@ impl<S: SnapshotStore> SharedStore<S> {
         });
         Ok(PinnedView {
             shared: self.clone(),
-            generation,
+            generation: Arc::new(std::sync::atomic::AtomicU64::new(generation)),
         })
+    }
+
+    /// Ends the running capture and starts the next one at the committed cursor now, moving `view`
+    /// to it (a swap's catch-up round: the candidate, level with the fold at the old capture's
+    /// cursor once it applied the old capture's keys read through `view`, is level with the new
+    /// one). Returns the old capture; `None` (and nothing started) when `view`'s capture is over.
+    pub fn restart_pre_images(
+        &self,
+        view: &PinnedView<S>,
+    ) -> Result<Option<PreImages>, SnapshotError> {
+        use std::sync::atomic::Ordering;
+        let mut guard = self.pre_images.lock().map_err(|_| poisoned())?;
+        let current = view.generation.load(Ordering::Acquire);
+        if guard.as_ref().is_none_or(|p| p.generation != current) {
+            return Ok(None);
+        }
+        let next = PreImages {
+            generation: current + 1,
+            ..PreImages::default()
+        };
+        let old = guard.replace(next);
+        view.generation.store(current + 1, Ordering::Release);
+        Ok(old)
+    }
+
+    /// Keys recorded by the running capture (0 when none runs).
+    pub fn pre_images_len(&self) -> Result<usize, SnapshotError> {
+        let guard = self.pre_images.lock().map_err(|_| poisoned())?;
+        Ok(guard.as_ref().map_or(0, |p| p.keys.len()))
     }
 
     /// Records the guest view of each of `keys` not recorded yet, when a capture runs. The fold
@@ -412,14 +441,31 @@ fn visit_by_pages(
 /// long as that capture runs; the live fold after it ends. What a swap candidate hydrates from.
 pub struct PinnedView<S> {
     shared: SharedStore<S>,
-    generation: u64,
+    /// The capture it reads (moved on by [`SharedStore::restart_pre_images`]; read once per call).
+    generation: Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl<S> Clone for PinnedView<S> {
+    fn clone(&self) -> Self {
+        PinnedView {
+            shared: self.shared.clone(),
+            generation: self.generation.clone(),
+        }
+    }
+}
+
+impl<S> PinnedView<S> {
+    fn generation(&self) -> u64 {
+        self.generation.load(std::sync::atomic::Ordering::Acquire)
+    }
 }
 
 impl<S: SnapshotStore> FoldRead for PinnedView<S> {
     fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError> {
         // Live first, pre-image after: a live value newer than C has its pre-image recorded by then.
+        let generation = self.generation();
         let live = self.shared.get(key)?;
-        Ok(match self.shared.pre_image(self.generation, key)? {
+        Ok(match self.shared.pre_image(generation, key)? {
             Some(at_c) => at_c,
             None => live,
         })
@@ -431,6 +477,7 @@ impl<S: SnapshotStore> FoldRead for PinnedView<S> {
         start_after: Option<&str>,
         limit: usize,
     ) -> Result<Vec<KvEntry>, SnapshotError> {
+        let generation = self.generation();
         let mut out: Vec<KvEntry> = Vec::new();
         let mut after: Option<String> = start_after.map(str::to_string);
         // Each round reads a live page, then the pre-images over the same key range (after it:
@@ -447,7 +494,7 @@ impl<S: SnapshotStore> FoldRead for PinnedView<S> {
                 None
             };
             let Some(pre) = self.shared.pre_images_in(
-                self.generation,
+                generation,
                 prefix,
                 after.as_deref(),
                 through.as_deref(),

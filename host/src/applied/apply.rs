@@ -131,8 +131,11 @@ pub struct SwapReport {
     pub hydrated_entries: u64,
     /// How long the rebuild took, milliseconds (beside the running applier: the fold kept going).
     pub hydrate_ms: u64,
-    /// Keys changed while the new instance hydrated, applied to it at the cut-over.
+    /// Keys changed while the new instance hydrated, applied to it in catch-up rounds beside the
+    /// fold and at the cut-over (a key changed in several rounds counts once per round).
     pub caught_up: u64,
+    /// Catch-up rounds, the cut-over's included.
+    pub catch_up_rounds: u32,
     /// How long the fold was paused for the cut-over (settling, catch-up, switch, release),
     /// milliseconds.
     pub paused_ms: u64,

@@ -17,8 +17,9 @@ use tokio::sync::mpsc;
 
 use crate::kv::{KvError, KvUpdate, KvWatcher, WatchEvent};
 use crate::protocol;
+use crate::snapshot::SnapshotError;
 use crate::snapshot::SnapshotStore;
-use crate::view::SharedStore;
+use crate::view::{FoldRead, PreImages, SharedStore};
 
 use super::fold::{STORE_RETRY_DELAY, apply_backoff, flush_all};
 use super::start::{check_identity, note_retention, prepare, repair_expired, watches_for_eviction};
@@ -150,6 +151,15 @@ struct PendingSwap {
     what: String,
     from: String,
     began: Instant,
+    /// The candidate's view of the fold.
+    view: Arc<dyn FoldRead>,
+    /// Entries hydrated and the hydration's milliseconds, once it ended.
+    entries: Option<(u64, u64)>,
+    /// Catch-up rounds run beside the fold, and the updates they applied.
+    rounds: u32,
+    caught_up: u64,
+    /// Restarts the capture at the cursor now, moving the candidate's view to it.
+    restart: Box<dyn Fn() -> Result<Option<PreImages>, SnapshotError> + Send>,
     /// Ends the capture.
     store: Box<dyn Fn() + Send>,
 }
@@ -175,6 +185,15 @@ fn refused(from: &str, what: &str, e: &ApplyError) -> ApplyError {
         call: "swap",
         message: format!("{what} refused, {from} keeps running: {e}"),
     }
+}
+
+/// Why a swap whose capture overflowed is refused.
+fn overflow_message() -> String {
+    format!(
+        "the fold changed more than {} keys or {} MiB while it hydrated; retry when fewer keys change",
+        crate::view::MAX_PRE_IMAGE_KEYS,
+        crate::view::MAX_PRE_IMAGE_BYTES >> 20
+    )
 }
 
 /// An error in the candidate's name.
@@ -328,7 +347,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                     self.on_retention_tick(&mut t).await?;
                 }
                 c = recv_control(&mut self.control) => self.on_control(c, &mut t).await?,
-                done = hydrated(&mut self.swap) => self.cut_over(done, &mut t).await?,
+                done = hydrated(&mut self.swap) => self.on_swap_task(done, &mut t).await?,
                 ev = rx.recv(), if !t.backing_off && t.batch.len() < max => {
                     if let Step::Closed = self.on_events(ev, &mut rx, &mut t, &mut flush_now) {
                         return self.on_closed(&mut t, &mut watch_task).await;
@@ -432,8 +451,9 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         .await?;
         t.timer_armed = false;
         let store = self.fold.store().clone();
-        let view = store.begin_pre_images().map_err(store_err)?;
-        let mut candidate = match self.apply.swap_candidate(&what, &bytes, Arc::new(view)) {
+        let pinned = store.begin_pre_images().map_err(store_err)?;
+        let view: Arc<dyn FoldRead> = Arc::new(pinned.clone());
+        let mut candidate = match self.apply.swap_candidate(&what, &bytes, view.clone()) {
             Ok(c) => c,
             Err(e) => {
                 store.take_pre_images().map_err(store_err)?;
@@ -447,16 +467,78 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             let r = candidate.hydrate().await;
             (candidate, r)
         });
+        let restart_store = store.clone();
         self.swap = Some(PendingSwap {
             task: AbortOnDrop(task),
             reply: Some(reply),
             what,
             from,
             began: Instant::now(),
+            view,
+            entries: None,
+            rounds: 0,
+            caught_up: 0,
+            restart: Box::new(move || restart_store.restart_pre_images(&pinned)),
             store: Box::new(move || {
                 let _ = store.take_pre_images();
             }),
         });
+        Ok(())
+    }
+
+    /// A task of the pending swap ended (its hydration, or a catch-up round). While many keys
+    /// changed since the candidate's capture began, another catch-up round runs off the fold's
+    /// path ([`protocol::swap_needs_another_round`]): the capture restarts at the cursor now, and
+    /// the candidate applies the old capture's keys read at that cursor. Otherwise the cut-over.
+    async fn on_swap_task(&mut self, done: Hydrated, t: &mut Turn) -> Result<(), AppliedError> {
+        let Some(p) = self.swap.as_mut() else {
+            return Ok(());
+        };
+        let (mut candidate, n) = match done {
+            Ok((candidate, Ok(n))) => (candidate, n),
+            failed => return self.cut_over(failed, t).await,
+        };
+        match p.entries {
+            None => p.entries = Some((n, p.began.elapsed().as_millis() as u64)),
+            Some(_) => p.caught_up += n,
+        }
+        let changed = self.fold.store().pre_images_len().map_err(store_err)?;
+        if !protocol::swap_needs_another_round(p.rounds, changed) {
+            return self.cut_over(Ok((candidate, Ok(n))), t).await;
+        }
+        let pre = match (p.restart)().map_err(store_err)? {
+            Some(pre) if !pre.overflowed() => pre,
+            // Refused at the cut-over: the capture is over, or overflowed.
+            lost => {
+                let why = if lost.is_some() {
+                    overflow_message()
+                } else {
+                    "its view of the fold was lost (another capture replaced it)".into()
+                };
+                let e = candidate_error(&*candidate, why);
+                return self.cut_over(Ok((candidate, Err(e))), t).await;
+            }
+        };
+        p.rounds += 1;
+        let view = p.view.clone();
+        tracing::info!(
+            round = p.rounds,
+            keys = pre.len(),
+            "swap: catching the new version up beside the fold"
+        );
+        p.task = AbortOnDrop(tokio::spawn(async move {
+            let r = match pre.catch_up(&*view) {
+                Ok(updates) => candidate
+                    .catch_up(&updates)
+                    .await
+                    .map(|()| updates.len() as u64),
+                Err(e) => Err(candidate_error(
+                    &*candidate,
+                    format!("read the fold for a catch-up round: {e}"),
+                )),
+            };
+            (candidate, r)
+        }));
         Ok(())
     }
 
@@ -468,7 +550,9 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         let Some(mut p) = self.swap.take() else {
             return Ok(());
         };
-        let hydrate_ms = p.began.elapsed().as_millis() as u64;
+        let hydrate_ms = p
+            .entries
+            .map_or_else(|| p.began.elapsed().as_millis() as u64, |(_, ms)| ms);
         let mut outcome = self.finish_swap(&mut p, done, t).await?;
         if let Ok(r) = &mut outcome {
             r.hydrate_ms = hydrate_ms;
@@ -502,10 +586,10 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 })));
             }
         };
-        let entries = match hydrated {
-            Ok(n) => n,
-            Err(e) => return Ok(Err(refuse(e))),
-        };
+        if let Err(e) = hydrated {
+            return Ok(Err(refuse(e)));
+        }
+        let entries = p.entries.map_or(0, |(n, _)| n);
         let paused = Instant::now();
         flush_all(
             &mut self.fold,
@@ -525,11 +609,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         if pre.overflowed() {
             return Ok(Err(refuse(candidate_error(
                 &*candidate,
-                format!(
-                    "the fold changed more than {} keys or {} MiB while it hydrated; retry when fewer keys change",
-                    crate::view::MAX_PRE_IMAGE_KEYS,
-                    crate::view::MAX_PRE_IMAGE_BYTES >> 20
-                ),
+                overflow_message(),
             ))));
         }
         let updates = pre.catch_up(&store).map_err(store_err)?;
@@ -547,7 +627,8 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             to,
             hydrated_entries: entries,
             hydrate_ms: 0,
-            caught_up: updates.len() as u64,
+            caught_up: p.caught_up + updates.len() as u64,
+            catch_up_rounds: p.rounds + 1,
             paused_ms: paused.elapsed().as_millis() as u64,
             released,
             still_retained,

@@ -729,6 +729,10 @@ struct Versioned {
     /// Holds the next candidate's hydration after its first page: signals the first sender, waits
     /// for the second.
     gate: Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>,
+    /// Holds the next candidate's first catch-up after it applied its updates, likewise.
+    round_gate: Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>,
+    /// What the last candidate's view read for `k295` after its held round.
+    read_after_round: Option<Option<KvEntry>>,
 }
 
 impl Versioned {
@@ -742,6 +746,8 @@ impl Versioned {
             applied: Vec::new(),
             caught_up: Vec::new(),
             gate: None,
+            round_gate: None,
+            read_after_round: None,
         }
     }
 
@@ -812,6 +818,8 @@ impl Apply for Versioned {
             applied: Vec::new(),
             caught_up: Vec::new(),
             gate: self.gate.take(),
+            round_gate: self.round_gate.take(),
+            read_after_round: None,
         }))
     }
 
@@ -837,6 +845,7 @@ impl Apply for Versioned {
         self.state = c.state;
         self.applied = c.applied;
         self.caught_up = c.caught_up;
+        self.read_after_round = c.read_after_round;
         Ok(())
     }
 }
@@ -849,6 +858,8 @@ struct VersionedCandidate {
     applied: Vec<(String, u64)>,
     caught_up: Vec<String>,
     gate: Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>,
+    round_gate: Option<(oneshot::Sender<()>, oneshot::Receiver<()>)>,
+    read_after_round: Option<Option<KvEntry>>,
 }
 
 #[async_trait]
@@ -889,6 +900,12 @@ impl SwapCandidate for VersionedCandidate {
         for u in updates {
             apply_to_copy(&mut self.state, &mut self.applied, u);
             self.caught_up.push(u.key().to_string());
+        }
+        if let Some((reached, release)) = self.round_gate.take() {
+            let _ = reached.send(());
+            let _ = release.await;
+            // The fold moved on during the round; the view still reads the round's cursor.
+            self.read_after_round = Some(self.view.get("k295").expect("get"));
         }
         Ok(())
     }
@@ -1140,6 +1157,100 @@ async fn a_swap_hydrates_beside_the_running_fold_and_catches_up_each_changed_key
         "the old version folded through 28: {old:?}"
     );
     assert_eq!(by(2, &seen[at + 1..]), [29]);
+}
+
+/// Issue 15: with more than [`protocol::SWAP_CUT_OVER_KEYS`] keys changed during the hydration,
+/// a catch-up round runs beside the fold first (the fold keeps committing during it too); the
+/// cut-over then takes only the keys changed during that round. Each key once per round, its
+/// value at the round's cursor; nothing applied twice; the copy equals the fold.
+#[tokio::test(start_paused = true)]
+async fn a_swap_under_many_writes_catches_up_in_rounds_beside_the_fold_before_its_cut_over() {
+    let sim = SimBucket::new();
+    for i in 0..400 {
+        sim.put_now(&format!("k{i:03}"), "seed");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let status = Arc::new(FoldStatus::default());
+    let mut apply = Versioned::new(status.clone(), store.clone());
+    let (reached_tx, reached_rx) = oneshot::channel();
+    let (release_tx, release_rx) = oneshot::channel();
+    apply.gate = Some((reached_tx, release_rx));
+    let (round_tx, round_rx) = oneshot::channel();
+    let (round_release_tx, round_release_rx) = oneshot::channel();
+    apply.round_gate = Some((round_tx, round_release_rx));
+    let (control_tx, control_rx) = mpsc::channel(4);
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let watcher: Arc<dyn KvWatcher> = Arc::new(sim.clone());
+    let fold = watch_applied(
+        watcher,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), false),
+        status.clone(),
+        Some(control_rx),
+        async {
+            let _ = stop_rx.await;
+        },
+    );
+    let driver = async {
+        until("the seed committed", || load(&status.cursor) == 400).await;
+        let (reply, answer) = oneshot::channel();
+        control_tx
+            .send(Control::Swap {
+                bytes: b"2".to_vec(),
+                what: "v2".into(),
+                reply,
+            })
+            .await
+            .expect("the fold takes controls");
+        reached_rx.await.expect("hydrating");
+        // 300 keys change during the hydration: more than the cut-over takes on itself.
+        for i in 0..300 {
+            sim.put_now(&format!("k{i:03}"), "during the hydration");
+        }
+        until("committed", || load(&status.cursor) == 700).await;
+        release_tx.send(()).expect("release the hydration");
+        round_rx.await.expect("a catch-up round ran");
+        // During the round: some of its keys change again, and new ones.
+        for i in 290..310 {
+            sim.put_now(&format!("k{i:03}"), "during the round");
+        }
+        until("committed", || load(&status.cursor) == 720).await;
+        assert_eq!(status.guest(), "native:v1");
+        round_release_tx.send(()).expect("release the round");
+        let report = answer.await.expect("answered").expect("swapped");
+        drop(stop_tx);
+        report
+    };
+    let (result, report) = tokio::time::timeout(DEADLINE, async { tokio::join!(fold, driver) })
+        .await
+        .expect("the fold ended in time");
+    assert_eq!(
+        result.expect("a clean shutdown").cursor,
+        WatchCursor::at(720)
+    );
+    assert_eq!(report.hydrated_entries, 400);
+    assert_eq!(report.catch_up_rounds, 2, "{report:?}");
+    assert_eq!(report.caught_up, 300 + 20, "{report:?}");
+    let want: Vec<String> = (0..300)
+        .chain(290..310)
+        .map(|i| format!("k{i:03}"))
+        .collect();
+    assert_eq!(apply.caught_up, want);
+    let k295 = apply.read_after_round.clone().flatten().expect("k295 read");
+    assert_eq!(
+        k295.value,
+        Bytes::from_static(b"during the hydration"),
+        "during a round the candidate's view reads the fold at the round's cursor"
+    );
+    let mut revs: Vec<&(String, u64)> = apply.applied.iter().filter(|(_, r)| *r != 0).collect();
+    let n = revs.len();
+    revs.sort();
+    revs.dedup();
+    assert_eq!(revs.len(), n, "an update applied twice");
+    assert_eq!(apply.state, contents(&*store.read().expect("read")));
+    assert_eq!(apply.state, bucket(&sim).await);
 }
 
 /// Issue 14: a watch that breaks (the connection, the server or the consumer failed) is resumed

@@ -200,6 +200,26 @@ async fn one(
         mb / boot_s,
         replay_s / boot_s,
     );
+    super::table::row(
+        format!(
+            "bootstrap from an artifact ({}), {backend}, {keys} keys: download + import",
+            target.name
+        ),
+        format!("{boot_s:.2} s ({mb:.0} MB)"),
+        format!("full replay from revision 1 {replay_s:.2} s"),
+        replay_s / boot_s,
+        "≥ 20 (replay ÷ bootstrap)",
+    );
+    super::table::row(
+        format!(
+            "export + upload round ({}), {backend}, {keys} keys",
+            target.name
+        ),
+        format!("{export_s:.2} s"),
+        format!("full replay {replay_s:.2} s"),
+        export_s / replay_s,
+        "",
+    );
     println!(
         "  {backend:>7} via {:<4}: RSS node steady {steady:.0} MiB, round peak {round_peak:.0} MiB (+{:.0}); bootstrap process peak {boot_peak:.0} MiB ({:+.0} vs the node's steady state)",
         target.name,
@@ -328,6 +348,15 @@ pub async fn run(keys: u64) -> anyhow::Result<()> {
         println!(
             "  {backend:>7} resume after 1 000 writes: {resume_s:.3} s, exactly 1 000 delivered; resume ÷ replay = {:.4}",
             resume_s / replay_s
+        );
+        super::table::row(
+            format!(
+                "resume after 1 000 writes, {backend}, {keys}-key fold (exactly 1 000 delivered)"
+            ),
+            format!("{resume_s:.3} s"),
+            format!("full replay {replay_s:.2} s (peak RSS {replay_peak:.0} MiB)"),
+            resume_s / replay_s,
+            "≤ 0.01",
         );
     }
     Ok(())
