@@ -73,8 +73,12 @@ pub trait Apply: Send {
     }
 
     /// Makes `candidate` — one this applier started, hydrated and caught up to the committed fold —
-    /// the running applier. Called between batches with the fold settled.
-    fn adopt(&mut self, candidate: Box<dyn SwapCandidate>) -> Result<(), ApplyError> {
+    /// the running applier. Called between batches with the fold settled. Returns what it
+    /// replaced, for the caller to drop off the fold's path (a big instance takes a while to free).
+    fn adopt(
+        &mut self,
+        candidate: Box<dyn SwapCandidate>,
+    ) -> Result<Box<dyn std::any::Any + Send>, ApplyError> {
         Err(ApplyError {
             applier: self.describe(),
             call: "swap",

@@ -617,8 +617,10 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             return Ok(Err(refuse(e)));
         }
         let to = candidate.describe();
-        if let Err(e) = self.apply.adopt(candidate) {
-            return Ok(Err(refuse(e)));
+        match self.apply.adopt(candidate) {
+            // The old instance is freed off the fold's path (a big one takes milliseconds).
+            Ok(retired) => drop(tokio::task::spawn_blocking(move || drop(retired))),
+            Err(e) => return Ok(Err(refuse(e))),
         }
         // The new version is offered the retained records first.
         let (released, still_retained) = self.fold.release(self.apply).await?;

@@ -149,6 +149,11 @@ impl GuestEngine {
         config.epoch_interruption(true);
         // Named rather than inherited: deep recursion in a guest traps at this depth.
         config.max_wasm_stack(MAX_WASM_STACK);
+        // For profiles only: `FOLDHOST_WASM_PERFMAP=1` writes /tmp/perf-PID.map so `perf report`
+        // names the guest's compiled functions.
+        if std::env::var_os("FOLDHOST_WASM_PERFMAP").is_some() {
+            config.profiler(wasmtime::ProfilingStrategy::PerfMap);
+        }
         let engine = Engine::new(&config).map_err(|e| GuestError::Engine(format!("{e:#}")))?;
         let mut linker: Linker<HostState> = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)
@@ -459,7 +464,12 @@ impl Core {
     async fn call_init(&self, live: &mut Live) -> Result<(), ApplyError> {
         self.arm(live);
         let folder = live.guest.foldhost_guest_folder();
-        self.within("init", folder.call_init(&mut live.store, &self.config))
+        let config: Vec<(&str, &str)> = self
+            .config
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect();
+        self.within("init", folder.call_init(&mut live.store, &config))
             .await?
             .map_err(|e| self.call_error(live, "init", e))?
             .map_err(|m| self.err("init", clip_text(m, MAX_MESSAGE_BYTES)))
@@ -482,7 +492,7 @@ impl Core {
     async fn call_parse(
         &self,
         live: &mut Live,
-        batch: &[bindings::Update],
+        batch: &[bindings::Update<'_>],
     ) -> Result<Vec<Verdict>, ApplyError> {
         self.arm(live);
         let folder = live.guest.foldhost_guest_folder();
@@ -525,7 +535,7 @@ impl Core {
     async fn feed(
         &self,
         live: &mut Live,
-        updates: Vec<bindings::Update>,
+        updates: Vec<bindings::Update<'_>>,
     ) -> Result<(), ApplyError> {
         let chunk = self.limits.hydrate_chunk.max(1);
         let mut rest = updates.into_iter().peekable();
@@ -583,12 +593,12 @@ impl Core {
                 after = Some(last.key.clone());
                 let full = entries.len() == chunk;
                 total += entries.len() as u64;
-                let batch: Vec<bindings::Update> = entries
-                    .into_iter()
+                let batch: Vec<bindings::Update<'_>> = entries
+                    .iter()
                     .map(|e| bindings::Update {
                         revision: e.version.as_u64().unwrap_or(0),
-                        key: e.key,
-                        value: e.value.to_vec(),
+                        key: &e.key,
+                        value: &e.value,
                         op: bindings::Op::Put,
                     })
                     .collect();
@@ -630,7 +640,8 @@ impl Apply for GuestApply {
             ));
         }
         let mut live = self.live().await?;
-        let updates: Vec<bindings::Update> = batch.iter().map(bindings::to_wit_update).collect();
+        let updates: Vec<bindings::Update<'_>> =
+            batch.iter().map(bindings::to_wit_update).collect();
         let r = self.core.call_parse(&mut live, &updates).await;
         if r.is_ok() {
             self.live = Some(live);
@@ -724,7 +735,10 @@ impl Apply for GuestApply {
         }))
     }
 
-    fn adopt(&mut self, candidate: Box<dyn SwapCandidate>) -> Result<(), ApplyError> {
+    fn adopt(
+        &mut self,
+        candidate: Box<dyn SwapCandidate>,
+    ) -> Result<Box<dyn std::any::Any + Send>, ApplyError> {
         let described = candidate.describe();
         let c = candidate
             .into_any()
@@ -741,11 +755,13 @@ impl Apply for GuestApply {
                 .core
                 .err("swap", format!("{described} was not hydrated")));
         };
-        self.core = core;
-        self.live = Some(live);
+        let retired = (
+            std::mem::replace(&mut self.core, core),
+            std::mem::replace(&mut self.live, Some(live)),
+        );
         self.hydrations += 1;
         self.last_hydration = Some(stats);
-        Ok(())
+        Ok(Box::new(retired))
     }
 
     async fn query(&mut self, request: &[u8]) -> Result<Vec<u8>, ApplyError> {
@@ -826,7 +842,7 @@ impl SwapCandidate for GuestCandidate {
                 .err("swap", "caught up before it was hydrated".into()));
         };
         let scope = self.core.manifest.watch_scope();
-        let updates: Vec<bindings::Update> = updates
+        let updates: Vec<bindings::Update<'_>> = updates
             .iter()
             .filter(|u| scope.contains(u.key()))
             .map(bindings::to_wit_update)

@@ -823,7 +823,10 @@ impl Apply for Versioned {
         }))
     }
 
-    fn adopt(&mut self, candidate: Box<dyn SwapCandidate>) -> Result<(), ApplyError> {
+    fn adopt(
+        &mut self,
+        candidate: Box<dyn SwapCandidate>,
+    ) -> Result<Box<dyn std::any::Any + Send>, ApplyError> {
         let c = candidate
             .into_any()
             .downcast::<VersionedCandidate>()
@@ -846,7 +849,7 @@ impl Apply for Versioned {
         self.applied = c.applied;
         self.caught_up = c.caught_up;
         self.read_after_round = c.read_after_round;
-        Ok(())
+        Ok(Box::new(()))
     }
 }
 
