@@ -757,7 +757,7 @@ impl Apply for GuestApply {
         };
         let retired = (
             std::mem::replace(&mut self.core, core),
-            std::mem::replace(&mut self.live, Some(live)),
+            self.live.replace(live),
         );
         self.hydrations += 1;
         self.last_hydration = Some(stats);
