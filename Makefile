@@ -3,7 +3,7 @@
 #   make test   — formatting, lints, and every test suite against a real nats-server
 # and, beside them:
 #   make flake  — the whole suite RUNS times (default 5) with one core held busy; names every failure
-.PHONY: demo test setup guests bench bench-bootstrap lint flake
+.PHONY: demo test setup guests bench slipfold bench-bootstrap lint flake
 
 # `test` and `lint` cover the optional storage backends too (RocksDB is a long C++ build; see
 # docs in host/src/snapshot/rocks.rs) and compile in the crash points the crash tests arm
@@ -43,9 +43,18 @@ flake:
 guests:
 	guests/build.sh
 
-bench:
+# Every benchmark, one table (figure, baseline from the same run, ratio, target; the cores and the
+# date): ~20 minutes on 2 cores. Builds the release binaries, the guests and the slipstream
+# baseline tool (../shared/bench/slipfold, into target/slipfold) first. RUNS=3 by default.
+bench: slipfold
 	$(SETUP) && guests/build.sh >/dev/null && \
-	cargo run --release --quiet -p foldhost-tests --bin foldhost-bench
+	cargo build --release --quiet -p foldhost --features fjall,rocksdb && \
+	cargo run --release --quiet -p foldhost-tests --features fjall,rocksdb --bin foldhost-bench -- table $(or $(RUNS),3)
+
+# beyond-slipstream 0.8.6 folding a bucket with a native closure: the library a user would pick
+# instead, as a measuring tool (never a dependency of the project).
+slipfold:
+	cargo build --release --locked --quiet --manifest-path ../shared/bench/slipfold/Cargo.toml --target-dir target/slipfold
 
 # Artifact bootstrap vs full replay, 1 000 000 keys on fjall and RocksDB (the release binary).
 bench-bootstrap:

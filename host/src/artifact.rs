@@ -404,12 +404,28 @@ fn seal_inner(
             },
             check,
         )?;
+        // Durable before the manifest names it (the backend's copy need not have been): the
+        // disk wrote it back while it was hashed, so this is mostly a wait for the tail.
+        File::open(&p)
+            .and_then(|f| f.sync_all())
+            .map_err(io_err(&p, "fsync"))?;
         files.push(ArtifactFile {
             path: n,
             size,
             blake3,
         });
         crate::crashpoint::hit(crate::crashpoint::EXPORT_FILE);
+    }
+    // Every directory of the payload, so each file's entry is durable too.
+    let mut dirs: std::collections::BTreeSet<PathBuf> = std::collections::BTreeSet::new();
+    dirs.insert(data.clone());
+    for f in &files {
+        if let Some(parent) = data.join(check_path(&f.path)?).parent() {
+            dirs.insert(parent.to_path_buf());
+        }
+    }
+    for d in &dirs {
+        sync_dir(d)?;
     }
     let (got, keys) = match log_check {
         Some(c) => c.finish()?,

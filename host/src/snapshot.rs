@@ -170,7 +170,8 @@ pub trait SnapshotStore: Send + Sync + 'static {
     /// empty directory: the backend's own files, exactly as [`crate::storedir::AnyStore`] would
     /// open them (without `FOLDHOST.json`, which the artifact layer writes). Reopening `dest`
     /// must recover [`Self::cursor`] as it was when the call began. Never modifies the live store's
-    /// contents.
+    /// contents. Need not be durable: the caller fsyncs what it keeps
+    /// ([`crate::artifact::seal`] fsyncs every staged file before the manifest).
     fn export_to(&self, dest: &std::path::Path) -> Result<(), SnapshotError>;
 
     /// True when the fold holds no key.

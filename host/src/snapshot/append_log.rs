@@ -159,8 +159,17 @@ impl AppendLogSnapshot {
                 fault: None,
             }),
         };
-        if !replayed.compact {
+        // Rewritten at open only when a new file needs its header, or when the garbage (superseded
+        // records, deletes, cursor records) is worth it by the same rule as a running store's
+        // compaction: a log a few cursor records from compact opens without writing it again.
+        let live_len = store.fold.compacted_len();
+        if replayed.valid_len == 0
+            || (!replayed.compact && should_compact(replayed.valid_len, live_len, opts))
+        {
             store.rewrite()?;
+        } else if let Some(w) = store.writer.as_mut() {
+            // What a compaction would write: the garbage already here counts toward the next one.
+            w.compacted_len = live_len.min(replayed.valid_len);
         }
         Ok((store, replayed.recovery))
     }
@@ -290,15 +299,14 @@ impl SnapshotStore for AppendLogSnapshot {
         Ok(self.fold.map.len() as u64)
     }
 
-    /// A compacted copy: the live map and cursor written as one fresh log (fsynced, renamed into
-    /// place, directory fsynced). The in-RAM fold is the committed state, so no file of the live
-    /// store is read or touched.
+    /// A compacted copy: the live map and cursor written as one fresh log. The in-RAM fold is the
+    /// committed state, so no file of the live store is read or touched. Not fsynced here: the
+    /// copy goes into an export's private stage, and the artifact layer fsyncs every staged file
+    /// after hashing it and before its manifest ([`crate::artifact::seal`]) — off the fold's
+    /// pause, and overlapping the disk's writeback with the hashing.
     fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
-        let tmp = dest.join(TMP_NAME);
-        let path = dest.join(LOG_NAME);
-        write_compacted(&tmp, &self.fold)?;
-        std::fs::rename(&tmp, &path).map_err(io_err(&path, "rename exported log"))?;
-        sync_dir(dest)
+        write_compacted(&dest.join(LOG_NAME), &self.fold, false)?;
+        Ok(())
     }
 }
 
@@ -461,7 +469,7 @@ impl Writer {
         tmp: &Path,
         fold: &LiveMap,
     ) -> Result<(File, u64), SnapshotError> {
-        let len = write_compacted(tmp, fold)?;
+        let len = write_compacted(tmp, fold, true)?;
         self.fault_at(FaultPoint::CompactBeforeRename, tmp)?;
         fs::rename(tmp, path).map_err(io_err(path, "rename compacted log into place"))?;
         self.fault_at(FaultPoint::CompactAfterRename, dir)?;
@@ -523,7 +531,15 @@ fn write_batch(file: &mut File, buf: &[u8], fault: Option<FaultPoint>) -> io::Re
 }
 
 /// Writes the compacted log to `tmp` and fsyncs it; returns its length.
-fn write_compacted(tmp: &Path, fold: &LiveMap) -> Result<u64, SnapshotError> {
+/// Whether a log of `file_len` bytes whose live part would compact to `live_len` bytes is
+/// compacted at open: when what a compaction would drop reaches the live size (and the threshold)
+/// — the rule a running store applies to what it appended since its last compaction.
+fn should_compact(file_len: u64, live_len: u64, opts: AppendLogOptions) -> bool {
+    file_len.saturating_sub(live_len) >= cmp::max(opts.compact_threshold, live_len)
+}
+
+/// Writes `fold` as a compacted log at `tmp`; `sync`: fsync it before returning.
+fn write_compacted(tmp: &Path, fold: &LiveMap, sync: bool) -> Result<u64, SnapshotError> {
     let mut file = OpenOptions::new()
         .write(true)
         .create(true)
@@ -547,8 +563,10 @@ fn write_compacted(tmp: &Path, fold: &LiveMap) -> Result<u64, SnapshotError> {
     }
     format::encode_cursor(&mut chunk, fold.cursor);
     flush(&mut file, &mut chunk)?;
-    file.sync_all()
-        .map_err(io_err(tmp, "fsync compaction temp file"))?;
+    if sync {
+        file.sync_all()
+            .map_err(io_err(tmp, "fsync compaction temp file"))?;
+    }
     Ok(len)
 }
 
@@ -655,12 +673,13 @@ fn replay(file: &Bytes, path: &Path) -> Result<Replayed, SnapshotError> {
     let mut scan = Scan {
         file,
         fold: LiveMap::default(),
-        pending: Vec::new(),
+        pending: 0,
         committed_end: HEADER_LEN,
         cursor_records: 0,
         superseded: false,
     };
     let tail = scan.run(path)?;
+    scan.replay_committed(path)?;
     let recovery = scan.recovery(tail);
     let compact =
         recovery.discarded_tail_bytes == 0 && !scan.superseded && scan.cursor_records <= 1;
@@ -672,12 +691,16 @@ fn replay(file: &Bytes, path: &Path) -> Result<Replayed, SnapshotError> {
     })
 }
 
-/// Replay state. Records are held in `pending` until the cursor record closing their batch is read,
-/// so records of an unfinished apply never reach the fold.
+/// Replay state, in two passes over the file: [`Scan::run`] checks every record and finds the end
+/// of the last cursor record; [`Scan::replay_committed`] then folds the records before it. So
+/// records of an unfinished apply never reach the fold, and nothing is held per record in between
+/// (a compacted log is one batch of a million puts: holding them until its cursor record cost
+/// more memory than the map).
 struct Scan<'a> {
     file: &'a Bytes,
     fold: LiveMap,
-    pending: Vec<Record<'a>>,
+    /// Whole records after the last cursor record (an apply that did not finish).
+    pending: u64,
     /// End of the last cursor record.
     committed_end: usize,
     cursor_records: u64,
@@ -720,13 +743,32 @@ impl<'a> Scan<'a> {
         Ok(None)
     }
 
-    /// Takes one whole record ending at `end`.
+    /// Notes one whole record ending at `end` (the first pass).
     fn take(&mut self, record: Record<'a>, end: usize) {
-        let Record::Cursor(cursor) = record else {
-            self.pending.push(record);
-            return;
-        };
-        for record in self.pending.drain(..) {
+        if let Record::Cursor(_) = record {
+            self.cursor_records += 1;
+            self.committed_end = end;
+            self.pending = 0;
+        } else {
+            self.pending += 1;
+        }
+    }
+
+    /// The second pass: folds every record before the end of the last cursor record (all of them
+    /// checked whole by the first pass).
+    fn replay_committed(&mut self, path: &Path) -> Result<(), SnapshotError> {
+        let buf: &'a [u8] = self.file;
+        let mut at = HEADER_LEN;
+        while at < self.committed_end {
+            let Decoded::Record { record, len } = format::decode_record(&buf[at..]) else {
+                // The first pass read this record whole: only a bug gets here.
+                return Err(corrupted(
+                    path,
+                    at,
+                    "a record read whole once did not read the second time".into(),
+                ));
+            };
+            at += len;
             match record {
                 Record::Put {
                     key,
@@ -741,12 +783,10 @@ impl<'a> Scan<'a> {
                     self.superseded = true;
                     self.fold.remove(key);
                 }
-                Record::Cursor(_) => {}
+                Record::Cursor(cursor) => self.fold.cursor = cursor,
             }
         }
-        self.fold.cursor = cursor;
-        self.cursor_records += 1;
-        self.committed_end = end;
+        Ok(())
     }
 
     /// Reports what lies after the last cursor record.
@@ -756,10 +796,10 @@ impl<'a> Scan<'a> {
             return Recovery::default();
         }
         let mut why = Vec::new();
-        if !self.pending.is_empty() {
+        if self.pending > 0 {
             why.push(format!(
                 "{} whole record(s) after the last cursor record (an apply that did not finish)",
-                self.pending.len()
+                self.pending
             ));
         }
         if let Some(tail) = tail {
@@ -767,7 +807,7 @@ impl<'a> Scan<'a> {
         }
         Recovery {
             discarded_tail_bytes: discarded as u64,
-            discarded_records: self.pending.len() as u64,
+            discarded_records: self.pending,
             reason: Some(format!(
                 "discarded {discarded} byte(s) from offset {}: {}",
                 self.committed_end,
@@ -1604,20 +1644,25 @@ mod tests {
     }
 
     #[test]
-    fn open_compacts_a_file_with_superseded_records() {
+    fn open_compacts_a_file_whose_garbage_reaches_its_live_data() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let (mut store, _) = open(dir.path());
-        store
-            .apply(&[put("a", b"1", 1)], WatchCursor::at(1))
-            .expect("apply");
-        store
-            .apply(&[put("a", b"2", 2)], WatchCursor::at(2))
-            .expect("apply");
-        let path = store.path().to_owned();
-        drop(store);
+        let opts = AppendLogOptions {
+            compact_threshold: 0,
+        };
+        {
+            // Written with automatic compaction out of reach, so the garbage is still there.
+            let (mut store, _) = open(dir.path());
+            store
+                .apply(&[put("a", b"1", 1)], WatchCursor::at(1))
+                .expect("apply");
+            store
+                .apply(&[put("a", b"2", 2)], WatchCursor::at(2))
+                .expect("apply");
+        }
+        let path = dir.path().join(LOG_NAME);
         let (before_inode, before_len) = (inode(&path), log_bytes(dir.path()).len());
 
-        let (store, _) = open(dir.path());
+        let (store, _) = AppendLogSnapshot::open(dir.path(), opts).expect("open");
         assert_ne!(inode(&path), before_inode);
         assert!(log_bytes(dir.path()).len() < before_len);
         assert_eq!(
@@ -1625,6 +1670,41 @@ mod tests {
             vec![entry("a", b"2", VersionToken::from_u64(2))]
         );
         assert_eq!(store.cursor(), WatchCursor::at(2));
+    }
+
+    #[test]
+    fn open_leaves_a_log_with_little_garbage_as_it_is_and_counts_it_toward_the_next_compaction() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let (mut store, _) = open(dir.path());
+            for rev in 1..=3 {
+                store
+                    .apply(&[put(&format!("k{rev}"), &[7; 100], rev)], WatchCursor::at(rev))
+                    .expect("apply");
+            }
+        }
+        let path = dir.path().join(LOG_NAME);
+        let before = (inode(&path), log_bytes(dir.path()));
+        // Three cursor records where a compacted log has one: not worth a rewrite at open.
+        let (mut store, _) = open(dir.path());
+        assert_eq!((inode(&path), log_bytes(dir.path())), before);
+        assert_eq!(store.cursor(), WatchCursor::at(3));
+        assert_eq!(store.len().expect("len"), 3);
+        let garbage = before.1.len() as u64 - store.fold.compacted_len();
+        assert_eq!(
+            store.writer.as_ref().map(Writer::appended),
+            Some(garbage),
+            "the garbage found at open counts toward the next compaction"
+        );
+        // And the log keeps working: appends land after the last cursor record.
+        store
+            .apply(&[put("k4", b"v", 4)], WatchCursor::at(4))
+            .expect("apply");
+        drop(store);
+        let (store, recovery) = open(dir.path());
+        assert_eq!(recovery, Recovery::default());
+        assert_eq!(store.len().expect("len"), 4);
+        assert_eq!(store.cursor(), WatchCursor::at(4));
     }
 
     #[test]
