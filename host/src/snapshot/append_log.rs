@@ -1679,7 +1679,10 @@ mod tests {
             let (mut store, _) = open(dir.path());
             for rev in 1..=3 {
                 store
-                    .apply(&[put(&format!("k{rev}"), &[7; 100], rev)], WatchCursor::at(rev))
+                    .apply(
+                        &[put(&format!("k{rev}"), &[7; 100], rev)],
+                        WatchCursor::at(rev),
+                    )
                     .expect("apply");
             }
         }

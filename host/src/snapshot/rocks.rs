@@ -405,9 +405,17 @@ impl SnapshotStore for RocksDbSnapshot {
         Ok(self.count)
     }
 
-    /// A native checkpoint into `DEST/rocksdb`, verified by reopening it read-only.
+    /// A native checkpoint into `DEST/rocksdb`, verified by reopening it read-only. Refused on a
+    /// read-only instance: its checkpoint would leave out what is still only in the write-ahead
+    /// log (the verify would catch it; this says why, before any copy).
     fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
         let target = dest.join(DB_DIR);
+        if self.read_only {
+            return Err(SnapshotError::Backend(format!(
+                "{}: a read-only RocksDB instance cannot export (its checkpoint would miss what is only in the write-ahead log); export from a writable open",
+                self.path.display()
+            )));
+        }
         Checkpoint::new(&self.db)
             .and_then(|c| c.create_checkpoint(&target))
             .map_err(rerr(&target, "checkpoint"))?;
@@ -451,6 +459,28 @@ mod tests {
         drop(s);
         let s = RocksDbSnapshot::open(dir.path(), opts).expect("reopen");
         assert_eq!((s.cursor(), s.len().expect("len")), (WatchCursor::at(1), 1));
+    }
+
+    #[test]
+    fn a_read_only_instance_refuses_to_export_rather_than_miss_its_log() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let mut s = RocksDbSnapshot::open(dir.path(), RocksDbOptions::default()).expect("open");
+            s.apply(
+                &[KvUpdate::Put(KvEntry {
+                    key: "a".into(),
+                    value: bytes::Bytes::from_static(b"v"),
+                    version: VersionToken::from_u64(1),
+                })],
+                WatchCursor::at(1),
+            )
+            .expect("apply");
+        }
+        let ro = RocksDbSnapshot::open_read_only(dir.path()).expect("read-only");
+        let out = tempfile::tempdir().expect("tempdir");
+        let err = ro.export_to(out.path()).expect_err("refused");
+        assert!(err.to_string().contains("read-only"), "{err}");
+        assert!(!out.path().join(DB_DIR).exists(), "nothing copied");
     }
 
     #[test]
