@@ -264,11 +264,15 @@ impl SnapshotStore for AppendLogSnapshot {
     }
 
     fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError> {
-        Ok(self.fold.map.get(key).map(|(value, version)| KvEntry {
-            key: key.to_owned(),
-            value: value.clone(),
-            version: *version,
-        }))
+        Ok(self
+            .fold
+            .map
+            .get(key.as_bytes())
+            .map(|(value, version)| KvEntry {
+                key: key.to_owned(),
+                value: value.clone(),
+                version: *version,
+            }))
     }
 
     fn for_each_in_range(
@@ -313,7 +317,9 @@ impl SnapshotStore for AppendLogSnapshot {
 /// The in-RAM map of the live fold (keys, values, versions and the cursor), replayed from the log.
 #[derive(Debug, Default)]
 struct LiveMap {
-    map: BTreeMap<String, (Bytes, VersionToken)>,
+    /// Key (its UTF-8 bytes: byte order is the keys' order) → value and version. Keys and values
+    /// read at open are slices of the file buffer, not allocations of their own.
+    map: BTreeMap<Bytes, (Bytes, VersionToken)>,
     cursor: WatchCursor,
     /// Encoded size of the live map's Put records, kept as entries change so the compaction trigger
     /// never walks the map.
@@ -323,20 +329,37 @@ struct LiveMap {
 impl LiveMap {
     /// Sets `key`; returns whether it replaced an entry (a superseded record in the log).
     fn put(&mut self, key: &str, value: Bytes, version: VersionToken) -> bool {
+        self.put_shared(
+            key,
+            || Bytes::copy_from_slice(key.as_bytes()),
+            value,
+            version,
+        )
+    }
+
+    /// [`LiveMap::put`] with the key's bytes made by `owned` only when the key is new (a replay
+    /// hands a slice of the file buffer: no allocation per key).
+    fn put_shared(
+        &mut self,
+        key: &str,
+        owned: impl FnOnce() -> Bytes,
+        value: Bytes,
+        version: VersionToken,
+    ) -> bool {
         self.put_bytes += format::put_record_len(key.len(), value.len(), version) as u64;
-        // get_mut first: replay overwrites keys often, and this avoids allocating the key again.
-        if let Some(slot) = self.map.get_mut(key) {
+        // get_mut first: replay overwrites keys often, and this avoids making the key again.
+        if let Some(slot) = self.map.get_mut(key.as_bytes()) {
             let (old_value, old_version) = std::mem::replace(slot, (value, version));
             self.put_bytes -=
                 format::put_record_len(key.len(), old_value.len(), old_version) as u64;
             return true;
         }
-        self.map.insert(key.to_owned(), (value, version));
+        self.map.insert(owned(), (value, version));
         false
     }
 
     fn remove(&mut self, key: &str) {
-        if let Some((value, version)) = self.map.remove(key) {
+        if let Some((value, version)) = self.map.remove(key.as_bytes()) {
             self.put_bytes -= format::put_record_len(key.len(), value.len(), version) as u64;
         }
     }
@@ -363,13 +386,18 @@ impl LiveMap {
             value: Bytes::new(),
             version: VersionToken::UNKNOWN,
         };
-        for (key, (value, version)) in self.map.range::<str, _>((from, Bound::Unbounded)) {
+        let from: Bound<&[u8]> = match from {
+            Bound::Included(k) => Bound::Included(k.as_bytes()),
+            Bound::Excluded(k) => Bound::Excluded(k.as_bytes()),
+            Bound::Unbounded => Bound::Unbounded,
+        };
+        for (key, (value, version)) in self.map.range::<[u8], _>((from, Bound::Unbounded)) {
             // Keys sharing the prefix are contiguous in order: the first one without it ends the range.
-            if !key.starts_with(prefix) {
+            if !key.starts_with(prefix.as_bytes()) {
                 break;
             }
             entry.key.clear();
-            entry.key.push_str(key);
+            entry.key.push_str(&key_str(key));
             entry.value = value.clone();
             entry.version = *version;
             if visit(&entry).is_break() {
@@ -531,6 +559,12 @@ fn write_batch(file: &mut File, buf: &[u8], fault: Option<FaultPoint>) -> io::Re
 }
 
 /// Writes the compacted log to `tmp` and fsyncs it; returns its length.
+/// A map key as text. Every key entered the map from a `&str` (or a record whose key decoded as
+/// UTF-8), so this borrows; the lossy form only keeps a bug from becoming a panic.
+fn key_str(key: &[u8]) -> std::borrow::Cow<'_, str> {
+    String::from_utf8_lossy(key)
+}
+
 /// Whether a log of `file_len` bytes whose live part would compact to `live_len` bytes is
 /// compacted at open: when what a compaction would drop reaches the live size (and the threshold)
 /// — the rule a running store applies to what it appended since its last compaction.
@@ -556,7 +590,7 @@ fn write_compacted(tmp: &Path, fold: &LiveMap, sync: bool) -> Result<u64, Snapsh
     };
     format::encode_header(&mut chunk);
     for (key, (value, version)) in &fold.map {
-        format::encode_put(&mut chunk, key, value, *version);
+        format::encode_put(&mut chunk, &key_str(key), value, *version);
         if chunk.len() >= COMPACT_CHUNK {
             flush(&mut file, &mut chunk)?;
         }
@@ -775,9 +809,15 @@ impl<'a> Scan<'a> {
                     value,
                     version,
                 } => {
-                    // A slice of the file buffer, not a copy.
+                    // Slices of the file buffer, not copies.
                     let value = self.file.slice_ref(value);
-                    self.superseded |= self.fold.put(key, value, version);
+                    let file = self.file;
+                    self.superseded |= self.fold.put_shared(
+                        key,
+                        || file.slice_ref(key.as_bytes()),
+                        value,
+                        version,
+                    );
                 }
                 Record::Delete { key, .. } => {
                     self.superseded = true;
