@@ -84,6 +84,8 @@ pub struct PreImages {
     keys: BTreeMap<String, Base>,
     bytes: usize,
     overflowed: bool,
+    max_keys: usize,
+    max_bytes: usize,
 }
 
 impl PreImages {
@@ -153,10 +155,21 @@ impl<S: SnapshotStore> SharedStore<S> {
     /// the fold at this point until the capture ends ([`SharedStore::take_pre_images`]). A capture
     /// already running is replaced (its view then reads the live fold).
     pub fn begin_pre_images(&self) -> Result<PinnedView<S>, SnapshotError> {
+        self.begin_pre_images_bounded(MAX_PRE_IMAGE_KEYS, MAX_PRE_IMAGE_BYTES)
+    }
+
+    /// [`SharedStore::begin_pre_images`] with bounds of its own (the tests' small ones).
+    pub fn begin_pre_images_bounded(
+        &self,
+        max_keys: usize,
+        max_bytes: usize,
+    ) -> Result<PinnedView<S>, SnapshotError> {
         let mut guard = self.pre_images.lock().map_err(|_| poisoned())?;
         let generation = guard.as_ref().map_or(0, |p| p.generation) + 1;
         *guard = Some(PreImages {
             generation,
+            max_keys,
+            max_bytes,
             ..PreImages::default()
         });
         Ok(PinnedView {
@@ -181,6 +194,8 @@ impl<S: SnapshotStore> SharedStore<S> {
         }
         let next = PreImages {
             generation: current + 1,
+            max_keys: guard.as_ref().map_or(MAX_PRE_IMAGE_KEYS, |p| p.max_keys),
+            max_bytes: guard.as_ref().map_or(MAX_PRE_IMAGE_BYTES, |p| p.max_bytes),
             ..PreImages::default()
         };
         let old = guard.replace(next);
@@ -216,7 +231,7 @@ impl<S: SnapshotStore> SharedStore<S> {
             let view = self.get(key)?;
             p.bytes += key.len() + view.as_ref().map_or(0, |e| e.value.len());
             p.keys.insert(key.to_string(), view);
-            if p.keys.len() > MAX_PRE_IMAGE_KEYS || p.bytes > MAX_PRE_IMAGE_BYTES {
+            if p.keys.len() > p.max_keys || p.bytes > p.max_bytes {
                 p.overflowed = true;
                 p.keys.clear();
                 return Ok(());
@@ -612,6 +627,31 @@ mod tests {
         // The capture is over: the view reads the live fold.
         assert_eq!(view.get("k3").expect("get"), None);
         assert_eq!(view.scan("k", None, 100).expect("scan").len(), 9);
+    }
+
+    #[test]
+    fn a_capture_past_its_bound_is_marked_overflowed_and_keeps_nothing() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (store, _) =
+            AppendLogSnapshot::open(dir.path(), AppendLogOptions::default()).expect("open");
+        let shared = SharedStore::new(store);
+        let _view = shared.begin_pre_images_bounded(3, 1 << 20).expect("begin");
+        shared.capture_pre_images(["a", "b", "c"]).expect("capture");
+        assert_eq!(shared.pre_images_len().expect("len"), 3);
+        shared.capture_pre_images(["d"]).expect("capture");
+        let pre = shared.take_pre_images().expect("take").expect("a capture");
+        assert!(pre.overflowed(), "a fourth key passes a bound of 3");
+        assert!(pre.is_empty(), "an overflowed capture keeps nothing");
+        // By bytes too.
+        let _view = shared.begin_pre_images_bounded(100, 4).expect("begin");
+        shared.capture_pre_images(["abc", "de"]).expect("capture");
+        assert!(
+            shared
+                .take_pre_images()
+                .expect("take")
+                .expect("a capture")
+                .overflowed()
+        );
     }
 
     #[test]

@@ -563,6 +563,11 @@ impl Core {
             }
             self.call_parse(live, &call).await?;
             self.call_apply(live).await?;
+            // A guest call runs to its end without yielding (its deadline traps, it does not
+            // yield), so a hydration of many chunks would hold its worker thread throughout: on a
+            // runtime with one worker, the fold beside a swap's hydration would stop. Yield
+            // between chunks.
+            tokio::task::yield_now().await;
         }
         Ok(())
     }

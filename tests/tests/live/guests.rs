@@ -930,3 +930,57 @@ async fn keys_expiring_by_per_message_ttl_leave_the_fold_and_the_router_live_and
     }
     Ok(())
 }
+
+/// A guest call runs to its end without yielding, so a hydration of many chunks must yield between
+/// them: a swap's candidate hydrates on the fold's own runtime, and on a runtime with one worker the
+/// fold beside it would otherwise stop until the whole hydration ended.
+#[tokio::test(flavor = "current_thread")]
+async fn a_hydration_yields_between_chunks_so_the_fold_beside_it_keeps_running()
+-> anyhow::Result<()> {
+    use foldhost::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
+    use foldhost::snapshot::SnapshotStore as _;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    let dir = tempfile::tempdir()?;
+    let (mut store, _) = AppendLogSnapshot::open(dir.path(), AppendLogOptions::default())?;
+    let routes: Vec<KvUpdate> = (0..5000u32)
+        .map(|i| {
+            KvUpdate::Put(KvEntry {
+                key: format!("route.h{i:05}"),
+                value: upstream(i, 1).into(),
+                version: VersionToken::from_u64(u64::from(i) + 1),
+            })
+        })
+        .collect();
+    store.apply(&routes, WatchCursor::at(5000))?;
+    let shared = SharedStore::new(store);
+    let engine = GuestEngine::new()?;
+    let bytes = std::fs::read(guest_wasm("router"))?;
+    let limits = GuestLimits {
+        hydrate_chunk: 250,
+        ..GuestLimits::default()
+    };
+    let mut g =
+        GuestApply::load(&engine, "router", &bytes, limits, vec![], Arc::new(shared)).await?;
+    // Another task on the same (single) thread: it runs only when the hydration yields.
+    let ticks = Arc::new(AtomicU64::new(0));
+    let ticker = {
+        let ticks = ticks.clone();
+        tokio::spawn(async move {
+            loop {
+                ticks.fetch_add(1, Ordering::Relaxed);
+                tokio::task::yield_now().await;
+            }
+        })
+    };
+    tokio::task::yield_now().await; // the ticker starts
+    let before = ticks.load(Ordering::Relaxed);
+    g.hydrate().await?;
+    let during = ticks.load(Ordering::Relaxed) - before;
+    ticker.abort();
+    assert_eq!(g.last_hydration.map(|(n, _)| n), Some(5000));
+    assert!(
+        during >= 19,
+        "the task beside the hydration ran {during} times during its 20 chunks"
+    );
+    Ok(())
+}
