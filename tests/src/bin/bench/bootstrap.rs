@@ -155,8 +155,11 @@ async fn one(
     );
     let steady = proc_kib(pid, "VmRSS:").unwrap_or(0) as f64 / 1024.0;
     std::fs::write(format!("/proc/{pid}/clear_refs"), "5")?;
+    // The round that published (a later one reports "up-to-date" in no time).
     let s = wait_status(&addr, |s| {
-        s.last_export.as_ref().and_then(|e| e.cursor) == Some(last)
+        s.last_export
+            .as_ref()
+            .is_some_and(|e| e.outcome == "published" && e.cursor == Some(last))
     })
     .await?;
     let round_peak = proc_kib(pid, "VmHWM:").unwrap_or(0) as f64 / 1024.0;
