@@ -1256,6 +1256,84 @@ async fn a_swap_under_many_writes_catches_up_in_rounds_beside_the_fold_before_it
     assert_eq!(apply.state, bucket(&sim).await);
 }
 
+/// Issue 15: one swap at a time. A second swap asked for while the first one's candidate hydrates
+/// is refused in one line naming the swap in flight; the first still completes, and the fold keeps
+/// committing throughout.
+#[tokio::test(start_paused = true)]
+async fn a_second_swap_while_one_hydrates_is_refused_and_the_first_completes() {
+    let sim = SimBucket::new();
+    for i in 1..=10 {
+        sim.put_now(&format!("k{i:02}"), "v");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let status = Arc::new(FoldStatus::default());
+    let mut apply = Versioned::new(status.clone(), store.clone());
+    let (reached_tx, reached_rx) = oneshot::channel();
+    let (release_tx, release_rx) = oneshot::channel();
+    apply.gate = Some((reached_tx, release_rx));
+    let (control_tx, control_rx) = mpsc::channel(4);
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let watcher: Arc<dyn KvWatcher> = Arc::new(sim.clone());
+    let fold = watch_applied(
+        watcher,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), false),
+        status.clone(),
+        Some(control_rx),
+        async {
+            let _ = stop_rx.await;
+        },
+    );
+    let swap = |to: &'static [u8]| {
+        let control_tx = control_tx.clone();
+        async move {
+            let (reply, answer) = oneshot::channel();
+            control_tx
+                .send(Control::Swap {
+                    bytes: to.to_vec(),
+                    what: format!("v{}", String::from_utf8_lossy(to)),
+                    reply,
+                })
+                .await
+                .expect("the fold takes controls");
+            answer
+        }
+    };
+    let driver = async {
+        until("the first 10 committed", || load(&status.cursor) == 10).await;
+        let first = swap(b"2").await;
+        reached_rx.await.expect("the first swap hydrates");
+        let second = swap(b"3")
+            .await
+            .await
+            .expect("answered")
+            .expect_err("refused while the first hydrates");
+        sim.put_now("k11", "during");
+        until("the fold kept committing", || load(&status.cursor) == 11).await;
+        release_tx.send(()).expect("release");
+        let report = first
+            .await
+            .expect("answered")
+            .expect("the first swap completes");
+        drop(stop_tx);
+        (second, report)
+    };
+    let (result, (second, report)) =
+        tokio::time::timeout(DEADLINE, async { tokio::join!(fold, driver) })
+            .await
+            .expect("the fold ended in time");
+    result.expect("a clean shutdown");
+    assert!(
+        second.message.contains("v3 refused") && second.message.contains("still hydrating"),
+        "{second}"
+    );
+    assert_eq!(report.to, "native:v2");
+    assert_eq!(apply.version, 2);
+    assert_eq!(apply.state, contents(&*store.read().expect("read")));
+}
+
 /// Issue 14: a watch that breaks (the connection, the server or the consumer failed) is resumed
 /// from the applied cursor after a bounded backoff — the fold does not stop, and nothing is lost
 /// or applied twice. Repeated breaks only lengthen the backoff up to its cap.
