@@ -1287,26 +1287,28 @@ async fn a_second_swap_while_one_hydrates_is_refused_and_the_first_completes() {
         },
     );
     let swap = |to: &'static [u8]| {
-        let control_tx = control_tx.clone();
-        async move {
-            let (reply, answer) = oneshot::channel();
-            control_tx
-                .send(Control::Swap {
-                    bytes: to.to_vec(),
-                    what: format!("v{}", String::from_utf8_lossy(to)),
-                    reply,
-                })
-                .await
-                .expect("the fold takes controls");
-            answer
-        }
+        let (reply, answer) = oneshot::channel();
+        let control = Control::Swap {
+            bytes: to.to_vec(),
+            what: format!("v{}", String::from_utf8_lossy(to)),
+            reply,
+        };
+        (control, answer)
     };
     let driver = async {
         until("the first 10 committed", || load(&status.cursor) == 10).await;
-        let first = swap(b"2").await;
-        reached_rx.await.expect("the first swap hydrates");
-        let second = swap(b"3")
+        let (control, first) = swap(b"2");
+        control_tx
+            .send(control)
             .await
+            .expect("the fold takes controls");
+        reached_rx.await.expect("the first swap hydrates");
+        let (control, second) = swap(b"3");
+        control_tx
+            .send(control)
+            .await
+            .expect("the fold takes controls");
+        let second = second
             .await
             .expect("answered")
             .expect_err("refused while the first hydrates");
