@@ -366,6 +366,20 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         }
     }
 
+    /// Commits everything delivered so far (the open batch and anything re-queued), so what runs
+    /// next sees the fold exactly at the applied cursor; the batch timer is disarmed with the batch.
+    async fn settle(&mut self, t: &mut Turn) -> Result<(), AppliedError> {
+        flush_all(
+            &mut self.fold,
+            &mut t.batch,
+            self.opts.batch.max,
+            self.apply,
+        )
+        .await?;
+        t.timer_armed = false;
+        Ok(())
+    }
+
     /// The periodic retention read: when it shows a current value evicted, commits the memo
     /// (after flushing, so the memo rides on everything delivered). Bounded: a slow server delays
     /// the fold by at most 5 s, never stops it.
@@ -374,14 +388,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             tokio::time::timeout(Duration::from_secs(5), self.watcher.retention()).await
             && protocol::retention_has_evicted(r)
         {
-            flush_all(
-                &mut self.fold,
-                &mut t.batch,
-                self.opts.batch.max,
-                self.apply,
-            )
-            .await?;
-            t.timer_armed = false;
+            self.settle(t).await?;
             note_retention(&mut self.fold, self.apply, Some(r)).await?;
         }
         Ok(())
@@ -389,7 +396,6 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
 
     /// A query, an export or a swap, between batches.
     async fn on_control(&mut self, c: Option<Control>, t: &mut Turn) -> Result<(), AppliedError> {
-        let max = self.opts.batch.max;
         match c {
             Some(Control::Query { request, reply }) => {
                 // Between batches: the applier's structure is whole.
@@ -399,8 +405,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             Some(Control::Export { dir, reply }) => {
                 // Everything delivered so far is applied and committed first, so the copy is
                 // exactly the applied cursor; deliveries wait in the channel meanwhile.
-                flush_all(&mut self.fold, &mut t.batch, max, self.apply).await?;
-                t.timer_armed = false;
+                self.settle(t).await?;
                 let store = self.fold.store().clone();
                 let copied = tokio::task::spawn_blocking(move || {
                     let s = store.read()?;
@@ -442,14 +447,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             }));
             return Ok(());
         }
-        flush_all(
-            &mut self.fold,
-            &mut t.batch,
-            self.opts.batch.max,
-            self.apply,
-        )
-        .await?;
-        t.timer_armed = false;
+        self.settle(t).await?;
         let store = self.fold.store().clone();
         let pinned = store.begin_pre_images().map_err(store_err)?;
         let view: Arc<dyn FoldRead> = Arc::new(pinned.clone());
@@ -591,14 +589,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         }
         let entries = p.entries.map_or(0, |(n, _)| n);
         let paused = Instant::now();
-        flush_all(
-            &mut self.fold,
-            &mut t.batch,
-            self.opts.batch.max,
-            self.apply,
-        )
-        .await?;
-        t.timer_armed = false;
+        self.settle(t).await?;
         let store = self.fold.store().clone();
         let Some(pre) = store.take_pre_images().map_err(store_err)? else {
             return Ok(Err(refuse(candidate_error(

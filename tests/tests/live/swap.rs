@@ -100,6 +100,31 @@ fn swap(
     Ok((out.status.success(), text))
 }
 
+/// Asks the host at `addr` (running `kvstore-v2`) for every key `k.0000`… below `keys`: each live
+/// key answers `v2:` and its value in the bucket, each deleted one 422. Returns the bucket.
+async fn v2_serves_the_bucket(
+    addr: &str,
+    kv: &foldhost::nats::NatsKv,
+    keys: u32,
+) -> anyhow::Result<foldhost_tests::Contents> {
+    let want = bucket_contents(kv).await?;
+    for (key, (value, _)) in &want {
+        let (code, body) = foldhost::serve::call(addr, "POST", "/query", key.as_bytes()).await?;
+        assert_eq!(code, 200, "{key}: {}", String::from_utf8_lossy(&body));
+        let mut expect = b"v2:".to_vec();
+        expect.extend_from_slice(value);
+        assert_eq!(body, expect, "{key}: v2 answers from the whole fold");
+    }
+    for i in 0..keys {
+        let key = format!("k.{i:04}");
+        if !want.contains_key(&key) {
+            let (code, _) = foldhost::serve::call(addr, "POST", "/query", key.as_bytes()).await?;
+            assert_eq!(code, 422, "{key} was deleted");
+        }
+    }
+    Ok(want)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Result<()> {
     let h = Harness::start().await?;
@@ -208,24 +233,7 @@ async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Resu
         "v2 refuses updates applied twice: {s:?}"
     );
     assert_eq!(s.guest.as_deref(), Some("kvstore@0.2.0"));
-    let want = bucket_contents(&kv).await?;
-    for (key, (value, _)) in &want {
-        let (code, body) = foldhost::serve::call(&addr, "POST", "/query", key.as_bytes()).await?;
-        assert_eq!(code, 200, "{key}: {}", String::from_utf8_lossy(&body));
-        let mut expect = b"v2:".to_vec();
-        expect.extend_from_slice(value);
-        assert_eq!(
-            body, expect,
-            "{key}: v2's answer is computed from the whole fold"
-        );
-    }
-    for i in 0..5000 {
-        let key = format!("k.{i:04}");
-        if !want.contains_key(&key) {
-            let (code, _) = foldhost::serve::call(&addr, "POST", "/query", key.as_bytes()).await?;
-            assert_eq!(code, 422, "{key} was deleted");
-        }
-    }
+    let want = v2_serves_the_bucket(&addr, &kv, 5000).await?;
     terminate(&mut host)?;
     assert_eq!(first_difference(&want, &dump_store(&store)?), None);
     Ok(())
@@ -286,21 +294,7 @@ async fn a_swap_refused_mid_hydration_leaves_the_old_version_serving_and_applies
         "v2 refuses updates applied twice: {s:?}"
     );
     assert_eq!(s.guest.as_deref(), Some("kvstore@0.2.0"));
-    let want = bucket_contents(&kv).await?;
-    for (key, (value, _)) in &want {
-        let (code, body) = foldhost::serve::call(&addr, "POST", "/query", key.as_bytes()).await?;
-        assert_eq!(code, 200, "{key}: {}", String::from_utf8_lossy(&body));
-        let mut expect = b"v2:".to_vec();
-        expect.extend_from_slice(value);
-        assert_eq!(body, expect, "{key}: the running version kept folding");
-    }
-    for i in 0..2000 {
-        let key = format!("k.{i:04}");
-        if !want.contains_key(&key) {
-            let (code, _) = foldhost::serve::call(&addr, "POST", "/query", key.as_bytes()).await?;
-            assert_eq!(code, 422, "{key} was deleted");
-        }
-    }
+    let want = v2_serves_the_bucket(&addr, &kv, 2000).await?;
     terminate(&mut host)?;
     assert_eq!(first_difference(&want, &dump_store(&store)?), None);
     Ok(())
