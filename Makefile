@@ -11,6 +11,7 @@
 # default build.
 FEATURES = --features fjall,rocksdb,crashpoints
 RUNS ?= 5
+BENCH_RUNS ?= 3
 
 SETUP = NATS_SERVER_BIN="$$(scripts/setup.sh)" && export NATS_SERVER_BIN
 
@@ -44,12 +45,12 @@ guests:
 	guests/build.sh
 
 # Every benchmark, one table (figure, baseline from the same run, ratio, target; the cores and the
-# date): ~20 minutes on 2 cores. Builds the release binaries, the guests and the slipstream
-# baseline tool (../shared/bench/slipfold, into target/slipfold) first. RUNS=3 by default.
+# date): ~25 minutes on 2 cores. Builds the release binaries, the guests and the slipstream
+# baseline tool (../shared/bench/slipfold, into target/slipfold) first. BENCH_RUNS=3 by default.
 bench: slipfold
 	$(SETUP) && guests/build.sh >/dev/null && \
 	cargo build --release --quiet -p foldhost --features fjall,rocksdb && \
-	cargo run --release --quiet -p foldhost-tests --features fjall,rocksdb --bin foldhost-bench -- table $(or $(RUNS),3)
+	cargo run --release --quiet -p foldhost-tests --features fjall,rocksdb --bin foldhost-bench -- table $(BENCH_RUNS)
 
 # beyond-slipstream 0.8.6 folding a bucket with a native closure: the library a user would pick
 # instead, as a measuring tool (never a dependency of the project).
