@@ -31,6 +31,8 @@ mod conformance;
 #[cfg(feature = "fjall")]
 mod fjall;
 mod format;
+/// The append log's in-RAM fold: a sorted base over the file buffer and an overlay of changes.
+mod live_map;
 #[cfg(any(feature = "fjall", feature = "rocksdb"))]
 mod lsm;
 #[cfg(feature = "rocksdb")]

@@ -29,7 +29,6 @@
 //! plus the threshold.
 
 use std::cmp;
-use std::collections::BTreeMap;
 use std::fmt;
 use std::fs::{self, File, OpenOptions, TryLockError};
 use std::io::{self, Write};
@@ -39,6 +38,7 @@ use std::path::{Path, PathBuf};
 use bytes::Bytes;
 
 use super::format::{self, Decoded, HEADER_LEN, Record};
+use super::live_map::{self, LiveMap};
 use super::{Recovery, SnapshotError, SnapshotStore};
 use crate::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
 
@@ -108,7 +108,7 @@ impl fmt::Debug for AppendLogSnapshot {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("AppendLogSnapshot")
             .field("path", &self.path)
-            .field("keys", &self.fold.map.len())
+            .field("keys", &self.fold.len())
             .field("cursor", &self.fold.cursor)
             .field("read_only", &self.writer.is_none())
             .field(
@@ -217,7 +217,7 @@ impl AppendLogSnapshot {
 
     fn rewrite(&mut self) -> Result<(), SnapshotError> {
         let w = writable(&mut self.writer, &self.path)?;
-        w.rewrite(&self.dir, &self.path, &self.fold)
+        w.rewrite(&self.dir, &self.path, &mut self.fold)
     }
 }
 
@@ -258,21 +258,17 @@ impl SnapshotStore for AppendLogSnapshot {
         }
         self.fold.cursor = cursor;
         if w.appended() >= cmp::max(w.opts.compact_threshold, self.fold.compacted_len()) {
-            w.rewrite(&self.dir, &self.path, &self.fold)?;
+            w.rewrite(&self.dir, &self.path, &mut self.fold)?;
         }
         Ok(())
     }
 
     fn get(&self, key: &str) -> Result<Option<KvEntry>, SnapshotError> {
-        Ok(self
-            .fold
-            .map
-            .get(key.as_bytes())
-            .map(|(value, version)| KvEntry {
-                key: key.to_owned(),
-                value: value.clone(),
-                version: *version,
-            }))
+        Ok(self.fold.get(key).map(|(value, version)| KvEntry {
+            key: key.to_owned(),
+            value,
+            version,
+        }))
     }
 
     fn for_each_in_range(
@@ -300,7 +296,7 @@ impl SnapshotStore for AppendLogSnapshot {
     }
 
     fn len(&self) -> Result<u64, SnapshotError> {
-        Ok(self.fold.map.len() as u64)
+        Ok(self.fold.len())
     }
 
     /// A compacted copy: the live map and cursor written as one fresh log. The in-RAM fold is the
@@ -309,106 +305,8 @@ impl SnapshotStore for AppendLogSnapshot {
     /// after hashing it and before its manifest ([`crate::artifact::seal`]) — off the fold's
     /// pause, and overlapping the disk's writeback with the hashing.
     fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
-        write_compacted(&dest.join(LOG_NAME), &self.fold, false)?;
+        write_compacted(&dest.join(LOG_NAME), &self.fold)?;
         Ok(())
-    }
-}
-
-/// The in-RAM map of the live fold (keys, values, versions and the cursor), replayed from the log.
-#[derive(Debug, Default)]
-struct LiveMap {
-    /// Key (its UTF-8 bytes: byte order is the keys' order) → value and version. Keys and values
-    /// read at open are slices of the file buffer, not allocations of their own.
-    map: BTreeMap<Bytes, (Bytes, VersionToken)>,
-    cursor: WatchCursor,
-    /// Encoded size of the live map's Put records, kept as entries change so the compaction trigger
-    /// never walks the map.
-    put_bytes: u64,
-}
-
-impl LiveMap {
-    /// Sets `key`; returns whether it replaced an entry (a superseded record in the log).
-    fn put(&mut self, key: &str, value: Bytes, version: VersionToken) -> bool {
-        self.put_shared(
-            key,
-            || Bytes::copy_from_slice(key.as_bytes()),
-            value,
-            version,
-        )
-    }
-
-    /// [`LiveMap::put`] with the key's bytes made by `owned` only when the key is new (a replay
-    /// hands a slice of the file buffer: no allocation per key).
-    fn put_shared(
-        &mut self,
-        key: &str,
-        owned: impl FnOnce() -> Bytes,
-        value: Bytes,
-        version: VersionToken,
-    ) -> bool {
-        self.put_bytes += format::put_record_len(key.len(), value.len(), version) as u64;
-        // get_mut first: replay overwrites keys often, and this avoids making the key again.
-        if let Some(slot) = self.map.get_mut(key.as_bytes()) {
-            let (old_value, old_version) = std::mem::replace(slot, (value, version));
-            self.put_bytes -=
-                format::put_record_len(key.len(), old_value.len(), old_version) as u64;
-            return true;
-        }
-        self.map.insert(owned(), (value, version));
-        false
-    }
-
-    fn remove(&mut self, key: &str) {
-        if let Some((value, version)) = self.map.remove(key.as_bytes()) {
-            self.put_bytes -= format::put_record_len(key.len(), value.len(), version) as u64;
-        }
-    }
-
-    fn apply(&mut self, update: &KvUpdate) {
-        match update {
-            KvUpdate::Put(e) => {
-                self.put(&e.key, e.value.clone(), e.version);
-            }
-            KvUpdate::Delete { key, .. } | KvUpdate::Purge { key, .. } => self.remove(key),
-        }
-    }
-
-    /// Visits the entries from `from` on whose keys start with `prefix`, in key order.
-    fn walk(
-        &self,
-        prefix: &str,
-        from: Bound<&str>,
-        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
-    ) {
-        // One entry reused across visits: the key's buffer is allocated once, not per key.
-        let mut entry = KvEntry {
-            key: String::new(),
-            value: Bytes::new(),
-            version: VersionToken::UNKNOWN,
-        };
-        let from: Bound<&[u8]> = match from {
-            Bound::Included(k) => Bound::Included(k.as_bytes()),
-            Bound::Excluded(k) => Bound::Excluded(k.as_bytes()),
-            Bound::Unbounded => Bound::Unbounded,
-        };
-        for (key, (value, version)) in self.map.range::<[u8], _>((from, Bound::Unbounded)) {
-            // Keys sharing the prefix are contiguous in order: the first one without it ends the range.
-            if !key.starts_with(prefix.as_bytes()) {
-                break;
-            }
-            entry.key.clear();
-            entry.key.push_str(&key_str(key));
-            entry.value = value.clone();
-            entry.version = *version;
-            if visit(&entry).is_break() {
-                break;
-            }
-        }
-    }
-
-    /// The size of the file a compaction would write.
-    fn compacted_len(&self) -> u64 {
-        (HEADER_LEN + format::cursor_record_len(self.cursor)) as u64 + self.put_bytes
     }
 }
 
@@ -469,15 +367,26 @@ impl Writer {
         Err(err)
     }
 
-    /// Compacts (see [`AppendLogSnapshot::compact`]); poisons on failure.
-    fn rewrite(&mut self, dir: &Path, path: &Path, fold: &LiveMap) -> Result<(), SnapshotError> {
+    /// Compacts (see [`AppendLogSnapshot::compact`]) and rebases the in-RAM fold on the new file's
+    /// bytes, which frees the old buffer and empties the overlay; poisons on failure (the fold in RAM
+    /// is then unchanged).
+    fn rewrite(
+        &mut self,
+        dir: &Path,
+        path: &Path,
+        fold: &mut LiveMap,
+    ) -> Result<(), SnapshotError> {
         let tmp = dir.join(TMP_NAME);
-        match self.try_rewrite(dir, path, &tmp, fold) {
-            Ok((file, len)) => {
+        // Encoded once, in memory: the same bytes go to the file and become the new base.
+        let (bytes, offsets) = live_map::encode_compacted(fold);
+        match self.try_rewrite(dir, path, &tmp, &bytes) {
+            Ok(file) => {
+                let len = bytes.len() as u64;
                 tracing::debug!(path = %path.display(), bytes = len, "compacted");
                 self.file = file;
                 self.committed_len = len;
                 self.compacted_len = len;
+                fold.rebase(Bytes::from(bytes), offsets);
                 Ok(())
             }
             Err(e) => {
@@ -495,14 +404,23 @@ impl Writer {
         dir: &Path,
         path: &Path,
         tmp: &Path,
-        fold: &LiveMap,
-    ) -> Result<(File, u64), SnapshotError> {
-        let len = write_compacted(tmp, fold, true)?;
+        bytes: &[u8],
+    ) -> Result<File, SnapshotError> {
+        let mut file = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(tmp)
+            .map_err(io_err(tmp, "create compaction temp file"))?;
+        file.write_all(bytes)
+            .map_err(io_err(tmp, "write compaction temp file"))?;
+        file.sync_all()
+            .map_err(io_err(tmp, "fsync compaction temp file"))?;
         self.fault_at(FaultPoint::CompactBeforeRename, tmp)?;
         fs::rename(tmp, path).map_err(io_err(path, "rename compacted log into place"))?;
         self.fault_at(FaultPoint::CompactAfterRename, dir)?;
         sync_dir(dir)?;
-        Ok((open_append(path)?, len))
+        open_append(path)
     }
 
     /// Fails with an injected I/O error when `point` was injected.
@@ -572,35 +490,32 @@ fn should_compact(file_len: u64, live_len: u64, opts: AppendLogOptions) -> bool 
     file_len.saturating_sub(live_len) >= cmp::max(opts.compact_threshold, live_len)
 }
 
-/// Writes `fold` as a compacted log at `tmp`; `sync`: fsync it before returning.
-fn write_compacted(tmp: &Path, fold: &LiveMap, sync: bool) -> Result<u64, SnapshotError> {
+/// Writes `fold` as a compacted log at `tmp`, streamed in chunks (an export's copy: not fsynced
+/// here, and never held whole in memory); returns its length.
+fn write_compacted(tmp: &Path, fold: &LiveMap) -> Result<u64, SnapshotError> {
     let mut file = OpenOptions::new()
         .write(true)
         .create(true)
         .truncate(true)
         .open(tmp)
-        .map_err(io_err(tmp, "create compaction temp file"))?;
+        .map_err(io_err(tmp, "create exported log"))?;
     let mut chunk = Vec::with_capacity(COMPACT_CHUNK);
     let mut len = 0u64;
     let mut flush = |file: &mut File, chunk: &mut Vec<u8>| {
         len += chunk.len() as u64;
         let res = file.write_all(chunk);
         chunk.clear();
-        res.map_err(io_err(tmp, "write compaction temp file"))
+        res.map_err(io_err(tmp, "write exported log"))
     };
     format::encode_header(&mut chunk);
-    for (key, (value, version)) in &fold.map {
-        format::encode_put(&mut chunk, &key_str(key), value, *version);
+    for item in fold.iter_from(Bound::Unbounded) {
+        format::encode_put(&mut chunk, &key_str(item.key), item.value, item.version);
         if chunk.len() >= COMPACT_CHUNK {
             flush(&mut file, &mut chunk)?;
         }
     }
     format::encode_cursor(&mut chunk, fold.cursor);
     flush(&mut file, &mut chunk)?;
-    if sync {
-        file.sync_all()
-            .map_err(io_err(tmp, "fsync compaction temp file"))?;
-    }
     Ok(len)
 }
 
@@ -706,7 +621,7 @@ fn replay(file: &Bytes, path: &Path) -> Result<Replayed, SnapshotError> {
     })?;
     let mut scan = Scan {
         file,
-        fold: LiveMap::default(),
+        fold: LiveMap::over(file.clone()),
         pending: 0,
         committed_end: HEADER_LEN,
         cursor_records: 0,
@@ -794,6 +709,7 @@ impl<'a> Scan<'a> {
         let buf: &'a [u8] = self.file;
         let mut at = HEADER_LEN;
         while at < self.committed_end {
+            let start = at;
             let Decoded::Record { record, len } = format::decode_record(&buf[at..]) else {
                 // The first pass read this record whole: only a bug gets here.
                 return Err(corrupted(
@@ -809,6 +725,10 @@ impl<'a> Scan<'a> {
                     value,
                     version,
                 } => {
+                    // A compacted log's records, in key order, become the base: 8 bytes per key.
+                    if self.fold.push_base(start, key, value.len(), version) {
+                        continue;
+                    }
                     // Slices of the file buffer, not copies.
                     let value = self.file.slice_ref(value);
                     let file = self.file;
@@ -821,7 +741,9 @@ impl<'a> Scan<'a> {
                 }
                 Record::Delete { key, .. } => {
                     self.superseded = true;
-                    self.fold.remove(key);
+                    let file = self.file;
+                    self.fold
+                        .remove_shared(key, || file.slice_ref(key.as_bytes()));
                 }
                 Record::Cursor(cursor) => self.fold.cursor = cursor,
             }
@@ -1681,6 +1603,49 @@ mod tests {
         assert_eq!(inode(&path), before_inode);
         assert_eq!(log_bytes(dir.path()), before);
         assert_eq!(store.len().expect("len"), 2);
+    }
+
+    /// The memory layout that keeps the fold near the size of its data: a compacted log opens into
+    /// the dense base alone (8 bytes per key), later batches go to the overlay, and a compaction
+    /// folds the overlay back into a base over the new file.
+    #[test]
+    fn a_compacted_log_opens_into_the_dense_base_and_a_compaction_empties_the_overlay() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        {
+            let (mut store, _) = open(dir.path());
+            let batch: Vec<KvUpdate> = (0..50).map(|i| put(&format!("k{i:03}"), b"v", 1)).collect();
+            store.apply(&batch, WatchCursor::at(1)).expect("apply");
+            store.compact().expect("compact");
+            assert_eq!(store.fold.layers(), (50, 0), "a compaction rebases");
+        }
+        let (mut store, _) = open(dir.path());
+        assert_eq!(
+            store.fold.layers(),
+            (50, 0),
+            "a compacted log opens as base only"
+        );
+        store
+            .apply(
+                &[put("k007", b"w", 2), del("k008", 2), put("zz", b"n", 2)],
+                WatchCursor::at(2),
+            )
+            .expect("apply");
+        assert_eq!(store.fold.layers(), (50, 3));
+        assert_eq!(store.len().expect("len"), 50);
+        assert_eq!(store.get("k008").expect("get"), None);
+        drop(store);
+        // Reopened: the compacted prefix is the base, the appended batch the overlay.
+        let (mut store, _) = open(dir.path());
+        assert_eq!(store.fold.layers(), (50, 3));
+        assert_eq!(
+            store.get("k007").expect("get").map(|e| e.value),
+            Some(Bytes::from_static(b"w"))
+        );
+        store.compact().expect("compact");
+        assert_eq!(store.fold.layers(), (50, 0));
+        let keys: Vec<String> = contents(&store).into_iter().map(|e| e.0).collect();
+        assert_eq!(keys.len(), 50);
+        assert!(!keys.contains(&"k008".to_owned()) && keys.contains(&"zz".to_owned()));
     }
 
     #[test]

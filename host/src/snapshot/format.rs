@@ -330,6 +330,21 @@ pub(crate) fn decode_record(buf: &[u8]) -> Decoded<'_> {
     }
 }
 
+/// Key, value and version of the Put record at the start of `buf`, read by its framing alone: no
+/// CRC and no UTF-8 check. Only for records a [`decode_record`] (or the encoder) already checked
+/// whole, such as the append log's in-RAM base; `None` when `buf` does not start with a framed Put.
+pub(crate) fn put_fields(buf: &[u8]) -> Option<(&[u8], &[u8], VersionToken)> {
+    if buf.get(4) != Some(&TYPE_PUT) {
+        return None;
+    }
+    let fields = frame_put(buf).ok()?;
+    Some((
+        fields.key,
+        fields.value,
+        VersionToken::from_bytes(fields.tail)?,
+    ))
+}
+
 /// The raw fields of a framed record: slices of the buffer, not yet checked for meaning.
 struct Fields<'a> {
     key: &'a [u8],

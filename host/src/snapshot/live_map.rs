@@ -1,0 +1,519 @@
+//! [`LiveMap`]: the append log's in-RAM fold, kept close to the size of its data.
+//!
+//! Two layers:
+//! - the **base**: a sorted array of offsets of Put records inside one immutable buffer (the log as
+//!   it was read at open, or as the last compaction wrote it). 8 bytes per key beside the record
+//!   itself, where an ordered map of owned entries costs about 80 bytes per key plus its nodes' slack;
+//! - the **overlay**: an ordered map of what changed since the base was built, each entry a new value
+//!   or a tombstone ([`Slot::Gone`]) hiding a base key.
+//!
+//! Invariants (checked by the tests at the end of this file against an ordered-map model):
+//! - every base offset is the start of a Put record of `buf` that a replay or a compaction checked
+//!   whole, and the base's keys strictly increase;
+//! - an overlay entry shadows the base entry with the same key; a [`Slot::Gone`] exists only for a
+//!   key the base holds (a key absent from the base is simply removed from the overlay);
+//! - `len` is the number of live keys and `put_bytes` the encoded size of their Put records, both
+//!   kept as entries change, so neither is ever counted by a walk.
+//!
+//! A compaction writes the merged map as a fresh file and [`LiveMap::rebase`]s on that file's bytes,
+//! so the overlay empties and the old buffer, with its superseded records, is freed.
+
+use std::cmp::Ordering;
+use std::collections::BTreeMap;
+use std::collections::btree_map;
+use std::iter::Peekable;
+use std::ops::{Bound, ControlFlow};
+
+use bytes::Bytes;
+
+use super::format::{self, HEADER_LEN};
+use crate::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
+
+/// An overlay entry: what a key became since the base was built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Slot {
+    /// The key now holds this value and version.
+    Put(Bytes, VersionToken),
+    /// The key was deleted; the base still holds its old record.
+    Gone,
+}
+
+/// The live fold (keys, values, versions, the cursor) of an append log.
+#[derive(Debug, Default)]
+pub(super) struct LiveMap {
+    /// The buffer the base's offsets point into.
+    buf: Bytes,
+    /// Offsets in `buf` of Put records, in strictly increasing key order.
+    base: Vec<u64>,
+    /// Changes since the base was built, keyed by the keys' UTF-8 bytes (byte order is key order).
+    overlay: BTreeMap<Bytes, Slot>,
+    /// Live keys.
+    len: u64,
+    /// The cursor the fold is at.
+    pub(super) cursor: WatchCursor,
+    /// Encoded size of the live keys' Put records, so the compaction trigger never walks the map.
+    put_bytes: u64,
+}
+
+/// One live entry as a walk sees it: the value either in the base's buffer or owned by the overlay.
+pub(super) struct Item<'a> {
+    pub(super) key: &'a [u8],
+    pub(super) value: &'a [u8],
+    pub(super) version: VersionToken,
+    /// The overlay's value, when the entry came from there (cloning it is cheaper than slicing).
+    owned: Option<&'a Bytes>,
+}
+
+impl LiveMap {
+    /// An empty fold whose base will be built from `buf` ([`LiveMap::push_base`]).
+    pub(super) fn over(buf: Bytes) -> Self {
+        LiveMap {
+            buf,
+            ..LiveMap::default()
+        }
+    }
+
+    /// Keys held by the dense base and entries of the overlay (what the tests check the layout by).
+    #[cfg(test)]
+    pub(super) fn layers(&self) -> (usize, usize) {
+        (self.base.len(), self.overlay.len())
+    }
+
+    /// Live keys.
+    pub(super) fn len(&self) -> u64 {
+        self.len
+    }
+
+    /// The size of the file a compaction would write.
+    pub(super) fn compacted_len(&self) -> u64 {
+        (HEADER_LEN + format::cursor_record_len(self.cursor)) as u64 + self.put_bytes
+    }
+
+    /// The replay's fast path: takes the Put record at `offset` of the buffer into the base when it
+    /// extends it (nothing in the overlay yet, and its key after the base's last). Returns `false`
+    /// when it does not, and the caller folds the record through [`LiveMap::put_shared`].
+    pub(super) fn push_base(
+        &mut self,
+        offset: usize,
+        key: &str,
+        value_len: usize,
+        version: VersionToken,
+    ) -> bool {
+        if !self.overlay.is_empty() {
+            return false;
+        }
+        if let Some(&last) = self.base.last()
+            && self.base_key(last) >= key.as_bytes()
+        {
+            return false;
+        }
+        debug_assert_eq!(
+            format::put_fields(&self.buf[offset..]).map(|(k, _, _)| k),
+            Some(key.as_bytes()),
+            "a base offset names the record it was given for"
+        );
+        self.base.push(offset as u64);
+        self.len += 1;
+        self.put_bytes += format::put_record_len(key.len(), value_len, version) as u64;
+        true
+    }
+
+    /// Builds the base anew on `buf`, a compacted log whose Put records start at `offsets` (in key
+    /// order) and hold exactly the live map: the overlay empties and the old buffer is released.
+    pub(super) fn rebase(&mut self, buf: Bytes, offsets: Vec<u64>) {
+        debug_assert_eq!(
+            offsets.len() as u64,
+            self.len,
+            "a rebase keeps every live key"
+        );
+        self.buf = buf;
+        self.base = offsets;
+        self.base.shrink_to_fit();
+        self.overlay = BTreeMap::new();
+    }
+
+    /// Sets `key`; returns whether it replaced a live entry (a superseded record in the log).
+    pub(super) fn put(&mut self, key: &str, value: Bytes, version: VersionToken) -> bool {
+        self.put_shared(
+            key,
+            || Bytes::copy_from_slice(key.as_bytes()),
+            value,
+            version,
+        )
+    }
+
+    /// [`LiveMap::put`] with the key's bytes made by `owned` only when the overlay needs a new
+    /// entry (a replay hands a slice of the file buffer: no allocation per key).
+    pub(super) fn put_shared(
+        &mut self,
+        key: &str,
+        owned: impl FnOnce() -> Bytes,
+        value: Bytes,
+        version: VersionToken,
+    ) -> bool {
+        self.put_bytes += format::put_record_len(key.len(), value.len(), version) as u64;
+        // get_mut first: keys are overwritten often, and this avoids making the key again.
+        if let Some(slot) = self.overlay.get_mut(key.as_bytes()) {
+            return match std::mem::replace(slot, Slot::Put(value, version)) {
+                Slot::Put(old, old_version) => {
+                    self.put_bytes -=
+                        format::put_record_len(key.len(), old.len(), old_version) as u64;
+                    true
+                }
+                Slot::Gone => {
+                    self.len += 1;
+                    false
+                }
+            };
+        }
+        let in_base = self
+            .base_find(key.as_bytes())
+            .map(|(_, v, ver)| (v.len(), ver));
+        let replaced = match in_base {
+            Some((old_len, old_version)) => {
+                self.put_bytes -= format::put_record_len(key.len(), old_len, old_version) as u64;
+                true
+            }
+            None => {
+                self.len += 1;
+                false
+            }
+        };
+        self.overlay.insert(owned(), Slot::Put(value, version));
+        replaced
+    }
+
+    /// Deletes `key` if live; `owned` makes its bytes when a tombstone must hide a base entry.
+    pub(super) fn remove_shared(&mut self, key: &str, owned: impl FnOnce() -> Bytes) {
+        let in_base = self
+            .base_find(key.as_bytes())
+            .map(|(_, v, ver)| (v.len(), ver));
+        match self.overlay.get_mut(key.as_bytes()) {
+            Some(Slot::Gone) => {}
+            Some(slot) => {
+                if let Slot::Put(old, old_version) = std::mem::replace(slot, Slot::Gone) {
+                    self.put_bytes -=
+                        format::put_record_len(key.len(), old.len(), old_version) as u64;
+                }
+                self.len -= 1;
+                if in_base.is_none() {
+                    self.overlay.remove(key.as_bytes());
+                }
+            }
+            None => {
+                if let Some((old_len, old_version)) = in_base {
+                    self.put_bytes -=
+                        format::put_record_len(key.len(), old_len, old_version) as u64;
+                    self.len -= 1;
+                    self.overlay.insert(owned(), Slot::Gone);
+                }
+            }
+        }
+    }
+
+    /// Deletes `key` if live.
+    pub(super) fn remove(&mut self, key: &str) {
+        self.remove_shared(key, || Bytes::copy_from_slice(key.as_bytes()));
+    }
+
+    /// Folds one update.
+    pub(super) fn apply(&mut self, update: &KvUpdate) {
+        match update {
+            KvUpdate::Put(e) => {
+                self.put(&e.key, e.value.clone(), e.version);
+            }
+            KvUpdate::Delete { key, .. } | KvUpdate::Purge { key, .. } => self.remove(key),
+        }
+    }
+
+    /// The value and version of `key`, if live.
+    pub(super) fn get(&self, key: &str) -> Option<(Bytes, VersionToken)> {
+        match self.overlay.get(key.as_bytes()) {
+            Some(Slot::Put(value, version)) => Some((value.clone(), *version)),
+            Some(Slot::Gone) => None,
+            None => self
+                .base_find(key.as_bytes())
+                .map(|(_, value, version)| (self.buf.slice_ref(value), version)),
+        }
+    }
+
+    /// The live entries from `from` on, in key order.
+    pub(super) fn iter_from(&self, from: Bound<&[u8]>) -> Iter<'_> {
+        let start = match from {
+            Bound::Included(k) => self.base.partition_point(|&o| self.base_key(o) < k),
+            Bound::Excluded(k) => self.base.partition_point(|&o| self.base_key(o) <= k),
+            Bound::Unbounded => 0,
+        };
+        Iter {
+            map: self,
+            base: start,
+            overlay: self
+                .overlay
+                .range::<[u8], _>((from, Bound::Unbounded))
+                .peekable(),
+        }
+    }
+
+    /// Visits the entries from `from` on whose keys start with `prefix`, in key order.
+    pub(super) fn walk(
+        &self,
+        prefix: &str,
+        from: Bound<&str>,
+        visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
+    ) {
+        // One entry reused across visits: the key's buffer is allocated once, not per key.
+        let mut entry = KvEntry {
+            key: String::new(),
+            value: Bytes::new(),
+            version: VersionToken::UNKNOWN,
+        };
+        let from: Bound<&[u8]> = match from {
+            Bound::Included(k) => Bound::Included(k.as_bytes()),
+            Bound::Excluded(k) => Bound::Excluded(k.as_bytes()),
+            Bound::Unbounded => Bound::Unbounded,
+        };
+        for item in self.iter_from(from) {
+            // Keys sharing the prefix are contiguous in order: the first one without it ends the range.
+            if !item.key.starts_with(prefix.as_bytes()) {
+                break;
+            }
+            entry.key.clear();
+            entry.key.push_str(&String::from_utf8_lossy(item.key));
+            entry.value = self.value_bytes(&item);
+            entry.version = item.version;
+            if visit(&entry).is_break() {
+                break;
+            }
+        }
+    }
+
+    /// An item's value as shared bytes (a slice of the buffer or the overlay's own), never a copy.
+    pub(super) fn value_bytes(&self, item: &Item<'_>) -> Bytes {
+        match item.owned {
+            Some(owned) => owned.clone(),
+            None => self.buf.slice_ref(item.value),
+        }
+    }
+
+    /// The key of the base record at `offset`.
+    fn base_key(&self, offset: u64) -> &[u8] {
+        self.base_fields(offset).0
+    }
+
+    /// Key, value and version of the base record at `offset`. The record was checked whole when
+    /// the offset was taken, so reading it again cannot fail; if it ever did (a bug), the entry
+    /// reads as an empty key, which sorts first and matches no lookup of a real key.
+    fn base_fields(&self, offset: u64) -> (&[u8], &[u8], VersionToken) {
+        let fields = usize::try_from(offset)
+            .ok()
+            .and_then(|at| self.buf.get(at..))
+            .and_then(format::put_fields);
+        debug_assert!(fields.is_some(), "base offset {offset} is not a Put record");
+        fields.unwrap_or((&[], &[], VersionToken::UNKNOWN))
+    }
+
+    /// The base's entry for `key`: (index, value, version).
+    fn base_find(&self, key: &[u8]) -> Option<(usize, &[u8], VersionToken)> {
+        let i = self
+            .base
+            .binary_search_by(|&o| self.base_key(o).cmp(key))
+            .ok()?;
+        let (_, value, version) = self.base_fields(self.base[i]);
+        Some((i, value, version))
+    }
+}
+
+/// The merge of the base and the overlay, in key order; the overlay wins on equal keys.
+pub(super) struct Iter<'a> {
+    map: &'a LiveMap,
+    base: usize,
+    overlay: Peekable<btree_map::Range<'a, Bytes, Slot>>,
+}
+
+impl<'a> Iterator for Iter<'a> {
+    type Item = Item<'a>;
+
+    fn next(&mut self) -> Option<Item<'a>> {
+        loop {
+            let base = self
+                .map
+                .base
+                .get(self.base)
+                .map(|&o| self.map.base_fields(o));
+            let from_overlay = match (&base, self.overlay.peek()) {
+                (None, None) => return None,
+                (None, Some(_)) => true,
+                (Some(_), None) => false,
+                (Some((bk, _, _)), Some((ok, _))) => match ok.as_ref().cmp(bk) {
+                    Ordering::Less => true,
+                    Ordering::Equal => {
+                        // The overlay's entry shadows the base's.
+                        self.base += 1;
+                        true
+                    }
+                    Ordering::Greater => false,
+                },
+            };
+            if !from_overlay {
+                self.base += 1;
+                let (key, value, version) = base?;
+                return Some(Item {
+                    key,
+                    value,
+                    version,
+                    owned: None,
+                });
+            }
+            let (key, slot) = self.overlay.next()?;
+            match slot {
+                Slot::Gone => continue,
+                Slot::Put(value, version) => {
+                    return Some(Item {
+                        key,
+                        value,
+                        version: *version,
+                        owned: Some(value),
+                    });
+                }
+            }
+        }
+    }
+}
+
+/// A compacted log of `fold` encoded in memory: the file's bytes, and the offsets of its Put
+/// records (what [`LiveMap::rebase`] takes). Allocated once at its final size.
+pub(super) fn encode_compacted(fold: &LiveMap) -> (Vec<u8>, Vec<u64>) {
+    let mut out = Vec::with_capacity(usize::try_from(fold.compacted_len()).unwrap_or(0));
+    let mut offsets = Vec::with_capacity(usize::try_from(fold.len()).unwrap_or(0));
+    format::encode_header(&mut out);
+    for item in fold.iter_from(Bound::Unbounded) {
+        offsets.push(out.len() as u64);
+        format::encode_put(
+            &mut out,
+            &String::from_utf8_lossy(item.key),
+            item.value,
+            item.version,
+        );
+    }
+    format::encode_cursor(&mut out, fold.cursor);
+    debug_assert_eq!(
+        out.len() as u64,
+        fold.compacted_len(),
+        "the live size is kept exact"
+    );
+    (out, offsets)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::kv::KvEntry;
+
+    /// A seeded xorshift: the model test's failures replay from their seed.
+    struct Rng(u64);
+
+    impl Rng {
+        fn next(&mut self) -> u64 {
+            self.0 ^= self.0 << 13;
+            self.0 ^= self.0 >> 7;
+            self.0 ^= self.0 << 17;
+            self.0
+        }
+    }
+
+    fn check_against(map: &LiveMap, model: &BTreeMap<String, (Vec<u8>, VersionToken)>, seed: u64) {
+        assert_eq!(map.len(), model.len() as u64, "len, seed {seed}");
+        let walked: Vec<(String, Vec<u8>, VersionToken)> = map
+            .iter_from(Bound::Unbounded)
+            .map(|i| {
+                (
+                    String::from_utf8_lossy(i.key).into_owned(),
+                    i.value.to_vec(),
+                    i.version,
+                )
+            })
+            .collect();
+        let expected: Vec<(String, Vec<u8>, VersionToken)> = model
+            .iter()
+            .map(|(k, (v, ver))| (k.clone(), v.clone(), *ver))
+            .collect();
+        assert_eq!(walked, expected, "walk, seed {seed}");
+        for k in 0..40 {
+            let key = format!("k{k:02}");
+            assert_eq!(
+                map.get(&key).map(|(v, ver)| (v.to_vec(), ver)),
+                model.get(&key).cloned(),
+                "get {key}, seed {seed}"
+            );
+        }
+        let live: u64 = model
+            .iter()
+            .map(|(k, (v, ver))| format::put_record_len(k.len(), v.len(), *ver) as u64)
+            .sum();
+        assert_eq!(
+            map.compacted_len(),
+            (HEADER_LEN + format::cursor_record_len(map.cursor)) as u64 + live,
+            "put bytes, seed {seed}"
+        );
+    }
+
+    /// Random puts and deletes over 40 keys, with rebases between rounds, agree with an ordered
+    /// map after every step: gets, the merged walk, `len` and the compacted size.
+    #[test]
+    fn base_and_overlay_agree_with_an_ordered_map_through_puts_deletes_and_rebases() {
+        for seed in 1..=40u64 {
+            let mut rng = Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15));
+            let mut map = LiveMap::default();
+            let mut model = BTreeMap::new();
+            for round in 0..6 {
+                for step in 0..60u64 {
+                    let key = format!("k{:02}", rng.next() % 40);
+                    if rng.next() % 3 == 0 {
+                        map.apply(&KvUpdate::Delete {
+                            key: key.clone(),
+                            version: VersionToken::from_u64(step),
+                        });
+                        model.remove(&key);
+                    } else {
+                        let value = vec![round as u8; (rng.next() % 9) as usize];
+                        let version = VersionToken::from_u64(round * 100 + step);
+                        map.apply(&KvUpdate::Put(KvEntry {
+                            key: key.clone(),
+                            value: Bytes::from(value.clone()),
+                            version,
+                        }));
+                        model.insert(key, (value, version));
+                    }
+                    check_against(&map, &model, seed);
+                }
+                let (file, offsets) = encode_compacted(&map);
+                map.rebase(Bytes::from(file), offsets);
+                assert!(map.overlay.is_empty());
+                check_against(&map, &model, seed);
+            }
+        }
+    }
+
+    /// A replay of a compacted log builds the base alone; a key out of order goes to the overlay.
+    #[test]
+    fn records_in_key_order_go_to_the_base_and_the_first_out_of_order_one_to_the_overlay() {
+        let mut source = LiveMap::default();
+        for k in ["a", "b", "c"] {
+            source.put(k, Bytes::from_static(b"v"), VersionToken::from_u64(1));
+        }
+        let (file, offsets) = encode_compacted(&source);
+        let mut map = LiveMap::over(Bytes::from(file));
+        for (o, k) in offsets.iter().zip(["a", "b", "c"]) {
+            assert!(map.push_base(*o as usize, k, 1, VersionToken::from_u64(1)));
+        }
+        assert!(!map.push_base(offsets[0] as usize, "a", 1, VersionToken::from_u64(1)));
+        assert_eq!(map.base.len(), 3);
+        assert!(map.put("b", Bytes::from_static(b"w"), VersionToken::from_u64(2)));
+        assert!(!map.push_base(offsets[2] as usize, "c", 1, VersionToken::from_u64(1)));
+        assert_eq!(
+            map.get("b"),
+            Some((Bytes::from_static(b"w"), VersionToken::from_u64(2)))
+        );
+        assert_eq!(map.len(), 3);
+    }
+}
