@@ -345,6 +345,15 @@ pub(crate) fn put_fields(buf: &[u8]) -> Option<(&[u8], &[u8], VersionToken)> {
     ))
 }
 
+/// The key of the Put record at the start of `buf`, read by its framing alone (see [`put_fields`]).
+pub(crate) fn put_record_key(buf: &[u8]) -> Option<&[u8]> {
+    if buf.get(4) != Some(&TYPE_PUT) {
+        return None;
+    }
+    let len = usize::from(u16::from_le_bytes(array::<2>(buf, RECORD_PREFIX_LEN)?));
+    buf.get(RECORD_PREFIX_LEN + 2..RECORD_PREFIX_LEN + 2 + len)
+}
+
 /// The raw fields of a framed record: slices of the buffer, not yet checked for meaning.
 struct Fields<'a> {
     key: &'a [u8],

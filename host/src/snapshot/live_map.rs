@@ -4,6 +4,8 @@
 //! - the **base**: a sorted array of offsets of Put records inside one immutable buffer (the log as
 //!   it was read at open, or as the last compaction wrote it). 8 bytes per key beside the record
 //!   itself, where an ordered map of owned entries costs about 80 bytes per key plus its nodes' slack;
+//!   A hash index of the base (positions in the array, 4 bytes per slot) answers point lookups
+//!   with one probe instead of a binary search whose every step is a cache miss into the buffer;
 //! - the **overlay**: an ordered map of what changed since the base was built, each entry a new value
 //!   or a tombstone ([`Slot::Gone`]) hiding a base key.
 //!
@@ -21,10 +23,13 @@
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
 use std::collections::btree_map;
+use std::hash::{BuildHasher, RandomState};
 use std::iter::Peekable;
 use std::ops::{Bound, ControlFlow};
+use std::sync::OnceLock;
 
 use bytes::Bytes;
+use hashbrown::HashTable;
 
 use super::format::{self, HEADER_LEN};
 use crate::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
@@ -45,6 +50,11 @@ pub(super) struct LiveMap {
     buf: Bytes,
     /// Offsets in `buf` of Put records, in strictly increasing key order.
     base: Vec<u64>,
+    /// Hash index of `base` (positions in it), built on the first lookup after a rebase and kept up
+    /// to date by [`LiveMap::push_base`]. Keys come from untrusted bucket writers, so the hash is
+    /// std's randomly keyed SipHash.
+    index: OnceLock<HashTable<u32>>,
+    hasher: RandomState,
     /// Changes since the base was built, keyed by the keys' UTF-8 bytes (byte order is key order).
     overlay: BTreeMap<Bytes, Slot>,
     /// Live keys.
@@ -113,6 +123,20 @@ impl LiveMap {
             "a base offset names the record it was given for"
         );
         self.base.push(offset as u64);
+        if let Some(index) = self.index.get_mut() {
+            // Kept current rather than dropped: a log alternating deletes of absent keys with new
+            // keys in order would otherwise rebuild it once per record.
+            match u32::try_from(self.base.len() - 1) {
+                Ok(pos) => {
+                    let (base, buf, hasher) = (&self.base, &self.buf, &self.hasher);
+                    let rehash = |&p: &u32| key_hash(hasher, base_key_in(buf, base[p as usize]));
+                    index.insert_unique(key_hash(hasher, key.as_bytes()), pos, rehash);
+                }
+                Err(_) => {
+                    self.index.take();
+                }
+            }
+        }
         self.len += 1;
         self.put_bytes += format::put_record_len(key.len(), value_len, version) as u64;
         true
@@ -129,6 +153,7 @@ impl LiveMap {
         self.buf = buf;
         self.base = offsets;
         self.base.shrink_to_fit();
+        self.index = OnceLock::new();
         self.overlay = BTreeMap::new();
     }
 
@@ -297,7 +322,7 @@ impl LiveMap {
 
     /// The key of the base record at `offset`.
     fn base_key(&self, offset: u64) -> &[u8] {
-        self.base_fields(offset).0
+        base_key_in(&self.buf, offset)
     }
 
     /// Key, value and version of the base record at `offset`. The record was checked whole when
@@ -312,15 +337,58 @@ impl LiveMap {
         fields.unwrap_or((&[], &[], VersionToken::UNKNOWN))
     }
 
-    /// The base's entry for `key`: (index, value, version).
+    /// The base's entry for `key`: (position, value, version).
     fn base_find(&self, key: &[u8]) -> Option<(usize, &[u8], VersionToken)> {
-        let i = self
-            .base
-            .binary_search_by(|&o| self.base_key(o).cmp(key))
-            .ok()?;
+        if self.base.is_empty() {
+            return None;
+        }
+        let i = match self.index() {
+            Some(index) => *index.find(key_hash(&self.hasher, key), |&p| {
+                self.base_key(self.base[p as usize]) == key
+            })? as usize,
+            // More keys than a u32 counts: no index, a binary search.
+            None => self
+                .base
+                .binary_search_by(|&o| self.base_key(o).cmp(key))
+                .ok()?,
+        };
         let (_, value, version) = self.base_fields(self.base[i]);
         Some((i, value, version))
     }
+
+    /// The base's hash index, built now if this is the first lookup since the base was made.
+    fn index(&self) -> Option<&HashTable<u32>> {
+        if u32::try_from(self.base.len()).is_err() {
+            return None;
+        }
+        Some(self.index.get_or_init(|| {
+            let (base, buf, hasher) = (&self.base, &self.buf, &self.hasher);
+            let rehash = |&p: &u32| key_hash(hasher, base_key_in(buf, base[p as usize]));
+            // Sized once: the keys are read in buffer order, and nothing is rehashed.
+            let mut index = HashTable::with_capacity(base.len());
+            for (pos, &offset) in base.iter().enumerate() {
+                let hash = key_hash(hasher, base_key_in(buf, offset));
+                // pos < base.len() <= u32::MAX, checked above.
+                index.insert_unique(hash, pos as u32, rehash);
+            }
+            index
+        }))
+    }
+}
+
+fn key_hash(hasher: &RandomState, key: &[u8]) -> u64 {
+    hasher.hash_one(key)
+}
+
+/// The key of the Put record at `offset` of `buf` (checked whole when the offset was taken; a bug
+/// reads as the empty key, see [`LiveMap::base_fields`]).
+fn base_key_in(buf: &Bytes, offset: u64) -> &[u8] {
+    let key = usize::try_from(offset)
+        .ok()
+        .and_then(|at| buf.get(at..))
+        .and_then(format::put_record_key);
+    debug_assert!(key.is_some(), "base offset {offset} is not a Put record");
+    key.unwrap_or(&[])
 }
 
 /// The merge of the base and the overlay, in key order; the overlay wins on equal keys.
@@ -515,5 +583,30 @@ mod tests {
             Some((Bytes::from_static(b"w"), VersionToken::from_u64(2)))
         );
         assert_eq!(map.len(), 3);
+    }
+
+    /// A delete of an absent key during a replay builds the hash index without ending the base;
+    /// keys pushed after it must still be found by their lookups.
+    #[test]
+    fn a_key_pushed_after_the_hash_index_was_built_is_found_by_it() {
+        let mut source = LiveMap::default();
+        for k in ["a", "b", "c"] {
+            source.put(k, Bytes::from_static(b"v"), VersionToken::from_u64(1));
+        }
+        let (file, offsets) = encode_compacted(&source);
+        let mut map = LiveMap::over(Bytes::from(file));
+        let version = VersionToken::from_u64(1);
+        assert!(map.push_base(offsets[0] as usize, "a", 1, version));
+        map.remove("absent");
+        assert!(map.index.get().is_some(), "the lookup built the index");
+        assert!(map.push_base(offsets[1] as usize, "b", 1, version));
+        map.remove("absent-too");
+        assert!(map.push_base(offsets[2] as usize, "c", 1, version));
+        for k in ["a", "b", "c"] {
+            assert_eq!(map.get(k), Some((Bytes::from_static(b"v"), version)), "{k}");
+        }
+        map.remove("b");
+        assert_eq!(map.get("b"), None);
+        assert_eq!((map.len(), map.layers()), (2, (3, 1)));
     }
 }
