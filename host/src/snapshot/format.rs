@@ -345,13 +345,19 @@ pub(crate) fn put_fields(buf: &[u8]) -> Option<(&[u8], &[u8], VersionToken)> {
     ))
 }
 
-/// The key of the Put record at the start of `buf`, read by its framing alone (see [`put_fields`]).
-pub(crate) fn put_record_key(buf: &[u8]) -> Option<&[u8]> {
-    if buf.get(4) != Some(&TYPE_PUT) {
+/// The key of the Put or Delete record at the start of `buf`, read by its framing alone (see
+/// [`put_fields`]).
+pub(crate) fn record_key(buf: &[u8]) -> Option<&[u8]> {
+    if !matches!(buf.get(4), Some(&TYPE_PUT | &TYPE_DELETE)) {
         return None;
     }
     let len = usize::from(u16::from_le_bytes(array::<2>(buf, RECORD_PREFIX_LEN)?));
     buf.get(RECORD_PREFIX_LEN + 2..RECORD_PREFIX_LEN + 2 + len)
+}
+
+/// Whether `buf` starts with a Put record (by its type byte alone).
+pub(crate) fn is_put(buf: &[u8]) -> bool {
+    buf.get(4) == Some(&TYPE_PUT)
 }
 
 /// The raw fields of a framed record: slices of the buffer, not yet checked for meaning.

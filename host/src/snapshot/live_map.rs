@@ -157,25 +157,68 @@ impl LiveMap {
         self.overlay = BTreeMap::new();
     }
 
-    /// Sets `key`; returns whether it replaced a live entry (a superseded record in the log).
-    pub(super) fn put(&mut self, key: &str, value: Bytes, version: VersionToken) -> bool {
-        self.put_shared(
-            key,
-            || Bytes::copy_from_slice(key.as_bytes()),
-            value,
-            version,
-        )
+    /// The end of a replay: folds `tail`, the offsets of the Put and Delete records that came after
+    /// the base stopped growing (in file order), into a new base. Sorted by key (stable, so a key's
+    /// records keep their order), each key's last record wins over its earlier ones and over the
+    /// base; a Delete drops the key. Returns whether any record was superseded or deleted.
+    ///
+    /// Memory: 8 bytes per tail record and a new base array, where folding the same records one by
+    /// one into the overlay cost an ordered-map entry each.
+    pub(super) fn absorb(&mut self, mut tail: Vec<u64>) -> bool {
+        debug_assert!(
+            self.overlay.is_empty(),
+            "a replay folds into the base alone"
+        );
+        if tail.is_empty() {
+            return false;
+        }
+        let buf = &self.buf;
+        tail.sort_by(|&a, &b| base_key_in(buf, a).cmp(base_key_in(buf, b)));
+        let old = std::mem::take(&mut self.base);
+        let mut base = Vec::with_capacity(old.len() + tail.len());
+        let mut superseded = false;
+        let mut b = 0;
+        let mut t = 0;
+        while t < tail.len() {
+            let key = base_key_in(buf, tail[t]);
+            // The key's last record in the tail.
+            while t + 1 < tail.len() && base_key_in(buf, tail[t + 1]) == key {
+                superseded = true;
+                t += 1;
+            }
+            while b < old.len() && base_key_in(buf, old[b]) < key {
+                base.push(old[b]);
+                b += 1;
+            }
+            if b < old.len() && base_key_in(buf, old[b]) == key {
+                superseded = true;
+                b += 1;
+            }
+            let at = usize::try_from(tail[t]).ok().and_then(|at| buf.get(at..));
+            if at.is_some_and(format::is_put) {
+                base.push(tail[t]);
+            } else {
+                superseded = true;
+            }
+            t += 1;
+        }
+        base.extend_from_slice(&old[b..]);
+        drop(old);
+        self.put_bytes = base
+            .iter()
+            .map(|&o| {
+                let (key, value, version) = self.base_fields(o);
+                format::put_record_len(key.len(), value.len(), version) as u64
+            })
+            .sum();
+        self.len = base.len() as u64;
+        self.base = base;
+        self.index = OnceLock::new();
+        superseded
     }
 
-    /// [`LiveMap::put`] with the key's bytes made by `owned` only when the overlay needs a new
-    /// entry (a replay hands a slice of the file buffer: no allocation per key).
-    pub(super) fn put_shared(
-        &mut self,
-        key: &str,
-        owned: impl FnOnce() -> Bytes,
-        value: Bytes,
-        version: VersionToken,
-    ) -> bool {
+    /// Sets `key`; returns whether it replaced a live entry (a superseded record in the log).
+    pub(super) fn put(&mut self, key: &str, value: Bytes, version: VersionToken) -> bool {
         self.put_bytes += format::put_record_len(key.len(), value.len(), version) as u64;
         // get_mut first: keys are overwritten often, and this avoids making the key again.
         if let Some(slot) = self.overlay.get_mut(key.as_bytes()) {
@@ -204,12 +247,15 @@ impl LiveMap {
                 false
             }
         };
-        self.overlay.insert(owned(), Slot::Put(value, version));
+        self.overlay.insert(
+            Bytes::copy_from_slice(key.as_bytes()),
+            Slot::Put(value, version),
+        );
         replaced
     }
 
-    /// Deletes `key` if live; `owned` makes its bytes when a tombstone must hide a base entry.
-    pub(super) fn remove_shared(&mut self, key: &str, owned: impl FnOnce() -> Bytes) {
+    /// Deletes `key` if live.
+    pub(super) fn remove(&mut self, key: &str) {
         let in_base = self
             .base_find(key.as_bytes())
             .map(|(_, v, ver)| (v.len(), ver));
@@ -230,15 +276,11 @@ impl LiveMap {
                     self.put_bytes -=
                         format::put_record_len(key.len(), old_len, old_version) as u64;
                     self.len -= 1;
-                    self.overlay.insert(owned(), Slot::Gone);
+                    self.overlay
+                        .insert(Bytes::copy_from_slice(key.as_bytes()), Slot::Gone);
                 }
             }
         }
-    }
-
-    /// Deletes `key` if live.
-    pub(super) fn remove(&mut self, key: &str) {
-        self.remove_shared(key, || Bytes::copy_from_slice(key.as_bytes()));
     }
 
     /// Folds one update.
@@ -380,13 +422,13 @@ fn key_hash(hasher: &RandomState, key: &[u8]) -> u64 {
     hasher.hash_one(key)
 }
 
-/// The key of the Put record at `offset` of `buf` (checked whole when the offset was taken; a bug
-/// reads as the empty key, see [`LiveMap::base_fields`]).
+/// The key of the Put (or, in a replay's tail, Delete) record at `offset` of `buf` (checked whole
+/// when the offset was taken; a bug reads as the empty key, see [`LiveMap::base_fields`]).
 fn base_key_in(buf: &Bytes, offset: u64) -> &[u8] {
     let key = usize::try_from(offset)
         .ok()
         .and_then(|at| buf.get(at..))
-        .and_then(format::put_record_key);
+        .and_then(format::record_key);
     debug_assert!(key.is_some(), "base offset {offset} is not a Put record");
     key.unwrap_or(&[])
 }
