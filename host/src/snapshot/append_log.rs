@@ -23,10 +23,14 @@
 //! - **One writer per directory.** A writable open holds an exclusive lock on `DIR/LOCK` for the
 //!   store's lifetime; read-only opens take no lock and never write.
 //!
-//! Memory: values are zero-copy slices of the buffer the file was read into, so that buffer stays
-//! alive while any value replayed from it does. Compaction keeps the garbage in the log below
-//! `max(compact_threshold, live fold)`, which bounds the retained buffer to about twice the live fold
-//! plus the threshold.
+//! Memory ([`super::live_map`]): the fold in RAM is the buffer the file was read into (or the last
+//! compaction wrote), a sorted array of 8-byte offsets of its live Put records, a hash index of
+//! those, and an ordered overlay of what changed since. Open sorts the records after the compacted
+//! prefix into the array (8 bytes each), so a reopened fold holds no per-key map entries. Each
+//! compaction encodes the live map once, writes it, and rebases on those bytes: the old buffer and
+//! the overlay are freed. Compaction keeps the garbage in the log below
+//! `max(compact_threshold, live fold)`, which bounds the buffer to about twice the live fold plus
+//! the threshold.
 
 use std::cmp;
 use std::fmt;
