@@ -18,6 +18,8 @@ use std::str::FromStr;
 
 use serde::{Deserialize, Serialize};
 
+pub mod closed;
+
 use crate::kv::{KvEntry, KvUpdate, WatchCursor};
 use crate::snapshot::{
     AppendLogOptions, AppendLogSnapshot, Recovery, SnapshotError, SnapshotStore,
@@ -254,6 +256,9 @@ impl AnyStore {
                 &serde_json::to_vec(&Meta { backend, layout: 1 }).unwrap_or_default(),
             )?,
         }
+        // Before the backend touches a file: a clean-stop record must never outlive the state it
+        // describes.
+        closed::remove(dir)?;
         match backend {
             Backend::AppendLog => {
                 let (s, r) = AppendLogSnapshot::open(dir, AppendLogOptions::default())?;
@@ -284,6 +289,27 @@ impl AnyStore {
             #[allow(unreachable_patterns)]
             other => Err(not_compiled(dir, other)),
         }
+    }
+
+    /// Closes a store opened writable from `dir` after a clean stop and leaves the clean-stop record
+    /// ([`closed`]) the next run's identity check reads instead of opening the store.
+    pub fn close_cleanly(self, dir: &Path) -> Result<(), StoreDirError> {
+        let backend = match self {
+            AnyStore::AppendLog(_) => Backend::AppendLog,
+            #[cfg(feature = "fjall")]
+            AnyStore::Fjall(_) => Backend::Fjall,
+            #[cfg(feature = "rocksdb")]
+            AnyStore::RocksDb(_) => Backend::RocksDb,
+        };
+        let record = closed::Closed {
+            cursor: self.cursor(),
+            identity: self
+                .get(crate::retained::IDENTITY_KEY)?
+                .map(|e| e.value.to_vec()),
+        };
+        // Dropped first: fjall flushes its memtable on drop, so the stamps are of the final files.
+        drop(self);
+        closed::write(dir, backend, &record)
     }
 
     /// Opens `dir` read-only, whatever backend it holds. Never writes into the store: the append log

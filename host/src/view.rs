@@ -285,6 +285,14 @@ impl<S: SnapshotStore> SharedStore<S> {
         ))
     }
 
+    /// The store itself, when this is its last handle (and no writer panicked holding it).
+    pub fn try_into_inner(self) -> Option<S> {
+        std::sync::Arc::try_unwrap(self.store)
+            .ok()?
+            .into_inner()
+            .ok()
+    }
+
     /// Reads the store.
     pub fn read(&self) -> Result<std::sync::RwLockReadGuard<'_, S>, SnapshotError> {
         self.store.read().map_err(|_| poisoned())

@@ -9,8 +9,9 @@ use crate::storedir::{self, AnyStore};
 use super::NodeError;
 
 /// Refuses, before the store is opened for writing, a fold of another stream than the bucket's
-/// (recreated, or another bucket's store): the fold's recorded identity and cursor are read
-/// through a read-only open, so a refused run leaves every file of the store as it was.
+/// (recreated, or another bucket's store): the fold's recorded identity and cursor are read from
+/// the clean-stop record when the store is exactly as its last run left it, else through a
+/// read-only open; either way a refused run leaves every file of the store as it was.
 pub(super) async fn refuse_another_stream(
     store: &Path,
     bucket: &str,
@@ -21,20 +22,22 @@ pub(super) async fn refuse_another_stream(
     }
     let dir = store.to_path_buf();
     let (recorded, cursor) = tokio::task::spawn_blocking(move || -> Result<_, NodeError> {
+        // A clean stop left the identity and cursor beside the store: nothing to open.
+        if let Some(closed) = storedir::closed::read(&dir) {
+            tracing::debug!(cursor = %closed.cursor, "identity check from the clean-stop record");
+            let recorded = match closed.identity {
+                Some(bytes) => Some(decode_identity(&dir, &bytes)?),
+                None => None,
+            };
+            return Ok((recorded, closed.cursor));
+        }
         let (ro, _) = AnyStore::open_read_only(&dir).map_err(|source| NodeError::Store {
             path: dir.clone(),
             source,
         })?;
         let recorded =
             match crate::snapshot::SnapshotStore::get(&ro, crate::retained::IDENTITY_KEY)? {
-                Some(e) => Some(crate::kv::StreamIdentity::from_bytes(&e.value).ok_or_else(
-                    || {
-                        NodeError::Refused(format!(
-                            "{}: the fold's stream identity record does not decode",
-                            dir.display()
-                        ))
-                    },
-                )?),
+                Some(e) => Some(decode_identity(&dir, &e.value)?),
                 None => None,
             };
         Ok((recorded, crate::snapshot::SnapshotStore::cursor(&ro)))
@@ -48,4 +51,13 @@ pub(super) async fn refuse_another_stream(
         return Err(NodeError::Refused(line));
     }
     Ok(())
+}
+
+fn decode_identity(dir: &Path, bytes: &[u8]) -> Result<crate::kv::StreamIdentity, NodeError> {
+    crate::kv::StreamIdentity::from_bytes(bytes).ok_or_else(|| {
+        NodeError::Refused(format!(
+            "{}: the fold's stream identity record does not decode",
+            dir.display()
+        ))
+    })
 }

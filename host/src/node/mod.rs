@@ -352,6 +352,8 @@ impl Node {
                 ..Default::default()
             },
         };
+        // Kept to close the store after a clean stop (see `close_store`).
+        let closing = shared.clone();
         let result = watch_applied(
             kv,
             shared,
@@ -363,11 +365,34 @@ impl Node {
         )
         .await;
         let outcome = tasks.finish(&cfg, &status, result, shutdown).await;
+        drop(apply);
+        drop(tasks);
+        if outcome.is_ok() {
+            close_store(closing, &cfg.store).await;
+        }
         {
             use crate::bucket::Connection as _;
             conn.shutdown().await;
         }
         outcome
+    }
+}
+
+/// After a clean stop: closes the store and leaves its clean-stop record, so the next run's
+/// identity check needs no read-only open ([`crate::storedir::closed`]). Best effort: when a
+/// handle is still held elsewhere, or the record cannot be written, the next run opens the store
+/// to check it, as it would without a record.
+async fn close_store(shared: SharedStore<AnyStore>, dir: &Path) {
+    let Some(store) = shared.try_into_inner() else {
+        tracing::debug!("store still shared at the stop: no clean-stop record");
+        return;
+    };
+    let dir = dir.to_path_buf();
+    let closed = tokio::task::spawn_blocking(move || store.close_cleanly(&dir)).await;
+    match closed {
+        Ok(Ok(())) => tracing::debug!("clean-stop record written"),
+        Ok(Err(e)) => tracing::warn!(error = %e, "no clean-stop record"),
+        Err(e) => tracing::warn!(error = %e, "no clean-stop record"),
     }
 }
 

@@ -126,8 +126,13 @@ impl SideTasks {
         result: Result<Finished, AppliedError>,
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> Result<RunSummary, NodeError> {
-        for t in self.others.drain(..) {
+        for t in &self.others {
             t.abort();
+        }
+        // Awaited so each task's future (and the store handle it holds) is gone before the store
+        // is closed; an aborted task resolves at its next await point.
+        for t in self.others.drain(..) {
+            let _ = t.await;
         }
         let mut last = final_status(&self.base, status, &result);
         last.last_export = self.last_export.lock().ok().and_then(|l| l.clone());
