@@ -44,7 +44,7 @@ use bytes::Bytes;
 use super::format::{self, Decoded, HEADER_LEN, Record};
 use super::live_map::{self, LiveMap};
 use super::{Recovery, SnapshotError, SnapshotStore};
-use crate::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
+use crate::kv::{KvEntry, KvUpdate, WatchCursor};
 
 /// The log's file name inside the store directory.
 const LOG_NAME: &str = "fold.log";
@@ -920,6 +920,7 @@ mod tests {
     use std::os::unix::fs::MetadataExt;
 
     use super::*;
+    use crate::kv::VersionToken;
     use crate::snapshot::MAX_VALUE_LEN;
 
     const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/append_log");
@@ -1623,7 +1624,7 @@ mod tests {
                         .map(|_| {
                             rev += 1;
                             let key = format!("k{:03}", next() % 64);
-                            if next() % 4 == 0 {
+                            if next().is_multiple_of(4) {
                                 model.remove(&key);
                                 del(&key, rev)
                             } else {
@@ -1638,7 +1639,7 @@ mod tests {
                         .collect();
                     store.apply(&batch, WatchCursor::at(rev)).expect("apply");
                 }
-                if next() % 3 == 0 {
+                if next().is_multiple_of(3) {
                     store.compact().expect("compact");
                 }
                 drop(store);

@@ -578,7 +578,7 @@ mod tests {
             for round in 0..6 {
                 for step in 0..60u64 {
                     let key = format!("k{:02}", rng.next() % 40);
-                    if rng.next() % 3 == 0 {
+                    if rng.next().is_multiple_of(3) {
                         map.apply(&KvUpdate::Delete {
                             key: key.clone(),
                             version: VersionToken::from_u64(step),
