@@ -87,6 +87,21 @@ pub struct ExportRoundReport {
     pub outcome: String,
     /// How long the round took, lease to prune (milliseconds).
     pub duration_ms: u64,
+    /// This node's last round that published, kept while later rounds find nothing newer (so an
+    /// operator, or a benchmark, sees when the bucket's artifact was last made here).
+    pub last_published: Option<PublishedRound>,
+}
+
+/// A round that published an artifact.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct PublishedRound {
+    /// When it ended (Unix milliseconds).
+    pub unix_ms: u64,
+    /// The published artifact's cursor.
+    pub cursor: u64,
+    /// How long the round took, lease to prune (milliseconds).
+    pub duration_ms: u64,
 }
 
 /// How far the applied fold is behind what was delivered.

@@ -100,6 +100,7 @@ impl ExportRounds {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         tick.tick().await; // the first round one period after start
+        let mut last_published = None;
         loop {
             tick.tick().await;
             if self.control.is_closed() {
@@ -107,9 +108,18 @@ impl ExportRounds {
             }
             let started = std::time::Instant::now();
             let outcome = self.round().await;
+            let (duration_ms, unix_ms) = (started.elapsed().as_millis() as u64, now_unix_ms());
+            if let RoundOutcome::Published { cursor } = &outcome {
+                last_published = Some(crate::status::PublishedRound {
+                    unix_ms,
+                    cursor: *cursor,
+                    duration_ms,
+                });
+            }
             let report = ExportRoundReport {
-                duration_ms: started.elapsed().as_millis() as u64,
-                unix_ms: now_unix_ms(),
+                duration_ms,
+                unix_ms,
+                last_published: last_published.clone(),
                 cursor: match &outcome {
                     RoundOutcome::Published { cursor } => Some(*cursor),
                     RoundOutcome::UpToDate { published } => Some(*published),

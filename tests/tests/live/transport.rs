@@ -542,6 +542,16 @@ async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_
             .is_some_and(|e| e.outcome == "up-to-date" && e.cursor == Some(c3))
     })
     .await?;
+    // The round that published c3 is still reported beside the up-to-date one.
+    assert_eq!(
+        s.last_export
+            .as_ref()
+            .and_then(|e| e.last_published.as_ref())
+            .map(|p| p.cursor),
+        Some(c3),
+        "the last published round is kept: {:?}",
+        s.last_export
+    );
     let up_to_date_at = s.last_export.map(|e| e.unix_ms);
     wait_status(&addr, |s| {
         s.last_export.as_ref().map(|e| e.unix_ms) != up_to_date_at

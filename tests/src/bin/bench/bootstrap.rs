@@ -155,20 +155,21 @@ async fn one(
     );
     let steady = proc_kib(pid, "VmRSS:").unwrap_or(0) as f64 / 1024.0;
     std::fs::write(format!("/proc/{pid}/clear_refs"), "5")?;
-    // The round that published (a later one reports "up-to-date" in no time).
+    // The round that published: kept in the report while later rounds are up to date (a round
+    // longer than the period is followed at once by one that finds nothing newer).
     let s = wait_status(&addr, |s| {
         s.last_export
             .as_ref()
-            .is_some_and(|e| e.outcome == "published" && e.cursor == Some(last))
+            .and_then(|e| e.last_published.as_ref())
+            .is_some_and(|p| p.cursor == last)
     })
     .await?;
     let round_peak = proc_kib(pid, "VmHWM:").unwrap_or(0) as f64 / 1024.0;
     drop(node);
-    let round = s.last_export.ok_or_else(|| anyhow::anyhow!("no round"))?;
-    anyhow::ensure!(
-        round.cursor == Some(last),
-        "the round did not publish: {round:?}"
-    );
+    let round = s
+        .last_export
+        .and_then(|e| e.last_published)
+        .ok_or_else(|| anyhow::anyhow!("no published round"))?;
     let export_s = round.duration_ms as f64 / 1000.0;
 
     // Download + import: a new node's bootstrap.
