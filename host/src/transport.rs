@@ -435,7 +435,43 @@ impl ArtifactTransport {
             .get(&payload)
             .await
             .map_err(Self::store_err("download", &payload))?;
-        let mut stream = r.into_stream();
+        let range = r.range.clone();
+        let mut stream = match r.payload {
+            // A local object (`file://`): read on the import's own blocking thread. Its stream
+            // would hand it over in 8 KiB chunks, each read by a blocking task of its own, which
+            // took a 150 MB bootstrap from about 0.3 to 1.8 s.
+            object_store::GetResultPayload::File(file, path) => {
+                let dest_owned = dest.to_path_buf();
+                let imported = tokio::task::spawn_blocking(move || {
+                    use std::io::{Read as _, Seek as _};
+                    let mut file = file;
+                    file.seek(std::io::SeekFrom::Start(range.start))
+                        .map_err(|source| TransportError::Io {
+                            path: path.clone(),
+                            op: "seek the payload",
+                            source,
+                        })?;
+                    let reader = std::io::BufReader::with_capacity(
+                        LOCAL_READ_BYTES,
+                        file.take(range.end - range.start),
+                    );
+                    artifact::import_tar_stream(
+                        reader,
+                        &manifest_bytes,
+                        &dest_owned,
+                        want,
+                        &mut |_, _| {},
+                    )
+                    .map_err(TransportError::from)
+                });
+                return imported.await.map_err(|e| TransportError::Io {
+                    path: dest.to_path_buf(),
+                    op: "import task",
+                    source: std::io::Error::other(e.to_string()),
+                })?;
+            }
+            object_store::GetResultPayload::Stream(s) => s,
+        };
         let (tx, rx) =
             tokio::sync::mpsc::channel::<std::io::Result<bytes::Bytes>>(DOWNLOAD_CHUNKS_IN_FLIGHT);
         let dest_owned = dest.to_path_buf();
@@ -540,6 +576,9 @@ fn parse_pointer(bytes: &[u8]) -> Option<ExportManifest> {
     }
     serde_json::from_slice(bytes).ok()
 }
+
+/// The read size for a payload on the local file system.
+const LOCAL_READ_BYTES: usize = 1 << 20;
 
 /// Downloaded chunks queued between the object store's stream and the import (each is what the
 /// store hands over, typically well under 1 MiB).

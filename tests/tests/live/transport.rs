@@ -280,7 +280,59 @@ async fn the_local_file_store_publishes_a_pointer_only_when_told_it_is_not_atomi
         "bootstrap from the file store",
     )?;
     assert_eq!(m["cursor"].as_u64(), Some(cursor));
+
+    // A local payload is read straight from its file, not through the store's stream: a flipped
+    // byte in it is still refused, and the store it was meant for is not made.
+    let payload = walk_files(&objects)?
+        .into_iter()
+        .find(|p| p.extension().is_some_and(|e| e == "tar"))
+        .ok_or_else(|| anyhow::anyhow!("no payload under {}", objects.display()))?;
+    let mut bytes = std::fs::read(&payload)?;
+    let mid = bytes.len() / 2;
+    bytes[mid] ^= 0xff;
+    std::fs::write(&payload, &bytes)?;
+    let c = tmp.path().join("c");
+    let o = foldhost()
+        .args([
+            "bootstrap",
+            "--artifacts",
+            &url,
+            "--artifact-key",
+            "routes",
+            "--store",
+        ])
+        .arg(&c)
+        .output()?;
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_ne!(
+        o.status.code(),
+        Some(0),
+        "a tampered payload bootstrapped: {stderr}"
+    );
+    assert_eq!(stderr.trim().lines().count(), 1, "one line: {stderr}");
+    assert!(
+        !c.exists() || std::fs::read_dir(&c)?.next().is_none(),
+        "{} was made",
+        c.display()
+    );
     Ok(())
+}
+
+/// Every file under `dir`, recursively.
+fn walk_files(dir: &std::path::Path) -> anyhow::Result<Vec<std::path::PathBuf>> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let p = e?.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    Ok(out)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

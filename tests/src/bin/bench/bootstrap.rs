@@ -10,8 +10,9 @@
 //! - **download + import**: `foldhost bootstrap` of an empty store from the published pointer,
 //!   its time and peak RSS.
 //!
-//! - **resume**: 1 000 writes later, `foldhost run --catch-up` of the replayed store, which must
-//!   deliver exactly those 1 000 (the figure: resume ÷ replay, target ≤ 0.01). With
+//! - **resume**: 1 000 writes later, `foldhost run --catch-up` of the replayed store (whose last
+//!   run, the exporting node, was stopped with SIGTERM), which must deliver exactly those 1 000
+//!   (the figure: resume ÷ replay, target ≤ 0.01). With
 //!   `FOLDHOST_BENCH_RESUME_LOG=<filter>` the resume runs at that log level and its log is printed.
 //!
 //! Each through S3 (moto on loopback) and through the local file system (`file://`), so the
@@ -146,7 +147,7 @@ async fn one(
         .env("FOLDHOST_LOG", "warn")
         .stdout(Stdio::null())
         .stderr(Stdio::null());
-    let node = Node(cmd.spawn()?);
+    let mut node = Node(cmd.spawn()?);
     let pid = node.0.id();
     let s = wait_status(&addr, |s| s.applied_through == last).await?;
     anyhow::ensure!(
@@ -165,6 +166,8 @@ async fn one(
     })
     .await?;
     let round_peak = proc_kib(pid, "VmHWM:").unwrap_or(0) as f64 / 1024.0;
+    // Stopped as an operator stops a node (SIGTERM): the resume below follows a clean stop.
+    foldhost_tests::terminate(&mut node.0)?;
     drop(node);
     let round = s
         .last_export
