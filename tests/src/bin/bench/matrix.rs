@@ -80,11 +80,25 @@ pub async fn run(conn: &NatsConnection, url: &str, keys: u64, runs: usize) -> an
     let mut drain = Vec::new();
     let mut slip = Vec::new();
     let mut folds: Vec<Vec<f64>> = vec![Vec::new(); backends.len() * appliers.len()];
+    // `FOLDHOST_BENCH_ONLY=BACKEND/APPLIER` (e.g. `append-log/router`): that fold alone, beside
+    // the drain, for a profile; the table then has only its rows (slipstream not run).
+    let only = std::env::var("FOLDHOST_BENCH_ONLY").ok();
+    let wanted = |b: Backend, a: &str| {
+        only.as_deref()
+            .is_none_or(|o| o == format!("{}/{a}", b.as_str()))
+    };
     for run in 0..runs {
         drain.push(raw_drain(conn, &kv, keys).await?);
-        slip.push(slipstream_fold(url, "matrix", keys)?);
+        slip.push(if only.is_some() {
+            f64::NAN
+        } else {
+            slipstream_fold(url, "matrix", keys)?
+        });
         for (b, backend) in backends.iter().enumerate() {
             for (a, applier) in appliers.iter().enumerate() {
+                if !wanted(*backend, applier) {
+                    continue;
+                }
                 let (_dir, store) = empty(*backend)?;
                 let mut apply: Box<dyn Apply> = match *applier {
                     "native" => Box::new(CountingApply::default()),
@@ -113,6 +127,9 @@ pub async fn run(conn: &NatsConnection, url: &str, keys: u64, runs: usize) -> an
     let (d, s) = (median(drain), median(slip));
     for (b, backend) in backends.iter().enumerate() {
         for (a, applier) in appliers.iter().enumerate() {
+            if !wanted(*backend, applier) {
+                continue;
+            }
             let f = median(folds[b * appliers.len() + a].clone());
             let targeted = *applier == "router" && *backend == Backend::AppendLog;
             let what = format!(
