@@ -9,6 +9,9 @@
 //! - `status.json` — written by a running host (atomically: temp file + rename), read by
 //!   `foldhost status --store`. The cursor always comes from the store itself; the status file only
 //!   adds what the store cannot know (`seq`, the applier, the host's state and last error).
+//! - `CLOSED.json` — the clean-stop record ([`closed`]): left by a run that stopped cleanly, removed
+//!   by every writable open before the backend touches a file, trusted only while every file of the
+//!   store is exactly as it stamps them.
 //!
 //! Invariants: read-only opens never create, lock, truncate or rewrite anything.
 
