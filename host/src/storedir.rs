@@ -406,16 +406,22 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), StoreDirError> {
     std::fs::rename(&tmp, path).map_err(|e| io("rename", e))
 }
 
+/// Every backend this build can open (tests run over each).
+#[cfg(test)]
+pub(crate) fn compiled_backends() -> Vec<Backend> {
+    [Backend::AppendLog, Backend::Fjall, Backend::RocksDb]
+        .into_iter()
+        .filter(Backend::is_compiled)
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::kv::VersionToken;
 
     fn compiled() -> Vec<Backend> {
-        [Backend::AppendLog, Backend::Fjall, Backend::RocksDb]
-            .into_iter()
-            .filter(Backend::is_compiled)
-            .collect()
+        compiled_backends()
     }
 
     #[test]

@@ -196,13 +196,7 @@ mod tests {
     use crate::kv::{KvEntry, KvUpdate, VersionToken};
     use crate::snapshot::SnapshotStore as _;
     use crate::storedir::AnyStore;
-
-    fn compiled() -> Vec<Backend> {
-        [Backend::AppendLog, Backend::Fjall, Backend::RocksDb]
-            .into_iter()
-            .filter(Backend::is_compiled)
-            .collect()
-    }
+    use crate::storedir::compiled_backends as compiled;
 
     fn put(key: &str, value: &[u8], revision: u64) -> KvUpdate {
         KvUpdate::Put(KvEntry {

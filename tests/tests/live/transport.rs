@@ -264,9 +264,8 @@ async fn the_local_file_store_publishes_a_pointer_only_when_told_it_is_not_atomi
         String::from_utf8_lossy(&o.stderr).contains("NON-ATOMIC pointer"),
         "the log says so"
     );
-    let b = tmp.path().join("b");
-    let m = ok(
-        &foldhost()
+    let bootstrap = |store: &std::path::Path| -> anyhow::Result<Output> {
+        Ok(foldhost()
             .args([
                 "bootstrap",
                 "--artifacts",
@@ -275,10 +274,11 @@ async fn the_local_file_store_publishes_a_pointer_only_when_told_it_is_not_atomi
                 "routes",
                 "--store",
             ])
-            .arg(&b)
-            .output()?,
-        "bootstrap from the file store",
-    )?;
+            .arg(store)
+            .output()?)
+    };
+    let b = tmp.path().join("b");
+    let m = ok(&bootstrap(&b)?, "bootstrap from the file store")?;
     assert_eq!(m["cursor"].as_u64(), Some(cursor));
 
     // A local payload is read straight from its file, not through the store's stream: a flipped
@@ -292,17 +292,7 @@ async fn the_local_file_store_publishes_a_pointer_only_when_told_it_is_not_atomi
     bytes[mid] ^= 0xff;
     std::fs::write(&payload, &bytes)?;
     let c = tmp.path().join("c");
-    let o = foldhost()
-        .args([
-            "bootstrap",
-            "--artifacts",
-            &url,
-            "--artifact-key",
-            "routes",
-            "--store",
-        ])
-        .arg(&c)
-        .output()?;
+    let o = bootstrap(&c)?;
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert_ne!(
         o.status.code(),
