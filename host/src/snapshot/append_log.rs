@@ -30,7 +30,10 @@
 //! compaction encodes the live map once, writes it, and rebases on those bytes: the old buffer and
 //! the overlay are freed. Compaction keeps the garbage in the log below
 //! `max(compact_threshold, live fold)`, which bounds the buffer to about twice the live fold plus
-//! the threshold.
+//! the threshold. The price is the compaction's transient peak: the old buffer, the overlay (at most
+//! what was appended since the last compaction, about the live fold) and the new bytes are alive
+//! together until the rebase, up to about three times the live fold for a moment (it was the live
+//! fold plus a 1 MiB chunk when the map was a B-tree that kept the open-time buffer for good).
 
 use std::cmp;
 use std::fmt;
