@@ -294,3 +294,47 @@ async fn an_artifact_of_the_buckets_earlier_incarnation_is_never_restored() -> a
     );
     Ok(())
 }
+
+/// The clean-stop record's life on a real node: a running node has none (its writable open removed
+/// it), a SIGTERM stop leaves one naming the committed cursor and the stream's identity, the next
+/// run's open removes it again, and a SIGKILL leaves none behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_stop_leaves_the_record_the_next_open_removes_it_and_a_kill_leaves_none()
+-> anyhow::Result<()> {
+    use foldhost::storedir::closed;
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("s");
+    let kv = h.bucket("closing").await?;
+    publish_all(
+        kv.jetstream(),
+        (0..200u32).map(|i| (format!("$KV.closing.k.{i:03}"), Bytes::from("v"))),
+    )
+    .await?;
+    let record = store.join(closed::CLOSED_FILE);
+    let start = || -> anyhow::Result<(std::process::Child, String)> {
+        let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+        let child = run_command(&h, "closing", &store, Some(&addr))
+            .stderr(std::process::Stdio::null())
+            .spawn()?;
+        Ok((child, addr))
+    };
+
+    let (mut a, addr) = start()?;
+    wait_status(&addr, |s| s.applied_through == 200).await?;
+    assert!(!record.exists(), "a running node has no clean-stop record");
+    foldhost_tests::terminate(&mut a)?;
+    let found = closed::read(&store)
+        .ok_or_else(|| anyhow::anyhow!("no usable clean-stop record after SIGTERM"))?;
+    assert_eq!(found.cursor.revision(), Some(200));
+    assert!(found.identity.is_some(), "the record carries the identity");
+
+    let (mut b, addr) = start()?;
+    wait_status(&addr, |s| s.applied_through == 200).await?;
+    assert!(!record.exists(), "the next run's open removed the record");
+    b.kill()?;
+    b.wait()?;
+    assert!(!record.exists(), "a killed node left a record");
+    assert_eq!(closed::read(&store), None);
+    Ok(())
+}
