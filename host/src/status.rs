@@ -34,6 +34,11 @@ pub struct StatusReport {
     pub backend: String,
     /// The applier (guest name and version, or `native:count`).
     pub guest: Option<String>,
+    /// Where the guest's compiled code came from at the start: `compiled` (now), `disk-cache`
+    /// (the compiled-component cache), or `memory`.
+    pub guest_compiled: Option<String>,
+    /// How long having the guest's compiled code took at the start (compile or cache load), ms.
+    pub guest_compile_ms: Option<u64>,
     /// The store's cursor: everything through it is applied or retained, and committed.
     pub cursor: Option<u64>,
     /// Highest revision delivered.

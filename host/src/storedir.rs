@@ -12,6 +12,8 @@
 //! - `CLOSED.json` — the clean-stop record ([`closed`]): left by a run that stopped cleanly, removed
 //!   by every writable open before the backend touches a file, trusted only while every file of the
 //!   store is exactly as it stamps them.
+//! - `guest-seed` — the seed of the guests' random streams ([`guest_seed`]), private to the user;
+//!   made by the first run with a guest, never part of an artifact.
 //!
 //! Invariants: read-only opens never create, lock, truncate or rewrite anything.
 
@@ -22,6 +24,7 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 
 pub mod closed;
+pub mod guest_seed;
 
 use crate::kv::{KvEntry, KvUpdate, WatchCursor};
 use crate::snapshot::{

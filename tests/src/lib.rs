@@ -135,7 +135,16 @@ pub fn run_command(h: &Harness, bucket: &str, store: &Path, listen: Option<&str>
     c
 }
 
-/// A `foldhost` command with logging quiet unless asked.
+/// The compiled-component cache every `foldhost` the tests start shares (beside the binary, in
+/// `target/`, never the user's own cache): a large guest (JavaScript, Python) compiles once per
+/// checkout, not once per start. Entries are checked before use, so sharing it across tests and
+/// runs is safe; a test about the cache itself passes its own `--guest-cache`.
+pub fn test_guest_cache() -> PathBuf {
+    foldhost_bin().with_file_name("foldhost-test-guest-cache")
+}
+
+/// A `foldhost` command with logging quiet unless asked, and the tests' compiled-component cache
+/// ([`test_guest_cache`]).
 pub fn foldhost() -> Command {
     let bin = foldhost_bin();
     assert!(
@@ -148,6 +157,7 @@ pub fn foldhost() -> Command {
         "FOLDHOST_LOG",
         std::env::var("FOLDHOST_LOG").unwrap_or_else(|_| "warn".into()),
     );
+    c.env("FOLDHOST_GUEST_CACHE", test_guest_cache());
     c
 }
 

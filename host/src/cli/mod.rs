@@ -240,6 +240,19 @@ pub struct RunArgs {
     /// Most key and value bytes passed to the guest in one call.
     #[arg(long, default_value_t = defaults().guest_limits.max_batch_bytes)]
     pub guest_max_batch_bytes: usize,
+    /// The compiled-component cache: a directory private to this user (created mode 0700) where a
+    /// compiled guest is kept, so the next start or a swap back loads it in milliseconds. Default:
+    /// `$XDG_CACHE_HOME/foldhost/wasm`, else `~/.cache/foldhost/wasm`.
+    #[arg(long, value_name = "DIR", env = "FOLDHOST_GUEST_CACHE")]
+    pub guest_cache: Option<PathBuf>,
+    /// Compile the guest at every start; never read or write the compiled-component cache.
+    #[arg(long, conflicts_with = "guest_cache")]
+    pub no_guest_cache: bool,
+    /// The seed of the guests' random numbers (64 hex digits). Default: the store's own secret
+    /// (`STORE/guest-seed`, made by the first run). Give every host the same seed for guests that
+    /// draw the same numbers fleet-wide; keep it secret, as guests' hash tables are seeded from it.
+    #[arg(long, value_name = "HEX", env = "FOLDHOST_GUEST_SEED", hide_env_values = true, value_parser = parse_seed)]
+    pub guest_seed: Option<[u8; 32]>,
     /// The built-in native applier when no `--guest` is given.
     #[arg(long, value_enum, default_value_t = defaults().apply)]
     pub apply: NativeApply,
@@ -345,6 +358,19 @@ fn parse_scope(s: &str) -> Result<WatchScope, String> {
     WatchScope::parse(s).map_err(|e| e.to_string())
 }
 
+fn parse_seed(hex: &str) -> Result<[u8; 32], String> {
+    let digits = hex.trim();
+    if digits.len() != 64 || !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err("expected 64 hex digits (32 bytes)".into());
+    }
+    let mut seed = [0u8; 32];
+    for (i, byte) in seed.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&digits[2 * i..2 * i + 2], 16)
+            .map_err(|e| format!("hex digit: {e}"))?;
+    }
+    Ok(seed)
+}
+
 fn parse_config_item(kv: &str) -> Result<(String, String), String> {
     kv.split_once('=')
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -383,6 +409,12 @@ impl RunArgs {
                 max_batch_bytes: self.guest_max_batch_bytes.max(1),
                 ..d.guest_limits
             },
+            guest_cache: if self.no_guest_cache {
+                None
+            } else {
+                self.guest_cache.or_else(crate::guest::cache::default_dir)
+            },
+            guest_seed: self.guest_seed,
             apply: self.apply,
             listen: self.listen.map(|addr| ListenConfig {
                 admin_token: self.admin_token,

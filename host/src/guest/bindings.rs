@@ -179,12 +179,23 @@ pub struct HostState {
 }
 
 impl HostState {
-    /// A fresh state: no filesystem, no environment, no arguments, no network, a fixed clock, a
-    /// memory cap, and read access to the committed fold.
-    pub fn new(fold: Arc<dyn FoldRead>, guest: String, memory_bytes: usize) -> Self {
+    /// A fresh state: no filesystem, no environment, no arguments, no network, a fixed clock,
+    /// random streams fixed by `seed` and the component's digest (`super::random`), a memory cap,
+    /// and read access to the committed fold.
+    pub fn new(
+        fold: Arc<dyn FoldRead>,
+        guest: String,
+        memory_bytes: usize,
+        seed: &[u8; 32],
+        component: &[u8; 32],
+    ) -> Self {
+        use super::random::GuestRandom;
         let stderr = MemoryOutputPipe::new(STDERR_CAPACITY);
         let wasi = WasiCtxBuilder::new()
             .stderr(stderr.clone())
+            .secure_random(GuestRandom::new(seed, component, "random"))
+            .insecure_random(GuestRandom::new(seed, component, "insecure"))
+            .insecure_random_seed(GuestRandom::new(seed, component, "insecure-seed").first_u128())
             .allow_tcp(false)
             .allow_udp(false)
             .allow_ip_name_lookup(false)

@@ -8,8 +8,12 @@
 //!   interfaces Rust's std pulls in. Those are linked from `wasmtime-wasi` with an *empty* context:
 //!   no preopened directories, no environment, no arguments, sockets and name lookup refused, stdin
 //!   closed, stdout discarded, stderr kept (16 KiB) only to report a panic message, and a clock that
-//!   never moves (time 0). Random numbers come from the host's generator (std's `HashMap` seeds need
-//!   them). Anything else a component imports is refused at load, naming the import.
+//!   never moves (time 0). Random numbers are deterministic streams fixed by the host's seed and
+//!   the component's digest ([`random`]): every instance of a component draws the same numbers.
+//!   Anything else a component imports is refused at load, naming the import.
+//! - **Compiled once.** A component is compiled once per engine (kept in memory by its BLAKE3) and,
+//!   with a cache directory, once per machine: [`cache`] loads a checked entry, or compiles and
+//!   writes one. Nothing is loaded from disk that [`cache`] did not check.
 //! - **Every call is bounded**: re-armed epoch deadline before each call (a ticker thread advances the
 //!   epoch every [`TICK`]), memory capped by `StoreLimits`, batches passed whole.
 //! - **A failed call kills the instance.** After a trap, a deadline, a memory-cap hit or an `apply`
@@ -18,7 +22,10 @@
 //!   domain state.
 
 mod bindings;
+pub mod cache;
+mod random;
 
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -132,18 +139,51 @@ impl GuestManifest {
     }
 }
 
+/// How a host's engine is set up beyond its fixed configuration.
+#[derive(Clone, Debug, Default)]
+pub struct EngineOptions {
+    /// The compiled-component cache directory ([`cache`]); `None`: compile in every process.
+    pub cache_dir: Option<PathBuf>,
+    /// The seed of every guest's random numbers ([`random`]); all zeros when not given.
+    pub random_seed: [u8; 32],
+}
+
+/// How [`GuestEngine::prepare_traced`] came by a compiled component.
+#[derive(Clone, Debug)]
+pub struct Prepared {
+    /// Where the compilation came from.
+    pub source: cache::Source,
+    /// How long it took to have it (compile, or read, check and load).
+    pub elapsed: Duration,
+    /// Why a cache entry was not used, when one was there and refused.
+    pub cache_refused: Option<String>,
+    /// The component's BLAKE3.
+    pub digest: [u8; 32],
+}
+
 /// The engine, the linker and the compiled-component cache, shared by every guest of a host.
 pub struct GuestEngine {
     engine: Engine,
     linker: Linker<HostState>,
     /// Compiled components by content hash, oldest first.
     cache: Mutex<Vec<([u8; 32], Component)>>,
+    /// Compiled components on disk, across processes (when a cache directory is given and private).
+    disk: Option<cache::DiskCache>,
+    /// Read at each instantiation: a host sets the store's seed once the store is open.
+    random_seed: std::sync::RwLock<[u8; 32]>,
     stop: Arc<AtomicBool>,
 }
 
 impl GuestEngine {
-    /// Builds the engine (epoch interruption on) and starts its epoch ticker.
+    /// Builds the engine with no disk cache and the all-zero random seed.
     pub fn new() -> Result<Arc<Self>, GuestError> {
+        Self::with_options(EngineOptions::default())
+    }
+
+    /// Builds the engine (epoch interruption on), opens the disk cache when one is named (a
+    /// directory that is not private to this user is logged and not used), and starts the
+    /// engine's epoch ticker.
+    pub fn with_options(options: EngineOptions) -> Result<Arc<Self>, GuestError> {
         let mut config = Config::new();
         config.wasm_component_model(true);
         config.epoch_interruption(true);
@@ -174,30 +214,92 @@ impl GuestEngine {
                 })
                 .map_err(|e| GuestError::Engine(format!("epoch ticker: {e}")))?;
         }
+        let disk = options.cache_dir.as_deref().and_then(|dir| {
+            cache::DiskCache::open(dir, &engine)
+                .inspect_err(|e| {
+                    tracing::warn!("compiled-component cache not used: {e}");
+                })
+                .ok()
+        });
         Ok(Arc::new(GuestEngine {
             engine,
             linker,
             cache: Mutex::new(Vec::new()),
+            disk,
+            random_seed: std::sync::RwLock::new(options.random_seed),
             stop,
         }))
+    }
+
+    /// Sets the seed of the random streams of every instance made from now on ([`random`]).
+    pub fn set_random_seed(&self, seed: [u8; 32]) {
+        if let Ok(mut s) = self.random_seed.write() {
+            *s = seed;
+        }
+    }
+
+    fn random_seed(&self) -> [u8; 32] {
+        self.random_seed.read().map(|s| *s).unwrap_or([0; 32])
+    }
+
+    /// The compiled-component cache directory in use, if any.
+    pub fn cache_dir(&self) -> Option<&std::path::Path> {
+        self.disk.as_ref().map(cache::DiskCache::dir)
     }
 
     /// Compiles `bytes` (or takes the cached compilation of the same bytes) and checks its imports
     /// and exports against this host. `what` names it in errors.
     pub fn prepare(&self, what: &str, bytes: &[u8]) -> Result<GuestPre<HostState>, GuestError> {
+        self.prepare_traced(what, bytes).map(|(pre, _)| pre)
+    }
+
+    /// [`GuestEngine::prepare`], saying where the compilation came from: this engine's memory,
+    /// the disk cache (checked before it is loaded: [`cache`]), or a compilation now, which is then
+    /// written to the disk cache.
+    pub fn prepare_traced(
+        &self,
+        what: &str,
+        bytes: &[u8],
+    ) -> Result<(GuestPre<HostState>, Prepared), GuestError> {
+        let started = Instant::now();
         let hash: [u8; 32] = *blake3::hash(bytes).as_bytes();
         let cached = self
             .cache
             .lock()
             .ok()
             .and_then(|c| c.iter().find(|(h, _)| *h == hash).map(|(_, c)| c.clone()));
-        let component = match cached {
-            Some(c) => c,
+        let mut cache_refused = None;
+        let (component, source) = match cached {
+            Some(c) => (c, cache::Source::Memory),
             None => {
-                let c = Component::new(&self.engine, bytes).map_err(|e| GuestError::Compile {
-                    what: what.to_string(),
-                    reason: format!("{e:#}"),
-                })?;
+                let from_disk = self.disk.as_ref().and_then(|d| {
+                    d.load(&self.engine, &hash)
+                        .inspect_err(|e| {
+                            tracing::warn!(
+                                "{what}: compiled-cache entry ignored, compiling afresh: {e}"
+                            );
+                            cache_refused = Some(e.to_string());
+                        })
+                        .ok()
+                        .flatten()
+                });
+                let (c, source) = match from_disk {
+                    Some(c) => (c, cache::Source::Disk),
+                    None => {
+                        let c = Component::new(&self.engine, bytes).map_err(|e| {
+                            GuestError::Compile {
+                                what: what.to_string(),
+                                reason: format!("{e:#}"),
+                            }
+                        })?;
+                        if let Some(d) = &self.disk
+                            && let Err(e) = d.store(&hash, &c)
+                        {
+                            tracing::warn!("{what}: compiled, but not cached: {e}");
+                        }
+                        (c, cache::Source::Compiled)
+                    }
+                };
                 if let Ok(mut cache) = self.cache.lock() {
                     // Bounded: a host swapped back and forth keeps its recent components, not
                     // every component it ever saw.
@@ -206,7 +308,7 @@ impl GuestEngine {
                     }
                     cache.push((hash, c.clone()));
                 }
-                c
+                (c, source)
             }
         };
         let pre = self
@@ -216,10 +318,19 @@ impl GuestEngine {
                 what: what.to_string(),
                 reason: format!("{e:#}"),
             })?;
-        GuestPre::new(pre).map_err(|e| GuestError::Link {
+        let pre = GuestPre::new(pre).map_err(|e| GuestError::Link {
             what: what.to_string(),
             reason: format!("{e:#}"),
-        })
+        })?;
+        Ok((
+            pre,
+            Prepared {
+                source,
+                elapsed: started.elapsed(),
+                cache_refused,
+                digest: hash,
+            },
+        ))
     }
 }
 
@@ -241,6 +352,8 @@ struct Core {
     /// compiles replacements.
     engine: Arc<GuestEngine>,
     pre: GuestPre<HostState>,
+    /// The component's BLAKE3: with the engine's seed, it fixes the instance's random streams.
+    digest: [u8; 32],
     manifest: GuestManifest,
     limits: GuestLimits,
     config: Vec<(String, String)>,
@@ -268,10 +381,11 @@ impl GuestApply {
         config: Vec<(String, String)>,
         fold: Arc<dyn FoldRead>,
     ) -> Result<Self, GuestError> {
-        let pre = engine.prepare(what, bytes)?;
+        let (pre, prepared) = engine.prepare_traced(what, bytes)?;
         let mut core = Core {
             engine: engine.clone(),
             pre,
+            digest: prepared.digest,
             manifest: GuestManifest {
                 name: what.to_string(),
                 version: "?".into(),
@@ -412,7 +526,13 @@ impl Core {
     }
 
     async fn instantiate(&self) -> Result<Live, ApplyError> {
-        let state = HostState::new(self.fold.clone(), self.describe(), self.limits.memory_bytes);
+        let state = HostState::new(
+            self.fold.clone(),
+            self.describe(),
+            self.limits.memory_bytes,
+            &self.engine.random_seed(),
+            &self.digest,
+        );
         let mut store = Store::new(self.pre.engine(), state);
         store.limiter(|s| &mut s.limits);
         // Instantiation runs guest start-up code too: it gets a deadline like every call.
@@ -712,19 +832,20 @@ impl Apply for GuestApply {
         let from = self.describe();
         // Compiled already by the caller off the fold's path (the cache makes this a lookup); the
         // import check runs again here all the same.
-        let pre = self
-            .core
-            .engine
-            .prepare(what, bytes)
-            .map_err(|e| ApplyError {
-                applier: from.clone(),
-                call: "swap",
-                message: e.to_string(),
-            })?;
+        let (pre, prepared) =
+            self.core
+                .engine
+                .prepare_traced(what, bytes)
+                .map_err(|e| ApplyError {
+                    applier: from.clone(),
+                    call: "swap",
+                    message: e.to_string(),
+                })?;
         Ok(Box::new(GuestCandidate {
             core: Core {
                 engine: self.core.engine.clone(),
                 pre,
+                digest: prepared.digest,
                 manifest: GuestManifest {
                     name: what.to_string(),
                     version: "?".into(),

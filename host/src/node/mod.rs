@@ -147,6 +147,10 @@ pub struct NodeConfig {
     pub guest_config: Vec<(String, String)>,
     /// Limits on every guest call.
     pub guest_limits: GuestLimits,
+    /// The compiled-component cache directory (`None`: compile at every start).
+    pub guest_cache: Option<PathBuf>,
+    /// The seed of the guests' random streams (`None`: the store's own, `guest-seed`).
+    pub guest_seed: Option<[u8; 32]>,
     /// The native applier used without a guest.
     pub apply: NativeApply,
     /// The `--listen` endpoint.
@@ -203,6 +207,8 @@ impl NodeConfig {
             guest: None,
             guest_config: Vec::new(),
             guest_limits: GuestLimits::default(),
+            guest_cache: None,
+            guest_seed: None,
             apply: NativeApply::Count,
             listen: None,
             watch_guest: false,
@@ -306,6 +312,19 @@ impl Node {
             identity::refuse_another_stream(&cfg.store, &cfg.bucket, &kv).await?;
         }
         let shared = open_store(&cfg).await?;
+        if let Some(p) = &proven {
+            let seed =
+                match cfg.guest_seed {
+                    Some(seed) => seed,
+                    None => crate::storedir::guest_seed::load_or_create(&cfg.store).map_err(
+                        |source| NodeError::Store {
+                            path: cfg.store.clone(),
+                            source,
+                        },
+                    )?,
+                };
+            p.engine.set_random_seed(seed);
+        }
         let (mut apply, scope) = build_applier(&cfg, proven.as_ref(), &shared).await?;
         tracing::info!(bucket = %cfg.bucket, scope = %scope, store = %cfg.store.display(), backend = cfg.backend.as_str(), guest = %apply.describe(), cursor = %shared.read()?.cursor(), "folding");
         let status = Arc::new(FoldStatus::default());
@@ -313,6 +332,12 @@ impl Node {
             state: "running".into(),
             pid: std::process::id(),
             guest: Some(apply.describe()),
+            guest_compiled: proven
+                .as_ref()
+                .map(|p| p.prepared.source.as_str().to_string()),
+            guest_compile_ms: proven
+                .as_ref()
+                .map(|p| p.prepared.elapsed.as_millis() as u64),
             bucket: cfg.bucket.clone(),
             scope: scope.to_string(),
             backend: cfg.backend.as_str().to_string(),
@@ -401,6 +426,8 @@ struct ProvenGuest {
     engine: Arc<GuestEngine>,
     bytes: Vec<u8>,
     path: PathBuf,
+    /// Where its compiled code came from.
+    prepared: crate::guest::Prepared,
 }
 
 /// Reads, compiles, link-checks and starts the guest (instantiate, `manifest`, `init`, against an
@@ -411,9 +438,20 @@ async fn prove_guest(cfg: &NodeConfig) -> Result<Option<ProvenGuest>, NodeError>
         return Ok(None);
     };
     let bytes = crate::guest::read_guest_file(path)?;
-    let engine = GuestEngine::new()?;
+    let engine = GuestEngine::with_options(crate::guest::EngineOptions {
+        cache_dir: cfg.guest_cache.clone(),
+        // The store's seed is set once the store is open; this probe instance draws nothing kept.
+        random_seed: [0; 32],
+    })?;
     let what = path.display().to_string();
-    engine.prepare(&what, &bytes)?;
+    let (_, prepared) = engine.prepare_traced(&what, &bytes)?;
+    tracing::info!(
+        guest = %what,
+        from = prepared.source.as_str(),
+        ms = prepared.elapsed.as_millis() as u64,
+        cache = %engine.cache_dir().map(|d| d.display().to_string()).unwrap_or_else(|| "none".into()),
+        "guest compiled code ready"
+    );
     let probe = GuestApply::load(
         &engine,
         &what,
@@ -428,6 +466,7 @@ async fn prove_guest(cfg: &NodeConfig) -> Result<Option<ProvenGuest>, NodeError>
         engine,
         bytes,
         path: path.clone(),
+        prepared,
     }))
 }
 
