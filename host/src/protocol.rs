@@ -587,9 +587,80 @@ pub fn swap_needs_another_round(rounds: u32, changed: usize) -> bool {
     rounds < MAX_SWAP_CATCH_UP_ROUNDS && changed > SWAP_CUT_OVER_KEYS
 }
 
+/// What a shadow does next, its candidate level with its capture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ShadowStep {
+    /// Another catch-up round beside the fold (many keys changed since the capture began).
+    CatchUp,
+    /// Wait beside the fold for more batches (checked again after each commit).
+    Wait,
+    /// Settle and compare: the candidate has been fed the batches asked for.
+    Compare,
+}
+
+/// A shadow's next step, with `seen` of the `wanted` batches committed since it began (`out_of_time`
+/// when its wait for them ran out: it then compares on what it saw), `rounds` catch-up rounds run
+/// since it stopped waiting, and `changed` keys changed since the capture began.
+/// While waiting, a round runs whenever more keys changed than a cut-over takes on itself, so the
+/// comparison's pause stays that of a swap's cut-over however many batches the shadow waits for;
+/// once every batch was seen it ends as a swap does ([`swap_needs_another_round`]), with a
+/// comparison instead of a switch.
+pub fn shadow_step(
+    seen: u64,
+    wanted: u64,
+    out_of_time: bool,
+    rounds: u32,
+    changed: usize,
+) -> ShadowStep {
+    if seen < wanted && !out_of_time {
+        if changed > SWAP_CUT_OVER_KEYS {
+            ShadowStep::CatchUp
+        } else {
+            ShadowStep::Wait
+        }
+    } else if swap_needs_another_round(rounds, changed) {
+        ShadowStep::CatchUp
+    } else {
+        ShadowStep::Compare
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shadow_waits_for_its_batches_catching_up_beside_the_fold_then_compares() {
+        use ShadowStep::*;
+        assert_eq!(shadow_step(0, 50, false, 0, 0), Wait);
+        assert_eq!(shadow_step(49, 50, false, 0, SWAP_CUT_OVER_KEYS), Wait);
+        assert_eq!(
+            shadow_step(49, 50, false, 9, SWAP_CUT_OVER_KEYS + 1),
+            CatchUp,
+            "rounds while waiting are not capped"
+        );
+        assert_eq!(shadow_step(50, 50, false, 0, 0), Compare);
+        assert_eq!(
+            shadow_step(50, 50, false, 0, SWAP_CUT_OVER_KEYS + 1),
+            CatchUp
+        );
+        assert_eq!(
+            shadow_step(50, 50, false, MAX_SWAP_CATCH_UP_ROUNDS, usize::MAX),
+            Compare,
+            "a writer faster than the candidate cannot hold the comparison off"
+        );
+        assert_eq!(
+            shadow_step(0, 0, false, 0, 0),
+            Compare,
+            "zero batches: compare at once"
+        );
+        assert_eq!(
+            shadow_step(3, 50, true, 0, 0),
+            Compare,
+            "an idle bucket: compare on what came"
+        );
+        assert_eq!(shadow_step(3, 50, true, 0, SWAP_CUT_OVER_KEYS + 1), CatchUp);
+    }
 
     fn limits(
         max_age: std::time::Duration,

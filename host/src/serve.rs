@@ -181,6 +181,8 @@ pub enum Route {
     Query,
     /// `POST /swap` (admin).
     Swap,
+    /// `POST /shadow` (admin): a JSON header line, then the candidate component.
+    Shadow,
     /// `POST /export` (admin).
     Export,
 }
@@ -188,7 +190,7 @@ pub enum Route {
 impl Route {
     /// True for the routes that change the host (they need the admin token).
     pub fn is_admin(self) -> bool {
-        matches!(self, Route::Swap | Route::Export)
+        matches!(self, Route::Swap | Route::Shadow | Route::Export)
     }
 }
 
@@ -283,6 +285,7 @@ pub fn admit(head: &RequestHead, policy: &AccessPolicy) -> Result<(Route, usize)
         "/status" => Route::Status,
         "/query" => Route::Query,
         "/swap" => Route::Swap,
+        "/shadow" => Route::Shadow,
         "/export" => Route::Export,
         _ => return Err(Refusal::new(404, "Not Found", "not found")),
     };
@@ -353,6 +356,7 @@ pub fn admit(head: &RequestHead, policy: &AccessPolicy) -> Result<(Route, usize)
         Route::Status => 0,
         Route::Query => policy.limits.query_body,
         Route::Swap => policy.limits.swap_body,
+        Route::Shadow => policy.limits.swap_body.saturating_add(MAX_SHADOW_HEADER),
         Route::Export => MAX_EXPORT_BODY,
     };
     if head.content_length > limit {
@@ -737,7 +741,7 @@ impl Conn<'_> {
                     }
                 }
             }
-            Route::Swap | Route::Export => {
+            Route::Swap | Route::Shadow | Route::Export => {
                 // Admitted with the admin token: no longer a stranger to evict.
                 self.leave();
                 match self.budgets.admin.clone().try_acquire_owned() {
@@ -801,6 +805,7 @@ impl Conn<'_> {
             }
             Route::Query => query(body, state, self.budgets).await,
             Route::Swap => (swap(body, state).await, None),
+            Route::Shadow => (shadow(body, state).await, None),
             Route::Export => (export(body, state).await, None),
         }
     }
@@ -896,6 +901,147 @@ async fn export(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
             response(200, "OK", "application/json", &b)
         }
         Err(e) => response(409, "Conflict", "text/plain", format!("{e}\n").as_bytes()),
+    }
+}
+
+/// Largest JSON header of a `/shadow` body (its request list included).
+pub const MAX_SHADOW_HEADER: usize = 4 * 1024 * 1024;
+
+/// The JSON header line of a `/shadow` body.
+#[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ShadowHeader {
+    /// Batches to feed the candidate before the comparison.
+    pub batches: u64,
+    /// Keys to sample when `requests` is empty.
+    #[serde(default)]
+    pub sample: usize,
+    /// The operator's requests (UTF-8 text each).
+    #[serde(default)]
+    pub requests: Vec<String>,
+    /// Swap when the candidate answered every request as the running guest did.
+    #[serde(default)]
+    pub promote: bool,
+    /// Longest wait for the batches, seconds.
+    pub max_wait_s: u64,
+}
+
+/// Splits a `/shadow` body into its plan and the component: one line of JSON
+/// ([`ShadowHeader`]), a newline, then the component's bytes. Pure.
+pub fn parse_shadow_body(body: &[u8]) -> Result<(crate::applied::ShadowPlan, &[u8]), String> {
+    use crate::applied::{MAX_SHADOW_REQUESTS, ShadowPlan, ShadowRequests};
+    let end = body
+        .iter()
+        .take(MAX_SHADOW_HEADER)
+        .position(|&b| b == b'\n')
+        .ok_or_else(|| {
+            format!("the body must start with one line of JSON (at most {MAX_SHADOW_HEADER} bytes)")
+        })?;
+    let header: ShadowHeader =
+        serde_json::from_slice(&body[..end]).map_err(|e| format!("the header: {e}"))?;
+    if header.requests.len() > MAX_SHADOW_REQUESTS || header.sample > MAX_SHADOW_REQUESTS {
+        return Err(format!("at most {MAX_SHADOW_REQUESTS} requests"));
+    }
+    let requests = if header.requests.is_empty() {
+        if header.sample == 0 {
+            return Err("nothing to compare: give requests or a sample of at least one key".into());
+        }
+        ShadowRequests::Sample(header.sample)
+    } else {
+        ShadowRequests::List(
+            header
+                .requests
+                .into_iter()
+                .map(String::into_bytes)
+                .collect(),
+        )
+    };
+    Ok((
+        ShadowPlan {
+            batches: header.batches,
+            requests,
+            promote: header.promote,
+            max_wait: Duration::from_secs(header.max_wait_s.min(24 * 3600)),
+        },
+        &body[end + 1..],
+    ))
+}
+
+/// `POST /shadow`: compile the candidate off the fold's path, then hand it to the fold as a
+/// shadow; the answer is the [`crate::applied::ShadowReport`] (200), or why the shadow failed (409).
+async fn shadow(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
+    let Some(engine) = state.engine.clone() else {
+        return response(
+            409,
+            "Conflict",
+            "text/plain",
+            b"this host runs no guest to shadow\n",
+        );
+    };
+    let (plan, component) = match parse_shadow_body(&body) {
+        Ok(split) => split,
+        Err(e) => {
+            return response(
+                400,
+                "Bad Request",
+                "text/plain",
+                format!("{e}\n").as_bytes(),
+            );
+        }
+    };
+    let bytes = Arc::new(component.to_vec());
+    drop(body);
+    let compiled = {
+        let bytes = bytes.clone();
+        tokio::task::spawn_blocking(move || engine.prepare("the candidate", &bytes).map(|_| ()))
+            .await
+    };
+    match compiled {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => {
+            return response(
+                409,
+                "Conflict",
+                "text/plain",
+                format!("shadow refused: {e}\n").as_bytes(),
+            );
+        }
+        Err(e) => {
+            return response(
+                500,
+                "Internal Server Error",
+                "text/plain",
+                e.to_string().as_bytes(),
+            );
+        }
+    }
+    let wait = SWAP_TIMEOUT + plan.max_wait;
+    let (tx, rx) = oneshot::channel();
+    let control = Control::Shadow {
+        bytes: Arc::try_unwrap(bytes).unwrap_or_else(|b| b.as_ref().clone()),
+        what: "the candidate".into(),
+        plan,
+        reply: tx,
+    };
+    match tokio::time::timeout(SWAP_TIMEOUT, state.control.send(control)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => return unavailable("the fold is not running"),
+        Err(_) => return unavailable("the fold is busy: no room for the shadow in time"),
+    }
+    match tokio::time::timeout(wait, rx).await {
+        Ok(Ok(Ok(report))) => {
+            let mut b = serde_json::to_vec(&report).unwrap_or_default();
+            b.push(b'\n');
+            response(200, "OK", "application/json", &b)
+        }
+        Ok(Ok(Err(e))) => response(409, "Conflict", "text/plain", format!("{e}\n").as_bytes()),
+        Ok(Err(_)) => response(
+            503,
+            "Service Unavailable",
+            "text/plain",
+            b"the fold stopped\n",
+        ),
+        Err(_) => response(504, "Gateway Timeout", "text/plain", b"no answer in time\n"),
     }
 }
 

@@ -104,6 +104,11 @@ impl PreImages {
         self.keys.len()
     }
 
+    /// The keys changed since C, in key order.
+    pub fn keys(&self) -> impl Iterator<Item = &str> {
+        self.keys.keys().map(String::as_str)
+    }
+
     /// True when no key changed since C.
     pub fn is_empty(&self) -> bool {
         self.keys.is_empty()

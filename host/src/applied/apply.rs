@@ -120,6 +120,18 @@ pub trait SwapCandidate: Send {
     /// version skips or defers is not built.
     async fn catch_up(&mut self, updates: &[KvUpdate]) -> Result<(), ApplyError>;
 
+    /// Answers a query (a shadow's comparison): `Ok` with the candidate's own answer — its
+    /// response, or the error it chose to give — or `Err` when the call itself failed (a trap, a
+    /// deadline), after which the candidate is dead.
+    async fn query(&mut self, request: &[u8]) -> Result<Result<Vec<u8>, String>, ApplyError> {
+        let _ = request;
+        Err(ApplyError {
+            applier: self.describe(),
+            call: "query",
+            message: "this candidate answers no queries".into(),
+        })
+    }
+
     /// The candidate as `Any`, for the applier that started it to take it back.
     fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
 }
@@ -149,6 +161,82 @@ pub struct SwapReport {
     pub still_retained: u64,
 }
 
+/// Most differences a shadow report lists (all are counted).
+pub const MAX_SHADOW_DIFFERENCES_LISTED: usize = 100;
+/// Most requests one shadow comparison sends to each side.
+pub const MAX_SHADOW_REQUESTS: usize = 10_000;
+/// Longest answer a shadow report quotes (the rest is cut, marked).
+pub const MAX_SHADOW_QUOTE: usize = 200;
+
+/// What a shadow asks: how many batches to feed the candidate beside the running applier, what
+/// to ask both, and whether to promote a candidate that answered exactly like the running one.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ShadowPlan {
+    /// Batches the fold commits, after the shadow began, that the candidate must have been fed
+    /// before the comparison.
+    pub batches: u64,
+    /// The requests sent to both.
+    pub requests: ShadowRequests,
+    /// Swap to the candidate when it answered every request exactly as the running applier did
+    /// (and only then).
+    pub promote: bool,
+    /// Longest the shadow waits for its batches: an idle bucket may never commit them, so after
+    /// this it compares on what it was fed (the report says how many batches that was).
+    pub max_wait: std::time::Duration,
+}
+
+/// The requests of a shadow comparison.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ShadowRequests {
+    /// Up to this many keys in scope — first those changed during the shadow, then the first
+    /// keys of the fold — each sent as the key without the scope prefix it matched (the SDKs'
+    /// convention: a router is asked for a host, not for `route.<host>`).
+    Sample(usize),
+    /// The operator's own requests, in order.
+    List(Vec<Vec<u8>>),
+}
+
+/// One request the candidate answered differently.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct ShadowDifference {
+    /// The request (as text, lossily).
+    pub request: String,
+    /// The running applier's answer: `ok: …` or `error: …` (cut at [`MAX_SHADOW_QUOTE`]).
+    pub live: String,
+    /// The candidate's answer, the same way.
+    pub candidate: String,
+}
+
+/// What a shadow did: the candidate fed beside the fold, compared, and promoted or dropped.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct ShadowReport {
+    /// The running applier (name@version).
+    pub live: String,
+    /// The candidate.
+    pub candidate: String,
+    /// Entries the candidate was hydrated from, and how long that took (beside the fold).
+    pub hydrated_entries: u64,
+    /// Milliseconds of the hydration.
+    pub hydrate_ms: u64,
+    /// Batches the fold committed, and the candidate was fed, between the shadow's start and the
+    /// comparison (fewer than asked when the wait ran out first).
+    pub batches: u64,
+    /// Keys those batches changed that reached the candidate (each once per catch-up round).
+    pub caught_up: u64,
+    /// Requests sent to both.
+    pub requests: u64,
+    /// Requests answered differently.
+    pub differing: u64,
+    /// The first of them ([`MAX_SHADOW_DIFFERENCES_LISTED`]).
+    pub differences: Vec<ShadowDifference>,
+    /// Whether the candidate replaced the running applier.
+    pub promoted: bool,
+    /// Why it was not promoted, when `promote` was asked.
+    pub not_promoted: Option<String>,
+    /// How long the fold paused for the comparison (and the switch), milliseconds.
+    pub paused_ms: u64,
+}
+
 /// A request to the running fold, handled between batches.
 pub enum Control {
     /// Replace the applier (a hot swap).
@@ -159,6 +247,19 @@ pub enum Control {
         what: String,
         /// Where the outcome goes.
         reply: tokio::sync::oneshot::Sender<Result<SwapReport, ApplyError>>,
+    },
+    /// Hydrate a candidate beside the applier, feed it the fold's next batches, compare the two
+    /// on requests, then drop it or (asked, and only when they agreed) swap to it.
+    Shadow {
+        /// The candidate component.
+        bytes: Vec<u8>,
+        /// What to call it in errors (a file name).
+        what: String,
+        /// Batches, requests, promotion.
+        plan: ShadowPlan,
+        /// Where the outcome goes: the report, or why the shadow failed (the running applier and
+        /// the fold untouched).
+        reply: tokio::sync::oneshot::Sender<Result<ShadowReport, ApplyError>>,
     },
     /// Copy the committed fold into `dir` (an existing empty directory) with
     /// [`crate::snapshot::SnapshotStore::export_to`], after flushing everything pending: the copy's cursor is the

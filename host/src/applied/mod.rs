@@ -36,7 +36,11 @@ mod fold;
 mod start;
 mod watch;
 
-pub use apply::{Apply, ApplyError, Control, CountingApply, SwapCandidate, SwapReport, Verdict};
+pub use apply::{
+    Apply, ApplyError, Control, CountingApply, MAX_SHADOW_DIFFERENCES_LISTED, MAX_SHADOW_QUOTE,
+    MAX_SHADOW_REQUESTS, ShadowDifference, ShadowPlan, ShadowReport, ShadowRequests, SwapCandidate,
+    SwapReport, Verdict,
+};
 pub use fold::Fold;
 pub use start::identity_refusal;
 pub use watch::watch_applied;

@@ -11,21 +11,23 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tokio::sync::mpsc;
 
 use crate::kv::{KvError, KvUpdate, KvWatcher, WatchEvent};
 use crate::protocol;
-use crate::snapshot::SnapshotError;
 use crate::snapshot::SnapshotStore;
-use crate::view::{FoldRead, PreImages, SharedStore};
+use crate::view::SharedStore;
+
+mod swap;
+
+use swap::{PendingSwap, hydrated};
 
 use super::fold::{STORE_RETRY_DELAY, apply_backoff, flush_all};
 use super::start::{check_identity, note_retention, prepare, repair_expired, watches_for_eviction};
 use super::{
-    AppliedError, Apply, ApplyError, Control, Finished, Fold, FoldStatus, RETENTION_PERIOD,
-    SwapCandidate, SwapReport, WatchOptions,
+    AppliedError, Apply, Control, Finished, Fold, FoldStatus, RETENTION_PERIOD, WatchOptions,
 };
 
 /// Watches `scope` from the store's cursor and folds every update through `apply` into `store`,
@@ -134,79 +136,6 @@ impl<T> Drop for AbortOnDrop<T> {
     fn drop(&mut self) {
         self.0.abort();
     }
-}
-
-/// Where a swap's outcome goes.
-type SwapReply = tokio::sync::oneshot::Sender<Result<SwapReport, ApplyError>>;
-
-/// A hydration's end: the candidate back with what its hydration said, or the task's failure.
-type Hydrated = Result<(Box<dyn SwapCandidate>, Result<u64, ApplyError>), tokio::task::JoinError>;
-
-/// A swap whose candidate hydrates beside the running applier. Dropped (the loop ended, or the
-/// swap finished), it aborts the hydration and ends the pre-image capture.
-struct PendingSwap {
-    task: AbortOnDrop<(Box<dyn SwapCandidate>, Result<u64, ApplyError>)>,
-    /// Taken when the outcome is sent; dropped unsent, the requester hears the fold stopped.
-    reply: Option<SwapReply>,
-    what: String,
-    from: String,
-    began: Instant,
-    /// The candidate's view of the fold.
-    view: Arc<dyn FoldRead>,
-    /// Entries hydrated and the hydration's milliseconds, once it ended.
-    entries: Option<(u64, u64)>,
-    /// Catch-up rounds run beside the fold, and the updates they applied.
-    rounds: u32,
-    caught_up: u64,
-    /// Restarts the capture at the cursor now, moving the candidate's view to it.
-    restart: Box<dyn Fn() -> Result<Option<PreImages>, SnapshotError> + Send>,
-    /// Ends the capture.
-    store: Box<dyn Fn() + Send>,
-}
-
-impl Drop for PendingSwap {
-    fn drop(&mut self) {
-        (self.store)();
-    }
-}
-
-/// Waits for the pending swap's hydration (forever when there is none).
-async fn hydrated(swap: &mut Option<PendingSwap>) -> Hydrated {
-    match swap {
-        Some(p) => (&mut p.task.0).await,
-        None => std::future::pending().await,
-    }
-}
-
-/// The refusal of a swap to `what`, with `e` as the reason.
-fn refused(from: &str, what: &str, e: &ApplyError) -> ApplyError {
-    ApplyError {
-        applier: from.to_string(),
-        call: "swap",
-        message: format!("{what} refused, {from} keeps running: {e}"),
-    }
-}
-
-/// Why a swap whose capture overflowed is refused.
-fn overflow_message() -> String {
-    format!(
-        "the fold changed more than {} keys or {} MiB while it hydrated; retry when fewer keys change",
-        crate::view::MAX_PRE_IMAGE_KEYS,
-        crate::view::MAX_PRE_IMAGE_BYTES >> 20
-    )
-}
-
-/// An error in the candidate's name.
-fn candidate_error(c: &dyn SwapCandidate, message: String) -> ApplyError {
-    ApplyError {
-        applier: c.describe(),
-        call: "swap",
-        message,
-    }
-}
-
-fn store_err(last: crate::snapshot::SnapshotError) -> AppliedError {
-    AppliedError::Store { streak: 0, last }
 }
 
 impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
@@ -342,6 +271,8 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                     self.fold
                         .check_grace(self.opts.defer_grace)
                         .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+                    // A shadow on an idle bucket: its wait may have run out.
+                    self.on_committed(&mut t).await?;
                 }
                 _ = self.retention_tick.tick(), if watches_for_eviction(&self.opts, &self.fold) => {
                     self.on_retention_tick(&mut t).await?;
@@ -362,6 +293,8 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             }
             if flush_now {
                 self.flush_ready(&mut t, timer.as_mut()).await?;
+                // A shadow waiting for the fold's batches looks again after each commit.
+                self.on_committed(&mut t).await?;
             }
         }
     }
@@ -419,213 +352,17 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             Some(Control::Swap { bytes, what, reply }) => {
                 self.start_swap(bytes, what, reply, t).await?;
             }
+            Some(Control::Shadow {
+                bytes,
+                what,
+                plan,
+                reply,
+            }) => {
+                self.start_shadow(bytes, what, plan, reply, t).await?;
+            }
             None => self.control = None,
         }
         Ok(())
-    }
-
-    /// A swap's first half: settle (so the candidate's view starts at the committed fold with
-    /// nothing applied and uncommitted), start the pre-image capture at that cursor C, and hydrate
-    /// the candidate from the fold at C in a task of its own, beside the running applier. The fold
-    /// goes on at once; [`FoldLoop::cut_over`] finishes the swap when the hydration ends.
-    async fn start_swap(
-        &mut self,
-        bytes: Vec<u8>,
-        what: String,
-        reply: SwapReply,
-        t: &mut Turn,
-    ) -> Result<(), AppliedError> {
-        let from = self.apply.describe();
-        if let Some(p) = &self.swap {
-            let _ = reply.send(Err(ApplyError {
-                applier: from.clone(),
-                call: "swap",
-                message: format!(
-                    "{what} refused, {from} keeps running: the swap to {} is still hydrating",
-                    p.what
-                ),
-            }));
-            return Ok(());
-        }
-        self.settle(t).await?;
-        let store = self.fold.store().clone();
-        let pinned = store.begin_pre_images().map_err(store_err)?;
-        let view: Arc<dyn FoldRead> = Arc::new(pinned.clone());
-        let mut candidate = match self.apply.swap_candidate(&what, &bytes, view.clone()) {
-            Ok(c) => c,
-            Err(e) => {
-                store.take_pre_images().map_err(store_err)?;
-                tracing::warn!(error = %e, "swap refused; the running guest stays");
-                let _ = reply.send(Err(refused(&from, &what, &e)));
-                return Ok(());
-            }
-        };
-        tracing::info!(from = %from, cursor = %self.fold.cursor(), "swap: hydrating the new version beside the running one");
-        let task = tokio::spawn(async move {
-            let r = candidate.hydrate().await;
-            (candidate, r)
-        });
-        let restart_store = store.clone();
-        self.swap = Some(PendingSwap {
-            task: AbortOnDrop(task),
-            reply: Some(reply),
-            what,
-            from,
-            began: Instant::now(),
-            view,
-            entries: None,
-            rounds: 0,
-            caught_up: 0,
-            restart: Box::new(move || restart_store.restart_pre_images(&pinned)),
-            store: Box::new(move || {
-                let _ = store.take_pre_images();
-            }),
-        });
-        Ok(())
-    }
-
-    /// A task of the pending swap ended (its hydration, or a catch-up round). While many keys
-    /// changed since the candidate's capture began, another catch-up round runs off the fold's
-    /// path ([`protocol::swap_needs_another_round`]): the capture restarts at the cursor now, and
-    /// the candidate applies the old capture's keys read at that cursor. Otherwise the cut-over.
-    async fn on_swap_task(&mut self, done: Hydrated, t: &mut Turn) -> Result<(), AppliedError> {
-        let Some(p) = self.swap.as_mut() else {
-            return Ok(());
-        };
-        let (mut candidate, n) = match done {
-            Ok((candidate, Ok(n))) => (candidate, n),
-            failed => return self.cut_over(failed, t).await,
-        };
-        match p.entries {
-            None => p.entries = Some((n, p.began.elapsed().as_millis() as u64)),
-            Some(_) => p.caught_up += n,
-        }
-        let changed = self.fold.store().pre_images_len().map_err(store_err)?;
-        if !protocol::swap_needs_another_round(p.rounds, changed) {
-            return self.cut_over(Ok((candidate, Ok(n))), t).await;
-        }
-        let pre = match (p.restart)().map_err(store_err)? {
-            Some(pre) if !pre.overflowed() => pre,
-            // Refused at the cut-over: the capture is over, or overflowed.
-            lost => {
-                let why = if lost.is_some() {
-                    overflow_message()
-                } else {
-                    "its view of the fold was lost (another capture replaced it)".into()
-                };
-                let e = candidate_error(&*candidate, why);
-                return self.cut_over(Ok((candidate, Err(e))), t).await;
-            }
-        };
-        p.rounds += 1;
-        let view = p.view.clone();
-        tracing::info!(
-            round = p.rounds,
-            keys = pre.len(),
-            "swap: catching the new version up beside the fold"
-        );
-        p.task = AbortOnDrop(tokio::spawn(async move {
-            let r = match pre.catch_up(&*view) {
-                Ok(updates) => candidate
-                    .catch_up(&updates)
-                    .await
-                    .map(|()| updates.len() as u64),
-                Err(e) => Err(candidate_error(
-                    &*candidate,
-                    format!("read the fold for a catch-up round: {e}"),
-                )),
-            };
-            (candidate, r)
-        }));
-        Ok(())
-    }
-
-    /// A swap's second half, between batches once the candidate hydrated: settle, end the
-    /// capture, catch the candidate up with the keys changed since C (each once, its value now),
-    /// switch, and offer it the retained records. Only this is on the fold's path (`paused_ms`).
-    /// Any failure refuses the swap; the running applier never noticed.
-    async fn cut_over(&mut self, done: Hydrated, t: &mut Turn) -> Result<(), AppliedError> {
-        let Some(mut p) = self.swap.take() else {
-            return Ok(());
-        };
-        let hydrate_ms = p
-            .entries
-            .map_or_else(|| p.began.elapsed().as_millis() as u64, |(_, ms)| ms);
-        let mut outcome = self.finish_swap(&mut p, done, t).await?;
-        if let Ok(r) = &mut outcome {
-            r.hydrate_ms = hydrate_ms;
-            self.status.set_guest(&r.to);
-            tracing::info!(from = %r.from, to = %r.to, hydrated = r.hydrated_entries, caught_up = r.caught_up, hydrate_ms = r.hydrate_ms, paused_ms = r.paused_ms, "guest swapped");
-        } else if let Err(e) = &outcome {
-            tracing::warn!(error = %e, "swap refused; the running guest stays");
-        }
-        if let Some(reply) = p.reply.take() {
-            let _ = reply.send(outcome);
-        }
-        Ok(())
-    }
-
-    /// [`FoldLoop::cut_over`]'s steps; the capture is over whichever way it returns (the pending
-    /// swap ends it when dropped).
-    async fn finish_swap(
-        &mut self,
-        p: &mut PendingSwap,
-        done: Hydrated,
-        t: &mut Turn,
-    ) -> Result<Result<SwapReport, ApplyError>, AppliedError> {
-        let refuse = |e: ApplyError| refused(&p.from, &p.what, &e);
-        let (mut candidate, hydrated) = match done {
-            Ok(pair) => pair,
-            Err(e) => {
-                return Ok(Err(refuse(ApplyError {
-                    applier: p.what.clone(),
-                    call: "hydrate",
-                    message: format!("the hydration task failed: {e}"),
-                })));
-            }
-        };
-        if let Err(e) = hydrated {
-            return Ok(Err(refuse(e)));
-        }
-        let entries = p.entries.map_or(0, |(n, _)| n);
-        let paused = Instant::now();
-        self.settle(t).await?;
-        let store = self.fold.store().clone();
-        let Some(pre) = store.take_pre_images().map_err(store_err)? else {
-            return Ok(Err(refuse(candidate_error(
-                &*candidate,
-                "its view of the fold was lost (another capture replaced it)".into(),
-            ))));
-        };
-        if pre.overflowed() {
-            return Ok(Err(refuse(candidate_error(
-                &*candidate,
-                overflow_message(),
-            ))));
-        }
-        let updates = pre.catch_up(&store).map_err(store_err)?;
-        if let Err(e) = candidate.catch_up(&updates).await {
-            return Ok(Err(refuse(e)));
-        }
-        let to = candidate.describe();
-        match self.apply.adopt(candidate) {
-            // The old instance is freed off the fold's path (a big one takes milliseconds).
-            Ok(retired) => drop(tokio::task::spawn_blocking(move || drop(retired))),
-            Err(e) => return Ok(Err(refuse(e))),
-        }
-        // The new version is offered the retained records first.
-        let (released, still_retained) = self.fold.release(self.apply).await?;
-        Ok(Ok(SwapReport {
-            from: p.from.clone(),
-            to,
-            hydrated_entries: entries,
-            hydrate_ms: 0,
-            caught_up: p.caught_up + updates.len() as u64,
-            catch_up_rounds: p.rounds + 1,
-            paused_ms: paused.elapsed().as_millis() as u64,
-            released,
-            still_retained,
-        }))
     }
 
     /// Takes `first` and whatever else is already queued, up to a full batch, without re-entering

@@ -43,9 +43,10 @@ pub enum Command {
     Dump(DumpArgs),
     /// Everything local, end to end: a nats-server, a bucket, a fold, a restart that resumes.
     Demo(DemoArgs),
-    /// Hot-swap the guest of a running host (`run --listen`): the fold never stops.
+    /// Hot-swap the guest of a running host (`run --listen`): the fold never stops. With
+    /// `--shadow N`, try the new guest beside the running one on live traffic first.
     Swap(SwapArgs),
-    /// Scaffold a Rust guest that builds with one command.
+    /// Scaffold a guest (Rust, JavaScript, Python or C) that builds with one command.
     NewGuest(NewGuestArgs),
     /// Write a verified artifact of a fold (a directory, or a `.tar`), from a store no host is
     /// running on, or from a running host (`--listen`) without stopping it.
@@ -172,14 +173,21 @@ pub struct PruneArgs {
 /// `foldhost new-guest`.
 #[derive(Args, Debug)]
 pub struct NewGuestArgs {
-    /// The guest's name (a Rust crate name: letters, digits, `-`, `_`).
+    /// The guest's name (letters, digits, `-`, `_`, starting with a letter).
     pub name: String,
+    /// The guest's language.
+    #[arg(long, value_enum, default_value_t = scaffold::Lang::Rust)]
+    pub lang: scaffold::Lang,
     /// Where to create it (default: ./NAME).
     #[arg(long)]
     pub dir: Option<PathBuf>,
-    /// The SDK crate (a foldhost checkout's `sdk/rust`; found automatically beside this binary).
+    /// The SDK (a foldhost checkout's `sdk/rust`, `sdk/js` or `sdk/python`; found automatically
+    /// beside this binary).
     #[arg(long)]
     pub sdk: Option<PathBuf>,
+    /// The WIT directory (a foldhost checkout's `wit/`; found automatically beside this binary).
+    #[arg(long)]
+    pub wit: Option<PathBuf>,
 }
 
 /// `foldhost swap`.
@@ -197,6 +205,31 @@ pub struct SwapArgs {
     /// Read the admin token from this file.
     #[arg(long, value_name = "FILE", conflicts_with = "admin_token")]
     pub admin_token_file: Option<PathBuf>,
+    /// Shadow first: hydrate the new guest beside the running one, feed it the fold's next N
+    /// batches too, then send the same requests to both and list what they answer differently.
+    /// The running guest stays unless `--promote` is given and nothing differed. Exits 1 when
+    /// something differed.
+    #[arg(long, value_name = "N")]
+    pub shadow: Option<u64>,
+    /// With `--shadow`: ask this many keys in scope (those the batches changed first), each as the
+    /// key without its scope prefix.
+    #[arg(long, value_name = "K", default_value_t = 100, requires = "shadow")]
+    pub sample: usize,
+    /// With `--shadow`: send these requests instead of a sample, one per line.
+    #[arg(long, value_name = "FILE", requires = "shadow")]
+    pub requests: Option<PathBuf>,
+    /// With `--shadow`: swap to the new guest when it answered every request as the running one.
+    #[arg(long, requires = "shadow")]
+    pub promote: bool,
+    /// With `--shadow`: the longest wait for the N batches, in seconds (an idle bucket may never
+    /// commit them; the comparison then runs on what came).
+    #[arg(
+        long,
+        value_name = "SECONDS",
+        default_value_t = 60,
+        requires = "shadow"
+    )]
+    pub shadow_wait: u64,
 }
 
 /// `foldhost run`. Every default comes from [`NodeConfig::new`] and the types it holds.
@@ -891,6 +924,9 @@ async fn cmd_swap(a: SwapArgs) -> anyhow::Result<()> {
         a.admin_token_file.as_deref(),
     )
     .await?;
+    if let Some(batches) = a.shadow {
+        return shadow_swap(&a, batches, bytes, token.as_deref()).await;
+    }
     let (code, body) =
         crate::serve::call_with_token(&a.listen, "POST", "/swap", &bytes, token.as_deref())
             .await
@@ -900,6 +936,66 @@ async fn cmd_swap(a: SwapArgs) -> anyhow::Result<()> {
         bail!("{}: {text}", a.guest.display());
     }
     println!("{text}");
+    Ok(())
+}
+
+/// `foldhost swap --shadow N`: prints the report; an error when anything differed.
+async fn shadow_swap(
+    a: &SwapArgs,
+    batches: u64,
+    component: Vec<u8>,
+    token: Option<&str>,
+) -> anyhow::Result<()> {
+    let requests = match &a.requests {
+        Some(path) => std::fs::read_to_string(path)
+            .with_context(|| format!("--requests {}", path.display()))?
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_string)
+            .collect(),
+        None => Vec::new(),
+    };
+    let header = crate::serve::ShadowHeader {
+        batches,
+        sample: a.sample,
+        requests,
+        promote: a.promote,
+        max_wait_s: a.shadow_wait,
+    };
+    let mut body = serde_json::to_vec(&header)?;
+    body.push(b'\n');
+    body.extend_from_slice(&component);
+    let (code, answer) = crate::serve::call_with_token(&a.listen, "POST", "/shadow", &body, token)
+        .await
+        .with_context(|| format!("shadow via {}", a.listen))?;
+    let text = String::from_utf8_lossy(&answer).trim_end().to_string();
+    if code != 200 {
+        bail!("{}: {text}", a.guest.display());
+    }
+    println!("{text}");
+    let report: crate::applied::ShadowReport =
+        serde_json::from_slice(&answer).context("the shadow report")?;
+    if report.differing > 0 {
+        bail!(
+            "{} answered {} of {} requests differently from {}; {}",
+            report.candidate,
+            report.differing,
+            report.requests,
+            report.live,
+            if report.promoted {
+                "promoted"
+            } else {
+                "not promoted"
+            }
+        );
+    }
+    if a.promote && !report.promoted {
+        bail!(
+            "{} not promoted: {}",
+            report.candidate,
+            report.not_promoted.as_deref().unwrap_or("unknown")
+        );
+    }
     Ok(())
 }
 

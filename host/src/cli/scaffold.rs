@@ -1,5 +1,11 @@
-//! `foldhost new-guest`: a Rust guest that builds with one command, from the templates in
-//! `templates/` (real files, so they read and diff as what they make; the live suite builds one).
+//! `foldhost new-guest NAME --lang rust|js|python|c`: a guest project that builds with one command,
+//! from the templates in `templates/<lang>/` (real files, so they read and diff as what they make;
+//! the live suite builds and runs one of each).
+//!
+//! A scaffold refers to the checkout's SDK and WIT by absolute path (`{{sdk}}`, `{{wit}}`) rather
+//! than copying them, so a project keeps building against the SDK it was made with and picks up
+//! its fixes. Placeholders: `{{name}}` (the guest's name), `{{crate_file}}` (the name with `-` as
+//! `_`: the Rust crate's file name, the Python module's, the output `.wasm`'s), `{{sdk}}`, `{{wit}}`.
 
 use std::path::{Path, PathBuf};
 
@@ -7,21 +13,138 @@ use anyhow::{Context, bail};
 
 use super::{NewGuestArgs, find_in_checkout};
 
-const CARGO_TOML: &str = include_str!("templates/Cargo.toml.tmpl");
-const LIB_RS: &str = include_str!("templates/lib.rs.tmpl");
-const README_MD: &str = include_str!("templates/README.md.tmpl");
-
-/// A template with its `{{name}}`, `{{crate_file}}` and `{{sdk}}` placeholders filled.
-fn fill(template: &str, name: &str, sdk: &Path) -> String {
-    template
-        .replace("{{name}}", name)
-        .replace("{{crate_file}}", &name.replace('-', "_"))
-        .replace("{{sdk}}", &sdk.display().to_string())
+/// A guest language `new-guest` can scaffold.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum Lang {
+    /// Rust, with the SDK crate (`sdk/rust`).
+    Rust,
+    /// JavaScript, with the SDK module (`sdk/js`) and componentize-js.
+    Js,
+    /// Python, with the SDK module (`sdk/python`) and componentize-py.
+    Python,
+    /// C, against the raw bindings wit-bindgen generates.
+    C,
 }
 
-fn find_sdk() -> Option<PathBuf> {
-    find_in_checkout(Path::new("sdk/rust/Cargo.toml"))
-        .and_then(|p| p.parent().map(Path::to_path_buf))
+/// One file of a scaffold.
+struct Template {
+    /// Its path in the project.
+    path: &'static str,
+    /// Its text, with placeholders.
+    text: &'static str,
+    /// Made executable (a build script).
+    executable: bool,
+}
+
+const fn file(path: &'static str, text: &'static str) -> Template {
+    Template {
+        path,
+        text,
+        executable: false,
+    }
+}
+
+const fn script(path: &'static str, text: &'static str) -> Template {
+    Template {
+        path,
+        text,
+        executable: true,
+    }
+}
+
+const RUST: &[Template] = &[
+    file("Cargo.toml", include_str!("templates/rust/Cargo.toml.tmpl")),
+    file("src/lib.rs", include_str!("templates/rust/lib.rs.tmpl")),
+    file("README.md", include_str!("templates/rust/README.md.tmpl")),
+    file(".gitignore", "target/\n"),
+];
+
+const C: &[Template] = &[
+    file("guest.c", include_str!("templates/c/guest.c.tmpl")),
+    script("build.sh", include_str!("templates/c/build.sh.tmpl")),
+    file("README.md", include_str!("templates/c/README.md.tmpl")),
+    file(".gitignore", "bindings/\n*.wasm\n"),
+];
+
+const JS: &[Template] = &[
+    file("guest.js", include_str!("templates/js/guest.js.tmpl")),
+    file(
+        "guest.test.mjs",
+        include_str!("templates/js/guest.test.mjs.tmpl"),
+    ),
+    file(
+        "package.json",
+        include_str!("templates/js/package.json.tmpl"),
+    ),
+    file(
+        "jsconfig.json",
+        include_str!("templates/js/jsconfig.json.tmpl"),
+    ),
+    script("build.sh", include_str!("templates/js/build.sh.tmpl")),
+    file("README.md", include_str!("templates/js/README.md.tmpl")),
+    file(".gitignore", include_str!("templates/js/gitignore.tmpl")),
+];
+
+const PYTHON: &[Template] = &[
+    file("guest.py", include_str!("templates/python/guest.py.tmpl")),
+    file(
+        "test_guest.py",
+        include_str!("templates/python/test_guest.py.tmpl"),
+    ),
+    script("build.sh", include_str!("templates/python/build.sh.tmpl")),
+    file("README.md", include_str!("templates/python/README.md.tmpl")),
+    file(
+        ".gitignore",
+        include_str!("templates/python/gitignore.tmpl"),
+    ),
+];
+
+impl Lang {
+    fn templates(self) -> &'static [Template] {
+        match self {
+            Lang::Rust => RUST,
+            Lang::Js => JS,
+            Lang::Python => PYTHON,
+            Lang::C => C,
+        }
+    }
+
+    /// The SDK's directory in a checkout, when the language has one.
+    fn sdk(self) -> Option<&'static str> {
+        match self {
+            Lang::Rust => Some("sdk/rust/Cargo.toml"),
+            Lang::Js => Some("sdk/js/package.json"),
+            Lang::Python => Some("sdk/python/foldhost_guest.py"),
+            Lang::C => None,
+        }
+    }
+
+    /// What to run in the project to build it, and what it makes.
+    fn build_hint(self, crate_file: &str) -> String {
+        match self {
+            Lang::Rust => format!(
+                "cargo build --release --target wasm32-wasip2 (→ target/wasm32-wasip2/release/{crate_file}.wasm)"
+            ),
+            Lang::Js | Lang::Python | Lang::C => format!("./build.sh (→ {crate_file}.wasm)"),
+        }
+    }
+}
+
+/// Every placeholder of a template, filled.
+struct Fill<'a> {
+    name: &'a str,
+    sdk: &'a Path,
+    wit: &'a Path,
+}
+
+impl Fill<'_> {
+    fn apply(&self, template: &str) -> String {
+        template
+            .replace("{{name}}", self.name)
+            .replace("{{crate_file}}", &self.name.replace('-', "_"))
+            .replace("{{sdk}}", &self.sdk.display().to_string())
+            .replace("{{wit}}", &self.wit.display().to_string())
+    }
 }
 
 /// Whether `name` is a guest name: letters, digits, `-` and `_`, starting with a letter.
@@ -32,32 +155,63 @@ fn valid_name(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
 }
 
+/// `rel` (a file of the checkout) found beside this binary, as the absolute path of its directory.
+fn checkout_dir(rel: &str) -> Option<PathBuf> {
+    find_in_checkout(Path::new(rel))
+        .and_then(|p| p.parent().map(Path::to_path_buf))
+        .and_then(|p| std::fs::canonicalize(p).ok())
+}
+
 pub(super) fn cmd_new_guest(a: NewGuestArgs) -> anyhow::Result<()> {
     let name = a.name.as_str();
     if !valid_name(name) {
         bail!("guest name {name:?}: use letters, digits, '-' and '_', starting with a letter");
     }
-    let sdk = match a.sdk.clone().or_else(find_sdk) {
-        Some(p) => std::fs::canonicalize(&p).with_context(|| format!("--sdk {}", p.display()))?,
-        None => bail!("the SDK (sdk/rust of a foldhost checkout) was not found: pass --sdk PATH"),
+    let lang = a.lang;
+    let sdk = match (a.sdk.clone(), lang.sdk()) {
+        (Some(p), _) => {
+            std::fs::canonicalize(&p).with_context(|| format!("--sdk {}", p.display()))?
+        }
+        (None, Some(rel)) => checkout_dir(rel).with_context(|| {
+            format!(
+                "the SDK ({} of a foldhost checkout) was not found: pass --sdk PATH",
+                Path::new(rel).parent().unwrap_or(Path::new(rel)).display()
+            )
+        })?,
+        (None, None) => PathBuf::new(),
+    };
+    let wit = match a.wit.clone() {
+        Some(p) => std::fs::canonicalize(&p).with_context(|| format!("--wit {}", p.display()))?,
+        None => checkout_dir("wit/guest.wit")
+            .context("the WIT (wit/ of a foldhost checkout) was not found: pass --wit PATH")?,
     };
     let dir = a.dir.clone().unwrap_or_else(|| PathBuf::from(name));
     if dir.exists() {
         bail!("{}: already exists; not overwriting", dir.display());
     }
-    std::fs::create_dir_all(dir.join("src"))
-        .with_context(|| format!("create {}", dir.display()))?;
-    let write = |p: PathBuf, text: &str| {
-        std::fs::write(&p, text).with_context(|| format!("write {}", p.display()))
+    let fill = Fill {
+        name,
+        sdk: &sdk,
+        wit: &wit,
     };
-    write(dir.join("Cargo.toml"), &fill(CARGO_TOML, name, &sdk))?;
-    write(dir.join("src/lib.rs"), &fill(LIB_RS, name, &sdk))?;
-    write(dir.join("README.md"), &fill(README_MD, name, &sdk))?;
-    write(dir.join(".gitignore"), "target/\n")?;
+    for t in lang.templates() {
+        let path = dir.join(t.path);
+        if let Some(parent) = path.parent() {
+            std::fs::create_dir_all(parent)
+                .with_context(|| format!("create {}", parent.display()))?;
+        }
+        std::fs::write(&path, fill.apply(t.text))
+            .with_context(|| format!("write {}", path.display()))?;
+        if t.executable {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o755))
+                .with_context(|| format!("chmod {}", path.display()))?;
+        }
+    }
     println!(
-        "created {}: build it with `cargo build --release --target wasm32-wasip2` (→ target/wasm32-wasip2/release/{}.wasm)",
+        "created {}: build it with {}",
         dir.display(),
-        name.replace('-', "_")
+        lang.build_hint(&name.replace('-', "_"))
     );
     Ok(())
 }
@@ -68,11 +222,31 @@ mod tests {
 
     #[test]
     fn templates_are_filled_everywhere_and_names_are_checked() {
-        for t in [CARGO_TOML, LIB_RS, README_MD] {
-            let out = fill(t, "my-guest", Path::new("/sdk"));
-            assert!(!out.contains("{{"), "a placeholder left: {out}");
+        let fill = Fill {
+            name: "my-guest",
+            sdk: Path::new("/sdk"),
+            wit: Path::new("/wit"),
+        };
+        for lang in [Lang::Rust, Lang::Js, Lang::Python, Lang::C] {
+            assert!(!lang.templates().is_empty());
+            for t in lang.templates() {
+                let out = fill.apply(t.text);
+                assert!(
+                    !out.contains("{{"),
+                    "{lang:?} {}: a placeholder left",
+                    t.path
+                );
+            }
+            let readme = lang
+                .templates()
+                .iter()
+                .find(|t| t.path == "README.md")
+                .expect("every scaffold has a README");
+            assert!(
+                fill.apply(readme.text).contains("my_guest.wasm"),
+                "{lang:?}"
+            );
         }
-        assert!(fill(README_MD, "my-guest", Path::new("/sdk")).contains("my_guest.wasm"));
         assert!(valid_name("a-b_1") && !valid_name("1a") && !valid_name("") && !valid_name("a b"));
     }
 }

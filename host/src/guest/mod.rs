@@ -981,6 +981,35 @@ impl SwapCandidate for GuestCandidate {
         Ok(())
     }
 
+    async fn query(&mut self, request: &[u8]) -> Result<Result<Vec<u8>, String>, ApplyError> {
+        let Some(mut live) = self.live.take() else {
+            return Err(self
+                .core
+                .err("query", "queried before it was hydrated".into()));
+        };
+        self.core.arm(&mut live);
+        let folder = live.guest.foldhost_guest_folder();
+        // A deadline drops the call and, with `live` taken, the instance: the candidate is dead.
+        match self
+            .core
+            .within("query", folder.call_query(&mut live.store, request))
+            .await?
+        {
+            Ok(answer) => {
+                self.live = Some(live);
+                Ok(match answer {
+                    Ok(a) if a.len() > MAX_QUERY_ANSWER_BYTES => Err(format!(
+                        "answer of {} bytes is over the limit of {MAX_QUERY_ANSWER_BYTES}",
+                        a.len()
+                    )),
+                    Ok(a) => Ok(a),
+                    Err(m) => Err(clip_text(m, MAX_MESSAGE_BYTES)),
+                })
+            }
+            Err(e) => Err(self.core.call_error(&live, "query", e)),
+        }
+    }
+
     fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
         self
     }

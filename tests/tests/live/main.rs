@@ -19,6 +19,7 @@ mod lease;
 mod repair;
 mod resume;
 mod server_restart;
+mod shadow;
 mod swap;
 mod transport;
 mod watch_semantics;
