@@ -39,9 +39,11 @@ impl<F: Folder> Default for Runtime<F> {
 impl<F: Folder> Runtime<F> {
     /// A fresh state: `F::default()`, the scope from `F::manifest()`, nothing pending.
     pub fn new() -> Self {
+        let scope = F::manifest().scope;
+        crate::set_scope(scope.clone());
         Runtime {
             folder: F::default(),
-            scope: F::manifest().scope,
+            scope,
             pending: Vec::new(),
         }
     }
@@ -166,6 +168,16 @@ mod tests {
             revision,
             op,
         }
+    }
+
+    #[test]
+    fn a_change_gives_its_key_without_the_scope_prefix_it_matched() {
+        let mut rt = Runtime::<Recorder>::new();
+        rt.parse(vec![put("n.1", "7", 1), del("m.2", raw::Op::Delete, 2)]);
+        rt.apply().expect("apply");
+        let rest: Vec<&str> = rt.folder.applied.iter().map(Change::rest).collect();
+        assert_eq!(rest, vec!["1", "2"]);
+        assert_eq!(rt.folder.applied[0].key(), "n.1", "the whole key stays");
     }
 
     #[test]

@@ -22,6 +22,36 @@ pub fn scan(prefix: &str, start_after: Option<&str>, limit: u32) -> Vec<Entry> {
         .collect()
 }
 
+/// Every entry whose key starts with `prefix`, in key order, read page by page (1 000 entries a
+/// call) as the iterator is consumed. Each page is read when it is reached, from the committed fold
+/// as it is then.
+///
+/// ```no_run
+/// for entry in foldhost_guest::fold::scan_all("route.") {
+///     foldhost_guest::info!("{} = {} bytes", entry.key, entry.value.len());
+/// }
+/// ```
+pub fn scan_all(prefix: &str) -> impl Iterator<Item = Entry> + '_ {
+    let mut after: Option<String> = None;
+    let mut page: std::vec::IntoIter<Entry> = Vec::new().into_iter();
+    let mut done = false;
+    std::iter::from_fn(move || {
+        loop {
+            if let Some(e) = page.next() {
+                after = Some(e.key.clone());
+                return Some(e);
+            }
+            if done {
+                return None;
+            }
+            let next = scan(prefix, after.as_deref(), 1000);
+            // An empty page is the end (a short page is not: the host may cap a page).
+            done = next.is_empty();
+            page = next.into_iter();
+        }
+    })
+}
+
 impl From<raw::Entry> for Entry {
     fn from(entry: raw::Entry) -> Self {
         Entry {

@@ -122,6 +122,8 @@ pub mod bindings {
 }
 
 pub mod fold;
+#[cfg(feature = "json")]
+pub mod json;
 pub mod log;
 
 #[doc(hidden)]
@@ -179,6 +181,37 @@ pub(crate) fn in_scope(scope: &[String], key: &str) -> bool {
     scope.is_empty() || scope.iter().any(|prefix| key.starts_with(prefix.as_str()))
 }
 
+impl Manifest {
+    /// `key` without the scope prefix it starts with (the first that matches); the whole key for a
+    /// whole-bucket scope or a key outside the scope.
+    ///
+    /// ```
+    /// let m = foldhost_guest::Manifest::new("router", "0.1.0", ["route."]);
+    /// assert_eq!(m.strip("route.a.example"), "a.example");
+    /// assert_eq!(m.strip("node.a"), "node.a");
+    /// ```
+    pub fn strip<'k>(&self, key: &'k str) -> &'k str {
+        strip_scope(&self.scope, key)
+    }
+}
+
+pub(crate) fn strip_scope<'k>(scope: &[String], key: &'k str) -> &'k str {
+    scope
+        .iter()
+        .find_map(|prefix| key.strip_prefix(prefix.as_str()))
+        .unwrap_or(key)
+}
+
+std::thread_local! {
+    /// The running guest's scope, set once by the runtime [`export_folder!`] creates, so a
+    /// [`Change`] can strip its key ([`Change::rest`]) without being handed the manifest.
+    static SCOPE: std::cell::RefCell<Vec<String>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+pub(crate) fn set_scope(scope: Vec<String>) {
+    SCOPE.with_borrow_mut(|s| *s = scope);
+}
+
 /// What [`Folder::parse`] says of one put.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Verdict<V> {
@@ -217,6 +250,16 @@ impl<V> Change<V> {
         match self {
             Change::Put { key, .. } | Change::Delete { key, .. } => key,
         }
+    }
+
+    /// The key without the scope prefix it matched (a router keyed `route.<host>` gets the host):
+    /// [`Manifest::strip`] with the running guest's scope.
+    pub fn rest(&self) -> &str {
+        let key = self.key();
+        SCOPE.with_borrow(|scope| {
+            let stripped = strip_scope(scope, key).len();
+            &key[key.len() - stripped..]
+        })
     }
 
     /// The bucket revision of this change; 0 when unknown.

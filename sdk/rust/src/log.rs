@@ -58,3 +58,33 @@ pub fn warn(message: &str) {
 pub fn error(message: &str) {
     log(Level::Error, message);
 }
+
+/// Logs at [`Level::Trace`] with `format!` arguments: `trace!("{n} routes")`.
+#[macro_export]
+macro_rules! trace {
+    ($($arg:tt)*) => { $crate::log::trace(&::std::format!($($arg)*)) };
+}
+
+/// Logs at [`Level::Debug`] with `format!` arguments: `debug!("{n} routes")`.
+#[macro_export]
+macro_rules! debug {
+    ($($arg:tt)*) => { $crate::log::debug(&::std::format!($($arg)*)) };
+}
+
+/// Logs at [`Level::Info`] with `format!` arguments: `info!("{n} routes")`.
+#[macro_export]
+macro_rules! info {
+    ($($arg:tt)*) => { $crate::log::info(&::std::format!($($arg)*)) };
+}
+
+/// Logs at [`Level::Warn`] with `format!` arguments: `warn!("{n} routes")`.
+#[macro_export]
+macro_rules! warn {
+    ($($arg:tt)*) => { $crate::log::warn(&::std::format!($($arg)*)) };
+}
+
+/// Logs at [`Level::Error`] with `format!` arguments: `error!("{n} routes")`.
+#[macro_export]
+macro_rules! error {
+    ($($arg:tt)*) => { $crate::log::error(&::std::format!($($arg)*)) };
+}

@@ -15,6 +15,7 @@ mod guest_runtime;
 mod guests;
 mod hosted;
 mod identity;
+mod languages;
 mod lease;
 mod repair;
 mod resume;
