@@ -20,6 +20,8 @@ demo:
 
 test:
 	$(SETUP) && guests/build.sh && guests/router-c/build.sh test && \
+	guests/router-js/build.sh test && guests/router-py/build.sh test && \
+	cargo test --quiet --manifest-path sdk/rust/Cargo.toml --features json && \
 	$(MAKE) --no-print-directory lint && \
 	cargo build --workspace --bins --quiet $(FEATURES) && \
 	if cargo nextest --version >/dev/null 2>&1; then \
@@ -32,6 +34,7 @@ lint:
 	cargo fmt --all -- --check
 	cargo fmt --manifest-path guests/Cargo.toml --all -- --check
 	cargo fmt --manifest-path sdk/rust/Cargo.toml -- --check
+	cargo clippy --manifest-path sdk/rust/Cargo.toml --all-targets --features json --quiet -- -D warnings
 	cargo clippy --workspace --all-targets --quiet $(FEATURES) -- -D warnings
 	cargo clippy --manifest-path guests/Cargo.toml --target wasm32-wasip2 --quiet -- -D warnings
 

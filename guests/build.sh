@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds every guest in this workspace as a WebAssembly component (wasm32-wasip2, release), then the
-# C guest (router-c/build.sh), and lists them:
+# C, JavaScript and Python guests (router-c/, router-js/, router-py/build.sh), and lists them:
 # target/wasm32-wasip2/release/<name_with_underscores>.wasm. Honours CARGO_BUILD_JOBS.
 set -euo pipefail
 
@@ -22,6 +22,8 @@ cargo build --release --target "$target" "${jobs[@]}"
 # Guests in other languages build themselves into the same directory, and so do the hand-written
 # hostile components (core WAT made components with wasm-tools).
 router-c/build.sh
+router-js/build.sh
+router-py/build.sh
 hostile-wat/build.sh
 
 out="$here/target/$target/release"
@@ -36,6 +38,7 @@ if [[ ${#crates[@]} -eq 0 ]]; then
     exit 1
 fi
 crates+=(router_c)                    # built by router-c/build.sh above
+crates+=(router_js router_py)         # built by router-js/build.sh and router-py/build.sh above
 crates+=(table_bomb four_memories)    # built by hostile-wat/build.sh above
 
 status=0

