@@ -625,9 +625,61 @@ pub fn shadow_step(
     }
 }
 
+/// Whether a shadow's candidate has earned its promotion: `seen` of the `wanted` batches fed,
+/// `asked` of the `planned` requests asked (the comparison's time budget can cut it), none of
+/// them answered differently (`differing`), and the caller still `waiting` for the answer. `Err`
+/// says what is missing. A comparison on nothing proves nothing: no request, or fewer batches than
+/// asked (an idle bucket), is not a promotion.
+pub fn shadow_promotion(
+    seen: u64,
+    wanted: u64,
+    asked: usize,
+    planned: usize,
+    differing: u64,
+    waiting: bool,
+) -> Result<(), String> {
+    if differing > 0 {
+        return Err(format!(
+            "{differing} of {asked} requests answered differently"
+        ));
+    }
+    if asked == 0 {
+        return Err("no request was compared (nothing in scope to sample?)".into());
+    }
+    if asked < planned {
+        return Err(format!(
+            "only {asked} of {planned} requests were compared within the comparison's time budget"
+        ));
+    }
+    if seen < wanted {
+        return Err(format!(
+            "only {seen} of the {wanted} batches asked for came within the wait"
+        ));
+    }
+    if !waiting {
+        return Err("the caller went away before the answer".into());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_shadow_is_promoted_only_on_complete_agreement_that_someone_hears_of() {
+        assert_eq!(shadow_promotion(50, 50, 200, 200, 0, true), Ok(()));
+        assert_eq!(shadow_promotion(60, 50, 1, 1, 0, true), Ok(()));
+        for refused in [
+            shadow_promotion(50, 50, 200, 200, 1, true),
+            shadow_promotion(50, 50, 0, 0, 0, true),
+            shadow_promotion(50, 50, 199, 200, 0, true),
+            shadow_promotion(49, 50, 200, 200, 0, true),
+            shadow_promotion(50, 50, 200, 200, 0, false),
+        ] {
+            assert!(refused.is_err());
+        }
+    }
 
     #[test]
     fn a_shadow_waits_for_its_batches_catching_up_beside_the_fold_then_compares() {

@@ -904,6 +904,16 @@ async fn export(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
     }
 }
 
+/// How long a `/shadow` caller waits for the answer of a shadow that waits up to `max_wait` for
+/// its batches: a minute longer than the host waits, so the host's own answer (or its 504) comes
+/// first.
+pub fn shadow_deadline(max_wait: Duration) -> Duration {
+    SWAP_TIMEOUT + max_wait + Duration::from_secs(60)
+}
+
+/// Longest wait for a shadow's batches the host accepts, seconds (a day).
+pub const MAX_SHADOW_WAIT_S: u64 = 24 * 3600;
+
 /// Largest JSON header of a `/shadow` body (its request list included).
 pub const MAX_SHADOW_HEADER: usize = 4 * 1024 * 1024;
 
@@ -961,7 +971,7 @@ pub fn parse_shadow_body(body: &[u8]) -> Result<(crate::applied::ShadowPlan, &[u
             batches: header.batches,
             requests,
             promote: header.promote,
-            max_wait: Duration::from_secs(header.max_wait_s.min(24 * 3600)),
+            max_wait: Duration::from_secs(header.max_wait_s.min(MAX_SHADOW_WAIT_S)),
         },
         &body[end + 1..],
     ))
@@ -1015,6 +1025,8 @@ async fn shadow(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
             );
         }
     }
+    // The host gives up first ([`shadow_deadline`] gives the caller a minute more): dropping the
+    // reply ends the shadow in the fold without a promotion nobody would hear of.
     let wait = SWAP_TIMEOUT + plan.max_wait;
     let (tx, rx) = oneshot::channel();
     let control = Control::Shadow {
@@ -1127,6 +1139,19 @@ pub async fn call_with_token(
     body: &[u8],
     token: Option<&str>,
 ) -> std::io::Result<(u16, Vec<u8>)> {
+    call_with_deadline(addr, method, path, body, token, SWAP_TIMEOUT).await
+}
+
+/// [`call_with_token`], waiting at most `read` for the whole response (a shadow's answer comes
+/// after its wait for batches: the caller must outwait the host, which gives up first).
+pub async fn call_with_deadline(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &[u8],
+    token: Option<&str>,
+    read: Duration,
+) -> std::io::Result<(u16, Vec<u8>)> {
     let mut sock = tokio::time::timeout(IO_TIMEOUT, TcpStream::connect(addr))
         .await
         .map_err(|_| std::io::Error::other("connect timeout"))??;
@@ -1139,7 +1164,7 @@ pub async fn call_with_token(
     req.extend_from_slice(body);
     sock.write_all(&req).await?;
     let mut resp = Vec::new();
-    tokio::time::timeout(SWAP_TIMEOUT, sock.read_to_end(&mut resp))
+    tokio::time::timeout(read, sock.read_to_end(&mut resp))
         .await
         .map_err(|_| std::io::Error::other("read timeout"))??;
     let end = find(&resp, b"\r\n\r\n").ok_or_else(|| std::io::Error::other("no response head"))?;

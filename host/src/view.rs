@@ -58,6 +58,10 @@ pub struct SharedStore<S> {
     retained: Arc<std::sync::Mutex<Option<RetainedIndex>>>,
     /// The running capture of pre-images, while a swap candidate hydrates.
     pre_images: Arc<std::sync::Mutex<Option<PreImages>>>,
+    /// The last capture generation handed out. Never reused: a [`PinnedView`] whose capture ended
+    /// (an adopted guest keeps the view it hydrated through) must never match a later capture, or
+    /// it would read that capture's pre-images — the fold as it was when a later swap began.
+    generations: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl<S> Clone for SharedStore<S> {
@@ -66,6 +70,7 @@ impl<S> Clone for SharedStore<S> {
             store: self.store.clone(),
             retained: self.retained.clone(),
             pre_images: self.pre_images.clone(),
+            generations: self.generations.clone(),
         }
     }
 }
@@ -152,6 +157,7 @@ impl<S: SnapshotStore> SharedStore<S> {
             store: Arc::new(std::sync::RwLock::new(store)),
             retained: Arc::new(std::sync::Mutex::new(None)),
             pre_images: Arc::new(std::sync::Mutex::new(None)),
+            generations: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         }
     }
 
@@ -170,7 +176,7 @@ impl<S: SnapshotStore> SharedStore<S> {
         max_bytes: usize,
     ) -> Result<PinnedView<S>, SnapshotError> {
         let mut guard = self.pre_images.lock().map_err(|_| poisoned())?;
-        let generation = guard.as_ref().map_or(0, |p| p.generation) + 1;
+        let generation = self.next_generation();
         *guard = Some(PreImages {
             generation,
             max_keys,
@@ -197,15 +203,23 @@ impl<S: SnapshotStore> SharedStore<S> {
         if guard.as_ref().is_none_or(|p| p.generation != current) {
             return Ok(None);
         }
+        let generation = self.next_generation();
         let next = PreImages {
-            generation: current + 1,
+            generation,
             max_keys: guard.as_ref().map_or(MAX_PRE_IMAGE_KEYS, |p| p.max_keys),
             max_bytes: guard.as_ref().map_or(MAX_PRE_IMAGE_BYTES, |p| p.max_bytes),
             ..PreImages::default()
         };
         let old = guard.replace(next);
-        view.generation.store(current + 1, Ordering::Release);
+        view.generation.store(generation, Ordering::Release);
         Ok(old)
+    }
+
+    /// A capture generation never handed out before by this store.
+    fn next_generation(&self) -> u64 {
+        self.generations
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+            + 1
     }
 
     /// Keys recorded by the running capture (0 when none runs).
@@ -331,11 +345,13 @@ impl<S: SnapshotStore> SharedStore<S> {
                 store: Arc::new(std::sync::RwLock::new(p.into_inner())),
                 retained,
                 pre_images: self.pre_images,
+                generations: self.generations,
             }),
             Err(store) => Err(SharedStore {
                 store,
                 retained,
                 pre_images: self.pre_images,
+                generations: self.generations,
             }),
         }
     }
@@ -571,6 +587,50 @@ mod tests {
             value: bytes::Bytes::from_static(value.as_bytes()),
             version: VersionToken::from_u64(rev),
         })
+    }
+
+    /// The bug this prevents: a guest adopted by a swap keeps the pinned view it hydrated
+    /// through. When a later swap started a capture with the same generation, that guest read the
+    /// later capture's pre-images — stale values — and a rebuild of it lost the changes for good.
+    #[test]
+    fn a_view_whose_capture_ended_reads_the_live_fold_through_every_later_capture() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) =
+            AppendLogSnapshot::open(dir.path(), AppendLogOptions::default()).expect("open");
+        store
+            .apply(&[put("k", "old", 1)], WatchCursor::at(1))
+            .expect("apply");
+        let shared = SharedStore::new(store);
+        let adopted = shared.begin_pre_images().expect("first swap");
+        shared.take_pre_images().expect("its cut-over");
+        for round in 0..3 {
+            // A later swap (or a shadow, or a catch-up round of one) captures k, then changes it.
+            let later = shared.begin_pre_images().expect("a later swap");
+            if round == 1 {
+                shared.restart_pre_images(&later).expect("a round");
+            }
+            shared.capture_pre_images(["k"]).expect("capture");
+            let value = format!("new{round}");
+            shared
+                .write()
+                .expect("write")
+                .apply(
+                    &[KvUpdate::Put(KvEntry {
+                        key: "k".into(),
+                        value: bytes::Bytes::from(value.clone()),
+                        version: VersionToken::from_u64(2 + round),
+                    })],
+                    WatchCursor::at(2 + round),
+                )
+                .expect("apply");
+            let seen = adopted.get("k").expect("get").map(|e| e.value);
+            assert_eq!(seen.as_deref(), Some(value.as_bytes()), "round {round}");
+            assert_ne!(
+                later.get("k").expect("get").map(|e| e.value).as_deref(),
+                Some(value.as_bytes())
+            );
+            shared.take_pre_images().expect("end");
+        }
     }
 
     #[test]

@@ -167,6 +167,9 @@ pub const MAX_SHADOW_DIFFERENCES_LISTED: usize = 100;
 pub const MAX_SHADOW_REQUESTS: usize = 10_000;
 /// Longest answer a shadow report quotes (the rest is cut, marked).
 pub const MAX_SHADOW_QUOTE: usize = 200;
+/// Longest a shadow's comparison may hold the fold: the requests not asked by then are not asked
+/// (the report counts those that were, and a promotion needs them all).
+pub const MAX_SHADOW_COMPARE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// What a shadow asks: how many batches to feed the candidate beside the running applier, what
 /// to ask both, and whether to promote a candidate that answered exactly like the running one.

@@ -37,9 +37,9 @@ mod start;
 mod watch;
 
 pub use apply::{
-    Apply, ApplyError, Control, CountingApply, MAX_SHADOW_DIFFERENCES_LISTED, MAX_SHADOW_QUOTE,
-    MAX_SHADOW_REQUESTS, ShadowDifference, ShadowPlan, ShadowReport, ShadowRequests, SwapCandidate,
-    SwapReport, Verdict,
+    Apply, ApplyError, Control, CountingApply, MAX_SHADOW_COMPARE, MAX_SHADOW_DIFFERENCES_LISTED,
+    MAX_SHADOW_QUOTE, MAX_SHADOW_REQUESTS, ShadowDifference, ShadowPlan, ShadowReport,
+    ShadowRequests, SwapCandidate, SwapReport, Verdict,
 };
 pub use fold::Fold;
 pub use start::identity_refusal;

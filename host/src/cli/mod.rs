@@ -965,9 +965,13 @@ async fn shadow_swap(
     let mut body = serde_json::to_vec(&header)?;
     body.push(b'\n');
     body.extend_from_slice(&component);
-    let (code, answer) = crate::serve::call_with_token(&a.listen, "POST", "/shadow", &body, token)
-        .await
-        .with_context(|| format!("shadow via {}", a.listen))?;
+    let deadline = crate::serve::shadow_deadline(Duration::from_secs(
+        a.shadow_wait.min(crate::serve::MAX_SHADOW_WAIT_S),
+    ));
+    let (code, answer) =
+        crate::serve::call_with_deadline(&a.listen, "POST", "/shadow", &body, token, deadline)
+            .await
+            .with_context(|| format!("shadow via {}", a.listen))?;
     let text = String::from_utf8_lossy(&answer).trim_end().to_string();
     if code != 200 {
         bail!("{}: {text}", a.guest.display());

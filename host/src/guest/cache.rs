@@ -21,16 +21,25 @@
 //! - **The cache never decides what runs.** The key is the BLAKE3 of the component's own bytes,
 //!   which the host read and hashed itself; the cache can only save a compilation of exactly those
 //!   bytes.
-//! - **A failed cache write loses nothing.** Entries are written to a temporary file and renamed
-//!   into place; a crash leaves a stray temporary file (removed by the next write) or no entry.
+//! - **One directory, held open.** The directory is opened once (`O_DIRECTORY | O_NOFOLLOW`) and
+//!   checked on that descriptor; every entry is then opened, created, renamed and removed relative
+//!   to it (`openat`, `renameat`, `unlinkat`, never following a link), so no path swapped in later
+//!   is ever read.
+//! - **A failed cache write loses nothing.** Entries are written to a temporary file of a random
+//!   name created exclusively (`O_EXCL`, mode 0600) and renamed into place; a crash leaves a stray
+//!   temporary file (removed by a later write) or no entry. Entries are not fsynced: one torn by a
+//!   power loss fails its digest and is compiled afresh.
 //! - **Bounded.** At most [`MAX_ENTRIES`] entries (the least recently written go first) and none
 //!   larger than [`MAX_ENTRY_BYTES`].
 //! - This is the only module with `unsafe` code: the one call to `Component::deserialize`.
 
 use std::hash::{Hash, Hasher};
-use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::io::{Read, Write};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
+
+use rustix::fs::{AtFlags, FileType, Mode, OFlags, Stat};
 
 use wasmtime::Engine;
 use wasmtime::component::Component;
@@ -106,10 +115,12 @@ impl Source {
     }
 }
 
-/// The cache directory of one engine.
+/// The cache directory of one engine, held open.
 #[derive(Debug)]
 pub struct DiskCache {
     dir: PathBuf,
+    /// The directory, opened once and checked: every entry is reached relative to it.
+    fd: OwnedFd,
     engine_hash: u64,
 }
 
@@ -127,8 +138,10 @@ pub fn default_dir() -> Option<PathBuf> {
     Some(base.join("foldhost").join("wasm"))
 }
 
-/// A stable digest of what makes compiled code compatible with `engine` (wasmtime's own
-/// compatibility hash, folded to 64 bits with a fixed-key hasher).
+/// A digest of what makes compiled code compatible with `engine` (wasmtime's own compatibility
+/// hash, folded to 64 bits with std's fixed-key hasher). Stable for one build of foldhost; another
+/// Rust release may fold it differently, which only costs a recompile (the entry's name and header
+/// no longer match), never a wrong load: wasmtime checks its own header again.
 fn engine_hash(engine: &Engine) -> u64 {
     let mut h = std::hash::DefaultHasher::new();
     engine.precompile_compatibility_hash().hash(&mut h);
@@ -140,12 +153,14 @@ fn io(path: &Path, what: &'static str) -> impl FnOnce(std::io::Error) -> CacheEr
     move |source| CacheError::Io { path, what, source }
 }
 
-/// Refuses metadata that someone other than this process's user could have written.
-fn check_private(path: &Path, meta: &std::fs::Metadata, dir: bool) -> Result<(), CacheError> {
+/// Refuses a file or directory (its `fstat`) that someone other than this process's user could
+/// have written, or that is not the kind expected.
+fn check_private(path: &Path, st: &Stat, dir: bool) -> Result<(), CacheError> {
+    let kind = FileType::from_raw_mode(st.st_mode);
     let kind_ok = if dir {
-        meta.file_type().is_dir()
+        kind == FileType::Directory
     } else {
-        meta.file_type().is_file()
+        kind == FileType::RegularFile
     };
     let me = rustix::process::geteuid().as_raw();
     let reason = if !kind_ok {
@@ -153,15 +168,15 @@ fn check_private(path: &Path, meta: &std::fs::Metadata, dir: bool) -> Result<(),
             "not a {} (a link or another kind of file)",
             if dir { "directory" } else { "regular file" }
         ))
-    } else if meta.uid() != me {
+    } else if st.st_uid != me {
         Some(format!(
             "owned by uid {}, this process runs as {me}",
-            meta.uid()
+            st.st_uid
         ))
-    } else if meta.mode() & 0o022 != 0 {
+    } else if st.st_mode & 0o022 != 0 {
         Some(format!(
             "mode {:o} lets others write it",
-            meta.mode() & 0o7777
+            st.st_mode & 0o7777
         ))
     } else {
         None
@@ -172,6 +187,15 @@ fn check_private(path: &Path, meta: &std::fs::Metadata, dir: bool) -> Result<(),
             reason,
         }),
         None => Ok(()),
+    }
+}
+
+fn errno(path: &Path, what: &'static str) -> impl FnOnce(rustix::io::Errno) -> CacheError {
+    let path = path.to_path_buf();
+    move |e| CacheError::Io {
+        path,
+        what,
+        source: e.into(),
     }
 }
 
@@ -233,17 +257,34 @@ pub fn check_entry<'a>(
 
 impl DiskCache {
     /// Opens (creating it, private to this user, when missing) the cache directory `dir` for
-    /// `engine`. A directory others could write is refused: nothing would be loaded from it.
+    /// `engine`. A directory others could write, or a link, is refused: nothing would be loaded
+    /// from it.
     pub fn open(dir: &Path, engine: &Engine) -> Result<DiskCache, CacheError> {
         std::fs::DirBuilder::new()
             .recursive(true)
             .mode(0o700)
             .create(dir)
             .map_err(io(dir, "create the cache directory"))?;
-        let meta = std::fs::symlink_metadata(dir).map_err(io(dir, "stat the cache directory"))?;
-        check_private(dir, &meta, true)?;
+        let fd = rustix::fs::open(
+            dir,
+            OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        )
+        .map_err(|e| {
+            if e == rustix::io::Errno::LOOP || e == rustix::io::Errno::NOTDIR {
+                CacheError::NotPrivate {
+                    path: dir.to_path_buf(),
+                    reason: "not a directory (a link or another kind of file)".into(),
+                }
+            } else {
+                errno(dir, "open the cache directory")(e)
+            }
+        })?;
+        let st = rustix::fs::fstat(&fd).map_err(errno(dir, "stat the cache directory"))?;
+        check_private(dir, &st, true)?;
         Ok(DiskCache {
             dir: dir.to_path_buf(),
+            fd,
             engine_hash: engine_hash(engine),
         })
     }
@@ -253,13 +294,14 @@ impl DiskCache {
         &self.dir
     }
 
-    /// The entry's path for a component digest.
+    /// The entry's file name for a component digest.
+    fn entry_name(&self, component: &[u8; 32]) -> String {
+        format!("{}-{:016x}.cwasm", hex(component), self.engine_hash)
+    }
+
+    /// The entry's path for a component digest (for messages and tests).
     pub fn entry_path(&self, component: &[u8; 32]) -> PathBuf {
-        self.dir.join(format!(
-            "{}-{:016x}.cwasm",
-            hex(component),
-            self.engine_hash
-        ))
+        self.dir.join(self.entry_name(component))
     }
 
     /// The compiled component for `component` (its BLAKE3), `Ok(None)` when there is no entry.
@@ -269,18 +311,45 @@ impl DiskCache {
         engine: &Engine,
         component: &[u8; 32],
     ) -> Result<Option<Component>, CacheError> {
-        let path = self.entry_path(component);
-        let meta = match std::fs::symlink_metadata(&path) {
-            Ok(m) => m,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-            Err(e) => return Err(io(&path, "stat")(e)),
+        let name = self.entry_name(component);
+        let path = self.dir.join(&name);
+        // O_NOFOLLOW: a link in the entry's place is refused, not followed.
+        let fd = match rustix::fs::openat(
+            &self.fd,
+            name.as_str(),
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::empty(),
+        ) {
+            Ok(fd) => fd,
+            Err(rustix::io::Errno::NOENT) => return Ok(None),
+            Err(e) => {
+                self.remove_if_ours(&name);
+                return Err(if e == rustix::io::Errno::LOOP {
+                    CacheError::NotPrivate {
+                        path,
+                        reason: "a link, not a regular file".into(),
+                    }
+                } else {
+                    errno(&path, "open")(e)
+                });
+            }
         };
-        let checked = self.read_checked(engine, component, &path, &meta);
-        if checked.is_err() && meta.uid() == rustix::process::geteuid().as_raw() {
-            // Ours and bad: make room for a good one. (Someone else's file is left alone.)
-            let _ = std::fs::remove_file(&path);
+        let checked = self.read_checked(engine, component, &path, fd);
+        if checked.is_err() {
+            self.remove_if_ours(&name);
         }
         checked.map(Some)
+    }
+
+    /// Removes `name` when this user owns it: a bad entry of ours makes room for a good one;
+    /// someone else's file is left alone.
+    fn remove_if_ours(&self, name: &str) {
+        let me = rustix::process::geteuid().as_raw();
+        if rustix::fs::statat(&self.fd, name, AtFlags::SYMLINK_NOFOLLOW)
+            .is_ok_and(|st| st.st_uid == me)
+        {
+            let _ = rustix::fs::unlinkat(&self.fd, name, AtFlags::empty());
+        }
     }
 
     fn read_checked(
@@ -288,32 +357,23 @@ impl DiskCache {
         engine: &Engine,
         component: &[u8; 32],
         path: &Path,
-        meta: &std::fs::Metadata,
+        fd: OwnedFd,
     ) -> Result<Component, CacheError> {
-        check_private(path, meta, false)?;
-        if meta.len() > MAX_ENTRY_BYTES {
+        // Checked on the open file itself: what is read is what was checked.
+        let st = rustix::fs::fstat(&fd).map_err(errno(path, "stat"))?;
+        check_private(path, &st, false)?;
+        let len = u64::try_from(st.st_size).unwrap_or(u64::MAX);
+        if len > MAX_ENTRY_BYTES {
             return Err(CacheError::Corrupt {
                 path: path.to_path_buf(),
-                reason: format!(
-                    "{} bytes, over the {MAX_ENTRY_BYTES}-byte limit",
-                    meta.len()
-                ),
+                reason: format!("{len} bytes, over the {MAX_ENTRY_BYTES}-byte limit"),
             });
         }
-        // O_NOFOLLOW: the file checked above is the file read, not a link swapped in since.
-        let mut file = std::fs::OpenOptions::new()
-            .read(true)
-            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-            .open(path)
-            .map_err(io(path, "open"))?;
-        let opened = file.metadata().map_err(io(path, "stat"))?;
-        check_private(path, &opened, false)?;
-        let mut bytes = Vec::with_capacity(usize::try_from(opened.len()).unwrap_or(0));
-        std::io::Read::read_to_end(
-            &mut std::io::Read::take(&mut file, MAX_ENTRY_BYTES + 1),
-            &mut bytes,
-        )
-        .map_err(io(path, "read"))?;
+        let mut bytes = Vec::with_capacity(usize::try_from(len).unwrap_or(0));
+        std::fs::File::from(fd)
+            .take(MAX_ENTRY_BYTES + 1)
+            .read_to_end(&mut bytes)
+            .map_err(io(path, "read"))?;
         let payload = check_entry(&bytes, component, self.engine_hash).map_err(|reason| {
             CacheError::Corrupt {
                 path: path.to_path_buf(),
@@ -326,10 +386,11 @@ impl DiskCache {
         })
     }
 
-    /// Writes `compiled` as the entry of `component` (temporary file, then rename), then trims
-    /// the directory to [`MAX_ENTRIES`].
+    /// Writes `compiled` as the entry of `component` (a new temporary file, then a rename), then
+    /// trims the directory to [`MAX_ENTRIES`].
     pub fn store(&self, component: &[u8; 32], compiled: &Component) -> Result<(), CacheError> {
-        let path = self.entry_path(component);
+        let name = self.entry_name(component);
+        let path = self.dir.join(&name);
         let payload = compiled.serialize().map_err(|e| CacheError::Wasmtime {
             path: path.clone(),
             reason: format!("serialize: {e:#}"),
@@ -343,30 +404,32 @@ impl DiskCache {
                 ),
             });
         }
-        let tmp = self.dir.join(format!(
-            ".tmp-{}-{}",
-            hex(&component[..8]),
-            std::process::id()
-        ));
-        let write = || -> std::io::Result<()> {
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
-                .open(&tmp)?;
-            // A file this process did not create (the name existed) keeps its old mode.
-            f.set_permissions(std::fs::Permissions::from_mode(0o600))?;
-            f.write_all(&header(component, self.engine_hash, &payload))?;
-            f.write_all(&payload)?;
-            f.flush()?;
-            std::fs::rename(&tmp, &path)
-        };
-        if let Err(e) = write() {
-            let _ = std::fs::remove_file(&tmp);
-            return Err(io(&path, "write the entry")(e));
+        let mut nonce = [0u8; 8];
+        rustix::rand::getrandom(&mut nonce, rustix::rand::GetRandomFlags::empty())
+            .map_err(errno(&path, "a temporary name"))?;
+        let tmp = format!(".tmp-{}", hex(&nonce));
+        // O_EXCL: a file of this name that exists (another writer's) is never written into.
+        let fd = rustix::fs::openat(
+            &self.fd,
+            tmp.as_str(),
+            OFlags::WRONLY | OFlags::CREATE | OFlags::EXCL | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+            Mode::from_raw_mode(0o600),
+        )
+        .map_err(errno(&path, "create a temporary entry"))?;
+        let mut f = std::fs::File::from(fd);
+        let written = f
+            .write_all(&header(component, self.engine_hash, &payload))
+            .and_then(|()| f.write_all(&payload))
+            .and_then(|()| f.flush())
+            .map_err(io(&path, "write the entry"))
+            .and_then(|()| {
+                rustix::fs::renameat(&self.fd, tmp.as_str(), &self.fd, name.as_str())
+                    .map_err(errno(&path, "rename the entry into place"))
+            });
+        if written.is_err() {
+            let _ = rustix::fs::unlinkat(&self.fd, tmp.as_str(), AtFlags::empty());
         }
+        written?;
         self.trim();
         Ok(())
     }
@@ -374,32 +437,35 @@ impl DiskCache {
     /// Removes the least recently written entries past [`MAX_ENTRIES`], and temporary files a
     /// crashed writer left (older than a minute). Best effort.
     fn trim(&self) {
-        let Ok(listing) = std::fs::read_dir(&self.dir) else {
+        let Ok(listing) = rustix::fs::Dir::read_from(&self.fd) else {
             return;
         };
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
         let mut entries = Vec::new();
         for e in listing.flatten() {
-            let name = e.file_name();
-            let name = name.to_string_lossy();
-            let Ok(meta) = e.metadata() else { continue };
-            let modified = meta.modified().ok();
+            let Ok(name) = e.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            let Ok(st) = rustix::fs::statat(&self.fd, name.as_str(), AtFlags::SYMLINK_NOFOLLOW)
+            else {
+                continue;
+            };
             if name.starts_with(".tmp-") {
-                let stale = modified
-                    .and_then(|m| m.elapsed().ok())
-                    .is_some_and(|age| age.as_secs() > 60);
-                if stale {
-                    let _ = std::fs::remove_file(e.path());
+                if now - st.st_mtime > 60 {
+                    let _ = rustix::fs::unlinkat(&self.fd, name.as_str(), AtFlags::empty());
                 }
             } else if name.ends_with(".cwasm") {
-                entries.push((modified, e.path()));
+                entries.push((st.st_mtime, st.st_mtime_nsec, name));
             }
         }
         if entries.len() <= MAX_ENTRIES {
             return;
         }
         entries.sort();
-        for (_, path) in &entries[..entries.len() - MAX_ENTRIES] {
-            let _ = std::fs::remove_file(path);
+        for (_, _, name) in &entries[..entries.len() - MAX_ENTRIES] {
+            let _ = rustix::fs::unlinkat(&self.fd, name.as_str(), AtFlags::empty());
         }
     }
 }
@@ -408,17 +474,67 @@ impl DiskCache {
 #[allow(unsafe_code)]
 fn deserialize(engine: &Engine, payload: &[u8]) -> wasmtime::Result<Component> {
     // SAFETY: `Component::deserialize` runs the machine code in `payload`, so it must be bytes
-    // `Component::serialize` produced for a compatible engine. They are: the entry is in a
-    // directory and a file only this user can write (`check_private`, on the open file itself),
-    // its header names this component and this engine's compatibility hash, and its payload hashes
-    // to the digest written beside it by `DiskCache::store`, so a torn or truncated write is never
-    // loaded. wasmtime checks its own header and engine settings again.
+    // `Component::serialize` produced for a compatible engine. They are, as far as anyone but this
+    // user can tell: the entry was opened without following links, relative to the cache
+    // directory held open since it was checked to be a directory only this user can write, and
+    // the open file itself is a regular file only this user can write (`check_private` on
+    // `fstat`); its header names this component and this engine's compatibility hash, and its
+    // payload hashes to the digest written beside it by `DiskCache::store`, so a torn or truncated
+    // write is never loaded. (Anyone who can write as this user can run code as this user anyway.)
+    // wasmtime checks its own header and engine settings again.
     unsafe { Component::deserialize(engine, payload) }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    fn entries(dir: &Path) -> usize {
+        std::fs::read_dir(dir)
+            .expect("list")
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".cwasm"))
+            .count()
+    }
+
+    #[test]
+    fn an_entry_loads_only_for_its_own_component_never_through_a_link_and_at_most_sixteen_stay() {
+        let engine = Engine::default();
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let cache = DiskCache::open(&tmp.path().join("c"), &engine).expect("open");
+        let a = Component::new(&engine, "(component)").expect("a");
+        let b = Component::new(&engine, "(component (core module))").expect("b");
+        let (ha, hb) = ([1u8; 32], [2u8; 32]);
+        cache.store(&ha, &a).expect("store a");
+        assert!(cache.load(&engine, &ha).expect("load a").is_some());
+        let mode = std::fs::metadata(cache.entry_path(&ha))
+            .expect("stat")
+            .mode()
+            & 0o777;
+        assert_eq!(mode, 0o600);
+        // b's entry renamed into a's place: it names another component, so it is refused and
+        // removed.
+        cache.store(&hb, &b).expect("store b");
+        std::fs::rename(cache.entry_path(&hb), cache.entry_path(&ha)).expect("rename");
+        let e = cache
+            .load(&engine, &ha)
+            .expect_err("another component's code");
+        assert!(e.to_string().contains("another component"), "{e}");
+        assert!(!cache.entry_path(&ha).exists());
+        // A link in an entry's place is refused, not followed; the link goes, its target stays.
+        cache.store(&hb, &b).expect("store b");
+        std::os::unix::fs::symlink(cache.entry_path(&hb), cache.entry_path(&ha)).expect("link");
+        let e = cache.load(&engine, &ha).expect_err("a link");
+        assert!(matches!(e, CacheError::NotPrivate { .. }), "{e}");
+        assert!(cache.entry_path(&hb).exists());
+        assert!(std::fs::symlink_metadata(cache.entry_path(&ha)).is_err());
+        // Bounded: past MAX_ENTRIES the oldest go.
+        for i in 0..MAX_ENTRIES + 3 {
+            cache.store(&[10 + i as u8; 32], &a).expect("store");
+        }
+        assert_eq!(entries(cache.dir()), MAX_ENTRIES);
+    }
 
     #[test]
     fn an_entry_is_accepted_only_whole_and_for_its_component_and_engine() {

@@ -233,13 +233,18 @@ impl GuestEngine {
 
     /// Sets the seed of the random streams of every instance made from now on ([`random`]).
     pub fn set_random_seed(&self, seed: [u8; 32]) {
-        if let Ok(mut s) = self.random_seed.write() {
-            *s = seed;
-        }
+        // A plain copy cannot be left half-done: a poisoned lock still holds a whole seed.
+        *self
+            .random_seed
+            .write()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = seed;
     }
 
     fn random_seed(&self) -> [u8; 32] {
-        self.random_seed.read().map(|s| *s).unwrap_or([0; 32])
+        *self
+            .random_seed
+            .read()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// The compiled-component cache directory in use, if any.

@@ -4,8 +4,13 @@
 //! Every instance of a component starts the same three streams (`wasi:random/random`,
 //! `wasi:random/insecure` and the `insecure-seed` pair), each the BLAKE3 output stream keyed by the
 //! host's seed over a label and the component's own BLAKE3. So:
-//! - an instance rebuilt from the fold (after a trap, a restart, on another host with the same
-//!   seed) draws exactly the numbers the one before it drew, call for call;
+//! - every instance of a component starts the same streams: one rebuilt from the fold (after a
+//!   trap, a restart, on another host with the same seed) draws the numbers the one before it drew
+//!   for the same sequence of calls — so its hash seeds, which are drawn first, are the same; what
+//!   it draws later depends on the calls it gets, which a rebuild (hydration, not the original
+//!   batches) need not repeat;
+//! - another component (a new version, a shadow candidate) draws other numbers: a guest whose
+//!   answers depend on them (a hash map's iteration order in a listing) answers differently;
 //! - two components never share a stream, and neither do the three interfaces;
 //! - a guest's hash tables are seeded from this stream (Rust's `HashMap` is), so whoever knows the
 //!   seed can compute keys that collide. The seed is therefore the host's secret: `foldhost run`

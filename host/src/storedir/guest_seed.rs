@@ -54,11 +54,17 @@ pub fn load_or_create(dir: &Path) -> Result<[u8; 32], StoreDirError> {
         })?;
     let tmp = dir.join(format!("{GUEST_SEED_FILE}.tmp"));
     let write = || -> std::io::Result<()> {
+        // A temporary file a crashed run left goes first: the seed is only ever written into a
+        // file this run created, private from its first byte, never through a link.
+        match std::fs::remove_file(&tmp) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
         let mut f = std::fs::OpenOptions::new()
             .write(true)
-            .create(true)
-            .truncate(true)
+            .create_new(true)
             .mode(0o600)
+            .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
             .open(&tmp)?;
         f.write_all(&seed)?;
         f.sync_all()?;

@@ -233,10 +233,23 @@ async fn a_shadow_that_answers_differently_is_reported_with_those_requests_and_n
     assert!(!ok);
     let report: serde_json::Value = serde_json::from_str(out.trim())?;
     assert_eq!(report["requests"], 8, "{out}");
-    assert_eq!(
-        report["differing"], 8,
-        "every sampled key exists, and v2 answers each differently: {out}"
-    );
+    // A sampled key the batches changed may since have been deleted (both answer `missing`); every
+    // one that exists differs, as `v2:` and the same value.
+    let differences = report["differences"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default();
+    assert!(!differences.is_empty(), "{out}");
+    assert_eq!(report["differing"], differences.len(), "{out}");
+    for d in &differences {
+        let live = d["live"].as_str().unwrap_or_default();
+        let value = live.strip_prefix("ok: ").unwrap_or_else(|| panic!("{out}"));
+        assert_eq!(
+            d["candidate"].as_str(),
+            Some(format!("ok: v2:{value}").as_str()),
+            "{out}"
+        );
+    }
     assert_eq!(report["promoted"], false);
 
     settle_and_check(
@@ -259,14 +272,25 @@ async fn a_candidate_that_traps_in_shadow_leaves_the_live_guest_and_the_fold_unt
     // The running guest is kvstore-v2: it fails the fold on any update applied twice.
     let (kv, host, addr, writer) = setup(&h, "sht", "kvstore_v2", tmp.path()).await?;
     // hostile-trap traps in `apply` on a batch holding `trap.me`: in its hydration, if the key is
-    // there at the shadow's cursor, else in the catch-up of the batches that wrote it.
+    // there at the shadow's cursor, else in a catch-up of the batches that wrote it (a round while
+    // it waits, or the comparison's). It asks for more batches than can come, so it compares only
+    // when its 5 s wait runs out, after `trap.me` was written whatever the machine's speed: every
+    // path reaches the trap.
     let shadowing = {
         let addr = addr.clone();
         tokio::task::spawn_blocking(move || {
             shadow(
                 &addr,
                 "hostile_trap",
-                &["--shadow", "30", "--sample", "10", "--promote"],
+                &[
+                    "--shadow",
+                    "1000000",
+                    "--shadow-wait",
+                    "5",
+                    "--sample",
+                    "10",
+                    "--promote",
+                ],
             )
         })
     };
@@ -288,6 +312,9 @@ async fn a_candidate_that_traps_in_shadow_leaves_the_live_guest_and_the_fold_unt
         (200, "v2:boom".into()),
         "the live guest applied it"
     );
+    // Its capture is over: a swap right after goes through at once.
+    let (ok, out, err) = shadow(&addr, "kvstore_v2", &[])?;
+    assert!(ok, "a swap after the failed shadow: {out}{err}");
     settle_and_check(
         &kv,
         host,
@@ -333,4 +360,50 @@ async fn an_agreeing_shadow_is_promoted_with_nothing_lost_or_applied_twice() -> 
         "v2:",
     )
     .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadow_on_a_quiet_bucket_compares_on_what_came_and_promotes_nothing()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("shq").await?;
+    for i in 0..STABLE {
+        kv.put(&format!("k.{i:04}"), format!("seed{i}").into())
+            .await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = start_host(&h, "shq", &tmp.path().join("fold"), &addr, "kvstore_v2")?;
+    wait_status(&addr, |s| s.applied_through >= u64::from(STABLE)).await?;
+    // No writer: the 5 batches never come. The wait runs out (checked on the loop's tick), the
+    // candidate — identical, so it agrees on every key — is compared on what came, and a
+    // comparison that saw none of the batches asked for promotes nothing.
+    let (ok, out, err) = shadow(
+        &addr,
+        "kvstore_v2",
+        &[
+            "--shadow",
+            "5",
+            "--shadow-wait",
+            "2",
+            "--sample",
+            "10",
+            "--promote",
+        ],
+    )?;
+    assert!(!ok, "{out}{err}");
+    let report: serde_json::Value = serde_json::from_str(out.trim())?;
+    assert_eq!(report["batches"], 0, "{out}");
+    assert_eq!(report["requests"], 10, "{out}");
+    assert_eq!(report["differing"], 0, "{out}");
+    assert_eq!(report["promoted"], false, "{out}");
+    assert!(
+        report["not_promoted"]
+            .as_str()
+            .is_some_and(|w| w.contains("only 0 of the 5 batches")),
+        "{out}"
+    );
+    assert!(err.contains("not promoted"), "{err}");
+    terminate(&mut host)?;
+    Ok(())
 }

@@ -1,8 +1,9 @@
 //! The fold loop's hot swap and shadow: a candidate built beside the running applier from the fold
 //! at a cursor C, caught up in rounds beside the fold, and then either switched in at a batch
-//! boundary (a swap) or — a shadow — fed the fold's next N batches as well, compared with the
-//! running applier on the same requests at the same cursor, and dropped or (asked, and only when
-//! the two agreed) switched in.
+//! boundary (a swap) or — a shadow — fed what the fold's next N batches change as well (each
+//! changed key once, with its value when it is handed over, as a swap's catch-up does; not
+//! `on-applied`), compared with the running applier on the same requests at the same cursor, and
+//! dropped or (asked, with the evidence [`protocol::shadow_promotion`] requires) switched in.
 //!
 //! Invariants:
 //! - The running applier and the fold never notice a candidate that fails: every failure (a bad
@@ -14,8 +15,11 @@
 //!   whose view changed since, once, with its value when it is handed over
 //!   ([`PreImages::catch_up`]); the comparison and the switch happen with the fold settled, so both
 //!   sides stand at the same committed cursor.
-//! - A shadow is never promoted by itself: only with `promote` asked and no request answered
-//!   differently.
+//! - A shadow is never promoted by itself: only with `promote` asked, every batch asked for seen,
+//!   at least one request asked, none answered differently, and the caller still waiting for the
+//!   answer. A shadow whose caller went away ends without promoting.
+//! - No catch-up round restarts the capture while a failed commit waits for its retry: its keys
+//!   are recorded in the running capture only.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -25,7 +29,9 @@ use crate::applied::{
     AppliedError, Apply, ApplyError, ShadowDifference, ShadowPlan, ShadowReport, ShadowRequests,
     SwapCandidate, SwapReport,
 };
-use crate::applied::{MAX_SHADOW_DIFFERENCES_LISTED, MAX_SHADOW_QUOTE, MAX_SHADOW_REQUESTS};
+use crate::applied::{
+    MAX_SHADOW_COMPARE, MAX_SHADOW_DIFFERENCES_LISTED, MAX_SHADOW_QUOTE, MAX_SHADOW_REQUESTS,
+};
 use crate::kv::WatchScope;
 use crate::protocol::{self, ShadowStep};
 use crate::snapshot::{SnapshotError, SnapshotStore};
@@ -123,7 +129,7 @@ fn shadow_failed(from: &str, what: &str, e: &ApplyError) -> ApplyError {
 /// Why a swap whose capture overflowed is refused.
 fn overflow_message() -> String {
     format!(
-        "the fold changed more than {} keys or {} MiB while it hydrated; retry when fewer keys change",
+        "the fold changed more than {} keys or {} MiB beside the candidate; retry when fewer keys change",
         crate::view::MAX_PRE_IMAGE_KEYS,
         crate::view::MAX_PRE_IMAGE_BYTES >> 20
     )
@@ -352,9 +358,20 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
     ) -> Result<(), AppliedError> {
         let changed = self.fold.store().pre_images_len().map_err(store_err)?;
         let batches = self.status.batches.load(Ordering::Relaxed);
+        let settled = self.fold.is_settled();
         let Some(p) = self.swap.as_mut() else {
             return Ok(());
         };
+        if p.shadow
+            .as_ref()
+            .is_some_and(|s| s.reply.as_ref().is_none_or(|r| r.is_closed()))
+        {
+            // Nobody waits for this shadow's answer any more (the caller gave up): it ends here,
+            // and never promotes anything nobody would hear of.
+            tracing::warn!(candidate = %candidate.describe(), "shadow abandoned: its caller went away");
+            self.swap = None;
+            return Ok(());
+        }
         let step = match &p.shadow {
             Some(s) => protocol::shadow_step(
                 batches.saturating_sub(s.batches_at_start),
@@ -367,12 +384,15 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             None => ShadowStep::Compare,
         };
         match step {
-            ShadowStep::Wait => {
+            ShadowStep::Compare => self.conclude(Ok((candidate, Ok(0))), t).await,
+            ShadowStep::CatchUp if settled => self.catch_up_round(candidate, t).await,
+            // A commit that failed is retried with the keys it already recorded in this capture: a
+            // round now would restart the capture before the retry commits them, and they would
+            // reach neither this capture nor the next. Wait for the retry (a commit calls back).
+            ShadowStep::Wait | ShadowStep::CatchUp => {
                 p.parked = Some(candidate);
                 Ok(())
             }
-            ShadowStep::Compare => self.conclude(Ok((candidate, Ok(0))), t).await,
-            ShadowStep::CatchUp => self.catch_up_round(candidate, t).await,
         }
     }
 
@@ -600,7 +620,15 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         };
         let mut differing = 0u64;
         let mut differences = Vec::new();
+        let mut asked = 0usize;
+        let started = Instant::now();
         for request in &requests {
+            if started.elapsed() > MAX_SHADOW_COMPARE {
+                // The fold waits while this runs: a slow guest (or a live one rebuilt after a
+                // failed query) must not hold it for ever. The report says how many were asked.
+                break;
+            }
+            asked += 1;
             let live = self.apply.query(request).await.map_err(|e| e.message);
             let answer = match candidate.query(request).await {
                 Ok(answer) => answer,
@@ -620,19 +648,24 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         }
         let candidate_name = candidate.describe();
         let mut promoted = false;
-        let not_promoted = match (shadow.plan.promote, differing) {
+        let evidence = protocol::shadow_promotion(
+            batches,
+            shadow.plan.batches,
+            asked,
+            requests.len(),
+            differing,
+            shadow.reply.as_ref().is_some_and(|r| !r.is_closed()),
+        );
+        let not_promoted = match (shadow.plan.promote, evidence) {
             (false, _) => None,
-            (true, 0) => match self.switch_to(candidate).await? {
+            (true, Ok(())) => match self.switch_to(candidate).await? {
                 Ok(_) => {
                     promoted = true;
                     None
                 }
                 Err(e) => Some(format!("the switch failed: {e}")),
             },
-            (true, n) => Some(format!(
-                "{n} of {} requests answered differently",
-                requests.len()
-            )),
+            (true, Err(why)) => Some(why),
         };
         Ok(Ok(ShadowReport {
             live: p.from.clone(),
@@ -641,7 +674,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             hydrate_ms: p.entries.map_or(0, |(_, ms)| ms),
             batches,
             caught_up: p.caught_up,
-            requests: requests.len() as u64,
+            requests: asked as u64,
             differing,
             differences,
             promoted,
