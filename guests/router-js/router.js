@@ -255,7 +255,33 @@ function stringValue(r) {
  * @param {Uint8Array} bytes
  * @returns {string | null}
  */
+// The common case, decided exactly without the reader below: one object holding only the key
+// "upstream" with a string that has no escape and no control character, nothing but JSON's
+// whitespace around. serde_json reads such a value as exactly the characters between the quotes.
+// Everything else — escapes, other keys, the array form, a BOM, bytes that are not UTF-8 — takes
+// the full reader. (The reader runs byte by byte in an interpreter; the pattern in the engine.)
+const SIMPLE_ROUTE =
+  /^[ \t\n\r]*\{[ \t\n\r]*"upstream"[ \t\n\r]*:[ \t\n\r]*"([^"\\\u0000-\u001f]*)"[ \t\n\r]*\}[ \t\n\r]*$/;
+
+function simpleRoute(bytes) {
+  let text;
+  try {
+    text = strictUtf8.decode(bytes);
+  } catch {
+    return undefined;
+  }
+  const m = SIMPLE_ROUTE.exec(text);
+  return m === null ? undefined : m[1];
+}
+
 export function decodeRoute(bytes) {
+  const simple = simpleRoute(bytes);
+  if (simple !== undefined) return simple === '' ? null : simple;
+  return decodeRouteFully(bytes);
+}
+
+/** decodeRoute without the fast path: the reader alone (the tests hold the two to agreement). */
+export function decodeRouteFully(bytes) {
   const r = new Reader(bytes);
   try {
     let upstream;

@@ -4,7 +4,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
-import { decodeRoute, folder } from './router.js';
+import { decodeRoute, decodeRouteFully, folder } from './router.js';
 
 const enc = new TextEncoder();
 /** A value from a string whose code points below 0x100 are bytes (so '\xff' is the byte 0xff). */
@@ -103,4 +103,32 @@ test('answers are escaped as serde_json escapes them; queries are read lossily',
   assert.equal(query('c'), '{"upstream":"\\u0001\\u001f\x7f\u2028é/"}');
   assert.equal(query(new Uint8Array([0x63, 0xff])), 'error: unknown host: c\ufffd');
   assert.equal(query(new Uint8Array([0xef, 0xbb, 0xbf, 0x63])), 'error: unknown host: \ufeffc');
+});
+
+test('the fast path decides every value exactly as the full reader does', () => {
+  // Values near the fast path's edges (whitespace, escapes, controls, other keys, a BOM, bytes
+  // that are not UTF-8, the array form), assembled from pieces by a seeded generator.
+  const pieces = [
+    ' ', '\t', '\n', '\r', '\u00a0', '\ufeff', '{', '}', '[', ']', ':', ',', '"', '\\', '\\"',
+    '\\u0041', '\\ud800', '"upstream"', '"up"', 'upstream', '10.0.0.1:80', 'é', '😀', '\u0001',
+    '\u007f', 'null', '1', '"x"',
+  ];
+  const enc = new TextEncoder();
+  let seed = 42;
+  const next = (n) => {
+    seed = (seed * 1103515245 + 12345) % 2147483648;
+    return seed % n;
+  };
+  let fast = 0;
+  for (let i = 0; i < 20000; i++) {
+    let text = i % 2 === 0 ? '{"upstream":"' : '';
+    for (let j = next(8); j > 0; j--) text += pieces[next(pieces.length)];
+    if (i % 2 === 0) text += '"}';
+    let bytes = enc.encode(text);
+    if (next(10) === 0) bytes = Uint8Array.from([...bytes, 0xff]);
+    const want = decodeRouteFully(bytes);
+    assert.equal(decodeRoute(bytes), want, JSON.stringify(text));
+    if (want !== null && !text.includes('\\')) fast++;
+  }
+  assert.ok(fast > 10, `the fast path was taken (${fast})`);
 });

@@ -113,5 +113,31 @@ class RouterTest(unittest.TestCase):
         self.assertEqual(self.query(b"\xef\xbb\xbfc"), "error: unknown host: \ufeffc")
 
 
+class FastPath(unittest.TestCase):
+    def test_the_fast_path_decides_every_value_exactly_as_the_full_reader_does(self):
+        # Values near the fast path's edges (whitespace, escapes, controls, other keys, a BOM,
+        # bytes that are not UTF-8, the array form), assembled from pieces by a seeded generator.
+        import random
+
+        pieces = [" ", "\t", "\n", "\r", "\u00a0", "\ufeff", "{", "}", "[", "]", ":", ",", '"',
+                  "\\", '\\"', "\\u0041", "\\ud800", '"upstream"', '"up"', "upstream",
+                  "10.0.0.1:80", "é", "😀", "\u0001", "\u007f", "null", "1", '"x"']
+        rng = random.Random(42)
+        fast = 0
+        for i in range(20000):
+            text = '{"upstream":"' if i % 2 == 0 else ""
+            text += "".join(rng.choice(pieces) for _ in range(rng.randrange(8)))
+            if i % 2 == 0:
+                text += '"}'
+            data = text.encode("utf-8")
+            if rng.randrange(10) == 0:
+                data += b"\xff"
+            want = router.decode_route_fully(data)
+            self.assertEqual(router.decode_route(data), want, repr(data))
+            if want is not None and "\\" not in text:
+                fast += 1
+        self.assertGreater(fast, 100)
+
+
 if __name__ == "__main__":
     unittest.main()
