@@ -977,68 +977,45 @@ pub fn parse_shadow_body(body: &[u8]) -> Result<(crate::applied::ShadowPlan, &[u
     ))
 }
 
-/// `POST /shadow`: compile the candidate off the fold's path, then hand it to the fold as a
-/// shadow; the answer is the [`crate::applied::ShadowReport`] (200), or why the shadow failed (409).
-async fn shadow(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
-    let Some(engine) = state.engine.clone() else {
-        return response(
+/// Compiles `bytes` off the fold's path (the fold keeps applying meanwhile; the engine's caches
+/// hand the compiled component to the fold's swap or shadow); the error is the response to send.
+async fn compile_off_path(
+    engine: Arc<crate::guest::GuestEngine>,
+    bytes: Vec<u8>,
+    what: &'static str,
+    refused: &'static str,
+) -> Result<Vec<u8>, Vec<u8>> {
+    let compiled =
+        tokio::task::spawn_blocking(move || engine.prepare(what, &bytes).map(|_| bytes)).await;
+    match compiled {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) => Err(response(
             409,
             "Conflict",
             "text/plain",
-            b"this host runs no guest to shadow\n",
-        );
-    };
-    let (plan, component) = match parse_shadow_body(&body) {
-        Ok(split) => split,
-        Err(e) => {
-            return response(
-                400,
-                "Bad Request",
-                "text/plain",
-                format!("{e}\n").as_bytes(),
-            );
-        }
-    };
-    let bytes = Arc::new(component.to_vec());
-    drop(body);
-    let compiled = {
-        let bytes = bytes.clone();
-        tokio::task::spawn_blocking(move || engine.prepare("the candidate", &bytes).map(|_| ()))
-            .await
-    };
-    match compiled {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            return response(
-                409,
-                "Conflict",
-                "text/plain",
-                format!("shadow refused: {e}\n").as_bytes(),
-            );
-        }
-        Err(e) => {
-            return response(
-                500,
-                "Internal Server Error",
-                "text/plain",
-                e.to_string().as_bytes(),
-            );
-        }
+            format!("{refused}: {e}\n").as_bytes(),
+        )),
+        Err(e) => Err(response(
+            500,
+            "Internal Server Error",
+            "text/plain",
+            e.to_string().as_bytes(),
+        )),
     }
-    // The host gives up first ([`shadow_deadline`] gives the caller a minute more): dropping the
-    // reply ends the shadow in the fold without a promotion nobody would hear of.
-    let wait = SWAP_TIMEOUT + plan.max_wait;
-    let (tx, rx) = oneshot::channel();
-    let control = Control::Shadow {
-        bytes: Arc::try_unwrap(bytes).unwrap_or_else(|b| b.as_ref().clone()),
-        what: "the candidate".into(),
-        plan,
-        reply: tx,
-    };
+}
+
+/// Hands `control` to the fold and answers with what comes back on `rx` within `wait`: the
+/// report as JSON (200), the refusal (409), or why there was no answer (503, 504).
+async fn ask_fold<T: serde::Serialize, E: std::fmt::Display>(
+    state: &ServeState,
+    control: Control,
+    rx: oneshot::Receiver<Result<T, E>>,
+    wait: Duration,
+) -> Vec<u8> {
     match tokio::time::timeout(SWAP_TIMEOUT, state.control.send(control)).await {
         Ok(Ok(())) => {}
         Ok(Err(_)) => return unavailable("the fold is not running"),
-        Err(_) => return unavailable("the fold is busy: no room for the shadow in time"),
+        Err(_) => return unavailable("the fold is busy: no room for the request in time"),
     }
     match tokio::time::timeout(wait, rx).await {
         Ok(Ok(Ok(report))) => {
@@ -1057,6 +1034,46 @@ async fn shadow(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
     }
 }
 
+/// `POST /shadow`: compile the candidate off the fold's path, then hand it to the fold as a
+/// shadow; the answer is the [`crate::applied::ShadowReport`] (200), or why the shadow failed (409).
+async fn shadow(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
+    let Some(engine) = state.engine.clone() else {
+        return response(
+            409,
+            "Conflict",
+            "text/plain",
+            b"this host runs no guest to shadow\n",
+        );
+    };
+    let (plan, component) = match parse_shadow_body(&body) {
+        Ok((plan, component)) => (plan, component.to_vec()),
+        Err(e) => {
+            return response(
+                400,
+                "Bad Request",
+                "text/plain",
+                format!("{e}\n").as_bytes(),
+            );
+        }
+    };
+    drop(body);
+    let bytes = match compile_off_path(engine, component, "the candidate", "shadow refused").await {
+        Ok(bytes) => bytes,
+        Err(answer) => return answer,
+    };
+    // The host gives up first ([`shadow_deadline`] gives the caller a minute more): dropping the
+    // reply ends the shadow in the fold without a promotion nobody would hear of.
+    let wait = SWAP_TIMEOUT + plan.max_wait;
+    let (tx, rx) = oneshot::channel();
+    let control = Control::Shadow {
+        bytes,
+        what: "the candidate".into(),
+        plan,
+        reply: tx,
+    };
+    ask_fold(state, control, rx, wait).await
+}
+
 async fn swap(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
     let Some(engine) = state.engine.clone() else {
         return response(
@@ -1066,59 +1083,17 @@ async fn swap(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
             b"this host runs no guest to swap\n",
         );
     };
-    // Compile off the fold's path: the fold keeps applying while this runs; the cache hands the
-    // compiled component to the fold's swap.
-    let bytes = Arc::new(body);
-    let compiled = {
-        let bytes = bytes.clone();
-        tokio::task::spawn_blocking(move || engine.prepare("the new guest", &bytes).map(|_| ()))
-            .await
+    let bytes = match compile_off_path(engine, body, "the new guest", "swap refused").await {
+        Ok(bytes) => bytes,
+        Err(answer) => return answer,
     };
-    match compiled {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => {
-            return response(
-                409,
-                "Conflict",
-                "text/plain",
-                format!("swap refused: {e}\n").as_bytes(),
-            );
-        }
-        Err(e) => {
-            return response(
-                500,
-                "Internal Server Error",
-                "text/plain",
-                e.to_string().as_bytes(),
-            );
-        }
-    }
     let (tx, rx) = oneshot::channel();
     let control = Control::Swap {
-        bytes: Arc::try_unwrap(bytes).unwrap_or_else(|b| b.as_ref().clone()),
+        bytes,
         what: "the new guest".into(),
         reply: tx,
     };
-    match tokio::time::timeout(SWAP_TIMEOUT, state.control.send(control)).await {
-        Ok(Ok(())) => {}
-        Ok(Err(_)) => return unavailable("the fold is not running"),
-        Err(_) => return unavailable("the fold is busy: no room for the swap in time"),
-    }
-    match tokio::time::timeout(SWAP_TIMEOUT, rx).await {
-        Ok(Ok(Ok(report))) => {
-            let mut b = serde_json::to_vec(&report).unwrap_or_default();
-            b.push(b'\n');
-            response(200, "OK", "application/json", &b)
-        }
-        Ok(Ok(Err(e))) => response(409, "Conflict", "text/plain", format!("{e}\n").as_bytes()),
-        Ok(Err(_)) => response(
-            503,
-            "Service Unavailable",
-            "text/plain",
-            b"the fold stopped\n",
-        ),
-        Err(_) => response(504, "Gateway Timeout", "text/plain", b"no answer in time\n"),
-    }
+    ask_fold(state, control, rx, SWAP_TIMEOUT).await
 }
 
 /// A minimal client for this endpoint (the demo and the tests use it): one request, one response.

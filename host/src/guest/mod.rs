@@ -645,6 +645,30 @@ impl Core {
             .collect()
     }
 
+    /// One `query` call: `Ok` with the guest's own answer — its response (at most
+    /// [`MAX_QUERY_ANSWER_BYTES`]) or the error it chose to give — or `Err` when the call itself
+    /// failed (a trap, a deadline): the caller then drops `live`, which is dead.
+    async fn query(
+        &self,
+        live: &mut Live,
+        request: &[u8],
+    ) -> Result<Result<Vec<u8>, String>, ApplyError> {
+        self.arm(live);
+        let folder = live.guest.foldhost_guest_folder();
+        let answer = self
+            .within("query", folder.call_query(&mut live.store, request))
+            .await?
+            .map_err(|e| self.call_error(live, "query", e))?;
+        Ok(match answer {
+            Ok(a) if a.len() > MAX_QUERY_ANSWER_BYTES => Err(format!(
+                "answer of {} bytes is over the limit of {MAX_QUERY_ANSWER_BYTES}",
+                a.len()
+            )),
+            Ok(a) => Ok(a),
+            Err(m) => Err(clip_text(m, MAX_MESSAGE_BYTES)),
+        })
+    }
+
     async fn call_apply(&self, live: &mut Live) -> Result<(), ApplyError> {
         self.arm(live);
         let folder = live.guest.foldhost_guest_folder();
@@ -897,30 +921,10 @@ impl Apply for GuestApply {
 
     async fn query(&mut self, request: &[u8]) -> Result<Vec<u8>, ApplyError> {
         let mut live = self.live().await?;
-        self.core.arm(&mut live);
-        let folder = live.guest.foldhost_guest_folder();
-        match self
-            .core
-            .within("query", folder.call_query(&mut live.store, request))
-            .await?
-        {
-            Ok(answer) => {
-                self.live = Some(live);
-                let answer =
-                    answer.map_err(|m| self.core.err("query", clip_text(m, MAX_MESSAGE_BYTES)))?;
-                if answer.len() > MAX_QUERY_ANSWER_BYTES {
-                    return Err(self.core.err(
-                        "query",
-                        format!(
-                            "answer of {} bytes is over the limit of {MAX_QUERY_ANSWER_BYTES}",
-                            answer.len()
-                        ),
-                    ));
-                }
-                Ok(answer)
-            }
-            Err(e) => Err(self.core.call_error(&live, "query", e)),
-        }
+        let answer = self.core.query(&mut live, request).await?;
+        // Answered (either way): the instance lives on. A failed call dropped it with `live`.
+        self.live = Some(live);
+        answer.map_err(|m| self.core.err("query", m))
     }
 }
 
@@ -992,27 +996,9 @@ impl SwapCandidate for GuestCandidate {
                 .core
                 .err("query", "queried before it was hydrated".into()));
         };
-        self.core.arm(&mut live);
-        let folder = live.guest.foldhost_guest_folder();
-        // A deadline drops the call and, with `live` taken, the instance: the candidate is dead.
-        match self
-            .core
-            .within("query", folder.call_query(&mut live.store, request))
-            .await?
-        {
-            Ok(answer) => {
-                self.live = Some(live);
-                Ok(match answer {
-                    Ok(a) if a.len() > MAX_QUERY_ANSWER_BYTES => Err(format!(
-                        "answer of {} bytes is over the limit of {MAX_QUERY_ANSWER_BYTES}",
-                        a.len()
-                    )),
-                    Ok(a) => Ok(a),
-                    Err(m) => Err(clip_text(m, MAX_MESSAGE_BYTES)),
-                })
-            }
-            Err(e) => Err(self.core.call_error(&live, "query", e)),
-        }
+        let answer = self.core.query(&mut live, request).await?;
+        self.live = Some(live);
+        Ok(answer)
     }
 
     fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
