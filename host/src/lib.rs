@@ -37,6 +37,8 @@ pub mod guest;
 pub mod kv;
 pub mod lease;
 pub mod localnats;
+#[cfg(test)]
+mod models;
 pub mod nats;
 pub mod node;
 pub mod protocol;
