@@ -285,6 +285,17 @@ pub fn gap_holds_no_eviction(
     age_only && !max_age.is_zero() && cursor_message_age.saturating_mul(2) <= max_age
 }
 
+/// Whether a state-sync re-list that was started trusting the key listing (the fold had no
+/// eviction memo) may still be trusted when its first event arrives: retention read *now*, after
+/// the watch's snapshot exists, must still make the listing the truth. A bucket that began evicting
+/// between the decision and the snapshot may have removed current values the snapshot silently
+/// lacks, and a state-sync watch has no frontier for the floor guard to check until it is level
+/// (found by the seeded simulation, issue 17). An unknown retention (`None`) changes nothing: the
+/// decision was made without it too.
+pub fn relist_still_vouched(retention_now: Option<Retention>) -> bool {
+    retention_now.is_none_or(|r| listing_is_truth(r.evicts_current_values, r.first_revision, false))
+}
+
 /// Whether the live floor guard ends a watch: after a delivery gap (or a quiet period) following
 /// `frontier`, the last sequence delivered, the stream's first retained sequence has passed
 /// `frontier + 1` on a stream whose retention evicts current values — messages after the frontier

@@ -364,8 +364,7 @@ impl<S: SnapshotStore> Fold<S> {
         apply: &mut A,
     ) -> Result<(), AppliedError> {
         debug_assert!(self.is_settled(), "commit_position on an unsettled fold");
-        let (_, r) = commit(&self.store, Vec::new(), cursor).await?;
-        r.map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        commit_settled(&self.store, Vec::new(), cursor, &self.status).await?;
         self.applied = cursor;
         self.publish_retained()
             .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
@@ -400,8 +399,7 @@ impl<S: SnapshotStore> Fold<S> {
         debug_assert!(self.is_settled(), "commit_identity on an unsettled fold");
         self.pending_identity = None;
         let record = vec![identity_record(identity)];
-        let (_, r) = commit(&self.store, record, cursor).await?;
-        r.map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        commit_settled(&self.store, record, cursor, &self.status).await?;
         self.applied = cursor;
         self.publish_retained()
             .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
@@ -433,8 +431,7 @@ impl<S: SnapshotStore> Fold<S> {
             .capture_pre_images(keys.iter().map(String::as_str))
             .map_err(store_err)?;
         let n = deletes.len() as u64;
-        let (_, r) = commit(&self.store, deletes, self.applied).await?;
-        r.map_err(store_err)?;
+        commit_settled(&self.store, deletes, self.applied, &self.status).await?;
         self.store
             .with_retained(|r| *r = RetainedIndex::default())
             .map_err(store_err)?;
@@ -687,17 +684,46 @@ async fn commit<S: SnapshotStore>(
 ) -> Result<(Vec<KvUpdate>, Result<(), SnapshotError>), AppliedError> {
     let multi = tokio::runtime::Handle::try_current()
         .is_ok_and(|h| h.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread);
-    if multi {
-        let r = tokio::task::block_in_place(|| store.write()?.apply(&raw, cursor));
-        Ok((raw, r))
+    // The binary runs a multi-thread runtime: the write blocks this worker only. On a
+    // current-thread runtime (tests, the seeded simulation) it runs inline, on the one thread,
+    // so a run's interleaving depends on nothing but its inputs: no blocking thread to race with.
+    let r = if multi {
+        tokio::task::block_in_place(|| store.write()?.apply(&raw, cursor))
     } else {
-        let store = store.clone();
-        tokio::task::spawn_blocking(move || {
-            let r = store.write().and_then(|mut s| s.apply(&raw, cursor));
-            (raw, r)
-        })
-        .await
-        .map_err(|e| AppliedError::Task(e.to_string()))
+        store.write().and_then(|mut s| s.apply(&raw, cursor))
+    };
+    Ok((raw, r))
+}
+
+/// [`commit`] for a fold that is settled (a restore's last step, the eviction memo, the stream
+/// identity, dropped retained records), retrying a failed write every [`STORE_RETRY_DELAY`] as a
+/// flush does and fail-stopping only when [`protocol::store_failures_fatal`] says so: one
+/// transient failure is never fatal by itself. A retry is safe because a failed apply leaves the
+/// store exactly as before (or poisoned, which fails every retry).
+async fn commit_settled<S: SnapshotStore>(
+    store: &SharedStore<S>,
+    mut raw: Vec<KvUpdate>,
+    cursor: WatchCursor,
+    status: &FoldStatus,
+) -> Result<(), AppliedError> {
+    let mut streak = 0u32;
+    loop {
+        let (back, r) = commit(store, raw, cursor).await?;
+        let Err(e) = r else {
+            status.store_failure_streak.store(0, Ordering::Relaxed);
+            return Ok(());
+        };
+        streak += 1;
+        status
+            .store_failure_streak
+            .store(u64::from(streak), Ordering::Relaxed);
+        if protocol::store_failures_fatal(streak) {
+            return Err(AppliedError::Store { streak, last: e });
+        }
+        tracing::warn!(error = %e, streak, "store commit failed; retrying");
+        status.set_error(Some(e.to_string()));
+        raw = back;
+        tokio::time::sleep(STORE_RETRY_DELAY).await;
     }
 }
 

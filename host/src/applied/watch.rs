@@ -246,6 +246,11 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             backing_off: false,
             cap: max,
         };
+        // A state-sync re-list that trusted the key listing (no eviction memo) re-checks that
+        // trust once its snapshot exists, before anything of it is folded.
+        // (A cursor-less start is a state-sync watch too.)
+        let mut vouch_pending =
+            (relist || start.revision().is_none()) && self.fold.cursor().memo().is_none();
         // One timer, re-armed when the batch opens: a fresh timer per delivery costs more than the
         // delivery. A full batch never waits for it (the timer wheel ticks in milliseconds).
         let timer = tokio::time::sleep(Duration::from_secs(3600));
@@ -280,6 +285,11 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 c = recv_control(&mut self.control) => self.on_control(c, &mut t).await?,
                 done = hydrated(&mut self.swap) => self.on_swap_task(done, &mut t).await?,
                 ev = rx.recv(), if !t.backing_off && t.batch.len() < max => {
+                    if std::mem::take(&mut vouch_pending)
+                        && let Some(why) = self.relist_unvouched().await?
+                    {
+                        return self.expired_now(why);
+                    }
                     if let Step::Closed = self.on_events(ev, &mut rx, &mut t, &mut flush_now) {
                         return self.on_closed(&mut t, &mut watch_task).await;
                     }
@@ -299,6 +309,52 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         }
     }
 
+    /// [`protocol::relist_still_vouched`] at a state-sync watch's first event: when retention now
+    /// shows eviction the listing-trusting start did not see, commits the eviction memo (the
+    /// fold is settled: nothing of this watch was folded) and answers why the watch must end as
+    /// expired. A retention that cannot be read in 5 s is retried at the next watch start, never
+    /// taken as "nothing evicted": the watch ends as broken.
+    async fn relist_unvouched(&mut self) -> Result<Option<KvError>, AppliedError> {
+        let r = match tokio::time::timeout(Duration::from_secs(5), self.watcher.retention()).await
+        {
+            Ok(Ok(r)) => r,
+            Ok(Err(e)) => return Ok(Some(e)),
+            Err(_) => {
+                return Ok(Some(KvError::Timeout {
+                    op: "retention read at a re-list's first event",
+                    secs: 5,
+                }));
+            }
+        };
+        if protocol::relist_still_vouched(r) {
+            return Ok(None);
+        }
+        note_retention(&mut self.fold, self.apply, r).await?;
+        let first_sequence = r.map_or(0, |r| r.first_revision);
+        tracing::warn!(
+            first_sequence,
+            "retention began evicting during a re-list: the key listing cannot vouch for every key"
+        );
+        Ok(Some(KvError::CursorExpired {
+            resume_from: self.fold.cursor().revision_or_zero() + 1,
+            first_sequence,
+        }))
+    }
+
+    /// How a watch ended by the fold's own finding `why` ends the turn, as [`Self::on_closed`]
+    /// would for the same error from the watch.
+    fn expired_now(&self, why: KvError) -> Result<TurnEnd, AppliedError> {
+        match why {
+            e @ KvError::CursorExpired { .. }
+                if self.opts.repair.mode != protocol::RepairMode::None =>
+            {
+                Ok(TurnEnd::Expired(e))
+            }
+            e if e.watch_resumable() => Ok(TurnEnd::Broken(e)),
+            e => Err(AppliedError::Watch(e)),
+        }
+    }
+
     /// Commits everything delivered so far (the open batch and anything re-queued), so what runs
     /// next sees the fold exactly at the applied cursor; the batch timer is disarmed with the batch.
     async fn settle(&mut self, t: &mut Turn) -> Result<(), AppliedError> {
@@ -309,7 +365,11 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             self.apply,
         )
         .await?;
+        // Everything delivered is committed: no batch is left to back off from. Left set, with
+        // the timer disarmed, it would close the watch branch of the loop for good (found by the
+        // simulation: a swap arriving during an apply backoff wedged the fold).
         t.timer_armed = false;
+        t.backing_off = false;
         Ok(())
     }
 

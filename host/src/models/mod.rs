@@ -7,3 +7,6 @@
 //!   and each mutation has a test asserting the checker finds its counterexample.
 
 mod cursor;
+mod deferral;
+mod floor;
+mod resync;

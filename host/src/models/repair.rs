@@ -1,0 +1,727 @@
+//! The cursor-expiry repair as steps (seed 000, "Cursor-expiry repair"), interleaved with the
+//! bucket's writers, its retention and the fold's own failures.
+//!
+//! Modelled: a bucket of [`KEYS`] keys whose log takes up to [`MAX_OPS`] writes and deletes; its
+//! retention, which advances the first retained sequence and can be switched to evict current
+//! values and back; one artifact another node publishes at some cursor; and one fold — its
+//! applied key → revision map, its durable cursor and eviction memo (`seen_evicting`), and in
+//! memory the watch's position, a state-sync re-list's initial values and the delivered batch. The
+//! fold starts (cursor-less at first), watches, flushes (or fails transiently: the batch is
+//! re-queued), crashes (everything in memory is lost; the next start re-runs whatever repair was
+//! under way), and repairs an expired cursor in the steps production takes: drain (flush until the
+//! store holds every delivered update), plan ([`protocol::listing_truth`] with the memo,
+//! [`protocol::plan_repair`], [`protocol::restore_allowed`]; the memo is committed first when
+//! [`protocol::retention_has_evicted`] says so), diff (re-list: a synthetic delete for every fold key
+//! the bucket does not list; restore: [`protocol::restore_key`] per key, the delete candidates
+//! checked against the live listing and retention read again), apply one key per chunk under the
+//! old cursor, and the final step (re-list: the cursor stays and a state-sync re-list starts;
+//! restore: the cursor becomes the artifact's, then the resume check).
+//!
+//! Axioms (what the environment never does):
+//! - Retention that does not evict current values removes only superseded messages (a current
+//!   value or delete marker stays: axiom 6, no purge of markers).
+//! - A fold reads retention while eviction is in force: after an evicting advance, retention is
+//!   not switched back before the fold's next read (its start, its plan, or the watch's retention
+//!   tick and floor probe).
+//! - During a key-listing repair (from its plan until the re-list is level) retention removes no
+//!   current value: the re-list window's axiom.
+//! - An artifact is complete together with the log after its cursor (it may have been exported
+//!   mid catch-up): a key not written after the cursor holds exactly its value at the cursor; a
+//!   key written after it may be absent or hold any earlier value of that key.
+//!
+//! Properties (always): the durable cursor is monotone; a repair never replaces a key's value by
+//! an older one; no phantom delete (every delete the fold applies removes a value some real delete
+//! superseded); a level fold (watching, everything delivered and committed) is the truth — every
+//! write minus every real delete. Sometimes: a repair completes and the fold converges.
+//!
+//! Mutations (each must produce a counterexample):
+//! - `NoEvictionMemo` — the memo is never consulted (`seen_evicting` forged `false`);
+//! - `RelistOnEvictingBucket` — the listing is forged to be the truth (`Some(true)`);
+//! - `RestoreKeyBackward` — `restore_key`'s `local` is forged to 0, so an older artifact entry
+//!   overwrites a newer local one;
+//! - `PhantomDelete` — `restore_key`'s `listed_live` is forged `false`;
+//! - `CursorBeforeLastChunk` — the artifact's cursor is committed before the last chunk is applied
+//!   (a crash in between resumes past it);
+//! - `RestoreNotAhead` — `restore_allowed` is skipped.
+
+use stateright::{Checker, Model, Property};
+
+use crate::protocol::{self, KeyRestore, RepairMode, RepairPlan, Retention};
+
+/// Keys in the bucket.
+const KEYS: u8 = 2;
+/// Writes and deletes the log takes.
+const MAX_OPS: usize = 4;
+/// Crashes (or operator restarts) a run may have.
+const MAX_CRASHES: u8 = 1;
+/// Times retention may be switched to evicting current values or back.
+const MAX_RETENTION_EDITS: u8 = 2;
+/// `--repair auto`, with a restore source configured.
+const MODE: RepairMode = RepairMode::Auto;
+
+/// One decision forged, or none.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Mutation {
+    None,
+    NoEvictionMemo,
+    RelistOnEvictingBucket,
+    RestoreKeyBackward,
+    PhantomDelete,
+    CursorBeforeLastChunk,
+    RestoreNotAhead,
+}
+
+/// A message of the log: a put or a delete of a key. Its revision is its position + 1.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+struct Op {
+    key: u8,
+    put: bool,
+}
+
+/// A published artifact: its cursor and each key's revision in it.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+struct Artifact {
+    cursor: u8,
+    entries: [Option<u8>; KEYS as usize],
+}
+
+/// One chunk of a repair's difference.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+enum Change {
+    /// Take the artifact's entry (key, revision).
+    Take(u8, u8),
+    /// Delete the key.
+    Delete(u8),
+}
+
+/// What a repair's last step does.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+enum Finish {
+    /// Keep the cursor; start a state-sync re-list.
+    Relist,
+    /// Commit the artifact's cursor.
+    Restore(u8),
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+enum Phase {
+    /// Not running: the next step is a start (reads retention, then resumes or repairs).
+    Starting,
+    /// A watch: `recv` is the last revision it passed, `queue` a state-sync re-list's initial
+    /// values still to deliver.
+    Watching { recv: u8, queue: Vec<u8> },
+    /// The watch ended with `CursorExpired`: drain, then plan.
+    Expired,
+    /// A key-listing repair is planned.
+    RelistDiff,
+    /// A restore from this artifact is planned.
+    RestoreDiff(Artifact),
+    /// The difference, applied one chunk at a time under the old cursor.
+    Applying {
+        pending: Vec<Change>,
+        finish: Finish,
+        cursor_moved: bool,
+    },
+    /// The fold stopped (a refused repair); a restart runs it again.
+    Stopped,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq)]
+struct State {
+    /// The bucket's log.
+    log: Vec<Op>,
+    /// The first retained revision.
+    first: u8,
+    /// Retention evicts current values.
+    evicting: bool,
+    /// The published artifact.
+    artifact: Option<Artifact>,
+    /// The durable fold: each key's revision.
+    applied: [Option<u8>; KEYS as usize],
+    /// The durable cursor.
+    cursor: Option<u8>,
+    /// The durable eviction memo.
+    memo: bool,
+    phase: Phase,
+    /// Delivered, not yet committed (in memory).
+    batch: Vec<u8>,
+    crashes: u8,
+    edits: u8,
+    /// Axiom bookkeeping: an evicting advance the fold has not read retention since.
+    unread_eviction: bool,
+    /// What the properties look at.
+    cursor_regressed: bool,
+    moved_backward: bool,
+    phantom_delete: bool,
+    repaired: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum Action {
+    Write { key: u8, put: bool },
+    Evict,
+    SetEvicting(bool),
+    Publish(Artifact),
+    Start,
+    Deliver,
+    Flush,
+    ReadRetention,
+    Plan,
+    Diff,
+    ApplyChunk,
+    CommitCursorEarly,
+    Finish,
+    Crash,
+}
+
+/// The latest message of `key` among the first `upto`: its revision and whether it is a put.
+fn latest(log: &[Op], upto: usize, key: u8) -> Option<(u8, bool)> {
+    log[..upto]
+        .iter()
+        .enumerate()
+        .rev()
+        .find(|(_, o)| o.key == key)
+        .map(|(i, o)| (i as u8 + 1, o.put))
+}
+
+/// The truth after the first `upto` messages: the key's latest put, unless deleted since.
+fn truth_at(log: &[Op], upto: usize, key: u8) -> Option<u8> {
+    latest(log, upto, key).and_then(|(rev, put)| put.then_some(rev))
+}
+
+/// Whether revision `rev` was superseded by a later message of its key.
+fn superseded(log: &[Op], rev: u8) -> bool {
+    let key = log[rev as usize - 1].key;
+    log[rev as usize..].iter().any(|o| o.key == key)
+}
+
+impl State {
+    fn len(&self) -> u8 {
+        self.log.len() as u8
+    }
+
+    fn retention(&self) -> Retention {
+        Retention {
+            evicts_current_values: self.evicting,
+            first_revision: u64::from(self.first),
+        }
+    }
+
+    /// The bucket's live listing has `key`: its latest message is a retained put.
+    fn listed(&self, key: u8) -> bool {
+        matches!(latest(&self.log, self.log.len(), key), Some((rev, true)) if rev >= self.first)
+    }
+
+    fn truth(&self) -> [Option<u8>; KEYS as usize] {
+        [0, 1].map(|k| truth_at(&self.log, self.log.len(), k))
+    }
+
+    /// Watching, everything in the log delivered and committed.
+    fn level(&self) -> bool {
+        self.batch.is_empty()
+            && matches!(&self.phase, Phase::Watching { recv, queue } if queue.is_empty() && *recv == self.len())
+    }
+
+    /// A state-sync re-list's initial values: each key's latest retained message, in log order.
+    fn state_sync(&self) -> Vec<u8> {
+        let mut q: Vec<u8> = (0..KEYS)
+            .filter_map(|k| latest(&self.log, self.log.len(), k).map(|(rev, _)| rev))
+            .filter(|rev| *rev >= self.first)
+            .collect();
+        q.sort_unstable();
+        q
+    }
+
+    /// From a key-listing repair's plan until its re-list is level.
+    fn in_relist_window(&self) -> bool {
+        match &self.phase {
+            Phase::RelistDiff => true,
+            Phase::Applying { finish, .. } => *finish == Finish::Relist,
+            Phase::Watching { queue, .. } => !queue.is_empty(),
+            _ => false,
+        }
+    }
+
+    fn put(&mut self, key: u8, rev: u8) {
+        if self.applied[key as usize].is_some_and(|l| l > rev) {
+            self.moved_backward = true;
+        }
+        self.applied[key as usize] = Some(rev);
+    }
+
+    fn delete(&mut self, key: u8) {
+        if let Some(l) = self.applied[key as usize] {
+            let real = self.log[l as usize..]
+                .iter()
+                .any(|o| o.key == key && !o.put);
+            if !real {
+                self.phantom_delete = true;
+            }
+        }
+        self.applied[key as usize] = None;
+    }
+
+    fn apply_message(&mut self, rev: u8) {
+        let op = self.log[rev as usize - 1];
+        if op.put {
+            self.put(op.key, rev);
+        } else {
+            self.delete(op.key);
+        }
+    }
+
+    fn move_cursor(&mut self, to: Option<u8>) {
+        if to < self.cursor {
+            self.cursor_regressed = true;
+        }
+        self.cursor = to;
+    }
+
+    /// Production's `note_retention`: the memo is committed the first time a read of retention
+    /// shows it has evicted.
+    fn note_retention(&mut self) {
+        if protocol::retention_has_evicted(self.retention()) && !self.memo {
+            self.memo = true;
+        }
+        self.unread_eviction = false;
+    }
+}
+
+struct RepairModel {
+    mutation: Mutation,
+}
+
+impl RepairModel {
+    /// A start (the first, or a restart after a crash): retention is read (the memo), then a fold
+    /// with a cursor resumes or finds it expired, and a cursor-less one repairs first when
+    /// [`protocol::cursorless_start_needs_repair`] says so, else starts a state-sync re-list.
+    fn start(&self, n: &mut State) {
+        n.note_retention();
+        n.phase = match n.cursor {
+            None => {
+                let has_data = n.applied.iter().any(Option::is_some);
+                if protocol::cursorless_start_needs_repair(MODE, has_data, self.listing_truth(n)) {
+                    Phase::Expired
+                } else {
+                    Phase::Watching {
+                        recv: n.len(),
+                        queue: n.state_sync(),
+                    }
+                }
+            }
+            Some(c) if protocol::resume_window_ok(c.into(), n.first.into()) => Phase::Watching {
+                recv: c,
+                queue: Vec::new(),
+            },
+            Some(_) => Phase::Expired,
+        };
+    }
+
+    /// Whether the listing is the truth, as the fold decides it (the memo consulted).
+    fn listing_truth(&self, s: &State) -> Option<bool> {
+        match self.mutation {
+            Mutation::RelistOnEvictingBucket => Some(true),
+            Mutation::NoEvictionMemo => protocol::listing_truth(Some(s.retention()), false),
+            _ => protocol::listing_truth(Some(s.retention()), s.memo),
+        }
+    }
+
+    /// The artifacts another node may publish now: at any cursor, every key not written after it
+    /// exact, every other key absent or at any of its earlier values.
+    fn artifacts(s: &State, actions: &mut Vec<Action>) {
+        for cursor in 1..=s.len() {
+            let upto = cursor as usize;
+            let options = |key: u8| -> Vec<Option<u8>> {
+                let mut o = vec![truth_at(&s.log, upto, key)];
+                if s.log[upto..].iter().any(|op| op.key == key) {
+                    o.push(None);
+                    for (i, op) in s.log[..upto].iter().enumerate() {
+                        if op.key == key && op.put {
+                            o.push(Some(i as u8 + 1));
+                        }
+                    }
+                }
+                o.sort_unstable();
+                o.dedup();
+                o
+            };
+            for a in options(0) {
+                for b in options(1) {
+                    actions.push(Action::Publish(Artifact {
+                        cursor,
+                        entries: [a, b],
+                    }));
+                }
+            }
+        }
+    }
+}
+
+impl Model for RepairModel {
+    type State = State;
+    type Action = Action;
+
+    fn init_states(&self) -> Vec<State> {
+        vec![State {
+            log: Vec::new(),
+            first: 1,
+            evicting: false,
+            artifact: None,
+            applied: [None; KEYS as usize],
+            cursor: None,
+            memo: false,
+            phase: Phase::Starting,
+            batch: Vec::new(),
+            crashes: 0,
+            edits: 0,
+            unread_eviction: false,
+            cursor_regressed: false,
+            moved_backward: false,
+            phantom_delete: false,
+            repaired: false,
+        }]
+    }
+
+    fn actions(&self, s: &State, actions: &mut Vec<Action>) {
+        // The environment.
+        if s.log.len() < MAX_OPS {
+            for key in 0..KEYS {
+                actions.push(Action::Write { key, put: true });
+                if s.truth()[key as usize].is_some() {
+                    actions.push(Action::Write { key, put: false });
+                }
+            }
+        }
+        if s.first <= s.len() && (superseded(&s.log, s.first) || (s.evicting && !s.in_relist_window()))
+        {
+            actions.push(Action::Evict);
+        }
+        if s.edits < MAX_RETENTION_EDITS && (!s.evicting || !s.unread_eviction) {
+            actions.push(Action::SetEvicting(!s.evicting));
+        }
+        if s.artifact.is_none() {
+            Self::artifacts(s, actions);
+        }
+        // The fold.
+        if s.crashes < MAX_CRASHES && s.phase != Phase::Starting {
+            actions.push(Action::Crash);
+        }
+        let settled = s.batch.is_empty();
+        match &s.phase {
+            Phase::Starting => actions.push(Action::Start),
+            Phase::Watching { recv, queue } => {
+                if !queue.is_empty() || *recv < s.len() {
+                    actions.push(Action::Deliver);
+                }
+                if settled && s.unread_eviction {
+                    actions.push(Action::ReadRetention);
+                }
+            }
+            Phase::Expired if settled => actions.push(Action::Plan),
+            Phase::RelistDiff | Phase::RestoreDiff(_) => actions.push(Action::Diff),
+            Phase::Applying {
+                pending,
+                finish,
+                cursor_moved,
+            } => {
+                if pending.is_empty() {
+                    actions.push(Action::Finish);
+                } else {
+                    actions.push(Action::ApplyChunk);
+                }
+                if self.mutation == Mutation::CursorBeforeLastChunk
+                    && matches!(finish, Finish::Restore(_))
+                    && pending.len() == 1
+                    && !cursor_moved
+                {
+                    actions.push(Action::CommitCursorEarly);
+                }
+            }
+            Phase::Expired | Phase::Stopped => {}
+        }
+        if !settled && matches!(s.phase, Phase::Watching { .. } | Phase::Expired) {
+            actions.push(Action::Flush);
+        }
+    }
+
+    fn next_state(&self, s: &State, action: Action) -> Option<State> {
+        let mut n = s.clone();
+        match action {
+            Action::Write { key, put } => n.log.push(Op { key, put }),
+            Action::Evict => {
+                n.first += 1;
+                if n.evicting {
+                    n.unread_eviction = true;
+                }
+            }
+            Action::SetEvicting(on) => {
+                n.evicting = on;
+                n.edits += 1;
+                if on {
+                    n.unread_eviction = true;
+                }
+            }
+            Action::Publish(a) => n.artifact = Some(a),
+            Action::Crash => {
+                // Everything in memory is lost; the restart starts the fold again.
+                n.crashes += 1;
+                n.batch.clear();
+                self.start(&mut n);
+            }
+            Action::Start => self.start(&mut n),
+            Action::Deliver => {
+                let Phase::Watching { recv, queue } = &mut n.phase else {
+                    return None;
+                };
+                if !queue.is_empty() {
+                    let rev = queue.remove(0);
+                    if rev >= n.first {
+                        n.batch.push(rev);
+                    }
+                } else {
+                    let mut next = *recv + 1;
+                    if next < n.first {
+                        // A delivery gap: the floor guard decides.
+                        if protocol::floor_guard_trips(n.evicting, (*recv).into(), n.first.into())
+                        {
+                            n.phase = Phase::Expired;
+                            return Some(n);
+                        }
+                        next = n.first;
+                    }
+                    *recv = next;
+                    n.batch.push(next);
+                }
+            }
+            Action::Flush => {
+                let batch = std::mem::take(&mut n.batch);
+                for rev in &batch {
+                    n.apply_message(*rev);
+                }
+                let high = batch.iter().copied().max().map(u64::from);
+                let to = protocol::commit_cursor(n.cursor.map(u64::from), high);
+                n.move_cursor(to.map(|c| c as u8));
+            }
+            Action::ReadRetention => {
+                // The retention tick (the memo) and the floor guard's probe.
+                n.note_retention();
+                if let Phase::Watching { recv, queue } = &n.phase
+                    && queue.is_empty()
+                    && protocol::floor_guard_trips(n.evicting, (*recv).into(), n.first.into())
+                {
+                    n.phase = Phase::Expired;
+                }
+            }
+            Action::Plan => {
+                n.note_retention();
+                n.phase = match protocol::plan_repair(MODE, self.listing_truth(&n)) {
+                    RepairPlan::Relist => Phase::RelistDiff,
+                    RepairPlan::Restore => match n.artifact {
+                        Some(a)
+                            if self.mutation == Mutation::RestoreNotAhead
+                                || protocol::restore_allowed(
+                                    a.cursor.into(),
+                                    n.cursor.map(u64::from),
+                                    n.first.into(),
+                                ) =>
+                        {
+                            Phase::RestoreDiff(a)
+                        }
+                        _ => Phase::Stopped,
+                    },
+                    RepairPlan::None | RepairPlan::RefuseRelist => Phase::Stopped,
+                };
+            }
+            Action::Diff => {
+                n.phase = match s.phase {
+                    Phase::RelistDiff => Phase::Applying {
+                        pending: (0..KEYS)
+                            .filter(|&k| n.applied[k as usize].is_some() && !n.listed(k))
+                            .map(Change::Delete)
+                            .collect(),
+                        finish: Finish::Relist,
+                        cursor_moved: false,
+                    },
+                    Phase::RestoreDiff(a) => match self.restore_diff(&n, a) {
+                        Some(pending) => Phase::Applying {
+                            pending,
+                            finish: Finish::Restore(a.cursor),
+                            cursor_moved: false,
+                        },
+                        None => Phase::Stopped,
+                    },
+                    _ => return None,
+                };
+            }
+            Action::ApplyChunk => {
+                let Phase::Applying { pending, .. } = &mut n.phase else {
+                    return None;
+                };
+                match pending.remove(0) {
+                    Change::Take(key, rev) => n.put(key, rev),
+                    Change::Delete(key) => n.delete(key),
+                }
+            }
+            Action::CommitCursorEarly => {
+                let Phase::Applying {
+                    finish: Finish::Restore(c),
+                    cursor_moved,
+                    ..
+                } = &mut n.phase
+                else {
+                    return None;
+                };
+                *cursor_moved = true;
+                let c = *c;
+                n.move_cursor(Some(c));
+            }
+            Action::Finish => {
+                let Phase::Applying { finish, .. } = n.phase else {
+                    return None;
+                };
+                n.repaired = true;
+                n.phase = match finish {
+                    Finish::Relist => Phase::Watching {
+                        recv: n.len(),
+                        queue: n.state_sync(),
+                    },
+                    Finish::Restore(c) => {
+                        n.move_cursor(Some(c));
+                        if protocol::resume_window_ok(c.into(), n.first.into()) {
+                            Phase::Watching {
+                                recv: c,
+                                queue: Vec::new(),
+                            }
+                        } else {
+                            Phase::Expired
+                        }
+                    }
+                };
+            }
+        }
+        Some(n)
+    }
+
+    fn properties(&self) -> Vec<Property<Self>> {
+        vec![
+            Property::always("the cursor is monotone", |_, s: &State| {
+                !s.cursor_regressed
+            }),
+            Property::always("no key moves backward", |_, s: &State| !s.moved_backward),
+            Property::always("no phantom delete", |_, s: &State| !s.phantom_delete),
+            Property::always("a level fold is the truth", |_, s: &State| {
+                !s.level() || s.applied == s.truth()
+            }),
+            Property::sometimes(
+                "a repair completes and the fold converges",
+                |_, s: &State| s.repaired && s.level() && s.applied == s.truth(),
+            ),
+        ]
+    }
+}
+
+impl RepairModel {
+    /// The restore's diff: `restore_key` per key, then the delete candidates checked against the
+    /// live listing and retention read again (`None`: the restore is refused).
+    fn restore_diff(&self, s: &State, a: Artifact) -> Option<Vec<Change>> {
+        let mut pending = Vec::new();
+        let mut candidates = Vec::new();
+        for key in 0..KEYS {
+            let local = s.applied[key as usize];
+            let art = a.entries[key as usize];
+            let identical = local.is_some() && local == art;
+            let local = match self.mutation {
+                Mutation::RestoreKeyBackward => local.map(|_| 0),
+                _ => local.map(u64::from),
+            };
+            match (
+                protocol::restore_key(local, art.map(u64::from), identical, false),
+                art,
+            ) {
+                (KeyRestore::Take, Some(rev)) => pending.push(Change::Take(key, rev)),
+                (KeyRestore::Delete, _) => candidates.push(key),
+                _ => {}
+            }
+        }
+        if !candidates.is_empty() {
+            for key in candidates {
+                let live = s.listed(key) && self.mutation != Mutation::PhantomDelete;
+                if protocol::restore_key(Some(1), None, false, live) == KeyRestore::Delete {
+                    pending.push(Change::Delete(key));
+                }
+            }
+            if !protocol::resume_window_ok(a.cursor.into(), s.first.into()) {
+                return None;
+            }
+        }
+        Some(pending)
+    }
+}
+
+fn check(mutation: Mutation) -> impl Checker<RepairModel> {
+    RepairModel { mutation }.checker().spawn_bfs().join()
+}
+
+#[test]
+fn a_level_fold_is_the_truth_and_no_repair_regresses_moves_backward_or_deletes_a_live_key() {
+    let c = check(Mutation::None);
+    for property in [
+        "the cursor is monotone",
+        "no key moves backward",
+        "no phantom delete",
+        "a level fold is the truth",
+    ] {
+        c.assert_no_discovery(property);
+    }
+    assert!(
+        c.discovery("a repair completes and the fold converges")
+            .is_some(),
+        "the model can repair and converge"
+    );
+    assert!(
+        c.unique_state_count() > 10_000,
+        "{} states",
+        c.unique_state_count()
+    );
+}
+
+#[test]
+fn each_mutation_of_the_repair_has_a_counterexample() {
+    for (mutation, property) in [
+        (Mutation::NoEvictionMemo, "no phantom delete"),
+        (Mutation::RelistOnEvictingBucket, "no phantom delete"),
+        (Mutation::RestoreKeyBackward, "no key moves backward"),
+        (Mutation::PhantomDelete, "no phantom delete"),
+        (Mutation::CursorBeforeLastChunk, "a level fold is the truth"),
+        (Mutation::RestoreNotAhead, "the cursor is monotone"),
+    ] {
+        let c = check(mutation);
+        let path = c
+            .discovery(property)
+            .unwrap_or_else(|| panic!("{mutation:?} found no counterexample to {property:?}"));
+        let steps: Vec<Action> = path.into_actions();
+        assert!(!steps.is_empty(), "{mutation:?}");
+    }
+}
+
+#[test]
+fn zz_stats() {
+    for m in [
+        Mutation::None,
+        Mutation::NoEvictionMemo,
+        Mutation::RelistOnEvictingBucket,
+        Mutation::RestoreKeyBackward,
+        Mutation::PhantomDelete,
+        Mutation::CursorBeforeLastChunk,
+        Mutation::RestoreNotAhead,
+    ] {
+        let t = std::time::Instant::now();
+        let c = check(m);
+        eprintln!("{m:?}: {} states in {:?}", c.unique_state_count(), t.elapsed());
+        for p in ["the cursor is monotone", "no key moves backward", "no phantom delete", "a level fold is the truth", "a repair completes and the fold converges"] {
+            if let Some(path) = c.discovery(p) {
+                eprintln!("  {p}: {:?}", path.into_actions());
+            }
+        }
+    }
+}

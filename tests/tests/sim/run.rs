@@ -1,0 +1,704 @@
+//! One seeded run: a scenario's lives, each the real `watch_applied` over the simulated bucket
+//! with faults armed, a driver that writes, evicts, opens delivery gaps, publishes a peer's
+//! artifacts, swaps the guest and exports mid-run, and the checks after every step.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use bytes::Bytes;
+use foldhost::applied::{
+    Apply, ApplyError, BatchConfig, Control, FoldStatus, WatchOptions, watch_applied,
+};
+use foldhost::artifact;
+use foldhost::guest::{GuestApply, GuestEngine, GuestLimits};
+use foldhost::kv::{KvReader, KvWatcher, WatchScope};
+use foldhost::protocol::RepairMode;
+use foldhost::repair::{RepairConfig, RestoreSource};
+use foldhost::snapshot::SnapshotStore;
+use foldhost::storedir::{AnyStore, Backend};
+use foldhost::testkit::{SimBucket, SimConfig};
+use foldhost::view::{FoldRead, SharedStore};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::faults::{FaultStore, Harnessed, NativeMap, StoreFault, StoreWatch, Violations, contents};
+use crate::world::{GuestKind, KEYS, Op, Rng, Scenario, Truth};
+
+/// Longest (virtual) time a wait for the fold may take before the run is declared stuck.
+const STUCK: Duration = Duration::from_secs(300);
+
+/// The components the Wasm scenarios run: `kvstore` and its next version.
+struct Components {
+    engine: Arc<GuestEngine>,
+    v1: Vec<u8>,
+    v2: Vec<u8>,
+}
+
+fn components() -> &'static Components {
+    static C: OnceLock<Components> = OnceLock::new();
+    C.get_or_init(|| {
+        let read = |name: &str| {
+            std::fs::read(foldhost_tests::guest_wasm(name)).expect("read a guest component")
+        };
+        Components {
+            engine: GuestEngine::new().expect("a guest engine"),
+            v1: read("kvstore"),
+            v2: read("kvstore_v2"),
+        }
+    })
+}
+
+/// How a life ended.
+#[derive(Debug, PartialEq, Eq)]
+enum LifeEnd {
+    /// Every round ran and the fold was stopped (cleanly, or killed).
+    Done,
+    /// A crash fault fired.
+    Crashed,
+}
+
+/// What a run found wrong, with the trace that led there.
+#[derive(Debug)]
+pub struct Failure {
+    pub seed: u64,
+    pub what: String,
+    pub trace: Vec<String>,
+}
+
+/// The outcome of a passing run, for coverage and replay checks.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    pub trace: Vec<String>,
+    pub repairs: u64,
+    pub crashes: u32,
+    pub torn: u32,
+    pub swaps: u32,
+    pub exports: u32,
+}
+
+/// A run in progress.
+pub struct Sim {
+    sc: Scenario,
+    rng: Rng,
+    bucket: SimBucket,
+    truth: Arc<Mutex<Truth>>,
+    _tmp: tempfile::TempDir,
+    root: PathBuf,
+    peer_dir: PathBuf,
+    peer_cursor: u64,
+    exports: Vec<(PathBuf, u64)>,
+    /// Per store directory, the cursor of the last commit known durable: a reopened store holds
+    /// at least this.
+    durable: BTreeMap<PathBuf, u64>,
+    violations: Violations,
+    trace: Vec<String>,
+    counter: u64,
+    /// The component the Wasm guest runs now (`false`: v1, `true`: v2).
+    on_v2: bool,
+    out: Outcome,
+}
+
+type Res<T> = Result<T, String>;
+
+impl Sim {
+    pub fn new(sc: Scenario) -> Self {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let root = tmp.path().to_path_buf();
+        let peer_dir = root.join("peer");
+        std::fs::create_dir_all(&peer_dir).expect("peer dir");
+        std::fs::create_dir_all(root.join("exports")).expect("exports dir");
+        let bucket = SimBucket::with_config(SimConfig {
+            history: 1,
+            evicts_current_values: sc.evicting,
+            ..SimConfig::default()
+        });
+        Sim {
+            rng: Rng::new(sc.seed),
+            sc,
+            bucket,
+            truth: Arc::new(Mutex::new(Truth::default())),
+            _tmp: tmp,
+            root,
+            peer_dir,
+            peer_cursor: 0,
+            exports: Vec::new(),
+            durable: BTreeMap::new(),
+            violations: Arc::new(Mutex::new(Vec::new())),
+            trace: Vec::new(),
+            counter: 0,
+            on_v2: false,
+            out: Outcome::default(),
+        }
+    }
+
+    fn note(&mut self, s: String) {
+        self.trace.push(s);
+    }
+
+    fn fail(&self, what: String) -> Failure {
+        Failure {
+            seed: self.sc.seed,
+            what,
+            trace: self.trace.clone(),
+        }
+    }
+
+    /// Runs the whole scenario and its checks.
+    pub async fn run(mut self) -> Result<Outcome, Failure> {
+        self.note(format!("{:?}", self.sc));
+        let store_dir = self.root.join("fold");
+        for life in 0..self.sc.lives {
+            // While the node is down the bucket goes on.
+            self.offline_writes(life);
+            let guest = self.sc.guest;
+            if let Err(e) = self.life(&store_dir, guest, true, self.sc.rounds).await {
+                return Err(self.fail(e));
+            }
+        }
+        // A last life without faults: the fold must reach the truth and stop cleanly.
+        self.offline_writes(self.sc.lives);
+        let guest = self.sc.guest;
+        if let Err(e) = self.life(&store_dir, guest, false, 1).await {
+            return Err(self.fail(format!("final life: {e}")));
+        }
+        // Every mid-run export resumes to the truth.
+        let exports = std::mem::take(&mut self.exports);
+        for (i, (artifact_dir, cursor)) in exports.iter().enumerate() {
+            let dest = self.root.join(format!("from-export-{i}"));
+            if let Err(e) =
+                artifact::import_artifact(artifact_dir, &dest, Some(self.sc.backend), &mut |_, _| {})
+            {
+                return Err(self.fail(format!("import of export {i} at {cursor}: {e}")));
+            }
+            self.note(format!("resume export {i} (cursor {cursor})"));
+            if let Err(e) = self.life(&dest, GuestKind::Native, false, 0).await {
+                return Err(self.fail(format!("export {i} at cursor {cursor}: {e}")));
+            }
+        }
+        let v = self.violations.lock().map(|v| v.clone()).unwrap_or_default();
+        if let Some(first) = v.first() {
+            return Err(self.fail(first.clone()));
+        }
+        self.out.trace = std::mem::take(&mut self.trace);
+        Ok(self.out)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // The bucket side.
+    // -----------------------------------------------------------------------------------------
+
+    /// One random write, recorded in the truth.
+    fn write_one(&mut self) {
+        let key = self.rng.pick(&KEYS);
+        let roll = self.rng.below(100);
+        self.counter += 1;
+        let (seq, op) = if roll < 70 {
+            let value = Bytes::from(format!("{key}={}", self.counter));
+            (self.bucket.put_now(key, value.clone()), Op::Put(value))
+        } else if roll < 90 {
+            (self.bucket.delete_now(key), Op::Delete)
+        } else {
+            (self.bucket.purge_now(key), Op::Purge)
+        };
+        self.truth.lock().expect("truth").record(seq, key, op);
+    }
+
+    fn writes(&mut self, n: u64) {
+        for _ in 0..n {
+            self.write_one();
+        }
+        // On an evicting bucket with one message per key, overwrites alone can move the first
+        // sequence past a fold's frontier; the simulated server keeps no message times, so the
+        // guard cannot tell that from eviction and a restore must be possible: a peer in the fleet
+        // always holds the head (the scenarios never lose a write no fold anywhere holds).
+        if self.sc.evicting {
+            self.publish_peer();
+        }
+    }
+
+    /// A correct peer publishes its artifact at the bucket's last sequence.
+    fn publish_peer(&mut self) {
+        let cursor = self.bucket.last_sequence();
+        if cursor <= self.peer_cursor {
+            return;
+        }
+        let store_dir = self.root.join(format!("peer-store-{cursor}"));
+        let store = self
+            .truth
+            .lock()
+            .expect("truth")
+            .write_store(&store_dir, self.sc.backend, cursor);
+        let out = self.peer_dir.join(format!("peer-{cursor:08}"));
+        artifact::export_store(
+            &store,
+            self.sc.backend,
+            &out,
+            Some(WatchScope::All.to_string()),
+            &mut |_, _| {},
+        )
+        .expect("export the peer's artifact");
+        drop(store);
+        let _ = std::fs::remove_dir_all(&store_dir);
+        self.peer_cursor = cursor;
+        self.note(format!("peer artifact at {cursor}"));
+    }
+
+    /// On an evicting bucket, evicts up to the peer's artifact (so a restore is always possible:
+    /// the scenarios never lose a write no fold anywhere holds).
+    fn maybe_evict(&mut self) {
+        if !self.sc.evicting || !self.rng.chance(60) {
+            return;
+        }
+        let first = self.bucket.first_sequence();
+        if self.peer_cursor < first {
+            return;
+        }
+        let through = first + self.rng.below(self.peer_cursor - first + 1);
+        let n = self.bucket.evict_through(through);
+        self.note(format!("evict through {through} ({n} messages)"));
+    }
+
+    fn offline_writes(&mut self, life: u32) {
+        let n = self.rng.below(12);
+        self.writes(n);
+        if self.rng.chance(50) {
+            self.publish_peer();
+        }
+        self.maybe_evict();
+        self.note(format!(
+            "down before life {life}: {n} writes, log {}..={}",
+            self.bucket.first_sequence(),
+            self.bucket.last_sequence()
+        ));
+    }
+
+    /// The last sequence still in the log that is in scope (0: none).
+    fn last_in_scope(&self) -> u64 {
+        self.bucket
+            .messages()
+            .iter()
+            .filter(|m| self.sc.scope.contains(&m.key))
+            .map(|m| m.sequence)
+            .max()
+            .unwrap_or(0)
+    }
+
+    // -----------------------------------------------------------------------------------------
+    // A life of the node.
+    // -----------------------------------------------------------------------------------------
+
+    fn plan_store_faults(&mut self) -> BTreeMap<u32, StoreFault> {
+        let mut plan = BTreeMap::new();
+        for call in 1..=40 {
+            if self.rng.chance(6) {
+                plan.insert(call, StoreFault::Fail);
+            }
+        }
+        if self.rng.chance(70) {
+            let call = 1 + self.rng.below(30) as u32;
+            let mut kinds = vec![StoreFault::CrashBefore, StoreFault::CrashAfter];
+            if self.sc.backend == Backend::AppendLog {
+                kinds.push(StoreFault::Torn);
+            }
+            plan.insert(call, self.rng.pick(&kinds));
+        }
+        plan
+    }
+
+    /// Opens the store, checking it recovered at least the last durable cursor.
+    fn open(&mut self, dir: &Path) -> Res<AnyStore> {
+        let (store, _) =
+            AnyStore::open(dir, self.sc.backend).map_err(|e| format!("reopen the store: {e}"))?;
+        let at = store.cursor().revision_or_zero();
+        let durable = self.durable.get(dir).copied().unwrap_or(0);
+        if at < durable {
+            return Err(format!(
+                "the store reopened at cursor {at}, below its last durable commit {durable}"
+            ));
+        }
+        Ok(store)
+    }
+
+    async fn applier(
+        &mut self,
+        kind: GuestKind,
+        fold: Arc<dyn FoldRead>,
+    ) -> Res<Box<dyn Apply>> {
+        Ok(match kind {
+            GuestKind::Native => Box::new(NativeMap::new(fold)),
+            GuestKind::Wasm => {
+                let c = components();
+                let bytes = if self.on_v2 { &c.v2 } else { &c.v1 };
+                let mut g = GuestApply::load(
+                    &c.engine,
+                    "kvstore.wasm",
+                    bytes,
+                    GuestLimits::default(),
+                    Vec::new(),
+                    fold,
+                )
+                .await
+                .map_err(|e| format!("load the guest: {e}"))?;
+                g.hydrate().await.map_err(|e| format!("hydrate: {e}"))?;
+                Box::new(g)
+            }
+        })
+    }
+
+    /// One life: open, fold with `rounds` rounds of writes (faults armed when `faults`), check, stop.
+    async fn life(&mut self, dir: &Path, kind: GuestKind, faults: bool, rounds: u32) -> Res<()> {
+        let inner = self.open(dir)?;
+        let plan = if faults {
+            self.plan_store_faults()
+        } else {
+            BTreeMap::new()
+        };
+        let fail_calls: Vec<u32> = if faults && self.rng.chance(40) {
+            vec![1 + self.rng.below(12) as u32]
+        } else {
+            Vec::new()
+        };
+        self.note(format!(
+            "life: cursor {}, store faults {plan:?}, guest errors at {fail_calls:?}",
+            inner.cursor().revision_or_zero()
+        ));
+        let watch = Arc::new(StoreWatch::default());
+        let shared = SharedStore::new(FaultStore {
+            inner,
+            dir: dir.to_path_buf(),
+            plan,
+            watch: watch.clone(),
+        });
+        let fold_view: Arc<dyn FoldRead> = Arc::new(shared.clone());
+        let applier = self.applier(kind, fold_view).await?;
+        let mut apply = Harnessed {
+            inner: applier,
+            store: shared.clone(),
+            truth: self.truth.clone(),
+            violations: self.violations.clone(),
+            fail_calls,
+            calls: Arc::new(AtomicU32::new(0)),
+        };
+        let opts = WatchOptions {
+            scope: self.sc.scope.clone(),
+            batch: BatchConfig {
+                window: Duration::from_millis(5),
+                max: self.sc.batch_max,
+                ..BatchConfig::default()
+            },
+            catch_up: false,
+            defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
+            repair: RepairConfig {
+                mode: RepairMode::Auto,
+                restore_from: Some(RestoreSource::new(&self.peer_dir)),
+                lister: Some(Arc::new(self.bucket.clone()) as Arc<dyn KvReader>),
+                scratch: Some(self.root.join("scratch")),
+                ..RepairConfig::default()
+            },
+        };
+        let status = Arc::new(FoldStatus::default());
+        let (ctl_tx, ctl_rx) = mpsc::channel(4);
+        let (stop_tx, stop_rx) = oneshot::channel::<()>();
+        let watcher: Arc<dyn KvWatcher> = Arc::new(self.bucket.clone());
+        let mut fold = Box::pin(watch_applied(
+            watcher,
+            shared.clone(),
+            &mut apply,
+            opts,
+            status.clone(),
+            Some(ctl_rx),
+            async move {
+                let _ = stop_rx.await;
+            },
+        ));
+        let ended = {
+            let started = self.bucket.watches_started();
+            let driver = self.drive(&shared, &watch, &ctl_tx, kind, rounds, started);
+            tokio::pin!(driver);
+            tokio::select! {
+                r = &mut fold => Err(match r {
+                    Ok(f) => format!("the fold ended by itself at {:?}", f.cursor),
+                    Err(_) if watch.crashed.load(Ordering::SeqCst) => String::new(),
+                    Err(e) => format!("the fold stopped: {e}"),
+                }),
+                d = &mut driver => Ok(d),
+            }
+        };
+        let end = match ended {
+            Ok(Ok(end)) => end,
+            Ok(Err(e)) => return Err(e),
+            Err(e) if e.is_empty() => LifeEnd::Crashed,
+            Err(e) => return Err(e),
+        };
+        self.out.repairs += status.repairs.load(Ordering::Relaxed);
+        if end == LifeEnd::Done && !watch.crashed.load(Ordering::SeqCst) {
+            // A clean stop (or a kill: dropping the fold mid-flight is a crash between commits).
+            if self.rng.chance(50) {
+                let _ = stop_tx.send(());
+                match (&mut fold).await {
+                    Ok(f) => self.note(format!("stopped at {:?}", f.cursor)),
+                    Err(e) => return Err(format!("a clean stop failed: {e}")),
+                }
+            } else {
+                self.note("killed".into());
+            }
+        }
+        drop(fold);
+        drop(apply);
+        // The committed cursors of this life never move backward.
+        let committed = watch.committed.lock().map(|c| c.clone()).unwrap_or_default();
+        if let Some(w) = committed.windows(2).find(|w| w[1] < w[0]) {
+            return Err(format!("the cursor moved backward: {} then {}", w[0], w[1]));
+        }
+        let torn = watch.torn.lock().ok().and_then(|t| *t);
+        let durable_now = match torn {
+            // The torn commit is not durable: the one before it is.
+            Some(_) => committed.iter().rev().nth(1).copied(),
+            None => committed.last().copied(),
+        };
+        if let Some(d) = durable_now {
+            let e = self.durable.entry(dir.to_path_buf()).or_insert(0);
+            *e = (*e).max(d);
+        }
+        if end == LifeEnd::Crashed {
+            self.out.crashes += 1;
+        }
+        // The store closes with its last handle (a crash drops it without a clean close). A
+        // commit the dropped fold handed to a blocking thread may still hold one: wait for it.
+        let mut shared = shared;
+        let mut waits = 0;
+        loop {
+            match shared.into_inner() {
+                Ok(store) => {
+                    drop(store);
+                    break;
+                }
+                Err(back) if waits < 1000 => {
+                    shared = back;
+                    waits += 1;
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                Err(_) => return Err("the store is still shared after the fold ended".into()),
+            }
+        }
+        if let Some((before, after)) = torn {
+            let cut = before + self.rng.below(after - before);
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(crate::faults::log_file(dir))
+                .map_err(|e| format!("open the log to tear it: {e}"))?;
+            f.set_len(cut).map_err(|e| format!("tear the log: {e}"))?;
+            self.out.torn += 1;
+            self.note(format!("torn the last commit: log cut to {cut} of {after} bytes"));
+        }
+        Ok(())
+    }
+
+    /// The driver of one life: rounds of writes with the fold running, each waited on until the
+    /// fold holds the truth; then the guest is checked against a fresh one hydrated from the fold.
+    async fn drive(
+        &mut self,
+        shared: &SharedStore<FaultStore>,
+        watch: &StoreWatch,
+        ctl: &mpsc::Sender<Control>,
+        kind: GuestKind,
+        rounds: u32,
+        started: u64,
+    ) -> Res<LifeEnd> {
+        if self.wait_level(shared, watch, started).await? == LifeEnd::Crashed {
+            return Ok(LifeEnd::Crashed);
+        }
+        for round in 0..rounds {
+            let n = 1 + self.rng.below(10);
+            if self.rng.chance(30) {
+                // A delivery gap: the watch sees nothing while the bucket writes and evicts.
+                self.bucket.hold_deliveries();
+                self.writes(n);
+                if self.rng.chance(60) {
+                    self.publish_peer();
+                }
+                self.maybe_evict();
+                self.bucket.release_deliveries();
+                self.note(format!("round {round}: {n} writes in a delivery gap"));
+            } else {
+                self.writes(n);
+                if self.rng.chance(30) {
+                    self.publish_peer();
+                }
+                self.maybe_evict();
+                self.note(format!("round {round}: {n} writes"));
+            }
+            if kind == GuestKind::Wasm && !self.on_v2 && self.rng.chance(30) {
+                self.swap(ctl).await?;
+            }
+            if self.rng.chance(25) {
+                self.export(ctl).await;
+            }
+            if self.wait_level(shared, watch, started).await? == LifeEnd::Crashed {
+                return Ok(LifeEnd::Crashed);
+            }
+        }
+        self.check_guest(shared, ctl, kind).await?;
+        Ok(LifeEnd::Done)
+    }
+
+    async fn swap(&mut self, ctl: &mpsc::Sender<Control>) -> Res<()> {
+        let (tx, rx) = oneshot::channel();
+        let swap = Control::Swap {
+            bytes: components().v2.clone(),
+            what: "kvstore_v2.wasm".into(),
+            reply: tx,
+        };
+        if ctl.send(swap).await.is_err() {
+            return Ok(());
+        }
+        match rx.await {
+            Ok(Ok(r)) => {
+                self.on_v2 = true;
+                self.out.swaps += 1;
+                self.note(format!("swapped {} -> {}", r.from, r.to));
+            }
+            Ok(Err(e)) => self.note(format!("swap refused: {e}")),
+            Err(_) => self.note("swap: the fold stopped".into()),
+        }
+        Ok(())
+    }
+
+    async fn export(&mut self, ctl: &mpsc::Sender<Control>) {
+        let out = self
+            .root
+            .join("exports")
+            .join(format!("e{}", self.exports.len()));
+        match artifact::export_live(
+            ctl,
+            self.sc.backend,
+            out.clone(),
+            Some(self.sc.scope.to_string()),
+        )
+        .await
+        {
+            Ok(m) => {
+                let c = m.cursor.unwrap_or(0);
+                self.note(format!("exported at {c}"));
+                self.exports.push((out, c));
+                self.out.exports += 1;
+            }
+            Err(e) => self.note(format!("export failed: {e}")),
+        }
+    }
+
+    /// Waits until the fold holds the truth for its scope with its cursor past every message in
+    /// scope, or a crash fired.
+    async fn wait_level(
+        &mut self,
+        shared: &SharedStore<FaultStore>,
+        watch: &StoreWatch,
+        started: u64,
+    ) -> Res<LifeEnd> {
+        let start = tokio::time::Instant::now();
+        loop {
+            if watch.crashed.load(Ordering::SeqCst) {
+                return Ok(LifeEnd::Crashed);
+            }
+            let (cursor, have) = {
+                let s = shared.read().map_err(|e| e.to_string())?;
+                (s.cursor().revision_or_zero(), contents(&*s, &self.sc.scope))
+            };
+            let want = self.truth.lock().expect("truth").now(&self.sc.scope);
+            // Level: this life's fold has a watch open (so it has started, and repaired what
+            // it had to) and holds the truth for everything the log has in scope.
+            let watching = self.bucket.watches_started() > started && self.bucket.open_watches() > 0;
+            if watching && have == want && cursor >= self.last_in_scope() {
+                return Ok(LifeEnd::Done);
+            }
+            if start.elapsed() > STUCK {
+                if std::env::var("FOLDHOST_SIM_DEBUG").is_ok() {
+                    let s = shared.read().map_err(|e| e.to_string())?;
+                    eprintln!("have {have:?}\nwant {want:?}\nget a.1 {:?}\nall {:?}", s.get("a.1"), s.range(""));
+                }
+                return Err(format!(
+                    "the fold never reached the truth: cursor {cursor}, log {}..={}, {} watches open ({} started), {}",
+                    self.bucket.first_sequence(),
+                    self.bucket.last_sequence(),
+                    self.bucket.open_watches(),
+                    self.bucket.watches_started(),
+                    diff(&have, &want)
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// The running guest answers every key as a fresh instance of the same component hydrated
+    /// from the fold does, and as the truth says.
+    async fn check_guest(
+        &mut self,
+        shared: &SharedStore<FaultStore>,
+        ctl: &mpsc::Sender<Control>,
+        kind: GuestKind,
+    ) -> Res<()> {
+        let view: Arc<dyn FoldRead> = Arc::new(shared.clone());
+        let mut fresh = self.applier(kind, view).await?;
+        let want = self.truth.lock().expect("truth").now(&self.sc.scope);
+        for key in KEYS.iter().filter(|k| self.sc.scope.contains(k)) {
+            let (tx, rx) = oneshot::channel();
+            let q = Control::Query {
+                request: key.as_bytes().to_vec(),
+                reply: tx,
+            };
+            if ctl.send(q).await.is_err() {
+                return Err("query: the fold stopped".into());
+            }
+            let running = answer(rx.await.map_err(|_| "query: no reply".to_string())?)?;
+            let hydrated = answer(fresh.query(key.as_bytes()).await)?;
+            if running != hydrated {
+                return Err(format!(
+                    "the running guest answers {key} with {running:?}, a fresh one from the fold with {hydrated:?}"
+                ));
+            }
+            let expect = want.get(*key).map(|(v, _)| {
+                let mut e = if self.on_v2 && kind == GuestKind::Wasm {
+                    b"v2:".to_vec()
+                } else {
+                    Vec::new()
+                };
+                e.extend_from_slice(v);
+                e
+            });
+            if running != expect {
+                return Err(format!(
+                    "the guest answers {key} with {running:?}, the truth is {expect:?}"
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A guest's answer to a key: its value, or `None` for `missing`.
+fn answer(r: Result<Vec<u8>, ApplyError>) -> Res<Option<Vec<u8>>> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(e) if e.message.contains("missing") => Ok(None),
+        Err(e) => Err(format!("query: {e}")),
+    }
+}
+
+/// The first differences between what the fold holds and the truth.
+fn diff(have: &BTreeMap<String, (Bytes, u64)>, want: &BTreeMap<String, (Bytes, u64)>) -> String {
+    let mut out = Vec::new();
+    for (k, w) in want {
+        match have.get(k) {
+            None => out.push(format!("{k} missing (truth {w:?})")),
+            Some(h) if h != w => out.push(format!("{k} is {h:?}, truth {w:?}")),
+            _ => {}
+        }
+    }
+    for k in have.keys().filter(|k| !want.contains_key(*k)) {
+        out.push(format!("{k} present, deleted in truth"));
+    }
+    out.truncate(6);
+    out.join("; ")
+}
