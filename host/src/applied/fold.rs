@@ -676,7 +676,7 @@ impl<S: SnapshotStore> Fold<S> {
 ///
 /// The commit blocks (a write, sometimes a compaction with fsync). On a multi-threaded runtime it
 /// runs in place, handing this worker's other tasks to another thread — no thread hop per batch;
-/// elsewhere it goes to the blocking pool.
+/// on a current-thread runtime it runs inline.
 async fn commit<S: SnapshotStore>(
     store: &SharedStore<S>,
     raw: Vec<KvUpdate>,

@@ -315,8 +315,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
     /// expired. A retention that cannot be read in 5 s is retried at the next watch start, never
     /// taken as "nothing evicted": the watch ends as broken.
     async fn relist_unvouched(&mut self) -> Result<Option<KvError>, AppliedError> {
-        let r = match tokio::time::timeout(Duration::from_secs(5), self.watcher.retention()).await
-        {
+        let r = match tokio::time::timeout(Duration::from_secs(5), self.watcher.retention()).await {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => return Ok(Some(e)),
             Err(_) => {

@@ -531,6 +531,33 @@ impl SimBucket {
         })
     }
 
+    /// Removes every key whose last message is a delete or purge marker at or below `sequence`,
+    /// marker and all, as NATS KV's `purge_deletes` does with markers older than its threshold;
+    /// returns how many messages went. No watch can deliver such a delete any more: a fold that
+    /// had not seen it learns of it only from a key-listing repair.
+    pub fn purge_deletes_through(&self, sequence: u64) -> usize {
+        self.change(|st| {
+            let doomed: Vec<u64> = st
+                .by_key
+                .values()
+                .filter(|seqs| {
+                    seqs.last().is_some_and(|last| {
+                        *last <= sequence
+                            && st
+                                .log
+                                .get(last)
+                                .is_some_and(|m| !matches!(m.op, SimOp::Put(_)))
+                    })
+                })
+                .flat_map(|seqs| seqs.iter().copied())
+                .collect();
+            for seq in &doomed {
+                st.remove(*seq);
+            }
+            doomed.len()
+        })
+    }
+
     /// Sets whether retention can evict a current value (retention can be edited).
     pub fn set_evicts_current_values(&self, evicts: bool) {
         self.change(|st| st.evicts_current_values = evicts);

@@ -139,7 +139,10 @@ fn seeded_faults_on_fjall_never_lose_resurrect_or_regress_a_key() {
 
 #[test]
 fn seeded_faults_on_rocksdb_never_lose_resurrect_or_regress_a_key() {
-    assert!(Backend::RocksDb.is_compiled(), "build with --features rocksdb");
+    assert!(
+        Backend::RocksDb.is_compiled(),
+        "build with --features rocksdb"
+    );
     let runs = tier(
         Backend::RocksDb,
         "seeded_faults_on_rocksdb_never_lose_resurrect_or_regress_a_key",

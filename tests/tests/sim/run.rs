@@ -23,7 +23,9 @@ use foldhost::testkit::{SimBucket, SimConfig};
 use foldhost::view::{FoldRead, SharedStore};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::faults::{FaultStore, Harnessed, NativeMap, StoreFault, StoreWatch, Violations, contents};
+use crate::faults::{
+    FaultStore, Harnessed, NativeMap, StoreFault, StoreWatch, Violations, contents,
+};
 use crate::world::{GuestKind, KEYS, Op, Rng, Scenario, Truth};
 
 /// Longest (virtual) time a wait for the fold may take before the run is declared stuck.
@@ -167,9 +169,12 @@ impl Sim {
         let exports = std::mem::take(&mut self.exports);
         for (i, (artifact_dir, cursor)) in exports.iter().enumerate() {
             let dest = self.root.join(format!("from-export-{i}"));
-            if let Err(e) =
-                artifact::import_artifact(artifact_dir, &dest, Some(self.sc.backend), &mut |_, _| {})
-            {
+            if let Err(e) = artifact::import_artifact(
+                artifact_dir,
+                &dest,
+                Some(self.sc.backend),
+                &mut |_, _| {},
+            ) {
                 return Err(self.fail(format!("import of export {i} at {cursor}: {e}")));
             }
             self.note(format!("resume export {i} (cursor {cursor})"));
@@ -177,7 +182,11 @@ impl Sim {
                 return Err(self.fail(format!("export {i} at cursor {cursor}: {e}")));
             }
         }
-        let v = self.violations.lock().map(|v| v.clone()).unwrap_or_default();
+        let v = self
+            .violations
+            .lock()
+            .map(|v| v.clone())
+            .unwrap_or_default();
         if let Some(first) = v.first() {
             return Err(self.fail(first.clone()));
         }
@@ -225,11 +234,11 @@ impl Sim {
             return;
         }
         let store_dir = self.root.join(format!("peer-store-{cursor}"));
-        let store = self
-            .truth
-            .lock()
-            .expect("truth")
-            .write_store(&store_dir, self.sc.backend, cursor);
+        let store =
+            self.truth
+                .lock()
+                .expect("truth")
+                .write_store(&store_dir, self.sc.backend, cursor);
         let out = self.peer_dir.join(format!("peer-{cursor:08}"));
         artifact::export_store(
             &store,
@@ -267,11 +276,30 @@ impl Sim {
             self.publish_peer();
         }
         self.maybe_evict();
+        self.maybe_purge_deletes();
         self.note(format!(
             "down before life {life}: {n} writes, log {}..={}",
             self.bucket.first_sequence(),
             self.bucket.last_sequence()
         ));
+    }
+
+    /// On a bucket that keeps current values, purges delete markers (NATS's `purge_deletes`) — only
+    /// once every fold of this run has a cursor the log no longer reaches, which is the key-listing
+    /// repair's axiom: a marker no fold still needs may go (a fold whose cursor is still inside
+    /// the log would resume past the missing marker, and no repair could know).
+    fn maybe_purge_deletes(&mut self) {
+        if self.sc.evicting || !self.rng.chance(50) {
+            return;
+        }
+        let newest = self.durable.values().copied().max().unwrap_or(0);
+        if !foldhost::protocol::resume_window_ok(newest, self.bucket.first_sequence()) {
+            let through = self.bucket.last_sequence();
+            let n = self.bucket.purge_deletes_through(through);
+            self.note(format!(
+                "purge delete markers through {through} ({n} messages)"
+            ));
+        }
     }
 
     /// The last sequence still in the log that is in scope (0: none).
@@ -321,11 +349,7 @@ impl Sim {
         Ok(store)
     }
 
-    async fn applier(
-        &mut self,
-        kind: GuestKind,
-        fold: Arc<dyn FoldRead>,
-    ) -> Res<Box<dyn Apply>> {
+    async fn applier(&mut self, kind: GuestKind, fold: Arc<dyn FoldRead>) -> Res<Box<dyn Apply>> {
         Ok(match kind {
             GuestKind::Native => Box::new(NativeMap::new(fold)),
             GuestKind::Wasm => {
@@ -375,6 +399,7 @@ impl Sim {
         let applier = self.applier(kind, fold_view).await?;
         let mut apply = Harnessed {
             inner: applier,
+            bucket: self.bucket.clone(),
             store: shared.clone(),
             truth: self.truth.clone(),
             violations: self.violations.clone(),
@@ -417,7 +442,9 @@ impl Sim {
             let started = self.bucket.watches_started();
             let driver = self.drive(&shared, &watch, &ctl_tx, kind, rounds, started);
             tokio::pin!(driver);
+            // Biased: the fold is polled first, so which side runs when depends only on the seed.
             tokio::select! {
+                biased;
                 r = &mut fold => Err(match r {
                     Ok(f) => format!("the fold ended by itself at {:?}", f.cursor),
                     Err(_) if watch.crashed.load(Ordering::SeqCst) => String::new(),
@@ -448,7 +475,11 @@ impl Sim {
         drop(fold);
         drop(apply);
         // The committed cursors of this life never move backward.
-        let committed = watch.committed.lock().map(|c| c.clone()).unwrap_or_default();
+        let committed = watch
+            .committed
+            .lock()
+            .map(|c| c.clone())
+            .unwrap_or_default();
         if let Some(w) = committed.windows(2).find(|w| w[1] < w[0]) {
             return Err(format!("the cursor moved backward: {} then {}", w[0], w[1]));
         }
@@ -491,7 +522,9 @@ impl Sim {
                 .map_err(|e| format!("open the log to tear it: {e}"))?;
             f.set_len(cut).map_err(|e| format!("tear the log: {e}"))?;
             self.out.torn += 1;
-            self.note(format!("torn the last commit: log cut to {cut} of {after} bytes"));
+            self.note(format!(
+                "torn the last commit: log cut to {cut} of {after} bytes"
+            ));
         }
         Ok(())
     }
@@ -507,6 +540,14 @@ impl Sim {
         rounds: u32,
         started: u64,
     ) -> Res<LifeEnd> {
+        if rounds > 0 && self.rng.chance(30) {
+            // Writes and eviction while the fold starts: between its start-up decisions and its
+            // first watch's snapshot.
+            let n = 1 + self.rng.below(6);
+            self.writes(n);
+            self.maybe_evict();
+            self.note(format!("{n} writes while the fold starts"));
+        }
         if self.wait_level(shared, watch, started).await? == LifeEnd::Crashed {
             return Ok(LifeEnd::Crashed);
         }
@@ -609,14 +650,19 @@ impl Sim {
             let want = self.truth.lock().expect("truth").now(&self.sc.scope);
             // Level: this life's fold has a watch open (so it has started, and repaired what
             // it had to) and holds the truth for everything the log has in scope.
-            let watching = self.bucket.watches_started() > started && self.bucket.open_watches() > 0;
+            let watching =
+                self.bucket.watches_started() > started && self.bucket.open_watches() > 0;
             if watching && have == want && cursor >= self.last_in_scope() {
                 return Ok(LifeEnd::Done);
             }
             if start.elapsed() > STUCK {
                 if std::env::var("FOLDHOST_SIM_DEBUG").is_ok() {
                     let s = shared.read().map_err(|e| e.to_string())?;
-                    eprintln!("have {have:?}\nwant {want:?}\nget a.1 {:?}\nall {:?}", s.get("a.1"), s.range(""));
+                    eprintln!(
+                        "have {have:?}\nwant {want:?}\nget a.1 {:?}\nall {:?}",
+                        s.get("a.1"),
+                        s.range("")
+                    );
                 }
                 return Err(format!(
                     "the fold never reached the truth: cursor {cursor}, log {}..={}, {} watches open ({} started), {}",
