@@ -1390,3 +1390,214 @@ async fn a_broken_watch_is_resumed_from_the_applied_cursor_without_a_restart() {
     let committed = contents(&*store.read().expect("read"));
     assert_eq!(committed, bucket(&sim).await);
 }
+
+// ---------------------------------------------------------------------------------------------
+// Found by the seeded simulation (tests/tests/sim), pinned here as fast tests.
+// ---------------------------------------------------------------------------------------------
+
+/// Fails its first `apply`, then applies everything.
+#[derive(Default)]
+struct FailsFirstApply {
+    failed: bool,
+    inner: CountingApply,
+}
+
+#[async_trait]
+impl Apply for FailsFirstApply {
+    fn describe(&self) -> String {
+        "native:fails-first".into()
+    }
+
+    async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
+        self.inner.parse(batch).await
+    }
+
+    async fn apply(&mut self, batch: &[KvUpdate], verdicts: &[Verdict]) -> Result<(), ApplyError> {
+        if !std::mem::replace(&mut self.failed, true) {
+            return Err(ApplyError {
+                applier: self.describe(),
+                call: "apply",
+                message: "the first call fails".into(),
+            });
+        }
+        self.inner.apply(batch, verdicts).await
+    }
+
+    async fn on_applied(&mut self, cursor: WatchCursor) {
+        self.inner.on_applied(cursor).await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_export_during_an_apply_backoff_does_not_stop_the_fold_taking_deliveries() {
+    let sim = SimBucket::new();
+    for i in 1..=5 {
+        sim.put_now(&format!("k{i}"), "v");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let export_dir = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let status = Arc::new(FoldStatus::default());
+    let mut apply = FailsFirstApply::default();
+    let (ctl_tx, ctl_rx) = mpsc::channel(4);
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let watcher: Arc<dyn KvWatcher> = Arc::new(sim.clone());
+    let fold = watch_applied(
+        watcher,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), false),
+        status.clone(),
+        Some(ctl_rx),
+        async {
+            let _ = stop_rx.await;
+        },
+    );
+    let driver = async {
+        until("the first apply failed", || status.last_error().is_some()).await;
+        // The export arrives while the fold backs off: it settles the fold (the retry commits).
+        let (tx, rx) = oneshot::channel();
+        let export = Control::Export {
+            dir: export_dir.path().to_path_buf(),
+            reply: tx,
+        };
+        assert!(ctl_tx.send(export).await.is_ok(), "the fold takes controls");
+        let (cursor, _) = rx.await.expect("a reply").expect("the export");
+        assert_eq!(cursor, WatchCursor::at(5));
+        // Before the fix the settle left the fold backing off with its timer disarmed: the
+        // watch was never read again.
+        sim.put_now("k6", "v");
+        until("the write after the export committed", || {
+            load(&status.cursor) == 6
+        })
+        .await;
+        drop(stop_tx);
+    };
+    let (result, ()) = tokio::time::timeout(DEADLINE, async { tokio::join!(fold, driver) })
+        .await
+        .expect("the fold ended in time");
+    assert_eq!(result.expect("a clean stop").cursor, WatchCursor::at(6));
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_failed_write_of_the_eviction_memo_is_retried_not_fatal() {
+    let sim = SimBucket::with_config(SimConfig {
+        evicts_current_values: true,
+        ..SimConfig::default()
+    });
+    for i in 1..=6 {
+        sim.put_now(&format!("k{i}"), "v");
+    }
+    sim.evict_through(2); // the fold starts on a bucket that has evicted: it commits the memo
+    let dir = tempfile::tempdir().expect("tempdir");
+    let holes = Arc::new(Mutex::new(Vec::new()));
+    let store = SharedStore::new(FaultyStore {
+        inner: open(dir.path()),
+        calls: Arc::new(AtomicU32::new(0)),
+        fail: vec![1], // the memo's commit
+        committed: BTreeSet::new(),
+        holes: holes.clone(),
+    });
+    let status = Arc::new(FoldStatus::default());
+    let mut apply = CountingApply::default();
+    let finished = fold_alone(
+        &sim,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), true),
+        status.clone(),
+    )
+    .await
+    .expect("one failed write is retried, not fatal");
+    assert_eq!(finished.cursor.revision(), Some(6));
+    assert!(finished.cursor.memo().is_some(), "the memo committed on the retry");
+    assert_eq!(apply.parsed, 4, "the four retained keys");
+}
+
+/// A watcher that evicts through `evict_through` just before it opens a state-sync watch: the
+/// moment between the fold's start-up decision and the watch's snapshot.
+struct EvictsBeforeSnapshot {
+    sim: SimBucket,
+    evict_through: u64,
+}
+
+#[async_trait]
+impl KvWatcher for EvictsBeforeSnapshot {
+    async fn watch(&self, scope: &WatchScope, tx: mpsc::Sender<WatchEvent>) -> Result<(), KvError> {
+        self.sim.evict_through(self.evict_through);
+        self.sim.watch(scope, tx).await
+    }
+
+    async fn watch_from(
+        &self,
+        scope: &WatchScope,
+        cursor: WatchCursor,
+        tx: mpsc::Sender<WatchEvent>,
+    ) -> Result<(), KvError> {
+        if cursor.revision().is_none() {
+            self.sim.evict_through(self.evict_through);
+        }
+        self.sim.watch_from(scope, cursor, tx).await
+    }
+
+    async fn retention(&self) -> Result<Option<protocol::Retention>, KvError> {
+        self.sim.retention().await
+    }
+
+    async fn stream_state(&self) -> Result<Option<StreamState>, KvError> {
+        self.sim.stream_state().await
+    }
+
+    fn bucket_name(&self) -> String {
+        self.sim.bucket_name()
+    }
+
+    fn pin_identity(&self, identity: StreamIdentity) {
+        self.sim.pin_identity(identity);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_state_sync_start_that_eviction_overtook_expires_instead_of_folding_a_short_snapshot() {
+    let sim = SimBucket::with_config(SimConfig {
+        evicts_current_values: true,
+        ..SimConfig::default()
+    });
+    for i in 1..=4 {
+        sim.put_now(&format!("k{i}"), "v");
+    }
+    // Nothing evicted yet: the fold trusts the listing and starts a state-sync watch; k1 and k2
+    // go before its snapshot is taken.
+    let watcher: Arc<dyn KvWatcher> = Arc::new(EvictsBeforeSnapshot {
+        sim: sim.clone(),
+        evict_through: 2,
+    });
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let status = Arc::new(FoldStatus::default());
+    let mut apply = CountingApply::default();
+    let result = tokio::time::timeout(
+        DEADLINE,
+        watch_applied(
+            watcher,
+            store.clone(),
+            &mut apply,
+            opts(100, Duration::from_millis(10), true),
+            status,
+            None,
+            std::future::pending(),
+        ),
+    )
+    .await
+    .expect("the fold ended in time");
+    match result {
+        Err(AppliedError::Watch(KvError::CursorExpired { first_sequence, .. })) => {
+            assert_eq!(first_sequence, 3);
+        }
+        other => panic!("expected CursorExpired (no repair configured), got {other:?}"),
+    }
+    assert_eq!(apply.parsed, 0, "nothing of the short snapshot was folded");
+    let s = store.read().expect("read");
+    assert_eq!(s.cursor().revision(), None);
+    assert!(s.cursor().memo().is_some(), "the eviction is remembered");
+}

@@ -201,6 +201,11 @@ impl Sim {
     /// One random write, recorded in the truth.
     fn write_one(&mut self) {
         let key = self.rng.pick(&KEYS);
+        self.write_key(key);
+    }
+
+    /// A random put, delete or purge of `key`, recorded in the truth.
+    fn write_key(&mut self, key: &str) {
         let roll = self.rng.below(100);
         self.counter += 1;
         let (seq, op) = if roll < 70 {
@@ -224,6 +229,18 @@ impl Sim {
         // always holds the head (the scenarios never lose a write no fold anywhere holds).
         if self.sc.evicting {
             self.publish_peer();
+            // A few writes after the peer's artifact, each to a key not written again in this
+            // tail: a fold restored from the artifact resumes through them, and none can be
+            // superseded away before the fold sees it (the first sequence never passes the
+            // artifact's cursor + 1, so a restore stays possible).
+            let mut tail: Vec<&str> = Vec::new();
+            for _ in 0..self.rng.below(3) {
+                let key = self.rng.pick(&KEYS);
+                if !tail.contains(&key) {
+                    tail.push(key);
+                    self.write_key(key);
+                }
+            }
         }
     }
 
@@ -270,7 +287,13 @@ impl Sim {
     }
 
     fn offline_writes(&mut self, life: u32) {
-        let n = self.rng.below(12);
+        // Sometimes a long outage: enough writes that every key is overwritten and the fold's
+        // cursor falls out of the log (a repair at the next start).
+        let n = if self.rng.chance(30) {
+            20 + self.rng.below(30)
+        } else {
+            self.rng.below(12)
+        };
         self.writes(n);
         if self.rng.chance(50) {
             self.publish_peer();
@@ -623,6 +646,10 @@ impl Sim {
             Ok(m) => {
                 let c = m.cursor.unwrap_or(0);
                 self.note(format!("exported at {c}"));
+                // The fold's own artifacts serve restores too, as a fleet's would: complete
+                // together with the log after their cursor, not the truth at it.
+                let shared = self.peer_dir.join(format!("node-{c:08}-{}", self.exports.len()));
+                copy_dir(&out, &shared);
                 self.exports.push((out, c));
                 self.out.exports += 1;
             }
@@ -747,4 +774,18 @@ fn diff(have: &BTreeMap<String, (Bytes, u64)>, want: &BTreeMap<String, (Bytes, u
     }
     out.truncate(6);
     out.join("; ")
+}
+
+/// Copies the artifact directory `from` to `to` (files and subdirectories).
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("create the copy");
+    for e in std::fs::read_dir(from).expect("read the artifact") {
+        let e = e.expect("an entry");
+        let dest = to.join(e.file_name());
+        if e.file_type().expect("a file type").is_dir() {
+            copy_dir(&e.path(), &dest);
+        } else {
+            std::fs::copy(e.path(), &dest).expect("copy a file");
+        }
+    }
 }
