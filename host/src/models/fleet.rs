@@ -11,23 +11,29 @@
 //! cursor in an export round: the payload uploaded (a new content-addressed object), then the
 //! pointer read, then published by a conditional put on the version read
 //! ([`protocol::pointer_publish_allowed`] on what was read: a `false` abandons the round; a changed
-//! version reads again); a pruner that reads the pointer and then deletes a payload
-//! [`protocol::payload_prunable`] allows; a node that bootstraps: it reads the pointer, then
-//! fetches that payload. Export rounds are not gated by the lease here (it is work-dedup, not a
+//! version reads again); a prune pass (`ArtifactTransport::prune`) that reads the pointer, lists
+//! the payloads and judges each with [`protocol::payload_prunable`], then deletes the doomed ones
+//! one by one while the fleet moves on; a node that bootstraps: it reads the pointer, then fetches
+//! that payload. Export rounds are not gated by the lease here (it is work-dedup, not a
 //! correctness gate, and without it every interleaving of rounds is explored).
 //!
-//! Modelled, [`LeaseModel`]: [`NODES`] nodes and one lease key holding a state and a revision,
-//! under one clock that advances; a node reads the key, then takes it when
-//! [`protocol::lease_takeover_allowed`] says so, by a write conditional on the revision read;
-//! a holder releases it (`complete` or `abandon`: expiry set to now) by a write conditional on the
-//! revision it wrote, and learns it lost the lease when that fails.
+//! Modelled, [`LeaseModel`]: [`NODES`] nodes and one lease key holding a value (absent, or a
+//! lease's expiry) and a revision, under one clock that advances; a node reads the key, then takes
+//! it when [`protocol::lease_takeover_allowed`] says so, by a write conditional on the revision
+//! read; a holder releases it (`complete` or `abandon`: expiry set to now) by a write conditional
+//! on the revision it wrote, and learns it lost the lease when that fails.
+//!
+//! Abstractions: a restore is one step (the repair model has it as steps); a cursor-less start on
+//! a bucket nothing was evicted from yet is a floor-guarded watch from revision 0 (the state-sync
+//! re-list's own window is the repair model's); the exporters are interchangeable, so the full
+//! check explores one state for each order of them.
 //!
 //! Axioms:
-//! - Payload age is abstracted as "older than the grace" or not. Under
-//!   [`Grace::OutlastsEveryRound`] (the shipped 4 × lease TTL) a payload grows older than the grace
-//!   only once no export round holds it unpublished, and a prune pass judges ages when it reads the
-//!   pointer (the grace outlasts an upload-to-publish and a read-to-delete). Under [`Grace::Zero`]
-//!   every uploaded payload may be older than the grace at any moment.
+//! - Payload age is abstracted as "older than the grace" or not, taken when a prune pass starts (a
+//!   payload uploaded since is younger than any grace). Under [`Grace::OutlastsEveryRound`] (the
+//!   shipped 4 × lease TTL) a payload is older than the grace only if no export round holds it
+//!   unpublished: the grace outlasts an upload-to-publish. Under [`Grace::Zero`] every listed
+//!   payload is older than the grace.
 //! - An export round exports a settled fold (its cursor exactly); exporters fold in revision order.
 //! - One clock for the lease: every node reads the same time (NTP-sane clocks), and a lease's
 //!   value is never corrupted while held (a corrupt lease is taken over by design).
@@ -38,7 +44,7 @@
 //! lists it live, so a key written after the cursor may hold an older value, or none: the resume
 //! delivers it); a bootstrapped node holds the truth at its artifact's cursor in the same sense; at
 //! most one node holds an unexpired lease. Sometimes: an exporter that restored from the fleet's
-//! artifact publishes; a node bootstraps.
+//! artifact publishes; a node bootstraps; a lease changes hands.
 //!
 //! Mutations (each must produce a counterexample):
 //! - `PublishEqualOrBackward` — the pointer read is forged `Absent`, so a lower cursor is allowed;
@@ -183,7 +189,7 @@ struct Payload {
 }
 
 /// Where an exporter's fold stands.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
 enum Status {
     /// Not started (no cursor, no data).
     Fresh,
@@ -194,7 +200,7 @@ enum Status {
 }
 
 /// An export round under way.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
 struct Round {
     payload: u8,
     uploaded: bool,
@@ -203,7 +209,7 @@ struct Round {
     published: bool,
 }
 
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, PartialOrd, Ord)]
 struct Exporter {
     status: Status,
     cursor: Option<u8>,
@@ -213,21 +219,14 @@ struct Exporter {
     restored: bool,
 }
 
-/// What a prune pass read: the pointer's target, and which payloads were older than the grace.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-struct PruneView {
-    target: Option<u8>,
-    older: [bool; PAYLOADS],
-}
-
 /// The bootstrapping node.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 enum Boot {
     Idle,
     /// Read the pointer: its target.
     Read(u8),
-    /// Fetched and imported: the artifact's cursor and entries.
-    Done(u8, [Option<u8>; KEYS as usize]),
+    /// Fetched and imported this payload.
+    Done(u8),
     /// The payload was gone (a visible failure: it tries again later).
     Failed,
 }
@@ -241,7 +240,9 @@ struct FleetState {
     pointer: Option<u8>,
     /// The pointer object's version (its ETag).
     version: u8,
-    prune: Option<PruneView>,
+    /// A prune pass's doomed payloads, decided when it read the pointer and listed the payloads,
+    /// not yet deleted.
+    doomed: [bool; PAYLOADS],
     boot: Boot,
     /// What the properties look at.
     regressed: bool,
@@ -259,7 +260,7 @@ enum FleetAction {
     Upload(usize),
     ReadPointer(usize),
     Publish(usize),
-    PruneRead,
+    PruneList,
     PruneDelete(u8),
     BootRead,
     BootFetch,
@@ -294,7 +295,7 @@ impl FleetState {
         }
     }
 
-    /// Whether an export round holds payload `j` uploaded but not yet published.
+    /// Whether an export round holds payload `j` and has not published it yet.
     fn held(&self, j: u8) -> bool {
         self.exporters
             .iter()
@@ -303,10 +304,6 @@ impl FleetState {
 }
 
 impl FleetModel {
-    fn end_round(e: &mut Exporter) {
-        e.round = None;
-    }
-
     /// An exporter's restore from the published artifact, as `repair::restore` runs it (in one
     /// step here: the steps are the repair model's). `false`: refused, nothing changes.
     fn restore(n: &mut FleetState, i: usize) -> bool {
@@ -371,7 +368,7 @@ impl Model for FleetModel {
             payloads: [None; PAYLOADS],
             pointer: None,
             version: 0,
-            prune: None,
+            doomed: [false; PAYLOADS],
             boot: Boot::Idle,
             regressed: false,
             restored_published: false,
@@ -391,12 +388,15 @@ impl Model for FleetModel {
         if s.first <= len {
             actions.push(FleetAction::Evict);
         }
-        for (j, p) in s.payloads.iter().enumerate() {
-            if p.is_some_and(|p| p.present) && s.prune.is_some() {
-                actions.push(FleetAction::PruneDelete(j as u8));
+        if s.doomed.contains(&true) {
+            for (j, doomed) in s.doomed.iter().enumerate() {
+                if *doomed {
+                    actions.push(FleetAction::PruneDelete(j as u8));
+                }
             }
+        } else {
+            actions.push(FleetAction::PruneList);
         }
-        actions.push(FleetAction::PruneRead);
         for (i, e) in s.exporters.iter().enumerate() {
             let unrepaired = self.mutation == Mutation::ExporterPublishesUnrepairedFold;
             match e.status {
@@ -509,7 +509,7 @@ impl Model for FleetModel {
                     p.present = true;
                 }
                 if done {
-                    Self::end_round(&mut n.exporters[i]);
+                    n.exporters[i].round = None;
                 }
             }
             FleetAction::ReadPointer(i) => {
@@ -526,7 +526,7 @@ impl Model for FleetModel {
                     }
                 } else {
                     // `SupersededByNewer`: the round is abandoned.
-                    Self::end_round(&mut n.exporters[i]);
+                    n.exporters[i].round = None;
                 }
             }
             FleetAction::Publish(i) => {
@@ -550,32 +550,40 @@ impl Model for FleetModel {
                     n.restored_published = true;
                 }
                 if r.uploaded {
-                    Self::end_round(&mut n.exporters[i]);
+                    n.exporters[i].round = None;
                 } else if let Some(r) = &mut n.exporters[i].round {
                     r.published = true;
                     r.read = None;
                 }
             }
-            FleetAction::PruneRead => {
-                let older = std::array::from_fn(|j| match self.grace {
-                    Grace::Zero => true,
-                    Grace::OutlastsEveryRound => !n.held(j as u8),
-                });
-                n.prune = Some(PruneView {
-                    target: n.pointer,
-                    older,
-                });
-            }
-            FleetAction::PruneDelete(j) => {
-                let view = n.prune.take()?;
-                let p = n.payloads[j as usize].as_mut()?;
-                let is_target =
-                    view.target == Some(j) && self.mutation != Mutation::PruneIgnoresPointer;
-                let age = self.grace.age(view.older[j as usize]);
-                if !protocol::payload_prunable(is_target, age, self.grace.duration()) {
+            FleetAction::PruneList => {
+                // `ArtifactTransport::prune`: the pointer read, the payloads listed, each judged.
+                // Ages are taken at the pass's start: a payload uploaded since is not listed.
+                for j in 0..PAYLOADS {
+                    if !n.payloads[j].is_some_and(|p| p.present) {
+                        continue;
+                    }
+                    let is_target = n.pointer == Some(j as u8)
+                        && self.mutation != Mutation::PruneIgnoresPointer;
+                    let older = match self.grace {
+                        Grace::Zero => true,
+                        Grace::OutlastsEveryRound => !n.held(j as u8),
+                    };
+                    n.doomed[j] = protocol::payload_prunable(
+                        is_target,
+                        self.grace.age(older),
+                        self.grace.duration(),
+                    );
+                }
+                if !n.doomed.contains(&true) {
                     return None;
                 }
-                p.present = false;
+            }
+            FleetAction::PruneDelete(j) => {
+                n.doomed[j as usize] = false;
+                if let Some(p) = &mut n.payloads[j as usize] {
+                    p.present = false;
+                }
             }
             FleetAction::BootRead => n.boot = Boot::Read(n.pointer?),
             FleetAction::BootFetch => {
@@ -583,7 +591,7 @@ impl Model for FleetModel {
                     return None;
                 };
                 n.boot = match n.payloads[t as usize] {
-                    Some(p) if p.present => Boot::Done(p.cursor, p.entries),
+                    Some(p) if p.present => Boot::Done(t),
                     _ => Boot::Failed,
                 };
             }
@@ -604,7 +612,9 @@ impl Model for FleetModel {
                     .is_none_or(|p| s.log.agrees(p.cursor, p.entries))
             }),
             Property::always(BOOTSTRAP_TRUE, |_, s: &FleetState| match s.boot {
-                Boot::Done(cursor, entries) => s.log.agrees(cursor, entries),
+                Boot::Done(t) => {
+                    s.payloads[t as usize].is_none_or(|p| s.log.agrees(p.cursor, p.entries))
+                }
                 _ => true,
             }),
             Property::sometimes(RESTORED_PUBLISHES, |_, s: &FleetState| s.restored_published),
@@ -753,13 +763,25 @@ impl Model for LeaseModel {
     }
 }
 
-/// Explores every state of the fleet.
-fn check_fleet(mutation: Mutation, grace: Grace) -> impl Checker<FleetModel> {
-    FleetModel { mutation, grace }.checker().spawn_bfs().join()
+/// The exporters are interchangeable (a payload's slot is not its exporter's): a state stands
+/// for every state that differs from it only in the exporters' order.
+fn representative(s: &FleetState) -> FleetState {
+    let mut r = s.clone();
+    r.exporters.sort();
+    r
 }
 
-/// Explores the fleet until `property` has a discovery (breadth first: a shortest
-/// counterexample, or nearly).
+/// Explores every state of the fleet (depth first: symmetry reduction needs it).
+fn check_fleet(mutation: Mutation, grace: Grace) -> impl Checker<FleetModel> {
+    FleetModel { mutation, grace }
+        .checker()
+        .symmetry_fn(representative)
+        .spawn_dfs()
+        .join()
+}
+
+/// Explores the fleet until `property` has a discovery. Depth first, which finds one in a fraction
+/// of the states; `spawn_bfs` instead gives a shortest counterexample, to read one.
 fn find_fleet(
     mutation: Mutation,
     grace: Grace,
@@ -768,7 +790,7 @@ fn find_fleet(
     FleetModel { mutation, grace }
         .checker()
         .finish_when(HasDiscoveries::AnyOf(BTreeSet::from([property])))
-        .spawn_bfs()
+        .spawn_dfs()
         .join()
 }
 

@@ -8,5 +8,7 @@
 
 mod cursor;
 mod deferral;
+mod fleet;
 mod floor;
+mod repair;
 mod resync;

@@ -1,38 +1,53 @@
 //! The cursor-expiry repair as steps (seed 000, "Cursor-expiry repair"), interleaved with the
-//! bucket's writers, its retention and the fold's own failures.
+//! bucket's writers, its retention, an artifact's publisher, and the fold's own crashes.
 //!
-//! Modelled: a bucket of [`KEYS`] keys whose log takes up to [`MAX_OPS`] writes and deletes; its
-//! retention, which advances the first retained sequence and can be switched to evict current
-//! values and back; one artifact another node publishes at some cursor; and one fold — its
-//! applied key → revision map, its durable cursor and eviction memo (`seen_evicting`), and in
-//! memory the watch's position, a state-sync re-list's initial values and the delivered batch. The
-//! fold starts (cursor-less at first), watches, flushes (or fails transiently: the batch is
-//! re-queued), crashes (everything in memory is lost; the next start re-runs whatever repair was
-//! under way), and repairs an expired cursor in the steps production takes: drain (flush until the
-//! store holds every delivered update), plan ([`protocol::listing_truth`] with the memo,
-//! [`protocol::plan_repair`], [`protocol::restore_allowed`]; the memo is committed first when
-//! [`protocol::retention_has_evicted`] says so), diff (re-list: a synthetic delete for every fold key
-//! the bucket does not list; restore: [`protocol::restore_key`] per key, the delete candidates
-//! checked against the live listing and retention read again), apply one key per chunk under the
-//! old cursor, and the final step (re-list: the cursor stays and a state-sync re-list starts;
-//! restore: the cursor becomes the artifact's, then the resume check).
+//! Modelled: a bucket of [`KEYS`] keys whose log takes up to [`MAX_OPS`] puts and deletes; its
+//! retention, which advances the first retained revision and can be switched to evict current
+//! values and back; an artifact another node publishes; and one fold — durable: its key → revision
+//! map, its cursor and its eviction memo (`seen_evicting`); in memory: the watch's position, a
+//! state-sync re-list's initial values and the delivered batch. The fold starts (cursor-less at
+//! first: [`protocol::cursorless_start_needs_repair`]), watches (a delivery gap goes to
+//! [`protocol::floor_guard_trips`]; a resume to [`protocol::resume_window_ok`]; the retention tick
+//! commits the memo), commits a batch with the cursor [`protocol::commit_cursor`] gives, and
+//! crashes (everything in memory is lost; the restart re-runs whatever repair was under way from
+//! its start). An expired cursor is repaired in production's steps: drain (the store holds every
+//! delivered update before anything else), plan (retention read: the memo committed when
+//! [`protocol::retention_has_evicted`] says so; then [`protocol::listing_truth`] with the memo,
+//! [`protocol::plan_repair`], and for a restore [`protocol::restore_allowed`]), diff (re-list: a
+//! synthetic delete for every fold key the bucket does not list; restore: [`protocol::restore_key`]
+//! per key, the delete candidates checked against the live listing, retention read again), apply
+//! the difference one key per chunk under the old cursor, and the last step (re-list: the cursor
+//! stays and a state-sync re-list starts, which re-checks [`protocol::relist_still_vouched`] at its
+//! first event while the fold has no memo; restore: the cursor becomes the artifact's, then the
+//! resume check).
+//!
+//! Abstractions: a transient store failure re-queues the batch, which is the state of a flush not
+//! yet made, so the model's flushes are simply optional and the drain is "a plan waits until the
+//! batch is committed". The artifact is published (once) at the moment the fold first needs it —
+//! expired and drained: an artifact published earlier is one of these too, since a later publish
+//! allows a superset of contents.
 //!
 //! Axioms (what the environment never does):
 //! - Retention that does not evict current values removes only superseded messages (a current
 //!   value or delete marker stays: axiom 6, no purge of markers).
 //! - A fold reads retention while eviction is in force: after an evicting advance, retention is
 //!   not switched back before the fold's next read (its start, its plan, or the watch's retention
-//!   tick and floor probe).
-//! - During a key-listing repair (from its plan until the re-list is level) retention removes no
-//!   current value: the re-list window's axiom.
+//!   tick with the floor guard's probe).
+//! - The re-list window: retention removes no current value from a state-sync re-list's first
+//!   event until it is level (the floor guard has no frontier there; what is evicted before the
+//!   first event, the re-check finds), nor from a key-listing repair's plan until its diff's
+//!   listing — the part production does not cover, pinned as a known gap
+//!   (`without_the_relist_window_axiom_a_relist_deletes_a_key_that_only_aged_out`).
 //! - An artifact is complete together with the log after its cursor (it may have been exported
-//!   mid catch-up): a key not written after the cursor holds exactly its value at the cursor; a
-//!   key written after it may be absent or hold any earlier value of that key.
+//!   mid catch-up): a key not written after the cursor holds exactly its value at the cursor; a key
+//!   written after it may be absent or hold any earlier value of that key.
 //!
-//! Properties (always): the durable cursor is monotone; a repair never replaces a key's value by
-//! an older one; no phantom delete (every delete the fold applies removes a value some real delete
-//! superseded); a level fold (watching, everything delivered and committed) is the truth — every
-//! write minus every real delete. Sometimes: a repair completes and the fold converges.
+//! Properties (always): the durable cursor is monotone; no key moves backward (a value is never
+//! replaced by an older one); no phantom delete (every delete the fold applies removes a value a
+//! real delete superseded); a level fold (watching, everything delivered and committed) is the
+//! truth — every write minus every real delete. Sometimes: a repair completes and the fold
+//! converges. A known gap, pinned: a restore can bring back, older, a key the fold had deleted
+//! (`no_deleted_key_comes_back_older_is_violated_by_a_mid_catch_up_artifact`).
 //!
 //! Mutations (each must produce a counterexample):
 //! - `NoEvictionMemo` — the memo is never consulted (`seen_evicting` forged `false`);
@@ -42,22 +57,33 @@
 //! - `PhantomDelete` — `restore_key`'s `listed_live` is forged `false`;
 //! - `CursorBeforeLastChunk` — the artifact's cursor is committed before the last chunk is applied
 //!   (a crash in between resumes past it);
-//! - `RestoreNotAhead` — `restore_allowed` is skipped.
+//! - `RestoreNotAhead` — `restore_allowed` is skipped;
+//! - `RelistNotVouched` — `relist_still_vouched` is forged `true` (a state-sync re-list keeps
+//!   trusting a listing that eviction overtook before its first event).
 
-use stateright::{Checker, Model, Property};
+use stateright::{Checker, HasDiscoveries, Model, Property};
 
 use crate::protocol::{self, KeyRestore, RepairMode, RepairPlan, Retention};
 
 /// Keys in the bucket.
 const KEYS: u8 = 2;
-/// Writes and deletes the log takes.
+/// Puts and deletes the log takes.
 const MAX_OPS: usize = 4;
+/// Updates a batch holds (`--batch-max`).
+const MAX_BATCH: usize = 1;
 /// Crashes (or operator restarts) a run may have.
-const MAX_CRASHES: u8 = 1;
+const MAX_CRASHES: u8 = 2;
 /// Times retention may be switched to evicting current values or back.
 const MAX_RETENTION_EDITS: u8 = 2;
 /// `--repair auto`, with a restore source configured.
 const MODE: RepairMode = RepairMode::Auto;
+
+const MONOTONE: &str = "the cursor is monotone";
+const NOT_BACKWARD: &str = "no key moves backward";
+const NO_PHANTOM: &str = "no phantom delete";
+const LEVEL_IS_TRUTH: &str = "a level fold is the truth";
+const NOT_RESURRECTED: &str = "no deleted key comes back older";
+const CONVERGES: &str = "a repair completes and the fold converges";
 
 /// One decision forged, or none.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -69,13 +95,28 @@ enum Mutation {
     PhantomDelete,
     CursorBeforeLastChunk,
     RestoreNotAhead,
+    RelistNotVouched,
 }
 
 /// A message of the log: a put or a delete of a key. Its revision is its position + 1.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
 struct Op {
     key: u8,
     put: bool,
+}
+
+/// The bucket's log (inline: states are cloned and hashed by the million).
+#[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
+struct Log {
+    ops: [Op; MAX_OPS],
+    len: u8,
+}
+
+impl std::ops::Deref for Log {
+    type Target = [Op];
+    fn deref(&self) -> &[Op] {
+        &self.ops[..self.len as usize]
+    }
 }
 
 /// A published artifact: its cursor and each key's revision in it.
@@ -105,12 +146,17 @@ enum Finish {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 enum Phase {
-    /// Not running: the next step is a start (reads retention, then resumes or repairs).
+    /// Not started yet.
     Starting,
     /// A watch: `recv` is the last revision it passed, `queue` a state-sync re-list's initial
-    /// values still to deliver.
-    Watching { recv: u8, queue: Vec<u8> },
-    /// The watch ended with `CursorExpired`: drain, then plan.
+    /// values still to deliver, `vouch` a state-sync re-list's check still to make at its first
+    /// event (the backlog report every watch sends first, even with nothing to deliver).
+    Watching {
+        recv: u8,
+        queue: Vec<u8>,
+        vouch: bool,
+    },
+    /// The watch ended with `CursorExpired` (or a cursor-less start must repair): drain, then plan.
     Expired,
     /// A key-listing repair is planned.
     RelistDiff,
@@ -129,7 +175,7 @@ enum Phase {
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 struct State {
     /// The bucket's log.
-    log: Vec<Op>,
+    log: Log,
     /// The first retained revision.
     first: u8,
     /// Retention evicts current values.
@@ -153,6 +199,7 @@ struct State {
     cursor_regressed: bool,
     moved_backward: bool,
     phantom_delete: bool,
+    resurrected: bool,
     repaired: bool,
 }
 
@@ -163,6 +210,7 @@ enum Action {
     SetEvicting(bool),
     Publish(Artifact),
     Start,
+    FirstEvent,
     Deliver,
     Flush,
     ReadRetention,
@@ -212,6 +260,7 @@ impl State {
         matches!(latest(&self.log, self.log.len(), key), Some((rev, true)) if rev >= self.first)
     }
 
+    /// Every write minus every real delete.
     fn truth(&self) -> [Option<u8>; KEYS as usize] {
         [0, 1].map(|k| truth_at(&self.log, self.log.len(), k))
     }
@@ -219,7 +268,7 @@ impl State {
     /// Watching, everything in the log delivered and committed.
     fn level(&self) -> bool {
         self.batch.is_empty()
-            && matches!(&self.phase, Phase::Watching { recv, queue } if queue.is_empty() && *recv == self.len())
+            && matches!(&self.phase, Phase::Watching { recv, queue, vouch } if !vouch && queue.is_empty() && *recv == self.len())
     }
 
     /// A state-sync re-list's initial values: each key's latest retained message, in log order.
@@ -232,19 +281,28 @@ impl State {
         q
     }
 
-    /// From a key-listing repair's plan until its re-list is level.
-    fn in_relist_window(&self) -> bool {
+    /// From a state-sync re-list's first event until it is level (the floor guard has no
+    /// frontier there), and with `whole` also from a key-listing repair's plan until its listing.
+    fn in_relist_window(&self, whole: bool) -> bool {
         match &self.phase {
-            Phase::RelistDiff => true,
-            Phase::Applying { finish, .. } => *finish == Finish::Relist,
-            Phase::Watching { queue, .. } => !queue.is_empty(),
+            Phase::RelistDiff => whole,
+            Phase::Watching { queue, vouch, .. } => !vouch && !queue.is_empty(),
             _ => false,
         }
     }
 
     fn put(&mut self, key: u8, rev: u8) {
-        if self.applied[key as usize].is_some_and(|l| l > rev) {
-            self.moved_backward = true;
+        match self.applied[key as usize] {
+            Some(l) if l > rev => self.moved_backward = true,
+            // Absent here, though the fold has passed a delete of the key newer than `rev`.
+            None if self.log[rev as usize..]
+                .iter()
+                .enumerate()
+                .any(|(i, o)| o.key == key && !o.put && Some(rev + 1 + i as u8) <= self.cursor) =>
+            {
+                self.resurrected = true
+            }
+            _ => {}
         }
         self.applied[key as usize] = Some(rev);
     }
@@ -289,9 +347,35 @@ impl State {
 
 struct RepairModel {
     mutation: Mutation,
+    /// The re-list window's axiom also over a key-listing repair's diff (`false`: only over its
+    /// state-sync re-list).
+    whole_relist_window: bool,
 }
 
 impl RepairModel {
+    /// The eviction memo, as the fold consults it.
+    fn seen_evicting(&self, s: &State) -> bool {
+        s.memo && self.mutation != Mutation::NoEvictionMemo
+    }
+
+    /// Whether the listing is the truth, as the fold decides it (the memo consulted).
+    fn listing_truth(&self, s: &State) -> Option<bool> {
+        match self.mutation {
+            Mutation::RelistOnEvictingBucket => Some(true),
+            _ => protocol::listing_truth(Some(s.retention()), self.seen_evicting(s)),
+        }
+    }
+
+    /// A state-sync re-list: its snapshot (each key's latest retained message), and its check at
+    /// the first event while the fold has no memo.
+    fn state_sync(&self, n: &State) -> Phase {
+        Phase::Watching {
+            recv: n.len(),
+            queue: n.state_sync(),
+            vouch: !self.seen_evicting(n),
+        }
+    }
+
     /// A start (the first, or a restart after a crash): retention is read (the memo), then a fold
     /// with a cursor resumes or finds it expired, and a cursor-less one repairs first when
     /// [`protocol::cursorless_start_needs_repair`] says so, else starts a state-sync re-list.
@@ -303,27 +387,75 @@ impl RepairModel {
                 if protocol::cursorless_start_needs_repair(MODE, has_data, self.listing_truth(n)) {
                     Phase::Expired
                 } else {
-                    Phase::Watching {
-                        recv: n.len(),
-                        queue: n.state_sync(),
-                    }
+                    self.state_sync(n)
                 }
             }
             Some(c) if protocol::resume_window_ok(c.into(), n.first.into()) => Phase::Watching {
                 recv: c,
                 queue: Vec::new(),
+                vouch: false,
             },
             Some(_) => Phase::Expired,
         };
     }
 
-    /// Whether the listing is the truth, as the fold decides it (the memo consulted).
-    fn listing_truth(&self, s: &State) -> Option<bool> {
-        match self.mutation {
-            Mutation::RelistOnEvictingBucket => Some(true),
-            Mutation::NoEvictionMemo => protocol::listing_truth(Some(s.retention()), false),
-            _ => protocol::listing_truth(Some(s.retention()), s.memo),
+    /// The plan: retention read (the memo), the listing's truth, the repair, and for a restore
+    /// the artifact's check.
+    fn plan(&self, n: &mut State) {
+        n.note_retention();
+        n.phase = match protocol::plan_repair(MODE, self.listing_truth(n)) {
+            RepairPlan::Relist => Phase::RelistDiff,
+            RepairPlan::Restore => match n.artifact {
+                Some(a)
+                    if self.mutation == Mutation::RestoreNotAhead
+                        || protocol::restore_allowed(
+                            a.cursor.into(),
+                            n.cursor.map(u64::from),
+                            n.first.into(),
+                        ) =>
+                {
+                    Phase::RestoreDiff(a)
+                }
+                _ => Phase::Stopped,
+            },
+            RepairPlan::None | RepairPlan::RefuseRelist => Phase::Stopped,
+        };
+    }
+
+    /// The restore's diff: `restore_key` per key, then the delete candidates checked against the
+    /// live listing and retention read again (`None`: the restore is refused). Takes go first.
+    fn restore_diff(&self, s: &State, a: Artifact) -> Option<Vec<Change>> {
+        let mut pending = Vec::new();
+        let mut candidates = Vec::new();
+        for key in 0..KEYS {
+            let local = s.applied[key as usize];
+            let art = a.entries[key as usize];
+            let identical = local.is_some() && local == art;
+            let local = match self.mutation {
+                Mutation::RestoreKeyBackward => local.map(|_| 0),
+                _ => local.map(u64::from),
+            };
+            match (
+                protocol::restore_key(local, art.map(u64::from), identical, false),
+                art,
+            ) {
+                (KeyRestore::Take, Some(rev)) => pending.push(Change::Take(key, rev)),
+                (KeyRestore::Delete, _) => candidates.push(key),
+                _ => {}
+            }
         }
+        if !candidates.is_empty() {
+            for key in candidates {
+                let live = s.listed(key) && self.mutation != Mutation::PhantomDelete;
+                if protocol::restore_key(Some(1), None, false, live) == KeyRestore::Delete {
+                    pending.push(Change::Delete(key));
+                }
+            }
+            if !protocol::resume_window_ok(a.cursor.into(), s.first.into()) {
+                return None;
+            }
+        }
+        Some(pending)
     }
 
     /// The artifacts another node may publish now: at any cursor, every key not written after it
@@ -363,7 +495,7 @@ impl Model for RepairModel {
 
     fn init_states(&self) -> Vec<State> {
         vec![State {
-            log: Vec::new(),
+            log: Log::default(),
             first: 1,
             evicting: false,
             artifact: None,
@@ -378,6 +510,7 @@ impl Model for RepairModel {
             cursor_regressed: false,
             moved_backward: false,
             phantom_delete: false,
+            resurrected: false,
             repaired: false,
         }]
     }
@@ -392,25 +525,28 @@ impl Model for RepairModel {
                 }
             }
         }
-        if s.first <= s.len() && (superseded(&s.log, s.first) || (s.evicting && !s.in_relist_window()))
+        if s.first <= s.len()
+            && (superseded(&s.log, s.first)
+                || (s.evicting && !s.in_relist_window(self.whole_relist_window)))
         {
             actions.push(Action::Evict);
         }
         if s.edits < MAX_RETENTION_EDITS && (!s.evicting || !s.unread_eviction) {
             actions.push(Action::SetEvicting(!s.evicting));
         }
-        if s.artifact.is_none() {
+        let settled = s.batch.is_empty();
+        if s.artifact.is_none() && s.phase == Phase::Expired && settled {
             Self::artifacts(s, actions);
         }
         // The fold.
         if s.crashes < MAX_CRASHES && s.phase != Phase::Starting {
             actions.push(Action::Crash);
         }
-        let settled = s.batch.is_empty();
         match &s.phase {
             Phase::Starting => actions.push(Action::Start),
-            Phase::Watching { recv, queue } => {
-                if !queue.is_empty() || *recv < s.len() {
+            Phase::Watching { vouch: true, .. } => actions.push(Action::FirstEvent),
+            Phase::Watching { recv, queue, .. } => {
+                if s.batch.len() < MAX_BATCH && (!queue.is_empty() || *recv < s.len()) {
                     actions.push(Action::Deliver);
                 }
                 if settled && s.unread_eviction {
@@ -447,7 +583,10 @@ impl Model for RepairModel {
     fn next_state(&self, s: &State, action: Action) -> Option<State> {
         let mut n = s.clone();
         match action {
-            Action::Write { key, put } => n.log.push(Op { key, put }),
+            Action::Write { key, put } => {
+                n.log.ops[n.log.len as usize] = Op { key, put };
+                n.log.len += 1;
+            }
             Action::Evict => {
                 n.first += 1;
                 if n.evicting {
@@ -469,12 +608,27 @@ impl Model for RepairModel {
                 self.start(&mut n);
             }
             Action::Start => self.start(&mut n),
+            Action::FirstEvent => {
+                let vouched = self.mutation == Mutation::RelistNotVouched
+                    || protocol::relist_still_vouched(Some(n.retention()));
+                if vouched {
+                    if let Phase::Watching { vouch, .. } = &mut n.phase {
+                        *vouch = false;
+                    }
+                } else {
+                    // Retention began evicting under the re-list: the memo, and a repair.
+                    n.note_retention();
+                    n.phase = Phase::Expired;
+                }
+            }
             Action::Deliver => {
-                let Phase::Watching { recv, queue } = &mut n.phase else {
+                let len = n.len();
+                let Phase::Watching { recv, queue, .. } = &mut n.phase else {
                     return None;
                 };
                 if !queue.is_empty() {
                     let rev = queue.remove(0);
+                    // An initial value evicted before delivery is skipped (none is: an axiom).
                     if rev >= n.first {
                         n.batch.push(rev);
                     }
@@ -482,15 +636,16 @@ impl Model for RepairModel {
                     let mut next = *recv + 1;
                     if next < n.first {
                         // A delivery gap: the floor guard decides.
-                        if protocol::floor_guard_trips(n.evicting, (*recv).into(), n.first.into())
-                        {
+                        if protocol::floor_guard_trips(n.evicting, (*recv).into(), n.first.into()) {
                             n.phase = Phase::Expired;
                             return Some(n);
                         }
                         next = n.first;
                     }
-                    *recv = next;
-                    n.batch.push(next);
+                    *recv = next.min(len);
+                    if next <= len {
+                        n.batch.push(next);
+                    }
                 }
             }
             Action::Flush => {
@@ -503,35 +658,16 @@ impl Model for RepairModel {
                 n.move_cursor(to.map(|c| c as u8));
             }
             Action::ReadRetention => {
-                // The retention tick (the memo) and the floor guard's probe.
+                // The watch's retention tick (the memo) and the floor guard's probe.
                 n.note_retention();
-                if let Phase::Watching { recv, queue } = &n.phase
+                if let Phase::Watching { recv, queue, .. } = &n.phase
                     && queue.is_empty()
                     && protocol::floor_guard_trips(n.evicting, (*recv).into(), n.first.into())
                 {
                     n.phase = Phase::Expired;
                 }
             }
-            Action::Plan => {
-                n.note_retention();
-                n.phase = match protocol::plan_repair(MODE, self.listing_truth(&n)) {
-                    RepairPlan::Relist => Phase::RelistDiff,
-                    RepairPlan::Restore => match n.artifact {
-                        Some(a)
-                            if self.mutation == Mutation::RestoreNotAhead
-                                || protocol::restore_allowed(
-                                    a.cursor.into(),
-                                    n.cursor.map(u64::from),
-                                    n.first.into(),
-                                ) =>
-                        {
-                            Phase::RestoreDiff(a)
-                        }
-                        _ => Phase::Stopped,
-                    },
-                    RepairPlan::None | RepairPlan::RefuseRelist => Phase::Stopped,
-                };
-            }
+            Action::Plan => self.plan(&mut n),
             Action::Diff => {
                 n.phase = match s.phase {
                     Phase::RelistDiff => Phase::Applying {
@@ -581,16 +717,14 @@ impl Model for RepairModel {
                 };
                 n.repaired = true;
                 n.phase = match finish {
-                    Finish::Relist => Phase::Watching {
-                        recv: n.len(),
-                        queue: n.state_sync(),
-                    },
+                    Finish::Relist => self.state_sync(&n),
                     Finish::Restore(c) => {
                         n.move_cursor(Some(c));
                         if protocol::resume_window_ok(c.into(), n.first.into()) {
                             Phase::Watching {
                                 recv: c,
                                 queue: Vec::new(),
+                                vouch: false,
                             }
                         } else {
                             Phase::Expired
@@ -604,124 +738,124 @@ impl Model for RepairModel {
 
     fn properties(&self) -> Vec<Property<Self>> {
         vec![
-            Property::always("the cursor is monotone", |_, s: &State| {
-                !s.cursor_regressed
-            }),
-            Property::always("no key moves backward", |_, s: &State| !s.moved_backward),
-            Property::always("no phantom delete", |_, s: &State| !s.phantom_delete),
-            Property::always("a level fold is the truth", |_, s: &State| {
+            Property::always(MONOTONE, |_, s: &State| !s.cursor_regressed),
+            Property::always(NOT_BACKWARD, |_, s: &State| !s.moved_backward),
+            Property::always(NO_PHANTOM, |_, s: &State| !s.phantom_delete),
+            Property::always(LEVEL_IS_TRUTH, |_, s: &State| {
                 !s.level() || s.applied == s.truth()
             }),
-            Property::sometimes(
-                "a repair completes and the fold converges",
-                |_, s: &State| s.repaired && s.level() && s.applied == s.truth(),
-            ),
+            Property::always(NOT_RESURRECTED, |_, s: &State| !s.resurrected),
+            Property::sometimes(CONVERGES, |_, s: &State| {
+                s.repaired && s.level() && s.applied == s.truth()
+            }),
         ]
     }
 }
 
-impl RepairModel {
-    /// The restore's diff: `restore_key` per key, then the delete candidates checked against the
-    /// live listing and retention read again (`None`: the restore is refused).
-    fn restore_diff(&self, s: &State, a: Artifact) -> Option<Vec<Change>> {
-        let mut pending = Vec::new();
-        let mut candidates = Vec::new();
-        for key in 0..KEYS {
-            let local = s.applied[key as usize];
-            let art = a.entries[key as usize];
-            let identical = local.is_some() && local == art;
-            let local = match self.mutation {
-                Mutation::RestoreKeyBackward => local.map(|_| 0),
-                _ => local.map(u64::from),
-            };
-            match (
-                protocol::restore_key(local, art.map(u64::from), identical, false),
-                art,
-            ) {
-                (KeyRestore::Take, Some(rev)) => pending.push(Change::Take(key, rev)),
-                (KeyRestore::Delete, _) => candidates.push(key),
-                _ => {}
-            }
-        }
-        if !candidates.is_empty() {
-            for key in candidates {
-                let live = s.listed(key) && self.mutation != Mutation::PhantomDelete;
-                if protocol::restore_key(Some(1), None, false, live) == KeyRestore::Delete {
-                    pending.push(Change::Delete(key));
-                }
-            }
-            if !protocol::resume_window_ok(a.cursor.into(), s.first.into()) {
-                return None;
-            }
-        }
-        Some(pending)
+/// Explores every state.
+fn check(mutation: Mutation) -> impl Checker<RepairModel> {
+    RepairModel {
+        mutation,
+        whole_relist_window: true,
     }
+    .checker()
+    .spawn_bfs()
+    .join()
 }
 
-fn check(mutation: Mutation) -> impl Checker<RepairModel> {
-    RepairModel { mutation }.checker().spawn_bfs().join()
+/// Explores until `property` has a discovery. Depth first, which finds one in a fraction of the
+/// states; `spawn_bfs` instead gives a shortest counterexample, to read one.
+fn find(mutation: Mutation, property: &'static str) -> impl Checker<RepairModel> {
+    let model = RepairModel {
+        mutation,
+        whole_relist_window: true,
+    };
+    find_all(model, &[property])
+}
+
+/// Explores `model` until each of `properties` has a discovery.
+fn find_all(model: RepairModel, properties: &[&'static str]) -> impl Checker<RepairModel> + use<> {
+    model
+        .checker()
+        .finish_when(HasDiscoveries::AllOf(properties.iter().copied().collect()))
+        .spawn_dfs()
+        .join()
 }
 
 #[test]
 fn a_level_fold_is_the_truth_and_no_repair_regresses_moves_backward_or_deletes_a_live_key() {
     let c = check(Mutation::None);
-    for property in [
-        "the cursor is monotone",
-        "no key moves backward",
-        "no phantom delete",
-        "a level fold is the truth",
-    ] {
+    for property in [MONOTONE, NOT_BACKWARD, NO_PHANTOM, LEVEL_IS_TRUTH] {
         c.assert_no_discovery(property);
     }
     assert!(
-        c.discovery("a repair completes and the fold converges")
-            .is_some(),
+        c.discovery(CONVERGES).is_some(),
         "the model can repair and converge"
     );
     assert!(
-        c.unique_state_count() > 10_000,
+        c.unique_state_count() > 100_000,
         "{} states",
         c.unique_state_count()
     );
 }
 
+/// A known gap, pinned so that its fix shows. An artifact exported mid catch-up may hold an older
+/// value of a key written after its cursor; where the fold has deleted that key, `restore_key` sees
+/// no local entry (`local: None`) and takes the older value back, until the resume delivers the
+/// key's later write. `restore_key` would need the fold's cursor (an artifact entry at or below it
+/// is never news) to refuse it. When that is fixed, this becomes an `assert_no_discovery` in the
+/// test above.
 #[test]
-fn each_mutation_of_the_repair_has_a_counterexample() {
-    for (mutation, property) in [
-        (Mutation::NoEvictionMemo, "no phantom delete"),
-        (Mutation::RelistOnEvictingBucket, "no phantom delete"),
-        (Mutation::RestoreKeyBackward, "no key moves backward"),
-        (Mutation::PhantomDelete, "no phantom delete"),
-        (Mutation::CursorBeforeLastChunk, "a level fold is the truth"),
-        (Mutation::RestoreNotAhead, "the cursor is monotone"),
-    ] {
-        let c = check(mutation);
-        let path = c
-            .discovery(property)
-            .unwrap_or_else(|| panic!("{mutation:?} found no counterexample to {property:?}"));
-        let steps: Vec<Action> = path.into_actions();
-        assert!(!steps.is_empty(), "{mutation:?}");
-    }
+fn no_deleted_key_comes_back_older_is_violated_by_a_mid_catch_up_artifact() {
+    let c = find(Mutation::None, NOT_RESURRECTED);
+    let path = c
+        .discovery(NOT_RESURRECTED)
+        .unwrap_or_else(|| panic!("the gap is closed: move {NOT_RESURRECTED:?} to the test above"));
+    assert!(!path.into_actions().is_empty());
+}
+
+/// A known gap, pinned so that its fix shows. A key-listing repair's trust in the listing is
+/// re-checked ([`protocol::relist_still_vouched`]) only at the state-sync re-list's first event,
+/// after the diff's synthetic deletes are committed. Without the axiom over the diff's own window,
+/// retention that starts evicting between the plan's read and the diff's listing has the diff
+/// delete a key that only aged out (the re-check then sends the fold to a restore, which may take
+/// it back). Re-reading retention after the diff's listing, as the restore does after its own,
+/// would close it.
+#[test]
+fn without_the_relist_window_axiom_a_relist_deletes_a_key_that_only_aged_out() {
+    let model = RepairModel {
+        mutation: Mutation::None,
+        whole_relist_window: false,
+    };
+    let c = find_all(model, &[NO_PHANTOM]);
+    let path = c
+        .discovery(NO_PHANTOM)
+        .unwrap_or_else(|| panic!("the gap is closed: {NO_PHANTOM:?} holds without the axiom"));
+    assert!(!path.into_actions().is_empty());
 }
 
 #[test]
-fn zz_stats() {
-    for m in [
-        Mutation::None,
-        Mutation::NoEvictionMemo,
-        Mutation::RelistOnEvictingBucket,
-        Mutation::RestoreKeyBackward,
-        Mutation::PhantomDelete,
-        Mutation::CursorBeforeLastChunk,
-        Mutation::RestoreNotAhead,
-    ] {
-        let t = std::time::Instant::now();
-        let c = check(m);
-        eprintln!("{m:?}: {} states in {:?}", c.unique_state_count(), t.elapsed());
-        for p in ["the cursor is monotone", "no key moves backward", "no phantom delete", "a level fold is the truth", "a repair completes and the fold converges"] {
-            if let Some(path) = c.discovery(p) {
-                eprintln!("  {p}: {:?}", path.into_actions());
-            }
+fn each_mutation_of_the_repair_has_a_counterexample() {
+    let table = [
+        (Mutation::NoEvictionMemo, NO_PHANTOM),
+        (Mutation::RelistOnEvictingBucket, NO_PHANTOM),
+        (Mutation::RestoreKeyBackward, NOT_BACKWARD),
+        (Mutation::PhantomDelete, NO_PHANTOM),
+        (Mutation::CursorBeforeLastChunk, LEVEL_IS_TRUTH),
+        (Mutation::RestoreNotAhead, MONOTONE),
+        (Mutation::RelistNotVouched, LEVEL_IS_TRUTH),
+    ];
+    // The checks are independent: one thread each.
+    std::thread::scope(|scope| {
+        for (mutation, property) in table {
+            scope.spawn(move || {
+                let c = find(mutation, property);
+                let path = c.discovery(property).unwrap_or_else(|| {
+                    panic!("{mutation:?} found no counterexample to {property:?}")
+                });
+                let steps: Vec<Action> = path.into_actions();
+                assert!(!steps.is_empty(), "{mutation:?}");
+            });
         }
-    }
+    });
 }

@@ -11,7 +11,10 @@
 //!   from the log, oldest first, as NATS does with superseded messages.
 //! - **Eviction** by the test: [`SimBucket::evict_through`] removes every message at or below a
 //!   sequence, as `max_age` or a `discard: old` limit would. The first sequence moves with it
-//!   (and with the history limit), and is `last + 1` for an empty log.
+//!   (and with the history limit), and is `last + 1` for an empty log. A per-message TTL running
+//!   out ([`SimBucket::expire_now`]) removes a key's messages and appends a server delete marker;
+//!   an admin purge of delete markers ([`SimBucket::purge_deletes_through`]) removes keys whose
+//!   last message is a marker, marker and all.
 //! - **Retention, read live**: [`KvWatcher::retention`] answers
 //!   `Some(Retention { evicts_current_values, first_revision })` from [`SimConfig`] (changeable
 //!   with [`SimBucket::set_evicts_current_values`]) and the live first sequence.
@@ -513,6 +516,23 @@ impl SimBucket {
     /// sequence.
     pub fn purge_now(&self, key: &str) -> u64 {
         self.change(|st| st.append(key, SimOp::Purge))
+    }
+
+    /// A per-message TTL running out on `key`'s current value (NATS 2.11 `SubjectDeleteMarkerTTL`):
+    /// the key's messages are removed and the server appends a delete marker in their place;
+    /// returns the marker's sequence. A fold sees a delete; the value is gone from the log.
+    pub fn expire_now(&self, key: &str) -> u64 {
+        self.change(|st| {
+            let seqs: Vec<u64> = st
+                .by_key
+                .get(key)
+                .map(|s| s.iter().copied().collect())
+                .unwrap_or_default();
+            for seq in seqs {
+                st.remove(seq);
+            }
+            st.append(key, SimOp::Delete)
+        })
     }
 
     /// Removes every message at or below `sequence` (at most the last one), as `max_age` or a

@@ -1510,7 +1510,10 @@ async fn one_failed_write_of_the_eviction_memo_is_retried_not_fatal() {
     .await
     .expect("one failed write is retried, not fatal");
     assert_eq!(finished.cursor.revision(), Some(6));
-    assert!(finished.cursor.memo().is_some(), "the memo committed on the retry");
+    assert!(
+        finished.cursor.memo().is_some(),
+        "the memo committed on the retry"
+    );
     assert_eq!(apply.parsed, 4, "the four retained keys");
 }
 

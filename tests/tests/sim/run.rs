@@ -211,10 +211,13 @@ impl Sim {
         let (seq, op) = if roll < 70 {
             let value = Bytes::from(format!("{key}={}", self.counter));
             (self.bucket.put_now(key, value.clone()), Op::Put(value))
-        } else if roll < 90 {
+        } else if roll < 85 {
             (self.bucket.delete_now(key), Op::Delete)
-        } else {
+        } else if roll < 93 || !self.sc.evicting {
             (self.bucket.purge_now(key), Op::Purge)
+        } else {
+            // A message TTL ran out: the server's delete marker replaces the value.
+            (self.bucket.expire_now(key), Op::Delete)
         };
         self.truth.lock().expect("truth").record(seq, key, op);
     }
@@ -503,6 +506,7 @@ impl Sim {
             .lock()
             .map(|c| c.clone())
             .unwrap_or_default();
+        self.note(format!("committed cursors {committed:?}"));
         if let Some(w) = committed.windows(2).find(|w| w[1] < w[0]) {
             return Err(format!("the cursor moved backward: {} then {}", w[0], w[1]));
         }
@@ -648,7 +652,9 @@ impl Sim {
                 self.note(format!("exported at {c}"));
                 // The fold's own artifacts serve restores too, as a fleet's would: complete
                 // together with the log after their cursor, not the truth at it.
-                let shared = self.peer_dir.join(format!("node-{c:08}-{}", self.exports.len()));
+                let shared = self
+                    .peer_dir
+                    .join(format!("node-{c:08}-{}", self.exports.len()));
                 copy_dir(&out, &shared);
                 self.exports.push((out, c));
                 self.out.exports += 1;
