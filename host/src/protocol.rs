@@ -253,17 +253,23 @@ pub enum KeyRestore {
 
 /// The per-key restore decision. `local` and `artifact` are the entries' revisions (`None`:
 /// absent; an unknown local version is passed as 0, older than any artifact entry); `identical`
-/// says both entries are byte-equal; `listed_live` says the bucket's live listing has the key.
-/// Take the artifact's entry unless the local one is newer (never a move backward); delete a key
-/// the artifact lacks unless the bucket lists it live (never a phantom delete).
+/// says both entries are byte-equal; `listed_live` says the bucket's live listing has the key;
+/// `fold_cursor` is the local fold's cursor. Take the artifact's entry unless the local one is
+/// newer (never a move backward) or the fold's cursor already covers it (an entry at or below the
+/// cursor is never news: an artifact exported mid catch-up can hold an older value of a key the
+/// fold has since deleted, and taking it would bring the key back until the resume delivered its
+/// later write — found by the repair model, issue 17); delete a key the artifact lacks unless the
+/// bucket lists it live (never a phantom delete).
 pub fn restore_key(
     local: Option<u64>,
     artifact: Option<u64>,
     identical: bool,
     listed_live: bool,
+    fold_cursor: Option<u64>,
 ) -> KeyRestore {
     match (local, artifact) {
         (_, Some(_)) if identical => KeyRestore::Keep,
+        (_, Some(a)) if fold_cursor.is_some_and(|c| a <= c) => KeyRestore::Keep,
         (Some(l), Some(a)) if l > a => KeyRestore::Keep,
         (_, Some(_)) => KeyRestore::Take,
         (Some(_), None) if listed_live => KeyRestore::Keep,
@@ -866,11 +872,20 @@ mod tests {
         ];
         for (l, a, same, live, want) in table {
             assert_eq!(
-                restore_key(l, a, same, live),
+                restore_key(l, a, same, live, None),
                 want,
                 "{l:?} {a:?} {same} {live}"
             );
         }
+        // The fold's cursor covers the artifact's entry: never taken (a key the fold deleted
+        // stays deleted), whatever the local entry.
+        assert_eq!(restore_key(None, Some(5), false, false, Some(7)), K::Keep);
+        assert_eq!(
+            restore_key(Some(3), Some(5), false, false, Some(5)),
+            K::Keep
+        );
+        assert_eq!(restore_key(None, Some(8), false, false, Some(7)), K::Take);
+        assert_eq!(restore_key(Some(5), None, false, false, Some(7)), K::Delete);
     }
 
     #[test]

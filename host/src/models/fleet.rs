@@ -327,10 +327,11 @@ impl FleetModel {
                 art.entries[k].map(u64::from),
                 identical,
                 false,
+                e.cursor.map(u64::from),
             ) {
                 KeyRestore::Take => fold[k] = art.entries[k],
                 KeyRestore::Delete => {
-                    if protocol::restore_key(Some(1), None, false, n.listed(key))
+                    if protocol::restore_key(Some(1), None, false, n.listed(key), None)
                         == KeyRestore::Delete
                     {
                         fold[k] = None;

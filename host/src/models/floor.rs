@@ -129,6 +129,8 @@ struct State {
     restored: bool,
     /// A key-listing repair has run (observed, for the reachability property).
     relisted: bool,
+    /// A restore moved the fold to a cursor its resume cannot continue from (observed).
+    restored_past_retention: bool,
     restarts: u8,
 }
 
@@ -347,6 +349,7 @@ impl FloorModel {
                 artifact[k].map(u64::from),
                 identical,
                 listed(n, k),
+                n.cursor,
             ) {
                 KeyRestore::Keep => {}
                 KeyRestore::Take => {
@@ -358,6 +361,7 @@ impl FloorModel {
         }
         n.cursor = Some(u64::from(a));
         n.restored = true;
+        n.restored_past_retention |= !protocol::resume_window_ok(u64::from(a), first);
         n.watch = if protocol::resume_window_ok(u64::from(a), first) {
             Watch::Running {
                 pos: a,
@@ -392,6 +396,7 @@ impl Model for FloorModel {
             tripped: false,
             restored: false,
             relisted: false,
+            restored_past_retention: false,
             restarts: 0,
         }]
     }
@@ -573,6 +578,10 @@ impl Model for FloorModel {
                 "a settled watch's fold is every write minus every real delete",
                 |m: &FloorModel, s: &State| !settled(m, s) || s.fold == m.truth(s.written),
             ),
+            Property::always(
+                "a restore lands where its resume is gap-free",
+                |_, s: &State| !s.restored_past_retention,
+            ),
             Property::always("a repair never moves the fold backward", |_, s: &State| {
                 s.cursor >= s.cursor_high
                     && s.fold
@@ -611,6 +620,7 @@ fn a_settled_watchs_fold_is_every_write_minus_every_real_delete_in_both_scopes()
             let c = check(scope, evicts, Mutation::None);
             c.assert_no_discovery("a settled watch's fold is every write minus every real delete");
             c.assert_no_discovery("a repair never moves the fold backward");
+            c.assert_no_discovery("a restore lands where its resume is gap-free");
             assert!(
                 c.discovery("the whole log folded and settled").is_some(),
                 "{scope:?} evicts={evicts}: the whole log can be folded"

@@ -366,6 +366,8 @@ fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
     let mut taken = 0u64;
     let mut candidates = Vec::new();
     let mut failed: Option<RepairError> = None;
+    // An artifact entry at or below the fold's cursor is never news (`protocol::restore_key`).
+    let fold_cursor = local.cursor().revision();
     let mut take = |e: &KvEntry, taken: &mut u64| -> Result<(), RepairError> {
         *taken += 1;
         spill_entry(spill, e).map_err(io_err(spill_path, "write spill"))
@@ -388,6 +390,7 @@ fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
                         Some(ae.version.as_u64().unwrap_or(0)),
                         false,
                         false,
+                        fold_cursor,
                     ) == KeyRestore::Take
                     {
                         take(&ae, &mut taken)?;
@@ -402,12 +405,18 @@ fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
                         Some(ae.version.as_u64().unwrap_or(0)),
                         identical,
                         false,
+                        fold_cursor,
                     );
                     if d == KeyRestore::Take {
                         take(&ae, &mut taken)?;
                     }
-                } else if protocol::restore_key(Some(local_revision(l)), None, false, false)
-                    == KeyRestore::Delete
+                } else if protocol::restore_key(
+                    Some(local_revision(l)),
+                    None,
+                    false,
+                    false,
+                    fold_cursor,
+                ) == KeyRestore::Delete
                 {
                     if candidates.len() >= MAX_HELD_KEYS {
                         return Err(RepairError::Refused(format!(
@@ -431,8 +440,13 @@ fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
         }
         while a.peek()?.is_some() {
             let ae = a.pop().expect("peeked");
-            if protocol::restore_key(None, Some(ae.version.as_u64().unwrap_or(0)), false, false)
-                == KeyRestore::Take
+            if protocol::restore_key(
+                None,
+                Some(ae.version.as_u64().unwrap_or(0)),
+                false,
+                false,
+                fold_cursor,
+            ) == KeyRestore::Take
             {
                 take(&ae, &mut taken)?;
             }
@@ -578,7 +592,7 @@ async fn filter_deletes(
         .await?;
     drop(cands);
     deletes.retain(|k| {
-        protocol::restore_key(Some(1), None, false, live.contains(k)) == KeyRestore::Delete
+        protocol::restore_key(Some(1), None, false, live.contains(k), None) == KeyRestore::Delete
     });
     let first = first_sequence(watcher.retention().await?)?;
     if !protocol::resume_window_ok(rev, first) {
