@@ -55,6 +55,12 @@ pub trait Apply: Send {
     /// failed release of retained records): the next call rebuilds it from the fold.
     fn discard(&mut self) {}
 
+    /// Test builds only (`testkit`): the applier's next call into a guest is interrupted as by
+    /// its deadline (a real wasmtime trap through the real failure path). Appliers without a
+    /// guest ignore it. How the seeded simulation places a guest trap at a chosen call.
+    #[cfg(any(test, feature = "testkit"))]
+    fn interrupt_next_call(&mut self) {}
+
     /// Starts a replacement of this applier from the component `bytes` (named `what`): checked now
     /// (compiled, its imports linked), then built and hydrated by the candidate itself from `view`
     /// (the fold at the swap's cursor C) beside the running applier, off the fold's path. Nothing of

@@ -363,6 +363,10 @@ struct Core {
     limits: GuestLimits,
     config: Vec<(String, String)>,
     fold: Arc<dyn FoldRead>,
+    /// Test builds only: the next call is armed with a deadline already passed, so wasmtime
+    /// interrupts it at its first epoch check — a real deadline trap at a chosen call.
+    #[cfg(any(test, feature = "testkit"))]
+    interrupt_next: AtomicBool,
 }
 
 /// A guest as an [`Apply`]: parse/apply/on-applied/query cross into the component, once per batch.
@@ -399,6 +403,8 @@ impl GuestApply {
             limits,
             config,
             fold,
+            #[cfg(any(test, feature = "testkit"))]
+            interrupt_next: AtomicBool::new(false),
         };
         let mut live = core.instantiate().await?;
         core.manifest = core.call_manifest(&mut live).await?;
@@ -505,6 +511,10 @@ impl Core {
     /// Also resets the call's log-line count.
     fn arm(&self, live: &mut Live) {
         live.store.set_epoch_deadline(self.deadline_ticks());
+        #[cfg(any(test, feature = "testkit"))]
+        if self.interrupt_next.swap(false, Ordering::Relaxed) {
+            live.store.set_epoch_deadline(0);
+        }
         live.store.data_mut().log_lines = 0;
     }
 
@@ -825,6 +835,11 @@ impl Apply for GuestApply {
         self.live = None;
     }
 
+    #[cfg(any(test, feature = "testkit"))]
+    fn interrupt_next_call(&mut self) {
+        self.core.interrupt_next.store(true, Ordering::Relaxed);
+    }
+
     async fn on_applied(&mut self, cursor: WatchCursor) {
         let Some(mut live) = self.live.take() else {
             return;
@@ -883,6 +898,8 @@ impl Apply for GuestApply {
                 limits: self.core.limits,
                 config: self.core.config.clone(),
                 fold: view,
+                #[cfg(any(test, feature = "testkit"))]
+                interrupt_next: AtomicBool::new(false),
             },
             live: None,
             running: self.core.manifest.clone(),

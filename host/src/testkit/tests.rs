@@ -1604,3 +1604,157 @@ async fn a_state_sync_start_that_eviction_overtook_expires_instead_of_folding_a_
     assert_eq!(s.cursor().revision(), None);
     assert!(s.cursor().memo().is_some(), "the eviction is remembered");
 }
+
+/// Options with an automatic repair: a key listing from `sim`, and artifacts from `artifacts`.
+fn repairing(sim: &SimBucket, artifacts: Option<&Path>, scratch: &Path) -> WatchOptions {
+    let mut o = opts(100, Duration::from_millis(10), true);
+    o.repair = crate::repair::RepairConfig {
+        mode: protocol::RepairMode::Auto,
+        restore_from: artifacts.map(crate::repair::RestoreSource::new),
+        lister: Some(Arc::new(sim.clone()) as Arc<dyn KvReader>),
+        scratch: Some(scratch.to_path_buf()),
+        ..crate::repair::RepairConfig::default()
+    };
+    o
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_expired_cursor_is_relisted_where_the_listing_is_the_truth_and_restored_where_it_is_not()
+{
+    // A bucket that keeps current values: the fold folds k1..k5, stops; while it is down every
+    // key is overwritten (its cursor falls out of the log), k1 is deleted and the marker purged.
+    let sim = SimBucket::new();
+    for i in 1..=5 {
+        sim.put_now(&format!("k{i}"), "v1");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let mut apply = CountingApply::default();
+    let status = Arc::new(FoldStatus::default());
+    let f = fold_alone(
+        &sim,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), true),
+        status,
+    )
+    .await
+    .expect("the first run");
+    assert_eq!(f.cursor.revision(), Some(5));
+    for i in 1..=5 {
+        sim.put_now(&format!("k{i}"), "v2");
+    }
+    sim.delete_now("k1");
+    assert_eq!(
+        sim.purge_deletes_through(u64::MAX),
+        1,
+        "k1's marker is gone"
+    );
+    assert!(sim.first_sequence() > 6, "the cursor fell out of the log");
+    let status = Arc::new(FoldStatus::default());
+    let f = fold_alone(
+        &sim,
+        store.clone(),
+        &mut apply,
+        repairing(&sim, None, scratch.path()),
+        status.clone(),
+    )
+    .await
+    .expect("the re-list repair");
+    assert_eq!(load(&status.repairs), 1);
+    assert_eq!(
+        f.cursor.revision(),
+        Some(sim.last_sequence() - 1),
+        "through k5's last write"
+    );
+    let folded = contents(&*store.read().expect("read"));
+    assert_eq!(
+        folded,
+        bucket(&sim).await,
+        "k1 deleted by the diff, the rest re-listed"
+    );
+    assert!(!folded.contains_key("k1"));
+
+    // A bucket that evicts current values: the fold folds k1..k3; while it is down k1..k3 are
+    // evicted unseen-over (k2's new value and k3's delete with them) and only a peer's artifact
+    // at 6 still holds what they were.
+    let sim = SimBucket::with_config(SimConfig {
+        evicts_current_values: true,
+        ..SimConfig::default()
+    });
+    for i in 1..=3 {
+        sim.put_now(&format!("k{i}"), "v1");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let mut apply = CountingApply::default();
+    fold_alone(
+        &sim,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), true),
+        Arc::new(FoldStatus::default()),
+    )
+    .await
+    .expect("the first run");
+    sim.put_now("k2", "v2"); // 4
+    sim.delete_now("k3"); // 5
+    sim.put_now("k4", "v1"); // 6
+    let peer_dir = tempfile::tempdir().expect("tempdir");
+    let mut peer = open(peer_dir.path());
+    let entry = |key: &str, value: &'static str, rev: u64| {
+        KvUpdate::Put(KvEntry {
+            key: key.into(),
+            value: Bytes::from_static(value.as_bytes()),
+            version: VersionToken::from_u64(rev),
+        })
+    };
+    peer.apply(
+        &[
+            entry("k1", "v1", 1),
+            entry("k2", "v2", 4),
+            entry("k4", "v1", 6),
+        ],
+        WatchCursor::at(6),
+    )
+    .expect("the peer's fold");
+    let artifacts = tempfile::tempdir().expect("tempdir");
+    crate::artifact::export_store(
+        &peer,
+        crate::storedir::Backend::AppendLog,
+        &artifacts.path().join("peer-6"),
+        Some(WatchScope::All.to_string()),
+        &mut |_, _| {},
+    )
+    .expect("the peer's artifact");
+    sim.put_now("k5", "v1"); // 7
+    sim.evict_through(6);
+    let status = Arc::new(FoldStatus::default());
+    let f = fold_alone(
+        &sim,
+        store.clone(),
+        &mut apply,
+        repairing(&sim, Some(artifacts.path()), scratch.path()),
+        status.clone(),
+    )
+    .await
+    .expect("the restore");
+    assert_eq!(load(&status.repairs), 1);
+    assert_eq!(f.cursor.revision(), Some(7));
+    let folded = contents(&*store.read().expect("read"));
+    let want: Vec<(&str, &str, u64)> = vec![
+        ("k1", "v1", 1),
+        ("k2", "v2", 4),
+        ("k4", "v1", 6),
+        ("k5", "v1", 7),
+    ];
+    assert_eq!(
+        folded
+            .iter()
+            .map(|(k, (v, r))| (k.as_str(), std::str::from_utf8(v).expect("utf-8"), *r))
+            .collect::<Vec<_>>(),
+        want,
+        "the evicted values restored, k3's delete taken from the artifact's absence"
+    );
+}

@@ -193,9 +193,20 @@ pub struct Harnessed {
     pub store: SharedStore<FaultStore>,
     pub truth: Arc<Mutex<Truth>>,
     pub violations: Violations,
-    /// `apply` calls (1-based, this life) that fail, as a guest's error would.
-    pub fail_calls: Vec<u32>,
+    /// `apply` calls (1-based, this life) that fail, and how.
+    pub faults: Vec<(u32, GuestFault)>,
     pub calls: Arc<AtomicU32>,
+    /// Guest calls that the injected interrupt really trapped.
+    pub traps: Arc<AtomicU32>,
+}
+
+/// A fault at a guest call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GuestFault {
+    /// The call fails as a guest's own error would (the instance is dropped).
+    Error,
+    /// The guest host arms the call with a passed deadline: wasmtime interrupts it (a real trap).
+    Interrupt,
 }
 
 impl Harnessed {
@@ -260,7 +271,8 @@ impl Apply for Harnessed {
 
     async fn apply(&mut self, batch: &[KvUpdate], verdicts: &[Verdict]) -> Result<(), ApplyError> {
         let n = self.calls.fetch_add(1, Ordering::SeqCst) + 1;
-        if self.fail_calls.contains(&n) {
+        let fault = self.faults.iter().find(|(c, _)| *c == n).map(|(_, f)| *f);
+        if fault == Some(GuestFault::Error) {
             // A failed guest call kills its instance: the next call rebuilds it from the fold.
             self.inner.discard();
             return Err(ApplyError {
@@ -273,6 +285,14 @@ impl Apply for Harnessed {
             if *v != Verdict::Skip {
                 self.check(u);
             }
+        }
+        if fault == Some(GuestFault::Interrupt) {
+            self.inner.interrupt_next_call();
+            let r = self.inner.apply(batch, verdicts).await;
+            if r.is_err() {
+                self.traps.fetch_add(1, Ordering::SeqCst);
+            }
+            return r;
         }
         self.inner.apply(batch, verdicts).await
     }

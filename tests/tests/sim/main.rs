@@ -106,8 +106,9 @@ fn assert_coverage(runs: &[(Scenario, Outcome)], torn: bool) {
     let torn_n = sum(&|(_, o)| u64::from(o.torn));
     let swaps = sum(&|(_, o)| u64::from(o.swaps));
     let exports = sum(&|(_, o)| u64::from(o.exports));
+    let traps = sum(&|(_, o)| u64::from(o.guest_traps));
     eprintln!(
-        "{} seeds: {relists} re-list repairs, {restores} restores, {crashes} crashes ({torn_n} torn), {swaps} swaps, {exports} exports resumed",
+        "{} seeds: {relists} re-list repairs, {restores} restores, {crashes} crashes ({torn_n} torn), {swaps} swaps, {traps} guest traps, {exports} exports resumed",
         runs.len()
     );
     assert!(relists > 0, "no re-list repair ran");
@@ -116,6 +117,7 @@ fn assert_coverage(runs: &[(Scenario, Outcome)], torn: bool) {
     assert!(!torn || torn_n > 0, "no commit was torn");
     assert!(swaps > 0, "no guest was swapped");
     assert!(exports > 0, "no mid-run export was resumed");
+    assert!(traps > 0, "no guest call was interrupted");
 }
 
 #[test]

@@ -24,7 +24,7 @@ use foldhost::view::{FoldRead, SharedStore};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::faults::{
-    FaultStore, Harnessed, NativeMap, StoreFault, StoreWatch, Violations, contents,
+    FaultStore, GuestFault, Harnessed, NativeMap, StoreFault, StoreWatch, Violations, contents,
 };
 use crate::world::{GuestKind, KEYS, Op, Rng, Scenario, Truth};
 
@@ -78,6 +78,8 @@ pub struct Outcome {
     pub torn: u32,
     pub swaps: u32,
     pub exports: u32,
+    /// Guest calls interrupted by the guest host (real traps).
+    pub guest_traps: u32,
 }
 
 /// A run in progress.
@@ -405,13 +407,18 @@ impl Sim {
         } else {
             BTreeMap::new()
         };
-        let fail_calls: Vec<u32> = if faults && self.rng.chance(40) {
-            vec![1 + self.rng.below(12) as u32]
+        let guest_faults: Vec<(u32, GuestFault)> = if faults && self.rng.chance(50) {
+            let kind = if kind == GuestKind::Wasm && self.rng.chance(50) {
+                GuestFault::Interrupt
+            } else {
+                GuestFault::Error
+            };
+            vec![(1 + self.rng.below(6) as u32, kind)]
         } else {
             Vec::new()
         };
         self.note(format!(
-            "life: cursor {}, store faults {plan:?}, guest errors at {fail_calls:?}",
+            "life: cursor {}, store faults {plan:?}, guest faults {guest_faults:?}",
             inner.cursor().revision_or_zero()
         ));
         let watch = Arc::new(StoreWatch::default());
@@ -429,8 +436,9 @@ impl Sim {
             store: shared.clone(),
             truth: self.truth.clone(),
             violations: self.violations.clone(),
-            fail_calls,
+            faults: guest_faults,
             calls: Arc::new(AtomicU32::new(0)),
+            traps: Arc::new(AtomicU32::new(0)),
         };
         let opts = WatchOptions {
             scope: self.sc.scope.clone(),
@@ -499,6 +507,7 @@ impl Sim {
             }
         }
         drop(fold);
+        self.out.guest_traps += apply.traps.load(Ordering::SeqCst);
         drop(apply);
         // The committed cursors of this life never move backward.
         let committed = watch
