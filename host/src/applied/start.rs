@@ -135,6 +135,7 @@ pub(super) async fn check_identity<S: SnapshotStore, A: Apply + ?Sized>(
             let report = crate::repair::relist(
                 &mut Repairing { fold, apply },
                 &opts.repair,
+                watcher,
                 &opts.scope,
                 opts.batch.max,
             )
@@ -243,6 +244,7 @@ pub(super) async fn repair_expired<S: SnapshotStore, A: Apply + ?Sized>(
             repair::relist(
                 &mut Repairing { fold, apply },
                 &opts.repair,
+                watcher,
                 &opts.scope,
                 opts.batch.max,
             )

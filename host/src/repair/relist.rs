@@ -5,7 +5,8 @@
 use std::ops::ControlFlow;
 
 use crate::crashpoint;
-use crate::kv::{KvUpdate, VersionToken, WatchScope};
+use crate::kv::{KvUpdate, KvWatcher, VersionToken, WatchScope};
+use crate::protocol;
 use crate::retained::is_reserved;
 use crate::snapshot::SnapshotStore;
 
@@ -95,6 +96,7 @@ pub(super) async fn fold_deletes<T: RepairTarget>(
 pub async fn relist<T: RepairTarget>(
     target: &mut T,
     cfg: &RepairConfig,
+    watcher: &dyn KvWatcher,
     scope: &WatchScope,
     max: usize,
 ) -> Result<RepairReport, T::Error> {
@@ -106,6 +108,16 @@ pub async fn relist<T: RepairTarget>(
     block(|| clear_dir(&scratch))?;
     let (listing, listed) =
         list_sorted(&*lister, scope, &scratch.join("sort"), cfg.sort_run_bytes).await?;
+    // The listing vouches for "not listed means deleted" only if retention still evicts nothing:
+    // read it again now that the listing is taken, before anything is deleted (eviction turned on
+    // between the plan and the listing would otherwise delete keys that only aged out).
+    if !protocol::relist_still_vouched(watcher.retention().await.map_err(RepairError::from)?) {
+        let _ = std::fs::remove_dir_all(&scratch);
+        return Err(RepairError::Refused(
+            "retention began evicting current values during the key-listing repair: the listing cannot tell an aged-out key from a deleted one; nothing was deleted (with --restore-from, the next start repairs by restore)".into(),
+        )
+        .into());
+    }
     let store = target.store();
     let stale = block(|| -> Result<Vec<String>, RepairError> {
         let s = store.read()?;

@@ -1758,3 +1758,85 @@ async fn an_expired_cursor_is_relisted_where_the_listing_is_the_truth_and_restor
         "the evicted values restored, k3's delete taken from the artifact's absence"
     );
 }
+
+/// A key listing during which the bucket's retention starts evicting current values (an operator
+/// sets `max_age` mid-repair) and evicts through `evict_through`.
+struct EvictsDuringListing {
+    sim: SimBucket,
+    evict_through: u64,
+}
+
+#[async_trait]
+impl KvReader for EvictsDuringListing {
+    async fn get(&self, key: &str) -> Result<Option<KvEntry>, KvError> {
+        self.sim.get(key).await
+    }
+
+    async fn entry(&self, key: &str) -> Result<Option<KvEntry>, KvError> {
+        self.sim.entry(key).await
+    }
+
+    async fn keys(&self, prefix: &str) -> Result<Vec<String>, KvError> {
+        self.sim.set_evicts_current_values(true);
+        self.sim.evict_through(self.evict_through);
+        self.sim.keys(prefix).await
+    }
+
+    async fn scan(&self, prefix: &str) -> Result<Vec<KvEntry>, KvError> {
+        self.sim.scan(prefix).await
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_relist_whose_bucket_began_evicting_during_its_listing_deletes_nothing() {
+    let sim = SimBucket::new(); // keeps current values
+    for i in 1..=3 {
+        sim.put_now(&format!("k{i}"), "v1");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let scratch = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let mut apply = CountingApply::default();
+    fold_alone(
+        &sim,
+        store.clone(),
+        &mut apply,
+        opts(100, Duration::from_millis(10), true),
+        Arc::new(FoldStatus::default()),
+    )
+    .await
+    .expect("the first run");
+    // While the fold is down every key is overwritten, so its cursor 3 falls out of the log…
+    sim.put_now("k2", "v2"); // 4
+    sim.put_now("k3", "v2"); // 5
+    sim.put_now("k1", "v2"); // 6
+    sim.put_now("k4", "v1"); // 7
+    sim.put_now("k2", "v3"); // 8
+    assert_eq!(sim.first_sequence(), 5, "the cursor fell out of the log");
+    // …and during the listing retention starts evicting and takes k3's and k1's current values
+    // (5, 6): the listing lacks two keys that were never deleted.
+    let mut o = repairing(&sim, None, scratch.path());
+    o.repair.lister = Some(Arc::new(EvictsDuringListing {
+        sim: sim.clone(),
+        evict_through: 6,
+    }) as Arc<dyn KvReader>);
+    let result = fold_alone(
+        &sim,
+        store.clone(),
+        &mut apply,
+        o,
+        Arc::new(FoldStatus::default()),
+    )
+    .await;
+    match result {
+        Err(AppliedError::Repair(crate::repair::RepairError::Refused(why))) => {
+            assert!(why.contains("began evicting"), "{why}");
+        }
+        other => panic!("expected the re-list refused, got {other:?}"),
+    }
+    let folded = contents(&*store.read().expect("read"));
+    assert!(
+        folded.contains_key("k1"),
+        "k1 only aged out: it is not deleted"
+    );
+}

@@ -19,8 +19,10 @@
 //! mid-run export resumes to the truth.
 //!
 //! Tiers: the fast tier (these tests, in CI) runs [`FAST_SEEDS`] seeds per backend;
-//! `FOLDHOST_SIM_DEEP=1` runs ten times as many; `FOLDHOST_SIM_SEED=<seed>` runs that one seed
-//! (the failure message prints the command).
+//! `FOLDHOST_SIM_DEEP=1` runs ten times as many (with `--profile sim-deep`, whose timeout allows
+//! them); `FOLDHOST_SIM_SEED=<seed>` runs that one seed (the failure message prints the command).
+//! `FOLDHOST_SIM_LOG=<filter>` prints the fold's own log; `FOLDHOST_SIM_DEBUG=1` prints every
+//! store-apply call, and the store's contents when a wait gets stuck.
 
 mod faults;
 mod run;
