@@ -389,14 +389,25 @@ pub fn pointer_publish_allowed(current: PointerState, cursor: u64) -> bool {
 }
 
 /// Whether a payload may be pruned: never the pointer's target (whatever its age, even at zero
-/// grace), and otherwise only once it is older than `grace` (a node may still be downloading a
-/// payload a newer pointer has just replaced).
+/// grace); never one whose cursor is at or above the pointer's, nor any while there is no pointer
+/// (an exporter may have uploaded it and be about to publish: the pointer would dangle — found by
+/// the fleet model at zero grace, issue 17); a payload below the pointer no publish can name
+/// ([`pointer_publish_allowed`] refuses it), so it goes once it is older than `grace` (a node may
+/// still be downloading a payload a newer pointer has just replaced). A payload whose name carries
+/// no cursor (named before cursors were) is judged by the target and its age alone, as then.
 pub fn payload_prunable(
     is_pointer_target: bool,
+    payload_cursor: Option<u64>,
+    pointer_cursor: Option<u64>,
     age: std::time::Duration,
     grace: std::time::Duration,
 ) -> bool {
-    !is_pointer_target && age > grace
+    let unreachable = match (payload_cursor, pointer_cursor) {
+        (_, None) => false,
+        (Some(p), Some(t)) => p < t,
+        (None, Some(_)) => true,
+    };
+    !is_pointer_target && unreachable && age > grace
 }
 
 /// What the export lease key holds, as read before a round.
@@ -1178,11 +1189,66 @@ mod tests {
     #[test]
     fn a_payload_is_pruned_only_past_the_grace_and_never_the_pointers_target() {
         use std::time::Duration as D;
-        assert!(!payload_prunable(true, D::from_secs(1_000_000), D::ZERO));
-        assert!(!payload_prunable(true, D::ZERO, D::ZERO));
-        assert!(payload_prunable(false, D::from_secs(61), D::from_secs(60)));
-        assert!(!payload_prunable(false, D::from_secs(60), D::from_secs(60)));
-        assert!(payload_prunable(false, D::from_millis(1), D::ZERO));
+        let (below, at) = (Some(4), Some(5));
+        assert!(!payload_prunable(
+            true,
+            at,
+            at,
+            D::from_secs(1_000_000),
+            D::ZERO
+        ));
+        assert!(!payload_prunable(true, at, at, D::ZERO, D::ZERO));
+        assert!(payload_prunable(
+            false,
+            below,
+            at,
+            D::from_secs(61),
+            D::from_secs(60)
+        ));
+        assert!(!payload_prunable(
+            false,
+            below,
+            at,
+            D::from_secs(60),
+            D::from_secs(60)
+        ));
+        assert!(payload_prunable(
+            false,
+            below,
+            at,
+            D::from_millis(1),
+            D::ZERO
+        ));
+        // At or above the pointer, or with no pointer: an exporter may be about to name it.
+        assert!(!payload_prunable(
+            false,
+            at,
+            at,
+            D::from_secs(1_000_000),
+            D::ZERO
+        ));
+        assert!(!payload_prunable(
+            false,
+            Some(9),
+            at,
+            D::from_secs(1_000_000),
+            D::ZERO
+        ));
+        assert!(!payload_prunable(
+            false,
+            below,
+            None,
+            D::from_secs(1_000_000),
+            D::ZERO
+        ));
+        // A name without a cursor (the earlier form): target and age alone.
+        assert!(payload_prunable(
+            false,
+            None,
+            at,
+            D::from_secs(61),
+            D::from_secs(60)
+        ));
     }
 
     #[test]

@@ -20,7 +20,9 @@
 //!   a few chunks and one buffer; nothing is stored as a tar), its embedded manifest must equal the
 //!   pointer's bytes, every file must be listed there once with its size and BLAKE3 digest, and the
 //!   staged copy must reopen at the manifest's cursor before it is renamed into a store.
-//! - **Prune** deletes only what [`protocol::payload_prunable`] allows: never the pointer's target.
+//! - **Prune** deletes only what [`protocol::payload_prunable`] allows: never the pointer's target,
+//!   never a payload at or above the pointer's cursor (one an exporter may still name), and only
+//!   past the grace.
 
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
@@ -136,14 +138,28 @@ pub struct Published {
     pub payload: String,
 }
 
-/// The payload name of a manifest: the first 16 bytes of its BLAKE3, in hex.
-pub fn payload_name(manifest_bytes: &[u8]) -> String {
+/// The payload name of a manifest at `cursor`: the cursor (20 digits) and the first 16 bytes of
+/// the manifest's BLAKE3, in hex. The cursor is in the name so a prune can tell, from a listing
+/// alone, a payload no publish can name any more (below the pointer) from one an exporter may be
+/// about to name ([`protocol::payload_prunable`]).
+pub fn payload_name(manifest_bytes: &[u8], cursor: u64) -> String {
     let h = blake3::hash(manifest_bytes);
     let hex: String = h.as_bytes()[..16]
         .iter()
         .map(|b| format!("{b:02x}"))
         .collect();
-    format!("{hex}.tar")
+    format!("{cursor:020}-{hex}.tar")
+}
+
+/// The cursor a payload's name carries; `None` for a name of the earlier form (`<hex>.tar`) or a
+/// foreign object.
+pub fn payload_cursor(name: &str) -> Option<u64> {
+    let (cursor, rest) = name.split_once('-')?;
+    if cursor.len() != 20 || !cursor.bytes().all(|b| b.is_ascii_digit()) || !rest.ends_with(".tar")
+    {
+        return None;
+    }
+    cursor.parse().ok()
 }
 
 /// Whether `key` is a usable artifact key (a path segment of the store: letters, digits, `.`,
@@ -228,13 +244,15 @@ impl ArtifactTransport {
             })?;
         let manifest = artifact::read_manifest(artifact)?;
         let cursor = manifest.cursor.unwrap_or(0);
-        let payload = self.payloads_dir(key).join(payload_name(&manifest_bytes));
+        let payload = self
+            .payloads_dir(key)
+            .join(payload_name(&manifest_bytes, cursor));
         std::fs::create_dir_all(scratch).map_err(|source| TransportError::Io {
             path: scratch.to_path_buf(),
             op: "create scratch",
             source,
         })?;
-        let tar = scratch.join(format!(".upload-{}", payload_name(&manifest_bytes)));
+        let tar = scratch.join(format!(".upload-{}", payload_name(&manifest_bytes, cursor)));
         let packed = {
             let (a, t) = (artifact.to_path_buf(), tar.clone());
             tokio::task::spawn_blocking(move || artifact::pack_tar(&a, &t))
@@ -423,13 +441,15 @@ impl ArtifactTransport {
         dest: &Path,
         want: Option<crate::storedir::Backend>,
     ) -> Result<ExportManifest, TransportError> {
-        let Some((manifest_bytes, _)) = self.pointer(key).await? else {
+        let Some((manifest_bytes, manifest)) = self.pointer(key).await? else {
             return Err(TransportError::NothingPublished {
                 key: key.to_string(),
                 url: self.url.clone(),
             });
         };
-        let payload = self.payloads_dir(key).join(payload_name(&manifest_bytes));
+        let payload = self
+            .payloads_dir(key)
+            .join(payload_name(&manifest_bytes, manifest.cursor.unwrap_or(0)));
         let r = self
             .store
             .get(&payload)
@@ -513,17 +533,17 @@ impl ArtifactTransport {
     }
 
     /// Deletes the payloads of `key` that [`protocol::payload_prunable`] allows at `now`: older
-    /// than `grace`, and never the pointer's target. Returns how many went.
+    /// than `grace`, below the pointer's cursor, and never the pointer's target (with no pointer,
+    /// none). Returns how many went.
     pub async fn prune(
         &self,
         key: &str,
         grace: Duration,
         now: clock::Now,
     ) -> Result<u64, TransportError> {
-        let target = self
-            .pointer(key)
-            .await?
-            .map(|(bytes, _)| payload_name(&bytes));
+        let pointer = self.pointer(key).await?;
+        let pointer_cursor = pointer.as_ref().map(|(_, m)| m.cursor.unwrap_or(0));
+        let target = pointer.map(|(bytes, m)| payload_name(&bytes, m.cursor.unwrap_or(0)));
         let dir = self.payloads_dir(key);
         let mut listed = self.store.list(Some(&dir));
         let mut doomed = Vec::new();
@@ -533,7 +553,8 @@ impl ArtifactTransport {
                 .as_deref()
                 .is_some_and(|t| meta.location.filename() == Some(t));
             let age = now.since(meta.last_modified.timestamp_millis());
-            if protocol::payload_prunable(is_target, age, grace) {
+            let cursor = meta.location.filename().and_then(payload_cursor);
+            if protocol::payload_prunable(is_target, cursor, pointer_cursor, age, grace) {
                 doomed.push(meta.location);
             }
         }
@@ -611,10 +632,24 @@ mod tests {
 
     #[test]
     fn payload_names_address_the_manifest_and_keys_are_plain_segments() {
-        let a = payload_name(b"{\"cursor\":1}");
-        assert_eq!(a.len(), 32 + 4);
+        let a = payload_name(b"{\"cursor\":1}", 1);
+        assert_eq!(a.len(), 20 + 1 + 32 + 4);
         assert!(a.ends_with(".tar"));
-        assert_ne!(a, payload_name(b"{\"cursor\":2}"));
+        assert_ne!(a, payload_name(b"{\"cursor\":2}", 2));
+        assert_eq!(payload_cursor(&a), Some(1));
+        assert_eq!(
+            payload_cursor(&payload_name(b"m", u64::MAX)),
+            Some(u64::MAX)
+        );
+        // The earlier form, and foreign objects, carry none.
+        for other in [
+            "0123456789abcdef0123456789abcdef.tar",
+            "12-abc.tar",
+            "0000000000000000000x-abc.tar",
+            "00000000000000000001-abc.txt",
+        ] {
+            assert_eq!(payload_cursor(other), None, "{other}");
+        }
         assert!(key_allowed("routes.prod-1") && key_allowed("a_b"));
         for bad in ["", ".hidden", "a/b", "a b", "..", &"k".repeat(201)] {
             assert!(!key_allowed(bad), "{bad:?}");

@@ -48,14 +48,19 @@
 //!
 //! Mutations (each must produce a counterexample):
 //! - `PublishEqualOrBackward` — the pointer read is forged `Absent`, so a lower cursor is allowed;
-//! - `PruneIgnoresPointer` — `is_pointer_target` is forged `false`;
+//! - `PruneIgnoresPointer` — the prune judges without the pointer: `is_pointer_target` forged
+//!   `false` and the pointer's cursor forged past every payload;
+//! - `PruneAtOrAbovePointer` — only the pointer's cursor is forged past every payload (the rule
+//!   before payload names carried cursors): at zero grace a pass deletes the payload an exporter is
+//!   about to name;
 //! - `PointerBeforeUpload` — the pointer is published before the payload is uploaded;
 //! - `ExporterPublishesUnrepairedFold` — an expired exporter skips the repair and carries on from
 //!   the first retained revision (what NATS does to a consumer started below it), then publishes;
 //! - `LeaseWithoutCas` — a take is written on a stale read without the revision check.
 //!
-//! A finding, pinned: at zero grace the pointer's target is not always fetchable
-//! (`at_zero_grace_a_prune_can_delete_the_payload_a_pointer_is_about_to_name`).
+//! Zero grace is checked too (`at_zero_grace_the_pointers_target_stays_fetchable`): a prune takes
+//! only payloads below the pointer's cursor. Before `payload_prunable` took the cursors, this
+//! model found a pass deleting the payload an exporter was about to name.
 
 use std::collections::BTreeSet;
 use std::time::Duration;
@@ -101,6 +106,7 @@ enum Mutation {
     None,
     PublishEqualOrBackward,
     PruneIgnoresPointer,
+    PruneAtOrAbovePointer,
     PointerBeforeUpload,
     ExporterPublishesUnrepairedFold,
     LeaseWithoutCas,
@@ -570,8 +576,19 @@ impl Model for FleetModel {
                         Grace::Zero => true,
                         Grace::OutlastsEveryRound => !n.held(j as u8),
                     };
+                    let pointer_cursor = match self.mutation {
+                        Mutation::PruneIgnoresPointer | Mutation::PruneAtOrAbovePointer => {
+                            Some(u64::MAX)
+                        }
+                        _ => n
+                            .pointer
+                            .and_then(|t| n.payloads[t as usize])
+                            .map(|p| u64::from(p.cursor)),
+                    };
                     n.doomed[j] = protocol::payload_prunable(
                         is_target,
+                        n.payloads[j].map(|p| u64::from(p.cursor)),
+                        pointer_cursor,
                         self.grace.age(older),
                         self.grace.duration(),
                     );
@@ -827,17 +844,18 @@ fn at_most_one_node_holds_an_unexpired_lease() {
     );
 }
 
-/// A finding, pinned so that its fix shows: `payload_prunable` decides on the pointer's target and
-/// the age alone. At zero grace a prune pass can delete a payload an exporter has uploaded and is
-/// about to name (or has just named, after the pass read the pointer), and the pointer then
-/// dangles. Seed 000's rule also requires the payload's cursor to be strictly below the pointer's,
-/// which no publish can then reach; with it, this becomes an `assert_no_discovery`.
+/// Zero grace is safe: a payload at or above the pointer's cursor is never pruned, so no prune
+/// pass deletes what an exporter is about to name (the fleet model found it did, before
+/// `payload_prunable` took the cursors).
 #[test]
-fn at_zero_grace_a_prune_can_delete_the_payload_a_pointer_is_about_to_name() {
-    let c = find_fleet(Mutation::None, Grace::Zero, FETCHABLE);
+fn at_zero_grace_the_pointers_target_stays_fetchable() {
+    let c = check_fleet(Mutation::None, Grace::Zero);
+    c.assert_no_discovery(FETCHABLE);
+    c.assert_no_discovery(NO_REGRESSION);
+    let c = find_fleet(Mutation::PruneAtOrAbovePointer, Grace::Zero, FETCHABLE);
     let path = c
         .discovery(FETCHABLE)
-        .unwrap_or_else(|| panic!("the gap is closed: assert {FETCHABLE:?} at zero grace"));
+        .unwrap_or_else(|| panic!("PruneAtOrAbovePointer found no counterexample at zero grace"));
     assert!(!path.into_actions().is_empty());
 }
 

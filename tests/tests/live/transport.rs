@@ -431,7 +431,7 @@ async fn two_nodes_exporting_in_rounds_publish_a_pointer_a_third_node_bootstraps
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_crash_between_the_payload_and_the_pointer_leaves_the_old_artifact_and_an_orphan_pruned_after_the_grace()
+async fn a_crash_between_the_payload_and_the_pointer_leaves_the_old_artifact_and_an_orphan_kept_until_the_pointer_passes_it()
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let moto = Moto::start().await?;
@@ -455,7 +455,8 @@ async fn a_crash_between_the_payload_and_the_pointer_leaves_the_old_artifact_and
     foldhost_tests::run_to_crash(cmd, foldhost::crashpoint::PUBLISH_BEFORE_POINTER, 1)?;
     // The old pointer still bootstraps a node.
     assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c1));
-    // The orphan payload is pruned after the grace, never before; the target never.
+    // The orphan payload is above the pointer: an exporter may still name it (as the next
+    // publish does), so no prune takes it, even at zero grace; the target never.
     let prune = |grace: &str| -> anyhow::Result<u64> {
         let v = ok(
             &with_artifacts(&moto, "prune", &url)
@@ -468,11 +469,14 @@ async fn a_crash_between_the_payload_and_the_pointer_leaves_the_old_artifact_and
             .ok_or_else(|| anyhow::anyhow!("no count in {v}"))
     };
     assert_eq!(prune("3600")?, 0, "within the grace");
-    assert_eq!(prune("0")?, 1, "the orphan, past the grace");
+    assert_eq!(prune("0")?, 0, "above the pointer: kept even at zero grace");
     assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c1));
-    // Publishing the second again completes the round.
+    // Publishing the second again completes the round (its payload is the one already there);
+    // the first's payload is now below the pointer and goes.
     ok(&publish(&moto, &url, &second)?, "publish again")?;
     assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c2));
+    assert_eq!(prune("0")?, 1, "the payload the pointer passed");
+    assert_eq!(prune("0")?, 0, "the target stays");
     Ok(())
 }
 
