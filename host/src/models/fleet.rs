@@ -65,6 +65,7 @@
 use std::collections::BTreeSet;
 use std::time::Duration;
 
+use super::log::{self, Op};
 use stateright::{Checker, HasDiscoveries, Model, Property};
 
 use crate::protocol::{self, KeyRestore, LeaseState, PointerState, RepairMode, Retention};
@@ -139,26 +140,8 @@ impl Grace {
     }
 }
 
-/// A message of the log: a put or a delete of a key. Its revision is its position + 1.
-#[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
-struct Op {
-    key: u8,
-    put: bool,
-}
-
-/// The bucket's log (inline: states are cloned and hashed by the million).
-#[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
-struct Log {
-    ops: [Op; MAX_OPS],
-    len: u8,
-}
-
-impl std::ops::Deref for Log {
-    type Target = [Op];
-    fn deref(&self) -> &[Op] {
-        &self.ops[..self.len as usize]
-    }
-}
+/// The bucket's log.
+type Log = log::Log<MAX_OPS>;
 
 impl Log {
     /// The truth after the first `upto` messages: the key's latest put, unless deleted since.
@@ -449,8 +432,7 @@ impl Model for FleetModel {
         let mut n = s.clone();
         match action {
             FleetAction::Write { key, put } => {
-                n.log.ops[n.log.len as usize] = Op { key, put };
-                n.log.len += 1;
+                n.log.push(Op { key, put });
             }
             FleetAction::Evict => n.first += 1,
             FleetAction::Start(i) => {

@@ -10,5 +10,6 @@ mod cursor;
 mod deferral;
 mod fleet;
 mod floor;
+mod log;
 mod repair;
 mod resync;

@@ -63,6 +63,7 @@
 //! - `RelistListingNotRechecked` — a key-listing repair deletes what its listing lacks without
 //!   reading retention again after it (eviction begun since the plan deletes an aged-out key).
 
+use super::log::{self, Op};
 use stateright::{Checker, HasDiscoveries, Model, Property};
 
 use crate::protocol::{self, KeyRestore, RepairMode, RepairPlan, Retention};
@@ -101,26 +102,8 @@ enum Mutation {
     RelistListingNotRechecked,
 }
 
-/// A message of the log: a put or a delete of a key. Its revision is its position + 1.
-#[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
-struct Op {
-    key: u8,
-    put: bool,
-}
-
-/// The bucket's log (inline: states are cloned and hashed by the million).
-#[derive(Clone, Copy, Debug, Default, Hash, PartialEq, Eq)]
-struct Log {
-    ops: [Op; MAX_OPS],
-    len: u8,
-}
-
-impl std::ops::Deref for Log {
-    type Target = [Op];
-    fn deref(&self) -> &[Op] {
-        &self.ops[..self.len as usize]
-    }
-}
+/// The bucket's log.
+type Log = log::Log<MAX_OPS>;
 
 /// A published artifact: its cursor and each key's revision in it.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -598,8 +581,7 @@ impl Model for RepairModel {
         let mut n = s.clone();
         match action {
             Action::Write { key, put } => {
-                n.log.ops[n.log.len as usize] = Op { key, put };
-                n.log.len += 1;
+                n.log.push(Op { key, put });
             }
             Action::Evict => {
                 n.first += 1;

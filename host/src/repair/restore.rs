@@ -368,6 +368,16 @@ fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
     let mut failed: Option<RepairError> = None;
     // An artifact entry at or below the fold's cursor is never news (`protocol::restore_key`).
     let fold_cursor = local.cursor().revision();
+    // An artifact key the fold does not hold: taken when it is news.
+    let news_for_absent = |ae: &KvEntry| {
+        protocol::restore_key(
+            None,
+            Some(ae.version.as_u64().unwrap_or(0)),
+            false,
+            false,
+            fold_cursor,
+        ) == KeyRestore::Take
+    };
     let mut take = |e: &KvEntry, taken: &mut u64| -> Result<(), RepairError> {
         *taken += 1;
         spill_entry(spill, e).map_err(io_err(spill_path, "write spill"))
@@ -385,14 +395,7 @@ fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
                         break;
                     }
                     let ae = a.pop().expect("peeked");
-                    if protocol::restore_key(
-                        None,
-                        Some(ae.version.as_u64().unwrap_or(0)),
-                        false,
-                        false,
-                        fold_cursor,
-                    ) == KeyRestore::Take
-                    {
+                    if news_for_absent(&ae) {
                         take(&ae, &mut taken)?;
                     }
                 }
@@ -440,14 +443,7 @@ fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
         }
         while a.peek()?.is_some() {
             let ae = a.pop().expect("peeked");
-            if protocol::restore_key(
-                None,
-                Some(ae.version.as_u64().unwrap_or(0)),
-                false,
-                false,
-                fold_cursor,
-            ) == KeyRestore::Take
-            {
+            if news_for_absent(&ae) {
                 take(&ae, &mut taken)?;
             }
         }
