@@ -11,7 +11,7 @@
 //!   (`ByStartSequence(cursor + 1)`) with one. A delta is only started after
 //!   [`protocol::resume_window_ok`] passes against the stream's live first sequence: the server would
 //!   otherwise clamp silently and skip evicted messages. A watch of the whole bucket sends no
-//!   filter when the stream stores nothing but the bucket's subjects ([`server_filters`]): the
+//!   filter when the stream stores nothing but the bucket's subjects ([`protocol::server_filters`]): the
 //!   same messages, without the server's filtered pending count over the whole stream.
 //! - Revisions come from the ACK subject through [`protocol::parse_ack_subject`]; an unparseable one
 //!   becomes [`VersionToken::UNKNOWN`], never a made-up number.
@@ -440,33 +440,6 @@ fn retention_of(info: &async_nats::jetstream::stream::Info) -> crate::protocol::
     }
 }
 
-/// The filters a watch consumer sends to the server for the watch's `filters`.
-///
-/// Empty (no filter) when the one filter is the catch-all of a stream that stores nothing else:
-/// its subjects are exactly that filter and nothing reaches it by a mirror, a source or a subject
-/// transform. Then "every message of the stream" and "every message matching the filter" are the
-/// same messages, and the unfiltered consumer is the cheap one: nats-server 2.15 counts a new
-/// filtered consumer's pending messages over the stream's subject tree, 30–47 ms on a stream of
-/// 1 000 000 messages, against under 1 ms unfiltered — most of a resume's time. A
-/// `LastPerSubject` consumer keeps its filter (the server refuses it without one), and so does
-/// every narrower scope.
-pub fn server_filters(
-    filters: &[String],
-    stream_subjects: &[String],
-    stream_has_other_inputs: bool,
-    last_per_subject: bool,
-) -> Vec<String> {
-    let whole_stream = !stream_has_other_inputs
-        && !last_per_subject
-        && filters.len() == 1
-        && stream_subjects == filters;
-    if whole_stream {
-        Vec::new()
-    } else {
-        filters.to_vec()
-    }
-}
-
 impl NatsKv {
     /// The subject filters for a scope: whole-token prefixes filter on the server; a prefix that
     /// ends mid-token filters on its last whole token and the rest is checked per message.
@@ -675,7 +648,7 @@ impl NatsKv {
         let stream_cfg = &here_info.config;
         let cfg = consumer::push::OrderedConfig {
             deliver_subject: self.client.new_inbox(),
-            filter_subjects: server_filters(
+            filter_subjects: protocol::server_filters(
                 filters,
                 &stream_cfg.subjects,
                 stream_cfg.mirror.is_some()
@@ -1115,39 +1088,5 @@ impl NatsKv {
     /// The JetStream context (for tests and tools that need raw access).
     pub fn jetstream(&self) -> &jetstream::Context {
         &self.js
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::server_filters;
-
-    fn v(s: &[&str]) -> Vec<String> {
-        s.iter().map(|s| (*s).to_string()).collect()
-    }
-
-    #[test]
-    fn a_watch_of_a_whole_plain_stream_sends_no_filter() {
-        let all = v(&["$KV.b.>"]);
-        assert!(server_filters(&all, &all, false, false).is_empty());
-    }
-
-    #[test]
-    fn a_watch_keeps_its_filter_unless_the_filter_is_exactly_the_streams_only_input() {
-        let all = v(&["$KV.b.>"]);
-        // LastPerSubject: the server refuses it unfiltered.
-        assert_eq!(server_filters(&all, &all, false, true), all);
-        // A mirror, a source or a subject transform can store subjects the filter would not pass.
-        assert_eq!(server_filters(&all, &all, true, false), all);
-        // A narrower scope.
-        let narrow = v(&["$KV.b.a.>"]);
-        assert_eq!(server_filters(&narrow, &all, false, false), narrow);
-        let two = v(&["$KV.b.a.>", "$KV.b.c.>"]);
-        assert_eq!(server_filters(&two, &all, false, false), two);
-        // A stream that takes more subjects than the bucket's.
-        let wider = v(&["$KV.b.>", "other.>"]);
-        assert_eq!(server_filters(&all, &wider, false, false), all);
-        // A stream whose subjects differ (a mirror's are empty).
-        assert_eq!(server_filters(&all, &[], false, false), all);
     }
 }

@@ -516,6 +516,34 @@ async fn bench_guest(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::R
         per_call / 100.0
     );
 
+    // What the boundary itself costs per update: the `probe` guest accepts every update and
+    // keeps nothing, so its time per update is the canonical ABI's lowering (a guest allocation
+    // per key and per value), the SDK's lifting and the verdicts' way back; against the router's
+    // whole time per update on the same entries, fed directly (no NATS, no store).
+    for max in [100usize, 1000] {
+        let (mut probe, mut router) = (Vec::new(), Vec::new());
+        for _ in 0..runs {
+            probe.push(feed_rate(&engine, "probe", 200_000, max).await?);
+            router.push(feed_rate(&engine, "router", 200_000, max).await?);
+        }
+        let (p, r) = (1e6 / median(probe), 1e6 / median(router));
+        println!(
+            "guest: the boundary per update, batch {max}: {p:.3} µs (probe guest) of the router guest's {r:.3} µs: {:.0} %",
+            100.0 * p / r
+        );
+        table::row(
+            format!(
+                "the guest boundary per update, batch {max} (probe guest: accepts, keeps nothing)"
+            ),
+            format!("{p:.3} µs"),
+            format!(
+                "the router guest's whole time per update, same entries fed directly {r:.3} µs"
+            ),
+            p / r,
+            "",
+        );
+    }
+
     // Hydration of a fresh router from a full fold vs the raw scan of the same fold.
     let (_d, full) = empty_store()?;
     fold_rate(
@@ -910,10 +938,26 @@ async fn main() -> anyhow::Result<()> {
 /// `foldhost-bench feed KEYS BATCH`: route updates straight into a fresh guest (parse + apply),
 /// three passes; prints the last pass's rate and µs per update.
 async fn feed(keys: u64, batch: usize) -> anyhow::Result<()> {
-    use foldhost::kv::{KvEntry, KvUpdate, VersionToken};
     let name = std::env::var("FOLDHOST_BENCH_GUEST").unwrap_or_else(|_| "router".into());
-    let bytes = read_guest(&name)?;
     let engine = GuestEngine::new()?;
+    let rate = feed_rate(&engine, &name, keys, batch).await?;
+    println!(
+        "feed {name}: {keys} updates in batches of {batch}: {rate:.0} updates/s, {:.3} µs per update",
+        1e6 / rate
+    );
+    Ok(())
+}
+
+/// Updates per second a fresh instance of guest `name` takes `keys` route updates fed straight
+/// in (`parse` + `apply` in batches of `batch`; no NATS, no store), the last of three passes.
+async fn feed_rate(
+    engine: &Arc<GuestEngine>,
+    name: &str,
+    keys: u64,
+    batch: usize,
+) -> anyhow::Result<f64> {
+    use foldhost::kv::{KvEntry, KvUpdate, VersionToken};
+    let bytes = read_guest(name)?;
     let updates: Vec<KvUpdate> = (0..keys)
         .map(|i| {
             KvUpdate::Put(KvEntry {
@@ -930,8 +974,8 @@ async fn feed(keys: u64, batch: usize) -> anyhow::Result<()> {
         })
         .collect();
     let mut g = GuestApply::load(
-        &engine,
-        &name,
+        engine,
+        name,
         &bytes,
         bench_limits(),
         vec![],
@@ -948,11 +992,7 @@ async fn feed(keys: u64, batch: usize) -> anyhow::Result<()> {
         }
         rate = keys as f64 / t.elapsed().as_secs_f64();
     }
-    println!(
-        "feed {name}: {keys} updates in batches of {batch}: {rate:.0} updates/s, {:.3} µs per update",
-        1e6 / rate
-    );
-    Ok(())
+    Ok(rate)
 }
 
 /// `make bench`: every benchmark at the sizes the issue names, then the one table. Ingest, guest
