@@ -39,6 +39,8 @@ pub struct StatusReport {
     pub guest_compiled: Option<String>,
     /// How long having the guest's compiled code took at the start (compile or cache load), ms.
     pub guest_compile_ms: Option<u64>,
+    /// The guest contract version the guest was bound to at the start (`0.1.0`, `0.2.0`).
+    pub guest_contract: Option<String>,
     /// The store's cursor: everything through it is applied or retained, and committed.
     pub cursor: Option<u64>,
     /// Highest revision delivered.

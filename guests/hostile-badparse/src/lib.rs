@@ -1,12 +1,11 @@
 //! `hostile-badparse`: breaks the `parse` contract — one verdict fewer than the batch has updates.
 //!
 //! It implements the raw generated bindings (not [`foldhost_guest::Folder`], which cannot get
-//! this wrong). For an empty batch it answers an empty list; otherwise `len - 1` accepts. The
-//! other calls succeed and do nothing; every query answers the error `missing`.
+//! this wrong). For an empty batch it answers an empty list; otherwise one accept fewer than the
+//! packed batch holds updates. The other calls succeed and do nothing; every query answers the
+//! error `missing`.
 
-use foldhost_guest::bindings::exports::foldhost::guest::folder::{
-    Guest, GuestManifest, Update, Verdict,
-};
+use foldhost_guest::bindings::exports::foldhost::guest::folder::{Guest, GuestManifest, Verdict};
 
 /// The raw export.
 struct HostileBadParse;
@@ -24,8 +23,9 @@ impl Guest for HostileBadParse {
         Ok(())
     }
 
-    fn parse(batch: Vec<Update>) -> Vec<Verdict> {
-        vec![Verdict::Accept; batch.len().saturating_sub(1)]
+    fn parse(batch: Vec<u8>) -> Vec<Verdict> {
+        let updates = foldhost_guest::__private::count_updates(&batch);
+        vec![Verdict::Accept; updates.saturating_sub(1)]
     }
 
     fn apply() -> Result<(), String> {

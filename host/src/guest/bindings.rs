@@ -1,6 +1,12 @@
-//! The generated bindings of `wit/guest.wit` and the host side of its imports. The only file in the
-//! crate that names generated types; `guest/mod.rs` converts to and from the host's own types here
-//! at the edge.
+//! The generated bindings of the guest contract, every version the host links — `wit/guest.wit`
+//! (`foldhost:guest@0.1.0`) and `wit/v0.2.0/guest.wit` (`@0.2.0`: `parse` takes a packed batch) —
+//! and the host side of their imports. The only file in the crate that names generated types;
+//! `guest/mod.rs` sees one [`FolderPre`] / [`FolderInstance`] whatever the version, with 0.1.0's
+//! types as the common ones, and converts to the host's own types at the edge.
+//!
+//! Invariants: a component is bound to the newest version it exports ([`FolderPre::new`]); every
+//! version's imports are served by the same [`HostState`] code (`fold_get`, `fold_scan`,
+//! `log_line`), so no version reads or logs differently.
 
 use std::sync::Arc;
 
@@ -22,6 +28,256 @@ wasmtime::component::bindgen!({
 });
 
 pub use foldhost::guest::types::{Entry, Op, Update, Verdict};
+
+/// The bindings of `foldhost:guest@0.2.0`.
+mod v2 {
+    wasmtime::component::bindgen!({
+        path: "../wit/v0.2.0",
+        world: "foldhost:guest/guest@0.2.0",
+        imports: { default: trappable },
+        exports: { default: async },
+        ownership: Borrowing { duplicate_if_necessary: true },
+    });
+}
+
+/// Bytes of one packed update's header in a 0.2.0 batch: key length (u32), value length (u32),
+/// revision (u64), op (u8).
+pub const PACKED_HEADER_BYTES: usize = 17;
+
+/// `batch` packed as `foldhost:guest@0.2.0`'s `parse` takes it (see `wit/v0.2.0/guest.wit`): per
+/// update, little-endian key length, value length and revision, the op's index, then the key and
+/// the value. `out` is cleared first. Lengths past `u32` cannot occur: a batch is capped far below
+/// (`max-batch-bytes`) before it is packed; one that did would be cut short, not wrapped.
+pub fn pack_batch(batch: &[Update<'_>], out: &mut Vec<u8>) {
+    out.clear();
+    let bytes: usize = batch
+        .iter()
+        .map(|u| PACKED_HEADER_BYTES + u.key.len() + u.value.len())
+        .sum();
+    out.reserve(bytes);
+    for u in batch {
+        let key_len = u32::try_from(u.key.len()).unwrap_or(u32::MAX);
+        let value_len = u32::try_from(u.value.len()).unwrap_or(u32::MAX);
+        out.extend_from_slice(&key_len.to_le_bytes());
+        out.extend_from_slice(&value_len.to_le_bytes());
+        out.extend_from_slice(&u.revision.to_le_bytes());
+        out.push(match u.op {
+            Op::Put => 0,
+            Op::Delete => 1,
+            Op::Purge => 2,
+        });
+        out.extend_from_slice(&u.key.as_bytes()[..key_len as usize]);
+        out.extend_from_slice(&u.value[..value_len as usize]);
+    }
+}
+
+/// The contract version a component was bound to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Contract {
+    /// `foldhost:guest@0.1.0`: a `list<update>` per batch.
+    V0_1,
+    /// `foldhost:guest@0.2.0`: a packed batch.
+    V0_2,
+}
+
+impl Contract {
+    /// The WIT package version, as reports print it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Contract::V0_1 => "0.1.0",
+            Contract::V0_2 => "0.2.0",
+        }
+    }
+}
+
+/// A component checked against the host's imports and bound to the contract it exports.
+#[derive(Clone)]
+pub enum FolderPre {
+    /// A 0.1.0 guest.
+    V1(GuestPre<HostState>),
+    /// A 0.2.0 guest.
+    V2(v2::GuestPre<HostState>),
+}
+
+impl FolderPre {
+    /// Binds `pre` to the newest contract whose `folder` it exports; the error says why it fits
+    /// none (0.1.0's, the oldest the host links).
+    pub fn new(pre: wasmtime::component::InstancePre<HostState>) -> wasmtime::Result<Self> {
+        match v2::GuestPre::new(pre.clone()) {
+            Ok(p) => Ok(FolderPre::V2(p)),
+            Err(_) => GuestPre::new(pre).map(FolderPre::V1),
+        }
+    }
+
+    /// The contract it was bound to.
+    pub fn contract(&self) -> Contract {
+        match self {
+            FolderPre::V1(_) => Contract::V0_1,
+            FolderPre::V2(_) => Contract::V0_2,
+        }
+    }
+
+    /// The engine it was compiled for.
+    pub fn engine(&self) -> &wasmtime::Engine {
+        match self {
+            FolderPre::V1(p) => p.engine(),
+            FolderPre::V2(p) => p.engine(),
+        }
+    }
+
+    /// A new instance in `store`.
+    pub async fn instantiate_async(
+        &self,
+        store: &mut wasmtime::Store<HostState>,
+    ) -> wasmtime::Result<FolderInstance> {
+        Ok(match self {
+            FolderPre::V1(p) => FolderInstance::V1(p.instantiate_async(store).await?),
+            FolderPre::V2(p) => FolderInstance::V2 {
+                guest: p.instantiate_async(store).await?,
+                packed: Vec::new(),
+            },
+        })
+    }
+}
+
+/// One instance's `folder` export, whatever its contract; results in 0.1.0's types.
+pub enum FolderInstance {
+    /// A 0.1.0 instance.
+    V1(Guest),
+    /// A 0.2.0 instance, with the buffer its batches are packed into (kept between calls).
+    V2 {
+        /// The instance.
+        guest: v2::Guest,
+        /// The packing buffer.
+        packed: Vec<u8>,
+    },
+}
+
+fn v1_manifest(m: v2::foldhost::guest::types::GuestManifest) -> GuestManifest {
+    GuestManifest {
+        name: m.name,
+        version: m.version,
+        scope: m.scope,
+    }
+}
+
+fn v1_verdict(v: v2::foldhost::guest::types::Verdict) -> Verdict {
+    use v2::foldhost::guest::types::Verdict as V2;
+    match v {
+        V2::Accept => Verdict::Accept,
+        V2::Skip => Verdict::Skip,
+        V2::Defer => Verdict::Defer,
+    }
+}
+
+pub use foldhost::guest::types::GuestManifest;
+
+impl FolderInstance {
+    /// `manifest`.
+    pub async fn manifest(
+        &self,
+        store: &mut wasmtime::Store<HostState>,
+    ) -> wasmtime::Result<GuestManifest> {
+        match self {
+            FolderInstance::V1(g) => g.foldhost_guest_folder().call_manifest(store).await,
+            FolderInstance::V2 { guest, .. } => guest
+                .foldhost_guest_folder()
+                .call_manifest(store)
+                .await
+                .map(v1_manifest),
+        }
+    }
+
+    /// `init`.
+    pub async fn init(
+        &self,
+        store: &mut wasmtime::Store<HostState>,
+        config: &[(&str, &str)],
+    ) -> wasmtime::Result<Result<(), String>> {
+        match self {
+            FolderInstance::V1(g) => g.foldhost_guest_folder().call_init(store, config).await,
+            FolderInstance::V2 { guest, .. } => {
+                guest.foldhost_guest_folder().call_init(store, config).await
+            }
+        }
+    }
+
+    /// `parse`: the batch as 0.1.0 records, or packed for 0.2.0.
+    pub async fn parse(
+        &mut self,
+        store: &mut wasmtime::Store<HostState>,
+        batch: &[Update<'_>],
+    ) -> wasmtime::Result<Vec<Verdict>> {
+        match self {
+            FolderInstance::V1(g) => g.foldhost_guest_folder().call_parse(store, batch).await,
+            FolderInstance::V2 { guest, packed } => {
+                pack_batch(batch, packed);
+                let verdicts = guest
+                    .foldhost_guest_folder()
+                    .call_parse(&mut *store, packed)
+                    .await;
+                if packed.capacity() > MAX_KEPT_PACK_BYTES {
+                    *packed = Vec::new();
+                }
+                Ok(verdicts?.into_iter().map(v1_verdict).collect())
+            }
+        }
+    }
+
+    /// `apply`.
+    pub async fn apply(
+        &self,
+        store: &mut wasmtime::Store<HostState>,
+    ) -> wasmtime::Result<Result<(), String>> {
+        match self {
+            FolderInstance::V1(g) => g.foldhost_guest_folder().call_apply(store).await,
+            FolderInstance::V2 { guest, .. } => {
+                guest.foldhost_guest_folder().call_apply(store).await
+            }
+        }
+    }
+
+    /// `on-applied`.
+    pub async fn on_applied(
+        &self,
+        store: &mut wasmtime::Store<HostState>,
+        cursor: u64,
+    ) -> wasmtime::Result<()> {
+        match self {
+            FolderInstance::V1(g) => {
+                g.foldhost_guest_folder()
+                    .call_on_applied(store, cursor)
+                    .await
+            }
+            FolderInstance::V2 { guest, .. } => {
+                guest
+                    .foldhost_guest_folder()
+                    .call_on_applied(store, cursor)
+                    .await
+            }
+        }
+    }
+
+    /// `query`.
+    pub async fn query(
+        &self,
+        store: &mut wasmtime::Store<HostState>,
+        request: &[u8],
+    ) -> wasmtime::Result<Result<Vec<u8>, String>> {
+        match self {
+            FolderInstance::V1(g) => g.foldhost_guest_folder().call_query(store, request).await,
+            FolderInstance::V2 { guest, .. } => {
+                guest
+                    .foldhost_guest_folder()
+                    .call_query(store, request)
+                    .await
+            }
+        }
+    }
+}
+
+/// The largest packing buffer an instance keeps between batches.
+const MAX_KEPT_PACK_BYTES: usize = 4 * 1024 * 1024;
 
 /// The most entries one `scan` import returns, whatever the guest asks.
 pub const MAX_SCAN_LIMIT: u32 = 10_000;
@@ -273,6 +529,65 @@ impl WasiView for HostState {
     }
 }
 
+impl HostState {
+    /// `fold.get`, every version. A read error traps the call: a guest must never mistake "could
+    /// not read" for "absent".
+    fn fold_get(&mut self, key: &str) -> wasmtime::Result<Option<KvEntry>> {
+        self.fold
+            .get(key)
+            .map_err(|e| wasmtime::Error::msg(format!("fold get {key:?}: {e}")))
+    }
+
+    /// `fold.scan`, every version: at most [`MAX_SCAN_LIMIT`] entries whatever the guest asks.
+    fn fold_scan(
+        &mut self,
+        prefix: &str,
+        start_after: Option<&str>,
+        limit: u32,
+    ) -> wasmtime::Result<Vec<KvEntry>> {
+        let limit = limit.min(MAX_SCAN_LIMIT) as usize;
+        self.fold
+            .scan(prefix, start_after, limit)
+            .map_err(|e| wasmtime::Error::msg(format!("fold scan {prefix:?}: {e}")))
+    }
+
+    /// `log.log`, every version: clipped, and at most [`MAX_LOG_LINES_PER_CALL`] lines a call.
+    fn log_line(&mut self, level: tracing::Level, message: String) {
+        self.log_lines = self.log_lines.saturating_add(1);
+        let guest = self.guest.as_str();
+        if self.log_lines > MAX_LOG_LINES_PER_CALL {
+            if self.log_lines == MAX_LOG_LINES_PER_CALL + 1 {
+                tracing::warn!(
+                    guest,
+                    "more than {MAX_LOG_LINES_PER_CALL} log lines in one call: the rest of this call's are dropped"
+                );
+            }
+            return;
+        }
+        let message = clip_text(message, MAX_MESSAGE_BYTES);
+        match level {
+            tracing::Level::TRACE => tracing::trace!(guest, "{message}"),
+            tracing::Level::DEBUG => tracing::debug!(guest, "{message}"),
+            tracing::Level::INFO => tracing::info!(guest, "{message}"),
+            tracing::Level::WARN => tracing::warn!(guest, "{message}"),
+            tracing::Level::ERROR => tracing::error!(guest, "{message}"),
+        }
+    }
+}
+
+/// The `tracing` level of a WIT `log.level` (every version's enum has the same cases).
+macro_rules! tracing_level {
+    ($level:expr, $Level:ident) => {
+        match $level {
+            $Level::Trace => tracing::Level::TRACE,
+            $Level::Debug => tracing::Level::DEBUG,
+            $Level::Info => tracing::Level::INFO,
+            $Level::Warn => tracing::Level::WARN,
+            $Level::Error => tracing::Level::ERROR,
+        }
+    };
+}
+
 fn to_entry(e: KvEntry) -> Entry {
     Entry {
         revision: e.version.as_u64().unwrap_or(0),
@@ -285,12 +600,7 @@ impl foldhost::guest::types::Host for HostState {}
 
 impl foldhost::guest::fold::Host for HostState {
     fn get(&mut self, key: String) -> wasmtime::Result<Option<Entry>> {
-        // A read error traps the call: a guest must never mistake "could not read" for "absent".
-        let e = self
-            .fold
-            .get(&key)
-            .map_err(|e| wasmtime::Error::msg(format!("fold get {key:?}: {e}")))?;
-        Ok(e.map(to_entry))
+        Ok(self.fold_get(&key)?.map(to_entry))
     }
 
     fn scan(
@@ -299,11 +609,7 @@ impl foldhost::guest::fold::Host for HostState {
         start_after: Option<String>,
         limit: u32,
     ) -> wasmtime::Result<Vec<Entry>> {
-        let limit = limit.min(MAX_SCAN_LIMIT) as usize;
-        let v = self
-            .fold
-            .scan(&prefix, start_after.as_deref(), limit)
-            .map_err(|e| wasmtime::Error::msg(format!("fold scan {prefix:?}: {e}")))?;
+        let v = self.fold_scan(&prefix, start_after.as_deref(), limit)?;
         Ok(v.into_iter().map(to_entry).collect())
     }
 }
@@ -311,27 +617,54 @@ impl foldhost::guest::fold::Host for HostState {
 impl foldhost::guest::log::Host for HostState {
     fn log(&mut self, level: foldhost::guest::log::Level, message: String) -> wasmtime::Result<()> {
         use foldhost::guest::log::Level;
-        self.log_lines = self.log_lines.saturating_add(1);
-        let guest = self.guest.as_str();
-        if self.log_lines > MAX_LOG_LINES_PER_CALL {
-            if self.log_lines == MAX_LOG_LINES_PER_CALL + 1 {
-                tracing::warn!(
-                    guest,
-                    "more than {MAX_LOG_LINES_PER_CALL} log lines in one call: the rest of this call's are dropped"
-                );
-            }
-            return Ok(());
-        }
-        let message = clip_text(message, MAX_MESSAGE_BYTES);
-        match level {
-            Level::Trace => tracing::trace!(guest, "{message}"),
-            Level::Debug => tracing::debug!(guest, "{message}"),
-            Level::Info => tracing::info!(guest, "{message}"),
-            Level::Warn => tracing::warn!(guest, "{message}"),
-            Level::Error => tracing::error!(guest, "{message}"),
-        }
+        self.log_line(tracing_level!(level, Level), message);
         Ok(())
     }
+}
+
+fn to_entry_v2(e: KvEntry) -> v2::foldhost::guest::types::Entry {
+    v2::foldhost::guest::types::Entry {
+        revision: e.version.as_u64().unwrap_or(0),
+        key: e.key,
+        value: e.value.to_vec(),
+    }
+}
+
+impl v2::foldhost::guest::types::Host for HostState {}
+
+impl v2::foldhost::guest::fold::Host for HostState {
+    fn get(&mut self, key: String) -> wasmtime::Result<Option<v2::foldhost::guest::types::Entry>> {
+        Ok(self.fold_get(&key)?.map(to_entry_v2))
+    }
+
+    fn scan(
+        &mut self,
+        prefix: String,
+        start_after: Option<String>,
+        limit: u32,
+    ) -> wasmtime::Result<Vec<v2::foldhost::guest::types::Entry>> {
+        let v = self.fold_scan(&prefix, start_after.as_deref(), limit)?;
+        Ok(v.into_iter().map(to_entry_v2).collect())
+    }
+}
+
+impl v2::foldhost::guest::log::Host for HostState {
+    fn log(
+        &mut self,
+        level: v2::foldhost::guest::log::Level,
+        message: String,
+    ) -> wasmtime::Result<()> {
+        use v2::foldhost::guest::log::Level;
+        self.log_line(tracing_level!(level, Level), message);
+        Ok(())
+    }
+}
+
+/// Adds every linked contract version's imports (`fold`, `log`) to `linker`.
+pub fn add_to_linker(linker: &mut wasmtime::component::Linker<HostState>) -> wasmtime::Result<()> {
+    use wasmtime::component::HasSelf;
+    Guest::add_to_linker::<HostState, HasSelf<HostState>>(linker, |s| s)?;
+    v2::Guest::add_to_linker::<HostState, HasSelf<HostState>>(linker, |s| s)
 }
 
 /// The host's update as the guest sees it.
@@ -353,6 +686,52 @@ pub fn to_wit_update(u: &KvUpdate) -> Update<'_> {
 mod tests {
     use super::*;
     use wasmtime::ResourceLimiter as _;
+
+    #[test]
+    fn a_packed_batch_is_each_update_header_key_and_value_back_to_back() {
+        let batch = [
+            Update {
+                key: "route.a",
+                value: b"{}",
+                revision: 7,
+                op: Op::Put,
+            },
+            Update {
+                key: "é",
+                value: &[],
+                revision: u64::MAX,
+                op: Op::Purge,
+            },
+            Update {
+                key: "d",
+                value: &[],
+                revision: 0,
+                op: Op::Delete,
+            },
+        ];
+        let mut out = vec![0xAA; 3]; // cleared first
+        pack_batch(&batch, &mut out);
+        let mut want = Vec::new();
+        want.extend_from_slice(&7u32.to_le_bytes());
+        want.extend_from_slice(&2u32.to_le_bytes());
+        want.extend_from_slice(&7u64.to_le_bytes());
+        want.push(0);
+        want.extend_from_slice(b"route.a{}");
+        want.extend_from_slice(&2u32.to_le_bytes());
+        want.extend_from_slice(&0u32.to_le_bytes());
+        want.extend_from_slice(&u64::MAX.to_le_bytes());
+        want.push(2);
+        want.extend_from_slice("é".as_bytes());
+        want.extend_from_slice(&1u32.to_le_bytes());
+        want.extend_from_slice(&0u32.to_le_bytes());
+        want.extend_from_slice(&0u64.to_le_bytes());
+        want.push(1);
+        want.push(b'd');
+        assert_eq!(out, want);
+        assert_eq!(out.len(), 3 * PACKED_HEADER_BYTES + 7 + 2 + 2 + 1);
+        pack_batch(&[], &mut out);
+        assert!(out.is_empty());
+    }
 
     #[test]
     fn long_text_is_cut_at_a_character_boundary_with_its_length_marked() {

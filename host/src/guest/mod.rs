@@ -31,13 +31,13 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use wasmtime::component::{Component, HasSelf, Linker};
+use wasmtime::component::{Component, Linker};
 use wasmtime::{Config, Engine, Store};
 
 use crate::applied::{Apply, ApplyError, SwapCandidate, Verdict};
 use crate::kv::{KvUpdate, WatchCursor, WatchScope};
 use crate::view::FoldRead;
-use bindings::{GuestPre, HostState, MAX_MESSAGE_BYTES, clip_text};
+use bindings::{FolderInstance, FolderPre, HostState, MAX_MESSAGE_BYTES, clip_text};
 
 /// Compiled components kept by one engine (the running one, the one before, a swap candidate…).
 pub const MAX_CACHED_COMPONENTS: usize = 8;
@@ -159,6 +159,9 @@ pub struct Prepared {
     pub cache_refused: Option<String>,
     /// The component's BLAKE3.
     pub digest: [u8; 32],
+    /// The contract version it was bound to (`0.1.0`, `0.2.0`): the newest whose `folder` it
+    /// exports.
+    pub contract: &'static str,
 }
 
 /// The engine, the linker and the compiled-component cache, shared by every guest of a host.
@@ -198,7 +201,7 @@ impl GuestEngine {
         let mut linker: Linker<HostState> = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)
             .map_err(|e| GuestError::Engine(format!("link WASI: {e:#}")))?;
-        bindings::Guest::add_to_linker::<HostState, HasSelf<HostState>>(&mut linker, |s| s)
+        bindings::add_to_linker(&mut linker)
             .map_err(|e| GuestError::Engine(format!("link host imports: {e:#}")))?;
         let stop = Arc::new(AtomicBool::new(false));
         {
@@ -254,7 +257,7 @@ impl GuestEngine {
 
     /// Compiles `bytes` (or takes the cached compilation of the same bytes) and checks its imports
     /// and exports against this host. `what` names it in errors.
-    pub fn prepare(&self, what: &str, bytes: &[u8]) -> Result<GuestPre<HostState>, GuestError> {
+    pub fn prepare(&self, what: &str, bytes: &[u8]) -> Result<FolderPre, GuestError> {
         self.prepare_traced(what, bytes).map(|(pre, _)| pre)
     }
 
@@ -265,7 +268,7 @@ impl GuestEngine {
         &self,
         what: &str,
         bytes: &[u8],
-    ) -> Result<(GuestPre<HostState>, Prepared), GuestError> {
+    ) -> Result<(FolderPre, Prepared), GuestError> {
         let started = Instant::now();
         let hash: [u8; 32] = *blake3::hash(bytes).as_bytes();
         let cached = self
@@ -323,10 +326,11 @@ impl GuestEngine {
                 what: what.to_string(),
                 reason: format!("{e:#}"),
             })?;
-        let pre = GuestPre::new(pre).map_err(|e| GuestError::Link {
+        let pre = FolderPre::new(pre).map_err(|e| GuestError::Link {
             what: what.to_string(),
             reason: format!("{e:#}"),
         })?;
+        let contract = pre.contract().as_str();
         Ok((
             pre,
             Prepared {
@@ -334,6 +338,7 @@ impl GuestEngine {
                 elapsed: started.elapsed(),
                 cache_refused,
                 digest: hash,
+                contract,
             },
         ))
     }
@@ -347,7 +352,7 @@ impl Drop for GuestEngine {
 
 struct Live {
     store: Store<HostState>,
-    guest: bindings::Guest,
+    guest: FolderInstance,
 }
 
 /// What a guest's calls need besides the instance: `Sync`, so it can be borrowed across awaits
@@ -356,7 +361,7 @@ struct Core {
     /// Keeps the engine — and its epoch ticker, without which no deadline fires — alive, and
     /// compiles replacements.
     engine: Arc<GuestEngine>,
-    pre: GuestPre<HostState>,
+    pre: FolderPre,
     /// The component's BLAKE3: with the engine's seed, it fixes the instance's random streams.
     digest: [u8; 32],
     manifest: GuestManifest,
@@ -561,9 +566,8 @@ impl Core {
 
     async fn call_manifest(&self, live: &mut Live) -> Result<GuestManifest, ApplyError> {
         self.arm(live);
-        let folder = live.guest.foldhost_guest_folder();
         let m = self
-            .within("manifest", folder.call_manifest(&mut live.store))
+            .within("manifest", live.guest.manifest(&mut live.store))
             .await?
             .map_err(|e| self.call_error(live, "manifest", e))?;
         // The name and version go into every log line, error and status: short, printable.
@@ -598,13 +602,12 @@ impl Core {
 
     async fn call_init(&self, live: &mut Live) -> Result<(), ApplyError> {
         self.arm(live);
-        let folder = live.guest.foldhost_guest_folder();
         let config: Vec<(&str, &str)> = self
             .config
             .iter()
             .map(|(k, v)| (k.as_str(), v.as_str()))
             .collect();
-        self.within("init", folder.call_init(&mut live.store, &config))
+        self.within("init", live.guest.init(&mut live.store, &config))
             .await?
             .map_err(|e| self.call_error(live, "init", e))?
             .map_err(|m| self.err("init", clip_text(m, MAX_MESSAGE_BYTES)))
@@ -630,9 +633,8 @@ impl Core {
         batch: &[bindings::Update<'_>],
     ) -> Result<Vec<Verdict>, ApplyError> {
         self.arm(live);
-        let folder = live.guest.foldhost_guest_folder();
         let verdicts = self
-            .within("parse", folder.call_parse(&mut live.store, batch))
+            .within("parse", live.guest.parse(&mut live.store, batch))
             .await?
             .map_err(|e| self.call_error(live, "parse", e))?;
         if verdicts.len() != batch.len() {
@@ -664,9 +666,8 @@ impl Core {
         request: &[u8],
     ) -> Result<Result<Vec<u8>, String>, ApplyError> {
         self.arm(live);
-        let folder = live.guest.foldhost_guest_folder();
         let answer = self
-            .within("query", folder.call_query(&mut live.store, request))
+            .within("query", live.guest.query(&mut live.store, request))
             .await?
             .map_err(|e| self.call_error(live, "query", e))?;
         Ok(match answer {
@@ -681,8 +682,7 @@ impl Core {
 
     async fn call_apply(&self, live: &mut Live) -> Result<(), ApplyError> {
         self.arm(live);
-        let folder = live.guest.foldhost_guest_folder();
-        self.within("apply", folder.call_apply(&mut live.store))
+        self.within("apply", live.guest.apply(&mut live.store))
             .await?
             .map_err(|e| self.call_error(live, "apply", e))?
             .map_err(|m| self.err("apply", clip_text(m, MAX_MESSAGE_BYTES)))
@@ -845,12 +845,12 @@ impl Apply for GuestApply {
             return;
         };
         self.core.arm(&mut live);
-        let folder = live.guest.foldhost_guest_folder();
         let called = self
             .core
             .within(
                 "on-applied",
-                folder.call_on_applied(&mut live.store, cursor.revision_or_zero()),
+                live.guest
+                    .on_applied(&mut live.store, cursor.revision_or_zero()),
             )
             .await;
         // On a failure the batch is committed but the instance is not trustworthy any more: the

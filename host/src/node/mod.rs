@@ -338,6 +338,7 @@ impl Node {
             guest_compile_ms: proven
                 .as_ref()
                 .map(|p| p.prepared.elapsed.as_millis() as u64),
+            guest_contract: proven.as_ref().map(|p| p.prepared.contract.to_string()),
             bucket: cfg.bucket.clone(),
             scope: scope.to_string(),
             backend: cfg.backend.as_str().to_string(),

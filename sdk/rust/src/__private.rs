@@ -5,8 +5,108 @@ use crate::{Change, Folder, Manifest, Verdict, in_scope};
 
 pub use crate::bindings::exports::foldhost::guest::folder::Guest;
 pub use raw::GuestManifest as RawManifest;
-pub use raw::Update as RawUpdate;
 pub use raw::Verdict as RawVerdict;
+
+/// Bytes of one packed update's header: key length (u32), value length (u32), revision (u64),
+/// op (u8), all little-endian.
+const HEADER: usize = 17;
+
+/// What happened to a key, as a packed update's op byte says.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Op {
+    /// 0: the key now holds the value.
+    Put,
+    /// 1: the key was deleted.
+    Delete,
+    /// 2: the key's history was purged.
+    Purge,
+}
+
+/// One update of a packed batch, borrowed from it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Packed<'b> {
+    /// The key.
+    pub key: &'b str,
+    /// The value (empty for delete and purge).
+    pub value: &'b [u8],
+    /// The bucket revision; 0 when unknown.
+    pub revision: u64,
+    /// What happened.
+    pub op: Op,
+}
+
+/// The updates of a packed batch (`wit/v0.2.0/guest.wit`), in order. The host never sends a
+/// malformed batch; one that is (a torn header, a length past the end, a key that is not UTF-8, an
+/// unknown op) ends the iteration with an `Err` saying where.
+pub fn unpack(batch: &[u8]) -> impl Iterator<Item = Result<Packed<'_>, String>> + '_ {
+    let mut at = 0usize;
+    std::iter::from_fn(move || {
+        if at >= batch.len() {
+            return None;
+        }
+        let r = unpack_one(batch, at);
+        at = match &r {
+            Ok((_, next)) => *next,
+            Err(_) => batch.len(),
+        };
+        Some(r.map(|(u, _)| u))
+    })
+}
+
+fn unpack_one(batch: &[u8], at: usize) -> Result<(Packed<'_>, usize), String> {
+    let bad = |what: &str| format!("malformed packed batch at byte {at}: {what}");
+    let header = batch
+        .get(at..at + HEADER)
+        .ok_or_else(|| bad("torn header"))?;
+    let word =
+        |i: usize| u32::from_le_bytes([header[i], header[i + 1], header[i + 2], header[i + 3]]);
+    let key_len = word(0) as usize;
+    let value_len = word(4) as usize;
+    let mut rev = [0u8; 8];
+    rev.copy_from_slice(&header[8..16]);
+    let op = match header[16] {
+        0 => Op::Put,
+        1 => Op::Delete,
+        2 => Op::Purge,
+        other => return Err(bad(&format!("unknown op {other}"))),
+    };
+    let key_at = at + HEADER;
+    let value_at = key_at
+        .checked_add(key_len)
+        .ok_or_else(|| bad("key length overflows"))?;
+    let end = value_at
+        .checked_add(value_len)
+        .ok_or_else(|| bad("value length overflows"))?;
+    let key = batch
+        .get(key_at..value_at)
+        .ok_or_else(|| bad("key past the end"))?;
+    let value = batch
+        .get(value_at..end)
+        .ok_or_else(|| bad("value past the end"))?;
+    let key = std::str::from_utf8(key).map_err(|_| bad("key is not UTF-8"))?;
+    Ok((
+        Packed {
+            key,
+            value,
+            revision: u64::from_le_bytes(rev),
+            op,
+        },
+        end,
+    ))
+}
+
+/// How many updates a packed batch holds (for test guests that answer by count); a malformed
+/// batch panics, as [`Runtime::parse`] does.
+pub fn count_updates(batch: &[u8]) -> usize {
+    let mut n = 0;
+    for u in unpack(batch) {
+        if let Err(e) = u {
+            panic!("{e}");
+        }
+        n += 1;
+    }
+    n
+}
 
 /// The manifest in the bindings' type.
 pub fn manifest<F: Folder>() -> RawManifest {
@@ -53,20 +153,23 @@ impl<F: Folder> Runtime<F> {
         self.folder.init(&config)
     }
 
-    /// `parse`: one verdict per update, in order; keeps what was accepted (replacing whatever an
-    /// earlier `parse` left unapplied).
-    pub fn parse(&mut self, batch: Vec<RawUpdate>) -> Vec<RawVerdict> {
+    /// `parse`: one verdict per update of the packed `batch`, in order; keeps what was accepted
+    /// (replacing whatever an earlier `parse` left unapplied). Keys and values are read in place:
+    /// only an accepted update's key is copied (into its [`Change`]). A malformed batch (a host
+    /// bug) panics, which traps the call.
+    pub fn parse(&mut self, batch: &[u8]) -> Vec<RawVerdict> {
         self.pending.clear();
-        let mut verdicts = Vec::with_capacity(batch.len());
-        for update in batch {
-            let verdict = if !in_scope(&self.scope, &update.key) {
+        let mut verdicts = Vec::new();
+        for update in unpack(batch) {
+            let update = update.unwrap_or_else(|e| panic!("{e}"));
+            let verdict = if !in_scope(&self.scope, update.key) {
                 RawVerdict::Skip
             } else {
                 match update.op {
-                    raw::Op::Put => match self.folder.parse(&update.key, &update.value) {
+                    Op::Put => match self.folder.parse(update.key, update.value) {
                         Verdict::Accept(value) => {
                             self.pending.push(Change::Put {
-                                key: update.key,
+                                key: update.key.to_owned(),
                                 revision: update.revision,
                                 value,
                             });
@@ -75,9 +178,9 @@ impl<F: Folder> Runtime<F> {
                         Verdict::Skip => RawVerdict::Skip,
                         Verdict::Defer => RawVerdict::Defer,
                     },
-                    raw::Op::Delete | raw::Op::Purge => {
+                    Op::Delete | Op::Purge => {
                         self.pending.push(Change::Delete {
-                            key: update.key,
+                            key: update.key.to_owned(),
                             revision: update.revision,
                         });
                         RawVerdict::Accept
@@ -152,28 +255,104 @@ mod tests {
         }
     }
 
-    fn put(key: &str, value: &str, revision: u64) -> RawUpdate {
-        RawUpdate {
-            key: key.into(),
-            value: value.as_bytes().to_vec(),
-            revision,
-            op: raw::Op::Put,
-        }
+    /// One packed update, as the host packs it (`wit/v0.2.0/guest.wit`).
+    fn packed(key: &str, value: &[u8], revision: u64, op: u8) -> Vec<u8> {
+        let mut out = Vec::new();
+        out.extend_from_slice(&(key.len() as u32).to_le_bytes());
+        out.extend_from_slice(&(value.len() as u32).to_le_bytes());
+        out.extend_from_slice(&revision.to_le_bytes());
+        out.push(op);
+        out.extend_from_slice(key.as_bytes());
+        out.extend_from_slice(value);
+        out
     }
 
-    fn del(key: &str, op: raw::Op, revision: u64) -> RawUpdate {
-        RawUpdate {
-            key: key.into(),
-            value: Vec::new(),
-            revision,
-            op,
-        }
+    fn put(key: &str, value: &str, revision: u64) -> Vec<u8> {
+        packed(key, value.as_bytes(), revision, 0)
+    }
+
+    fn del(key: &str, op: Op, revision: u64) -> Vec<u8> {
+        let code = match op {
+            Op::Put => 0,
+            Op::Delete => 1,
+            Op::Purge => 2,
+        };
+        packed(key, &[], revision, code)
+    }
+
+    /// A batch: the updates back to back.
+    fn batch(updates: Vec<Vec<u8>>) -> Vec<u8> {
+        updates.concat()
+    }
+
+    #[test]
+    fn a_packed_batch_unpacks_in_order_borrowing_its_bytes() {
+        let b = batch(vec![
+            put("n.1", "7", 1),
+            del("m.2", Op::Purge, u64::MAX),
+            put("", "", 0),
+        ]);
+        let got: Vec<Packed<'_>> = unpack(&b).map(|u| u.expect("well formed")).collect();
+        assert_eq!(
+            got,
+            vec![
+                Packed {
+                    key: "n.1",
+                    value: b"7",
+                    revision: 1,
+                    op: Op::Put
+                },
+                Packed {
+                    key: "m.2",
+                    value: b"",
+                    revision: u64::MAX,
+                    op: Op::Purge
+                },
+                Packed {
+                    key: "",
+                    value: b"",
+                    revision: 0,
+                    op: Op::Put
+                },
+            ]
+        );
+        assert_eq!(count_updates(&b), 3);
+        assert_eq!(unpack(&[]).count(), 0);
+    }
+
+    #[test]
+    fn a_malformed_packed_batch_is_an_error_naming_where() {
+        let good = put("n.1", "7", 1);
+        // Torn header, value past the end, a key that is not UTF-8, an unknown op.
+        let torn = [good.clone(), vec![1, 0, 0]].concat();
+        let errs: Vec<String> = unpack(&torn).filter_map(Result::err).collect();
+        assert_eq!(
+            errs,
+            vec![format!(
+                "malformed packed batch at byte {}: torn header",
+                good.len()
+            )]
+        );
+        let mut short = good.clone();
+        short.pop();
+        assert!(unpack(&short).any(|u| u.is_err_and(|e| e.contains("value past the end"))));
+        // A one-byte key (the batch's last byte, the value being empty) made 0xff.
+        let mut not_utf8 = packed("k", b"", 1, 0);
+        let last = not_utf8.len() - 1;
+        not_utf8[last] = 0xff;
+        assert!(unpack(&not_utf8).any(|u| u.is_err_and(|e| e.contains("not UTF-8"))));
+        let mut bad_op = good.clone();
+        bad_op[16] = 9;
+        assert!(unpack(&bad_op).any(|u| u.is_err_and(|e| e.contains("unknown op 9"))));
+        // An error ends the iteration: nothing after it is read.
+        let after = [bad_op, good].concat();
+        assert_eq!(unpack(&after).count(), 1);
     }
 
     #[test]
     fn a_change_gives_its_key_without_the_scope_prefix_it_matched() {
         let mut rt = Runtime::<Recorder>::new();
-        rt.parse(vec![put("n.1", "7", 1), del("m.2", raw::Op::Delete, 2)]);
+        rt.parse(&batch(vec![put("n.1", "7", 1), del("m.2", Op::Delete, 2)]));
         rt.apply().expect("apply");
         let rest: Vec<&str> = rt.folder.applied.iter().map(Change::rest).collect();
         assert_eq!(rest, vec!["1", "2"]);
@@ -195,16 +374,16 @@ mod tests {
         let mut rt = Runtime::<Recorder>::new();
         rt.init(vec![("a".into(), "b".into())]).expect("init");
         assert_eq!(rt.folder.config, vec![("a".to_string(), "b".to_string())]);
-        let verdicts = rt.parse(vec![
+        let verdicts = rt.parse(&batch(vec![
             put("n.1", "7", 1),
             put("out.1", "7", 2),
             put("n.bad", "x", 3),
-            del("n.2", raw::Op::Delete, 4),
-            del("out.2", raw::Op::Purge, 5),
-            del("m.3", raw::Op::Purge, 6),
+            del("n.2", Op::Delete, 4),
+            del("out.2", Op::Purge, 5),
+            del("m.3", Op::Purge, 6),
             put("n.defer", "1", 7),
             put("m.4", "9", 8),
-        ]);
+        ]));
         assert_eq!(
             verdicts,
             vec![
@@ -256,8 +435,8 @@ mod tests {
     #[test]
     fn a_new_parse_replaces_unapplied_values() {
         let mut rt = Runtime::<Recorder>::new();
-        rt.parse(vec![put("n.1", "1", 1)]);
-        rt.parse(vec![put("n.2", "2", 2)]);
+        rt.parse(&put("n.1", "1", 1));
+        rt.parse(&put("n.2", "2", 2));
         rt.apply().expect("apply");
         assert_eq!(
             rt.folder.applied,
@@ -272,7 +451,7 @@ mod tests {
     #[test]
     fn failed_apply_drops_the_batch() {
         let mut rt = Runtime::<Recorder>::new();
-        rt.parse(vec![put("n.fail", "1", 1)]);
+        rt.parse(&put("n.fail", "1", 1));
         assert_eq!(rt.apply(), Err("fail".to_string()));
         rt.apply().expect("nothing pending");
         assert!(rt.folder.applied.is_empty());
@@ -281,7 +460,7 @@ mod tests {
     #[test]
     fn empty_batch() {
         let mut rt = Runtime::<Recorder>::new();
-        assert!(rt.parse(Vec::new()).is_empty());
+        assert!(rt.parse(&[]).is_empty());
         rt.apply().expect("apply");
         assert!(rt.folder.applied.is_empty());
     }

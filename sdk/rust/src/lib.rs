@@ -1,7 +1,9 @@
 //! # foldhost-guest
 //!
 //! The Rust SDK for foldhost WebAssembly guests: components of the world
-//! `foldhost:guest/guest@0.1.0` (see `wit/guest.wit` in the foldhost repository).
+//! `foldhost:guest/guest@0.2.0` (see `wit/v0.2.0/guest.wit` in the foldhost repository: a batch
+//! reaches the guest packed into one buffer, and [`Folder::parse`] reads each key and value in place
+//! from it, with no allocation per update).
 //!
 //! A guest turns a bucket's updates into a live structure. The host owns batching, the cursor, the
 //! durable fold and rebuilding a fresh instance from that fold; the guest only decodes values and
@@ -114,7 +116,7 @@ use std::fmt;
 #[allow(missing_docs, unsafe_code, clippy::all)]
 pub mod bindings {
     wit_bindgen::generate!({
-        path: "../../wit",
+        path: "../../wit/v0.2.0",
         world: "guest",
         pub_export_macro: true,
         default_bindings_module: "foldhost_guest::bindings",
@@ -364,9 +366,9 @@ macro_rules! export_folder {
                 }
 
                 fn parse(
-                    batch: ::std::vec::Vec<$crate::__private::RawUpdate>,
+                    batch: ::std::vec::Vec<u8>,
                 ) -> ::std::vec::Vec<$crate::__private::RawVerdict> {
-                    __FOLDHOST_RUNTIME.with_borrow_mut(|runtime| runtime.parse(batch))
+                    __FOLDHOST_RUNTIME.with_borrow_mut(|runtime| runtime.parse(&batch))
                 }
 
                 fn apply() -> ::core::result::Result<(), ::std::string::String> {

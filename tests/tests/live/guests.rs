@@ -37,25 +37,28 @@ fn upstream(i: u32, generation: u32) -> String {
     )
 }
 
+/// The Rust router, built with the SDK: a `foldhost:guest@0.2.0` guest (packed batches).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn router_guest_survives_sigkills_and_answers_every_host_like_the_bucket()
 -> anyhow::Result<()> {
-    router_survives_sigkills_and_answers_every_host_like_the_bucket("router").await
+    router_survives_sigkills_and_answers_every_host_like_the_bucket("router", "0.2.0").await
 }
 
-/// The same test, the same guest semantics, written in C (`guests/router-c`).
+/// The same test, the same guest semantics, written in C (`guests/router-c`) against
+/// `foldhost:guest@0.1.0`: the older contract keeps loading and folding unchanged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn c_router_guest_survives_sigkills_and_answers_every_host_like_the_bucket()
 -> anyhow::Result<()> {
-    router_survives_sigkills_and_answers_every_host_like_the_bucket("router_c").await
+    router_survives_sigkills_and_answers_every_host_like_the_bucket("router_c", "0.1.0").await
 }
 
 /// 20 000 routes written while a host folding them with `guest` is SIGKILLed at random moments;
 /// then a live host answers every route exactly as the bucket holds it, a deleted host is unknown,
-/// and the fold equals the bucket's `route.*` keys. (Also the JavaScript and Python routers:
-/// `languages.rs`.)
+/// and the fold equals the bucket's `route.*` keys; the live host reports the guest bound to
+/// `contract`. (Also the JavaScript and Python routers: `languages.rs`.)
 pub(crate) async fn router_survives_sigkills_and_answers_every_host_like_the_bucket(
     guest: &str,
+    contract: &str,
 ) -> anyhow::Result<()> {
     let seed: u64 = std::env::var("FOLDHOST_TEST_SEED")
         .ok()
@@ -159,10 +162,15 @@ pub(crate) async fn router_survives_sigkills_and_answers_every_host_like_the_buc
         .map(|(_, (_, r))| *r)
         .max()
         .unwrap_or(0);
-    wait_status(&addr, |s| {
+    let running = wait_status(&addr, |s| {
         s.applied_through >= last_route && s.state == "running"
     })
     .await?;
+    assert_eq!(
+        running.guest_contract.as_deref(),
+        Some(contract),
+        "{guest} bound to the wrong contract"
+    );
     eprintln!("{kills} SIGKILLs; stream at {last}, routes through {last_route}");
 
     let in_scope: foldhost_tests::Contents = want

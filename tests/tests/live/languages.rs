@@ -19,13 +19,13 @@ use crate::guests::router_survives_sigkills_and_answers_every_host_like_the_buck
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn javascript_router_survives_sigkills_and_answers_every_host_like_the_bucket()
 -> anyhow::Result<()> {
-    router_survives_sigkills_and_answers_every_host_like_the_bucket("router_js").await
+    router_survives_sigkills_and_answers_every_host_like_the_bucket("router_js", "0.1.0").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_router_survives_sigkills_and_answers_every_host_like_the_bucket()
 -> anyhow::Result<()> {
-    router_survives_sigkills_and_answers_every_host_like_the_bucket("router_py").await
+    router_survives_sigkills_and_answers_every_host_like_the_bucket("router_py", "0.1.0").await
 }
 
 /// `{"upstream":"10.<g>.<i/250>.<i%250>:80"}`.
