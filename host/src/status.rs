@@ -140,6 +140,11 @@ impl StatusReport {
         let oldest_ms = s.oldest_retained_unix_ms.load(Ordering::Relaxed);
         let now = now_unix_ms();
         StatusReport {
+            guest_contract: if guest.is_empty() {
+                self.guest_contract.clone()
+            } else {
+                s.guest_contract().map(str::to_string)
+            },
             guest: if guest.is_empty() {
                 self.guest.clone()
             } else {

@@ -42,6 +42,12 @@ pub trait Apply: Send {
     /// Name and version, for status and errors.
     fn describe(&self) -> String;
 
+    /// The guest contract version (WIT package) this applier was bound to, for status; `None`
+    /// for a native applier.
+    fn contract(&self) -> Option<&'static str> {
+        None
+    }
+
     /// One verdict per update of `batch`, in order.
     async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError>;
 

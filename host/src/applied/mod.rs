@@ -136,6 +136,8 @@ pub struct FoldStatus {
     pub last_error: std::sync::Mutex<Option<String>>,
     /// The applier now running (name@version).
     pub guest: std::sync::Mutex<String>,
+    /// The running applier's guest contract version (`None`: native, or not yet known).
+    pub guest_contract: std::sync::Mutex<Option<&'static str>>,
     /// Records retained (deferred by a guest), waiting for a version that can decode them.
     pub retained: AtomicU64,
     /// Revision of the oldest retained record (0: none).
@@ -164,6 +166,19 @@ impl FoldStatus {
         if let Ok(mut g) = self.guest.lock() {
             *g = name.to_string();
         }
+    }
+
+    /// Records the applier now running, with the guest contract it was bound to.
+    pub fn set_applier<A: Apply + ?Sized>(&self, apply: &A) {
+        self.set_guest(&apply.describe());
+        if let Ok(mut c) = self.guest_contract.lock() {
+            *c = apply.contract();
+        }
+    }
+
+    /// The running applier's guest contract version.
+    pub fn guest_contract(&self) -> Option<&'static str> {
+        self.guest_contract.lock().ok().and_then(|c| *c)
     }
 
     /// The applier now running.

@@ -791,6 +791,10 @@ impl Apply for GuestApply {
         self.core.describe()
     }
 
+    fn contract(&self) -> Option<&'static str> {
+        Some(self.core.pre.contract().as_str())
+    }
+
     async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
         let bytes: usize = batch.iter().map(KvUpdate::byte_len).sum();
         if bytes > self.core.limits.max_batch_bytes {

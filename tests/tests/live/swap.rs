@@ -453,3 +453,73 @@ async fn queries_are_served_over_nats_request_reply() -> anyhow::Result<()> {
     terminate(&mut host)?;
     Ok(())
 }
+
+/// A swap across contract versions: a host running the C router (`foldhost:guest@0.1.0`) swaps to
+/// the Rust router (`@0.2.0`: packed batches) while a writer keeps writing; the new version then
+/// serves every route exactly as the bucket holds it, and status names each version's contract.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_swap_from_a_0_1_guest_to_a_0_2_guest_serves_every_route_like_the_bucket()
+-> anyhow::Result<()> {
+    let route = |i: u32, generation: u32| {
+        format!(
+            "{{\"upstream\":\"10.{generation}.{}.{}:80\"}}",
+            i / 250,
+            i % 250
+        )
+    };
+    let h = Harness::start().await?;
+    let kv = h.bucket("contracts").await?;
+    for i in 0..2000u32 {
+        kv.put(&format!("route.h{i:05}"), route(i, 0).into())
+            .await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = start_host_holding(
+        &h,
+        "contracts",
+        &tmp.path().join("fold"),
+        &addr,
+        None,
+        "router_c",
+        None,
+    )?;
+    let last = kv.positions().await?.last_sequence;
+    let before = wait_status(&addr, |s| s.applied_through >= last).await?;
+    assert_eq!(before.guest_contract.as_deref(), Some("0.1.0"));
+    let writer = {
+        let kv = kv.clone();
+        tokio::spawn(async move {
+            for i in 0..2000u32 {
+                if i % 3 == 0 {
+                    kv.put(&format!("route.h{i:05}"), route(i, 1).into())
+                        .await?;
+                }
+                if i % 7 == 0 {
+                    kv.delete(&format!("route.h{i:05}")).await?;
+                }
+            }
+            anyhow::Ok(())
+        })
+    };
+    let (ok, text) = {
+        let (addr, guest) = (addr.clone(), guest_wasm("router"));
+        tokio::task::spawn_blocking(move || swap(&addr, &guest, None)).await??
+    };
+    assert!(ok, "the swap to the 0.2.0 router: {text}");
+    writer.await??;
+    let last = kv.positions().await?.last_sequence;
+    let after = wait_status(&addr, |s| s.applied_through >= last).await?;
+    assert_eq!(after.guest_contract.as_deref(), Some("0.2.0"));
+    let want = bucket_contents(&kv).await?;
+    let checked = foldhost_tests::check_routes_served(&addr, &want).await?;
+    assert_eq!(checked, want.len());
+    for i in (0..2000u32).filter(|i| i % 7 == 0) {
+        let host_name = format!("h{i:05}");
+        let (code, _) =
+            foldhost::serve::call(&addr, "POST", "/query", host_name.as_bytes()).await?;
+        assert_ne!(code, 200, "{host_name} was deleted");
+    }
+    terminate(&mut host)?;
+    Ok(())
+}

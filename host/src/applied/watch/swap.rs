@@ -493,7 +493,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         let outcome = outcome.map_err(|e| refused(&p.from, &p.what, &e));
         match &outcome {
             Ok(r) => {
-                self.status.set_guest(&r.to);
+                self.status.set_applier(&*self.apply);
                 tracing::info!(from = %r.from, to = %r.to, hydrated = r.hydrated_entries, caught_up = r.caught_up, hydrate_ms = r.hydrate_ms, paused_ms = r.paused_ms, "guest swapped");
             }
             Err(e) => tracing::warn!(error = %e, "swap refused; the running guest stays"),
@@ -593,7 +593,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         match &outcome {
             Ok(r) => {
                 if r.promoted {
-                    self.status.set_guest(&r.candidate);
+                    self.status.set_applier(&*self.apply);
                 }
                 tracing::info!(live = %r.live, candidate = %r.candidate, batches = r.batches, requests = r.requests, differing = r.differing, promoted = r.promoted, paused_ms = r.paused_ms, "shadow compared");
             }
