@@ -42,6 +42,20 @@ pub trait FoldRead: Send + Sync {
         prefix: &str,
         visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
     ) -> Result<(), SnapshotError>;
+    /// The entries [`Self::scan`] would return, in its order, handed to `each` by reference
+    /// instead of returned (a reader that copies them where it wants them needs no owned entry
+    /// per key). Returns how many. A view overrides it only where it can skip the copies.
+    fn scan_each(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+        limit: usize,
+        each: &mut dyn FnMut(&KvEntry),
+    ) -> Result<usize, SnapshotError> {
+        let page = self.scan(prefix, start_after, limit)?;
+        page.iter().for_each(&mut *each);
+        Ok(page.len())
+    }
 }
 
 /// A store shared between the fold (the only writer) and readers of its committed state, with the
@@ -457,6 +471,45 @@ impl<S: SnapshotStore> FoldRead for SharedStore<S> {
     ) -> Result<(), SnapshotError> {
         visit_by_pages(self, prefix, visit)
     }
+
+    /// Straight from the store's iteration when no key in range has retained records (the usual
+    /// case: then `scan` is exactly the store's entries minus reserved keys); through `scan`
+    /// otherwise.
+    fn scan_each(
+        &self,
+        prefix: &str,
+        start_after: Option<&str>,
+        limit: usize,
+        each: &mut dyn FnMut(&KvEntry),
+    ) -> Result<usize, SnapshotError> {
+        if limit == 0 {
+            return Ok(0);
+        }
+        let any_base = self.with_retained(|r| {
+            r.bases_in(prefix)
+                .any(|(k, _)| start_after.is_none_or(|a| k.as_str() > a))
+        })?;
+        if any_base {
+            let page = self.scan(prefix, start_after, limit)?;
+            page.iter().for_each(&mut *each);
+            return Ok(page.len());
+        }
+        let mut n = 0usize;
+        self.read()?
+            .for_each_in_range_after(prefix, start_after, &mut |e| {
+                if is_reserved(&e.key) {
+                    return ControlFlow::Continue(());
+                }
+                each(e);
+                n += 1;
+                if n >= limit {
+                    ControlFlow::Break(())
+                } else {
+                    ControlFlow::Continue(())
+                }
+            })?;
+        Ok(n)
+    }
 }
 
 /// Visits through `scan` pages, so a reader's view is the same whichever way it is read.
@@ -568,6 +621,30 @@ impl<S: SnapshotStore> FoldRead for PinnedView<S> {
         visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
     ) -> Result<(), SnapshotError> {
         visit_by_pages(self, prefix, visit)
+    }
+}
+
+/// Test support: `reader`'s [`FoldRead::scan_each`] hands over exactly what its `scan` returns,
+/// page by page at every page size given, through the whole `prefix`.
+#[cfg(test)]
+pub(crate) fn assert_scan_each_is_scan(reader: &dyn FoldRead, prefix: &str, limits: &[usize]) {
+    for &limit in limits {
+        let mut after: Option<String> = None;
+        loop {
+            let want = reader.scan(prefix, after.as_deref(), limit).expect("scan");
+            let mut got = Vec::new();
+            let n = reader
+                .scan_each(prefix, after.as_deref(), limit, &mut |e| {
+                    got.push(e.clone())
+                })
+                .expect("scan_each");
+            assert_eq!(got, want, "page after {after:?}, limit {limit}");
+            assert_eq!(n, want.len());
+            match want.last() {
+                Some(last) if want.len() == limit => after = Some(last.key.clone()),
+                _ => break,
+            }
+        }
     }
 }
 
@@ -732,7 +809,8 @@ mod tests {
         let dir = tempfile::tempdir().expect("tempdir");
         let (mut store, _) =
             AppendLogSnapshot::open(dir.path(), AppendLogOptions::default()).expect("open");
-        let batch: Vec<KvUpdate> = ["a.1", "a.2", "a.3", "a.4", "a.5", "b.1", "ab"]
+        // A reserved key too: no view shows it, by page or by reference.
+        let batch: Vec<KvUpdate> = ["a.1", "a.2", "a.3", "a.4", "a.5", "b.1", "ab", "\u{1}host"]
             .iter()
             .map(|k| {
                 KvUpdate::Put(KvEntry {
@@ -764,5 +842,19 @@ mod tests {
         );
         assert!(shared.scan("a.", Some("zz"), 9).expect("scan").is_empty());
         assert!(shared.scan("a.", None, 0).expect("scan").is_empty());
+        assert!(
+            !keys(shared.scan("", None, 100).expect("scan")).contains(&"\u{1}host".to_string())
+        );
+        for prefix in ["a.", "b.", "", "\u{1}", "zz"] {
+            assert_scan_each_is_scan(&shared, prefix, &[1, 2, 3, 100]);
+        }
+        let mut none = Vec::new();
+        assert_eq!(
+            shared
+                .scan_each("a.", None, 0, &mut |e| none.push(e.clone()))
+                .expect("scan_each"),
+            0
+        );
+        assert!(none.is_empty());
     }
 }

@@ -35,7 +35,7 @@ use wasmtime::component::{Component, Linker};
 use wasmtime::{Config, Engine, Store};
 
 use crate::applied::{Apply, ApplyError, SwapCandidate, Verdict};
-use crate::kv::{KvUpdate, WatchCursor, WatchScope};
+use crate::kv::{KvEntry, KvUpdate, WatchCursor, WatchScope};
 use crate::view::FoldRead;
 use bindings::{FolderInstance, FolderPre, HostState, MAX_MESSAGE_BYTES, clip_text};
 
@@ -353,6 +353,61 @@ impl Drop for GuestEngine {
 struct Live {
     store: Store<HostState>,
     guest: FolderInstance,
+}
+
+/// One hydration page: its entries' keys in one string and their values in one buffer, both
+/// reused from page to page, and where each entry's lie in them.
+#[derive(Default)]
+struct Page {
+    keys: String,
+    values: Vec<u8>,
+    /// Per entry: its key's end in `keys`, its value's end in `values`, its revision (each starts
+    /// where the entry before it ends).
+    items: Vec<(usize, usize, u64)>,
+}
+
+impl Page {
+    fn clear(&mut self) {
+        self.keys.clear();
+        self.values.clear();
+        self.items.clear();
+    }
+
+    fn push(&mut self, e: &KvEntry) {
+        self.keys.push_str(&e.key);
+        self.values.extend_from_slice(&e.value);
+        self.items.push((
+            self.keys.len(),
+            self.values.len(),
+            e.version.as_u64().unwrap_or(0),
+        ));
+    }
+
+    fn last_key(&self) -> Option<&str> {
+        let n = self.items.len();
+        let end = self.items.last()?.0;
+        let start = n.checked_sub(2).map_or(0, |i| self.items[i].0);
+        self.keys.get(start..end)
+    }
+
+    /// The page's entries as puts, borrowing the page.
+    fn updates(&self) -> Vec<bindings::Update<'_>> {
+        let (mut key_at, mut value_at) = (0, 0);
+        self.items
+            .iter()
+            .map(|&(key_end, value_end, revision)| {
+                let u = bindings::Update {
+                    // Whole keys were pushed: every boundary is a character boundary.
+                    key: self.keys.get(key_at..key_end).unwrap_or_default(),
+                    value: &self.values[value_at..value_end],
+                    revision,
+                    op: bindings::Op::Put,
+                };
+                (key_at, value_at) = (key_end, value_end);
+                u
+            })
+            .collect()
+    }
 }
 
 /// What a guest's calls need besides the instance: `Sync`, so it can be borrowed across awaits
@@ -746,27 +801,22 @@ impl Core {
         };
         let chunk = self.limits.hydrate_chunk.max(1);
         let mut total = 0u64;
+        // One page's keys and values, copied into one buffer reused page after page: no owned
+        // entry (and no allocation) per key on the way into the guest.
+        let mut page = Page::default();
         for prefix in prefixes {
             let mut after: Option<String> = None;
             loop {
-                let entries = self
+                page.clear();
+                let n = self
                     .fold
-                    .scan(&prefix, after.as_deref(), chunk)
+                    .scan_each(&prefix, after.as_deref(), chunk, &mut |e| page.push(e))
                     .map_err(|e| self.err("hydrate", format!("read the fold: {e}")))?;
-                let Some(last) = entries.last() else { break };
-                after = Some(last.key.clone());
-                let full = entries.len() == chunk;
-                total += entries.len() as u64;
-                let batch: Vec<bindings::Update<'_>> = entries
-                    .iter()
-                    .map(|e| bindings::Update {
-                        revision: e.version.as_u64().unwrap_or(0),
-                        key: &e.key,
-                        value: &e.value,
-                        op: bindings::Op::Put,
-                    })
-                    .collect();
-                self.feed(live, batch).await?;
+                let Some(last) = page.last_key() else { break };
+                after = Some(last.to_string());
+                let full = n == chunk;
+                total += n as u64;
+                self.feed(live, page.updates()).await?;
                 if swapping {
                     crate::crashpoint::hold(crate::crashpoint::SWAP_HYDRATING).await;
                 }
@@ -1033,4 +1083,59 @@ pub fn read_guest_file(path: &std::path::Path) -> Result<Vec<u8>, GuestError> {
         path: path.display().to_string(),
         reason: e.to_string(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Page;
+    use crate::kv::{KvEntry, VersionToken};
+
+    fn entry(key: &str, value: &[u8], revision: u64) -> KvEntry {
+        KvEntry {
+            key: key.to_string(),
+            value: bytes::Bytes::copy_from_slice(value),
+            version: VersionToken::from_u64(revision),
+        }
+    }
+
+    #[test]
+    fn a_hydration_page_hands_back_every_entry_as_pushed_and_is_reused_empty() {
+        let mut page = Page::default();
+        assert_eq!(page.last_key(), None);
+        assert!(page.updates().is_empty());
+        let entries = [
+            entry("route.é", b"{\"upstream\":\"1\"}", 3),
+            entry("route.b", b"", 7),
+            entry("", b"x", 9),
+            entry("route.ü.last", b"\xff\x00", u64::MAX),
+        ];
+        for e in &entries {
+            page.push(e);
+        }
+        let got: Vec<(String, Vec<u8>, u64)> = page
+            .updates()
+            .iter()
+            .map(|u| {
+                assert!(matches!(u.op, super::bindings::Op::Put));
+                (u.key.to_string(), u.value.to_vec(), u.revision)
+            })
+            .collect();
+        let want: Vec<(String, Vec<u8>, u64)> = entries
+            .iter()
+            .map(|e| {
+                (
+                    e.key.clone(),
+                    e.value.to_vec(),
+                    e.version.as_u64().unwrap_or(0),
+                )
+            })
+            .collect();
+        assert_eq!(got, want);
+        assert_eq!(page.last_key(), Some("route.ü.last"));
+        page.clear();
+        assert_eq!(page.last_key(), None);
+        page.push(&entries[1]);
+        assert_eq!(page.last_key(), Some("route.b"));
+        assert_eq!(page.updates().len(), 1);
+    }
 }

@@ -589,6 +589,9 @@ async fn a_deferred_update_holds_later_updates_of_its_key_and_applied_through_st
         guest_view.map(|e| (e.value, e.version.as_u64())),
         Some((Bytes::from_static(b"1"), Some(1)))
     );
+    // Read by reference (hydration's pages), the guest's view is the same: the blocked key's
+    // base, no reserved key, page by page.
+    crate::view::assert_scan_each_is_scan(&store, "", &[1, 2, 3, 100]);
     assert_eq!(
         store
             .read()
