@@ -46,9 +46,9 @@ pub const PACKED_HEADER_BYTES: usize = 17;
 
 /// `batch` packed as `foldhost:guest@0.2.0`'s `parse` takes it (see `wit/v0.2.0/guest.wit`): per
 /// update, little-endian key length, value length and revision, the op's index, then the key and
-/// the value. `out` is cleared first. Lengths past `u32` cannot occur: a batch is capped far below
-/// (`max-batch-bytes`) before it is packed; one that did would be cut short, not wrapped.
-pub fn pack_batch(batch: &[Update<'_>], out: &mut Vec<u8>) {
+/// the value. `out` is cleared first. A key or value longer than a `u32` can say is refused, never
+/// cut (a batch is capped far below that, `max-batch-bytes`, before it gets here).
+pub fn pack_batch(batch: &[Update<'_>], out: &mut Vec<u8>) -> Result<(), String> {
     out.clear();
     let bytes: usize = batch
         .iter()
@@ -56,8 +56,15 @@ pub fn pack_batch(batch: &[Update<'_>], out: &mut Vec<u8>) {
         .sum();
     out.reserve(bytes);
     for u in batch {
-        let key_len = u32::try_from(u.key.len()).unwrap_or(u32::MAX);
-        let value_len = u32::try_from(u.value.len()).unwrap_or(u32::MAX);
+        let too_long = || {
+            format!(
+                "an update of a {}-byte key and a {}-byte value cannot be packed (over 4 GiB)",
+                u.key.len(),
+                u.value.len()
+            )
+        };
+        let key_len = u32::try_from(u.key.len()).map_err(|_| too_long())?;
+        let value_len = u32::try_from(u.value.len()).map_err(|_| too_long())?;
         out.extend_from_slice(&key_len.to_le_bytes());
         out.extend_from_slice(&value_len.to_le_bytes());
         out.extend_from_slice(&u.revision.to_le_bytes());
@@ -66,9 +73,10 @@ pub fn pack_batch(batch: &[Update<'_>], out: &mut Vec<u8>) {
             Op::Delete => 1,
             Op::Purge => 2,
         });
-        out.extend_from_slice(&u.key.as_bytes()[..key_len as usize]);
-        out.extend_from_slice(&u.value[..value_len as usize]);
+        out.extend_from_slice(u.key.as_bytes());
+        out.extend_from_slice(u.value);
     }
+    Ok(())
 }
 
 /// The contract version a component was bound to.
@@ -100,13 +108,18 @@ pub enum FolderPre {
 }
 
 impl FolderPre {
-    /// Binds `pre` to the newest contract whose `folder` it exports; the error says why it fits
-    /// none (0.1.0's, the oldest the host links).
+    /// Binds `pre` to the newest contract whose `folder` it exports; the error names why it fits
+    /// neither.
     pub fn new(pre: wasmtime::component::InstancePre<HostState>) -> wasmtime::Result<Self> {
-        match v2::GuestPre::new(pre.clone()) {
-            Ok(p) => Ok(FolderPre::V2(p)),
-            Err(_) => GuestPre::new(pre).map(FolderPre::V1),
-        }
+        let newest = match v2::GuestPre::new(pre.clone()) {
+            Ok(p) => return Ok(FolderPre::V2(p)),
+            Err(e) => e,
+        };
+        GuestPre::new(pre).map(FolderPre::V1).map_err(|oldest| {
+            wasmtime::Error::msg(format!(
+                "it fits no guest contract this host links: as foldhost:guest@0.2.0, {newest:#}; as @0.1.0, {oldest:#}"
+            ))
+        })
     }
 
     /// The contract it was bound to.
@@ -211,7 +224,7 @@ impl FolderInstance {
         match self {
             FolderInstance::V1(g) => g.foldhost_guest_folder().call_parse(store, batch).await,
             FolderInstance::V2 { guest, packed } => {
-                pack_batch(batch, packed);
+                pack_batch(batch, packed).map_err(wasmtime::Error::msg)?;
                 let verdicts = guest
                     .foldhost_guest_folder()
                     .call_parse(&mut *store, packed)
@@ -710,7 +723,7 @@ mod tests {
             },
         ];
         let mut out = vec![0xAA; 3]; // cleared first
-        pack_batch(&batch, &mut out);
+        pack_batch(&batch, &mut out).expect("packs");
         let mut want = Vec::new();
         want.extend_from_slice(&7u32.to_le_bytes());
         want.extend_from_slice(&2u32.to_le_bytes());
@@ -729,7 +742,7 @@ mod tests {
         want.push(b'd');
         assert_eq!(out, want);
         assert_eq!(out.len(), 3 * PACKED_HEADER_BYTES + 7 + 2 + 2 + 1);
-        pack_batch(&[], &mut out);
+        pack_batch(&[], &mut out).expect("packs");
         assert!(out.is_empty());
     }
 

@@ -1087,7 +1087,23 @@ pub fn read_guest_file(path: &std::path::Path) -> Result<Vec<u8>, GuestError> {
 
 #[cfg(test)]
 mod tests {
-    use super::Page;
+    use super::{GuestEngine, Page};
+
+    #[test]
+    fn a_component_exporting_no_folder_is_refused_naming_both_contracts() {
+        let engine = GuestEngine::new().expect("engine");
+        let err = engine
+            .prepare("empty", b"(component)")
+            .err()
+            .expect("an empty component is refused")
+            .to_string();
+        assert!(
+            err.contains("fits no guest contract")
+                && err.contains("foldhost:guest@0.2.0")
+                && err.contains("@0.1.0"),
+            "{err}"
+        );
+    }
     use crate::kv::{KvEntry, VersionToken};
 
     fn entry(key: &str, value: &[u8], revision: u64) -> KvEntry {
