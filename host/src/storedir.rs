@@ -313,8 +313,17 @@ impl AnyStore {
                 .get(crate::retained::IDENTITY_KEY)?
                 .map(|e| e.value.to_vec()),
         };
-        // Dropped first: fjall flushes its memtable on drop, so the stamps are of the final files.
-        drop(self);
+        // Closed first, so the stamps are of the final files: fjall flushes its memtable and
+        // empties its journals (best effort: the next open then replays them).
+        match self {
+            #[cfg(feature = "fjall")]
+            AnyStore::Fjall(s) => {
+                if let Err(e) = s.close_flushed() {
+                    tracing::warn!(store = %dir.display(), error = %e, "emptying fjall's journals at a clean stop failed; the next open replays them");
+                }
+            }
+            other => drop(other),
+        }
         closed::write(dir, backend, &record)
     }
 

@@ -28,9 +28,11 @@
 //!   running host and sees a consistent earlier-or-equal state (a torn last batch in the copied
 //!   journal is dropped by recovery, in the copy). The copy is retried (bounded) when the tree's
 //!   version changes or a file vanishes mid-copy.
-//! - **Export is persist + the same copy + verify.** [`SnapshotStore::export_to`] fsyncs the
-//!   journal, copies the directory into `DEST/fjall` as above (bounded retry), opens the copy and
-//!   requires the same cursor and count.
+//! - **Export is flush + the same copy without the journals' contents + verify.**
+//!   [`SnapshotStore::export_to`] flushes the memtable into a table, copies the directory into
+//!   `DEST/fjall` as above but with each journal an empty file (everything it held is in a table),
+//!   opens the copy and requires the same cursor and count (bounded retry). An imported artifact
+//!   therefore opens from tables alone, replaying no journal.
 
 use std::ops::{Bound, ControlFlow};
 use std::path::{Path, PathBuf};
@@ -184,7 +186,7 @@ impl FjallSnapshot {
                 source,
             })?;
         let copy = tmp.path().join(DB_DIR);
-        copy_consistent(&path, &copy)?;
+        copy_consistent(&path, &copy, Journals::Copied)?;
         let (db, tree) = open_db(&copy, &FjallOptions::default())?;
         let mut store = Self::load(copy, db, tree, false, Some(tmp))?;
         store.read_only = true;
@@ -214,6 +216,45 @@ impl FjallSnapshot {
             fail_next_write: false,
             _copy: copy,
         })
+    }
+
+    /// Closes the store at a clean stop and leaves it opening without a journal replay: flushes
+    /// the memtable into a table, fsyncs the journal, then empties every journal file in place.
+    ///
+    /// Why this is safe: once the flush has returned, every batch a journal holds is in a table
+    /// that fjall has fsynced along with the version that lists it, which is the very condition
+    /// under which fjall deletes a sealed journal itself; `self` is owned, so nothing is written
+    /// between the flush and the truncation. Why it matters: fjall 3.1 replays its whole active
+    /// journal (up to 64 MiB, an `lseek` per entry) at every open, even when its tables hold all
+    /// of it; a resume after a clean stop would pay that replay before its first delivery. A
+    /// failure before the truncation leaves the journals as they were (the next open replays
+    /// them); the empty journal files stay, because fjall recovers its sequence number from the
+    /// tables only when an active journal file exists.
+    pub fn close_flushed(self) -> Result<(), SnapshotError> {
+        self.writable()?;
+        self.tree
+            .rotate_memtable_and_wait()
+            .map_err(ferr(&self.path, "flush the memtable"))?;
+        self.db
+            .persist(PersistMode::SyncAll)
+            .map_err(ferr(&self.path, "persist"))?;
+        let io = |path: &Path, op: &'static str| {
+            let path = path.to_owned();
+            move |source| SnapshotError::Io { path, op, source }
+        };
+        for item in std::fs::read_dir(&self.path).map_err(io(&self.path, "list directory"))? {
+            let item = item.map_err(io(&self.path, "list directory"))?;
+            if is_journal(Path::new(&item.file_name())) {
+                let path = item.path();
+                let file = std::fs::OpenOptions::new()
+                    .write(true)
+                    .open(&path)
+                    .map_err(io(&path, "open journal"))?;
+                file.set_len(0).map_err(io(&path, "empty journal"))?;
+                file.sync_all().map_err(io(&path, "fsync journal"))?;
+            }
+        }
+        Ok(())
     }
 
     /// The fjall directory (`STORE/fjall`, or the private copy of a read-only open).
@@ -309,9 +350,51 @@ fn version_state(dir: &Path) -> Result<Vec<(PathBuf, Vec<u8>)>, SnapshotError> {
     Ok(out)
 }
 
+/// What a copy of a fjall directory does with its journals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Journals {
+    /// Byte-copied: the copy recovers whatever the journals hold (a running store's copy).
+    Copied,
+    /// Each written as an empty file of the same name: only for a store whose every journaled
+    /// batch is already in its tables (flushed, nothing written since). The copy then opens
+    /// without replaying a journal; fjall recovers the sequence number from the tables, which it
+    /// does only when the active journal file exists, hence the empty file rather than none.
+    Emptied,
+}
+
+/// Whether a path inside a fjall directory is one of its journals (`N.jnl` at the top).
+fn is_journal(rel: &Path) -> bool {
+    rel.components().count() == 1 && rel.extension().is_some_and(|e| e == "jnl")
+}
+
+/// Writes an empty file in `dest` for each journal of `src` (see [`Journals::Emptied`]).
+fn empty_journals(src: &Path, dest: &Path) -> Result<(), SnapshotError> {
+    let io = |path: &Path, op: &'static str| {
+        let path = path.to_owned();
+        move |source| SnapshotError::Io { path, op, source }
+    };
+    let mut found = false;
+    for item in std::fs::read_dir(src).map_err(io(src, "list directory"))? {
+        let item = item.map_err(io(src, "list directory"))?;
+        if is_journal(Path::new(&item.file_name())) {
+            let to = dest.join(item.file_name());
+            std::fs::File::create_new(&to).map_err(io(&to, "create empty journal"))?;
+            found = true;
+        }
+    }
+    if found {
+        Ok(())
+    } else {
+        Err(SnapshotError::Backend(format!(
+            "{}: no journal file to stand in for",
+            src.display()
+        )))
+    }
+}
+
 /// Copies the fjall directory `src` to `dest` (absent) so that the copy is one consistent state:
 /// retried when a file vanishes mid-copy or the tree's version changes meanwhile.
-fn copy_consistent(src: &Path, dest: &Path) -> Result<(), SnapshotError> {
+fn copy_consistent(src: &Path, dest: &Path, journals: Journals) -> Result<(), SnapshotError> {
     let mut last_err = None;
     for attempt in 0..COPY_ATTEMPTS {
         if attempt > 0 {
@@ -319,7 +402,13 @@ fn copy_consistent(src: &Path, dest: &Path) -> Result<(), SnapshotError> {
             std::thread::sleep(std::time::Duration::from_millis(20 << attempt));
         }
         let before = version_state(src)?;
-        match lsm::copy_tree(src, dest, &is_immutable, &|_| false) {
+        let skip = |rel: &Path| journals == Journals::Emptied && is_journal(rel);
+        let copied =
+            lsm::copy_tree(src, dest, &is_immutable, &skip).and_then(|()| match journals {
+                Journals::Copied => Ok(()),
+                Journals::Emptied => empty_journals(src, dest),
+            });
+        match copied {
             Ok(()) if version_state(src)? == before => return Ok(()),
             Ok(()) => {
                 last_err = Some(SnapshotError::Backend(format!(
@@ -424,16 +513,27 @@ impl SnapshotStore for FjallSnapshot {
         Ok(self.count)
     }
 
-    /// Persist (fsync the journal), copy into `DEST/fjall` (tables hard-linked), reopen the copy
-    /// and require the same cursor and count; the copy is retried a bounded number of times.
+    /// Flush the memtable into a table, then copy into `DEST/fjall` with the tables hard-linked
+    /// and the journals empty ([`Journals::Emptied`]: every batch they hold is in a table now, and
+    /// nothing is written meanwhile, the store being borrowed), reopen the copy and require the
+    /// same cursor and count; the copy is retried a bounded number of times.
+    ///
+    /// Why empty journals: fjall replays its whole active journal (up to 64 MiB) entry by entry at
+    /// every open, skipping what its tables already hold. An artifact carrying it made every
+    /// import pay that replay twice (its verify and the node's open). The verify here proves the
+    /// journals were redundant: the cursor and the count are written in every batch, so a batch
+    /// missing from the tables would show as an older cursor in the copy.
     fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
+        self.tree
+            .rotate_memtable_and_wait()
+            .map_err(ferr(&self.path, "flush the memtable"))?;
         self.db
             .persist(PersistMode::SyncAll)
             .map_err(ferr(&self.path, "persist"))?;
         let target = dest.join(DB_DIR);
         let mut last_err = None;
         for _ in 0..COPY_ATTEMPTS {
-            copy_consistent(&self.path, &target)?;
+            copy_consistent(&self.path, &target, Journals::Emptied)?;
             let verified = open_db(&target, &FjallOptions::default()).and_then(|(db, tree)| {
                 let copy = Self::load(target.clone(), db, tree, false, None)?;
                 if copy.cursor == self.cursor && copy.count == self.count {
@@ -549,6 +649,139 @@ mod tests {
             (s.cursor(), s.len().expect("len")),
             (WatchCursor::at(8000), 8000)
         );
+    }
+
+    fn journal_bytes(dir: &Path) -> u64 {
+        std::fs::read_dir(dir)
+            .expect("list")
+            .flatten()
+            .filter(|e| is_journal(Path::new(&e.file_name())))
+            .map(|e| e.metadata().map(|m| m.len()).unwrap_or(0))
+            .sum()
+    }
+
+    /// 2 000 unflushed puts at revisions 1..=2000 (cursor 2000), then `k0001` deleted (2001).
+    fn unflushed_store(dir: &Path) -> FjallSnapshot {
+        let mut s = FjallSnapshot::open(dir, FjallOptions::default()).expect("open");
+        for b in 0..4u64 {
+            let batch: Vec<KvUpdate> = (0..500u64)
+                .map(|i| put(&format!("k{:04}", b * 500 + i), b * 500 + i + 1))
+                .collect();
+            s.apply(&batch, WatchCursor::at((b + 1) * 500))
+                .expect("apply");
+        }
+        let delete = KvUpdate::Delete {
+            key: "k0001".into(),
+            version: VersionToken::from_u64(2001),
+        };
+        s.apply(&[delete], WatchCursor::at(2001))
+            .expect("apply delete");
+        assert!(
+            journal_bytes(&s.path) > 0,
+            "the store journals what it holds"
+        );
+        s
+    }
+
+    /// The store in `store_dir` (an [`unflushed_store`] carried over by a copy or a close) has
+    /// everything, and a later write wins over a table entry: its sequence number was recovered
+    /// above the tables' (were it restarted at 0, the overwrite would read back as the old value
+    /// and the delete would not hide it).
+    fn assert_opens_whole_and_takes_later_writes(store_dir: &Path, seqno_before: u64) {
+        let mut c = FjallSnapshot::open(store_dir, FjallOptions::default()).expect("open");
+        assert!(
+            c.db.seqno() >= seqno_before,
+            "the sequence number was recovered: {} against {seqno_before} before",
+            c.db.seqno()
+        );
+        assert_eq!(
+            (c.cursor(), c.len().expect("len")),
+            (WatchCursor::at(2001), 1999)
+        );
+        assert!(
+            c.get("k0001").expect("get").is_none(),
+            "the delete survived"
+        );
+        let v = c.get("k1999").expect("get").expect("k1999 is there");
+        assert_eq!(v.version, VersionToken::from_u64(2000));
+        let overwrite = KvUpdate::Put(KvEntry {
+            key: "k0002".into(),
+            value: bytes::Bytes::from_static(b"new"),
+            version: VersionToken::from_u64(2002),
+        });
+        let delete = KvUpdate::Delete {
+            key: "k0003".into(),
+            version: VersionToken::from_u64(2003),
+        };
+        c.apply(&[overwrite, delete], WatchCursor::at(2003))
+            .expect("apply after the open");
+        for reopened in [false, true] {
+            if reopened {
+                // Through a flush and a compaction too: the table merge keeps the entry with the
+                // higher sequence number, so a write numbered below the tables' would lose there.
+                c.tree.rotate_memtable_and_wait().expect("flush");
+                c.tree.major_compact().expect("compact");
+                drop(c);
+                c = FjallSnapshot::open(store_dir, FjallOptions::default()).expect("reopen");
+            }
+            let v = c.get("k0002").expect("get").expect("k0002 is there");
+            assert_eq!(
+                (&v.value[..], v.version),
+                (&b"new"[..], VersionToken::from_u64(2002)),
+                "reopened: {reopened}"
+            );
+            assert!(
+                c.get("k0003").expect("get").is_none(),
+                "reopened: {reopened}"
+            );
+            assert_eq!(
+                (c.cursor(), c.len().expect("len")),
+                (WatchCursor::at(2003), 1998),
+                "reopened: {reopened}"
+            );
+        }
+    }
+
+    fn has_journal_file(dir: &Path) -> bool {
+        std::fs::read_dir(dir)
+            .expect("list")
+            .flatten()
+            .any(|e| is_journal(Path::new(&e.file_name())))
+    }
+
+    #[test]
+    fn an_export_carries_empty_journals_and_its_copy_takes_later_writes_over_its_tables() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = unflushed_store(dir.path());
+        let seqno = s.db.seqno();
+        let out = tempfile::tempdir().expect("tempdir");
+        s.export_to(out.path()).expect("export");
+        let copy_dir = out.path().join(DB_DIR);
+        assert!(has_journal_file(&copy_dir), "the copy keeps a journal file");
+        assert_eq!(journal_bytes(&copy_dir), 0, "the copy's journals are empty");
+        assert!(journal_bytes(&s.path) > 0, "the store's own are untouched");
+        drop(s);
+        assert_opens_whole_and_takes_later_writes(out.path(), seqno);
+    }
+
+    #[test]
+    fn a_clean_close_empties_the_journals_and_the_store_reopens_whole_from_its_tables() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let s = unflushed_store(dir.path());
+        let seqno = s.db.seqno();
+        let path = s.path.clone();
+        s.close_flushed().expect("close");
+        assert!(has_journal_file(&path), "the active journal file stays");
+        assert_eq!(journal_bytes(&path), 0, "every journal is empty");
+        assert_opens_whole_and_takes_later_writes(dir.path(), seqno);
+    }
+
+    #[test]
+    fn journals_are_the_top_level_jnl_files_only() {
+        assert!(is_journal(Path::new("0.jnl")));
+        assert!(is_journal(Path::new("17.jnl")));
+        assert!(!is_journal(Path::new("keyspaces/1/0.jnl")));
+        assert!(!is_journal(Path::new("version")));
     }
 
     #[test]
