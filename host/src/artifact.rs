@@ -25,8 +25,12 @@
 //! - **Bounded.** The manifest is at most [`MAX_MANIFEST_BYTES`], at most [`MAX_FILES`] files, and a
 //!   tar entry at most [`MAX_FILE_BYTES`].
 
+mod staged;
+
 use std::fs::File;
 use std::io::{Read, Write};
+
+use staged::StagedFile;
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -272,12 +276,10 @@ fn now_ms() -> u64 {
 /// Progress of a long copy or hash: `(bytes done, bytes total)`.
 pub type Progress<'a> = &'a mut dyn FnMut(u64, u64);
 
-/// Streams `src` through BLAKE3 (and into `copy_to`, when given), reporting bytes to `tick` and
-/// handing every chunk to `check` (a streaming check of the file's contents, so verifying it costs
-/// no second read).
+/// Streams `src` through BLAKE3, reporting bytes to `tick` and handing every chunk to `check` (a
+/// streaming check of the file's contents, so verifying it costs no second read).
 fn hash_file_checked(
     src: &Path,
-    mut copy_to: Option<&mut File>,
     tick: &mut dyn FnMut(u64),
     mut check: Option<&mut crate::snapshot::CompactLogCheck>,
 ) -> Result<(u64, String), ArtifactError> {
@@ -294,9 +296,34 @@ fn hash_file_checked(
         if let Some(c) = check.as_deref_mut() {
             c.feed(&buf[..got]);
         }
-        if let Some(out) = copy_to.as_deref_mut() {
-            out.write_all(&buf[..got]).map_err(io_err(src, "copy"))?;
+        n += got as u64;
+        tick(got as u64);
+    }
+    Ok((n, hasher.finalize().to_hex().to_string()))
+}
+
+/// [`hash_file_checked`] copying into a staged import file: reads straight into its block, so
+/// each byte is read once, hashed and checked there, and written from there.
+fn copy_hashed(
+    src: &Path,
+    out: &mut StagedFile,
+    tick: &mut dyn FnMut(u64),
+    mut check: Option<&mut crate::snapshot::CompactLogCheck>,
+) -> Result<(u64, String), ArtifactError> {
+    let mut f = File::open(src).map_err(io_err(src, "open"))?;
+    let mut hasher = blake3::Hasher::new();
+    let mut n = 0u64;
+    loop {
+        let spare = out.spare();
+        let got = f.read(spare).map_err(io_err(src, "read"))?;
+        if got == 0 {
+            break;
         }
+        hasher.update(&spare[..got]);
+        if let Some(c) = check.as_deref_mut() {
+            c.feed(&spare[..got]);
+        }
+        out.commit(got).map_err(io_err(src, "copy"))?;
         n += got as u64;
         tick(got as u64);
     }
@@ -397,7 +424,6 @@ fn seal_inner(
             .filter(|_| n == crate::snapshot::LOG_FILE);
         let (size, blake3) = hash_file_checked(
             &p,
-            None,
             &mut |b| {
                 done += b;
                 progress(done, total);
@@ -733,13 +759,13 @@ fn import_stage(
         if let Some(parent) = dst.parent() {
             std::fs::create_dir_all(parent).map_err(io_err(parent, "create stage"))?;
         }
-        let mut out = File::create(&dst).map_err(io_err(&dst, "create"))?;
+        let mut out = StagedFile::create(&dst, true).map_err(io_err(&dst, "create"))?;
         let check = log_check
             .as_mut()
             .filter(|_| f.path == crate::snapshot::LOG_FILE);
-        let (size, digest) = hash_file_checked(
+        let (size, digest) = copy_hashed(
             &src,
-            Some(&mut out),
+            &mut out,
             &mut |b| {
                 done += b;
                 progress(done, total);
@@ -760,7 +786,7 @@ fn import_stage(
                 got: digest,
             });
         }
-        out.sync_all().map_err(io_err(&dst, "fsync"))?;
+        out.finish().map_err(io_err(&dst, "write and fsync"))?;
     }
     seal_import(stage, m, dest, log_check)
 }
@@ -854,7 +880,6 @@ fn import_tar_entries(
     let mut manifest_seen = false;
     let total: u64 = m.files.iter().map(|f| f.size).sum();
     let mut done = 0u64;
-    let mut buf = vec![0u8; 1 << 20];
     let mut archive = tar::Archive::new(reader);
     let entries = archive.entries().map_err(|e| bad(e.to_string()))?;
     for (count, entry) in entries.enumerate() {
@@ -910,23 +935,24 @@ fn import_tar_entries(
         if let Some(parent) = dst.parent() {
             std::fs::create_dir_all(parent).map_err(io_err(parent, "create stage"))?;
         }
-        let mut out = File::create(&dst).map_err(io_err(&dst, "create"))?;
+        let mut out = StagedFile::create(&dst, true).map_err(io_err(&dst, "create"))?;
         let mut hasher = blake3::Hasher::new();
         let mut n = 0u64;
         loop {
+            let spare = out.spare();
             let got = entry
-                .read(&mut buf)
+                .read(spare)
                 .map_err(io_err(&dst, "read the download"))?;
             if got == 0 {
                 break;
             }
-            hasher.update(&buf[..got]);
+            hasher.update(&spare[..got]);
             if rel_name == crate::snapshot::LOG_FILE
                 && let Some(c) = log_check.as_mut()
             {
-                c.feed(&buf[..got]);
+                c.feed(&spare[..got]);
             }
-            out.write_all(&buf[..got]).map_err(io_err(&dst, "write"))?;
+            out.commit(got).map_err(io_err(&dst, "write"))?;
             n += got as u64;
             done += got as u64;
             progress(done, total);
@@ -946,7 +972,7 @@ fn import_tar_entries(
                 got: digest,
             });
         }
-        out.sync_all().map_err(io_err(&dst, "fsync"))?;
+        out.finish().map_err(io_err(&dst, "write and fsync"))?;
     }
     if !manifest_seen {
         return Err(bad(format!("no {MANIFEST_FILE} in the payload")));
