@@ -17,109 +17,59 @@
 //! - **Where direct I/O is refused** (a filesystem without it answers `EINVAL` at open or at the
 //!   first write), the file is written through the page cache instead: the
 //!   same bytes, only slower.
+//! - **Reading overlaps writing**: full blocks go to the file's writer thread through a bounded
+//!   queue ([`BLOCKS`] blocks per file, 3 MiB), so the next block is read and hashed while the
+//!   last is written. The thread stops at its first error, and that error (not a stand-in) is what
+//!   the next [`StagedFile::commit`] or [`StagedFile::finish`] answers.
 //! - **Durable after [`StagedFile::finish`]**: it fsyncs the file (data and length), as the
 //!   buffered path did.
 
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::mpsc;
 
 /// Bytes gathered before one write: whole 4 KiB blocks.
 pub(crate) const BLOCK: usize = 1 << 20;
 /// Alignment of direct I/O buffers, lengths and offsets.
 const ALIGN: usize = 4096;
+/// Blocks per file: one being filled, the others queued for or under the writer.
+const BLOCKS: usize = 3;
 
-/// One payload file being written into the stage. See the module docs.
-pub(crate) struct StagedFile {
+/// A 4 KiB-aligned block of [`BLOCK`] bytes: `buf[off..off + BLOCK]`.
+struct Block {
+    buf: Vec<u8>,
+    off: usize,
+}
+
+impl Block {
+    fn new() -> Self {
+        let buf = vec![0u8; BLOCK + ALIGN];
+        let off = buf.as_ptr().align_offset(ALIGN);
+        // `align_offset` may answer "cannot" (usize::MAX) in theory; a misaligned block only
+        // makes the kernel refuse the direct write, which falls back (see `Sink::write`).
+        let off = if off < ALIGN { off } else { 0 };
+        Block { buf, off }
+    }
+
+    fn bytes(&self, len: usize) -> &[u8] {
+        &self.buf[self.off..self.off + len]
+    }
+}
+
+/// The file itself, owned by the writer thread until [`StagedFile::finish`] takes it back.
+struct Sink {
     path: PathBuf,
     file: File,
     direct: bool,
-    /// `BLOCK + ALIGN` bytes; the block is `buf[off..off + BLOCK]`, 4 KiB-aligned.
-    buf: Vec<u8>,
-    off: usize,
-    /// Bytes of the block filled.
-    filled: usize,
     /// Bytes written to the file.
     written: u64,
 }
 
-impl StagedFile {
-    /// Creates (truncating) `path`, direct where the filesystem allows it and `direct` is asked.
-    pub(crate) fn create(path: &Path, direct: bool) -> std::io::Result<Self> {
-        let (file, direct) = match direct.then(|| open_direct(path)).flatten() {
-            Some(f) => (f, true),
-            None => (File::create(path)?, false),
-        };
-        let buf = vec![0u8; BLOCK + ALIGN];
-        let off = buf.as_ptr().align_offset(ALIGN);
-        // `align_offset` may answer "cannot" (usize::MAX) in theory; a misaligned block would
-        // only make the kernel refuse the direct write, which falls back below.
-        let off = if off < ALIGN { off } else { 0 };
-        Ok(StagedFile {
-            path: path.to_path_buf(),
-            file,
-            direct,
-            buf,
-            off,
-            filled: 0,
-            written: 0,
-        })
-    }
-
-    /// Moves the block one byte off its alignment (tests: a direct write is then refused).
-    #[cfg(test)]
-    fn misalign(&mut self) {
-        self.off += 1;
-    }
-
-    /// Whether the file is being written past the page cache.
-    #[cfg(test)]
-    pub(crate) fn is_direct(&self) -> bool {
-        self.direct
-    }
-
-    /// The free part of the current block: read into it, then [`Self::commit`] what was read.
-    pub(crate) fn spare(&mut self) -> &mut [u8] {
-        let start = self.off + self.filled;
-        &mut self.buf[start..self.off + BLOCK]
-    }
-
-    /// Takes `n` bytes read into [`Self::spare`]; writes the block out when it is full.
-    pub(crate) fn commit(&mut self, n: usize) -> std::io::Result<()> {
-        debug_assert!(self.filled + n <= BLOCK, "committed past the block");
-        self.filled = (self.filled + n).min(BLOCK);
-        if self.filled == BLOCK {
-            self.write_block(BLOCK)?;
-            self.filled = 0;
-        }
-        Ok(())
-    }
-
-    /// Writes what is left and fsyncs the file. Returns the bytes written.
-    pub(crate) fn finish(mut self) -> std::io::Result<u64> {
-        let aligned = self.filled / ALIGN * ALIGN;
-        let whole = if self.direct { aligned } else { self.filled };
-        if whole > 0 {
-            self.write_block(whole)?;
-        }
-        let tail = self.filled - whole;
-        if tail > 0 {
-            // Under 4 KiB: through the page cache, by a handle without O_DIRECT.
-            let start = self.off + whole;
-            let mut f = std::fs::OpenOptions::new().append(true).open(&self.path)?;
-            f.write_all(&self.buf[start..start + tail])?;
-            self.written += tail as u64;
-            f.sync_all()?;
-        } else {
-            self.file.sync_all()?;
-        }
-        Ok(self.written)
-    }
-
-    /// Writes `buf[off..off + len]` at the file's end; a direct write the kernel refuses
-    /// (`EINVAL`) switches the file to buffered writes and is written again.
-    fn write_block(&mut self, len: usize) -> std::io::Result<()> {
-        let block = &self.buf[self.off..self.off + len];
+impl Sink {
+    /// Appends `block`; a direct write the kernel refuses (`EINVAL`) switches the file to
+    /// buffered writes and is written again.
+    fn write(&mut self, block: &[u8]) -> std::io::Result<()> {
         match self.file.write_all(block) {
             Ok(()) => {}
             Err(e) if self.direct && e.raw_os_error() == Some(libc::EINVAL) => {
@@ -134,8 +84,171 @@ impl StagedFile {
             }
             Err(e) => return Err(e),
         }
-        self.written += len as u64;
+        self.written += block.len() as u64;
         Ok(())
+    }
+}
+
+/// The writer thread of one file: full blocks in, emptied blocks back.
+struct Writer {
+    full: mpsc::SyncSender<Block>,
+    empty: mpsc::Receiver<Block>,
+    /// Taken when joined (at `finish`, or at the first failure seen).
+    handle: Option<std::thread::JoinHandle<std::io::Result<Sink>>>,
+}
+
+impl Writer {
+    /// Joins the thread: its sink, or the error it stopped on.
+    fn join(&mut self, path: &Path) -> std::io::Result<Sink> {
+        match self.handle.take() {
+            Some(h) => h.join().map_err(|_| {
+                std::io::Error::other(format!("{}: the writer thread panicked", path.display()))
+            })?,
+            None => Err(std::io::Error::other(format!(
+                "{}: the writer already failed",
+                path.display()
+            ))),
+        }
+    }
+}
+
+/// What [`StagedFile::finish`] wrote.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Written {
+    /// Bytes in the file.
+    pub(crate) bytes: u64,
+    /// Whether its blocks went past the page cache to the end.
+    pub(crate) direct: bool,
+}
+
+/// One payload file being written into the stage. See the module docs.
+pub(crate) struct StagedFile {
+    path: PathBuf,
+    /// The block being filled.
+    block: Block,
+    /// Bytes of it filled.
+    filled: usize,
+    writer: Writer,
+}
+
+impl StagedFile {
+    /// Creates (truncating) `path`, direct where the filesystem allows it and `direct` is asked,
+    /// and starts its writer thread: reading and hashing the next block overlap writing this one.
+    pub(crate) fn create(path: &Path, direct: bool) -> std::io::Result<Self> {
+        let (file, direct) = match direct.then(|| open_direct(path)).flatten() {
+            Some(f) => (f, true),
+            None => (File::create(path)?, false),
+        };
+        let mut sink = Sink {
+            path: path.to_path_buf(),
+            file,
+            direct,
+            written: 0,
+        };
+        let (full, full_rx) = mpsc::sync_channel::<Block>(BLOCKS);
+        let (empty_tx, empty) = mpsc::channel::<Block>();
+        for _ in 1..BLOCKS {
+            // Cannot fail: the receiver is `empty`, held here.
+            let _ = empty_tx.send(Block::new());
+        }
+        let handle = std::thread::Builder::new()
+            .name("foldhost-import-write".into())
+            .spawn(move || {
+                for block in full_rx {
+                    sink.write(block.bytes(BLOCK))?;
+                    // The filler may have finished already: nothing to hand back to then.
+                    let _ = empty_tx.send(block);
+                }
+                Ok(sink)
+            })?;
+        Ok(StagedFile {
+            path: path.to_path_buf(),
+            block: Block::new(),
+            filled: 0,
+            writer: Writer {
+                full,
+                empty,
+                handle: Some(handle),
+            },
+        })
+    }
+
+    /// Moves the block being filled one byte off its alignment (tests: its direct write is then
+    /// refused).
+    #[cfg(test)]
+    fn misalign(&mut self) {
+        self.block.off += 1;
+    }
+
+    /// The free part of the current block: read into it, then [`Self::commit`] what was read.
+    pub(crate) fn spare(&mut self) -> &mut [u8] {
+        let start = self.block.off + self.filled;
+        let end = self.block.off + BLOCK;
+        &mut self.block.buf[start..end]
+    }
+
+    /// Takes `n` bytes read into [`Self::spare`]; hands the block to the writer when it is full.
+    pub(crate) fn commit(&mut self, n: usize) -> std::io::Result<()> {
+        debug_assert!(self.filled + n <= BLOCK, "committed past the block");
+        self.filled = (self.filled + n).min(BLOCK);
+        if self.filled < BLOCK {
+            return Ok(());
+        }
+        // The writer hands back an emptied block unless it has stopped, which it only does on an
+        // error: joined, that error is the answer.
+        let Ok(next) = self.writer.empty.recv() else {
+            return Err(self.stopped_writer());
+        };
+        let full = std::mem::replace(&mut self.block, next);
+        self.filled = 0;
+        if self.writer.full.send(full).is_err() {
+            return Err(self.stopped_writer());
+        }
+        Ok(())
+    }
+
+    /// The error the writer thread stopped on.
+    fn stopped_writer(&mut self) -> std::io::Error {
+        match self.writer.join(&self.path) {
+            Err(e) => e,
+            Ok(_) => std::io::Error::other(format!(
+                "{}: the writer stopped without an error",
+                self.path.display()
+            )),
+        }
+    }
+
+    /// Waits for the writer, writes what is left and fsyncs the file.
+    pub(crate) fn finish(self) -> std::io::Result<Written> {
+        let StagedFile {
+            path,
+            block,
+            filled,
+            mut writer,
+        } = self;
+        // Closing the queue ends the thread once it has written every queued block.
+        drop(std::mem::replace(&mut writer.full, mpsc::sync_channel(0).0));
+        let mut sink = writer.join(&path)?;
+        let aligned = filled / ALIGN * ALIGN;
+        let whole = if sink.direct { aligned } else { filled };
+        if whole > 0 {
+            sink.write(block.bytes(whole))?;
+        }
+        let tail = filled - whole;
+        if tail > 0 {
+            // Under 4 KiB: through the page cache, by a handle without O_DIRECT.
+            let start = block.off + whole;
+            let mut f = std::fs::OpenOptions::new().append(true).open(&path)?;
+            f.write_all(&block.buf[start..start + tail])?;
+            sink.written += tail as u64;
+            f.sync_all()?;
+        } else {
+            sink.file.sync_all()?;
+        }
+        Ok(Written {
+            bytes: sink.written,
+            direct: sink.direct,
+        })
     }
 }
 
@@ -167,7 +280,6 @@ mod tests {
     /// Writes `data` through a [`StagedFile`] in chunks of the sizes cycled from `chunks`.
     fn stage(path: &Path, data: &[u8], chunks: &[usize], direct: bool) -> bool {
         let mut s = StagedFile::create(path, direct).expect("create");
-        let was_direct = s.is_direct();
         let mut rest = data;
         let mut i = 0;
         while !rest.is_empty() {
@@ -179,8 +291,9 @@ mod tests {
             s.commit(n).expect("commit");
             rest = &rest[n..];
         }
-        assert_eq!(s.finish().expect("finish"), data.len() as u64);
-        was_direct
+        let w = s.finish().expect("finish");
+        assert_eq!(w.bytes, data.len() as u64);
+        w.direct
     }
 
     #[test]
@@ -221,10 +334,11 @@ mod tests {
     fn a_direct_write_the_kernel_refuses_is_written_again_through_the_page_cache() {
         let dir = tempfile::tempdir().expect("tempdir");
         let data = pattern(2 * BLOCK + 4097);
+        // Direct where the filesystem allows it (the test is only meaningful there).
+        let direct = stage(&dir.path().join("probe"), &data, &[BLOCK], true);
         let path = dir.path().join("f");
         let mut s = StagedFile::create(&path, true).expect("create");
-        let was_direct = s.is_direct();
-        // A block one byte off its alignment: the kernel answers EINVAL to the direct write.
+        // A block one byte off its alignment: the kernel answers EINVAL to its direct write.
         s.misalign();
         let mut rest = &data[..];
         while !rest.is_empty() {
@@ -234,10 +348,33 @@ mod tests {
             s.commit(n).expect("commit");
             rest = &rest[n..];
         }
-        if was_direct {
-            assert!(!s.is_direct(), "refused once, buffered from then on");
+        let w = s.finish().expect("finish");
+        assert_eq!(w.bytes, data.len() as u64);
+        if direct {
+            assert!(!w.direct, "refused once, buffered from then on");
         }
-        assert_eq!(s.finish().expect("finish"), data.len() as u64);
         assert!(std::fs::read(&path).expect("read") == data);
+    }
+
+    #[test]
+    fn a_failed_write_is_answered_with_its_own_error_not_lost_in_the_writer_thread() {
+        // /dev/full answers every write with ENOSPC.
+        if !Path::new("/dev/full").exists() {
+            return;
+        }
+        let mut s = StagedFile::create(Path::new("/dev/full"), false).expect("open /dev/full");
+        let mut err = None;
+        for _ in 0..(BLOCKS + 2) {
+            let n = s.spare().len();
+            if let Err(e) = s.commit(n) {
+                err = Some(e);
+                break;
+            }
+        }
+        let err = match err {
+            Some(e) => e,
+            None => s.finish().expect_err("nothing could be written"),
+        };
+        assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
     }
 }
