@@ -351,6 +351,10 @@ pub struct RunArgs {
     /// A `.creds` file for the NATS connection.
     #[arg(long)]
     pub creds_file: Option<PathBuf>,
+    /// Longest one NATS operation may take before it fails (a stream read, a consumer's
+    /// creation, a put), in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = crate::bucket::DEFAULT_OP_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub nats_op_timeout: u64,
     /// Restore an expired fold from the artifact published here (an object store URL, see
     /// `foldhost publish`); with `--artifact-key`.
     #[arg(
@@ -429,6 +433,7 @@ impl RunArgs {
         Ok(NodeConfig {
             nats: self.nats,
             creds_file: self.creds_file,
+            op_timeout: Duration::from_secs(self.nats_op_timeout),
             bucket: self.bucket,
             scope: self.scope,
             store: self.store.clone(),

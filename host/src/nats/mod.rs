@@ -53,6 +53,12 @@ const NATS_MARKER_REASON: async_nats::header::HeaderName =
     async_nats::header::HeaderName::from_static("Nats-Marker-Reason");
 pub use crate::kv::WATCH_CHUNK;
 
+/// Longest a stop waits for the server to take what the client still holds (a flush, then a
+/// drain). The fold is committed before the connection is shut down, and nothing of it depends on
+/// the server by then; the operation timeout (30 s by default) is as long as the grace many
+/// orchestrators give a SIGTERM before a SIGKILL.
+pub const SHUTDOWN_BUDGET: Duration = Duration::from_secs(2);
+
 /// Period of the floor guard's backstop probe: when no delivery arrives for this long, the stream's
 /// first sequence is checked against the frontier directly (seed 000: 30 s).
 pub const FLOOR_BACKSTOP: Duration = Duration::from_secs(30);
@@ -200,14 +206,20 @@ impl Connection for NatsConnection {
         Ok(())
     }
 
+    /// Hands the server what the client still holds, within [`SHUTDOWN_BUDGET`], and only while
+    /// connected: a stop must not wait on a server that is gone (the flush waited out the whole
+    /// operation timeout, 30 s, on a SIGTERM after the server had stopped).
     async fn shutdown(&self) {
         if let Some(c) = self.client.lock().await.take() {
-            // A flush that fails means the socket is already gone; nothing more to do.
-            let _ = timed("flush", self.opts.op_timeout, async {
-                c.flush().await.map_err(|e| backend("flush", e))
-            })
-            .await;
-            let _ = c.drain().await;
+            if c.connection_state() == async_nats::connection::State::Connected {
+                let budget = self.opts.op_timeout.min(SHUTDOWN_BUDGET);
+                // A flush that fails means the socket is already gone; nothing more to do.
+                let _ = timed("flush", budget, async {
+                    c.flush().await.map_err(|e| backend("flush", e))
+                })
+                .await;
+                let _ = tokio::time::timeout(budget, c.drain()).await;
+            }
         }
         self.healthy.store(false, Ordering::Release);
     }

@@ -131,6 +131,8 @@ pub struct NodeConfig {
     pub nats: String,
     /// NATS credentials file.
     pub creds_file: Option<PathBuf>,
+    /// Longest one NATS operation may take ([`crate::bucket::DEFAULT_OP_TIMEOUT`] by default).
+    pub op_timeout: Duration,
     /// The bucket to fold.
     pub bucket: String,
     /// What to watch (`None`: the guest's manifest scope, or the whole bucket).
@@ -199,6 +201,7 @@ impl NodeConfig {
         NodeConfig {
             nats: nats.into(),
             creds_file: None,
+            op_timeout: crate::bucket::DEFAULT_OP_TIMEOUT,
             bucket: bucket.into(),
             scope: None,
             store: store.into(),
@@ -293,6 +296,7 @@ impl Node {
         // Connect before touching the store: a run that cannot reach its server writes nothing.
         let mut copts = ConnectOptions::new(cfg.nats.clone());
         copts.creds_file = cfg.creds_file.clone();
+        copts.op_timeout = cfg.op_timeout;
         let conn = NatsConnection::open(copts).await?;
         {
             use crate::bucket::Connection as _;

@@ -80,6 +80,41 @@ fn node(
     Ok(c.spawn()?)
 }
 
+/// Prints the tail of every node's log when the test fails (an early `?` or a panic): a failure on a
+/// machine nobody can log into still says what each node saw.
+struct LogsOnFailure {
+    dir: std::path::PathBuf,
+    passed: bool,
+}
+
+impl Drop for LogsOnFailure {
+    fn drop(&mut self) {
+        if self.passed {
+            return;
+        }
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return;
+        };
+        let mut logs: Vec<_> = entries
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.extension().is_some_and(|x| x == "log"))
+            .collect();
+        logs.sort();
+        for log in logs {
+            let text = std::fs::read_to_string(&log).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(60)..];
+            eprintln!(
+                "--- {} (last {} lines)\n{}",
+                log.display(),
+                tail.len(),
+                tail.join("\n")
+            );
+        }
+    }
+}
+
 /// The stream's leader, as the cluster reports it.
 async fn leader(kv: &NatsKv) -> anyhow::Result<String> {
     retrying("stream leader", || async {
@@ -106,6 +141,10 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
     };
     let kv: Arc<NatsKv> = retrying("create the R3 bucket", || conn.bucket("fleet", &r3)).await?;
     let tmp = tempfile::tempdir()?;
+    let mut logs = LogsOnFailure {
+        dir: tmp.path().to_path_buf(),
+        passed: false,
+    };
 
     // A continuous writer: keys w.000000…, retried through the leader change.
     let stop = Arc::new(AtomicBool::new(false));
@@ -306,5 +345,6 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
         first_difference(&dump_store(&tmp.path().join("a"))?, &dump_store(&late)?),
         None
     );
+    logs.passed = true;
     Ok(())
 }

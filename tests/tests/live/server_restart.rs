@@ -100,3 +100,48 @@ async fn a_watch_whose_consumer_is_deleted_or_whose_server_restarts_resumes_with
     );
     Ok(())
 }
+
+/// A node whose server has gone still stops on SIGTERM, and keeps what it folded: its stop does not
+/// wait on a server that will never answer. Found by a cluster test whose nodes, left behind after
+/// their cluster was stopped, sat out SIGTERM: the shutdown's flush waited the whole operation
+/// timeout (30 s by default). The node here runs with an operation timeout of an hour, so a stop
+/// that still waited on the server would outlast the test's deadline, which only bounds a hang:
+/// nothing asserts how fast the stop is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_whose_server_has_gone_still_stops_on_sigterm_and_keeps_its_fold()
+-> anyhow::Result<()> {
+    let mut h = Harness::start().await?;
+    let kv = h.bucket("gone").await?;
+    for i in 0..200 {
+        kv.put(&format!("k.{i:04}"), "v".into()).await?;
+    }
+    let want = bucket_contents(&kv).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let mut host = run_command(&h, "gone", &store, Some(&addr))
+        .args(["--nats-op-timeout", "3600"])
+        .stderr(Stdio::null())
+        .spawn()?;
+    wait_status(&addr, |s| s.applied_through >= 200).await?;
+    h.server.stop();
+    let pid = host.id().to_string();
+    std::process::Command::new("kill")
+        .args(["-TERM", &pid])
+        .status()?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = host.try_wait()? {
+            break status;
+        }
+        if std::time::Instant::now() >= deadline {
+            host.kill()?;
+            host.wait()?;
+            anyhow::bail!("the node did not stop on SIGTERM with its server gone");
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.code().is_some(), "it exited, not killed: {status}");
+    assert_eq!(first_difference(&want, &dump_store(&store)?), None);
+    Ok(())
+}
