@@ -210,16 +210,16 @@ impl Connection for NatsConnection {
     /// connected: a stop must not wait on a server that is gone (the flush waited out the whole
     /// operation timeout, 30 s, on a SIGTERM after the server had stopped).
     async fn shutdown(&self) {
-        if let Some(c) = self.client.lock().await.take() {
-            if c.connection_state() == async_nats::connection::State::Connected {
-                let budget = self.opts.op_timeout.min(SHUTDOWN_BUDGET);
-                // A flush that fails means the socket is already gone; nothing more to do.
-                let _ = timed("flush", budget, async {
-                    c.flush().await.map_err(|e| backend("flush", e))
-                })
-                .await;
-                let _ = tokio::time::timeout(budget, c.drain()).await;
-            }
+        if let Some(c) = self.client.lock().await.take()
+            && c.connection_state() == async_nats::connection::State::Connected
+        {
+            let budget = self.opts.op_timeout.min(SHUTDOWN_BUDGET);
+            // A flush that fails means the socket is already gone; nothing more to do.
+            let _ = timed("flush", budget, async {
+                c.flush().await.map_err(|e| backend("flush", e))
+            })
+            .await;
+            let _ = tokio::time::timeout(budget, c.drain()).await;
         }
         self.healthy.store(false, Ordering::Release);
     }
