@@ -115,6 +115,20 @@ impl Drop for LogsOnFailure {
     }
 }
 
+/// The node processes of the test with their `/status` addresses: killed and reaped when dropped,
+/// so a test that fails early leaves none behind reconnecting to a stopped cluster.
+struct Nodes(Vec<(Child, String)>);
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for (child, _) in &mut self.0 {
+            // A child already stopped and reaped by `terminate` is left alone by `kill`.
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
 /// The stream's leader, as the cluster reports it.
 async fn leader(kv: &NatsKv) -> anyhow::Result<String> {
     retrying("stream leader", || async {
@@ -167,7 +181,7 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
         })
     };
 
-    let mut nodes = Vec::new();
+    let mut nodes = Nodes(Vec::new());
     for name in ["a", "b", "c"] {
         let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
         let child = node(
@@ -178,9 +192,9 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
             &addr,
             &["--export-every", "1", "--export-lease-secs", "3"],
         )?;
-        nodes.push((child, addr));
+        nodes.0.push((child, addr));
     }
-    for (i, (_, addr)) in nodes.iter().enumerate() {
+    for (i, (_, addr)) in nodes.0.iter().enumerate() {
         let log = tmp.path().join(["a", "b", "c"][i]).with_extension("log");
         wait_status(addr, |s| s.applied_through > 100 && s.last_export.is_some())
             .await
@@ -217,12 +231,12 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
     let last = retrying("last sequence", || kv.positions())
         .await?
         .last_sequence;
-    for (_, addr) in &nodes {
+    for (_, addr) in &nodes.0 {
         let s = wait_status(addr, |s| s.applied_through == last).await?;
         assert_eq!(s.state, "running", "{s:?}");
     }
     let want = retrying("bucket contents", || bucket_contents(&kv)).await?;
-    for (child, _) in &mut nodes {
+    for (child, _) in &mut nodes.0 {
         terminate(child)?;
     }
     for name in ["a", "b", "c"] {
@@ -275,14 +289,17 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
     // bootstraps from the artifact a round publishes. (A node stopped mid-round leaves its lease
     // to run out: 3 s here.)
     let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
-    let mut exporter = node(
-        &cluster,
-        &moto,
-        &tmp.path().join("a"),
-        "a",
-        &addr,
-        &["--export-every", "1", "--export-lease-secs", "3"],
-    )?;
+    let mut exporter = Nodes(vec![(
+        node(
+            &cluster,
+            &moto,
+            &tmp.path().join("a"),
+            "a",
+            &addr,
+            &["--export-every", "1", "--export-lease-secs", "3"],
+        )?,
+        addr.clone(),
+    )]);
     retrying("make the stream evict", || async {
         let mut s = kv.jetstream().get_stream("KV_fleet").await?;
         let mut config = s.info().await?.config.clone();
@@ -311,7 +328,9 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
             .is_some_and(|c| c >= p.last_sequence)
     })
     .await?;
-    terminate(&mut exporter)?;
+    for (child, _) in &mut exporter.0 {
+        terminate(child)?;
+    }
     let late = tmp.path().join("late");
     let o = foldhost()
         .args([
