@@ -25,18 +25,16 @@
 //! - **Bounded.** The manifest is at most [`MAX_MANIFEST_BYTES`], at most [`MAX_FILES`] files, and a
 //!   tar entry at most [`MAX_FILE_BYTES`].
 
-mod staged;
-
 use std::fs::File;
 use std::io::{Read, Write};
 
-use staged::StagedFile;
+use crate::staged::StagedFile;
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
 use crate::kv::WatchCursor;
-use crate::snapshot::{SnapshotError, SnapshotStore};
+use crate::snapshot::{ProvenCopy, SnapshotError, SnapshotStore};
 use crate::storedir::{AnyStore, Backend, StoreDirError};
 
 /// The manifest's file name, at the artifact's root.
@@ -276,13 +274,8 @@ fn now_ms() -> u64 {
 /// Progress of a long copy or hash: `(bytes done, bytes total)`.
 pub type Progress<'a> = &'a mut dyn FnMut(u64, u64);
 
-/// Streams `src` through BLAKE3, reporting bytes to `tick` and handing every chunk to `check` (a
-/// streaming check of the file's contents, so verifying it costs no second read).
-fn hash_file_checked(
-    src: &Path,
-    tick: &mut dyn FnMut(u64),
-    mut check: Option<&mut crate::snapshot::CompactLogCheck>,
-) -> Result<(u64, String), ArtifactError> {
+/// Streams `src` through BLAKE3, reporting bytes to `tick`.
+fn hash_file(src: &Path, tick: &mut dyn FnMut(u64)) -> Result<(u64, String), ArtifactError> {
     let mut f = File::open(src).map_err(io_err(src, "open"))?;
     let mut hasher = blake3::Hasher::new();
     let mut buf = vec![0u8; 1 << 20];
@@ -293,17 +286,15 @@ fn hash_file_checked(
             break;
         }
         hasher.update(&buf[..got]);
-        if let Some(c) = check.as_deref_mut() {
-            c.feed(&buf[..got]);
-        }
         n += got as u64;
         tick(got as u64);
     }
     Ok((n, hasher.finalize().to_hex().to_string()))
 }
 
-/// [`hash_file_checked`] copying into a staged import file: reads straight into its block, so
-/// each byte is read once, hashed and checked there, and written from there.
+/// [`hash_file`] copying into a staged import file, with a streaming check of the contents: reads
+/// straight into its block, so each byte is read once, hashed and checked there, and written from
+/// there.
 fn copy_hashed(
     src: &Path,
     out: &mut StagedFile,
@@ -368,40 +359,52 @@ fn list_files(root: &Path) -> Result<Vec<String>, ArtifactError> {
     Ok(out)
 }
 
+/// What the first half of an export leaves for the second: the cursor the staged copy holds, and
+/// what the store proved about it while writing it (see [`SnapshotStore::export_to`]).
+#[derive(Clone, Debug)]
+pub struct Staged {
+    /// The cursor the copy must recover.
+    pub cursor: WatchCursor,
+    /// The store's digests and check of its copy, when it made them.
+    pub proven: Option<ProvenCopy>,
+}
+
 /// The first half of an export, the part that needs the fold quiet: makes `stage` and copies the
-/// committed fold into `stage/data` (with its `FOLDHOST.json`). Returns the cursor the copy holds.
+/// committed fold into `stage/data` (with its `FOLDHOST.json`).
 pub fn export_stage<S: SnapshotStore + ?Sized>(
     store: &S,
     backend: Backend,
     stage: &Path,
-) -> Result<WatchCursor, ArtifactError> {
+) -> Result<Staged, ArtifactError> {
     let data = make_stage(stage)?;
     let cursor = store.cursor();
-    store.export_to(&data)?;
+    let proven = store.export_to(&data)?;
     crate::storedir::write_meta(&data, backend)?;
-    Ok(cursor)
+    Ok(Staged { cursor, proven })
 }
 
-/// The second half of an export, off the fold's path: proves the staged copy by reopening it
-/// (cursor equality), hashes every file, writes the manifest last, and renames the stage to `out`.
-/// The stage is removed on any failure.
+/// The second half of an export, off the fold's path: proves the staged copy (by the store's own
+/// check made while writing it, or by reopening it: cursor equality), hashes every file the store
+/// did not, fsyncs them all, writes the manifest last, and renames the stage to `out`. The stage
+/// is removed on any failure.
 pub fn seal(
     stage: &Path,
     out: &Path,
-    cursor: WatchCursor,
+    staged: &Staged,
     scope: Option<String>,
     progress: Progress<'_>,
 ) -> Result<ExportManifest, ArtifactError> {
-    or_discard(stage, seal_inner(stage, out, cursor, scope, progress))
+    or_discard(stage, seal_inner(stage, out, staged, scope, progress))
 }
 
 fn seal_inner(
     stage: &Path,
     out: &Path,
-    cursor: WatchCursor,
+    staged: &Staged,
     scope: Option<String>,
     progress: Progress<'_>,
 ) -> Result<ExportManifest, ArtifactError> {
+    let cursor = staged.cursor;
     crate::crashpoint::hit(crate::crashpoint::EXPORT_STAGED);
     let data = stage.join(DATA_DIR);
     let backend = crate::storedir::backend_of(&data)?;
@@ -411,25 +414,32 @@ fn seal_inner(
         let p = data.join(check_path(n)?);
         total += std::fs::metadata(&p).map_err(io_err(&p, "stat"))?.len();
     }
-    // The append log is verified in the hashing pass (a streaming check of its compacted log);
-    // an LSM backend by reopening the copy, which reads only its metadata.
-    let mut log_check = (backend == Backend::AppendLog)
-        .then(|| crate::snapshot::CompactLogCheck::new(&data.join(crate::snapshot::LOG_FILE)));
+    let proven = staged.proven.as_ref();
     let mut done = 0u64;
     let mut files = Vec::with_capacity(names.len());
     for n in names {
         let p = data.join(check_path(&n)?);
-        let check = log_check
-            .as_mut()
-            .filter(|_| n == crate::snapshot::LOG_FILE);
-        let (size, blake3) = hash_file_checked(
-            &p,
-            &mut |b| {
+        let (size, blake3) = match proven.and_then(|c| c.files.iter().find(|f| f.path == n)) {
+            Some(f) => {
+                // Hashed as the store wrote it: check the file still has that size (assert after
+                // writing), without reading it back.
+                let got = std::fs::metadata(&p).map_err(io_err(&p, "stat"))?.len();
+                if got != f.size {
+                    return Err(ArtifactError::SizeMismatch {
+                        path: n,
+                        want: f.size,
+                        got,
+                    });
+                }
+                done += got;
+                progress(done, total);
+                (f.size, f.blake3.clone())
+            }
+            None => hash_file(&p, &mut |b| {
                 done += b;
                 progress(done, total);
-            },
-            check,
-        )?;
+            })?,
+        };
         // Durable before the manifest names it (the backend's copy need not have been): the
         // disk wrote it back while it was hashed, so this is mostly a wait for the tail.
         File::open(&p)
@@ -442,6 +452,11 @@ fn seal_inner(
         });
         crate::crashpoint::hit(crate::crashpoint::EXPORT_FILE);
     }
+    if let Some(c) = proven
+        && let Some(f) = c.files.iter().find(|f| !files.iter().any(|a| a.path == f.path))
+    {
+        return Err(ArtifactError::MissingFile(f.path.clone()));
+    }
     // Every directory of the payload, so each file's entry is durable too.
     let mut dirs: std::collections::BTreeSet<PathBuf> = std::collections::BTreeSet::new();
     dirs.insert(data.clone());
@@ -453,8 +468,8 @@ fn seal_inner(
     for d in &dirs {
         sync_dir(d)?;
     }
-    let (got, keys) = match log_check {
-        Some(c) => c.finish()?,
+    let (got, keys) = match proven {
+        Some(c) => (c.cursor, c.keys),
         None => {
             let (copy, _) = AnyStore::open_read_only(&data)?;
             if copy.backend() != backend.as_str() {
@@ -514,8 +529,8 @@ pub fn export_store<S: SnapshotStore + ?Sized>(
         return Err(ArtifactError::Exists(out.to_path_buf()));
     }
     let stage = stage_path(out, "export");
-    let cursor = or_discard(&stage, export_stage(store, backend, &stage))?;
-    seal_to(&stage, out, cursor, scope, progress)
+    let staged = or_discard(&stage, export_stage(store, backend, &stage))?;
+    seal_to(&stage, out, &staged, scope, progress)
 }
 
 /// True when `out` names a tar file rather than an artifact directory.
@@ -527,15 +542,15 @@ pub fn is_tar(out: &Path) -> bool {
 pub fn seal_to(
     stage: &Path,
     out: &Path,
-    cursor: WatchCursor,
+    staged: &Staged,
     scope: Option<String>,
     progress: Progress<'_>,
 ) -> Result<ExportManifest, ArtifactError> {
     if !is_tar(out) {
-        return seal(stage, out, cursor, scope, progress);
+        return seal(stage, out, staged, scope, progress);
     }
     let dir = stage_path(out, "artifact");
-    let m = seal(stage, &dir, cursor, scope, progress)?;
+    let m = seal(stage, &dir, staged, scope, progress)?;
     let r = pack_tar(&dir, out);
     discard(&dir);
     r.map(|()| m)
@@ -564,14 +579,14 @@ pub async fn export_live(
         if control.send(export).await.is_err() {
             return Err(ArtifactError::Fold("not running".into()));
         }
-        let (cursor, _keys) = rx
+        let (cursor, proven) = rx
             .await
             .map_err(|_| ArtifactError::Fold("stopped before the export".into()))??;
         crate::storedir::write_meta(&data, backend)?;
-        Ok(cursor)
+        Ok(Staged { cursor, proven })
     };
-    let cursor = or_discard(&stage, copied.await)?;
-    tokio::task::spawn_blocking(move || seal_to(&stage, &out, cursor, scope, &mut |_, _| {}))
+    let staged = or_discard(&stage, copied.await)?;
+    tokio::task::spawn_blocking(move || seal_to(&stage, &out, &staged, scope, &mut |_, _| {}))
         .await
         .map_err(|e| ArtifactError::Fold(format!("export task: {e}")))?
 }
@@ -786,7 +801,7 @@ fn import_stage(
                 got: digest,
             });
         }
-        out.finish().map_err(io_err(&dst, "write and fsync"))?;
+        out.finish(true).map_err(io_err(&dst, "write and fsync"))?;
     }
     seal_import(stage, m, dest, log_check)
 }
@@ -972,7 +987,7 @@ fn import_tar_entries(
                 got: digest,
             });
         }
-        out.finish().map_err(io_err(&dst, "write and fsync"))?;
+        out.finish(true).map_err(io_err(&dst, "write and fsync"))?;
     }
     if !manifest_seen {
         return Err(bad(format!("no {MANIFEST_FILE} in the payload")));

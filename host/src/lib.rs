@@ -46,6 +46,7 @@ pub mod repair;
 pub mod retained;
 pub mod serve;
 pub mod snapshot;
+mod staged;
 pub mod status;
 pub mod storedir;
 #[cfg(any(test, feature = "testkit"))]

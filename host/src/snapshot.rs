@@ -174,12 +174,41 @@ pub trait SnapshotStore: Send + Sync + 'static {
     /// must recover [`Self::cursor`] as it was when the call began. Never modifies the live store's
     /// contents. Need not be durable: the caller fsyncs what it keeps
     /// ([`crate::artifact::seal`] fsyncs every staged file before the manifest).
-    fn export_to(&self, dest: &std::path::Path) -> Result<(), SnapshotError>;
+    ///
+    /// Returns [`ProvenCopy`] when the store hashed and checked its copy as it wrote it (the
+    /// append log), so the seal need not read it back; `None` when the caller must hash the files
+    /// and verify the copy by reopening it (the LSM backends, whose copies are hard links).
+    fn export_to(&self, dest: &std::path::Path) -> Result<Option<ProvenCopy>, SnapshotError>;
 
     /// True when the fold holds no key.
     fn is_empty(&self) -> Result<bool, SnapshotError> {
         Ok(self.len()? == 0)
     }
+}
+
+/// One file of an exported copy, hashed as it was written.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HashedFile {
+    /// Its path under the copy's directory, `/`-separated.
+    pub path: String,
+    /// Its size in bytes.
+    pub size: u64,
+    /// Its BLAKE3 digest, lowercase hex.
+    pub blake3: String,
+}
+
+/// What a store proved about its exported copy while writing it: the digest of every file it
+/// wrote, and what a streaming check of those exact bytes recovered (the checks a reopen would
+/// make: every record's checksum, key order, the final cursor). An artifact seals such a copy
+/// without reading it back.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ProvenCopy {
+    /// Every file the store wrote into the copy.
+    pub files: Vec<HashedFile>,
+    /// The cursor the written bytes recover.
+    pub cursor: WatchCursor,
+    /// The keys the written bytes hold.
+    pub keys: u64,
 }
 
 /// Keys starting with this byte are the host's own (retained records, the stream identity). A raw

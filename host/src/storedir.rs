@@ -28,7 +28,7 @@ pub mod guest_seed;
 
 use crate::kv::{KvEntry, KvUpdate, WatchCursor};
 use crate::snapshot::{
-    AppendLogOptions, AppendLogSnapshot, Recovery, SnapshotError, SnapshotStore,
+    AppendLogOptions, AppendLogSnapshot, ProvenCopy, Recovery, SnapshotError, SnapshotStore,
 };
 #[cfg(feature = "fjall")]
 use crate::snapshot::{FjallOptions, FjallSnapshot};
@@ -388,7 +388,7 @@ impl SnapshotStore for AnyStore {
     fn len(&self) -> Result<u64, SnapshotError> {
         each!(self, s => s.len())
     }
-    fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
+    fn export_to(&self, dest: &Path) -> Result<Option<ProvenCopy>, SnapshotError> {
         each!(self, s => s.export_to(dest))
     }
 }

@@ -283,8 +283,11 @@ pub enum Control {
     Export {
         /// Where the backend's files go.
         dir: std::path::PathBuf,
-        /// The cursor the copy holds, and the number of keys in it, or why it failed.
-        reply: tokio::sync::oneshot::Sender<Result<(WatchCursor, u64), SnapshotError>>,
+        /// The cursor the copy holds and what the store proved of it while writing it
+        /// ([`crate::snapshot::ProvenCopy`]), or why it failed.
+        reply: tokio::sync::oneshot::Sender<
+            Result<(WatchCursor, Option<crate::snapshot::ProvenCopy>), SnapshotError>,
+        >,
     },
     /// Run a query against the applier.
     Query {

@@ -401,8 +401,8 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 let store = self.fold.store().clone();
                 let copied = tokio::task::spawn_blocking(move || {
                     let s = store.read()?;
-                    s.export_to(&dir)?;
-                    Ok((s.cursor(), s.len()?))
+                    let proven = s.export_to(&dir)?;
+                    Ok((s.cursor(), proven))
                 })
                 .await
                 .map_err(|e| AppliedError::Task(e.to_string()))?;

@@ -46,7 +46,8 @@ use bytes::Bytes;
 
 use super::format::{self, Decoded, HEADER_LEN, Record};
 use super::live_map::{self, LiveMap};
-use super::{Recovery, SnapshotError, SnapshotStore};
+use super::{HashedFile, ProvenCopy, Recovery, SnapshotError, SnapshotStore};
+use crate::staged::StagedFile;
 use crate::kv::{KvEntry, KvUpdate, WatchCursor};
 
 /// The log's file name inside the store directory.
@@ -306,14 +307,12 @@ impl SnapshotStore for AppendLogSnapshot {
         Ok(self.fold.len())
     }
 
-    /// A compacted copy: the live map and cursor written as one fresh log. The in-RAM fold is the
-    /// committed state, so no file of the live store is read or touched. Not fsynced here: the
-    /// copy goes into an export's private stage, and the artifact layer fsyncs every staged file
-    /// after hashing it and before its manifest ([`crate::artifact::seal`]) — off the fold's
-    /// pause, and overlapping the disk's writeback with the hashing.
-    fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
-        write_compacted(&dest.join(LOG_NAME), &self.fold)?;
-        Ok(())
+    /// A compacted copy: the live map and cursor written as one fresh log, hashed and checked as
+    /// it is written ([`export_compacted`]). The in-RAM fold is the committed state, so no file of
+    /// the live store is read or touched. Not fsynced here: the artifact layer fsyncs every staged
+    /// file before its manifest ([`crate::artifact::seal`]), off the fold's pause.
+    fn export_to(&self, dest: &Path) -> Result<Option<ProvenCopy>, SnapshotError> {
+        export_compacted(&dest.join(LOG_NAME), &self.fold).map(Some)
     }
 }
 
@@ -497,33 +496,98 @@ fn should_compact(file_len: u64, live_len: u64, opts: AppendLogOptions) -> bool 
     file_len.saturating_sub(live_len) >= cmp::max(opts.compact_threshold, live_len)
 }
 
-/// Writes `fold` as a compacted log at `tmp`, streamed in chunks (an export's copy: not fsynced
-/// here, and never held whole in memory); returns its length.
-fn write_compacted(tmp: &Path, fold: &LiveMap) -> Result<u64, SnapshotError> {
-    let mut file = OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .open(tmp)
-        .map_err(io_err(tmp, "create exported log"))?;
-    let mut chunk = Vec::with_capacity(COMPACT_CHUNK);
-    let mut len = 0u64;
-    let mut flush = |file: &mut File, chunk: &mut Vec<u8>| {
-        len += chunk.len() as u64;
-        let res = file.write_all(chunk);
-        chunk.clear();
-        res.map_err(io_err(tmp, "write exported log"))
+/// Writes `fold` as a compacted log at `path`, an export's copy, and proves it as it goes: each
+/// chunk of encoded records is hashed (BLAKE3) and checked ([`CompactLogCheck`]: every record's
+/// CRC, key order, the one cursor record last) before it is written, and written past the page
+/// cache on a writer thread ([`crate::staged::StagedFile`]). The copy is never read back: its
+/// digest and what it recovers are those of the bytes handed to the kernel, and a file the disk
+/// later spoils fails the importer's digest check instead. Never held whole in memory. Not fsynced
+/// here: the artifact's seal fsyncs it, off the fold's pause.
+fn export_compacted(path: &Path, fold: &LiveMap) -> Result<ProvenCopy, SnapshotError> {
+    let mut out = ExportWriter {
+        path,
+        file: StagedFile::create(path, true).map_err(io_err(path, "create exported log"))?,
+        hasher: blake3::Hasher::new(),
+        check: CompactLogCheck::new(path),
+        len: 0,
     };
+    // A record may carry the chunk past COMPACT_CHUNK: room for one more of the usual size.
+    let mut chunk = Vec::with_capacity(COMPACT_CHUNK + 64 * 1024);
     format::encode_header(&mut chunk);
     for item in fold.iter_from(Bound::Unbounded) {
         format::encode_put(&mut chunk, &key_str(item.key), item.value, item.version);
         if chunk.len() >= COMPACT_CHUNK {
-            flush(&mut file, &mut chunk)?;
+            out.emit(&mut chunk)?;
         }
     }
     format::encode_cursor(&mut chunk, fold.cursor);
-    flush(&mut file, &mut chunk)?;
-    Ok(len)
+    out.emit(&mut chunk)?;
+    out.finish(fold)
+}
+
+/// [`export_compacted`]'s sink: every byte is hashed, checked and written, in that order.
+struct ExportWriter<'a> {
+    path: &'a Path,
+    file: StagedFile,
+    hasher: blake3::Hasher,
+    check: CompactLogCheck,
+    /// Bytes emitted so far.
+    len: u64,
+}
+
+impl ExportWriter<'_> {
+    fn emit(&mut self, chunk: &mut Vec<u8>) -> Result<(), SnapshotError> {
+        self.hasher.update(chunk);
+        self.check.feed(chunk);
+        self.file
+            .write_all(chunk)
+            .map_err(io_err(self.path, "write exported log"))?;
+        self.len += chunk.len() as u64;
+        chunk.clear();
+        Ok(())
+    }
+
+    /// Closes the file and states what it proved; the check must recover exactly the fold's cursor
+    /// and size, and the file must hold every byte emitted (asserted after writing).
+    fn finish(self, fold: &LiveMap) -> Result<ProvenCopy, SnapshotError> {
+        let written = self
+            .file
+            .finish(false)
+            .map_err(io_err(self.path, "write exported log"))?;
+        let (cursor, keys) = self.check.finish()?;
+        let on_disk = fs::metadata(self.path)
+            .map_err(io_err(self.path, "stat exported log"))?
+            .len();
+        if written.bytes != self.len || on_disk != self.len {
+            return Err(SnapshotError::InvalidFormat {
+                path: self.path.to_owned(),
+                reason: format!(
+                    "exported log holds {on_disk} bytes ({} written), {} were encoded",
+                    written.bytes, self.len
+                ),
+            });
+        }
+        if cursor != fold.cursor || keys != fold.len() {
+            return Err(SnapshotError::InvalidFormat {
+                path: self.path.to_owned(),
+                reason: format!(
+                    "exported log recovers cursor {:?} with {keys} keys, the fold is at {:?} with {}",
+                    cursor.revision(),
+                    fold.cursor.revision(),
+                    fold.len()
+                ),
+            });
+        }
+        Ok(ProvenCopy {
+            files: vec![HashedFile {
+                path: LOG_NAME.to_owned(),
+                size: self.len,
+                blake3: self.hasher.finalize().to_hex().to_string(),
+            }],
+            cursor,
+            keys,
+        })
+    }
 }
 
 fn open_append(path: &Path) -> Result<File, SnapshotError> {
@@ -783,10 +847,13 @@ impl<'a> Scan<'a> {
 /// nothing torn and nothing superseded. Memory: the carried-over part of one record.
 pub struct CompactLogCheck {
     path: PathBuf,
+    /// The start of a record (or of the header) cut by the end of the last chunk.
     carry: Vec<u8>,
+    /// File offset of the first byte not yet checked (the start of `carry`).
     offset: usize,
     header_done: bool,
-    last_key: Option<String>,
+    /// The last key seen (reused: no allocation per key), valid when `keys > 0`.
+    last_key: String,
     keys: u64,
     cursor: Option<WatchCursor>,
     failed: Option<SnapshotError>,
@@ -800,7 +867,7 @@ impl CompactLogCheck {
             carry: Vec::new(),
             offset: 0,
             header_done: false,
-            last_key: None,
+            last_key: String::new(),
             keys: 0,
             cursor: None,
             failed: None,
@@ -819,14 +886,47 @@ impl CompactLogCheck {
         }
     }
 
-    fn step(&mut self, chunk: &[u8]) -> Result<(), SnapshotError> {
-        self.carry.extend_from_slice(chunk);
+    /// Checks what `chunk` completes. Records wholly inside the chunk are checked where they lie;
+    /// only a record cut by a chunk's end is copied, and completed by taking from the next chunk
+    /// just enough bytes (in doubling steps) to decode it.
+    fn step(&mut self, mut chunk: &[u8]) -> Result<(), SnapshotError> {
+        let mut take = 4096;
+        while !self.carry.is_empty() && !chunk.is_empty() {
+            let before = self.carry.len();
+            let n = take.min(chunk.len());
+            self.carry.extend_from_slice(&chunk[..n]);
+            let carry = std::mem::take(&mut self.carry);
+            let used = self.scan(&carry);
+            self.carry = carry;
+            let used = used?;
+            if used == 0 {
+                // Still cut short: those bytes stay carried.
+                chunk = &chunk[n..];
+                take = take.saturating_mul(2);
+                continue;
+            }
+            // The scan got past the carried bytes (they were cut short before); whatever it did
+            // not use of the appended ones is scanned from `chunk` itself below.
+            debug_assert!(used > before, "a carried record completed without new bytes");
+            chunk = &chunk[used.saturating_sub(before)..];
+            self.carry.clear();
+        }
+        if self.carry.is_empty() {
+            let used = self.scan(chunk)?;
+            self.carry.extend_from_slice(&chunk[used..]);
+        }
+        Ok(())
+    }
+
+    /// Checks the header (if not done yet) and every whole record at the start of `buf`, which
+    /// starts at `self.offset` in the file; returns the bytes used and moves `offset` past them.
+    fn scan(&mut self, buf: &[u8]) -> Result<usize, SnapshotError> {
         let mut at = 0;
         if !self.header_done {
-            if self.carry.len() < HEADER_LEN {
-                return Ok(());
+            if buf.len() < HEADER_LEN {
+                return Ok(0);
             }
-            format::decode_header(&self.carry).map_err(|e| SnapshotError::InvalidFormat {
+            format::decode_header(buf).map_err(|e| SnapshotError::InvalidFormat {
                 path: self.path.clone(),
                 reason: e.to_string(),
             })?;
@@ -835,7 +935,7 @@ impl CompactLogCheck {
         }
         loop {
             let here = self.offset + at;
-            match format::decode_record(&self.carry[at..]) {
+            match format::decode_record(&buf[at..]) {
                 Decoded::Truncated => break,
                 Decoded::Record { record, len } => {
                     if self.cursor.is_some() {
@@ -847,14 +947,15 @@ impl CompactLogCheck {
                     }
                     match record {
                         Record::Put { key, .. } => {
-                            if self.last_key.as_deref().is_some_and(|last| last >= key) {
+                            if self.keys > 0 && self.last_key.as_str() >= key {
                                 return Err(corrupted(
                                     &self.path,
                                     here,
                                     format!("key {key:?} out of order: not a compacted log"),
                                 ));
                             }
-                            self.last_key = Some(key.to_owned());
+                            self.last_key.clear();
+                            self.last_key.push_str(key);
                             self.keys += 1;
                         }
                         Record::Delete { .. } => {
@@ -882,9 +983,8 @@ impl CompactLogCheck {
                 Decoded::Invalid(why) => return Err(corrupted(&self.path, here, why.to_string())),
             }
         }
-        self.carry.drain(..at);
         self.offset += at;
-        Ok(())
+        Ok(at)
     }
 
     /// Ends the check: the cursor the file recovers and its number of keys.
@@ -2089,5 +2189,62 @@ mod tests {
             check_bytes(&live, 4096).is_err(),
             "an uncompacted log passed"
         );
+    }
+
+    #[test]
+    fn an_export_proves_the_bytes_it_wrote_digest_size_cursor_and_keys_whatever_their_chunking() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        // Values past the check's first 4 KiB step and past a whole export chunk, so records are
+        // cut by chunk ends and completed from the next chunk in several steps.
+        let big = vec![0x5au8; 70_000];
+        let huge = vec![0xa5u8; COMPACT_CHUNK + 12_345];
+        let mut batch = vec![put("m", &big, 1), put("z", &huge, 2)];
+        for i in 0..2_000u64 {
+            batch.push(put(&format!("k{i:05}"), format!("v{i}").as_bytes(), 3 + i));
+        }
+        store.apply(&batch, WatchCursor::at(2_002)).expect("apply");
+        store
+            .apply(&[del("k00007", 2_003)], WatchCursor::at(2_003))
+            .expect("apply");
+        let out = tempfile::tempdir().expect("tempdir");
+        let proven = store
+            .export_to(out.path())
+            .expect("export")
+            .expect("the append log proves its copy");
+        let bytes = fs::read(out.path().join(LOG_NAME)).expect("read");
+        let (reopened, _) = open_ro(out.path());
+        assert_eq!(
+            (proven.cursor, proven.keys),
+            (reopened.cursor(), reopened.len().expect("len"))
+        );
+        assert_eq!((proven.cursor, proven.keys), (WatchCursor::at(2_003), 2_001));
+        assert_eq!(
+            proven.files,
+            vec![HashedFile {
+                path: LOG_NAME.to_owned(),
+                size: bytes.len() as u64,
+                blake3: blake3::hash(&bytes).to_hex().to_string(),
+            }]
+        );
+        let want = (proven.cursor, proven.keys);
+        for chunk in [1, 4095, 4097, 65_536, COMPACT_CHUNK, bytes.len()] {
+            assert_eq!(check_bytes(&bytes, chunk).expect("a compacted log"), want);
+        }
+        // Irregular chunks: a record completed across several feeds of different sizes.
+        let mut c = CompactLogCheck::new(Path::new("fold.log"));
+        let (mut at, mut i) = (0, 0);
+        while at < bytes.len() {
+            let n = [1usize, 5_000, 3, 70_001, 9][i % 5].min(bytes.len() - at);
+            c.feed(&bytes[at..at + n]);
+            at += n;
+            i += 1;
+        }
+        assert_eq!(c.finish().expect("a compacted log"), want);
+        // A flipped byte inside the huge value, checked in 64 KiB chunks: refused.
+        let mut b = bytes.clone();
+        let in_huge = bytes.len() - 100 - huge.len() / 2;
+        b[in_huge] ^= 1;
+        assert!(check_bytes(&b, 65_536).is_err(), "a flipped byte passed");
     }
 }

@@ -40,7 +40,7 @@ use std::path::{Path, PathBuf};
 use fjall::{Database, Keyspace, KeyspaceCreateOptions, PersistMode};
 
 use super::lsm::{self, Op};
-use super::{SnapshotError, SnapshotStore};
+use super::{ProvenCopy, SnapshotError, SnapshotStore};
 use crate::kv::{KvEntry, KvUpdate, WatchCursor};
 
 /// The subdirectory of the store directory that holds fjall's files.
@@ -546,7 +546,7 @@ impl SnapshotStore for FjallSnapshot {
     /// import pay that replay twice (its verify and the node's open). The verify here proves the
     /// journals were redundant: the cursor and the count are written in every batch, so a batch
     /// missing from the tables would show as an older cursor in the copy.
-    fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
+    fn export_to(&self, dest: &Path) -> Result<Option<ProvenCopy>, SnapshotError> {
         self.flush_memtable()?;
         self.db
             .persist(PersistMode::SyncAll)
@@ -571,7 +571,7 @@ impl SnapshotStore for FjallSnapshot {
                 }
             });
             match verified {
-                Ok(()) => return Ok(()),
+                Ok(()) => return Ok(None),
                 Err(e) => {
                     let _ = std::fs::remove_dir_all(&target);
                     last_err = Some(e);

@@ -44,7 +44,7 @@ use rocksdb::{
 };
 
 use super::lsm::{self, COUNT_KEY, CURSOR_KEY, DATA, META, Op};
-use super::{SnapshotError, SnapshotStore};
+use super::{ProvenCopy, SnapshotError, SnapshotStore};
 use crate::kv::{KvEntry, KvUpdate, WatchCursor};
 
 /// The subdirectory of the store directory that holds RocksDB's files.
@@ -408,7 +408,7 @@ impl SnapshotStore for RocksDbSnapshot {
     /// A native checkpoint into `DEST/rocksdb`, verified by reopening it read-only. Refused on a
     /// read-only instance: its checkpoint would leave out what is still only in the write-ahead
     /// log (the verify would catch it; this says why, before any copy).
-    fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
+    fn export_to(&self, dest: &Path) -> Result<Option<ProvenCopy>, SnapshotError> {
         let target = dest.join(DB_DIR);
         if self.read_only {
             return Err(SnapshotError::Backend(format!(
@@ -430,7 +430,7 @@ impl SnapshotStore for RocksDbSnapshot {
                 self.count
             )));
         }
-        Ok(())
+        Ok(None)
     }
 }
 

@@ -20,7 +20,7 @@ use crate::applied::{
     MAX_APPLY_FAILURES, SwapCandidate, Verdict, WatchOptions, watch_applied,
 };
 use crate::retained::{RETAINED_PREFIX, is_reserved};
-use crate::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotError, SnapshotStore};
+use crate::snapshot::{AppendLogOptions, AppendLogSnapshot, ProvenCopy, SnapshotError, SnapshotStore};
 use crate::view::{FoldRead, SharedStore};
 
 /// Longest (virtual) time any wait in these tests may take: it only stops a hung test.
@@ -422,7 +422,7 @@ impl<S: SnapshotStore> SnapshotStore for FaultyStore<S> {
         self.inner.len()
     }
 
-    fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
+    fn export_to(&self, dest: &Path) -> Result<Option<ProvenCopy>, SnapshotError> {
         self.inner.export_to(dest)
     }
 }

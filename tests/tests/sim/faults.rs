@@ -14,7 +14,7 @@ use bytes::Bytes;
 use foldhost::applied::{Apply, ApplyError, SwapCandidate, Verdict};
 use foldhost::kv::{KvEntry, KvUpdate, WatchCursor, WatchScope};
 use foldhost::retained::is_reserved;
-use foldhost::snapshot::{SnapshotError, SnapshotStore};
+use foldhost::snapshot::{ProvenCopy, SnapshotError, SnapshotStore};
 use foldhost::storedir::AnyStore;
 use foldhost::view::{FoldRead, SharedStore};
 
@@ -154,7 +154,7 @@ impl SnapshotStore for FaultStore {
         self.inner.len()
     }
 
-    fn export_to(&self, dest: &Path) -> Result<(), SnapshotError> {
+    fn export_to(&self, dest: &Path) -> Result<Option<ProvenCopy>, SnapshotError> {
         self.inner.export_to(dest)
     }
 }

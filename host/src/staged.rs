@@ -1,11 +1,14 @@
-//! [`StagedFile`]: how an import writes each payload file into its stage.
+//! [`StagedFile`]: how an artifact's payload files are written, by an import into its stage and by
+//! the append log's export into its copy.
 //!
 //! Why not `write(2)` through the page cache: on the machines this was measured on, an import's
 //! time went to the kernel copying every byte into newly allocated page-cache pages (73 % of an
 //! export + import's samples in `copy_folio_from_iter_atomic`), and a buffered writer that came
 //! after another large write was throttled while the earlier dirty pages were written back: the
 //! same 280 MB copy took 0.9 s buffered and 0.2 s with `O_DIRECT` in one run. An import writes each
-//! byte once and reads none of them back, so it writes whole aligned blocks past the page cache.
+//! byte once and reads none of them back, so it writes whole aligned blocks past the page cache. The
+//! append log's export is the same shape: it hashes and checks its log as it encodes it, and never
+//! reads the copy back.
 //!
 //! Invariants:
 //! - **The bytes on disk are the bytes given, in order**, whatever the chunking of
@@ -21,8 +24,9 @@
 //!   queue ([`BLOCKS`] blocks per file, 3 MiB), so the next block is read and hashed while the
 //!   last is written. The thread stops at its first error, and that error (not a stand-in) is what
 //!   the next [`StagedFile::commit`] or [`StagedFile::finish`] answers.
-//! - **Durable after [`StagedFile::finish`]**: it fsyncs the file (data and length), as the
-//!   buffered path did.
+//! - **Durable after [`StagedFile::finish`] with `sync`**: it fsyncs the file (data and length), as
+//!   the buffered path did. Without `sync` the caller fsyncs later (an export's seal does, off the
+//!   fold's pause); the direct blocks are on the device already, so that is mostly the tail.
 
 use std::fs::File;
 use std::io::Write;
@@ -152,7 +156,7 @@ impl StagedFile {
             let _ = empty_tx.send(Block::new());
         }
         let handle = std::thread::Builder::new()
-            .name("foldhost-import-write".into())
+            .name("foldhost-staged-write".into())
             .spawn(move || {
                 for block in full_rx {
                     sink.write(block.bytes(BLOCK))?;
@@ -207,6 +211,18 @@ impl StagedFile {
         Ok(())
     }
 
+    /// Appends `bytes` (copied into the blocks; for a producer that encodes rather than reads).
+    pub(crate) fn write_all(&mut self, mut bytes: &[u8]) -> std::io::Result<()> {
+        while !bytes.is_empty() {
+            let spare = self.spare();
+            let n = spare.len().min(bytes.len());
+            spare[..n].copy_from_slice(&bytes[..n]);
+            self.commit(n)?;
+            bytes = &bytes[n..];
+        }
+        Ok(())
+    }
+
     /// The error the writer thread stopped on.
     fn stopped_writer(&mut self) -> std::io::Error {
         match self.writer.join(&self.path) {
@@ -218,8 +234,8 @@ impl StagedFile {
         }
     }
 
-    /// Waits for the writer, writes what is left and fsyncs the file.
-    pub(crate) fn finish(self) -> std::io::Result<Written> {
+    /// Waits for the writer, writes what is left and, with `sync`, fsyncs the file.
+    pub(crate) fn finish(self, sync: bool) -> std::io::Result<Written> {
         let StagedFile {
             path,
             block,
@@ -241,8 +257,10 @@ impl StagedFile {
             let mut f = std::fs::OpenOptions::new().append(true).open(&path)?;
             f.write_all(&block.buf[start..start + tail])?;
             sink.written += tail as u64;
-            f.sync_all()?;
-        } else {
+            if sync {
+                f.sync_all()?;
+            }
+        } else if sync {
             sink.file.sync_all()?;
         }
         Ok(Written {
@@ -291,7 +309,7 @@ mod tests {
             s.commit(n).expect("commit");
             rest = &rest[n..];
         }
-        let w = s.finish().expect("finish");
+        let w = s.finish(true).expect("finish");
         assert_eq!(w.bytes, data.len() as u64);
         w.direct
     }
@@ -348,7 +366,7 @@ mod tests {
             s.commit(n).expect("commit");
             rest = &rest[n..];
         }
-        let w = s.finish().expect("finish");
+        let w = s.finish(true).expect("finish");
         assert_eq!(w.bytes, data.len() as u64);
         if direct {
             assert!(!w.direct, "refused once, buffered from then on");
@@ -373,7 +391,7 @@ mod tests {
         }
         let err = match err {
             Some(e) => e,
-            None => s.finish().expect_err("nothing could be written"),
+            None => s.finish(true).expect_err("nothing could be written"),
         };
         assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
     }
