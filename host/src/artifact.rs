@@ -453,7 +453,10 @@ fn seal_inner(
         crate::crashpoint::hit(crate::crashpoint::EXPORT_FILE);
     }
     if let Some(c) = proven
-        && let Some(f) = c.files.iter().find(|f| !files.iter().any(|a| a.path == f.path))
+        && let Some(f) = c
+            .files
+            .iter()
+            .find(|f| !files.iter().any(|a| a.path == f.path))
     {
         return Err(ArtifactError::MissingFile(f.path.clone()));
     }
@@ -1112,6 +1115,69 @@ mod tests {
                 "{bad:?} passed"
             );
         }
+    }
+
+    /// An append-log store of a few keys, opened writable in `dir`.
+    fn small_log(dir: &Path) -> AnyStore {
+        use crate::kv::{KvEntry, KvUpdate, VersionToken};
+        let (mut store, _) = AnyStore::open(dir, Backend::AppendLog).expect("open");
+        let batch: Vec<KvUpdate> = (1..=50u64)
+            .map(|r| {
+                KvUpdate::Put(KvEntry {
+                    key: format!("k{r:03}"),
+                    value: vec![b'v'; 100].into(),
+                    version: VersionToken::from_u64(r),
+                })
+            })
+            .collect();
+        store.apply(&batch, WatchCursor::at(50)).expect("apply");
+        store
+    }
+
+    #[test]
+    fn a_sealed_export_lists_the_digest_the_store_computed_and_it_is_the_files_own() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let store = small_log(&tmp.path().join("src"));
+        let out = tmp.path().join("art");
+        let m =
+            export_store(&store, Backend::AppendLog, &out, None, &mut |_, _| {}).expect("export");
+        assert_eq!((m.cursor, m.keys), (Some(50), 50));
+        for f in &m.files {
+            let bytes = std::fs::read(out.join(DATA_DIR).join(&f.path)).expect("read");
+            assert_eq!(f.size, bytes.len() as u64, "{}", f.path);
+            assert_eq!(
+                f.blake3,
+                blake3::hash(&bytes).to_hex().to_string(),
+                "{}",
+                f.path
+            );
+        }
+        let dest = tmp.path().join("node");
+        import_artifact(&out, &dest, None, &mut |_, _| {}).expect("the export imports");
+    }
+
+    #[test]
+    fn a_proven_file_changed_between_the_copy_and_the_seal_is_refused_and_leaves_no_artifact() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let store = small_log(&tmp.path().join("src"));
+        let out = tmp.path().join("art");
+        let stage = stage_path(&out, "export");
+        let staged = export_stage(&store, Backend::AppendLog, &stage).expect("stage");
+        assert!(staged.proven.is_some(), "the append log proves its copy");
+        let log = stage.join(DATA_DIR).join(crate::snapshot::LOG_FILE);
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&log)
+            .expect("open");
+        f.write_all(b"x").expect("append");
+        drop(f);
+        let err = seal(&stage, &out, &staged, None, &mut |_, _| {}).expect_err("refused");
+        assert!(
+            matches!(err, ArtifactError::SizeMismatch { .. }),
+            "refused as a size mismatch: {err}"
+        );
+        assert!(!out.exists(), "no artifact");
+        assert!(!stage.exists(), "the stage is discarded");
     }
 
     #[test]

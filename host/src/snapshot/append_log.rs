@@ -47,8 +47,8 @@ use bytes::Bytes;
 use super::format::{self, Decoded, HEADER_LEN, Record};
 use super::live_map::{self, LiveMap};
 use super::{HashedFile, ProvenCopy, Recovery, SnapshotError, SnapshotStore};
-use crate::staged::StagedFile;
 use crate::kv::{KvEntry, KvUpdate, WatchCursor};
+use crate::staged::StagedFile;
 
 /// The log's file name inside the store directory.
 const LOG_NAME: &str = "fold.log";
@@ -504,25 +504,98 @@ fn should_compact(file_len: u64, live_len: u64, opts: AppendLogOptions) -> bool 
 /// later spoils fails the importer's digest check instead. Never held whole in memory. Not fsynced
 /// here: the artifact's seal fsyncs it, off the fold's pause.
 fn export_compacted(path: &Path, fold: &LiveMap) -> Result<ProvenCopy, SnapshotError> {
-    let mut out = ExportWriter {
+    let out = ExportWriter {
         path,
         file: StagedFile::create(path, true).map_err(io_err(path, "create exported log"))?,
         hasher: blake3::Hasher::new(),
         check: CompactLogCheck::new(path),
         len: 0,
     };
-    // A record may carry the chunk past COMPACT_CHUNK: room for one more of the usual size.
-    let mut chunk = Vec::with_capacity(COMPACT_CHUNK + 64 * 1024);
-    format::encode_header(&mut chunk);
-    for item in fold.iter_from(Bound::Unbounded) {
-        format::encode_put(&mut chunk, &key_str(item.key), item.value, item.version);
-        if chunk.len() >= COMPACT_CHUNK {
-            out.emit(&mut chunk)?;
+    // Encoding runs here; hashing, checking and handing the bytes to the writer on a second
+    // thread, so the two overlap (chunks go by value through a queue of two, and come back to be
+    // reused).
+    let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<Vec<u8>>(2);
+    let (empty_tx, empty_rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    std::thread::scope(|scope| {
+        let sink = std::thread::Builder::new()
+            .name("foldhost-export-hash".into())
+            .spawn_scoped(scope, move || {
+                let mut out = out;
+                for mut chunk in full_rx {
+                    out.emit(&chunk)?;
+                    chunk.clear();
+                    // The encoder may be done already: nothing to hand back to then.
+                    let _ = empty_tx.send(chunk);
+                }
+                Ok::<_, SnapshotError>(out)
+            })
+            .map_err(io_err(path, "start the export's hashing thread"))?;
+        // A record may carry a chunk past COMPACT_CHUNK: room for one more of the usual size.
+        let fresh = || Vec::with_capacity(COMPACT_CHUNK + 64 * 1024);
+        let mut chunk = fresh();
+        let mut buffers = 1;
+        format::encode_header(&mut chunk);
+        let mut stopped = false;
+        let mut records = fold.iter_from(Bound::Unbounded);
+        loop {
+            let last = match records.next() {
+                Some(item) => {
+                    match item.record {
+                        // A base record is already what a compacted log holds (framed, its CRC
+                        // computed; the check on the other thread recomputes it).
+                        Some(record) => chunk.extend_from_slice(record),
+                        None => format::encode_put(
+                            &mut chunk,
+                            &key_str(item.key),
+                            item.value,
+                            item.version,
+                        ),
+                    }
+                    if chunk.len() < COMPACT_CHUNK {
+                        continue;
+                    }
+                    false
+                }
+                None => {
+                    format::encode_cursor(&mut chunk, fold.cursor);
+                    true
+                }
+            };
+            let next = match empty_rx.try_recv() {
+                Ok(b) => b,
+                Err(_) if buffers < 3 => {
+                    buffers += 1;
+                    fresh()
+                }
+                // The sink holds every buffer: wait for one (or for its end, on an error).
+                Err(_) => match empty_rx.recv() {
+                    Ok(b) => b,
+                    Err(_) => {
+                        stopped = true;
+                        break;
+                    }
+                },
+            };
+            if full_tx.send(std::mem::replace(&mut chunk, next)).is_err() {
+                stopped = true;
+                break;
+            }
+            if last {
+                break;
+            }
         }
-    }
-    format::encode_cursor(&mut chunk, fold.cursor);
-    out.emit(&mut chunk)?;
-    out.finish(fold)
+        drop(full_tx);
+        let out = sink
+            .join()
+            .map_err(|_| SnapshotError::Backend("the export's hashing thread panicked".into()))??;
+        if stopped {
+            // Unreachable in practice: the sink only stops early on an error, returned above.
+            return Err(SnapshotError::Backend(
+                "the export's hashing thread stopped early".into(),
+            ));
+        }
+        out.finish(fold)
+    })
 }
 
 /// [`export_compacted`]'s sink: every byte is hashed, checked and written, in that order.
@@ -536,14 +609,13 @@ struct ExportWriter<'a> {
 }
 
 impl ExportWriter<'_> {
-    fn emit(&mut self, chunk: &mut Vec<u8>) -> Result<(), SnapshotError> {
+    fn emit(&mut self, chunk: &[u8]) -> Result<(), SnapshotError> {
         self.hasher.update(chunk);
         self.check.feed(chunk);
         self.file
             .write_all(chunk)
             .map_err(io_err(self.path, "write exported log"))?;
         self.len += chunk.len() as u64;
-        chunk.clear();
         Ok(())
     }
 
@@ -907,7 +979,10 @@ impl CompactLogCheck {
             }
             // The scan got past the carried bytes (they were cut short before); whatever it did
             // not use of the appended ones is scanned from `chunk` itself below.
-            debug_assert!(used > before, "a carried record completed without new bytes");
+            debug_assert!(
+                used > before,
+                "a carried record completed without new bytes"
+            );
             chunk = &chunk[used.saturating_sub(before)..];
             self.carry.clear();
         }
@@ -2204,8 +2279,15 @@ mod tests {
             batch.push(put(&format!("k{i:05}"), format!("v{i}").as_bytes(), 3 + i));
         }
         store.apply(&batch, WatchCursor::at(2_002)).expect("apply");
+        // Reopened, the entries are the base's records (copied as they lie); what follows is the
+        // overlay's (encoded): the export merges both.
+        drop(store);
+        let (mut store, _) = open(dir.path());
         store
-            .apply(&[del("k00007", 2_003)], WatchCursor::at(2_003))
+            .apply(
+                &[del("k00007", 2_003), put("k00009", b"new", 2_003)],
+                WatchCursor::at(2_003),
+            )
             .expect("apply");
         let out = tempfile::tempdir().expect("tempdir");
         let proven = store
@@ -2218,7 +2300,10 @@ mod tests {
             (proven.cursor, proven.keys),
             (reopened.cursor(), reopened.len().expect("len"))
         );
-        assert_eq!((proven.cursor, proven.keys), (WatchCursor::at(2_003), 2_001));
+        assert_eq!(
+            (proven.cursor, proven.keys),
+            (WatchCursor::at(2_003), 2_001)
+        );
         assert_eq!(
             proven.files,
             vec![HashedFile {

@@ -334,15 +334,31 @@ pub(crate) fn decode_record(buf: &[u8]) -> Decoded<'_> {
 /// CRC and no UTF-8 check. Only for records a [`decode_record`] (or the encoder) already checked
 /// whole, such as the append log's in-RAM base; `None` when `buf` does not start with a framed Put.
 pub(crate) fn put_fields(buf: &[u8]) -> Option<(&[u8], &[u8], VersionToken)> {
+    put_record(buf).map(|p| (p.key, p.value, p.version))
+}
+
+/// A framed Put record's fields and its whole bytes.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PutRecord<'a> {
+    pub(crate) key: &'a [u8],
+    pub(crate) value: &'a [u8],
+    pub(crate) version: VersionToken,
+    /// The record, CRC to version: what a compacted log holds for this entry, byte for byte.
+    pub(crate) bytes: &'a [u8],
+}
+
+/// [`put_fields`], with the whole record (same conditions: framing only, no CRC).
+pub(crate) fn put_record(buf: &[u8]) -> Option<PutRecord<'_>> {
     if buf.get(4) != Some(&TYPE_PUT) {
         return None;
     }
     let fields = frame_put(buf).ok()?;
-    Some((
-        fields.key,
-        fields.value,
-        VersionToken::from_bytes(fields.tail)?,
-    ))
+    Some(PutRecord {
+        key: fields.key,
+        value: fields.value,
+        version: VersionToken::from_bytes(fields.tail)?,
+        bytes: buf.get(..fields.len)?,
+    })
 }
 
 /// The key of the Put or Delete record at the start of `buf`, read by its framing alone (see

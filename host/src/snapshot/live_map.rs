@@ -72,6 +72,9 @@ pub(super) struct Item<'a> {
     pub(super) version: VersionToken,
     /// The overlay's value, when the entry came from there (cloning it is cheaper than slicing).
     owned: Option<&'a Bytes>,
+    /// The base's framed Put record, when the entry came from there: what a compacted log holds
+    /// for it, checked whole when the base was built (an export copies it as it lies).
+    pub(super) record: Option<&'a [u8]>,
 }
 
 impl LiveMap {
@@ -371,12 +374,23 @@ impl LiveMap {
     /// the offset was taken, so reading it again cannot fail; if it ever did (a bug), the entry
     /// reads as an empty key, which sorts first and matches no lookup of a real key.
     fn base_fields(&self, offset: u64) -> (&[u8], &[u8], VersionToken) {
+        let p = self.base_record(offset);
+        (p.key, p.value, p.version)
+    }
+
+    /// [`Self::base_fields`] and the whole framed record (empty in the bug case above).
+    fn base_record(&self, offset: u64) -> format::PutRecord<'_> {
         let fields = usize::try_from(offset)
             .ok()
             .and_then(|at| self.buf.get(at..))
-            .and_then(format::put_fields);
+            .and_then(format::put_record);
         debug_assert!(fields.is_some(), "base offset {offset} is not a Put record");
-        fields.unwrap_or((&[], &[], VersionToken::UNKNOWN))
+        fields.unwrap_or(format::PutRecord {
+            key: &[],
+            value: &[],
+            version: VersionToken::UNKNOWN,
+            bytes: &[],
+        })
     }
 
     /// The base's entry for `key`: (position, value, version).
@@ -449,12 +463,12 @@ impl<'a> Iterator for Iter<'a> {
                 .map
                 .base
                 .get(self.base)
-                .map(|&o| self.map.base_fields(o));
+                .map(|&o| self.map.base_record(o));
             let from_overlay = match (&base, self.overlay.peek()) {
                 (None, None) => return None,
                 (None, Some(_)) => true,
                 (Some(_), None) => false,
-                (Some((bk, _, _)), Some((ok, _))) => match ok.as_ref().cmp(bk) {
+                (Some(b), Some((ok, _))) => match ok.as_ref().cmp(b.key) {
                     Ordering::Less => true,
                     Ordering::Equal => {
                         // The overlay's entry shadows the base's.
@@ -466,12 +480,13 @@ impl<'a> Iterator for Iter<'a> {
             };
             if !from_overlay {
                 self.base += 1;
-                let (key, value, version) = base?;
+                let b = base?;
                 return Some(Item {
-                    key,
-                    value,
-                    version,
+                    key: b.key,
+                    value: b.value,
+                    version: b.version,
                     owned: None,
+                    record: (!b.bytes.is_empty()).then_some(b.bytes),
                 });
             }
             let (key, slot) = self.overlay.next()?;
@@ -483,6 +498,7 @@ impl<'a> Iterator for Iter<'a> {
                         value,
                         version: *version,
                         owned: Some(value),
+                        record: None,
                     });
                 }
             }

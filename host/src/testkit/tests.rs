@@ -20,7 +20,9 @@ use crate::applied::{
     MAX_APPLY_FAILURES, SwapCandidate, Verdict, WatchOptions, watch_applied,
 };
 use crate::retained::{RETAINED_PREFIX, is_reserved};
-use crate::snapshot::{AppendLogOptions, AppendLogSnapshot, ProvenCopy, SnapshotError, SnapshotStore};
+use crate::snapshot::{
+    AppendLogOptions, AppendLogSnapshot, ProvenCopy, SnapshotError, SnapshotStore,
+};
 use crate::view::{FoldRead, SharedStore};
 
 /// Longest (virtual) time any wait in these tests may take: it only stops a hung test.

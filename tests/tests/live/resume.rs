@@ -153,7 +153,10 @@ impl<S: SnapshotStore> SnapshotStore for FaultyStore<S> {
     fn len(&self) -> Result<u64, SnapshotError> {
         self.inner.len()
     }
-    fn export_to(&self, dest: &std::path::Path) -> Result<Option<foldhost::snapshot::ProvenCopy>, SnapshotError> {
+    fn export_to(
+        &self,
+        dest: &std::path::Path,
+    ) -> Result<Option<foldhost::snapshot::ProvenCopy>, SnapshotError> {
         self.inner.export_to(dest)
     }
 }
