@@ -410,6 +410,73 @@ impl Page {
     }
 }
 
+/// Pages of the fold read ahead of a hydration on a blocking task of its own
+/// ([`Core::stream_fold`]).
+///
+/// Two pages circulate: the reader fills one while the hydration feeds the other to the guest, and
+/// the fed page comes back through [`PageReader::recycle`]. Dropped (the hydration ended, failed,
+/// or its task was aborted), its channels close and the reader ends after the page it is reading.
+/// A blocking task rather than a bare thread: while it runs, a runtime with paused time (the
+/// simulator) does not jump its clock ahead as if everything were idle.
+struct PageReader {
+    full: tokio::sync::mpsc::Receiver<Result<Page, crate::snapshot::SnapshotError>>,
+    empty: std::sync::mpsc::Sender<Page>,
+}
+
+impl PageReader {
+    /// Starts reading `prefixes` (each in key order, `chunk` entries a page) through `fold`.
+    fn start(fold: Arc<dyn FoldRead>, prefixes: Vec<String>, chunk: usize) -> Self {
+        let (full_tx, full) = tokio::sync::mpsc::channel(1);
+        let (empty, empty_rx) = std::sync::mpsc::channel::<Page>();
+        for _ in 0..2 {
+            // Cannot fail: the receiver is alive, owned below.
+            let _ = empty.send(Page::default());
+        }
+        // Detached: it ends by itself once the pages or the hydration run out.
+        drop(tokio::task::spawn_blocking(move || {
+            for prefix in prefixes {
+                let mut after: Option<String> = None;
+                loop {
+                    // No page back: the hydration is gone.
+                    let Ok(mut page) = empty_rx.recv() else {
+                        return;
+                    };
+                    page.clear();
+                    let n = match fold
+                        .scan_each(&prefix, after.as_deref(), chunk, &mut |e| page.push(e))
+                    {
+                        Ok(n) => n,
+                        Err(e) => {
+                            let _ = full_tx.blocking_send(Err(e));
+                            return;
+                        }
+                    };
+                    let Some(last) = page.last_key() else { break };
+                    after = Some(last.to_string());
+                    if full_tx.blocking_send(Ok(page)).is_err() {
+                        return;
+                    }
+                    if n < chunk {
+                        break;
+                    }
+                }
+            }
+        }));
+        PageReader { full, empty }
+    }
+
+    /// The next page, an error reading it, or `None` when the fold is read to its end.
+    async fn next(&mut self) -> Option<Result<Page, crate::snapshot::SnapshotError>> {
+        self.full.recv().await
+    }
+
+    /// Hands a fed page back to be filled again.
+    fn recycle(&self, page: Page) {
+        // The reader may be done already: nothing to hand back to then.
+        let _ = self.empty.send(page);
+    }
+}
+
 /// What a guest's calls need besides the instance: `Sync`, so it can be borrowed across awaits
 /// while the (non-`Sync`) instance is borrowed mutably beside it.
 struct Core {
@@ -801,28 +868,18 @@ impl Core {
         };
         let chunk = self.limits.hydrate_chunk.max(1);
         let mut total = 0u64;
-        // One page's keys and values, copied into one buffer reused page after page: no owned
-        // entry (and no allocation) per key on the way into the guest.
-        let mut page = Page::default();
-        for prefix in prefixes {
-            let mut after: Option<String> = None;
-            loop {
-                page.clear();
-                let n = self
-                    .fold
-                    .scan_each(&prefix, after.as_deref(), chunk, &mut |e| page.push(e))
-                    .map_err(|e| self.err("hydrate", format!("read the fold: {e}")))?;
-                let Some(last) = page.last_key() else { break };
-                after = Some(last.to_string());
-                let full = n == chunk;
-                total += n as u64;
-                self.feed(live, page.updates()).await?;
-                if swapping {
-                    crate::crashpoint::hold(crate::crashpoint::SWAP_HYDRATING).await;
-                }
-                if !full {
-                    break;
-                }
+        // Pages are read on a thread of their own, one page ahead of the guest: reading the next
+        // page (the store's scan and the copy into the page) overlaps the guest's parse and apply
+        // of this one. Every read goes through the same view, so when a page is read does not
+        // change what it holds (a swap candidate's view stands at C whatever the fold does).
+        let mut pages = PageReader::start(self.fold.clone(), prefixes, chunk);
+        while let Some(read) = pages.next().await {
+            let page = read.map_err(|e| self.err("hydrate", format!("read the fold: {e}")))?;
+            total += page.items.len() as u64;
+            self.feed(live, page.updates()).await?;
+            pages.recycle(page);
+            if swapping {
+                crate::crashpoint::hold(crate::crashpoint::SWAP_HYDRATING).await;
             }
         }
         tracing::info!(
