@@ -314,12 +314,19 @@ impl AnyStore {
                 .map(|e| e.value.to_vec()),
         };
         // Closed first, so the stamps are of the final files: fjall flushes its memtable and
-        // empties its journals (best effort: the next open then replays them).
+        // empties its journals, RocksDB flushes its memtables (best effort: the next open then
+        // replays the journals or the write-ahead log).
         match self {
             #[cfg(feature = "fjall")]
             AnyStore::Fjall(s) => {
                 if let Err(e) = s.close_flushed() {
                     tracing::warn!(store = %dir.display(), error = %e, "emptying fjall's journals at a clean stop failed; the next open replays them");
+                }
+            }
+            #[cfg(feature = "rocksdb")]
+            AnyStore::RocksDb(s) => {
+                if let Err(e) = s.close_flushed() {
+                    tracing::warn!(store = %dir.display(), error = %e, "flushing RocksDB's memtables at a clean stop failed; the next open replays its log");
                 }
             }
             other => drop(other),

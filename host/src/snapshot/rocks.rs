@@ -22,6 +22,8 @@
 //! - **Read-only opens never write into the store.** [`RocksDbSnapshot::open_read_only`] uses
 //!   RocksDB's read-only mode (no lock, no flush, no compaction) with its info log redirected to a
 //!   private temporary directory, so `status` and `dump` work beside a running host.
+//! - **A clean stop leaves no log to replay.** [`RocksDbSnapshot::close_flushed`] flushes the
+//!   memtables at a clean stop, so the next open reads tables only.
 //! - **Export is a native checkpoint.** [`SnapshotStore::export_to`] creates a RocksDB checkpoint
 //!   (memtables flushed atomically across both column families, SST files hard-linked) in
 //!   `DEST/rocksdb`, then reopens it read-only and requires the same cursor.
@@ -174,6 +176,24 @@ impl RocksDbSnapshot {
                 }
             })?;
         Self::load(path, db, opts.sync, false, None)
+    }
+
+    /// A clean stop: flushes both column families' memtables into tables (one atomic flush,
+    /// `atomic_flush`; RocksDB fsyncs the tables and the manifest), so the next open has no
+    /// write-ahead log to replay: up to a memtable of it (64 MiB) otherwise, about 10 ms of a
+    /// resume at 1 000 000 keys. The WAL stays until RocksDB drops it as obsolete, so a failure
+    /// here loses nothing: the next open replays it. A read-only instance has nothing to flush.
+    pub fn close_flushed(self) -> Result<(), SnapshotError> {
+        if self.read_only {
+            return Ok(());
+        }
+        let data = cf(&self.db, &self.path, DATA)?;
+        let meta = cf(&self.db, &self.path, META)?;
+        let mut fo = rocksdb::FlushOptions::default();
+        fo.set_wait(true);
+        self.db
+            .flush_cfs_opt(&[data, meta], &fo)
+            .map_err(rerr(&self.path, "flush at a clean stop"))
     }
 
     /// Opens `STORE/rocksdb` read-only: no lock, no writes into the store, works beside a running
@@ -459,6 +479,59 @@ mod tests {
         drop(s);
         let s = RocksDbSnapshot::open(dir.path(), opts).expect("reopen");
         assert_eq!((s.cursor(), s.len().expect("len")), (WatchCursor::at(1), 1));
+    }
+
+    /// Bytes in the store's write-ahead log files (`NNNNNN.log`; `LOG` is the info log).
+    fn wal_bytes(store: &Path) -> u64 {
+        std::fs::read_dir(store.join(DB_DIR))
+            .expect("list")
+            .filter_map(Result::ok)
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".log"))
+            .map(|e| e.metadata().expect("stat").len())
+            .sum()
+    }
+
+    #[test]
+    fn a_clean_close_leaves_no_log_to_replay_and_the_store_reopens_whole_from_its_tables() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let put = |key: &str, value: &'static [u8], rev: u64| {
+            KvUpdate::Put(KvEntry {
+                key: key.into(),
+                value: bytes::Bytes::from_static(value),
+                version: VersionToken::from_u64(rev),
+            })
+        };
+        let mut s = RocksDbSnapshot::open(dir.path(), RocksDbOptions::default()).expect("open");
+        s.apply(&[put("a", b"1", 1), put("b", b"2", 2)], WatchCursor::at(2))
+            .expect("apply");
+        s.apply(
+            &[KvUpdate::Delete {
+                key: "a".into(),
+                version: VersionToken::from_u64(3),
+            }],
+            WatchCursor::at(3),
+        )
+        .expect("apply");
+        assert!(wal_bytes(dir.path()) > 0, "the applies are in the log");
+        s.close_flushed().expect("close");
+        assert_eq!(wal_bytes(dir.path()), 0, "nothing left in a log to replay");
+        let mut s = RocksDbSnapshot::open(dir.path(), RocksDbOptions::default()).expect("reopen");
+        assert_eq!((s.cursor(), s.len().expect("len")), (WatchCursor::at(3), 1));
+        assert!(s.get("a").expect("get").is_none(), "the delete holds");
+        assert_eq!(
+            s.get("b").expect("get").map(|e| e.value),
+            Some(bytes::Bytes::from_static(b"2"))
+        );
+        // Writes after the reopen number above and win over the tables.
+        s.apply(&[put("b", b"3", 4)], WatchCursor::at(4))
+            .expect("apply");
+        s.close_flushed().expect("close");
+        let s = RocksDbSnapshot::open(dir.path(), RocksDbOptions::default()).expect("reopen");
+        assert_eq!((s.cursor(), s.len().expect("len")), (WatchCursor::at(4), 1));
+        assert_eq!(
+            s.get("b").expect("get").map(|e| e.value),
+            Some(bytes::Bytes::from_static(b"3"))
+        );
     }
 
     #[test]
