@@ -11,10 +11,11 @@
 //! - **An artifact that exists is complete.** Export writes into a hidden sibling directory
 //!   (`.NAME.export-…`), proves the copy recovers the live cursor (every apply commits its cursor
 //!   with its data, so equality is a complete tail-loss detector) — an LSM copy by reopening it,
-//!   the append log by [`crate::snapshot::CompactLogCheck`] streaming its records in the same pass
-//!   that hashes it (what a reopen proves, without rebuilding the map) — writes the manifest
+//!   the append log by its own [`crate::snapshot::ProvenCopy`]: [`crate::snapshot::CompactLogCheck`]
+//!   run over the bytes it wrote, in the pass that hashed them (what a reopen proves, without
+//!   rebuilding the map or reading the copy back) — fsyncs every file, writes the manifest
 //!   *last*, and renames the whole stage into place. A crash at any point leaves only the hidden
-//!   stage.
+//!   stage. A file the store proved must still have the size it wrote when the seal lists it.
 //! - **A bad artifact never becomes a fold.** Import treats the artifact as untrusted: it refuses an
 //!   unknown schema, a backend this build lacks or the destination does not hold, any path that is
 //!   not plain relative components (`..`, absolute, links, devices), a missing or unlisted file,

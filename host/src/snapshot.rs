@@ -19,6 +19,9 @@
 //!   rename, so a reopen recovers a consistent fold).
 //! - **Read-only opens never write.** [`AppendLogSnapshot::open_read_only`] replays without
 //!   truncating, compacting or locking, so `status` and `dump` work beside a running host.
+//! - **An export says what it proved.** [`SnapshotStore::export_to`] returns a [`ProvenCopy`] only
+//!   for bytes the store hashed and checked as it wrote them (the append log); `None` leaves the
+//!   hashing and the verifying reopen to the caller.
 //!
 //! Backends: [`AppendLogSnapshot`] (always built), `FjallSnapshot` (cargo feature `fjall`) and
 //! `RocksDbSnapshot` (feature `rocksdb`). The two LSM backends share the value-record codec

@@ -1211,4 +1211,130 @@ mod tests {
         assert_eq!(page.last_key(), Some("route.b"));
         assert_eq!(page.updates().len(), 1);
     }
+
+    /// A fold of sorted entries as a [`FoldRead`]; `fail_after` pages, every scan fails.
+    struct Sorted {
+        entries: Vec<KvEntry>,
+        fail_after: Option<usize>,
+        scans: std::sync::atomic::AtomicUsize,
+    }
+
+    impl crate::view::FoldRead for Sorted {
+        fn get(&self, key: &str) -> Result<Option<KvEntry>, crate::snapshot::SnapshotError> {
+            Ok(self.entries.iter().find(|e| e.key == key).cloned())
+        }
+
+        fn scan(
+            &self,
+            prefix: &str,
+            start_after: Option<&str>,
+            limit: usize,
+        ) -> Result<Vec<KvEntry>, crate::snapshot::SnapshotError> {
+            let n = self.scans.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            if self.fail_after.is_some_and(|f| n >= f) {
+                return Err(crate::snapshot::SnapshotError::Backend("disk gone".into()));
+            }
+            Ok(self
+                .entries
+                .iter()
+                .filter(|e| e.key.starts_with(prefix))
+                .filter(|e| start_after.is_none_or(|a| e.key.as_str() > a))
+                .take(limit)
+                .cloned()
+                .collect())
+        }
+
+        fn visit(
+            &self,
+            prefix: &str,
+            visit: &mut dyn FnMut(&KvEntry) -> std::ops::ControlFlow<()>,
+        ) -> Result<(), crate::snapshot::SnapshotError> {
+            for e in self.entries.iter().filter(|e| e.key.starts_with(prefix)) {
+                if visit(e).is_break() {
+                    break;
+                }
+            }
+            Ok(())
+        }
+    }
+
+    fn sorted(n: usize, fail_after: Option<usize>) -> std::sync::Arc<Sorted> {
+        let mut entries: Vec<KvEntry> = (0..n)
+            .map(|i| entry(&format!("{}.{i:05}", ["a", "b"][i % 2]), b"v", i as u64 + 1))
+            .collect();
+        entries.sort_by(|x, y| x.key.cmp(&y.key));
+        std::sync::Arc::new(Sorted {
+            entries,
+            fail_after,
+            scans: std::sync::atomic::AtomicUsize::new(0),
+        })
+    }
+
+    /// Every key the reader hands over, page by page, recycling each page.
+    async fn read_all(
+        reader: &mut super::PageReader,
+    ) -> Result<Vec<String>, crate::snapshot::SnapshotError> {
+        let mut keys = Vec::new();
+        while let Some(page) = reader.next().await {
+            let page = page?;
+            keys.extend(page.updates().iter().map(|u| u.key.to_string()));
+            reader.recycle(page);
+        }
+        Ok(keys)
+    }
+
+    #[tokio::test]
+    async fn the_page_reader_hands_over_every_entry_in_scope_once_in_order_whatever_the_page_size()
+    {
+        let fold = sorted(1_003, None);
+        for chunk in [1, 7, 500, 501, 1_003, 5_000] {
+            for prefixes in [
+                vec![String::new()],
+                vec!["b.".to_string(), "a.".to_string()],
+            ] {
+                let want: Vec<String> = prefixes
+                    .iter()
+                    .flat_map(|p| {
+                        fold.entries
+                            .iter()
+                            .filter(move |e| e.key.starts_with(p.as_str()))
+                            .map(|e| e.key.clone())
+                    })
+                    .collect();
+                let mut reader = super::PageReader::start(fold.clone(), prefixes.clone(), chunk);
+                let got = read_all(&mut reader).await.expect("read");
+                assert_eq!(got, want, "chunk {chunk}, prefixes {prefixes:?}");
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn a_failed_read_is_handed_over_as_the_error_it_is() {
+        let fold = sorted(100, Some(3));
+        let mut reader = super::PageReader::start(fold, vec![String::new()], 10);
+        let err = read_all(&mut reader)
+            .await
+            .expect_err("the fourth page fails");
+        assert!(err.to_string().contains("disk gone"), "{err}");
+    }
+
+    #[tokio::test]
+    async fn a_reader_dropped_mid_hydration_stops_reading_and_lets_go_of_the_fold() {
+        let fold = sorted(10_000, None);
+        let mut reader = super::PageReader::start(fold.clone(), vec![String::new()], 10);
+        let first = reader.next().await.expect("a page").expect("read");
+        assert_eq!(first.items.len(), 10);
+        drop(first);
+        drop(reader);
+        // The reader holds the fold until its task ends; it must end without being fed.
+        for _ in 0..10_000 {
+            if std::sync::Arc::strong_count(&fold) == 1 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        assert_eq!(std::sync::Arc::strong_count(&fold), 1, "the reader let go");
+        let scans = fold.scans.load(std::sync::atomic::Ordering::SeqCst);
+        assert!(scans <= 3, "it stopped reading ahead ({scans} pages read)");
+    }
 }
