@@ -9,7 +9,7 @@
 //!   no preopened directories, no environment, no arguments, sockets and name lookup refused, stdin
 //!   closed, stdout discarded, stderr kept (16 KiB) only to report a panic message, and a clock that
 //!   never moves (time 0). Random numbers are deterministic streams fixed by the host's seed and
-//!   the component's digest ([`random`]): every instance of a component draws the same numbers.
+//!   the component's digest (`guest/random.rs`): every instance of a component draws the same numbers.
 //!   Anything else a component imports is refused at load, naming the import.
 //! - **Compiled once.** A component is compiled once per engine (kept in memory by its BLAKE3) and,
 //!   with a cache directory, once per machine: [`cache`] loads a checked entry, or compiles and
@@ -144,7 +144,7 @@ impl GuestManifest {
 pub struct EngineOptions {
     /// The compiled-component cache directory ([`cache`]); `None`: compile in every process.
     pub cache_dir: Option<PathBuf>,
-    /// The seed of every guest's random numbers ([`random`]); all zeros when not given.
+    /// The seed of every guest's random numbers (`guest/random.rs`); all zeros when not given.
     pub random_seed: [u8; 32],
 }
 
@@ -234,7 +234,7 @@ impl GuestEngine {
         }))
     }
 
-    /// Sets the seed of the random streams of every instance made from now on ([`random`]).
+    /// Sets the seed of the random streams of every instance made from now on (`guest/random.rs`).
     pub fn set_random_seed(&self, seed: [u8; 32]) {
         // A plain copy cannot be left half-done: a poisoned lock still holds a whole seed.
         *self

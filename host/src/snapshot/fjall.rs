@@ -537,7 +537,7 @@ impl SnapshotStore for FjallSnapshot {
     }
 
     /// Flush the memtable into a table, then copy into `DEST/fjall` with the tables hard-linked
-    /// and the journals empty ([`Journals::Emptied`]: every batch they hold is in a table now, and
+    /// and the journals empty (`Journals::Emptied`: every batch they hold is in a table now, and
     /// nothing is written meanwhile, the store being borrowed), reopen the copy and require the
     /// same cursor and count; the copy is retried a bounded number of times.
     ///
