@@ -83,6 +83,13 @@ impl FloorGuard {
         self.frontier = Some(self.frontier.map_or(sequence, |f| f.max(sequence)));
     }
 
+    /// A new consumer starts after deliveries that were not its own (a direct catch-up's): its
+    /// first delivery, numbered 1, is not a re-created consumer's. A gap before it is still
+    /// checked by the sequence rule.
+    pub(super) fn consumer_started(&mut self) {
+        self.delivered_any = false;
+    }
+
     /// A consumer error: the ordered consumer is re-creating itself.
     pub(super) fn consumer_error(&mut self) {
         self.recreated = true;

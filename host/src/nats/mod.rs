@@ -13,9 +13,13 @@
 //!   otherwise clamp silently and skip evicted messages. A watch of the whole bucket sends no
 //!   filter when the stream stores nothing but the bucket's subjects ([`protocol::server_filters`]): the
 //!   same messages, without the server's filtered pending count over the whole stream.
+//! - A delta watch of the whole stream whose gap is short reads the gap by direct gets first and
+//!   starts its consumer past it (`catchup.rs`, [`protocol::direct_catch_up_range`]): the same
+//!   messages in the same order, each once; an absence is believed only from the stream leader.
 //! - Revisions come from the ACK subject through [`protocol::parse_ack_subject`]; an unparseable one
 //!   becomes [`VersionToken::UNKNOWN`], never a made-up number.
 
+mod catchup;
 mod create;
 mod floor;
 
@@ -270,6 +274,10 @@ pub struct NatsKv {
     /// The stream identity the fold checked and recorded ([`KvWatcher::pin_identity`]): every
     /// watch compares the stream it starts on, and every floor probe the stream it reads, with it.
     pinned: std::sync::Mutex<Option<StreamIdentity>>,
+    /// Whether a delta watch may read a short gap by direct gets ([`catchup`]); on by default.
+    direct_catch_up: AtomicBool,
+    /// Messages handed over by direct catch-ups so far (diagnostics and tests).
+    direct_reads: std::sync::atomic::AtomicU64,
 }
 
 /// Live stream positions, read from the server (not the client's creation-time cache).
@@ -329,12 +337,25 @@ impl NatsKv {
             stream_name,
             timeout,
             pinned: std::sync::Mutex::new(None),
+            direct_catch_up: AtomicBool::new(true),
+            direct_reads: std::sync::atomic::AtomicU64::new(0),
         }))
     }
 
     /// The bucket name.
     pub fn bucket(&self) -> &str {
         &self.bucket
+    }
+
+    /// Turns the direct catch-up of short resume gaps on or off (on by default; off, every delta
+    /// watch reads its gap through its consumer). For tests that compare the two paths.
+    pub fn set_direct_catch_up(&self, on: bool) {
+        self.direct_catch_up.store(on, Ordering::Relaxed);
+    }
+
+    /// How many messages direct catch-ups have handed over on this handle.
+    pub fn direct_catch_up_reads(&self) -> u64 {
+        self.direct_reads.load(Ordering::Relaxed)
     }
 
     /// Reads the stream's live positions.
@@ -494,7 +515,6 @@ impl NatsKv {
         &self,
         msg: &async_nats::Message,
     ) -> Option<(KvUpdate, Option<protocol::AckMeta>)> {
-        let key = self.key_of(msg.subject.as_str())?.to_string();
         let meta = msg
             .reply
             .as_ref()
@@ -502,22 +522,41 @@ impl NatsKv {
         let version = meta
             .map(|m| VersionToken::from_u64(m.stream_sequence))
             .unwrap_or(VersionToken::UNKNOWN);
+        let update = self.update_of(
+            msg.subject.as_str(),
+            msg.headers.as_ref(),
+            &msg.payload,
+            version,
+        )?;
+        Some((update, meta))
+    }
+
+    /// The update one stored message of `subject` stands for (`None` for a subject outside this
+    /// bucket): a delivered message's and a direct read's alike.
+    fn update_of(
+        &self,
+        subject: &str,
+        headers: Option<&async_nats::HeaderMap>,
+        payload: &Bytes,
+        version: VersionToken,
+    ) -> Option<KvUpdate> {
+        let key = self.key_of(subject)?.to_string();
         let header = |name: &async_nats::header::HeaderName| {
-            msg.headers
-                .as_ref()
+            headers
                 .and_then(|h| h.get(name.clone()))
                 .map(|v| v.as_str())
         };
-        let update = match protocol::kv_op(header(&KV_OPERATION), header(&NATS_MARKER_REASON)) {
-            protocol::KvOp::Delete => KvUpdate::Delete { key, version },
-            protocol::KvOp::Purge => KvUpdate::Purge { key, version },
-            protocol::KvOp::Put => KvUpdate::Put(KvEntry {
-                key,
-                value: msg.payload.clone(),
-                version,
-            }),
-        };
-        Some((update, meta))
+        Some(
+            match protocol::kv_op(header(&KV_OPERATION), header(&NATS_MARKER_REASON)) {
+                protocol::KvOp::Delete => KvUpdate::Delete { key, version },
+                protocol::KvOp::Purge => KvUpdate::Purge { key, version },
+                protocol::KvOp::Put => KvUpdate::Put(KvEntry {
+                    key,
+                    value: payload.clone(),
+                    version,
+                }),
+            },
+        )
     }
 
     /// Lists the latest message of every key under `prefix` through one ephemeral consumer, in key
@@ -644,7 +683,15 @@ impl NatsKv {
         &self,
         filters: &[String],
         policy: consumer::DeliverPolicy,
-    ) -> Result<(StreamIdentity, consumer::push::Ordered, u64), KvError> {
+    ) -> Result<
+        (
+            StreamIdentity,
+            consumer::push::Ordered,
+            u64,
+            Vec<catchup::Decoded>,
+        ),
+        KvError,
+    > {
         let here_info = self.stream_info().await?;
         let here = identity_of(&here_info);
         let start_identity = match self.pinned() {
@@ -658,16 +705,37 @@ impl NatsKv {
             None => here,
         };
         let stream_cfg = &here_info.config;
+        let filter_subjects = protocol::server_filters(
+            filters,
+            &stream_cfg.subjects,
+            stream_cfg.mirror.is_some()
+                || stream_cfg.sources.as_ref().is_some_and(|s| !s.is_empty())
+                || stream_cfg.subject_transform.is_some(),
+            matches!(policy, consumer::DeliverPolicy::LastPerSubject),
+        );
+        // A short gap is read directly and the consumer starts past it ([`catchup`]).
+        let mut caught_up = Vec::new();
+        let mut policy = policy;
+        if let consumer::DeliverPolicy::ByStartSequence { start_sequence } = policy
+            && self.direct_catch_up.load(Ordering::Relaxed)
+            && let Some(range) = protocol::direct_catch_up_range(
+                start_sequence,
+                here_info.state.last_sequence,
+                filter_subjects.is_empty(),
+                stream_cfg.allow_direct,
+            )
+        {
+            let last = *range.end();
+            if let Some(m) = self.direct_catch_up(range).await {
+                caught_up = m;
+                policy = consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: last + 1,
+                };
+            }
+        }
         let cfg = consumer::push::OrderedConfig {
             deliver_subject: self.client.new_inbox(),
-            filter_subjects: protocol::server_filters(
-                filters,
-                &stream_cfg.subjects,
-                stream_cfg.mirror.is_some()
-                    || stream_cfg.sources.as_ref().is_some_and(|s| !s.is_empty())
-                    || stream_cfg.subject_transform.is_some(),
-                matches!(policy, consumer::DeliverPolicy::LastPerSubject),
-            ),
+            filter_subjects,
             deliver_policy: policy,
             ..Default::default()
         };
@@ -687,7 +755,9 @@ impl NatsKv {
                 .map_err(|e| backend("watch subscribe", e))
         })
         .await?;
-        Ok((start_identity, messages, initial_pending))
+        let head = self.decode_caught_up(&caught_up, initial_pending);
+        let initial_pending = initial_pending.saturating_add(caught_up.len() as u64);
+        Ok((start_identity, messages, initial_pending, head))
     }
 
     /// Runs an ordered push consumer with `policy` over `scope`, pushing events into `tx` until the
@@ -708,7 +778,7 @@ impl NatsKv {
             }
             _ => None,
         };
-        let (start_identity, messages, initial_pending) =
+        let (start_identity, messages, initial_pending, head) =
             self.open_consumer(&filters, policy).await?;
         let mut out = Forwarder::new(tx);
         if !out.start(initial_pending).await {
@@ -718,6 +788,17 @@ impl NatsKv {
         // skips superseded sequences by design).
         let prefix_scope = !matches!(scope, WatchScope::All);
         let mut guard = FloorGuard::new(start_frontier, start_identity, filters, prefix_scope);
+        if !head.is_empty() {
+            // The directly read gap goes first, checked as any delivered chunk is; the consumer
+            // after it is a new one, its first delivery numbered 1.
+            guard
+                .before_chunk(self, head.iter().filter_map(|(_, m)| m.as_ref()))
+                .await?;
+            if !out.forward(scope, head, &mut guard).await {
+                return Ok(());
+            }
+            guard.consumer_started();
+        }
         if out.level && !guard.is_guarded() {
             // A state-sync start with nothing pending is level at once: guard from the stream's
             // last sequence, read after the consumer exists (a message written in between is

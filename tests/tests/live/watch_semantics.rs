@@ -272,3 +272,142 @@ async fn retention_is_read_live_from_the_stream_and_follows_an_edited_config() -
     ));
     Ok(())
 }
+
+/// An update as comparable data: key, kind, revision, value.
+fn shape(u: &KvUpdate) -> (String, &'static str, Option<u64>, Vec<u8>) {
+    match u {
+        KvUpdate::Put(e) => (e.key.clone(), "put", e.version.as_u64(), e.value.to_vec()),
+        KvUpdate::Delete { key, version } => (key.clone(), "del", version.as_u64(), Vec::new()),
+        KvUpdate::Purge { key, version } => (key.clone(), "purge", version.as_u64(), Vec::new()),
+    }
+}
+
+/// A delta watch from `cursor` until level, then one more write (`after`) that must arrive
+/// through the consumer that follows: returns the updates before the level and the one after.
+async fn delta_then_live(
+    kv: std::sync::Arc<NatsKv>,
+    cursor: u64,
+    after: &str,
+) -> anyhow::Result<(Vec<KvUpdate>, KvUpdate)> {
+    let (tx, mut rx) = mpsc::channel(64);
+    let k = kv.clone();
+    let task = tokio::spawn(async move {
+        k.watch_from(&WatchScope::All, WatchCursor::at(cursor), tx)
+            .await
+    });
+    let mut got = Vec::new();
+    let mut level = false;
+    loop {
+        match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await? {
+            Some(WatchEvent::Updates(us)) if level => {
+                let live = us
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| anyhow::anyhow!("an empty chunk"))?;
+                task.abort();
+                return Ok((got, live));
+            }
+            Some(WatchEvent::Updates(us)) => got.extend(us),
+            Some(WatchEvent::CaughtUp { .. }) => {
+                level = true;
+                kv.put(after, "live".into()).await?;
+            }
+            Some(WatchEvent::Pending(_) | WatchEvent::Stamp { .. }) => {}
+            None => {
+                let r = task.await?;
+                anyhow::bail!("watch ended: {r:?}");
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_resume_gap_read_by_direct_gets_hands_over_exactly_what_a_consumer_delivers()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("direct").await?;
+    for i in 0..40 {
+        kv.put(&format!("k.{i:02}"), format!("before {i}").into())
+            .await?;
+    }
+    let cursor = kv.positions().await?.last_sequence;
+    // The gap: new keys, overwrites of older keys, keys overwritten inside the gap (their first
+    // message is removed: an absence the leader must confirm), a delete and a purge.
+    for i in 0..30 {
+        kv.put(&format!("k.{:02}", i * 3 % 50), format!("gap {i}").into())
+            .await?;
+    }
+    kv.put("k.hot", "1".into()).await?;
+    kv.put("k.hot", "2".into()).await?;
+    kv.put("k.hot", "3".into()).await?;
+    kv.delete("k.05").await?;
+    // A KV purge: a rollup of the subject, marked as such.
+    let mut purge = async_nats::HeaderMap::new();
+    purge.insert("KV-Operation", "PURGE");
+    purge.insert("Nats-Rollup", "sub");
+    kv.jetstream()
+        .publish_with_headers("$KV.direct.k.06", purge, bytes::Bytes::new())
+        .await?
+        .await?;
+    let last = kv.positions().await?.last_sequence;
+
+    // Reference: the consumer reads the gap.
+    kv.set_direct_catch_up(false);
+    let (reference, live_ref) = delta_then_live(kv.clone(), cursor, "k.live1").await?;
+    assert_eq!(kv.direct_catch_up_reads(), 0);
+    kv.set_direct_catch_up(true);
+    let (direct, live) = delta_then_live(kv.clone(), cursor, "k.live2").await?;
+
+    // The second watch's gap also holds the first one's live write.
+    let want: Vec<_> = reference.iter().chain([&live_ref]).map(shape).collect();
+    let got: Vec<_> = direct.iter().map(shape).collect();
+    assert_eq!(got, want, "the direct catch-up differs from the consumer");
+    assert_eq!(
+        kv.direct_catch_up_reads(),
+        direct.len() as u64,
+        "the gap was not read by direct gets"
+    );
+    // Every update is after the cursor, in revision order, and the removed ones are absent.
+    let revs: Vec<u64> = got.iter().filter_map(|u| u.2).collect();
+    assert_eq!(revs.len(), got.len());
+    assert!(revs.windows(2).all(|w| w[0] < w[1]));
+    assert!(revs.iter().all(|r| *r > cursor));
+    assert!(revs[..revs.len() - 1].iter().all(|r| *r <= last));
+    assert_eq!(
+        got.iter().filter(|u| u.0 == "k.hot").count(),
+        1,
+        "the overwritten messages of k.hot are delivered"
+    );
+    assert!(got.iter().any(|u| u.0 == "k.05" && u.1 == "del"));
+    assert!(got.iter().any(|u| u.0 == "k.06" && u.1 == "purge"));
+    // The consumer after the catch-up delivers the next write, and only it.
+    assert_eq!(shape(&live_ref).0, "k.live1");
+    assert_eq!(shape(&live).0, "k.live2");
+    assert!(shape(&live).2 > Some(last));
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resume_gap_of_mostly_removed_messages_is_read_by_the_consumer_and_loses_nothing()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("removed").await?;
+    kv.put("k.a", "a".into()).await?;
+    let cursor = kv.positions().await?.last_sequence;
+    let max_absent = foldhost::protocol::DIRECT_CATCH_UP_MAX_ABSENT as u64;
+    for i in 0..=max_absent + 1 {
+        kv.put("k.hot", format!("{i}").into()).await?;
+    }
+    kv.put("k.b", "b".into()).await?;
+    let (got, _) = delta_then_live(kv.clone(), cursor, "k.live").await?;
+    assert_eq!(
+        kv.direct_catch_up_reads(),
+        0,
+        "a gap of more than {max_absent} removed messages should give way to the consumer"
+    );
+    let got: Vec<_> = got.iter().map(shape).collect();
+    let keys: Vec<&str> = got.iter().map(|u| u.0.as_str()).collect();
+    assert_eq!(keys, ["k.hot", "k.b"]);
+    assert_eq!(got[0].3, format!("{}", max_absent + 1).into_bytes());
+    Ok(())
+}

@@ -1,0 +1,190 @@
+//! The direct catch-up of a delta watch: a short gap after the cursor read by pipelined direct
+//! gets, so the watch's consumer can start past the stream's last sequence, where nats-server
+//! creates it without counting a partial block ([`protocol::direct_catch_up_range`] says when and
+//! why).
+//!
+//! Invariants:
+//! - What the catch-up hands over is exactly what a consumer started at the gap's first sequence
+//!   would have delivered up to the gap's last: every message present, in sequence order, each once.
+//!   A message is immutable at its sequence, so a direct answer that found it is the message; an
+//!   absent answer is only believed from the stream's leader (`STREAM.MSG.GET`), because any
+//!   replica, and a mirror with `mirror_direct`, answers direct gets and may not hold the message
+//!   yet.
+//! - Anything unexpected (an error, an answer for another sequence, more absences than
+//!   [`protocol::DIRECT_CATCH_UP_MAX_ABSENT`]) gives way: the caller starts its consumer at the
+//!   gap's first sequence as if no catch-up had been tried. The catch-up never fails a watch.
+//! - At most [`protocol::DIRECT_CATCH_UP_IN_FLIGHT`] requests are in flight, and the whole
+//!   catch-up runs under the connection's operation timeout.
+
+use std::ops::RangeInclusive;
+use std::sync::atomic::Ordering;
+
+use async_nats::jetstream::message::StreamMessage;
+use std::future::Future;
+
+use async_nats::jetstream::stream::{
+    DirectGetError, DirectGetErrorKind, RawMessageError, RawMessageErrorKind, Stream,
+};
+use futures::StreamExt;
+use futures::stream::FuturesOrdered;
+
+use crate::kv::{KvError, KvUpdate, VersionToken};
+use crate::protocol::{self, AckMeta};
+
+use super::{NatsKv, backend, timed};
+
+/// One message of a catch-up, decoded: its update (`None`: a subject outside the bucket) and the
+/// delivery metadata a consumer would have given it (`pending` set once the whole gap is known).
+pub(super) type Decoded = (KvUpdate, Option<AckMeta>);
+
+/// One direct get.
+async fn direct_one(stream: &Stream, seq: u64) -> (u64, Result<StreamMessage, DirectGetError>) {
+    (seq, stream.direct_get(seq).await)
+}
+
+/// One read from the stream's leader.
+async fn leader_one(stream: &Stream, seq: u64) -> (u64, Result<StreamMessage, RawMessageError>) {
+    (seq, stream.get_raw_message(seq).await)
+}
+
+/// Runs `one` for every sequence of `seqs`, at most [`protocol::DIRECT_CATCH_UP_IN_FLIGHT`] at a
+/// time, and returns the answers in the order asked.
+async fn pipelined<F, T>(seqs: impl IntoIterator<Item = u64>, one: impl Fn(u64) -> F) -> Vec<T>
+where
+    F: Future<Output = T>,
+{
+    let mut seqs = seqs.into_iter();
+    let mut in_flight = FuturesOrdered::new();
+    let mut out = Vec::new();
+    loop {
+        while in_flight.len() < protocol::DIRECT_CATCH_UP_IN_FLIGHT {
+            match seqs.next() {
+                Some(seq) => in_flight.push_back(one(seq)),
+                None => break,
+            }
+        }
+        match in_flight.next().await {
+            Some(a) => out.push(a),
+            None => return out,
+        }
+    }
+}
+
+impl NatsKv {
+    /// Reads `range` by direct gets and returns its present messages in sequence order. `None`:
+    /// the catch-up gave way (see the module invariants); the caller starts its consumer at the
+    /// range's start.
+    pub(super) async fn direct_catch_up(
+        &self,
+        range: RangeInclusive<u64>,
+    ) -> Option<Vec<StreamMessage>> {
+        let (first, last) = (*range.start(), *range.end());
+        let read = timed("direct catch-up", self.timeout, async {
+            self.read_range(range).await
+        })
+        .await;
+        match read {
+            Ok(Some(messages)) => {
+                self.direct_reads
+                    .fetch_add(messages.len() as u64, Ordering::Relaxed);
+                tracing::debug!(bucket = %self.bucket, first, last, found = messages.len(), "resume gap read by direct gets");
+                Some(messages)
+            }
+            Ok(None) => {
+                tracing::debug!(bucket = %self.bucket, first, last, "resume gap mostly removed messages: a consumer reads it");
+                None
+            }
+            Err(e) => {
+                tracing::info!(bucket = %self.bucket, first, last, error = %e, "direct catch-up gave way to a consumer");
+                None
+            }
+        }
+    }
+
+    async fn read_range(
+        &self,
+        range: RangeInclusive<u64>,
+    ) -> Result<Option<Vec<StreamMessage>>, KvError> {
+        let stream = &self.kv.stream;
+        let answers = pipelined(range, |seq| direct_one(stream, seq)).await;
+        let mut reads = Vec::with_capacity(answers.len());
+        let mut absent = Vec::new();
+        for (seq, answer) in answers {
+            match answer {
+                Ok(m) if m.sequence == seq => reads.push(Some(m)),
+                Ok(m) => {
+                    return Err(backend(
+                        "direct catch-up",
+                        format!("asked for sequence {seq}, answered {}", m.sequence),
+                    ));
+                }
+                Err(e) if e.kind() == DirectGetErrorKind::NotFound => {
+                    if absent.len() >= protocol::DIRECT_CATCH_UP_MAX_ABSENT {
+                        return Ok(None);
+                    }
+                    absent.push(seq);
+                    reads.push(None);
+                }
+                Err(e) => return Err(backend("direct catch-up", e)),
+            }
+        }
+        // The leader's word on every absence, pipelined too.
+        let confirmed = pipelined(absent, |seq| leader_one(stream, seq)).await;
+        let mut confirmed = confirmed.into_iter();
+        let mut out = Vec::with_capacity(reads.len());
+        for r in reads {
+            if let Some(m) = r {
+                out.push(m);
+                continue;
+            }
+            match confirmed.next() {
+                Some((seq, Ok(m))) if m.sequence == seq => out.push(m),
+                Some((_, Err(e))) if e.kind() == RawMessageErrorKind::NoMessageFound => {}
+                Some((seq, Ok(m))) => {
+                    return Err(backend(
+                        "direct catch-up (leader)",
+                        format!("asked for sequence {seq}, answered {}", m.sequence),
+                    ));
+                }
+                Some((_, Err(e))) => return Err(backend("direct catch-up (leader)", e)),
+                None => {
+                    return Err(backend(
+                        "direct catch-up (leader)",
+                        "fewer answers than absences",
+                    ));
+                }
+            }
+        }
+        Ok(Some(out))
+    }
+
+    /// `messages` (a catch-up's, in sequence order) decoded as a consumer would deliver them, the
+    /// last with `pending_after` still pending.
+    pub(super) fn decode_caught_up(
+        &self,
+        messages: &[StreamMessage],
+        pending_after: u64,
+    ) -> Vec<Decoded> {
+        let n = messages.len() as u64;
+        messages
+            .iter()
+            .enumerate()
+            .filter_map(|(i, m)| {
+                let meta = AckMeta {
+                    stream_sequence: m.sequence,
+                    // Not a consumer's delivery: never taken for a re-created consumer's first.
+                    consumer_sequence: 0,
+                    pending: (n - 1 - i as u64).saturating_add(pending_after),
+                    timestamp_unix_ns: u64::try_from(m.time.unix_timestamp_nanos()).unwrap_or(0),
+                };
+                let update = self.update_of(
+                    m.subject.as_str(),
+                    Some(&m.headers),
+                    &m.payload,
+                    VersionToken::from_u64(m.sequence),
+                )?;
+                Some((update, Some(meta)))
+            })
+            .collect()
+    }
+}
