@@ -15,8 +15,13 @@
 //!   gap's first sequence as if no catch-up had been tried. The catch-up never fails a watch.
 //! - At most [`protocol::DIRECT_CATCH_UP_IN_FLIGHT`] requests are in flight, and the whole
 //!   catch-up runs under the connection's operation timeout.
+//! - A prefetch ([`NatsKv::prefetch_resume_gap`], started while the store opens) is used only by
+//!   a watch starting at the very sequence it was read from, on the stream (same identity) it was
+//!   read from; anything else discards it. It only moves the reads earlier: what it found is
+//!   immutable at its sequence and what it confirmed absent cannot come back.
 
 use std::ops::RangeInclusive;
+use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use async_nats::jetstream::message::StreamMessage;
@@ -28,14 +33,21 @@ use async_nats::jetstream::stream::{
 use futures::StreamExt;
 use futures::stream::FuturesOrdered;
 
-use crate::kv::{KvError, KvUpdate, VersionToken};
+use crate::kv::{KvError, KvUpdate, StreamIdentity, VersionToken};
 use crate::protocol::{self, AckMeta};
 
-use super::{NatsKv, backend, timed};
+use super::{NatsKv, backend, identity_of, timed};
 
 /// One message of a catch-up, decoded: its update (`None`: a subject outside the bucket) and the
 /// delivery metadata a consumer would have given it (`pending` set once the whole gap is known).
 pub(super) type Decoded = (KvUpdate, Option<AckMeta>);
+
+/// A gap read ahead of its watch: the sequence it starts at and the reading task, which answers
+/// the stream it read, the gap's last sequence and the messages (`None`: nothing usable).
+pub(super) struct Prefetch {
+    start: u64,
+    task: tokio::task::JoinHandle<Option<(StreamIdentity, u64, Vec<StreamMessage>)>>,
+}
 
 /// One direct get.
 async fn direct_one(stream: &Stream, seq: u64) -> (u64, Result<StreamMessage, DirectGetError>) {
@@ -99,6 +111,60 @@ impl NatsKv {
                 None
             }
         }
+    }
+
+    /// Starts reading the gap after `cursor` (the revision a resume will start after) in the
+    /// background, for the watch that follows to take ([`NatsKv::take_prefetch`]): a node calls
+    /// this before it opens its store, so the reads and the open overlap. Replaces an earlier
+    /// prefetch. Nothing is read when the stream is not one a direct catch-up may read whole (a
+    /// mirror, sources, a subject transform, other subjects) or the gap is not short.
+    pub fn prefetch_resume_gap(self: &Arc<Self>, cursor: u64) {
+        let Some(start) = cursor.checked_add(1) else {
+            return;
+        };
+        if !self.direct_catch_up.load(Ordering::Relaxed) {
+            return;
+        }
+        let kv = Arc::clone(self);
+        let task = tokio::spawn(async move {
+            let info = kv.stream_info().await.ok()?;
+            let c = &info.config;
+            let whole_stream = c.mirror.is_none()
+                && c.sources.as_ref().is_none_or(|s| s.is_empty())
+                && c.subject_transform.is_none()
+                && c.subjects == [format!("{}>", kv.subject_prefix)];
+            let range = protocol::direct_catch_up_range(
+                start,
+                info.state.last_sequence,
+                whole_stream,
+                c.allow_direct,
+            )?;
+            let last = *range.end();
+            let messages = kv.direct_catch_up(range).await?;
+            Some((identity_of(&info), last, messages))
+        });
+        if let Ok(mut p) = self.prefetch.lock()
+            && let Some(old) = p.replace(Prefetch { start, task })
+        {
+            old.task.abort();
+        }
+    }
+
+    /// The prefetched gap for a watch starting at `start` on the stream `here`: its last
+    /// sequence and messages. `None` (and the prefetch dropped) when there is none, or it was
+    /// read for another start or from another stream.
+    pub(super) async fn take_prefetch(
+        &self,
+        start: u64,
+        here: &StreamIdentity,
+    ) -> Option<(u64, Vec<StreamMessage>)> {
+        let p = self.prefetch.lock().ok()?.take()?;
+        if p.start != start {
+            p.task.abort();
+            return None;
+        }
+        let (identity, last, messages) = p.task.await.ok()??;
+        (identity == *here).then_some((last, messages))
     }
 
     async fn read_range(

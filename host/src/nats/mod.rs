@@ -278,6 +278,8 @@ pub struct NatsKv {
     direct_catch_up: AtomicBool,
     /// Messages handed over by direct catch-ups so far (diagnostics and tests).
     direct_reads: std::sync::atomic::AtomicU64,
+    /// A resume gap read ahead of its watch (`catchup.rs`).
+    prefetch: std::sync::Mutex<Option<catchup::Prefetch>>,
 }
 
 /// Live stream positions, read from the server (not the client's creation-time cache).
@@ -339,6 +341,7 @@ impl NatsKv {
             pinned: std::sync::Mutex::new(None),
             direct_catch_up: AtomicBool::new(true),
             direct_reads: std::sync::atomic::AtomicU64::new(0),
+            prefetch: std::sync::Mutex::new(None),
         }))
     }
 
@@ -716,6 +719,13 @@ impl NatsKv {
         // A short gap is read directly and the consumer starts past it ([`catchup`]).
         let mut caught_up = Vec::new();
         let mut policy = policy;
+        // A prefetch is taken by the first watch, used or not.
+        let prefetched = match policy {
+            consumer::DeliverPolicy::ByStartSequence { start_sequence } => {
+                self.take_prefetch(start_sequence, &start_identity).await
+            }
+            _ => None,
+        };
         if let consumer::DeliverPolicy::ByStartSequence { start_sequence } = policy
             && self.direct_catch_up.load(Ordering::Relaxed)
             && let Some(range) = protocol::direct_catch_up_range(
@@ -725,8 +735,14 @@ impl NatsKv {
                 stream_cfg.allow_direct,
             )
         {
-            let last = *range.end();
-            if let Some(m) = self.direct_catch_up(range).await {
+            let read = match prefetched {
+                Some(p) => Some(p),
+                None => {
+                    let last = *range.end();
+                    self.direct_catch_up(range).await.map(|m| (last, m))
+                }
+            };
+            if let Some((last, m)) = read {
                 caught_up = m;
                 policy = consumer::DeliverPolicy::ByStartSequence {
                     start_sequence: last + 1,

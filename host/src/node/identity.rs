@@ -11,14 +11,16 @@ use super::NodeError;
 /// Refuses, before the store is opened for writing, a fold of another stream than the bucket's
 /// (recreated, or another bucket's store): the fold's recorded identity and cursor are read from
 /// the clean-stop record when the store is exactly as its last run left it, else through a
-/// read-only open; either way a refused run leaves every file of the store as it was.
+/// read-only open; either way a refused run leaves every file of the store as it was. Returns
+/// the fold's cursor as read (none without a fold).
 pub(super) async fn refuse_another_stream(
     store: &Path,
     bucket: &str,
     kv: &NatsKv,
-) -> Result<(), NodeError> {
+) -> Result<crate::kv::WatchCursor, NodeError> {
     if storedir::backend_of(store).is_err() {
-        return Ok(()); // no fold yet (or not one: the writable open reports that)
+        // No fold yet (or not one: the writable open reports that).
+        return Ok(crate::kv::WatchCursor::NONE);
     }
     let dir = store.to_path_buf();
     let (recorded, cursor) = tokio::task::spawn_blocking(move || -> Result<_, NodeError> {
@@ -50,7 +52,7 @@ pub(super) async fn refuse_another_stream(
     {
         return Err(NodeError::Refused(line));
     }
-    Ok(())
+    Ok(cursor)
 }
 
 fn decode_identity(dir: &Path, bytes: &[u8]) -> Result<crate::kv::StreamIdentity, NodeError> {

@@ -313,7 +313,12 @@ impl Node {
             )
             .await?;
         if cfg.on_recreated == OnRecreated::Refuse {
-            identity::refuse_another_stream(&cfg.store, &cfg.bucket, &kv).await?;
+            let cursor = identity::refuse_another_stream(&cfg.store, &cfg.bucket, &kv).await?;
+            // The resume's gap is read while the store opens (a watch from another cursor, or of
+            // a narrower scope, discards it).
+            if let Some(rev) = cursor.revision() {
+                kv.prefetch_resume_gap(rev);
+            }
         }
         let shared = open_store(&cfg).await?;
         if let Some(p) = &proven {

@@ -411,3 +411,84 @@ async fn a_resume_gap_of_mostly_removed_messages_is_read_by_the_consumer_and_los
     assert_eq!(got[0].3, format!("{}", max_absent + 1).into_bytes());
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefetched_resume_gap_serves_only_the_watch_from_the_cursor_it_was_read_after()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("prefetch").await?;
+    for i in 0..20 {
+        kv.put(&format!("k.{i:02}"), format!("before {i}").into())
+            .await?;
+    }
+    let cursor = kv.positions().await?.last_sequence;
+    for i in 0..30 {
+        kv.put(&format!("k.{:02}", i * 7 % 40), format!("gap {i}").into())
+            .await?;
+    }
+    kv.set_direct_catch_up(false);
+    let (reference, live_ref) = delta_then_live(kv.clone(), cursor, "k.live1").await?;
+    kv.set_direct_catch_up(true);
+    let want: Vec<_> = reference.iter().chain([&live_ref]).map(shape).collect();
+
+    // Read ahead from the cursor, then the watch from it: the gap is read once, by the prefetch.
+    kv.prefetch_resume_gap(cursor);
+    let (got, _) = delta_then_live(kv.clone(), cursor, "k.live2").await?;
+    let got_shape: Vec<_> = got.iter().map(shape).collect();
+    assert_eq!(got_shape, want);
+    assert_eq!(
+        kv.direct_catch_up_reads(),
+        got.len() as u64,
+        "the watch read the gap again instead of taking the prefetch"
+    );
+
+    // A prefetch read from an earlier cursor would hand over five updates the watch must not see.
+    kv.prefetch_resume_gap(cursor - 5);
+    let (got, _) = delta_then_live(kv.clone(), cursor, "k.live3").await?;
+    assert!(
+        got.iter().all(|u| u.revision().is_some_and(|r| r > cursor)),
+        "a prefetch from another cursor was used"
+    );
+    assert_eq!(got.len(), want.len() + 1, "the gap plus k.live2");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefetch_read_from_a_stream_since_recreated_is_never_handed_over() -> anyhow::Result<()>
+{
+    let h = Harness::start().await?;
+    let kv = h.bucket("recreated").await?;
+    for i in 0..10 {
+        kv.put(&format!("k.{i}"), "old".into()).await?;
+    }
+    kv.prefetch_resume_gap(5);
+    // The prefetch reads the old stream to the end before the stream goes (a wait on the count
+    // of messages it read, bounded).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    while kv.direct_catch_up_reads() < 5 {
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the prefetch did not read the gap"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    kv.jetstream().delete_stream("KV_recreated").await?;
+    // Recreated under the same name; `kv`, which holds the prefetch, names the stream by name.
+    drop(h.bucket("recreated").await?);
+    for i in 0..10 {
+        kv.put(&format!("k.{i}"), "new".into()).await?;
+    }
+    let (got, _) = delta_then_live(kv.clone(), 5, "k.live").await?;
+    let values: Vec<_> = got.iter().map(|u| shape(u).3).collect();
+    assert_eq!(
+        got.len(),
+        5,
+        "{:?}",
+        got.iter().map(shape).collect::<Vec<_>>()
+    );
+    assert!(
+        values.iter().all(|v| v == b"new"),
+        "the old stream's prefetched messages were handed over"
+    );
+    Ok(())
+}
