@@ -4,8 +4,9 @@
 //! why).
 //!
 //! Invariants:
-//! - What the catch-up hands over is exactly what a consumer started at the gap's first sequence
-//!   would have delivered up to the gap's last: every message present, in sequence order, each once.
+//! - What the catch-up hands over is exactly what an unfiltered consumer started at the gap's
+//!   first sequence would have delivered up to the gap's last: every message present, in sequence
+//!   order, each once (the watch then keeps those in its scope, as a filtered consumer would).
 //!   A message is immutable at its sequence, so a direct answer that found it is the message; an
 //!   absent answer is only believed from the stream's leader (`STREAM.MSG.GET`), because any
 //!   replica, and a mirror with `mirror_direct`, answers direct gets and may not hold the message
@@ -128,16 +129,11 @@ impl NatsKv {
         let kv = Arc::clone(self);
         let task = tokio::spawn(async move {
             let info = kv.stream_info().await.ok()?;
-            let c = &info.config;
-            let whole_stream = c.mirror.is_none()
-                && c.sources.as_ref().is_none_or(|s| s.is_empty())
-                && c.subject_transform.is_none()
-                && c.subjects == [format!("{}>", kv.subject_prefix)];
             let range = protocol::direct_catch_up_range(
                 start,
                 info.state.last_sequence,
-                whole_stream,
-                c.allow_direct,
+                kv.plain_stream(&info.config),
+                info.config.allow_direct,
             )?;
             let last = *range.end();
             let messages = kv.direct_catch_up(range).await?;

@@ -13,7 +13,8 @@
 //!   otherwise clamp silently and skip evicted messages. A watch of the whole bucket sends no
 //!   filter when the stream stores nothing but the bucket's subjects ([`protocol::server_filters`]): the
 //!   same messages, without the server's filtered pending count over the whole stream.
-//! - A delta watch of the whole stream whose gap is short reads the gap by direct gets first and
+//! - A delta watch on a stream of nothing but the bucket's subjects whose gap is short reads the
+//!   gap by direct gets first (keeping what its scope holds) and
 //!   starts its consumer past it (`catchup.rs`, [`protocol::direct_catch_up_range`]): the same
 //!   messages in the same order, each once; an absence is believed only from the stream leader.
 //! - Revisions come from the ACK subject through [`protocol::parse_ack_subject`]; an unparseable one
@@ -459,6 +460,14 @@ fn rfc3339_unix_ns(s: &str) -> Option<u64> {
     u64::try_from(t.unix_timestamp_nanos()).ok()
 }
 
+/// Whether anything reaches a stream other than its own subjects: a mirror, a source or a subject
+/// transform.
+fn other_inputs(c: &async_nats::jetstream::stream::Config) -> bool {
+    c.mirror.is_some()
+        || c.sources.as_ref().is_some_and(|s| !s.is_empty())
+        || c.subject_transform.is_some()
+}
+
 /// A stream's retention from its info: whether it can evict a current value, and its first
 /// retained sequence.
 fn retention_of(info: &async_nats::jetstream::stream::Info) -> crate::protocol::Retention {
@@ -507,6 +516,16 @@ impl NatsKv {
             out = vec![all];
         }
         Ok(out)
+    }
+
+    /// Whether the bucket's stream stores nothing but the bucket's subjects
+    /// ([`protocol::plain_stream`]).
+    fn plain_stream(&self, c: &async_nats::jetstream::stream::Config) -> bool {
+        protocol::plain_stream(
+            &c.subjects,
+            other_inputs(c),
+            &format!("{}>", self.subject_prefix),
+        )
     }
 
     fn key_of<'a>(&self, subject: &'a str) -> Option<&'a str> {
@@ -711,9 +730,7 @@ impl NatsKv {
         let filter_subjects = protocol::server_filters(
             filters,
             &stream_cfg.subjects,
-            stream_cfg.mirror.is_some()
-                || stream_cfg.sources.as_ref().is_some_and(|s| !s.is_empty())
-                || stream_cfg.subject_transform.is_some(),
+            other_inputs(stream_cfg),
             matches!(policy, consumer::DeliverPolicy::LastPerSubject),
         );
         // A short gap is read directly and the consumer starts past it ([`catchup`]).
@@ -731,7 +748,7 @@ impl NatsKv {
             && let Some(range) = protocol::direct_catch_up_range(
                 start_sequence,
                 here_info.state.last_sequence,
-                filter_subjects.is_empty(),
+                self.plain_stream(stream_cfg),
                 stream_cfg.allow_direct,
             )
         {

@@ -289,12 +289,19 @@ async fn delta_then_live(
     cursor: u64,
     after: &str,
 ) -> anyhow::Result<(Vec<KvUpdate>, KvUpdate)> {
+    delta_then_live_in(kv, WatchScope::All, cursor, after).await
+}
+
+/// [`delta_then_live`] of `scope`.
+async fn delta_then_live_in(
+    kv: std::sync::Arc<NatsKv>,
+    scope: WatchScope,
+    cursor: u64,
+    after: &str,
+) -> anyhow::Result<(Vec<KvUpdate>, KvUpdate)> {
     let (tx, mut rx) = mpsc::channel(64);
     let k = kv.clone();
-    let task = tokio::spawn(async move {
-        k.watch_from(&WatchScope::All, WatchCursor::at(cursor), tx)
-            .await
-    });
+    let task = tokio::spawn(async move { k.watch_from(&scope, WatchCursor::at(cursor), tx).await });
     let mut got = Vec::new();
     let mut level = false;
     loop {
@@ -489,6 +496,43 @@ async fn a_prefetch_read_from_a_stream_since_recreated_is_never_handed_over() ->
     assert!(
         values.iter().all(|v| v == b"new"),
         "the old stream's prefetched messages were handed over"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_watch_reads_its_short_gap_directly_and_keeps_only_its_scope() -> anyhow::Result<()>
+{
+    let h = Harness::start().await?;
+    let kv = h.bucket("narrow").await?;
+    for i in 0..10 {
+        kv.put(&format!("a.{i}"), "before".into()).await?;
+        kv.put(&format!("b.{i}"), "before".into()).await?;
+    }
+    let cursor = kv.positions().await?.last_sequence;
+    for i in 0..25 {
+        kv.put(&format!("a.{}", i % 12), format!("gap {i}").into())
+            .await?;
+        kv.put(&format!("b.{}", i % 7), format!("gap {i}").into())
+            .await?;
+    }
+    kv.delete("a.3").await?;
+    let scope = WatchScope::Prefix("a.".into());
+    kv.set_direct_catch_up(false);
+    let (reference, live_ref) =
+        delta_then_live_in(kv.clone(), scope.clone(), cursor, "a.live1").await?;
+    kv.set_direct_catch_up(true);
+    let (direct, _) = delta_then_live_in(kv.clone(), scope, cursor, "a.live2").await?;
+    let want: Vec<_> = reference.iter().chain([&live_ref]).map(shape).collect();
+    let got: Vec<_> = direct.iter().map(shape).collect();
+    assert_eq!(
+        got, want,
+        "the direct catch-up of a prefix watch differs from its consumer"
+    );
+    assert!(got.iter().all(|u| u.0.starts_with("a.")));
+    assert!(
+        kv.direct_catch_up_reads() > direct.len() as u64,
+        "the gap (both prefixes) was not read by direct gets"
     );
     Ok(())
 }
