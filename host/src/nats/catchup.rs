@@ -21,13 +21,12 @@
 //!   read from; anything else discards it. It only moves the reads earlier: what it found is
 //!   immutable at its sequence and what it confirmed absent cannot come back.
 
+use std::future::Future;
 use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use async_nats::jetstream::message::StreamMessage;
-use std::future::Future;
-
 use async_nats::jetstream::stream::{
     DirectGetError, DirectGetErrorKind, RawMessageError, RawMessageErrorKind, Stream,
 };
@@ -39,8 +38,8 @@ use crate::protocol::{self, AckMeta};
 
 use super::{NatsKv, backend, identity_of, timed};
 
-/// One message of a catch-up, decoded: its update (`None`: a subject outside the bucket) and the
-/// delivery metadata a consumer would have given it (`pending` set once the whole gap is known).
+/// One message of a catch-up, decoded: its update and the delivery metadata a consumer would have
+/// given it (the same shape as a delivered message's, so the watch forwards both alike).
 pub(super) type Decoded = (KvUpdate, Option<AckMeta>);
 
 /// A gap read ahead of its watch: the sequence it starts at and the reading task, which answers
@@ -221,31 +220,38 @@ impl NatsKv {
     }
 
     /// `messages` (a catch-up's, in sequence order) decoded as a consumer would deliver them, the
-    /// last with `pending_after` still pending.
+    /// last with `pending_after` still pending. A message outside the bucket (none on a plain
+    /// stream) is left out and not counted as pending, so the last one handed over always says
+    /// what follows it: a watch with nothing after the gap is level at its end.
     pub(super) fn decode_caught_up(
         &self,
         messages: &[StreamMessage],
         pending_after: u64,
     ) -> Vec<Decoded> {
-        let n = messages.len() as u64;
-        messages
+        let kept: Vec<(KvUpdate, &StreamMessage)> = messages
             .iter()
-            .enumerate()
-            .filter_map(|(i, m)| {
-                let meta = AckMeta {
-                    stream_sequence: m.sequence,
-                    // Not a consumer's delivery: never taken for a re-created consumer's first.
-                    consumer_sequence: 0,
-                    pending: (n - 1 - i as u64).saturating_add(pending_after),
-                    timestamp_unix_ns: u64::try_from(m.time.unix_timestamp_nanos()).unwrap_or(0),
-                };
+            .filter_map(|m| {
                 let update = self.update_of(
                     m.subject.as_str(),
                     Some(&m.headers),
                     &m.payload,
                     VersionToken::from_u64(m.sequence),
                 )?;
-                Some((update, Some(meta)))
+                Some((update, m))
+            })
+            .collect();
+        let n = kept.len() as u64;
+        kept.into_iter()
+            .zip(1u64..)
+            .map(|((update, m), i)| {
+                let meta = AckMeta {
+                    stream_sequence: m.sequence,
+                    // Not a consumer's delivery: never taken for a re-created consumer's first.
+                    consumer_sequence: 0,
+                    pending: (n - i).saturating_add(pending_after),
+                    timestamp_unix_ns: u64::try_from(m.time.unix_timestamp_nanos()).unwrap_or(0),
+                };
+                (update, Some(meta))
             })
             .collect()
     }

@@ -789,7 +789,7 @@ impl NatsKv {
         })
         .await?;
         let head = self.decode_caught_up(&caught_up, initial_pending);
-        let initial_pending = initial_pending.saturating_add(caught_up.len() as u64);
+        let initial_pending = initial_pending.saturating_add(head.len() as u64);
         Ok((start_identity, messages, initial_pending, head))
     }
 
