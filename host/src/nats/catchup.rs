@@ -199,7 +199,11 @@ impl NatsKv {
                 continue;
             }
             match confirmed.next() {
-                Some((seq, Ok(m))) if m.sequence == seq => out.push(m),
+                Some((seq, Ok(m))) if m.sequence == seq => {
+                    self.direct_contradicted.fetch_add(1, Ordering::Relaxed);
+                    tracing::debug!(bucket = %self.bucket, seq, "a direct get said absent, the leader holds it");
+                    out.push(m);
+                }
                 Some((_, Err(e))) if e.kind() == RawMessageErrorKind::NoMessageFound => {}
                 Some((seq, Ok(m))) => {
                     return Err(backend(

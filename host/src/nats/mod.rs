@@ -279,6 +279,8 @@ pub struct NatsKv {
     direct_catch_up: AtomicBool,
     /// Messages handed over by direct catch-ups so far (diagnostics and tests).
     direct_reads: std::sync::atomic::AtomicU64,
+    /// Direct "not found" answers the stream leader contradicted (a replica or mirror behind).
+    direct_contradicted: std::sync::atomic::AtomicU64,
     /// A resume gap read ahead of its watch (`catchup.rs`).
     prefetch: std::sync::Mutex<Option<catchup::Prefetch>>,
 }
@@ -342,6 +344,7 @@ impl NatsKv {
             pinned: std::sync::Mutex::new(None),
             direct_catch_up: AtomicBool::new(true),
             direct_reads: std::sync::atomic::AtomicU64::new(0),
+            direct_contradicted: std::sync::atomic::AtomicU64::new(0),
             prefetch: std::sync::Mutex::new(None),
         }))
     }
@@ -360,6 +363,13 @@ impl NatsKv {
     /// How many messages direct catch-ups have handed over on this handle.
     pub fn direct_catch_up_reads(&self) -> u64 {
         self.direct_reads.load(Ordering::Relaxed)
+    }
+
+    /// How many direct "not found" answers the stream leader contradicted on this handle: each one
+    /// a message a replica or a mirror did not hold yet, which a catch-up that believed it would
+    /// have skipped.
+    pub fn direct_catch_up_contradicted(&self) -> u64 {
+        self.direct_contradicted.load(Ordering::Relaxed)
     }
 
     /// Reads the stream's live positions.

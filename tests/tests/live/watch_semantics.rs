@@ -536,3 +536,67 @@ async fn a_prefix_watch_reads_its_short_gap_directly_and_keeps_only_its_scope() 
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mirror_answering_direct_gets_without_the_gap_never_makes_the_catch_up_skip_it()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("mx").await?;
+    kv.put("m.0", "mirrored".into()).await?;
+    // A mirror of the bucket's `m.` keys only, answering the bucket's direct gets (the server puts
+    // it in the same queue group as the bucket itself): for every other key it answers "not
+    // found", as a replica or mirror that is behind would.
+    let js = kv.jetstream().clone();
+    js.create_stream(async_nats::jetstream::stream::Config {
+        name: "MX_MIRROR".into(),
+        mirror: Some(async_nats::jetstream::stream::Source {
+            name: "KV_mx".into(),
+            filter_subject: Some("$KV.mx.m.>".into()),
+            ..Default::default()
+        }),
+        mirror_direct: true,
+        allow_direct: true,
+        ..Default::default()
+    })
+    .await?;
+    // The mirror answers once it has caught up (it holds m.0): a wait on that, bounded.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut m = js.get_stream("MX_MIRROR").await?;
+        if m.info().await?.state.messages >= 1 {
+            break;
+        }
+        anyhow::ensure!(
+            tokio::time::Instant::now() < deadline,
+            "the mirror never caught up"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let cursor = kv.positions().await?.last_sequence;
+    for i in 0..40 {
+        kv.put(&format!("k.{i:02}"), format!("gap {i}").into())
+            .await?;
+    }
+    kv.set_direct_catch_up(false);
+    let (reference, live_ref) = delta_then_live(kv.clone(), cursor, "k.live1").await?;
+    kv.set_direct_catch_up(true);
+    let (direct, _) = delta_then_live(kv.clone(), cursor, "k.live2").await?;
+    let want: Vec<_> = reference.iter().chain([&live_ref]).map(shape).collect();
+    let got: Vec<_> = direct.iter().map(shape).collect();
+    assert_eq!(
+        got, want,
+        "the catch-up skipped what the mirror did not hold"
+    );
+    assert_eq!(
+        kv.direct_catch_up_reads(),
+        41,
+        "the gap was not read directly"
+    );
+    // Each of the 41 direct gets went to the bucket or to the mirror at random: that none went to
+    // the mirror has a chance of 2^-41.
+    assert!(
+        kv.direct_catch_up_contradicted() > 0,
+        "no direct get was answered by the mirror: the test did not test"
+    );
+    Ok(())
+}
