@@ -15,7 +15,8 @@
 //!   [`protocol::DIRECT_CATCH_UP_MAX_ABSENT`]) gives way: the caller starts its consumer at the
 //!   gap's first sequence as if no catch-up had been tried. The catch-up never fails a watch.
 //! - At most [`protocol::DIRECT_CATCH_UP_IN_FLIGHT`] requests are in flight, and the whole
-//!   catch-up runs under the connection's operation timeout.
+//!   catch-up runs within [`protocol::DIRECT_CATCH_UP_BUDGET`] (or the operation timeout, if
+//!   shorter).
 //! - A prefetch ([`NatsKv::prefetch_resume_gap`], started while the store opens) is used only by
 //!   a watch starting at the very sequence it was read from, on the stream (same identity) it was
 //!   read from; anything else discards it. It only moves the reads earlier: what it found is
@@ -91,7 +92,8 @@ impl NatsKv {
         range: RangeInclusive<u64>,
     ) -> Option<Vec<StreamMessage>> {
         let (first, last) = (*range.start(), *range.end());
-        let read = timed("direct catch-up", self.timeout, async {
+        let budget = self.timeout.min(protocol::DIRECT_CATCH_UP_BUDGET);
+        let read = timed("direct catch-up", budget, async {
             self.read_range(range).await
         })
         .await;
@@ -104,6 +106,11 @@ impl NatsKv {
             }
             Ok(None) => {
                 tracing::debug!(bucket = %self.bucket, first, last, "resume gap mostly removed messages: a consumer reads it");
+                None
+            }
+            Err(e @ KvError::Timeout { .. }) => {
+                // The server drops a request the client may not publish: no answer, ever.
+                tracing::warn!(bucket = %self.bucket, first, last, error = %e, "direct catch-up gave way to a consumer: is $JS.API.DIRECT.GET.{} allowed for this client? Without it every start waits this long first", self.stream_name);
                 None
             }
             Err(e) => {

@@ -140,3 +140,52 @@ accounts {
     assert!(!err.contains('\n'), "one line: {err}");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_not_allowed_direct_gets_resumes_through_its_consumer_with_exactly_the_gap()
+-> anyhow::Result<()> {
+    let nats = LocalNats::start_with_config(
+        r#"
+accounts {
+  TENANT {
+    jetstream { max_streams: -1, max_consumers: -1, max_mem: -1, max_file: -1 }
+    users [ { user: tenant, password: secret, permissions: { publish: { deny: ["$JS.API.DIRECT.GET.>"] } } } ]
+  }
+}
+"#,
+    )?;
+    let url = format!("nats://tenant:secret@127.0.0.1:{}", nats.port());
+    let conn = NatsConnection::open(ConnectOptions::new(url)).await?;
+    let kv = conn.bucket("routes", &BucketConfig::default()).await?;
+    use foldhost::kv::{
+        KvUpdate, KvWatcher as _, KvWriter as _, WatchCursor, WatchEvent, WatchScope,
+    };
+    for i in 0..5 {
+        kv.put(&format!("k.{i}"), "before".into()).await?;
+    }
+    let cursor = kv.positions().await?.last_sequence;
+    for i in 0..7 {
+        kv.put(&format!("k.{i}"), "after".into()).await?;
+    }
+    let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+    let k = kv.clone();
+    let task = tokio::spawn(async move {
+        k.watch_from(&WatchScope::All, WatchCursor::at(cursor), tx)
+            .await
+    });
+    let mut got: Vec<KvUpdate> = Vec::new();
+    loop {
+        match tokio::time::timeout(std::time::Duration::from_secs(120), rx.recv()).await? {
+            Some(WatchEvent::Updates(us)) => got.extend(us),
+            Some(WatchEvent::CaughtUp { .. }) => break,
+            Some(_) => {}
+            None => anyhow::bail!("watch ended: {:?}", task.await?),
+        }
+    }
+    task.abort();
+    let keys: Vec<&str> = got.iter().map(KvUpdate::key).collect();
+    assert_eq!(keys, ["k.0", "k.1", "k.2", "k.3", "k.4", "k.5", "k.6"]);
+    assert!(got.iter().all(|u| u.revision().is_some_and(|r| r > cursor)));
+    assert_eq!(kv.direct_catch_up_reads(), 0);
+    Ok(())
+}
