@@ -121,7 +121,7 @@ impl NatsKv {
     }
 
     /// Starts reading the gap after `cursor` (the revision a resume will start after) in the
-    /// background, for the watch that follows to take ([`NatsKv::take_prefetch`]): a node calls
+    /// background, for the watch that follows to take (`take_prefetch`): a node calls
     /// this before it opens its store, so the reads and the open overlap. Replaces an earlier
     /// prefetch. Nothing is read when the stream is not one a direct catch-up may read whole (a
     /// mirror, sources, a subject transform, other subjects) or the gap is not short.
