@@ -134,7 +134,12 @@ impl NatsKv {
         }
         let kv = Arc::clone(self);
         let task = tokio::spawn(async move {
-            let info = kv.stream_info().await.ok()?;
+            // The stream info too is bounded by the catch-up's budget: the watch waits for this.
+            let budget = kv.timeout.min(protocol::DIRECT_CATCH_UP_BUDGET);
+            let info = tokio::time::timeout(budget, kv.stream_info())
+                .await
+                .ok()?
+                .ok()?;
             let range = protocol::direct_catch_up_range(
                 start,
                 info.state.last_sequence,
