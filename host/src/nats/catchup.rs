@@ -144,7 +144,7 @@ impl NatsKv {
                 start,
                 info.state.last_sequence,
                 kv.plain_stream(&info.config),
-                info.config.allow_direct,
+                protocol::direct_reads_allowed(info.config.allow_direct, info.config.num_replicas),
             )?;
             let last = *range.end();
             let messages = kv.direct_catch_up(range).await?;

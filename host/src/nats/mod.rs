@@ -759,7 +759,7 @@ impl NatsKv {
                 start_sequence,
                 here_info.state.last_sequence,
                 self.plain_stream(stream_cfg),
-                stream_cfg.allow_direct,
+                protocol::direct_reads_allowed(stream_cfg.allow_direct, stream_cfg.num_replicas),
             )
         {
             let read = match prefetched {
@@ -831,6 +831,13 @@ impl NatsKv {
         // skips superseded sequences by design).
         let prefix_scope = !matches!(scope, WatchScope::All);
         let mut guard = FloorGuard::new(start_frontier, start_identity, filters, prefix_scope);
+        // A delta watch's highest delivered stream sequence (see the loop).
+        let mut passed: Option<u64> = start_frontier.and_then(|f| {
+            head.iter()
+                .filter_map(|(_, m)| m.as_ref().map(|m| m.stream_sequence))
+                .max()
+                .or(if f > 0 { Some(f) } else { None })
+        });
         if !head.is_empty() {
             // The directly read gap goes first, checked as any delivered chunk is; the consumer
             // after it is a new one, its first delivery numbered 1.
@@ -893,6 +900,28 @@ impl NatsKv {
             if decoded.is_empty() {
                 guard.after_errors(self).await?;
                 continue;
+            }
+            // An ordered consumer re-created before its first delivery starts over at the
+            // stream's first message (async-nats: `DeliverPolicy::All` when it has delivered
+            // nothing) — after a direct catch-up, or on a quiet bucket, that is a replay of the
+            // whole stream. A delta watch ends instead, and the fold restarts it from its cursor.
+            if let Some(passed) = passed
+                && let Some(m) = decoded
+                    .iter()
+                    .filter_map(|(_, m)| m.as_ref())
+                    .find(|m| m.stream_sequence <= passed)
+            {
+                return Err(KvError::WatchError(format!(
+                    "bucket {}: the watch's consumer was re-created behind it (sequence {} after {passed}); restarting from the cursor",
+                    self.bucket, m.stream_sequence
+                )));
+            }
+            if start_frontier.is_some() {
+                passed = decoded
+                    .iter()
+                    .filter_map(|(_, m)| m.as_ref().map(|m| m.stream_sequence))
+                    .chain(passed)
+                    .max();
             }
             guard
                 .before_chunk(self, decoded.iter().filter_map(|(_, m)| m.as_ref()))
