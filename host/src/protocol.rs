@@ -615,7 +615,7 @@ pub fn plain_stream(stream_subjects: &[String], other_inputs: bool, catch_all: &
 /// `replicas` replicas: only on a single-replica stream, for now. On a replicated one the
 /// catch-up stays correct by construction (every absence is confirmed by the leader), but it has
 /// not been measured through a leader's failover: the three-node cluster test, run under load,
-/// took 13–65 s with it and 14–38 s without, too spread to tell. Replicated streams keep the
+/// took 13–66 s with it and 14–69 s without, too spread to tell. Replicated streams keep the
 /// consumer path until that is measured.
 pub fn direct_reads_allowed(allow_direct: bool, replicas: usize) -> bool {
     allow_direct && replicas <= 1

@@ -600,3 +600,64 @@ async fn a_mirror_answering_direct_gets_without_the_gap_never_makes_the_catch_up
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_consumer_cut_off_before_its_first_delivery_ends_the_watch_instead_of_replaying_the_stream()
+-> anyhow::Result<()> {
+    use futures::TryStreamExt as _;
+    let h = Harness::start().await?;
+    let kv = h.bucket("cutoff").await?;
+    for i in 0..30 {
+        kv.put(&format!("k.{i:02}"), "before".into()).await?;
+    }
+    let cursor = kv.positions().await?.last_sequence;
+    kv.put("k.gap", "gap".into()).await?;
+    // The gap is read directly; the watch's consumer starts past it and has nothing to deliver.
+    let (tx, mut rx) = mpsc::channel(64);
+    let k = kv.clone();
+    let task = tokio::spawn(async move {
+        k.watch_from(&WatchScope::All, WatchCursor::at(cursor), tx)
+            .await
+    });
+    let mut got: Vec<KvUpdate> = Vec::new();
+    loop {
+        match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await? {
+            Some(WatchEvent::Updates(us)) => got.extend(us),
+            Some(WatchEvent::CaughtUp { .. }) => break,
+            Some(_) => {}
+            None => anyhow::bail!("watch ended before it was level: {:?}", task.await?),
+        }
+    }
+    assert_eq!(
+        kv.direct_catch_up_reads(),
+        1,
+        "the gap was not read directly"
+    );
+    // Cut the consumer off before it delivered anything: the client re-creates it, and an ordered
+    // consumer that delivered nothing is re-created at the stream's first message.
+    let stream = kv.jetstream().get_stream("KV_cutoff").await?;
+    let names: Vec<String> = stream.consumer_names().try_collect().await?;
+    anyhow::ensure!(!names.is_empty(), "the watch has no consumer");
+    for n in &names {
+        stream.delete_consumer(n).await?;
+    }
+    // The watch must end (the fold restarts it from its cursor) without handing over anything at
+    // or below the cursor.
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await? {
+            Some(WatchEvent::Updates(us)) => got.extend(us),
+            Some(_) => {}
+            None => break task.await?,
+        }
+    };
+    assert!(
+        got.iter().all(|u| u.revision().is_some_and(|r| r > cursor)),
+        "the re-created consumer replayed the stream: {:?}",
+        got.iter().map(shape).collect::<Vec<_>>()
+    );
+    match ended {
+        Err(KvError::WatchError(m)) => assert!(m.contains("re-created behind"), "{m}"),
+        other => anyhow::bail!("the watch should end with a re-created consumer: {other:?}"),
+    }
+    Ok(())
+}
