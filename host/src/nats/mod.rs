@@ -23,6 +23,9 @@
 mod catchup;
 mod create;
 mod floor;
+mod lean;
+pub use lean::{LEAN_DELIVERY_ENV, lean_allowed};
+pub mod wire;
 
 pub use create::{create_bucket_raw, kv_stream_config, parse_stream_create_reply};
 
@@ -145,7 +148,9 @@ impl NatsConnection {
     /// Opens a bucket and returns the concrete handle (the trait method wraps it in a [`BucketHandle`]).
     pub async fn bucket(&self, name: &str, config: &BucketConfig) -> Result<Arc<NatsKv>, KvError> {
         let client = self.client().await?;
-        NatsKv::open(client, name, config, self.opts.op_timeout).await
+        let kv = NatsKv::open(client, name, config, self.opts.op_timeout).await?;
+        kv.set_lean_delivery(Some(&self.opts));
+        Ok(kv)
     }
 }
 
@@ -283,6 +288,11 @@ pub struct NatsKv {
     direct_contradicted: std::sync::atomic::AtomicU64,
     /// A resume gap read ahead of its watch (`catchup.rs`).
     prefetch: std::sync::Mutex<Option<catchup::Prefetch>>,
+    /// Where a watch's lean delivery connection dials (`lean.rs`); `None`: the client's own
+    /// ordered consumer delivers every watch.
+    lean_dial: std::sync::Mutex<Option<lean::LeanDial>>,
+    /// Watches delivered over a lean connection so far (diagnostics and tests).
+    lean_watches: std::sync::atomic::AtomicU64,
 }
 
 /// Live stream positions, read from the server (not the client's creation-time cache).
@@ -346,7 +356,25 @@ impl NatsKv {
             direct_reads: std::sync::atomic::AtomicU64::new(0),
             direct_contradicted: std::sync::atomic::AtomicU64::new(0),
             prefetch: std::sync::Mutex::new(None),
+            lean_dial: std::sync::Mutex::new(None),
+            lean_watches: std::sync::atomic::AtomicU64::new(0),
         }))
+    }
+
+    /// Turns the lean delivery connection on (with what `opts` allow; see `lean.rs`) or off: off,
+    /// every watch is delivered through the client's ordered consumer. A handle from
+    /// [`NatsConnection::bucket`] starts with it on where the options allow it.
+    pub fn set_lean_delivery(&self, opts: Option<&ConnectOptions>) {
+        *self
+            .lean_dial
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) =
+            opts.and_then(lean::LeanDial::from_options);
+    }
+
+    /// Watches delivered over a lean connection so far.
+    pub fn lean_watches(&self) -> u64 {
+        self.lean_watches.load(Ordering::Relaxed)
     }
 
     /// The bucket name.
@@ -715,15 +743,7 @@ impl NatsKv {
         &self,
         filters: &[String],
         policy: consumer::DeliverPolicy,
-    ) -> Result<
-        (
-            StreamIdentity,
-            consumer::push::Ordered,
-            u64,
-            Vec<catchup::Decoded>,
-        ),
-        KvError,
-    > {
+    ) -> Result<(StreamIdentity, Deliveries, u64, Vec<catchup::Decoded>), KvError> {
         let here_info = self.stream_info().await?;
         let here = identity_of(&here_info);
         let start_identity = match self.pinned() {
@@ -782,6 +802,51 @@ impl NatsKv {
             deliver_policy: policy,
             ..Default::default()
         };
+        let dial = self
+            .lean_dial
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        let (messages, initial_pending) = match dial {
+            Some(d) => match lean::dial(&d, &cfg.deliver_subject).await {
+                Ok(conn) => {
+                    let (name, pending) = self.create_lean_consumer(cfg).await?;
+                    self.lean_watches.fetch_add(1, Ordering::Relaxed);
+                    let lean = lean::LeanDeliveries::start(conn, self.bucket.clone());
+                    (
+                        Deliveries::Lean {
+                            lean,
+                            _cleanup: ConsumerCleanup {
+                                stream: self.kv.stream.clone(),
+                                name,
+                                timeout: self.timeout,
+                            },
+                        },
+                        pending,
+                    )
+                }
+                Err(e) => {
+                    if let lean::DialError::Unsupported(why) = &e {
+                        tracing::info!(bucket = %self.bucket, reason = %why, "watches are delivered through the client's ordered consumer");
+                        self.set_lean_delivery(None);
+                    } else {
+                        tracing::debug!(bucket = %self.bucket, error = %e, "no delivery connection for this watch");
+                    }
+                    self.create_ordered_consumer(cfg).await?
+                }
+            },
+            None => self.create_ordered_consumer(cfg).await?,
+        };
+        let head = self.decode_caught_up(&caught_up, initial_pending);
+        let initial_pending = initial_pending.saturating_add(head.len() as u64);
+        Ok((start_identity, messages, initial_pending, head))
+    }
+
+    /// The client's ordered consumer and its initial backlog.
+    async fn create_ordered_consumer(
+        &self,
+        cfg: consumer::push::OrderedConfig,
+    ) -> Result<(Deliveries, u64), KvError> {
         let consumer = timed("watch consumer", self.timeout, async {
             self.kv
                 .stream
@@ -798,9 +863,30 @@ impl NatsKv {
                 .map_err(|e| backend("watch subscribe", e))
         })
         .await?;
-        let head = self.decode_caught_up(&caught_up, initial_pending);
-        let initial_pending = initial_pending.saturating_add(head.len() as u64);
-        Ok((start_identity, messages, initial_pending, head))
+        Ok((
+            Deliveries::Ordered(messages.ready_chunks(WATCH_CHUNK)),
+            initial_pending,
+        ))
+    }
+
+    /// The same consumer as the ordered one (its very configuration), delivered to a lean
+    /// connection already subscribed to its deliver subject: its name and initial backlog.
+    async fn create_lean_consumer(
+        &self,
+        cfg: consumer::push::OrderedConfig,
+    ) -> Result<(String, u64), KvError> {
+        use consumer::IntoConsumerConfig as _;
+        let config: consumer::Config = cfg.into_consumer_config();
+        let consumer = timed("watch consumer", self.timeout, async {
+            self.kv
+                .stream
+                .create_consumer(config)
+                .await
+                .map_err(|e| backend("watch consumer", e))
+        })
+        .await?;
+        let info = consumer.cached_info();
+        Ok((info.name.clone(), info.num_pending))
     }
 
     /// Runs an ordered push consumer with `policy` over `scope`, pushing events into `tx` until the
@@ -861,11 +947,11 @@ impl NatsKv {
         backstop.reset();
         // Whatever the client already holds is taken as one chunk: one channel send (and at most
         // one wake-up of the fold) per chunk instead of per update.
-        let mut chunks = messages.ready_chunks(WATCH_CHUNK);
+        let mut messages = messages;
         loop {
             let chunk = tokio::select! {
-                c = chunks.next() => match c {
-                    Some(c) => c,
+                c = messages.next() => match c {
+                    Some(c) => c?,
                     None => break,
                 },
                 _ = backstop.tick() => {
@@ -876,13 +962,13 @@ impl NatsKv {
             let mut decoded = Vec::with_capacity(chunk.len());
             for item in chunk {
                 match item {
-                    Ok(m) => {
+                    lean::Delivered::Message(m) => {
                         consecutive_errors = 0;
-                        if let Some(d) = self.to_update(&m.message) {
+                        if let Some(d) = self.to_update(&m) {
                             decoded.push(d);
                         }
                     }
-                    Err(e) => {
+                    lean::Delivered::Recreating(e) => {
                         // The ordered consumer recreates itself after a gap or missed heartbeats;
                         // a long run of errors means it cannot.
                         consecutive_errors += 1;
@@ -934,6 +1020,58 @@ impl NatsKv {
             "bucket {}: watch stream ended",
             self.bucket
         )))
+    }
+}
+
+/// A watch's consumer deliveries: through the client's ordered consumer, or over a lean
+/// connection of the watch's own (`lean.rs`).
+enum Deliveries {
+    Ordered(futures::stream::ReadyChunks<consumer::push::Ordered>),
+    Lean {
+        lean: lean::LeanDeliveries,
+        _cleanup: ConsumerCleanup,
+    },
+}
+
+impl Deliveries {
+    /// The next chunk (cancel-safe: both sources are); `None` when the deliveries ended, an error
+    /// when a lean connection failed (the watch ends; the fold resumes from its cursor).
+    async fn next(&mut self) -> Option<Result<Vec<lean::Delivered>, KvError>> {
+        match self {
+            Deliveries::Ordered(chunks) => chunks.next().await.map(|c| {
+                Ok(c.into_iter()
+                    .map(|item| match item {
+                        Ok(m) => lean::Delivered::Message(m.message),
+                        Err(e) => lean::Delivered::Recreating(e.to_string()),
+                    })
+                    .collect())
+            }),
+            Deliveries::Lean { lean, .. } => lean.next().await,
+        }
+    }
+}
+
+/// Deletes a lean watch's consumer when the watch ends (best effort: the server also removes it
+/// after its inactivity threshold once the socket has closed).
+struct ConsumerCleanup {
+    stream: jetstream::stream::Stream,
+    name: String,
+    timeout: Duration,
+}
+
+impl Drop for ConsumerCleanup {
+    fn drop(&mut self) {
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (stream, name, timeout) = (
+            self.stream.clone(),
+            std::mem::take(&mut self.name),
+            self.timeout,
+        );
+        rt.spawn(async move {
+            let _ = tokio::time::timeout(timeout, stream.delete_consumer(&name)).await;
+        });
     }
 }
 

@@ -897,6 +897,9 @@ async fn a_prefix_watch_cut_off_while_in_scope_messages_age_out_trips_the_floor_
         .arg("--guest")
         .arg(foldhost_tests::guest_wasm("router"))
         .env("FOLDHOST_LOG", "warn")
+        // The client's ordered consumer, which re-creates itself at the first retained message
+        // (a lean connection's watch ends instead, and the resume window refuses the cursor).
+        .env(foldhost::nats::LEAN_DELIVERY_ENV, "off")
         .stderr(std::fs::File::create(&log_path)?)
         .spawn()?;
     let last = kv.positions().await?.last_sequence;

@@ -607,6 +607,9 @@ async fn a_consumer_cut_off_before_its_first_delivery_ends_the_watch_instead_of_
     use futures::TryStreamExt as _;
     let h = Harness::start().await?;
     let kv = h.bucket("cutoff").await?;
+    // The client's ordered consumer (the lean connection's own consumer is never re-created: see
+    // `a_lean_watch_cut_off_from_its_consumer_ends_instead_of_waiting_forever`).
+    kv.set_lean_delivery(None);
     for i in 0..30 {
         kv.put(&format!("k.{i:02}"), "before".into()).await?;
     }
@@ -658,6 +661,182 @@ async fn a_consumer_cut_off_before_its_first_delivery_ends_the_watch_instead_of_
     match ended {
         Err(KvError::WatchError(m)) => assert!(m.contains("re-created behind"), "{m}"),
         other => anyhow::bail!("the watch should end with a re-created consumer: {other:?}"),
+    }
+    Ok(())
+}
+
+/// Writes puts, an overwrite, a delete and a KV purge into `kv`'s keys `k.*`.
+async fn mixed_writes(kv: &NatsKv, tag: &str) -> anyhow::Result<()> {
+    for i in 0..300 {
+        kv.put(&format!("k.{i:03}"), format!("{tag} {i}").into())
+            .await?;
+    }
+    kv.put("k.007", format!("{tag} again").into()).await?;
+    kv.delete("k.008").await?;
+    let mut purge = async_nats::HeaderMap::new();
+    purge.insert("KV-Operation", "PURGE");
+    purge.insert("Nats-Rollup", "sub");
+    kv.jetstream()
+        .publish_with_headers(
+            format!("$KV.{}.k.009", kv.bucket()),
+            purge,
+            bytes::Bytes::new(),
+        )
+        .await?
+        .await?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_watch_over_its_own_delivery_connection_hands_over_exactly_what_the_ordered_consumer_does()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("lean").await?;
+    mixed_writes(&kv, "first").await?;
+    let cursor = kv.positions().await?.last_sequence;
+    mixed_writes(&kv, "second").await?;
+    kv.set_direct_catch_up(false);
+    let opts = foldhost::bucket::ConnectOptions::new(h.url());
+    let mut runs = Vec::new();
+    for lean in [false, true] {
+        kv.set_lean_delivery(lean.then_some(&opts));
+        let before = kv.lean_watches();
+        let sync = collect_until_level(kv.clone(), WatchScope::All, WatchCursor::default()).await?;
+        let delta =
+            collect_until_level(kv.clone(), WatchScope::All, WatchCursor::at(cursor)).await?;
+        let prefix = collect_until_level(
+            kv.clone(),
+            WatchScope::Prefix("k.00".into()),
+            WatchCursor::at(cursor),
+        )
+        .await?;
+        assert_eq!(kv.lean_watches() - before, if lean { 3 } else { 0 });
+        let shapes = |us: &[KvUpdate]| us.iter().map(shape).collect::<Vec<_>>();
+        runs.push((shapes(&sync), shapes(&delta), shapes(&prefix)));
+    }
+    let (ordered, lean) = (&runs[0], &runs[1]);
+    assert_eq!(lean.0, ordered.0, "state-sync differs");
+    assert_eq!(lean.1, ordered.1, "delta differs");
+    assert_eq!(lean.2, ordered.2, "prefix delta differs");
+    // What the writes imply: 300 keys listed less the deleted and purged ones' values, a delta of
+    // every write after the cursor, a prefix delta of its ten keys' writes.
+    assert_eq!(lean.0.len(), 300);
+    assert_eq!(lean.1.len(), 303);
+    assert!(lean.1.iter().any(|u| u.0 == "k.008" && u.1 == "del"));
+    assert!(lean.1.iter().any(|u| u.0 == "k.009" && u.1 == "purge"));
+    assert!(lean.2.iter().all(|u| u.0.starts_with("k.00")));
+    assert_eq!(lean.2.len(), 13);
+    Ok(())
+}
+
+/// Starts a delta watch of `kv` from `cursor` and waits until it is level; returns the task, its
+/// receiver and the deliver subject of the watch's one consumer.
+async fn level_watch(
+    kv: &std::sync::Arc<NatsKv>,
+    cursor: u64,
+) -> anyhow::Result<(
+    tokio::task::JoinHandle<Result<(), KvError>>,
+    mpsc::Receiver<WatchEvent>,
+    String,
+)> {
+    use futures::TryStreamExt as _;
+    let (tx, mut rx) = mpsc::channel(64);
+    let k = kv.clone();
+    let task = tokio::spawn(async move {
+        k.watch_from(&WatchScope::All, WatchCursor::at(cursor), tx)
+            .await
+    });
+    loop {
+        match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await? {
+            Some(WatchEvent::CaughtUp { .. }) => break,
+            Some(_) => {}
+            None => anyhow::bail!("watch ended before it was level: {:?}", task.await?),
+        }
+    }
+    let stream = kv
+        .jetstream()
+        .get_stream(format!("KV_{}", kv.bucket()))
+        .await?;
+    let names: Vec<String> = stream.consumer_names().try_collect().await?;
+    anyhow::ensure!(names.len() == 1, "the watch's consumers: {names:?}");
+    let info = stream.consumer_info(&names[0]).await?;
+    let deliver = info
+        .config
+        .deliver_subject
+        .ok_or_else(|| anyhow::anyhow!("not a push consumer"))?;
+    Ok((task, rx, deliver))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_delivery_out_of_consumer_sequence_ends_the_lean_watch_and_is_never_handed_over()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("forged").await?;
+    kv.put("k.a", "a".into()).await?;
+    let cursor = kv.positions().await?.last_sequence;
+    let before = kv.lean_watches();
+    let (task, mut rx, deliver) = level_watch(&kv, cursor).await?;
+    assert_eq!(
+        kv.lean_watches(),
+        before + 1,
+        "not delivered over a lean connection"
+    );
+    // Any client allowed to publish on the inbox can send it a message; one that claims delivery
+    // 5 of a consumer that delivered none skips four.
+    let client = h.conn.client().await?;
+    client
+        .publish_with_reply(
+            deliver,
+            "$JS.ACK.KV_forged.x.1.99.5.1700000000000000000.0",
+            "forged".into(),
+        )
+        .await?;
+    client.flush().await?;
+    let mut got: Vec<KvUpdate> = Vec::new();
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await? {
+            Some(WatchEvent::Updates(us)) => got.extend(us),
+            Some(_) => {}
+            None => break task.await?,
+        }
+    };
+    assert!(
+        got.iter().all(|u| u.key() != "k.forged"),
+        "the forged delivery was handed over"
+    );
+    match ended {
+        Err(KvError::WatchError(m)) => assert!(m.contains("a gap"), "{m}"),
+        other => anyhow::bail!("the watch should end at the gap: {other:?}"),
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lean_watch_cut_off_from_its_consumer_ends_instead_of_waiting_forever()
+-> anyhow::Result<()> {
+    use futures::TryStreamExt as _;
+    let h = Harness::start().await?;
+    let kv = h.bucket("silent").await?;
+    kv.put("k.a", "a".into()).await?;
+    let cursor = kv.positions().await?.last_sequence;
+    let (task, mut rx, _) = level_watch(&kv, cursor).await?;
+    let stream = kv.jetstream().get_stream("KV_silent").await?;
+    let names: Vec<String> = stream.consumer_names().try_collect().await?;
+    for n in &names {
+        stream.delete_consumer(n).await?;
+    }
+    // Nothing is delivered and no heartbeat comes: the watch ends after three heartbeat periods
+    // (the fold then resumes from its cursor).
+    let ended = loop {
+        match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await? {
+            Some(WatchEvent::Updates(us)) => anyhow::bail!("delivered after the cut: {us:?}"),
+            Some(_) => {}
+            None => break task.await?,
+        }
+    };
+    match ended {
+        Err(KvError::WatchError(m)) => assert!(m.contains("delivery connection"), "{m}"),
+        other => anyhow::bail!("the watch should end: {other:?}"),
     }
     Ok(())
 }

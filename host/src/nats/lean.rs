@@ -1,0 +1,526 @@
+//! The lean delivery connection: a watch's consumer delivered over a socket of its own, read by
+//! the pure parser in `wire.rs`, instead of through the client library's subscription machinery.
+//!
+//! Why: measured on this project's two-core machine (`docs/performance.md` §4, stop 19), the
+//! async-nats client spends 0.74–0.94 µs of CPU per delivered message (its reader task, a
+//! `Message` per message with its own allocations, a channel send and a task wake-up per message,
+//! the ordered consumer's bookkeeping) while nats-server spends about 1.4 µs producing it; on a
+//! machine where the two share the cores, the client's share is taken from the server that feeds
+//! it. Parsing a whole read at once and slicing one frozen buffer costs 0.12–0.18 µs per message.
+//!
+//! Invariants:
+//! - **The same consumer, delivered elsewhere**: the consumer is created with exactly the
+//!   configuration of the client's ordered consumer (`OrderedConfig`: no acks, flow control,
+//!   5 s idle heartbeats, in memory, one replica); only its deliver subject is subscribed on this
+//!   socket, and the subscription is confirmed (`PING`/`PONG`) before the consumer exists, so no
+//!   delivery precedes it.
+//! - **Nothing is skipped silently**: every delivery's consumer sequence must follow the last
+//!   (the first is 1), and a heartbeat's `Nats-Last-Consumer` must not be ahead of it. A gap, an
+//!   error status, a protocol error, the socket's end, or three heartbeat periods of silence while
+//!   waiting on the socket end the watch with an error; the fold resumes from its applied cursor
+//!   (unlike the client's ordered consumer, this one is never re-created behind the fold's back).
+//! - **Backpressure, not buffering**: the socket is read only when the channel to the watch has
+//!   room, so a slow fold leaves flow-control requests unread and the server stops sending; a read
+//!   is bounded by [`READ_BUFFER`], a message by the server's `max_payload`.
+//! - **An optimisation, never a requirement**: a server that wants TLS, credentials this
+//!   connection does not send (`.creds`), a `tls://` URL, or a refused `CONNECT` keep the
+//!   client's ordered consumer (`Dial::Unsupported` turns this connection off for the handle);
+//!   a socket that cannot be opened falls back for that one watch.
+
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::sync::mpsc;
+
+use super::wire::{self, ServerOp, WireAuth};
+use crate::bucket::{ConnectOptions, CredentialSource, credential_source};
+use crate::kv::KvError;
+use crate::protocol;
+
+/// Initial capacity of the read buffer; one read takes at most what it has free.
+pub const READ_BUFFER: usize = 256 * 1024;
+/// Messages per chunk handed to the watch.
+pub const CHUNK: usize = 512;
+/// The consumer's idle heartbeat (the client's ordered consumer uses the same).
+pub const IDLE_HEARTBEAT: Duration = Duration::from_secs(5);
+/// Heartbeat periods of silence, while waiting on the socket, before the watch ends.
+pub const MISSED_HEARTBEATS: u32 = 3;
+/// Chunks in flight between the socket's reader and the watch.
+const CHANNEL_CHUNKS: usize = 4;
+/// The subscription id of the deliver subject on this socket.
+const SID: &[u8] = b"1";
+
+/// The environment variable that turns lean delivery off (`off`, `0` or `false`): every watch is
+/// then delivered through the client's ordered consumer (an operator's escape hatch, and how tests
+/// reach that path in a node).
+pub const LEAN_DELIVERY_ENV: &str = "FOLDHOST_LEAN_DELIVERY";
+
+/// Whether the value of [`LEAN_DELIVERY_ENV`] allows lean delivery (unset: yes).
+pub fn lean_allowed(value: Option<&str>) -> bool {
+    !matches!(
+        value.map(|v| v.trim().to_ascii_lowercase()).as_deref(),
+        Some("off" | "0" | "false" | "no")
+    )
+}
+
+/// What one delivery of a watch's consumer is.
+pub(super) enum Delivered {
+    /// A stored message.
+    Message(async_nats::Message),
+    /// The client's ordered consumer reported an error and is re-creating itself.
+    Recreating(String),
+}
+
+/// Where a lean connection dials and how it authenticates; built from the node's options.
+#[derive(Clone, Debug)]
+pub(super) struct LeanDial {
+    servers: Vec<String>,
+    auth: WireAuth,
+    name: Option<String>,
+    timeout: Duration,
+}
+
+impl LeanDial {
+    /// `None` when the options need what this connection does not speak: `.creds` (a signed
+    /// nonce) or a URL that is not plain `nats://`.
+    pub(super) fn from_options(opts: &ConnectOptions) -> Option<LeanDial> {
+        if !lean_allowed(std::env::var(LEAN_DELIVERY_ENV).ok().as_deref()) {
+            return None;
+        }
+        let auth = match credential_source(opts) {
+            CredentialSource::Creds | CredentialSource::CredsFile(_) => return None,
+            CredentialSource::Url => match crate::bucket::url_credentials(&opts.url) {
+                Some((user, Some(pass))) => WireAuth::UserPass(user, pass),
+                Some((token, None)) => WireAuth::Token(token),
+                None => WireAuth::None,
+            },
+            CredentialSource::None => WireAuth::None,
+        };
+        let servers = crate::bucket::server_urls(&opts.url)
+            .into_iter()
+            .map(wire::plain_address)
+            .collect::<Option<Vec<_>>>()?;
+        if servers.is_empty() {
+            return None;
+        }
+        Some(LeanDial {
+            servers,
+            auth,
+            name: opts.name.clone(),
+            timeout: opts.op_timeout.min(Duration::from_secs(10)),
+        })
+    }
+}
+
+/// Why no lean connection was made.
+#[derive(Debug, thiserror::Error)]
+pub(super) enum DialError {
+    /// The server or the options need what this connection does not do: never try again.
+    #[error("unsupported: {0}")]
+    Unsupported(String),
+    /// This attempt failed (no socket, a timeout): the next watch may try again.
+    #[error("{0}")]
+    Transient(String),
+}
+
+/// A connected, subscribed socket, not yet reading deliveries.
+pub(super) struct Conn {
+    rd: OwnedReadHalf,
+    wr: OwnedWriteHalf,
+    buf: BytesMut,
+    max_payload: usize,
+}
+
+/// Opens a socket to the first server that answers, authenticates, subscribes `inbox` and waits
+/// for the server to confirm it.
+pub(super) async fn dial(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
+    match tokio::time::timeout(d.timeout, dial_inner(d, inbox)).await {
+        Ok(r) => r,
+        Err(_) => Err(DialError::Transient(format!(
+            "no answer within {} ms",
+            d.timeout.as_millis()
+        ))),
+    }
+}
+
+async fn dial_inner(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
+    let mut last = String::from("no server");
+    let mut sock = None;
+    for addr in &d.servers {
+        match tokio::net::TcpStream::connect(addr).await {
+            Ok(s) => {
+                sock = Some(s);
+                break;
+            }
+            Err(e) => last = format!("{addr}: {e}"),
+        }
+    }
+    let sock = sock.ok_or(DialError::Transient(last))?;
+    let _ = sock.set_nodelay(true);
+    let (rd, wr) = sock.into_split();
+    let mut conn = Conn {
+        rd,
+        wr,
+        buf: BytesMut::with_capacity(READ_BUFFER),
+        max_payload: wire::MAX_CONTROL_LINE,
+    };
+    let transient = |e: std::io::Error| DialError::Transient(e.to_string());
+    // The server speaks first: INFO.
+    let info = loop {
+        match wire::parse_op(&conn.buf, usize::MAX)
+            .map_err(|e| DialError::Transient(e.to_string()))?
+        {
+            Some((ServerOp::Info(r), n)) => {
+                let json: serde_json::Value = serde_json::from_slice(&conn.buf[r])
+                    .map_err(|e| DialError::Transient(format!("INFO: {e}")))?;
+                let _ = conn.buf.split_to(n);
+                break json;
+            }
+            Some((op, _)) => {
+                return Err(DialError::Transient(format!("expected INFO, got {op:?}")));
+            }
+            None => {
+                if conn.rd.read_buf(&mut conn.buf).await.map_err(transient)? == 0 {
+                    return Err(DialError::Transient("closed before INFO".into()));
+                }
+            }
+        }
+    };
+    if info["tls_required"].as_bool() == Some(true) {
+        return Err(DialError::Unsupported("the server requires TLS".into()));
+    }
+    if info["auth_required"].as_bool() == Some(true) && d.auth == WireAuth::None {
+        return Err(DialError::Unsupported(
+            "the server requires credentials the options do not name".into(),
+        ));
+    }
+    conn.max_payload = info["max_payload"]
+        .as_u64()
+        .and_then(|v| usize::try_from(v).ok())
+        .unwrap_or(1 << 20)
+        .max(wire::MAX_CONTROL_LINE);
+    let hello = format!(
+        "{}SUB {inbox} {}\r\nPING\r\n",
+        wire::connect_line(&d.auth, d.name.as_deref()),
+        String::from_utf8_lossy(SID)
+    );
+    conn.wr
+        .write_all(hello.as_bytes())
+        .await
+        .map_err(transient)?;
+    loop {
+        match wire::parse_op(&conn.buf, conn.max_payload)
+            .map_err(|e| DialError::Transient(e.to_string()))?
+        {
+            Some((ServerOp::Pong, n)) => {
+                let _ = conn.buf.split_to(n);
+                return Ok(conn);
+            }
+            Some((ServerOp::Err(text), _)) => return Err(DialError::Unsupported(text)),
+            Some((_, n)) => {
+                let _ = conn.buf.split_to(n);
+            }
+            None => {
+                if conn.rd.read_buf(&mut conn.buf).await.map_err(transient)? == 0 {
+                    return Err(DialError::Transient("closed before PONG".into()));
+                }
+            }
+        }
+    }
+}
+
+/// The deliveries of one consumer over a lean connection; dropping it closes the socket.
+pub(super) struct LeanDeliveries {
+    rx: mpsc::Receiver<Result<Vec<Delivered>, KvError>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl LeanDeliveries {
+    /// Starts reading `conn` for `bucket`'s watch.
+    pub(super) fn start(conn: Conn, bucket: String) -> Self {
+        let (tx, rx) = mpsc::channel(CHANNEL_CHUNKS);
+        let task = tokio::spawn(async move {
+            let mut r = Reader {
+                conn,
+                bucket,
+                last_consumer_sequence: 0,
+            };
+            if let Err(e) = r.run(&tx).await {
+                let _ = tx.send(Err(e)).await;
+            }
+        });
+        LeanDeliveries { rx, task }
+    }
+
+    /// The next chunk (cancel-safe); `None` once the reader has ended.
+    pub(super) async fn next(&mut self) -> Option<Result<Vec<Delivered>, KvError>> {
+        self.rx.recv().await
+    }
+}
+
+impl Drop for LeanDeliveries {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+struct Reader {
+    conn: Conn,
+    bucket: String,
+    last_consumer_sequence: u64,
+}
+
+impl Reader {
+    fn fail(&self, why: impl std::fmt::Display) -> KvError {
+        KvError::WatchError(format!(
+            "bucket {}: delivery connection: {why}",
+            self.bucket
+        ))
+    }
+
+    /// Reads, parses and forwards until the watch goes (`Ok`) or the delivery fails.
+    async fn run(
+        &mut self,
+        tx: &mpsc::Sender<Result<Vec<Delivered>, KvError>>,
+    ) -> Result<(), KvError> {
+        let silence = IDLE_HEARTBEAT * MISSED_HEARTBEATS;
+        loop {
+            let (chunk, replies) = self.parse_ready()?;
+            if !replies.is_empty() {
+                self.conn
+                    .wr
+                    .write_all(&replies)
+                    .await
+                    .map_err(|e| self.fail(e))?;
+            }
+            if !chunk.is_empty() {
+                for part in chunk_up(chunk) {
+                    // Waiting here (the fold is busy) leaves the socket unread: backpressure.
+                    if tx.send(Ok(part)).await.is_err() {
+                        return Ok(());
+                    }
+                }
+                continue;
+            }
+            if self.conn.buf.capacity() - self.conn.buf.len() < READ_BUFFER / 4 {
+                self.conn.buf.reserve(READ_BUFFER);
+            }
+            let read = tokio::time::timeout(silence, self.conn.rd.read_buf(&mut self.conn.buf));
+            match read.await {
+                Ok(Ok(0)) => return Err(self.fail("the server closed the socket")),
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => return Err(self.fail(e)),
+                Err(_) => {
+                    return Err(self.fail(format!(
+                        "no delivery or heartbeat for {} s",
+                        silence.as_secs()
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Parses every whole operation in the buffer: the messages, and what to write back
+    /// (flow-control answers, `PONG`s, a stalled consumer's nudge).
+    fn parse_ready(&mut self) -> Result<(Vec<Delivered>, Vec<u8>), KvError> {
+        let mut ops = Vec::new();
+        let mut at = 0;
+        while let Some((op, n)) =
+            wire::parse_op(&self.conn.buf[at..], self.conn.max_payload).map_err(|e| self.fail(e))?
+        {
+            ops.push((op, at));
+            at += n;
+        }
+        let frozen: Bytes = self.conn.buf.split_to(at).freeze();
+        let mut out = Vec::with_capacity(ops.len());
+        let mut replies = Vec::new();
+        for (op, base) in ops {
+            match op {
+                ServerOp::Msg {
+                    subject,
+                    sid,
+                    reply,
+                    headers,
+                    payload,
+                } => {
+                    let shift = |r: std::ops::Range<usize>| r.start + base..r.end + base;
+                    if frozen[shift(sid)] != *SID {
+                        continue;
+                    }
+                    let reply = reply.map(|r| frozen.slice(shift(r)));
+                    let block = match &headers {
+                        Some(h) => Some(
+                            wire::parse_headers(&frozen[shift(h.clone())])
+                                .map_err(|e| self.fail(e))?,
+                        ),
+                        None => None,
+                    };
+                    if let Some(status) = block.as_ref().and_then(|b| b.status) {
+                        self.on_status(status, block.as_ref(), reply.as_ref(), &mut replies)?;
+                        continue;
+                    }
+                    let msg = self.message(
+                        &frozen,
+                        shift(subject),
+                        reply,
+                        block.as_ref(),
+                        frozen.slice(shift(payload)),
+                    )?;
+                    out.push(Delivered::Message(msg));
+                }
+                ServerOp::Ping => replies.extend_from_slice(b"PONG\r\n"),
+                ServerOp::Err(text) => return Err(self.fail(format!("the server said: {text}"))),
+                ServerOp::Pong | ServerOp::Ok | ServerOp::Info(_) => {}
+            }
+        }
+        Ok((out, replies))
+    }
+
+    /// A status message: flow control (answered), a heartbeat (checked), anything else fails.
+    fn on_status(
+        &self,
+        status: u16,
+        block: Option<&wire::HeaderBlock<'_>>,
+        reply: Option<&Bytes>,
+        replies: &mut Vec<u8>,
+    ) -> Result<(), KvError> {
+        if status != 100 {
+            let desc = block.and_then(|b| b.description).unwrap_or("");
+            return Err(self.fail(format!("status {status} {desc}")));
+        }
+        if let Some(r) = reply {
+            // A flow-control request: answer on its subject.
+            publish_empty(replies, r);
+            return Ok(());
+        }
+        // An idle heartbeat: it names the last consumer sequence the server sent.
+        if let Some(last) = block
+            .and_then(|b| b.get("Nats-Last-Consumer"))
+            .and_then(|v| v.parse::<u64>().ok())
+            && last > self.last_consumer_sequence
+        {
+            return Err(self.fail(format!(
+                "a heartbeat names delivery {last}, the last received is {}",
+                self.last_consumer_sequence
+            )));
+        }
+        if let Some(stalled) = block.and_then(|b| b.get("Nats-Consumer-Stalled")) {
+            publish_empty(replies, stalled.as_bytes());
+        }
+        Ok(())
+    }
+
+    /// One stored message, its consumer sequence checked against the last.
+    fn message(
+        &mut self,
+        frozen: &Bytes,
+        subject: std::ops::Range<usize>,
+        reply: Option<Bytes>,
+        block: Option<&wire::HeaderBlock<'_>>,
+        payload: Bytes,
+    ) -> Result<async_nats::Message, KvError> {
+        let reply = reply
+            .map(async_nats::Subject::from_utf8)
+            .transpose()
+            .map_err(|_| self.fail("a reply subject that is not UTF-8"))?;
+        let cseq = reply
+            .as_ref()
+            .and_then(|r| protocol::parse_ack_subject(r.as_str()))
+            .map(|m| m.consumer_sequence)
+            .ok_or_else(|| self.fail("a delivery without a JetStream reply subject"))?;
+        if cseq != self.last_consumer_sequence + 1 {
+            return Err(self.fail(format!(
+                "delivery {cseq} after {}: a gap",
+                self.last_consumer_sequence
+            )));
+        }
+        self.last_consumer_sequence = cseq;
+        let subject = async_nats::Subject::from_utf8(frozen.slice(subject))
+            .map_err(|_| self.fail("a subject that is not UTF-8"))?;
+        let headers = block.map(|b| {
+            let mut h = async_nats::HeaderMap::new();
+            for (name, value) in &b.fields {
+                // A name or value the client's types refuse cannot be one the fold reads.
+                if let (Ok(n), Ok(v)) = (
+                    name.parse::<async_nats::header::HeaderName>(),
+                    value.parse::<async_nats::HeaderValue>(),
+                ) {
+                    h.append(n, v);
+                }
+            }
+            h
+        });
+        let length = payload.len();
+        Ok(async_nats::Message {
+            subject,
+            reply,
+            payload,
+            headers,
+            status: None,
+            description: None,
+            length,
+        })
+    }
+}
+
+fn publish_empty(out: &mut Vec<u8>, subject: &[u8]) {
+    out.extend_from_slice(b"PUB ");
+    out.extend_from_slice(subject);
+    out.extend_from_slice(b" 0\r\n\r\n");
+}
+
+/// Splits a read's messages into chunks of at most [`CHUNK`].
+fn chunk_up(mut all: Vec<Delivered>) -> Vec<Vec<Delivered>> {
+    if all.len() <= CHUNK {
+        return vec![all];
+    }
+    let mut parts = Vec::with_capacity(all.len() / CHUNK + 1);
+    while all.len() > CHUNK {
+        let rest = all.split_off(CHUNK);
+        parts.push(std::mem::replace(&mut all, rest));
+    }
+    parts.push(all);
+    parts
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn lean_delivery_is_on_unless_the_environment_turns_it_off() {
+        assert!(lean_allowed(None));
+        assert!(lean_allowed(Some("on")));
+        for off in ["off", "0", "false", " OFF ", "no"] {
+            assert!(!lean_allowed(Some(off)), "{off}");
+        }
+    }
+
+    #[test]
+    fn credentials_files_and_tls_urls_keep_the_clients_consumer() {
+        let mut o = ConnectOptions::new("nats://127.0.0.1:4222");
+        assert!(LeanDial::from_options(&o).is_some());
+        o.creds_file = Some("/x.creds".into());
+        assert!(LeanDial::from_options(&o).is_none());
+        let o = ConnectOptions::new("nats://a:1,tls://b:2");
+        assert!(LeanDial::from_options(&o).is_none());
+        let o = ConnectOptions::new("nats://u:p@a:1");
+        let d = LeanDial::from_options(&o).expect("plain with a password");
+        assert_eq!(d.auth, WireAuth::UserPass("u".into(), "p".into()));
+        assert_eq!(d.servers, ["a:1"]);
+    }
+
+    #[test]
+    fn a_read_is_handed_over_in_chunks_of_at_most_chunk() {
+        let all: Vec<Delivered> = (0..CHUNK * 2 + 3)
+            .map(|i| Delivered::Recreating(i.to_string()))
+            .collect();
+        let parts = chunk_up(all);
+        assert_eq!(
+            parts.iter().map(Vec::len).collect::<Vec<_>>(),
+            [CHUNK, CHUNK, 3]
+        );
+    }
+}

@@ -1,0 +1,469 @@
+//! The NATS client protocol as pure functions over bytes, for the lean delivery connection
+//! (`lean.rs`): the server's operations a subscriber receives, the header block of an `HMSG`,
+//! the `CONNECT` line, and which `--nats` addresses such a connection can dial.
+//!
+//! Invariants:
+//! - Nothing here does I/O or allocates per message: a parsed operation names byte ranges of the
+//!   buffer it was parsed from, so the caller slices one frozen buffer per read (no copy of a
+//!   payload, no string per subject until the fold needs the key).
+//! - Everything is bounded before it is trusted: a control line longer than
+//!   [`MAX_CONTROL_LINE`] without its end, a size above the server's `max_payload`, a header block
+//!   longer than its message, or a size that does not parse is a [`WireError`], never a wait for
+//!   bytes that will not come or an allocation the peer chose.
+//! - An incomplete operation is `Ok(None)` and consumes nothing: the same bytes parse the same way
+//!   once more arrive.
+
+use std::ops::Range;
+
+/// Longest control line accepted (`MSG <subject> <sid> <reply> <size>`): NATS subjects are short;
+/// a line this long without its end is a broken or hostile peer.
+pub const MAX_CONTROL_LINE: usize = 4096;
+
+/// What the server sent that a subscriber acts on.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ServerOp {
+    /// `INFO {json}`: the JSON's range.
+    Info(Range<usize>),
+    /// `MSG` or `HMSG`: ranges of the buffer parsed.
+    Msg {
+        /// The subject.
+        subject: Range<usize>,
+        /// The subscription id.
+        sid: Range<usize>,
+        /// The reply subject, when there is one.
+        reply: Option<Range<usize>>,
+        /// The header block (`NATS/1.0…\r\n\r\n`) of an `HMSG`.
+        headers: Option<Range<usize>>,
+        /// The payload.
+        payload: Range<usize>,
+    },
+    /// `PING`: answer `PONG`.
+    Ping,
+    /// `PONG`.
+    Pong,
+    /// `+OK` (verbose mode only).
+    Ok,
+    /// `-ERR '<text>'`: the text.
+    Err(String),
+}
+
+/// A protocol violation (the connection cannot continue).
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum WireError {
+    /// The control line exceeds [`MAX_CONTROL_LINE`].
+    #[error("a control line of more than {MAX_CONTROL_LINE} bytes")]
+    LineTooLong,
+    /// An operation this client does not know, or malformed arguments.
+    #[error("malformed server operation: {0}")]
+    Malformed(String),
+    /// A message larger than the server's own limit.
+    #[error("a message of {size} bytes, above the server's max_payload {max}")]
+    TooLarge {
+        /// The announced size.
+        size: usize,
+        /// The limit.
+        max: usize,
+    },
+}
+
+/// Parses one server operation at the start of `buf`: `Ok(None)` until it is complete, else the
+/// operation and how many bytes it took. `max_payload` bounds a message's announced size.
+pub fn parse_op(buf: &[u8], max_payload: usize) -> Result<Option<(ServerOp, usize)>, WireError> {
+    let Some(eol) = find_crlf(buf) else {
+        return if buf.len() > MAX_CONTROL_LINE {
+            Err(WireError::LineTooLong)
+        } else {
+            Ok(None)
+        };
+    };
+    if eol > MAX_CONTROL_LINE {
+        return Err(WireError::LineTooLong);
+    }
+    let line = &buf[..eol];
+    let after = eol + 2;
+    let (verb, args_at) = match line.iter().position(|&b| b == b' ' || b == b'\t') {
+        Some(i) => (&line[..i], i + 1),
+        None => (line, line.len()),
+    };
+    let op = |op| Ok(Some((op, after)));
+    if verb.eq_ignore_ascii_case(b"MSG") {
+        parse_msg(buf, args_at, eol, false, max_payload)
+    } else if verb.eq_ignore_ascii_case(b"HMSG") {
+        parse_msg(buf, args_at, eol, true, max_payload)
+    } else if verb.eq_ignore_ascii_case(b"PING") {
+        op(ServerOp::Ping)
+    } else if verb.eq_ignore_ascii_case(b"PONG") {
+        op(ServerOp::Pong)
+    } else if verb.eq_ignore_ascii_case(b"+OK") {
+        op(ServerOp::Ok)
+    } else if verb.eq_ignore_ascii_case(b"-ERR") {
+        let text = String::from_utf8_lossy(&line[args_at.min(line.len())..]);
+        op(ServerOp::Err(text.trim().trim_matches('\'').to_string()))
+    } else if verb.eq_ignore_ascii_case(b"INFO") {
+        op(ServerOp::Info(args_at.min(eol)..eol))
+    } else {
+        Err(WireError::Malformed(
+            String::from_utf8_lossy(&line[..line.len().min(64)]).into_owned(),
+        ))
+    }
+}
+
+/// `MSG <subject> <sid> [reply] <size>` / `HMSG <subject> <sid> [reply] <hdr size> <size>`.
+fn parse_msg(
+    buf: &[u8],
+    args_at: usize,
+    eol: usize,
+    with_headers: bool,
+    max_payload: usize,
+) -> Result<Option<(ServerOp, usize)>, WireError> {
+    let mut fields: [Range<usize>; 5] = std::array::from_fn(|_| 0..0);
+    let mut n = 0;
+    let mut i = args_at;
+    while i < eol {
+        while i < eol && (buf[i] == b' ' || buf[i] == b'\t') {
+            i += 1;
+        }
+        if i == eol {
+            break;
+        }
+        let start = i;
+        while i < eol && buf[i] != b' ' && buf[i] != b'\t' {
+            i += 1;
+        }
+        if n == fields.len() {
+            return Err(malformed(buf, eol));
+        }
+        fields[n] = start..i;
+        n += 1;
+    }
+    let sizes = if with_headers { 2 } else { 1 };
+    let (subject, sid, reply) = match n.checked_sub(sizes) {
+        Some(2) => (fields[0].clone(), fields[1].clone(), None),
+        Some(3) => (
+            fields[0].clone(),
+            fields[1].clone(),
+            Some(fields[2].clone()),
+        ),
+        _ => return Err(malformed(buf, eol)),
+    };
+    let number = |r: &Range<usize>| -> Result<usize, WireError> {
+        std::str::from_utf8(&buf[r.clone()])
+            .ok()
+            .and_then(|s| s.parse::<usize>().ok())
+            .ok_or_else(|| malformed(buf, eol))
+    };
+    let total = number(&fields[n - 1])?;
+    let header_len = if with_headers {
+        number(&fields[n - 2])?
+    } else {
+        0
+    };
+    if total > max_payload {
+        return Err(WireError::TooLarge {
+            size: total,
+            max: max_payload,
+        });
+    }
+    if header_len > total {
+        return Err(malformed(buf, eol));
+    }
+    let body = eol + 2;
+    let end = body + total;
+    if buf.len() < end + 2 {
+        return Ok(None);
+    }
+    if &buf[end..end + 2] != b"\r\n" {
+        return Err(WireError::Malformed(
+            "a message not followed by CRLF".into(),
+        ));
+    }
+    let headers = with_headers.then(|| body..body + header_len);
+    Ok(Some((
+        ServerOp::Msg {
+            subject,
+            sid,
+            reply,
+            headers,
+            payload: body + header_len..end,
+        },
+        end + 2,
+    )))
+}
+
+fn malformed(buf: &[u8], eol: usize) -> WireError {
+    WireError::Malformed(String::from_utf8_lossy(&buf[..eol.min(96)]).into_owned())
+}
+
+fn find_crlf(buf: &[u8]) -> Option<usize> {
+    let limit = buf.len().min(MAX_CONTROL_LINE + 2);
+    buf[..limit].windows(2).position(|w| w == b"\r\n")
+}
+
+/// A parsed `HMSG` header block.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct HeaderBlock<'a> {
+    /// The status code (`NATS/1.0 100 Idle Heartbeat` → 100).
+    pub status: Option<u16>,
+    /// The text after the status code.
+    pub description: Option<&'a str>,
+    /// `Name: value` pairs in order (values trimmed).
+    pub fields: Vec<(&'a str, &'a str)>,
+}
+
+impl<'a> HeaderBlock<'a> {
+    /// The first value of `name` (case-insensitive, as NATS compares header names on lookup).
+    pub fn get(&self, name: &str) -> Option<&'a str> {
+        self.fields
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| *v)
+    }
+}
+
+/// Parses a header block: `NATS/1.0[ <status>[ <description>]]\r\n(<name>: <value>\r\n)*\r\n`.
+pub fn parse_headers(block: &[u8]) -> Result<HeaderBlock<'_>, WireError> {
+    let text = std::str::from_utf8(block)
+        .map_err(|_| WireError::Malformed("a header block that is not UTF-8".into()))?;
+    let mut lines = text.split("\r\n");
+    let first = lines.next().unwrap_or_default();
+    let rest = first
+        .strip_prefix("NATS/1.0")
+        .ok_or_else(|| WireError::Malformed("a header block without NATS/1.0".into()))?
+        .trim();
+    let mut out = HeaderBlock::default();
+    if !rest.is_empty() {
+        let (code, desc) = rest.split_once(' ').unwrap_or((rest, ""));
+        out.status = Some(
+            code.parse()
+                .map_err(|_| WireError::Malformed(format!("header status {code:?}")))?,
+        );
+        let desc = desc.trim();
+        out.description = (!desc.is_empty()).then_some(desc);
+    }
+    for line in lines {
+        if line.is_empty() {
+            continue;
+        }
+        let (name, value) = line
+            .split_once(':')
+            .ok_or_else(|| WireError::Malformed(format!("header line {line:?}")))?;
+        out.fields.push((name.trim(), value.trim()));
+    }
+    Ok(out)
+}
+
+/// Credentials a lean connection sends in its `CONNECT`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum WireAuth {
+    /// None.
+    None,
+    /// `user` and `pass`.
+    UserPass(String, String),
+    /// `auth_token`.
+    Token(String),
+}
+
+/// The `CONNECT` line (no echo of our own publishes, headers on, not verbose).
+pub fn connect_line(auth: &WireAuth, name: Option<&str>) -> String {
+    let mut o = serde_json::json!({
+        "verbose": false,
+        "pedantic": false,
+        "tls_required": false,
+        "lang": "rust-foldhost",
+        "version": env!("CARGO_PKG_VERSION"),
+        "protocol": 1,
+        "headers": true,
+        "no_responders": true,
+        "echo": false,
+    });
+    if let Some(n) = name {
+        o["name"] = serde_json::Value::from(format!("{n}-delivery"));
+    }
+    match auth {
+        WireAuth::None => {}
+        WireAuth::UserPass(u, p) => {
+            o["user"] = serde_json::Value::from(u.as_str());
+            o["pass"] = serde_json::Value::from(p.as_str());
+        }
+        WireAuth::Token(t) => o["auth_token"] = serde_json::Value::from(t.as_str()),
+    }
+    format!("CONNECT {o}\r\n")
+}
+
+/// The `host:port` a plain-TCP connection dials for one `--nats` URL; `None` for a scheme this
+/// connection does not speak (`tls://`, websockets): those keep the client's own consumer.
+pub fn plain_address(url: &str) -> Option<String> {
+    let rest = match url.split_once("://") {
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("nats") => rest,
+        Some(_) => return None,
+        None => url,
+    };
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, hp)| hp);
+    if host_port.is_empty() {
+        return None;
+    }
+    // `[v6]:port`, `[v6]`, `host:port`, `host`.
+    let has_port = match host_port.rfind(']') {
+        Some(close) => host_port[close..].contains(':'),
+        None => host_port.contains(':'),
+    };
+    Some(if has_port {
+        host_port.to_string()
+    } else {
+        format!("{host_port}:4222")
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn at<'a>(buf: &'a [u8], r: &Range<usize>) -> &'a [u8] {
+        &buf[r.clone()]
+    }
+
+    #[test]
+    fn a_msg_with_a_reply_names_its_subject_reply_and_payload() {
+        let buf = b"MSG $KV.b.k 1 $JS.ACK.KV_b.c.1.7.7.1.0 5\r\nhello\r\nPING\r\n";
+        let (op, n) = parse_op(buf, 1024).unwrap().unwrap();
+        let ServerOp::Msg {
+            subject,
+            sid,
+            reply,
+            headers,
+            payload,
+        } = op
+        else {
+            panic!("{op:?}")
+        };
+        assert_eq!(at(buf, &subject), b"$KV.b.k");
+        assert_eq!(at(buf, &sid), b"1");
+        assert_eq!(at(buf, &reply.unwrap()), b"$JS.ACK.KV_b.c.1.7.7.1.0");
+        assert!(headers.is_none());
+        assert_eq!(at(buf, &payload), b"hello");
+        assert_eq!(
+            parse_op(&buf[n..], 1024).unwrap(),
+            Some((ServerOp::Ping, 6))
+        );
+    }
+
+    #[test]
+    fn an_hmsg_splits_its_header_block_from_its_payload() {
+        let hdr = b"NATS/1.0\r\nKV-Operation: DEL\r\n\r\n";
+        let mut buf = format!("HMSG $KV.b.k 9 {} {}\r\n", hdr.len(), hdr.len() + 2).into_bytes();
+        buf.extend_from_slice(hdr);
+        buf.extend_from_slice(b"ab\r\n");
+        let (op, n) = parse_op(&buf, 1024).unwrap().unwrap();
+        assert_eq!(n, buf.len());
+        let ServerOp::Msg {
+            reply,
+            headers,
+            payload,
+            ..
+        } = op
+        else {
+            panic!()
+        };
+        assert!(reply.is_none());
+        let h = parse_headers(at(&buf, &headers.unwrap())).unwrap();
+        assert_eq!(h.status, None);
+        assert_eq!(h.get("kv-operation"), Some("DEL"));
+        assert_eq!(at(&buf, &payload), b"ab");
+    }
+
+    #[test]
+    fn every_prefix_of_an_operation_is_incomplete_and_consumes_nothing() {
+        let buf = b"MSG a.b 1 r.s 3\r\nxyz\r\n";
+        for cut in 0..buf.len() {
+            assert_eq!(parse_op(&buf[..cut], 1024).unwrap(), None, "cut at {cut}");
+        }
+        assert!(parse_op(buf, 1024).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_size_above_max_payload_is_refused_before_any_byte_of_it_is_awaited() {
+        let buf = b"MSG a 1 999999999999\r\n";
+        assert!(matches!(
+            parse_op(buf, 1 << 20),
+            Err(WireError::TooLarge { .. })
+        ));
+    }
+
+    #[test]
+    fn an_endless_control_line_is_an_error_not_a_wait() {
+        let buf = vec![b'M'; MAX_CONTROL_LINE + 3];
+        assert_eq!(parse_op(&buf, 1024), Err(WireError::LineTooLong));
+    }
+
+    #[test]
+    fn malformed_messages_are_errors() {
+        for bad in [
+            &b"MSG a\r\n"[..],
+            b"MSG a 1 x\r\n",
+            b"MSG a 1 b c d e f\r\n",
+            b"HMSG a 1 9 3\r\nabc\r\n",
+            b"MSG a 1 3\r\nabcd\r\n",
+            b"WHAT\r\n",
+        ] {
+            assert!(
+                parse_op(bad, 1024).is_err(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+    }
+
+    #[test]
+    fn status_headers_carry_code_description_and_fields() {
+        let h = parse_headers(
+            b"NATS/1.0 100 Idle Heartbeat\r\nNats-Last-Consumer: 42\r\nNats-Last-Stream: 7\r\n\r\n",
+        )
+        .unwrap();
+        assert_eq!(h.status, Some(100));
+        assert_eq!(h.description, Some("Idle Heartbeat"));
+        assert_eq!(h.get("Nats-Last-Consumer"), Some("42"));
+        assert!(parse_headers(b"HTTP/1.1 200\r\n\r\n").is_err());
+    }
+
+    #[test]
+    fn server_errors_and_info_are_recognised() {
+        let (op, _) = parse_op(b"-ERR 'Authorization Violation'\r\n", 1)
+            .unwrap()
+            .unwrap();
+        assert_eq!(op, ServerOp::Err("Authorization Violation".into()));
+        let buf = b"INFO {\"max_payload\":1}\r\n";
+        let (op, n) = parse_op(buf, 1).unwrap().unwrap();
+        assert_eq!(n, buf.len());
+        let ServerOp::Info(r) = op else { panic!() };
+        assert_eq!(at(buf, &r), b"{\"max_payload\":1}");
+    }
+
+    #[test]
+    fn only_plain_nats_urls_are_dialled_by_address() {
+        assert_eq!(
+            plain_address("nats://127.0.0.1:4222").as_deref(),
+            Some("127.0.0.1:4222")
+        );
+        assert_eq!(
+            plain_address("localhost").as_deref(),
+            Some("localhost:4222")
+        );
+        assert_eq!(plain_address("nats://u:p@h:5").as_deref(), Some("h:5"));
+        assert_eq!(plain_address("nats://[::1]:7").as_deref(), Some("[::1]:7"));
+        assert_eq!(plain_address("nats://[::1]").as_deref(), Some("[::1]:4222"));
+        assert_eq!(plain_address("tls://h:4222"), None);
+        assert_eq!(plain_address("ws://h:80"), None);
+    }
+
+    #[test]
+    fn the_connect_line_carries_the_credentials_and_never_echoes() {
+        let l = connect_line(&WireAuth::UserPass("a".into(), "b\"c".into()), Some("n"));
+        assert!(l.starts_with("CONNECT {") && l.ends_with("}\r\n"));
+        let v: serde_json::Value = serde_json::from_str(&l[8..l.len() - 2]).unwrap();
+        assert_eq!(v["user"], "a");
+        assert_eq!(v["pass"], "b\"c");
+        assert_eq!(v["echo"], false);
+        assert_eq!(v["headers"], true);
+    }
+}
