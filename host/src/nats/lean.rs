@@ -287,7 +287,9 @@ impl Reader {
     ) -> Result<(), KvError> {
         let silence = IDLE_HEARTBEAT * MISSED_HEARTBEATS;
         loop {
-            let (chunk, replies) = self.parse_ready()?;
+            // What came before a failure is handed over first (the fold commits it), then the
+            // watch ends.
+            let (chunk, replies, failed) = self.parse_ready()?;
             if !replies.is_empty() {
                 self.conn
                     .wr
@@ -295,13 +297,19 @@ impl Reader {
                     .await
                     .map_err(|e| self.fail(e))?;
             }
-            if !chunk.is_empty() {
+            let chunk_was_empty = chunk.is_empty();
+            if !chunk_was_empty {
                 for part in chunk_up(chunk) {
                     // Waiting here (the fold is busy) leaves the socket unread: backpressure.
                     if tx.send(Ok(part)).await.is_err() {
                         return Ok(());
                     }
                 }
+            }
+            if let Some(e) = failed {
+                return Err(e);
+            }
+            if !chunk_was_empty {
                 continue;
             }
             if self.conn.buf.capacity() - self.conn.buf.len() < READ_BUFFER / 4 {
@@ -324,7 +332,8 @@ impl Reader {
 
     /// Parses every whole operation in the buffer: the messages, and what to write back
     /// (flow-control answers, `PONG`s, a stalled consumer's nudge).
-    fn parse_ready(&mut self) -> Result<(Vec<Delivered>, Vec<u8>), KvError> {
+    #[allow(clippy::type_complexity)]
+    fn parse_ready(&mut self) -> Result<(Vec<Delivered>, Vec<u8>, Option<KvError>), KvError> {
         let mut ops = Vec::new();
         let mut at = 0;
         while let Some((op, n)) =
@@ -336,46 +345,61 @@ impl Reader {
         let frozen: Bytes = self.conn.buf.split_to(at).freeze();
         let mut out = Vec::with_capacity(ops.len());
         let mut replies = Vec::new();
+        let mut failed = None;
         for (op, base) in ops {
-            match op {
-                ServerOp::Msg {
-                    subject,
-                    sid,
-                    reply,
-                    headers,
-                    payload,
-                } => {
-                    let shift = |r: std::ops::Range<usize>| r.start + base..r.end + base;
-                    if frozen[shift(sid)] != *SID {
-                        continue;
-                    }
-                    let reply = reply.map(|r| frozen.slice(shift(r)));
-                    let block = match &headers {
-                        Some(h) => Some(
-                            wire::parse_headers(&frozen[shift(h.clone())])
-                                .map_err(|e| self.fail(e))?,
-                        ),
-                        None => None,
-                    };
-                    if let Some(status) = block.as_ref().and_then(|b| b.status) {
-                        self.on_status(status, block.as_ref(), reply.as_ref(), &mut replies)?;
-                        continue;
-                    }
-                    let msg = self.message(
-                        &frozen,
-                        shift(subject),
-                        reply,
-                        block.as_ref(),
-                        frozen.slice(shift(payload)),
-                    )?;
-                    out.push(Delivered::Message(msg));
-                }
-                ServerOp::Ping => replies.extend_from_slice(b"PONG\r\n"),
-                ServerOp::Err(text) => return Err(self.fail(format!("the server said: {text}"))),
-                ServerOp::Pong | ServerOp::Ok | ServerOp::Info(_) => {}
+            if let Err(e) = self.take_op(&frozen, op, base, &mut out, &mut replies) {
+                failed = Some(e);
+                break;
             }
         }
-        Ok((out, replies))
+        Ok((out, replies, failed))
+    }
+
+    /// One parsed operation: a message into `out`, an answer into `replies`.
+    fn take_op(
+        &mut self,
+        frozen: &Bytes,
+        op: ServerOp,
+        base: usize,
+        out: &mut Vec<Delivered>,
+        replies: &mut Vec<u8>,
+    ) -> Result<(), KvError> {
+        match op {
+            ServerOp::Msg {
+                subject,
+                sid,
+                reply,
+                headers,
+                payload,
+            } => {
+                let shift = |r: std::ops::Range<usize>| r.start + base..r.end + base;
+                if frozen[shift(sid)] != *SID {
+                    return Ok(());
+                }
+                let reply = reply.map(|r| frozen.slice(shift(r)));
+                let block = match &headers {
+                    Some(h) => Some(
+                        wire::parse_headers(&frozen[shift(h.clone())]).map_err(|e| self.fail(e))?,
+                    ),
+                    None => None,
+                };
+                if let Some(status) = block.as_ref().and_then(|b| b.status) {
+                    return self.on_status(status, block.as_ref(), reply.as_ref(), replies);
+                }
+                let msg = self.message(
+                    frozen,
+                    shift(subject),
+                    reply,
+                    block.as_ref(),
+                    frozen.slice(shift(payload)),
+                )?;
+                out.push(Delivered::Message(msg));
+            }
+            ServerOp::Ping => replies.extend_from_slice(b"PONG\r\n"),
+            ServerOp::Err(text) => return Err(self.fail(format!("the server said: {text}"))),
+            ServerOp::Pong | ServerOp::Ok | ServerOp::Info(_) => {}
+        }
+        Ok(())
     }
 
     /// A status message: flow control (answered), a heartbeat (checked), anything else fails.
@@ -510,6 +534,105 @@ mod tests {
         let d = LeanDial::from_options(&o).expect("plain with a password");
         assert_eq!(d.auth, WireAuth::UserPass("u".into(), "p".into()));
         assert_eq!(d.servers, ["a:1"]);
+    }
+
+    /// A reader over a real local socket whose other end the test writes as the server.
+    async fn reader_fed(frames: &[u8]) -> Vec<Result<Vec<Delivered>, KvError>> {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let client = tokio::net::TcpStream::connect(addr).await.expect("connect");
+        let (mut server, _) = listener.accept().await.expect("accept");
+        let (rd, wr) = client.into_split();
+        let conn = Conn {
+            rd,
+            wr,
+            buf: BytesMut::with_capacity(READ_BUFFER),
+            max_payload: 1 << 20,
+        };
+        let mut lean = LeanDeliveries::start(conn, "b".into());
+        server.write_all(frames).await.expect("write");
+        server.shutdown().await.expect("shutdown");
+        let mut out = Vec::new();
+        while let Some(r) = lean.next().await {
+            let end = r.is_err();
+            out.push(r);
+            if end {
+                break;
+            }
+        }
+        out
+    }
+
+    fn msg(key: &str, cseq: u64) -> String {
+        format!(
+            "MSG $KV.b.{key} 1 $JS.ACK.KV_b.c.1.{}.{cseq}.1700000000000000000.0 1\r\nv\r\n",
+            cseq + 10
+        )
+    }
+
+    fn keys(out: &[Result<Vec<Delivered>, KvError>]) -> Vec<String> {
+        out.iter()
+            .filter_map(|r| r.as_ref().ok())
+            .flatten()
+            .filter_map(|d| match d {
+                Delivered::Message(m) => Some(m.subject.to_string()),
+                Delivered::Recreating(_) => None,
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn a_delivery_that_skips_a_consumer_sequence_ends_the_watch_and_is_not_handed_over() {
+        let frames = format!("{}{}{}", msg("a", 1), msg("b", 2), msg("forged", 5));
+        let out = reader_fed(frames.as_bytes()).await;
+        assert_eq!(keys(&out), ["$KV.b.a", "$KV.b.b"]);
+        match out.last() {
+            Some(Err(KvError::WatchError(m))) => assert!(m.contains("delivery 5 after 2"), "{m}"),
+            other => panic!(
+                "the gap should end the watch: {other:?}",
+                other = other.map(|r| r.is_ok())
+            ),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_heartbeat_naming_an_unreceived_delivery_ends_the_watch() {
+        let hb =
+            "NATS/1.0 100 Idle Heartbeat\r\nNats-Last-Consumer: 3\r\nNats-Last-Stream: 13\r\n\r\n";
+        let frames = format!(
+            "{}HMSG _INBOX.x 1 {} {}\r\n{hb}\r\n",
+            msg("a", 1),
+            hb.len(),
+            hb.len()
+        );
+        let out = reader_fed(frames.as_bytes()).await;
+        assert_eq!(keys(&out), ["$KV.b.a"]);
+        match out.last() {
+            Some(Err(KvError::WatchError(m))) => assert!(m.contains("names delivery 3"), "{m}"),
+            other => panic!(
+                "the heartbeat should end the watch: {other:?}",
+                other = other.map(|r| r.is_ok())
+            ),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_consumer_error_status_or_the_sockets_end_ends_the_watch() {
+        let st = "NATS/1.0 409 Consumer Deleted\r\n\r\n";
+        let frames = format!("HMSG _INBOX.x 1 {} {}\r\n{st}\r\n", st.len(), st.len());
+        let out = reader_fed(frames.as_bytes()).await;
+        match out.last() {
+            Some(Err(KvError::WatchError(m))) => assert!(m.contains("status 409"), "{m}"),
+            other => panic!("{other:?}", other = other.map(|r| r.is_ok())),
+        }
+        let out = reader_fed(msg("a", 1).as_bytes()).await;
+        assert_eq!(keys(&out), ["$KV.b.a"]);
+        match out.last() {
+            Some(Err(KvError::WatchError(m))) => assert!(m.contains("closed the socket"), "{m}"),
+            other => panic!("{other:?}", other = other.map(|r| r.is_ok())),
+        }
     }
 
     #[test]
