@@ -671,6 +671,23 @@ pub fn direct_catch_up_range(
         .then_some(start..=last)
 }
 
+/// The sequence a direct catch-up's answer is for: its reply subject is `{inbox}.{seq}` (one
+/// subscription `{inbox}.*` takes every answer, so the subject is the only thing that pairs an
+/// answer with its question). `None` for any other subject, a sequence that is not a plain
+/// decimal `u64` (no sign, no leading zero, no other token after it): such an answer is not
+/// one the catch-up asked for, and it gives way rather than guess.
+pub fn direct_reply_sequence(inbox: &str, subject: &str) -> Option<u64> {
+    let token = subject.strip_prefix(inbox)?.strip_prefix('.')?;
+    let canonical = !token.is_empty()
+        && token.len() <= 20
+        && token.bytes().all(|b| b.is_ascii_digit())
+        && (token == "0" || !token.starts_with('0'));
+    if !canonical {
+        return None;
+    }
+    token.parse().ok()
+}
+
 /// Whether a key delivered from the bucket may be folded. Keys starting with `\x01` are the
 /// host's own record space (retained records live there); NATS accepts such a subject on a raw
 /// publish, and folding one would put a forged host record — a fake base, a deleted deferred
@@ -1501,6 +1518,33 @@ mod tests {
         ));
         assert!(!plain_stream(&[], false, "$KV.b.>"));
         assert!(!plain_stream(&filters_of(&["$KV.c.>"]), false, "$KV.b.>"));
+    }
+
+    #[test]
+    fn a_direct_answer_is_paired_with_its_question_only_by_its_exact_reply_subject() {
+        let inbox = "_INBOX.abc";
+        assert_eq!(direct_reply_sequence(inbox, "_INBOX.abc.17"), Some(17));
+        assert_eq!(direct_reply_sequence(inbox, "_INBOX.abc.0"), Some(0));
+        assert_eq!(
+            direct_reply_sequence(inbox, "_INBOX.abc.18446744073709551615"),
+            Some(u64::MAX)
+        );
+        for other in [
+            "_INBOX.abc",
+            "_INBOX.abc.",
+            "_INBOX.abcd.17",
+            "_INBOX.ab.17",
+            "_INBOX.abc.017",
+            "_INBOX.abc.+17",
+            "_INBOX.abc.-1",
+            "_INBOX.abc.17.1",
+            "_INBOX.abc.1 7",
+            "_INBOX.abc.18446744073709551616",
+            "_INBOX.abc.184467440737095516150",
+            "_INBOX.other.17",
+        ] {
+            assert_eq!(direct_reply_sequence(inbox, other), None, "{other}");
+        }
     }
 
     #[test]

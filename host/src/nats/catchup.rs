@@ -28,9 +28,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use async_nats::jetstream::message::StreamMessage;
-use async_nats::jetstream::stream::{
-    DirectGetError, DirectGetErrorKind, RawMessageError, RawMessageErrorKind, Stream,
-};
+use async_nats::jetstream::stream::{RawMessageError, RawMessageErrorKind, Stream};
 use futures::StreamExt;
 use futures::stream::FuturesOrdered;
 
@@ -48,11 +46,6 @@ pub(super) type Decoded = (KvUpdate, Option<AckMeta>);
 pub(super) struct Prefetch {
     start: u64,
     task: tokio::task::JoinHandle<Option<(StreamIdentity, u64, Vec<StreamMessage>)>>,
-}
-
-/// One direct get.
-async fn direct_one(stream: &Stream, seq: u64) -> (u64, Result<StreamMessage, DirectGetError>) {
-    (seq, stream.direct_get(seq).await)
 }
 
 /// One read from the stream's leader.
@@ -174,31 +167,107 @@ impl NatsKv {
         (identity == *here).then_some((last, messages))
     }
 
+    /// Direct gets of every sequence of `range` over one subscription of the client's: each
+    /// request's reply subject ends in its sequence, so an answer is matched to its question
+    /// without a request/response pair per message (async-nats's `direct_get` subscribes,
+    /// times and parses each alone: 8–12 ms for 1 000 against 5–6 ms so). At most
+    /// [`protocol::DIRECT_CATCH_UP_IN_FLIGHT`] are in flight; the answers come back in the
+    /// order asked, `None` where the server had no message.
+    async fn direct_gets(
+        &self,
+        range: RangeInclusive<u64>,
+    ) -> Result<Vec<(u64, Option<StreamMessage>)>, KvError> {
+        let (first, last) = (*range.start(), *range.end());
+        let len = usize::try_from(last.saturating_sub(first).saturating_add(1))
+            .map_err(|e| backend("direct catch-up", e))?;
+        let inbox = self.client.new_inbox();
+        let mut answers = self
+            .client
+            .subscribe(format!("{inbox}.*"))
+            .await
+            .map_err(|e| backend("direct catch-up subscribe", e))?;
+        let subject = format!("$JS.API.DIRECT.GET.{}", self.stream_name);
+        let mut slots: Vec<Option<Option<StreamMessage>>> = vec![None; len];
+        let mut asked = range.clone();
+        let mut in_flight = 0usize;
+        let mut answered = 0usize;
+        while answered < len {
+            while in_flight < protocol::DIRECT_CATCH_UP_IN_FLIGHT {
+                let Some(seq) = asked.next() else { break };
+                self.client
+                    .publish_with_reply(
+                        subject.clone(),
+                        format!("{inbox}.{seq}"),
+                        format!("{{\"seq\":{seq}}}").into(),
+                    )
+                    .await
+                    .map_err(|e| backend("direct catch-up request", e))?;
+                in_flight += 1;
+            }
+            let Some(m) = answers.next().await else {
+                return Err(backend(
+                    "direct catch-up",
+                    "the answers' subscription ended",
+                ));
+            };
+            let seq = protocol::direct_reply_sequence(&inbox, m.subject.as_str())
+                .filter(|s| range.contains(s))
+                .ok_or_else(|| backend("direct catch-up", format!("an answer on {}", m.subject)))?;
+            // In range, so the index fits: `len` slots from `first`.
+            let slot = &mut slots[(seq - first) as usize];
+            if slot.is_some() {
+                return Err(backend(
+                    "direct catch-up",
+                    format!("two answers for sequence {seq}"),
+                ));
+            }
+            *slot = Some(match m.status {
+                Some(async_nats::StatusCode::NOT_FOUND) => None,
+                Some(code) => {
+                    return Err(backend(
+                        "direct catch-up",
+                        format!("sequence {seq}: status {code}"),
+                    ));
+                }
+                None => {
+                    let msg = StreamMessage::try_from(m)
+                        .map_err(|e| backend("direct catch-up", format!("sequence {seq}: {e}")))?;
+                    if msg.sequence != seq {
+                        return Err(backend(
+                            "direct catch-up",
+                            format!("asked for sequence {seq}, answered {}", msg.sequence),
+                        ));
+                    }
+                    Some(msg)
+                }
+            });
+            in_flight -= 1;
+            answered += 1;
+        }
+        Ok(range
+            .zip(slots)
+            .map(|(seq, a)| (seq, a.flatten()))
+            .collect())
+    }
+
     async fn read_range(
         &self,
         range: RangeInclusive<u64>,
     ) -> Result<Option<Vec<StreamMessage>>, KvError> {
         let stream = &self.kv.stream;
-        let answers = pipelined(range, |seq| direct_one(stream, seq)).await;
+        let answers = self.direct_gets(range).await?;
         let mut reads = Vec::with_capacity(answers.len());
         let mut absent = Vec::new();
         for (seq, answer) in answers {
             match answer {
-                Ok(m) if m.sequence == seq => reads.push(Some(m)),
-                Ok(m) => {
-                    return Err(backend(
-                        "direct catch-up",
-                        format!("asked for sequence {seq}, answered {}", m.sequence),
-                    ));
-                }
-                Err(e) if e.kind() == DirectGetErrorKind::NotFound => {
+                Some(m) => reads.push(Some(m)),
+                None => {
                     if absent.len() >= protocol::DIRECT_CATCH_UP_MAX_ABSENT {
                         return Ok(None);
                     }
                     absent.push(seq);
                     reads.push(None);
                 }
-                Err(e) => return Err(backend("direct catch-up", e)),
             }
         }
         // The leader's word on every absence, pipelined too.

@@ -744,6 +744,77 @@ impl NatsKv {
         filters: &[String],
         policy: consumer::DeliverPolicy,
     ) -> Result<(StreamIdentity, Deliveries, u64, Vec<catchup::Decoded>), KvError> {
+        let deliver_subject = self.client.new_inbox();
+        let dial = self
+            .lean_dial
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
+        // The watch's own delivery connection opens while the stream is read and the gap caught
+        // up: nothing on it depends on them, and a resume waits for both.
+        let dialing = async {
+            match &dial {
+                Some(d) => Some(lean::dial(d, &deliver_subject).await),
+                None => None,
+            }
+        };
+        let (start, dialed) = tokio::join!(self.start_point(filters, policy), dialing);
+        let (start_identity, filter_subjects, policy, caught_up) = start?;
+        let cfg = consumer::push::OrderedConfig {
+            deliver_subject,
+            filter_subjects,
+            deliver_policy: policy,
+            ..Default::default()
+        };
+        let (messages, initial_pending) = match dialed {
+            Some(Ok(conn)) => {
+                let (name, pending) = self.create_lean_consumer(cfg).await?;
+                self.lean_watches.fetch_add(1, Ordering::Relaxed);
+                let lean = lean::LeanDeliveries::start(conn, self.bucket.clone());
+                (
+                    Deliveries::Lean {
+                        lean,
+                        _cleanup: ConsumerCleanup {
+                            stream: self.kv.stream.clone(),
+                            name,
+                            timeout: self.timeout,
+                        },
+                    },
+                    pending,
+                )
+            }
+            Some(Err(e)) => {
+                if let lean::DialError::Unsupported(why) = &e {
+                    tracing::info!(bucket = %self.bucket, reason = %why, "watches are delivered through the client's ordered consumer");
+                    self.set_lean_delivery(None);
+                } else {
+                    tracing::debug!(bucket = %self.bucket, error = %e, "no delivery connection for this watch");
+                }
+                self.create_ordered_consumer(cfg).await?
+            }
+            None => self.create_ordered_consumer(cfg).await?,
+        };
+        let head = self.decode_caught_up(&caught_up, initial_pending);
+        let initial_pending = initial_pending.saturating_add(head.len() as u64);
+        Ok((start_identity, messages, initial_pending, head))
+    }
+
+    /// Where a watch's consumer starts: the stream's identity (refused when the fold is pinned
+    /// to another), the server-side filters, the deliver policy, and the gap before it when a
+    /// short one was read directly ([`catchup`]; the policy then starts past it).
+    async fn start_point(
+        &self,
+        filters: &[String],
+        policy: consumer::DeliverPolicy,
+    ) -> Result<
+        (
+            StreamIdentity,
+            Vec<String>,
+            consumer::DeliverPolicy,
+            Vec<async_nats::jetstream::message::StreamMessage>,
+        ),
+        KvError,
+    > {
         let here_info = self.stream_info().await?;
         let here = identity_of(&here_info);
         let start_identity = match self.pinned() {
@@ -796,50 +867,7 @@ impl NatsKv {
                 };
             }
         }
-        let cfg = consumer::push::OrderedConfig {
-            deliver_subject: self.client.new_inbox(),
-            filter_subjects,
-            deliver_policy: policy,
-            ..Default::default()
-        };
-        let dial = self
-            .lean_dial
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .clone();
-        let (messages, initial_pending) = match dial {
-            Some(d) => match lean::dial(&d, &cfg.deliver_subject).await {
-                Ok(conn) => {
-                    let (name, pending) = self.create_lean_consumer(cfg).await?;
-                    self.lean_watches.fetch_add(1, Ordering::Relaxed);
-                    let lean = lean::LeanDeliveries::start(conn, self.bucket.clone());
-                    (
-                        Deliveries::Lean {
-                            lean,
-                            _cleanup: ConsumerCleanup {
-                                stream: self.kv.stream.clone(),
-                                name,
-                                timeout: self.timeout,
-                            },
-                        },
-                        pending,
-                    )
-                }
-                Err(e) => {
-                    if let lean::DialError::Unsupported(why) = &e {
-                        tracing::info!(bucket = %self.bucket, reason = %why, "watches are delivered through the client's ordered consumer");
-                        self.set_lean_delivery(None);
-                    } else {
-                        tracing::debug!(bucket = %self.bucket, error = %e, "no delivery connection for this watch");
-                    }
-                    self.create_ordered_consumer(cfg).await?
-                }
-            },
-            None => self.create_ordered_consumer(cfg).await?,
-        };
-        let head = self.decode_caught_up(&caught_up, initial_pending);
-        let initial_pending = initial_pending.saturating_add(head.len() as u64);
-        Ok((start_identity, messages, initial_pending, head))
+        Ok((start_identity, filter_subjects, policy, caught_up))
     }
 
     /// The client's ordered consumer and its initial backlog.
