@@ -67,8 +67,9 @@ pub fn lean_allowed(value: Option<&str>) -> bool {
 
 /// What one delivery of a watch's consumer is.
 pub(super) enum Delivered {
-    /// A stored message.
-    Message(async_nats::Message),
+    /// A stored message, with what its ACK subject says when the delivery path already parsed
+    /// it (the lean reader does, to check the consumer sequence; the watch then does not again).
+    Message(async_nats::Message, Option<protocol::AckMeta>),
     /// The client's ordered consumer reported an error and is re-creating itself.
     Recreating(String),
 }
@@ -386,14 +387,14 @@ impl Reader {
                 if let Some(status) = block.as_ref().and_then(|b| b.status) {
                     return self.on_status(status, block.as_ref(), reply.as_ref(), replies);
                 }
-                let msg = self.message(
+                let (msg, meta) = self.message(
                     frozen,
                     shift(subject),
                     reply,
                     block.as_ref(),
                     frozen.slice(shift(payload)),
                 )?;
-                out.push(Delivered::Message(msg));
+                out.push(Delivered::Message(msg, Some(meta)));
             }
             ServerOp::Ping => replies.extend_from_slice(b"PONG\r\n"),
             ServerOp::Err(text) => return Err(self.fail(format!("the server said: {text}"))),
@@ -444,16 +445,16 @@ impl Reader {
         reply: Option<Bytes>,
         block: Option<&wire::HeaderBlock<'_>>,
         payload: Bytes,
-    ) -> Result<async_nats::Message, KvError> {
+    ) -> Result<(async_nats::Message, protocol::AckMeta), KvError> {
         let reply = reply
             .map(async_nats::Subject::from_utf8)
             .transpose()
             .map_err(|_| self.fail("a reply subject that is not UTF-8"))?;
-        let cseq = reply
+        let meta = reply
             .as_ref()
             .and_then(|r| protocol::parse_ack_subject(r.as_str()))
-            .map(|m| m.consumer_sequence)
             .ok_or_else(|| self.fail("a delivery without a JetStream reply subject"))?;
+        let cseq = meta.consumer_sequence;
         if cseq != self.last_consumer_sequence + 1 {
             return Err(self.fail(format!(
                 "delivery {cseq} after {}: a gap",
@@ -477,15 +478,18 @@ impl Reader {
             h
         });
         let length = payload.len();
-        Ok(async_nats::Message {
-            subject,
-            reply,
-            payload,
-            headers,
-            status: None,
-            description: None,
-            length,
-        })
+        Ok((
+            async_nats::Message {
+                subject,
+                reply,
+                payload,
+                headers,
+                status: None,
+                description: None,
+                length,
+            },
+            meta,
+        ))
     }
 }
 
@@ -577,7 +581,7 @@ mod tests {
             .filter_map(|r| r.as_ref().ok())
             .flatten()
             .filter_map(|d| match d {
-                Delivered::Message(m) => Some(m.subject.to_string()),
+                Delivered::Message(m, _) => Some(m.subject.to_string()),
                 Delivered::Recreating(_) => None,
             })
             .collect()

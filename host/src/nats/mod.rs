@@ -571,14 +571,17 @@ impl NatsKv {
     }
 
     /// Turns one delivered message into an update (`None` for a subject outside this bucket).
+    /// `parsed`: what the delivery path already read from its ACK subject, if it did.
     fn to_update(
         &self,
         msg: &async_nats::Message,
+        parsed: Option<protocol::AckMeta>,
     ) -> Option<(KvUpdate, Option<protocol::AckMeta>)> {
-        let meta = msg
-            .reply
-            .as_ref()
-            .and_then(|r| protocol::parse_ack_subject(r.as_str()));
+        let meta = parsed.or_else(|| {
+            msg.reply
+                .as_ref()
+                .and_then(|r| protocol::parse_ack_subject(r.as_str()))
+        });
         let version = meta
             .map(|m| VersionToken::from_u64(m.stream_sequence))
             .unwrap_or(VersionToken::UNKNOWN);
@@ -699,7 +702,7 @@ impl NatsKv {
                     }
                     continue;
                 }
-                let Some((update, meta)) = self.to_update(&msg) else {
+                let Some((update, meta)) = self.to_update(&msg, None) else {
                     continue;
                 };
                 remaining = match meta {
@@ -990,9 +993,9 @@ impl NatsKv {
             let mut decoded = Vec::with_capacity(chunk.len());
             for item in chunk {
                 match item {
-                    lean::Delivered::Message(m) => {
+                    lean::Delivered::Message(m, meta) => {
                         consecutive_errors = 0;
-                        if let Some(d) = self.to_update(&m) {
+                        if let Some(d) = self.to_update(&m, meta) {
                             decoded.push(d);
                         }
                     }
@@ -1069,7 +1072,7 @@ impl Deliveries {
             Deliveries::Ordered(chunks) => chunks.next().await.map(|c| {
                 Ok(c.into_iter()
                     .map(|item| match item {
-                        Ok(m) => lean::Delivered::Message(m.message),
+                        Ok(m) => lean::Delivered::Message(m.message, None),
                         Err(e) => lean::Delivered::Recreating(e.to_string()),
                     })
                     .collect())
