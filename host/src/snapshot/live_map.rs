@@ -229,24 +229,31 @@ impl LiveMap {
     pub(super) fn put(&mut self, key: &str, value: Bytes, version: VersionToken) -> bool {
         let value = Bytes::copy_from_slice(&value);
         self.put_bytes += format::put_record_len(key.len(), value.len(), version) as u64;
-        // get_mut first: keys are overwritten often, and this avoids making the key again.
-        if let Some(slot) = self.overlay.get_mut(key.as_bytes()) {
-            return match std::mem::replace(slot, Slot::Put(value, version)) {
-                Slot::Put(old, old_version) => {
-                    self.put_bytes -=
-                        format::put_record_len(key.len(), old.len(), old_version) as u64;
-                    true
-                }
-                Slot::Gone => {
-                    self.len += 1;
-                    false
-                }
-            };
+        // One descent of the overlay: a key not in it (new, or only in the base, the common case
+        // between compactions) was found absent and then inserted, two walks of the tree; the
+        // key's copy is made up front and is wasted only when the overlay already holds it.
+        match self.overlay.entry(Bytes::copy_from_slice(key.as_bytes())) {
+            btree_map::Entry::Occupied(mut slot) => {
+                return match std::mem::replace(slot.get_mut(), Slot::Put(value, version)) {
+                    Slot::Put(old, old_version) => {
+                        self.put_bytes -=
+                            format::put_record_len(key.len(), old.len(), old_version) as u64;
+                        true
+                    }
+                    Slot::Gone => {
+                        self.len += 1;
+                        false
+                    }
+                };
+            }
+            btree_map::Entry::Vacant(slot) => {
+                slot.insert(Slot::Put(value, version));
+            }
         }
-        let in_base = self
+        match self
             .base_find(key.as_bytes())
-            .map(|(_, v, ver)| (v.len(), ver));
-        let replaced = match in_base {
+            .map(|(_, v, ver)| (v.len(), ver))
+        {
             Some((old_len, old_version)) => {
                 self.put_bytes -= format::put_record_len(key.len(), old_len, old_version) as u64;
                 true
@@ -255,12 +262,7 @@ impl LiveMap {
                 self.len += 1;
                 false
             }
-        };
-        self.overlay.insert(
-            Bytes::copy_from_slice(key.as_bytes()),
-            Slot::Put(value, version),
-        );
-        replaced
+        }
     }
 
     /// Deletes `key` if live.
