@@ -161,7 +161,6 @@ impl AppendLogSnapshot {
                 _lock: lock,
                 opts,
                 committed_len: replayed.valid_len,
-                scratch: Vec::new(),
                 compacted_len: replayed.valid_len,
                 poisoned: None,
                 fault: None,
@@ -249,20 +248,19 @@ impl SnapshotStore for AppendLogSnapshot {
             format::check_update(update)?;
             len += format::update_record_len(update);
         }
-        let mut buf = std::mem::take(&mut w.scratch);
-        buf.clear();
-        buf.reserve(len);
+        // A fresh buffer per batch: once written, its bytes are the overlay's keys and values
+        // (`LiveMap::apply_encoded`).
+        let mut buf = Vec::with_capacity(len);
+        let mut starts = Vec::with_capacity(batch.len());
         for update in batch {
+            starts.push(buf.len());
             format::encode_update(&mut buf, update)?;
         }
         format::encode_cursor(&mut buf, cursor);
         w.append(&self.path, &buf)?;
-        // Keep the buffer for the next batch unless one huge batch inflated it.
-        if buf.capacity() <= SCRATCH_KEEP {
-            w.scratch = buf;
-        }
-        for update in batch {
-            self.fold.apply(update);
+        let chunk = Bytes::from(buf);
+        for (update, at) in batch.iter().zip(starts) {
+            self.fold.apply_encoded(update, &chunk, at);
         }
         self.fold.cursor = cursor;
         if w.appended() >= cmp::max(w.opts.compact_threshold, self.fold.compacted_len()) {
@@ -316,9 +314,6 @@ impl SnapshotStore for AppendLogSnapshot {
     }
 }
 
-/// The largest encode buffer kept between applies.
-const SCRATCH_KEEP: usize = 4 * 1024 * 1024;
-
 /// The writable half of an open store.
 struct Writer {
     /// `fold.log`, opened in append mode.
@@ -329,8 +324,6 @@ struct Writer {
     /// The file's length after the last successful append: a record boundary right after a cursor
     /// record, where a failed append is cut back to.
     committed_len: u64,
-    /// The encode buffer, reused across applies (one allocation, not one per batch).
-    scratch: Vec<u8>,
     /// The file's length right after the last compaction (or at open, when it was already compact).
     compacted_len: u64,
     /// The first failure that left the file's state unknown.
@@ -2168,6 +2161,48 @@ mod tests {
     #[test]
     fn failed_compaction_after_rename_poisons_and_reopen_recovers_the_last_cursor() {
         assert_failed_compaction_poisons_and_reopen_recovers(FaultPoint::CompactAfterRename);
+    }
+
+    #[test]
+    fn the_store_keeps_no_delivered_read_alive_and_its_entries_are_the_batch_records() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) = open(dir.path());
+        // A read as a watch hands it over: every value a slice of it.
+        let read = Bytes::from(vec![b'r'; 64 * 1024]);
+        let batch: Vec<KvUpdate> = (0..50u64)
+            .map(|i| {
+                let at = (i as usize) * 100;
+                KvUpdate::Put(KvEntry {
+                    key: format!("k{i:02}"),
+                    value: read.slice(at..at + 40),
+                    version: VersionToken::from_u64(i + 1),
+                })
+            })
+            .collect();
+        store.apply(&batch, WatchCursor::at(50)).expect("apply");
+        store
+            .apply(
+                &[del("k07", 51), put("k08", b"again", 52)],
+                WatchCursor::at(52),
+            )
+            .expect("apply");
+        drop(batch);
+        assert!(
+            read.try_into_mut().is_ok(),
+            "the store keeps a slice of the read"
+        );
+        let got = store.get("k09").expect("get").expect("live");
+        assert_eq!(got.value, vec![b'r'; 40]);
+        assert!(store.get("k07").expect("get").is_none());
+        assert_eq!(
+            store.get("k08").expect("get").expect("live").value,
+            b"again"[..]
+        );
+        assert_eq!(store.len().expect("len"), 49);
+        let expected = contents(&store);
+        drop(store);
+        let (store, _) = open(dir.path());
+        assert_eq!(contents(&store), expected);
     }
 
     #[test]
