@@ -6,14 +6,17 @@
 //!   itself, where an ordered map of owned entries costs about 80 bytes per key plus its nodes' slack;
 //!   A hash index of the base (positions in the array, 4 bytes per slot) answers point lookups
 //!   with one probe instead of a binary search whose every step is a cache miss into the buffer;
-//! - the **overlay**: an ordered map of what changed since the base was built, each entry a new value
-//!   or a tombstone ([`Slot::Gone`]) hiding a base key.
+//! - the **overlay**: an ordered set of what changed since the base was built, each entry a record
+//!   ([`Change`]): a Put record (the key's new value and version) or a Delete record's head, a
+//!   tombstone hiding a base key. The store's records are slices of the batch buffers it wrote to
+//!   the log, so the overlay holds one `Bytes` per key and no copy of it.
 //!
 //! Invariants (checked by the tests at the end of this file against an ordered-map model):
 //! - every base offset is the start of a Put record of `buf` that a replay or a compaction checked
 //!   whole, and the base's keys strictly increase;
-//! - an overlay entry shadows the base entry with the same key; a [`Slot::Gone`] exists only for a
-//!   key the base holds (a key absent from the base is simply removed from the overlay);
+//! - an overlay entry shadows the base entry with the same key; a tombstone exists only for a key
+//!   the base holds (a key absent from the base is simply removed from the overlay); an overlay
+//!   entry's bytes are a Put record or a Delete record's head, and its order is its key's;
 //! - `len` is the number of live keys and `put_bytes` the encoded size of their Put records, both
 //!   kept as entries change, so neither is ever counted by a walk.
 //!
@@ -21,8 +24,7 @@
 //! so the overlay empties and the old buffer, with its superseded records, is freed.
 
 use std::cmp::Ordering;
-use std::collections::BTreeMap;
-use std::collections::btree_map;
+use std::collections::{BTreeSet, btree_set};
 use std::hash::{BuildHasher, RandomState};
 use std::iter::Peekable;
 use std::ops::{Bound, ControlFlow};
@@ -34,13 +36,51 @@ use hashbrown::HashTable;
 use super::format::{self, HEADER_LEN};
 use crate::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
 
-/// An overlay entry: what a key became since the base was built.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Slot {
-    /// The key now holds this value and version.
-    Put(Bytes, VersionToken),
-    /// The key was deleted; the base still holds its old record.
-    Gone,
+/// An overlay entry: what a key became since the base was built, as the record that says so — a
+/// Put record (CRC to version: the key's new value and version, byte for byte what a compacted log
+/// holds) or the head of a Delete record (enough to hold its key: a tombstone hiding a base key).
+/// One `Bytes` per entry, ordered and looked up by the record's key: the set's nodes hold 32 bytes
+/// per key, where a map of key, value and version held 80.
+#[derive(Debug, Clone)]
+struct Change(Bytes);
+
+impl Change {
+    /// The record's key (empty for bytes that are not a Put or Delete record: never built).
+    fn key(&self) -> &[u8] {
+        format::record_key(&self.0).unwrap_or_default()
+    }
+
+    /// The value and version, for a Put; `None` for a tombstone.
+    fn put(&self) -> Option<(&[u8], VersionToken)> {
+        format::put_fields(&self.0).map(|(_, value, version)| (value, version))
+    }
+}
+
+impl PartialEq for Change {
+    fn eq(&self, other: &Self) -> bool {
+        self.key() == other.key()
+    }
+}
+
+impl Eq for Change {}
+
+impl PartialOrd for Change {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl Ord for Change {
+    fn cmp(&self, other: &Self) -> Ordering {
+        self.key().cmp(other.key())
+    }
+}
+
+/// Looked up by key bytes; consistent with `Ord`, which compares exactly these.
+impl std::borrow::Borrow<[u8]> for Change {
+    fn borrow(&self) -> &[u8] {
+        self.key()
+    }
 }
 
 /// The live fold (keys, values, versions, the cursor) of an append log.
@@ -55,8 +95,8 @@ pub(super) struct LiveMap {
     /// std's randomly keyed SipHash.
     index: OnceLock<HashTable<u32>>,
     hasher: RandomState,
-    /// Changes since the base was built, keyed by the keys' UTF-8 bytes (byte order is key order).
-    overlay: BTreeMap<Bytes, Slot>,
+    /// Changes since the base was built, ordered by the keys' UTF-8 bytes (byte order is key order).
+    overlay: BTreeSet<Change>,
     /// Live keys.
     len: u64,
     /// The cursor the fold is at.
@@ -70,10 +110,11 @@ pub(super) struct Item<'a> {
     pub(super) key: &'a [u8],
     pub(super) value: &'a [u8],
     pub(super) version: VersionToken,
-    /// The overlay's value, when the entry came from there (cloning it is cheaper than slicing).
+    /// The overlay's record, when the entry came from there (its value is sliced from it).
     owned: Option<&'a Bytes>,
-    /// The base's framed Put record, when the entry came from there: what a compacted log holds
-    /// for it, checked whole when the base was built (an export copies it as it lies).
+    /// The entry's framed Put record: what a compacted log holds for it (an export copies it as it
+    /// lies). A base record was checked whole when the base was built; an overlay record is one the
+    /// store encoded.
     pub(super) record: Option<&'a [u8]>,
 }
 
@@ -157,7 +198,7 @@ impl LiveMap {
         self.base = offsets;
         self.base.shrink_to_fit();
         self.index = OnceLock::new();
-        self.overlay = BTreeMap::new();
+        self.overlay = BTreeSet::new();
     }
 
     /// The end of a replay: folds `tail`, the offsets of the Put and Delete records that came after
@@ -221,73 +262,78 @@ impl LiveMap {
     }
 
     /// Sets `key`; returns whether it replaced a live entry (a superseded record in the log). The
-    /// overlay keeps copies of `key` and `value` (see [`LiveMap::apply_encoded`] for the store's
-    /// own path, which copies nothing).
+    /// overlay keeps a record of its own, encoded here (see [`LiveMap::apply_encoded`] for the
+    /// store's path, which copies nothing).
     pub(super) fn put(&mut self, key: &str, value: Bytes, version: VersionToken) -> bool {
-        self.put_owned(
-            Bytes::copy_from_slice(key.as_bytes()),
-            Bytes::copy_from_slice(&value),
-            version,
-        )
+        let mut record =
+            Vec::with_capacity(format::put_record_len(key.len(), value.len(), version));
+        format::encode_put(&mut record, key, &value, version);
+        self.put_record(Bytes::from(record))
     }
 
-    /// [`LiveMap::put`] with the overlay's own key and value already made.
-    fn put_owned(&mut self, key: Bytes, value: Bytes, version: VersionToken) -> bool {
-        let key_len = key.len();
-        self.put_bytes += format::put_record_len(key_len, value.len(), version) as u64;
-        // One descent of the overlay: a key not in it (new, or only in the base, the common case
-        // between compactions) was found absent and then inserted, two walks of the tree.
-        let lookup = key.clone();
-        match self.overlay.entry(key) {
-            btree_map::Entry::Occupied(mut slot) => {
-                return match std::mem::replace(slot.get_mut(), Slot::Put(value, version)) {
-                    Slot::Put(old, old_version) => {
-                        self.put_bytes -=
-                            format::put_record_len(key_len, old.len(), old_version) as u64;
-                        true
-                    }
-                    Slot::Gone => {
-                        self.len += 1;
-                        false
-                    }
-                };
-            }
-            btree_map::Entry::Vacant(slot) => {
-                slot.insert(Slot::Put(value, version));
-            }
-        }
-        match self.base_find(&lookup).map(|(_, v, ver)| (v.len(), ver)) {
-            Some((old_len, old_version)) => {
-                self.put_bytes -= format::put_record_len(key_len, old_len, old_version) as u64;
-                true
-            }
-            None => {
-                self.len += 1;
-                false
-            }
+    /// Folds a Put record (its whole bytes); returns whether it replaced a live entry.
+    fn put_record(&mut self, record: Bytes) -> bool {
+        // A Put record's length is what the key adds to a compacted log.
+        self.put_bytes += record.len() as u64;
+        let change = Change(record);
+        let key_len = change.key().len();
+        // One descent of the overlay: the new record replaces an equal key's and hands it back.
+        let lookup = change.clone();
+        match self.overlay.replace(change) {
+            Some(old) => match old.put() {
+                Some(_) => {
+                    self.put_bytes -= old.0.len() as u64;
+                    true
+                }
+                None => {
+                    self.len += 1;
+                    false
+                }
+            },
+            None => match self
+                .base_find(lookup.key())
+                .map(|(_, v, ver)| (v.len(), ver))
+            {
+                Some((old_len, old_version)) => {
+                    self.put_bytes -= format::put_record_len(key_len, old_len, old_version) as u64;
+                    true
+                }
+                None => {
+                    self.len += 1;
+                    false
+                }
+            },
         }
     }
 
     /// Deletes `key` if live.
     pub(super) fn remove(&mut self, key: &str) {
-        self.remove_owned(key, || Bytes::copy_from_slice(key.as_bytes()));
+        self.remove_with(key, || {
+            let mut record = Vec::new();
+            format::encode_delete(&mut record, key, VersionToken::UNKNOWN);
+            Bytes::from(record)
+        });
     }
 
-    /// [`LiveMap::remove`], `owned` making the overlay's key when a tombstone is needed.
-    fn remove_owned(&mut self, key: &str, owned: impl FnOnce() -> Bytes) {
+    /// [`LiveMap::remove`], `tombstone` making the Delete record (or its head) a tombstone keeps.
+    fn remove_with(&mut self, key: &str, tombstone: impl FnOnce() -> Bytes) {
         let in_base = self
             .base_find(key.as_bytes())
             .map(|(_, v, ver)| (v.len(), ver));
-        match self.overlay.get_mut(key.as_bytes()) {
-            Some(Slot::Gone) => {}
-            Some(slot) => {
-                if let Slot::Put(old, old_version) = std::mem::replace(slot, Slot::Gone) {
-                    self.put_bytes -=
-                        format::put_record_len(key.len(), old.len(), old_version) as u64;
-                }
+        match self
+            .overlay
+            .get(key.as_bytes())
+            .map(|c| c.0.len() as u64 * u64::from(c.put().is_some()))
+        {
+            // A tombstone already.
+            Some(0) => {}
+            Some(old_record_len) => {
+                self.put_bytes -= old_record_len;
                 self.len -= 1;
                 if in_base.is_none() {
                     self.overlay.remove(key.as_bytes());
+                } else {
+                    self.overlay.replace(Change(tombstone()));
                 }
             }
             None => {
@@ -295,24 +341,24 @@ impl LiveMap {
                     self.put_bytes -=
                         format::put_record_len(key.len(), old_len, old_version) as u64;
                     self.len -= 1;
-                    self.overlay.insert(owned(), Slot::Gone);
+                    self.overlay.insert(Change(tombstone()));
                 }
             }
         }
     }
 
     /// Folds one update whose record the store encoded into `chunk` at `at` (the batch's records,
-    /// the very bytes it wrote to the log). The overlay keeps slices of `chunk` for the key and
-    /// the value: a batch costs the one allocation it was encoded into, where copying cost two per
-    /// key, and a delivered value's read (the 256 KiB it arrived in) is never kept alive. A chunk
-    /// stays in memory while any of its slices is in the overlay: at most until the next
-    /// compaction empties it, which bounds the chunks by the log's own growth.
+    /// the very bytes it wrote to the log). The overlay keeps a slice of `chunk`, the record
+    /// itself: a batch costs the one allocation it was encoded into, and a delivered value's read
+    /// (the 256 KiB it arrived in) is never kept alive. A chunk stays in memory while any of its
+    /// records is in the overlay: at most until the next compaction empties it, which bounds the
+    /// chunks by the log's own growth.
     pub(super) fn apply_encoded(&mut self, update: &KvUpdate, chunk: &Bytes, at: usize) {
         let record = chunk.get(at..).unwrap_or_default();
         match update {
-            KvUpdate::Put(e) => match format::put_fields(record) {
-                Some((key, value, _)) if key == e.key.as_bytes() && value == &e.value[..] => {
-                    self.put_owned(chunk.slice_ref(key), chunk.slice_ref(value), e.version);
+            KvUpdate::Put(e) => match format::put_record(record) {
+                Some(p) if p.key == e.key.as_bytes() && p.value == &e.value[..] => {
+                    self.put_record(chunk.slice_ref(p.bytes));
                 }
                 // Not the record of this update (a bug): fold the update itself, copied.
                 _ => {
@@ -322,7 +368,11 @@ impl LiveMap {
             },
             KvUpdate::Delete { key, .. } | KvUpdate::Purge { key, .. } => {
                 match format::record_key(record) {
-                    Some(k) if k == key.as_bytes() => self.remove_owned(key, || chunk.slice_ref(k)),
+                    Some(k) if k == key.as_bytes() => {
+                        // The record's head, up to the end of its key, is all a tombstone needs.
+                        let head = (k.as_ptr() as usize - record.as_ptr() as usize) + k.len();
+                        self.remove_with(key, || chunk.slice_ref(&record[..head]));
+                    }
                     _ => {
                         debug_assert!(false, "the record at {at} is not the delete of {key}");
                         self.remove(key);
@@ -347,8 +397,9 @@ impl LiveMap {
     /// The value and version of `key`, if live.
     pub(super) fn get(&self, key: &str) -> Option<(Bytes, VersionToken)> {
         match self.overlay.get(key.as_bytes()) {
-            Some(Slot::Put(value, version)) => Some((value.clone(), *version)),
-            Some(Slot::Gone) => None,
+            Some(change) => change
+                .put()
+                .map(|(value, version)| (change.0.slice_ref(value), version)),
             None => self
                 .base_find(key.as_bytes())
                 .map(|(_, value, version)| (self.buf.slice_ref(value), version)),
@@ -405,10 +456,11 @@ impl LiveMap {
         }
     }
 
-    /// An item's value as shared bytes (a slice of the buffer or the overlay's own), never a copy.
+    /// An item's value as shared bytes (a slice of the buffer or of the overlay's record), never a
+    /// copy.
     pub(super) fn value_bytes(&self, item: &Item<'_>) -> Bytes {
         match item.owned {
-            Some(owned) => owned.clone(),
+            Some(owned) => owned.slice_ref(item.value),
             None => self.buf.slice_ref(item.value),
         }
     }
@@ -499,7 +551,7 @@ fn base_key_in(buf: &Bytes, offset: u64) -> &[u8] {
 pub(super) struct Iter<'a> {
     map: &'a LiveMap,
     base: usize,
-    overlay: Peekable<btree_map::Range<'a, Bytes, Slot>>,
+    overlay: Peekable<btree_set::Range<'a, Change>>,
 }
 
 impl<'a> Iterator for Iter<'a> {
@@ -516,7 +568,7 @@ impl<'a> Iterator for Iter<'a> {
                 (None, None) => return None,
                 (None, Some(_)) => true,
                 (Some(_), None) => false,
-                (Some(b), Some((ok, _))) => match ok.as_ref().cmp(b.key) {
+                (Some(b), Some(change)) => match change.key().cmp(b.key) {
                     Ordering::Less => true,
                     Ordering::Equal => {
                         // The overlay's entry shadows the base's.
@@ -537,19 +589,19 @@ impl<'a> Iterator for Iter<'a> {
                     record: (!b.bytes.is_empty()).then_some(b.bytes),
                 });
             }
-            let (key, slot) = self.overlay.next()?;
-            match slot {
-                Slot::Gone => continue,
-                Slot::Put(value, version) => {
-                    return Some(Item {
-                        key,
-                        value,
-                        version: *version,
-                        owned: Some(value),
-                        record: None,
-                    });
-                }
-            }
+            let change = self.overlay.next()?;
+            // A tombstone hides the base's record and yields nothing.
+            let Some((value, version)) = change.put() else {
+                continue;
+            };
+            return Some(Item {
+                key: change.key(),
+                value,
+                version,
+                owned: Some(&change.0),
+                // A Put record is what a compacted log holds for it, byte for byte.
+                record: Some(&change.0),
+            });
         }
     }
 }
@@ -580,6 +632,8 @@ pub(super) fn encode_compacted(fold: &LiveMap) -> (Vec<u8>, Vec<u64>) {
 
 #[cfg(test)]
 mod tests {
+    use std::collections::BTreeMap;
+
     use super::*;
     use crate::kv::KvEntry;
 
