@@ -29,7 +29,7 @@
 use std::fs::File;
 use std::io::{Read, Write};
 
-use crate::staged::StagedFile;
+use crate::staged::{StagedFile, Syncs};
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -763,6 +763,7 @@ fn import_stage(
     let total: u64 = m.files.iter().map(|f| f.size).sum();
     let mut done = 0u64;
     let mut log_check = log_check_for(m, stage);
+    let mut syncs = Syncs::default();
     for f in &m.files {
         let rel = check_path(&f.path)?;
         let src = data.join(&rel);
@@ -805,9 +806,10 @@ fn import_stage(
                 got: digest,
             });
         }
-        out.finish(true).map_err(io_err(&dst, "write and fsync"))?;
+        out.finish_syncing_in(&mut syncs)
+            .map_err(io_err(&dst, "write and fsync"))?;
     }
-    seal_import(stage, m, dest, log_check)
+    seal_import(stage, m, dest, log_check, syncs)
 }
 
 /// The last step of every import: the staged copy must open as the manifest's backend and recover
@@ -817,6 +819,7 @@ fn seal_import(
     m: &ExportManifest,
     dest: &Path,
     log_check: Option<crate::snapshot::CompactLogCheck>,
+    syncs: Syncs,
 ) -> Result<(), ArtifactError> {
     let got = match log_check {
         // The append log was checked as it was copied: no reopen (no map) needed.
@@ -848,6 +851,10 @@ fn seal_import(
             got,
         });
     }
+    // Every file's fsync (started as each was written) before the stage is renamed into place.
+    syncs
+        .wait()
+        .map_err(io_err(stage, "fsync the imported files"))?;
     sync_dir(stage)?;
     if dest.exists() {
         // An empty directory (checked free before): replace it.
@@ -873,11 +880,11 @@ pub fn import_tar_stream(
     let m = parse_manifest(pointer, &dest.join(MANIFEST_FILE))?;
     check_importable(&m, dest, want)?;
     let stage = stage_path(dest, "import");
-    let log_check = or_discard(
+    let (log_check, syncs) = or_discard(
         &stage,
         import_tar_entries(reader, pointer, &m, &stage, progress),
     )?;
-    or_discard(&stage, seal_import(&stage, &m, dest, log_check)).map(|()| m)
+    or_discard(&stage, seal_import(&stage, &m, dest, log_check, syncs)).map(|()| m)
 }
 
 fn import_tar_entries(
@@ -886,7 +893,7 @@ fn import_tar_entries(
     m: &ExportManifest,
     stage: &Path,
     progress: Progress<'_>,
-) -> Result<Option<crate::snapshot::CompactLogCheck>, ArtifactError> {
+) -> Result<(Option<crate::snapshot::CompactLogCheck>, Syncs), ArtifactError> {
     let bad = |reason: String| ArtifactError::Tar {
         path: stage.to_path_buf(),
         reason,
@@ -899,6 +906,7 @@ fn import_tar_entries(
     let mut manifest_seen = false;
     let total: u64 = m.files.iter().map(|f| f.size).sum();
     let mut done = 0u64;
+    let mut syncs = Syncs::default();
     let mut archive = tar::Archive::new(reader);
     let entries = archive.entries().map_err(|e| bad(e.to_string()))?;
     for (count, entry) in entries.enumerate() {
@@ -991,7 +999,8 @@ fn import_tar_entries(
                 got: digest,
             });
         }
-        out.finish(true).map_err(io_err(&dst, "write and fsync"))?;
+        out.finish_syncing_in(&mut syncs)
+            .map_err(io_err(&dst, "write and fsync"))?;
     }
     if !manifest_seen {
         return Err(bad(format!("no {MANIFEST_FILE} in the payload")));
@@ -999,7 +1008,7 @@ fn import_tar_entries(
     if let Some(missing) = m.files.iter().find(|f| !seen.contains(&f.path)) {
         return Err(ArtifactError::MissingFile(missing.path.clone()));
     }
-    Ok(log_check)
+    Ok((log_check, syncs))
 }
 
 /// Packs the artifact directory `artifact` into the tar file `out` (written beside, then renamed).
