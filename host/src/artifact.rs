@@ -418,6 +418,7 @@ fn seal_inner(
     let proven = staged.proven.as_ref();
     let mut done = 0u64;
     let mut files = Vec::with_capacity(names.len());
+    let mut syncs = Syncs::default();
     for n in names {
         let p = data.join(check_path(&n)?);
         let (size, blake3) = match proven.and_then(|c| c.files.iter().find(|f| f.path == n)) {
@@ -442,10 +443,10 @@ fn seal_inner(
             })?,
         };
         // Durable before the manifest names it (the backend's copy need not have been): the
-        // disk wrote it back while it was hashed, so this is mostly a wait for the tail.
-        File::open(&p)
-            .and_then(|f| f.sync_all())
-            .map_err(io_err(&p, "fsync"))?;
+        // disk wrote it back while it was hashed, so this is mostly a wait for the tail. Each
+        // fsync runs beside the next file's hashing; all are waited for below.
+        let f = File::open(&p).map_err(io_err(&p, "open to fsync"))?;
+        syncs.push(p.clone(), f).map_err(io_err(&p, "fsync"))?;
         files.push(ArtifactFile {
             path: n,
             size,
@@ -461,6 +462,9 @@ fn seal_inner(
     {
         return Err(ArtifactError::MissingFile(f.path.clone()));
     }
+    syncs
+        .wait()
+        .map_err(io_err(&data, "fsync the payload's files"))?;
     // Every directory of the payload, so each file's entry is durable too.
     let mut dirs: std::collections::BTreeSet<PathBuf> = std::collections::BTreeSet::new();
     dirs.insert(data.clone());

@@ -292,8 +292,8 @@ impl StagedFile {
 /// Most fsyncs [`Syncs`] runs at once; one more waits for the oldest.
 pub(crate) const SYNCS_IN_FLIGHT: usize = 8;
 
-/// The fsyncs of an import's finished files, each on a thread of its own, running while the next
-/// files are read, hashed and written. An import of an artifact of many files spent about 1.5 ms
+/// The fsyncs of an import's (or an export's) finished files, each on a thread of its own, running
+/// while the next files are read, hashed and written. An import of an artifact of many files spent about 1.5 ms
 /// per file waiting on its fsync before it read the next one (13 files: ~20 ms of a 130 ms
 /// bootstrap, the download stalled meanwhile); concurrent fsyncs also share the filesystem's
 /// journal commits. At most [`SYNCS_IN_FLIGHT`] run at once.
@@ -307,7 +307,7 @@ pub(crate) struct Syncs {
 
 impl Syncs {
     /// Starts `file`'s fsync; first waits for the oldest when [`SYNCS_IN_FLIGHT`] are running.
-    fn push(&mut self, path: PathBuf, file: File) -> std::io::Result<()> {
+    pub(crate) fn push(&mut self, path: PathBuf, file: File) -> std::io::Result<()> {
         if self.running.len() >= SYNCS_IN_FLIGHT
             && let Some(oldest) = self.running.pop_front()
         {
