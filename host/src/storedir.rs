@@ -314,8 +314,8 @@ impl AnyStore {
                 .map(|e| e.value.to_vec()),
         };
         // Closed first, so the stamps are of the final files: fjall flushes its memtable and
-        // empties its journals, RocksDB flushes its memtables (best effort: the next open then
-        // replays the journals or the write-ahead log).
+        // empties its journals, RocksDB fsyncs a small write-ahead log or flushes its memtables
+        // (best effort: the next open then replays the journals or the write-ahead log).
         match self {
             #[cfg(feature = "fjall")]
             AnyStore::Fjall(s) => {
@@ -325,8 +325,8 @@ impl AnyStore {
             }
             #[cfg(feature = "rocksdb")]
             AnyStore::RocksDb(s) => {
-                if let Err(e) = s.close_flushed() {
-                    tracing::warn!(store = %dir.display(), error = %e, "flushing RocksDB's memtables at a clean stop failed; the next open replays its log");
+                if let Err(e) = s.close_durably() {
+                    tracing::warn!(store = %dir.display(), error = %e, "making RocksDB's log durable at a clean stop failed; the next open replays what reached it");
                 }
             }
             other => drop(other),
