@@ -17,6 +17,7 @@ mod hosted;
 mod identity;
 mod languages;
 mod lease;
+mod localnats;
 mod repair;
 mod resume;
 mod server_restart;
