@@ -419,9 +419,24 @@ pub struct Moto {
 }
 
 impl Moto {
-    /// Starts moto and creates the bucket `artifacts`. Waits (on a condition: the port answers)
-    /// at most 60 s.
+    /// Starts moto and creates the bucket `artifacts`. Waits (on a condition: the bucket is
+    /// created) at most 60 s. The port is chosen by binding and releasing it, so another process
+    /// can take it before moto binds it: moto then exits, and the start tries again on another
+    /// port (at most four times); an answer is only believed while moto is still running.
     pub async fn start() -> anyhow::Result<Self> {
+        const ATTEMPTS: usize = 4;
+        let mut attempt = 1;
+        loop {
+            match Self::start_once().await? {
+                Some(moto) => return Ok(moto),
+                None if attempt < ATTEMPTS => attempt += 1,
+                None => anyhow::bail!("moto exited at start {ATTEMPTS} times (ports taken?)"),
+            }
+        }
+    }
+
+    /// One try; `None` when moto exited before it created the bucket.
+    async fn start_once() -> anyhow::Result<Option<Self>> {
         let bin = std::env::var("MOTO_SERVER_BIN").unwrap_or_else(|_| "moto_server".into());
         let port = foldhost::localnats::free_port()?;
         let addr = format!("127.0.0.1:{port}");
@@ -431,26 +446,37 @@ impl Moto {
             .stderr(std::process::Stdio::null())
             .spawn()
             .map_err(|e| anyhow::anyhow!("{bin}: {e} (run scripts/setup.sh)"))?;
-        let moto = Moto {
+        let mut moto = Moto {
             child,
             addr,
             bucket: "artifacts".into(),
         };
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
         loop {
+            if moto.child.try_wait()?.is_some() {
+                return Ok(None);
+            }
             // S3 CreateBucket: `PUT /bucket` (moto accepts it unsigned).
-            match foldhost::serve::call(&moto.addr, "PUT", &format!("/{}", moto.bucket), b"").await
-            {
-                Ok((200, _)) => return Ok(moto),
-                Ok((code, body)) => anyhow::bail!(
-                    "moto: create bucket answered {code}: {}",
+            let answer =
+                foldhost::serve::call(&moto.addr, "PUT", &format!("/{}", moto.bucket), b"").await;
+            // Whatever answered, it was not moto if moto has gone.
+            if moto.child.try_wait()?.is_some() {
+                return Ok(None);
+            }
+            // Another answer may come from a process that holds the port while moto is still
+            // starting (it exits once it fails to bind): asked again until the deadline.
+            let last = match answer {
+                Ok((200, _)) => return Ok(Some(moto)),
+                Ok((code, body)) => format!(
+                    "create bucket answered {code}: {}",
                     String::from_utf8_lossy(&body)
                 ),
-                Err(_) if std::time::Instant::now() < deadline => {
-                    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
-                }
-                Err(e) => anyhow::bail!("moto never answered on {}: {e}", moto.addr),
+                Err(e) => e.to_string(),
+            };
+            if std::time::Instant::now() >= deadline {
+                anyhow::bail!("moto on {}: {last}", moto.addr);
             }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
         }
     }
 
