@@ -280,7 +280,8 @@ pub fn hostile_wat(name: &str) -> PathBuf {
 
 /// Polls `GET /status` on `addr`, read as the one status model, until `done` holds for it. The
 /// deadline (120 s) only bounds a test that would otherwise hang; nothing asserts how fast the
-/// state is reached.
+/// state is reached. A status from a node this process did not start is an error at once (see
+/// [`started_here`]), never a state reached.
 pub async fn wait_status(
     addr: &str,
     mut done: impl FnMut(&StatusReport) -> bool,
@@ -290,6 +291,12 @@ pub async fn wait_status(
     while std::time::Instant::now() < deadline {
         if let Ok((200, body)) = foldhost::serve::call(addr, "GET", "/status", b"").await {
             let s: StatusReport = serde_json::from_slice(&body)?;
+            anyhow::ensure!(
+                started_here(s.pid),
+                "the node answering on {addr} is pid {}, which this process did not start: \
+                 another test's node took the port",
+                s.pid
+            );
             if done(&s) {
                 return Ok(s);
             }
@@ -298,6 +305,26 @@ pub async fn wait_status(
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
     anyhow::bail!("status never reached the expected state; last: {last:?}")
+}
+
+/// Whether `pid` is this process or a child of it. A node's listen port is chosen by binding and
+/// releasing it ([`foldhost::localnats::free_port`]), so under a parallel run another test's node
+/// can take it first; its status must never pass for ours.
+fn started_here(pid: u32) -> bool {
+    let me = std::process::id();
+    pid == me || parent_of(pid) == Some(me)
+}
+
+/// The parent of `pid`, from `/proc/PID/stat` (the fields after the command name's closing
+/// parenthesis: state, then the parent's pid).
+fn parent_of(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat.rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
 }
 
 /// Polls `cond` every 20 ms until it holds. The deadline (120 s) only bounds a test that would
