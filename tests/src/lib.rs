@@ -307,9 +307,10 @@ pub async fn wait_status(
     anyhow::bail!("status never reached the expected state; last: {last:?}")
 }
 
-/// Whether `pid` is this process or a child of it. A node's listen port is chosen by binding and
-/// releasing it ([`foldhost::localnats::free_port`]), so under a parallel run another test's node
-/// can take it first; its status must never pass for ours.
+/// Whether `pid` is this process or a child of it. A node's listen port is reserved for this
+/// process ([`foldhost::localnats::reserved_port`]), so no node of another test should answer on
+/// it; should something else still hold it (a process that reserves ports another way), its
+/// status must never pass for ours.
 fn started_here(pid: u32) -> bool {
     let me = std::process::id();
     pid == me || parent_of(pid) == Some(me)
@@ -465,7 +466,7 @@ impl Moto {
     /// One try; `None` when moto exited before it created the bucket.
     async fn start_once() -> anyhow::Result<Option<Self>> {
         let bin = std::env::var("MOTO_SERVER_BIN").unwrap_or_else(|_| "moto_server".into());
-        let port = foldhost::localnats::free_port()?;
+        let port = foldhost::localnats::reserved_port()?;
         let addr = format!("127.0.0.1:{port}");
         let child = Command::new(&bin)
             .args(["-H", "127.0.0.1", "-p", &port.to_string()])

@@ -62,7 +62,7 @@ pub(super) async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         .await?;
     }
     println!("seeded {} routes into bucket 'routes'", a.routes);
-    let port = crate::localnats::free_port()?;
+    let port = crate::localnats::reserved_port()?;
     let listen = format!("127.0.0.1:{port}");
     let mut cfg = NodeConfig {
         guest: Some(guest.clone()),

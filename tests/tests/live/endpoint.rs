@@ -18,7 +18,10 @@ use foldhost_tests::{
 };
 
 fn addr() -> anyhow::Result<String> {
-    Ok(format!("127.0.0.1:{}", foldhost::localnats::free_port()?))
+    Ok(format!(
+        "127.0.0.1:{}",
+        foldhost::localnats::reserved_port()?
+    ))
 }
 
 /// Sends `raw` as a whole request and returns the status code of the answer.

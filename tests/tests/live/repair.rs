@@ -120,7 +120,10 @@ fn signal(child: &std::process::Child, sig: &str) -> anyhow::Result<()> {
 }
 
 fn addr() -> anyhow::Result<String> {
-    Ok(format!("127.0.0.1:{}", foldhost::localnats::free_port()?))
+    Ok(format!(
+        "127.0.0.1:{}",
+        foldhost::localnats::reserved_port()?
+    ))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

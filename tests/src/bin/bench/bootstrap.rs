@@ -135,7 +135,7 @@ async fn one(
     let key = format!("boot-{backend}-{}", target.name);
     let store = tmp.join(format!("{backend}-replayed"));
     // Export + upload: a node on the replayed store, one round.
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::free_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
     let mut cmd = Command::new(bin);
     cmd.args(["run", "--bucket", "boot", "--nats", nats, "--store"])
         .arg(&store)
