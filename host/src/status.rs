@@ -73,6 +73,9 @@ pub struct StatusReport {
     pub repairs: u64,
     /// Bucket keys in the fold (set by `status --store`).
     pub keys: Option<u64>,
+    /// The address the host's `--listen` endpoint is bound to: with `--listen HOST:0`, the port
+    /// the system chose is read here (or in `status.json`, written as soon as it is bound).
+    pub listen: Option<String>,
     /// The file holding the admin token of the host's `--listen` endpoint (mode 0600), when the
     /// host generated it or was given it as a file.
     pub admin_token_file: Option<String>,

@@ -290,7 +290,7 @@ pub struct RunArgs {
     #[arg(long, value_enum, default_value_t = defaults().apply)]
     pub apply: NativeApply,
     /// Serve `GET /status`, `POST /query`, `POST /swap` and `POST /export` on this address (e.g.
-    /// 127.0.0.1:8080).
+    /// 127.0.0.1:8080; port 0: the system's choice, named as `listen` in `STORE/status.json`).
     #[arg(long)]
     pub listen: Option<String>,
     /// Bearer token the admin routes (`/swap`, `/export`) require. Without it (or
@@ -832,6 +832,9 @@ fn print_status(s: &StatusReport, json: bool) -> anyhow::Result<()> {
     writeln!(out, "state:           {}", s.state)?;
     if let Some(e) = &s.error {
         writeln!(out, "error:           {e}")?;
+    }
+    if let Some(l) = &s.listen {
+        writeln!(out, "listen:          {l}")?;
     }
     if let Some(f) = &s.admin_token_file {
         writeln!(out, "admin_token_file: {f}")?;

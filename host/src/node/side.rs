@@ -69,6 +69,11 @@ impl SideTasks {
             ),
             None => None,
         };
+        if server.is_some() {
+            // At once, not at the reporter's first write: with `--listen HOST:0` this is where
+            // the port the system chose is found.
+            write_status_file(&cfg.store, &live_status(&base, status));
+        }
         let mut others = Vec::new();
         if cfg.watch_guest
             && let (Some(path), Some(engine)) = (cfg.guest.clone(), engine)
@@ -204,6 +209,7 @@ async fn listen(
             ..Default::default()
         },
     };
+    base.listen = Some(local.to_string());
     base.admin_token_file =
         token_file.map(|f| std::path::absolute(&f).unwrap_or(f).display().to_string());
     let (render_base, render_status, render_fatal, render_export) = (

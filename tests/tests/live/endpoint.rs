@@ -293,3 +293,49 @@ async fn a_guest_failing_in_init_leaves_no_store_behind() -> anyhow::Result<()> 
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_listening_on_port_0_names_the_port_it_got_in_its_status_file_and_serves_there()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("anyport").await?;
+    kv.put("k", "v".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let mut host = run_command(&h, "anyport", &store, Some("127.0.0.1:0"))
+        .stderr(Stdio::null())
+        .spawn()?;
+    let pid = host.id();
+    // This run's status file (its pid), naming where it listens.
+    let mut named = None;
+    wait_until("status.json names this run's listen address", || {
+        named = foldhost::storedir::read_status(&store)
+            .filter(|s| s.pid == pid)
+            .and_then(|s| s.listen);
+        named.is_some()
+    })
+    .await?;
+    let a = named.ok_or_else(|| anyhow::anyhow!("no listen address"))?;
+    let port: u16 = a
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse().ok())
+        .ok_or_else(|| anyhow::anyhow!("no port in {a:?}"))?;
+    assert_ne!(port, 0, "the bound port, not the one asked for: {a}");
+    // The host answers there, and says the same.
+    let s = wait_status(&a, |s| s.applied_through >= 1).await?;
+    assert_eq!(s.pid, pid);
+    assert_eq!(s.listen.as_deref(), Some(a.as_str()));
+    // `status --store` prints it.
+    let o = foldhost()
+        .args(["status", "--store"])
+        .arg(&store)
+        .output()?;
+    let text = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("listen:") && l.ends_with(&a)),
+        "{text}"
+    );
+    assert!(terminate(&mut host)?.success());
+    Ok(())
+}
