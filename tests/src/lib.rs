@@ -307,14 +307,28 @@ pub async fn wait_status(
     anyhow::bail!("status never reached the expected state; last: {last:?}")
 }
 
-/// Whether `pid` is this process or a child of it. A node's listen port is reserved for this
-/// process ([`foldhost::localnats::reserved_port`]), so no node of another test should answer on
-/// it; should something else still hold it (a process that reserves ports another way), its
-/// status must never pass for ours.
+/// Whether `pid` is this process or a descendant of it (a child, or the child of a wrapper such
+/// as `strace` or `perf` that `FOLDHOST_BIN` names; at most [`WRAPPER_DEPTH`] levels). A node's
+/// listen port is reserved for this process ([`foldhost::localnats::reserved_port`]), so no node of
+/// another test should answer on it; should something else still hold it (a process that reserves
+/// ports another way), its status must never pass for ours.
 fn started_here(pid: u32) -> bool {
     let me = std::process::id();
-    pid == me || parent_of(pid) == Some(me)
+    let mut p = pid;
+    for _ in 0..=WRAPPER_DEPTH {
+        if p == me {
+            return true;
+        }
+        match parent_of(p) {
+            Some(parent) if parent > 1 => p = parent,
+            _ => return false,
+        }
+    }
+    false
 }
+
+/// How many processes may stand between the test and the node it started.
+const WRAPPER_DEPTH: usize = 4;
 
 /// The parent of `pid`, from `/proc/PID/stat` (the fields after the command name's closing
 /// parenthesis: state, then the parent's pid).
