@@ -313,14 +313,14 @@ impl AnyStore {
                 .get(crate::retained::IDENTITY_KEY)?
                 .map(|e| e.value.to_vec()),
         };
-        // Closed first, so the stamps are of the final files: fjall flushes its memtable and
-        // empties its journals, RocksDB fsyncs a small write-ahead log or flushes its memtables
+        // Closed first, so the stamps are of the final files: fjall and RocksDB each fsync a
+        // small journal (write-ahead log) or flush their memtables (fjall then empties its journals)
         // (best effort: the next open then replays the journals or the write-ahead log).
         match self {
             #[cfg(feature = "fjall")]
             AnyStore::Fjall(s) => {
-                if let Err(e) = s.close_flushed() {
-                    tracing::warn!(store = %dir.display(), error = %e, "emptying fjall's journals at a clean stop failed; the next open replays them");
+                if let Err(e) = s.close_durably() {
+                    tracing::warn!(store = %dir.display(), error = %e, "making fjall's journal durable at a clean stop failed; the next open replays what reached it");
                 }
             }
             #[cfg(feature = "rocksdb")]
