@@ -18,6 +18,11 @@
 //! Each through S3 (moto on loopback) and through the local file system (`file://`), so the
 //! object store's own cost shows. The figure that matters is replay ÷ (download + import).
 //!
+//! Every timed figure is the median of several runs, printed with its range: [`REPLAYS`] replays,
+//! [`BOOTSTRAPS`] bootstraps per transport and [`RESUMES`] resumes (each after its own 1 000
+//! writes). On this two-core machine one replay of the same bucket took anywhere from 1.9 to 3.9 s
+//! in one hour and a resume 25 to 65 ms, so a single run of either moved a ratio by half of itself.
+//!
 //! Needs `target/release/foldhost` built with `--features fjall,rocksdb` (`make bench-bootstrap`
 //! builds both), or `FOLDHOST_BIN`.
 
@@ -56,6 +61,19 @@ fn proc_kib(pid: u32, field: &str) -> Option<u64> {
         .nth(1)?
         .parse()
         .ok()
+}
+
+/// Replays timed per backend (the store of the last one is the one exported and resumed).
+const REPLAYS: usize = 3;
+/// Bootstraps timed per backend and transport.
+const BOOTSTRAPS: usize = 3;
+/// Resumes timed per backend, each after its own 1 000 writes.
+const RESUMES: usize = 5;
+
+/// The median of `v` (not empty) and its range.
+fn spread(mut v: Vec<f64>) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    (v[v.len() / 2], v[0], v[v.len() - 1])
 }
 
 /// [`timed_child`], also requiring `check` of its stderr to hold.
@@ -175,31 +193,39 @@ async fn one(
         .ok_or_else(|| anyhow::anyhow!("no published round"))?;
     let export_s = round.duration_ms as f64 / 1000.0;
 
-    // Download + import: a new node's bootstrap.
-    let fresh = tmp.join(format!("{backend}-{}-boot", target.name));
-    let mut cmd = Command::new(bin);
-    cmd.args([
-        "bootstrap",
-        "--artifacts",
-        &target.url,
-        "--artifact-key",
-        &key,
-    ])
-    .args(&target.flags)
-    .arg("--store")
-    .arg(&fresh)
-    .envs(target.env.iter().map(|(k, v)| (*k, v.as_str())));
-    let (boot_s, boot_peak, out) = timed_child(cmd)?;
-    let m: serde_json::Value = serde_json::from_str(out.trim())?;
-    anyhow::ensure!(m["cursor"].as_u64() == Some(last), "bootstrapped {m}");
-    let bytes: u64 = m["files"]
-        .as_array()
-        .map(|fs| fs.iter().filter_map(|f| f["size"].as_u64()).sum())
-        .unwrap_or(0);
+    // Download + import: a new node's bootstrap, BOOTSTRAPS times into an empty store.
+    let mut boots = Vec::with_capacity(BOOTSTRAPS);
+    let mut boot_peak = 0f64;
+    let mut bytes = 0u64;
+    for i in 0..BOOTSTRAPS {
+        let fresh = tmp.join(format!("{backend}-{}-boot-{i}", target.name));
+        let mut cmd = Command::new(bin);
+        cmd.args([
+            "bootstrap",
+            "--artifacts",
+            &target.url,
+            "--artifact-key",
+            &key,
+        ])
+        .args(&target.flags)
+        .arg("--store")
+        .arg(&fresh)
+        .envs(target.env.iter().map(|(k, v)| (*k, v.as_str())));
+        let (secs, peak, out) = timed_child(cmd)?;
+        let m: serde_json::Value = serde_json::from_str(out.trim())?;
+        anyhow::ensure!(m["cursor"].as_u64() == Some(last), "bootstrapped {m}");
+        bytes = m["files"]
+            .as_array()
+            .map(|fs| fs.iter().filter_map(|f| f["size"].as_u64()).sum())
+            .unwrap_or(0);
+        boots.push(secs);
+        boot_peak = boot_peak.max(peak);
+        std::fs::remove_dir_all(&fresh)?;
+    }
+    let (boot_s, boot_min, boot_max) = spread(boots);
     let mb = bytes as f64 / 1e6;
-    std::fs::remove_dir_all(&fresh)?;
     println!(
-        "  {backend:>7} via {:<4}: artifact {mb:.1} MB; export+upload {export_s:.2} s ({:.0} keys/s, {:.0} MB/s); download+import {boot_s:.2} s ({:.0} keys/s, {:.0} MB/s); replay ÷ bootstrap = {:.1}×",
+        "  {backend:>7} via {:<4}: artifact {mb:.1} MB; export+upload {export_s:.2} s ({:.0} keys/s, {:.0} MB/s); download+import {boot_s:.2} s (median of {BOOTSTRAPS}, {boot_min:.2}–{boot_max:.2}; {:.0} keys/s, {:.0} MB/s); replay ÷ bootstrap = {:.1}×",
         target.name,
         keys as f64 / export_s,
         mb / export_s,
@@ -209,11 +235,11 @@ async fn one(
     );
     super::table::row(
         format!(
-            "bootstrap from an artifact ({}), {backend}, {keys} keys: download + import",
+            "bootstrap from an artifact ({}), {backend}, {keys} keys: download + import (median of {BOOTSTRAPS}, {boot_min:.2}–{boot_max:.2} s)",
             target.name
         ),
         format!("{boot_s:.2} s ({mb:.0} MB)"),
-        format!("full replay from revision 1 {replay_s:.2} s"),
+        format!("full replay from revision 1 {replay_s:.2} s (median of {REPLAYS})"),
         replay_s / boot_s,
         "≥ 20 (replay ÷ bootstrap)",
     );
@@ -290,21 +316,37 @@ pub async fn run(keys: u64) -> anyhow::Result<()> {
     for backend in ["fjall", "rocksdb"] {
         let last = kv.positions().await?.last_sequence;
         let store = tmp.path().join(format!("{backend}-replayed"));
-        let mut cmd = Command::new(&bin);
-        cmd.args([
-            "run",
-            "--bucket",
-            "boot",
-            "--nats",
-            &server.url(),
-            "--store",
-        ])
-        .arg(&store)
-        .args(["--backend", backend, "--catch-up"])
-        .env("FOLDHOST_LOG", "warn");
-        let (replay_s, replay_peak, _) = timed_child(cmd)?;
+        // REPLAYS replays into an empty store each; the last one's store is kept.
+        let mut replays = Vec::with_capacity(REPLAYS);
+        let mut replay_peak = 0f64;
+        for i in 0..REPLAYS {
+            let into = if i + 1 == REPLAYS {
+                store.clone()
+            } else {
+                tmp.path().join(format!("{backend}-replay-{i}"))
+            };
+            let mut cmd = Command::new(&bin);
+            cmd.args([
+                "run",
+                "--bucket",
+                "boot",
+                "--nats",
+                &server.url(),
+                "--store",
+            ])
+            .arg(&into)
+            .args(["--backend", backend, "--catch-up"])
+            .env("FOLDHOST_LOG", "warn");
+            let (secs, peak, _) = timed_child(cmd)?;
+            replays.push(secs);
+            replay_peak = replay_peak.max(peak);
+            if into != store {
+                std::fs::remove_dir_all(&into)?;
+            }
+        }
+        let (replay_s, replay_min, replay_max) = spread(replays);
         println!(
-            "  {backend:>7} replay: {replay_s:.2} s ({:.0} keys/s), peak RSS {replay_peak:.0} MiB",
+            "  {backend:>7} replay: {replay_s:.2} s (median of {REPLAYS}, {replay_min:.2}–{replay_max:.2}; {:.0} keys/s), peak RSS {replay_peak:.0} MiB",
             keys as f64 / replay_s
         );
         for target in &targets {
@@ -320,48 +362,61 @@ pub async fn run(keys: u64) -> anyhow::Result<()> {
             )
             .await?;
         }
-        // Resume: 1 000 writes after the replayed fold's cursor.
-        foldhost_tests::publish_all(
-            kv.jetstream(),
-            (0..1000u64).map(|i| {
-                (
-                    format!("$KV.boot.key.{:026}", i * 997 % keys.max(1)),
-                    value(i + keys).into(),
-                )
-            }),
-        )
-        .await?;
-        let mut cmd = Command::new(&bin);
-        cmd.args([
-            "run",
-            "--bucket",
-            "boot",
-            "--nats",
-            &server.url(),
-            "--store",
-        ])
-        .arg(&store)
-        .args(["--backend", backend, "--catch-up"])
-        .env(
-            "FOLDHOST_LOG",
-            std::env::var("FOLDHOST_BENCH_RESUME_LOG").unwrap_or_else(|_| "warn".into()),
-        );
-        let (resume_s, _, log) = timed_child_stderr(cmd, |stderr| {
-            stderr.contains("(1000 updates delivered this run)")
-        })?;
-        if std::env::var_os("FOLDHOST_BENCH_RESUME_LOG").is_some() {
-            eprintln!("{log}");
+        // Resume: 1 000 writes after the fold's cursor, then a run that must deliver exactly
+        // those; RESUMES times.
+        let mut resumes = Vec::with_capacity(RESUMES);
+        for round in 0..RESUMES as u64 {
+            foldhost_tests::publish_all(
+                kv.jetstream(),
+                (0..1000u64).map(|i| {
+                    (
+                        format!(
+                            "$KV.boot.key.{:026}",
+                            (i + round * 1000) * 997 % keys.max(1)
+                        ),
+                        value(i + round * 1000 + keys).into(),
+                    )
+                }),
+            )
+            .await?;
+            let mut cmd = Command::new(&bin);
+            cmd.args([
+                "run",
+                "--bucket",
+                "boot",
+                "--nats",
+                &server.url(),
+                "--store",
+            ])
+            .arg(&store)
+            .args(["--backend", backend, "--catch-up"])
+            .env(
+                "FOLDHOST_LOG",
+                std::env::var("FOLDHOST_BENCH_RESUME_LOG").unwrap_or_else(|_| "warn".into()),
+            );
+            let (secs, _, log) = timed_child_stderr(cmd, |stderr| {
+                stderr.contains("(1000 updates delivered this run)")
+            })?;
+            if std::env::var_os("FOLDHOST_BENCH_RESUME_LOG").is_some() {
+                eprintln!("{log}");
+            }
+            resumes.push(secs);
         }
+        let (resume_s, resume_min, resume_max) = spread(resumes);
         println!(
-            "  {backend:>7} resume after 1 000 writes: {resume_s:.3} s, exactly 1 000 delivered; resume ÷ replay = {:.4}",
-            resume_s / replay_s
+            "  {backend:>7} resume after 1 000 writes: {resume_s:.3} s (median of {RESUMES}, {resume_min:.3}–{resume_max:.3}), exactly 1 000 delivered each time; resume ÷ replay = {:.4} ({:.4}–{:.4})",
+            resume_s / replay_s,
+            resume_min / replay_s,
+            resume_max / replay_s,
         );
         super::table::row(
             format!(
-                "resume after 1 000 writes, {backend}, {keys}-key fold (exactly 1 000 delivered)"
+                "resume after 1 000 writes, {backend}, {keys}-key fold (exactly 1 000 delivered; median of {RESUMES}, {resume_min:.3}–{resume_max:.3} s)"
             ),
             format!("{resume_s:.3} s"),
-            format!("full replay {replay_s:.2} s (peak RSS {replay_peak:.0} MiB)"),
+            format!(
+                "full replay {replay_s:.2} s (median of {REPLAYS}, {replay_min:.2}–{replay_max:.2}; peak RSS {replay_peak:.0} MiB)"
+            ),
             resume_s / replay_s,
             "≤ 0.01",
         );
