@@ -662,6 +662,15 @@ pub trait KvWatcher: Send + Sync {
         Ok(None)
     }
 
+    /// [`Self::stream_state`] and [`Self::retention`] as of one moment: a fold's start checks
+    /// both, and a backend that learns both from one answer (NATS: one stream info) overrides
+    /// this to ask once.
+    async fn state_and_retention(
+        &self,
+    ) -> Result<(Option<StreamState>, Option<crate::protocol::Retention>), KvError> {
+        Ok((self.stream_state().await?, self.retention().await?))
+    }
+
     /// The bucket's name, for messages.
     fn bucket_name(&self) -> String {
         String::new()

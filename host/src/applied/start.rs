@@ -6,7 +6,7 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::kv::{KvError, KvWatcher, WatchCursor};
+use crate::kv::{KvError, KvWatcher, StreamState, WatchCursor};
 use crate::protocol;
 use crate::snapshot::SnapshotStore;
 
@@ -28,8 +28,15 @@ pub(super) async fn prepare<S: SnapshotStore, A: Apply + ?Sized>(
     let store_err = |e| AppliedError::Store { streak: 0, last: e };
     fold.release(apply).await?;
     fold.check_grace(opts.defer_grace).map_err(store_err)?;
-    let reset = check_identity(fold, apply, watcher, opts, status).await?;
-    let retention = watcher.retention().await?;
+    // Identity and retention as of one moment (one request on NATS); after a reset for a
+    // recreated stream, whose re-list took its time, retention is read again.
+    let (found, retention) = watcher.state_and_retention().await?;
+    let reset = check_identity_of(found, fold, apply, watcher, opts, status).await?;
+    let retention = if reset {
+        watcher.retention().await?
+    } else {
+        retention
+    };
     note_retention(fold, apply, retention).await?;
     if reset || fold.cursor().revision().is_some() {
         return Ok(reset);
@@ -104,7 +111,20 @@ pub(super) async fn check_identity<S: SnapshotStore, A: Apply + ?Sized>(
     opts: &WatchOptions,
     status: &FoldStatus,
 ) -> Result<bool, AppliedError> {
-    let Some(found) = watcher.stream_state().await? else {
+    let found = watcher.stream_state().await?;
+    check_identity_of(found, fold, apply, watcher, opts, status).await
+}
+
+/// [`check_identity`] against `found`, the stream's state read just before.
+async fn check_identity_of<S: SnapshotStore, A: Apply + ?Sized>(
+    found: Option<StreamState>,
+    fold: &mut Fold<S>,
+    apply: &mut A,
+    watcher: &dyn KvWatcher,
+    opts: &WatchOptions,
+    status: &FoldStatus,
+) -> Result<bool, AppliedError> {
+    let Some(found) = found else {
         return Ok(false);
     };
     let store_err = |e| AppliedError::Store { streak: 0, last: e };

@@ -19,6 +19,11 @@
 //!   messages in the same order, each once; an absence is believed only from the stream leader.
 //! - Revisions come from the ACK subject through [`protocol::parse_ack_subject`]; an unparseable one
 //!   becomes [`VersionToken::UNKNOWN`], never a made-up number.
+//! - Opening a bucket is one stream-info request, and a node's identity refusal before its store
+//!   opens uses that answer while it is younger than [`START_INFO_MAX_AGE`]
+//!   ([`NatsKv::start_state`]). Everything else reads afresh: the resume gap's prefetch, the fold's
+//!   identity and retention checks (one request for both), a watch's start point, the floor
+//!   probes, and every check a repair makes.
 
 mod catchup;
 mod create;
@@ -73,6 +78,11 @@ pub const FLOOR_BACKSTOP: Duration = Duration::from_secs(30);
 
 /// Least time between two delivery stamps (`WatchEvent::Stamp`) outside the level.
 pub const STAMP_PERIOD: Duration = Duration::from_millis(100);
+
+/// Longest the stream info read when a bucket was opened stands in for a fresh read in a node's
+/// identity refusal before its store opens ([`NatsKv::start_state`]): the refusal costs no request
+/// of its own, and a handle opened long before reads afresh.
+pub const START_INFO_MAX_AGE: Duration = Duration::from_secs(2);
 
 /// How many times the floor guard retries a failed probe at a delivery gap before ending the watch.
 pub const FLOOR_PROBE_RETRIES: u32 = 4;
@@ -293,6 +303,22 @@ pub struct NatsKv {
     lean_dial: std::sync::Mutex<Option<lean::LeanDial>>,
     /// Watches delivered over a lean connection so far (diagnostics and tests).
     lean_watches: std::sync::atomic::AtomicU64,
+    /// When the bucket was opened; its stream info then is `kv.stream`'s cached info
+    /// ([`NatsKv::start_state`]).
+    opened_at: std::time::Instant,
+    /// Stream-info requests this handle sent, the open's included (diagnostics and tests).
+    info_reads: std::sync::atomic::AtomicU64,
+}
+
+/// Whether `e` (from `get_key_value`) says the bucket's stream does not exist.
+fn bucket_missing(e: &jetstream::context::KeyValueError) -> bool {
+    matches!(e.kind(), jetstream::context::KeyValueErrorKind::GetBucket)
+        && std::error::Error::source(e)
+            .and_then(|s| s.downcast_ref::<jetstream::context::GetStreamError>())
+            .is_some_and(|g| {
+                matches!(g.kind(), jetstream::context::GetStreamErrorKind::JetStream(j)
+                    if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND)
+            })
 }
 
 /// Live stream positions, read from the server (not the client's creation-time cache).
@@ -317,31 +343,23 @@ impl NatsKv {
     ) -> Result<Arc<Self>, KvError> {
         let js = jetstream::new(client.clone());
         let stream_name = format!("KV_{bucket}");
-        let exists = timed("get bucket", timeout, async {
-            match js.get_stream(&stream_name).await {
-                Ok(_) => Ok(true),
-                Err(e) => match e.kind() {
-                    jetstream::context::GetStreamErrorKind::JetStream(j)
-                        if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
-                    {
-                        Ok(false)
-                    }
-                    _ => Err(backend("get bucket", e)),
-                },
+        // One request: the bucket's stream info, which says both whether it exists and what the
+        // node's first checks need (`start_state`).
+        let opened_at = std::time::Instant::now();
+        let found = timed("get bucket", timeout, async {
+            match js.get_key_value(bucket).await {
+                Ok(kv) => Ok(Some(kv)),
+                Err(e) if bucket_missing(&e) => Ok(None),
+                Err(e) => Err(backend("get bucket", e)),
             }
         })
         .await?;
-        let kv = if exists {
-            timed("get bucket", timeout, async {
-                js.get_key_value(bucket)
-                    .await
-                    .map_err(|e| backend("get bucket", e))
-            })
-            .await?
-        } else if config.create {
-            create::create_bucket(&client, &js, bucket, config, timeout).await?
-        } else {
-            return Err(KvError::BucketNotFound(bucket.to_string()));
+        let kv = match found {
+            Some(kv) => kv,
+            None if config.create => {
+                create::create_bucket(&client, &js, bucket, config, timeout).await?
+            }
+            None => return Err(KvError::BucketNotFound(bucket.to_string())),
         };
         Ok(Arc::new(NatsKv {
             subject_prefix: format!("$KV.{bucket}."),
@@ -358,6 +376,8 @@ impl NatsKv {
             prefetch: std::sync::Mutex::new(None),
             lean_dial: std::sync::Mutex::new(None),
             lean_watches: std::sync::atomic::AtomicU64::new(0),
+            opened_at,
+            info_reads: std::sync::atomic::AtomicU64::new(1),
         }))
     }
 
@@ -410,8 +430,30 @@ impl NatsKv {
         })
     }
 
+    /// Stream-info requests this handle has sent, the open's included.
+    pub fn stream_info_reads(&self) -> u64 {
+        self.info_reads.load(Ordering::Relaxed)
+    }
+
+    /// The stream's identity and last sequence for a node's identity refusal before its store
+    /// opens: from the stream info read when this handle opened the bucket, while that is younger
+    /// than [`START_INFO_MAX_AGE`], else fresh. Sound there because nothing of the fold depends on
+    /// it: a stream recreated after the open is caught by the fold's own identity check, which
+    /// reads afresh once the store is open (see the module invariants).
+    pub async fn start_state(&self) -> Result<StreamState, KvError> {
+        let state = |info: &async_nats::jetstream::stream::Info| StreamState {
+            identity: identity_of(info),
+            last_sequence: info.state.last_sequence,
+        };
+        if self.opened_at.elapsed() <= START_INFO_MAX_AGE {
+            return Ok(state(self.kv.stream.cached_info()));
+        }
+        Ok(state(&self.stream_info().await?))
+    }
+
     /// The stream's info (config and state), fresh from the server.
     async fn stream_info(&self) -> Result<async_nats::jetstream::stream::Info, KvError> {
+        self.info_reads.fetch_add(1, Ordering::Relaxed);
         timed("stream info", self.timeout, async {
             self.kv
                 .stream
@@ -1354,6 +1396,17 @@ impl KvWatcher for NatsKv {
             identity: identity_of(&info),
             last_sequence: info.state.last_sequence,
         }))
+    }
+
+    async fn state_and_retention(
+        &self,
+    ) -> Result<(Option<StreamState>, Option<crate::protocol::Retention>), KvError> {
+        let info = self.stream_info().await?;
+        let state = StreamState {
+            identity: identity_of(&info),
+            last_sequence: info.state.last_sequence,
+        };
+        Ok((Some(state), Some(retention_of(&info))))
     }
 
     fn bucket_name(&self) -> String {

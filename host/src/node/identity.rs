@@ -2,7 +2,6 @@
 
 use std::path::Path;
 
-use crate::kv::KvWatcher as _;
 use crate::nats::NatsKv;
 use crate::storedir::{self, AnyStore};
 
@@ -46,9 +45,10 @@ pub(super) async fn refuse_another_stream(
     })
     .await
     .map_err(|e| NodeError::Task("store identity read", e.to_string()))??;
-    if let Some(found) = kv.stream_state().await?
-        && let Some(line) =
-            crate::applied::identity_refusal(bucket, recorded.as_ref(), cursor, &found)
+    // The bucket's opening answer, when young (`NatsKv::start_state`): a refusal needs no request
+    // of its own, and the fold checks again, afresh, once its store is open.
+    let found = kv.start_state().await?;
+    if let Some(line) = crate::applied::identity_refusal(bucket, recorded.as_ref(), cursor, &found)
     {
         return Err(NodeError::Refused(line));
     }

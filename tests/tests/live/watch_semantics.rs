@@ -797,3 +797,61 @@ async fn a_lean_watch_cut_off_from_its_consumer_ends_instead_of_waiting_forever(
     }
     Ok(())
 }
+
+/// The JetStream API requests the server has answered for the account so far (this query
+/// included).
+async fn api_requests(h: &Harness) -> anyhow::Result<u64> {
+    let js = async_nats::jetstream::new(h.conn.client().await?);
+    Ok(js.query_account().await?.requests.total)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn opening_a_bucket_and_the_identity_refusal_before_the_store_opens_cost_one_stream_info_request()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    drop(h.bucket("once").await?);
+    for i in 0..5 {
+        h.bucket("once")
+            .await?
+            .put(&format!("k.{i}"), "v".into())
+            .await?;
+    }
+    // A node's start: open the bucket, check the identity before the store opens. Counted by the
+    // server: each count is one request itself.
+    let before = api_requests(&h).await?;
+    let kv = h.bucket("once").await?;
+    let state = kv.start_state().await?;
+    let after = api_requests(&h).await?;
+    assert_eq!(
+        after - before,
+        2,
+        "the open and the refusal check are one request (the second count is the other)"
+    );
+    assert_eq!(kv.stream_info_reads(), 1);
+    let live = kv.stream_state().await?.expect("NATS knows its identity");
+    assert_eq!(state, live, "the open's answer is the stream as it is");
+    assert_eq!(state.last_sequence, 5);
+    // The fold's own start check: identity and retention, afresh, in one request.
+    let before = api_requests(&h).await?;
+    let (found, retention) = kv.state_and_retention().await?;
+    assert_eq!(api_requests(&h).await? - before, 2, "one request for both");
+    assert_eq!(found, Some(live));
+    assert_eq!(retention, Some(kv.read_retention().await?));
+    // A bucket that is not there is named, not created, when creation is off.
+    let missing = h
+        .conn
+        .bucket(
+            "absent",
+            &foldhost::bucket::BucketConfig {
+                create: false,
+                ..Default::default()
+            },
+        )
+        .await;
+    assert!(
+        matches!(missing, Err(KvError::BucketNotFound(ref b)) if b == "absent"),
+        "{:?}",
+        missing.map(|_| ())
+    );
+    Ok(())
+}
