@@ -640,7 +640,7 @@ async fn cmd_publish(a: PublishArgs) -> anyhow::Result<()> {
     let p = published?;
     println!(
         "{}",
-        serde_json::json!({"cursor": p.cursor, "payload": p.payload})
+        serde_json::json!({"cursor": p.cursor, "payload": p.payload, "segments": p.segments})
     );
     Ok(())
 }

@@ -2,7 +2,8 @@
 //! real nats-server: an artifact published to object storage bootstraps a node that resumes with a
 //! delta only; the pointer never moves backward; prune never deletes the pointer's target and waits
 //! for the grace; a corrupt pointer is replaced; the local file system refuses to publish a pointer
-//! it cannot replace atomically unless told to.
+//! it cannot replace atomically unless told to; a payload cut into segments downloads in order and
+//! refuses a listing with a gap, and the earlier one-object layout still bootstraps.
 
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -224,7 +225,7 @@ async fn the_local_file_store_publishes_a_pointer_only_when_told_it_is_not_atomi
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let tmp = tempfile::tempdir()?;
-    let (mut host, addr) = folding_host(&h, "local", 50, &tmp.path().join("a")).await?;
+    let (mut host, addr) = folding_host(&h, "local", 6000, &tmp.path().join("a")).await?;
     let art = tmp.path().join("art");
     let cursor = export_live(&addr, &art)?;
     terminate(&mut host)?;
@@ -233,6 +234,7 @@ async fn the_local_file_store_publishes_a_pointer_only_when_told_it_is_not_atomi
     let url = format!("file://{}", objects.display());
     let publish = |extra: &[&str]| -> anyhow::Result<Output> {
         Ok(foldhost()
+            .env("FOLDHOST_ARTIFACT_SEGMENT_BYTES", SMALL_SEGMENT)
             .args([
                 "publish",
                 "--artifacts",
@@ -260,6 +262,8 @@ async fn the_local_file_store_publishes_a_pointer_only_when_told_it_is_not_atomi
     let o = publish(&["--allow-non-atomic-pointer"])?;
     let p = ok(&o, "publish, non-atomic allowed")?;
     assert_eq!(p["cursor"].as_u64(), Some(cursor));
+    let segments = p["segments"].as_u64().unwrap_or(0);
+    assert!(segments >= 2, "the payload is cut into segments: {p}");
     assert!(
         String::from_utf8_lossy(&o.stderr).contains("NON-ATOMIC pointer"),
         "the log says so"
@@ -281,12 +285,17 @@ async fn the_local_file_store_publishes_a_pointer_only_when_told_it_is_not_atomi
     let m = ok(&bootstrap(&b)?, "bootstrap from the file store")?;
     assert_eq!(m["cursor"].as_u64(), Some(cursor));
 
-    // A local payload is read straight from its file, not through the store's stream: a flipped
-    // byte in it is still refused, and the store it was meant for is not made.
+    // A local payload is read straight from its files, not through the store's stream: a flipped
+    // byte in a segment past the first is still refused, and the store it was meant for is not
+    // made.
     let payload = walk_files(&objects)?
         .into_iter()
-        .find(|p| p.extension().is_some_and(|e| e == "tar"))
-        .ok_or_else(|| anyhow::anyhow!("no payload under {}", objects.display()))?;
+        .find(|p| {
+            p.file_name().is_some_and(|n| n == "000001")
+                && p.parent()
+                    .is_some_and(|d| d.to_string_lossy().ends_with(".tar.parts"))
+        })
+        .ok_or_else(|| anyhow::anyhow!("no second segment under {}", objects.display()))?;
     let mut bytes = std::fs::read(&payload)?;
     let mid = bytes.len() / 2;
     bytes[mid] ^= 0xff;
@@ -304,6 +313,122 @@ async fn the_local_file_store_publishes_a_pointer_only_when_told_it_is_not_atomi
         !c.exists() || std::fs::read_dir(&c)?.next().is_none(),
         "{} was made",
         c.display()
+    );
+    Ok(())
+}
+
+/// The segment size the segment tests publish with (the smallest allowed), so that a small
+/// artifact makes several.
+const SMALL_SEGMENT: &str = "65536";
+
+/// An S3 client of `moto`'s bucket.
+fn moto_s3(moto: &Moto) -> anyhow::Result<object_store::aws::AmazonS3> {
+    Ok(object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(format!("http://{}", moto.addr))
+        .with_allow_http(true)
+        .with_bucket_name(&moto.bucket)
+        .with_access_key_id("test")
+        .with_secret_access_key("test")
+        .with_region("us-east-1")
+        .build()?)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_payload_cut_into_segments_bootstraps_in_order_refuses_a_listing_with_a_gap_and_the_one_object_layout_still_reads()
+-> anyhow::Result<()> {
+    use futures::StreamExt as _;
+    use object_store::ObjectStore as _;
+    use object_store::ObjectStoreExt as _;
+    let h = Harness::start().await?;
+    let moto = Moto::start().await?;
+    let url = moto.url("seg");
+    let tmp = tempfile::tempdir()?;
+    let (mut a, addr) = folding_host(&h, "seg", 6000, &tmp.path().join("a")).await?;
+    let cursor = export_live(&addr, &tmp.path().join("art"))?;
+    terminate(&mut a)?;
+    let p = ok(
+        &with_artifacts(&moto, "publish", &url)
+            .env("FOLDHOST_ARTIFACT_SEGMENT_BYTES", SMALL_SEGMENT)
+            .arg("--artifact")
+            .arg(tmp.path().join("art"))
+            .output()?,
+        "publish in small segments",
+    )?;
+    let segments = p["segments"].as_u64().unwrap_or(0);
+    assert!(segments >= 3, "several segments: {p}");
+    let kv = h.bucket("seg").await?;
+    let bootstrap = |dest: &Path| -> anyhow::Result<Output> {
+        Ok(with_artifacts(&moto, "bootstrap", &url)
+            .arg("--store")
+            .arg(dest)
+            .output()?)
+    };
+    // Fetched several at once, fed in order: the store equals the bucket.
+    let b = tmp.path().join("b");
+    let m = ok(&bootstrap(&b)?, "bootstrap from segments")?;
+    assert_eq!(m["cursor"].as_u64(), Some(cursor));
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &dump_store(&b)?),
+        None
+    );
+
+    // A listing with a gap is refused before anything is imported, in one line naming it.
+    let s3 = moto_s3(&moto)?;
+    let dir = object_store::path::Path::from(
+        p["payload"]
+            .as_str()
+            .ok_or_else(|| anyhow::anyhow!("no payload in {p}"))?,
+    );
+    let second = dir.clone().join("000001");
+    let kept = s3.get(&second).await?.bytes().await?;
+    s3.delete(&second).await?;
+    let c = tmp.path().join("c");
+    let o = bootstrap(&c)?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("segment 000001 is missing"), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(!c.exists(), "a store was left behind");
+    s3.put(&second, kept.into()).await?;
+
+    // A segment shorter than its neighbours said: the tar it makes is refused, nothing is made.
+    let shortened = dir.clone().join(format!("{:06}", segments - 2));
+    let whole_last = s3.get(&shortened).await?.bytes().await?;
+    s3.put(&shortened, whole_last.slice(..whole_last.len() / 2).into())
+        .await?;
+    let o = bootstrap(&c)?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(!c.exists(), "a store was left behind: {err}");
+    s3.put(&shortened, whole_last.into()).await?;
+
+    // The earlier layout: the same bytes as one object beside the segment directory, no segment
+    // listed. It bootstraps the same store.
+    let mut listed: Vec<_> = s3
+        .list(Some(&dir))
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()?;
+    listed.sort_by(|x, y| x.location.cmp(&y.location));
+    let mut whole = Vec::new();
+    for meta in &listed {
+        whole.extend_from_slice(&s3.get(&meta.location).await?.bytes().await?);
+        s3.delete(&meta.location).await?;
+    }
+    let one_object = object_store::path::Path::from(
+        dir.as_ref()
+            .strip_suffix(".parts")
+            .ok_or_else(|| anyhow::anyhow!("{dir} is not a segment directory"))?,
+    );
+    s3.put(&one_object, Bytes::from(whole).into()).await?;
+    let d = tmp.path().join("d");
+    let m = ok(&bootstrap(&d)?, "bootstrap from one object")?;
+    assert_eq!(m["cursor"].as_u64(), Some(cursor));
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &dump_store(&d)?),
+        None
     );
     Ok(())
 }
