@@ -62,7 +62,7 @@ pub const MAX_SEGMENT_BYTES: u64 = 64 << 20;
 pub const MAX_SEGMENTS: usize = 1_000_000;
 /// Bytes of segments a download fetches ahead of the one the import is reading (at least one
 /// segment is always fetched ahead when there is one).
-pub const READAHEAD_BYTES: u64 = 48 << 20;
+pub const READAHEAD_BYTES: u64 = 32 << 20;
 /// Segments of one upload in flight at once (memory: about this many segments).
 pub const UPLOAD_CONCURRENCY: usize = 2;
 /// What a payload's segment directory adds to its name.
@@ -613,6 +613,7 @@ impl ArtifactTransport {
                 })
                 .collect()
         };
+        tracing::debug!(key, segments = segments.len(), "bootstrap: payload listed");
         if self.local {
             return self
                 .bootstrap_from_files(segments, manifest_bytes, dest, want)
@@ -659,6 +660,10 @@ impl ArtifactTransport {
     ) -> Result<(), TransportError> {
         let mut fetching: std::collections::VecDeque<Fetch> = std::collections::VecDeque::new();
         let mut next = 0;
+        // Each fetch sends its request once the one before it has its response: a store that
+        // reads a whole object before answering (moto) then prepares one segment while it sends
+        // the one before, instead of all of them at once while the import waits for the first.
+        let mut go: Option<tokio::sync::oneshot::Receiver<()>> = None;
         loop {
             // Start fetches while what is fetched behind the head stays under the read-ahead.
             while next < segments.len() {
@@ -671,20 +676,22 @@ impl ArtifactTransport {
                 if fetching.len() >= 2 && ahead + size > READAHEAD_BYTES {
                     break;
                 }
-                fetching.push_back(Fetch::start(
-                    Arc::clone(&self.store),
-                    segments[next].clone(),
-                ));
+                let (fetch, after) =
+                    Fetch::start(Arc::clone(&self.store), segments[next].clone(), go.take());
+                fetching.push_back(fetch);
+                go = Some(after);
                 next += 1;
             }
             let Some(mut head) = fetching.pop_front() else {
                 return Ok(());
             };
+            tracing::debug!(segment = %head.segment.path, "bootstrap: segment's turn");
             while let Some(chunk) = head.chunks.recv().await {
                 if tx.send(Ok(chunk?)).await.is_err() {
                     return Ok(());
                 }
             }
+            tracing::debug!(segment = %head.segment.path, "bootstrap: segment handed over");
         }
     }
 
@@ -887,14 +894,26 @@ struct Fetch {
 const SEGMENT_CHUNKS: usize = 1 << 20;
 
 impl Fetch {
-    fn start(store: Arc<dyn ObjectStore>, segment: Segment) -> Fetch {
+    /// Starts downloading `segment` once `go` fires (or its sender is gone; at once without one).
+    /// Returns the fetch and what fires when this one has its response (or has failed).
+    fn start(
+        store: Arc<dyn ObjectStore>,
+        segment: Segment,
+        go: Option<tokio::sync::oneshot::Receiver<()>>,
+    ) -> (Fetch, tokio::sync::oneshot::Receiver<()>) {
         let capacity = match segment.size {
             Some(_) => SEGMENT_CHUNKS,
             None => DOWNLOAD_CHUNKS_IN_FLIGHT,
         };
         let (tx, chunks) = tokio::sync::mpsc::channel(capacity);
+        let (responded, after) = tokio::sync::oneshot::channel();
         let seg = segment.clone();
         let task = tokio::spawn(async move {
+            if let Some(go) = go {
+                let _ = go.await;
+            }
+            let got = store.get(&seg.path).await;
+            let _ = responded.send(());
             let failed =
                 |e: object_store::Error| ArtifactTransport::store_err("download", &seg.path)(e);
             let short = |what: String| TransportError::Io {
@@ -902,13 +921,14 @@ impl Fetch {
                 op: "download",
                 source: std::io::Error::other(what),
             };
-            let mut stream = match store.get(&seg.path).await {
+            let mut stream = match got {
                 Ok(r) => r.into_stream(),
                 Err(e) => {
                     let _ = tx.send(Err(failed(e))).await;
                     return;
                 }
             };
+            tracing::debug!(segment = %seg.path, "bootstrap: segment's response");
             let mut got: u64 = 0;
             while let Some(chunk) = stream.next().await {
                 let chunk = match chunk {
@@ -940,11 +960,14 @@ impl Fetch {
             }
         })
         .abort_handle();
-        Fetch {
-            segment,
-            chunks,
-            task,
-        }
+        (
+            Fetch {
+                segment,
+                chunks,
+                task,
+            },
+            after,
+        )
     }
 }
 

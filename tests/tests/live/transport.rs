@@ -145,7 +145,7 @@ async fn the_pointer_never_moves_backward_and_prune_keeps_its_target_and_the_gra
     let moto = Moto::start().await?;
     let url = moto.url("race");
     let tmp = tempfile::tempdir()?;
-    let (mut host, addr) = folding_host(&h, "race", 100, &tmp.path().join("a")).await?;
+    let (mut host, addr) = folding_host(&h, "race", 6000, &tmp.path().join("a")).await?;
     let kv = h.bucket("race").await?;
     let older = tmp.path().join("older");
     let c1 = export_live(&addr, &older)?;
@@ -155,9 +155,18 @@ async fn the_pointer_never_moves_backward_and_prune_keeps_its_target_and_the_gra
     let c2 = export_live(&addr, &newer)?;
     assert!(c2 > c1);
 
+    // Both in several segments, so that prune must take a payload's every segment.
+    let publish = |moto: &Moto, url: &str, artifact: &Path| -> anyhow::Result<Output> {
+        Ok(with_artifacts(moto, "publish", url)
+            .env("FOLDHOST_ARTIFACT_SEGMENT_BYTES", SMALL_SEGMENT)
+            .arg("--artifact")
+            .arg(artifact)
+            .output()?)
+    };
     // The slower exporter (the older artifact) publishes after the newer one: superseded, and
     // the pointer stays; an equal cursor does not move it either.
-    ok(&publish(&moto, &url, &newer)?, "publish the newer")?;
+    let target = ok(&publish(&moto, &url, &newer)?, "publish the newer")?;
+    assert!(target["segments"].as_u64() >= Some(2), "{target}");
     for (artifact, what) in [(&older, "older"), (&newer, "the same")] {
         let o = publish(&moto, &url, artifact)?;
         let stderr = String::from_utf8_lossy(&o.stderr);
@@ -181,6 +190,20 @@ async fn the_pointer_never_moves_backward_and_prune_keeps_its_target_and_the_gra
             .as_u64()
             .ok_or_else(|| anyhow::anyhow!("no count in {v}"))
     };
+    let s3 = moto_s3(&moto)?;
+    let payload_objects = || async {
+        use futures::StreamExt as _;
+        use object_store::ObjectStore as _;
+        s3.list(Some(&object_store::path::Path::from(
+            "race/routes.payloads",
+        )))
+        .map(|m| m.map(|m| m.location.to_string()))
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<Vec<_>, _>>()
+    };
+    let before = payload_objects().await?;
     assert_eq!(prune("3600")?, 0, "nothing is older than the grace");
     assert_eq!(prune("0")?, 1, "the orphan goes");
     assert_eq!(
@@ -189,6 +212,18 @@ async fn the_pointer_never_moves_backward_and_prune_keeps_its_target_and_the_gra
         "the pointer's target stays, even at zero grace"
     );
     assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c2));
+    // Every segment of the orphan went, every segment of the target stayed.
+    let target_dir = target["payload"].as_str().unwrap_or_default().to_string();
+    let after = payload_objects().await?;
+    let (kept, gone): (Vec<_>, Vec<_>) = before
+        .iter()
+        .partition(|o| o.starts_with(&format!("{target_dir}/")));
+    assert!(
+        !gone.is_empty() && gone.iter().all(|o| !after.contains(o)),
+        "{gone:?} / {after:?}"
+    );
+    assert_eq!(after.len(), kept.len(), "{after:?}");
+    assert!(gone.len() >= 2, "the orphan had several segments: {gone:?}");
 
     // A corrupt pointer (a foreign write) is replaced by the next publish.
     {
