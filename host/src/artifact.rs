@@ -825,6 +825,7 @@ fn seal_import(
     log_check: Option<crate::snapshot::CompactLogCheck>,
     syncs: Syncs,
 ) -> Result<(), ArtifactError> {
+    tracing::debug!(stage = %stage.display(), "import: every file written, checking the copy");
     let got = match log_check {
         // The append log was checked as it was copied: no reopen (no map) needed.
         Some(c) => {
@@ -855,11 +856,13 @@ fn seal_import(
             got,
         });
     }
+    tracing::debug!(cursor = got, "import: the copy reopened at its cursor");
     // Every file's fsync (started as each was written) before the stage is renamed into place.
     syncs
         .wait()
         .map_err(io_err(stage, "fsync the imported files"))?;
     sync_dir(stage)?;
+    tracing::debug!("import: every file synced");
     if dest.exists() {
         // An empty directory (checked free before): replace it.
         std::fs::remove_dir(dest).map_err(io_err(dest, "replace empty destination"))?;
