@@ -17,7 +17,9 @@
 //! - **Nothing half-written is addressable**: the segments (each one atomic put, at most
 //!   [`UPLOAD_CONCURRENCY`] in flight) go to a name no pointer names yet, any segment past their
 //!   count (an earlier attempt's) is deleted, and the pointer moves only after every segment is
-//!   whole. A failed upload leaves its segments to prune (nothing names them).
+//!   whole. A failed upload leaves its segments to prune (nothing names them). A name is always
+//!   the same bytes: the manifest carries its export's time, and publishing the same artifact
+//!   again packs the same files, so a segment put twice is put with the same bytes.
 //! - **A download is bounded and in order**: the listing of a payload's segments must be
 //!   contiguous from `000000` ([`segment_plan`]: at most [`MAX_SEGMENTS`], each at most
 //!   [`MAX_SEGMENT_BYTES`]); each segment must deliver exactly its listed length; at most
