@@ -406,7 +406,7 @@ impl ArtifactTransport {
             let path = tar.to_path_buf();
             move |source| TransportError::Io { path, op, source }
         };
-        let mut f = std::fs::File::open(tar).map_err(io("open packed payload"))?;
+        let f = Arc::new(std::fs::File::open(tar).map_err(io("open packed payload"))?);
         let len = f.metadata().map_err(io("stat packed payload"))?.len();
         let count = usize::try_from(len.div_ceil(self.segment_bytes).max(1)).unwrap_or(usize::MAX);
         if count > MAX_SEGMENTS {
@@ -427,10 +427,19 @@ impl ArtifactTransport {
                 }
             }
             let start = i as u64 * self.segment_bytes;
-            let mut bytes =
-                vec![0u8; usize::try_from(self.segment_bytes.min(len - start)).unwrap_or(0)];
-            f.read_exact(&mut bytes)
-                .map_err(io("read packed payload"))?;
+            let size = usize::try_from(self.segment_bytes.min(len - start)).unwrap_or(0);
+            // Read on a blocking thread: a segment is up to 64 MiB, and an export round shares
+            // the runtime with the fold.
+            let file = Arc::clone(&f);
+            let bytes = tokio::task::spawn_blocking(move || {
+                use std::os::unix::fs::FileExt as _;
+                let mut bytes = vec![0u8; size];
+                file.read_exact_at(&mut bytes, start).map(|()| bytes)
+            })
+            .await
+            .map_err(|e| std::io::Error::other(e.to_string()))
+            .and_then(|read| read)
+            .map_err(io("read packed payload"))?;
             let path = dir.clone().join(segment_name(i));
             let store = Arc::clone(&self.store);
             puts.push(async move {
