@@ -17,6 +17,7 @@ fn main() {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_target(false)
         .init();
+    tracing::debug!(pid = std::process::id(), "process started");
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -321,6 +321,7 @@ impl Node {
             }
         }
         let shared = open_store(&cfg).await?;
+        tracing::debug!(store = %cfg.store.display(), "store opened");
         if let Some(p) = &proven {
             let seed =
                 match cfg.guest_seed {
