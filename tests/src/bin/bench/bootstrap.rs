@@ -14,6 +14,7 @@
 //!   run, the exporting node, was stopped with SIGTERM), which must deliver exactly those 1 000
 //!   (the figure: resume ÷ replay, target ≤ 0.01). With
 //!   `FOLDHOST_BENCH_RESUME_LOG=<filter>` the resume runs at that log level and its log is printed.
+//!   `FOLDHOST_BENCH_BACKENDS=fjall` (or `rocksdb`, or both comma-separated) measures only those.
 //!
 //! Each through S3 (moto on loopback) and through the local file system (`file://`), so the
 //! object store's own cost shows. The figure that matters is replay ÷ (download + import).
@@ -313,7 +314,11 @@ pub async fn run(keys: u64) -> anyhow::Result<()> {
             flags: vec!["--allow-non-atomic-pointer"],
         },
     ];
+    let only = std::env::var("FOLDHOST_BENCH_BACKENDS").unwrap_or_default();
     for backend in ["fjall", "rocksdb"] {
+        if !only.is_empty() && !only.split(',').any(|b| b.trim() == backend) {
+            continue;
+        }
         let last = kv.positions().await?.last_sequence;
         let store = tmp.path().join(format!("{backend}-replayed"));
         // REPLAYS replays into an empty store each; the last one's store is kept.
