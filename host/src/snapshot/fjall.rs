@@ -676,7 +676,7 @@ mod tests {
             let batch: Vec<KvUpdate> = (b * 1_000..(b + 1) * 1_000)
                 .map(|i| {
                     KvUpdate::Put(KvEntry {
-                        key: format!("key.{i:08}").into(),
+                        key: format!("key.{i:08}"),
                         value: value(i),
                         version: VersionToken::from_u64(i + 1),
                     })
