@@ -3,14 +3,17 @@
 //! `gs://…`, `az://…`, `file:///…`; credentials from the environment, as the `object_store` crate
 //! reads them). Under the prefix, per artifact key:
 //!
-//! - `<key>.payloads/<cursor>-<blake3(manifest)[..16] hex>.tar.parts/NNNNNN` — the payload, a tar
+//! - `<key>.segments/<cursor>-<blake3(manifest)[..16] hex>.tar/NNNNNN` — the payload, a tar
 //!   cut into **segments** of [`SEGMENT_BYTES`] (the last one shorter), each its own object, written
 //!   once under a name addressed by the cursor and the content (the manifest names every file's
 //!   digest, so the manifest's hash names the whole). A download fetches several segments at once
 //!   and feeds them to the import in order: on S3 one connection carries about 100 MB/s, and a
 //!   store that reads a whole object before its first byte (moto) answers a segment sooner than
 //!   the whole. `<key>.payloads/<cursor>-<hex>.tar` — the same payload as one object, the layout
-//!   earlier versions published — is still read when no segment is listed.
+//!   earlier versions published — is still read when no segment is listed. The segments live
+//!   beside `<key>.payloads/`, not under it, because an earlier version's prune judges every
+//!   object under it by its own name: it would take a segment (`000003`, no cursor) for a foreign
+//!   object and delete the published payload's segments during a rolling upgrade.
 //! - `<key>.manifest.json` — the pointer: the manifest's bytes exactly, published last.
 //!
 //! Invariants:
@@ -22,15 +25,16 @@
 //!   again packs the same files, so a segment put twice is put with the same bytes.
 //! - **A download is bounded and in order**: the listing of a payload's segments must be
 //!   contiguous from `000000` ([`segment_plan`]: at most [`MAX_SEGMENTS`], each at most
-//!   [`MAX_SEGMENT_BYTES`]); each segment must deliver exactly its listed length; at most
-//!   [`READAHEAD_BYTES`] of segments are fetched beside the one the import is reading.
+//!   [`MAX_SEGMENT_BYTES`]); each segment must deliver exactly its listed length; memory holds the
+//!   segment the import is reading and at most [`READAHEAD_BYTES`] fetched beside it (or one
+//!   segment, when one is larger); a local store's segments are opened one after another.
 //! - **The pointer never regresses**: it moves by a conditional put (create-if-absent, or
 //!   update-if-unchanged) decided by [`protocol::pointer_publish_allowed`], retried a bounded number
 //!   of times; a slower exporter gets [`TransportError::SupersededByNewer`]. A store without
 //!   conditional updates (the local file system) **fails closed** unless the operator allows a
 //!   non-atomic pointer, and every publish under that allowance says so in the log.
-//! - **A download is untrusted**: the payload streams straight into the import (memory bounded by
-//!   a few chunks and one buffer; nothing is stored as a tar), its embedded manifest must equal the
+//! - **A download is untrusted**: the payload streams straight into the import (memory bounded as
+//!   below; nothing is stored as a tar), its embedded manifest must equal the
 //!   pointer's bytes, every file must be listed there once with its size and BLAKE3 digest, and the
 //!   staged copy must reopen at the manifest's cursor before it is renamed into a store.
 //! - **Prune** deletes only what [`protocol::payload_prunable`] allows: never the pointer's target,
@@ -67,8 +71,7 @@ pub const MAX_SEGMENTS: usize = 1_000_000;
 pub const READAHEAD_BYTES: u64 = 32 << 20;
 /// Segments of one upload in flight at once (memory: about this many segments).
 pub const UPLOAD_CONCURRENCY: usize = 2;
-/// What a payload's segment directory adds to its name.
-pub const SEGMENTS_SUFFIX: &str = ".parts";
+
 /// Attempts at publishing a pointer against concurrent exporters before giving up.
 pub const POINTER_ATTEMPTS: u32 = 8;
 
@@ -210,13 +213,13 @@ pub fn segment_name(i: usize) -> String {
     format!("{i:06}")
 }
 
-/// The payload an object under a key's payloads directory belongs to, from its path relative to
-/// that directory: a segment (`X.tar.parts/NNNNNN`) belongs to `X.tar`, a whole payload (`X.tar`,
-/// the earlier layout) to itself, and any other object to its own path. Prune judges payloads, so
-/// every segment of one stands or falls with it.
+/// The payload an object belongs to, from its path relative to the key's segment directory
+/// (`X.tar/NNNNNN`, a segment of `X.tar`) or payloads directory (`X.tar`, a whole payload of the
+/// earlier layout): the first component. Prune judges payloads, so every segment of one stands
+/// or falls with it; an object of no such shape is judged under a name that carries no cursor.
 pub fn payload_of(relative: &str) -> &str {
     match relative.split_once('/') {
-        Some((dir, _)) => dir.strip_suffix(SEGMENTS_SUFFIX).unwrap_or(relative),
+        Some((first, _)) => first,
         None => relative,
     }
 }
@@ -326,10 +329,15 @@ impl ArtifactTransport {
         self.prefix.clone().join(format!("{key}.payloads"))
     }
 
+    /// Where the segmented payloads of `key` live (beside its payloads directory, see the module
+    /// docs).
+    fn segments_root(&self, key: &str) -> ObjectPath {
+        self.prefix.clone().join(format!("{key}.segments"))
+    }
+
     /// The directory of the segments of the payload `name` of `key`.
     fn segments_dir(&self, key: &str, name: &str) -> ObjectPath {
-        self.payloads_dir(key)
-            .join(format!("{name}{SEGMENTS_SUFFIX}"))
+        self.segments_root(key).join(name)
     }
 
     fn store_err(
@@ -364,6 +372,17 @@ impl ArtifactTransport {
         let cursor = manifest.cursor.unwrap_or(0);
         let name = payload_name(&manifest_bytes, cursor);
         let payload = self.segments_dir(key, &name);
+        // The artifact the pointer already names: its segments are being read by bootstraps, and
+        // the publish would be refused (an equal cursor) after rewriting them.
+        if let Some((published, _)) = self.pointer(key).await?
+            && published == manifest_bytes
+        {
+            return Err(TransportError::SupersededByNewer {
+                key: key.to_string(),
+                current: cursor,
+                ours: cursor,
+            });
+        }
         std::fs::create_dir_all(scratch).map_err(|source| TransportError::Io {
             path: scratch.to_path_buf(),
             op: "create scratch",
@@ -408,6 +427,13 @@ impl ArtifactTransport {
         };
         let f = Arc::new(std::fs::File::open(tar).map_err(io("open packed payload"))?);
         let len = f.metadata().map_err(io("stat packed payload"))?.len();
+        if len == 0 {
+            return Err(TransportError::Io {
+                path: tar.to_path_buf(),
+                op: "cut into segments",
+                source: std::io::Error::other("the packed payload is empty"),
+            });
+        }
         let count = usize::try_from(len.div_ceil(self.segment_bytes).max(1)).unwrap_or(usize::MAX);
         if count > MAX_SEGMENTS {
             return Err(TransportError::Io {
@@ -454,7 +480,10 @@ impl ArtifactTransport {
             done?;
         }
         for (name, _) in self.list_segments(dir).await? {
-            if name.parse::<usize>().is_ok_and(|i| i >= count) || name.len() != 6 {
+            let ours = name.len() == 6
+                && name.bytes().all(|b| b.is_ascii_digit())
+                && name.parse::<usize>().is_ok_and(|i| i < count);
+            if !ours {
                 let path = dir.clone().join(name);
                 match self.store.delete(&path).await {
                     Ok(()) | Err(object_store::Error::NotFound { .. }) => {}
@@ -585,9 +614,10 @@ impl ArtifactTransport {
     /// `key` names, streaming the payload from the object store straight into the import
     /// ([`artifact::import_tar_stream`]): every file is written once, into the stage, while it is
     /// hashed against the pointer's manifest; nothing is stored as a tar first. The payload's
-    /// segments are fetched several at once and handed over in order. Memory: the segments fetched
-    /// ahead ([`READAHEAD_BYTES`], or one segment), the channel's few chunks and the import's
-    /// buffer, never the artifact. On any failure `dest` is untouched.
+    /// segments are fetched several at once and handed over in order. Memory: the segment being
+    /// read and those fetched beside it ([`READAHEAD_BYTES`], or one segment when one is larger),
+    /// the channel's few chunks and the import's buffer, never the artifact. On any failure `dest`
+    /// is untouched.
     pub async fn bootstrap_into(
         &self,
         key: &str,
@@ -697,10 +727,30 @@ impl ArtifactTransport {
                 return Ok(());
             };
             tracing::debug!(segment = %head.segment.path, "bootstrap: segment's turn");
-            while let Some(chunk) = head.chunks.recv().await {
-                if tx.send(Ok(chunk?)).await.is_err() {
+            let mut got: u64 = 0;
+            loop {
+                let chunk = tokio::select! {
+                    chunk = head.chunks.recv() => chunk,
+                    // The import stopped (its error says why): stop waiting on the store.
+                    () = tx.closed() => return Ok(()),
+                };
+                let Some(chunk) = chunk else { break };
+                let chunk = chunk?;
+                got += chunk.len() as u64;
+                if tx.send(Ok(chunk)).await.is_err() {
                     return Ok(());
                 }
+            }
+            // The fetch checks the length as it reads; this holds should its task have ended
+            // without a word.
+            if let Some(size) = head.segment.size.filter(|&s| s != got) {
+                return Err(TransportError::Io {
+                    path: PathBuf::from(head.segment.path.to_string()),
+                    op: "download",
+                    source: std::io::Error::other(format!(
+                        "{got} bytes of the {size} listed for this segment"
+                    )),
+                });
             }
             tracing::debug!(segment = %head.segment.path, "bootstrap: segment handed over");
         }
@@ -717,53 +767,86 @@ impl ArtifactTransport {
         dest: &Path,
         want: Option<crate::storedir::Backend>,
     ) -> Result<ExportManifest, TransportError> {
-        let mut files = Vec::with_capacity(segments.len());
-        for segment in &segments {
-            let r = self
-                .store
-                .get(&segment.path)
-                .await
-                .map_err(Self::store_err("download", &segment.path))?;
-            let range = r.range.clone();
-            let object_store::GetResultPayload::File(file, path) = r.payload else {
-                return Err(TransportError::Io {
-                    path: PathBuf::from(segment.path.to_string()),
-                    op: "download",
-                    source: std::io::Error::other("the local store answered with a stream"),
-                });
-            };
-            let len = range.end - range.start;
-            if segment.size.is_some_and(|s| s != len) {
-                return Err(TransportError::Io {
-                    path,
-                    op: "download",
-                    source: std::io::Error::other("the segment changed size since it was listed"),
-                });
-            }
-            files.push((file, path, range));
-        }
+        // Opened here one after another and handed over through a short queue: a payload of
+        // many segments never holds more than a few open at once.
+        let (tx, mut rx) =
+            tokio::sync::mpsc::channel::<std::io::Result<std::io::Take<std::fs::File>>>(2);
         let dest_owned = dest.to_path_buf();
-        let imported = tokio::task::spawn_blocking(move || {
-            use std::io::Seek as _;
-            let mut parts = std::collections::VecDeque::with_capacity(files.len());
-            for (mut file, path, range) in files {
-                file.seek(std::io::SeekFrom::Start(range.start))
-                    .map_err(|source| TransportError::Io {
-                        path,
-                        op: "seek the payload",
-                        source,
-                    })?;
-                parts.push_back(file.take(range.end - range.start));
-            }
-            let reader = std::io::BufReader::with_capacity(LOCAL_READ_BYTES, Concat { parts });
+        let import = tokio::task::spawn_blocking(move || {
+            let parts = std::iter::from_fn(move || rx.blocking_recv());
+            let reader = std::io::BufReader::with_capacity(
+                LOCAL_READ_BYTES,
+                Concat {
+                    parts,
+                    current: None,
+                },
+            );
             artifact::import_tar_stream(reader, &manifest_bytes, &dest_owned, want, &mut |_, _| {})
-                .map_err(TransportError::from)
         });
-        imported.await.map_err(|e| TransportError::Io {
+        let mut open_error = None;
+        for segment in &segments {
+            let sent = match self.open_local(segment).await {
+                Ok(file) => tx.send(Ok(file)).await,
+                Err(e) => {
+                    let line = e.to_string();
+                    open_error = Some(e);
+                    let _ = tx.send(Err(std::io::Error::other(line))).await;
+                    break;
+                }
+            };
+            // A closed queue: the import refused the payload already; its error says why.
+            if sent.is_err() {
+                break;
+            }
+        }
+        drop(tx);
+        let imported = import.await.map_err(|e| TransportError::Io {
             path: dest.to_path_buf(),
             op: "import task",
             source: std::io::Error::other(e.to_string()),
-        })?
+        })?;
+        match (imported, open_error) {
+            (Ok(m), _) => Ok(m),
+            (Err(_), Some(open)) => Err(open),
+            (Err(e), None) => Err(e.into()),
+        }
+    }
+
+    /// A local segment's file, positioned at its start and limited to its length (which must be
+    /// its listed size).
+    async fn open_local(
+        &self,
+        segment: &Segment,
+    ) -> Result<std::io::Take<std::fs::File>, TransportError> {
+        use std::io::Seek as _;
+        let r = self
+            .store
+            .get(&segment.path)
+            .await
+            .map_err(Self::store_err("download", &segment.path))?;
+        let range = r.range.clone();
+        let object_store::GetResultPayload::File(mut file, path) = r.payload else {
+            return Err(TransportError::Io {
+                path: PathBuf::from(segment.path.to_string()),
+                op: "download",
+                source: std::io::Error::other("the local store answered with a stream"),
+            });
+        };
+        let len = range.end - range.start;
+        if segment.size.is_some_and(|s| s != len) {
+            return Err(TransportError::Io {
+                path,
+                op: "download",
+                source: std::io::Error::other("the segment changed size since it was listed"),
+            });
+        }
+        file.seek(std::io::SeekFrom::Start(range.start))
+            .map_err(|source| TransportError::Io {
+                path,
+                op: "seek the payload",
+                source,
+            })?;
+        Ok(file.take(len))
     }
 
     /// Every object under `dir`: its path relative to `dir`, its last change (Unix milliseconds)
@@ -798,12 +881,13 @@ impl ArtifactTransport {
         let pointer = self.pointer(key).await?;
         let pointer_cursor = pointer.as_ref().map(|(_, m)| m.cursor.unwrap_or(0));
         let target = pointer.map(|(bytes, m)| payload_name(&bytes, m.cursor.unwrap_or(0)));
-        let dir = self.payloads_dir(key);
         // Each payload with its objects (a whole one, or its segments), judged as one: its age is
         // its newest object's, so a payload being uploaded again is as young as its last segment.
         let mut payloads: std::collections::BTreeMap<String, (i64, Vec<ObjectPath>)> =
             std::collections::BTreeMap::new();
-        for (relative, modified, location) in self.list_under(&dir).await? {
+        let mut listed = self.list_under(&self.payloads_dir(key)).await?;
+        listed.extend(self.list_under(&self.segments_root(key)).await?);
+        for (relative, modified, location) in listed {
             let entry = payloads
                 .entry(payload_of(&relative).to_string())
                 .or_insert((i64::MIN, Vec::new()));
@@ -988,21 +1072,29 @@ impl Drop for Fetch {
     }
 }
 
-/// A `Read` over several readers, one after the other.
-struct Concat<R> {
-    parts: std::collections::VecDeque<R>,
+/// A `Read` over several readers, one after the other, each taken from `parts` when the one
+/// before is exhausted (an error in their place is answered as the read's).
+struct Concat<R, I> {
+    parts: I,
+    current: Option<R>,
 }
 
-impl<R: std::io::Read> std::io::Read for Concat<R> {
+impl<R: std::io::Read, I: Iterator<Item = std::io::Result<R>>> std::io::Read for Concat<R, I> {
     fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
-        while let Some(part) = self.parts.front_mut() {
+        loop {
+            let part = match &mut self.current {
+                Some(part) => part,
+                None => match self.parts.next() {
+                    Some(next) => self.current.insert(next?),
+                    None => return Ok(0),
+                },
+            };
             let n = part.read(buf)?;
             if n > 0 || buf.is_empty() {
                 return Ok(n);
             }
-            self.parts.pop_front();
+            self.current = None;
         }
-        Ok(0)
     }
 }
 
@@ -1097,23 +1189,26 @@ mod tests {
     fn every_segment_of_a_payload_belongs_to_it_and_other_objects_to_themselves() {
         let name = payload_name(b"m", 5);
         assert_eq!(payload_of(&name), name);
-        assert_eq!(payload_of(&format!("{name}{SEGMENTS_SUFFIX}/000003")), name);
+        assert_eq!(payload_of(&format!("{name}/000003")), name);
         assert_eq!(
-            payload_cursor(payload_of(&format!("{name}.parts/000000"))),
+            payload_cursor(payload_of(&format!("{name}/000000"))),
             Some(5)
         );
-        // A foreign directory is its own payload, without a cursor (prunable once a pointer exists).
-        assert_eq!(payload_of("junk/000000"), "junk/000000");
+        // A foreign directory is judged under its own name, without a cursor (prunable once a
+        // pointer exists).
+        assert_eq!(payload_of("junk/000000"), "junk");
         assert_eq!(payload_cursor(payload_of("junk/000000")), None);
     }
 
     #[test]
     fn concatenated_readers_read_as_one_across_empty_and_short_parts() {
         use std::io::Read as _;
-        let parts: std::collections::VecDeque<&[u8]> =
-            [&b"ab"[..], b"", b"cde", b"f"].into_iter().collect();
+        let parts = [&b"ab"[..], b"", b"cde", b"f"].into_iter().map(Ok);
         let mut out = Vec::new();
-        let mut r = Concat { parts };
+        let mut r = Concat {
+            parts,
+            current: None,
+        };
         let mut buf = [0u8; 2];
         loop {
             let n = r.read(&mut buf).expect("slices read");

@@ -105,7 +105,7 @@ async fn an_artifact_published_to_s3_bootstraps_a_node_that_resumes_with_a_delta
         p["payload"]
             .as_str()
             .unwrap_or_default()
-            .contains("routes.payloads/")
+            .contains("routes.segments/")
     );
 
     // The log moves on while B is not there yet.
@@ -195,7 +195,7 @@ async fn the_pointer_never_moves_backward_and_prune_keeps_its_target_and_the_gra
         use futures::StreamExt as _;
         use object_store::ObjectStore as _;
         s3.list(Some(&object_store::path::Path::from(
-            "race/routes.payloads",
+            "race/routes.segments",
         )))
         .map(|m| m.map(|m| m.location.to_string()))
         .collect::<Vec<_>>()
@@ -328,7 +328,7 @@ async fn the_local_file_store_publishes_a_pointer_only_when_told_it_is_not_atomi
         .find(|p| {
             p.file_name().is_some_and(|n| n == "000001")
                 && p.parent()
-                    .is_some_and(|d| d.to_string_lossy().ends_with(".tar.parts"))
+                    .is_some_and(|d| d.to_string_lossy().ends_with(".tar"))
         })
         .ok_or_else(|| anyhow::anyhow!("no second segment under {}", objects.display()))?;
     let mut bytes = std::fs::read(&payload)?;
@@ -407,8 +407,16 @@ async fn a_payload_cut_into_segments_bootstraps_in_order_refuses_a_listing_with_
         None
     );
 
-    // A listing with a gap is refused before anything is imported, in one line naming it.
+    // Nothing of it lies under routes.payloads/, which an earlier version's prune scans and
+    // judges object by object (a segment's name carries no cursor: it would be deleted).
     let s3 = moto_s3(&moto)?;
+    let under_payloads: Vec<_> = s3
+        .list(Some(&object_store::path::Path::from("seg/routes.payloads")))
+        .collect::<Vec<_>>()
+        .await;
+    assert!(under_payloads.is_empty(), "{under_payloads:?}");
+
+    // A listing with a gap is refused before anything is imported, in one line naming it.
     let dir = object_store::path::Path::from(
         p["payload"]
             .as_str()
@@ -438,7 +446,7 @@ async fn a_payload_cut_into_segments_bootstraps_in_order_refuses_a_listing_with_
     assert!(!c.exists(), "a store was left behind: {err}");
     s3.put(&shortened, whole_last.into()).await?;
 
-    // The earlier layout: the same bytes as one object beside the segment directory, no segment
+    // The earlier layout: the same bytes as one object in the payloads directory, no segment
     // listed. It bootstraps the same store.
     let mut listed: Vec<_> = s3
         .list(Some(&dir))
@@ -452,11 +460,12 @@ async fn a_payload_cut_into_segments_bootstraps_in_order_refuses_a_listing_with_
         whole.extend_from_slice(&s3.get(&meta.location).await?.bytes().await?);
         s3.delete(&meta.location).await?;
     }
-    let one_object = object_store::path::Path::from(
-        dir.as_ref()
-            .strip_suffix(".parts")
-            .ok_or_else(|| anyhow::anyhow!("{dir} is not a segment directory"))?,
-    );
+    let one_object = object_store::path::Path::from(dir.as_ref().replacen(
+        "routes.segments/",
+        "routes.payloads/",
+        1,
+    ));
+    assert_ne!(one_object, dir, "{dir} is not under routes.segments/");
     s3.put(&one_object, Bytes::from(whole).into()).await?;
     let d = tmp.path().join("d");
     let m = ok(&bootstrap(&d)?, "bootstrap from one object")?;
@@ -832,7 +841,7 @@ async fn a_tampered_download_is_refused_in_one_line_and_leaves_no_store_behind()
         .build()?;
     let listed: Vec<_> = s3
         .list(Some(&object_store::path::Path::from(
-            "tamper/routes.payloads",
+            "tamper/routes.segments",
         )))
         .collect()
         .await;
