@@ -340,7 +340,14 @@ impl RocksDbSnapshot {
         }
         let (first, second) = keys.split_at(keys.len() / 2);
         std::thread::scope(|scope| {
-            let other = scope.spawn(|| read(second));
+            // A thread the system refuses (a thread limit reached) is no error: one thread reads
+            // it all, as it would for a small batch.
+            let Ok(other) = std::thread::Builder::new()
+                .name("foldhost-rocksdb-probe".into())
+                .spawn_scoped(scope, || read(second))
+            else {
+                return read(keys);
+            };
             let mut live = read(first)?;
             let rest = other.join().map_err(|_| {
                 SnapshotError::Backend(format!(
