@@ -15,7 +15,7 @@
 //! - **`len` is kept, not scanned.** The live-key count is stored in `meta` beside the cursor and
 //!   updated in the same batch; each apply probes whether its keys existed (one sorted multi-get
 //!   of its distinct keys, mostly answered by the filters on a hydration of new keys; read in two
-//!   halves on two threads when a large batch follows one of updates, whose checks read blocks).
+//!   halves on two threads when the last large batch's checks cost what cold block reads do).
 //! - **Scans iterate.** `for_each_in_range*` walk a raw iterator from a seek; nothing materialises
 //!   the fold.
 //! - **Poisoned after a failed write.** When a commit fails, the store refuses every later write
@@ -90,9 +90,13 @@ pub struct RocksDbSnapshot {
     read_only: bool,
     poisoned: Option<String>,
     fail_next_write: bool,
-    /// Whether the next large existence probe is split across two threads (see
-    /// [`RocksDbSnapshot::probe_live`]): at least two cores, and the last probe found live keys.
+    /// Whether this process may run on two cores or more (read once, at the open).
+    multi_core: bool,
+    /// Whether the next large existence probe is split across two threads: the last large probe
+    /// cost as much as cold reads do (see [`split_next_probe`]).
     split_probe: bool,
+    /// Makes the next split probe find its thread refused (tests only: the one-thread fallback).
+    refuse_probe_thread: bool,
     /// Where a read-only open's info log goes (removed on drop).
     _log_dir: Option<tempfile::TempDir>,
 }
@@ -119,12 +123,28 @@ impl std::fmt::Debug for RocksDbSnapshot {
 pub const CLEAN_STOP_LOG_BYTES: u64 = 1 << 20;
 
 /// The fewest distinct keys whose existence probe (see [`RocksDbSnapshot::probe_live`]) is split
-/// across two threads: under it, a thread's start costs about what it saves.
+/// across two threads: under it, a thread's start (tens of µs) costs about what it saves, even
+/// on cold blocks.
 const SPLIT_PROBE_KEYS: usize = 64;
 
-/// Whether this process may run on two cores or more.
-fn two_cores() -> bool {
-    std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2)
+/// The cost per key, on one thread, from which a probe is worth splitting. A check the filter
+/// answers (a new key) costs well under 1 µs, one answered from the block cache 1–2 µs, one that
+/// reads and decompresses a cold 4 KiB block about 10 µs with ZSTD (6.5 with LZ4): a resume's, on
+/// a fold whose blocks are not cached (`docs/performance.md` §7, stop 27).
+const SPLIT_PROBE_COST: std::time::Duration = std::time::Duration::from_micros(4);
+
+/// Whether the next large probe should be split, from the last large one: `keys` checked in
+/// `elapsed`, on two threads when `split`. Its cost per key on one thread is taken as twice the
+/// wall time of a split probe (the halves run side by side). Pure; only the speed depends on it,
+/// never what a probe answers.
+fn split_next_probe(keys: usize, elapsed: std::time::Duration, split: bool) -> bool {
+    let one_thread = if split {
+        elapsed.saturating_mul(2)
+    } else {
+        elapsed
+    };
+    keys >= SPLIT_PROBE_KEYS
+        && one_thread >= SPLIT_PROBE_COST.saturating_mul(u32::try_from(keys).unwrap_or(u32::MAX))
 }
 
 /// The bytes of write-ahead log (`*.log`; the info log is `LOG`) in the RocksDB directory `db`,
@@ -316,18 +336,26 @@ impl RocksDbSnapshot {
             read_only,
             poisoned: None,
             fail_next_write: false,
-            split_probe: two_cores(),
+            multi_core: std::thread::available_parallelism().is_ok_and(|n| n.get() >= 2),
+            // The first large probe after an open is split: its blocks are cold.
+            split_probe: true,
+            refuse_probe_thread: false,
             _log_dir: log_dir,
         })
     }
 
-    /// Which of `keys` (sorted, distinct) are live, in their order. One sorted multi-get; when
-    /// there are at least [`SPLIT_PROBE_KEYS`] of them and the last probe found at least a quarter
-    /// of its keys live, the two halves are read on two threads. A live key's check reads and
-    /// decompresses a data block, cold on a resume (about 10 µs with ZSTD), and a resume's
-    /// batches leave the second core idle; a new key's check is answered by the filter, so a
-    /// hydration of new keys is not split (a thread would cost more than it saves).
-    fn probe_live(&self, data: &ColumnFamily, keys: &[&str]) -> Result<Vec<bool>, SnapshotError> {
+    /// Which of `keys` (sorted, distinct) are live, in their order. One sorted multi-get, its two
+    /// halves read on two threads when `split`. A live key's check reads and decompresses a data
+    /// block, cold on a resume (about 10 µs with ZSTD), and a resume's batches leave the second
+    /// core idle; `apply` asks for a split when the last large probe cost that much per key
+    /// ([`split_next_probe`]), so a hydration of new keys, whose checks the filters answer, or a
+    /// stream of updates to cached keys, is not split after its first large batch.
+    fn probe_live(
+        &self,
+        data: &ColumnFamily,
+        keys: &[&str],
+        split: bool,
+    ) -> Result<Vec<bool>, SnapshotError> {
         let read = |part: &[&str]| -> Result<Vec<bool>, SnapshotError> {
             self.db
                 .batched_multi_get_cf(data, part, true)
@@ -335,27 +363,34 @@ impl RocksDbSnapshot {
                 .map(|r| r.map(|v| v.is_some()).map_err(rerr(&self.path, "read")))
                 .collect()
         };
-        if !self.split_probe || keys.len() < SPLIT_PROBE_KEYS {
+        if !split || keys.len() < SPLIT_PROBE_KEYS {
             return read(keys);
         }
         let (first, second) = keys.split_at(keys.len() / 2);
         std::thread::scope(|scope| {
             // A thread the system refuses (a thread limit reached) is no error: one thread reads
             // it all, as it would for a small batch.
-            let Ok(other) = std::thread::Builder::new()
-                .name("foldhost-rocksdb-probe".into())
-                .spawn_scoped(scope, || read(second))
-            else {
+            let spawned = if self.refuse_probe_thread {
+                Err(std::io::Error::other("refused (test)"))
+            } else {
+                std::thread::Builder::new()
+                    .name("foldhost-rocksdb-probe".into())
+                    .spawn_scoped(scope, || read(second))
+            };
+            let Ok(other) = spawned else {
                 return read(keys);
             };
-            let mut live = read(first)?;
+            // Joined before either answer is looked at: an error on this thread never leaves
+            // the other to the scope.
+            let live = read(first);
             let rest = other.join().map_err(|_| {
                 SnapshotError::Backend(format!(
                     "{}: rocksdb read: the existence probe's second thread panicked",
                     self.path.display()
                 ))
-            })??;
-            live.extend(rest);
+            })?;
+            let mut live = live?;
+            live.extend(rest?);
             Ok(live)
         })
     }
@@ -474,9 +509,20 @@ impl SnapshotStore for RocksDbSnapshot {
         let mut keys: Vec<&str> = batch.iter().map(KvUpdate::key).collect();
         keys.sort_unstable();
         keys.dedup();
-        let found = self.probe_live(data, &keys)?;
-        let hits = found.iter().filter(|f| **f).count();
-        self.split_probe = two_cores() && hits * 4 >= keys.len();
+        let split = self.multi_core && self.split_probe && keys.len() >= SPLIT_PROBE_KEYS;
+        let started = std::time::Instant::now();
+        let found = self.probe_live(data, &keys, split)?;
+        if keys.len() >= SPLIT_PROBE_KEYS {
+            self.split_probe = split_next_probe(keys.len(), started.elapsed(), split);
+        }
+        if found.len() != keys.len() {
+            return Err(SnapshotError::Backend(format!(
+                "{}: rocksdb read: the existence probe answered {} of {} keys",
+                self.path.display(),
+                found.len(),
+                keys.len()
+            )));
+        }
         let live: std::collections::HashSet<&str> = keys
             .iter()
             .zip(&found)
@@ -815,9 +861,12 @@ mod tests {
 
     #[test]
     fn an_existence_probe_split_across_two_threads_counts_like_one() {
-        // The same batches on two stores, one probing on one thread, the other always split;
-        // the counts follow a model and each other, and both stores read back the same.
+        // The same batches on three stores: one probing on one thread, one always split, one
+        // always asked to split and refused its thread (the fallback); the counts follow a model,
+        // and every store reads back the same.
+        const { assert!(SPLIT_PROBE_KEYS <= 120, "the batches below must be split") };
         let dirs = [
+            tempfile::tempdir().expect("tempdir"),
             tempfile::tempdir().expect("tempdir"),
             tempfile::tempdir().expect("tempdir"),
         ];
@@ -831,7 +880,9 @@ mod tests {
             // New keys, updates of live ones, deletes of live and absent ones, and duplicates.
             let mut batch = Vec::new();
             for i in 0..150u64 {
-                let k = (i * 7 + round * 53) % 400;
+                // 150 updates of 120 distinct keys: a key twice in one batch is deduplicated
+                // before the probe and applied in order.
+                let k = ((i % 120) * 7 + round * 53) % 400;
                 rev += 1;
                 let key = format!("k.{k:04}");
                 if (i + round) % 5 == 0 {
@@ -851,13 +902,14 @@ mod tests {
                 }
             }
             for (n, s) in stores.iter_mut().enumerate() {
-                s.split_probe = n == 1;
+                s.multi_core = true;
+                s.split_probe = n >= 1;
+                s.refuse_probe_thread = n == 2;
                 s.apply(&batch, WatchCursor::at(rev)).expect("apply");
                 assert_eq!(
                     s.len().expect("len"),
                     model.len() as u64,
-                    "round {round}, store {n} (split: {})",
-                    n == 1
+                    "round {round}, store {n} (0: one thread, 1: split, 2: split refused)"
                 );
             }
         }
@@ -870,6 +922,26 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn a_probe_is_split_after_one_that_cost_what_cold_reads_do_and_never_for_a_small_batch() {
+        use std::time::Duration;
+        let us = Duration::from_micros;
+        // Cold blocks (about 10 µs a key on one thread): split.
+        assert!(split_next_probe(100, us(1_000), false));
+        // The same probe split: its wall time is half, its cost on one thread the same.
+        assert!(split_next_probe(100, us(500), true));
+        // Checks the filters or the block cache answer: not split.
+        assert!(!split_next_probe(100, us(100), false));
+        assert!(!split_next_probe(100, us(150), true));
+        // At the bound: split.
+        assert!(split_next_probe(100, us(400), false));
+        assert!(!split_next_probe(100, us(399), false));
+        // Under the batch size that pays for a thread: never.
+        assert!(!split_next_probe(SPLIT_PROBE_KEYS - 1, us(100_000), false));
+        // No overflow on absurd inputs.
+        assert!(split_next_probe(usize::MAX, Duration::MAX, true));
     }
 
     #[test]
