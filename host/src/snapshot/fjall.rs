@@ -666,29 +666,11 @@ mod tests {
     fn a_flushed_table_is_compressed_and_reads_back_whole() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut s = FjallSnapshot::open(dir.path(), FjallOptions::default()).expect("open");
-        // Values like the benchmark's: 64 hex digits and 36 of them again.
-        let value = |i: u64| -> bytes::Bytes {
-            let h = blake3::hash(&i.to_le_bytes()).to_hex();
-            bytes::Bytes::from(format!("{h}{}", &h[..36]))
-        };
         let n = 20_000u64;
-        for b in 0..(n / 1_000) {
-            let batch: Vec<KvUpdate> = (b * 1_000..(b + 1) * 1_000)
-                .map(|i| {
-                    KvUpdate::Put(KvEntry {
-                        key: format!("key.{i:08}"),
-                        value: value(i),
-                        version: VersionToken::from_u64(i + 1),
-                    })
-                })
-                .collect();
-            s.apply(&batch, WatchCursor::at((b + 1) * 1_000))
-                .expect("apply");
-        }
+        let raw = lsm::testing::fill_with_hex_values(&mut s, n);
         // One flush: one table at level 0, which fjall's default would leave uncompressed
         // (2.4 MB for these 2.2 MB of keys and values, its index and filter included).
         s.flush_memtable().expect("flush");
-        let raw: u64 = (0..n).map(|i| 12 + value(i).len() as u64).sum();
         let tables: Vec<u64> = walk(&s.path)
             .into_iter()
             .filter(|p| p.components().any(|c| c.as_os_str() == "tables"))
@@ -701,11 +683,8 @@ mod tests {
             "a table of {largest} bytes for {raw} bytes of keys and values: not compressed"
         );
         for i in [0, 1, n / 2, n - 1] {
-            let got = s
-                .get(&format!("key.{i:08}"))
-                .expect("get")
-                .expect("present");
-            assert_eq!(got.value, value(i), "key {i}");
+            let got = s.get(&lsm::testing::key(i)).expect("get").expect("present");
+            assert_eq!(got.value, lsm::testing::hex_value(i), "key {i}");
         }
     }
 

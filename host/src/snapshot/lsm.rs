@@ -192,6 +192,49 @@ pub(crate) fn copy_tree(
     Ok(())
 }
 
+/// What the LSM backends' compression tests share: a fold of values like the benchmark's.
+#[cfg(test)]
+pub(crate) mod testing {
+    use crate::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
+    use crate::snapshot::SnapshotStore;
+
+    /// A value like the benchmark's: 64 hex digits of a BLAKE3 hash and 36 of them again. LZ4,
+    /// which has no entropy coding, leaves hex digits almost whole; ZSTD codes them in about half a
+    /// byte each.
+    pub(crate) fn hex_value(i: u64) -> bytes::Bytes {
+        let h = blake3::hash(&i.to_le_bytes()).to_hex();
+        bytes::Bytes::from(format!("{h}{}", &h[..36]))
+    }
+
+    /// The key of entry `i`: `key.` and eight digits.
+    pub(crate) fn key(i: u64) -> String {
+        format!("key.{i:08}")
+    }
+
+    /// Puts `n` entries ([`key`], [`hex_value`]) in batches of 1 000 (`n` a multiple of 1 000);
+    /// answers the bytes of their keys and values.
+    pub(crate) fn fill_with_hex_values(store: &mut dyn SnapshotStore, n: u64) -> u64 {
+        assert_eq!(n % 1_000, 0, "whole batches");
+        for b in 0..(n / 1_000) {
+            let batch: Vec<KvUpdate> = (b * 1_000..(b + 1) * 1_000)
+                .map(|i| {
+                    KvUpdate::Put(KvEntry {
+                        key: key(i),
+                        value: hex_value(i),
+                        version: VersionToken::from_u64(i + 1),
+                    })
+                })
+                .collect();
+            store
+                .apply(&batch, WatchCursor::at((b + 1) * 1_000))
+                .expect("apply");
+        }
+        (0..n)
+            .map(|i| (key(i).len() + hex_value(i).len()) as u64)
+            .sum()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

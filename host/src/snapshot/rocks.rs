@@ -814,30 +814,11 @@ mod tests {
     fn a_flushed_table_is_entropy_coded_and_reads_back_whole() {
         let dir = tempfile::tempdir().expect("tempdir");
         let mut s = RocksDbSnapshot::open(dir.path(), RocksDbOptions::default()).expect("open");
-        // Values like the benchmark's: 64 hex digits and 36 of them again. LZ4 has no entropy
-        // coding and leaves hex digits almost whole; ZSTD's codes them in about half a byte.
-        let value = |i: u64| -> bytes::Bytes {
-            let h = blake3::hash(&i.to_le_bytes()).to_hex();
-            bytes::Bytes::from(format!("{h}{}", &h[..36]))
-        };
         let n = 20_000u64;
-        for b in 0..(n / 1_000) {
-            let batch: Vec<KvUpdate> = (b * 1_000..(b + 1) * 1_000)
-                .map(|i| {
-                    KvUpdate::Put(KvEntry {
-                        key: format!("key.{i:08}"),
-                        value: value(i),
-                        version: VersionToken::from_u64(i + 1),
-                    })
-                })
-                .collect();
-            s.apply(&batch, WatchCursor::at((b + 1) * 1_000))
-                .expect("apply");
-        }
+        let raw = lsm::testing::fill_with_hex_values(&mut s, n);
         // One flush: one level-0 table, where a replayed fold sits.
         let data = cf(&s.db, &s.path, DATA).expect("cf");
         s.db.flush_cf(data).expect("flush");
-        let raw: u64 = (0..n).map(|i| 12 + value(i).len() as u64).sum();
         let tables: Vec<u64> = std::fs::read_dir(dir.path().join(DB_DIR))
             .expect("ls")
             .flatten()
@@ -851,11 +832,8 @@ mod tests {
             "a table of {largest} bytes for {raw} bytes of keys and values: not entropy-coded"
         );
         for i in [0, 1, n / 2, n - 1] {
-            let got = s
-                .get(&format!("key.{i:08}"))
-                .expect("get")
-                .expect("present");
-            assert_eq!(got.value, value(i), "key {i}");
+            let got = s.get(&lsm::testing::key(i)).expect("get").expect("present");
+            assert_eq!(got.value, lsm::testing::hex_value(i), "key {i}");
         }
     }
 
