@@ -462,22 +462,39 @@ async fn bench_guest(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::R
         let mut native = Vec::new();
         let mut native_router = Vec::new();
         let mut guest = Vec::new();
-        for _ in 0..runs {
-            let (_d1, s1) = empty_store()?;
-            native
-                .push(fold_rate(&kv, &mut CountingApply::default(), max, scope.clone(), s1).await?);
-            let (_d3, s3) = empty_store()?;
-            let mut nr = NativeRouter::default();
-            native_router.push(fold_rate(&kv, &mut nr, max, scope.clone(), s3).await?);
-            anyhow::ensure!(nr.routes.len() as u64 == keys, "native router incomplete");
-            let (_d2, s2) = empty_store()?;
-            let mut g = load_guest(&engine, "router", &bytes, Arc::new(s2.clone())).await?;
-            g.hydrate().await?;
-            guest.push(fold_rate(&kv, &mut g, max, scope.clone(), s2.clone()).await?);
-            anyhow::ensure!(
-                foldhost::snapshot::bucket_len(&*s2.read()?)? == keys,
-                "guest fold incomplete"
-            );
+        for run in 0..runs {
+            // The three folds of a run go in turn, the order reversed every other run: a fold
+            // that always came first or last would carry whatever the position costs (a warm
+            // server, the page cache, the last run's memory freed) into every ratio.
+            let order: [u8; 3] = if run % 2 == 0 { [0, 1, 2] } else { [2, 1, 0] };
+            for side in order {
+                match side {
+                    0 => {
+                        let (_d, s) = empty_store()?;
+                        native.push(
+                            fold_rate(&kv, &mut CountingApply::default(), max, scope.clone(), s)
+                                .await?,
+                        );
+                    }
+                    1 => {
+                        let (_d, s) = empty_store()?;
+                        let mut nr = NativeRouter::default();
+                        native_router.push(fold_rate(&kv, &mut nr, max, scope.clone(), s).await?);
+                        anyhow::ensure!(nr.routes.len() as u64 == keys, "native router incomplete");
+                    }
+                    _ => {
+                        let (_d, s) = empty_store()?;
+                        let mut g =
+                            load_guest(&engine, "router", &bytes, Arc::new(s.clone())).await?;
+                        g.hydrate().await?;
+                        guest.push(fold_rate(&kv, &mut g, max, scope.clone(), s.clone()).await?);
+                        anyhow::ensure!(
+                            foldhost::snapshot::bucket_len(&*s.read()?)? == keys,
+                            "guest fold incomplete"
+                        );
+                    }
+                }
+            }
         }
         let paired = median(
             guest
