@@ -606,6 +606,44 @@ pub fn kv_op(kv_operation: Option<&str>, marker_reason: Option<&str>) -> KvOp {
     }
 }
 
+/// The subject filters of a scope's key prefixes under `subject_prefix` (`$KV.<bucket>.`): a
+/// prefix filters on its last whole token (`a.b.c` → `$KV.<bucket>.a.b.>`), the rest of it is
+/// checked per message. `Err` names a prefix holding a wildcard or a space.
+///
+/// No filter returned overlaps another: a guest's manifest may name `a.` and `a.b.`, or `a.b.c`
+/// and `a.x` (whose filters are `a.b.>` and `a.>`), and nats-server refuses a consumer whose
+/// filters overlap — every watch of that scope failed at its consumer's creation, so the fold
+/// never started. A filter another one covers is dropped, which changes no message delivered.
+pub fn scope_filters<'a>(
+    subject_prefix: &str,
+    prefixes: impl IntoIterator<Item = &'a str>,
+) -> Result<Vec<String>, String> {
+    let mut stems: Vec<&str> = Vec::new();
+    for p in prefixes {
+        if p.contains(['*', '>', ' ']) {
+            return Err(format!("prefix {p:?} contains a wildcard or space"));
+        }
+        stems.push(match p.rfind('.') {
+            Some(i) => &p[..=i],
+            None => "",
+        });
+    }
+    // Sorted, a stem that covers others comes right before them.
+    stems.sort_unstable();
+    stems.dedup();
+    let mut kept: Vec<&str> = Vec::with_capacity(stems.len());
+    for stem in stems {
+        if kept.last().is_some_and(|k| stem.starts_with(k)) {
+            continue;
+        }
+        kept.push(stem);
+    }
+    Ok(kept
+        .into_iter()
+        .map(|stem| format!("{subject_prefix}{stem}>"))
+        .collect())
+}
+
 /// The filters a watch consumer sends to the server for the watch's `filters`.
 ///
 /// Empty (no filter) when the one filter is the catch-all of a stream that stores nothing else:
@@ -1677,5 +1715,16 @@ mod tests {
             Some(u64::MAX..=u64::MAX)
         );
         assert_eq!(direct_catch_up_range(1, u64::MAX, true, true), None);
+    }
+
+    #[test]
+    fn scope_filters_never_overlap_so_the_server_accepts_every_scope() {
+        let f = |ps: &[&str]| scope_filters("$KV.b.", ps.iter().copied()).unwrap();
+        assert_eq!(f(&["a.", "a.b."]), ["$KV.b.a.>"]);
+        assert_eq!(f(&["a.b.c", "a.x"]), ["$KV.b.a.>"]);
+        assert_eq!(f(&["a.b.c", "a.bc.d", "x"]), ["$KV.b.>"]);
+        assert_eq!(f(&["r.", "s.t", "r."]), ["$KV.b.r.>", "$KV.b.s.>"]);
+        assert_eq!(f(&["ab.c", "a.c"]), ["$KV.b.a.>", "$KV.b.ab.>"]);
+        assert!(scope_filters("$KV.b.", ["a.*"]).is_err());
     }
 }

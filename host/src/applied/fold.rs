@@ -805,29 +805,36 @@ pub(super) fn apply_backoff(streak: u32) -> Duration {
     Duration::from_millis(50u64.saturating_mul(1 << streak.min(6)))
 }
 
-/// Flushes until the batch and the re-queued updates are committed (shutdown, channel close, and
-/// the repairs' own batches).
+/// Flushes until the batch and the re-queued updates are committed (shutdown, channel close, a
+/// swap's or an export's settle, and the repairs' own batches).
+///
+/// A failed apply halves the next try, as the watch loop's `flush_ready` does: retried whole, a
+/// batch holding one poison update would reach the streak limit with none of the updates before
+/// it committed, and the fold would stop short of where it stops without a swap or an export.
 pub(crate) async fn flush_all<S: SnapshotStore, A: Apply + ?Sized>(
     fold: &mut Fold<S>,
     batch: &mut Vec<KvUpdate>,
     max: usize,
     apply: &mut A,
 ) -> Result<(), AppliedError> {
+    let mut cap = max.max(1);
     loop {
-        let b = if batch.len() > max {
-            let rest = batch.split_off(max);
+        let b = if batch.len() > cap {
+            let rest = batch.split_off(cap);
             std::mem::replace(batch, rest)
         } else {
             std::mem::take(batch)
         };
+        let tried = b.len();
         match fold.flush(b, apply).await? {
             Some(mut back) => {
+                cap = (tried / 2).max(1);
                 back.append(batch);
                 *batch = back;
                 tokio::time::sleep(apply_backoff(fold.apply_streak)).await;
             }
             None if fold.is_settled() && batch.is_empty() => return Ok(()),
-            None if fold.is_settled() => {}
+            None if fold.is_settled() => cap = cap.saturating_mul(2).min(max.max(1)),
             None => tokio::time::sleep(STORE_RETRY_DELAY).await,
         }
     }

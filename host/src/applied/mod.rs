@@ -42,6 +42,8 @@ pub use apply::{
     ShadowRequests, SwapCandidate, SwapReport, Verdict,
 };
 pub use fold::Fold;
+#[cfg(test)]
+pub(crate) use fold::flush_all;
 pub use start::identity_refusal;
 pub use watch::watch_applied;
 

@@ -137,6 +137,13 @@ impl GuestManifest {
             many => WatchScope::Prefixes(many.to_vec()),
         }
     }
+
+    /// The prefixes a hydration scans, each key in scope under exactly one: a manifest may name
+    /// overlapping prefixes (`a` and `ab`), and scanning both handed every key under `ab` to the
+    /// guest twice — a counting guest then counted it twice.
+    pub fn hydration_prefixes(&self) -> Vec<String> {
+        self.watch_scope().disjoint_prefixes()
+    }
 }
 
 /// How a host's engine is set up beyond its fixed configuration.
@@ -862,10 +869,7 @@ impl Core {
         swapping: bool,
     ) -> Result<(u64, Duration), ApplyError> {
         let t = Instant::now();
-        let prefixes = match self.manifest.scope.as_slice() {
-            [] => vec![String::new()],
-            many => many.to_vec(),
-        };
+        let prefixes = self.manifest.hydration_prefixes();
         let chunk = self.limits.hydrate_chunk.max(1);
         let mut total = 0u64;
         // Pages are read on a thread of their own, one page ahead of the guest: reading the next
@@ -1161,6 +1165,21 @@ mod tests {
             "{err}"
         );
     }
+    #[test]
+    fn a_manifest_with_overlapping_prefixes_hydrates_each_key_under_one_prefix() {
+        let m = |scope: &[&str]| super::GuestManifest {
+            name: "g".into(),
+            version: "1".into(),
+            scope: scope.iter().map(|s| s.to_string()).collect(),
+        };
+        assert_eq!(m(&[]).hydration_prefixes(), [""]);
+        assert_eq!(
+            m(&["b/", "a", "ab", "b/x"]).hydration_prefixes(),
+            ["a", "b/"]
+        );
+        assert_eq!(m(&["r/", "", "x"]).hydration_prefixes(), [""]);
+    }
+
     use crate::kv::{KvEntry, VersionToken};
 
     fn entry(key: &str, value: &[u8], revision: u64) -> KvEntry {

@@ -21,7 +21,9 @@
 //!   (unlike the client's ordered consumer, this one is never re-created behind the fold's back).
 //! - **Backpressure, not buffering**: the socket is read only when the channel to the watch has
 //!   room, so a slow fold leaves flow-control requests unread and the server stops sending; a read
-//!   is bounded by [`READ_BUFFER`], a message by the server's `max_payload`.
+//!   is bounded by [`READ_BUFFER`], a message by the larger of the server's `max_payload` and
+//!   [`wire::MAX_MESSAGE`] (a stored message may predate a lowered `max_payload`; the client
+//!   library takes it, so this connection does too).
 //! - **An optimisation, never a requirement**: a server that wants TLS, credentials this
 //!   connection does not send (`.creds`), a `tls://` URL, or a refused `CONNECT` keep the
 //!   client's ordered consumer (`Dial::Unsupported` turns this connection off for the handle);
@@ -201,7 +203,7 @@ async fn dial_inner(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
         .as_u64()
         .and_then(|v| usize::try_from(v).ok())
         .unwrap_or(1 << 20)
-        .max(wire::MAX_CONTROL_LINE);
+        .max(wire::MAX_MESSAGE);
     let hello = format!(
         "{}SUB {inbox} {}\r\nPING\r\n",
         wire::connect_line(&d.auth, d.name.as_deref()),
@@ -290,7 +292,7 @@ impl Reader {
         loop {
             // What came before a failure is handed over first (the fold commits it), then the
             // watch ends.
-            let (chunk, replies, failed) = self.parse_ready()?;
+            let (chunk, replies, failed) = self.parse_ready();
             if !replies.is_empty() {
                 self.conn
                     .wr
@@ -334,14 +336,24 @@ impl Reader {
     /// Parses every whole operation in the buffer: the messages, and what to write back
     /// (flow-control answers, `PONG`s, a stalled consumer's nudge).
     #[allow(clippy::type_complexity)]
-    fn parse_ready(&mut self) -> Result<(Vec<Delivered>, Vec<u8>, Option<KvError>), KvError> {
+    fn parse_ready(&mut self) -> (Vec<Delivered>, Vec<u8>, Option<KvError>) {
         let mut ops = Vec::new();
         let mut at = 0;
-        while let Some((op, n)) =
-            wire::parse_op(&self.conn.buf[at..], self.conn.max_payload).map_err(|e| self.fail(e))?
-        {
-            ops.push((op, at));
-            at += n;
+        // A protocol error after whole operations does not discard them: they are handed over
+        // (and committed) first, then the watch ends with the error.
+        let mut unparsable = None;
+        loop {
+            match wire::parse_op(&self.conn.buf[at..], self.conn.max_payload) {
+                Ok(Some((op, n))) => {
+                    ops.push((op, at));
+                    at += n;
+                }
+                Ok(None) => break,
+                Err(e) => {
+                    unparsable = Some(self.fail(e));
+                    break;
+                }
+            }
         }
         let frozen: Bytes = self.conn.buf.split_to(at).freeze();
         let mut out = Vec::with_capacity(ops.len());
@@ -353,7 +365,7 @@ impl Reader {
                 break;
             }
         }
-        Ok((out, replies, failed))
+        (out, replies, failed.or(unparsable))
     }
 
     /// One parsed operation: a message into `out`, an answer into `replies`.
@@ -384,7 +396,14 @@ impl Reader {
                     ),
                     None => None,
                 };
-                if let Some(status) = block.as_ref().and_then(|b| b.status) {
+                // A status line makes a server notice (flow control, heartbeat, error) — unless
+                // the reply is a JetStream ACK subject: only a stored message has one, and what a
+                // writer put in its header block must not turn it into a notice to drop (the
+                // next delivery would then be a gap, every time: a stalled fold).
+                let stored = reply.as_ref().is_some_and(|r| r.starts_with(b"$JS.ACK."));
+                if let Some(status) = block.as_ref().and_then(|b| b.status)
+                    && !stored
+                {
                     return self.on_status(status, block.as_ref(), reply.as_ref(), replies);
                 }
                 let (msg, meta) = self.message(
@@ -635,6 +654,30 @@ mod tests {
         assert_eq!(keys(&out), ["$KV.b.a"]);
         match out.last() {
             Some(Err(KvError::WatchError(m))) => assert!(m.contains("closed the socket"), "{m}"),
+            other => panic!("{other:?}", other = other.map(|r| r.is_ok())),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_stored_message_whose_header_block_has_a_status_line_is_a_delivery_not_a_notice() {
+        let hdr = "NATS/1.0 100 FlowControl Request\r\nX: y\r\n\r\n";
+        let stored = format!(
+            "HMSG $KV.b.s 1 $JS.ACK.KV_b.c.1.12.2.1700000000000000000.0 {} {}\r\n{hdr}v\r\n",
+            hdr.len(),
+            hdr.len() + 1
+        );
+        let frames = format!("{}{stored}{}", msg("a", 1), msg("b", 3));
+        let out = reader_fed(frames.as_bytes()).await;
+        assert_eq!(keys(&out), ["$KV.b.a", "$KV.b.s", "$KV.b.b"]);
+    }
+
+    #[tokio::test]
+    async fn whole_messages_before_a_protocol_error_are_handed_over_before_the_watch_ends() {
+        let frames = format!("{}{}WHAT\r\n", msg("a", 1), msg("b", 2));
+        let out = reader_fed(frames.as_bytes()).await;
+        assert_eq!(keys(&out), ["$KV.b.a", "$KV.b.b"]);
+        match out.last() {
+            Some(Err(KvError::WatchError(m))) => assert!(m.contains("malformed"), "{m}"),
             other => panic!("{other:?}", other = other.map(|r| r.is_ok())),
         }
     }

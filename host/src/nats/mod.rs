@@ -566,36 +566,14 @@ fn retention_of(info: &async_nats::jetstream::stream::Info) -> crate::protocol::
 }
 
 impl NatsKv {
-    /// The subject filters for a scope: whole-token prefixes filter on the server; a prefix that
-    /// ends mid-token filters on its last whole token and the rest is checked per message.
+    /// The subject filters for a scope ([`protocol::scope_filters`]: never overlapping).
     pub fn filter_subjects(&self, scope: &WatchScope) -> Result<Vec<String>, KvError> {
         let prefixes: Vec<&str> = match scope {
             WatchScope::All => return Ok(vec![format!("{}>", self.subject_prefix)]),
             WatchScope::Prefix(p) => vec![p.as_str()],
             WatchScope::Prefixes(ps) => ps.iter().map(String::as_str).collect(),
         };
-        let mut out: Vec<String> = Vec::new();
-        for p in prefixes {
-            if p.contains(['*', '>', ' ']) {
-                return Err(KvError::Invalid(format!(
-                    "prefix {p:?} contains a wildcard or space"
-                )));
-            }
-            let whole = match p.rfind('.') {
-                Some(i) => &p[..=i],
-                None => "",
-            };
-            let f = format!("{}{whole}>", self.subject_prefix);
-            if !out.contains(&f) {
-                out.push(f);
-            }
-        }
-        // Overlapping filters are refused by the server; a catch-all subsumes the rest.
-        let all = format!("{}>", self.subject_prefix);
-        if out.contains(&all) {
-            out = vec![all];
-        }
-        Ok(out)
+        protocol::scope_filters(&self.subject_prefix, prefixes).map_err(KvError::Invalid)
     }
 
     /// Whether the bucket's stream stores nothing but the bucket's subjects

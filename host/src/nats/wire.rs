@@ -13,11 +13,23 @@
 //! - An incomplete operation is `Ok(None)` and consumes nothing: the same bytes parse the same way
 //!   once more arrive.
 
+use std::borrow::Cow;
 use std::ops::Range;
 
-/// Longest control line accepted (`MSG <subject> <sid> <reply> <size>`): NATS subjects are short;
-/// a line this long without its end is a broken or hostile peer.
-pub const MAX_CONTROL_LINE: usize = 4096;
+/// Longest control line accepted from the server (`MSG <subject> <sid> <reply> <size>`, `INFO`).
+///
+/// Not the server's own `max_control_line` (4 KiB by default): that bounds what a *client* sends,
+/// so a writer may publish a key of nearly 4 KiB whose delivery line — the same subject plus an
+/// 80-byte `$JS.ACK` reply — is longer. A limit of 4 KiB here refused such a delivery on every
+/// attempt: the watch ended, the fold resumed at the same message and stalled for good. An
+/// `INFO` naming a large cluster's `connect_urls` is longer than 4 KiB too.
+pub const MAX_CONTROL_LINE: usize = 64 * 1024;
+
+/// Largest message accepted from the server whatever its `INFO` says: nats-server refuses a
+/// `max_payload` above 64 MiB. A stored message may be larger than the server's *current*
+/// `max_payload` (lowered after it was written); refusing it would stall the fold at it, as the
+/// client library does not.
+pub const MAX_MESSAGE: usize = 64 * 1024 * 1024;
 
 /// What the server sent that a subscriber acts on.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -165,8 +177,12 @@ fn parse_msg(
     if header_len > total {
         return Err(malformed(buf, eol));
     }
+    // `total` is bounded by `max_payload`, which may be `usize::MAX` before `INFO`: checked.
     let body = eol + 2;
-    let end = body + total;
+    let end = body
+        .checked_add(total)
+        .filter(|e| e.checked_add(2).is_some())
+        .ok_or_else(|| malformed(buf, eol))?;
     if buf.len() < end + 2 {
         return Ok(None);
     }
@@ -207,25 +223,33 @@ pub struct HeaderBlock<'a> {
     pub status: Option<u16>,
     /// The text after the status code.
     pub description: Option<&'a str>,
-    /// `Name: value` pairs in order (values trimmed).
-    pub fields: Vec<(&'a str, &'a str)>,
+    /// `Name: value` pairs in order (values trimmed, continuation lines joined).
+    pub fields: Vec<(&'a str, Cow<'a, str>)>,
 }
 
 impl<'a> HeaderBlock<'a> {
     /// The first value of `name` (case-insensitive, as NATS compares header names on lookup).
-    pub fn get(&self, name: &str) -> Option<&'a str> {
+    pub fn get(&self, name: &str) -> Option<&str> {
         self.fields
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
-            .map(|(_, v)| *v)
+            .map(|(_, v)| v.as_ref())
     }
 }
 
-/// Parses a header block: `NATS/1.0[ <status>[ <description>]]\r\n(<name>: <value>\r\n)*\r\n`.
+/// Parses a header block: `NATS/1.0[ <status>[ <description>]]` then `<name>: <value>` lines.
+///
+/// Line for line the client library's reading (async-nats 0.51 `connection.rs`): lines end at
+/// `\n` with an optional `\r` before it, a line starting with whitespace continues the value
+/// before it, names are taken as written and values trimmed. A writer stores whatever header
+/// block it likes and nats-server delivers it unchanged; the same message arrives through this
+/// parser on a lean watch and through the library's on a direct get or an ordered consumer, so
+/// any difference is a key folded as a put on one path and a delete on the other (a bare `\n`
+/// before `KV-Operation: DEL`'s neighbour was exactly that).
 pub fn parse_headers(block: &[u8]) -> Result<HeaderBlock<'_>, WireError> {
     let text = std::str::from_utf8(block)
         .map_err(|_| WireError::Malformed("a header block that is not UTF-8".into()))?;
-    let mut lines = text.split("\r\n");
+    let mut lines = text.lines().peekable();
     let first = lines.next().unwrap_or_default();
     let rest = first
         .strip_prefix("NATS/1.0")
@@ -235,20 +259,29 @@ pub fn parse_headers(block: &[u8]) -> Result<HeaderBlock<'_>, WireError> {
     if !rest.is_empty() {
         let (code, desc) = rest.split_once(' ').unwrap_or((rest, ""));
         out.status = Some(
-            code.parse()
+            code.trim()
+                .parse()
                 .map_err(|_| WireError::Malformed(format!("header status {code:?}")))?,
         );
         let desc = desc.trim();
         out.description = (!desc.is_empty()).then_some(desc);
     }
-    for line in lines {
+    while let Some(line) = lines.next() {
         if line.is_empty() {
             continue;
         }
         let (name, value) = line
             .split_once(':')
             .ok_or_else(|| WireError::Malformed(format!("header line {line:?}")))?;
-        out.fields.push((name.trim(), value.trim()));
+        let mut value = Cow::Borrowed(value.trim_start());
+        while let Some(more) = lines.next_if(|l| l.starts_with(char::is_whitespace)) {
+            value.to_mut().push_str(more);
+        }
+        let value = match value {
+            Cow::Borrowed(v) => Cow::Borrowed(v.trim_end()),
+            Cow::Owned(v) => Cow::Owned(v.trim_end().to_string()),
+        };
+        out.fields.push((name, value));
     }
     Ok(out)
 }
@@ -395,6 +428,46 @@ mod tests {
     fn an_endless_control_line_is_an_error_not_a_wait() {
         let buf = vec![b'M'; MAX_CONTROL_LINE + 3];
         assert_eq!(parse_op(&buf, 1024), Err(WireError::LineTooLong));
+    }
+
+    #[test]
+    fn a_delivery_line_longer_than_the_servers_client_limit_parses() {
+        // A key the server accepted in a 4 KiB PUB line comes back with a $JS.ACK reply added.
+        let key = "k".repeat(4100);
+        let buf = format!(
+            "MSG $KV.b.{key} 1 $JS.ACK.KV_b.abcdefghijklmnopqrstuv.1.9.9.1700000000000000000.0 1\r\nv\r\n"
+        );
+        assert!(buf.len() > 4096);
+        let (op, n) = parse_op(buf.as_bytes(), 1024).unwrap().unwrap();
+        assert_eq!(n, buf.len());
+        let ServerOp::Msg { subject, .. } = op else {
+            panic!("{op:?}")
+        };
+        assert_eq!(subject.len(), "$KV.b.".len() + 4100);
+    }
+
+    #[test]
+    fn a_size_that_would_overflow_is_an_error_not_a_panic() {
+        for line in [
+            format!("MSG a 1 {}\r\n", usize::MAX),
+            format!("MSG a 1 {}\r\n", usize::MAX - 10),
+            format!("HMSG a 1 0 {}\r\n", usize::MAX - 1),
+        ] {
+            assert!(parse_op(line.as_bytes(), usize::MAX).is_err(), "{line}");
+        }
+    }
+
+    #[test]
+    fn header_lines_are_read_as_the_client_library_reads_them() {
+        // A bare LF ends a line, a line starting with whitespace continues the value before it:
+        // async-nats reads this block as a delete, so the lean path must too.
+        let h =
+            parse_headers(b"NATS/1.0\r\nKV-Operation: DEL\nX: y\r\nY: a\r\n  b\r\n\r\n").unwrap();
+        assert_eq!(h.status, None);
+        assert_eq!(h.get("KV-Operation"), Some("DEL"));
+        assert_eq!(h.get("X"), Some("y"));
+        assert_eq!(h.get("Y"), Some("a  b"));
+        assert_eq!(h.fields.len(), 3);
     }
 
     #[test]

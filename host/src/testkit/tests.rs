@@ -364,6 +364,36 @@ async fn a_failed_apply_is_retried_in_halves_so_the_fold_stops_exactly_before_th
     assert!(status.last_error().is_some_and(|e| e.contains("k06")));
 }
 
+#[tokio::test(start_paused = true)]
+async fn a_settle_before_a_swap_or_an_export_retries_in_halves_and_stops_exactly_before_the_poison()
+{
+    // `flush_all` is what a swap, an export and a shutdown settle the open batch with.
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = SharedStore::new(open(dir.path()));
+    let status = Arc::new(FoldStatus::default());
+    let mut fold = crate::applied::Fold::new(store.clone(), status).expect("fold");
+    let mut apply = FailsOn {
+        poison: "k06".into(),
+        applied: Vec::new(),
+        last_cursor: WatchCursor::NONE,
+    };
+    let mut batch: Vec<KvUpdate> = (1..=10u64)
+        .map(|i| {
+            KvUpdate::Put(KvEntry {
+                key: format!("k{i:02}"),
+                value: Bytes::from(format!("v{i}")),
+                version: VersionToken::from_u64(i),
+            })
+        })
+        .collect();
+    match crate::applied::flush_all(&mut fold, &mut batch, 100, &mut apply).await {
+        Err(AppliedError::Apply { last, .. }) => assert!(last.message.contains("k06"), "{last}"),
+        other => panic!("expected an apply fail-stop, got {other:?}"),
+    }
+    assert_eq!(store.read().expect("read").cursor(), WatchCursor::at(5));
+    assert_eq!(apply.applied, (1..=5).collect::<Vec<_>>());
+}
+
 /// A store whose chosen `apply` calls (1-based) fail, and that checks on every commit that the
 /// cursor covers no revision it never committed.
 struct FaultyStore<S> {

@@ -1,6 +1,7 @@
 //! The kv layer's contract against a real nats-server: state-sync re-list, complete listings of large
 //! buckets, CAS conflicts, the resume window, and multi-prefix deltas.
 
+use anyhow::Context as _;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
@@ -727,6 +728,144 @@ async fn a_watch_over_its_own_delivery_connection_hands_over_exactly_what_the_or
     assert!(lean.1.iter().any(|u| u.0 == "k.009" && u.1 == "purge"));
     assert!(lean.2.iter().all(|u| u.0.starts_with("k.00")));
     assert_eq!(lean.2.len(), 10);
+    Ok(())
+}
+
+/// Publishes `header` + `payload` to `subject` over a raw socket, as any writer may (the client
+/// library refuses such header blocks), and waits for JetStream's acknowledgement.
+async fn raw_publish(
+    url: &str,
+    subject: &str,
+    header: &[u8],
+    payload: &[u8],
+) -> anyhow::Result<()> {
+    use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
+    let addr = foldhost::nats::wire::plain_address(url).context("a plain URL")?;
+    let mut sock = tokio::io::BufReader::new(tokio::net::TcpStream::connect(addr).await?);
+    let mut line = String::new();
+    sock.read_line(&mut line).await?;
+    anyhow::ensure!(line.starts_with("INFO"), "{line}");
+    let mut out =
+        b"CONNECT {\"verbose\":false,\"headers\":true,\"protocol\":1}\r\nSUB _RAW.ack 1\r\n"
+            .to_vec();
+    out.extend_from_slice(
+        format!(
+            "HPUB {subject} _RAW.ack {} {}\r\n",
+            header.len(),
+            header.len() + payload.len()
+        )
+        .as_bytes(),
+    );
+    out.extend_from_slice(header);
+    out.extend_from_slice(payload);
+    out.extend_from_slice(b"\r\n");
+    sock.get_mut().write_all(&out).await?;
+    loop {
+        line.clear();
+        anyhow::ensure!(
+            sock.read_line(&mut line).await? > 0,
+            "closed before the ack"
+        );
+        if line.starts_with("PING") {
+            sock.get_mut().write_all(b"PONG\r\n").await?;
+        } else if line.starts_with("MSG _RAW.ack") {
+            let size: usize = line.split_whitespace().last().context("size")?.parse()?;
+            let mut body = vec![0; size + 2];
+            sock.read_exact(&mut body).await?;
+            let body = String::from_utf8_lossy(&body);
+            anyhow::ensure!(body.contains("\"seq\""), "not stored: {body}");
+            return Ok(());
+        } else if line.starts_with("-ERR") {
+            anyhow::bail!("{line}");
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_any_writer_can_store_folds_the_same_on_the_lean_and_the_ordered_delivery()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("odd").await?;
+    kv.put("k.del", "to be deleted".into()).await?;
+    let cursor = kv.positions().await?.last_sequence;
+    kv.put("k.plain", "v".into()).await?;
+    // A key whose delivery line is longer than the server's 4 KiB client line limit.
+    let long = format!("k.{}", "l".repeat(4030));
+    kv.put(&long, "long".into()).await?;
+    // A delete whose header line ends in a bare LF, a continuation line, and a status line.
+    raw_publish(
+        &h.url(),
+        "$KV.odd.k.del",
+        b"NATS/1.0\r\nKV-Operation: DEL\nX-Note: y\r\nX-Long: a\r\n  b\r\n\r\n",
+        b"",
+    )
+    .await?;
+    raw_publish(
+        &h.url(),
+        "$KV.odd.k.status",
+        b"NATS/1.0 100 FlowControl Request\r\nX-Note: y\r\n\r\n",
+        b"s",
+    )
+    .await?;
+    kv.put("k.last", "v".into()).await?;
+    kv.set_direct_catch_up(false);
+    let opts = foldhost::bucket::ConnectOptions::new(h.url());
+    let mut runs = Vec::new();
+    for lean in [false, true] {
+        kv.set_lean_delivery(lean.then_some(&opts));
+        let before = kv.lean_watches();
+        let sync = collect_until_level(kv.clone(), WatchScope::All, WatchCursor::default()).await?;
+        let delta =
+            collect_until_level(kv.clone(), WatchScope::All, WatchCursor::at(cursor)).await?;
+        assert_eq!(kv.lean_watches() - before, if lean { 2 } else { 0 });
+        let shapes = |us: &[KvUpdate]| us.iter().map(shape).collect::<Vec<_>>();
+        runs.push((shapes(&sync), shapes(&delta)));
+    }
+    let (ordered, lean) = (&runs[0], &runs[1]);
+    assert_eq!(lean.0, ordered.0, "state-sync differs");
+    assert_eq!(lean.1, ordered.1, "delta differs");
+    let keys: BTreeSet<&str> = lean.1.iter().map(|u| u.0.as_str()).collect();
+    assert!(
+        keys.contains(long.as_str()),
+        "the long key was not delivered"
+    );
+    assert!(
+        keys.contains("k.status") && keys.contains("k.last"),
+        "{keys:?}"
+    );
+    assert!(
+        lean.1.iter().any(|u| u.0 == "k.del" && u.1 == "del"),
+        "the bare-LF delete was not read as a delete: {:?}",
+        lean.1.iter().find(|u| u.0 == "k.del")
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scope_of_overlapping_prefixes_is_watched_and_delivers_each_key_once()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("overlap").await?;
+    for k in ["a.b.c1", "a.b.c2", "a.x", "a.b.d.e", "z.q"] {
+        kv.put(k, k.as_bytes().to_vec().into()).await?;
+    }
+    let cursor = kv.positions().await?.last_sequence;
+    for k in ["a.b.c1", "a.x", "z.q"] {
+        kv.put(k, "again".into()).await?;
+    }
+    // `a.b.c` and `a.x` filter on `a.b.>` and `a.>`: filters nats-server refuses together.
+    let scope = WatchScope::Prefixes(vec!["a.b.c".into(), "a.x".into(), "a.b.".into()]);
+    for cursor in [WatchCursor::default(), WatchCursor::at(cursor)] {
+        let got = collect_until_level(kv.clone(), scope.clone(), cursor).await?;
+        let mut keys: Vec<&str> = got.iter().map(|u| u.key()).collect();
+        keys.sort_unstable();
+        let expected: &[&str] = if cursor == WatchCursor::default() {
+            &["a.b.c1", "a.b.c2", "a.b.d.e", "a.x"]
+        } else {
+            &["a.b.c1", "a.x"]
+        };
+        assert_eq!(keys, expected, "from {cursor:?}");
+    }
     Ok(())
 }
 

@@ -176,13 +176,10 @@ pub fn sample_request(scope: &WatchScope, key: &str) -> Vec<u8> {
     stripped.as_bytes().to_vec()
 }
 
-/// The prefixes a sample reads the fold under (one empty prefix for the whole bucket).
+/// The prefixes a sample reads the fold under (one empty prefix for the whole bucket), each key
+/// under one of them only (overlapping prefixes would sample a key twice).
 fn scan_prefixes(scope: &WatchScope) -> Vec<String> {
-    match scope {
-        WatchScope::All => vec![String::new()],
-        WatchScope::Prefix(p) => vec![p.clone()],
-        WatchScope::Prefixes(ps) => ps.clone(),
-    }
+    scope.disjoint_prefixes()
 }
 
 impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
