@@ -232,10 +232,8 @@ pub fn payload_of(relative: &str) -> &str {
 /// break the download's memory bound.
 pub fn segment_plan(listed: &[(String, u64)]) -> Result<Vec<u64>, String> {
     if listed.len() > MAX_SEGMENTS {
-        return Err(format!(
-            "{} segments listed, more than {MAX_SEGMENTS}",
-            listed.len()
-        ));
+        // The listing stops one past the limit, so its length is not the store's count.
+        return Err(format!("more than {MAX_SEGMENTS} segments listed"));
     }
     let mut sizes = std::collections::BTreeMap::new();
     for (name, size) in listed {
@@ -502,6 +500,11 @@ impl ArtifactTransport {
             let meta = meta.map_err(Self::store_err("list", dir))?;
             let name = relative_to(dir, &meta.location);
             out.push((name, meta.size));
+            // One past the limit is enough for `segment_plan` to refuse the listing: a store
+            // holding millions of objects under the prefix is not read whole into memory first.
+            if out.len() > MAX_SEGMENTS {
+                break;
+            }
         }
         Ok(out)
     }
