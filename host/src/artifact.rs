@@ -226,7 +226,11 @@ pub fn check_path(p: &str) -> Result<PathBuf, ArtifactError> {
 }
 
 /// A hidden sibling of `path` for staging (`.NAME.TAG-PID-NANOS`).
+///
+/// Before naming a new stage it removes the stale ones beside `path` ([`sweep_stale_stages`]): a
+/// process killed mid-import or mid-export leaves its stage behind, as large as the fold.
 pub fn stage_path(path: &Path, tag: &str) -> PathBuf {
+    sweep_stale_stages(path);
     let name = path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -237,6 +241,87 @@ pub fn stage_path(path: &Path, tag: &str) -> PathBuf {
         .unwrap_or(0);
     let parent = path.parent().unwrap_or_else(|| Path::new("."));
     parent.join(format!(".{name}.{tag}-{}-{nanos}", std::process::id()))
+}
+
+/// The tags [`stage_path`] is called with.
+const STAGE_TAGS: [&str; 5] = ["export", "artifact", "unpack", "import", "tar"];
+
+/// A stage left behind is removed only once it is this old, whatever its process: a process in
+/// another PID namespace sharing the directory is not visible in `/proc`.
+pub const STALE_STAGE_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// The process id in `entry` when it is a stage of the file or directory named `name`, as
+/// [`stage_path`] names one (`.<name>.<tag>-<pid>-<nanos>`). Pure.
+pub fn stage_owner(name: &str, entry: &str) -> Option<u32> {
+    let rest = entry
+        .strip_prefix('.')?
+        .strip_prefix(name)?
+        .strip_prefix('.')?;
+    let (tag, rest) = rest.split_once('-')?;
+    if !STAGE_TAGS.contains(&tag) {
+        return None;
+    }
+    let (pid, nanos) = rest.split_once('-')?;
+    let digits = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit());
+    if !digits(nanos) || !digits(pid) {
+        return None;
+    }
+    pid.parse().ok()
+}
+
+/// Removes the stages beside `path` whose process is no longer running on this machine and that
+/// are older than [`STALE_STAGE_AGE`]; best effort (a failure leaves the stage, never fails the
+/// caller). Returns how many went. Nothing is removed where `/proc` cannot tell a live process.
+pub fn sweep_stale_stages(path: &Path) -> usize {
+    let Some(name) = path.file_name().map(|n| n.to_string_lossy().into_owned()) else {
+        return 0;
+    };
+    let proc = Path::new("/proc");
+    if !proc.join("self").exists() {
+        return 0;
+    }
+    let parent = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let Ok(entries) = std::fs::read_dir(parent) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let entry_name = entry.file_name().to_string_lossy().into_owned();
+        let Some(pid) = stage_owner(&name, &entry_name) else {
+            continue;
+        };
+        if pid == std::process::id() || proc.join(pid.to_string()).exists() {
+            continue;
+        }
+        let old = entry
+            .metadata()
+            .and_then(|m| m.modified())
+            .ok()
+            .and_then(|t| t.elapsed().ok())
+            .is_some_and(|age| age > STALE_STAGE_AGE);
+        if !old {
+            continue;
+        }
+        let at = entry.path();
+        let r = if at.is_dir() {
+            std::fs::remove_dir_all(&at)
+        } else {
+            std::fs::remove_file(&at)
+        };
+        match r {
+            Ok(()) => {
+                removed += 1;
+                tracing::warn!(stage = %at.display(), pid, "removed a stage left by a process that is gone");
+            }
+            Err(e) => {
+                tracing::warn!(stage = %at.display(), error = %e, "could not remove a stale stage")
+            }
+        }
+    }
+    removed
 }
 
 /// Removes a stage on a failure path (best effort: it is hidden and named as a stage).
@@ -1195,6 +1280,58 @@ mod tests {
         );
         assert!(!out.exists(), "no artifact");
         assert!(!stage.exists(), "the stage is discarded");
+    }
+
+    #[test]
+    fn a_stage_is_recognised_by_its_name_and_nothing_else_is() {
+        assert_eq!(stage_owner("art", ".art.import-123-456"), Some(123));
+        assert_eq!(stage_owner("a.tar", ".a.tar.tar-9-0"), Some(9));
+        for other in [
+            "art",
+            ".art.import-123",
+            ".art.import-x-1",
+            ".art.import--1",
+            ".art.copy-1-2",
+            ".other.import-1-2",
+            ".artx.import-1-2",
+            ".art.import-1-2-3",
+        ] {
+            assert_eq!(stage_owner("art", other), None, "{other}");
+        }
+    }
+
+    #[test]
+    fn a_stage_left_by_a_process_that_is_gone_is_removed_by_the_next_one_beside_it() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let dest = tmp.path().join("node");
+        // Above any pid_max Linux allows (2^22): no process has it.
+        let dead = tmp.path().join(".node.import-4194400-1");
+        let young = tmp.path().join(".node.import-4194401-1");
+        let mine = tmp
+            .path()
+            .join(format!(".node.import-{}-1", std::process::id()));
+        let unrelated = tmp.path().join(".other.import-4194400-1");
+        for d in [&dead, &young, &mine, &unrelated] {
+            std::fs::create_dir_all(d.join("data")).expect("mkdir");
+            std::fs::write(d.join("data/f"), b"x").expect("write");
+        }
+        let tar = tmp.path().join(".node.tar-4194400-2");
+        std::fs::write(&tar, b"x").expect("write");
+        let old = std::time::SystemTime::now() - STALE_STAGE_AGE * 2;
+        for p in [&dead, &mine, &unrelated, &tar] {
+            File::open(p)
+                .and_then(|f| f.set_modified(old))
+                .expect("age the stage");
+        }
+        let stage = stage_path(&dest, "import");
+        assert!(!dead.exists() && !tar.exists(), "stale stages removed");
+        assert!(
+            young.exists(),
+            "a young stage may belong to a live process elsewhere"
+        );
+        assert!(mine.exists(), "this process's own stage is kept");
+        assert!(unrelated.exists(), "another target's stage is kept");
+        assert!(!stage.exists());
     }
 
     #[test]
