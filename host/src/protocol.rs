@@ -776,6 +776,146 @@ pub fn reply_subject_allowed(reply: &str, prefix: &str) -> bool {
         && !reply.contains([' ', '\t', '\r', '\n', '*', '>'])
 }
 
+/// How a `--listen` endpoint opens `/status` and `/query` (the admin token opens them in every
+/// case; [`query_access`] decides).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QueryAccess {
+    /// With the query token the operator gave (a file, or an embedder's string).
+    GivenToken,
+    /// With a token the host generates into a private file: a listener reachable from beyond
+    /// this machine, given no token and no `--query-open`.
+    GeneratedToken,
+    /// To whoever reaches the listener: a loopback listener given no token.
+    Open,
+    /// To whoever reaches a listener beyond loopback, because the operator said so
+    /// (`--query-open`); the host says the risk when it starts.
+    OpenByChoice,
+}
+
+/// How `/status` and `/query` of a listener bound to an address that is (`loopback`) or is not a
+/// loopback one are opened, given whether a query token was given and `--query-open` asked. A
+/// listener beyond loopback (a wildcard `0.0.0.0` / `::` one included: it answers through
+/// 127.0.0.1 too, where a DNS-rebound web page reaches it) never answers a query from anyone who
+/// can reach it unless the operator chose that: without a token it gets a generated one. A
+/// loopback listener stays open without a token, as only this machine reaches it and its `Host`
+/// check keeps rebound pages out. A token and `--query-open` together are a contradiction,
+/// refused rather than one of them silently ignored.
+pub fn query_access(
+    loopback: bool,
+    token_given: bool,
+    query_open: bool,
+) -> Result<QueryAccess, &'static str> {
+    match (token_given, query_open, loopback) {
+        (true, true, _) => Err("--query-open and a query token exclude each other: give one"),
+        (true, false, _) => Ok(QueryAccess::GivenToken),
+        (false, _, true) => Ok(QueryAccess::Open),
+        (false, true, false) => Ok(QueryAccess::OpenByChoice),
+        (false, false, false) => Ok(QueryAccess::GeneratedToken),
+    }
+}
+
+/// A `Host` header value (or a `--listen-host` name) split into its host and its port, if it
+/// has one: `name`, `name:port`, `1.2.3.4:port`, `[::1]:port`. `None` for anything else: empty,
+/// a bare IPv6 address, a bad port, or characters no host name has (space, `/`, `@`, …).
+pub fn split_host_port(value: &str) -> Option<(&str, Option<u16>)> {
+    let bad = |c: char| c.is_whitespace() || c.is_control() || "/\\@?#,;\"'<>".contains(c);
+    if value.is_empty() || value.contains(bad) {
+        return None;
+    }
+    let (host, port) = if value.starts_with('[') {
+        let close = value.find(']')?;
+        let (host, rest) = value.split_at(close + 1);
+        match rest {
+            "" => (host, None),
+            _ => (host, Some(rest.strip_prefix(':')?)),
+        }
+    } else {
+        match value.split_once(':') {
+            Some((host, port)) => (host, Some(port)),
+            None => (value, None),
+        }
+    };
+    if host.is_empty() || host == "[]" || (!host.starts_with('[') && host.contains([':', '[', ']']))
+    {
+        return None;
+    }
+    let port = match port {
+        Some(p) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => Some(p.parse().ok()?),
+        Some(_) => return None,
+        None => None,
+    };
+    Some((host, port))
+}
+
+/// The IP address a `Host`'s host part spells literally (`10.0.0.5`, `[::1]`), if it is one.
+fn host_ip_literal(host: &str) -> Option<std::net::IpAddr> {
+    match host.strip_prefix('[').and_then(|h| h.strip_suffix(']')) {
+        Some(v6) => v6
+            .parse::<std::net::Ipv6Addr>()
+            .ok()
+            .map(std::net::IpAddr::V6),
+        None => host
+            .parse::<std::net::Ipv4Addr>()
+            .ok()
+            .map(std::net::IpAddr::V4),
+    }
+}
+
+/// Whether a request's `Host` names this listener, so that it was addressed to the host and not
+/// to a name a DNS-rebinding page made point here. `listen` is the bound address, `arrived_on`
+/// the local address the connection came in on (on a wildcard listener, one of the machine's
+/// concrete addresses), `names` the `--listen-host` names (with a port: that port exactly;
+/// without: no port or the listener's). Besides those names:
+/// - a loopback listener is named by `localhost`, `127.0.0.1`, `[::1]` or its own address, with
+///   its port;
+/// - a wildcard listener (`0.0.0.0`, `::`) by the IP literal of the address the connection
+///   arrived on (and `localhost`, or the wildcard address itself, when that is loopback), with
+///   its port: an IP literal cannot be rebound, and no other name is known to be the host's;
+/// - any other listener by its own address.
+///
+/// A missing `Host`, a `Host` without a port (port 80) on another port, or any other name is
+/// refused.
+pub fn host_names_listener(
+    host: Option<&str>,
+    listen: std::net::SocketAddr,
+    arrived_on: std::net::SocketAddr,
+    names: &[String],
+) -> bool {
+    let Some((h, p)) = host.and_then(split_host_port) else {
+        return false;
+    };
+    let port = p.unwrap_or(80);
+    let named = names
+        .iter()
+        .filter_map(|n| split_host_port(n))
+        .any(|(nh, np)| {
+            nh.eq_ignore_ascii_case(h)
+                && match np {
+                    Some(np) => np == port,
+                    None => p.is_none() || port == listen.port(),
+                }
+        });
+    if named {
+        return true;
+    }
+    if port != listen.port() {
+        return false;
+    }
+    let ip = host_ip_literal(h).map(|ip| ip.to_canonical());
+    let loopback_name = |on: std::net::IpAddr| {
+        on.to_canonical().is_loopback()
+            && (h.eq_ignore_ascii_case("localhost") || ip.is_some_and(|ip| ip.is_loopback()))
+    };
+    if listen.ip().is_unspecified() {
+        ip == Some(arrived_on.ip().to_canonical())
+            || loopback_name(arrived_on.ip())
+            // `0.0.0.0:P` as the address, which this machine's clients reach through loopback.
+            || (ip == Some(listen.ip().to_canonical()) && arrived_on.ip().to_canonical().is_loopback())
+    } else {
+        ip == Some(listen.ip().to_canonical()) || loopback_name(listen.ip())
+    }
+}
+
 /// Most catch-up rounds a swap runs beside the fold before its cut-over.
 pub const MAX_SWAP_CATCH_UP_ROUNDS: u32 = 4;
 
@@ -1274,6 +1414,118 @@ mod tests {
         assert!(!reply_subject_allowed("_INBOX.>", "_INBOX."));
         assert!(!reply_subject_allowed("_INBOX.a", ""));
         assert!(reply_subject_allowed("svc.replies.7", "svc.replies."));
+    }
+
+    #[test]
+    fn a_listener_beyond_loopback_answers_queries_only_with_a_token_or_by_the_operators_choice() {
+        use QueryAccess::*;
+        // (loopback, token given, --query-open) → access
+        let table = [
+            (true, false, false, Ok(Open)),
+            (true, true, false, Ok(GivenToken)),
+            (true, false, true, Ok(Open)),
+            (false, false, false, Ok(GeneratedToken)),
+            (false, true, false, Ok(GivenToken)),
+            (false, false, true, Ok(OpenByChoice)),
+        ];
+        for (loopback, token, open, want) in table {
+            assert_eq!(
+                query_access(loopback, token, open),
+                want,
+                "loopback {loopback}, token {token}, open {open}"
+            );
+        }
+        for loopback in [true, false] {
+            assert!(query_access(loopback, true, true).is_err());
+        }
+    }
+
+    #[test]
+    fn host_values_split_into_a_host_and_a_port_or_are_refused() {
+        type Split<'a> = Option<(&'a str, Option<u16>)>;
+        let table: [(&str, Split); 14] = [
+            ("node7.internal", Some(("node7.internal", None))),
+            ("node7.internal:8080", Some(("node7.internal", Some(8080)))),
+            ("10.0.0.5:80", Some(("10.0.0.5", Some(80)))),
+            ("[::1]:8080", Some(("[::1]", Some(8080)))),
+            ("[::1]", Some(("[::1]", None))),
+            ("::1", None),
+            ("", None),
+            ("a:", None),
+            (":80", None),
+            ("a:99999", None),
+            ("a:8x", None),
+            ("a b:80", None),
+            ("user@evil.example", None),
+            ("[::1]x", None),
+        ];
+        for (value, want) in table {
+            assert_eq!(split_host_port(value), want, "{value:?}");
+        }
+    }
+
+    #[test]
+    fn a_host_header_names_the_listener_only_by_a_configured_name_or_an_address_it_listens_on() {
+        const LO: &str = "127.0.0.1:8080";
+        const ANY: &str = "0.0.0.0:8080";
+        const ANY6: &str = "[::]:8080";
+        const LAN: &str = "10.0.0.5:8080";
+        let sa = |s: &str| s.parse::<std::net::SocketAddr>().expect("addr");
+        let names = [
+            "node7.internal".to_string(),
+            "proxy.example:443".to_string(),
+        ];
+        // (Host ("" for none), listen, arrived on, with the names, admitted)
+        let table = [
+            // Loopback: its own names, with its port.
+            ("127.0.0.1:8080", LO, LO, false, true),
+            ("LOCALHOST:8080", LO, LO, false, true),
+            ("[::1]:8080", LO, LO, false, true),
+            ("localhost", LO, LO, false, false),
+            ("127.0.0.1:9090", LO, LO, false, false),
+            ("evil.example:8080", LO, LO, false, false),
+            ("", LO, LO, false, false),
+            // Wildcard, no names: only the IP literal of the address the connection came in on.
+            ("127.0.0.1:8080", ANY, LO, false, true),
+            ("localhost:8080", ANY, LO, false, true),
+            ("10.0.0.5:8080", ANY, LAN, false, true),
+            ("localhost:8080", ANY, LAN, false, false),
+            ("10.0.0.6:8080", ANY, LAN, false, false),
+            ("10.0.0.5:8081", ANY, LAN, false, false),
+            // The DNS-rebinding page: its own name, through 127.0.0.1.
+            ("evil.example:8080", ANY, LO, false, false),
+            ("node7.internal:8080", ANY, LAN, false, false),
+            ("", ANY, LO, false, false),
+            // The wildcard address itself, as a local client given `--listen 0.0.0.0:P` sends it.
+            ("0.0.0.0:8080", ANY, LO, false, true),
+            ("0.0.0.0:8080", ANY, LAN, false, false),
+            // IPv6 wildcard; a v4 client on a dual-stack socket.
+            ("10.0.0.5:8080", ANY6, "[::ffff:10.0.0.5]:8080", false, true),
+            ("[fd00::5]:8080", ANY6, "[fd00::5]:8080", false, true),
+            ("[FD00:0::5]:8080", ANY6, "[fd00::5]:8080", false, true),
+            // Names: with the listener's port or none; a name given with a port: that port only.
+            ("node7.internal:8080", ANY, LAN, true, true),
+            ("NODE7.internal", ANY, LAN, true, true),
+            ("node7.internal:9", ANY, LAN, true, false),
+            ("proxy.example:443", ANY, LAN, true, true),
+            ("proxy.example", ANY, LAN, true, false),
+            ("evil.example:8080", ANY, LO, true, false),
+            ("10.0.0.5:8080", ANY, LAN, true, true),
+            // A specific address beyond loopback: that address (and the names).
+            ("10.0.0.5:8080", LAN, LAN, false, true),
+            ("127.0.0.1:8080", LAN, LAN, false, false),
+            ("evil.example:8080", LAN, LAN, false, false),
+            ("node7.internal", LAN, LAN, true, true),
+        ];
+        for (host, listen, on, with_names, want) in table {
+            let names: &[String] = if with_names { &names } else { &[] };
+            let host = (!host.is_empty()).then_some(host);
+            assert_eq!(
+                host_names_listener(host, sa(listen), sa(on), names),
+                want,
+                "Host {host:?} on {listen} (arrived on {on}), names {names:?}"
+            );
+        }
     }
 
     #[test]

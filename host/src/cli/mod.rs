@@ -301,10 +301,33 @@ pub struct RunArgs {
     /// Read the admin token from this file (keeps it out of `ps`).
     #[arg(long, value_name = "FILE", conflicts_with = "admin_token")]
     pub admin_token_file: Option<PathBuf>,
-    /// Bearer token `/status` and `/query` require (the admin token opens them too). Without it
-    /// they are open to whoever reaches the listener.
-    #[arg(long, env = "FOLDHOST_QUERY_TOKEN", hide_env_values = true)]
+    /// Read the bearer token `/status` and `/query` require from this file (the admin token opens
+    /// them too). Without it, a loopback listener answers them to anyone on this machine, and any
+    /// other (0.0.0.0 and :: included) only with the token it generates into `STORE/query-token`
+    /// (mode 0600, kept across restarts) — unless `--query-open`.
+    #[arg(long, value_name = "FILE", conflicts_with = "query_open")]
+    pub query_token_file: Option<PathBuf>,
+    /// Refused: a query token is read from a file (`--query-token-file`), never from the command
+    /// line (where `ps` shows it) or the environment.
+    #[arg(
+        long,
+        env = "FOLDHOST_QUERY_TOKEN",
+        hide = true,
+        hide_env_values = true
+    )]
     pub query_token: Option<String>,
+    /// RISK: on a listener beyond loopback, answer `/status` and `/query` without a token. Anyone
+    /// who can reach the address can then query the guest, read the fold through it, and flood
+    /// the guest with queries (the fold slows with them). For a network you trust entirely, or
+    /// a proxy in front that authenticates.
+    #[arg(long)]
+    pub query_open: bool,
+    /// A name clients reach the listener by, as they send it in `Host` (`node7.internal`, or
+    /// with the port they use: `fold.example:443`); repeatable. A request whose `Host` is none of
+    /// these nor an address the listener is bound to (on 0.0.0.0 / ::, the IP address a client
+    /// connected to) is refused (403): a DNS-rebound name reaches nothing.
+    #[arg(long, value_name = "NAME")]
+    pub listen_host: Vec<String>,
     /// Largest `/query` body, in bytes.
     #[arg(long, default_value_t = crate::serve::MAX_QUERY)]
     pub query_max_bytes: usize,
@@ -417,6 +440,11 @@ fn parse_config_item(kv: &str) -> Result<(String, String), String> {
 impl RunArgs {
     /// The typed configuration these arguments describe (reading `--guest-config-file`).
     pub fn into_config(self) -> anyhow::Result<NodeConfig> {
+        if self.query_token.is_some() {
+            bail!(
+                "--query-token / FOLDHOST_QUERY_TOKEN: the query token is read from a file only (the command line shows in ps): give --query-token-file FILE"
+            );
+        }
         let guest_config = match &self.guest_config_file {
             Some(path) => {
                 let text = std::fs::read(path)
@@ -457,7 +485,10 @@ impl RunArgs {
             listen: self.listen.map(|addr| ListenConfig {
                 admin_token: self.admin_token,
                 admin_token_file: self.admin_token_file,
-                query_token: self.query_token,
+                query_token: None,
+                query_token_file: self.query_token_file,
+                query_open: self.query_open,
+                hosts: self.listen_host,
                 query_max_bytes: self.query_max_bytes,
                 ..ListenConfig::new(addr)
             }),

@@ -105,8 +105,19 @@ pub struct ListenConfig {
     pub admin_token: Option<String>,
     /// A file holding the admin token.
     pub admin_token_file: Option<PathBuf>,
-    /// A token `/query` must present (`None`: open on loopback only).
+    /// A token `/status` and `/query` must present. With none (and no `query_token_file`), a
+    /// loopback listener answers them to anyone, and any other listener (a wildcard one
+    /// included) to the token it generates into `STORE/query-token` (mode 0600), unless
+    /// `query_open` ([`crate::protocol::query_access`]).
     pub query_token: Option<String>,
+    /// A file holding the query token.
+    pub query_token_file: Option<PathBuf>,
+    /// Answer `/status` and `/query` without a token on a listener beyond loopback: anyone who
+    /// can reach the address can query the guest and flood it with queries.
+    pub query_open: bool,
+    /// The names clients reach the listener by (`Host`, with or without a port); beside its own
+    /// addresses, the only ones it admits ([`crate::protocol::host_names_listener`]).
+    pub hosts: Vec<String>,
     /// Largest `/query` body accepted.
     pub query_max_bytes: usize,
 }
@@ -119,6 +130,9 @@ impl ListenConfig {
             admin_token: None,
             admin_token_file: None,
             query_token: None,
+            query_token_file: None,
+            query_open: false,
+            hosts: Vec::new(),
             query_max_bytes: crate::serve::MAX_QUERY,
         }
     }
@@ -249,6 +263,33 @@ impl NodeConfig {
             return Err(NodeError::Config(
                 "--export-every needs --artifacts and --artifact-key".into(),
             ));
+        }
+        if let Some(l) = &self.listen {
+            if l.query_token.is_some() && l.query_token_file.is_some() {
+                return Err(NodeError::Config(
+                    "a query token and a query token file exclude each other: give one".into(),
+                ));
+            }
+            let token_given = l.query_token.is_some() || l.query_token_file.is_some();
+            // Whether the address is loopback is known only once bound; the conflict is not.
+            crate::protocol::query_access(false, token_given, l.query_open)
+                .map_err(|e| NodeError::Config(e.into()))?;
+            if l.hosts.len() > crate::serve::MAX_LISTEN_HOSTS {
+                return Err(NodeError::Config(format!(
+                    "--listen-host given {} times: at most {}",
+                    l.hosts.len(),
+                    crate::serve::MAX_LISTEN_HOSTS
+                )));
+            }
+            if let Some(bad) = l
+                .hosts
+                .iter()
+                .find(|h| crate::protocol::split_host_port(h).is_none())
+            {
+                return Err(NodeError::Config(format!(
+                    "--listen-host {bad:?}: not a host name, IP address or [IPv6], with an optional :PORT"
+                )));
+            }
         }
         if let Some(l) = &self.listen
             && l.query_max_bytes > crate::serve::QUERY_BODY_BUDGET

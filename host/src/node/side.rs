@@ -199,11 +199,17 @@ async fn listen(
             (t, Some(f))
         }
     };
+    let query_token = query_token(cfg, l, local).map_err(io)?;
+    if local.ip().is_unspecified() && l.hosts.is_empty() {
+        tracing::info!(addr = %local, "a wildcard listener with no --listen-host: it admits only a Host that is the IP address a client connected to (give --listen-host NAME for each name clients use)");
+    }
     tracing::info!(addr = %local, "serving /status, /query, /swap and /export");
     let policy = crate::serve::AccessPolicy {
         admin_token,
-        query_token: l.query_token.clone(),
+        query_token,
         listen: local,
+        hosts: l.hosts.clone(),
+        query_open: l.query_open,
         limits: crate::serve::Limits {
             query_body: l.query_max_bytes,
             ..Default::default()
@@ -235,6 +241,40 @@ async fn listen(
         scope: scope.to_string(),
     });
     Ok(tokio::spawn(crate::serve::serve(listener, state)))
+}
+
+/// The token `/status` and `/query` need on the listener bound at `local`
+/// ([`crate::protocol::query_access`]): the one given (literally or in a file), `None` where they
+/// are open, or — beyond loopback, given none and not `--query-open` — the one in
+/// `STORE/query-token`, generated there (mode 0600) when absent. The token itself is never logged.
+fn query_token(
+    cfg: &NodeConfig,
+    l: &super::ListenConfig,
+    local: std::net::SocketAddr,
+) -> std::io::Result<Option<String>> {
+    use crate::protocol::QueryAccess;
+    let loopback = local.ip().to_canonical().is_loopback();
+    let token_given = l.query_token.is_some() || l.query_token_file.is_some();
+    let access = crate::protocol::query_access(loopback, token_given, l.query_open)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    Ok(match access {
+        QueryAccess::GivenToken => match (&l.query_token, &l.query_token_file) {
+            (Some(t), _) => Some(t.clone()),
+            (None, Some(f)) => Some(crate::serve::read_token_file(f)?),
+            (None, None) => None,
+        },
+        QueryAccess::GeneratedToken => {
+            let f = cfg.store.join(crate::serve::QUERY_TOKEN_FILE);
+            let t = crate::serve::query_token_from_store(&f)?;
+            tracing::warn!(addr = %local, file = %f.display(), "a listener beyond loopback: /status and /query answer only with the query token in this file (mode 0600; clients send it as Authorization: Bearer), or give --query-token-file, or --query-open");
+            Some(t)
+        }
+        QueryAccess::Open => None,
+        QueryAccess::OpenByChoice => {
+            tracing::warn!(addr = %local, "--query-open: /status and /query answer without a token anyone who can reach this address; they can read the fold through the guest's query and flood the guest with queries");
+            None
+        }
+    })
 }
 
 /// The export rounds `--export-every` asks for: the lease in its own NATS KV bucket (created when
