@@ -1,6 +1,7 @@
 //! The `--listen` endpoint against hostile callers, with the real binary and a real nats-server:
 //! admin routes need a token even on loopback (one the host generates into a 0600 file that
-//! `foldhost swap` finds), rebound Host names and cross-site Origins are refused, fast and slow
+//! `foldhost swap` finds), a wildcard listener answers queries only with the query token (or
+//! `--query-open`), rebound Host names and cross-site Origins are refused, fast and slow
 //! clients announcing large bodies on every route cannot pin the host's memory or stop the fold, and
 //! a guest that fails in `init` leaves no store behind.
 
@@ -112,6 +113,130 @@ async fn admin_routes_need_the_generated_token_even_on_loopback_and_foldhost_swa
     Ok(())
 }
 
+/// `/status` of the host at `a`, asked with `token`, once it satisfies `done` (the deadline only
+/// stops a hung test).
+async fn status_with_token(
+    a: &str,
+    token: Option<&str>,
+    mut done: impl FnMut(&StatusReport) -> bool,
+) -> anyhow::Result<StatusReport> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        if let Ok((200, body)) =
+            foldhost::serve::call_with_token(a, "GET", "/status", b"", token).await
+        {
+            let s: StatusReport = serde_json::from_slice(&body)?;
+            if done(&s) {
+                return Ok(s);
+            }
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "{a} never answered /status as expected"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
+/// A raw query for key `k` to `a`, with `Host: host` and, when given, the bearer `token`.
+fn query_as(a: &str, host: &str, token: Option<&str>) -> anyhow::Result<u16> {
+    let auth = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+    let raw = format!("POST /query HTTP/1.1\r\nHost: {host}\r\n{auth}Content-Length: 1\r\n\r\nk");
+    raw_request(a, raw.as_bytes())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wildcard_listener_answers_queries_only_with_the_query_token_and_never_to_a_rebound_host()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("wild").await?;
+    kv.put("k", "v".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let port = foldhost::localnats::reserved_port()?;
+    let wildcard = format!("0.0.0.0:{port}");
+    // Clients reach it through loopback here, as a DNS-rebound page in a local browser would.
+    let a = format!("127.0.0.1:{port}");
+    let mut cmd = run_command(&h, "wild", &store, Some(&wildcard));
+    cmd.arg("--guest")
+        .arg(guest_wasm("kvstore"))
+        .args(["--listen-host", "fold.test"]);
+    let (mut host, mut log) = foldhost_tests::spawn_logged(cmd)?;
+
+    // No token given: one generated into a private file in the store, named (never shown) in
+    // the log.
+    let line = log.wait_for("query token")?;
+    let file = store.join("query-token");
+    assert!(line.contains(&*file.to_string_lossy()), "{line}");
+    let mode = std::fs::metadata(&file)?.permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600, "the query token file is private");
+    let token = std::fs::read_to_string(&file)?.trim().to_string();
+    assert_eq!(token.len(), 64, "a generated token: {token:?}");
+    assert!(!line.contains(&token), "the log shows the token: {line}");
+    let s = status_with_token(&a, Some(&token), |s| s.applied_through >= 1).await?;
+    assert_eq!(s.pid, host.id());
+    let (_, body) =
+        foldhost::serve::call_with_token(&a, "GET", "/status", b"", Some(&token)).await?;
+    assert!(
+        !String::from_utf8_lossy(&body).contains(&token),
+        "/status shows the query token"
+    );
+
+    // Without the token: refused, /status too; with it: answered.
+    assert_eq!(query_as(&a, &a, None)?, 401, "a query without the token");
+    assert_eq!(query_as(&a, &a, Some("not-it"))?, 401, "a wrong token");
+    let (code, _) = foldhost::serve::call(&a, "GET", "/status", b"").await?;
+    assert_eq!(code, 401, "/status without the token");
+    assert_eq!(
+        query_as(&a, &a, Some(&token))?,
+        200,
+        "a query with the token"
+    );
+    // The configured name is admitted; a rebound name is refused, token or not.
+    assert_eq!(
+        query_as(&a, &format!("fold.test:{port}"), Some(&token))?,
+        200
+    );
+    for token in [None, Some(token.as_str())] {
+        let rebound = format!("evil.example:{port}");
+        assert_eq!(
+            query_as(&a, &rebound, token)?,
+            403,
+            "rebound, token {token:?}"
+        );
+    }
+    terminate(&mut host)?;
+
+    // --query-open: the host says the risk, and answers without a token — still not to a
+    // rebound name.
+    let mut cmd = run_command(&h, "wild", &store, Some(&wildcard));
+    cmd.arg("--guest")
+        .arg(guest_wasm("kvstore"))
+        .arg("--query-open");
+    let (mut host, mut log) = foldhost_tests::spawn_logged(cmd)?;
+    let line = log.wait_for("--query-open")?;
+    assert!(line.contains("anyone") && line.contains("flood"), "{line}");
+    let s = status_with_token(&a, None, |s| s.applied_through >= 1).await?;
+    assert_eq!(s.pid, host.id());
+    assert_eq!(query_as(&a, &a, None)?, 200, "an open query");
+    assert_eq!(query_as(&a, &format!("evil.example:{port}"), None)?, 403);
+    assert_eq!(
+        query_as(&a, &format!("fold.test:{port}"), None)?,
+        403,
+        "a name not configured this time"
+    );
+    terminate(&mut host)?;
+
+    // A literal token on the command line is refused, with the flag to use instead.
+    let o = run_command(&h, "wild", &store, Some(&wildcard))
+        .args(["--query-token", "literal"])
+        .output()?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("--query-token-file"), "{err}");
+    Ok(())
+}
+
 /// One client: announces `len` body bytes to `path` and sends them — as fast as the host takes
 /// them, or, with `pace`, 1 KiB per `pace` (a trickle) — until it has sent them all, `stop` is set,
 /// or the host closes the connection.
@@ -152,7 +277,9 @@ async fn slow_clients_round(query_token: Option<&str>) -> anyhow::Result<()> {
     let mut cmd = run_command(&h, "slow", &tmp.path().join("fold"), Some(&a));
     cmd.arg("--guest").arg(guest_wasm("kvstore"));
     if let Some(t) = query_token {
-        cmd.args(["--query-token", t]);
+        let file = tmp.path().join("query-token");
+        std::fs::write(&file, t)?;
+        cmd.arg("--query-token-file").arg(file);
     }
     let mut host = cmd.stderr(Stdio::null()).spawn()?;
     let status = |a: String| async move {
