@@ -7,7 +7,7 @@
 //!
 //! Invariants — what an unauthenticated or hostile client cannot do:
 //! - **No body byte is read before the request is admitted**: the route known, the caller
-//!   authorized (admin routes: the admin token; with `--query-token`, `/status` and `/query` too),
+//!   authorized (admin routes: the admin token; with a query token, `/status` and `/query` too),
 //!   the Host and Origin checked, and the declared length under the route's own limit (`/status`
 //!   none, `/query` [`Limits::query_body`], `/swap` [`Limits::swap_body`], `/export` 4 KiB).
 //! - **Bodies and answers in flight are bounded in total**: unauthenticated bodies (queries) share
