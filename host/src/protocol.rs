@@ -165,6 +165,67 @@ pub fn held_after_defers(keys: &[&str], deferred: &[bool]) -> Vec<usize> {
     out
 }
 
+/// Most queries the fold loop serves in a row while fold work waits (deliveries in the watch
+/// channel, or a lost guest instance to rebuild): a ready batch is postponed by at most this many
+/// queries ([`loop_gates`]).
+pub const MAX_QUERIES_BETWEEN_FLUSHES: u32 = 32;
+
+/// Most query time the fold loop spends in a row while fold work waits: a query that starts within
+/// it runs to its end (a guest call is never cut short but by its deadline), and none starts past
+/// it. A query that spins to its deadline therefore ends its turn by itself.
+pub const QUERY_TIME_BETWEEN_FLUSHES: std::time::Duration = std::time::Duration::from_millis(10);
+
+/// Most flushes (or guest rebuilds) the fold loop runs in a row while a query waits: a waiting query
+/// is postponed by at most this many.
+pub const MAX_FLUSHES_BETWEEN_QUERIES: u32 = 16;
+
+/// What the fold loop has done since it last switched between queries and its own work: the input
+/// of [`loop_gates`]. Kept by the loop, changed only through [`LoopShare::served_query`] and
+/// [`LoopShare::flushed`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoopShare {
+    /// Queries served since the last flush.
+    pub queries: u32,
+    /// Their time.
+    pub query_time: std::time::Duration,
+    /// Flushes (and rebuilds) since the last query.
+    pub flushes: u32,
+}
+
+impl LoopShare {
+    /// One query served, taking `took`.
+    pub fn served_query(&mut self, took: std::time::Duration) {
+        self.queries = self.queries.saturating_add(1);
+        self.query_time = self.query_time.saturating_add(took);
+        self.flushes = 0;
+    }
+
+    /// One flush (or rebuild of the guest instance) done.
+    pub fn flushed(&mut self) {
+        self.queries = 0;
+        self.query_time = std::time::Duration::ZERO;
+        self.flushes = self.flushes.saturating_add(1);
+    }
+}
+
+/// Which of its two kinds of work the fold loop may take next: `(queries, fold)` — whether the
+/// control channel (queries, and the swaps, shadows and exports that travel with them) may be
+/// served, and whether deliveries may be taken from the watch (and the guest rebuilt). The two
+/// take turns while both wait: queries until [`MAX_QUERIES_BETWEEN_FLUSHES`] of them or
+/// [`QUERY_TIME_BETWEEN_FLUSHES`] of their time, then the fold until [`MAX_FLUSHES_BETWEEN_QUERIES`]
+/// flushes or nothing of it waits. Either side alone runs freely. Never both closed (an
+/// inconsistent share opens the queries). The batch timer is not gated: a batch whose window has
+/// run out is flushed before the next query starts.
+pub fn loop_gates(share: LoopShare, fold_waiting: bool, query_waiting: bool) -> (bool, bool) {
+    let query_turn_left = share.queries < MAX_QUERIES_BETWEEN_FLUSHES
+        && share.query_time < QUERY_TIME_BETWEEN_FLUSHES
+        // The fold's turn, once begun (a flush since the last query), runs to its end.
+        && (share.flushes == 0 || share.flushes >= MAX_FLUSHES_BETWEEN_QUERIES);
+    let queries = !fold_waiting || query_turn_left;
+    let fold = !query_waiting || share.flushes < MAX_FLUSHES_BETWEEN_QUERIES;
+    (queries || !fold, fold)
+}
+
 /// How an expired cursor may be repaired (`--repair`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum RepairMode {
@@ -1288,6 +1349,100 @@ mod tests {
             held_after_defers(&keys, &[false, true, false, true, true, false]),
             vec![5]
         );
+    }
+
+    #[test]
+    fn queries_and_the_fold_take_bounded_turns_while_both_wait() {
+        use std::time::Duration;
+        let ms = Duration::from_millis;
+        let share = |queries, query_time, flushes| LoopShare {
+            queries,
+            query_time,
+            flushes,
+        };
+        let n = MAX_QUERIES_BETWEEN_FLUSHES;
+        let m = MAX_FLUSHES_BETWEEN_QUERIES;
+        // (share, fold work waiting, a query waiting) -> (queries may run, the fold may run)
+        let table = [
+            // Either side alone runs freely, whatever it did before.
+            (share(0, ms(0), 0), false, false, (true, true)),
+            (share(n + 5, ms(900), 0), false, true, (true, true)),
+            (share(0, ms(0), m + 5), true, false, (true, true)),
+            // Both wait: queries first, within their count and time...
+            (share(0, ms(0), 0), true, true, (true, true)),
+            (share(n - 1, ms(9), 0), true, true, (true, true)),
+            // ...then the fold: the count, or the time (one query spinning to its deadline).
+            (share(n, ms(0), 0), true, true, (false, true)),
+            (
+                share(1, QUERY_TIME_BETWEEN_FLUSHES, 0),
+                true,
+                true,
+                (false, true),
+            ),
+            (share(1, ms(1000), 0), true, true, (false, true)),
+            // The fold's turn, once begun, runs to its end while its work waits...
+            (share(0, ms(0), 1), true, true, (false, true)),
+            (share(0, ms(0), m - 1), true, true, (false, true)),
+            // ...and a query goes next.
+            (share(0, ms(0), m), true, true, (true, false)),
+            (share(0, ms(0), m + 3), true, true, (true, false)),
+            // The fold ran out of work mid-turn: queries go.
+            (share(0, ms(0), 3), false, true, (true, true)),
+            // An inconsistent share (no loop reaches it) never closes both.
+            (share(n, ms(0), m), true, true, (true, false)),
+        ];
+        for (s, fold_waiting, query_waiting, want) in table {
+            assert_eq!(
+                loop_gates(s, fold_waiting, query_waiting),
+                want,
+                "{s:?} fold waiting {fold_waiting}, query waiting {query_waiting}"
+            );
+        }
+    }
+
+    #[test]
+    fn neither_a_query_flood_nor_a_delivery_flood_starves_the_other() {
+        use std::time::Duration;
+        // Both always waiting; queries of each cost (cheap, spinning to a 1 s deadline). The loop
+        // serves queries first when both gates are open, as its biased select does.
+        for cost in [Duration::from_micros(20), Duration::from_secs(1)] {
+            let mut s = LoopShare::default();
+            let (mut queries_in_row, mut flushes_in_row) = (0u32, 0u32);
+            let (mut max_q, mut max_f) = (0u32, 0u32);
+            let mut flushes = 0u32;
+            for _ in 0..10_000 {
+                match loop_gates(s, true, true) {
+                    (true, _) => {
+                        s.served_query(cost);
+                        queries_in_row += 1;
+                        flushes_in_row = 0;
+                    }
+                    (false, true) => {
+                        s.flushed();
+                        flushes += 1;
+                        flushes_in_row += 1;
+                        queries_in_row = 0;
+                    }
+                    (false, false) => panic!("both gates closed at {s:?}"),
+                }
+                max_q = max_q.max(queries_in_row);
+                max_f = max_f.max(flushes_in_row);
+            }
+            assert!(
+                max_q <= MAX_QUERIES_BETWEEN_FLUSHES,
+                "{cost:?}: {max_q} queries in a row"
+            );
+            assert!(
+                max_f <= MAX_FLUSHES_BETWEEN_QUERIES,
+                "{cost:?}: {max_f} flushes in a row"
+            );
+            assert!(flushes > 0 && max_q > 0, "{cost:?}: both sides ran");
+            if cost >= QUERY_TIME_BETWEEN_FLUSHES {
+                // A spinning query ends the queries' turn by itself: one per fold turn.
+                assert_eq!(max_q, 1, "{cost:?}");
+                assert_eq!(max_f, MAX_FLUSHES_BETWEEN_QUERIES, "{cost:?}");
+            }
+        }
     }
 
     #[test]

@@ -35,6 +35,27 @@ pub struct ApplyError {
     pub message: String,
 }
 
+/// How an answer to a query that found no instance begins ([`ApplyError::rebuilding`]).
+pub const GUEST_REBUILDING: &str = "guest rebuilding";
+
+impl ApplyError {
+    /// The answer to a query that arrives while the applier's instance is lost (a failed call
+    /// dropped it): given at once, never by rebuilding on the query's account. Retry: the fold
+    /// loop rebuilds the instance as its own work ([`Apply::rebuild`]).
+    pub fn rebuilding(applier: String, why: &str) -> Self {
+        ApplyError {
+            applier,
+            call: "query",
+            message: format!("{GUEST_REBUILDING} ({why}); retry"),
+        }
+    }
+
+    /// Whether this is the answer [`ApplyError::rebuilding`] gives.
+    pub fn is_rebuilding(&self) -> bool {
+        self.call == "query" && self.message.starts_with(GUEST_REBUILDING)
+    }
+}
+
 /// The domain-logic seam: what turns a batch of updates into live structures. A native Rust
 /// implementation and a WebAssembly guest sit behind the same trait. Calls cross it once per batch.
 #[async_trait]
@@ -58,8 +79,30 @@ pub trait Apply: Send {
     async fn on_applied(&mut self, cursor: WatchCursor);
 
     /// Drops whatever state the applier built that the committed fold does not back (after a
-    /// failed release of retained records): the next call rebuilds it from the fold.
+    /// failed release of retained records, or a re-queued batch's retry on another generation):
+    /// the next call rebuilds it from the fold.
     fn discard(&mut self) {}
+
+    /// Which build of the applier's state this is: a number that changes whenever the state is
+    /// rebuilt from the fold (a guest's fresh instance). A batch re-queued after a failed commit
+    /// remembers the generation it was applied to; its retry on another generation discards the
+    /// state first ([`crate::applied::Fold`]), since that state was built from a fold without it.
+    /// Appliers that never rebuild answer 0.
+    fn generation(&self) -> u64 {
+        0
+    }
+
+    /// True when the applier lost its state (a failed call) and answers queries with
+    /// [`ApplyError::is_rebuilding`] until [`Apply::rebuild`] or its next batch rebuilds it. The
+    /// fold loop rebuilds it as fold work, between flushes, once no batch waits re-queued.
+    fn rebuild_due(&self) -> bool {
+        false
+    }
+
+    /// Rebuilds lost state from the committed fold (a no-op when nothing is lost).
+    async fn rebuild(&mut self) -> Result<(), ApplyError> {
+        Ok(())
+    }
 
     /// Test builds only (`testkit`): the applier's next call into a guest is interrupted as by
     /// its deadline (a real wasmtime trap through the real failure path). Appliers without a

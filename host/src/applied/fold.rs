@@ -3,8 +3,10 @@
 //! the stream identity records.
 //!
 //! Invariants: a cursor is committed only with (or after) the data it covers; a re-queued batch
-//! (applied, its commit failed) commits before the applier sees anything newer; a retained record
-//! commits with its batch.
+//! (applied, its commit failed) commits before the applier sees anything newer; a re-queued batch
+//! retried on another applier generation than the one it was applied to (the instance was lost and
+//! rebuilt from a fold without it, meanwhile) discards that generation before it commits, so the
+//! next one is built from a fold that holds it; a retained record commits with its batch.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -35,6 +37,8 @@ pub struct Fold<S: SnapshotStore> {
     applied: WatchCursor,
     /// Raw updates whose `apply` returned but whose store commit failed: committed first next time.
     requeued: Vec<KvUpdate>,
+    /// The applier generation ([`Apply::generation`]) `requeued` was applied to.
+    requeued_generation: Option<u64>,
     store_streak: u32,
     pub(super) apply_streak: u32,
     status: Arc<FoldStatus>,
@@ -63,6 +67,7 @@ impl<S: SnapshotStore> Fold<S> {
             store,
             applied,
             requeued: Vec::new(),
+            requeued_generation: None,
             store_streak: 0,
             apply_streak: 0,
             status,
@@ -600,6 +605,24 @@ impl<S: SnapshotStore> Fold<S> {
         skipped_high: Option<u64>,
         apply: &mut A,
     ) -> Result<Option<Vec<KvUpdate>>, AppliedError> {
+        // The generation rule: a re-queued batch was applied to one generation of the applier's
+        // state; when another is running now (the one that applied it was lost — a query trapped,
+        // say — and rebuilt from the committed fold, which lacks the batch), that state misses the
+        // batch. Dropped here, before the commit, so the next call rebuilds from a fold that
+        // holds it.
+        if !self.requeued.is_empty()
+            && self
+                .requeued_generation
+                .is_some_and(|g| g != apply.generation())
+        {
+            tracing::warn!(
+                applied_on = ?self.requeued_generation,
+                now = apply.generation(),
+                "a re-queued batch is retried on another build of the applier than the one that applied it: that build is dropped and rebuilt from the fold once the batch commits"
+            );
+            apply.discard();
+        }
+        let generation = self.requeued_generation.unwrap_or(apply.generation());
         let mut raw = std::mem::take(&mut self.requeued);
         raw.extend(batch);
         // A re-queue after a failed commit carries it along.
@@ -634,6 +657,7 @@ impl<S: SnapshotStore> Fold<S> {
             Ok(()) => {
                 self.status.set_error(None);
                 self.requeued_skipped = None;
+                self.requeued_generation = None;
                 self.store_streak = 0;
                 self.status.store_failure_streak.store(0, Ordering::Relaxed);
                 self.applied = cursor;
@@ -664,6 +688,7 @@ impl<S: SnapshotStore> Fold<S> {
                 }
                 tracing::warn!(error = %e, streak = self.store_streak, "store apply failed; batch re-queued");
                 self.requeued = raw;
+                self.requeued_generation = Some(generation);
                 // The whole batch is re-queued, so its skipped keys' revisions ride with it.
                 self.requeued_skipped = self.requeued_skipped.max(skipped_high);
                 Ok(None)

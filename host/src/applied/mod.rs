@@ -17,7 +17,12 @@
 //! - A failed `parse`/`apply` commits nothing of its batch; the batch is retried (with backoff) in
 //!   halves, so the updates before a poison one still commit and the fold stops exactly at it; after
 //!   [`MAX_APPLY_FAILURES`] failures in a row the fold fail-stops naming the applier and its message.
-//! - Queries ([`Control::Query`]) run between flushes, never inside one.
+//! - Queries ([`Control::Query`]) run between flushes, never inside one, taking turns with the
+//!   fold's own work ([`crate::protocol::loop_gates`]); a query never rebuilds a lost guest
+//!   instance (it is answered [`ApplyError::is_rebuilding`]): the loop does, as fold work.
+//! - A re-queued batch remembers the applier generation it was applied to ([`Apply::generation`]);
+//!   its retry on another generation discards that state before the commit, so no state is built
+//!   from a fold missing it.
 //! - A batch flushes when the window elapses, when it reaches `max`, on shutdown, and when the watch
 //!   channel closes.
 //!
@@ -37,9 +42,9 @@ mod start;
 mod watch;
 
 pub use apply::{
-    Apply, ApplyError, Control, CountingApply, MAX_SHADOW_COMPARE, MAX_SHADOW_DIFFERENCES_LISTED,
-    MAX_SHADOW_QUOTE, MAX_SHADOW_REQUESTS, ShadowDifference, ShadowPlan, ShadowReport,
-    ShadowRequests, SwapCandidate, SwapReport, Verdict,
+    Apply, ApplyError, Control, CountingApply, GUEST_REBUILDING, MAX_SHADOW_COMPARE,
+    MAX_SHADOW_DIFFERENCES_LISTED, MAX_SHADOW_QUOTE, MAX_SHADOW_REQUESTS, ShadowDifference,
+    ShadowPlan, ShadowReport, ShadowRequests, SwapCandidate, SwapReport, Verdict,
 };
 pub use fold::Fold;
 #[cfg(test)]

@@ -5,7 +5,14 @@
 //!
 //! Invariants: nothing here moves a cursor (only [`Fold::flush`] and the repairs do); a query, an
 //! export or a swap runs between flushes, after everything delivered so far is committed; a watch
-//! never outlives the loop that feeds on it (its task is aborted on every exit path).
+//! never outlives the loop that feeds on it (its task is aborted on every exit path); queries and
+//! the fold's own work (deliveries, flushes, the rebuild of a lost guest instance) take turns by
+//! [`protocol::loop_gates`] while both wait, so no query flood holds back a ready batch by more than
+//! [`protocol::MAX_QUERIES_BETWEEN_FLUSHES`] queries (nor by more than
+//! [`protocol::QUERY_TIME_BETWEEN_FLUSHES`] of query time and the one query running), and no
+//! delivery flood holds back a query by more than [`protocol::MAX_FLUSHES_BETWEEN_QUERIES`]
+//! flushes; a lost guest instance is rebuilt here, as fold work, never by a query, and only once
+//! no batch waits re-queued.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -75,6 +82,8 @@ where
         retention_tick,
         depth,
         swap: None,
+        share: protocol::LoopShare::default(),
+        rebuild_held: false,
     };
     tokio::pin!(shutdown);
     lp.run(relist, shutdown).await
@@ -94,6 +103,11 @@ struct FoldLoop<'a, S: SnapshotStore, A: Apply + ?Sized> {
     depth: usize,
     /// The swap whose candidate is hydrating, if any.
     swap: Option<PendingSwap>,
+    /// Queries and flushes since the loop last switched between them ([`protocol::loop_gates`]).
+    share: protocol::LoopShare,
+    /// A rebuild of the lost guest instance failed: none is tried between batches again until the
+    /// next grace tick (the next batch still tries, as it needs the instance).
+    rebuild_held: bool,
 }
 
 /// The state of one watch: the open batch and what the loop waits for.
@@ -265,6 +279,14 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 return Ok(TurnEnd::Done);
             }
             let mut flush_now = false;
+            // Whose turn it is when queries and the fold's own work both wait.
+            let intake_open = !t.backing_off && t.batch.len() < max;
+            let rebuild_waiting =
+                !self.rebuild_held && self.fold.is_settled() && self.apply.rebuild_due();
+            let fold_waiting = (intake_open && !rx.is_empty()) || rebuild_waiting;
+            let query_waiting = self.control.as_ref().is_some_and(|c| !c.is_empty());
+            let (queries_open, fold_open) =
+                protocol::loop_gates(self.share, fold_waiting, query_waiting);
             tokio::select! {
                 biased;
                 _ = &mut shutdown => {
@@ -273,6 +295,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 }
                 _ = &mut timer, if t.timer_armed => flush_now = true,
                 _ = self.grace_tick.tick() => {
+                    self.rebuild_held = false;
                     self.fold
                         .check_grace(self.opts.defer_grace)
                         .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
@@ -282,9 +305,13 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 _ = self.retention_tick.tick(), if watches_for_eviction(&self.opts, &self.fold) => {
                     self.on_retention_tick(&mut t).await?;
                 }
-                c = recv_control(&mut self.control) => self.on_control(c, &mut t).await?,
+                c = recv_control(&mut self.control), if queries_open => {
+                    let started = tokio::time::Instant::now();
+                    self.on_control(c, &mut t).await?;
+                    self.share.served_query(started.elapsed());
+                }
                 done = hydrated(&mut self.swap) => self.on_swap_task(done, &mut t).await?,
-                ev = rx.recv(), if !t.backing_off && t.batch.len() < max => {
+                ev = rx.recv(), if fold_open && intake_open => {
                     if std::mem::take(&mut vouch_pending)
                         && let Some(why) = self.relist_unvouched().await?
                     {
@@ -299,6 +326,11 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                             .reset(tokio::time::Instant::now() + self.opts.batch.window);
                         t.timer_armed = true;
                     }
+                }
+                // Last: only when no delivery waits (a delivery's flush rebuilds the instance
+                // itself, as it needs it).
+                _ = std::future::ready(()), if fold_open && rebuild_waiting => {
+                    self.rebuild_lost().await;
                 }
             }
             if flush_now {
@@ -370,6 +402,18 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         t.timer_armed = false;
         t.backing_off = false;
         Ok(())
+    }
+
+    /// Rebuilds the lost guest instance from the committed fold, as fold work between batches (the
+    /// fold is settled: no batch waits re-queued, so the fold holds every batch an instance
+    /// applied). A failure is not the fold's: queries go on being answered "guest rebuilding", and
+    /// the next batch (or the next grace tick) tries again.
+    async fn rebuild_lost(&mut self) {
+        self.share.flushed();
+        if let Err(e) = self.apply.rebuild().await {
+            tracing::warn!(error = %e, "the guest could not be rebuilt between batches; the next batch tries again");
+            self.rebuild_held = true;
+        }
     }
 
     /// The periodic retention read: when it shows a current value evicted, commits the memo
@@ -542,6 +586,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         let max = self.opts.batch.max;
         t.timer_armed = false;
         t.backing_off = false;
+        self.share.flushed();
         loop {
             // A batch is at most `cap` updates; a chunk from the watch can overfill it.
             let b = if t.batch.len() > t.cap {

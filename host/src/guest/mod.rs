@@ -17,9 +17,12 @@
 //! - **Every call is bounded**: re-armed epoch deadline before each call (a ticker thread advances the
 //!   epoch every [`TICK`]), memory capped by `StoreLimits`, batches passed whole.
 //! - **A failed call kills the instance.** After a trap, a deadline, a memory-cap hit or an `apply`
-//!   error the instance is dropped; the next call builds a fresh one and rebuilds it from the
-//!   committed fold (hydration) before retrying — so a retried batch never lands on half-applied
-//!   domain state.
+//!   error the instance is dropped; the next batch (or the fold loop's own [`Apply::rebuild`])
+//!   builds a fresh one and rebuilds it from the committed fold (hydration) before retrying — so a
+//!   retried batch never lands on half-applied domain state. A query never builds one: while no
+//!   instance lives it is answered at once, "guest rebuilding" ([`ApplyError::rebuilding`]), so a
+//!   hostile query cannot make the fold rehydrate on its account. Every instance built counts a
+//!   generation ([`Apply::generation`]).
 
 mod bindings;
 pub mod cache;
@@ -511,6 +514,8 @@ pub struct GuestApply {
     pub hydrations: u64,
     /// Entries streamed into the last hydration, and how long it took.
     pub last_hydration: Option<(u64, Duration)>,
+    /// Why the instance was lost, while it is (for the "guest rebuilding" answer).
+    lost: Option<String>,
 }
 
 impl GuestApply {
@@ -550,6 +555,7 @@ impl GuestApply {
             live: Some(live),
             hydrations: 0,
             last_hydration: None,
+            lost: None,
         })
     }
 
@@ -576,6 +582,7 @@ impl GuestApply {
         let stats = self.core.stream_fold(&mut l, false).await?;
         self.hydrations += 1;
         self.last_hydration = Some(stats);
+        self.lost = None;
         Ok(l)
     }
 }
@@ -1051,10 +1058,58 @@ impl Apply for GuestApply {
         Ok(Box::new(retired))
     }
 
+    fn generation(&self) -> u64 {
+        self.hydrations
+    }
+
+    fn rebuild_due(&self) -> bool {
+        self.live.is_none()
+    }
+
+    async fn rebuild(&mut self) -> Result<(), ApplyError> {
+        if self.live.is_some() {
+            return Ok(());
+        }
+        match self.live().await {
+            Ok(l) => {
+                self.live = Some(l);
+                Ok(())
+            }
+            Err(e) => {
+                self.lost = Some(format!("the last rebuild failed: {}", e.message));
+                Err(e)
+            }
+        }
+    }
+
     async fn query(&mut self, request: &[u8]) -> Result<Vec<u8>, ApplyError> {
-        let mut live = self.live().await?;
-        let answer = self.core.query(&mut live, request).await?;
-        // Answered (either way): the instance lives on. A failed call dropped it with `live`.
+        // No instance: answered at once. Building one here would put a hydration on the fold's
+        // path on a query's account, ahead of the deliveries waiting (a query that spins to its
+        // deadline, asked in a loop, rebuilt the guest after every answer and stopped the fold).
+        let mut live = match self.live.take() {
+            Some(l) if self.hydrations > 0 => l,
+            Some(l) => {
+                // The first instance, not hydrated yet (before the fold's first batch).
+                self.live = Some(l);
+                self.live().await?
+            }
+            None => {
+                let why = self
+                    .lost
+                    .clone()
+                    .unwrap_or_else(|| "a failed call dropped the instance".into());
+                return Err(ApplyError::rebuilding(self.core.describe(), &why));
+            }
+        };
+        let answer = match self.core.query(&mut live, request).await {
+            Ok(a) => a,
+            Err(e) => {
+                // The call failed: the instance is dead (dropped with `live`).
+                self.lost = Some(format!("a query failed: {}", e.message));
+                return Err(e);
+            }
+        };
+        // Answered (either way): the instance lives on.
         self.live = Some(live);
         answer.map_err(|m| self.core.err("query", m))
     }

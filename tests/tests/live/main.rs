@@ -11,6 +11,7 @@ mod cluster;
 mod crash_safety;
 mod defer;
 mod endpoint;
+mod fairness;
 mod guest_runtime;
 mod guests;
 mod hosted;

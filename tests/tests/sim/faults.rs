@@ -198,6 +198,8 @@ pub struct Harnessed {
     pub calls: Arc<AtomicU32>,
     /// Guest calls that the injected interrupt really trapped.
     pub traps: Arc<AtomicU32>,
+    /// Set by the driver: the next query fails as a trapped guest call does (the instance dropped).
+    pub trap_next_query: Arc<AtomicBool>,
 }
 
 /// A fault at a guest call.
@@ -305,6 +307,18 @@ impl Apply for Harnessed {
         self.inner.discard();
     }
 
+    fn generation(&self) -> u64 {
+        self.inner.generation()
+    }
+
+    fn rebuild_due(&self) -> bool {
+        self.inner.rebuild_due()
+    }
+
+    async fn rebuild(&mut self) -> Result<(), ApplyError> {
+        self.inner.rebuild().await
+    }
+
     fn swap_candidate(
         &mut self,
         what: &str,
@@ -322,16 +336,40 @@ impl Apply for Harnessed {
     }
 
     async fn query(&mut self, request: &[u8]) -> Result<Vec<u8>, ApplyError> {
+        if self.trap_next_query.swap(false, Ordering::SeqCst) {
+            // A guest is interrupted by the guest host (a real trap); a native applier fails as
+            // a trapped call does: its state is dropped.
+            self.inner.interrupt_next_call();
+            let r = self.inner.query(request).await;
+            let r = if self.inner.describe().starts_with("native:") {
+                self.inner.discard();
+                Err(ApplyError {
+                    applier: self.inner.describe(),
+                    call: "query",
+                    message: "injected trap".into(),
+                })
+            } else {
+                r
+            };
+            if r.is_err() {
+                self.traps.fetch_add(1, Ordering::SeqCst);
+            }
+            return r;
+        }
         self.inner.query(request).await
     }
 }
 
 /// A native applier with `kvstore`'s semantics: key → value, a query answers the value or
-/// `missing`. Built from the fold on start and after a failed call, as a guest instance is.
+/// `missing`. Built from the fold on start and after a failed call, as a guest instance is — by
+/// its next call of any kind, a query included (the guest host never rebuilds on a query's account;
+/// this applier does, so the fold's generation rule is what keeps it whole).
 pub struct NativeMap {
     pub map: BTreeMap<String, Bytes>,
     pub fold: Arc<dyn FoldRead>,
     pub stale: bool,
+    /// Rebuilds so far ([`Apply::generation`]).
+    pub rebuilds: u64,
 }
 
 impl NativeMap {
@@ -340,10 +378,11 @@ impl NativeMap {
             map: BTreeMap::new(),
             fold,
             stale: true,
+            rebuilds: 0,
         }
     }
 
-    fn rebuild(&mut self) -> Result<(), ApplyError> {
+    fn rebuild_from_fold(&mut self) -> Result<(), ApplyError> {
         self.map.clear();
         let mut after: Option<String> = None;
         loop {
@@ -364,6 +403,7 @@ impl NativeMap {
             after = Some(last);
         }
         self.stale = false;
+        self.rebuilds += 1;
         Ok(())
     }
 }
@@ -380,7 +420,7 @@ impl Apply for NativeMap {
 
     async fn apply(&mut self, batch: &[KvUpdate], _verdicts: &[Verdict]) -> Result<(), ApplyError> {
         if self.stale {
-            self.rebuild()?;
+            self.rebuild_from_fold()?;
         }
         for u in batch {
             match u {
@@ -401,9 +441,24 @@ impl Apply for NativeMap {
         self.stale = true;
     }
 
+    fn generation(&self) -> u64 {
+        self.rebuilds
+    }
+
+    fn rebuild_due(&self) -> bool {
+        self.stale
+    }
+
+    async fn rebuild(&mut self) -> Result<(), ApplyError> {
+        if self.stale {
+            self.rebuild_from_fold()?;
+        }
+        Ok(())
+    }
+
     async fn query(&mut self, request: &[u8]) -> Result<Vec<u8>, ApplyError> {
         if self.stale {
-            self.rebuild()?;
+            self.rebuild_from_fold()?;
         }
         let key = String::from_utf8_lossy(request);
         self.map

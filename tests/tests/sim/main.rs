@@ -16,7 +16,10 @@
 //! round and at the end); the running guest answers as a fresh instance hydrated from the fold
 //! and as the truth says; committed cursors never move backward and a reopened store holds at
 //! least its last durable commit; `apply` is never shown a regression or a phantom delete; every
-//! mid-run export resumes to the truth.
+//! mid-run export resumes to the truth. Between its steps the driver sends queries — more often
+//! while a batch waits re-queued after a failed commit, some of them trapping the guest — and after
+//! every round the running guest must answer as a fresh one built from the fold; a pinned case
+//! places a trapping query between a failed commit and its retry on every backend and guest.
 //!
 //! Tiers: the fast tier (these tests, in CI) runs [`FAST_SEEDS`] seeds per backend;
 //! `FOLDHOST_SIM_DEEP=1` runs ten times as many (with `--profile sim-deep`, whose timeout allows
@@ -109,8 +112,9 @@ fn assert_coverage(runs: &[(Scenario, Outcome)], torn: bool) {
     let swaps = sum(&|(_, o)| u64::from(o.swaps));
     let exports = sum(&|(_, o)| u64::from(o.exports));
     let traps = sum(&|(_, o)| u64::from(o.guest_traps));
+    let before_retry = sum(&|(_, o)| u64::from(o.queries_before_retry));
     eprintln!(
-        "{} seeds: {relists} re-list repairs, {restores} restores, {crashes} crashes ({torn_n} torn), {swaps} swaps, {traps} guest traps, {exports} exports resumed",
+        "{} seeds: {relists} re-list repairs, {restores} restores, {crashes} crashes ({torn_n} torn), {swaps} swaps, {traps} guest traps, {before_retry} queries between a failed commit and its retry, {exports} exports resumed",
         runs.len()
     );
     assert!(relists > 0, "no re-list repair ran");
@@ -120,6 +124,10 @@ fn assert_coverage(runs: &[(Scenario, Outcome)], torn: bool) {
     assert!(swaps > 0, "no guest was swapped");
     assert!(exports > 0, "no mid-run export was resumed");
     assert!(traps > 0, "no guest call was interrupted");
+    assert!(
+        before_retry > 0,
+        "no query ran between a failed commit and its retry"
+    );
 }
 
 #[test]
@@ -152,6 +160,27 @@ fn seeded_faults_on_rocksdb_never_lose_resurrect_or_regress_a_key() {
         "seeded_faults_on_rocksdb_never_lose_resurrect_or_regress_a_key",
     );
     assert_coverage(&runs, false);
+}
+
+#[test]
+fn a_query_trap_between_a_failed_commit_and_its_retry_never_leaves_the_guest_without_the_batch() {
+    for backend in world::backends() {
+        for guest in [world::GuestKind::Native, world::GuestKind::Wasm] {
+            let sc = Scenario::query_trap_before_a_retry(0x7EA9, backend, guest);
+            match run_seed(sc) {
+                Ok(o) => assert!(
+                    o.queries_before_retry >= 2,
+                    "{backend:?} {guest:?}: the case was not placed: {:?}",
+                    o.trace
+                ),
+                Err(f) => panic!(
+                    "{backend:?} {guest:?}: {}\n--- trace ---\n{}",
+                    f.what,
+                    f.trace.join("\n")
+                ),
+            }
+        }
+    }
 }
 
 #[test]

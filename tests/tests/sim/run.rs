@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -80,6 +80,19 @@ pub struct Outcome {
     pub exports: u32,
     /// Guest calls interrupted by the guest host (real traps).
     pub guest_traps: u32,
+    /// Queries sent while a batch waited re-queued after a failed commit (a trapping one among
+    /// them): between the failure and its retry.
+    pub queries_before_retry: u32,
+}
+
+/// What the driver needs of the running life to send queries between its other steps.
+struct Asker {
+    ctl: mpsc::Sender<Control>,
+    status: Arc<FoldStatus>,
+    /// Sets the next query to trap ([`Harnessed::trap_next_query`]).
+    trap: Arc<AtomicBool>,
+    /// Whether queries may trap this life (its faults are armed).
+    traps: bool,
 }
 
 /// A run in progress.
@@ -102,6 +115,8 @@ pub struct Sim {
     /// The component the Wasm guest runs now (`false`: v1, `true`: v2).
     on_v2: bool,
     out: Outcome,
+    /// The running life's query path, while one runs.
+    asker: Option<Asker>,
 }
 
 type Res<T> = Result<T, String>;
@@ -134,6 +149,7 @@ impl Sim {
             counter: 0,
             on_v2: false,
             out: Outcome::default(),
+            asker: None,
         }
     }
 
@@ -402,21 +418,22 @@ impl Sim {
     /// One life: open, fold with `rounds` rounds of writes (faults armed when `faults`), check, stop.
     async fn life(&mut self, dir: &Path, kind: GuestKind, faults: bool, rounds: u32) -> Res<()> {
         let inner = self.open(dir)?;
-        let plan = if faults {
+        let plan = if faults && !self.sc.pinned_query_trap {
             self.plan_store_faults()
         } else {
             BTreeMap::new()
         };
-        let guest_faults: Vec<(u32, GuestFault)> = if faults && self.rng.chance(50) {
-            let kind = if kind == GuestKind::Wasm && self.rng.chance(50) {
-                GuestFault::Interrupt
+        let guest_faults: Vec<(u32, GuestFault)> =
+            if faults && !self.sc.pinned_query_trap && self.rng.chance(50) {
+                let kind = if kind == GuestKind::Wasm && self.rng.chance(50) {
+                    GuestFault::Interrupt
+                } else {
+                    GuestFault::Error
+                };
+                vec![(1 + self.rng.below(6) as u32, kind)]
             } else {
-                GuestFault::Error
+                Vec::new()
             };
-            vec![(1 + self.rng.below(6) as u32, kind)]
-        } else {
-            Vec::new()
-        };
         self.note(format!(
             "life: cursor {}, store faults {plan:?}, guest faults {guest_faults:?}",
             inner.cursor().revision_or_zero()
@@ -439,7 +456,9 @@ impl Sim {
             faults: guest_faults,
             calls: Arc::new(AtomicU32::new(0)),
             traps: Arc::new(AtomicU32::new(0)),
+            trap_next_query: Arc::new(AtomicBool::new(false)),
         };
+        let trap_next_query = apply.trap_next_query.clone();
         let opts = WatchOptions {
             scope: self.sc.scope.clone(),
             batch: BatchConfig {
@@ -472,6 +491,12 @@ impl Sim {
                 let _ = stop_rx.await;
             },
         ));
+        self.asker = Some(Asker {
+            ctl: ctl_tx.clone(),
+            status: status.clone(),
+            trap: trap_next_query,
+            traps: faults,
+        });
         let ended = {
             let started = self.bucket.watches_started();
             let driver = self.drive(&shared, &watch, &ctl_tx, kind, rounds, started);
@@ -507,6 +532,7 @@ impl Sim {
             }
         }
         drop(fold);
+        self.asker = None;
         self.out.guest_traps += apply.traps.load(Ordering::SeqCst);
         drop(apply);
         // The committed cursors of this life never move backward.
@@ -587,6 +613,11 @@ impl Sim {
         if self.wait_level(shared, watch, started).await? == LifeEnd::Crashed {
             return Ok(LifeEnd::Crashed);
         }
+        if self.sc.pinned_query_trap && rounds > 0 {
+            return self
+                .trap_a_query_before_a_retry(shared, watch, ctl, kind, started)
+                .await;
+        }
         for round in 0..rounds {
             let n = 1 + self.rng.below(10);
             if self.rng.chance(30) {
@@ -616,9 +647,127 @@ impl Sim {
             if self.wait_level(shared, watch, started).await? == LifeEnd::Crashed {
                 return Ok(LifeEnd::Crashed);
             }
+            // After every round: the running guest is what a fresh one built from the fold is.
+            self.check_guest(shared, ctl, kind).await?;
         }
         self.check_guest(shared, ctl, kind).await?;
         Ok(LifeEnd::Done)
+    }
+
+    /// The pinned case: a batch applied by the guest, its commit failed and re-queued; before the
+    /// retry, a query traps (the instance is dropped) and another query follows (which, answered
+    /// by a rebuilt instance, would see a fold without the batch); then the retry commits and the
+    /// running guest must answer as a fresh one built from the fold.
+    async fn trap_a_query_before_a_retry(
+        &mut self,
+        shared: &SharedStore<FaultStore>,
+        watch: &StoreWatch,
+        ctl: &mpsc::Sender<Control>,
+        kind: GuestKind,
+        started: u64,
+    ) -> Res<LifeEnd> {
+        let next = watch.calls.load(Ordering::SeqCst) + 1;
+        shared
+            .write()
+            .map_err(|e| e.to_string())?
+            .plan
+            .insert(next, StoreFault::Fail);
+        let key = KEYS[0];
+        self.counter += 1;
+        let value = Bytes::from(format!("{key}={}", self.counter));
+        let seq = self.bucket.put_now(key, value.clone());
+        self.truth
+            .lock()
+            .expect("truth")
+            .record(seq, key, Op::Put(value));
+        self.note(format!("put {key} at {seq}; store call {next} fails"));
+        let status = self.asker.as_ref().map(|a| a.status.clone());
+        let Some(status) = status else {
+            return Err("no running life".into());
+        };
+        let start = tokio::time::Instant::now();
+        while status.store_failure_streak.load(Ordering::SeqCst) == 0 {
+            if start.elapsed() > STUCK {
+                return Err("the planned store failure never happened".into());
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let trapped = self.ask(key, true).await?;
+        let after = self.ask(key, false).await?;
+        self.note(format!(
+            "between the failed commit and its retry: a trapping query ({trapped}), then {after}"
+        ));
+        if status.store_failure_streak.load(Ordering::SeqCst) == 0 {
+            return Err("the retry came before the queries: the case was not placed".into());
+        }
+        self.out.queries_before_retry += 2;
+        if self.wait_level(shared, watch, started).await? == LifeEnd::Crashed {
+            return Err("the pinned case crashed".into());
+        }
+        self.check_guest(shared, ctl, kind).await?;
+        Ok(LifeEnd::Done)
+    }
+
+    /// Sends one query for `key` (trapping when `trap`) through the running fold's control channel
+    /// and says what came back. Mid-flight answers are not held to the truth (the fold moves);
+    /// [`Self::check_guest`] holds the settled ones.
+    async fn ask(&mut self, key: &str, trap: bool) -> Res<String> {
+        let Some(a) = &self.asker else {
+            return Ok("no fold".into());
+        };
+        let ctl = a.ctl.clone();
+        if trap {
+            a.trap.store(true, Ordering::SeqCst);
+        }
+        let (tx, rx) = oneshot::channel();
+        let q = Control::Query {
+            request: key.as_bytes().to_vec(),
+            reply: tx,
+        };
+        if ctl.send(q).await.is_err() {
+            return Ok("the fold stopped".into());
+        }
+        Ok(match rx.await {
+            Ok(Ok(_)) => format!("{key}: a value"),
+            Ok(Err(e)) if e.is_rebuilding() => format!("{key}: rebuilding"),
+            Ok(Err(e)) if e.message.contains("missing") => format!("{key}: missing"),
+            Ok(Err(e)) => format!("{key}: failed ({})", e.call),
+            Err(_) => "no reply".into(),
+        })
+    }
+
+    /// Between the driver's other steps: sometimes a query, more often while a batch waits
+    /// re-queued after a failed commit, and then sometimes a trapping one followed by a plain one.
+    async fn maybe_query(&mut self) -> Res<()> {
+        let Some(a) = &self.asker else {
+            return Ok(());
+        };
+        let unsettled = a.status.store_failure_streak.load(Ordering::SeqCst) > 0;
+        let traps = a.traps;
+        if !self.rng.chance(if unsettled { 50 } else { 4 }) {
+            return Ok(());
+        }
+        let key = self.rng.pick(&KEYS);
+        let trap = traps && self.rng.chance(if unsettled { 60 } else { 20 });
+        let first = self.ask(key, trap).await?;
+        let then = if trap {
+            Some(self.ask(key, false).await?)
+        } else {
+            None
+        };
+        if unsettled {
+            self.out.queries_before_retry += 1;
+        }
+        let what = if unsettled {
+            "a query before a retry"
+        } else {
+            "a query"
+        };
+        self.note(match then {
+            Some(t) => format!("{what}, trapping: {first}, then {t}"),
+            None => format!("{what}: {first}"),
+        });
+        Ok(())
     }
 
     async fn swap(&mut self, ctl: &mpsc::Sender<Control>) -> Res<()> {
@@ -697,6 +846,7 @@ impl Sim {
             if watching && have == want && cursor >= self.last_in_scope() {
                 return Ok(LifeEnd::Done);
             }
+            self.maybe_query().await?;
             if start.elapsed() > STUCK {
                 if std::env::var("FOLDHOST_SIM_DEBUG").is_ok() {
                     let s = shared.read().map_err(|e| e.to_string())?;
@@ -735,7 +885,25 @@ impl Sim {
             if ctl.send(q).await.is_err() {
                 return Err("query: the fold stopped".into());
             }
-            let running = answer(rx.await.map_err(|_| "query: no reply".to_string())?)?;
+            let mut reply = rx.await.map_err(|_| "query: no reply".to_string())?;
+            // A query that trapped dropped the instance: the fold rebuilds it as its own work.
+            let start = tokio::time::Instant::now();
+            while reply.as_ref().is_err_and(ApplyError::is_rebuilding) {
+                if start.elapsed() > STUCK {
+                    return Err(format!("the guest is still rebuilding: {reply:?}"));
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                let (tx, rx) = oneshot::channel();
+                let q = Control::Query {
+                    request: key.as_bytes().to_vec(),
+                    reply: tx,
+                };
+                if ctl.send(q).await.is_err() {
+                    return Err("query: the fold stopped".into());
+                }
+                reply = rx.await.map_err(|_| "query: no reply".to_string())?;
+            }
+            let running = answer(reply)?;
             let hydrated = answer(fresh.query(key.as_bytes()).await)?;
             if running != hydrated {
                 return Err(format!(

@@ -69,6 +69,9 @@ pub struct Scenario {
     pub lives: u32,
     /// Rounds of writes per lifetime.
     pub rounds: u32,
+    /// The pinned case instead of random rounds: one batch's commit fails, and a query traps
+    /// before its retry (`Sim::trap_a_query_before_a_retry`).
+    pub pinned_query_trap: bool,
 }
 
 /// Every backend compiled into this build.
@@ -113,6 +116,23 @@ impl Scenario {
             },
             lives: 2 + r.below(3) as u32,
             rounds: 2 + r.below(3) as u32,
+            pinned_query_trap: false,
+        }
+    }
+
+    /// The pinned case on `backend` with `guest`: one life, a whole-bucket scope, a bucket that
+    /// keeps current values.
+    pub fn query_trap_before_a_retry(seed: u64, backend: Backend, guest: GuestKind) -> Self {
+        Scenario {
+            seed,
+            backend,
+            scope: WatchScope::All,
+            batch_max: 16,
+            evicting: false,
+            guest,
+            lives: 1,
+            rounds: 1,
+            pinned_query_trap: true,
         }
     }
 }

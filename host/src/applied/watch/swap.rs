@@ -626,6 +626,11 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 break;
             }
             asked += 1;
+            // A live instance lost to an earlier query is rebuilt here (the fold is settled), so
+            // the comparison never counts a "guest rebuilding" answer as the live one.
+            if self.apply.rebuild_due() {
+                let _ = self.apply.rebuild().await;
+            }
             let live = self.apply.query(request).await.map_err(|e| e.message);
             let answer = match candidate.query(request).await {
                 Ok(answer) => answer,
