@@ -893,6 +893,9 @@ async fn query(
                 None => (unavailable("too many answers in flight; retry"), None),
             }
         }
+        // No guest instance right now: the fold loop rebuilds it as fold work, never for a
+        // query (docs/design.md, "The fold loop"), so the caller retries shortly.
+        Ok(Ok(Err(e))) if e.is_rebuilding() => (unavailable(&e.to_string()), None),
         Ok(Ok(Err(e))) => (
             response(
                 422,
