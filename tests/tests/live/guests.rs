@@ -1,7 +1,7 @@
 //! WebAssembly guests against a real nats-server: the router (in Rust and in C) through SIGKILLs, a
-//! trap that stops the fold exactly before its key, runaway and memory-hungry guests stopped at their
-//! limits while the host stays up, hydration equivalence on 50 000 keys, and components refused at
-//! load.
+//! trap that stops the fold exactly before its key, runaway, memory-hungry and handle-leaking guests
+//! stopped at their limits while the host stays up (and, for the leak, small), hydration equivalence
+//! on 50 000 keys, and components refused at load.
 
 use std::process::Stdio;
 use std::sync::Arc;
