@@ -342,6 +342,29 @@ pub struct TableCapHit {
     pub desired: usize,
 }
 
+/// The message naming the host-resource limit when `cause` (a link of a failed call's error
+/// chain) is that limit refusing a resource: the WASI resource table full
+/// ([`ResourceTable::set_max_capacity`], which a WASI import turns into a trap) or the store's
+/// component-model handles all taken (`Store::set_max_component_handles`, whose error only its
+/// text names).
+pub fn resource_limit_hit(
+    cause: &(dyn std::error::Error + 'static),
+    limit: usize,
+) -> Option<String> {
+    if matches!(
+        cause.downcast_ref::<wasmtime::component::ResourceTableError>(),
+        Some(wasmtime::component::ResourceTableError::Full)
+    ) {
+        return Some(format!(
+            "guest exceeded the host resource table limit ({limit} entries)"
+        ));
+    }
+    cause
+        .to_string()
+        .contains("store handle limit exceeded")
+        .then(|| format!("guest exceeded the component handle limit ({limit} handles)"))
+}
+
 /// The limits of one instance's `Store`: memory counted across all of the guest's memories (not
 /// per memory), table elements, and the counts of instances, tables and memories. A grow over a
 /// limit traps the call with the limit named.
@@ -450,11 +473,13 @@ pub struct HostState {
 impl HostState {
     /// A fresh state: no filesystem, no environment, no arguments, no network, a fixed clock,
     /// random streams fixed by `seed` and the component's digest (`super::random`), a memory cap,
-    /// and read access to the committed fold.
+    /// a resource table of at most `resource_entries` entries, and read access to the committed
+    /// fold.
     pub fn new(
         fold: Arc<dyn FoldRead>,
         guest: String,
         memory_bytes: usize,
+        resource_entries: usize,
         seed: &[u8; 32],
         component: &[u8; 32],
     ) -> Self {
@@ -471,9 +496,13 @@ impl HostState {
             .wall_clock(FixedClock)
             .monotonic_clock(FixedClock)
             .build();
+        // Every WASI handle a guest holds is an entry here, in host memory and outside the memory
+        // cap: bounded, or a guest that never drops one grows the host until the call's deadline.
+        let mut table = ResourceTable::new();
+        table.set_max_capacity(resource_entries);
         HostState {
             wasi,
-            table: ResourceTable::new(),
+            table,
             limits: GuestLimiter::new(memory_bytes),
             fold,
             guest,
@@ -754,6 +783,33 @@ mod tests {
         let big = clip_text("x".repeat(100 << 20), MAX_MESSAGE_BYTES);
         assert!(big.len() < MAX_MESSAGE_BYTES + 64);
         assert!(big.ends_with(&format!("[cut: {} bytes in all]", 100 << 20)));
+    }
+
+    #[test]
+    fn a_full_resource_table_or_handle_count_is_named_as_the_limit_and_nothing_else_is() {
+        let mut table = ResourceTable::new();
+        table.set_max_capacity(2);
+        assert!(table.push(1u32).is_ok() && table.push(2u32).is_ok());
+        let full = table.push(3u32).expect_err("a third entry is refused");
+        // As a WASI import returns it: `?` into the call's error, with context on top.
+        let e = wasmtime::Error::from(full).context("call of get-stderr");
+        let hit = e.chain().find_map(|c| resource_limit_hit(c, 2));
+        assert_eq!(
+            hit.as_deref(),
+            Some("guest exceeded the host resource table limit (2 entries)")
+        );
+        let e = wasmtime::Error::msg("cannot allocate another handle: store handle limit exceeded");
+        let hit = e.chain().find_map(|c| resource_limit_hit(c, 7));
+        assert_eq!(
+            hit.as_deref(),
+            Some("guest exceeded the component handle limit (7 handles)")
+        );
+        for other in [
+            wasmtime::Error::from(wasmtime::component::ResourceTableError::NotPresent),
+            wasmtime::Error::msg("wasm trap: unreachable"),
+        ] {
+            assert!(other.chain().all(|c| resource_limit_hit(c, 2).is_none()));
+        }
     }
 
     #[test]

@@ -15,14 +15,20 @@
 //!   with a cache directory, once per machine: [`cache`] loads a checked entry, or compiles and
 //!   writes one. Nothing is loaded from disk that [`cache`] did not check.
 //! - **Every call is bounded**: re-armed epoch deadline before each call (a ticker thread advances the
-//!   epoch every [`TICK`]), memory capped by `StoreLimits`, batches passed whole.
+//!   epoch every [`TICK`]), memory capped by `StoreLimits`, batches passed whole, and the host
+//!   memory a guest can make the host hold bounded too: its WASI resource table (each handle it
+//!   holds is an entry) and its component-model handles, both at most
+//!   [`GuestLimits::resource_entries`].
 //! - **A failed call kills the instance.** After a trap, a deadline, a memory-cap hit or an `apply`
 //!   error the instance is dropped; the next batch (or the fold loop's own [`Apply::rebuild`])
 //!   builds a fresh one and rebuilds it from the committed fold (hydration) before retrying — so a
 //!   retried batch never lands on half-applied domain state. A query never builds one: while no
 //!   instance lives it is answered at once, "guest rebuilding" ([`ApplyError::rebuilding`]), so a
 //!   hostile query cannot make the fold rehydrate on its account. Every instance built counts a
-//!   generation ([`Apply::generation`]).
+//!   generation ([`Apply::generation`]). The resource table lives in the instance's `Store`, so
+//!   whatever handles the guest leaked go with it; handles a guest keeps across calls that succeed
+//!   are its own (a guest may hold a stream), bounded by the same limit, and reaching it is a
+//!   failed call like any other.
 
 mod bindings;
 pub mod cache;
@@ -56,11 +62,15 @@ pub const MAX_WASM_STACK: usize = 512 * 1024;
 /// Largest answer a guest's `query` may give.
 pub const MAX_QUERY_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 
+/// The default of [`GuestLimits::resource_entries`]. The guests in `guests/` (Rust, C, JavaScript,
+/// Python) hold a handful at a time; a guest that leaks a handle per call reaches it and is rebuilt.
+pub const DEFAULT_RESOURCE_ENTRIES: usize = 4096;
+
 /// How often the epoch advances: the granularity of call deadlines.
 pub const TICK: Duration = Duration::from_millis(2);
 
 /// Per-guest limits. Defaults: 1 s per call, 256 MiB of memory, 16 MiB of keys and values per
-/// call, hydration in chunks of 1 000.
+/// call, hydration in chunks of 1 000, [`DEFAULT_RESOURCE_ENTRIES`] host resources.
 #[derive(Clone, Copy, Debug)]
 pub struct GuestLimits {
     /// Longest one call may run (a whole batch's `apply`, one hydration chunk).
@@ -72,6 +82,11 @@ pub struct GuestLimits {
     /// Most key and value bytes passed in one call. A larger batch is refused with this limit
     /// named; the fold then retries it in halves, so only a single update over the limit stops it.
     pub max_batch_bytes: usize,
+    /// Most host resources an instance may hold at once: entries in the host's WASI resource
+    /// table (a stream, a pollable, a network… each handle a guest is given, until it drops it)
+    /// and, the same number, component-model handles. Both live in host memory, outside the
+    /// memory cap; one more traps the call with this limit named.
+    pub resource_entries: usize,
 }
 
 impl Default for GuestLimits {
@@ -81,6 +96,7 @@ impl Default for GuestLimits {
             memory_bytes: 256 * 1024 * 1024,
             hydrate_chunk: 1000,
             max_batch_bytes: 16 * 1024 * 1024,
+            resource_entries: DEFAULT_RESOURCE_ENTRIES,
         }
     }
 }
@@ -609,6 +625,7 @@ impl Core {
                     c.downcast_ref::<bindings::TableCapHit>()
                         .map(ToString::to_string)
                 })
+                .or_else(|| bindings::resource_limit_hit(c, self.limits.resource_entries))
         });
         let message = if matches!(
             e.downcast_ref::<wasmtime::Trap>(),
@@ -686,11 +703,15 @@ impl Core {
             self.fold.clone(),
             self.describe(),
             self.limits.memory_bytes,
+            self.limits.resource_entries,
             &self.engine.random_seed(),
             &self.digest,
         );
         let mut store = Store::new(self.pre.engine(), state);
         store.limiter(|s| &mut s.limits);
+        // The handles the guest's own tables hold (wasmtime's default is 100 000): as bounded as
+        // the host resources behind them.
+        store.set_max_component_handles(self.limits.resource_entries);
         // Instantiation runs guest start-up code too: it gets a deadline like every call.
         store.set_epoch_deadline(self.deadline_ticks());
         let guest = self

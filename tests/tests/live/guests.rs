@@ -1,7 +1,7 @@
 //! WebAssembly guests against a real nats-server: the router (in Rust and in C) through SIGKILLs, a
-//! trap that stops the fold exactly before its key, runaway and memory-hungry guests stopped at their
-//! limits while the host stays up, hydration equivalence on 50 000 keys, and components refused at
-//! load.
+//! trap that stops the fold exactly before its key, runaway, memory-hungry and handle-leaking guests
+//! stopped at their limits while the host stays up (and, for the leak, small), hydration equivalence
+//! on 50 000 keys, and components refused at load.
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -286,6 +286,29 @@ async fn runaway_guest_is_stopped_and_reported(
     limit_args: &[&str],
     expect: &[&str],
 ) -> anyhow::Result<()> {
+    runaway_guest_stopped(guest, limit_args, expect)
+        .await
+        .map(|_| ())
+}
+
+/// The most resident memory the host process has had (`VmHWM` in /proc/PID/status), in bytes.
+fn peak_rss(pid: u32) -> anyhow::Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let kib = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .ok_or_else(|| anyhow::anyhow!("no VmHWM in /proc/{pid}/status"))?;
+    Ok(kib * 1024)
+}
+
+/// [`runaway_guest_is_stopped_and_reported`], answering the host's peak resident memory, read
+/// while it still runs after the fold failed.
+async fn runaway_guest_stopped(
+    guest: &str,
+    limit_args: &[&str],
+    expect: &[&str],
+) -> anyhow::Result<u64> {
     let h = Harness::start().await?;
     let kv = h.bucket("runaway").await?;
     // One update (the key hostile-sleep naps on; the others take any key), so that nothing at all
@@ -333,13 +356,14 @@ async fn runaway_guest_is_stopped_and_reported(
     let (code, _) = foldhost::serve::call(&addr, "GET", "/status", b"").await?;
     assert_eq!(code, 200);
     assert!(host.try_wait()?.is_none(), "the host process stays up");
+    let peak = peak_rss(host.id())?;
     let exit = terminate(&mut host)?;
     assert_eq!(
         exit.code(),
         Some(1),
         "a failed fold exits 1 once told to stop"
     );
-    Ok(())
+    Ok(peak)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -573,6 +597,146 @@ async fn memory_bomb_guest_fails_at_its_cap_and_the_host_stays_up() -> anyhow::R
         &["hostile-membomb@0.1.0", "apply", "memory cap of 32 MiB"],
     )
     .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_leaking_wasi_handles_is_stopped_at_the_resource_limit_and_the_host_stays_small()
+-> anyhow::Result<()> {
+    // Every apply leaks handles until the host refuses one: the fold stops naming the limit, and
+    // the host never held more than its table's worth. Without the limit, wasmtime's own bound
+    // (100 000 component handles a store) let each call leak ~25 MiB of host memory (a peak of
+    // ~80 MiB against ~55 MiB here, as for a guest that only loops).
+    let peak = runaway_guest_stopped(
+        "hostile_handles",
+        &[],
+        &[
+            "hostile-handles@0.1.0",
+            "apply",
+            &format!(
+                "host resource table limit ({} entries)",
+                foldhost::guest::DEFAULT_RESOURCE_ENTRIES
+            ),
+        ],
+    )
+    .await?;
+    assert!(
+        peak < 256 << 20,
+        "the host's resident memory peaked at {} MiB",
+        peak >> 20
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handles_leaked_by_calls_that_return_count_toward_the_limit_and_go_with_the_instance()
+-> anyhow::Result<()> {
+    // An empty fold: the guest is only queried. `leak:N` leaks N rounds of four table entries
+    // (a stream, a network, a pollable and the deadline under it) and returns normally.
+    let tmp = tempfile::tempdir()?;
+    let (store, _) = AppendLogSnapshot::open(tmp.path(), AppendLogOptions::default())?;
+    let engine = GuestEngine::new()?;
+    let bytes = std::fs::read(guest_wasm("hostile_handles"))?;
+    let fold = Arc::new(SharedStore::new(store));
+    let mut g = load_default(&engine, "hostile_handles", &bytes, fold).await?;
+    g.hydrate().await?;
+    let limit = foldhost::guest::DEFAULT_RESOURCE_ENTRIES;
+    let named = format!("host resource table limit ({limit} entries)");
+    // Each call alone stays under the limit (3/8 of it), so only what earlier calls left can
+    // make one fail.
+    let rounds = (limit * 3 / 8 / 4).to_string();
+    let leak = format!("leak:{rounds}");
+    assert_eq!(
+        g.query(leak.as_bytes()).await?,
+        format!("leaked {rounds}").into_bytes()
+    );
+    assert_eq!(
+        g.query(leak.as_bytes()).await?,
+        format!("leaked {rounds}").into_bytes()
+    );
+    assert_eq!(g.hydrations, 1, "the instance lived on");
+    let e = g
+        .query(leak.as_bytes())
+        .await
+        .expect_err("the third call finds the first two's handles still held");
+    assert!(
+        e.to_string().contains("hostile-handles@0.1.0") && e.to_string().contains(&named),
+        "{e}"
+    );
+    // A fresh instance, with an empty table: the same call fits again, twice.
+    for _ in 0..2 {
+        assert_eq!(
+            g.query(leak.as_bytes()).await?,
+            format!("leaked {rounds}").into_bytes()
+        );
+    }
+    assert_eq!(g.hydrations, 2, "rebuilt once, after the failed call");
+    // A call leaking without end fails at the limit, and the next call runs on a fresh instance.
+    let e = g.query(b"leak").await.expect_err("leaks until refused");
+    assert!(e.to_string().contains(&named), "{e}");
+    let e = g.query(b"k").await.expect_err("an empty store");
+    assert!(e.to_string().contains("missing"), "{e}");
+    assert_eq!(g.hydrations, 3);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_example_guests_in_every_language_hold_a_small_share_of_the_resource_limit()
+-> anyhow::Result<()> {
+    use foldhost::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
+    use foldhost::snapshot::SnapshotStore as _;
+    // A sixteenth of the default: each guest loads, hydrates 2 000 routes, folds a batch that
+    // changes and deletes some three times, and answers queries under it. (They hold none at all
+    // in these calls: each passes with a limit of 0.)
+    let limits = GuestLimits {
+        resource_entries: foldhost::guest::DEFAULT_RESOURCE_ENTRIES / 16,
+        hydrate_chunk: 250,
+        ..GuestLimits::default()
+    };
+    let put = |i: u32, generation: u32, revision: u64| {
+        KvUpdate::Put(KvEntry {
+            key: format!("route.h{i:05}"),
+            value: upstream(i, generation).into(),
+            version: VersionToken::from_u64(revision),
+        })
+    };
+    for guest in ["router", "router_c", "router_js", "router_py", "kvstore"] {
+        let dir = tempfile::tempdir()?;
+        let (mut store, _) = AppendLogSnapshot::open(dir.path(), AppendLogOptions::default())?;
+        let routes: Vec<KvUpdate> = (0..2000u32).map(|i| put(i, 1, u64::from(i) + 1)).collect();
+        store.apply(&routes, WatchCursor::at(2000))?;
+        let engine = GuestEngine::new()?;
+        let bytes = std::fs::read(guest_wasm(guest))?;
+        let mut g = GuestApply::load(
+            &engine,
+            guest,
+            &bytes,
+            limits,
+            vec![],
+            Arc::new(SharedStore::new(store)),
+        )
+        .await?;
+        g.hydrate().await?;
+        let batch: Vec<KvUpdate> = (0..200u32)
+            .map(|i| put(i, 2, 2001 + u64::from(i)))
+            .chain((200..300u32).map(|i| KvUpdate::Delete {
+                key: format!("route.h{i:05}"),
+                version: VersionToken::from_u64(2001 + u64::from(i)),
+            }))
+            .collect();
+        for _ in 0..3 {
+            let verdicts = g.parse(&batch).await?;
+            g.apply(&batch, &verdicts).await?;
+            g.on_applied(WatchCursor::at(2300)).await;
+            for i in 0..50u32 {
+                // The guest's own answer, found or not; a failed call is an error of the host's.
+                if let Err(e) = g.query(format!("h{i:05}").as_bytes()).await {
+                    assert!(!e.to_string().contains("limit"), "{guest}: {e}");
+                }
+            }
+        }
+        assert_eq!(g.hydrations, 1, "{guest}: never rebuilt");
+    }
+    Ok(())
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
