@@ -842,18 +842,28 @@ impl ArtifactTransport {
         want: Option<crate::storedir::Backend>,
         live: Option<&ManifestStream>,
     ) -> Result<ExportManifest, TransportError> {
-        match self.bootstrap_once(key, dest, want, live).await {
+        let read = self.pointer(key).await?;
+        let first = read.as_ref().map(|p| p.bytes.clone());
+        match self.bootstrap_from(key, read, dest, want, live).await {
             Err(e) if e.payload_gone() => {
-                tracing::warn!(key, error = %e, "bootstrap: the payload vanished mid-download (pruned after the pointer moved on); reading the pointer again and retrying once");
-                self.bootstrap_once(key, dest, want, live).await
+                // Retried only when the pointer has moved on: a payload with a hole that it
+                // still names is refused as it is.
+                let again = self.pointer(key).await?;
+                if again.as_ref().map(|p| &p.bytes) == first.as_ref() {
+                    return Err(e);
+                }
+                tracing::warn!(key, error = %e, "bootstrap: the payload vanished mid-download (pruned after the pointer moved on); read the pointer again, retrying once");
+                self.bootstrap_from(key, again, dest, want, live).await
             }
             other => other,
         }
     }
 
-    async fn bootstrap_once(
+    /// One bootstrap attempt from the pointer as `read`.
+    async fn bootstrap_from(
         &self,
         key: &str,
+        read: Option<Pointer>,
         dest: &Path,
         want: Option<crate::storedir::Backend>,
         live: Option<&ManifestStream>,
@@ -862,7 +872,7 @@ impl ArtifactTransport {
             bytes: manifest_bytes,
             manifest,
             ..
-        }) = self.pointer(key).await?
+        }) = read
         else {
             return Err(TransportError::NothingPublished {
                 key: key.to_string(),
