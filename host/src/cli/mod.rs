@@ -175,8 +175,8 @@ pub struct PruneArgs {
     /// Where the payloads are.
     #[command(flatten)]
     pub at: ArtifactsArgs,
-    /// Keep every payload younger than this many seconds (a node may still be downloading one a
-    /// newer pointer has just replaced).
+    /// Keep every payload uploaded, or replaced as the pointer's target, less than this many
+    /// seconds ago (a node may still be downloading one a newer pointer has just replaced).
     #[arg(long, default_value_t = 4 * 60)]
     pub grace_secs: u64,
 }
