@@ -562,3 +562,77 @@ async fn export_rounds_after_a_relist_publish_the_new_streams_artifact_and_the_o
     assert!(!tmp.path().join("old-node").exists());
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_naming_another_stores_token_file_is_sent_no_token() -> anyhow::Result<()> {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    // A real host: its store holds a generated token and a status.json naming its address.
+    let victim = tmp.path().join("victim");
+    let (mut host, real) = folding_host(&h, "tokens", 10, &victim, &[], &[]).await?;
+    let token_file = std::path::absolute(victim.join("admin-token"))?;
+    let token = std::fs::read_to_string(&token_file)?.trim().to_string();
+    anyhow::ensure!(token.len() == 64, "a generated token: {token:?}");
+
+    // A listener on another loopback port claiming that store's token file in its `/status`; it
+    // keeps every request head it is sent.
+    let squat = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let listener = tokio::net::TcpListener::bind(&squat).await?;
+    let heads = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    let kept = heads.clone();
+    let body = serde_json::json!({"state": "running", "admin_token_file": token_file}).to_string();
+    let server = tokio::spawn(async move {
+        while let Ok((mut sock, _)) = listener.accept().await {
+            let mut head = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                match sock.read(&mut buf).await {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => head.extend_from_slice(&buf[..n]),
+                }
+            }
+            if let Ok(mut h) = kept.lock() {
+                h.push(String::from_utf8_lossy(&head).into_owned());
+            }
+            let reply = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            let _ = sock.write_all(reply.as_bytes()).await;
+            let _ = sock.shutdown().await;
+        }
+    });
+    let o = foldhost()
+        .args(["export", "--listen", &squat, "--out"])
+        .arg(tmp.path().join("stolen"))
+        .output()?;
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+    assert!(
+        stderr.contains("not sending the admin token")
+            && stderr.contains(&format!("listens at {real}"))
+            && stderr.contains("--admin-token"),
+        "{stderr}"
+    );
+    let seen = heads.lock().map(|h| h.clone()).unwrap_or_default();
+    assert!(!seen.is_empty(), "the CLI asked the listener's /status");
+    assert!(
+        seen.iter()
+            .all(|h| !h.contains(&token) && h.starts_with("GET /status")),
+        "the token was sent: {seen:?}"
+    );
+    server.abort();
+
+    // The host the store names is still found without an argument.
+    ok(
+        &foldhost()
+            .args(["export", "--listen", &real, "--out"])
+            .arg(tmp.path().join("art"))
+            .output()?,
+        "export through the store's own listener",
+    )?;
+    terminate(&mut host)?;
+    Ok(())
+}
