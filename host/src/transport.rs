@@ -769,9 +769,11 @@ impl ArtifactTransport {
             .await
             .map_err(Self::store_err("read pointer", pointer))?;
         Ok(Some(PointerObject {
-            // Replaced by a larger object since the size was read: read as too large.
-            bytes: (size <= limit && bytes.len() as u64 == size).then(|| bytes.to_vec()),
-            size: size.max(bytes.len() as u64),
+            // Replaced by a larger object since the size was read: too large (nothing past the
+            // range was read); by another one within the limit: what the range read, which parses
+            // only if it is whole.
+            bytes: (size <= limit).then(|| bytes.to_vec()),
+            size,
             version,
             last_modified_ms,
         }))
