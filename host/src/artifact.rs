@@ -24,7 +24,13 @@
 //!   proves the staged copy recovers the manifest's cursor (the same two ways as export), and only
 //!   then renames it into place. The destination is untouched by every refusal.
 //! - **Bounded.** The manifest is at most [`MAX_MANIFEST_BYTES`], at most [`MAX_FILES`] files, and a
-//!   tar entry at most [`MAX_FILE_BYTES`].
+//!   tar entry at most [`MAX_FILE_BYTES`]. Every tar is read through [`TarGuard`], which parses each
+//!   512-byte header as it passes and refuses an extension entry (GNU long name or link, PAX) over
+//!   [`MAX_TAR_EXTENSION_BYTES`] before the `tar` crate reads its body (which it buffers whole), so
+//!   a hostile tar cannot take memory: a streamed import holds one buffer, never an entry.
+//! - **Which stream.** An artifact exported from a fold records the fold's stream (name, creation
+//!   time) in its manifest ([`ManifestStream`]); one of an earlier version, or exported through
+//!   `--listen`, records none, and importing it checks as before (the node's own identity check).
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -51,6 +57,55 @@ pub const MAX_MANIFEST_BYTES: u64 = 16 * 1024 * 1024;
 pub const MAX_FILES: usize = 100_000;
 /// Largest single file a tar may carry (1 TiB: a sanity bound, not a quota).
 pub const MAX_FILE_BYTES: u64 = 1 << 40;
+/// Largest tar extension entry (GNU long name `L` or link `K`, PAX `x` or `g`) read: the `tar`
+/// crate buffers such an entry's body whole, so [`TarGuard`] refuses a larger one from its header.
+pub const MAX_TAR_EXTENSION_BYTES: u64 = 64 << 10;
+/// Most previous pointer targets a manifest lists ([`ExportManifest::previous`]).
+pub const MAX_PREVIOUS_TARGETS: usize = 8;
+
+/// The stream an artifact's fold folds (as [`crate::kv::StreamIdentity`] holds it).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManifestStream {
+    /// The stream's name (`KV_<bucket>` on NATS).
+    pub name: String,
+    /// When the server created the stream, Unix nanoseconds.
+    pub created_unix_ns: u64,
+}
+
+impl From<&crate::kv::StreamIdentity> for ManifestStream {
+    fn from(id: &crate::kv::StreamIdentity) -> Self {
+        ManifestStream {
+            name: id.name.clone(),
+            created_unix_ns: id.created_unix_ns,
+        }
+    }
+}
+
+impl ManifestStream {
+    /// The identity, for messages.
+    pub fn identity(&self) -> crate::kv::StreamIdentity {
+        crate::kv::StreamIdentity {
+            name: self.name.clone(),
+            created_unix_ns: self.created_unix_ns,
+        }
+    }
+
+    /// As [`crate::protocol::stream_relation`] reads it.
+    pub fn key(&self) -> (&str, u64) {
+        (self.name.as_str(), self.created_unix_ns)
+    }
+}
+
+/// A pointer target before this artifact: its cursor and when it was published (the pointer
+/// object's last change when it named it). The first target above a payload's cursor was
+/// published when that payload stopped being the target ([`crate::protocol::payload_superseded_at`]).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PreviousTarget {
+    /// The target's cursor.
+    pub cursor: u64,
+    /// When the pointer was moved to it, Unix milliseconds (the object store's clock).
+    pub published_unix_ms: i64,
+}
 
 /// One payload file.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,6 +138,15 @@ pub struct ExportManifest {
     pub created_unix_ms: u64,
     /// Every payload file.
     pub files: Vec<ArtifactFile>,
+    /// The stream the fold folds; absent in artifacts of earlier versions and those exported
+    /// without it (read as unknown: see [`crate::protocol::bootstrap_stream_allowed`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<ManifestStream>,
+    /// The pointer's recent targets before this artifact, newest first (at most
+    /// [`MAX_PREVIOUS_TARGETS`]), added by the publish: what prune counts its grace from. Empty in
+    /// a local artifact and in those of earlier versions (older readers ignore the field).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub previous: Vec<PreviousTarget>,
 }
 
 /// Why an export or an import failed.
@@ -453,6 +517,8 @@ pub struct Staged {
     pub cursor: WatchCursor,
     /// The store's digests and check of its copy, when it made them.
     pub proven: Option<ProvenCopy>,
+    /// The stream the copied fold folds, when known.
+    pub stream: Option<ManifestStream>,
 }
 
 /// The first half of an export, the part that needs the fold quiet: makes `stage` and copies the
@@ -464,9 +530,24 @@ pub fn export_stage<S: SnapshotStore + ?Sized>(
 ) -> Result<Staged, ArtifactError> {
     let data = make_stage(stage)?;
     let cursor = store.cursor();
+    let stream = stream_of(store)?;
     let proven = store.export_to(&data)?;
     crate::storedir::write_meta(&data, backend)?;
-    Ok(Staged { cursor, proven })
+    Ok(Staged {
+        cursor,
+        proven,
+        stream,
+    })
+}
+
+/// The stream `store` records (its reserved identity key), if any.
+pub fn stream_of<S: SnapshotStore + ?Sized>(
+    store: &S,
+) -> Result<Option<ManifestStream>, ArtifactError> {
+    Ok(store
+        .get(crate::retained::IDENTITY_KEY)?
+        .and_then(|e| crate::kv::StreamIdentity::from_bytes(&e.value))
+        .map(|id| ManifestStream::from(&id)))
 }
 
 /// The second half of an export, off the fold's path: proves the staged copy (by the store's own
@@ -590,6 +671,8 @@ fn seal_inner(
         keys,
         created_unix_ms: now_ms(),
         files,
+        stream: staged.stream.clone(),
+        previous: Vec::new(),
     };
     let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| ArtifactError::Manifest {
         path: stage.join(MANIFEST_FILE),
@@ -658,6 +741,18 @@ pub async fn export_live(
     out: PathBuf,
     scope: Option<String>,
 ) -> Result<ExportManifest, ArtifactError> {
+    export_live_of(control, backend, out, scope, None).await
+}
+
+/// [`export_live`] recording `stream` (the fold's stream, read by the caller before and after)
+/// in the manifest.
+pub async fn export_live_of(
+    control: &tokio::sync::mpsc::Sender<crate::applied::Control>,
+    backend: Backend,
+    out: PathBuf,
+    scope: Option<String>,
+    stream: Option<ManifestStream>,
+) -> Result<ExportManifest, ArtifactError> {
     if out.exists() {
         return Err(ArtifactError::Exists(out));
     }
@@ -676,7 +771,11 @@ pub async fn export_live(
             .await
             .map_err(|_| ArtifactError::Fold("stopped before the export".into()))??;
         crate::storedir::write_meta(&data, backend)?;
-        Ok(Staged { cursor, proven })
+        Ok(Staged {
+            cursor,
+            proven,
+            stream,
+        })
     };
     let staged = or_discard(&stage, copied.await)?;
     tokio::task::spawn_blocking(move || seal_to(&stage, &out, &staged, scope, &mut |_, _| {}))
@@ -703,7 +802,7 @@ pub fn peek_tar_manifest(tar_path: &Path) -> Result<ExportManifest, ArtifactErro
         reason,
     };
     let file = File::open(tar_path).map_err(io_err(tar_path, "open"))?;
-    let mut archive = tar::Archive::new(std::io::BufReader::new(file));
+    let mut archive = tar::Archive::new(TarGuard::new(std::io::BufReader::new(file)));
     let mut entries = archive.entries().map_err(|e| bad(e.to_string()))?;
     let mut first = entries
         .next()
@@ -742,6 +841,17 @@ fn parse_manifest(bytes: &[u8], path: &Path) -> Result<ExportManifest, ArtifactE
     }
     for f in &m.files {
         check_path(&f.path)?;
+    }
+    if m.previous.len() > MAX_PREVIOUS_TARGETS {
+        return Err(bad(format!(
+            "{} previous targets, over {MAX_PREVIOUS_TARGETS}",
+            m.previous.len()
+        )));
+    }
+    if let Some(s) = &m.stream
+        && (s.name.is_empty() || s.name.len() > 255)
+    {
+        return Err(bad("the stream's name is empty or over 255 bytes".into()));
     }
     Ok(m)
 }
@@ -961,7 +1071,10 @@ fn seal_import(
 /// manifest the caller was given (an object store's pointer): the tar's embedded manifest must be
 /// byte for byte the same, and every file must be listed in it, once, with its size and digest.
 /// Then the same gate as every import (reopen, cursor) before the rename into `dest`. On every
-/// refusal `dest` is untouched and the stage removed. Memory: one 1 MiB buffer.
+/// refusal `dest` is untouched and the stage removed. Memory: the import's one block buffer (the
+/// staged file's), the manifest entry (at most [`MAX_MANIFEST_BYTES`], compared with the pointer)
+/// and an extension entry at most [`MAX_TAR_EXTENSION_BYTES`] ([`TarGuard`]); never a payload
+/// entry, whatever its header announces.
 pub fn import_tar_stream(
     reader: impl Read,
     pointer: &[u8],
@@ -999,7 +1112,7 @@ fn import_tar_entries(
     let total: u64 = m.files.iter().map(|f| f.size).sum();
     let mut done = 0u64;
     let mut syncs = Syncs::default();
-    let mut archive = tar::Archive::new(reader);
+    let mut archive = tar::Archive::new(TarGuard::new(reader));
     let entries = archive.entries().map_err(|e| bad(e.to_string()))?;
     for (count, entry) in entries.enumerate() {
         let mut entry = entry.map_err(|e| bad(e.to_string()))?;
@@ -1105,7 +1218,26 @@ fn import_tar_entries(
 
 /// Packs the artifact directory `artifact` into the tar file `out` (written beside, then renamed).
 pub fn pack_tar(artifact: &Path, out: &Path) -> Result<(), ArtifactError> {
+    pack_tar_with(artifact, out, None)
+}
+
+/// [`pack_tar`] with `manifest` (checked, and naming the same files) as the tar's manifest
+/// instead of the artifact's own: a publish adds the pointer's previous targets.
+pub fn pack_tar_with(
+    artifact: &Path,
+    out: &Path,
+    manifest: Option<&[u8]>,
+) -> Result<(), ArtifactError> {
     let m = read_manifest(artifact)?;
+    if let Some(bytes) = manifest {
+        let given = parse_manifest(bytes, &artifact.join(MANIFEST_FILE))?;
+        if given.files != m.files {
+            return Err(ArtifactError::Manifest {
+                path: artifact.join(MANIFEST_FILE),
+                reason: "the manifest to publish lists other files than the artifact's".into(),
+            });
+        }
+    }
     let tmp = stage_path(out, "tar");
     let r = (|| {
         let file = File::create(&tmp).map_err(io_err(&tmp, "create"))?;
@@ -1115,8 +1247,20 @@ pub fn pack_tar(artifact: &Path, out: &Path) -> Result<(), ArtifactError> {
             op: "write tar",
             source: e,
         };
-        b.append_path_with_name(artifact.join(MANIFEST_FILE), MANIFEST_FILE)
-            .map_err(tar_err)?;
+        match manifest {
+            None => b
+                .append_path_with_name(artifact.join(MANIFEST_FILE), MANIFEST_FILE)
+                .map_err(tar_err)?,
+            Some(bytes) => {
+                let mut h = tar::Header::new_gnu();
+                h.set_size(bytes.len() as u64);
+                h.set_mode(0o644);
+                h.set_mtime(0);
+                h.set_entry_type(tar::EntryType::Regular);
+                b.append_data(&mut h, MANIFEST_FILE, bytes)
+                    .map_err(tar_err)?;
+            }
+        }
         for f in &m.files {
             let rel = check_path(&f.path)?;
             b.append_path_with_name(
@@ -1145,7 +1289,7 @@ fn unpack_tar(tar_path: &Path, into: &Path) -> Result<(), ArtifactError> {
     };
     std::fs::create_dir_all(into).map_err(io_err(into, "create unpack dir"))?;
     let file = File::open(tar_path).map_err(io_err(tar_path, "open"))?;
-    let mut archive = tar::Archive::new(std::io::BufReader::new(file));
+    let mut archive = tar::Archive::new(TarGuard::new(std::io::BufReader::new(file)));
     let entries = archive.entries().map_err(|e| bad(e.to_string()))?;
     let mut count = 0usize;
     for entry in entries {
@@ -1182,6 +1326,155 @@ fn unpack_tar(tar_path: &Path, into: &Path) -> Result<(), ArtifactError> {
         std::io::copy(&mut (&mut entry).take(size), &mut out).map_err(io_err(&dst, "unpack"))?;
     }
     Ok(())
+}
+
+/// The tar entry types whose body the `tar` crate reads whole into memory: GNU long name and long
+/// link, PAX local and global extensions.
+const TAR_EXTENSIONS: [u8; 4] = [b'L', b'K', b'x', b'g'];
+
+/// A reader in front of the `tar` crate that parses every 512-byte header as it passes and
+/// refuses, before any byte of its body is read, an extension entry larger than
+/// [`MAX_TAR_EXTENSION_BYTES`] (the `tar` crate would read it whole: a 1 GiB `L` entry would be a
+/// 1 GiB allocation), a GNU sparse entry (its extra header blocks would move the entry
+/// boundaries this reader counts; no artifact holds one) and a PAX `size` record (it would
+/// override the header's length). It follows the archive entry by entry: a header, then the
+/// body rounded up to 512 bytes; an all-zero header ends the archive, and what follows passes
+/// unchecked (the `tar` crate reads nothing after it). Its own memory: one header block and a PAX
+/// body (bounded as above).
+pub struct TarGuard<R> {
+    inner: R,
+    /// Offset in the archive of the next byte read.
+    offset: u64,
+    header: [u8; 512],
+    /// Bytes of `header` collected.
+    filled: usize,
+    /// Body (and padding) bytes left before the next header.
+    body_left: u64,
+    /// A PAX body being collected, and how many of its bytes are still to come.
+    pax: Option<(Vec<u8>, u64)>,
+    ended: bool,
+    /// The refusal, repeated to every later read.
+    refused: Option<String>,
+}
+
+impl<R> TarGuard<R> {
+    /// Guards `inner`.
+    pub fn new(inner: R) -> Self {
+        TarGuard {
+            inner,
+            offset: 0,
+            header: [0; 512],
+            filled: 0,
+            body_left: 0,
+            pax: None,
+            ended: false,
+            refused: None,
+        }
+    }
+
+    /// A tar header's size field as the `tar` crate reads it (octal text up to a NUL, spaces
+    /// trimmed; or, with the high bit set, binary in its last 8 bytes); `None` when it is neither.
+    fn size_field(field: &[u8]) -> Option<u64> {
+        if field.first()? & 0x80 != 0 {
+            let tail = field.get(field.len().checked_sub(8)?..)?;
+            return Some(u64::from_be_bytes(tail.try_into().ok()?));
+        }
+        let end = field.iter().position(|&b| b == 0).unwrap_or(field.len());
+        let text = std::str::from_utf8(&field[..end]).ok()?;
+        u64::from_str_radix(text.trim(), 8).ok()
+    }
+
+    /// Checks the header just collected (which started at `at`) and sets up its body.
+    fn header_done(&mut self, at: u64) -> Result<(), String> {
+        if self.header.iter().all(|&b| b == 0) {
+            self.ended = true;
+            return Ok(());
+        }
+        let kind = self.header[156];
+        let size = Self::size_field(&self.header[124..136])
+            .ok_or_else(|| format!("tar header at byte {at}: an unreadable size field"))?;
+        if kind == b'S' {
+            return Err(format!(
+                "tar header at byte {at}: a GNU sparse entry (never part of an artifact)"
+            ));
+        }
+        if TAR_EXTENSIONS.contains(&kind) && size > MAX_TAR_EXTENSION_BYTES {
+            return Err(format!(
+                "tar header at byte {at}: a {} extension entry of {size} bytes, over the limit of {MAX_TAR_EXTENSION_BYTES}",
+                match kind {
+                    b'L' => "GNU long-name (L)",
+                    b'K' => "GNU long-link (K)",
+                    b'x' => "PAX (x)",
+                    _ => "PAX global (g)",
+                }
+            ));
+        }
+        if kind == b'x' && size > 0 {
+            self.pax = Some((Vec::with_capacity(size as usize), size));
+        }
+        self.body_left = size
+            .checked_add(511)
+            .map(|s| s & !511)
+            .ok_or_else(|| format!("tar header at byte {at}: size {size} overflows"))?;
+        Ok(())
+    }
+
+    /// Follows the archive over `bytes` (just read, starting at `self.offset`).
+    fn follow(&mut self, mut bytes: &[u8]) -> Result<(), String> {
+        while !bytes.is_empty() && !self.ended {
+            if self.body_left > 0 {
+                let n = bytes
+                    .len()
+                    .min(usize::try_from(self.body_left).unwrap_or(usize::MAX));
+                if let Some((buf, left)) = &mut self.pax {
+                    let take = n.min(usize::try_from(*left).unwrap_or(usize::MAX));
+                    buf.extend_from_slice(&bytes[..take]);
+                    *left -= take as u64;
+                    if *left == 0 {
+                        let body = std::mem::take(buf);
+                        self.pax = None;
+                        if body.windows(6).any(|w| w == b" size=") {
+                            return Err(format!(
+                                "tar entry before byte {}: a PAX size record (entry lengths are read from the headers)",
+                                self.offset
+                            ));
+                        }
+                    }
+                }
+                self.body_left -= n as u64;
+                self.offset += n as u64;
+                bytes = &bytes[n..];
+                continue;
+            }
+            let n = bytes.len().min(512 - self.filled);
+            self.header[self.filled..self.filled + n].copy_from_slice(&bytes[..n]);
+            self.filled += n;
+            self.offset += n as u64;
+            bytes = &bytes[n..];
+            if self.filled == 512 {
+                self.filled = 0;
+                self.header_done(self.offset - 512)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<R: Read> Read for TarGuard<R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        if let Some(why) = &self.refused {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidData,
+                why.clone(),
+            ));
+        }
+        let n = self.inner.read(buf)?;
+        if let Err(why) = self.follow(&buf[..n]) {
+            self.refused = Some(why.clone());
+            return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, why));
+        }
+        Ok(n)
+    }
 }
 
 #[cfg(test)]
@@ -1332,6 +1625,167 @@ mod tests {
         assert!(mine.exists(), "this process's own stage is kept");
         assert!(unrelated.exists(), "another target's stage is kept");
         assert!(!stage.exists());
+    }
+
+    /// A reader of `head` followed by zeros without end, counting what was read.
+    struct Endless<'a> {
+        head: Vec<u8>,
+        at: usize,
+        read: &'a std::cell::Cell<u64>,
+    }
+
+    impl Read for Endless<'_> {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            let n = buf.len();
+            for (i, b) in buf.iter_mut().enumerate() {
+                *b = self.head.get(self.at + i).copied().unwrap_or(0);
+            }
+            self.at += n;
+            self.read.set(self.read.get() + n as u64);
+            Ok(n)
+        }
+    }
+
+    /// A tar header of `kind` announcing `size` bytes.
+    fn header(kind: tar::EntryType, name: &str, size: u64) -> Vec<u8> {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(kind);
+        h.set_size(size);
+        h.set_mode(0o644);
+        h.set_path(name).expect("path");
+        h.set_cksum();
+        h.as_bytes().to_vec()
+    }
+
+    #[test]
+    fn a_tar_extension_entry_over_the_limit_is_refused_from_its_header_before_its_body_is_read() {
+        use tar::EntryType as E;
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let pointer = serde_json::to_vec(&ExportManifest {
+            schema: SCHEMA,
+            backend: "append-log".into(),
+            format: 1,
+            cursor: Some(1),
+            scope: None,
+            keys: 0,
+            created_unix_ms: 0,
+            files: vec![],
+            stream: None,
+            previous: vec![],
+        })
+        .expect("json");
+        for (kind, words) in [
+            (E::GNULongName, "GNU long-name (L)"),
+            (E::GNULongLink, "GNU long-link (K)"),
+            (E::XHeader, "PAX (x)"),
+            (E::XGlobalHeader, "PAX global (g)"),
+        ] {
+            // 1 GiB announced; the body would be zeros without end.
+            let read = std::cell::Cell::new(0);
+            let src = Endless {
+                head: header(kind, "x", 1 << 30),
+                at: 0,
+                read: &read,
+            };
+            let dest = tmp.path().join(format!("node-{kind:?}"));
+            let err =
+                import_tar_stream(src, &pointer, &dest, None, &mut |_, _| {}).expect_err("refused");
+            let line = err.to_string();
+            assert!(
+                line.contains(words)
+                    && line.contains("1073741824 bytes")
+                    && line.contains(&format!("limit of {MAX_TAR_EXTENSION_BYTES}")),
+                "{kind:?}: {line}"
+            );
+            assert!(!line.contains('\n'), "one line: {line}");
+            assert!(
+                read.get() < 1 << 20,
+                "{kind:?}: {} bytes read before the refusal",
+                read.get()
+            );
+            assert!(!dest.exists());
+            // The same through the guard alone, for a tar file's readers (peek, unpack).
+            let read = std::cell::Cell::new(0);
+            let mut archive = tar::Archive::new(TarGuard::new(Endless {
+                head: header(kind, "x", 1 << 30),
+                at: 0,
+                read: &read,
+            }));
+            let first = archive.entries().expect("entries").next();
+            assert!(matches!(first, Some(Err(_))), "{kind:?}");
+            assert!(read.get() < 1 << 20, "{kind:?}: {} bytes read", read.get());
+        }
+    }
+
+    #[test]
+    fn a_tar_file_with_a_huge_long_name_is_refused_by_peek_and_import_without_reading_it() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let tar_path = tmp.path().join("a.tar");
+        // A sparse file: a 1 GiB `L` entry's header, then a hole the size of its body.
+        let f = File::create(&tar_path).expect("create");
+        {
+            use std::os::unix::fs::FileExt as _;
+            f.write_all_at(&header(tar::EntryType::GNULongName, "x", 1 << 30), 0)
+                .expect("write");
+        }
+        f.set_len((1 << 30) + 4096).expect("sparse");
+        drop(f);
+        for line in [
+            peek_tar_manifest(&tar_path).expect_err("peek").to_string(),
+            import_artifact(&tar_path, &tmp.path().join("node"), None, &mut |_, _| {})
+                .expect_err("import")
+                .to_string(),
+        ] {
+            assert!(
+                line.contains("GNU long-name (L)") && line.contains("over the limit"),
+                "{line}"
+            );
+        }
+        assert!(!tmp.path().join("node").exists());
+    }
+
+    #[test]
+    fn small_extension_entries_pass_and_a_pax_size_record_or_a_sparse_entry_is_refused() {
+        // A long path (a GNU `L` entry of its own) packs and reads back through the guard.
+        let mut b = tar::Builder::new(Vec::new());
+        let long = format!("data/{}", "d".repeat(150));
+        let mut h = tar::Header::new_gnu();
+        h.set_size(3);
+        h.set_mode(0o644);
+        b.append_data(&mut h, &long, &b"abc"[..]).expect("append");
+        let bytes = b.into_inner().expect("finish");
+        let mut archive = tar::Archive::new(TarGuard::new(&bytes[..]));
+        let names: Vec<String> = archive
+            .entries()
+            .expect("entries")
+            .map(|e| String::from_utf8(e.expect("entry").path_bytes().into_owned()).expect("utf8"))
+            .collect();
+        assert_eq!(names, vec![long]);
+
+        // A PAX record overriding the next entry's size.
+        let record = b"20 size=9999999999\n";
+        let mut tar = header(tar::EntryType::XHeader, "pax", record.len() as u64);
+        tar.extend_from_slice(record);
+        tar.resize(1024, 0);
+        tar.extend_from_slice(&header(tar::EntryType::Regular, "f", 0));
+        tar.resize(4096, 0);
+        let mut archive = tar::Archive::new(TarGuard::new(&tar[..]));
+        let e = archive
+            .entries()
+            .expect("entries")
+            .find_map(|e| e.err())
+            .expect("refused");
+        assert!(e.to_string().contains("PAX size record"), "{e}");
+
+        let mut tar = header(tar::EntryType::GNUSparse, "s", 0);
+        tar.resize(2048, 0);
+        let mut archive = tar::Archive::new(TarGuard::new(&tar[..]));
+        let e = archive
+            .entries()
+            .expect("entries")
+            .find_map(|e| e.err())
+            .expect("refused");
+        assert!(e.to_string().contains("GNU sparse"), "{e}");
     }
 
     #[test]

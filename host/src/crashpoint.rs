@@ -63,6 +63,10 @@ pub const POINTS: &[(&str, &str)] = &[
         PUBLISH_BEFORE_POINTER,
         "mid-publish: the payload uploaded whole, before the pointer moves",
     ),
+    (
+        BOOTSTRAP_BEFORE_PAYLOAD,
+        "mid-bootstrap: the pointer read (and its stream checked), before the payload is listed and fetched (hold only)",
+    ),
 ];
 
 /// After a fold batch committed and `on-applied` returned.
@@ -85,6 +89,8 @@ pub const SWAP_HYDRATING: &str = "swap.hydrating";
 
 /// Mid-publish, after the payload was uploaded, before the pointer moves.
 pub const PUBLISH_BEFORE_POINTER: &str = "publish.before-pointer";
+/// Mid-bootstrap, the pointer read, before its payload is fetched.
+pub const BOOTSTRAP_BEFORE_PAYLOAD: &str = "bootstrap.before-payload";
 
 /// The environment variable that arms a point: `NAME:N`.
 pub const ENV: &str = "FOLDHOST_CRASH_AT";

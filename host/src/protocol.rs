@@ -478,18 +478,93 @@ pub fn pointer_publish_allowed(current: PointerState, cursor: u64) -> bool {
     }
 }
 
+/// How this exporter's (or this node's) stream relates to the stream an artifact was exported
+/// from, as [`stream_relation`] reads the two identities.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StreamRelation {
+    /// The same stream (name and creation time).
+    Same,
+    /// One side records no stream (an artifact of an earlier version, or one exported without a
+    /// running fold): nothing can be told, and the checks of before identities apply.
+    Unknown,
+    /// A later incarnation of the same stream (same name, created after the artifact's): the
+    /// bucket was deleted and created again, and the artifact folds the old one.
+    Later,
+    /// Another stream: an earlier incarnation, or another name.
+    Other,
+}
+
+/// Relates `ours` to `theirs`, each a stream's name and creation time (Unix nanoseconds), `None`
+/// when it is not recorded.
+pub fn stream_relation(ours: Option<(&str, u64)>, theirs: Option<(&str, u64)>) -> StreamRelation {
+    match (ours, theirs) {
+        (Some(a), Some(b)) if a == b => StreamRelation::Same,
+        (Some((an, at)), Some((bn, bt))) if an == bn && at > bt => StreamRelation::Later,
+        (Some(_), Some(_)) => StreamRelation::Other,
+        _ => StreamRelation::Unknown,
+    }
+}
+
+/// [`pointer_publish_allowed`] across incarnations: `relation` is the exporter's stream relative
+/// to the pointer's artifact's. The cursor comparison holds within one stream (or when either
+/// side records none); a later incarnation replaces the pointer whatever the cursors (a recreated
+/// bucket's sequences start over, so its cursor is below the old artifact's and the pointer
+/// would otherwise never move again); an exporter of an earlier incarnation or of another stream
+/// never replaces it. A corrupt or absent pointer is replaceable as ever.
+pub fn pointer_replace_allowed(
+    current: PointerState,
+    cursor: u64,
+    relation: StreamRelation,
+) -> bool {
+    match (current, relation) {
+        (PointerState::Absent | PointerState::Corrupt, _) => true,
+        (PointerState::At(_), StreamRelation::Later) => true,
+        (PointerState::At(_), StreamRelation::Other) => false,
+        (PointerState::At(_), StreamRelation::Same | StreamRelation::Unknown) => {
+            pointer_publish_allowed(current, cursor)
+        }
+    }
+}
+
+/// Whether a node may bootstrap from an artifact whose stream relates to the bucket's live stream
+/// as `relation` (the live one relative to the artifact's): only the same stream; an artifact that
+/// records none is taken, and the node's own identity check at its first start decides (as before
+/// artifacts recorded their stream).
+pub fn bootstrap_stream_allowed(relation: StreamRelation) -> bool {
+    matches!(relation, StreamRelation::Same | StreamRelation::Unknown)
+}
+
+/// When a payload at `payload_cursor` stopped being the pointer's target, or could no longer
+/// become it, from the targets the pointer knows: `targets` holds `(cursor, published_unix_ms)`
+/// for its current target (published when the pointer object was last written) and its recent
+/// previous targets (the pointer's `previous` list). A payload was replaced no later than the
+/// publish of the first target above its cursor (the pointer never moves backward, so once a
+/// higher cursor was published no lower one is named again): the earliest publish among the
+/// targets above it. A name without a cursor (the earlier form) is older than every target.
+/// `None`: no known target lies above it (it is the target, or an exporter may still name it).
+pub fn payload_superseded_at(payload_cursor: Option<u64>, targets: &[(u64, i64)]) -> Option<i64> {
+    targets
+        .iter()
+        .filter(|(c, _)| payload_cursor.is_none_or(|p| *c > p))
+        .map(|(_, t)| *t)
+        .min()
+}
+
 /// Whether a payload may be pruned: never the pointer's target (whatever its age, even at zero
 /// grace); never one whose cursor is at or above the pointer's, nor any while there is no pointer
 /// (an exporter may have uploaded it and be about to publish: the pointer would dangle — found by
-/// the fleet model at zero grace, issue 17); a payload below the pointer no publish can name
-/// ([`pointer_publish_allowed`] refuses it), so it goes once it is older than `grace` (a node may
-/// still be downloading a payload a newer pointer has just replaced). A payload whose name carries
-/// no cursor (named before cursors were) is judged by the target and its age alone, as then.
+/// the fleet model at zero grace); a payload below the pointer no publish can name
+/// ([`pointer_publish_allowed`] refuses it), so it goes once the grace has passed **since it
+/// stopped being the target** (`since_superseded`, from [`payload_superseded_at`]; `None`: not
+/// known to be replaced, kept) — a node that read the pointer just before it moved has the grace
+/// to download, however long ago the payload was uploaded — and since its upload (`age`). A
+/// payload whose name carries no cursor (named before cursors were) is judged as below the pointer.
 pub fn payload_prunable(
     is_pointer_target: bool,
     payload_cursor: Option<u64>,
     pointer_cursor: Option<u64>,
     age: std::time::Duration,
+    since_superseded: Option<std::time::Duration>,
     grace: std::time::Duration,
 ) -> bool {
     let unreachable = match (payload_cursor, pointer_cursor) {
@@ -497,7 +572,7 @@ pub fn payload_prunable(
         (Some(p), Some(t)) => p < t,
         (None, Some(_)) => true,
     };
-    !is_pointer_target && unreachable && age > grace
+    !is_pointer_target && unreachable && age > grace && since_superseded.is_some_and(|s| s > grace)
 }
 
 /// What the export lease key holds, as read before a round.
@@ -1772,68 +1847,141 @@ mod tests {
     }
 
     #[test]
-    fn a_payload_is_pruned_only_past_the_grace_and_never_the_pointers_target() {
+    fn a_payload_is_pruned_only_past_the_grace_since_it_was_replaced_and_never_the_pointers_target()
+    {
         use std::time::Duration as D;
         let (below, at) = (Some(4), Some(5));
-        assert!(!payload_prunable(
-            true,
-            at,
-            at,
-            D::from_secs(1_000_000),
-            D::ZERO
-        ));
-        assert!(!payload_prunable(true, at, at, D::ZERO, D::ZERO));
-        assert!(payload_prunable(
-            false,
-            below,
-            at,
-            D::from_secs(61),
-            D::from_secs(60)
-        ));
-        assert!(!payload_prunable(
-            false,
-            below,
-            at,
-            D::from_secs(60),
-            D::from_secs(60)
-        ));
-        assert!(payload_prunable(
-            false,
-            below,
-            at,
-            D::from_millis(1),
-            D::ZERO
-        ));
-        // At or above the pointer, or with no pointer: an exporter may be about to name it.
-        assert!(!payload_prunable(
-            false,
-            at,
-            at,
-            D::from_secs(1_000_000),
-            D::ZERO
-        ));
-        assert!(!payload_prunable(
-            false,
-            Some(9),
-            at,
-            D::from_secs(1_000_000),
-            D::ZERO
-        ));
-        assert!(!payload_prunable(
-            false,
-            below,
-            None,
-            D::from_secs(1_000_000),
-            D::ZERO
-        ));
-        // A name without a cursor (the earlier form): target and age alone.
-        assert!(payload_prunable(
-            false,
-            None,
-            at,
-            D::from_secs(61),
-            D::from_secs(60)
-        ));
+        let (g, long) = (D::from_secs(60), D::from_secs(1_000_000));
+        // (target?, payload cursor, pointer cursor, age, since superseded, grace, prunable)
+        let table = [
+            // The target: never, whatever the ages, even at zero grace.
+            (true, at, at, long, Some(long), D::ZERO, false),
+            (true, at, at, D::ZERO, None, D::ZERO, false),
+            // Below the pointer: past the grace since upload and since replaced.
+            (
+                false,
+                below,
+                at,
+                D::from_secs(61),
+                Some(D::from_secs(61)),
+                g,
+                true,
+            ),
+            (
+                false,
+                below,
+                at,
+                D::from_secs(60),
+                Some(D::from_secs(61)),
+                g,
+                false,
+            ),
+            (
+                false,
+                below,
+                at,
+                D::from_millis(1),
+                Some(D::from_millis(1)),
+                D::ZERO,
+                true,
+            ),
+            // Uploaded long ago, replaced a moment ago: a bootstrap that read the pointer before
+            // it moved is still downloading it.
+            (false, below, at, long, Some(D::from_secs(1)), g, false),
+            (false, below, at, long, Some(g), g, false),
+            // Not known to be replaced: kept.
+            (false, below, at, long, None, g, false),
+            (false, below, at, long, None, D::ZERO, false),
+            // At or above the pointer, or with no pointer: an exporter may be about to name it.
+            (false, at, at, long, Some(long), D::ZERO, false),
+            (false, Some(9), at, long, Some(long), D::ZERO, false),
+            (false, below, None, long, Some(long), D::ZERO, false),
+            // A name without a cursor (the earlier form): judged as below the pointer.
+            (
+                false,
+                None,
+                at,
+                D::from_secs(61),
+                Some(D::from_secs(61)),
+                g,
+                true,
+            ),
+            (false, None, at, long, Some(D::from_secs(1)), g, false),
+        ];
+        for (target, cursor, pointer, age, since, grace, want) in table {
+            assert_eq!(
+                payload_prunable(target, cursor, pointer, age, since, grace),
+                want,
+                "{target} {cursor:?} {pointer:?} {age:?} {since:?} {grace:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_payload_was_replaced_when_the_first_target_above_it_was_published() {
+        // (cursor, published) of the current target (90 at t=900) and previous targets.
+        let targets = [(90, 900), (70, 700), (50, 500)];
+        // (payload cursor, replaced at)
+        let table = [
+            (Some(90), None),
+            (Some(95), None),
+            (Some(70), Some(900)),
+            (Some(80), Some(900)),
+            (Some(50), Some(700)),
+            (Some(60), Some(700)),
+            // Below every known target: no later than the oldest known publish.
+            (Some(10), Some(500)),
+            (None, Some(500)),
+        ];
+        for (cursor, want) in table {
+            assert_eq!(payload_superseded_at(cursor, &targets), want, "{cursor:?}");
+        }
+        assert_eq!(payload_superseded_at(Some(1), &[]), None);
+        // Publish times out of cursor order (a clock step): the earliest above counts.
+        assert_eq!(
+            payload_superseded_at(Some(1), &[(5, 900), (3, 950)]),
+            Some(900)
+        );
+    }
+
+    #[test]
+    fn a_later_incarnation_replaces_the_pointer_whatever_its_cursor_and_nothing_else_crosses() {
+        use PointerState::*;
+        use StreamRelation::*;
+        let (a1, a2, b) = (Some(("KV_a", 1)), Some(("KV_a", 2)), Some(("KV_b", 3)));
+        assert_eq!(stream_relation(a1, a1), Same);
+        assert_eq!(stream_relation(a2, a1), Later);
+        assert_eq!(stream_relation(a1, a2), Other);
+        assert_eq!(stream_relation(b, a1), Other);
+        assert_eq!(stream_relation(None, a1), Unknown);
+        assert_eq!(stream_relation(a1, None), Unknown);
+        let table = [
+            (Absent, 1, Other, true),
+            (Corrupt, 1, Other, true),
+            (At(1000), 5, Later, true),
+            (At(1000), 1000, Later, true),
+            (At(10), 5000, Other, false),
+            (At(10), 11, Same, true),
+            (At(10), 10, Same, false),
+            (At(10), 9, Same, false),
+            (At(10), 11, Unknown, true),
+            (At(10), 9, Unknown, false),
+        ];
+        for (current, cursor, relation, want) in table {
+            assert_eq!(
+                pointer_replace_allowed(current, cursor, relation),
+                want,
+                "{current:?} {cursor} {relation:?}"
+            );
+        }
+        for (relation, want) in [
+            (Same, true),
+            (Unknown, true),
+            (Later, false),
+            (Other, false),
+        ] {
+            assert_eq!(bootstrap_stream_allowed(relation), want, "{relation:?}");
+        }
     }
 
     #[test]

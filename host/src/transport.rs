@@ -14,7 +14,11 @@
 //!   beside `<key>.payloads/`, not under it, because an earlier version's prune judges every
 //!   object under it by its own name: it would take a segment (`000003`, no cursor) for a foreign
 //!   object and delete the published payload's segments during a rolling upgrade.
-//! - `<key>.manifest.json` — the pointer: the manifest's bytes exactly, published last.
+//! - `<key>.manifest.json` — the pointer: the manifest's bytes exactly, published last. The
+//!   published manifest is the artifact's own with the pointer's recent previous targets added
+//!   ([`ExportManifest::previous`]: each one's cursor and publish time, at most
+//!   [`artifact::MAX_PREVIOUS_TARGETS`]), so the tar carries the same bytes and older readers,
+//!   which ignore the field, still name and check the payload by them.
 //!
 //! Invariants:
 //! - **Nothing half-written is addressable**: the segments (each one atomic put, at most
@@ -33,13 +37,23 @@
 //!   of times; a slower exporter gets [`TransportError::SupersededByNewer`]. A store without
 //!   conditional updates (the local file system) **fails closed** unless the operator allows a
 //!   non-atomic pointer, and every publish under that allowance says so in the log.
+//! - **Nothing read from the store is unbounded**: the pointer's size is read first (its
+//!   metadata) and an object over [`artifact::MAX_MANIFEST_BYTES`] is refused without reading it
+//!   (a publish replaces it as corrupt); its body is then read as a range of that size; a tar's
+//!   extension entries are bounded by [`artifact::TarGuard`] before the `tar` crate reads them.
 //! - **A download is untrusted**: the payload streams straight into the import (memory bounded as
 //!   below; nothing is stored as a tar), its embedded manifest must equal the
 //!   pointer's bytes, every file must be listed there once with its size and BLAKE3 digest, and the
 //!   staged copy must reopen at the manifest's cursor before it is renamed into a store.
 //! - **Prune** deletes only what [`protocol::payload_prunable`] allows: never the pointer's target,
 //!   never a payload at or above the pointer's cursor (one an exporter may still name), and only
-//!   past the grace.
+//!   once the grace has passed since it stopped being the target
+//!   ([`protocol::payload_superseded_at`], from the pointer's own publish time and its previous
+//!   targets'); a bootstrap whose payload vanishes anyway reads the pointer again and retries once.
+//! - **One stream per pointer at a time**: an exporter of a later incarnation of the pointer's
+//!   stream replaces it whatever the cursors, one of an earlier incarnation or another stream never
+//!   ([`protocol::pointer_replace_allowed`]); a bootstrap told the bucket's live stream refuses an
+//!   artifact of another ([`protocol::bootstrap_stream_allowed`]).
 
 use std::io::Read as _;
 use std::path::{Path, PathBuf};
@@ -52,7 +66,9 @@ use object_store::{
     ObjectStore, ObjectStoreExt as _, PutMode, PutOptions, PutPayload, UpdateVersion,
 };
 
-use crate::artifact::{self, ArtifactError, ExportManifest, MANIFEST_FILE};
+use crate::artifact::{
+    self, ArtifactError, ExportManifest, MANIFEST_FILE, ManifestStream, PreviousTarget,
+};
 use crate::protocol::{self, PointerState};
 
 /// Size of one segment of a payload (the last one is shorter). `FOLDHOST_ARTIFACT_SEGMENT_BYTES`
@@ -137,6 +153,30 @@ pub enum TransportError {
         /// The URL.
         url: String,
     },
+    /// An object is larger than what is read of its kind: refused before its body is read.
+    #[error("{what} {path}: {size} bytes, over the limit of {limit} bytes; not read")]
+    TooLarge {
+        /// What the object is.
+        what: &'static str,
+        /// The object.
+        path: String,
+        /// Its size, as the store reports it.
+        size: u64,
+        /// The limit.
+        limit: u64,
+    },
+    /// The pointer names an artifact of another stream than the one asked for.
+    #[error("artifact {key}: it folds {artifact}, but {ours}; {what}")]
+    OtherStream {
+        /// The artifact key.
+        key: String,
+        /// The pointer's artifact's stream.
+        artifact: String,
+        /// Ours, in words (`this exporter folds …`, `the bucket is …`).
+        ours: String,
+        /// What was refused.
+        what: &'static str,
+    },
     /// Nothing is published under the key.
     #[error("artifact {key}: nothing published under --artifacts {url}")]
     NothingPublished {
@@ -145,6 +185,67 @@ pub enum TransportError {
         /// The URL.
         url: String,
     },
+}
+
+impl TransportError {
+    /// Whether a download failed because its payload is gone (an object not found, or a segment
+    /// listing with a hole: a prune deleting it meanwhile): a bootstrap reads the pointer again
+    /// and retries once.
+    pub fn payload_gone(&self) -> bool {
+        match self {
+            TransportError::Store { source, .. } => {
+                matches!(source, object_store::Error::NotFound { .. })
+            }
+            TransportError::Io { op, .. } => *op == LIST_SEGMENTS_OP,
+            _ => false,
+        }
+    }
+}
+
+/// The operation named by a refused segment listing.
+const LIST_SEGMENTS_OP: &str = "list the payload's segments";
+
+/// The pointer object as read: its bytes (`None`: over [`artifact::MAX_MANIFEST_BYTES`], not
+/// read), its size, the version a conditional update must match and its last change.
+struct PointerObject {
+    bytes: Option<Vec<u8>>,
+    size: u64,
+    version: UpdateVersion,
+    last_modified_ms: i64,
+}
+
+/// The published pointer: its exact bytes, the manifest they parse to, and when it was published.
+#[derive(Clone, Debug)]
+pub struct Pointer {
+    /// The manifest's bytes, exactly.
+    pub bytes: Vec<u8>,
+    /// The manifest.
+    pub manifest: ExportManifest,
+    /// When the pointer object was last written, Unix milliseconds (the store's clock).
+    pub published_unix_ms: i64,
+}
+
+impl Pointer {
+    /// The targets prune judges against: this one and the previous ones it lists, each
+    /// `(cursor, published_unix_ms)`.
+    pub fn targets(&self) -> Vec<(u64, i64)> {
+        std::iter::once((self.manifest.cursor.unwrap_or(0), self.published_unix_ms))
+            .chain(
+                self.manifest
+                    .previous
+                    .iter()
+                    .map(|p| (p.cursor, p.published_unix_ms)),
+            )
+            .collect()
+    }
+}
+
+/// A stream in words, for one-line messages.
+fn stream_words(s: Option<&ManifestStream>) -> String {
+    s.map_or_else(
+        || "an unrecorded stream".to_string(),
+        |s| s.identity().to_string(),
+    )
 }
 
 /// Where a fleet's artifacts live: an object store and a prefix in it.
@@ -360,20 +461,21 @@ impl ArtifactTransport {
             });
         }
         let manifest_path = artifact.join(MANIFEST_FILE);
-        let manifest_bytes =
-            std::fs::read(&manifest_path).map_err(|source| TransportError::Io {
-                path: manifest_path.clone(),
-                op: "read manifest",
-                source,
-            })?;
         let manifest = artifact::read_manifest(artifact)?;
         let cursor = manifest.cursor.unwrap_or(0);
-        let name = payload_name(&manifest_bytes, cursor);
-        let payload = self.segments_dir(key, &name);
+        // A pointer too large to read is replaced as a corrupt one (the publish decides).
+        let current = match self.pointer(key).await {
+            Err(TransportError::TooLarge { .. }) => None,
+            other => other?,
+        };
         // The artifact the pointer already names: its segments are being read by bootstraps, and
         // the publish would be refused (an equal cursor) after rewriting them.
-        if let Some((published, _)) = self.pointer(key).await?
-            && published == manifest_bytes
+        let unlisted = |m: &ExportManifest| ExportManifest {
+            previous: Vec::new(),
+            ..m.clone()
+        };
+        if let Some(p) = &current
+            && unlisted(&p.manifest) == unlisted(&manifest)
         {
             return Err(TransportError::SupersededByNewer {
                 key: key.to_string(),
@@ -381,6 +483,41 @@ impl ArtifactTransport {
                 ours: cursor,
             });
         }
+        // The manifest published: the artifact's own with the pointer's recent targets (what
+        // prune counts its grace from). Another incarnation's targets are not carried: their
+        // cursors belong to another sequence.
+        let mut published = ExportManifest {
+            previous: Vec::new(),
+            ..manifest.clone()
+        };
+        if let Some(p) = &current {
+            let relation = protocol::stream_relation(
+                manifest.stream.as_ref().map(ManifestStream::key),
+                p.manifest.stream.as_ref().map(ManifestStream::key),
+            );
+            if matches!(
+                relation,
+                protocol::StreamRelation::Same | protocol::StreamRelation::Unknown
+            ) {
+                published.previous = p
+                    .targets()
+                    .into_iter()
+                    .filter(|(c, _)| *c < cursor)
+                    .take(artifact::MAX_PREVIOUS_TARGETS)
+                    .map(|(cursor, published_unix_ms)| PreviousTarget {
+                        cursor,
+                        published_unix_ms,
+                    })
+                    .collect();
+            }
+        }
+        let manifest_bytes =
+            serde_json::to_vec_pretty(&published).map_err(|e| ArtifactError::Manifest {
+                path: manifest_path.clone(),
+                reason: e.to_string(),
+            })?;
+        let name = payload_name(&manifest_bytes, cursor);
+        let payload = self.segments_dir(key, &name);
         std::fs::create_dir_all(scratch).map_err(|source| TransportError::Io {
             path: scratch.to_path_buf(),
             op: "create scratch",
@@ -388,8 +525,8 @@ impl ArtifactTransport {
         })?;
         let tar = scratch.join(format!(".upload-{name}"));
         let packed = {
-            let (a, t) = (artifact.to_path_buf(), tar.clone());
-            tokio::task::spawn_blocking(move || artifact::pack_tar(&a, &t))
+            let (a, t, m) = (artifact.to_path_buf(), tar.clone(), manifest_bytes.clone());
+            tokio::task::spawn_blocking(move || artifact::pack_tar_with(&a, &t, Some(&m)))
                 .await
                 .map_err(|e| TransportError::Io {
                     path: tar.clone(),
@@ -406,7 +543,8 @@ impl ArtifactTransport {
         let segments = result?;
         crate::crashpoint::hit(crate::crashpoint::PUBLISH_BEFORE_POINTER);
         crate::crashpoint::hold(crate::crashpoint::PUBLISH_BEFORE_POINTER).await;
-        self.publish(key, &manifest_bytes, cursor).await?;
+        self.publish(key, &manifest_bytes, cursor, manifest.stream.as_ref())
+            .await?;
         Ok(Published {
             cursor,
             payload: payload.to_string(),
@@ -509,17 +647,34 @@ impl ArtifactTransport {
         Ok(out)
     }
 
-    /// Moves the pointer of `key` to `manifest_bytes` (an artifact at `cursor`), never backward.
+    /// Moves the pointer of `key` to `manifest_bytes` (an artifact at `cursor` of `stream`), never
+    /// backward within a stream, never to an earlier incarnation.
     async fn publish(
         &self,
         key: &str,
         manifest_bytes: &[u8],
         cursor: u64,
+        stream: Option<&ManifestStream>,
     ) -> Result<(), TransportError> {
         let pointer = self.pointer_path(key);
         for _ in 0..POINTER_ATTEMPTS {
-            let (state, version) = self.read_pointer_state(&pointer).await?;
-            if !protocol::pointer_publish_allowed(state, cursor) {
+            let (state, version, theirs) = self.read_pointer_state(&pointer).await?;
+            let relation = protocol::stream_relation(
+                stream.map(ManifestStream::key),
+                theirs.as_ref().map(ManifestStream::key),
+            );
+            if relation == protocol::StreamRelation::Other && matches!(state, PointerState::At(_)) {
+                return Err(TransportError::OtherStream {
+                    key: key.to_string(),
+                    artifact: stream_words(theirs.as_ref()),
+                    ours: format!("this exporter folds {}", stream_words(stream)),
+                    what: "an earlier incarnation or another stream: the pointer stays",
+                });
+            }
+            if relation == protocol::StreamRelation::Later && matches!(state, PointerState::At(_)) {
+                tracing::warn!(key, ours = %stream_words(stream), theirs = %stream_words(theirs.as_ref()), "the pointer names an earlier incarnation of this stream: replacing it");
+            }
+            if !protocol::pointer_replace_allowed(state, cursor, relation) {
                 let current = match state {
                     PointerState::At(c) => c,
                     _ => 0,
@@ -567,50 +722,106 @@ impl ArtifactTransport {
         })
     }
 
-    /// The pointer's state and the version a conditional update must match.
+    /// The pointer object of `pointer`, its size read first: one over
+    /// [`artifact::MAX_MANIFEST_BYTES`] is not read at all, and a smaller one is read as a range of
+    /// the size its metadata gave (an object replaced in between is read no further).
+    async fn read_pointer_object(
+        &self,
+        pointer: &ObjectPath,
+    ) -> Result<Option<PointerObject>, TransportError> {
+        let head = match self.store.head(pointer).await {
+            Ok(m) => m,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(Self::store_err("read pointer", pointer)(e)),
+        };
+        let limit = artifact::MAX_MANIFEST_BYTES;
+        let of = |m: &object_store::ObjectMeta| {
+            (
+                UpdateVersion {
+                    e_tag: m.e_tag.clone(),
+                    version: m.version.clone(),
+                },
+                m.last_modified.timestamp_millis(),
+            )
+        };
+        if head.size > limit || head.size == 0 {
+            let (version, last_modified_ms) = of(&head);
+            return Ok(Some(PointerObject {
+                bytes: (head.size == 0).then(Vec::new),
+                size: head.size,
+                version,
+                last_modified_ms,
+            }));
+        }
+        let opts = object_store::GetOptions {
+            range: Some(object_store::GetRange::Bounded(0..head.size)),
+            ..Default::default()
+        };
+        let r = match self.store.get_opts(pointer, opts).await {
+            Ok(r) => r,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(Self::store_err("read pointer", pointer)(e)),
+        };
+        let (version, last_modified_ms) = of(&r.meta);
+        let size = r.meta.size;
+        let bytes = r
+            .bytes()
+            .await
+            .map_err(Self::store_err("read pointer", pointer))?;
+        Ok(Some(PointerObject {
+            // Replaced by a larger object since the size was read: too large (nothing past the
+            // range was read); by another one within the limit: what the range read, which parses
+            // only if it is whole.
+            bytes: (size <= limit).then(|| bytes.to_vec()),
+            size,
+            version,
+            last_modified_ms,
+        }))
+    }
+
+    /// The pointer's state, the version a conditional update must match, and the stream its
+    /// artifact records. A pointer too large to read is corrupt (replaceable).
     async fn read_pointer_state(
         &self,
         pointer: &ObjectPath,
-    ) -> Result<(PointerState, Option<UpdateVersion>), TransportError> {
-        match self.store.get(pointer).await {
-            Ok(r) => {
-                let version = UpdateVersion {
-                    e_tag: r.meta.e_tag.clone(),
-                    version: r.meta.version.clone(),
-                };
-                let bytes = r
-                    .bytes()
-                    .await
-                    .map_err(Self::store_err("read pointer", pointer))?;
-                let state = match parse_pointer(&bytes) {
-                    Some(m) => PointerState::At(m.cursor.unwrap_or(0)),
-                    None => PointerState::Corrupt,
-                };
-                Ok((state, Some(version)))
-            }
-            Err(object_store::Error::NotFound { .. }) => Ok((PointerState::Absent, None)),
-            Err(e) => Err(Self::store_err("read pointer", pointer)(e)),
-        }
+    ) -> Result<(PointerState, Option<UpdateVersion>, Option<ManifestStream>), TransportError> {
+        let Some(o) = self.read_pointer_object(pointer).await? else {
+            return Ok((PointerState::Absent, None, None));
+        };
+        let (state, stream) = match o.bytes.as_deref().and_then(parse_pointer) {
+            Some(m) => (PointerState::At(m.cursor.unwrap_or(0)), m.stream),
+            None => (PointerState::Corrupt, None),
+        };
+        Ok((state, Some(o.version), stream))
+    }
+
+    /// The published pointer of `key`, if any; a corrupt pointer reads as none, and one over
+    /// [`artifact::MAX_MANIFEST_BYTES`] is refused ([`TransportError::TooLarge`]) without being
+    /// read.
+    pub async fn published(&self, key: &str) -> Result<Option<Pointer>, TransportError> {
+        let path = self.pointer_path(key);
+        let Some(o) = self.read_pointer_object(&path).await? else {
+            return Ok(None);
+        };
+        let Some(bytes) = o.bytes else {
+            return Err(TransportError::TooLarge {
+                what: "artifact pointer",
+                path: path.to_string(),
+                size: o.size,
+                limit: artifact::MAX_MANIFEST_BYTES,
+            });
+        };
+        Ok(parse_pointer(&bytes).map(|manifest| Pointer {
+            bytes,
+            manifest,
+            published_unix_ms: o.last_modified_ms,
+        }))
     }
 
     /// The published manifest of `key` (its exact bytes, parsed), if any; a corrupt pointer reads
-    /// as none.
-    pub async fn pointer(
-        &self,
-        key: &str,
-    ) -> Result<Option<(Vec<u8>, ExportManifest)>, TransportError> {
-        let pointer = self.pointer_path(key);
-        match self.store.get(&pointer).await {
-            Ok(r) => {
-                let bytes = r
-                    .bytes()
-                    .await
-                    .map_err(Self::store_err("read pointer", &pointer))?;
-                Ok(parse_pointer(&bytes).map(|m| (bytes.to_vec(), m)))
-            }
-            Err(object_store::Error::NotFound { .. }) => Ok(None),
-            Err(e) => Err(Self::store_err("read pointer", &pointer)(e)),
-        }
+    /// as none (see [`Self::published`]).
+    pub async fn pointer(&self, key: &str) -> Result<Option<Pointer>, TransportError> {
+        self.published(key).await
     }
 
     /// Makes the store `dest` (absent, or an empty directory) from the artifact the pointer of
@@ -621,24 +832,76 @@ impl ArtifactTransport {
     /// read and those fetched beside it ([`READAHEAD_BYTES`], or one segment when one is larger),
     /// the channel's few chunks and the import's buffer, never the artifact. On any failure `dest`
     /// is untouched.
+    ///
+    /// `live`, when given, is the bucket's stream now: an artifact of another stream is refused
+    /// before anything is downloaded ([`protocol::bootstrap_stream_allowed`]). A payload that
+    /// vanishes mid-download (a prune after the pointer moved on) makes it read the pointer again
+    /// and retry once, saying so in the log.
     pub async fn bootstrap_into(
         &self,
         key: &str,
         dest: &Path,
         want: Option<crate::storedir::Backend>,
+        live: Option<&ManifestStream>,
     ) -> Result<ExportManifest, TransportError> {
-        let Some((manifest_bytes, manifest)) = self.pointer(key).await? else {
+        let read = self.pointer(key).await?;
+        let first = read.as_ref().map(|p| p.bytes.clone());
+        match self.bootstrap_from(key, read, dest, want, live).await {
+            Err(e) if e.payload_gone() => {
+                // Retried only when the pointer has moved on: a payload with a hole that it
+                // still names is refused as it is.
+                let again = self.pointer(key).await?;
+                if again.as_ref().map(|p| &p.bytes) == first.as_ref() {
+                    return Err(e);
+                }
+                tracing::warn!(key, error = %e, "bootstrap: the payload vanished mid-download (pruned after the pointer moved on); read the pointer again, retrying once");
+                self.bootstrap_from(key, again, dest, want, live).await
+            }
+            other => other,
+        }
+    }
+
+    /// One bootstrap attempt from the pointer as `read`.
+    async fn bootstrap_from(
+        &self,
+        key: &str,
+        read: Option<Pointer>,
+        dest: &Path,
+        want: Option<crate::storedir::Backend>,
+        live: Option<&ManifestStream>,
+    ) -> Result<ExportManifest, TransportError> {
+        let Some(Pointer {
+            bytes: manifest_bytes,
+            manifest,
+            ..
+        }) = read
+        else {
             return Err(TransportError::NothingPublished {
                 key: key.to_string(),
                 url: self.url.clone(),
             });
         };
+        if let Some(live) = live {
+            let relation = protocol::stream_relation(
+                Some(live.key()),
+                manifest.stream.as_ref().map(ManifestStream::key),
+            );
+            if !protocol::bootstrap_stream_allowed(relation) {
+                return Err(TransportError::OtherStream {
+                    key: key.to_string(),
+                    artifact: stream_words(manifest.stream.as_ref()),
+                    ours: format!("the bucket is {}", live.identity()),
+                    what: "refusing to bootstrap from another incarnation of the bucket",
+                });
+            }
+        }
+        crate::crashpoint::hold(crate::crashpoint::BOOTSTRAP_BEFORE_PAYLOAD).await;
         let name = payload_name(&manifest_bytes, manifest.cursor.unwrap_or(0));
         let dir = self.segments_dir(key, &name);
         let plan = segment_plan(&self.list_segments(&dir).await?).map_err(|reason| {
             TransportError::Io {
                 path: PathBuf::from(dir.to_string()),
-                op: "list the payload's segments",
+                op: LIST_SEGMENTS_OP,
                 source: std::io::Error::other(reason),
             }
         })?;
@@ -872,9 +1135,10 @@ impl ArtifactTransport {
         Ok(out)
     }
 
-    /// Deletes the payloads of `key` that [`protocol::payload_prunable`] allows at `now`: older
-    /// than `grace`, below the pointer's cursor, and never the pointer's target (with no pointer,
-    /// none); a segmented payload goes with all its segments. Returns how many payloads went.
+    /// Deletes the payloads of `key` that [`protocol::payload_prunable`] allows at `now`: below the
+    /// pointer's cursor, replaced (and uploaded) more than `grace` ago, and never the pointer's
+    /// target (with no pointer, none); a segmented payload goes with all its segments. Returns how
+    /// many payloads went.
     pub async fn prune(
         &self,
         key: &str,
@@ -882,8 +1146,9 @@ impl ArtifactTransport {
         now: clock::Now,
     ) -> Result<u64, TransportError> {
         let pointer = self.pointer(key).await?;
-        let pointer_cursor = pointer.as_ref().map(|(_, m)| m.cursor.unwrap_or(0));
-        let target = pointer.map(|(bytes, m)| payload_name(&bytes, m.cursor.unwrap_or(0)));
+        let pointer_cursor = pointer.as_ref().map(|p| p.manifest.cursor.unwrap_or(0));
+        let targets = pointer.as_ref().map(Pointer::targets).unwrap_or_default();
+        let target = pointer.map(|p| payload_name(&p.bytes, p.manifest.cursor.unwrap_or(0)));
         // Each payload with its objects (a whole one, or its segments), judged as one: its age is
         // its newest object's, so a payload being uploaded again is as young as its last segment.
         let mut payloads: std::collections::BTreeMap<String, (i64, Vec<ObjectPath>)> =
@@ -901,11 +1166,15 @@ impl ArtifactTransport {
         for (name, (modified, objects)) in payloads {
             let is_target = target.as_deref() == Some(name.as_str());
             let age = now.since(modified);
+            let cursor = payload_cursor(&name);
+            let since_superseded =
+                protocol::payload_superseded_at(cursor, &targets).map(|t| now.since(t));
             if !protocol::payload_prunable(
                 is_target,
-                payload_cursor(&name),
+                cursor,
                 pointer_cursor,
                 age,
+                since_superseded,
                 grace,
             ) {
                 continue;

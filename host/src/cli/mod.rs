@@ -156,6 +156,17 @@ pub struct BootstrapArgs {
     /// The backend the store must have.
     #[arg(long)]
     pub backend: Option<Backend>,
+    /// NATS server URL: with --bucket, the bucket's stream is read first and an artifact of
+    /// another stream (an earlier incarnation of a recreated bucket) is refused before the
+    /// download.
+    #[arg(long, requires = "bucket")]
+    pub nats: Option<String>,
+    /// The bucket the store will fold (with --nats).
+    #[arg(long, requires = "nats")]
+    pub bucket: Option<String>,
+    /// A `.creds` file for the NATS connection (with --nats).
+    #[arg(long, requires = "nats")]
+    pub creds_file: Option<PathBuf>,
 }
 
 /// `foldhost prune`.
@@ -164,8 +175,8 @@ pub struct PruneArgs {
     /// Where the payloads are.
     #[command(flatten)]
     pub at: ArtifactsArgs,
-    /// Keep every payload younger than this many seconds (a node may still be downloading one a
-    /// newer pointer has just replaced).
+    /// Keep every payload uploaded, or replaced as the pointer's target, less than this many
+    /// seconds ago (a node may still be downloading one a newer pointer has just replaced).
     #[arg(long, default_value_t = 4 * 60)]
     pub grace_secs: u64,
 }
@@ -678,12 +689,44 @@ async fn cmd_publish(a: PublishArgs) -> anyhow::Result<()> {
 
 async fn cmd_bootstrap(a: BootstrapArgs) -> anyhow::Result<()> {
     let t = a.from.transport()?;
+    let live = match (&a.nats, &a.bucket) {
+        (Some(url), Some(bucket)) => live_stream(url, bucket, a.creds_file.clone()).await?,
+        _ => None,
+    };
     let m = t
-        .bootstrap_into(&a.from.artifact_key, &a.store, a.backend)
+        .bootstrap_into(&a.from.artifact_key, &a.store, a.backend, live.as_ref())
         .await
         .with_context(|| format!("bootstrap {}", a.store.display()))?;
     println!("{}", serde_json::to_string(&m)?);
     Ok(())
+}
+
+/// The stream of `bucket` now, as a bootstrap checks an artifact against it.
+async fn live_stream(
+    url: &str,
+    bucket: &str,
+    creds_file: Option<PathBuf>,
+) -> anyhow::Result<Option<crate::artifact::ManifestStream>> {
+    use crate::bucket::Connection as _;
+    use crate::kv::KvWatcher as _;
+    let mut opts = crate::bucket::ConnectOptions::new(url);
+    opts.creds_file = creds_file;
+    let conn = crate::nats::NatsConnection::open(opts).await?;
+    let kv = conn
+        .bucket(
+            bucket,
+            &crate::bucket::BucketConfig {
+                create: false,
+                ..crate::bucket::BucketConfig::default()
+            },
+        )
+        .await?;
+    let state = kv
+        .stream_state()
+        .await
+        .with_context(|| format!("bucket {bucket}: its stream"))?;
+    conn.shutdown().await;
+    Ok(state.map(|s| crate::artifact::ManifestStream::from(&s.identity)))
 }
 
 async fn cmd_prune(a: PruneArgs) -> anyhow::Result<()> {
@@ -952,7 +995,56 @@ async fn admin_token_for(
     let named = serde_json::from_slice::<serde_json::Value>(&body)
         .ok()
         .and_then(|v| v["admin_token_file"].as_str().map(PathBuf::from));
-    Ok(named.and_then(|f| crate::serve::read_generated_token(&f).ok()))
+    let Some(file) = named else {
+        return Ok(None);
+    };
+    // Whatever answers at `listen` names the file: only a host whose own store says it listens
+    // there (its `status.json`, beside the generated token file, written by that host) is given
+    // the token, and only over loopback.
+    let store_status = file.parent().and_then(storedir::read_status);
+    if let Err(why) = token_file_followable(listen, &file, store_status.as_ref()) {
+        bail!(
+            "{listen}: not sending the admin token of {}: {why}; pass --admin-token or --admin-token-file",
+            file.display()
+        );
+    }
+    Ok(crate::serve::read_generated_token(&file).ok())
+}
+
+/// Whether the CLI may send the token in `file`, which the listener at `listen` named in its
+/// `/status`, to that listener: only when `listen` is a loopback address and the store the file
+/// belongs to (its directory) has a `status.json` of a running host that listens at that same
+/// address and names that same file. A listener squatting a port cannot make another store's
+/// status say it listens there. Pure.
+fn token_file_followable(
+    listen: &str,
+    file: &Path,
+    store_status: Option<&StatusReport>,
+) -> Result<(), String> {
+    let addr: std::net::SocketAddr = listen
+        .parse()
+        .map_err(|_| "the address is not a literal IP address and port".to_string())?;
+    if !addr.ip().is_loopback() {
+        return Err("the listener is not on a loopback address".into());
+    }
+    let Some(status) = store_status else {
+        return Err("its store has no readable status.json".into());
+    };
+    let listens = status
+        .listen
+        .as_deref()
+        .and_then(|l| l.parse::<std::net::SocketAddr>().ok());
+    if listens != Some(addr) {
+        return Err(format!(
+            "its store's status.json says its host listens at {}",
+            status.listen.as_deref().unwrap_or("no address")
+        ));
+    }
+    let names_file = status.admin_token_file.as_deref().map(Path::new) == Some(file);
+    if !names_file || status.state == "stopped" {
+        return Err("its store's status.json is not of a running host using that file".into());
+    }
+    Ok(())
 }
 
 async fn cmd_swap(a: SwapArgs) -> anyhow::Result<()> {
@@ -1085,6 +1177,53 @@ pub fn status_path(store: &Path) -> PathBuf {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_token_file_is_followed_only_for_a_loopback_listener_its_own_store_says_is_its_host() {
+        let file = Path::new("/srv/a/admin-token");
+        let running = |listen: &str| StatusReport {
+            state: "running".into(),
+            listen: Some(listen.into()),
+            admin_token_file: Some(file.display().to_string()),
+            ..StatusReport::default()
+        };
+        let ok = running("127.0.0.1:7000");
+        assert_eq!(
+            token_file_followable("127.0.0.1:7000", file, Some(&ok)),
+            Ok(())
+        );
+        // A listener squatting another port that names the store's token file.
+        let squat = token_file_followable("127.0.0.1:7001", file, Some(&ok)).expect_err("refused");
+        assert!(squat.contains("listens at 127.0.0.1:7000"), "{squat}");
+        for (listen, status, words) in [
+            (
+                "10.0.0.5:7000",
+                Some(running("10.0.0.5:7000")),
+                "not on a loopback",
+            ),
+            ("host:7000", Some(ok.clone()), "not a literal IP"),
+            ("127.0.0.1:7000", None, "no readable status.json"),
+            (
+                "127.0.0.1:7000",
+                Some(StatusReport {
+                    state: "stopped".into(),
+                    ..ok.clone()
+                }),
+                "not of a running host",
+            ),
+            (
+                "127.0.0.1:7000",
+                Some(StatusReport {
+                    admin_token_file: Some("/srv/b/admin-token".into()),
+                    ..ok.clone()
+                }),
+                "not of a running host",
+            ),
+        ] {
+            let why = token_file_followable(listen, file, status.as_ref()).expect_err(listen);
+            assert!(why.contains(words), "{listen}: {why}");
+        }
+    }
 
     #[test]
     fn a_config_file_is_a_json_object_of_strings_and_the_command_line_overrides_it() {

@@ -34,6 +34,9 @@
 //!   shipped 4 × lease TTL) a payload is older than the grace only if no export round holds it
 //!   unpublished: the grace outlasts an upload-to-publish. Under [`Grace::Zero`] every listed
 //!   payload is older than the grace.
+//! - The time since a payload was replaced as the pointer's target is abstracted the same way:
+//!   under [`Grace::OutlastsEveryRound`] it is past the grace only if no bootstrap has read the
+//!   pointer naming it and not yet fetched it (the grace outlasts a bootstrap's download).
 //! - An export round exports a settled fold (its cursor exactly); exporters fold in revision order.
 //! - One clock for the lease: every node reads the same time (NTP-sane clocks), and a lease's
 //!   value is never corrupted while held (a corrupt lease is taken over by design).
@@ -42,8 +45,9 @@
 //! fetchable; every published artifact is the truth at its cursor — exactly so for every key not
 //! written after its cursor (a restored exporter keeps a key the artifact lacks while the bucket
 //! lists it live, so a key written after the cursor may hold an older value, or none: the resume
-//! delivers it); a bootstrapped node holds the truth at its artifact's cursor in the same sense; at
-//! most one node holds an unexpired lease. Sometimes: an exporter that restored from the fleet's
+//! delivers it); a bootstrapped node holds the truth at its artifact's cursor in the same sense; a
+//! bootstrap finds the payload the pointer it read named (under the shipped grace); at most one
+//! node holds an unexpired lease. Sometimes: an exporter that restored from the fleet's
 //! artifact publishes; a node bootstraps; a lease changes hands.
 //!
 //! Mutations (each must produce a counterexample):
@@ -54,6 +58,9 @@
 //!   before payload names carried cursors): at zero grace a pass deletes the payload an exporter is
 //!   about to name;
 //! - `PointerBeforeUpload` — the pointer is published before the payload is uploaded;
+//! - `PruneAgesFromUpload` — the time since a payload was replaced is forged as its age since its
+//!   upload (the rule before the pointer recorded its previous targets): a pass deletes the payload
+//!   a bootstrap read the pointer for just before it moved;
 //! - `ExporterPublishesUnrepairedFold` — an expired exporter skips the repair and carries on from
 //!   the first retained revision (what NATS does to a consumer started below it), then publishes;
 //! - `LeaseWithoutCas` — a take is written on a stale read without the revision check.
@@ -98,6 +105,7 @@ const ARTIFACT_TRUE: &str = "every published artifact is the truth at its cursor
 const BOOTSTRAP_TRUE: &str = "a bootstrapped node holds the truth at its artifact's cursor";
 const RESTORED_PUBLISHES: &str = "an exporter that restored publishes";
 const BOOTSTRAPS: &str = "a node bootstraps";
+const BOOT_FETCHES: &str = "a bootstrap finds the payload the pointer it read named";
 const ONE_HOLDER: &str = "at most one node holds an unexpired lease";
 const LEASE_TAKEN: &str = "the lease changes hands";
 
@@ -109,6 +117,7 @@ enum Mutation {
     PruneIgnoresPointer,
     PruneAtOrAbovePointer,
     PointerBeforeUpload,
+    PruneAgesFromUpload,
     ExporterPublishesUnrepairedFold,
     LeaseWithoutCas,
 }
@@ -558,6 +567,13 @@ impl Model for FleetModel {
                         Grace::Zero => true,
                         Grace::OutlastsEveryRound => !n.held(j as u8),
                     };
+                    // Since it stopped being the target: past the grace unless a bootstrap is
+                    // between reading the pointer that named it and fetching it.
+                    let replaced_older = match (self.grace, self.mutation) {
+                        (_, Mutation::PruneAgesFromUpload) => older,
+                        (Grace::Zero, _) => true,
+                        (Grace::OutlastsEveryRound, _) => n.boot != Boot::Read(j as u8),
+                    };
                     let pointer_cursor = match self.mutation {
                         Mutation::PruneIgnoresPointer | Mutation::PruneAtOrAbovePointer => {
                             Some(u64::MAX)
@@ -572,6 +588,7 @@ impl Model for FleetModel {
                         n.payloads[j].map(|p| u64::from(p.cursor)),
                         pointer_cursor,
                         self.grace.age(older),
+                        Some(self.grace.age(replaced_older)),
                         self.grace.duration(),
                     );
                 }
@@ -617,6 +634,7 @@ impl Model for FleetModel {
                 }
                 _ => true,
             }),
+            Property::always(BOOT_FETCHES, |_, s: &FleetState| s.boot != Boot::Failed),
             Property::sometimes(RESTORED_PUBLISHES, |_, s: &FleetState| s.restored_published),
             Property::sometimes(BOOTSTRAPS, |_, s: &FleetState| {
                 matches!(s.boot, Boot::Done(..))
@@ -801,7 +819,13 @@ fn check_lease(mutation: Mutation) -> impl Checker<LeaseModel> {
 #[test]
 fn the_published_cursor_never_regresses_its_target_stays_fetchable_and_every_artifact_is_true() {
     let c = check_fleet(Mutation::None, Grace::OutlastsEveryRound);
-    for property in [NO_REGRESSION, FETCHABLE, ARTIFACT_TRUE, BOOTSTRAP_TRUE] {
+    for property in [
+        NO_REGRESSION,
+        FETCHABLE,
+        ARTIFACT_TRUE,
+        BOOTSTRAP_TRUE,
+        BOOT_FETCHES,
+    ] {
         c.assert_no_discovery(property);
     }
     for property in [RESTORED_PUBLISHES, BOOTSTRAPS] {
@@ -847,6 +871,7 @@ fn each_mutation_of_the_fleet_has_a_counterexample() {
         (Mutation::PublishEqualOrBackward, NO_REGRESSION),
         (Mutation::PruneIgnoresPointer, FETCHABLE),
         (Mutation::PointerBeforeUpload, FETCHABLE),
+        (Mutation::PruneAgesFromUpload, BOOT_FETCHES),
         (Mutation::ExporterPublishesUnrepairedFold, ARTIFACT_TRUE),
     ];
     std::thread::scope(|scope| {

@@ -67,7 +67,13 @@ pub struct ExportRounds {
     pub last: Arc<std::sync::Mutex<Option<ExportRoundReport>>>,
     /// The fold's live figures (its committed cursor decides whether a round has anything new).
     pub fold: Arc<crate::applied::FoldStatus>,
+    /// The stream the fold records now (read before and after each export: the artifact records
+    /// it, and a pointer to another stream is never "up to date").
+    pub stream: StreamSource,
 }
+
+/// Reads the stream the fold records (its reserved identity key), if any.
+pub type StreamSource = Arc<dyn Fn() -> Option<crate::artifact::ManifestStream> + Send + Sync>;
 
 /// Opens a lease (its bucket) when first asked.
 pub type LeaseOpener =
@@ -145,10 +151,21 @@ impl ExportRounds {
         // A quiet fold exports nothing: when the pointer already holds this node's committed
         // cursor, the round ends before the lease (an absent or corrupt pointer is exported over).
         let at = self.fold.cursor.load(std::sync::atomic::Ordering::Acquire);
+        let stream = (self.stream)();
         if at > 0
-            && let Ok(Some((_, m))) = self.transport.pointer(&self.key).await
-            && let Some(published) = m.cursor
+            && let Ok(Some(p)) = self.transport.pointer(&self.key).await
+            && let Some(published) = p.manifest.cursor
             && published >= at
+            && matches!(
+                crate::protocol::stream_relation(
+                    stream.as_ref().map(crate::artifact::ManifestStream::key),
+                    p.manifest
+                        .stream
+                        .as_ref()
+                        .map(crate::artifact::ManifestStream::key),
+                ),
+                crate::protocol::StreamRelation::Same | crate::protocol::StreamRelation::Unknown
+            )
         {
             tracing::debug!(
                 published,
@@ -175,14 +192,20 @@ impl ExportRounds {
         let published: Result<_, Result<u64, String>> = async {
             std::fs::create_dir_all(&self.scratch)
                 .map_err(|e| Err(format!("{}: {e}", self.scratch.display())))?;
-            crate::artifact::export_live(
+            crate::artifact::export_live_of(
                 &self.control,
                 self.backend,
                 dir.clone(),
                 Some(self.scope.clone()),
+                stream.clone(),
             )
             .await
             .map_err(|e| Err(e.to_string()))?;
+            // The fold reset for another stream while it was copied: its artifact is not the
+            // stream the manifest would name.
+            if (self.stream)() != stream {
+                return Err(Err("the fold changed streams during the export".to_string()));
+            }
             // `Err(Ok(current))`: superseded by the published cursor; `Err(Err(why))`: failed.
             self.transport
                 .upload(&self.key, &dir, &self.scratch)

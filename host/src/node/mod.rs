@@ -413,6 +413,13 @@ impl Node {
             engine,
             transport.clone(),
             control_tx,
+            {
+                let shared = shared.clone();
+                Arc::new(move || {
+                    let store = shared.read().ok()?;
+                    crate::artifact::stream_of(&*store).ok().flatten()
+                })
+            },
         )
         .await?;
         let opts = WatchOptions {

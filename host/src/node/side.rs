@@ -47,6 +47,7 @@ impl SideTasks {
         engine: Option<Arc<GuestEngine>>,
         transport: Option<Arc<crate::transport::ArtifactTransport>>,
         control: mpsc::Sender<Control>,
+        stream: super::export::StreamSource,
     ) -> Result<SideTasks, NodeError> {
         let fatal: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
         let last_export: Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>> =
@@ -103,6 +104,7 @@ impl SideTasks {
         {
             let rounds =
                 export_rounds(cfg, conn, transport, scope, &control, &last_export, status).await?;
+            let rounds = super::ExportRounds { stream, ..rounds };
             tracing::info!(every_s = every.as_secs_f64(), key = %key, "export rounds on");
             others.push(tokio::spawn(rounds.run(every)));
         }
@@ -321,6 +323,7 @@ async fn export_rounds(
         control: control.clone(),
         last: last.clone(),
         fold: fold.clone(),
+        stream: Arc::new(|| None),
     })
 }
 

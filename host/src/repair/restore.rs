@@ -94,7 +94,7 @@ impl RestoreSource {
                 .pointer(key)
                 .await
                 .map_err(|e| RepairError::Refused(e.to_string()))?
-                .map(|(_, m)| (Located::Remote, m))
+                .map(|p| (Located::Remote, p.manifest))
                 .into_iter()
                 .collect()),
         }
@@ -103,11 +103,14 @@ impl RestoreSource {
     /// Imports the artifact at `located` as the store `dest`: a local one through
     /// [`artifact::import_artifact`], a remote one streamed from the object store straight into
     /// the import ([`crate::transport::ArtifactTransport::bootstrap_into`]: each file written
-    /// once). Returns the manifest of what arrived.
+    /// once; `live`, the bucket's stream, refuses another's before the download, and a payload
+    /// pruned mid-download is retried once from the pointer read again). Returns the manifest of
+    /// what arrived.
     pub async fn import(
         &self,
         located: Located,
         dest: &Path,
+        live: Option<&artifact::ManifestStream>,
     ) -> Result<ExportManifest, RepairError> {
         match (located, self) {
             (Located::Local(p), _) => {
@@ -120,7 +123,7 @@ impl RestoreSource {
                 .map_err(RepairError::from)
             }
             (Located::Remote, RestoreSource::Transport { transport, key }) => transport
-                .bootstrap_into(key, dest, None)
+                .bootstrap_into(key, dest, None, live)
                 .await
                 .map_err(|e| RepairError::Refused(e.to_string())),
             (Located::Remote, RestoreSource::Dir(d)) => Err(RepairError::Refused(format!(
@@ -169,6 +172,7 @@ async fn choose_and_import(
     scope: &WatchScope,
     local: Option<u64>,
     first: u64,
+    live: Option<&artifact::ManifestStream>,
 ) -> Result<(PathBuf, ExportManifest, u64), RepairError> {
     let candidates = source.candidates().await?;
     if candidates.is_empty() {
@@ -184,13 +188,17 @@ async fn choose_and_import(
             Located::Remote => PathBuf::from(source.describe()),
         };
         // Checked before anything is downloaded or imported.
-        if let Err(e) = check_artifact(&named, &peeked, scope, local, first) {
+        if let Err(e) = check_artifact(&named, &peeked, scope, local, first)
+            .and_then(|_| check_stream(&named, &peeked, live))
+        {
             last = Some(e);
             continue;
         }
         block(|| clear_dir(scratch))?;
         let imported = async {
-            let manifest = source.import(located, &scratch.join("artifact")).await?;
+            let manifest = source
+                .import(located, &scratch.join("artifact"), live)
+                .await?;
             // Re-checked against what actually arrived.
             let rev = check_artifact(&named, &manifest, scope, local, first)?;
             Ok::<_, RepairError>((named.clone(), manifest, rev))
@@ -205,6 +213,33 @@ async fn choose_and_import(
         }
     }
     Err(last.unwrap_or_else(|| RepairError::Refused("no usable artifact".into())))
+}
+
+/// Refuses, from its manifest, an artifact of another stream than the bucket's `live` one (one
+/// that records none passes: [`refuse_other_stream`] checks its fold's own record after the
+/// import).
+fn check_stream(
+    path: &Path,
+    m: &ExportManifest,
+    live: Option<&artifact::ManifestStream>,
+) -> Result<(), RepairError> {
+    let Some(live) = live else { return Ok(()) };
+    let relation = protocol::stream_relation(
+        Some(live.key()),
+        m.stream.as_ref().map(artifact::ManifestStream::key),
+    );
+    if protocol::bootstrap_stream_allowed(relation) {
+        return Ok(());
+    }
+    Err(RepairError::Refused(format!(
+        "artifact {} folds {}, but the bucket is {}: not restored from another incarnation",
+        path.display(),
+        m.stream.as_ref().map_or_else(
+            || "an unrecorded stream".into(),
+            |s| s.identity().to_string()
+        ),
+        live.identity()
+    )))
 }
 
 /// The prefixes an artifact's recorded scope covers; `None` when it recorded none.
@@ -467,7 +502,13 @@ pub async fn restore<T: RepairTarget>(
     let local = target.cursor().revision();
     let scratch = cfg.scratch_dir();
     // The fold is settled: its cursor stays `local` until this repair commits.
-    let (path, manifest, rev) = choose_and_import(source, &scratch, scope, local, first).await?;
+    let live = watcher
+        .stream_state()
+        .await
+        .map_err(RepairError::from)?
+        .map(|s| artifact::ManifestStream::from(&s.identity));
+    let (path, manifest, rev) =
+        choose_and_import(source, &scratch, scope, local, first, live.as_ref()).await?;
     let imported_dir = scratch.join("artifact");
     let backend: Backend = manifest
         .backend

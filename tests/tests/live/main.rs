@@ -5,6 +5,7 @@
 //! debug info), so nine binaries cost nine links and several GB of disk on a 2-core CI machine.
 //! nextest still runs every test in its own process.
 
+mod artifact_store;
 mod artifacts;
 mod cli;
 mod cluster;
