@@ -154,6 +154,11 @@ pub struct FoldStatus {
     pub eviction_seen: AtomicU64,
     /// Cursor-expiry repairs completed since start.
     pub repairs: AtomicU64,
+    /// Stored messages skipped as undecodable since start ([`crate::protocol::decode_stored`]):
+    /// never folded, their revisions passed by the cursor.
+    pub skipped_messages: AtomicU64,
+    /// The last of them: revision, subject and reason.
+    pub last_skipped: std::sync::Mutex<Option<(u64, String, &'static str)>>,
 }
 
 /// Most delivery time stamps a fold keeps (one arrives per chunk of at most 64 updates).
@@ -202,6 +207,32 @@ impl FoldStatus {
     /// The current warnings.
     pub fn warnings(&self) -> Vec<String> {
         self.warnings.lock().map(|g| g.clone()).unwrap_or_default()
+    }
+
+    /// Counts an undecodable message skipped at `revision`, once: a batch flushed again (an apply
+    /// retried, a watch resumed before its commit) meets the same revisions, which are not
+    /// counted again. True when it was counted now.
+    pub(crate) fn note_skipped(
+        &self,
+        revision: u64,
+        subject: &str,
+        reason: crate::protocol::Undecodable,
+    ) -> bool {
+        let Ok(mut last) = self.last_skipped.lock() else {
+            return false;
+        };
+        if last.as_ref().is_some_and(|(r, _, _)| *r >= revision) {
+            return false;
+        }
+        *last = Some((revision, subject.to_string(), reason.as_str()));
+        self.skipped_messages
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        true
+    }
+
+    /// The last undecodable message skipped: revision, subject, reason.
+    pub fn last_skipped(&self) -> Option<(u64, String, &'static str)> {
+        self.last_skipped.lock().ok().and_then(|g| g.clone())
     }
 }
 

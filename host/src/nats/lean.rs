@@ -68,10 +68,18 @@ pub fn lean_allowed(value: Option<&str>) -> bool {
 }
 
 /// What one delivery of a watch's consumer is.
+// Nearly every delivery is a message: boxing it would cost an allocation per message.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Delivered {
     /// A stored message, with what its ACK subject says when the delivery path already parsed
-    /// it (the lean reader does, to check the consumer sequence; the watch then does not again).
-    Message(async_nats::Message, Option<protocol::AckMeta>),
+    /// it (the lean reader does, to check the consumer sequence; the watch then does not again),
+    /// and what it means when the delivery path decoded its header block itself
+    /// ([`protocol::decode_stored`]; the lean reader does, from the bytes as stored).
+    Message(
+        async_nats::Message,
+        Option<protocol::AckMeta>,
+        Option<Result<protocol::KvOp, protocol::Undecodable>>,
+    ),
     /// The client's ordered consumer reported an error and is re-creating itself.
     Recreating(String),
 }
@@ -390,30 +398,27 @@ impl Reader {
                     return Ok(());
                 }
                 let reply = reply.map(|r| frozen.slice(shift(r)));
-                let block = match &headers {
-                    Some(h) => Some(
-                        wire::parse_headers(&frozen[shift(h.clone())]).map_err(|e| self.fail(e))?,
-                    ),
-                    None => None,
-                };
-                // A status line makes a server notice (flow control, heartbeat, error) — unless
-                // the reply is a JetStream ACK subject: only a stored message has one, and what a
-                // writer put in its header block must not turn it into a notice to drop (the
-                // next delivery would then be a gap, every time: a stalled fold).
+                let raw_block = headers.map(|h| &frozen[shift(h)]);
+                // Only a stored message has a JetStream ACK reply. What a writer put in its
+                // header block is the writer's: it never makes a server notice (the next delivery
+                // would then be a gap, every time), and a block the fold cannot read is decoded
+                // as undecodable — a skip — never a protocol error (which stalled the fold at it
+                // for good).
                 let stored = reply.as_ref().is_some_and(|r| r.starts_with(b"$JS.ACK."));
-                if let Some(status) = block.as_ref().and_then(|b| b.status)
-                    && !stored
-                {
-                    return self.on_status(status, block.as_ref(), reply.as_ref(), replies);
+                if !stored {
+                    // A server notice (flow control, heartbeat, error).
+                    let block = raw_block
+                        .map(wire::parse_headers)
+                        .transpose()
+                        .map_err(|e| self.fail(e))?;
+                    if let Some(status) = block.as_ref().and_then(|b| b.status) {
+                        return self.on_status(status, block.as_ref(), reply.as_ref(), replies);
+                    }
                 }
-                let (msg, meta) = self.message(
-                    frozen,
-                    shift(subject),
-                    reply,
-                    block.as_ref(),
-                    frozen.slice(shift(payload)),
-                )?;
-                out.push(Delivered::Message(msg, Some(meta)));
+                let verdict = protocol::decode_stored(raw_block);
+                let (msg, meta) =
+                    self.message(frozen, shift(subject), reply, frozen.slice(shift(payload)))?;
+                out.push(Delivered::Message(msg, Some(meta), Some(verdict)));
             }
             ServerOp::Ping => replies.extend_from_slice(b"PONG\r\n"),
             ServerOp::Err(text) => return Err(self.fail(format!("the server said: {text}"))),
@@ -462,7 +467,6 @@ impl Reader {
         frozen: &Bytes,
         subject: std::ops::Range<usize>,
         reply: Option<Bytes>,
-        block: Option<&wire::HeaderBlock<'_>>,
         payload: Bytes,
     ) -> Result<(async_nats::Message, protocol::AckMeta), KvError> {
         let reply = reply
@@ -483,19 +487,9 @@ impl Reader {
         self.last_consumer_sequence = cseq;
         let subject = async_nats::Subject::from_utf8(frozen.slice(subject))
             .map_err(|_| self.fail("a subject that is not UTF-8"))?;
-        let headers = block.map(|b| {
-            let mut h = async_nats::HeaderMap::new();
-            for (name, value) in &b.fields {
-                // A name or value the client's types refuse cannot be one the fold reads.
-                if let (Ok(n), Ok(v)) = (
-                    name.parse::<async_nats::header::HeaderName>(),
-                    value.parse::<async_nats::HeaderValue>(),
-                ) {
-                    h.append(n, v);
-                }
-            }
-            h
-        });
+        // The header block is decoded from its bytes ([`protocol::decode_stored`]), not read
+        // again from a header map.
+        let headers = None;
         let length = payload.len();
         Ok((
             async_nats::Message {
@@ -600,7 +594,7 @@ mod tests {
             .filter_map(|r| r.as_ref().ok())
             .flatten()
             .filter_map(|d| match d {
-                Delivered::Message(m, _) => Some(m.subject.to_string()),
+                Delivered::Message(m, _, _) => Some(m.subject.to_string()),
                 Delivered::Recreating(_) => None,
             })
             .collect()

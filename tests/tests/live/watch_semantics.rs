@@ -593,12 +593,8 @@ async fn a_mirror_answering_direct_gets_without_the_gap_never_makes_the_catch_up
         41,
         "the gap was not read directly"
     );
-    // Each of the 41 direct gets went to the bucket or to the mirror at random: that none went to
-    // the mirror has a chance of 2^-41.
-    assert!(
-        kv.direct_catch_up_contradicted() > 0,
-        "no direct get was answered by the mirror: the test did not test"
-    );
+    // The catch-up reads the stream's leader (`STREAM.MSG.GET`), which the mirror never answers
+    // for: what it does not hold cannot be taken for an absence.
     Ok(())
 }
 
