@@ -125,6 +125,9 @@ pub struct NatsConnection {
     opts: ConnectOptions,
     client: Mutex<Option<async_nats::Client>>,
     healthy: Arc<AtomicBool>,
+    /// How many times the client's connection dropped: a watch delivered through the client's
+    /// ordered consumer ends at a drop (see `run_watch`).
+    drops: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl NatsConnection {
@@ -134,6 +137,7 @@ impl NatsConnection {
             opts,
             client: Mutex::new(None),
             healthy: Arc::new(AtomicBool::new(false)),
+            drops: Arc::new(tokio::sync::watch::channel(0).0),
         }
     }
 
@@ -163,6 +167,9 @@ impl NatsConnection {
         let client = self.client().await?;
         let kv = NatsKv::open(client, name, config, self.opts.op_timeout).await?;
         kv.set_lean_delivery(Some(&self.opts));
+        if let Ok(mut d) = kv.drops.lock() {
+            *d = Some(self.drops.subscribe());
+        }
         Ok(kv)
     }
 }
@@ -180,15 +187,18 @@ impl Connection for NatsConnection {
             reason,
         };
         let healthy = self.healthy.clone();
+        let drops = self.drops.clone();
         let mut o = async_nats::ConnectOptions::new()
             .connection_timeout(self.opts.op_timeout.min(Duration::from_secs(10)))
             .request_timeout(Some(self.opts.op_timeout))
             .event_callback(move |ev| {
                 let healthy = healthy.clone();
+                let drops = drops.clone();
                 async move {
                     match ev {
                         async_nats::Event::Connected => healthy.store(true, Ordering::Release),
                         async_nats::Event::Disconnected | async_nats::Event::Closed => {
+                            drops.send_modify(|n| *n += 1);
                             healthy.store(false, Ordering::Release)
                         }
                         _ => {}
@@ -309,6 +319,8 @@ pub struct NatsKv {
     opened_at: std::time::Instant,
     /// Stream-info requests this handle sent, the open's included (diagnostics and tests).
     info_reads: std::sync::atomic::AtomicU64,
+    /// The connection's drop count, when the handle came from a [`NatsConnection`].
+    drops: std::sync::Mutex<Option<tokio::sync::watch::Receiver<u64>>>,
 }
 
 /// Whether `e` (from `get_key_value`) says the bucket's stream does not exist.
@@ -378,6 +390,7 @@ impl NatsKv {
             lean_watches: std::sync::atomic::AtomicU64::new(0),
             opened_at,
             info_reads: std::sync::atomic::AtomicU64::new(1),
+            drops: std::sync::Mutex::new(None),
         }))
     }
 
@@ -1009,6 +1022,18 @@ impl NatsKv {
             guard.guard_from(self.positions().await?.last_sequence);
         }
         let mut consecutive_errors = 0u32;
+        // The client's ordered consumer re-creates itself after its connection dropped, silently:
+        // when a stored message the library cannot read dropped it, every re-creation meets that
+        // message again. The watch ends instead, and the fold's resume reads the gap after its
+        // cursor through the stream API (`catchup.rs`), which decodes that message as
+        // undecodable and passes it.
+        let mut drops = match &messages {
+            Deliveries::Ordered(_) => self.drops.lock().ok().and_then(|d| d.clone()),
+            Deliveries::Lean { .. } => None,
+        };
+        if let Some(d) = &mut drops {
+            d.mark_unchanged();
+        }
         let mut backstop = tokio::time::interval(FLOOR_BACKSTOP);
         backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         backstop.reset();
@@ -1024,6 +1049,12 @@ impl NatsKv {
                 _ = backstop.tick() => {
                     guard.backstop(self, out.level).await?;
                     continue;
+                }
+                () = dropped(&mut drops) => {
+                    return Err(KvError::WatchError(format!(
+                        "bucket {}: the client's connection dropped; resuming from the cursor",
+                        self.bucket
+                    )));
                 }
             };
             let mut decoded = Vec::with_capacity(chunk.len());
@@ -1088,6 +1119,16 @@ impl NatsKv {
             self.bucket
         )))
     }
+}
+
+/// Resolves when the connection's drop count moves; never without one.
+async fn dropped(drops: &mut Option<tokio::sync::watch::Receiver<u64>>) {
+    if let Some(d) = drops
+        && d.changed().await.is_ok()
+    {
+        return;
+    }
+    std::future::pending().await
 }
 
 /// A watch's consumer deliveries: through the client's ordered consumer, or over a lean

@@ -729,7 +729,7 @@ async fn a_watch_over_its_own_delivery_connection_hands_over_exactly_what_the_or
 
 /// Publishes `header` + `payload` to `subject` over a raw socket, as any writer may (the client
 /// library refuses such header blocks), and waits for JetStream's acknowledgement.
-async fn raw_publish(
+pub(crate) async fn raw_publish(
     url: &str,
     subject: &str,
     header: &[u8],
