@@ -19,6 +19,10 @@
 //!   error status, a protocol error, the socket's end, or three heartbeat periods of silence while
 //!   waiting on the socket end the watch with an error; the fold resumes from its applied cursor
 //!   (unlike the client's ordered consumer, this one is never re-created behind the fold's back).
+//! - **What a writer stored is never a protocol error**: a delivery with a `$JS.ACK` reply is a
+//!   stored message, handed over with [`protocol::decode_stored`]'s verdict over its header block
+//!   as stored (an undecodable one is skipped by the fold, its revision passed); only the
+//!   server's own notices are read by `wire::parse_headers`.
 //! - **Backpressure, not buffering**: the socket is read only when the channel to the watch has
 //!   room, so a slow fold leaves flow-control requests unread and the server stops sending; a read
 //!   is bounded by [`READ_BUFFER`], a message by the larger of the server's `max_payload` and
