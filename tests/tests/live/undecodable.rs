@@ -10,7 +10,10 @@ use foldhost_tests::{Harness, dump_store, run_command, terminate, wait_status};
 use crate::watch_semantics::raw_publish;
 
 /// The six header blocks. nats-server 2.15 stores the first five as written; the status line it
-/// drops, storing the message without headers: a put on every path.
+/// drops, storing the message without headers: a put on every path. The line without a colon
+/// comes first: on the ordered consumer it drops the client's connection and the resume's
+/// catch-up reads the rest; a CR inside a value that the ordered consumer itself delivers panics
+/// the client library and fails the node (docs/design.md, "What a stored message means").
 const ODD: [&[u8]; 6] = [
     b"NATS/1.0\r\nbad line\r\n\r\n",
     b"NATS/1.0\r\nNats-Marker-Reason: a\rb\r\n\r\n",
