@@ -132,7 +132,7 @@ impl NatsKv {
             }
             Err(e @ KvError::Timeout { .. }) => {
                 // The server drops a request the client may not publish: no answer, ever.
-                tracing::warn!(bucket = %self.bucket, first, last, error = %e, "direct catch-up gave way to a consumer: is $JS.API.DIRECT.GET.{} allowed for this client? Without it every start waits this long first", self.stream_name);
+                tracing::warn!(bucket = %self.bucket, first, last, error = %e, "direct catch-up gave way to a consumer: is $JS.API.STREAM.MSG.GET.{} allowed for this client? Without it every start waits this long first", self.stream_name);
                 None
             }
             Err(e) => {

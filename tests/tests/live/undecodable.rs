@@ -46,6 +46,19 @@ async fn round(h: &Harness, kv: &foldhost::nats::NatsKv, r: &str) -> anyhow::Res
     Ok(())
 }
 
+/// The nodes a test started, killed when it ends however it ends (a failed wait must not leave
+/// them running).
+struct Nodes(Vec<std::process::Child>);
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
 /// `r`, or its error with the nodes' logs.
 fn logged<T>(tmp: &tempfile::TempDir, r: anyhow::Result<T>) -> anyhow::Result<T> {
     r.map_err(|e| {
@@ -88,9 +101,9 @@ async fn an_undecodable_message_is_skipped_and_counted_not_a_stall_on_every_path
     };
     // A cursorless start: the re-list meets each odd key's last message.
     let addrs: Vec<String> = nodes.iter().map(|_| addr()).collect::<Result<_, _>>()?;
-    let mut children = Vec::new();
+    let mut children = Nodes(Vec::new());
     for ((name, lean), a) in nodes.iter().zip(&addrs) {
-        children.push(start(name, *lean, a)?);
+        children.0.push(start(name, *lean, a)?);
     }
     let last = kv.positions().await?.last_sequence;
     for a in &addrs {
@@ -115,14 +128,14 @@ async fn an_undecodable_message_is_skipped_and_counted_not_a_stall_on_every_path
         );
     }
     // A resume: stopped, odd and ordinary writes, restarted (the gap's catch-up).
-    for c in &mut children {
+    for c in &mut children.0 {
         terminate(c)?;
     }
     round(&h, &kv, "c").await?;
     let last = kv.positions().await?.last_sequence;
-    let mut children = Vec::new();
+    let mut children = Nodes(Vec::new());
     for ((name, lean), a) in nodes.iter().zip(&addrs) {
-        children.push(start(name, *lean, a)?);
+        children.0.push(start(name, *lean, a)?);
     }
     for a in &addrs {
         let s = logged(&tmp, wait_status(a, at_last(last, 5)).await)?;
@@ -132,7 +145,7 @@ async fn an_undecodable_message_is_skipped_and_counted_not_a_stall_on_every_path
             "each undecodable message of the gap, once"
         );
     }
-    for c in &mut children {
+    for c in &mut children.0 {
         terminate(c)?;
     }
     let lean = dump_store(&tmp.path().join("lean"))?;
