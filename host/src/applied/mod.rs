@@ -236,6 +236,28 @@ impl FoldStatus {
     }
 }
 
+#[cfg(test)]
+mod skipped_tests {
+    use super::FoldStatus;
+    use crate::protocol::Undecodable;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn an_undecodable_message_is_counted_once_however_often_its_batch_is_flushed() {
+        let s = FoldStatus::default();
+        assert!(s.note_skipped(7, "$KV.b.x", Undecodable::BadName));
+        // The same batch again (an apply retried, a watch resumed before its commit).
+        assert!(!s.note_skipped(7, "$KV.b.x", Undecodable::BadName));
+        assert!(!s.note_skipped(5, "$KV.b.w", Undecodable::NotUtf8));
+        assert!(s.note_skipped(9, "$KV.b.y", Undecodable::CrInValue));
+        assert_eq!(s.skipped_messages.load(Ordering::Relaxed), 2);
+        assert_eq!(
+            s.last_skipped(),
+            Some((9, "$KV.b.y".to_string(), "cr-inside-header-value"))
+        );
+    }
+}
+
 /// How long a record may stay retained before a warning names it (seed 004's default).
 pub const DEFAULT_DEFER_GRACE: Duration = Duration::from_secs(30 * 60);
 

@@ -670,6 +670,59 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_stored_message_whose_header_block_is_undecodable_is_handed_over_as_such_not_an_error()
+     {
+        let mut bytes = msg("a", 1).into_bytes();
+        for (cseq, hdr) in [
+            (2, &b"NATS/1.0\r\nbad line\r\n\r\n"[..]),
+            (3, b"NATS/1.0\r\nKV-Operation: DE\rL\r\n\r\n"),
+            (4, b"NATS/1.0\r\nX: \xff\r\n\r\n"),
+        ] {
+            bytes.extend_from_slice(
+                format!(
+                    "HMSG $KV.b.odd{cseq} 1 $JS.ACK.KV_b.c.1.{}.{cseq}.1700000000000000000.0 {} {}\r\n",
+                    cseq + 10,
+                    hdr.len(),
+                    hdr.len() + 1
+                )
+                .as_bytes(),
+            );
+            bytes.extend_from_slice(hdr);
+            bytes.extend_from_slice(b"v\r\n");
+        }
+        bytes.extend_from_slice(msg("b", 5).as_bytes());
+        let out = reader_fed(&bytes).await;
+        let verdicts: Vec<(
+            String,
+            Option<Result<protocol::KvOp, protocol::Undecodable>>,
+        )> = out
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .flatten()
+            .filter_map(|d| match d {
+                Delivered::Message(m, _, v) => Some((m.subject.to_string(), *v)),
+                Delivered::Recreating(_) => None,
+            })
+            .collect();
+        use protocol::Undecodable::*;
+        assert_eq!(
+            verdicts,
+            [
+                ("$KV.b.a".to_string(), Some(Ok(protocol::KvOp::Put))),
+                ("$KV.b.odd2".to_string(), Some(Err(LineWithoutColon))),
+                ("$KV.b.odd3".to_string(), Some(Err(CrInValue))),
+                ("$KV.b.odd4".to_string(), Some(Err(NotUtf8))),
+                ("$KV.b.b".to_string(), Some(Ok(protocol::KvOp::Put))),
+            ]
+        );
+        // The watch ends only at the socket's end.
+        match out.last() {
+            Some(Err(KvError::WatchError(m))) => assert!(m.contains("closed the socket"), "{m}"),
+            other => panic!("{other:?}", other = other.map(|r| r.is_ok())),
+        }
+    }
+
+    #[tokio::test]
     async fn whole_messages_before_a_protocol_error_are_handed_over_before_the_watch_ends() {
         let frames = format!("{}{}WHAT\r\n", msg("a", 1), msg("b", 2));
         let out = reader_fed(frames.as_bytes()).await;
