@@ -742,6 +742,139 @@ pub fn kv_op(kv_operation: Option<&str>, marker_reason: Option<&str>) -> KvOp {
     }
 }
 
+/// Why a stored message's header block is undecodable ([`decode_stored`]): each is a block the
+/// client library (async-nats 0.51, `connection.rs`) refuses — an error that drops its connection,
+/// or a panic in its connection task — or takes as a server notice rather than a stored message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Undecodable {
+    /// An empty header block (no `NATS/1.0` line at all).
+    Empty,
+    /// Bytes that are not UTF-8.
+    NotUtf8,
+    /// A first line that does not start with `NATS/1.0`.
+    NoVersionLine,
+    /// A status line: a code the library cannot parse (an error), or one it can (the message is
+    /// then a server notice to it: the ordered consumer drops it, a direct get reports it).
+    StatusLine,
+    /// A header line without a `:`.
+    LineWithoutColon,
+    /// A header name with a byte that is not ASCII graphic (a space, a control byte).
+    BadName,
+    /// A header value with a CR left inside (the library asserts on it: a panic).
+    CrInValue,
+}
+
+impl Undecodable {
+    /// A short name without spaces (logs, `/status`).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Undecodable::Empty => "empty-header-block",
+            Undecodable::NotUtf8 => "header-block-not-utf8",
+            Undecodable::NoVersionLine => "no-nats-version-line",
+            Undecodable::StatusLine => "status-line",
+            Undecodable::LineWithoutColon => "header-line-without-colon",
+            Undecodable::BadName => "bad-header-name",
+            Undecodable::CrInValue => "cr-inside-header-value",
+        }
+    }
+
+    /// The reason named by [`Undecodable::as_str`].
+    pub fn from_name(name: &str) -> Option<Undecodable> {
+        [
+            Undecodable::Empty,
+            Undecodable::NotUtf8,
+            Undecodable::NoVersionLine,
+            Undecodable::StatusLine,
+            Undecodable::LineWithoutColon,
+            Undecodable::BadName,
+            Undecodable::CrInValue,
+        ]
+        .into_iter()
+        .find(|u| u.as_str() == name)
+    }
+}
+
+impl std::fmt::Display for Undecodable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a stored message means, from its header block as nats-server stored it (`None`: a
+/// message without headers) — the one rule every path folds by (docs/design.md, "What a stored
+/// message means"): a put, a delete, a purge ([`kv_op`] over the first `KV-Operation` and the
+/// first `Nats-Marker-Reason`, names compared exactly), or [`Undecodable`].
+///
+/// The block is read line for line as the client library reads a delivery (async-nats 0.51
+/// `connection.rs`, `try_read_op`, `HMSG`): UTF-8; lines split by `str::lines` (a bare LF ends a
+/// line, one CR before it goes with it); the first line `NATS/1.0` with nothing after it but
+/// whitespace; then, skipping empty lines, `name:value` lines, a line starting with whitespace
+/// continuing the value before it, values trimmed. The library's lookup is exact
+/// (`HeaderMap::get` hashes the name as written), so `kv-operation: DEL` is a header named
+/// otherwise: a put. Where the library accepts a block this verdict is the operation the fold
+/// gets through it; where it refuses one (an error, a panic) or takes it for a server notice (a
+/// status line), the verdict is undecodable: a skip on every path, never a different operation
+/// (the proptest `the_decoder_agrees_with_the_client_library` checks this against the library's
+/// own parser).
+pub fn decode_stored(block: Option<&[u8]>) -> Result<KvOp, Undecodable> {
+    let Some(block) = block else {
+        return Ok(KvOp::Put);
+    };
+    let text = std::str::from_utf8(block).map_err(|_| Undecodable::NotUtf8)?;
+    let mut lines = text.lines().peekable();
+    let first = lines.next().ok_or(Undecodable::Empty)?;
+    let status = first
+        .strip_prefix("NATS/1.0")
+        .ok_or(Undecodable::NoVersionLine)?
+        .trim();
+    if !status.is_empty() {
+        return Err(Undecodable::StatusLine);
+    }
+    let (mut op, mut reason): (Option<String>, Option<String>) = (None, None);
+    while let Some(line) = lines.next() {
+        if line.is_empty() {
+            continue;
+        }
+        let (name, value) = line.split_once(':').ok_or(Undecodable::LineWithoutColon)?;
+        if name.contains(|c: char| !c.is_ascii_graphic() || c == ':') {
+            return Err(Undecodable::BadName);
+        }
+        let mut value = value.trim_start().to_string();
+        while let Some(more) = lines.next_if(|l| l.starts_with(char::is_whitespace)) {
+            value.push_str(more);
+        }
+        value.truncate(value.trim_end().len());
+        if value.contains(['\r', '\n']) {
+            return Err(Undecodable::CrInValue);
+        }
+        // The library keeps every value of a name; a lookup answers the first.
+        let slot = match name {
+            "KV-Operation" => &mut op,
+            "Nats-Marker-Reason" => &mut reason,
+            _ => continue,
+        };
+        slot.get_or_insert(value);
+    }
+    Ok(kv_op(op.as_deref(), reason.as_deref()))
+}
+
+/// The update standing for an undecodable stored message of `subject`: a key in the host's
+/// reserved space (so the fold skips it as [`bucket_key_admitted`] says, its revision moving the
+/// cursor), naming the reason and the subject. Nothing a writer stores can look like it: a
+/// delivered subject never holds a space.
+pub fn undecodable_key(subject: &str, reason: Undecodable) -> String {
+    format!("{UNDECODABLE_KEY_PREFIX}{} {subject}", reason.as_str())
+}
+
+const UNDECODABLE_KEY_PREFIX: &str = "\u{1} undecodable ";
+
+/// The subject and reason an [`undecodable_key`] names; `None` for any other key.
+pub fn parse_undecodable_key(key: &str) -> Option<(&str, Undecodable)> {
+    let rest = key.strip_prefix(UNDECODABLE_KEY_PREFIX)?;
+    let (reason, subject) = rest.split_once(' ')?;
+    Some((subject, Undecodable::from_name(reason)?))
+}
+
 /// The subject filters of a scope's key prefixes under `subject_prefix` (`$KV.<bucket>.`): a
 /// prefix filters on its last whole token (`a.b.c` → `$KV.<bucket>.a.b.>`), the rest of it is
 /// checked per message. `Err` names a prefix holding a wildcard or a space.
@@ -1785,6 +1918,75 @@ mod tests {
         for (op, reason, want) in cases {
             assert_eq!(kv_op(op, reason), want, "{op:?} {reason:?}");
         }
+    }
+
+    #[test]
+    fn every_stored_header_block_is_a_put_a_delete_a_purge_or_undecodable() {
+        use Undecodable::*;
+        let put = Ok(KvOp::Put);
+        let del = Ok(KvOp::Delete);
+        let cases: [(&[u8], Result<KvOp, Undecodable>); 24] = [
+            (b"NATS/1.0\r\n\r\n", put),
+            (b"NATS/1.0\r\nKV-Operation: DEL\r\n\r\n", del),
+            (b"NATS/1.0\r\nKV-Operation: PURGE\r\n\r\n", Ok(KvOp::Purge)),
+            (
+                b"NATS/1.0\r\nNats-Marker-Reason: MaxAge\r\n\r\n",
+                Ok(KvOp::Purge),
+            ),
+            // A bare LF ends a line; whitespace continues one; the first value of a name counts.
+            (b"NATS/1.0\nKV-Operation: DEL\nX: y\r\n\r\n", del),
+            (b"NATS/1.0\r\nKV-Operation: DE\r\n L\r\n\r\n", put),
+            // A continuation keeps its own leading whitespace: " DEL" is no operation.
+            (b"NATS/1.0\r\nKV-Operation:\r\n DEL\r\n\r\n", put),
+            (
+                b"NATS/1.0\r\nKV-Operation: DEL\r\nKV-Operation: PURGE\r\n\r\n",
+                del,
+            ),
+            (b"NATS/1.0   \r\nKV-Operation:DEL  \r\n\r\n", del),
+            // Names are compared as written: another case is another header.
+            (b"NATS/1.0\r\nkv-operation: DEL\r\n\r\n", put),
+            (b"NATS/1.0\r\nnats-marker-reason: Remove\r\n\r\n", put),
+            // A CR at a value's end is trimmed, inside it is the library's panic.
+            (b"NATS/1.0\r\nX: a\r\r\n\r\n", put),
+            // The six blocks a raw publish stored that stalled the fold.
+            (b"NATS/1.0\r\nbad line\r\n\r\n", Err(LineWithoutColon)),
+            (
+                b"NATS/1.0\r\nNats-Marker-Reason: a\rb\r\n\r\n",
+                Err(CrInValue),
+            ),
+            (b"NATS/1.0\r\nKV-Operation: DE\rL\r\n\r\n", Err(CrInValue)),
+            (b"NATS/1.0\r\nX: \xff\r\n\r\n", Err(NotUtf8)),
+            (b"NATS/1.0\r\nKV-Operation : DEL\r\n\r\n", Err(BadName)),
+            (b"NATS/1.0 0100\r\n\r\n", Err(StatusLine)),
+            (b"NATS/1.0 100 Idle Heartbeat\r\n\r\n", Err(StatusLine)),
+            (b"NATS/1.0x\r\n\r\n", Err(StatusLine)),
+            (b"HTTP/1.1\r\n\r\n", Err(NoVersionLine)),
+            (b"", Err(Empty)),
+            (b"NATS/1.0\r\nN\x01: v\r\n\r\n", Err(BadName)),
+            (b"NATS/1.0\r\n: v\r\n\r\n", put),
+        ];
+        for (block, want) in cases {
+            assert_eq!(
+                decode_stored(Some(block)),
+                want,
+                "{:?}",
+                String::from_utf8_lossy(block)
+            );
+        }
+        assert_eq!(decode_stored(None), put);
+    }
+
+    #[test]
+    fn an_undecodable_key_names_its_subject_and_reason_and_no_delivered_key_looks_like_one() {
+        let k = undecodable_key("$KV.b.a.b", Undecodable::BadName);
+        assert!(!bucket_key_admitted(&k));
+        assert_eq!(
+            parse_undecodable_key(&k),
+            Some(("$KV.b.a.b", Undecodable::BadName))
+        );
+        assert_eq!(parse_undecodable_key("\u{1}retained/1/k"), None);
+        assert_eq!(parse_undecodable_key("\u{1}undecodable x y"), None);
+        assert_eq!(parse_undecodable_key("a b"), None);
     }
 
     #[test]

@@ -71,6 +71,11 @@ pub struct StatusReport {
     pub eviction_seen: bool,
     /// Cursor-expiry repairs (and recreated-bucket resets) run since the host started.
     pub repairs: u64,
+    /// Stored messages skipped as undecodable since the host started: never folded, their
+    /// revisions passed by the cursor (docs/design.md, "What a stored message means").
+    pub skipped_messages: u64,
+    /// The last message skipped as undecodable.
+    pub last_skipped: Option<SkippedMessage>,
     /// Bucket keys in the fold (set by `status --store`).
     pub keys: Option<u64>,
     /// The address the host's `--listen` endpoint is bound to: with `--listen HOST:0`, the port
@@ -83,6 +88,18 @@ pub struct StatusReport {
     pub updated_unix_ms: u64,
     /// The last export round of this host (`--export-every`), if any ran.
     pub last_export: Option<ExportRoundReport>,
+}
+
+/// A stored message skipped as undecodable.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct SkippedMessage {
+    /// Its revision (stream sequence).
+    pub revision: u64,
+    /// Its subject.
+    pub subject: String,
+    /// Why it is undecodable (`protocol::Undecodable`'s name).
+    pub reason: String,
 }
 
 /// What a host's last export round did.
@@ -170,6 +187,14 @@ impl StatusReport {
             warnings: s.warnings(),
             eviction_seen: s.eviction_seen.load(Ordering::Relaxed) == 1,
             repairs: s.repairs.load(Ordering::Relaxed),
+            skipped_messages: s.skipped_messages.load(Ordering::Relaxed),
+            last_skipped: s
+                .last_skipped()
+                .map(|(revision, subject, reason)| SkippedMessage {
+                    revision,
+                    subject,
+                    reason: reason.to_string(),
+                }),
             updated_unix_ms: now,
             ..self.clone()
         }

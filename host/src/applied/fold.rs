@@ -472,11 +472,15 @@ impl<S: SnapshotStore> Fold<S> {
         &self.store
     }
 
-    /// `batch` without the bucket keys in the host's reserved space (they never reach the guest
-    /// or the store), the highest revision among those, and — when there were any — the batch as
-    /// delivered (an apply failure hands that back, so a retry in halves never commits a cursor
-    /// over a skipped key it has not reached).
-    fn split_reserved(batch: Vec<KvUpdate>) -> (Vec<KvUpdate>, Option<u64>, Option<Vec<KvUpdate>>) {
+    /// `batch` without the bucket keys in the host's reserved space and the undecodable stored
+    /// messages ([`protocol::undecodable_key`]; they never reach the guest or the store, the
+    /// undecodable ones are counted in `status`, each once), the highest revision among those,
+    /// and — when there were any — the batch as delivered (an apply failure hands that back, so a
+    /// retry in halves never commits a cursor over a skipped key it has not reached).
+    fn split_reserved(
+        batch: Vec<KvUpdate>,
+        status: &FoldStatus,
+    ) -> (Vec<KvUpdate>, Option<u64>, Option<Vec<KvUpdate>>) {
         if batch.iter().all(|u| protocol::bucket_key_admitted(u.key())) {
             return (batch, None, None);
         }
@@ -486,11 +490,22 @@ impl<S: SnapshotStore> Fold<S> {
             .into_iter()
             .filter(|u| {
                 let admitted = protocol::bucket_key_admitted(u.key());
-                if !admitted {
-                    tracing::warn!(key = ?u.key(), revision = ?u.revision(), "skipped a bucket key in the host's reserved space (it starts with \\x01): never folded, never shown to a guest");
-                    high = high.max(u.revision());
+                if admitted {
+                    return true;
                 }
-                admitted
+                high = high.max(u.revision());
+                match protocol::parse_undecodable_key(u.key()) {
+                    Some((subject, reason)) => {
+                        let revision = u.revision().unwrap_or(0);
+                        if status.note_skipped(revision, subject, reason) {
+                            tracing::warn!(revision, subject, reason = %reason, "skipped an undecodable stored message (see docs/design.md, \"What a stored message means\"): never folded, its revision passed");
+                        }
+                    }
+                    None => {
+                        tracing::warn!(key = ?u.key(), revision = ?u.revision(), "skipped a bucket key in the host's reserved space (it starts with \\x01): never folded, never shown to a guest");
+                    }
+                }
+                false
             })
             .collect();
         (kept, high, Some(original))
@@ -521,7 +536,7 @@ impl<S: SnapshotStore> Fold<S> {
         self.store
             .capture_pre_images(batch.iter().map(KvUpdate::key))
             .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
-        let (batch, skipped_high, delivered) = Self::split_reserved(batch);
+        let (batch, skipped_high, delivered) = Self::split_reserved(batch, &self.status);
         if batch.is_empty() && skipped_high.is_none() && self.is_settled() {
             return Ok(None);
         }

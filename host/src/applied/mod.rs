@@ -159,6 +159,11 @@ pub struct FoldStatus {
     pub eviction_seen: AtomicU64,
     /// Cursor-expiry repairs completed since start.
     pub repairs: AtomicU64,
+    /// Stored messages skipped as undecodable since start ([`crate::protocol::decode_stored`]):
+    /// never folded, their revisions passed by the cursor.
+    pub skipped_messages: AtomicU64,
+    /// The last of them: revision, subject and reason.
+    pub last_skipped: std::sync::Mutex<Option<(u64, String, &'static str)>>,
 }
 
 /// Most delivery time stamps a fold keeps (one arrives per chunk of at most 64 updates).
@@ -207,6 +212,54 @@ impl FoldStatus {
     /// The current warnings.
     pub fn warnings(&self) -> Vec<String> {
         self.warnings.lock().map(|g| g.clone()).unwrap_or_default()
+    }
+
+    /// Counts an undecodable message skipped at `revision`, once: a batch flushed again (an apply
+    /// retried, a watch resumed before its commit) meets the same revisions, which are not
+    /// counted again. True when it was counted now.
+    pub(crate) fn note_skipped(
+        &self,
+        revision: u64,
+        subject: &str,
+        reason: crate::protocol::Undecodable,
+    ) -> bool {
+        let Ok(mut last) = self.last_skipped.lock() else {
+            return false;
+        };
+        if last.as_ref().is_some_and(|(r, _, _)| *r >= revision) {
+            return false;
+        }
+        *last = Some((revision, subject.to_string(), reason.as_str()));
+        self.skipped_messages
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        true
+    }
+
+    /// The last undecodable message skipped: revision, subject, reason.
+    pub fn last_skipped(&self) -> Option<(u64, String, &'static str)> {
+        self.last_skipped.lock().ok().and_then(|g| g.clone())
+    }
+}
+
+#[cfg(test)]
+mod skipped_tests {
+    use super::FoldStatus;
+    use crate::protocol::Undecodable;
+    use std::sync::atomic::Ordering;
+
+    #[test]
+    fn an_undecodable_message_is_counted_once_however_often_its_batch_is_flushed() {
+        let s = FoldStatus::default();
+        assert!(s.note_skipped(7, "$KV.b.x", Undecodable::BadName));
+        // The same batch again (an apply retried, a watch resumed before its commit).
+        assert!(!s.note_skipped(7, "$KV.b.x", Undecodable::BadName));
+        assert!(!s.note_skipped(5, "$KV.b.w", Undecodable::NotUtf8));
+        assert!(s.note_skipped(9, "$KV.b.y", Undecodable::CrInValue));
+        assert_eq!(s.skipped_messages.load(Ordering::Relaxed), 2);
+        assert_eq!(
+            s.last_skipped(),
+            Some((9, "$KV.b.y".to_string(), "cr-inside-header-value"))
+        );
     }
 }
 

@@ -1,16 +1,18 @@
-//! The direct catch-up of a delta watch: a short gap after the cursor read by pipelined direct
-//! gets, so the watch's consumer can start past the stream's last sequence, where nats-server
-//! creates it without counting a partial block ([`protocol::direct_catch_up_range`] says when and
-//! why).
+//! The direct catch-up of a delta watch: a short gap after the cursor read by pipelined gets, so
+//! the watch's consumer can start past the stream's last sequence, where nats-server creates it
+//! without counting a partial block ([`protocol::direct_catch_up_range`] says when and why).
 //!
 //! Invariants:
 //! - What the catch-up hands over is exactly what an unfiltered consumer started at the gap's
 //!   first sequence would have delivered up to the gap's last: every message present, in sequence
 //!   order, each once (the watch then keeps those in its scope, as a filtered consumer would).
-//!   A message is immutable at its sequence, so a direct answer that found it is the message; an
-//!   absent answer is only believed from the stream's leader (`STREAM.MSG.GET`), because any
-//!   replica, and a mirror with `mirror_direct`, answers direct gets and may not hold the message
-//!   yet.
+//!   Every read is the stream leader's (`$JS.API.STREAM.MSG.GET`), so an absent answer is
+//!   believed (a replica, or a mirror with `mirror_direct`, answers a direct get and may not
+//!   hold the message yet).
+//! - No stored byte reaches the client library's parser: the leader's answer carries the message
+//!   as JSON (its header block base64), decoded here by [`protocol::decode_stored`]. A direct get
+//!   answers with the stored header block itself, and a block the library refuses dropped its
+//!   connection (or, a CR inside a value, panicked its connection task) on every resume over it.
 //! - Anything unexpected (an error, an answer for another sequence, more absences than
 //!   [`protocol::DIRECT_CATCH_UP_MAX_ABSENT`]) gives way: the caller starts its consumer at the
 //!   gap's first sequence as if no catch-up had been tried. The catch-up never fails a watch.
@@ -22,20 +24,75 @@
 //!   read from; anything else discards it. It only moves the reads earlier: what it found is
 //!   immutable at its sequence and what it confirmed absent cannot come back.
 
-use std::future::Future;
 use std::ops::RangeInclusive;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use async_nats::jetstream::message::StreamMessage;
-use async_nats::jetstream::stream::{RawMessageError, RawMessageErrorKind, Stream};
+use base64::Engine as _;
+use bytes::Bytes;
 use futures::StreamExt;
-use futures::stream::FuturesOrdered;
 
 use crate::kv::{KvError, KvUpdate, StreamIdentity, VersionToken};
 use crate::protocol::{self, AckMeta};
 
 use super::{NatsKv, backend, identity_of, timed};
+
+/// A stored message as the stream leader's JSON answer carries it, decoded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(super) struct StoredMessage {
+    /// Its subject.
+    pub(super) subject: String,
+    /// Its stream sequence.
+    pub(super) sequence: u64,
+    /// What it means ([`protocol::decode_stored`] over its header block as stored).
+    pub(super) verdict: Result<protocol::KvOp, protocol::Undecodable>,
+    /// Its payload.
+    pub(super) payload: Bytes,
+    /// When it was stored, Unix nanoseconds (0: not readable).
+    pub(super) time_unix_ns: u64,
+}
+
+/// Reads a `$JS.API.STREAM.MSG.GET` answer: the message (`Ok(Some)`), no message at the sequence
+/// asked (`Ok(None)`: the API's 404), or why the answer is not usable.
+pub(super) fn parse_msg_get_reply(payload: &[u8]) -> Result<Option<StoredMessage>, String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(payload).map_err(|e| format!("unreadable answer: {e}"))?;
+    if let Some(err) = v.get("error") {
+        return match err["code"].as_u64() {
+            Some(404) => Ok(None),
+            _ => Err(format!("the server said: {err}")),
+        };
+    }
+    let m = &v["message"];
+    let b64 = |field: &str| -> Result<Option<Vec<u8>>, String> {
+        match m[field].as_str() {
+            None => Ok(None),
+            Some(s) => base64::engine::general_purpose::STANDARD
+                .decode(s)
+                .map(Some)
+                .map_err(|e| format!("{field}: {e}")),
+        }
+    };
+    let subject = m["subject"]
+        .as_str()
+        .ok_or("an answer without a subject")?
+        .to_string();
+    let sequence = m["seq"].as_u64().ok_or("an answer without a sequence")?;
+    let hdrs = b64("hdrs")?;
+    let payload = b64("data")?.unwrap_or_default();
+    let time_unix_ns = m["time"]
+        .as_str()
+        .and_then(super::rfc3339_unix_ns)
+        .unwrap_or(0);
+    Ok(Some(StoredMessage {
+        subject,
+        sequence,
+        // An empty `hdrs` is a message stored without headers.
+        verdict: protocol::decode_stored(hdrs.as_deref().filter(|h| !h.is_empty())),
+        payload: payload.into(),
+        time_unix_ns,
+    }))
+}
 
 /// One message of a catch-up, decoded: its update and the delivery metadata a consumer would have
 /// given it (the same shape as a delivered message's, so the watch forwards both alike).
@@ -45,35 +102,7 @@ pub(super) type Decoded = (KvUpdate, Option<AckMeta>);
 /// the stream it read, the gap's last sequence and the messages (`None`: nothing usable).
 pub(super) struct Prefetch {
     start: u64,
-    task: tokio::task::JoinHandle<Option<(StreamIdentity, u64, Vec<StreamMessage>)>>,
-}
-
-/// One read from the stream's leader.
-async fn leader_one(stream: &Stream, seq: u64) -> (u64, Result<StreamMessage, RawMessageError>) {
-    (seq, stream.get_raw_message(seq).await)
-}
-
-/// Runs `one` for every sequence of `seqs`, at most [`protocol::DIRECT_CATCH_UP_IN_FLIGHT`] at a
-/// time, and returns the answers in the order asked.
-async fn pipelined<F, T>(seqs: impl IntoIterator<Item = u64>, one: impl Fn(u64) -> F) -> Vec<T>
-where
-    F: Future<Output = T>,
-{
-    let mut seqs = seqs.into_iter();
-    let mut in_flight = FuturesOrdered::new();
-    let mut out = Vec::new();
-    loop {
-        while in_flight.len() < protocol::DIRECT_CATCH_UP_IN_FLIGHT {
-            match seqs.next() {
-                Some(seq) => in_flight.push_back(one(seq)),
-                None => break,
-            }
-        }
-        match in_flight.next().await {
-            Some(a) => out.push(a),
-            None => return out,
-        }
-    }
+    task: tokio::task::JoinHandle<Option<(StreamIdentity, u64, Vec<StoredMessage>)>>,
 }
 
 impl NatsKv {
@@ -83,7 +112,7 @@ impl NatsKv {
     pub(super) async fn direct_catch_up(
         &self,
         range: RangeInclusive<u64>,
-    ) -> Option<Vec<StreamMessage>> {
+    ) -> Option<Vec<StoredMessage>> {
         let (first, last) = (*range.start(), *range.end());
         let budget = self.timeout.min(protocol::DIRECT_CATCH_UP_BUDGET);
         let read = timed("direct catch-up", budget, async {
@@ -103,7 +132,7 @@ impl NatsKv {
             }
             Err(e @ KvError::Timeout { .. }) => {
                 // The server drops a request the client may not publish: no answer, ever.
-                tracing::warn!(bucket = %self.bucket, first, last, error = %e, "direct catch-up gave way to a consumer: is $JS.API.DIRECT.GET.{} allowed for this client? Without it every start waits this long first", self.stream_name);
+                tracing::warn!(bucket = %self.bucket, first, last, error = %e, "direct catch-up gave way to a consumer: is $JS.API.STREAM.MSG.GET.{} allowed for this client? Without it every start waits this long first", self.stream_name);
                 None
             }
             Err(e) => {
@@ -157,7 +186,7 @@ impl NatsKv {
         &self,
         start: u64,
         here: &StreamIdentity,
-    ) -> Option<(u64, Vec<StreamMessage>)> {
+    ) -> Option<(u64, Vec<StoredMessage>)> {
         let p = self.prefetch.lock().ok()?.take()?;
         if p.start != start {
             p.task.abort();
@@ -167,16 +196,15 @@ impl NatsKv {
         (identity == *here).then_some((last, messages))
     }
 
-    /// Direct gets of every sequence of `range` over one subscription of the client's: each
-    /// request's reply subject ends in its sequence, so an answer is matched to its question
-    /// without a request/response pair per message (async-nats's `direct_get` subscribes,
-    /// times and parses each alone: 8–12 ms for 1 000 against 5–6 ms so). At most
-    /// [`protocol::DIRECT_CATCH_UP_IN_FLIGHT`] are in flight; the answers come back in the
-    /// order asked, `None` where the server had no message.
-    async fn direct_gets(
+    /// The leader's reads of every sequence of `range` over one subscription of the client's:
+    /// each request's reply subject ends in its sequence, so an answer is matched to its question
+    /// without a request/response pair per message. At most
+    /// [`protocol::DIRECT_CATCH_UP_IN_FLIGHT`] are in flight; the answers come back in the order
+    /// asked, `None` where the stream holds no message.
+    async fn leader_gets(
         &self,
         range: RangeInclusive<u64>,
-    ) -> Result<Vec<(u64, Option<StreamMessage>)>, KvError> {
+    ) -> Result<Vec<(u64, Option<StoredMessage>)>, KvError> {
         let (first, last) = (*range.start(), *range.end());
         let len = usize::try_from(last.saturating_sub(first).saturating_add(1))
             .map_err(|e| backend("direct catch-up", e))?;
@@ -186,8 +214,8 @@ impl NatsKv {
             .subscribe(format!("{inbox}.*"))
             .await
             .map_err(|e| backend("direct catch-up subscribe", e))?;
-        let subject = format!("$JS.API.DIRECT.GET.{}", self.stream_name);
-        let mut slots: Vec<Option<Option<StreamMessage>>> = vec![None; len];
+        let subject = format!("$JS.API.STREAM.MSG.GET.{}", self.stream_name);
+        let mut slots: Vec<Option<Option<StoredMessage>>> = vec![None; len];
         let mut asked = range.clone();
         let mut in_flight = 0usize;
         let mut answered = 0usize;
@@ -221,26 +249,23 @@ impl NatsKv {
                     format!("two answers for sequence {seq}"),
                 ));
             }
-            *slot = Some(match m.status {
-                Some(async_nats::StatusCode::NOT_FOUND) => None,
-                Some(code) => {
-                    return Err(backend(
-                        "direct catch-up",
-                        format!("sequence {seq}: status {code}"),
-                    ));
-                }
-                None => {
-                    let msg = StreamMessage::try_from(m)
-                        .map_err(|e| backend("direct catch-up", format!("sequence {seq}: {e}")))?;
-                    if msg.sequence != seq {
-                        return Err(backend(
-                            "direct catch-up",
-                            format!("asked for sequence {seq}, answered {}", msg.sequence),
-                        ));
-                    }
-                    Some(msg)
-                }
-            });
+            if let Some(code) = m.status {
+                return Err(backend(
+                    "direct catch-up",
+                    format!("sequence {seq}: status {code}"),
+                ));
+            }
+            let found = parse_msg_get_reply(&m.payload)
+                .map_err(|e| backend("direct catch-up", format!("sequence {seq}: {e}")))?;
+            if let Some(msg) = &found
+                && msg.sequence != seq
+            {
+                return Err(backend(
+                    "direct catch-up",
+                    format!("asked for sequence {seq}, answered {}", msg.sequence),
+                ));
+            }
+            *slot = Some(found);
             in_flight -= 1;
             answered += 1;
         }
@@ -253,51 +278,18 @@ impl NatsKv {
     async fn read_range(
         &self,
         range: RangeInclusive<u64>,
-    ) -> Result<Option<Vec<StreamMessage>>, KvError> {
-        let stream = &self.kv.stream;
-        let answers = self.direct_gets(range).await?;
-        let mut reads = Vec::with_capacity(answers.len());
-        let mut absent = Vec::new();
-        for (seq, answer) in answers {
+    ) -> Result<Option<Vec<StoredMessage>>, KvError> {
+        let answers = self.leader_gets(range).await?;
+        let mut out = Vec::with_capacity(answers.len());
+        let mut absent = 0usize;
+        for (_, answer) in answers {
             match answer {
-                Some(m) => reads.push(Some(m)),
+                Some(m) => out.push(m),
                 None => {
-                    if absent.len() >= protocol::DIRECT_CATCH_UP_MAX_ABSENT {
+                    absent += 1;
+                    if absent > protocol::DIRECT_CATCH_UP_MAX_ABSENT {
                         return Ok(None);
                     }
-                    absent.push(seq);
-                    reads.push(None);
-                }
-            }
-        }
-        // The leader's word on every absence, pipelined too.
-        let confirmed = pipelined(absent, |seq| leader_one(stream, seq)).await;
-        let mut confirmed = confirmed.into_iter();
-        let mut out = Vec::with_capacity(reads.len());
-        for r in reads {
-            if let Some(m) = r {
-                out.push(m);
-                continue;
-            }
-            match confirmed.next() {
-                Some((seq, Ok(m))) if m.sequence == seq => {
-                    self.direct_contradicted.fetch_add(1, Ordering::Relaxed);
-                    tracing::debug!(bucket = %self.bucket, seq, "a direct get said absent, the leader holds it");
-                    out.push(m);
-                }
-                Some((_, Err(e))) if e.kind() == RawMessageErrorKind::NoMessageFound => {}
-                Some((seq, Ok(m))) => {
-                    return Err(backend(
-                        "direct catch-up (leader)",
-                        format!("asked for sequence {seq}, answered {}", m.sequence),
-                    ));
-                }
-                Some((_, Err(e))) => return Err(backend("direct catch-up (leader)", e)),
-                None => {
-                    return Err(backend(
-                        "direct catch-up (leader)",
-                        "fewer answers than absences",
-                    ));
                 }
             }
         }
@@ -310,15 +302,15 @@ impl NatsKv {
     /// what follows it: a watch with nothing after the gap is level at its end.
     pub(super) fn decode_caught_up(
         &self,
-        messages: &[StreamMessage],
+        messages: &[StoredMessage],
         pending_after: u64,
     ) -> Vec<Decoded> {
-        let kept: Vec<(KvUpdate, &StreamMessage)> = messages
+        let kept: Vec<(KvUpdate, &StoredMessage)> = messages
             .iter()
             .filter_map(|m| {
                 let update = self.update_of(
                     m.subject.as_str(),
-                    Some(&m.headers),
+                    m.verdict,
                     &m.payload,
                     VersionToken::from_u64(m.sequence),
                 )?;
@@ -334,7 +326,7 @@ impl NatsKv {
                     // Not a consumer's delivery: never taken for a re-created consumer's first.
                     consumer_sequence: 0,
                     pending: (n - i).saturating_add(pending_after),
-                    timestamp_unix_ns: u64::try_from(m.time.unix_timestamp_nanos()).unwrap_or(0),
+                    timestamp_unix_ns: m.time_unix_ns,
                 };
                 (update, Some(meta))
             })

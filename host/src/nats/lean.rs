@@ -19,6 +19,10 @@
 //!   error status, a protocol error, the socket's end, or three heartbeat periods of silence while
 //!   waiting on the socket end the watch with an error; the fold resumes from its applied cursor
 //!   (unlike the client's ordered consumer, this one is never re-created behind the fold's back).
+//! - **What a writer stored is never a protocol error**: a delivery with a `$JS.ACK` reply is a
+//!   stored message, handed over with [`protocol::decode_stored`]'s verdict over its header block
+//!   as stored (an undecodable one is skipped by the fold, its revision passed); only the
+//!   server's own notices are read by `wire::parse_headers`.
 //! - **Backpressure, not buffering**: the socket is read only when the channel to the watch has
 //!   room, so a slow fold leaves flow-control requests unread and the server stops sending; a read
 //!   is bounded by [`READ_BUFFER`], a message by the larger of the server's `max_payload` and
@@ -68,10 +72,18 @@ pub fn lean_allowed(value: Option<&str>) -> bool {
 }
 
 /// What one delivery of a watch's consumer is.
+// Nearly every delivery is a message: boxing it would cost an allocation per message.
+#[allow(clippy::large_enum_variant)]
 pub(super) enum Delivered {
     /// A stored message, with what its ACK subject says when the delivery path already parsed
-    /// it (the lean reader does, to check the consumer sequence; the watch then does not again).
-    Message(async_nats::Message, Option<protocol::AckMeta>),
+    /// it (the lean reader does, to check the consumer sequence; the watch then does not again),
+    /// and what it means when the delivery path decoded its header block itself
+    /// ([`protocol::decode_stored`]; the lean reader does, from the bytes as stored).
+    Message(
+        async_nats::Message,
+        Option<protocol::AckMeta>,
+        Option<Result<protocol::KvOp, protocol::Undecodable>>,
+    ),
     /// The client's ordered consumer reported an error and is re-creating itself.
     Recreating(String),
 }
@@ -390,30 +402,27 @@ impl Reader {
                     return Ok(());
                 }
                 let reply = reply.map(|r| frozen.slice(shift(r)));
-                let block = match &headers {
-                    Some(h) => Some(
-                        wire::parse_headers(&frozen[shift(h.clone())]).map_err(|e| self.fail(e))?,
-                    ),
-                    None => None,
-                };
-                // A status line makes a server notice (flow control, heartbeat, error) — unless
-                // the reply is a JetStream ACK subject: only a stored message has one, and what a
-                // writer put in its header block must not turn it into a notice to drop (the
-                // next delivery would then be a gap, every time: a stalled fold).
+                let raw_block = headers.map(|h| &frozen[shift(h)]);
+                // Only a stored message has a JetStream ACK reply. What a writer put in its
+                // header block is the writer's: it never makes a server notice (the next delivery
+                // would then be a gap, every time), and a block the fold cannot read is decoded
+                // as undecodable — a skip — never a protocol error (which stalled the fold at it
+                // for good).
                 let stored = reply.as_ref().is_some_and(|r| r.starts_with(b"$JS.ACK."));
-                if let Some(status) = block.as_ref().and_then(|b| b.status)
-                    && !stored
-                {
-                    return self.on_status(status, block.as_ref(), reply.as_ref(), replies);
+                if !stored {
+                    // A server notice (flow control, heartbeat, error).
+                    let block = raw_block
+                        .map(wire::parse_headers)
+                        .transpose()
+                        .map_err(|e| self.fail(e))?;
+                    if let Some(status) = block.as_ref().and_then(|b| b.status) {
+                        return self.on_status(status, block.as_ref(), reply.as_ref(), replies);
+                    }
                 }
-                let (msg, meta) = self.message(
-                    frozen,
-                    shift(subject),
-                    reply,
-                    block.as_ref(),
-                    frozen.slice(shift(payload)),
-                )?;
-                out.push(Delivered::Message(msg, Some(meta)));
+                let verdict = protocol::decode_stored(raw_block);
+                let (msg, meta) =
+                    self.message(frozen, shift(subject), reply, frozen.slice(shift(payload)))?;
+                out.push(Delivered::Message(msg, Some(meta), Some(verdict)));
             }
             ServerOp::Ping => replies.extend_from_slice(b"PONG\r\n"),
             ServerOp::Err(text) => return Err(self.fail(format!("the server said: {text}"))),
@@ -462,7 +471,6 @@ impl Reader {
         frozen: &Bytes,
         subject: std::ops::Range<usize>,
         reply: Option<Bytes>,
-        block: Option<&wire::HeaderBlock<'_>>,
         payload: Bytes,
     ) -> Result<(async_nats::Message, protocol::AckMeta), KvError> {
         let reply = reply
@@ -483,19 +491,9 @@ impl Reader {
         self.last_consumer_sequence = cseq;
         let subject = async_nats::Subject::from_utf8(frozen.slice(subject))
             .map_err(|_| self.fail("a subject that is not UTF-8"))?;
-        let headers = block.map(|b| {
-            let mut h = async_nats::HeaderMap::new();
-            for (name, value) in &b.fields {
-                // A name or value the client's types refuse cannot be one the fold reads.
-                if let (Ok(n), Ok(v)) = (
-                    name.parse::<async_nats::header::HeaderName>(),
-                    value.parse::<async_nats::HeaderValue>(),
-                ) {
-                    h.append(n, v);
-                }
-            }
-            h
-        });
+        // The header block is decoded from its bytes ([`protocol::decode_stored`]), not read
+        // again from a header map.
+        let headers = None;
         let length = payload.len();
         Ok((
             async_nats::Message {
@@ -600,7 +598,7 @@ mod tests {
             .filter_map(|r| r.as_ref().ok())
             .flatten()
             .filter_map(|d| match d {
-                Delivered::Message(m, _) => Some(m.subject.to_string()),
+                Delivered::Message(m, _, _) => Some(m.subject.to_string()),
                 Delivered::Recreating(_) => None,
             })
             .collect()
@@ -669,6 +667,59 @@ mod tests {
         let frames = format!("{}{stored}{}", msg("a", 1), msg("b", 3));
         let out = reader_fed(frames.as_bytes()).await;
         assert_eq!(keys(&out), ["$KV.b.a", "$KV.b.s", "$KV.b.b"]);
+    }
+
+    #[tokio::test]
+    async fn a_stored_message_whose_header_block_is_undecodable_is_handed_over_as_such_not_an_error()
+     {
+        let mut bytes = msg("a", 1).into_bytes();
+        for (cseq, hdr) in [
+            (2, &b"NATS/1.0\r\nbad line\r\n\r\n"[..]),
+            (3, b"NATS/1.0\r\nKV-Operation: DE\rL\r\n\r\n"),
+            (4, b"NATS/1.0\r\nX: \xff\r\n\r\n"),
+        ] {
+            bytes.extend_from_slice(
+                format!(
+                    "HMSG $KV.b.odd{cseq} 1 $JS.ACK.KV_b.c.1.{}.{cseq}.1700000000000000000.0 {} {}\r\n",
+                    cseq + 10,
+                    hdr.len(),
+                    hdr.len() + 1
+                )
+                .as_bytes(),
+            );
+            bytes.extend_from_slice(hdr);
+            bytes.extend_from_slice(b"v\r\n");
+        }
+        bytes.extend_from_slice(msg("b", 5).as_bytes());
+        let out = reader_fed(&bytes).await;
+        let verdicts: Vec<(
+            String,
+            Option<Result<protocol::KvOp, protocol::Undecodable>>,
+        )> = out
+            .iter()
+            .filter_map(|r| r.as_ref().ok())
+            .flatten()
+            .filter_map(|d| match d {
+                Delivered::Message(m, _, v) => Some((m.subject.to_string(), *v)),
+                Delivered::Recreating(_) => None,
+            })
+            .collect();
+        use protocol::Undecodable::*;
+        assert_eq!(
+            verdicts,
+            [
+                ("$KV.b.a".to_string(), Some(Ok(protocol::KvOp::Put))),
+                ("$KV.b.odd2".to_string(), Some(Err(LineWithoutColon))),
+                ("$KV.b.odd3".to_string(), Some(Err(CrInValue))),
+                ("$KV.b.odd4".to_string(), Some(Err(NotUtf8))),
+                ("$KV.b.b".to_string(), Some(Ok(protocol::KvOp::Put))),
+            ]
+        );
+        // The watch ends only at the socket's end.
+        match out.last() {
+            Some(Err(KvError::WatchError(m))) => assert!(m.contains("closed the socket"), "{m}"),
+            other => panic!("{other:?}", other = other.map(|r| r.is_ok())),
+        }
     }
 
     #[tokio::test]

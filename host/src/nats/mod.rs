@@ -16,7 +16,8 @@
 //! - A delta watch on a stream of nothing but the bucket's subjects whose gap is short reads the
 //!   gap by direct gets first (keeping what its scope holds) and
 //!   starts its consumer past it (`catchup.rs`, [`protocol::direct_catch_up_range`]): the same
-//!   messages in the same order, each once; an absence is believed only from the stream leader.
+//!   messages in the same order, each once; every read is the stream leader's, as JSON, so no
+//!   stored header block reaches the client library's parser.
 //! - Revisions come from the ACK subject through [`protocol::parse_ack_subject`]; an unparseable one
 //!   becomes [`VersionToken::UNKNOWN`], never a made-up number.
 //! - Opening a bucket is one stream-info request, and a node's identity refusal before its store
@@ -27,6 +28,8 @@
 
 mod catchup;
 mod create;
+#[cfg(test)]
+mod differential;
 mod floor;
 mod lean;
 pub use lean::{LEAN_DELIVERY_ENV, lean_allowed};
@@ -122,6 +125,9 @@ pub struct NatsConnection {
     opts: ConnectOptions,
     client: Mutex<Option<async_nats::Client>>,
     healthy: Arc<AtomicBool>,
+    /// How many times the client's connection dropped: a watch delivered through the client's
+    /// ordered consumer ends at a drop (see `run_watch`).
+    drops: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 impl NatsConnection {
@@ -131,6 +137,7 @@ impl NatsConnection {
             opts,
             client: Mutex::new(None),
             healthy: Arc::new(AtomicBool::new(false)),
+            drops: Arc::new(tokio::sync::watch::channel(0).0),
         }
     }
 
@@ -160,6 +167,9 @@ impl NatsConnection {
         let client = self.client().await?;
         let kv = NatsKv::open(client, name, config, self.opts.op_timeout).await?;
         kv.set_lean_delivery(Some(&self.opts));
+        if let Ok(mut d) = kv.drops.lock() {
+            *d = Some(self.drops.subscribe());
+        }
         Ok(kv)
     }
 }
@@ -177,15 +187,18 @@ impl Connection for NatsConnection {
             reason,
         };
         let healthy = self.healthy.clone();
+        let drops = self.drops.clone();
         let mut o = async_nats::ConnectOptions::new()
             .connection_timeout(self.opts.op_timeout.min(Duration::from_secs(10)))
             .request_timeout(Some(self.opts.op_timeout))
             .event_callback(move |ev| {
                 let healthy = healthy.clone();
+                let drops = drops.clone();
                 async move {
                     match ev {
                         async_nats::Event::Connected => healthy.store(true, Ordering::Release),
                         async_nats::Event::Disconnected | async_nats::Event::Closed => {
+                            drops.send_modify(|n| *n += 1);
                             healthy.store(false, Ordering::Release)
                         }
                         _ => {}
@@ -294,8 +307,6 @@ pub struct NatsKv {
     direct_catch_up: AtomicBool,
     /// Messages handed over by direct catch-ups so far (diagnostics and tests).
     direct_reads: std::sync::atomic::AtomicU64,
-    /// Direct "not found" answers the stream leader contradicted (a replica or mirror behind).
-    direct_contradicted: std::sync::atomic::AtomicU64,
     /// A resume gap read ahead of its watch (`catchup.rs`).
     prefetch: std::sync::Mutex<Option<catchup::Prefetch>>,
     /// Where a watch's lean delivery connection dials (`lean.rs`); `None`: the client's own
@@ -308,6 +319,8 @@ pub struct NatsKv {
     opened_at: std::time::Instant,
     /// Stream-info requests this handle sent, the open's included (diagnostics and tests).
     info_reads: std::sync::atomic::AtomicU64,
+    /// The connection's drop count, when the handle came from a [`NatsConnection`].
+    drops: std::sync::Mutex<Option<tokio::sync::watch::Receiver<u64>>>,
 }
 
 /// Whether `e` (from `get_key_value`) says the bucket's stream does not exist.
@@ -372,12 +385,12 @@ impl NatsKv {
             pinned: std::sync::Mutex::new(None),
             direct_catch_up: AtomicBool::new(true),
             direct_reads: std::sync::atomic::AtomicU64::new(0),
-            direct_contradicted: std::sync::atomic::AtomicU64::new(0),
             prefetch: std::sync::Mutex::new(None),
             lean_dial: std::sync::Mutex::new(None),
             lean_watches: std::sync::atomic::AtomicU64::new(0),
             opened_at,
             info_reads: std::sync::atomic::AtomicU64::new(1),
+            drops: std::sync::Mutex::new(None),
         }))
     }
 
@@ -411,13 +424,6 @@ impl NatsKv {
     /// How many messages direct catch-ups have handed over on this handle.
     pub fn direct_catch_up_reads(&self) -> u64 {
         self.direct_reads.load(Ordering::Relaxed)
-    }
-
-    /// How many direct "not found" answers the stream leader contradicted on this handle: each one
-    /// a message a replica or a mirror did not hold yet, which a catch-up that believed it would
-    /// have skipped.
-    pub fn direct_catch_up_contradicted(&self) -> u64 {
-        self.direct_contradicted.load(Ordering::Relaxed)
     }
 
     /// Reads the stream's live positions.
@@ -534,6 +540,26 @@ impl NatsKv {
     }
 }
 
+/// What a message the client library delivered means: its header block was accepted by the
+/// library's parser (else the connection failed before the message reached here), and for every
+/// block it accepts the first `KV-Operation` and `Nats-Marker-Reason` it answers are the ones
+/// [`protocol::decode_stored`] reads (checked against the library by the proptest
+/// `the_decoder_agrees_with_the_client_library`). A status line never reaches here as a stored
+/// message: the library takes it for a server notice.
+fn header_map_verdict(
+    headers: Option<&async_nats::HeaderMap>,
+) -> Result<protocol::KvOp, protocol::Undecodable> {
+    let header = |name: &async_nats::header::HeaderName| {
+        headers
+            .and_then(|h| h.get(name.clone()))
+            .map(|v| v.as_str())
+    };
+    Ok(protocol::kv_op(
+        header(&KV_OPERATION),
+        header(&NATS_MARKER_REASON),
+    ))
+}
+
 /// Parses an RFC 3339 time into Unix nanoseconds.
 fn rfc3339_unix_ns(s: &str) -> Option<u64> {
     let t = time::OffsetDateTime::parse(s, &time::format_description::well_known::Rfc3339).ok()?;
@@ -596,6 +622,7 @@ impl NatsKv {
         &self,
         msg: &async_nats::Message,
         parsed: Option<protocol::AckMeta>,
+        verdict: Option<Result<protocol::KvOp, protocol::Undecodable>>,
     ) -> Option<(KvUpdate, Option<protocol::AckMeta>)> {
         let meta = parsed.or_else(|| {
             msg.reply
@@ -605,41 +632,43 @@ impl NatsKv {
         let version = meta
             .map(|m| VersionToken::from_u64(m.stream_sequence))
             .unwrap_or(VersionToken::UNKNOWN);
-        let update = self.update_of(
-            msg.subject.as_str(),
-            msg.headers.as_ref(),
-            &msg.payload,
-            version,
-        )?;
+        let verdict = verdict.unwrap_or_else(|| header_map_verdict(msg.headers.as_ref()));
+        let update = self.update_of(msg.subject.as_str(), verdict, &msg.payload, version)?;
         Some((update, meta))
     }
 
-    /// The update one stored message of `subject` stands for (`None` for a subject outside this
-    /// bucket): a delivered message's and a direct read's alike.
+    /// The update one stored message of `subject` stands for, from what it means
+    /// ([`protocol::decode_stored`]; `None` for a subject outside this bucket): a delivered
+    /// message's and a direct read's alike. An undecodable message is the reserved key
+    /// [`protocol::undecodable_key`], which the fold skips and counts, its revision passed.
     fn update_of(
         &self,
         subject: &str,
-        headers: Option<&async_nats::HeaderMap>,
+        verdict: Result<protocol::KvOp, protocol::Undecodable>,
         payload: &Bytes,
         version: VersionToken,
     ) -> Option<KvUpdate> {
         let key = self.key_of(subject)?.to_string();
-        let header = |name: &async_nats::header::HeaderName| {
-            headers
-                .and_then(|h| h.get(name.clone()))
-                .map(|v| v.as_str())
-        };
-        Some(
-            match protocol::kv_op(header(&KV_OPERATION), header(&NATS_MARKER_REASON)) {
-                protocol::KvOp::Delete => KvUpdate::Delete { key, version },
-                protocol::KvOp::Purge => KvUpdate::Purge { key, version },
-                protocol::KvOp::Put => KvUpdate::Put(KvEntry {
-                    key,
-                    value: payload.clone(),
-                    version,
-                }),
+        Some(match verdict {
+            Ok(protocol::KvOp::Delete) => KvUpdate::Delete { key, version },
+            Ok(protocol::KvOp::Purge) => KvUpdate::Purge { key, version },
+            Ok(protocol::KvOp::Put) => KvUpdate::Put(KvEntry {
+                key,
+                value: payload.clone(),
+                version,
+            }),
+            Err(reason) => KvUpdate::Delete {
+                key: protocol::undecodable_key(subject, reason),
+                version,
             },
-        )
+        })
+    }
+
+    /// The bucket key an update is about, for a scope check: an undecodable message's own key.
+    fn scope_key<'a>(subject_prefix: &str, update: &'a KvUpdate) -> &'a str {
+        protocol::parse_undecodable_key(update.key())
+            .and_then(|(subject, _)| subject.strip_prefix(subject_prefix))
+            .unwrap_or(update.key())
     }
 
     /// Lists the latest message of every key under `prefix` through one ephemeral consumer, in key
@@ -722,7 +751,7 @@ impl NatsKv {
                     }
                     continue;
                 }
-                let Some((update, meta)) = self.to_update(&msg, None) else {
+                let Some((update, meta)) = self.to_update(&msg, None, None) else {
                     continue;
                 };
                 remaining = match meta {
@@ -834,7 +863,7 @@ impl NatsKv {
             StreamIdentity,
             Vec<String>,
             consumer::DeliverPolicy,
-            Vec<async_nats::jetstream::message::StreamMessage>,
+            Vec<catchup::StoredMessage>,
         ),
         KvError,
     > {
@@ -960,7 +989,7 @@ impl NatsKv {
         };
         let (start_identity, messages, initial_pending, head) =
             self.open_consumer(&filters, policy).await?;
-        let mut out = Forwarder::new(tx);
+        let mut out = Forwarder::new(tx, self.subject_prefix.clone());
         if !out.start(initial_pending).await {
             return Ok(());
         }
@@ -993,6 +1022,18 @@ impl NatsKv {
             guard.guard_from(self.positions().await?.last_sequence);
         }
         let mut consecutive_errors = 0u32;
+        // The client's ordered consumer re-creates itself after its connection dropped, silently:
+        // when a stored message the library cannot read dropped it, every re-creation meets that
+        // message again. The watch ends instead, and the fold's resume reads the gap after its
+        // cursor through the stream API (`catchup.rs`), which decodes that message as
+        // undecodable and passes it.
+        let mut drops = match &messages {
+            Deliveries::Ordered(_) => self.drops.lock().ok().and_then(|d| d.clone()),
+            Deliveries::Lean { .. } => None,
+        };
+        if let Some(d) = &mut drops {
+            d.mark_unchanged();
+        }
         let mut backstop = tokio::time::interval(FLOOR_BACKSTOP);
         backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         backstop.reset();
@@ -1009,13 +1050,19 @@ impl NatsKv {
                     guard.backstop(self, out.level).await?;
                     continue;
                 }
+                () = dropped(&mut drops) => {
+                    return Err(KvError::WatchError(format!(
+                        "bucket {}: the client's connection dropped; resuming from the cursor",
+                        self.bucket
+                    )));
+                }
             };
             let mut decoded = Vec::with_capacity(chunk.len());
             for item in chunk {
                 match item {
-                    lean::Delivered::Message(m, meta) => {
+                    lean::Delivered::Message(m, meta, verdict) => {
                         consecutive_errors = 0;
-                        if let Some(d) = self.to_update(&m, meta) {
+                        if let Some(d) = self.to_update(&m, meta, verdict) {
                             decoded.push(d);
                         }
                     }
@@ -1074,6 +1121,16 @@ impl NatsKv {
     }
 }
 
+/// Resolves when the connection's drop count moves; never without one.
+async fn dropped(drops: &mut Option<tokio::sync::watch::Receiver<u64>>) {
+    if let Some(d) = drops
+        && d.changed().await.is_ok()
+    {
+        return;
+    }
+    std::future::pending().await
+}
+
 /// A watch's consumer deliveries: through the client's ordered consumer, or over a lean
 /// connection of the watch's own (`lean.rs`).
 enum Deliveries {
@@ -1092,7 +1149,7 @@ impl Deliveries {
             Deliveries::Ordered(chunks) => chunks.next().await.map(|c| {
                 Ok(c.into_iter()
                     .map(|item| match item {
-                        Ok(m) => lean::Delivered::Message(m.message, None),
+                        Ok(m) => lean::Delivered::Message(m.message, None, None),
                         Err(e) => lean::Delivered::Recreating(e.to_string()),
                     })
                     .collect())
@@ -1132,6 +1189,9 @@ impl Drop for ConsumerCleanup {
 /// dropped): the watch then ends quietly.
 struct Forwarder {
     tx: mpsc::Sender<WatchEvent>,
+    /// The bucket's subject prefix (`$KV.<bucket>.`): an undecodable message's key is its
+    /// subject's ([`NatsKv::scope_key`]).
+    subject_prefix: String,
     /// The watch reported it is level with the stream.
     level: bool,
     last_delivered: Option<u64>,
@@ -1140,9 +1200,10 @@ struct Forwarder {
 }
 
 impl Forwarder {
-    fn new(tx: mpsc::Sender<WatchEvent>) -> Self {
+    fn new(tx: mpsc::Sender<WatchEvent>, subject_prefix: String) -> Self {
         Forwarder {
             tx,
+            subject_prefix,
             level: false,
             last_delivered: None,
             since_progress: 0,
@@ -1175,7 +1236,7 @@ impl Forwarder {
         let mut out: Vec<KvUpdate> = Vec::with_capacity(decoded.len());
         let mut stamp: Option<(u64, u64)> = None;
         for (update, meta) in decoded {
-            if scope.contains(update.key()) {
+            if scope.contains(NatsKv::scope_key(&self.subject_prefix, &update)) {
                 self.last_delivered = update.revision().or(self.last_delivered);
                 if let (Some(r), Some(m)) = (update.revision(), meta)
                     && m.timestamp_unix_ns > 0

@@ -241,11 +241,10 @@ impl<'a> HeaderBlock<'a> {
 ///
 /// Line for line the client library's reading (async-nats 0.51 `connection.rs`): lines end at
 /// `\n` with an optional `\r` before it, a line starting with whitespace continues the value
-/// before it, names are taken as written and values trimmed. A writer stores whatever header
-/// block it likes and nats-server delivers it unchanged; the same message arrives through this
-/// parser on a lean watch and through the library's on a direct get or an ordered consumer, so
-/// any difference is a key folded as a put on one path and a delete on the other (a bare `\n`
-/// before `KV-Operation: DEL`'s neighbour was exactly that).
+/// before it, names are taken as written and values trimmed. Used for the server's own notices
+/// (flow control, heartbeats, errors) only: a stored message's block (a delivery with a
+/// `$JS.ACK` reply) is whatever a writer stored, and what it means is
+/// [`crate::protocol::decode_stored`]'s verdict, never an error of this parser.
 pub fn parse_headers(block: &[u8]) -> Result<HeaderBlock<'_>, WireError> {
     let text = std::str::from_utf8(block)
         .map_err(|_| WireError::Malformed("a header block that is not UTF-8".into()))?;

@@ -149,7 +149,7 @@ async fn a_client_not_allowed_direct_gets_resumes_through_its_consumer_with_exac
 accounts {
   TENANT {
     jetstream { max_streams: -1, max_consumers: -1, max_mem: -1, max_file: -1 }
-    users [ { user: tenant, password: secret, permissions: { publish: { deny: ["$JS.API.DIRECT.GET.>"] } } } ]
+    users [ { user: tenant, password: secret, permissions: { publish: { deny: ["$JS.API.DIRECT.GET.>", "$JS.API.STREAM.MSG.GET.>"] } } } ]
   }
 }
 "#,

@@ -26,4 +26,5 @@ mod server_restart;
 mod shadow;
 mod swap;
 mod transport;
+mod undecodable;
 mod watch_semantics;

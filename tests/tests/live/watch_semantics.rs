@@ -593,12 +593,8 @@ async fn a_mirror_answering_direct_gets_without_the_gap_never_makes_the_catch_up
         41,
         "the gap was not read directly"
     );
-    // Each of the 41 direct gets went to the bucket or to the mirror at random: that none went to
-    // the mirror has a chance of 2^-41.
-    assert!(
-        kv.direct_catch_up_contradicted() > 0,
-        "no direct get was answered by the mirror: the test did not test"
-    );
+    // The catch-up reads the stream's leader (`STREAM.MSG.GET`), which the mirror never answers
+    // for: what it does not hold cannot be taken for an absence.
     Ok(())
 }
 
@@ -733,7 +729,7 @@ async fn a_watch_over_its_own_delivery_connection_hands_over_exactly_what_the_or
 
 /// Publishes `header` + `payload` to `subject` over a raw socket, as any writer may (the client
 /// library refuses such header blocks), and waits for JetStream's acknowledgement.
-async fn raw_publish(
+pub(crate) async fn raw_publish(
     url: &str,
     subject: &str,
     header: &[u8],

@@ -1,0 +1,171 @@
+//! Stored messages the fold cannot decode (docs/design.md, "What a stored message means"): the six
+//! header blocks nats-server accepts from a raw `HPUB` and stores as written, which stalled the fold
+//! at the first one for good on both delivery paths. Each is a logged, counted skip whose revision
+//! the cursor passes, on a cursorless start (the re-list), live, and on a resume's catch-up, with
+//! the lean delivery and with the client's ordered consumer; both nodes end with the same fold.
+
+use foldhost::kv::KvWriter as _;
+use foldhost_tests::{Harness, dump_store, run_command, terminate, wait_status};
+
+use crate::watch_semantics::raw_publish;
+
+/// The six header blocks. nats-server 2.15 stores the first five as written; the status line it
+/// drops, storing the message without headers: a put on every path. The line without a colon
+/// comes first: on the ordered consumer it drops the client's connection and the resume's
+/// catch-up reads the rest; a CR inside a value that the ordered consumer itself delivers panics
+/// the client library and fails the node (docs/design.md, "What a stored message means").
+const ODD: [&[u8]; 6] = [
+    b"NATS/1.0\r\nbad line\r\n\r\n",
+    b"NATS/1.0\r\nNats-Marker-Reason: a\rb\r\n\r\n",
+    b"NATS/1.0\r\nKV-Operation: DE\rL\r\n\r\n",
+    b"NATS/1.0\r\nX-Bytes: \xff\xfe\r\n\r\n",
+    b"NATS/1.0\r\nKV-Operation : DEL\r\n\r\n",
+    b"NATS/1.0 0100\r\n\r\n",
+];
+
+fn addr() -> anyhow::Result<String> {
+    Ok(format!(
+        "127.0.0.1:{}",
+        foldhost::localnats::reserved_port()?
+    ))
+}
+
+/// One round of writes: for each odd block an ordinary write, the odd message on a key of its
+/// own, and an odd message on a key an ordinary write then overwrites (the bucket keeps one
+/// message per key: a node that was not reading then never sees that odd message); an ordinary
+/// write last.
+async fn round(h: &Harness, kv: &foldhost::nats::NatsKv, r: &str) -> anyhow::Result<()> {
+    for (i, block) in ODD.iter().enumerate() {
+        kv.put(&format!("k.{r}.{i}"), format!("v{r}{i}").into())
+            .await?;
+        raw_publish(&h.url(), &format!("$KV.undec.odd.{r}.{i}"), block, b"x").await?;
+        raw_publish(&h.url(), &format!("$KV.undec.over.{r}.{i}"), block, b"x").await?;
+        kv.put(&format!("over.{r}.{i}"), "kept".into()).await?;
+    }
+    kv.put(&format!("k.{r}.last"), "last".into()).await?;
+    Ok(())
+}
+
+/// The nodes a test started, killed when it ends however it ends (a failed wait must not leave
+/// them running).
+struct Nodes(Vec<std::process::Child>);
+
+impl Drop for Nodes {
+    fn drop(&mut self) {
+        for c in &mut self.0 {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// `r`, or its error with the nodes' logs.
+fn logged<T>(tmp: &tempfile::TempDir, r: anyhow::Result<T>) -> anyhow::Result<T> {
+    r.map_err(|e| {
+        let logs: Vec<String> = ["lean", "ordered"]
+            .iter()
+            .map(|n| {
+                let l = std::fs::read_to_string(tmp.path().join(format!("{n}.log")));
+                format!("--- {n}:\n{}", l.unwrap_or_default())
+            })
+            .collect();
+        e.context(logs.join("\n"))
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_undecodable_message_is_skipped_and_counted_not_a_stall_on_every_path()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("undec").await?;
+    round(&h, &kv, "a").await?;
+    let tmp = tempfile::tempdir()?;
+    // (name, lean delivery) — the default, and the client's ordered consumer.
+    let nodes = [("lean", true), ("ordered", false)];
+    let start = |name: &str, lean: bool, listen: &str| {
+        let mut c = run_command(&h, "undec", &tmp.path().join(name), Some(listen));
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(tmp.path().join(format!("{name}.log")))?;
+        c.stderr(log);
+        if !lean {
+            c.env(foldhost::nats::LEAN_DELIVERY_ENV, "off");
+        }
+        c.spawn()
+    };
+    let at_last = |last: u64, skipped: u64| {
+        move |s: &foldhost::status::StatusReport| {
+            s.cursor == Some(last) && s.skipped_messages >= skipped
+        }
+    };
+    // A cursorless start: the re-list meets each odd key's last message.
+    let addrs: Vec<String> = nodes.iter().map(|_| addr()).collect::<Result<_, _>>()?;
+    let mut children = Nodes(Vec::new());
+    for ((name, lean), a) in nodes.iter().zip(&addrs) {
+        children.0.push(start(name, *lean, a)?);
+    }
+    let last = kv.positions().await?.last_sequence;
+    for a in &addrs {
+        let s = logged(&tmp, wait_status(a, at_last(last, 5)).await)?;
+        let skipped = s.last_skipped.expect("a last skipped message");
+        assert!(
+            skipped.subject.starts_with("$KV.undec.odd.a."),
+            "{skipped:?}"
+        );
+    }
+    // Live.
+    round(&h, &kv, "b").await?;
+    let last = kv.positions().await?.last_sequence;
+    for a in &addrs {
+        let s = logged(&tmp, wait_status(a, at_last(last, 10)).await)?;
+        // The last undecodable message still stored is odd.b.4 (a node that read live may have
+        // met over.b.4 after it).
+        let l = s.last_skipped.expect("a last skipped message");
+        assert!(
+            l.subject.ends_with(".b.4") && l.reason == "bad-header-name" && l.revision >= last - 7,
+            "{l:?}"
+        );
+    }
+    // A resume: stopped, odd and ordinary writes, restarted (the gap's catch-up).
+    for c in &mut children.0 {
+        terminate(c)?;
+    }
+    round(&h, &kv, "c").await?;
+    let last = kv.positions().await?.last_sequence;
+    let mut children = Nodes(Vec::new());
+    for ((name, lean), a) in nodes.iter().zip(&addrs) {
+        children.0.push(start(name, *lean, a)?);
+    }
+    for a in &addrs {
+        let s = logged(&tmp, wait_status(a, at_last(last, 5)).await)?;
+        // odd.c.0-4, each once; over.c.* were overwritten before the restart.
+        assert_eq!(
+            s.skipped_messages, 5,
+            "each undecodable message of the gap, once"
+        );
+    }
+    for c in &mut children.0 {
+        terminate(c)?;
+    }
+    let lean = dump_store(&tmp.path().join("lean"))?;
+    let ordered = dump_store(&tmp.path().join("ordered"))?;
+    assert_eq!(lean, ordered, "the two delivery paths folded differently");
+    for r in ["a", "b", "c"] {
+        for i in 0..ODD.len() {
+            assert!(lean.contains_key(&format!("k.{r}.{i}")), "k.{r}.{i}");
+            assert_eq!(
+                lean.get(&format!("over.{r}.{i}")).map(|v| v.0.as_slice()),
+                Some(&b"kept"[..])
+            );
+            // The status line's message was stored without headers: a put.
+            assert_eq!(
+                lean.contains_key(&format!("odd.{r}.{i}")),
+                i == 5,
+                "odd.{r}.{i}"
+            );
+        }
+        assert!(lean.contains_key(&format!("k.{r}.last")));
+    }
+    Ok(())
+}
