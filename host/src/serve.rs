@@ -508,6 +508,9 @@ pub struct ServeState {
     pub backend: crate::storedir::Backend,
     /// The watch scope (recorded in exported artifacts).
     pub scope: String,
+    /// The stream the fold records now (recorded in exported artifacts, so that a bootstrap of
+    /// another incarnation refuses them).
+    pub stream: std::sync::Arc<dyn Fn() -> Option<crate::artifact::ManifestStream> + Send + Sync>,
 }
 
 /// Most connections served at once; more wait in the listen backlog. An unauthenticated one holds
@@ -924,11 +927,12 @@ async fn export(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
         return response(400, "Bad Request", "text/plain", b"the path is not UTF-8\n");
     };
     let out = std::path::PathBuf::from(out.trim());
-    match crate::artifact::export_live(
+    match crate::artifact::export_live_of(
         &state.control,
         state.backend,
         out,
         Some(state.scope.clone()),
+        (state.stream)(),
     )
     .await
     {

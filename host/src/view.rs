@@ -331,6 +331,12 @@ impl<S: SnapshotStore> SharedStore<S> {
         self.store.read().map_err(|_| poisoned())
     }
 
+    /// The store for a reader that must not keep it alive: the node's side tasks outlive the fold,
+    /// and a store still shared when the fold stops is closed without its clean-stop record.
+    pub(crate) fn downgrade(&self) -> std::sync::Weak<std::sync::RwLock<S>> {
+        Arc::downgrade(&self.store)
+    }
+
     /// Writes the store (the fold only).
     pub fn write(&self) -> Result<std::sync::RwLockWriteGuard<'_, S>, SnapshotError> {
         self.store.write().map_err(|_| poisoned())

@@ -414,9 +414,12 @@ impl Node {
             transport.clone(),
             control_tx,
             {
-                let shared = shared.clone();
+                // Weak: the listener and the export rounds outlive the fold, and a store still
+                // shared at the stop leaves no clean-stop record (`close_store`).
+                let store = shared.downgrade();
                 Arc::new(move || {
-                    let store = shared.read().ok()?;
+                    let store = store.upgrade()?;
+                    let store = store.read().ok()?;
                     crate::artifact::stream_of(&*store).ok().flatten()
                 })
             },

@@ -65,6 +65,7 @@ impl SideTasks {
                     control.clone(),
                     &fatal,
                     &last_export,
+                    stream.clone(),
                 )
                 .await?,
             ),
@@ -181,6 +182,7 @@ async fn listen(
     control: mpsc::Sender<Control>,
     fatal: &Arc<std::sync::Mutex<Option<String>>>,
     last_export: &Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
+    stream: super::export::StreamSource,
 ) -> Result<JoinHandle<()>, NodeError> {
     let io = |source| NodeError::Listen {
         addr: l.addr.clone(),
@@ -241,6 +243,7 @@ async fn listen(
         policy,
         backend: cfg.backend,
         scope: scope.to_string(),
+        stream,
     });
     Ok(tokio::spawn(crate::serve::serve(listener, state)))
 }

@@ -255,6 +255,12 @@ fn export_live(addr: &str, out: &Path) -> anyhow::Result<u64> {
             .output()?,
         "live export",
     )?;
+    // Exported through the listener as by export rounds: the artifact names the fold's stream,
+    // so a bootstrap of another incarnation refuses it.
+    anyhow::ensure!(
+        m["stream"]["name"].is_string(),
+        "a live export records the fold's stream: {m}"
+    );
     m["cursor"]
         .as_u64()
         .ok_or_else(|| anyhow::anyhow!("no cursor in {m}"))

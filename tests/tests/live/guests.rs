@@ -662,6 +662,13 @@ async fn handles_leaked_by_calls_that_return_count_toward_the_limit_and_go_with_
         e.to_string().contains("hostile-handles@0.1.0") && e.to_string().contains(&named),
         "{e}"
     );
+    // The failed call dropped the instance; the fold loop rebuilds it (a query never does).
+    let waiting = g.query(leak.as_bytes()).await;
+    assert!(
+        waiting.as_ref().is_err_and(|e| e.is_rebuilding()),
+        "{waiting:?}"
+    );
+    g.rebuild().await?;
     // A fresh instance, with an empty table: the same call fits again, twice.
     for _ in 0..2 {
         assert_eq!(
@@ -673,6 +680,7 @@ async fn handles_leaked_by_calls_that_return_count_toward_the_limit_and_go_with_
     // A call leaking without end fails at the limit, and the next call runs on a fresh instance.
     let e = g.query(b"leak").await.expect_err("leaks until refused");
     assert!(e.to_string().contains(&named), "{e}");
+    g.rebuild().await?;
     let e = g.query(b"k").await.expect_err("an empty store");
     assert!(e.to_string().contains("missing"), "{e}");
     assert_eq!(g.hydrations, 3);
