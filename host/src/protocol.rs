@@ -1007,6 +1007,33 @@ pub fn direct_catch_up_range(
         .then_some(start..=last)
 }
 
+/// The sequences a watch reads through the stream API before its consumer starts, when the
+/// watch before it on the client's ordered consumer ended because the client's connection
+/// dropped (`recovering`), else what [`direct_catch_up_range`] says.
+///
+/// Why: the client library drops its connection on a stored header block it cannot read
+/// (docs/design.md, "What a stored message means"), and its consumer, re-created at the cursor,
+/// meets that message again, for good. The stream API carries a message as JSON, which any stored
+/// bytes survive, so a recovering watch reads the first [`DIRECT_CATCH_UP_MAX`] sequences after
+/// its cursor that way, whatever the gap's length, whether direct gets are allowed (the API is
+/// the leader's, not a direct get) and however many of them are absent: the message the
+/// connection dropped on is among them, because the fold commits what was delivered before it
+/// ahead of the watch's end. Only a plain stream (see [`direct_catch_up_range`]) is read by
+/// sequence; on another, the drop repeats.
+pub fn catch_up_range(
+    start: u64,
+    last: u64,
+    plain_stream: bool,
+    allow_direct: bool,
+    recovering: bool,
+) -> Option<std::ops::RangeInclusive<u64>> {
+    if !recovering {
+        return direct_catch_up_range(start, last, plain_stream, allow_direct);
+    }
+    (plain_stream && start > 0 && last >= start)
+        .then(|| start..=last.min(start.saturating_add(DIRECT_CATCH_UP_MAX - 1)))
+}
+
 /// The sequence a direct catch-up's answer is for: its reply subject is `{inbox}.{seq}` (one
 /// subscription `{inbox}.*` takes every answer, so the subject is the only thing that pairs an
 /// answer with its question). `None` for any other subject, a sequence that is not a plain
@@ -2472,6 +2499,29 @@ mod tests {
             Some(u64::MAX..=u64::MAX)
         );
         assert_eq!(direct_catch_up_range(1, u64::MAX, true, true), None);
+    }
+
+    #[test]
+    fn a_watch_recovering_from_a_dropped_connection_reads_the_first_sequences_of_any_gap() {
+        let longest = DIRECT_CATCH_UP_MAX;
+        // Not recovering: the short-gap rule, unchanged.
+        assert_eq!(catch_up_range(11, 20, true, true, false), Some(11..=20));
+        assert_eq!(catch_up_range(1, longest + 1, true, true, false), None);
+        assert_eq!(catch_up_range(11, 20, true, false, false), None);
+        // Recovering: a prefix of any gap, direct gets allowed or not.
+        assert_eq!(catch_up_range(11, 20, true, false, true), Some(11..=20));
+        assert_eq!(
+            catch_up_range(1, longest * 10, true, true, true),
+            Some(1..=longest)
+        );
+        assert_eq!(
+            catch_up_range(u64::MAX - 1, u64::MAX, true, true, true),
+            Some(u64::MAX - 1..=u64::MAX)
+        );
+        // Never on a stream that is not plain, from 0, or past the stream's end.
+        assert_eq!(catch_up_range(11, 20, false, true, true), None);
+        assert_eq!(catch_up_range(0, 20, true, true, true), None);
+        assert_eq!(catch_up_range(21, 20, true, true, true), None);
     }
 
     #[test]

@@ -547,3 +547,20 @@ impl Drop for Moto {
         let _ = self.child.wait();
     }
 }
+
+/// Every file under `dir`, recursively (an object store's files on `file://`, a store's files).
+pub fn files_under(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
+    let mut out = Vec::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in std::fs::read_dir(&d)? {
+            let p = e?.path();
+            if p.is_dir() {
+                todo.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    Ok(out)
+}

@@ -112,11 +112,19 @@ impl NatsKv {
     pub(super) async fn direct_catch_up(
         &self,
         range: RangeInclusive<u64>,
+        recovering: bool,
     ) -> Option<Vec<StoredMessage>> {
         let (first, last) = (*range.start(), *range.end());
         let budget = self.timeout.min(protocol::DIRECT_CATCH_UP_BUDGET);
+        // A recovering watch reads past a message the client library cannot read whatever the
+        // gap holds: its absences do not make it give way ([`protocol::catch_up_range`]).
+        let max_absent = if recovering {
+            usize::MAX
+        } else {
+            protocol::DIRECT_CATCH_UP_MAX_ABSENT
+        };
         let read = timed("direct catch-up", budget, async {
-            self.read_range(range).await
+            self.read_range(range, max_absent).await
         })
         .await;
         match read {
@@ -169,7 +177,7 @@ impl NatsKv {
                 protocol::direct_reads_allowed(info.config.allow_direct, info.config.num_replicas),
             )?;
             let last = *range.end();
-            let messages = kv.direct_catch_up(range).await?;
+            let messages = kv.direct_catch_up(range, false).await?;
             Some((identity_of(&info), last, messages))
         });
         if let Ok(mut p) = self.prefetch.lock()
@@ -278,6 +286,7 @@ impl NatsKv {
     async fn read_range(
         &self,
         range: RangeInclusive<u64>,
+        max_absent: usize,
     ) -> Result<Option<Vec<StoredMessage>>, KvError> {
         let answers = self.leader_gets(range).await?;
         let mut out = Vec::with_capacity(answers.len());
@@ -287,7 +296,7 @@ impl NatsKv {
                 Some(m) => out.push(m),
                 None => {
                     absent += 1;
-                    if absent > protocol::DIRECT_CATCH_UP_MAX_ABSENT {
+                    if absent > max_absent {
                         return Ok(None);
                     }
                 }

@@ -305,6 +305,10 @@ pub struct NatsKv {
     pinned: std::sync::Mutex<Option<StreamIdentity>>,
     /// Whether a delta watch may read a short gap by direct gets ([`catchup`]); on by default.
     direct_catch_up: AtomicBool,
+    /// Set when a watch on the client's ordered consumer ended because the connection dropped;
+    /// the next watch start takes it and reads past the message that dropped it
+    /// ([`protocol::catch_up_range`]).
+    recovering: AtomicBool,
     /// Messages handed over by direct catch-ups so far (diagnostics and tests).
     direct_reads: std::sync::atomic::AtomicU64,
     /// A resume gap read ahead of its watch (`catchup.rs`).
@@ -384,6 +388,7 @@ impl NatsKv {
             timeout,
             pinned: std::sync::Mutex::new(None),
             direct_catch_up: AtomicBool::new(true),
+            recovering: AtomicBool::new(false),
             direct_reads: std::sync::atomic::AtomicU64::new(0),
             prefetch: std::sync::Mutex::new(None),
             lean_dial: std::sync::Mutex::new(None),
@@ -896,20 +901,27 @@ impl NatsKv {
             }
             _ => None,
         };
+        let recovering = self.recovering.swap(false, Ordering::Relaxed);
         if let consumer::DeliverPolicy::ByStartSequence { start_sequence } = policy
             && self.direct_catch_up.load(Ordering::Relaxed)
-            && let Some(range) = protocol::direct_catch_up_range(
+            && let Some(range) = protocol::catch_up_range(
                 start_sequence,
                 here_info.state.last_sequence,
                 self.plain_stream(stream_cfg),
                 protocol::direct_reads_allowed(stream_cfg.allow_direct, stream_cfg.num_replicas),
+                recovering,
             )
         {
+            if recovering {
+                tracing::info!(bucket = %self.bucket, first = *range.start(), last = *range.end(), "reading past the message the client's connection dropped on: these sequences through the stream API, then the consumer");
+            }
             let read = match prefetched {
                 Some(p) => Some(p),
                 None => {
                     let last = *range.end();
-                    self.direct_catch_up(range).await.map(|m| (last, m))
+                    self.direct_catch_up(range, recovering)
+                        .await
+                        .map(|m| (last, m))
                 }
             };
             if let Some((last, m)) = read {
@@ -1051,6 +1063,7 @@ impl NatsKv {
                     continue;
                 }
                 () = dropped(&mut drops) => {
+                    self.recovering.store(true, Ordering::Relaxed);
                     return Err(KvError::WatchError(format!(
                         "bucket {}: the client's connection dropped; resuming from the cursor",
                         self.bucket

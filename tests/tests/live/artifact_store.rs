@@ -362,23 +362,6 @@ async fn a_bootstrap_whose_payload_is_pruned_after_it_read_the_pointer_retries_o
     Ok(())
 }
 
-/// Every object under `dir`, recursively.
-fn files_under(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
-    let mut out = Vec::new();
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        for e in std::fs::read_dir(&d)? {
-            let p = e?.path();
-            if p.is_dir() {
-                stack.push(p);
-            } else {
-                out.push(p);
-            }
-        }
-    }
-    Ok(out)
-}
-
 fn age(path: &Path, by: std::time::Duration) -> anyhow::Result<()> {
     let f = std::fs::File::options().write(true).open(path)?;
     f.set_modified(std::time::SystemTime::now() - by)?;
@@ -409,7 +392,7 @@ async fn prune_keeps_a_payload_uploaded_long_ago_until_the_grace_has_passed_sinc
     // The first payload was uploaded an hour ago.
     let hour = std::time::Duration::from_secs(3600);
     let first_dir = p1["payload"].as_str().unwrap_or_default().to_string();
-    let first: Vec<PathBuf> = files_under(&objects)?
+    let first: Vec<PathBuf> = foldhost_tests::files_under(&objects)?
         .into_iter()
         .filter(|p| p.display().to_string().contains(&first_dir))
         .collect();

@@ -323,7 +323,7 @@ async fn the_local_file_store_publishes_a_pointer_only_when_told_it_is_not_atomi
     // A local payload is read straight from its files, not through the store's stream: a flipped
     // byte in a segment past the first is still refused, and the store it was meant for is not
     // made.
-    let payload = walk_files(&objects)?
+    let payload = foldhost_tests::files_under(&objects)?
         .into_iter()
         .find(|p| {
             p.file_name().is_some_and(|n| n == "000001")
@@ -475,23 +475,6 @@ async fn a_payload_cut_into_segments_bootstraps_in_order_refuses_a_listing_with_
         None
     );
     Ok(())
-}
-
-/// Every file under `dir`, recursively.
-fn walk_files(dir: &std::path::Path) -> anyhow::Result<Vec<std::path::PathBuf>> {
-    let mut out = Vec::new();
-    let mut todo = vec![dir.to_path_buf()];
-    while let Some(d) = todo.pop() {
-        for e in std::fs::read_dir(&d)? {
-            let p = e?.path();
-            if p.is_dir() {
-                todo.push(p);
-            } else {
-                out.push(p);
-            }
-        }
-    }
-    Ok(out)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

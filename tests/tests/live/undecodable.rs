@@ -169,3 +169,86 @@ async fn an_undecodable_message_is_skipped_and_counted_not_a_stall_on_every_path
     }
     Ok(())
 }
+
+/// The client's ordered consumer (a TLS or credentials node takes it) meets a message its library
+/// cannot read after a stop, in a gap longer than a resume's catch-up reads and full of removed
+/// messages (keys overwritten): the library drops its connection there, and the next watch reads
+/// past it through the stream API whatever the gap holds ([`foldhost::protocol::catch_up_range`]).
+/// Before, the catch-up read only a short gap with few absences, so every re-created consumer met
+/// the message again, for good.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ordered_consumer_reads_past_an_undecodable_message_in_a_long_gap_of_overwrites()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("longgap").await?;
+    kv.put("k.000", "v0".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("ordered");
+    let listen = addr()?;
+    let start = || {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(tmp.path().join("ordered.log"))?;
+        run_command(&h, "longgap", &store, Some(&listen))
+            .env(foldhost::nats::LEAN_DELIVERY_ENV, "off")
+            .stderr(log)
+            .spawn()
+    };
+    let mut node = Nodes(vec![start()?]);
+    logged(&tmp, wait_status(&listen, |s| s.cursor == Some(1)).await)?;
+    for c in &mut node.0 {
+        terminate(c)?;
+    }
+    // The message the library cannot read right after the cursor, then three passes over 300
+    // keys: a gap of 3 001 sequences, two thirds of them removed by the time the node restarts.
+    raw_publish(&h.url(), "$KV.longgap.odd", ODD[0], b"x").await?;
+    let keys = 300u32;
+    for pass in 0..3u32 {
+        foldhost_tests::publish_all(
+            kv.jetstream(),
+            (0..keys).map(|i| {
+                (
+                    format!("$KV.longgap.k.{i:03}"),
+                    bytes::Bytes::from(format!("p{pass}")),
+                )
+            }),
+        )
+        .await?;
+    }
+    let last = kv.positions().await?.last_sequence;
+    assert!(
+        last - 1 > foldhost::protocol::DIRECT_CATCH_UP_MAX,
+        "the gap is longer than a resume's catch-up"
+    );
+    let mut node = Nodes(vec![start()?]);
+    let s = logged(
+        &tmp,
+        wait_status(&listen, |s| {
+            s.cursor == Some(last) && s.skipped_messages == 1
+        })
+        .await,
+    )?;
+    let skipped = s.last_skipped.expect("the undecodable message, named");
+    assert_eq!(
+        (skipped.revision, skipped.subject.as_str()),
+        (2, "$KV.longgap.odd")
+    );
+    for c in &mut node.0 {
+        terminate(c)?;
+    }
+    let fold = dump_store(&store)?;
+    assert_eq!(
+        fold.len(),
+        keys as usize,
+        "every key, nothing of the odd one"
+    );
+    for i in 0..keys {
+        assert_eq!(
+            fold.get(&format!("k.{i:03}")).map(|v| v.0.as_slice()),
+            Some(&b"p2"[..]),
+            "k.{i:03}"
+        );
+    }
+    Ok(())
+}
