@@ -536,6 +536,10 @@ pub struct StatusArgs {
     /// A running host's `--listen` address (live figures).
     #[arg(long)]
     pub listen: Option<String>,
+    /// A file holding the token `/status` needs on that listener: its query token (a listener
+    /// beyond loopback has one, `STORE/query-token` unless given) or its admin token.
+    #[arg(long, requires = "listen")]
+    pub token_file: Option<PathBuf>,
     /// One JSON object.
     #[arg(long)]
     pub json: bool,
@@ -571,7 +575,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(a) => cmd_run(*a).await,
         Command::Status(a) => match a.listen.clone() {
-            Some(addr) => cmd_status_live(&addr, a.json).await,
+            Some(addr) => cmd_status_live(&addr, a.token_file.as_deref(), a.json).await,
             None => cmd_status(a),
         },
         Command::Dump(a) => cmd_dump(a),
@@ -812,10 +816,17 @@ fn merge_config(
     base
 }
 
-async fn cmd_status_live(addr: &str, json: bool) -> anyhow::Result<()> {
-    let (code, body) = crate::serve::call(addr, "GET", "/status", b"")
+async fn cmd_status_live(addr: &str, token_file: Option<&Path>, json: bool) -> anyhow::Result<()> {
+    let token = token_file.map(crate::serve::read_token_file).transpose()?;
+    let (code, body) = crate::serve::call_with_token(addr, "GET", "/status", b"", token.as_deref())
         .await
         .with_context(|| format!("status via {addr}"))?;
+    if code == 401 {
+        bail!(
+            "{addr}: /status needs a token: pass --token-file with the host's query token \
+             (STORE/query-token unless it was given one) or its admin token"
+        );
+    }
     if code != 200 {
         bail!("{addr}: /status answered {code}");
     }

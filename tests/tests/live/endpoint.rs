@@ -187,6 +187,25 @@ async fn a_wildcard_listener_answers_queries_only_with_the_query_token_and_never
     assert_eq!(query_as(&a, &a, Some("not-it"))?, 401, "a wrong token");
     let (code, _) = foldhost::serve::call(&a, "GET", "/status", b"").await?;
     assert_eq!(code, 401, "/status without the token");
+    // The CLI's `status --listen` says which token it needs, and reads it from a file.
+    let cli = |token_file: Option<&std::path::Path>| {
+        let mut c = foldhost_tests::foldhost();
+        c.args(["status", "--json", "--listen", &a]);
+        if let Some(f) = token_file {
+            c.arg("--token-file").arg(f);
+        }
+        c.output()
+    };
+    let o = cli(None)?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        !o.status.success() && err.contains("--token-file") && err.lines().count() == 1,
+        "{err}"
+    );
+    let o = cli(Some(&file))?;
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let s: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    assert_eq!(s["pid"].as_u64(), Some(u64::from(host.id())), "{s}");
     assert_eq!(
         query_as(&a, &a, Some(&token))?,
         200,
