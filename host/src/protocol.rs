@@ -1018,8 +1018,9 @@ pub fn direct_catch_up_range(
 /// its cursor that way, whatever the gap's length, whether direct gets are allowed (the API is
 /// the leader's, not a direct get) and however many of them are absent: the message the
 /// connection dropped on is among them, because the fold commits what was delivered before it
-/// ahead of the watch's end. Only a plain stream (see [`direct_catch_up_range`]) is read by
-/// sequence; on another, the drop repeats.
+/// ahead of the watch's end. Any stream is read so, plain or not (a mirror, sources, subject
+/// transforms): the answers carry their subjects, and the watch keeps those in its scope as its
+/// consumer's filter would, so a stream's other subjects cost reads, never a different fold.
 pub fn catch_up_range(
     start: u64,
     last: u64,
@@ -1030,7 +1031,7 @@ pub fn catch_up_range(
     if !recovering {
         return direct_catch_up_range(start, last, plain_stream, allow_direct);
     }
-    (plain_stream && start > 0 && last >= start)
+    (start > 0 && last >= start)
         .then(|| start..=last.min(start.saturating_add(DIRECT_CATCH_UP_MAX - 1)))
 }
 
@@ -1049,6 +1050,18 @@ pub fn direct_reply_sequence(inbox: &str, subject: &str) -> Option<u64> {
         return None;
     }
     token.parse().ok()
+}
+
+/// Whether `key` is a key a NATS KV client may read or write: letters, digits and `-/_=.`, not
+/// starting or ending with `.` (the rule the nats clients check, so no wildcard, space or empty
+/// token reaches a subject).
+pub fn kv_key_valid(key: &str) -> bool {
+    !key.is_empty()
+        && !key.starts_with('.')
+        && !key.ends_with('.')
+        && key
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-/_=.".contains(&b))
 }
 
 /// Whether a key delivered from the bucket may be folded. Keys starting with `\x01` are the
@@ -2502,6 +2515,16 @@ mod tests {
     }
 
     #[test]
+    fn a_readable_key_has_no_wildcard_space_or_empty_edge_token() {
+        for ok in ["a", "a.b", "route/x=1", "A-b_c"] {
+            assert!(kv_key_valid(ok), "{ok}");
+        }
+        for bad in ["", ".a", "a.", "a.*", "a.>", "a b", "a\r", "é"] {
+            assert!(!kv_key_valid(bad), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn a_watch_recovering_from_a_dropped_connection_reads_the_first_sequences_of_any_gap() {
         let longest = DIRECT_CATCH_UP_MAX;
         // Not recovering: the short-gap rule, unchanged.
@@ -2518,8 +2541,8 @@ mod tests {
             catch_up_range(u64::MAX - 1, u64::MAX, true, true, true),
             Some(u64::MAX - 1..=u64::MAX)
         );
-        // Never on a stream that is not plain, from 0, or past the stream's end.
-        assert_eq!(catch_up_range(11, 20, false, true, true), None);
+        // On a stream that is not plain too; never from 0 or past the stream's end.
+        assert_eq!(catch_up_range(11, 20, false, false, true), Some(11..=20));
         assert_eq!(catch_up_range(0, 20, true, true, true), None);
         assert_eq!(catch_up_range(21, 20, true, true, true), None);
     }

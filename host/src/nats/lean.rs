@@ -35,9 +35,9 @@
 
 use std::time::Duration;
 
+use base64::Engine as _;
 use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::sync::mpsc;
 
 use super::wire::{self, ServerOp, WireAuth};
@@ -89,33 +89,62 @@ pub(super) enum Delivered {
 }
 
 /// Where a lean connection dials and how it authenticates; built from the node's options.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub(super) struct LeanDial {
-    servers: Vec<String>,
-    auth: WireAuth,
+    servers: Vec<wire::ServerAddress>,
+    auth: DialAuth,
+    /// The TLS client configuration (the system's roots, as the client library loads them),
+    /// built when a URL asks for TLS or at the first server whose `INFO` requires it.
+    tls: std::sync::Arc<std::sync::OnceLock<Result<std::sync::Arc<rustls::ClientConfig>, String>>>,
     name: Option<String>,
     timeout: Duration,
 }
 
+impl std::fmt::Debug for LeanDial {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LeanDial")
+            .field("servers", &self.servers)
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// How a lean connection authenticates: what the `CONNECT` line carries as it is, or a `.creds`
+/// user whose nkey signs the server's nonce.
+#[derive(Clone)]
+enum DialAuth {
+    Wire(WireAuth),
+    Creds { jwt: String, seed: String },
+}
+
 impl LeanDial {
-    /// `None` when the options need what this connection does not speak: `.creds` (a signed
-    /// nonce) or a URL that is not plain `nats://`.
+    /// `None` when the options need what this connection does not speak (a websocket URL), or
+    /// name credentials it cannot read (the client library then fails on them too, naming them).
     pub(super) fn from_options(opts: &ConnectOptions) -> Option<LeanDial> {
-        if !lean_allowed(std::env::var(LEAN_DELIVERY_ENV).ok().as_deref()) {
-            return None;
-        }
+        let creds = |text: &str| {
+            wire::parse_creds(text).map(|(jwt, seed)| DialAuth::Creds { jwt, seed })
+        };
         let auth = match credential_source(opts) {
-            CredentialSource::Creds | CredentialSource::CredsFile(_) => return None,
-            CredentialSource::Url => match crate::bucket::url_credentials(&opts.url) {
+            CredentialSource::Creds => creds(opts.creds.as_deref().unwrap_or_default())?,
+            CredentialSource::CredsFile(p) => {
+                let mut text = String::new();
+                std::io::Read::read_to_string(
+                    &mut std::io::Read::take(std::fs::File::open(p).ok()?, wire::MAX_CREDS as u64),
+                    &mut text,
+                )
+                .ok()?;
+                creds(&text)?
+            }
+            CredentialSource::Url => DialAuth::Wire(match crate::bucket::url_credentials(&opts.url) {
                 Some((user, Some(pass))) => WireAuth::UserPass(user, pass),
                 Some((token, None)) => WireAuth::Token(token),
                 None => WireAuth::None,
-            },
-            CredentialSource::None => WireAuth::None,
+            }),
+            CredentialSource::None => DialAuth::Wire(WireAuth::None),
         };
         let servers = crate::bucket::server_urls(&opts.url)
             .into_iter()
-            .map(wire::plain_address)
+            .map(wire::server_address)
             .collect::<Option<Vec<_>>>()?;
         if servers.is_empty() {
             return None;
@@ -123,9 +152,60 @@ impl LeanDial {
         Some(LeanDial {
             servers,
             auth,
+            tls: std::sync::Arc::default(),
             name: opts.name.clone(),
             timeout: opts.op_timeout.min(Duration::from_secs(10)),
         })
+    }
+
+    /// The TLS configuration, built once: the system's root certificates (`SSL_CERT_FILE` and
+    /// `SSL_CERT_DIR` honoured), as the client library trusts them.
+    fn tls_config(&self) -> Result<std::sync::Arc<rustls::ClientConfig>, String> {
+        self.tls
+            .get_or_init(|| {
+                let found = rustls_native_certs::load_native_certs();
+                let mut roots = rustls::RootCertStore::empty();
+                let (added, _) = roots.add_parsable_certificates(found.certs);
+                if added == 0 {
+                    return Err(format!(
+                        "no root certificate could be loaded ({} errors)",
+                        found.errors.len()
+                    ));
+                }
+                let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
+                rustls::ClientConfig::builder_with_provider(provider)
+                    .with_safe_default_protocol_versions()
+                    .map(|b| {
+                        std::sync::Arc::new(b.with_root_certificates(roots).with_no_client_auth())
+                    })
+                    .map_err(|e| e.to_string())
+            })
+            .clone()
+    }
+
+    /// What the `CONNECT` line carries for a server whose `INFO` sent `nonce`.
+    fn wire_auth(&self, nonce: Option<&str>) -> Result<WireAuth, DialError> {
+        match &self.auth {
+            DialAuth::Wire(w) => Ok(w.clone()),
+            DialAuth::Creds { jwt, seed } => {
+                let nonce = nonce.ok_or_else(|| {
+                    DialError::Unsupported("the server sent no nonce for the credentials".into())
+                })?;
+                let key = nkeys::KeyPair::from_seed(seed)
+                    .map_err(|e| DialError::Unsupported(format!("credentials: {e}")))?;
+                let sig = key
+                    .sign(nonce.as_bytes())
+                    .map_err(|e| DialError::Unsupported(format!("credentials: {e}")))?;
+                Ok(WireAuth::Jwt {
+                    jwt: jwt.clone(),
+                    sig: base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(sig),
+                })
+            }
+        }
+    }
+
+    fn has_auth(&self) -> bool {
+        !matches!(self.auth, DialAuth::Wire(WireAuth::None))
     }
 }
 
@@ -140,10 +220,15 @@ pub(super) enum DialError {
     Transient(String),
 }
 
+/// The socket's read side: a TCP half, or a TLS stream's.
+type ReadSide = Box<dyn tokio::io::AsyncRead + Unpin + Send>;
+/// The socket's write side.
+type WriteSide = Box<dyn tokio::io::AsyncWrite + Unpin + Send>;
+
 /// A connected, subscribed socket, not yet reading deliveries.
 pub(super) struct Conn {
-    rd: OwnedReadHalf,
-    wr: OwnedWriteHalf,
+    rd: ReadSide,
+    wr: WriteSide,
     buf: BytesMut,
     max_payload: usize,
 }
@@ -160,71 +245,99 @@ pub(super) async fn dial(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
     }
 }
 
-async fn dial_inner(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
-    let mut last = String::from("no server");
-    let mut sock = None;
-    for addr in &d.servers {
-        match tokio::net::TcpStream::connect(addr).await {
-            Ok(s) => {
-                sock = Some(s);
-                break;
-            }
-            Err(e) => last = format!("{addr}: {e}"),
-        }
-    }
-    let sock = sock.ok_or(DialError::Transient(last))?;
-    let _ = sock.set_nodelay(true);
-    let (rd, wr) = sock.into_split();
-    let mut conn = Conn {
-        rd,
-        wr,
-        buf: BytesMut::with_capacity(READ_BUFFER),
-        max_payload: wire::MAX_CONTROL_LINE,
-    };
+/// Reads the server's `INFO` (it speaks first, in the clear), with what came after it.
+async fn read_info(
+    sock: &mut tokio::net::TcpStream,
+) -> Result<(serde_json::Value, BytesMut), DialError> {
     let transient = |e: std::io::Error| DialError::Transient(e.to_string());
-    // The server speaks first: INFO.
-    let info = loop {
-        match wire::parse_op(&conn.buf, usize::MAX)
-            .map_err(|e| DialError::Transient(e.to_string()))?
-        {
+    let mut buf = BytesMut::with_capacity(4096);
+    loop {
+        match wire::parse_op(&buf, usize::MAX).map_err(|e| DialError::Transient(e.to_string()))? {
             Some((ServerOp::Info(r), n)) => {
-                let json: serde_json::Value = serde_json::from_slice(&conn.buf[r])
+                let json: serde_json::Value = serde_json::from_slice(&buf[r])
                     .map_err(|e| DialError::Transient(format!("INFO: {e}")))?;
-                let _ = conn.buf.split_to(n);
-                break json;
+                let _ = buf.split_to(n);
+                return Ok((json, buf));
             }
             Some((op, _)) => {
                 return Err(DialError::Transient(format!("expected INFO, got {op:?}")));
             }
             None => {
-                if conn.rd.read_buf(&mut conn.buf).await.map_err(transient)? == 0 {
+                if buf.len() >= wire::MAX_CONTROL_LINE {
+                    return Err(DialError::Transient("an INFO line without an end".into()));
+                }
+                if sock.read_buf(&mut buf).await.map_err(transient)? == 0 {
                     return Err(DialError::Transient("closed before INFO".into()));
                 }
             }
         }
-    };
-    if info["tls_required"].as_bool() == Some(true) {
-        return Err(DialError::Unsupported("the server requires TLS".into()));
     }
-    if info["auth_required"].as_bool() == Some(true) && d.auth == WireAuth::None {
+}
+
+async fn dial_inner(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
+    let mut last = String::from("no server");
+    let mut found = None;
+    for server in &d.servers {
+        match tokio::net::TcpStream::connect(&server.host_port).await {
+            Ok(s) => {
+                found = Some((s, server));
+                break;
+            }
+            Err(e) => last = format!("{}: {e}", server.host_port),
+        }
+    }
+    let (mut sock, server) = found.ok_or(DialError::Transient(last))?;
+    let _ = sock.set_nodelay(true);
+    let transient = |e: std::io::Error| DialError::Transient(e.to_string());
+    let (info, buf) = read_info(&mut sock).await?;
+    if info["auth_required"].as_bool() == Some(true) && !d.has_auth() {
         return Err(DialError::Unsupported(
             "the server requires credentials the options do not name".into(),
         ));
+    }
+    let tls = server.tls || info["tls_required"].as_bool() == Some(true);
+    let (rd, wr): (ReadSide, WriteSide) = if tls {
+        if !buf.is_empty() {
+            return Err(DialError::Transient("bytes after INFO before TLS".into()));
+        }
+        let config = d.tls_config().map_err(DialError::Unsupported)?;
+        let name = rustls::pki_types::ServerName::try_from(server.host.clone())
+            .map_err(|e| DialError::Unsupported(format!("TLS server name {}: {e}", server.host)))?;
+        let stream = tokio_rustls::TlsConnector::from(config)
+            .connect(name, sock)
+            .await
+            .map_err(|e| DialError::Transient(format!("TLS: {e}")))?;
+        let (rd, wr) = tokio::io::split(stream);
+        (Box::new(rd), Box::new(wr))
+    } else {
+        let (rd, wr) = sock.into_split();
+        (Box::new(rd), Box::new(wr))
+    };
+    let mut conn = Conn {
+        rd,
+        wr,
+        buf,
+        max_payload: wire::MAX_CONTROL_LINE,
+    };
+    if conn.buf.capacity() < READ_BUFFER {
+        conn.buf.reserve(READ_BUFFER - conn.buf.len());
     }
     conn.max_payload = info["max_payload"]
         .as_u64()
         .and_then(|v| usize::try_from(v).ok())
         .unwrap_or(1 << 20)
         .max(wire::MAX_MESSAGE);
+    let auth = d.wire_auth(info["nonce"].as_str())?;
     let hello = format!(
         "{}SUB {inbox} {}\r\nPING\r\n",
-        wire::connect_line(&d.auth, d.name.as_deref()),
+        wire::connect_line(&auth, d.name.as_deref(), tls),
         String::from_utf8_lossy(SID)
     );
     conn.wr
         .write_all(hello.as_bytes())
         .await
         .map_err(transient)?;
+    conn.wr.flush().await.map_err(transient)?;
     loop {
         match wire::parse_op(&conn.buf, conn.max_payload)
             .map_err(|e| DialError::Transient(e.to_string()))?
@@ -311,6 +424,8 @@ impl Reader {
                     .write_all(&replies)
                     .await
                     .map_err(|e| self.fail(e))?;
+                // A TLS stream holds what it was given until flushed.
+                self.conn.wr.flush().await.map_err(|e| self.fail(e))?;
             }
             let chunk_was_empty = chunk.is_empty();
             if !chunk_was_empty {
@@ -420,8 +535,14 @@ impl Reader {
                     }
                 }
                 let verdict = protocol::decode_stored(raw_block);
-                let (msg, meta) =
-                    self.message(frozen, shift(subject), reply, frozen.slice(shift(payload)))?;
+                let size = raw_block.and_then(wire::stored_msg_size);
+                let (msg, meta) = self.message(
+                    frozen,
+                    shift(subject),
+                    reply,
+                    frozen.slice(shift(payload)),
+                    size,
+                )?;
                 out.push(Delivered::Message(msg, Some(meta), Some(verdict)));
             }
             ServerOp::Ping => replies.extend_from_slice(b"PONG\r\n"),
@@ -472,6 +593,7 @@ impl Reader {
         subject: std::ops::Range<usize>,
         reply: Option<Bytes>,
         payload: Bytes,
+        size: Option<u64>,
     ) -> Result<(async_nats::Message, protocol::AckMeta), KvError> {
         let reply = reply
             .map(async_nats::Subject::from_utf8)
@@ -492,8 +614,12 @@ impl Reader {
         let subject = async_nats::Subject::from_utf8(frozen.slice(subject))
             .map_err(|_| self.fail("a subject that is not UTF-8"))?;
         // The header block is decoded from its bytes ([`protocol::decode_stored`]), not read
-        // again from a header map.
-        let headers = None;
+        // again from a header map; only a headers-only delivery's size is carried in one.
+        let headers = size.map(|n| {
+            let mut h = async_nats::HeaderMap::new();
+            h.insert(wire::NATS_MSG_SIZE, n.to_string().as_str());
+            h
+        });
         let length = payload.len();
         Ok((
             async_nats::Message {
@@ -544,17 +670,45 @@ mod tests {
     }
 
     #[test]
-    fn credentials_files_and_tls_urls_keep_the_clients_consumer() {
-        let mut o = ConnectOptions::new("nats://127.0.0.1:4222");
-        assert!(LeanDial::from_options(&o).is_some());
-        o.creds_file = Some("/x.creds".into());
-        assert!(LeanDial::from_options(&o).is_none());
+    fn every_url_but_a_websocket_and_every_credential_the_options_name_are_dialled_lean() {
         let o = ConnectOptions::new("nats://a:1,tls://b:2");
-        assert!(LeanDial::from_options(&o).is_none());
+        let d = LeanDial::from_options(&o).expect("nats and tls URLs");
+        assert_eq!(
+            d.servers.iter().map(|s| s.tls).collect::<Vec<_>>(),
+            [false, true]
+        );
+        assert!(LeanDial::from_options(&ConnectOptions::new("nats://a:1,ws://b:2")).is_none());
         let o = ConnectOptions::new("nats://u:p@a:1");
         let d = LeanDial::from_options(&o).expect("plain with a password");
-        assert_eq!(d.auth, WireAuth::UserPass("u".into(), "p".into()));
-        assert_eq!(d.servers, ["a:1"]);
+        assert!(
+            matches!(&d.auth, DialAuth::Wire(WireAuth::UserPass(u, p)) if u == "u" && p == "p")
+        );
+        // A `.creds` user signs the nonce with its seed; the server checks the signature against
+        // the JWT's subject, so the signature must verify with the seed's public key.
+        let user = nkeys::KeyPair::new_user();
+        let seed = user.seed().expect("a seed");
+        let mut o = ConnectOptions::new("nats://a:1");
+        o.creds = Some(format!(
+            "-----BEGIN NATS USER JWT-----\nj.w.t\n------END NATS USER JWT------\n\n\
+             -----BEGIN USER NKEY SEED-----\n{seed}\n------END USER NKEY SEED------\n"
+        ));
+        let d = LeanDial::from_options(&o).expect("inline creds");
+        let WireAuth::Jwt { jwt, sig } = d.wire_auth(Some("nonce-1")).expect("signed") else {
+            panic!("a JWT auth");
+        };
+        assert_eq!(jwt, "j.w.t");
+        let sig = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(sig)
+            .expect("base64url");
+        let public = nkeys::KeyPair::from_public_key(&user.public_key()).expect("public");
+        assert!(public.verify(b"nonce-1", &sig).is_ok());
+        assert!(d.wire_auth(None).is_err(), "no nonce, no signature");
+        // A creds file that is not one names nothing the connection can send.
+        o.creds = Some("not creds".into());
+        assert!(LeanDial::from_options(&o).is_none());
+        let mut o = ConnectOptions::new("nats://a:1");
+        o.creds_file = Some("/nonexistent/x.creds".into());
+        assert!(LeanDial::from_options(&o).is_none());
     }
 
     /// A reader over a real local socket whose other end the test writes as the server.
@@ -567,8 +721,8 @@ mod tests {
         let (mut server, _) = listener.accept().await.expect("accept");
         let (rd, wr) = client.into_split();
         let conn = Conn {
-            rd,
-            wr,
+            rd: Box::new(rd),
+            wr: Box::new(wr),
             buf: BytesMut::with_capacity(READ_BUFFER),
             max_payload: 1 << 20,
         };

@@ -47,7 +47,7 @@ use std::time::Duration;
 use async_nats::jetstream::{self, consumer, kv};
 use async_trait::async_trait;
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt as _, StreamExt};
 use tokio::sync::{Mutex, mpsc};
 
 use crate::bucket::{
@@ -181,59 +181,7 @@ impl Connection for NatsConnection {
         if guard.is_some() {
             return Ok(());
         }
-        let url = self.opts.url.clone();
-        let err = |reason: String| KvError::Connect {
-            url: url.clone(),
-            reason,
-        };
-        let healthy = self.healthy.clone();
-        let drops = self.drops.clone();
-        let mut o = async_nats::ConnectOptions::new()
-            .connection_timeout(self.opts.op_timeout.min(Duration::from_secs(10)))
-            .request_timeout(Some(self.opts.op_timeout))
-            .event_callback(move |ev| {
-                let healthy = healthy.clone();
-                let drops = drops.clone();
-                async move {
-                    match ev {
-                        async_nats::Event::Connected => healthy.store(true, Ordering::Release),
-                        async_nats::Event::Disconnected | async_nats::Event::Closed => {
-                            drops.send_modify(|n| *n += 1);
-                            healthy.store(false, Ordering::Release)
-                        }
-                        _ => {}
-                    }
-                }
-            });
-        if let Some(n) = &self.opts.name {
-            o = o.name(n);
-        }
-        o = match credential_source(&self.opts) {
-            CredentialSource::Creds => {
-                let creds = self.opts.creds.as_deref().unwrap_or_default();
-                o.credentials(creds).map_err(|e| err(e.to_string()))?
-            }
-            CredentialSource::CredsFile(p) => o
-                .credentials_file(&p)
-                .await
-                .map_err(|e| err(format!("{}: {e}", p.display())))?,
-            CredentialSource::Url => match crate::bucket::url_credentials(&self.opts.url) {
-                Some((user, Some(pass))) => o.user_and_password(user, pass),
-                Some((token, None)) => o.token(token),
-                None => o,
-            },
-            CredentialSource::None => o,
-        };
-        // Every member of the cluster named: the client connects to one and, when that server
-        // dies, reconnects to another (the watch then resumes from the applied cursor).
-        let servers = crate::bucket::server_urls(&self.opts.url);
-        if servers.is_empty() {
-            return Err(err("no server URL".into()));
-        }
-        let client = timed("connect", self.opts.op_timeout, async {
-            o.connect(servers).await.map_err(|e| err(e.to_string()))
-        })
-        .await?;
+        let client = connect_client(&self.opts, self.healthy.clone(), self.drops.clone()).await?;
         self.healthy.store(true, Ordering::Release);
         *guard = Some(client);
         Ok(())
@@ -291,6 +239,82 @@ impl Connection for NatsConnection {
     }
 }
 
+/// A std mutex's guard, poisoned or not (what these mutexes hold is replaced whole).
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Dials a client with `opts`: its health kept in `healthy`, each drop (a disconnection or the
+/// connection's close) counted in `drops`.
+async fn connect_client(
+    opts: &ConnectOptions,
+    healthy: Arc<AtomicBool>,
+    drops: Arc<tokio::sync::watch::Sender<u64>>,
+) -> Result<async_nats::Client, KvError> {
+    let url = opts.url.clone();
+    let err = |reason: String| KvError::Connect {
+        url: url.clone(),
+        reason,
+    };
+    let mut o = async_nats::ConnectOptions::new()
+        .connection_timeout(opts.op_timeout.min(Duration::from_secs(10)))
+        .request_timeout(Some(opts.op_timeout))
+        .event_callback(move |ev| {
+            let healthy = healthy.clone();
+            let drops = drops.clone();
+            async move {
+                match ev {
+                    async_nats::Event::Connected => healthy.store(true, Ordering::Release),
+                    async_nats::Event::Disconnected | async_nats::Event::Closed => {
+                        drops.send_modify(|n| *n += 1);
+                        healthy.store(false, Ordering::Release)
+                    }
+                    _ => {}
+                }
+            }
+        });
+    if let Some(n) = &opts.name {
+        o = o.name(n);
+    }
+    o = match credential_source(opts) {
+        CredentialSource::Creds => {
+            let creds = opts.creds.as_deref().unwrap_or_default();
+            o.credentials(creds).map_err(|e| err(e.to_string()))?
+        }
+        CredentialSource::CredsFile(p) => o
+            .credentials_file(&p)
+            .await
+            .map_err(|e| err(format!("{}: {e}", p.display())))?,
+        CredentialSource::Url => match crate::bucket::url_credentials(&opts.url) {
+            Some((user, Some(pass))) => o.user_and_password(user, pass),
+            Some((token, None)) => o.token(token),
+            None => o,
+        },
+        CredentialSource::None => o,
+    };
+    // Every member of the cluster named: the client connects to one and, when that server
+    // dies, reconnects to another (the watch then resumes from the applied cursor).
+    let servers = crate::bucket::server_urls(&opts.url);
+    if servers.is_empty() {
+        return Err(err("no server URL".into()));
+    }
+    timed("connect", opts.op_timeout, async {
+        o.connect(servers).await.map_err(|e| err(e.to_string()))
+    })
+    .await
+}
+
+/// The connection the client's ordered consumer delivers a watch on: a client of its own, so a
+/// stored message the library cannot read takes down this connection only (async-nats 0.51
+/// panics its connection task on a CR inside a header value), never the one the node's requests
+/// share. Discarded when a watch on it ends by a drop or a library failure; the next watch dials
+/// a new one.
+struct DeliveryClient {
+    stream: jetstream::stream::Stream,
+    /// Its drop count.
+    drops: tokio::sync::watch::Receiver<u64>,
+}
+
 /// One bucket on a NATS server: reads, watches and writes.
 pub struct NatsKv {
     client: async_nats::Client,
@@ -316,6 +340,14 @@ pub struct NatsKv {
     /// Where a watch's lean delivery connection dials (`lean.rs`); `None`: the client's own
     /// ordered consumer delivers every watch.
     lean_dial: std::sync::Mutex<Option<lean::LeanDial>>,
+    /// Where a listing's lean connection dials: the same, whatever [`LEAN_DELIVERY_ENV`] says
+    /// (that turns off lean delivery of watches only); `None`: listings go through the client.
+    listing_dial: std::sync::Mutex<Option<lean::LeanDial>>,
+    /// The options the handle's connection was dialled with, for the ordered consumer's own
+    /// connection ([`DeliveryClient`]); `None`: that consumer runs on `client`.
+    connect_opts: std::sync::Mutex<Option<ConnectOptions>>,
+    /// The ordered consumer's connection, once dialled.
+    delivery: Mutex<Option<DeliveryClient>>,
     /// Watches delivered over a lean connection so far (diagnostics and tests).
     lean_watches: std::sync::atomic::AtomicU64,
     /// When the bucket was opened; its stream info then is `kv.stream`'s cached info
@@ -392,6 +424,9 @@ impl NatsKv {
             direct_reads: std::sync::atomic::AtomicU64::new(0),
             prefetch: std::sync::Mutex::new(None),
             lean_dial: std::sync::Mutex::new(None),
+            listing_dial: std::sync::Mutex::new(None),
+            connect_opts: std::sync::Mutex::new(None),
+            delivery: Mutex::new(None),
             lean_watches: std::sync::atomic::AtomicU64::new(0),
             opened_at,
             info_reads: std::sync::atomic::AtomicU64::new(1),
@@ -399,15 +434,17 @@ impl NatsKv {
         }))
     }
 
-    /// Turns the lean delivery connection on (with what `opts` allow; see `lean.rs`) or off: off,
-    /// every watch is delivered through the client's ordered consumer. A handle from
-    /// [`NatsConnection::bucket`] starts with it on where the options allow it.
+    /// Turns the lean connections on (with what `opts` allow; see `lean.rs`) or off. On, watches
+    /// are delivered lean unless [`LEAN_DELIVERY_ENV`] turns that off, and listings always are;
+    /// the client's ordered consumer, where a watch takes it, runs on a connection of its own
+    /// dialled with `opts`. Off, every watch and listing goes through the client. A handle from
+    /// [`NatsConnection::bucket`] starts with them on where the options allow it.
     pub fn set_lean_delivery(&self, opts: Option<&ConnectOptions>) {
-        *self
-            .lean_dial
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner) =
-            opts.and_then(lean::LeanDial::from_options);
+        let dial = opts.and_then(lean::LeanDial::from_options);
+        let watches = lean_allowed(std::env::var(LEAN_DELIVERY_ENV).ok().as_deref());
+        *lock(&self.lean_dial) = dial.clone().filter(|_| watches);
+        *lock(&self.listing_dial) = dial;
+        *lock(&self.connect_opts) = opts.cloned();
     }
 
     /// Watches delivered over a lean connection so far.
@@ -696,6 +733,12 @@ impl NatsKv {
 
     /// Streams the latest live entry of every key in `scope` into `each`, in delivery order, through
     /// one ephemeral consumer (nothing is collected here). Returns how many were live.
+    ///
+    /// Delivered over a lean connection ([`lean`]) wherever the options allow one, whatever
+    /// [`LEAN_DELIVERY_ENV`] says: a stored header block is then decoded by
+    /// [`protocol::decode_stored`], never by the client library, and an undecodable latest
+    /// message lists no entry for its key. Only where no lean connection can be made (a websocket
+    /// URL, a handle without options) does the listing go through the client.
     async fn list_each(
         &self,
         scope: &WatchScope,
@@ -704,41 +747,95 @@ impl NatsKv {
     ) -> Result<u64, KvError> {
         let filters = self.filter_subjects(scope)?;
         let inbox = self.client.new_inbox();
-        // Subscribe before the consumer exists: the server may deliver before a later subscribe.
-        let mut sub = timed("list subscribe", self.timeout, async {
-            self.client
-                .subscribe(inbox.clone())
-                .await
-                .map_err(|e| backend("list subscribe", e))
-        })
-        .await?;
         let cfg = consumer::push::Config {
-            deliver_subject: inbox,
+            deliver_subject: inbox.clone(),
             deliver_policy: consumer::DeliverPolicy::LastPerSubject,
             ack_policy: consumer::AckPolicy::None,
             filter_subjects: filters,
             headers_only,
             flow_control: true,
-            idle_heartbeat: Duration::from_secs(5),
+            idle_heartbeat: lean::IDLE_HEARTBEAT,
             inactive_threshold: Duration::from_secs(30),
             memory_storage: true,
             ..Default::default()
         };
-        let consumer: consumer::Consumer<consumer::push::Config> =
-            timed("list consumer", self.timeout, async {
-                self.kv
-                    .stream
-                    .create_consumer(cfg)
-                    .await
-                    .map_err(|e| backend("list consumer", e))
-            })
-            .await?;
-        let total = consumer.cached_info().num_pending;
-        let name = consumer.cached_info().name.clone();
-        let mut live = 0u64;
-        let mut remaining = total;
+        let mut listed = Listed {
+            scope,
+            headers_only,
+            live: 0,
+            remaining: 0,
+            each,
+        };
+        let dial = lock(&self.listing_dial).clone();
+        if let Some(d) = dial {
+            match lean::dial(&d, &inbox).await {
+                Ok(conn) => return self.list_lean(conn, cfg, &mut listed).await,
+                Err(lean::DialError::Unsupported(why)) => {
+                    tracing::info!(bucket = %self.bucket, reason = %why, "listings go through the client");
+                    *lock(&self.listing_dial) = None;
+                }
+                Err(lean::DialError::Transient(why)) => {
+                    return Err(backend("list connection", why));
+                }
+            }
+        }
+        self.list_through_client(cfg, &mut listed).await
+    }
+
+    /// A listing's consumer delivered to a lean connection already subscribed to its deliver
+    /// subject.
+    async fn list_lean(
+        &self,
+        conn: lean::Conn,
+        cfg: consumer::push::Config,
+        listed: &mut Listed<'_, '_>,
+    ) -> Result<u64, KvError> {
+        let (name, total) = self.create_list_consumer(cfg).await?;
+        let _cleanup = ConsumerCleanup {
+            stream: self.kv.stream.clone(),
+            name,
+            timeout: self.timeout,
+        };
+        let mut deliveries = lean::LeanDeliveries::start(conn, self.bucket.clone());
+        listed.remaining = total;
+        while listed.remaining > 0 {
+            let chunk = match tokio::time::timeout(self.timeout, deliveries.next()).await {
+                Ok(Some(c)) => c?,
+                Ok(None) => return Err(backend("list", "delivery connection closed")),
+                Err(_) => {
+                    return Err(KvError::Timeout {
+                        op: "list",
+                        secs: self.timeout.as_secs(),
+                    });
+                }
+            };
+            for d in chunk {
+                if let lean::Delivered::Message(msg, meta, verdict) = d {
+                    self.list_take(&msg, meta, verdict, listed)?;
+                }
+            }
+        }
+        Ok(listed.live)
+    }
+
+    /// A listing through the client's own subscription (no lean connection can be made).
+    async fn list_through_client(
+        &self,
+        cfg: consumer::push::Config,
+        listed: &mut Listed<'_, '_>,
+    ) -> Result<u64, KvError> {
+        // Subscribe before the consumer exists: the server may deliver before a later subscribe.
+        let mut sub = timed("list subscribe", self.timeout, async {
+            self.client
+                .subscribe(cfg.deliver_subject.clone())
+                .await
+                .map_err(|e| backend("list subscribe", e))
+        })
+        .await?;
+        let (name, total) = self.create_list_consumer(cfg).await?;
+        listed.remaining = total;
         let result = async {
-            while remaining > 0 {
+            while listed.remaining > 0 {
                 let msg = match tokio::time::timeout(self.timeout, sub.next()).await {
                     Ok(Some(m)) => m,
                     Ok(None) => return Err(backend("list", "subscription closed")),
@@ -756,40 +853,71 @@ impl NatsKv {
                     }
                     continue;
                 }
-                let Some((update, meta)) = self.to_update(&msg, None, None) else {
-                    continue;
-                };
-                remaining = match meta {
-                    Some(m) => m.pending,
-                    None => remaining.saturating_sub(1),
-                };
-                if !scope.contains(update.key()) {
-                    continue;
-                }
-                if let KvUpdate::Put(e) = update {
-                    // A CAS tombstone is an empty value; a headers-only delivery reports the size.
-                    let size = if headers_only {
-                        msg.headers
-                            .as_ref()
-                            .and_then(|h| h.get(NATS_MSG_SIZE))
-                            .and_then(|v| v.as_str().parse::<u64>().ok())
-                            .unwrap_or(1)
-                    } else {
-                        e.value.len() as u64
-                    };
-                    if size > 0 {
-                        live += 1;
-                        each(e)?;
-                    }
-                }
+                self.list_take(&msg, None, None, listed)?;
             }
-            Ok(live)
+            Ok(listed.live)
         }
         .await;
         drop(sub);
         // Best effort: the consumer also expires by its inactivity threshold.
         let _ = tokio::time::timeout(self.timeout, self.kv.stream.delete_consumer(&name)).await;
         result
+    }
+
+    /// Creates a listing's consumer: its name and how many messages it will deliver.
+    async fn create_list_consumer(
+        &self,
+        cfg: consumer::push::Config,
+    ) -> Result<(String, u64), KvError> {
+        let consumer: consumer::Consumer<consumer::push::Config> =
+            timed("list consumer", self.timeout, async {
+                self.kv
+                    .stream
+                    .create_consumer(cfg)
+                    .await
+                    .map_err(|e| backend("list consumer", e))
+            })
+            .await?;
+        let info = consumer.cached_info();
+        Ok((info.name.clone(), info.num_pending))
+    }
+
+    /// One delivered message of a listing: counted off what remains, and handed to `each` when
+    /// it is a live entry in scope (a CAS tombstone is an empty value; a headers-only delivery
+    /// reports the size).
+    fn list_take(
+        &self,
+        msg: &async_nats::Message,
+        meta: Option<protocol::AckMeta>,
+        verdict: Option<Result<protocol::KvOp, protocol::Undecodable>>,
+        listed: &mut Listed<'_, '_>,
+    ) -> Result<(), KvError> {
+        let Some((update, meta)) = self.to_update(msg, meta, verdict) else {
+            return Ok(());
+        };
+        listed.remaining = match meta {
+            Some(m) => m.pending,
+            None => listed.remaining.saturating_sub(1),
+        };
+        if !listed.scope.contains(update.key()) {
+            return Ok(());
+        }
+        if let KvUpdate::Put(e) = update {
+            let size = if listed.headers_only {
+                msg.headers
+                    .as_ref()
+                    .and_then(|h| h.get(NATS_MSG_SIZE))
+                    .and_then(|v| v.as_str().parse::<u64>().ok())
+                    .unwrap_or(1)
+            } else {
+                e.value.len() as u64
+            };
+            if size > 0 {
+                listed.live += 1;
+                (listed.each)(e)?;
+            }
+        }
+        Ok(())
     }
 
     /// Opens the ordered push consumer of a watch on the stream the fold pinned (which must be the
@@ -843,7 +971,8 @@ impl NatsKv {
             Some(Err(e)) => {
                 if let lean::DialError::Unsupported(why) = &e {
                     tracing::info!(bucket = %self.bucket, reason = %why, "watches are delivered through the client's ordered consumer");
-                    self.set_lean_delivery(None);
+                    *lock(&self.lean_dial) = None;
+                    *lock(&self.listing_dial) = None;
                 } else {
                     tracing::debug!(bucket = %self.bucket, error = %e, "no delivery connection for this watch");
                 }
@@ -885,6 +1014,21 @@ impl NatsKv {
             None => here,
         };
         let stream_cfg = &here_info.config;
+        let recovering = self.recovering.swap(false, Ordering::Relaxed);
+        let policy = match policy {
+            // A state-sync start whose consumer met a message the client library cannot read
+            // (the fold has no cursor yet, so a re-list would meet it again): the stream is read
+            // from its first sequence instead, its first stretch through the stream API. The
+            // same fold: each key's later messages replace its earlier ones.
+            consumer::DeliverPolicy::LastPerSubject if recovering => {
+                let first = here_info.state.first_sequence.max(1);
+                tracing::info!(bucket = %self.bucket, first, "the state-sync start met a message the client library cannot read: reading the stream from its first sequence instead");
+                consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: first,
+                }
+            }
+            p => p,
+        };
         let filter_subjects = protocol::server_filters(
             filters,
             &stream_cfg.subjects,
@@ -901,7 +1045,6 @@ impl NatsKv {
             }
             _ => None,
         };
-        let recovering = self.recovering.swap(false, Ordering::Relaxed);
         if let consumer::DeliverPolicy::ByStartSequence { start_sequence } = policy
             && self.direct_catch_up.load(Ordering::Relaxed)
             && let Some(range) = protocol::catch_up_range(
@@ -934,14 +1077,15 @@ impl NatsKv {
         Ok((start_identity, filter_subjects, policy, caught_up))
     }
 
-    /// The client's ordered consumer and its initial backlog.
+    /// The client's ordered consumer and its initial backlog, on the ordered consumer's own
+    /// connection ([`DeliveryClient`]) when the handle knows how to dial one.
     async fn create_ordered_consumer(
         &self,
         cfg: consumer::push::OrderedConfig,
     ) -> Result<(Deliveries, u64), KvError> {
+        let (stream, drops) = self.delivery_stream().await?;
         let consumer = timed("watch consumer", self.timeout, async {
-            self.kv
-                .stream
+            stream
                 .create_consumer(cfg)
                 .await
                 .map_err(|e| backend("watch consumer", e))
@@ -956,9 +1100,59 @@ impl NatsKv {
         })
         .await?;
         Ok((
-            Deliveries::Ordered(messages.ready_chunks(WATCH_CHUNK)),
+            Deliveries::Ordered {
+                chunks: messages.ready_chunks(WATCH_CHUNK),
+                drops,
+                failed: None,
+            },
             initial_pending,
         ))
+    }
+
+    /// The stream handle the ordered consumer is created through, and the drop count of its
+    /// connection: the [`DeliveryClient`] (dialled when there is none), or the node's client
+    /// when the handle has no options to dial with.
+    async fn delivery_stream(
+        &self,
+    ) -> Result<
+        (
+            jetstream::stream::Stream,
+            Option<tokio::sync::watch::Receiver<u64>>,
+        ),
+        KvError,
+    > {
+        let Some(opts) = lock(&self.connect_opts).clone() else {
+            let drops = lock(&self.drops).clone();
+            return Ok((self.kv.stream.clone(), drops));
+        };
+        let mut delivery = self.delivery.lock().await;
+        if let Some(d) = delivery.as_ref() {
+            return Ok((d.stream.clone(), Some(d.drops.clone())));
+        }
+        let drops = Arc::new(tokio::sync::watch::channel(0).0);
+        let mut opts = opts;
+        opts.name = opts.name.map(|n| format!("{n}-delivery"));
+        let client =
+            connect_client(&opts, Arc::new(AtomicBool::new(true)), drops.clone()).await?;
+        let stream = timed("delivery stream", self.timeout, async {
+            jetstream::new(client)
+                .get_stream(&self.stream_name)
+                .await
+                .map_err(|e| backend("delivery stream", e))
+        })
+        .await?;
+        let d = DeliveryClient {
+            stream: stream.clone(),
+            drops: drops.subscribe(),
+        };
+        *delivery = Some(d);
+        Ok((stream, Some(drops.subscribe())))
+    }
+
+    /// Forgets the ordered consumer's connection (dropped, or failed in the library): the next
+    /// watch dials a new one.
+    async fn discard_delivery(&self) {
+        self.delivery.lock().await.take();
     }
 
     /// The same consumer as the ordered one (its very configuration), delivered to a lean
@@ -1040,7 +1234,7 @@ impl NatsKv {
         // cursor through the stream API (`catchup.rs`), which decodes that message as
         // undecodable and passes it.
         let mut drops = match &messages {
-            Deliveries::Ordered(_) => self.drops.lock().ok().and_then(|d| d.clone()),
+            Deliveries::Ordered { drops, .. } => drops.clone(),
             Deliveries::Lean { .. } => None,
         };
         if let Some(d) = &mut drops {
@@ -1055,7 +1249,18 @@ impl NatsKv {
         loop {
             let chunk = tokio::select! {
                 c = messages.next() => match c {
-                    Some(c) => c?,
+                    Some(Ok(c)) => c,
+                    Some(Err(e)) => {
+                        if let Deliveries::Ordered { failed: Some(why), .. } = &messages {
+                            // The library failed on a delivery (a stored message it cannot
+                            // read): its connection is gone; the next watch dials a new one and
+                            // reads past the message through the stream API.
+                            tracing::warn!(bucket = %self.bucket, error = %why, "the client library failed on a delivery; the next watch reads past it through the stream API on a new connection");
+                            self.recovering.store(true, Ordering::Relaxed);
+                            self.discard_delivery().await;
+                        }
+                        return Err(e);
+                    }
                     None => break,
                 },
                 _ = backstop.tick() => {
@@ -1064,6 +1269,7 @@ impl NatsKv {
                 }
                 () = dropped(&mut drops) => {
                     self.recovering.store(true, Ordering::Relaxed);
+                    self.discard_delivery().await;
                     return Err(KvError::WatchError(format!(
                         "bucket {}: the client's connection dropped; resuming from the cursor",
                         self.bucket
@@ -1134,6 +1340,15 @@ impl NatsKv {
     }
 }
 
+/// A listing in progress: what it keeps, what it has counted, what remains to be delivered.
+struct Listed<'a, 'b> {
+    scope: &'a WatchScope,
+    headers_only: bool,
+    live: u64,
+    remaining: u64,
+    each: &'a mut (dyn FnMut(KvEntry) -> Result<(), KvError> + Send + 'b),
+}
+
 /// Resolves when the connection's drop count moves; never without one.
 async fn dropped(drops: &mut Option<tokio::sync::watch::Receiver<u64>>) {
     if let Some(d) = drops
@@ -1147,7 +1362,13 @@ async fn dropped(drops: &mut Option<tokio::sync::watch::Receiver<u64>>) {
 /// A watch's consumer deliveries: through the client's ordered consumer, or over a lean
 /// connection of the watch's own (`lean.rs`).
 enum Deliveries {
-    Ordered(futures::stream::ReadyChunks<consumer::push::Ordered>),
+    Ordered {
+        chunks: futures::stream::ReadyChunks<consumer::push::Ordered>,
+        /// The drop count of the connection it delivers on.
+        drops: Option<tokio::sync::watch::Receiver<u64>>,
+        /// Set when the library panicked while delivering: never polled again.
+        failed: Option<String>,
+    },
     Lean {
         lean: lean::LeanDeliveries,
         _cleanup: ConsumerCleanup,
@@ -1157,16 +1378,42 @@ enum Deliveries {
 impl Deliveries {
     /// The next chunk (cancel-safe: both sources are); `None` when the deliveries ended, an error
     /// when a lean connection failed (the watch ends; the fold resumes from its cursor).
+    ///
+    /// A panic of the client library while delivering (async-nats 0.51 asserts on a CR inside a
+    /// header value, and its consumer then polls a finished future) is caught here: the watch
+    /// ends with an error naming it, and `failed` says so.
     async fn next(&mut self) -> Option<Result<Vec<lean::Delivered>, KvError>> {
         match self {
-            Deliveries::Ordered(chunks) => chunks.next().await.map(|c| {
-                Ok(c.into_iter()
-                    .map(|item| match item {
-                        Ok(m) => lean::Delivered::Message(m.message, None, None),
-                        Err(e) => lean::Delivered::Recreating(e.to_string()),
-                    })
-                    .collect())
-            }),
+            Deliveries::Ordered { chunks, failed, .. } => {
+                if let Some(why) = failed {
+                    return Some(Err(KvError::WatchError(why.clone())));
+                }
+                match std::panic::AssertUnwindSafe(chunks.next())
+                    .catch_unwind()
+                    .await
+                {
+                    Ok(c) => c.map(|c| {
+                        Ok(c.into_iter()
+                            .map(|item| match item {
+                                Ok(m) => lean::Delivered::Message(m.message, None, None),
+                                Err(e) => lean::Delivered::Recreating(e.to_string()),
+                            })
+                            .collect())
+                    }),
+                    Err(panic) => {
+                        let what = panic
+                            .downcast_ref::<&str>()
+                            .map(|s| (*s).to_string())
+                            .or_else(|| panic.downcast_ref::<String>().cloned())
+                            .unwrap_or_else(|| "a panic".into());
+                        let why = format!(
+                            "the client library failed while delivering ({what}); a stored message it cannot read is read through the stream API"
+                        );
+                        *failed = Some(why.clone());
+                        Some(Err(KvError::WatchError(why)))
+                    }
+                }
+            }
             Deliveries::Lean { lean, .. } => lean.next().await,
         }
     }
@@ -1332,19 +1579,50 @@ impl KvReader for NatsKv {
         Ok(self.entry(key).await?.filter(|e| !e.value.is_empty()))
     }
 
+    /// The key's latest message, read from the stream leader as JSON
+    /// (`$JS.API.STREAM.MSG.GET`, `last_by_subj`) and decoded by [`protocol::decode_stored`]: no
+    /// stored header block reaches the client library (a direct get hands it the block as
+    /// stored). An undecodable latest message is an error naming it: what the key holds is then
+    /// unknown.
     async fn entry(&self, key: &str) -> Result<Option<KvEntry>, KvError> {
-        let e = timed("entry", self.timeout, async {
-            self.kv.entry(key).await.map_err(|e| backend("entry", e))
+        if !protocol::kv_key_valid(key) {
+            return Err(KvError::Invalid(format!("{key:?} is not a valid key")));
+        }
+        let request = serde_json::json!({ "last_by_subj": format!("{}{key}", self.subject_prefix) });
+        let answer = timed("entry", self.timeout, async {
+            self.client
+                .request(
+                    format!("$JS.API.STREAM.MSG.GET.{}", self.stream_name),
+                    request.to_string().into(),
+                )
+                .await
+                .map_err(|e| backend("entry", e))
         })
         .await?;
-        Ok(e.map(|e| KvEntry {
-            key: e.key,
-            value: match e.operation {
-                kv::Operation::Put => e.value,
-                kv::Operation::Delete | kv::Operation::Purge => Bytes::new(),
-            },
-            version: VersionToken::from_u64(e.revision),
-        }))
+        let Some(m) = catchup::parse_msg_get_reply(&answer.payload).map_err(|e| backend("entry", e))?
+        else {
+            return Ok(None);
+        };
+        let version = VersionToken::from_u64(m.sequence);
+        match m.verdict {
+            Ok(protocol::KvOp::Put) => Ok(Some(KvEntry {
+                key: key.to_string(),
+                value: m.payload,
+                version,
+            })),
+            Ok(protocol::KvOp::Delete | protocol::KvOp::Purge) => Ok(Some(KvEntry {
+                key: key.to_string(),
+                value: Bytes::new(),
+                version,
+            })),
+            Err(reason) => Err(backend(
+                "entry",
+                format!(
+                    "the latest message of {key:?} (revision {}) is undecodable: {reason}",
+                    m.sequence
+                ),
+            )),
+        }
     }
 
     async fn keys(&self, prefix: &str) -> Result<Vec<String>, KvError> {

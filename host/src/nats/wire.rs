@@ -285,6 +285,24 @@ pub fn parse_headers(block: &[u8]) -> Result<HeaderBlock<'_>, WireError> {
     Ok(out)
 }
 
+/// The header a headers-only delivery carries the stored message's payload size in.
+pub const NATS_MSG_SIZE: &str = "Nats-Msg-Size";
+
+/// The payload size a headers-only delivery's block names (`Nats-Msg-Size: N`, the last such line:
+/// the server appends its own after the stored ones); `None` when no line names a decimal size.
+/// Read line by line from the raw block, whatever else it holds (a writer's lines may be
+/// undecodable; this one is the server's).
+pub fn stored_msg_size(block: &[u8]) -> Option<u64> {
+    block
+        .split(|&b| b == b'\n')
+        .filter_map(|line| {
+            let line = line.strip_suffix(b"\r").unwrap_or(line);
+            let value = line.strip_prefix(NATS_MSG_SIZE.as_bytes())?.strip_prefix(b":")?;
+            std::str::from_utf8(value).ok()?.trim().parse::<u64>().ok()
+        })
+        .next_back()
+}
+
 /// Credentials a lean connection sends in its `CONNECT`.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum WireAuth {
@@ -294,14 +312,23 @@ pub enum WireAuth {
     UserPass(String, String),
     /// `auth_token`.
     Token(String),
+    /// A user JWT and the server's nonce signed with the user's nkey (`jwt`, `sig`: the signature
+    /// base64url without padding), as a `.creds` file authenticates.
+    Jwt {
+        /// The user JWT.
+        jwt: String,
+        /// The nonce's signature, base64url without padding.
+        sig: String,
+    },
 }
 
-/// The `CONNECT` line (no echo of our own publishes, headers on, not verbose).
-pub fn connect_line(auth: &WireAuth, name: Option<&str>) -> String {
+/// The `CONNECT` line (no echo of our own publishes, headers on, not verbose). `tls`: the
+/// connection runs over TLS.
+pub fn connect_line(auth: &WireAuth, name: Option<&str>, tls: bool) -> String {
     let mut o = serde_json::json!({
         "verbose": false,
         "pedantic": false,
-        "tls_required": false,
+        "tls_required": tls,
         "lang": "rust-foldhost",
         "version": env!("CARGO_PKG_VERSION"),
         "protocol": 1,
@@ -319,17 +346,34 @@ pub fn connect_line(auth: &WireAuth, name: Option<&str>) -> String {
             o["pass"] = serde_json::Value::from(p.as_str());
         }
         WireAuth::Token(t) => o["auth_token"] = serde_json::Value::from(t.as_str()),
+        WireAuth::Jwt { jwt, sig } => {
+            o["jwt"] = serde_json::Value::from(jwt.as_str());
+            o["sig"] = serde_json::Value::from(sig.as_str());
+        }
     }
     format!("CONNECT {o}\r\n")
 }
 
-/// The `host:port` a plain-TCP connection dials for one `--nats` URL; `None` for a scheme this
-/// connection does not speak (`tls://`, websockets): those keep the client's own consumer.
-pub fn plain_address(url: &str) -> Option<String> {
-    let rest = match url.split_once("://") {
-        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("nats") => rest,
+/// Where a lean connection dials for one `--nats` URL.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ServerAddress {
+    /// `host:port` (`[v6]:port`), the port 4222 when the URL names none.
+    pub host_port: String,
+    /// The host alone (brackets removed): the name a TLS certificate is checked against.
+    pub host: String,
+    /// The URL asks for TLS (`tls://`); the server's `INFO` may also require it.
+    pub tls: bool,
+}
+
+/// The address a lean connection dials for one `--nats` URL: `nats://` (or no scheme) and
+/// `tls://`; `None` for a scheme it does not speak (websockets), which keeps the client's own
+/// consumer.
+pub fn server_address(url: &str) -> Option<ServerAddress> {
+    let (rest, tls) = match url.split_once("://") {
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("nats") => (rest, false),
+        Some((scheme, rest)) if scheme.eq_ignore_ascii_case("tls") => (rest, true),
         Some(_) => return None,
-        None => url,
+        None => (url, false),
     };
     let authority = rest.split('/').next().unwrap_or(rest);
     let host_port = authority.rsplit_once('@').map_or(authority, |(_, hp)| hp);
@@ -337,15 +381,60 @@ pub fn plain_address(url: &str) -> Option<String> {
         return None;
     }
     // `[v6]:port`, `[v6]`, `host:port`, `host`.
-    let has_port = match host_port.rfind(']') {
-        Some(close) => host_port[close..].contains(':'),
-        None => host_port.contains(':'),
+    let (host, has_port) = match host_port.rfind(']') {
+        Some(close) => (
+            host_port[..close].trim_start_matches('['),
+            host_port[close..].contains(':'),
+        ),
+        None => match host_port.rsplit_once(':') {
+            Some((h, _)) => (h, true),
+            None => (host_port, false),
+        },
     };
-    Some(if has_port {
-        host_port.to_string()
-    } else {
-        format!("{host_port}:4222")
+    if host.is_empty() {
+        return None;
+    }
+    Some(ServerAddress {
+        host_port: if has_port {
+            host_port.to_string()
+        } else {
+            format!("{host_port}:4222")
+        },
+        host: host.to_string(),
+        tls,
     })
+}
+
+/// The largest `.creds` text read (a user JWT and a seed are well under 8 KiB).
+pub const MAX_CREDS: usize = 64 * 1024;
+
+/// The user JWT and nkey seed of a `.creds` text: the first and second blocks framed by
+/// dash-decorated lines (`-----BEGIN NATS USER JWT-----` … `------END NATS USER JWT------`), as
+/// the nats tools write them. `None` when either is missing or a block is not one token.
+pub fn parse_creds(text: &str) -> Option<(String, String)> {
+    let decorated = |l: &str| l.starts_with("---") && l.ends_with("---") && l.len() >= 6;
+    let mut blocks = Vec::new();
+    let mut lines = text.lines().map(str::trim);
+    while let Some(l) = lines.next() {
+        if decorated(l) && l.contains("BEGIN") {
+            let body = lines.next()?;
+            let end = lines.next()?;
+            if !decorated(end)
+                || body.is_empty()
+                || !body
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b"-_.=".contains(&b))
+            {
+                return None;
+            }
+            blocks.push(body.to_string());
+            if blocks.len() == 2 {
+                break;
+            }
+        }
+    }
+    let mut b = blocks.into_iter();
+    Some((b.next()?, b.next()?))
 }
 
 #[cfg(test)]
@@ -513,30 +602,76 @@ mod tests {
     }
 
     #[test]
-    fn only_plain_nats_urls_are_dialled_by_address() {
+    fn nats_and_tls_urls_are_dialled_by_address_and_websockets_are_not() {
+        let a = |u| server_address(u).map(|a| (a.host_port, a.host, a.tls));
+        let s = |hp: &str, h: &str, tls| Some((hp.to_string(), h.to_string(), tls));
+        assert_eq!(a("nats://127.0.0.1:4222"), s("127.0.0.1:4222", "127.0.0.1", false));
+        assert_eq!(a("localhost"), s("localhost:4222", "localhost", false));
+        assert_eq!(a("nats://u:p@h:5"), s("h:5", "h", false));
+        assert_eq!(a("nats://[::1]:7"), s("[::1]:7", "::1", false));
+        assert_eq!(a("nats://[::1]"), s("[::1]:4222", "::1", false));
+        assert_eq!(a("tls://h.example:4443"), s("h.example:4443", "h.example", true));
+        assert_eq!(a("TLS://tok@h"), s("h:4222", "h", true));
+        assert_eq!(a("ws://h:80"), None);
+        assert_eq!(a("nats://"), None);
+        assert_eq!(a("nats://:4222"), None);
+    }
+
+    #[test]
+    fn a_headers_only_size_is_the_last_decimal_size_line_of_the_block() {
         assert_eq!(
-            plain_address("nats://127.0.0.1:4222").as_deref(),
-            Some("127.0.0.1:4222")
+            stored_msg_size(b"NATS/1.0\r\nKV-Operation: DEL\r\nNats-Msg-Size: 0\r\n\r\n"),
+            Some(0)
         );
         assert_eq!(
-            plain_address("localhost").as_deref(),
-            Some("localhost:4222")
+            stored_msg_size(b"NATS/1.0\r\nNats-Msg-Size: 7\r\nbad line\r\nNats-Msg-Size: 12\r\n\r\n"),
+            Some(12)
         );
-        assert_eq!(plain_address("nats://u:p@h:5").as_deref(), Some("h:5"));
-        assert_eq!(plain_address("nats://[::1]:7").as_deref(), Some("[::1]:7"));
-        assert_eq!(plain_address("nats://[::1]").as_deref(), Some("[::1]:4222"));
-        assert_eq!(plain_address("tls://h:4222"), None);
-        assert_eq!(plain_address("ws://h:80"), None);
+        assert_eq!(stored_msg_size(b"NATS/1.0\r\nNats-Msg-Size: x\r\n\r\n"), None);
+        assert_eq!(stored_msg_size(b"NATS/1.0\r\n\r\n"), None);
+    }
+
+    #[test]
+    fn a_creds_text_yields_its_jwt_and_seed_and_anything_else_nothing() {
+        let creds = "-----BEGIN NATS USER JWT-----\neyJ0eXAi.eyJqdGki.sig-_x\n------END NATS USER JWT------\n\n\
+            ************************* IMPORTANT *************************\nNKEY Seed printed below.\n\n\
+            -----BEGIN USER NKEY SEED-----\nSUAIO3FHUX5PNV2LQIIP7TZ3N4L7TX3W53MQGEIVYFIGA635OZCKEYHFLM\n\
+            ------END USER NKEY SEED------\n";
+        assert_eq!(
+            parse_creds(creds),
+            Some((
+                "eyJ0eXAi.eyJqdGki.sig-_x".to_string(),
+                "SUAIO3FHUX5PNV2LQIIP7TZ3N4L7TX3W53MQGEIVYFIGA635OZCKEYHFLM".to_string()
+            ))
+        );
+        assert_eq!(parse_creds(&creds.replace("\n", "\r\n")), parse_creds(creds));
+        assert_eq!(parse_creds(""), None);
+        // The seed block missing.
+        let jwt_only = creds.split("\n\n").next().unwrap_or_default();
+        assert_eq!(parse_creds(jwt_only), None);
+        // A body with a space is not one token.
+        assert_eq!(parse_creds(&creds.replace("eyJ0eXAi.", "eyJ0 eXAi.")), None);
     }
 
     #[test]
     fn the_connect_line_carries_the_credentials_and_never_echoes() {
-        let l = connect_line(&WireAuth::UserPass("a".into(), "b\"c".into()), Some("n"));
+        let l = connect_line(&WireAuth::UserPass("a".into(), "b\"c".into()), Some("n"), false);
         assert!(l.starts_with("CONNECT {") && l.ends_with("}\r\n"));
         let v: serde_json::Value = serde_json::from_str(&l[8..l.len() - 2]).unwrap();
         assert_eq!(v["user"], "a");
         assert_eq!(v["pass"], "b\"c");
         assert_eq!(v["echo"], false);
         assert_eq!(v["headers"], true);
+        assert_eq!(v["tls_required"], false);
+        let l = connect_line(
+            &WireAuth::Jwt {
+                jwt: "j".into(),
+                sig: "s".into(),
+            },
+            None,
+            true,
+        );
+        let v: serde_json::Value = serde_json::from_str(&l[8..l.len() - 2]).unwrap();
+        assert_eq!((&v["jwt"], &v["sig"], &v["tls_required"]), (&"j".into(), &"s".into(), &true.into()));
     }
 }

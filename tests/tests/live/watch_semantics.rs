@@ -736,7 +736,10 @@ pub(crate) async fn raw_publish(
     payload: &[u8],
 ) -> anyhow::Result<()> {
     use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
-    let addr = foldhost::nats::wire::plain_address(url).context("a plain URL")?;
+    let addr = foldhost::nats::wire::server_address(url)
+        .filter(|a| !a.tls)
+        .context("a plain URL")?
+        .host_port;
     let mut sock = tokio::io::BufReader::new(tokio::net::TcpStream::connect(addr).await?);
     let mut line = String::new();
     sock.read_line(&mut line).await?;
