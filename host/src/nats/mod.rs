@@ -928,6 +928,7 @@ impl NatsKv {
         &self,
         filters: &[String],
         policy: consumer::DeliverPolicy,
+        ordered: &AtomicBool,
     ) -> Result<(StreamIdentity, Deliveries, u64, Vec<catchup::Decoded>), KvError> {
         let deliver_subject = self.client.new_inbox();
         let dial = self
@@ -976,9 +977,13 @@ impl NatsKv {
                 } else {
                     tracing::debug!(bucket = %self.bucket, error = %e, "no delivery connection for this watch");
                 }
+                ordered.store(true, Ordering::Relaxed);
                 self.create_ordered_consumer(cfg).await?
             }
-            None => self.create_ordered_consumer(cfg).await?,
+            None => {
+                ordered.store(true, Ordering::Relaxed);
+                self.create_ordered_consumer(cfg).await?
+            }
         };
         let head = self.decode_caught_up(&caught_up, initial_pending);
         let initial_pending = initial_pending.saturating_add(head.len() as u64);
@@ -1131,7 +1136,7 @@ impl NatsKv {
         }
         let drops = Arc::new(tokio::sync::watch::channel(0).0);
         let mut opts = opts;
-        opts.name = opts.name.map(|n| format!("{n}-delivery"));
+        opts.name = opts.name.map(|n| format!("{n}-ordered"));
         let client =
             connect_client(&opts, Arc::new(AtomicBool::new(true)), drops.clone()).await?;
         let stream = timed("delivery stream", self.timeout, async {
@@ -1175,16 +1180,37 @@ impl NatsKv {
         Ok((info.name.clone(), info.num_pending))
     }
 
-    /// Runs an ordered push consumer with `policy` over `scope`, pushing events into `tx` until the
-    /// receiver is dropped (`Ok`) or the watch fails. Every chunk passes the floor guard
-    /// ([`floor::FloorGuard`]) before it is forwarded ([`Forwarder`]). (A little over 80 lines: the
-    /// one `select!` and the chunk decode stay together so the order "check, then forward" is read
-    /// in one place.)
+    /// Runs a watch ([`NatsKv::deliver_watch`]); when it ends in an error after taking the
+    /// client's ordered consumer, whatever ended it (a drop, the library's failure on a stored
+    /// message, the subscription's end when its connection task died, a request on that dead
+    /// connection), that connection is discarded and the next watch reads the first sequences
+    /// after the cursor through the stream API ([`protocol::catch_up_range`]).
     async fn run_watch(
         &self,
         scope: &WatchScope,
         policy: consumer::DeliverPolicy,
         tx: mpsc::Sender<WatchEvent>,
+    ) -> Result<(), KvError> {
+        let ordered = AtomicBool::new(false);
+        let r = self.deliver_watch(scope, policy, tx, &ordered).await;
+        if r.is_err() && ordered.load(Ordering::Relaxed) {
+            self.recovering.store(true, Ordering::Relaxed);
+            self.discard_delivery().await;
+        }
+        r
+    }
+
+    /// Runs an ordered push consumer with `policy` over `scope`, pushing events into `tx` until the
+    /// receiver is dropped (`Ok`) or the watch fails. Every chunk passes the floor guard
+    /// ([`floor::FloorGuard`]) before it is forwarded ([`Forwarder`]). (A little over 80 lines: the
+    /// one `select!` and the chunk decode stay together so the order "check, then forward" is read
+    /// in one place.)
+    async fn deliver_watch(
+        &self,
+        scope: &WatchScope,
+        policy: consumer::DeliverPolicy,
+        tx: mpsc::Sender<WatchEvent>,
+        ordered: &AtomicBool,
     ) -> Result<(), KvError> {
         let filters = self.filter_subjects(scope)?;
         let start_frontier = match &policy {
@@ -1194,7 +1220,7 @@ impl NatsKv {
             _ => None,
         };
         let (start_identity, messages, initial_pending, head) =
-            self.open_consumer(&filters, policy).await?;
+            self.open_consumer(&filters, policy, ordered).await?;
         let mut out = Forwarder::new(tx, self.subject_prefix.clone());
         if !out.start(initial_pending).await {
             return Ok(());
@@ -1252,12 +1278,7 @@ impl NatsKv {
                     Some(Ok(c)) => c,
                     Some(Err(e)) => {
                         if let Deliveries::Ordered { failed: Some(why), .. } = &messages {
-                            // The library failed on a delivery (a stored message it cannot
-                            // read): its connection is gone; the next watch dials a new one and
-                            // reads past the message through the stream API.
                             tracing::warn!(bucket = %self.bucket, error = %why, "the client library failed on a delivery; the next watch reads past it through the stream API on a new connection");
-                            self.recovering.store(true, Ordering::Relaxed);
-                            self.discard_delivery().await;
                         }
                         return Err(e);
                     }
@@ -1268,8 +1289,6 @@ impl NatsKv {
                     continue;
                 }
                 () = dropped(&mut drops) => {
-                    self.recovering.store(true, Ordering::Relaxed);
-                    self.discard_delivery().await;
                     return Err(KvError::WatchError(format!(
                         "bucket {}: the client's connection dropped; resuming from the cursor",
                         self.bucket
@@ -1332,6 +1351,9 @@ impl NatsKv {
             if !out.forward(scope, decoded, &mut guard).await {
                 return Ok(());
             }
+        }
+        if matches!(messages, Deliveries::Ordered { .. }) {
+            tracing::warn!(bucket = %self.bucket, "the client's ordered consumer ended: its connection is gone (the client library fails on some stored messages); the next watch reads past it through the stream API on a new connection");
         }
         Err(KvError::WatchError(format!(
             "bucket {}: watch stream ended",

@@ -4,7 +4,7 @@
 //! the cursor passes, on a cursorless start (the re-list), live, and on a resume's catch-up, with
 //! the lean delivery and with the client's ordered consumer; both nodes end with the same fold.
 
-use foldhost::kv::KvWriter as _;
+use foldhost::kv::{KvReader as _, KvWriter as _};
 use foldhost_tests::{Harness, dump_store, run_command, terminate, wait_status};
 
 use crate::watch_semantics::raw_publish;
@@ -62,7 +62,7 @@ impl Drop for Nodes {
 /// `r`, or its error with the nodes' logs.
 fn logged<T>(tmp: &tempfile::TempDir, r: anyhow::Result<T>) -> anyhow::Result<T> {
     r.map_err(|e| {
-        let logs: Vec<String> = ["lean", "ordered"]
+        let logs: Vec<String> = ["lean", "ordered", "cr-lean", "cr-ordered"]
             .iter()
             .map(|n| {
                 let l = std::fs::read_to_string(tmp.path().join(format!("{n}.log")));
@@ -251,5 +251,123 @@ async fn the_ordered_consumer_reads_past_an_undecodable_message_in_a_long_gap_of
             "k.{i:03}"
         );
     }
+    Ok(())
+}
+
+/// A CR inside a header value is the one stored block async-nats 0.51 cannot survive: its
+/// connection task panics (an assertion in its header parser) and its ordered consumer then
+/// polls a finished future, which failed the node for good. The ordered consumer delivers on a
+/// connection of its own, the panic is caught there, and the next watch reads past the message
+/// through the stream API on a new connection: both when it is the very first delivery of a
+/// cursorless start (the state-sync start then reads the stream from its first sequence) and
+/// live. Each ends at the stream's last sequence with the same fold as a lean node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cr_inside_a_value_delivered_by_the_ordered_consumer_fails_only_its_own_connection_and_is_read_past()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("crv").await?;
+    // The stream's first message: the first delivery of a state-sync start.
+    raw_publish(&h.url(), "$KV.crv.odd.first", ODD[2], b"x").await?;
+    for i in 0..20 {
+        kv.put(&format!("k.{i}"), format!("v{i}").into()).await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let nodes = [("cr-lean", true), ("cr-ordered", false)];
+    let addrs: Vec<String> = nodes.iter().map(|_| addr()).collect::<Result<_, _>>()?;
+    let mut children = Nodes(Vec::new());
+    for ((name, lean), a) in nodes.iter().zip(&addrs) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(tmp.path().join(format!("{name}.log")))?;
+        let mut c = run_command(&h, "crv", &tmp.path().join(name), Some(a));
+        c.stderr(log);
+        if !lean {
+            c.env(foldhost::nats::LEAN_DELIVERY_ENV, "off");
+        }
+        children.0.push(c.spawn()?);
+    }
+    let last = kv.positions().await?.last_sequence;
+    for a in &addrs {
+        let s = logged(
+            &tmp,
+            wait_status(a, |s| s.cursor == Some(last) || s.state == "failed").await,
+        )?;
+        assert_eq!(
+            (s.state.as_str(), s.error.as_deref(), s.skipped_messages),
+            ("running", None, 1),
+            "the cursorless start passes the message"
+        );
+    }
+    // Live, on a watch that has delivered before: both CR blocks, between ordinary writes.
+    for (i, block) in [ODD[1], ODD[2]].iter().enumerate() {
+        kv.put(&format!("live.{i}"), "before".into()).await?;
+        raw_publish(&h.url(), &format!("$KV.crv.odd.live.{i}"), block, b"x").await?;
+        kv.put(&format!("live.{i}.after"), "after".into()).await?;
+    }
+    let last = kv.positions().await?.last_sequence;
+    for a in &addrs {
+        let s = logged(
+            &tmp,
+            wait_status(a, |s| s.cursor == Some(last) || s.state == "failed").await,
+        )?;
+        assert_eq!(
+            (s.state.as_str(), s.error.as_deref(), s.skipped_messages),
+            ("running", None, 3),
+            "each live message passed, once"
+        );
+    }
+    for c in &mut children.0 {
+        terminate(c)?;
+    }
+    let log = std::fs::read_to_string(tmp.path().join("cr-ordered.log"))?;
+    assert!(
+        log.contains("through the stream API on a new connection"),
+        "the ordered node met the library's failure and said so:\n{log}"
+    );
+    let lean = dump_store(&tmp.path().join("cr-lean"))?;
+    let ordered = dump_store(&tmp.path().join("cr-ordered"))?;
+    assert_eq!(lean, ordered, "the two delivery paths folded differently");
+    assert_eq!(lean.len(), 24, "k.0-19 and the four live writes: {lean:?}");
+    assert!(lean.keys().all(|k| !k.starts_with("odd.")));
+    Ok(())
+}
+
+/// Listings (`keys`, `scan`: the CLI's and the re-list repair's) and single reads (`entry`)
+/// meet each of the six odd blocks as the fold does, through the decoder: an undecodable latest
+/// message lists nothing for its key, and reading that key says why, in one error. The node's
+/// client survives them all (a CR block used to panic its connection task under a listing).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn listings_and_single_reads_decode_every_odd_block_and_the_client_survives_them()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("undec").await?;
+    round(&h, &kv, "a").await?;
+    let keys = kv.keys("").await?;
+    let scanned: Vec<String> = kv.scan("").await?.into_iter().map(|e| e.key).collect();
+    assert_eq!(keys, scanned);
+    let mut want: Vec<String> = (0..ODD.len())
+        .flat_map(|i| [format!("k.a.{i}"), format!("over.a.{i}")])
+        .chain(["k.a.last".to_string(), "odd.a.5".to_string()])
+        .collect();
+    want.sort();
+    assert_eq!(keys, want, "the decodable live keys, nothing of an odd one");
+    for i in 0..ODD.len() - 1 {
+        let key = format!("odd.a.{i}");
+        let e = kv.entry(&key).await;
+        assert!(
+            matches!(&e, Err(foldhost::kv::KvError::Backend { reason, .. }) if reason.contains("undecodable")),
+            "{key}: {e:?}"
+        );
+    }
+    let e = kv.entry("k.a.0").await?.expect("an entry");
+    assert_eq!(e.value.as_ref(), b"va0");
+    assert!(kv.entry("absent.key").await?.is_none());
+    // The client still works.
+    kv.put("after", "ok".into()).await?;
+    assert_eq!(
+        kv.entry("after").await?.map(|e| e.value),
+        Some(bytes::Bytes::from("ok"))
+    );
     Ok(())
 }
