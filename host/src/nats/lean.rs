@@ -121,9 +121,8 @@ impl LeanDial {
     /// `None` when the options need what this connection does not speak (a websocket URL), or
     /// name credentials it cannot read (the client library then fails on them too, naming them).
     pub(super) fn from_options(opts: &ConnectOptions) -> Option<LeanDial> {
-        let creds = |text: &str| {
-            wire::parse_creds(text).map(|(jwt, seed)| DialAuth::Creds { jwt, seed })
-        };
+        let creds =
+            |text: &str| wire::parse_creds(text).map(|(jwt, seed)| DialAuth::Creds { jwt, seed });
         let auth = match credential_source(opts) {
             CredentialSource::Creds => creds(opts.creds.as_deref().unwrap_or_default())?,
             CredentialSource::CredsFile(p) => {
@@ -135,11 +134,13 @@ impl LeanDial {
                 .ok()?;
                 creds(&text)?
             }
-            CredentialSource::Url => DialAuth::Wire(match crate::bucket::url_credentials(&opts.url) {
-                Some((user, Some(pass))) => WireAuth::UserPass(user, pass),
-                Some((token, None)) => WireAuth::Token(token),
-                None => WireAuth::None,
-            }),
+            CredentialSource::Url => {
+                DialAuth::Wire(match crate::bucket::url_credentials(&opts.url) {
+                    Some((user, Some(pass))) => WireAuth::UserPass(user, pass),
+                    Some((token, None)) => WireAuth::Token(token),
+                    None => WireAuth::None,
+                })
+            }
             CredentialSource::None => DialAuth::Wire(WireAuth::None),
         };
         let servers = crate::bucket::server_urls(&opts.url)

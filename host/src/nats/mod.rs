@@ -251,6 +251,11 @@ async fn connect_client(
     healthy: Arc<AtomicBool>,
     drops: Arc<tokio::sync::watch::Sender<u64>>,
 ) -> Result<async_nats::Client, KvError> {
+    // The client library builds its TLS configuration with the process's default provider, and
+    // the build has two (ring through the client, aws-lc-rs through the object store's HTTP
+    // client): without one installed, a `tls://` connection panics. Installing an already
+    // installed one is a no-op.
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let url = opts.url.clone();
     let err = |reason: String| KvError::Connect {
         url: url.clone(),
@@ -1137,8 +1142,7 @@ impl NatsKv {
         let drops = Arc::new(tokio::sync::watch::channel(0).0);
         let mut opts = opts;
         opts.name = opts.name.map(|n| format!("{n}-ordered"));
-        let client =
-            connect_client(&opts, Arc::new(AtomicBool::new(true)), drops.clone()).await?;
+        let client = connect_client(&opts, Arc::new(AtomicBool::new(true)), drops.clone()).await?;
         let stream = timed("delivery stream", self.timeout, async {
             jetstream::new(client)
                 .get_stream(&self.stream_name)
@@ -1610,7 +1614,8 @@ impl KvReader for NatsKv {
         if !protocol::kv_key_valid(key) {
             return Err(KvError::Invalid(format!("{key:?} is not a valid key")));
         }
-        let request = serde_json::json!({ "last_by_subj": format!("{}{key}", self.subject_prefix) });
+        let request =
+            serde_json::json!({ "last_by_subj": format!("{}{key}", self.subject_prefix) });
         let answer = timed("entry", self.timeout, async {
             self.client
                 .request(
@@ -1621,7 +1626,8 @@ impl KvReader for NatsKv {
                 .map_err(|e| backend("entry", e))
         })
         .await?;
-        let Some(m) = catchup::parse_msg_get_reply(&answer.payload).map_err(|e| backend("entry", e))?
+        let Some(m) =
+            catchup::parse_msg_get_reply(&answer.payload).map_err(|e| backend("entry", e))?
         else {
             return Ok(None);
         };

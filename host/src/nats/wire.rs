@@ -297,7 +297,9 @@ pub fn stored_msg_size(block: &[u8]) -> Option<u64> {
         .split(|&b| b == b'\n')
         .filter_map(|line| {
             let line = line.strip_suffix(b"\r").unwrap_or(line);
-            let value = line.strip_prefix(NATS_MSG_SIZE.as_bytes())?.strip_prefix(b":")?;
+            let value = line
+                .strip_prefix(NATS_MSG_SIZE.as_bytes())?
+                .strip_prefix(b":")?;
             std::str::from_utf8(value).ok()?.trim().parse::<u64>().ok()
         })
         .next_back()
@@ -605,12 +607,18 @@ mod tests {
     fn nats_and_tls_urls_are_dialled_by_address_and_websockets_are_not() {
         let a = |u| server_address(u).map(|a| (a.host_port, a.host, a.tls));
         let s = |hp: &str, h: &str, tls| Some((hp.to_string(), h.to_string(), tls));
-        assert_eq!(a("nats://127.0.0.1:4222"), s("127.0.0.1:4222", "127.0.0.1", false));
+        assert_eq!(
+            a("nats://127.0.0.1:4222"),
+            s("127.0.0.1:4222", "127.0.0.1", false)
+        );
         assert_eq!(a("localhost"), s("localhost:4222", "localhost", false));
         assert_eq!(a("nats://u:p@h:5"), s("h:5", "h", false));
         assert_eq!(a("nats://[::1]:7"), s("[::1]:7", "::1", false));
         assert_eq!(a("nats://[::1]"), s("[::1]:4222", "::1", false));
-        assert_eq!(a("tls://h.example:4443"), s("h.example:4443", "h.example", true));
+        assert_eq!(
+            a("tls://h.example:4443"),
+            s("h.example:4443", "h.example", true)
+        );
         assert_eq!(a("TLS://tok@h"), s("h:4222", "h", true));
         assert_eq!(a("ws://h:80"), None);
         assert_eq!(a("nats://"), None);
@@ -624,10 +632,15 @@ mod tests {
             Some(0)
         );
         assert_eq!(
-            stored_msg_size(b"NATS/1.0\r\nNats-Msg-Size: 7\r\nbad line\r\nNats-Msg-Size: 12\r\n\r\n"),
+            stored_msg_size(
+                b"NATS/1.0\r\nNats-Msg-Size: 7\r\nbad line\r\nNats-Msg-Size: 12\r\n\r\n"
+            ),
             Some(12)
         );
-        assert_eq!(stored_msg_size(b"NATS/1.0\r\nNats-Msg-Size: x\r\n\r\n"), None);
+        assert_eq!(
+            stored_msg_size(b"NATS/1.0\r\nNats-Msg-Size: x\r\n\r\n"),
+            None
+        );
         assert_eq!(stored_msg_size(b"NATS/1.0\r\n\r\n"), None);
     }
 
@@ -644,7 +657,10 @@ mod tests {
                 "SUAIO3FHUX5PNV2LQIIP7TZ3N4L7TX3W53MQGEIVYFIGA635OZCKEYHFLM".to_string()
             ))
         );
-        assert_eq!(parse_creds(&creds.replace("\n", "\r\n")), parse_creds(creds));
+        assert_eq!(
+            parse_creds(&creds.replace("\n", "\r\n")),
+            parse_creds(creds)
+        );
         assert_eq!(parse_creds(""), None);
         // The seed block missing.
         let jwt_only = creds.split("\n\n").next().unwrap_or_default();
@@ -655,7 +671,11 @@ mod tests {
 
     #[test]
     fn the_connect_line_carries_the_credentials_and_never_echoes() {
-        let l = connect_line(&WireAuth::UserPass("a".into(), "b\"c".into()), Some("n"), false);
+        let l = connect_line(
+            &WireAuth::UserPass("a".into(), "b\"c".into()),
+            Some("n"),
+            false,
+        );
         assert!(l.starts_with("CONNECT {") && l.ends_with("}\r\n"));
         let v: serde_json::Value = serde_json::from_str(&l[8..l.len() - 2]).unwrap();
         assert_eq!(v["user"], "a");
@@ -672,6 +692,9 @@ mod tests {
             true,
         );
         let v: serde_json::Value = serde_json::from_str(&l[8..l.len() - 2]).unwrap();
-        assert_eq!((&v["jwt"], &v["sig"], &v["tls_required"]), (&"j".into(), &"s".into(), &true.into()));
+        assert_eq!(
+            (&v["jwt"], &v["sig"], &v["tls_required"]),
+            (&"j".into(), &"s".into(), &true.into())
+        );
     }
 }

@@ -18,6 +18,7 @@ mod guests;
 mod hosted;
 mod identity;
 mod languages;
+mod lean_auth;
 mod lease;
 mod localnats;
 mod repair;
