@@ -28,10 +28,14 @@
 //!   is bounded by [`READ_BUFFER`], a message by the larger of the server's `max_payload` and
 //!   [`wire::MAX_MESSAGE`] (a stored message may predate a lowered `max_payload`; the client
 //!   library takes it, so this connection does too).
-//! - **An optimisation, never a requirement**: a server that wants TLS, credentials this
-//!   connection does not send (`.creds`), a `tls://` URL, or a refused `CONNECT` keep the
-//!   client's ordered consumer (`Dial::Unsupported` turns this connection off for the handle);
-//!   a socket that cannot be opened falls back for that one watch.
+//! - **Wherever the client connects**: plain or TLS (a `tls://` URL, or a server whose `INFO`
+//!   requires it; the system's roots, as the client library loads them), with the URL's
+//!   credentials or a `.creds` user (its nkey signs the server's nonce). Only a websocket URL, or
+//!   a `CONNECT` the server refuses, keeps the client's ordered consumer (`Dial::Unsupported`
+//!   turns this connection off for the handle); a socket that cannot be opened falls back for
+//!   that one watch.
+//! - **Listings too**: a listing's consumer (`LastPerSubject`, no acks) is delivered the same way,
+//!   so no stored header block reaches the client library on a listing either.
 
 use std::time::Duration;
 

@@ -6,7 +6,12 @@
 //! - Listings (`keys`, `scan`) use one ephemeral `LastPerSubject` push consumer with
 //!   `AckPolicy::None` (an explicit-ack consumer stops after 1 000 unacknowledged messages and would
 //!   silently truncate a larger bucket), subscribed *before* the consumer is created so no early
-//!   delivery is lost, answering flow-control requests so a large listing never stalls.
+//!   delivery is lost, answering flow-control requests so a large listing never stalls; delivered
+//!   over a lean connection (`lean.rs`) wherever one can be made.
+//! - No stored header block reaches the client library on the node's own connection: watches and
+//!   listings are delivered lean, single reads and catch-ups are the leader's JSON answers. The
+//!   client's ordered consumer (`FOLDHOST_LEAN_DELIVERY=off`, websocket URLs) runs on a
+//!   connection of its own ([`DeliveryClient`]), replaced after any watch on it ends in an error.
 //! - Watches are ordered push consumers: state-sync (`LastPerSubject`) without a cursor, a delta
 //!   (`ByStartSequence(cursor + 1)`) with one. A delta is only started after
 //!   [`protocol::resume_window_ok`] passes against the stream's live first sequence: the server would
