@@ -6,8 +6,8 @@
 .PHONY: demo test setup guests bench slipfold bench-bootstrap lint flake
 
 # `test` and `lint` cover the optional storage backends too (RocksDB is a long C++ build; see
-# docs in host/src/snapshot/rocks.rs) and compile in the crash points the crash tests arm
-# (host/src/crashpoint.rs; never in `demo`, `bench` or a release build). `demo` stays on the
+# docs in crates/foldhost-core/src/snapshot/rocks.rs) and compile in the crash points the crash tests arm
+# (crates/foldhost-core/src/crashpoint.rs; never in `demo`, `bench` or a release build). `demo` stays on the
 # default build.
 FEATURES = --features fjall,rocksdb,crashpoints
 RUNS ?= 5

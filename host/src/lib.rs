@@ -30,26 +30,26 @@
 
 pub mod applied;
 pub mod artifact;
-pub mod bucket;
+pub use foldhost_core::bucket;
 pub mod cli;
-pub mod crashpoint;
+pub use foldhost_core::crashpoint;
 pub mod guest;
-pub mod kv;
+pub use foldhost_core::kv;
 pub mod lease;
 pub mod localnats;
 #[cfg(test)]
 mod models;
 pub mod nats;
 pub mod node;
-pub mod protocol;
+pub use foldhost_core::protocol;
 pub mod repair;
-pub mod retained;
+pub use foldhost_core::retained;
 pub mod serve;
-pub mod snapshot;
-mod staged;
-pub mod status;
-pub mod storedir;
+pub use foldhost_core::snapshot;
+pub(crate) use foldhost_core::staged;
+pub use foldhost_core::status;
+pub use foldhost_core::storedir;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
 pub mod transport;
-pub mod view;
+pub use foldhost_core::view;

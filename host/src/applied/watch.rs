@@ -55,7 +55,7 @@ where
 {
     let mut fold =
         Fold::new(store, status.clone()).map_err(|e| AppliedError::Store { streak: 0, last: e })?;
-    status.set_applier(&*apply);
+    status.set_applier(&apply.describe(), apply.contract());
     let relist = prepare(&mut fold, apply, &*watcher, &opts, &status).await?;
     let mut grace_tick = tokio::time::interval(Duration::from_secs(1));
     grace_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

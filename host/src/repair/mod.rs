@@ -114,54 +114,6 @@ impl RepairConfig {
     }
 }
 
-impl std::str::FromStr for RepairMode {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "auto" => Ok(RepairMode::Auto),
-            "relist" => Ok(RepairMode::Relist),
-            "restore" => Ok(RepairMode::Restore),
-            "none" => Ok(RepairMode::None),
-            other => Err(format!(
-                "{other:?} is not a repair mode (auto, relist, restore, none)"
-            )),
-        }
-    }
-}
-
-impl std::fmt::Display for RepairMode {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            RepairMode::Auto => "auto",
-            RepairMode::Relist => "relist",
-            RepairMode::Restore => "restore",
-            RepairMode::None => "none",
-        })
-    }
-}
-
-impl std::fmt::Display for crate::protocol::OnRecreated {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            crate::protocol::OnRecreated::Refuse => "refuse",
-            crate::protocol::OnRecreated::Relist => "relist",
-        })
-    }
-}
-
-impl std::str::FromStr for crate::protocol::OnRecreated {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "refuse" => Ok(crate::protocol::OnRecreated::Refuse),
-            "relist" => Ok(crate::protocol::OnRecreated::Relist),
-            other => Err(format!(
-                "{other:?} is not what to do with a recreated bucket (refuse, relist)"
-            )),
-        }
-    }
-}
-
 /// Why a repair did not run or did not finish. The fold is untouched by every refusal.
 #[derive(Debug, thiserror::Error)]
 pub enum RepairError {

@@ -490,7 +490,8 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         let outcome = outcome.map_err(|e| refused(&p.from, &p.what, &e));
         match &outcome {
             Ok(r) => {
-                self.status.set_applier(&*self.apply);
+                self.status
+                    .set_applier(&self.apply.describe(), self.apply.contract());
                 tracing::info!(from = %r.from, to = %r.to, hydrated = r.hydrated_entries, caught_up = r.caught_up, hydrate_ms = r.hydrate_ms, paused_ms = r.paused_ms, "guest swapped");
             }
             Err(e) => tracing::warn!(error = %e, "swap refused; the running guest stays"),
@@ -590,7 +591,8 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         match &outcome {
             Ok(r) => {
                 if r.promoted {
-                    self.status.set_applier(&*self.apply);
+                    self.status
+                        .set_applier(&self.apply.describe(), self.apply.contract());
                 }
                 tracing::info!(live = %r.live, candidate = %r.candidate, batches = r.batches, requests = r.requests, differing = r.differing, promoted = r.promoted, paused_ms = r.paused_ms, "shadow compared");
             }

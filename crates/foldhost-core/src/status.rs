@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 
 use serde::{Deserialize, Serialize};
 
-use crate::applied::FoldStatus;
+use std::sync::atomic::AtomicU64;
 
 /// A host's status. Fields a source cannot know are `None` (or zero), never made up. Unknown
 /// fields are ignored and missing ones default when read, so a `status.json` written by an older
@@ -198,6 +198,134 @@ impl StatusReport {
             updated_unix_ms: now,
             ..self.clone()
         }
+    }
+}
+
+/// Live figures of a running fold, shared with status, metrics and progress displays.
+#[derive(Debug, Default)]
+pub struct FoldStatus {
+    /// Highest revision delivered by the watch (`seq`); 0 before any.
+    pub seq: AtomicU64,
+    /// Highest revision every update at or below which is applied and committed
+    /// (`applied_through`: the cursor, held below the oldest retained record); 0 before any.
+    pub applied_through: AtomicU64,
+    /// The store's cursor: everything through it is applied or retained, and committed; 0 before
+    /// any.
+    pub cursor: AtomicU64,
+    /// Updates delivered since start.
+    pub delivered: AtomicU64,
+    /// Updates committed since start.
+    pub committed: AtomicU64,
+    /// Batches committed since start.
+    pub batches: AtomicU64,
+    /// Updates the server still had pending at the last progress report (hydration).
+    pub pending: AtomicU64,
+    /// Duration of the last `apply` call, microseconds.
+    pub last_apply_us: AtomicU64,
+    /// Duration of the last store commit, microseconds.
+    pub last_commit_us: AtomicU64,
+    /// Consecutive store failures right now.
+    pub store_failure_streak: AtomicU64,
+    /// 1 once the watch reported it is level with the stream as of its start.
+    pub caught_up: AtomicU64,
+    /// The last apply or store failure (cleared by the next successful commit).
+    pub last_error: std::sync::Mutex<Option<String>>,
+    /// The applier now running (name@version).
+    pub guest: std::sync::Mutex<String>,
+    /// The running applier's guest contract version (`None`: native, or not yet known).
+    pub guest_contract: std::sync::Mutex<Option<&'static str>>,
+    /// Records retained (deferred by a guest), waiting for a version that can decode them.
+    pub retained: AtomicU64,
+    /// Revision of the oldest retained record (0: none).
+    pub oldest_retained_revision: AtomicU64,
+    /// When the oldest retained record was retained, Unix milliseconds (0: none).
+    pub oldest_retained_unix_ms: AtomicU64,
+    /// Records retained longer than the grace, named (key and revision), at most
+    /// [`MAX_WARNINGS`] of them.
+    pub warnings: std::sync::Mutex<Vec<String>>,
+    /// 1 once the fold's cursor carries the eviction memo (it has seen retention evict a current
+    /// value, and never trusts the bucket's listing again).
+    pub eviction_seen: AtomicU64,
+    /// Cursor-expiry repairs completed since start.
+    pub repairs: AtomicU64,
+    /// Stored messages skipped as undecodable since start ([`crate::protocol::decode_stored`]):
+    /// never folded, their revisions passed by the cursor.
+    pub skipped_messages: AtomicU64,
+    /// The last of them: revision, subject and reason.
+    pub last_skipped: std::sync::Mutex<Option<(u64, String, &'static str)>>,
+}
+
+/// Most warnings kept in [`FoldStatus::warnings`].
+pub const MAX_WARNINGS: usize = 16;
+
+impl FoldStatus {
+    /// Records the applier now running.
+    pub fn set_guest(&self, name: &str) {
+        if let Ok(mut g) = self.guest.lock() {
+            *g = name.to_string();
+        }
+    }
+
+    /// Records the applier now running (its description), with the guest contract it was bound
+    /// to.
+    pub fn set_applier(&self, describe: &str, contract: Option<&'static str>) {
+        self.set_guest(describe);
+        if let Ok(mut c) = self.guest_contract.lock() {
+            *c = contract;
+        }
+    }
+
+    /// The running applier's guest contract version.
+    pub fn guest_contract(&self) -> Option<&'static str> {
+        self.guest_contract.lock().ok().and_then(|c| *c)
+    }
+
+    /// The applier now running.
+    pub fn guest(&self) -> String {
+        self.guest.lock().map(|g| g.clone()).unwrap_or_default()
+    }
+
+    /// Records the last failure (`None`: the fold committed since).
+    pub fn set_error(&self, e: Option<String>) {
+        if let Ok(mut g) = self.last_error.lock() {
+            *g = e;
+        }
+    }
+
+    /// The last failure, if the fold has not committed since.
+    pub fn last_error(&self) -> Option<String> {
+        self.last_error.lock().ok().and_then(|g| g.clone())
+    }
+
+    /// The current warnings.
+    pub fn warnings(&self) -> Vec<String> {
+        self.warnings.lock().map(|g| g.clone()).unwrap_or_default()
+    }
+
+    /// Counts an undecodable message skipped at `revision`, once: a batch flushed again (an apply
+    /// retried, a watch resumed before its commit) meets the same revisions, which are not
+    /// counted again. True when it was counted now.
+    pub fn note_skipped(
+        &self,
+        revision: u64,
+        subject: &str,
+        reason: crate::protocol::Undecodable,
+    ) -> bool {
+        let Ok(mut last) = self.last_skipped.lock() else {
+            return false;
+        };
+        if last.as_ref().is_some_and(|(r, _, _)| *r >= revision) {
+            return false;
+        }
+        *last = Some((revision, subject.to_string(), reason.as_str()));
+        self.skipped_messages
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        true
+    }
+
+    /// The last undecodable message skipped: revision, subject, reason.
+    pub fn last_skipped(&self) -> Option<(u64, String, &'static str)> {
+        self.last_skipped.lock().ok().and_then(|g| g.clone())
     }
 }
 

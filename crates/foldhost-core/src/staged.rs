@@ -36,7 +36,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
 /// Bytes gathered before one write: whole 4 KiB blocks.
-pub(crate) const BLOCK: usize = 1 << 20;
+pub const BLOCK: usize = 1 << 20;
 /// Alignment of direct I/O buffers, lengths and offsets.
 const ALIGN: usize = 4096;
 /// Blocks per file: one being filled, the others queued for or under the writer.
@@ -120,15 +120,15 @@ impl Writer {
 
 /// What [`StagedFile::finish`] wrote.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Written {
+pub struct Written {
     /// Bytes in the file.
-    pub(crate) bytes: u64,
+    pub bytes: u64,
     /// Whether its blocks went past the page cache to the end.
-    pub(crate) direct: bool,
+    pub direct: bool,
 }
 
 /// One payload file being written into the stage. See the module docs.
-pub(crate) struct StagedFile {
+pub struct StagedFile {
     path: PathBuf,
     /// The block being filled.
     block: Block,
@@ -140,7 +140,7 @@ pub(crate) struct StagedFile {
 impl StagedFile {
     /// Creates (truncating) `path`, direct where the filesystem allows it and `direct` is asked,
     /// and starts its writer thread: reading and hashing the next block overlap writing this one.
-    pub(crate) fn create(path: &Path, direct: bool) -> std::io::Result<Self> {
+    pub fn create(path: &Path, direct: bool) -> std::io::Result<Self> {
         let (file, direct) = match direct.then(|| open_direct(path)).flatten() {
             Some(f) => (f, true),
             None => (File::create(path)?, false),
@@ -187,14 +187,14 @@ impl StagedFile {
     }
 
     /// The free part of the current block: read into it, then [`Self::commit`] what was read.
-    pub(crate) fn spare(&mut self) -> &mut [u8] {
+    pub fn spare(&mut self) -> &mut [u8] {
         let start = self.block.off + self.filled;
         let end = self.block.off + BLOCK;
         &mut self.block.buf[start..end]
     }
 
     /// Takes `n` bytes read into [`Self::spare`]; hands the block to the writer when it is full.
-    pub(crate) fn commit(&mut self, n: usize) -> std::io::Result<()> {
+    pub fn commit(&mut self, n: usize) -> std::io::Result<()> {
         debug_assert!(self.filled + n <= BLOCK, "committed past the block");
         self.filled = (self.filled + n).min(BLOCK);
         if self.filled < BLOCK {
@@ -214,7 +214,7 @@ impl StagedFile {
     }
 
     /// Appends `bytes` (copied into the blocks; for a producer that encodes rather than reads).
-    pub(crate) fn write_all(&mut self, mut bytes: &[u8]) -> std::io::Result<()> {
+    pub fn write_all(&mut self, mut bytes: &[u8]) -> std::io::Result<()> {
         while !bytes.is_empty() {
             let spare = self.spare();
             let n = spare.len().min(bytes.len());
@@ -237,7 +237,7 @@ impl StagedFile {
     }
 
     /// Waits for the writer, writes what is left and, with `sync`, fsyncs the file.
-    pub(crate) fn finish(self, sync: bool) -> std::io::Result<Written> {
+    pub fn finish(self, sync: bool) -> std::io::Result<Written> {
         let (written, file) = self.finish_unsynced()?;
         if sync {
             file.sync_all()?;
@@ -247,7 +247,7 @@ impl StagedFile {
 
     /// Waits for the writer and writes what is left, then hands the file's fsync to `syncs`, to
     /// run beside whatever the caller writes next: [`Syncs::wait`] answers for it.
-    pub(crate) fn finish_syncing_in(self, syncs: &mut Syncs) -> std::io::Result<Written> {
+    pub fn finish_syncing_in(self, syncs: &mut Syncs) -> std::io::Result<Written> {
         let path = self.path.clone();
         let (written, file) = self.finish_unsynced()?;
         syncs.push(path, file)?;
@@ -290,7 +290,7 @@ impl StagedFile {
 }
 
 /// Most fsyncs [`Syncs`] runs at once; one more waits for the oldest.
-pub(crate) const SYNCS_IN_FLIGHT: usize = 8;
+pub const SYNCS_IN_FLIGHT: usize = 8;
 
 /// The fsyncs of an import's (or an export's) finished files, each on a thread of its own, running
 /// while the next files are read, hashed and written. An import of an artifact of many files spent about 1.5 ms
@@ -301,13 +301,13 @@ pub(crate) const SYNCS_IN_FLIGHT: usize = 8;
 /// Nothing is durable until [`Syncs::wait`] has answered `Ok`: a caller renames or publishes
 /// only after it.
 #[derive(Default)]
-pub(crate) struct Syncs {
+pub struct Syncs {
     running: std::collections::VecDeque<(PathBuf, std::thread::JoinHandle<std::io::Result<()>>)>,
 }
 
 impl Syncs {
     /// Starts `file`'s fsync; first waits for the oldest when [`SYNCS_IN_FLIGHT`] are running.
-    pub(crate) fn push(&mut self, path: PathBuf, file: File) -> std::io::Result<()> {
+    pub fn push(&mut self, path: PathBuf, file: File) -> std::io::Result<()> {
         if self.running.len() >= SYNCS_IN_FLIGHT
             && let Some(oldest) = self.running.pop_front()
         {
@@ -322,7 +322,7 @@ impl Syncs {
 
     /// Waits for every fsync started; the first failure, naming its file. Every thread is joined
     /// either way.
-    pub(crate) fn wait(mut self) -> std::io::Result<()> {
+    pub fn wait(mut self) -> std::io::Result<()> {
         let mut first = None;
         while let Some(running) = self.running.pop_front() {
             if let Err(e) = join_sync(running) {

@@ -308,7 +308,7 @@ impl SnapshotStore for AppendLogSnapshot {
     /// A compacted copy: the live map and cursor written as one fresh log, hashed and checked as
     /// it is written (`export_compacted`). The in-RAM fold is the committed state, so no file of
     /// the live store is read or touched. Not fsynced here: the artifact layer fsyncs every staged
-    /// file before its manifest ([`crate::artifact::seal`]), off the fold's pause.
+    /// file before its manifest (`foldhost::artifact::seal`), off the fold's pause.
     fn export_to(&self, dest: &Path) -> Result<Option<ProvenCopy>, SnapshotError> {
         export_compacted(&dest.join(LOG_NAME), &self.fold).map(Some)
     }

@@ -4,7 +4,7 @@
 //! Invariants this module keeps:
 //! - A [`VersionToken`] is at most [`VersionToken::MAX_LEN`] bytes and never allocates.
 //! - A [`WatchCursor`] names a stream position *whose apply has returned* once it is persisted; this
-//!   module only defines the type, [`crate::applied`] is the one place that advances it.
+//!   module only defines the type, `foldhost::applied` is the one place that advances it.
 //! - Nothing here knows about NATS: the trait objects are backend-neutral, so the fold can be driven
 //!   by the simulated bucket of `testkit` (an in-memory log) as well as by `nats`.
 

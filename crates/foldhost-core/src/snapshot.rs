@@ -176,7 +176,7 @@ pub trait SnapshotStore: Send + Sync + 'static {
     /// open them (without `FOLDHOST.json`, which the artifact layer writes). Reopening `dest`
     /// must recover [`Self::cursor`] as it was when the call began. Never modifies the live store's
     /// contents. Need not be durable: the caller fsyncs what it keeps
-    /// ([`crate::artifact::seal`] fsyncs every staged file before the manifest).
+    /// (`foldhost::artifact::seal` fsyncs every staged file before the manifest).
     ///
     /// Returns [`ProvenCopy`] when the store hashed and checked its copy as it wrote it (the
     /// append log), so the seal need not read it back; `None` when the caller must hash the files

@@ -333,7 +333,7 @@ impl<S: SnapshotStore> SharedStore<S> {
 
     /// The store for a reader that must not keep it alive: the node's side tasks outlive the fold,
     /// and a store still shared when the fold stops is closed without its clean-stop record.
-    pub(crate) fn downgrade(&self) -> std::sync::Weak<std::sync::RwLock<S>> {
+    pub fn downgrade(&self) -> std::sync::Weak<std::sync::RwLock<S>> {
         Arc::downgrade(&self.store)
     }
 
@@ -632,8 +632,8 @@ impl<S: SnapshotStore> FoldRead for PinnedView<S> {
 
 /// Test support: `reader`'s [`FoldRead::scan_each`] hands over exactly what its `scan` returns,
 /// page by page at every page size given, through the whole `prefix`.
-#[cfg(test)]
-pub(crate) fn assert_scan_each_is_scan(reader: &dyn FoldRead, prefix: &str, limits: &[usize]) {
+#[cfg(any(test, feature = "testkit"))]
+pub fn assert_scan_each_is_scan(reader: &dyn FoldRead, prefix: &str, limits: &[usize]) {
     for &limit in limits {
         let mut after: Option<String> = None;
         loop {

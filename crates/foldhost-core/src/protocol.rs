@@ -1317,6 +1317,54 @@ pub fn shadow_promotion(
     Ok(())
 }
 
+impl std::str::FromStr for RepairMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "auto" => Ok(RepairMode::Auto),
+            "relist" => Ok(RepairMode::Relist),
+            "restore" => Ok(RepairMode::Restore),
+            "none" => Ok(RepairMode::None),
+            other => Err(format!(
+                "{other:?} is not a repair mode (auto, relist, restore, none)"
+            )),
+        }
+    }
+}
+
+impl std::fmt::Display for RepairMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            RepairMode::Auto => "auto",
+            RepairMode::Relist => "relist",
+            RepairMode::Restore => "restore",
+            RepairMode::None => "none",
+        })
+    }
+}
+
+impl std::fmt::Display for OnRecreated {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            OnRecreated::Refuse => "refuse",
+            OnRecreated::Relist => "relist",
+        })
+    }
+}
+
+impl std::str::FromStr for OnRecreated {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "refuse" => Ok(OnRecreated::Refuse),
+            "relist" => Ok(OnRecreated::Relist),
+            other => Err(format!(
+                "{other:?} is not what to do with a recreated bucket (refuse, relist)"
+            )),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
