@@ -35,11 +35,11 @@ pub mod cli;
 pub use foldhost_core::crashpoint;
 pub mod guest;
 pub use foldhost_core::kv;
-pub mod lease;
-pub mod localnats;
+pub use foldhost_localnats as localnats;
+pub use foldhost_nats::lease;
 #[cfg(test)]
 mod models;
-pub mod nats;
+pub use foldhost_nats as nats;
 pub mod node;
 pub use foldhost_core::protocol;
 pub mod repair;

@@ -1,4 +1,4 @@
-//! The lean delivery connection (host/src/nats/lean.rs) wherever the client library connects: a
+//! The lean delivery connection (crates/foldhost-nats/src/lean.rs) wherever the client library connects: a
 //! `tls://` server (certificates made per test, trusted through `SSL_CERT_FILE` as the system's
 //! roots) and an operator-mode server whose user authenticates with a `.creds` file (JWTs made
 //! per test). On each the node's watches are delivered lean — seen from the server's side, as a

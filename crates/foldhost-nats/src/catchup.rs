@@ -32,8 +32,8 @@ use base64::Engine as _;
 use bytes::Bytes;
 use futures::StreamExt;
 
-use crate::kv::{KvError, KvUpdate, StreamIdentity, VersionToken};
-use crate::protocol::{self, AckMeta};
+use foldhost_core::kv::{KvError, KvUpdate, StreamIdentity, VersionToken};
+use foldhost_core::protocol::{self, AckMeta};
 
 use super::{NatsKv, backend, identity_of, timed};
 

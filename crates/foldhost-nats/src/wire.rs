@@ -244,7 +244,7 @@ impl<'a> HeaderBlock<'a> {
 /// before it, names are taken as written and values trimmed. Used for the server's own notices
 /// (flow control, heartbeats, errors) only: a stored message's block (a delivery with a
 /// `$JS.ACK` reply) is whatever a writer stored, and what it means is
-/// [`crate::protocol::decode_stored`]'s verdict, never an error of this parser.
+/// [`foldhost_core::protocol::decode_stored`]'s verdict, never an error of this parser.
 pub fn parse_headers(block: &[u8]) -> Result<HeaderBlock<'_>, WireError> {
     let text = std::str::from_utf8(block)
         .map_err(|_| WireError::Malformed("a header block that is not UTF-8".into()))?;

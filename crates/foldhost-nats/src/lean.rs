@@ -45,9 +45,9 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::mpsc;
 
 use super::wire::{self, ServerOp, WireAuth};
-use crate::bucket::{ConnectOptions, CredentialSource, credential_source};
-use crate::kv::KvError;
-use crate::protocol;
+use foldhost_core::bucket::{ConnectOptions, CredentialSource, credential_source};
+use foldhost_core::kv::KvError;
+use foldhost_core::protocol;
 
 /// Initial capacity of the read buffer; one read takes at most what it has free.
 pub const READ_BUFFER: usize = 256 * 1024;
@@ -139,7 +139,7 @@ impl LeanDial {
                 creds(&text)?
             }
             CredentialSource::Url => {
-                DialAuth::Wire(match crate::bucket::url_credentials(&opts.url) {
+                DialAuth::Wire(match foldhost_core::bucket::url_credentials(&opts.url) {
                     Some((user, Some(pass))) => WireAuth::UserPass(user, pass),
                     Some((token, None)) => WireAuth::Token(token),
                     None => WireAuth::None,
@@ -147,7 +147,7 @@ impl LeanDial {
             }
             CredentialSource::None => DialAuth::Wire(WireAuth::None),
         };
-        let servers = crate::bucket::server_urls(&opts.url)
+        let servers = foldhost_core::bucket::server_urls(&opts.url)
             .into_iter()
             .map(wire::server_address)
             .collect::<Option<Vec<_>>>()?;

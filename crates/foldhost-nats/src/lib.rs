@@ -37,6 +37,7 @@ mod create;
 mod differential;
 mod floor;
 mod lean;
+pub mod lease;
 pub use lean::{LEAN_DELIVERY_ENV, lean_allowed};
 pub mod wire;
 
@@ -55,15 +56,15 @@ use bytes::Bytes;
 use futures::{FutureExt as _, StreamExt};
 use tokio::sync::{Mutex, mpsc};
 
-use crate::bucket::{
+use foldhost_core::bucket::{
     BucketConfig, BucketHandle, ConnectOptions, Connection, ConnectionCapabilities,
     CredentialSource, credential_source,
 };
-use crate::kv::{
+use foldhost_core::kv::{
     KvEntry, KvError, KvReader, KvUpdate, KvWatcher, KvWriter, StreamIdentity, StreamState,
     VersionToken, WatchCursor, WatchEvent, WatchScope,
 };
-use crate::protocol;
+use foldhost_core::protocol;
 
 /// The header carrying a KV operation (absent, `DEL` or `PURGE`). A static name: looking a header
 /// up by `&str` builds (and allocates) a name per message.
@@ -72,7 +73,7 @@ const KV_OPERATION: async_nats::header::HeaderName =
 /// The header of the server's delete markers (NATS 2.11+): why the subject's last message went.
 const NATS_MARKER_REASON: async_nats::header::HeaderName =
     async_nats::header::HeaderName::from_static("Nats-Marker-Reason");
-pub use crate::kv::WATCH_CHUNK;
+pub use foldhost_core::kv::WATCH_CHUNK;
 
 /// Longest a stop waits for the server to take what the client still holds (a flush, then a
 /// drain). The fold is committed before the connection is shut down, and nothing of it depends on
@@ -295,7 +296,7 @@ async fn connect_client(
             .credentials_file(&p)
             .await
             .map_err(|e| err(format!("{}: {e}", p.display())))?,
-        CredentialSource::Url => match crate::bucket::url_credentials(&opts.url) {
+        CredentialSource::Url => match foldhost_core::bucket::url_credentials(&opts.url) {
             Some((user, Some(pass))) => o.user_and_password(user, pass),
             Some((token, None)) => o.token(token),
             None => o,
@@ -304,7 +305,7 @@ async fn connect_client(
     };
     // Every member of the cluster named: the client connects to one and, when that server
     // dies, reconnects to another (the watch then resumes from the applied cursor).
-    let servers = crate::bucket::server_urls(&opts.url);
+    let servers = foldhost_core::bucket::server_urls(&opts.url);
     if servers.is_empty() {
         return Err(err("no server URL".into()));
     }
@@ -524,7 +525,7 @@ impl NatsKv {
 
     /// The stream's retention, read live: whether it can evict a current value, and its first
     /// retained sequence.
-    pub async fn read_retention(&self) -> Result<crate::protocol::Retention, KvError> {
+    pub async fn read_retention(&self) -> Result<foldhost_core::protocol::Retention, KvError> {
         let info = self.stream_info().await?;
         Ok(retention_of(&info))
     }
@@ -628,10 +629,10 @@ fn other_inputs(c: &async_nats::jetstream::stream::Config) -> bool {
 
 /// A stream's retention from its info: whether it can evict a current value, and its first
 /// retained sequence.
-fn retention_of(info: &async_nats::jetstream::stream::Info) -> crate::protocol::Retention {
+fn retention_of(info: &async_nats::jetstream::stream::Info) -> foldhost_core::protocol::Retention {
     let c = &info.config;
-    crate::protocol::Retention {
-        evicts_current_values: crate::protocol::StreamLimits {
+    foldhost_core::protocol::Retention {
+        evicts_current_values: foldhost_core::protocol::StreamLimits {
             max_age: c.max_age,
             max_bytes: c.max_bytes,
             max_messages: c.max_messages,
@@ -1749,7 +1750,7 @@ impl KvWriter for NatsKv {
 
 #[async_trait]
 impl KvWatcher for NatsKv {
-    async fn retention(&self) -> Result<Option<crate::protocol::Retention>, KvError> {
+    async fn retention(&self) -> Result<Option<foldhost_core::protocol::Retention>, KvError> {
         self.read_retention().await.map(Some)
     }
 
@@ -1763,7 +1764,13 @@ impl KvWatcher for NatsKv {
 
     async fn state_and_retention(
         &self,
-    ) -> Result<(Option<StreamState>, Option<crate::protocol::Retention>), KvError> {
+    ) -> Result<
+        (
+            Option<StreamState>,
+            Option<foldhost_core::protocol::Retention>,
+        ),
+        KvError,
+    > {
         let info = self.stream_info().await?;
         let state = StreamState {
             identity: identity_of(&info),

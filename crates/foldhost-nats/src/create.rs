@@ -20,9 +20,9 @@ use std::time::Duration;
 use async_nats::jetstream::{self, kv, stream};
 
 use super::{backend, timed};
-use crate::bucket::{BucketConfig, StorageType};
-use crate::kv::KvError;
-use crate::protocol::{self, StreamCreateVerdict};
+use foldhost_core::bucket::{BucketConfig, StorageType};
+use foldhost_core::kv::KvError;
+use foldhost_core::protocol::{self, StreamCreateVerdict};
 
 /// Most characters of a provider's reply quoted in an error.
 pub const MAX_REPLY_SHOWN: usize = 200;

@@ -15,8 +15,8 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::stream;
 
-use crate::kv::{KvError, StreamIdentity};
-use crate::protocol::{self, AckMeta};
+use foldhost_core::kv::{KvError, StreamIdentity};
+use foldhost_core::protocol::{self, AckMeta};
 
 use super::{
     FLOOR_NON_EVICTING_TRUST, FLOOR_PROBE_RETRIES, NatsKv, StreamPositions, backend, identity_of,

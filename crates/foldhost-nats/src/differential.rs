@@ -14,7 +14,7 @@ use proptest::prelude::*;
 use tokio::io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader};
 use tokio::net::TcpListener;
 
-use crate::protocol::{self, KvOp, Undecodable};
+use foldhost_core::protocol::{self, KvOp, Undecodable};
 
 /// What the library did with one block.
 #[derive(Debug)]

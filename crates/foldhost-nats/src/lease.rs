@@ -5,7 +5,7 @@
 //! on the server is trusted and a dropped holder's lease simply runs out.
 //!
 //! Invariants: every write is a CAS on what was read (two nodes can never both win a round); the
-//! decision to take a lease over is [`crate::protocol::lease_takeover_allowed`]; a held lease is
+//! decision to take a lease over is [`foldhost_core::protocol::lease_takeover_allowed`]; a held lease is
 //! released only by its holder (`complete` stamps the exported cursor, `abandon` frees the round),
 //! each again a CAS — a holder whose lease was taken over after it expired gets `Lost`, never
 //! overwrites the new holder.
@@ -16,8 +16,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::kv::{KvError, KvReader, KvWriter, VersionToken};
-use crate::protocol::{self, LeaseState};
+use foldhost_core::kv::{KvError, KvReader, KvWriter, VersionToken};
+use foldhost_core::protocol::{self, LeaseState};
 
 /// Why a lease call failed.
 #[derive(Debug, thiserror::Error)]
