@@ -28,13 +28,13 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
-pub mod applied;
-pub mod artifact;
+pub use foldhost_artifact::artifact;
 pub use foldhost_core::bucket;
+pub use foldhost_fold::applied;
 pub mod cli;
 pub use foldhost_core::crashpoint;
-pub mod guest;
 pub use foldhost_core::kv;
+pub use foldhost_guest::guest;
 pub use foldhost_localnats as localnats;
 pub use foldhost_nats::lease;
 #[cfg(test)]
@@ -42,14 +42,13 @@ mod models;
 pub use foldhost_nats as nats;
 pub mod node;
 pub use foldhost_core::protocol;
-pub mod repair;
 pub use foldhost_core::retained;
+pub use foldhost_fold::repair;
 pub mod serve;
 pub use foldhost_core::snapshot;
-pub(crate) use foldhost_core::staged;
 pub use foldhost_core::status;
 pub use foldhost_core::storedir;
 #[cfg(any(test, feature = "testkit"))]
 pub mod testkit;
-pub mod transport;
+pub use foldhost_artifact::transport;
 pub use foldhost_core::view;

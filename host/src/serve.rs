@@ -927,7 +927,7 @@ async fn export(body: Vec<u8>, state: &ServeState) -> Vec<u8> {
         return response(400, "Bad Request", "text/plain", b"the path is not UTF-8\n");
     };
     let out = std::path::PathBuf::from(out.trim());
-    match crate::artifact::export_live_of(
+    match crate::applied::export_live_of(
         &state.control,
         state.backend,
         out,

@@ -192,7 +192,7 @@ impl ExportRounds {
         let published: Result<_, Result<u64, String>> = async {
             std::fs::create_dir_all(&self.scratch)
                 .map_err(|e| Err(format!("{}: {e}", self.scratch.display())))?;
-            crate::artifact::export_live_of(
+            crate::applied::export_live_of(
                 &self.control,
                 self.backend,
                 dir.clone(),

@@ -797,7 +797,7 @@ impl Sim {
             .root
             .join("exports")
             .join(format!("e{}", self.exports.len()));
-        match artifact::export_live(
+        match foldhost::applied::export_live(
             ctl,
             self.sc.backend,
             out.clone(),

@@ -693,7 +693,7 @@ fn seal_inner(
 
 /// Exports `store` to the artifact directory `out` (which must not exist): stage, verify, hash,
 /// manifest, rename. For a store no host is writing; a running host exports through
-/// [`crate::applied::Control::Export`] instead.
+/// `foldhost::applied::export_live` instead.
 pub fn export_store<S: SnapshotStore + ?Sized>(
     store: &S,
     backend: Backend,
@@ -732,44 +732,33 @@ pub fn seal_to(
     r.map(|()| m)
 }
 
-/// Exports the fold of a running host through its control channel: the fold flushes and copies
-/// itself into a stage between batches (paused only for the copy), then the stage is verified,
-/// hashed and sealed here, off the fold's path.
-pub async fn export_live(
-    control: &tokio::sync::mpsc::Sender<crate::applied::Control>,
-    backend: Backend,
-    out: PathBuf,
-    scope: Option<String>,
-) -> Result<ExportManifest, ArtifactError> {
-    export_live_of(control, backend, out, scope, None).await
-}
+/// What a running fold's copy of itself into a stage answers: the cursor the copy holds and what
+/// the store proved of it while writing it, or why it failed.
+pub type LiveCopy = Result<(WatchCursor, Option<crate::snapshot::ProvenCopy>), ArtifactError>;
 
-/// [`export_live`] recording `stream` (the fold's stream, read by the caller before and after)
-/// in the manifest.
-pub async fn export_live_of(
-    control: &tokio::sync::mpsc::Sender<crate::applied::Control>,
+/// Exports the fold of a running host: `copy` has the fold flush and copy itself into the
+/// directory it is given, between batches (paused only for the copy; the fold's loop does it,
+/// `foldhost::applied::export_live`), then the stage is verified, hashed and sealed here, off the
+/// fold's path, recording `stream` (the fold's stream, read by the caller before and after) in
+/// the manifest.
+pub async fn export_live_with<F, Fut>(
+    copy: F,
     backend: Backend,
     out: PathBuf,
     scope: Option<String>,
     stream: Option<ManifestStream>,
-) -> Result<ExportManifest, ArtifactError> {
+) -> Result<ExportManifest, ArtifactError>
+where
+    F: FnOnce(PathBuf) -> Fut,
+    Fut: std::future::Future<Output = LiveCopy>,
+{
     if out.exists() {
         return Err(ArtifactError::Exists(out));
     }
     let stage = stage_path(&out, "export");
     let copied = async {
         let data = make_stage(&stage)?;
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let export = crate::applied::Control::Export {
-            dir: data.clone(),
-            reply: tx,
-        };
-        if control.send(export).await.is_err() {
-            return Err(ArtifactError::Fold("not running".into()));
-        }
-        let (cursor, proven) = rx
-            .await
-            .map_err(|_| ArtifactError::Fold("stopped before the export".into()))??;
+        let (cursor, proven) = copy(data.clone()).await?;
         crate::storedir::write_meta(&data, backend)?;
         Ok(Staged {
             cursor,

@@ -46,8 +46,8 @@ pub use apply::{
     ShadowPlan, ShadowReport, ShadowRequests, SwapCandidate, SwapReport, Verdict,
 };
 pub use fold::Fold;
-#[cfg(test)]
-pub(crate) use fold::flush_all;
+#[cfg(any(test, feature = "testkit"))]
+pub use fold::flush_all;
 pub use start::identity_refusal;
 pub use watch::watch_applied;
 
@@ -166,3 +166,41 @@ pub struct Finished {
 /// How often retention is re-read during a live watch while a key-listing repair could still be
 /// planned and the memo is unset.
 pub const RETENTION_PERIOD: Duration = Duration::from_secs(60);
+
+/// Exports the fold of a running host through its control channel ([`Control::Export`]): the
+/// fold flushes and copies itself into a stage between batches (paused only for the copy), then
+/// the stage is verified, hashed and sealed off the fold's path
+/// ([`crate::artifact::export_live_with`]), recording `stream` in the manifest.
+pub async fn export_live_of(
+    control: &tokio::sync::mpsc::Sender<Control>,
+    backend: crate::storedir::Backend,
+    out: std::path::PathBuf,
+    scope: Option<String>,
+    stream: Option<crate::artifact::ManifestStream>,
+) -> Result<crate::artifact::ExportManifest, crate::artifact::ArtifactError> {
+    use crate::artifact::ArtifactError;
+    let copy = |dir: std::path::PathBuf| async move {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if control
+            .send(Control::Export { dir, reply: tx })
+            .await
+            .is_err()
+        {
+            return Err(ArtifactError::Fold("not running".into()));
+        }
+        rx.await
+            .map_err(|_| ArtifactError::Fold("stopped before the export".into()))?
+            .map_err(ArtifactError::from)
+    };
+    crate::artifact::export_live_with(copy, backend, out, scope, stream).await
+}
+
+/// [`export_live_of`] without a stream recorded.
+pub async fn export_live(
+    control: &tokio::sync::mpsc::Sender<Control>,
+    backend: crate::storedir::Backend,
+    out: std::path::PathBuf,
+    scope: Option<String>,
+) -> Result<crate::artifact::ExportManifest, crate::artifact::ArtifactError> {
+    export_live_of(control, backend, out, scope, None).await
+}

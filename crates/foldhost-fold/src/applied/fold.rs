@@ -851,7 +851,7 @@ pub(super) fn apply_backoff(streak: u32) -> Duration {
 /// A failed apply halves the next try, as the watch loop's `flush_ready` does: retried whole, a
 /// batch holding one poison update would reach the streak limit with none of the updates before
 /// it committed, and the fold would stop short of where it stops without a swap or an export.
-pub(crate) async fn flush_all<S: SnapshotStore, A: Apply + ?Sized>(
+pub async fn flush_all<S: SnapshotStore, A: Apply + ?Sized>(
     fold: &mut Fold<S>,
     batch: &mut Vec<KvUpdate>,
     max: usize,

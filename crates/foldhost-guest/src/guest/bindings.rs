@@ -18,7 +18,7 @@ use crate::kv::{KvEntry, KvUpdate};
 use crate::view::FoldRead;
 
 wasmtime::component::bindgen!({
-    path: "../wit",
+    path: "../../wit",
     world: "foldhost:guest/guest@0.1.0",
     imports: { default: trappable },
     exports: { default: async },
@@ -32,7 +32,7 @@ pub use foldhost::guest::types::{Entry, Op, Update, Verdict};
 /// The bindings of `foldhost:guest@0.2.0`.
 mod v2 {
     wasmtime::component::bindgen!({
-        path: "../wit/v0.2.0",
+        path: "../../wit/v0.2.0",
         world: "foldhost:guest/guest@0.2.0",
         imports: { default: trappable },
         exports: { default: async },

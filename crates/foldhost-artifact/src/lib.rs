@@ -1,0 +1,13 @@
+//! Verified copies of a fold and their transport: [`artifact`] (export, import, the manifest, the
+//! tar form) and [`transport`] (artifacts in object storage: content-addressed payloads, a
+//! compare-and-set pointer, prune). Below the fold's loop: a running fold exports through a copier
+//! it is handed ([`artifact::export_live_with`]), never through the loop's own types.
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub(crate) use foldhost_core::{
+    crashpoint, kv, protocol, retained, snapshot, staged, status, storedir,
+};
+
+pub mod artifact;
+pub mod transport;

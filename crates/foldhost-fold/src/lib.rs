@@ -1,0 +1,14 @@
+//! The fold: [`applied`] (the `Apply` seam, `Fold`, the loop over a bucket's watch: batches,
+//! commits, retention, swaps, queries between batches) and [`repair`] (the cursor-expiry repairs:
+//! the key-listing diff and the artifact restore). It knows buckets only through the capability
+//! traits of `foldhost_core::kv` and guests only through `applied::Apply`.
+#![deny(unsafe_code)]
+#![warn(missing_docs)]
+
+pub(crate) use foldhost_artifact::{artifact, transport};
+pub(crate) use foldhost_core::{
+    crashpoint, kv, protocol, retained, snapshot, status, storedir, view,
+};
+
+pub mod applied;
+pub mod repair;
