@@ -1,0 +1,204 @@
+//! The node's connection to NATS ([`NatsConnection`]) and the ordered consumer's own one
+//! ([`DeliveryClient`]).
+
+use super::*;
+
+/// A NATS connection: dial, shut down, health, and bucket handles.
+pub struct NatsConnection {
+    opts: ConnectOptions,
+    client: Mutex<Option<async_nats::Client>>,
+    healthy: Arc<AtomicBool>,
+    /// How many times the client's connection dropped: a watch delivered through the client's
+    /// ordered consumer ends at a drop (see `run_watch`).
+    drops: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl NatsConnection {
+    /// A connection that has not dialled yet.
+    pub fn new(opts: ConnectOptions) -> Self {
+        NatsConnection {
+            opts,
+            client: Mutex::new(None),
+            healthy: Arc::new(AtomicBool::new(false)),
+            drops: Arc::new(tokio::sync::watch::channel(0).0),
+        }
+    }
+
+    /// Dials and returns the connection (a convenience for `new` + `connect`).
+    pub async fn open(opts: ConnectOptions) -> Result<Self, KvError> {
+        let c = Self::new(opts);
+        c.connect().await?;
+        Ok(c)
+    }
+
+    /// The connected client.
+    pub async fn client(&self) -> Result<async_nats::Client, KvError> {
+        self.client
+            .lock()
+            .await
+            .clone()
+            .ok_or(KvError::NotConnected)
+    }
+
+    /// The limit every NATS call of this connection runs under.
+    pub fn op_timeout(&self) -> Duration {
+        self.opts.op_timeout
+    }
+
+    /// Opens a bucket and returns the concrete handle (the trait method wraps it in a [`BucketHandle`]).
+    pub async fn bucket(&self, name: &str, config: &BucketConfig) -> Result<Arc<NatsKv>, KvError> {
+        let client = self.client().await?;
+        let kv = NatsKv::open(client, name, config, self.opts.op_timeout).await?;
+        kv.set_lean_delivery(Some(&self.opts));
+        if let Ok(mut d) = kv.drops.lock() {
+            *d = Some(self.drops.subscribe());
+        }
+        Ok(kv)
+    }
+}
+
+#[async_trait]
+impl Connection for NatsConnection {
+    async fn connect(&self) -> Result<(), KvError> {
+        let mut guard = self.client.lock().await;
+        if guard.is_some() {
+            return Ok(());
+        }
+        let client = connect_client(&self.opts, self.healthy.clone(), self.drops.clone()).await?;
+        self.healthy.store(true, Ordering::Release);
+        *guard = Some(client);
+        Ok(())
+    }
+
+    /// Hands the server what the client still holds, within [`SHUTDOWN_BUDGET`], and only while
+    /// connected: a stop must not wait on a server that is gone (the flush waited out the whole
+    /// operation timeout, 30 s, on a SIGTERM after the server had stopped).
+    async fn shutdown(&self) {
+        if let Some(c) = self.client.lock().await.take()
+            && c.connection_state() == async_nats::connection::State::Connected
+        {
+            let budget = self.opts.op_timeout.min(SHUTDOWN_BUDGET);
+            // A flush that fails means the socket is already gone; nothing more to do.
+            let _ = timed("flush", budget, async {
+                c.flush().await.map_err(|e| backend("flush", e))
+            })
+            .await;
+            let _ = tokio::time::timeout(budget, c.drain()).await;
+        }
+        self.healthy.store(false, Ordering::Release);
+    }
+
+    fn is_healthy(&self) -> bool {
+        self.healthy.load(Ordering::Acquire)
+    }
+
+    async fn open_bucket(
+        &self,
+        bucket: &str,
+        config: &BucketConfig,
+    ) -> Result<BucketHandle, KvError> {
+        let kv = self.bucket(bucket, config).await?;
+        Ok(BucketHandle::new(bucket, kv.clone(), kv.clone(), kv))
+    }
+
+    fn capabilities(&self) -> ConnectionCapabilities {
+        let server_version = self
+            .client
+            .try_lock()
+            .ok()
+            .and_then(|c| c.as_ref().map(|c| c.server_info().version))
+            .unwrap_or_default();
+        let (message_ttl, conditional_publish, direct_get) =
+            protocol::server_features(&server_version);
+        ConnectionCapabilities {
+            cas: true,
+            streaming_watch: true,
+            writes: true,
+            server_version,
+            message_ttl,
+            conditional_publish,
+            direct_get,
+        }
+    }
+}
+
+/// A std mutex's guard, poisoned or not (what these mutexes hold is replaced whole).
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// Dials a client with `opts`: its health kept in `healthy`, each drop (a disconnection or the
+/// connection's close) counted in `drops`.
+pub(crate) async fn connect_client(
+    opts: &ConnectOptions,
+    healthy: Arc<AtomicBool>,
+    drops: Arc<tokio::sync::watch::Sender<u64>>,
+) -> Result<async_nats::Client, KvError> {
+    // The client library builds its TLS configuration with the process's default provider, and
+    // the build has two (ring through the client, aws-lc-rs through the object store's HTTP
+    // client): without one installed, a `tls://` connection panics. Installing an already
+    // installed one is a no-op.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let url = opts.url.clone();
+    let err = |reason: String| KvError::Connect {
+        url: url.clone(),
+        reason,
+    };
+    let mut o = async_nats::ConnectOptions::new()
+        .connection_timeout(opts.op_timeout.min(Duration::from_secs(10)))
+        .request_timeout(Some(opts.op_timeout))
+        .event_callback(move |ev| {
+            let healthy = healthy.clone();
+            let drops = drops.clone();
+            async move {
+                match ev {
+                    async_nats::Event::Connected => healthy.store(true, Ordering::Release),
+                    async_nats::Event::Disconnected | async_nats::Event::Closed => {
+                        drops.send_modify(|n| *n += 1);
+                        healthy.store(false, Ordering::Release)
+                    }
+                    _ => {}
+                }
+            }
+        });
+    if let Some(n) = &opts.name {
+        o = o.name(n);
+    }
+    o = match credential_source(opts) {
+        CredentialSource::Creds => {
+            let creds = opts.creds.as_deref().unwrap_or_default();
+            o.credentials(creds).map_err(|e| err(e.to_string()))?
+        }
+        CredentialSource::CredsFile(p) => o
+            .credentials_file(&p)
+            .await
+            .map_err(|e| err(format!("{}: {e}", p.display())))?,
+        CredentialSource::Url => match foldhost_core::bucket::url_credentials(&opts.url) {
+            Some((user, Some(pass))) => o.user_and_password(user, pass),
+            Some((token, None)) => o.token(token),
+            None => o,
+        },
+        CredentialSource::None => o,
+    };
+    // Every member of the cluster named: the client connects to one and, when that server
+    // dies, reconnects to another (the watch then resumes from the applied cursor).
+    let servers = foldhost_core::bucket::server_urls(&opts.url);
+    if servers.is_empty() {
+        return Err(err("no server URL".into()));
+    }
+    timed("connect", opts.op_timeout, async {
+        o.connect(servers).await.map_err(|e| err(e.to_string()))
+    })
+    .await
+}
+
+/// The connection the client's ordered consumer delivers a watch on: a client of its own, so a
+/// stored message the library cannot read takes down this connection only (async-nats 0.51
+/// panics its connection task on a CR inside a header value), never the one the node's requests
+/// share. Discarded when a watch on it ends by a drop or a library failure; the next watch dials
+/// a new one.
+pub(crate) struct DeliveryClient {
+    pub(crate) stream: jetstream::stream::Stream,
+    /// Its drop count.
+    pub(crate) drops: tokio::sync::watch::Receiver<u64>,
+}
