@@ -516,6 +516,10 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 false
             }
             WatchEvent::Updates(us) => {
+                debug_assert!(
+                    us.iter().filter_map(KvUpdate::revision).is_sorted(),
+                    "a watch delivers revisions in stream order"
+                );
                 if let Some(r) = us.iter().rev().find_map(KvUpdate::revision) {
                     status.seq.fetch_max(r, Ordering::Relaxed);
                 }
