@@ -1,0 +1,266 @@
+//! Export: a store's copy staged, proven, hashed and sealed under its manifest, from a store at rest or a running fold.
+
+use super::*;
+
+/// What the first half of an export leaves for the second: the cursor the staged copy holds, and
+/// what the store proved about it while writing it (see [`SnapshotStore::export_to`]).
+#[derive(Clone, Debug)]
+pub struct Staged {
+    /// The cursor the copy must recover.
+    pub cursor: WatchCursor,
+    /// The store's digests and check of its copy, when it made them.
+    pub proven: Option<ProvenCopy>,
+    /// The stream the copied fold folds, when known.
+    pub stream: Option<ManifestStream>,
+}
+
+/// The first half of an export, the part that needs the fold quiet: makes `stage` and copies the
+/// committed fold into `stage/data` (with its `FOLDHOST.json`).
+pub fn export_stage<S: SnapshotStore + ?Sized>(
+    store: &S,
+    backend: Backend,
+    stage: &Path,
+) -> Result<Staged, ArtifactError> {
+    let data = make_stage(stage)?;
+    let cursor = store.cursor();
+    let stream = stream_of(store)?;
+    let proven = store.export_to(&data)?;
+    crate::storedir::write_meta(&data, backend)?;
+    Ok(Staged {
+        cursor,
+        proven,
+        stream,
+    })
+}
+
+/// The stream `store` records (its reserved identity key), if any.
+pub fn stream_of<S: SnapshotStore + ?Sized>(
+    store: &S,
+) -> Result<Option<ManifestStream>, ArtifactError> {
+    Ok(store
+        .get(crate::retained::IDENTITY_KEY)?
+        .and_then(|e| crate::kv::StreamIdentity::from_bytes(&e.value))
+        .map(|id| ManifestStream::from(&id)))
+}
+
+/// The second half of an export, off the fold's path: proves the staged copy (by the store's own
+/// check made while writing it, or by reopening it: cursor equality), hashes every file the store
+/// did not, fsyncs them all, writes the manifest last, and renames the stage to `out`. The stage
+/// is removed on any failure.
+pub fn seal(
+    stage: &Path,
+    out: &Path,
+    staged: &Staged,
+    scope: Option<String>,
+    progress: Progress<'_>,
+) -> Result<ExportManifest, ArtifactError> {
+    or_discard(stage, seal_inner(stage, out, staged, scope, progress))
+}
+
+fn seal_inner(
+    stage: &Path,
+    out: &Path,
+    staged: &Staged,
+    scope: Option<String>,
+    progress: Progress<'_>,
+) -> Result<ExportManifest, ArtifactError> {
+    let cursor = staged.cursor;
+    crate::crashpoint::hit(crate::crashpoint::EXPORT_STAGED);
+    let data = stage.join(DATA_DIR);
+    let backend = crate::storedir::backend_of(&data)?;
+    let names = list_files(&data)?;
+    let mut total = 0u64;
+    for n in &names {
+        let p = data.join(check_path(n)?);
+        total += std::fs::metadata(&p).map_err(io_err(&p, "stat"))?.len();
+    }
+    let proven = staged.proven.as_ref();
+    let mut done = 0u64;
+    let mut files = Vec::with_capacity(names.len());
+    let mut syncs = Syncs::default();
+    for n in names {
+        let p = data.join(check_path(&n)?);
+        let (size, blake3) = match proven.and_then(|c| c.files.iter().find(|f| f.path == n)) {
+            Some(f) => {
+                // Hashed as the store wrote it: check the file still has that size (assert after
+                // writing), without reading it back.
+                let got = std::fs::metadata(&p).map_err(io_err(&p, "stat"))?.len();
+                if got != f.size {
+                    return Err(ArtifactError::SizeMismatch {
+                        path: n,
+                        want: f.size,
+                        got,
+                    });
+                }
+                done += got;
+                progress(done, total);
+                (f.size, f.blake3.clone())
+            }
+            None => hash_file(&p, &mut |b| {
+                done += b;
+                progress(done, total);
+            })?,
+        };
+        // Durable before the manifest names it (the backend's copy need not have been): the
+        // disk wrote it back while it was hashed, so this is mostly a wait for the tail. Each
+        // fsync runs beside the next file's hashing; all are waited for below.
+        let f = File::open(&p).map_err(io_err(&p, "open to fsync"))?;
+        syncs.push(p.clone(), f).map_err(io_err(&p, "fsync"))?;
+        files.push(ArtifactFile {
+            path: n,
+            size,
+            blake3,
+        });
+        crate::crashpoint::hit(crate::crashpoint::EXPORT_FILE);
+    }
+    if let Some(c) = proven
+        && let Some(f) = c
+            .files
+            .iter()
+            .find(|f| !files.iter().any(|a| a.path == f.path))
+    {
+        return Err(ArtifactError::MissingFile(f.path.clone()));
+    }
+    syncs
+        .wait()
+        .map_err(io_err(&data, "fsync the payload's files"))?;
+    // Every directory of the payload, so each file's entry is durable too.
+    let mut dirs: std::collections::BTreeSet<PathBuf> = std::collections::BTreeSet::new();
+    dirs.insert(data.clone());
+    for f in &files {
+        if let Some(parent) = data.join(check_path(&f.path)?).parent() {
+            dirs.insert(parent.to_path_buf());
+        }
+    }
+    for d in &dirs {
+        sync_dir(d)?;
+    }
+    let (got, keys) = match proven {
+        Some(c) => (c.cursor, c.keys),
+        None => {
+            let (copy, _) = AnyStore::open_read_only(&data)?;
+            if copy.backend() != backend.as_str() {
+                return Err(ArtifactError::BackendMismatch {
+                    artifact: backend.as_str().to_string(),
+                    wanted: format!("the payload's own {}", copy.backend()),
+                });
+            }
+            (copy.cursor(), copy.len()?)
+        }
+    };
+    if got != cursor {
+        return Err(ArtifactError::CursorMismatch {
+            what: "verify of the exported copy",
+            want: cursor.revision(),
+            got: got.revision(),
+        });
+    }
+    let manifest = ExportManifest {
+        schema: SCHEMA,
+        backend: backend.as_str().to_string(),
+        format: format_generation(backend),
+        cursor: cursor.revision(),
+        scope,
+        keys,
+        created_unix_ms: now_ms(),
+        files,
+        stream: staged.stream.clone(),
+        previous: Vec::new(),
+    };
+    let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| ArtifactError::Manifest {
+        path: stage.join(MANIFEST_FILE),
+        reason: e.to_string(),
+    })?;
+    let mpath = stage.join(MANIFEST_FILE);
+    let mut f = File::create(&mpath).map_err(io_err(&mpath, "create"))?;
+    f.write_all(&bytes).map_err(io_err(&mpath, "write"))?;
+    f.sync_all().map_err(io_err(&mpath, "fsync"))?;
+    sync_dir(stage)?;
+    if out.exists() {
+        return Err(ArtifactError::Exists(out.to_path_buf()));
+    }
+    std::fs::rename(stage, out).map_err(io_err(out, "rename stage into place"))?;
+    sync_dir(out.parent().unwrap_or_else(|| Path::new(".")))?;
+    Ok(manifest)
+}
+
+/// Exports `store` to the artifact directory `out` (which must not exist): stage, verify, hash,
+/// manifest, rename. For a store no host is writing; a running host exports through
+/// `foldhost::applied::export_live` instead.
+pub fn export_store<S: SnapshotStore + ?Sized>(
+    store: &S,
+    backend: Backend,
+    out: &Path,
+    scope: Option<String>,
+    progress: Progress<'_>,
+) -> Result<ExportManifest, ArtifactError> {
+    if out.exists() {
+        return Err(ArtifactError::Exists(out.to_path_buf()));
+    }
+    let stage = stage_path(out, "export");
+    let staged = or_discard(&stage, export_stage(store, backend, &stage))?;
+    seal_to(&stage, out, &staged, scope, progress)
+}
+
+/// True when `out` names a tar file rather than an artifact directory.
+pub fn is_tar(out: &Path) -> bool {
+    out.extension().is_some_and(|e| e == "tar")
+}
+
+/// [`seal`] into `out`, or, when `out` ends in `.tar`, into a hidden directory packed into `out`.
+pub fn seal_to(
+    stage: &Path,
+    out: &Path,
+    staged: &Staged,
+    scope: Option<String>,
+    progress: Progress<'_>,
+) -> Result<ExportManifest, ArtifactError> {
+    if !is_tar(out) {
+        return seal(stage, out, staged, scope, progress);
+    }
+    let dir = stage_path(out, "artifact");
+    let m = seal(stage, &dir, staged, scope, progress)?;
+    let r = pack_tar(&dir, out);
+    discard(&dir);
+    r.map(|()| m)
+}
+
+/// What a running fold's copy of itself into a stage answers: the cursor the copy holds and what
+/// the store proved of it while writing it, or why it failed.
+pub type LiveCopy = Result<(WatchCursor, Option<crate::snapshot::ProvenCopy>), ArtifactError>;
+
+/// Exports the fold of a running host: `copy` has the fold flush and copy itself into the
+/// directory it is given, between batches (paused only for the copy; the fold's loop does it,
+/// `foldhost::applied::export_live`), then the stage is verified, hashed and sealed here, off the
+/// fold's path, recording `stream` (the fold's stream, read by the caller before and after) in
+/// the manifest.
+pub async fn export_live_with<F, Fut>(
+    copy: F,
+    backend: Backend,
+    out: PathBuf,
+    scope: Option<String>,
+    stream: Option<ManifestStream>,
+) -> Result<ExportManifest, ArtifactError>
+where
+    F: FnOnce(PathBuf) -> Fut,
+    Fut: std::future::Future<Output = LiveCopy>,
+{
+    if out.exists() {
+        return Err(ArtifactError::Exists(out));
+    }
+    let stage = stage_path(&out, "export");
+    let copied = async {
+        let data = make_stage(&stage)?;
+        let (cursor, proven) = copy(data.clone()).await?;
+        crate::storedir::write_meta(&data, backend)?;
+        Ok(Staged {
+            cursor,
+            proven,
+            stream,
+        })
+    };
+    let staged = or_discard(&stage, copied.await)?;
+    tokio::task::spawn_blocking(move || seal_to(&stage, &out, &staged, scope, &mut |_, _| {}))
+        .await
+        .map_err(|e| ArtifactError::Fold(format!("export task: {e}")))?
+}
