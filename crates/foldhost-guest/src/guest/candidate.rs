@@ -1,0 +1,81 @@
+//! A swap's candidate: a new guest hydrated and caught up beside the running one, answering queries for a shadow before it is adopted.
+
+use super::*;
+
+/// A guest built beside the running one ([`Apply::swap_candidate`]): its own engine store and
+/// instance, reading the fold through the swap's view (the fold at C until the cut-over).
+pub(super) struct GuestCandidate {
+    pub(super) core: Core,
+    pub(super) live: Option<Live>,
+    /// The running guest's manifest (a scope change is refused).
+    pub(super) running: GuestManifest,
+    /// Entries hydrated and how long it took, once hydrated.
+    pub(super) hydrated: Option<(u64, Duration)>,
+}
+
+#[async_trait]
+impl SwapCandidate for GuestCandidate {
+    fn describe(&self) -> String {
+        self.core.describe()
+    }
+
+    async fn hydrate(&mut self) -> Result<u64, ApplyError> {
+        let mut live = self.core.instantiate().await?;
+        self.core.manifest = self.core.call_manifest(&mut live).await?;
+        live.store.data_mut().set_guest(self.core.describe());
+        if self.core.manifest.scope != self.running.scope {
+            return Err(self.core.err(
+                "swap",
+                format!(
+                    "its scope {} differs from the running {} (a scope change needs a restart)",
+                    self.core.manifest.watch_scope(),
+                    self.running.watch_scope()
+                ),
+            ));
+        }
+        self.core.call_init(&mut live).await?;
+        let stats = self
+            .core
+            .stream_fold(&mut live, true)
+            .await
+            .map_err(|e| self.core.err("swap", format!("hydration failed: {e}")))?;
+        self.live = Some(live);
+        self.hydrated = Some(stats);
+        Ok(stats.0)
+    }
+
+    async fn catch_up(&mut self, updates: &[KvUpdate]) -> Result<(), ApplyError> {
+        let Some(mut live) = self.live.take() else {
+            return Err(self
+                .core
+                .err("swap", "caught up before it was hydrated".into()));
+        };
+        let scope = self.core.manifest.watch_scope();
+        let updates: Vec<bindings::Update<'_>> = updates
+            .iter()
+            .filter(|u| scope.contains(u.key()))
+            .map(bindings::to_wit_update)
+            .collect();
+        self.core
+            .feed(&mut live, updates)
+            .await
+            .map_err(|e| self.core.err("swap", format!("catch-up failed: {e}")))?;
+        self.live = Some(live);
+        Ok(())
+    }
+
+    async fn query(&mut self, request: &[u8]) -> Result<Result<Vec<u8>, String>, ApplyError> {
+        let Some(mut live) = self.live.take() else {
+            return Err(self
+                .core
+                .err("query", "queried before it was hydrated".into()));
+        };
+        let answer = self.core.query(&mut live, request).await?;
+        self.live = Some(live);
+        Ok(answer)
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
+    }
+}
