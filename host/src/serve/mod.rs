@@ -211,8 +211,9 @@ pub struct ServeState {
 }
 
 /// Most connections served at once; more wait in the listen backlog. An unauthenticated one holds
-/// its slot until it is evicted ([`HeadPhase`]) or, once whole, for at most the time its answer
-/// takes ([`IO_TIMEOUT`] twice) + [`WRITE_DEADLINE`].
+/// its slot until it is evicted ([`HeadPhase`]) or, while a request of it is whole, for at most the
+/// time its answer takes ([`IO_TIMEOUT`] twice) + [`WRITE_DEADLINE`]; between two requests it is
+/// evictable again, and closed after [`HEAD_DEADLINE`] without one.
 pub const MAX_CONNECTIONS: usize = 256;
 
 /// A response before it is put on the wire: status, content type, body, and whether the
