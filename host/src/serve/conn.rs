@@ -43,13 +43,21 @@ struct Budgets {
 /// waits for a request or has not yet sent a whole unauthenticated one ([`HeadPhase`]), retrying
 /// while it waits.
 pub async fn serve(listener: TcpListener, state: Arc<ServeState>) {
+    serve_with_queue(listener, state, Arc::new(Mutex::new(HeadPhase::default()))).await;
+}
+
+/// [`serve`], with the eviction queue given (the tests watch it).
+async fn serve_with_queue(
+    listener: TcpListener,
+    state: Arc<ServeState>,
+    heads: Arc<Mutex<HeadPhase>>,
+) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
     let budgets = Arc::new(Budgets {
         query_kib: Arc::new(Semaphore::new(QUERY_BODY_BUDGET / 1024)),
         answer_kib: Arc::new(Semaphore::new(ANSWER_BUDGET / 1024)),
         admin: Arc::new(Semaphore::new(1)),
     });
-    let heads = Arc::new(Mutex::new(HeadPhase::default()));
     loop {
         let (sock, _) = match listener.accept().await {
             Ok(s) => s,
@@ -541,6 +549,16 @@ mod tests {
     /// A server on loopback whose fold answers each query with its own request bytes; returns
     /// its address and the count of queries the fold received.
     async fn server(limits: Limits) -> std::io::Result<(SocketAddr, Arc<AtomicUsize>)> {
+        let (addr, queries, _) = server_with(limits, None).await?;
+        Ok((addr, queries))
+    }
+
+    /// [`server`], its fold answering each query only once `gate` is notified, and its eviction
+    /// queue.
+    async fn server_with(
+        limits: Limits,
+        gate: Option<Arc<Notify>>,
+    ) -> std::io::Result<(SocketAddr, Arc<AtomicUsize>, Arc<Mutex<HeadPhase>>)> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let listen = listener.local_addr()?;
         let (control, mut rx) = tokio::sync::mpsc::channel(64);
@@ -550,6 +568,9 @@ mod tests {
             while let Some(c) = rx.recv().await {
                 if let Control::Query { request, reply } = c {
                     seen.fetch_add(1, Ordering::SeqCst);
+                    if let Some(g) = &gate {
+                        g.notified().await;
+                    }
                     let _ = reply.send(Ok(request));
                 }
             }
@@ -570,8 +591,56 @@ mod tests {
             scope: ">".into(),
             stream: Arc::new(|| None),
         });
-        tokio::spawn(serve(listener, state));
-        Ok((listen, queries))
+        let heads = Arc::new(Mutex::new(HeadPhase::default()));
+        tokio::spawn(serve_with_queue(listener, state, heads.clone()));
+        Ok((listen, queries, heads))
+    }
+
+    /// Waits until the eviction queue holds `n` connections (the deadline only stops a hung test).
+    async fn queued(heads: &Mutex<HeadPhase>, n: usize, what: &str) -> anyhow::Result<()> {
+        let deadline = Instant::now() + HUNG;
+        loop {
+            let len = heads.lock().map_err(|_| anyhow::anyhow!("poisoned"))?.len();
+            if len == n {
+                return Ok(());
+            }
+            anyhow::ensure!(Instant::now() < deadline, "{what}: {len} queued, not {n}");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    }
+
+    #[tokio::test]
+    async fn a_connection_is_evictable_while_it_waits_for_a_request_and_never_while_one_is_served()
+    -> anyhow::Result<()> {
+        let gate = Arc::new(Notify::new());
+        let (addr, queries, heads) = server_with(Limits::default(), Some(gate.clone())).await?;
+        let sock = TcpStream::connect(addr).await?;
+        queued(&heads, 1, "accepted, no request yet").await?;
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(sock)).await?;
+        let _driver = tokio::spawn(conn);
+        for i in 0..2 {
+            let query = Request::post("/query")
+                .header(HOST, addr.to_string())
+                .body(Full::new(Bytes::from(format!("k{i}"))))?;
+            let answer = tokio::spawn(sender.send_request(query));
+            // Whole and in the fold: out of the queue until its answer is written.
+            let deadline = Instant::now() + HUNG;
+            while queries.load(Ordering::SeqCst) <= i {
+                anyhow::ensure!(
+                    Instant::now() < deadline,
+                    "the query never reached the fold"
+                );
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            queued(&heads, 0, "a whole request being served").await?;
+            gate.notify_one();
+            let resp = tokio::time::timeout(HUNG, answer).await???;
+            assert_eq!(resp.status(), 200);
+            resp.into_body().collect().await?;
+            // Answered: waiting for its next request, evictable again.
+            queued(&heads, 1, "answered, waiting for the next request").await?;
+        }
+        Ok(())
     }
 
     /// Sends `raw` and reads until the server closes the connection; the client never closes
