@@ -756,6 +756,18 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_head_over_the_largest_is_refused_before_it_ends() -> anyhow::Result<()> {
+        let (addr, queries) = server(Limits::default()).await?;
+        // A head that never ends: one header line longer than the largest head.
+        let mut raw = format!("POST /query HTTP/1.1\r\nHost: {addr}\r\nX-Pad: ").into_bytes();
+        raw.resize(raw.len() + MAX_HEAD + 1, b'a');
+        let resp = exchange(addr, &raw).await?;
+        assert!(resp.starts_with("HTTP/1.1 431"), "{resp:.80}");
+        assert_eq!(queries.load(Ordering::SeqCst), 0);
+        Ok(())
+    }
+
+    #[tokio::test]
     async fn a_body_reader_keeps_no_chunk_that_would_pass_the_limit() -> anyhow::Result<()> {
         let frames = |sizes: &[usize]| {
             let chunks: Vec<Result<Frame<Bytes>, Infallible>> = sizes
