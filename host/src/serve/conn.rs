@@ -29,7 +29,7 @@ use super::{
 };
 
 /// The byte budgets bodies are read under and answers written under (see the module invariants).
-struct Budgets {
+pub(crate) struct Budgets {
     /// Query bodies, in KiB.
     query_kib: Arc<Semaphore>,
     /// Query answers waiting to be written, in KiB.
@@ -38,26 +38,33 @@ struct Budgets {
     admin: Arc<Semaphore>,
 }
 
+impl Budgets {
+    fn new() -> Self {
+        Budgets {
+            query_kib: Arc::new(Semaphore::new(QUERY_BODY_BUDGET / 1024)),
+            answer_kib: Arc::new(Semaphore::new(ANSWER_BUDGET / 1024)),
+            admin: Arc::new(Semaphore::new(1)),
+        }
+    }
+}
+
 /// Serves until the listener fails; each connection on its own task, at most
 /// [`MAX_CONNECTIONS`] at once. With every slot taken, a new connection evicts the oldest one that
 /// waits for a request or has not yet sent a whole unauthenticated one ([`HeadPhase`]), retrying
 /// while it waits.
 pub async fn serve(listener: TcpListener, state: Arc<ServeState>) {
-    serve_with_queue(listener, state, Arc::new(Mutex::new(HeadPhase::default()))).await;
+    let heads = Arc::new(Mutex::new(HeadPhase::default()));
+    serve_with(listener, state, heads, Arc::new(Budgets::new())).await;
 }
 
-/// [`serve`], with the eviction queue given (the tests watch it).
-async fn serve_with_queue(
+/// [`serve`], with the eviction queue and the budgets given (the tests watch them).
+async fn serve_with(
     listener: TcpListener,
     state: Arc<ServeState>,
     heads: Arc<Mutex<HeadPhase>>,
+    budgets: Arc<Budgets>,
 ) {
     let slots = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    let budgets = Arc::new(Budgets {
-        query_kib: Arc::new(Semaphore::new(QUERY_BODY_BUDGET / 1024)),
-        answer_kib: Arc::new(Semaphore::new(ANSWER_BUDGET / 1024)),
-        admin: Arc::new(Semaphore::new(1)),
-    });
     loop {
         let (sock, _) = match listener.accept().await {
             Ok(s) => s,
@@ -97,6 +104,7 @@ async fn serve_with_queue(
             told,
             closed: AtomicBool::new(false),
             respond_by: Mutex::new(None),
+            answer_budget: Mutex::new(None),
             answered: AtomicBool::new(false),
         });
         let (state, budgets) = (state.clone(), budgets.clone());
@@ -117,6 +125,9 @@ struct Slot {
     closed: AtomicBool,
     /// When the answer being written must be written by.
     respond_by: Mutex<Option<Instant>>,
+    /// The share of [`ANSWER_BUDGET`] the answer being written holds until its last byte is
+    /// written (hyper keeps the bytes in its write queue after it has taken the body).
+    answer_budget: Mutex<Option<OwnedSemaphorePermit>>,
     /// The answer's body has been handed to hyper: the next completed flush ends the answer.
     answered: AtomicBool,
 }
@@ -162,7 +173,18 @@ impl Slot {
     fn flushed(&self) {
         if self.answered.swap(false, Ordering::AcqRel) {
             self.set_respond_by(None);
+            if let Ok(mut b) = self.answer_budget.lock() {
+                b.take();
+            }
             self.rejoin();
+        }
+    }
+
+    /// An answer starts: written by `by`, holding `budget` until then.
+    fn answering(&self, by: Instant, budget: Option<OwnedSemaphorePermit>) {
+        self.set_respond_by(Some(by));
+        if let Ok(mut b) = self.answer_budget.lock() {
+            *b = budget;
         }
     }
 }
@@ -256,8 +278,8 @@ impl ConnCtx {
             Err(refused) => (refused, None),
         };
         self.slot
-            .set_respond_by(Some(Instant::now() + WRITE_DEADLINE));
-        Ok(into_response(reply, answer_budget, self.slot.clone()))
+            .answering(Instant::now() + WRITE_DEADLINE, answer_budget);
+        Ok(into_response(reply, self.slot.clone()))
     }
 
     /// Admits the head, takes the body's budget and reads the body within the route's limit and
@@ -389,16 +411,11 @@ where
     Ok(buf)
 }
 
-/// The hyper response for `reply`; its body holds the answer's budget and, once written, puts the
-/// connection back in the eviction queue.
-fn into_response(
-    reply: Reply,
-    budget: Option<OwnedSemaphorePermit>,
-    slot: Arc<Slot>,
-) -> Response<Answer> {
+/// The hyper response for `reply`; once hyper has taken its body, the next completed flush ends
+/// the answer ([`Slot::flushed`]).
+fn into_response(reply: Reply, slot: Arc<Slot>) -> Response<Answer> {
     let mut resp = Response::new(Answer {
         body: Full::new(Bytes::from(reply.body)),
-        _budget: budget,
         _done: Answered(slot),
     });
     *resp.status_mut() =
@@ -412,10 +429,9 @@ fn into_response(
     resp
 }
 
-/// A response body: the bytes, the answer budget they hold, and what marks the answer handed over.
+/// A response body: the bytes, and what marks the answer handed over.
 pub(crate) struct Answer {
     body: Full<Bytes>,
-    _budget: Option<OwnedSemaphorePermit>,
     _done: Answered,
 }
 
@@ -549,16 +565,22 @@ mod tests {
     /// A server on loopback whose fold answers each query with its own request bytes; returns
     /// its address and the count of queries the fold received.
     async fn server(limits: Limits) -> std::io::Result<(SocketAddr, Arc<AtomicUsize>)> {
-        let (addr, queries, _) = server_with(limits, None).await?;
-        Ok((addr, queries))
+        let s = server_with(limits, None).await?;
+        Ok((s.addr, s.queries))
+    }
+
+    /// A test server: its address, the count of queries its fold received, its eviction queue
+    /// and its budgets.
+    struct Served {
+        addr: SocketAddr,
+        queries: Arc<AtomicUsize>,
+        heads: Arc<Mutex<HeadPhase>>,
+        budgets: Arc<Budgets>,
     }
 
     /// [`server`], its fold answering each query only once `gate` is notified, and its eviction
     /// queue.
-    async fn server_with(
-        limits: Limits,
-        gate: Option<Arc<Notify>>,
-    ) -> std::io::Result<(SocketAddr, Arc<AtomicUsize>, Arc<Mutex<HeadPhase>>)> {
+    async fn server_with(limits: Limits, gate: Option<Arc<Notify>>) -> std::io::Result<Served> {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let listen = listener.local_addr()?;
         let (control, mut rx) = tokio::sync::mpsc::channel(64);
@@ -592,8 +614,14 @@ mod tests {
             stream: Arc::new(|| None),
         });
         let heads = Arc::new(Mutex::new(HeadPhase::default()));
-        tokio::spawn(serve_with_queue(listener, state, heads.clone()));
-        Ok((listen, queries, heads))
+        let budgets = Arc::new(Budgets::new());
+        tokio::spawn(serve_with(listener, state, heads.clone(), budgets.clone()));
+        Ok(Served {
+            addr: listen,
+            queries,
+            heads,
+            budgets,
+        })
     }
 
     /// Waits until the eviction queue holds `n` connections (the deadline only stops a hung test).
@@ -613,7 +641,12 @@ mod tests {
     async fn a_connection_is_evictable_while_it_waits_for_a_request_and_never_while_one_is_served()
     -> anyhow::Result<()> {
         let gate = Arc::new(Notify::new());
-        let (addr, queries, heads) = server_with(Limits::default(), Some(gate.clone())).await?;
+        let Served {
+            addr,
+            queries,
+            heads,
+            ..
+        } = server_with(Limits::default(), Some(gate.clone())).await?;
         let sock = TcpStream::connect(addr).await?;
         queued(&heads, 1, "accepted, no request yet").await?;
         let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(sock)).await?;
@@ -764,6 +797,59 @@ mod tests {
         let resp = exchange(addr, &raw).await?;
         assert!(resp.starts_with("HTTP/1.1 431"), "{resp:.80}");
         assert_eq!(queries.load(Ordering::SeqCst), 0);
+        Ok(())
+    }
+
+    /// Waits until `what` holds (the deadline only stops a hung test).
+    async fn until(what: &str, mut done: impl FnMut() -> bool) -> anyhow::Result<()> {
+        let deadline = Instant::now() + HUNG;
+        while !done() {
+            anyhow::ensure!(Instant::now() < deadline, "never: {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_answer_the_client_does_not_read_holds_its_budget_until_the_write_deadline_cuts_it()
+    -> anyhow::Result<()> {
+        const ANSWER: usize = 8 << 20;
+        let s = server_with(
+            Limits {
+                query_body: ANSWER,
+                ..Limits::default()
+            },
+            None,
+        )
+        .await?;
+        let full = ANSWER_BUDGET / 1024;
+        let answers = s.budgets.answer_kib.clone();
+        // A client that reads nothing, with a small receive buffer: an 8 MiB answer cannot be
+        // written whole into the kernel's buffers.
+        let sock = tokio::net::TcpSocket::new_v4()?;
+        sock.set_recv_buffer_size(4096)?;
+        let mut c = sock.connect(s.addr).await?;
+        let mut raw = format!(
+            "POST /query HTTP/1.1\r\nHost: {}\r\nContent-Length: {ANSWER}\r\n\r\n",
+            s.addr
+        )
+        .into_bytes();
+        raw.resize(raw.len() + ANSWER, b'x');
+        c.write_all(&raw).await?;
+        // The answer holds its share while hyper writes it, not only until hyper took the body.
+        until("the answer holds its budget", || {
+            answers.available_permits() == full - ANSWER / 1024
+        })
+        .await?;
+        // Unread, it is cut at the write deadline, and its share comes back.
+        until("the budget comes back", || {
+            answers.available_permits() == full
+        })
+        .await?;
+        let mut got = Vec::new();
+        // Closed by the server: the end of the stream, or a reset (either ends the read).
+        let _ = tokio::time::timeout(HUNG, c.read_to_end(&mut got)).await?;
+        assert!(got.len() < ANSWER, "cut: {} bytes arrived", got.len());
         Ok(())
     }
 
