@@ -40,7 +40,9 @@ mod random;
 
 use candidate::GuestCandidate;
 pub use engine::{EngineOptions, GuestEngine, Prepared};
-use hydration::{Page, PageReader};
+#[cfg(test)]
+use hydration::Page;
+use hydration::PageReader;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};

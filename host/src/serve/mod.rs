@@ -1,0 +1,537 @@
+//! The `--listen` endpoint: `GET /status`, `POST /query`, and the admin routes `POST /swap`,
+//! `POST /shadow` and `POST /export`, over HTTP/1.1 (hyper) with keep-alive: a connection carries
+//! several requests, one after the other, each admitted on its own.
+//!
+//! Every decision about a request before its body is read is a pure function over its head
+//! ([`admit`], over [`RequestHead::from_parts`]); the hyper plumbing around it (`conn.rs`) is
+//! thin, and so is the client (`client.rs`: [`call`] and its variants, which the CLI uses).
+//!
+//! Invariants — what an unauthenticated or hostile client cannot do:
+//! - **No body byte is read before the request is admitted**: the route known, the caller
+//!   authorized (admin routes: the admin token; with a query token, `/status` and `/query` too),
+//!   the Host and Origin checked, and the declared length under the route's own limit (`/status`
+//!   none, `/query` [`Limits::query_body`], `/swap` [`Limits::swap_body`], `/export` 4 KiB). A
+//!   chunked body is read only while its bytes stay within that limit: the chunk that would pass
+//!   it is refused (413) unkept, so no more than the limit is ever buffered. A refused request's
+//!   connection is closed, its body left unread.
+//! - **Bodies and answers in flight are bounded in total**: unauthenticated bodies (queries) share
+//!   one byte budget ([`QUERY_BODY_BUDGET`]) taken before the read (a chunked body takes the
+//!   route's limit), answers waiting to be written another ([`ANSWER_BUDGET`]) — a request that
+//!   cannot get its share at once is refused with 503 — and admin bodies are read one at a time. A
+//!   query waits at most [`IO_TIMEOUT`] for room in the fold's control channel (64 deep), then for
+//!   its answer. Memory held for clients is therefore bounded by the budgets, one component, the
+//!   channel's queries, and a read buffer of at most [`MAX_HEAD`] per connection, whatever they
+//!   announce.
+//! - **Every connection is bounded in time**: each head within [`HEAD_DEADLINE`] of the wait for
+//!   it (so the idle time between two requests is bounded too), each whole request within
+//!   [`REQUEST_DEADLINE`] (a trickling client is cut, not waited for), each response written within
+//!   [`WRITE_DEADLINE`]. Idle clients cannot hold every slot either: with all taken, a new
+//!   connection evicts the oldest one that is waiting for a request or whose request is not yet
+//!   whole and not authenticated ([`HeadPhase`]); one whose request is whole is never evicted
+//!   before its answer is written.
+//! - **Admin routes always need the token** (`--admin-token`, `--admin-token-file`, or one the
+//!   host generates into a 0600 file beside the store); tokens are compared in constant time
+//!   ([`token_matches`]).
+//! - **No query from just anyone beyond loopback**: a listener on any address but a loopback one
+//!   (a wildcard `0.0.0.0` / `::` one included) answers `/status` and `/query` only with the query
+//!   token (`--query-token-file`, or one the host generates into `STORE/query-token`, 0600), unless
+//!   the operator started it with `--query-open` ([`crate::protocol::query_access`]).
+//! - **No cross-site or rebound request**: the `Host` header must name the listener — a
+//!   `--listen-host` name, or an address it listens on (on loopback `127.0.0.1:PORT`,
+//!   `localhost:PORT`, …; on a wildcard the IP literal of the address the connection arrived on;
+//!   [`crate::protocol::host_names_listener`]) — and a browser's `Origin`, when present, must be
+//!   that same origin. Checked on every request of a connection, not once for it.
+//!
+//! Queries are handed to the fold loop ([`crate::applied::Control::Query`]) and answered between
+//! batches: a query never sees a half-applied batch.
+
+mod admission;
+mod client;
+mod conn;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::{Semaphore, mpsc, oneshot};
+
+use crate::applied::Control;
+
+pub use admission::{
+    AccessPolicy, HeadPhase, HttpError, Limits, Refusal, RequestHead, Route, admit, token_matches,
+};
+pub use client::{call, call_with_deadline, call_with_token};
+pub use conn::serve;
+
+/// Largest request head accepted.
+pub const MAX_HEAD: usize = 16 * 1024;
+/// Largest body any route accepts (the default component size limit for `/swap`); each route
+/// has its own, lower or equal ([`Limits`]).
+pub const MAX_BODY: usize = 64 * 1024 * 1024;
+/// Largest query body by default.
+pub const MAX_QUERY: usize = 1024 * 1024;
+/// Largest `/export` body (a path).
+pub const MAX_EXPORT_BODY: usize = 4096;
+/// The bytes of query bodies all connections together may hold while they are read.
+pub const QUERY_BODY_BUDGET: usize = 32 * 1024 * 1024;
+/// The bytes of query answers all connections together may hold while they are written.
+pub const ANSWER_BUDGET: usize = 64 * 1024 * 1024;
+/// Most `--listen-host` names a listener takes.
+pub const MAX_LISTEN_HOSTS: usize = 64;
+/// How long a client may take to send its request head, and how long a connection may stay idle
+/// between two requests (the wait for the next head is the same clock).
+pub const HEAD_DEADLINE: Duration = Duration::from_secs(5);
+/// How long a client may take to send its whole request (head and body): the body has what the
+/// head's deadline leaves of it.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(30);
+/// How long writing a response may take.
+pub const WRITE_DEADLINE: Duration = Duration::from_secs(10);
+/// How long a query may wait for its answer.
+pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The admin token file a host generates in its store directory when no token is given.
+pub const ADMIN_TOKEN_FILE: &str = "admin-token";
+/// The query token file a host listening beyond loopback generates in its store directory when
+/// no query token is given (and `--query-open` is not).
+pub const QUERY_TOKEN_FILE: &str = "query-token";
+/// Largest token file read.
+const MAX_TOKEN_FILE: u64 = 4096;
+
+/// Reads a token file: its content, trimmed, must be non-empty and at most 4 KiB.
+pub fn read_token_file(path: &std::path::Path) -> std::io::Result<String> {
+    use std::io::Read as _;
+    let f = std::fs::File::open(path).map_err(|e| {
+        std::io::Error::new(e.kind(), format!("token file {}: {e}", path.display()))
+    })?;
+    let mut text = String::new();
+    f.take(MAX_TOKEN_FILE + 1)
+        .read_to_string(&mut text)
+        .map_err(|e| {
+            std::io::Error::new(e.kind(), format!("token file {}: {e}", path.display()))
+        })?;
+    let t = text.trim();
+    if t.is_empty() || text.len() as u64 > MAX_TOKEN_FILE {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!("token file {}: empty or over 4 KiB", path.display()),
+        ));
+    }
+    Ok(t.to_string())
+}
+
+/// Reads a token file a host generated ([`generate_token_file`]), refusing anything else: the
+/// file must be named [`ADMIN_TOKEN_FILE`], be a regular file no one but its owner can read
+/// (mode 0600 or stricter), and hold 64 hex digits. A client that follows the path a listener
+/// names in `/status` uses this, so a listener that is not the host (a squatter on the port)
+/// cannot make it send some other file (a private key) as a bearer token.
+pub fn read_generated_token(path: &std::path::Path) -> std::io::Result<String> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let refuse = |why: &str| {
+        std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            format!(
+                "{}: not a generated admin token file: {why}",
+                path.display()
+            ),
+        )
+    };
+    if path.file_name() != Some(std::ffi::OsStr::new(ADMIN_TOKEN_FILE)) {
+        return Err(refuse("wrong name"));
+    }
+    let meta = std::fs::symlink_metadata(path)?;
+    if !meta.file_type().is_file() || meta.permissions().mode() & 0o077 != 0 {
+        return Err(refuse("not a private regular file"));
+    }
+    let token = read_token_file(path)?;
+    if token.len() != 64 || !token.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(refuse("not 64 hex digits"));
+    }
+    Ok(token)
+}
+
+/// The query token a host listening beyond loopback uses when given none: the one in `path`
+/// ([`QUERY_TOKEN_FILE`] in the store) if a run before generated it and it is still private,
+/// else a new one generated there ([`generate_token_file`]). Kept across restarts, so remote
+/// clients that copied it once keep working; delete the file to change it.
+pub fn query_token_from_store(path: &std::path::Path) -> std::io::Result<String> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let private = std::fs::symlink_metadata(path)
+        .is_ok_and(|m| m.file_type().is_file() && m.permissions().mode() & 0o077 == 0);
+    match read_token_file(path) {
+        Ok(t) if private && t.len() == 64 && t.bytes().all(|b| b.is_ascii_hexdigit()) => Ok(t),
+        _ => generate_token_file(path),
+    }
+}
+
+/// Generates a token (32 bytes from the OS's random source, hex) and writes it to `path`
+/// readable and writable by this user only (mode 0600, written beside and renamed into place).
+pub fn generate_token_file(path: &std::path::Path) -> std::io::Result<String> {
+    use std::io::{Read as _, Write as _};
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let mut raw = [0u8; 32];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut raw))
+        .map_err(|e| std::io::Error::new(e.kind(), format!("/dev/urandom: {e}")))?;
+    let token: String = raw.iter().map(|b| format!("{b:02x}")).collect();
+    let tmp = path.with_extension("tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(&tmp)
+        .and_then(|mut f| {
+            f.write_all(token.as_bytes())?;
+            f.write_all(b"\n")?;
+            f.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&tmp, path));
+    written.map_err(|e| {
+        std::io::Error::new(e.kind(), format!("token file {}: {e}", path.display()))
+    })?;
+    Ok(token)
+}
+
+/// What the server needs from the host.
+pub struct ServeState {
+    /// The host's status, now.
+    pub status: Box<dyn Fn() -> crate::status::StatusReport + Send + Sync>,
+    /// The fold's control channel (`None` once the fold stopped).
+    pub control: mpsc::Sender<Control>,
+    /// Compiles a swapped-in guest off the fold's path (`None`: no guest, no swap).
+    pub engine: Option<Arc<crate::guest::GuestEngine>>,
+    /// Tokens, limits and the listener's address.
+    pub policy: AccessPolicy,
+    /// The store's backend (for `/export`).
+    pub backend: crate::storedir::Backend,
+    /// The watch scope (recorded in exported artifacts).
+    pub scope: String,
+    /// The stream the fold records now (recorded in exported artifacts, so that a bootstrap of
+    /// another incarnation refuses them).
+    pub stream: std::sync::Arc<dyn Fn() -> Option<crate::artifact::ManifestStream> + Send + Sync>,
+}
+
+/// Most connections served at once; more wait in the listen backlog. An unauthenticated one holds
+/// its slot until it is evicted ([`HeadPhase`]) or, while a request of it is whole, for at most the
+/// time its answer takes ([`IO_TIMEOUT`] twice) + [`WRITE_DEADLINE`]; between two requests it is
+/// evictable again, and closed after [`HEAD_DEADLINE`] without one.
+pub const MAX_CONNECTIONS: usize = 256;
+
+/// A response before it is put on the wire: status, content type, body, and whether the
+/// connection closes after it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Reply {
+    pub(crate) status: u16,
+    pub(crate) content_type: &'static str,
+    pub(crate) body: Vec<u8>,
+    /// Close the connection once written (a refusal: its body, if any, was not read).
+    pub(crate) close: bool,
+}
+
+impl Reply {
+    pub(crate) fn new(status: u16, content_type: &'static str, body: impl Into<Vec<u8>>) -> Self {
+        Reply {
+            status,
+            content_type,
+            body: body.into(),
+            close: false,
+        }
+    }
+
+    /// A refusal: its message as text, and the connection closed after it.
+    pub(crate) fn refused(r: &Refusal) -> Self {
+        Reply {
+            close: true,
+            ..Reply::new(r.status, "text/plain", format!("{}\n", r.message))
+        }
+    }
+}
+
+/// `GET /status`: the host's status as JSON.
+pub(crate) fn status(state: &ServeState) -> Reply {
+    let v = (state.status)();
+    let mut b = serde_json::to_vec(&v).unwrap_or_default();
+    b.push(b'\n');
+    Reply::new(200, "application/json", b)
+}
+
+/// A 503 response with `message`.
+fn unavailable(message: &str) -> Reply {
+    Reply::new(503, "text/plain", format!("{message}\n"))
+}
+
+/// `POST /query`: the body handed to the fold, the answer held under `answer_kib` (KiB of
+/// [`ANSWER_BUDGET`]) until it is written.
+pub(crate) async fn query(
+    body: Vec<u8>,
+    state: &ServeState,
+    answer_kib: &Arc<Semaphore>,
+) -> (Reply, Option<tokio::sync::OwnedSemaphorePermit>) {
+    let (tx, rx) = oneshot::channel();
+    let sent = tokio::time::timeout(
+        IO_TIMEOUT,
+        state.control.send(Control::Query {
+            request: body,
+            reply: tx,
+        }),
+    )
+    .await;
+    match sent {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => return (unavailable("the fold is not running"), None),
+        Err(_) => {
+            return (
+                unavailable("the fold is busy: no room for the query in time"),
+                None,
+            );
+        }
+    }
+    match tokio::time::timeout(IO_TIMEOUT, rx).await {
+        Ok(Ok(Ok(answer))) => {
+            let kib = answer.len().div_ceil(1024);
+            let budget = u32::try_from(kib)
+                .ok()
+                .and_then(|k| answer_kib.clone().try_acquire_many_owned(k).ok());
+            match budget {
+                Some(b) => (Reply::new(200, "application/octet-stream", answer), Some(b)),
+                None => (unavailable("too many answers in flight; retry"), None),
+            }
+        }
+        // No guest instance right now: the fold loop rebuilds it as fold work, never for a
+        // query (docs/design.md, "The fold loop"), so the caller retries shortly.
+        Ok(Ok(Err(e))) if e.is_rebuilding() => (unavailable(&e.to_string()), None),
+        Ok(Ok(Err(e))) => (
+            Reply::new(422, "text/plain", format!("{e}\n").as_bytes()),
+            None,
+        ),
+        Ok(Err(_)) => (unavailable("the fold stopped"), None),
+        Err(_) => (Reply::new(504, "text/plain", b"no answer in time\n"), None),
+    }
+}
+
+/// How long a swap (settle, compile, rebuild from the fold) may take before the caller gives up
+/// waiting (the swap itself still completes or is refused).
+pub const SWAP_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `POST /export`: the body is the output path (a directory, or a file ending `.tar`) on the host's
+/// machine; the answer is the artifact's manifest.
+pub(crate) async fn export(body: Vec<u8>, state: &ServeState) -> Reply {
+    let Ok(out) = String::from_utf8(body) else {
+        return Reply::new(400, "text/plain", b"the path is not UTF-8\n");
+    };
+    let out = std::path::PathBuf::from(out.trim());
+    match crate::applied::export_live_of(
+        &state.control,
+        state.backend,
+        out,
+        Some(state.scope.clone()),
+        (state.stream)(),
+    )
+    .await
+    {
+        Ok(m) => {
+            let mut b = serde_json::to_vec(&m).unwrap_or_default();
+            b.push(b'\n');
+            Reply::new(200, "application/json", b)
+        }
+        Err(e) => Reply::new(409, "text/plain", format!("{e}\n").as_bytes()),
+    }
+}
+
+/// How long a `/shadow` caller waits for the answer of a shadow that waits up to `max_wait` for
+/// its batches: a minute longer than the host waits, so the host's own answer (or its 504) comes
+/// first.
+pub fn shadow_deadline(max_wait: Duration) -> Duration {
+    SWAP_TIMEOUT + max_wait + Duration::from_secs(60)
+}
+
+/// Longest wait for a shadow's batches the host accepts, seconds (a day).
+pub const MAX_SHADOW_WAIT_S: u64 = 24 * 3600;
+
+/// Largest JSON header of a `/shadow` body (its request list included).
+pub const MAX_SHADOW_HEADER: usize = 4 * 1024 * 1024;
+
+/// The JSON header line of a `/shadow` body.
+#[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct ShadowHeader {
+    /// Batches to feed the candidate before the comparison.
+    pub batches: u64,
+    /// Keys to sample when `requests` is empty.
+    #[serde(default)]
+    pub sample: usize,
+    /// The operator's requests (UTF-8 text each).
+    #[serde(default)]
+    pub requests: Vec<String>,
+    /// Swap when the candidate answered every request as the running guest did.
+    #[serde(default)]
+    pub promote: bool,
+    /// Longest wait for the batches, seconds.
+    pub max_wait_s: u64,
+}
+
+/// Splits a `/shadow` body into its plan and the component: one line of JSON
+/// ([`ShadowHeader`]), a newline, then the component's bytes. Pure.
+pub fn parse_shadow_body(body: &[u8]) -> Result<(crate::applied::ShadowPlan, &[u8]), String> {
+    use crate::applied::{MAX_SHADOW_REQUESTS, ShadowPlan, ShadowRequests};
+    let end = body
+        .iter()
+        .take(MAX_SHADOW_HEADER)
+        .position(|&b| b == b'\n')
+        .ok_or_else(|| {
+            format!("the body must start with one line of JSON (at most {MAX_SHADOW_HEADER} bytes)")
+        })?;
+    let header: ShadowHeader =
+        serde_json::from_slice(&body[..end]).map_err(|e| format!("the header: {e}"))?;
+    if header.requests.len() > MAX_SHADOW_REQUESTS || header.sample > MAX_SHADOW_REQUESTS {
+        return Err(format!("at most {MAX_SHADOW_REQUESTS} requests"));
+    }
+    let requests = if header.requests.is_empty() {
+        if header.sample == 0 {
+            return Err("nothing to compare: give requests or a sample of at least one key".into());
+        }
+        ShadowRequests::Sample(header.sample)
+    } else {
+        ShadowRequests::List(
+            header
+                .requests
+                .into_iter()
+                .map(String::into_bytes)
+                .collect(),
+        )
+    };
+    Ok((
+        ShadowPlan {
+            batches: header.batches,
+            requests,
+            promote: header.promote,
+            max_wait: Duration::from_secs(header.max_wait_s.min(MAX_SHADOW_WAIT_S)),
+        },
+        &body[end + 1..],
+    ))
+}
+
+/// Compiles `bytes` off the fold's path (the fold keeps applying meanwhile; the engine's caches
+/// hand the compiled component to the fold's swap or shadow); the error is the response to send.
+async fn compile_off_path(
+    engine: Arc<crate::guest::GuestEngine>,
+    bytes: Vec<u8>,
+    what: &'static str,
+    refused: &'static str,
+) -> Result<Vec<u8>, Reply> {
+    let compiled =
+        tokio::task::spawn_blocking(move || engine.prepare(what, &bytes).map(|_| bytes)).await;
+    match compiled {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) => Err(Reply::new(
+            409,
+            "text/plain",
+            format!("{refused}: {e}\n").as_bytes(),
+        )),
+        Err(e) => Err(Reply::new(500, "text/plain", e.to_string().as_bytes())),
+    }
+}
+
+/// Hands `control` to the fold and answers with what comes back on `rx` within `wait`: the
+/// report as JSON (200), the refusal (409), or why there was no answer (503, 504).
+async fn ask_fold<T: serde::Serialize, E: std::fmt::Display>(
+    state: &ServeState,
+    control: Control,
+    rx: oneshot::Receiver<Result<T, E>>,
+    wait: Duration,
+) -> Reply {
+    match tokio::time::timeout(SWAP_TIMEOUT, state.control.send(control)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => return unavailable("the fold is not running"),
+        Err(_) => return unavailable("the fold is busy: no room for the request in time"),
+    }
+    match tokio::time::timeout(wait, rx).await {
+        Ok(Ok(Ok(report))) => {
+            let mut b = serde_json::to_vec(&report).unwrap_or_default();
+            b.push(b'\n');
+            Reply::new(200, "application/json", b)
+        }
+        Ok(Ok(Err(e))) => Reply::new(409, "text/plain", format!("{e}\n").as_bytes()),
+        Ok(Err(_)) => Reply::new(503, "text/plain", b"the fold stopped\n"),
+        Err(_) => Reply::new(504, "text/plain", b"no answer in time\n"),
+    }
+}
+
+/// `POST /shadow`: compile the candidate off the fold's path, then hand it to the fold as a
+/// shadow; the answer is the [`crate::applied::ShadowReport`] (200), or why the shadow failed (409).
+pub(crate) async fn shadow(body: Vec<u8>, state: &ServeState) -> Reply {
+    let Some(engine) = state.engine.clone() else {
+        return Reply::new(409, "text/plain", b"this host runs no guest to shadow\n");
+    };
+    let (plan, component) = match parse_shadow_body(&body) {
+        Ok((plan, component)) => (plan, component.to_vec()),
+        Err(e) => {
+            return Reply::new(400, "text/plain", format!("{e}\n").as_bytes());
+        }
+    };
+    drop(body);
+    let bytes = match compile_off_path(engine, component, "the candidate", "shadow refused").await {
+        Ok(bytes) => bytes,
+        Err(answer) => return answer,
+    };
+    // The host gives up first ([`shadow_deadline`] gives the caller a minute more): dropping the
+    // reply ends the shadow in the fold without a promotion nobody would hear of.
+    let wait = SWAP_TIMEOUT + plan.max_wait;
+    let (tx, rx) = oneshot::channel();
+    let control = Control::Shadow {
+        bytes,
+        what: "the candidate".into(),
+        plan,
+        reply: tx,
+    };
+    ask_fold(state, control, rx, wait).await
+}
+
+pub(crate) async fn swap(body: Vec<u8>, state: &ServeState) -> Reply {
+    let Some(engine) = state.engine.clone() else {
+        return Reply::new(409, "text/plain", b"this host runs no guest to swap\n");
+    };
+    let bytes = match compile_off_path(engine, body, "the new guest", "swap refused").await {
+        Ok(bytes) => bytes,
+        Err(answer) => return answer,
+    };
+    let (tx, rx) = oneshot::channel();
+    let control = Control::Swap {
+        bytes,
+        what: "the new guest".into(),
+        reply: tx,
+    };
+    ask_fold(state, control, rx, SWAP_TIMEOUT).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_a_generated_private_token_file_is_followed() -> std::io::Result<()> {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = tempfile::tempdir()?;
+        let file = dir.path().join(ADMIN_TOKEN_FILE);
+        let token = generate_token_file(&file)?;
+        assert_eq!(
+            std::fs::metadata(&file)?.permissions().mode() & 0o777,
+            0o600
+        );
+        assert_eq!(read_generated_token(&file)?, token);
+        // Readable by others: refused.
+        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644))?;
+        assert!(read_generated_token(&file).is_err());
+        // Another name (a private key, say), or content that is not a generated token: refused.
+        let key = dir.path().join("id_ed25519");
+        std::fs::write(&key, "-----BEGIN OPENSSH PRIVATE KEY-----\n")?;
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600))?;
+        assert!(read_generated_token(&key).is_err());
+        let other = dir.path().join("sub");
+        std::fs::create_dir(&other)?;
+        let fake = other.join(ADMIN_TOKEN_FILE);
+        std::fs::write(&fake, "-----BEGIN OPENSSH PRIVATE KEY-----\n")?;
+        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o600))?;
+        assert!(read_generated_token(&fake).is_err());
+        Ok(())
+    }
+}
