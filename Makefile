@@ -31,6 +31,7 @@ test:
 	fi
 
 lint:
+	python3 scripts/lint-layers.py
 	cargo fmt --all -- --check
 	cargo fmt --manifest-path guests/Cargo.toml --all -- --check
 	cargo fmt --manifest-path sdk/rust/Cargo.toml -- --check

@@ -8,8 +8,13 @@ fn main() {
         eprintln!("foldhost: error: {e}");
         std::process::exit(2);
     }
-    let filter = tracing_subscriber::EnvFilter::try_from_env("FOLDHOST_LOG")
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info,async_nats=warn"));
+    // The documented targets (`foldhost`, `foldhost::MODULE`) reach the crates the modules live in.
+    let filter = std::env::var("FOLDHOST_LOG")
+        .ok()
+        .and_then(|spec| {
+            tracing_subscriber::EnvFilter::try_new(foldhost::cli::log_filter(&spec)).ok()
+        })
+        .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("info,async_nats=warn"));
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)

@@ -43,7 +43,9 @@ const FAST_SEEDS: u64 = 24;
 fn run_seed(sc: Scenario) -> Result<Outcome, run::Failure> {
     if let Ok(filter) = std::env::var("FOLDHOST_SIM_LOG") {
         let _ = tracing_subscriber::fmt()
-            .with_env_filter(tracing_subscriber::EnvFilter::new(filter))
+            .with_env_filter(tracing_subscriber::EnvFilter::new(
+                foldhost::cli::log_filter(&filter),
+            ))
             .with_test_writer()
             .try_init();
     }

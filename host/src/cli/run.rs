@@ -1,0 +1,356 @@
+//! `foldhost run`: the node's flags, their defaults and checks, the guest's configuration, and the run until a signal.
+
+use super::*;
+
+/// `foldhost run`. Every default comes from [`NodeConfig::new`] and the types it holds.
+#[derive(Args, Debug, Clone)]
+pub struct RunArgs {
+    /// NATS server URL.
+    #[arg(long, env = "FOLDHOST_NATS")]
+    pub nats: String,
+    /// Bucket to fold (must exist).
+    #[arg(long)]
+    pub bucket: String,
+    /// What to watch: all, prefix:P, or prefixes:P1,P2 (default: the guest's manifest, else all).
+    #[arg(long, value_parser = parse_scope)]
+    pub scope: Option<WatchScope>,
+    /// Store directory.
+    #[arg(long)]
+    pub store: PathBuf,
+    /// Storage backend: append-log, fjall or rocksdb (the last two when built with their features).
+    #[arg(long, default_value_t = defaults().backend)]
+    pub backend: Backend,
+    /// Fsync every apply (fjall, rocksdb): a power loss then loses nothing committed. Without it a
+    /// process crash loses nothing, a power loss may lose the tail since the last fsync.
+    #[arg(long)]
+    pub sync: bool,
+    /// The guest: a WebAssembly component (see `wit/guest.wit`). Without it, `--apply` runs.
+    #[arg(long)]
+    pub guest: Option<PathBuf>,
+    /// Guest configuration, `KEY=VALUE`, repeatable (handed to the guest's `init`).
+    #[arg(long = "guest-config", value_name = "KEY=VALUE", value_parser = parse_config_item)]
+    pub guest_config: Vec<(String, String)>,
+    /// Guest configuration from a file: a JSON object of strings (`{"region": "eu"}`). Keys given
+    /// with `--guest-config` override it.
+    #[arg(long, value_name = "FILE")]
+    pub guest_config_file: Option<PathBuf>,
+    /// Deadline of one guest call, in milliseconds.
+    #[arg(long, default_value_t = defaults().guest_limits.call_deadline.as_millis() as u64)]
+    pub guest_deadline_ms: u64,
+    /// Memory cap of a guest, in MiB.
+    #[arg(long, default_value_t = defaults().guest_limits.memory_bytes >> 20)]
+    pub guest_memory_mb: usize,
+    /// Most key and value bytes passed to the guest in one call.
+    #[arg(long, default_value_t = defaults().guest_limits.max_batch_bytes)]
+    pub guest_max_batch_bytes: usize,
+    /// The compiled-component cache: a directory private to this user (created mode 0700) where a
+    /// compiled guest is kept, so the next start or a swap back loads it in milliseconds. Default:
+    /// `$XDG_CACHE_HOME/foldhost/wasm`, else `~/.cache/foldhost/wasm`.
+    #[arg(long, value_name = "DIR", env = "FOLDHOST_GUEST_CACHE")]
+    pub guest_cache: Option<PathBuf>,
+    /// Compile the guest at every start; never read or write the compiled-component cache.
+    #[arg(long, conflicts_with = "guest_cache")]
+    pub no_guest_cache: bool,
+    /// The seed of the guests' random numbers (64 hex digits). Default: the store's own secret
+    /// (`STORE/guest-seed`, made by the first run). Give every host the same seed for guests that
+    /// draw the same numbers fleet-wide; keep it secret, as guests' hash tables are seeded from it.
+    #[arg(long, value_name = "HEX", env = "FOLDHOST_GUEST_SEED", hide_env_values = true, value_parser = parse_seed)]
+    pub guest_seed: Option<[u8; 32]>,
+    /// The built-in native applier when no `--guest` is given.
+    #[arg(long, value_enum, default_value_t = defaults().apply)]
+    pub apply: NativeApply,
+    /// Serve `GET /status`, `POST /query`, `POST /swap` and `POST /export` on this address (e.g.
+    /// 127.0.0.1:8080; port 0: the system's choice, named as `listen` in `STORE/status.json`).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Bearer token the admin routes (`/swap`, `/export`) require. Without it (or
+    /// `--admin-token-file`) the host generates one and writes it to `STORE/admin-token` (mode 0600),
+    /// where `foldhost swap` and `foldhost export --listen` find it.
+    #[arg(long, env = "FOLDHOST_ADMIN_TOKEN", hide_env_values = true)]
+    pub admin_token: Option<String>,
+    /// Read the admin token from this file (keeps it out of `ps`).
+    #[arg(long, value_name = "FILE", conflicts_with = "admin_token")]
+    pub admin_token_file: Option<PathBuf>,
+    /// Read the bearer token `/status` and `/query` require from this file (the admin token opens
+    /// them too). Without it, a loopback listener answers them to anyone on this machine, and any
+    /// other (0.0.0.0 and :: included) only with the token it generates into `STORE/query-token`
+    /// (mode 0600, kept across restarts) — unless `--query-open`.
+    #[arg(long, value_name = "FILE", conflicts_with = "query_open")]
+    pub query_token_file: Option<PathBuf>,
+    /// Refused: a query token is read from a file (`--query-token-file`), never from the command
+    /// line (where `ps` shows it) or the environment.
+    #[arg(
+        long,
+        env = "FOLDHOST_QUERY_TOKEN",
+        hide = true,
+        hide_env_values = true
+    )]
+    pub query_token: Option<String>,
+    /// RISK: on a listener beyond loopback, answer `/status` and `/query` without a token. Anyone
+    /// who can reach the address can then query the guest, read the fold through it, and flood
+    /// the guest with queries (the fold slows with them). For a network you trust entirely, or
+    /// a proxy in front that authenticates.
+    #[arg(long)]
+    pub query_open: bool,
+    /// A name clients reach the listener by, as they send it in `Host` (`node7.internal`, or
+    /// with the port they use: `fold.example:443`); repeatable. A request whose `Host` is none of
+    /// these nor an address the listener is bound to (on 0.0.0.0 / ::, the IP address a client
+    /// connected to) is refused (403): a DNS-rebound name reaches nothing.
+    #[arg(long, value_name = "NAME")]
+    pub listen_host: Vec<String>,
+    /// Largest `/query` body, in bytes.
+    #[arg(long, default_value_t = crate::serve::MAX_QUERY)]
+    pub query_max_bytes: usize,
+    /// Swap the guest whenever the `--guest` file's content changes (checked every second).
+    #[arg(long)]
+    pub watch_guest: bool,
+    /// Also serve the guest's query as a NATS request/reply service on this subject.
+    #[arg(long)]
+    pub query_subject: Option<String>,
+    /// `--query-subject` answers only requests whose reply subject starts with this prefix (a
+    /// requester cannot have the host publish, with its credentials, to a subject it names).
+    #[arg(long, default_value_t = defaults().query_reply_prefix)]
+    pub query_reply_prefix: String,
+    /// Fold to the stream's last sequence as of start, then exit 0.
+    #[arg(long)]
+    pub catch_up: bool,
+    /// How an expired cursor is repaired: `auto` (the key-listing diff where the bucket's listing
+    /// is the truth, an artifact restore where retention evicts current values), `relist`,
+    /// `restore`, or `none` (stop with the expiry).
+    #[arg(long, default_value_t = defaults().repair, value_name = "MODE")]
+    pub repair: RepairMode,
+    /// What to do when the bucket's stream is not the one the fold recorded (deleted and created
+    /// again) or ends below the fold's cursor: `refuse` (stop with one line saying so, the fold
+    /// untouched) or `relist` (re-fold the new bucket: the key-listing diff, then a re-list).
+    #[arg(long, default_value_t = defaults().on_recreated, value_name = "WHAT")]
+    pub on_recreated: OnRecreated,
+    /// A directory of artifacts (directories or `.tar` files as `foldhost export` writes them); a
+    /// restore takes the one with the newest cursor. Without it no restore is armed.
+    #[arg(long, value_name = "DIR")]
+    pub restore_from: Option<PathBuf>,
+    /// Warn (log and status) about a record a guest deferred that stays retained longer than this
+    /// many seconds.
+    #[arg(long, default_value_t = defaults().defer_grace.as_secs())]
+    pub defer_grace_secs: u64,
+    /// Batch window in milliseconds.
+    #[arg(long, default_value_t = defaults().batch.window.as_millis() as u64)]
+    pub batch_window_ms: u64,
+    /// Maximum updates per batch.
+    #[arg(long, default_value_t = defaults().batch.max)]
+    pub batch_max: usize,
+    /// Watch → fold channel depth, in updates.
+    #[arg(long, default_value_t = defaults().batch.channel_capacity)]
+    pub channel: usize,
+    /// A `.creds` file for the NATS connection.
+    #[arg(long)]
+    pub creds_file: Option<PathBuf>,
+    /// Longest one NATS operation may take before it fails (a stream read, a consumer's
+    /// creation, a put), in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = crate::bucket::DEFAULT_OP_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub nats_op_timeout: u64,
+    /// Restore an expired fold from the artifact published here (an object store URL, see
+    /// `foldhost publish`); with `--artifact-key`.
+    #[arg(
+        long,
+        value_name = "URL",
+        requires = "artifact_key",
+        conflicts_with = "restore_from"
+    )]
+    pub artifacts: Option<String>,
+    /// The artifact key under `--artifacts`.
+    #[arg(long, value_name = "KEY", value_parser = parse_artifact_key, requires = "artifacts")]
+    pub artifact_key: Option<String>,
+    /// Development only: export rounds publish on a store that cannot replace the pointer
+    /// atomically (the local file system); every publish says so in the log.
+    #[arg(long, requires = "artifacts")]
+    pub allow_non_atomic_pointer: bool,
+    /// Run an export round every this many seconds (with `--artifacts`): win the export lease,
+    /// export live, upload, move the pointer, prune. One node of a fleet exports per round.
+    #[arg(long, value_name = "SECS", requires = "artifacts")]
+    pub export_every: Option<u64>,
+    /// How long a won export lease lasts, in seconds.
+    #[arg(long, value_name = "SECS", default_value_t = defaults().export_lease.as_secs())]
+    pub export_lease_secs: u64,
+    /// The NATS KV bucket holding export leases (created when absent).
+    #[arg(long, default_value_t = defaults().lease_bucket)]
+    pub lease_bucket: String,
+    /// This node's name in the export lease (default: the store's path and the process id).
+    #[arg(long)]
+    pub node_id: Option<String>,
+}
+
+/// The defaults of a run, from the one place they are defined.
+pub(super) fn defaults() -> NodeConfig {
+    NodeConfig::new("", "", "")
+}
+
+pub(super) fn parse_scope(s: &str) -> Result<WatchScope, String> {
+    WatchScope::parse(s).map_err(|e| e.to_string())
+}
+
+pub(super) fn parse_seed(hex: &str) -> Result<[u8; 32], String> {
+    let digits = hex.trim();
+    if digits.len() != 64 || !digits.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err("expected 64 hex digits (32 bytes)".into());
+    }
+    let mut seed = [0u8; 32];
+    for (i, byte) in seed.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&digits[2 * i..2 * i + 2], 16)
+            .map_err(|e| format!("hex digit: {e}"))?;
+    }
+    Ok(seed)
+}
+
+pub(super) fn parse_config_item(kv: &str) -> Result<(String, String), String> {
+    kv.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{kv:?}: expected KEY=VALUE"))
+}
+
+impl RunArgs {
+    /// The typed configuration these arguments describe (reading `--guest-config-file`).
+    pub fn into_config(self) -> anyhow::Result<NodeConfig> {
+        if self.query_token.is_some() {
+            bail!(
+                "--query-token / FOLDHOST_QUERY_TOKEN: the query token is read from a file only (the command line shows in ps): give --query-token-file FILE"
+            );
+        }
+        let guest_config = match &self.guest_config_file {
+            Some(path) => {
+                let text = std::fs::read(path)
+                    .with_context(|| format!("--guest-config-file {}", path.display()))?;
+                merge_config(
+                    config_from_json(&text)
+                        .map_err(|e| anyhow!("--guest-config-file {}: {e}", path.display()))?,
+                    self.guest_config.clone(),
+                )
+            }
+            None => self.guest_config.clone(),
+        };
+        let d = defaults();
+        Ok(NodeConfig {
+            nats: self.nats,
+            creds_file: self.creds_file,
+            op_timeout: Duration::from_secs(self.nats_op_timeout),
+            bucket: self.bucket,
+            scope: self.scope,
+            store: self.store.clone(),
+            backend: self.backend,
+            sync: self.sync,
+            guest: self.guest,
+            guest_config,
+            guest_limits: crate::guest::GuestLimits {
+                call_deadline: Duration::from_millis(self.guest_deadline_ms.max(1)),
+                memory_bytes: self.guest_memory_mb.max(1) * 1024 * 1024,
+                max_batch_bytes: self.guest_max_batch_bytes.max(1),
+                ..d.guest_limits
+            },
+            guest_cache: if self.no_guest_cache {
+                None
+            } else {
+                self.guest_cache.or_else(crate::guest::cache::default_dir)
+            },
+            guest_seed: self.guest_seed,
+            apply: self.apply,
+            listen: self.listen.map(|addr| ListenConfig {
+                admin_token: self.admin_token,
+                admin_token_file: self.admin_token_file,
+                query_token: None,
+                query_token_file: self.query_token_file,
+                query_open: self.query_open,
+                hosts: self.listen_host,
+                query_max_bytes: self.query_max_bytes,
+                ..ListenConfig::new(addr)
+            }),
+            watch_guest: self.watch_guest,
+            query_subject: self.query_subject,
+            query_reply_prefix: self.query_reply_prefix,
+            catch_up: self.catch_up,
+            repair: self.repair,
+            on_recreated: self.on_recreated,
+            restore_from: self.restore_from,
+            artifacts: self.artifacts.zip(self.artifact_key),
+            allow_non_atomic_pointer: self.allow_non_atomic_pointer,
+            export_every: self.export_every.map(|s| Duration::from_secs(s.max(1))),
+            export_lease: Duration::from_secs(self.export_lease_secs.max(1)),
+            lease_bucket: self.lease_bucket,
+            node_id: self.node_id,
+            defer_grace: Duration::from_secs(self.defer_grace_secs),
+            batch: BatchConfig {
+                window: Duration::from_millis(self.batch_window_ms),
+                max: self.batch_max.max(1),
+                channel_capacity: self.channel.max(1),
+            },
+        })
+    }
+}
+
+pub(super) async fn cmd_run(a: RunArgs) -> anyhow::Result<()> {
+    let cfg = a.into_config()?;
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        let _ = shutdown_tx.send(true);
+    });
+    let summary = Node::run(cfg, shutdown_rx).await?;
+    eprintln!(
+        "foldhost: stopped at cursor {} ({} updates delivered this run)",
+        summary.cursor, summary.delivered
+    );
+    Ok(())
+}
+
+pub(super) async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+/// A guest configuration file: one JSON object whose values are all strings (at most
+/// [`MAX_CONFIG_ENTRIES`] of them), in key order.
+pub(super) fn config_from_json(bytes: &[u8]) -> Result<Vec<(String, String)>, String> {
+    let v: serde_json::Value =
+        serde_json::from_slice(bytes).map_err(|e| format!("not JSON: {e}"))?;
+    let obj = v.as_object().ok_or("expected a JSON object of strings")?;
+    if obj.len() > MAX_CONFIG_ENTRIES {
+        return Err(format!(
+            "{} entries, over the limit of {MAX_CONFIG_ENTRIES}",
+            obj.len()
+        ));
+    }
+    let mut out: Vec<(String, String)> = obj
+        .iter()
+        .map(|(k, v)| match v.as_str() {
+            Some(s) => Ok((k.clone(), s.to_string())),
+            None => Err(format!("{k:?} is not a string (got {v})")),
+        })
+        .collect::<Result<_, _>>()?;
+    out.sort();
+    Ok(out)
+}
+
+/// Most entries a guest configuration file may hold.
+pub(super) const MAX_CONFIG_ENTRIES: usize = 4096;
+
+/// `base` with every key of `over` replaced or added (`over` wins).
+pub(super) fn merge_config(
+    mut base: Vec<(String, String)>,
+    over: Vec<(String, String)>,
+) -> Vec<(String, String)> {
+    for (k, v) in over {
+        match base.iter_mut().find(|(bk, _)| *bk == k) {
+            Some(slot) => slot.1 = v,
+            None => base.push((k, v)),
+        }
+    }
+    base
+}

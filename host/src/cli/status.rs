@@ -1,0 +1,209 @@
+//! `foldhost status` and `dump`: a store's status, live from its listener or at rest, and its contents.
+
+use super::*;
+
+/// `foldhost status`.
+#[derive(Args, Debug)]
+#[command(group(clap::ArgGroup::new("source").required(true).args(["store", "listen"])))]
+pub struct StatusArgs {
+    /// Store directory (read-only; works beside a running host).
+    #[arg(long)]
+    pub store: Option<PathBuf>,
+    /// A running host's `--listen` address (live figures).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// A file holding the token `/status` needs on that listener: its query token (a listener
+    /// beyond loopback has one, `STORE/query-token` unless given) or its admin token.
+    #[arg(long, requires = "listen")]
+    pub token_file: Option<PathBuf>,
+    /// One JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `foldhost dump`.
+#[derive(Args, Debug)]
+pub struct DumpArgs {
+    /// Store directory (read-only).
+    #[arg(long)]
+    pub store: PathBuf,
+    /// Only keys with this prefix.
+    #[arg(long, default_value = "")]
+    pub prefix: String,
+    /// One JSON object per line: {"key", "value_b64", "revision"}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub(super) async fn cmd_status_live(
+    addr: &str,
+    token_file: Option<&Path>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let token = token_file.map(crate::serve::read_token_file).transpose()?;
+    let (code, body) = crate::serve::call_with_token(addr, "GET", "/status", b"", token.as_deref())
+        .await
+        .with_context(|| format!("status via {addr}"))?;
+    if code == 401 {
+        bail!(
+            "{addr}: /status needs a token: pass --token-file with the host's query token \
+             (STORE/query-token unless it was given one) or its admin token"
+        );
+    }
+    if code != 200 {
+        bail!("{addr}: /status answered {code}");
+    }
+    let report: StatusReport = serde_json::from_slice(&body).context("status JSON")?;
+    print_status(&report, json)
+}
+
+/// The status of a store at rest (read-only: works beside a running host): the fold's own figures,
+/// and what the host last wrote in `status.json`.
+pub(super) fn cmd_status(a: StatusArgs) -> anyhow::Result<()> {
+    let Some(dir) = a.store.clone() else {
+        bail!("status needs --store or --listen");
+    };
+    let (store, _recovery) = AnyStore::open_read_only(&dir)?;
+    let cursor = store.cursor();
+    let host = storedir::read_status(&dir).unwrap_or_else(|| StatusReport {
+        state: "unknown".into(),
+        ..StatusReport::default()
+    });
+    let retained = crate::retained::RetainedIndex::load(&store)?;
+    let oldest = retained.oldest();
+    let applied_through = retained.applied_through(cursor.revision()).unwrap_or(0);
+    let seq = host.seq.max(cursor.revision_or_zero());
+    let report = StatusReport {
+        store: Some(dir.display().to_string()),
+        backend: store.backend().to_string(),
+        cursor: cursor.revision(),
+        seq,
+        applied_through,
+        lag: crate::status::lag(seq, applied_through),
+        retained: retained.len() as u64,
+        oldest_retained_revision: oldest.map(|o| o.position()),
+        oldest_retained_unix_ms: oldest.map(|o| o.retained_unix_ms),
+        oldest_retained_age_s: oldest
+            .and_then(|o| crate::status::age_s(o.retained_unix_ms, crate::status::now_unix_ms())),
+        eviction_seen: cursor.memo().is_some(),
+        keys: Some(crate::snapshot::bucket_len(&store)?),
+        ..host
+    };
+    print_status(&report, a.json)
+}
+
+/// Prints a status: one JSON line, or `field: value` lines for a person.
+pub(super) fn print_status(s: &StatusReport, json: bool) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    if json {
+        serde_json::to_writer(&mut out, s)?;
+        writeln!(out)?;
+        return Ok(());
+    }
+    let opt = |v: Option<u64>| v.map_or_else(|| "none".to_string(), |v| v.to_string());
+    if let Some(store) = &s.store {
+        writeln!(out, "store:           {store}")?;
+    }
+    writeln!(out, "backend:         {}", s.backend)?;
+    if !s.bucket.is_empty() {
+        writeln!(out, "bucket:          {} (scope {})", s.bucket, s.scope)?;
+    }
+    writeln!(out, "cursor:          {}", opt(s.cursor))?;
+    writeln!(out, "seq:             {}", s.seq)?;
+    writeln!(out, "applied_through: {}", s.applied_through)?;
+    writeln!(out, "lag:             {}", s.lag)?;
+    if let Some(oldest) = s.oldest_retained_revision {
+        writeln!(
+            out,
+            "retained:        {} (oldest revision {oldest}, {} s ago)",
+            s.retained,
+            s.oldest_retained_age_s.unwrap_or(0)
+        )?;
+    }
+    for w in &s.warnings {
+        writeln!(out, "warning:         {w}")?;
+    }
+    if let Some(keys) = s.keys {
+        writeln!(out, "keys:            {keys}")?;
+    }
+    if s.eviction_seen {
+        writeln!(
+            out,
+            "eviction_seen:   true (retention evicted current values; the bucket's listing is never trusted)"
+        )?;
+    }
+    writeln!(
+        out,
+        "guest:           {}",
+        s.guest.as_deref().unwrap_or("(none recorded)")
+    )?;
+    writeln!(out, "state:           {}", s.state)?;
+    if let Some(e) = &s.error {
+        writeln!(out, "error:           {e}")?;
+    }
+    if let Some(l) = &s.listen {
+        writeln!(out, "listen:          {l}")?;
+    }
+    if let Some(f) = &s.admin_token_file {
+        writeln!(out, "admin_token_file: {f}")?;
+    }
+    Ok(())
+}
+
+pub(super) fn cmd_dump(a: DumpArgs) -> anyhow::Result<()> {
+    let (store, _recovery) = AnyStore::open_read_only(&a.store)?;
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    let mut err: Option<std::io::Error> = None;
+    store.for_each_in_range(&a.prefix, &mut |e| {
+        if crate::retained::is_reserved(&e.key) {
+            return ControlFlow::Continue(());
+        }
+        let r = if a.json {
+            let line = serde_json::json!({
+                "key": e.key,
+                "value_b64": base64::engine::general_purpose::STANDARD.encode(&e.value),
+                "revision": e.version.as_u64(),
+            });
+            writeln!(out, "{line}")
+        } else {
+            writeln!(
+                out,
+                "{}\t{}\t{}",
+                e.key,
+                printable(&e.value),
+                e.version
+                    .as_u64()
+                    .map_or("-".to_string(), |r| r.to_string())
+            )
+        };
+        match r {
+            Ok(()) => ControlFlow::Continue(()),
+            Err(e) => {
+                err = Some(e);
+                ControlFlow::Break(())
+            }
+        }
+    })?;
+    if let Some(e) = err {
+        // A closed pipe (`dump | head`) is not a failure of the dump.
+        if e.kind() != std::io::ErrorKind::BrokenPipe {
+            return Err(e.into());
+        }
+        return Ok(());
+    }
+    match out.flush() {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(()),
+    }
+}
+
+/// Text form of a value: as-is when it is printable UTF-8, else `b64:` + base64.
+pub(super) fn printable(v: &[u8]) -> String {
+    match std::str::from_utf8(v) {
+        Ok(s) if !s.chars().any(|c| c.is_control()) => s.to_string(),
+        _ => format!(
+            "b64:{}",
+            base64::engine::general_purpose::STANDARD.encode(v)
+        ),
+    }
+}
