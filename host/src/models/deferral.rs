@@ -1,5 +1,5 @@
 //! Deferral: retained records, the hold on their keys, their release, and `applied_through`
-//! (seed 004, "a key's applied history is a prefix of its log"; `retained.rs`, `applied/fold.rs`).
+//! (seed 004, "a key's applied history is a prefix of its log"; `retained.rs`, `applied/fold/mod.rs`).
 //!
 //! A log of [`LOG`] updates to two keys is delivered in order into batches of at most
 //! [`MAX_BATCH`]. A flush offers the batch to the guest, which may defer any update it is offered

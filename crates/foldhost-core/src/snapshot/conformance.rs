@@ -1,4 +1,4 @@
-//! One conformance suite for every [`SnapshotStore`] backend: the contract of `snapshot.rs`, checked
+//! One conformance suite for every [`SnapshotStore`] backend: the contract of `snapshot/mod.rs`, checked
 //! the same way for each. A backend gets the whole suite with one line:
 //!
 //! ```ignore
