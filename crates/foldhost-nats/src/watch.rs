@@ -283,11 +283,91 @@ impl NatsKv {
         r
     }
 
+    /// The directly read gap, forwarded first and checked as any delivered chunk is (the consumer
+    /// after it is a new one, its first delivery numbered 1); then, for a state-sync start level
+    /// at once, the guard set from the stream's last sequence. False when the receiver went.
+    async fn forward_head(
+        &self,
+        scope: &WatchScope,
+        head: Vec<catchup::Decoded>,
+        out: &mut Forwarder,
+        guard: &mut FloorGuard,
+    ) -> Result<bool, KvError> {
+        if !head.is_empty() {
+            guard
+                .before_chunk(self, head.iter().filter_map(|(_, m)| m.as_ref()))
+                .await?;
+            if !out.forward(scope, head, guard).await {
+                return Ok(false);
+            }
+            guard.consumer_started();
+        }
+        if out.level && !guard.is_guarded() {
+            // A state-sync start with nothing pending is level at once: guard from the stream's
+            // last sequence, read after the consumer exists (a message written in between is
+            // delivered anyway, so a frontier ahead of it only forgoes one check).
+            guard.guard_from(self.positions().await?.last_sequence);
+        }
+        Ok(true)
+    }
+
+    /// A chunk of deliveries decoded into updates; a consumer error counts toward the limit on a
+    /// run of them (the ordered consumer recreates itself after a gap or missed heartbeats; a long
+    /// run of errors means it cannot).
+    fn decode_chunk(
+        &self,
+        chunk: Vec<lean::Delivered>,
+        consecutive_errors: &mut u32,
+        guard: &mut FloorGuard,
+    ) -> Result<Vec<catchup::Decoded>, KvError> {
+        let mut decoded = Vec::with_capacity(chunk.len());
+        for item in chunk {
+            match item {
+                lean::Delivered::Message(m, meta, verdict) => {
+                    *consecutive_errors = 0;
+                    if let Some(d) = self.to_update(&m, meta, verdict) {
+                        decoded.push(d);
+                    }
+                }
+                lean::Delivered::Recreating(e) => {
+                    *consecutive_errors += 1;
+                    guard.consumer_error();
+                    tracing::warn!(bucket = %self.bucket, error = %e, "watch: consumer error (recreating)");
+                    if *consecutive_errors >= 30 {
+                        return Err(KvError::WatchError(format!(
+                            "bucket {}: {consecutive_errors} consecutive consumer errors, last: {e}",
+                            self.bucket
+                        )));
+                    }
+                }
+            }
+        }
+        Ok(decoded)
+    }
+
+    /// An ordered consumer re-created before its first delivery starts over at the stream's first
+    /// message (async-nats: `DeliverPolicy::All` when it has delivered nothing) — after a direct
+    /// catch-up, or on a quiet bucket, that is a replay of the whole stream. A delta watch ends
+    /// instead (an error), and the fold restarts it from its cursor.
+    fn behind(&self, decoded: &[catchup::Decoded], passed: Option<u64>) -> Result<(), KvError> {
+        if let Some(passed) = passed
+            && let Some(m) = decoded
+                .iter()
+                .filter_map(|(_, m)| m.as_ref())
+                .find(|m| m.stream_sequence <= passed)
+        {
+            return Err(KvError::WatchError(format!(
+                "bucket {}: the watch's consumer was re-created behind it (sequence {} after {passed}); restarting from the cursor",
+                self.bucket, m.stream_sequence
+            )));
+        }
+        Ok(())
+    }
+
     /// Runs an ordered push consumer with `policy` over `scope`, pushing events into `tx` until the
     /// receiver is dropped (`Ok`) or the watch fails. Every chunk passes the floor guard
-    /// ([`floor::FloorGuard`]) before it is forwarded ([`Forwarder`]). (A little over 80 lines: the
-    /// one `select!` and the chunk decode stay together so the order "check, then forward" is read
-    /// in one place.)
+    /// ([`floor::FloorGuard`]) before it is forwarded ([`Forwarder`]): the order "check, then
+    /// forward" is read in the one `select!` loop here.
     async fn deliver_watch(
         &self,
         scope: &WatchScope,
@@ -312,29 +392,11 @@ impl NatsKv {
         // skips superseded sequences by design).
         let prefix_scope = !matches!(scope, WatchScope::All);
         let mut guard = FloorGuard::new(start_frontier, start_identity, filters, prefix_scope);
-        // A delta watch's highest delivered stream sequence (see the loop).
-        let mut passed: Option<u64> = start_frontier.and_then(|f| {
-            head.iter()
-                .filter_map(|(_, m)| m.as_ref().map(|m| m.stream_sequence))
-                .max()
-                .or(if f > 0 { Some(f) } else { None })
-        });
-        if !head.is_empty() {
-            // The directly read gap goes first, checked as any delivered chunk is; the consumer
-            // after it is a new one, its first delivery numbered 1.
-            guard
-                .before_chunk(self, head.iter().filter_map(|(_, m)| m.as_ref()))
-                .await?;
-            if !out.forward(scope, head, &mut guard).await {
-                return Ok(());
-            }
-            guard.consumer_started();
-        }
-        if out.level && !guard.is_guarded() {
-            // A state-sync start with nothing pending is level at once: guard from the stream's
-            // last sequence, read after the consumer exists (a message written in between is
-            // delivered anyway, so a frontier ahead of it only forgoes one check).
-            guard.guard_from(self.positions().await?.last_sequence);
+        // A delta watch's highest delivered stream sequence (see `behind`).
+        let mut passed: Option<u64> = start_frontier
+            .and_then(|f| highest_sequence(&head).or(if f > 0 { Some(f) } else { None }));
+        if !self.forward_head(scope, head, &mut out, &mut guard).await? {
+            return Ok(());
         }
         let mut consecutive_errors = 0u32;
         // The client's ordered consumer re-creates itself after its connection dropped, silently:
@@ -378,55 +440,14 @@ impl NatsKv {
                     )));
                 }
             };
-            let mut decoded = Vec::with_capacity(chunk.len());
-            for item in chunk {
-                match item {
-                    lean::Delivered::Message(m, meta, verdict) => {
-                        consecutive_errors = 0;
-                        if let Some(d) = self.to_update(&m, meta, verdict) {
-                            decoded.push(d);
-                        }
-                    }
-                    lean::Delivered::Recreating(e) => {
-                        // The ordered consumer recreates itself after a gap or missed heartbeats;
-                        // a long run of errors means it cannot.
-                        consecutive_errors += 1;
-                        guard.consumer_error();
-                        tracing::warn!(bucket = %self.bucket, error = %e, "watch: consumer error (recreating)");
-                        if consecutive_errors >= 30 {
-                            return Err(KvError::WatchError(format!(
-                                "bucket {}: {consecutive_errors} consecutive consumer errors, last: {e}",
-                                self.bucket
-                            )));
-                        }
-                    }
-                }
-            }
+            let decoded = self.decode_chunk(chunk, &mut consecutive_errors, &mut guard)?;
             if decoded.is_empty() {
                 guard.after_errors(self).await?;
                 continue;
             }
-            // An ordered consumer re-created before its first delivery starts over at the
-            // stream's first message (async-nats: `DeliverPolicy::All` when it has delivered
-            // nothing) — after a direct catch-up, or on a quiet bucket, that is a replay of the
-            // whole stream. A delta watch ends instead, and the fold restarts it from its cursor.
-            if let Some(passed) = passed
-                && let Some(m) = decoded
-                    .iter()
-                    .filter_map(|(_, m)| m.as_ref())
-                    .find(|m| m.stream_sequence <= passed)
-            {
-                return Err(KvError::WatchError(format!(
-                    "bucket {}: the watch's consumer was re-created behind it (sequence {} after {passed}); restarting from the cursor",
-                    self.bucket, m.stream_sequence
-                )));
-            }
+            self.behind(&decoded, passed)?;
             if start_frontier.is_some() {
-                passed = decoded
-                    .iter()
-                    .filter_map(|(_, m)| m.as_ref().map(|m| m.stream_sequence))
-                    .chain(passed)
-                    .max();
+                passed = highest_sequence(&decoded).max(passed);
             }
             guard
                 .before_chunk(self, decoded.iter().filter_map(|(_, m)| m.as_ref()))
@@ -662,4 +683,12 @@ async fn send_stamp(tx: &mpsc::Sender<WatchEvent>, stamp: Option<(u64, u64)>) ->
             .is_ok(),
         None => true,
     }
+}
+
+/// The highest stream sequence among decoded updates.
+fn highest_sequence(decoded: &[catchup::Decoded]) -> Option<u64> {
+    decoded
+        .iter()
+        .filter_map(|(_, m)| m.as_ref().map(|m| m.stream_sequence))
+        .max()
 }

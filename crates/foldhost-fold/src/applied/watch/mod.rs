@@ -142,6 +142,18 @@ enum Step {
     Closed,
 }
 
+/// What the loop may take this time round ([`FoldLoop::gates`]).
+struct Gates {
+    /// The batch has room and no apply is backing off.
+    intake_open: bool,
+    /// A lost applier instance waits to be rebuilt.
+    rebuild_waiting: bool,
+    /// A query may be served now.
+    queries_open: bool,
+    /// The fold's own work may run now.
+    fold_open: bool,
+}
+
 /// Aborts a task on every exit path: a watch must not outlive the fold it feeds, nor a swap's
 /// hydration the fold it would join.
 struct AbortOnDrop<T>(tokio::task::JoinHandle<T>);
@@ -235,6 +247,52 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         }
     }
 
+    /// The watch of one turn, on a task of its own: a state-sync re-list, or a delta from `start`.
+    fn spawn_watch(
+        &self,
+        relist: bool,
+        start: crate::kv::WatchCursor,
+        tx: mpsc::Sender<WatchEvent>,
+    ) -> AbortOnDrop<Result<(), crate::kv::KvError>> {
+        let scope = self.opts.scope.clone();
+        let w = self.watcher.clone();
+        AbortOnDrop(tokio::spawn(async move {
+            if relist {
+                w.watch(&scope, tx).await
+            } else {
+                w.watch_from(&scope, start, tx).await
+            }
+        }))
+    }
+
+    /// `--catch-up`: the fold is level with the stream as of the watch's start, everything
+    /// committed.
+    fn caught_up_done(&self, t: &Turn) -> bool {
+        self.opts.catch_up
+            && t.level
+                .is_some_and(|through| protocol::caught_up(self.fold.cursor().revision(), through))
+            && t.batch.is_empty()
+            && self.fold.is_settled()
+    }
+
+    /// Whose turn it is when queries and the fold's own work both wait ([`protocol::loop_gates`]);
+    /// `deliveries_waiting`: the watch's channel holds events.
+    fn gates(&self, t: &Turn, deliveries_waiting: bool) -> Gates {
+        let intake_open = !t.backing_off && t.batch.len() < self.opts.batch.max;
+        let rebuild_waiting =
+            !self.rebuild_held && self.fold.is_settled() && self.apply.rebuild_due();
+        let fold_waiting = (intake_open && deliveries_waiting) || rebuild_waiting;
+        let query_waiting = self.control.as_ref().is_some_and(|c| !c.is_empty());
+        let (queries_open, fold_open) =
+            protocol::loop_gates(self.share, fold_waiting, query_waiting);
+        Gates {
+            intake_open,
+            rebuild_waiting,
+            queries_open,
+            fold_open,
+        }
+    }
+
     /// Starts one watch and folds what it delivers until it ends or the loop is done.
     async fn turn(
         &mut self,
@@ -243,15 +301,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
     ) -> Result<TurnEnd, AppliedError> {
         let (tx, mut rx) = mpsc::channel::<WatchEvent>(self.depth);
         let start = self.fold.cursor();
-        let scope = self.opts.scope.clone();
-        let w = self.watcher.clone();
-        let mut watch_task = AbortOnDrop(tokio::spawn(async move {
-            if relist {
-                w.watch(&scope, tx).await
-            } else {
-                w.watch_from(&scope, start, tx).await
-            }
-        }));
+        let mut watch_task = self.spawn_watch(relist, start, tx);
         let max = self.opts.batch.max;
         let mut t = Turn {
             batch: Vec::with_capacity(max),
@@ -270,23 +320,16 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         let timer = tokio::time::sleep(Duration::from_secs(3600));
         tokio::pin!(timer);
         loop {
-            if self.opts.catch_up
-                && let Some(through) = t.level
-                && protocol::caught_up(self.fold.cursor().revision(), through)
-                && t.batch.is_empty()
-                && self.fold.is_settled()
-            {
+            if self.caught_up_done(&t) {
                 return Ok(TurnEnd::Done);
             }
             let mut flush_now = false;
-            // Whose turn it is when queries and the fold's own work both wait.
-            let intake_open = !t.backing_off && t.batch.len() < max;
-            let rebuild_waiting =
-                !self.rebuild_held && self.fold.is_settled() && self.apply.rebuild_due();
-            let fold_waiting = (intake_open && !rx.is_empty()) || rebuild_waiting;
-            let query_waiting = self.control.as_ref().is_some_and(|c| !c.is_empty());
-            let (queries_open, fold_open) =
-                protocol::loop_gates(self.share, fold_waiting, query_waiting);
+            let Gates {
+                intake_open,
+                rebuild_waiting,
+                queries_open,
+                fold_open,
+            } = self.gates(&t, !rx.is_empty());
             tokio::select! {
                 biased;
                 _ = &mut shutdown => {
