@@ -279,6 +279,24 @@ async fn read_info(
     }
 }
 
+/// The TLS handshake over `sock` (after the server's `INFO`, as the client library does), the
+/// server's certificate checked against the system's roots for the host the URL names.
+async fn upgrade(
+    d: &LeanDial,
+    server: &wire::ServerAddress,
+    sock: tokio::net::TcpStream,
+) -> Result<(ReadSide, WriteSide), DialError> {
+    let config = d.tls_config().map_err(DialError::Unsupported)?;
+    let name = rustls::pki_types::ServerName::try_from(server.host.clone())
+        .map_err(|e| DialError::Unsupported(format!("TLS server name {}: {e}", server.host)))?;
+    let stream = tokio_rustls::TlsConnector::from(config)
+        .connect(name, sock)
+        .await
+        .map_err(|e| DialError::Transient(format!("TLS: {e}")))?;
+    let (rd, wr) = tokio::io::split(stream);
+    Ok((Box::new(rd), Box::new(wr)))
+}
+
 async fn dial_inner(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
     let mut last = String::from("no server");
     let mut found = None;
@@ -301,22 +319,14 @@ async fn dial_inner(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
         ));
     }
     let tls = server.tls || info["tls_required"].as_bool() == Some(true);
-    let (rd, wr): (ReadSide, WriteSide) = if tls {
+    let (rd, wr) = if tls {
         if !buf.is_empty() {
             return Err(DialError::Transient("bytes after INFO before TLS".into()));
         }
-        let config = d.tls_config().map_err(DialError::Unsupported)?;
-        let name = rustls::pki_types::ServerName::try_from(server.host.clone())
-            .map_err(|e| DialError::Unsupported(format!("TLS server name {}: {e}", server.host)))?;
-        let stream = tokio_rustls::TlsConnector::from(config)
-            .connect(name, sock)
-            .await
-            .map_err(|e| DialError::Transient(format!("TLS: {e}")))?;
-        let (rd, wr) = tokio::io::split(stream);
-        (Box::new(rd), Box::new(wr))
+        upgrade(d, server, sock).await?
     } else {
         let (rd, wr) = sock.into_split();
-        (Box::new(rd), Box::new(wr))
+        (Box::new(rd) as ReadSide, Box::new(wr) as WriteSide)
     };
     let mut conn = Conn {
         rd,

@@ -74,6 +74,41 @@ impl NatsKv {
         Ok((start_identity, messages, initial_pending, head))
     }
 
+    /// The stream a watch starts on: the one here now, refused when the fold is pinned to
+    /// another.
+    fn identity_to_start_on(&self, here: StreamIdentity) -> Result<StreamIdentity, KvError> {
+        match self.pinned() {
+            Some(p) if p != here => Err(KvError::StreamChanged {
+                bucket: self.bucket.clone(),
+                detail: format!("the fold folds {p}, the bucket is now {here}"),
+            }),
+            Some(p) => Ok(p),
+            None => Ok(here),
+        }
+    }
+
+    /// A state-sync start whose consumer met a message the client library cannot read (the fold
+    /// has no cursor yet, so a re-list would meet it again) reads the stream from its first
+    /// sequence instead, its first stretch through the stream API: the same fold, each key's
+    /// later messages replacing its earlier ones. Any other start keeps its policy.
+    fn recovering_policy(
+        &self,
+        policy: consumer::DeliverPolicy,
+        recovering: bool,
+        first_sequence: u64,
+    ) -> consumer::DeliverPolicy {
+        match policy {
+            consumer::DeliverPolicy::LastPerSubject if recovering => {
+                let first = first_sequence.max(1);
+                tracing::info!(bucket = %self.bucket, first, "the state-sync start met a message the client library cannot read: reading the stream from its first sequence instead");
+                consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: first,
+                }
+            }
+            p => p,
+        }
+    }
+
     /// Where a watch's consumer starts: the stream's identity (refused when the fold is pinned
     /// to another), the server-side filters, the deliver policy, and the gap before it when a
     /// short one was read directly ([`catchup`]; the policy then starts past it).
@@ -91,33 +126,10 @@ impl NatsKv {
         KvError,
     > {
         let here_info = self.stream_info().await?;
-        let here = identity_of(&here_info);
-        let start_identity = match self.pinned() {
-            Some(p) if p != here => {
-                return Err(KvError::StreamChanged {
-                    bucket: self.bucket.clone(),
-                    detail: format!("the fold folds {p}, the bucket is now {here}"),
-                });
-            }
-            Some(p) => p,
-            None => here,
-        };
+        let start_identity = self.identity_to_start_on(identity_of(&here_info))?;
         let stream_cfg = &here_info.config;
         let recovering = self.recovering.swap(false, Ordering::Relaxed);
-        let policy = match policy {
-            // A state-sync start whose consumer met a message the client library cannot read
-            // (the fold has no cursor yet, so a re-list would meet it again): the stream is read
-            // from its first sequence instead, its first stretch through the stream API. The
-            // same fold: each key's later messages replace its earlier ones.
-            consumer::DeliverPolicy::LastPerSubject if recovering => {
-                let first = here_info.state.first_sequence.max(1);
-                tracing::info!(bucket = %self.bucket, first, "the state-sync start met a message the client library cannot read: reading the stream from its first sequence instead");
-                consumer::DeliverPolicy::ByStartSequence {
-                    start_sequence: first,
-                }
-            }
-            p => p,
-        };
+        let policy = self.recovering_policy(policy, recovering, here_info.state.first_sequence);
         let filter_subjects = protocol::server_filters(
             filters,
             &stream_cfg.subjects,
@@ -376,12 +388,7 @@ impl NatsKv {
         ordered: &AtomicBool,
     ) -> Result<(), KvError> {
         let filters = self.filter_subjects(scope)?;
-        let start_frontier = match &policy {
-            consumer::DeliverPolicy::ByStartSequence { start_sequence } => {
-                Some(start_sequence.saturating_sub(1))
-            }
-            _ => None,
-        };
+        let start_frontier = frontier_of(&policy);
         let (start_identity, messages, initial_pending, head) =
             self.open_consumer(&filters, policy, ordered).await?;
         let mut out = Forwarder::new(tx, self.subject_prefix.clone());
@@ -399,21 +406,8 @@ impl NatsKv {
             return Ok(());
         }
         let mut consecutive_errors = 0u32;
-        // The client's ordered consumer re-creates itself after its connection dropped, silently:
-        // when a stored message the library cannot read dropped it, every re-creation meets that
-        // message again. The watch ends instead, and the fold's resume reads the gap after its
-        // cursor through the stream API (`catchup.rs`), which decodes that message as
-        // undecodable and passes it.
-        let mut drops = match &messages {
-            Deliveries::Ordered { drops, .. } => drops.clone(),
-            Deliveries::Lean { .. } => None,
-        };
-        if let Some(d) = &mut drops {
-            d.mark_unchanged();
-        }
-        let mut backstop = tokio::time::interval(FLOOR_BACKSTOP);
-        backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        backstop.reset();
+        let mut drops = messages.drops();
+        let mut backstop = floor_backstop();
         // Whatever the client already holds is taken as one chunk: one channel send (and at most
         // one wake-up of the fold) per chunk instead of per update.
         let mut messages = messages;
@@ -493,6 +487,20 @@ pub(crate) enum Deliveries {
 }
 
 impl Deliveries {
+    /// The drop count of the connection the client's ordered consumer delivers on, marked seen:
+    /// that consumer re-creates itself after its connection dropped, silently, and when a stored
+    /// message the library cannot read dropped it, every re-creation meets that message again.
+    /// The watch ends at a drop instead, and the next reads past the message through the stream
+    /// API (`catchup.rs`). `None` for a lean delivery.
+    fn drops(&self) -> Option<tokio::sync::watch::Receiver<u64>> {
+        let Deliveries::Ordered { drops, .. } = self else {
+            return None;
+        };
+        let mut d = drops.clone()?;
+        d.mark_unchanged();
+        Some(d)
+    }
+
     /// The next chunk (cancel-safe: both sources are); `None` when the deliveries ended, an error
     /// when a lean connection failed (the watch ends; the fold resumes from its cursor).
     ///
@@ -691,4 +699,22 @@ fn highest_sequence(decoded: &[catchup::Decoded]) -> Option<u64> {
         .iter()
         .filter_map(|(_, m)| m.as_ref().map(|m| m.stream_sequence))
         .max()
+}
+
+/// The floor guard's backstop: a tick every [`FLOOR_BACKSTOP`], the first one period from now.
+fn floor_backstop() -> tokio::time::Interval {
+    let mut backstop = tokio::time::interval(FLOOR_BACKSTOP);
+    backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    backstop.reset();
+    backstop
+}
+
+/// A delta watch's frontier: the sequence before its start (`None` for a state-sync start).
+fn frontier_of(policy: &consumer::DeliverPolicy) -> Option<u64> {
+    match policy {
+        consumer::DeliverPolicy::ByStartSequence { start_sequence } => {
+            Some(start_sequence.saturating_sub(1))
+        }
+        _ => None,
+    }
 }

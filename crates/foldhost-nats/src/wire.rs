@@ -120,14 +120,13 @@ pub fn parse_op(buf: &[u8], max_payload: usize) -> Result<Option<(ServerOp, usiz
     }
 }
 
-/// `MSG <subject> <sid> [reply] <size>` / `HMSG <subject> <sid> [reply] <hdr size> <size>`.
-fn parse_msg(
+/// The space- or tab-separated fields of a control line's arguments, `buf[args_at..eol]`: at most
+/// five (an `HMSG` with a reply), and how many there are.
+fn split_fields(
     buf: &[u8],
     args_at: usize,
     eol: usize,
-    with_headers: bool,
-    max_payload: usize,
-) -> Result<Option<(ServerOp, usize)>, WireError> {
+) -> Result<([Range<usize>; 5], usize), WireError> {
     let mut fields: [Range<usize>; 5] = std::array::from_fn(|_| 0..0);
     let mut n = 0;
     let mut i = args_at;
@@ -146,6 +145,18 @@ fn parse_msg(
         fields[n] = start..i;
         n += 1;
     }
+    Ok((fields, n))
+}
+
+/// `MSG <subject> <sid> [reply] <size>` / `HMSG <subject> <sid> [reply] <hdr size> <size>`.
+fn parse_msg(
+    buf: &[u8],
+    args_at: usize,
+    eol: usize,
+    with_headers: bool,
+    max_payload: usize,
+) -> Result<Option<(ServerOp, usize)>, WireError> {
+    let (fields, n) = split_fields(buf, args_at, eol)?;
     let sizes = if with_headers { 2 } else { 1 };
     let (subject, sid, reply) = match n.checked_sub(sizes) {
         Some(2) => (fields[0].clone(), fields[1].clone(), None),

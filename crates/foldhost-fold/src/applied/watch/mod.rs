@@ -123,6 +123,27 @@ struct Turn {
     cap: usize,
 }
 
+impl Turn {
+    /// Opens the batch window when a batch has begun and no timer runs for it yet.
+    fn arm_timer(&mut self, timer: Pin<&mut tokio::time::Sleep>, window: Duration) {
+        if !self.timer_armed && !self.batch.is_empty() {
+            timer.reset(tokio::time::Instant::now() + window);
+            self.timer_armed = true;
+        }
+    }
+
+    /// A turn's state at its start: an empty batch of at most `max` updates, nothing level yet.
+    fn new(max: usize) -> Self {
+        Turn {
+            batch: Vec::with_capacity(max),
+            level: None,
+            timer_armed: false,
+            backing_off: false,
+            cap: max,
+        }
+    }
+}
+
 /// How a watch ended.
 enum TurnEnd {
     /// Shutdown, caught up, or the watch ended cleanly: the fold is done.
@@ -303,16 +324,9 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         let start = self.fold.cursor();
         let mut watch_task = self.spawn_watch(relist, start, tx);
         let max = self.opts.batch.max;
-        let mut t = Turn {
-            batch: Vec::with_capacity(max),
-            level: None,
-            timer_armed: false,
-            backing_off: false,
-            cap: max,
-        };
-        // A state-sync re-list that trusted the key listing (no eviction memo) re-checks that
-        // trust once its snapshot exists, before anything of it is folded.
-        // (A cursor-less start is a state-sync watch too.)
+        let mut t = Turn::new(max);
+        // A state-sync re-list (or cursor-less start) that trusted the key listing (no eviction
+        // memo) re-checks that trust once its snapshot exists, before anything of it is folded.
         let mut vouch_pending =
             (relist || start.revision().is_none()) && self.fold.cursor().memo().is_none();
         // One timer, re-armed when the batch opens: a fresh timer per delivery costs more than the
@@ -363,11 +377,8 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                     if let Step::Closed = self.on_events(ev, &mut rx, &mut t, &mut flush_now) {
                         return self.on_closed(&mut t, &mut watch_task).await;
                     }
-                    if !flush_now && !t.timer_armed && !t.batch.is_empty() {
-                        timer
-                            .as_mut()
-                            .reset(tokio::time::Instant::now() + self.opts.batch.window);
-                        t.timer_armed = true;
+                    if !flush_now {
+                        t.arm_timer(timer.as_mut(), self.opts.batch.window);
                     }
                 }
                 // Last: only when no delivery waits (a delivery's flush rebuilds the instance

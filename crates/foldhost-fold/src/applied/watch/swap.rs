@@ -613,10 +613,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         batches: u64,
         paused: Instant,
     ) -> Result<Result<ShadowReport, ApplyError>, AppliedError> {
-        let requests = match self.shadow_requests(shadow) {
-            Ok(r) => r,
-            Err(e) => return Err(store_err(e)),
-        };
+        let requests = self.shadow_requests(shadow).map_err(store_err)?;
         let mut differing = 0u64;
         let mut differences = Vec::new();
         let mut asked = 0usize;
