@@ -30,8 +30,17 @@ fn raw_request(addr: &str, raw: &[u8]) -> anyhow::Result<u16> {
     let mut s = TcpStream::connect(addr)?;
     s.set_read_timeout(Some(std::time::Duration::from_secs(60)))?;
     s.write_all(raw)?;
+    // The status line is all this needs: read until it is whole (or the server closes), not
+    // until a keep-alive connection's idle close.
     let mut resp = Vec::new();
-    s.read_to_end(&mut resp)?;
+    let mut chunk = [0u8; 4096];
+    while !resp.windows(2).any(|w| w == b"\r\n") {
+        let n = s.read(&mut chunk)?;
+        if n == 0 {
+            break;
+        }
+        resp.extend_from_slice(&chunk[..n]);
+    }
     let text = String::from_utf8_lossy(&resp);
     text.split(' ')
         .nth(1)
