@@ -528,65 +528,15 @@ fn export_compacted(path: &Path, fold: &LiveMap) -> Result<ProvenCopy, SnapshotE
                 Ok::<_, SnapshotError>(out)
             })
             .map_err(io_err(path, "start the export's hashing thread"))?;
-        // A record may carry a chunk past COMPACT_CHUNK: room for one more of the usual size.
-        let fresh = || Vec::with_capacity(COMPACT_CHUNK + 64 * 1024);
-        let mut chunk = fresh();
-        let mut buffers = 1;
-        format::encode_header(&mut chunk);
-        let mut stopped = false;
-        let mut records = fold.iter_from(Bound::Unbounded);
-        loop {
-            let last = match records.next() {
-                Some(item) => {
-                    match item.record {
-                        // A base record is already what a compacted log holds (framed, its CRC
-                        // computed; the check on the other thread recomputes it).
-                        Some(record) => chunk.extend_from_slice(record),
-                        None => format::encode_put(
-                            &mut chunk,
-                            &key_str(item.key),
-                            item.value,
-                            item.version,
-                        ),
-                    }
-                    if chunk.len() < COMPACT_CHUNK {
-                        continue;
-                    }
-                    false
-                }
-                None => {
-                    format::encode_cursor(&mut chunk, fold.cursor);
-                    true
-                }
-            };
-            let next = match empty_rx.try_recv() {
-                Ok(b) => b,
-                Err(_) if buffers < 3 => {
-                    buffers += 1;
-                    fresh()
-                }
-                // The sink holds every buffer: wait for one (or for its end, on an error).
-                Err(_) => match empty_rx.recv() {
-                    Ok(b) => b,
-                    Err(_) => {
-                        stopped = true;
-                        break;
-                    }
-                },
-            };
-            if full_tx.send(std::mem::replace(&mut chunk, next)).is_err() {
-                stopped = true;
-                break;
-            }
-            if last {
-                break;
-            }
-        }
-        drop(full_tx);
+        let mut buffers = ChunkBuffers {
+            returned: empty_rx,
+            made: 1,
+        };
+        let complete = encode_chunks(fold, full_tx, &mut buffers);
         let out = sink
             .join()
             .map_err(|_| SnapshotError::Backend("the export's hashing thread panicked".into()))??;
-        if stopped {
+        if !complete {
             // Unreachable in practice: the sink only stops early on an error, returned above.
             return Err(SnapshotError::Backend(
                 "the export's hashing thread stopped early".into(),
@@ -594,6 +544,76 @@ fn export_compacted(path: &Path, fold: &LiveMap) -> Result<ProvenCopy, SnapshotE
         }
         out.finish(fold)
     })
+}
+
+/// Encodes `fold` as a compacted log in chunks handed to [`export_compacted`]'s sink through
+/// `full`: the header, every record, the cursor record last. False when the sink ended early (on
+/// an error, which its join returns).
+fn encode_chunks(
+    fold: &LiveMap,
+    full: std::sync::mpsc::SyncSender<Vec<u8>>,
+    buffers: &mut ChunkBuffers,
+) -> bool {
+    let mut chunk = ChunkBuffers::fresh();
+    format::encode_header(&mut chunk);
+    let mut records = fold.iter_from(Bound::Unbounded);
+    loop {
+        let last = match records.next() {
+            Some(item) => {
+                match item.record {
+                    // A base record is already what a compacted log holds (framed, its CRC
+                    // computed; the check on the other thread recomputes it).
+                    Some(record) => chunk.extend_from_slice(record),
+                    None => {
+                        format::encode_put(&mut chunk, &key_str(item.key), item.value, item.version)
+                    }
+                }
+                if chunk.len() < COMPACT_CHUNK {
+                    continue;
+                }
+                false
+            }
+            None => {
+                format::encode_cursor(&mut chunk, fold.cursor);
+                true
+            }
+        };
+        let Some(next) = buffers.next() else {
+            return false;
+        };
+        if full.send(std::mem::replace(&mut chunk, next)).is_err() {
+            return false;
+        }
+        if last {
+            return true;
+        }
+    }
+}
+
+/// [`export_compacted`]'s supply of chunk buffers: one the sink handed back, else a new one while
+/// fewer than three exist, else (the sink holds them all) the next it hands back; `None` once the
+/// sink has ended (on an error, which its join returns).
+struct ChunkBuffers {
+    returned: std::sync::mpsc::Receiver<Vec<u8>>,
+    made: usize,
+}
+
+impl ChunkBuffers {
+    /// A record may carry a chunk past [`COMPACT_CHUNK`]: room for one more of the usual size.
+    fn fresh() -> Vec<u8> {
+        Vec::with_capacity(COMPACT_CHUNK + 64 * 1024)
+    }
+
+    fn next(&mut self) -> Option<Vec<u8>> {
+        match self.returned.try_recv() {
+            Ok(b) => Some(b),
+            Err(_) if self.made < 3 => {
+                self.made += 1;
+                Some(Self::fresh())
+            }
+            Err(_) => self.returned.recv().ok(),
+        }
+    }
 }
 
 /// [`export_compacted`]'s sink: every byte is hashed, checked and written, in that order.
