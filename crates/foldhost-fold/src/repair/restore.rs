@@ -389,8 +389,9 @@ impl<'a, T: SnapshotStore + ?Sized> Paged<'a, T> {
 }
 
 /// One key-ordered pass over the fold and the artifact: entries to take go to `spill`, local keys
-/// the artifact lacks are returned as delete candidates (with the listing not yet consulted). (A
-/// merge-join over two paged cursors: its cases read best side by side in one function.)
+/// the artifact lacks are returned as delete candidates (with the listing not yet consulted). A
+/// merge-join over two paged cursors; each case is one method of [`Diff`], decided by
+/// [`protocol::restore_key`].
 fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
     local: &L,
     art: &R,
@@ -398,74 +399,22 @@ fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
     spill: &mut impl Write,
     spill_path: &Path,
 ) -> Result<(u64, Vec<String>), RepairError> {
-    let mut taken = 0u64;
-    let mut candidates = Vec::new();
+    let mut d = Diff {
+        // An artifact entry at or below the fold's cursor is never news.
+        fold_cursor: local.cursor().revision(),
+        taken: 0,
+        candidates: Vec::new(),
+        spill,
+        spill_path,
+    };
     let mut failed: Option<RepairError> = None;
-    // An artifact entry at or below the fold's cursor is never news (`protocol::restore_key`).
-    let fold_cursor = local.cursor().revision();
-    // An artifact key the fold does not hold: taken when it is news.
-    let news_for_absent = |ae: &KvEntry| {
-        protocol::restore_key(
-            None,
-            Some(ae.version.as_u64().unwrap_or(0)),
-            false,
-            false,
-            fold_cursor,
-        ) == KeyRestore::Take
-    };
-    let mut take = |e: &KvEntry, taken: &mut u64| -> Result<(), RepairError> {
-        *taken += 1;
-        spill_entry(spill, e).map_err(io_err(spill_path, "write spill"))
-    };
     for prefix in scope.disjoint_prefixes() {
         let mut a = Paged::new(art, &prefix);
         local.for_each_in_range(&prefix, &mut |l| {
             if is_reserved(&l.key) {
                 return ControlFlow::Continue(());
             }
-            let step = (|| -> Result<(), RepairError> {
-                // Artifact keys before this local key: absent locally.
-                while let Some(ae) = a.peek()? {
-                    if ae.key.as_str() >= l.key.as_str() {
-                        break;
-                    }
-                    let ae = a.pop().expect("peeked");
-                    if news_for_absent(&ae) {
-                        take(&ae, &mut taken)?;
-                    }
-                }
-                let same_key = a.peek()?.is_some_and(|ae| ae.key == l.key);
-                if same_key {
-                    let ae = a.pop().expect("peeked");
-                    let identical = ae.version == l.version && ae.value == l.value;
-                    let d = protocol::restore_key(
-                        Some(local_revision(l)),
-                        Some(ae.version.as_u64().unwrap_or(0)),
-                        identical,
-                        false,
-                        fold_cursor,
-                    );
-                    if d == KeyRestore::Take {
-                        take(&ae, &mut taken)?;
-                    }
-                } else if protocol::restore_key(
-                    Some(local_revision(l)),
-                    None,
-                    false,
-                    false,
-                    fold_cursor,
-                ) == KeyRestore::Delete
-                {
-                    if candidates.len() >= MAX_HELD_KEYS {
-                        return Err(RepairError::Refused(format!(
-                            "more than {MAX_HELD_KEYS} delete candidates"
-                        )));
-                    }
-                    candidates.push(l.key.clone());
-                }
-                Ok(())
-            })();
-            match step {
+            match d.local_key(&mut a, l) {
                 Ok(()) => ControlFlow::Continue(()),
                 Err(e) => {
                     failed = Some(e);
@@ -478,12 +427,82 @@ fn restore_diff<L: SnapshotStore + ?Sized, R: SnapshotStore + ?Sized>(
         }
         while a.peek()?.is_some() {
             let ae = a.pop().expect("peeked");
-            if news_for_absent(&ae) {
-                take(&ae, &mut taken)?;
-            }
+            d.absent_locally(&ae)?;
         }
     }
-    Ok((taken, candidates))
+    Ok((d.taken, d.candidates))
+}
+
+/// [`restore_diff`] in progress: what it has taken and which local keys it may delete.
+struct Diff<'a, W: Write> {
+    fold_cursor: Option<u64>,
+    taken: u64,
+    candidates: Vec<String>,
+    spill: &'a mut W,
+    spill_path: &'a Path,
+}
+
+impl<W: Write> Diff<'_, W> {
+    fn take(&mut self, e: &KvEntry) -> Result<(), RepairError> {
+        self.taken += 1;
+        spill_entry(self.spill, e).map_err(io_err(self.spill_path, "write spill"))
+    }
+
+    /// An artifact key the fold does not hold: taken when it is news.
+    fn absent_locally(&mut self, ae: &KvEntry) -> Result<(), RepairError> {
+        let revision = Some(ae.version.as_u64().unwrap_or(0));
+        if protocol::restore_key(None, revision, false, false, self.fold_cursor) == KeyRestore::Take
+        {
+            self.take(ae)?;
+        }
+        Ok(())
+    }
+
+    /// One local key: the artifact keys before it (absent locally), then the same key on both
+    /// sides (taken when news), or a local key the artifact lacks (a delete candidate).
+    fn local_key<T: SnapshotStore + ?Sized>(
+        &mut self,
+        a: &mut Paged<'_, T>,
+        l: &KvEntry,
+    ) -> Result<(), RepairError> {
+        while let Some(ae) = a.peek()? {
+            if ae.key.as_str() >= l.key.as_str() {
+                break;
+            }
+            let ae = a.pop().expect("peeked");
+            self.absent_locally(&ae)?;
+        }
+        if a.peek()?.is_some_and(|ae| ae.key == l.key) {
+            let ae = a.pop().expect("peeked");
+            let identical = ae.version == l.version && ae.value == l.value;
+            let artifact = Some(ae.version.as_u64().unwrap_or(0));
+            let d = protocol::restore_key(
+                Some(local_revision(l)),
+                artifact,
+                identical,
+                false,
+                self.fold_cursor,
+            );
+            if d == KeyRestore::Take {
+                self.take(&ae)?;
+            }
+        } else if protocol::restore_key(
+            Some(local_revision(l)),
+            None,
+            false,
+            false,
+            self.fold_cursor,
+        ) == KeyRestore::Delete
+        {
+            if self.candidates.len() >= MAX_HELD_KEYS {
+                return Err(RepairError::Refused(format!(
+                    "more than {MAX_HELD_KEYS} delete candidates"
+                )));
+            }
+            self.candidates.push(l.key.clone());
+        }
+        Ok(())
+    }
 }
 
 /// The artifact restore. The fold must be settled. On success the cursor is the artifact's and
