@@ -1,8 +1,7 @@
 //! foldhost keeps a local, durable fold of NATS JetStream key-value buckets and runs the domain
 //! logic that turns those keys into live structures behind one seam ([`applied::Apply`]).
 //!
-//! Module map (names follow seed 000 so the two can be read side by side; `ARCHITECTURE.md` has
-//! the map with where to start reading):
+//! Module map (`ARCHITECTURE.md` has the crates, the map and where to start reading):
 //! - [`node`] — the composition root: [`node::Node::run`] over a typed [`node::NodeConfig`].
 //! - [`protocol`] — every correctness decision as a pure function.
 //! - [`kv`] — the vocabulary: entries, updates, versions, cursors, errors, the capability traits.
@@ -21,7 +20,6 @@
 //! - [`guest`] — WebAssembly guests behind the `Apply` seam (wasmtime).
 //! - [`serve`] — the `--listen` endpoint: `/status`, `/query`, `/swap`, `/export`.
 //! - [`cli`] — the command line (a shell over `node`).
-//! - [`localnats`] — a throwaway local nats-server for the demo and the tests.
 //! - [`crashpoint`] — named crash points, compiled in only with the `crashpoints` feature (tests).
 //! - `testkit` — `SimBucket`, an in-memory JetStream KV bucket for fast tests of the fold (tests and
 //!   the `testkit` feature).
@@ -35,7 +33,7 @@ pub mod cli;
 pub use foldhost_core::crashpoint;
 pub use foldhost_core::kv;
 pub use foldhost_guest::guest;
-pub use foldhost_localnats as localnats;
+use foldhost_localnats as localnats;
 pub use foldhost_nats::lease;
 #[cfg(test)]
 mod models;

@@ -1,7 +1,7 @@
 //! Shared helpers for the cross-crate suites: a real nats-server per test, buckets, the `foldhost`
 //! binary, and the two views every convergence test compares (the bucket, and the fold's `dump`).
 //!
-//! Every test starts its own nats-server on a free loopback port ([`foldhost::localnats`]), so tests
+//! Every test starts its own nats-server on a free loopback port ([`foldhost_localnats`]), so tests
 //! run in parallel without sharing state.
 
 use std::collections::BTreeMap;
@@ -12,9 +12,9 @@ use std::sync::Arc;
 use base64::Engine as _;
 use foldhost::bucket::{BucketConfig, ConnectOptions};
 use foldhost::kv::KvError;
-use foldhost::localnats::LocalNats;
 use foldhost::nats::{NatsConnection, NatsKv};
 use foldhost::status::StatusReport;
+use foldhost_localnats::LocalNats;
 
 /// A bucket's contents: key → (value, revision).
 pub type Contents = BTreeMap<String, (Vec<u8>, u64)>;
@@ -309,7 +309,7 @@ pub async fn wait_status(
 
 /// Whether `pid` is this process or a descendant of it (a child, or the child of a wrapper such
 /// as `strace` or `perf` that `FOLDHOST_BIN` names; at most [`WRAPPER_DEPTH`] levels). A node's
-/// listen port is reserved for this process ([`foldhost::localnats::reserved_port`]), so no node of
+/// listen port is reserved for this process ([`foldhost_localnats::reserved_port`]), so no node of
 /// another test should answer on it; should something else still hold it (a process that reserves
 /// ports another way), its status must never pass for ours.
 fn started_here(pid: u32) -> bool {
@@ -480,7 +480,7 @@ impl Moto {
     /// One try; `None` when moto exited before it created the bucket.
     async fn start_once() -> anyhow::Result<Option<Self>> {
         let bin = std::env::var("MOTO_SERVER_BIN").unwrap_or_else(|_| "moto_server".into());
-        let port = foldhost::localnats::reserved_port()?;
+        let port = foldhost_localnats::reserved_port()?;
         let addr = format!("127.0.0.1:{port}");
         let child = Command::new(&bin)
             .args(["-H", "127.0.0.1", "-p", &port.to_string()])

@@ -26,7 +26,7 @@
 //! releases). Like crashing, holding exists only in `crashpoints` builds and is checked at start.
 
 /// The points a build can be crashed at, with what is durable when each fires.
-pub const POINTS: &[(&str, &str)] = &[
+pub(crate) const POINTS: &[(&str, &str)] = &[
     (
         FOLD_COMMITTED,
         "after a fold batch (data + cursor) committed and `on-applied` returned",
@@ -139,7 +139,7 @@ pub async fn hold(name: &'static str) {
 }
 
 /// Parses `NAME:PATH` (the value of [`HOLD_ENV`]): the point must be one of [`POINTS`].
-pub fn parse_hold(s: &str) -> Result<(&'static str, &str), String> {
+pub(crate) fn parse_hold(s: &str) -> Result<(&'static str, &str), String> {
     let (name, path) = s
         .split_once(':')
         .ok_or_else(|| format!("{HOLD_ENV}={s:?}: expected NAME:PATH"))?;
@@ -194,7 +194,7 @@ pub fn check_env() -> Result<(), String> {
 }
 
 /// Parses `NAME:N` (the value of [`ENV`]): the point must be one of [`POINTS`] and N ≥ 1.
-pub fn parse_arm(s: &str) -> Result<(&'static str, u64), String> {
+pub(crate) fn parse_arm(s: &str) -> Result<(&'static str, u64), String> {
     let (name, n) = s
         .rsplit_once(':')
         .ok_or_else(|| format!("{ENV}={s:?}: expected NAME:N"))?;

@@ -24,7 +24,7 @@ pub struct VersionToken {
 
 impl VersionToken {
     /// The longest version any backend produces (an FDB versionstamp).
-    pub const MAX_LEN: usize = 10;
+    pub(crate) const MAX_LEN: usize = 10;
 
     /// The unknown version: carried by updates whose revision could not be read (for instance an
     /// unparseable ACK subject). It never mints or moves a cursor.
@@ -70,7 +70,7 @@ impl VersionToken {
     }
 
     /// True for [`Self::UNKNOWN`].
-    pub fn is_unknown(&self) -> bool {
+    pub(crate) fn is_unknown(&self) -> bool {
         self.len == 0
     }
 }
@@ -360,7 +360,7 @@ impl KvUpdate {
     }
 
     /// The update's version (the stream sequence for NATS).
-    pub fn version(&self) -> VersionToken {
+    pub(crate) fn version(&self) -> VersionToken {
         match self {
             KvUpdate::Put(e) => e.version,
             KvUpdate::Delete { version, .. } | KvUpdate::Purge { version, .. } => *version,

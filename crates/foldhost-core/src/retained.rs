@@ -86,7 +86,7 @@ impl RetainedRecord {
     /// The first revision this record keeps from being applied: its own revision, or for one of
     /// unknown revision the one after its position (everything at its position was applied
     /// before it was retained). `applied_through` stays below it.
-    pub fn first_unapplied(&self) -> u64 {
+    pub(crate) fn first_unapplied(&self) -> u64 {
         match (self.update.revision(), self.order) {
             (Some(r), _) => r,
             (None, Some((p, _))) => p.saturating_add(1),
@@ -137,7 +137,7 @@ fn put_version(out: &mut Vec<u8>, v: &VersionToken) {
 }
 
 /// Encodes a record: tag, version, op, retained-at, update version, key, value, base.
-pub fn encode(r: &RetainedRecord) -> Vec<u8> {
+pub(crate) fn encode(r: &RetainedRecord) -> Vec<u8> {
     let (op, key, value): (u8, &str, &[u8]) = match &r.update {
         KvUpdate::Put(e) => (0, &e.key, &e.value),
         KvUpdate::Delete { key, .. } => (1, key, &[]),
@@ -213,7 +213,7 @@ impl<'a> Reader<'a> {
 }
 
 /// Decodes a record written by [`encode`].
-pub fn decode(bytes: &[u8]) -> Result<RetainedRecord, String> {
+pub(crate) fn decode(bytes: &[u8]) -> Result<RetainedRecord, String> {
     let mut r = Reader(bytes);
     let (tag, version) = (r.u8()?, r.u8()?);
     if tag != RECORD_TAG || !(version == RECORD_VERSION || version == RECORD_VERSION_POSITIONED) {
@@ -351,7 +351,7 @@ impl RetainedIndex {
     }
 
     /// Blocked keys with their bases whose key starts with `prefix`, in key order.
-    pub fn bases_in(&self, prefix: &str) -> impl Iterator<Item = (&String, &Base)> {
+    pub(crate) fn bases_in(&self, prefix: &str) -> impl Iterator<Item = (&String, &Base)> {
         self.bases
             .range(prefix.to_string()..)
             .take_while(move |(k, _)| k.starts_with(prefix))

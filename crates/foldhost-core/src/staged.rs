@@ -36,7 +36,7 @@ use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
 /// Bytes gathered before one write: whole 4 KiB blocks.
-pub const BLOCK: usize = 1 << 20;
+pub(crate) const BLOCK: usize = 1 << 20;
 /// Alignment of direct I/O buffers, lengths and offsets.
 const ALIGN: usize = 4096;
 /// Blocks per file: one being filled, the others queued for or under the writer.
@@ -214,7 +214,7 @@ impl StagedFile {
     }
 
     /// Appends `bytes` (copied into the blocks; for a producer that encodes rather than reads).
-    pub fn write_all(&mut self, mut bytes: &[u8]) -> std::io::Result<()> {
+    pub(crate) fn write_all(&mut self, mut bytes: &[u8]) -> std::io::Result<()> {
         while !bytes.is_empty() {
             let spare = self.spare();
             let n = spare.len().min(bytes.len());
@@ -237,7 +237,7 @@ impl StagedFile {
     }
 
     /// Waits for the writer, writes what is left and, with `sync`, fsyncs the file.
-    pub fn finish(self, sync: bool) -> std::io::Result<Written> {
+    pub(crate) fn finish(self, sync: bool) -> std::io::Result<Written> {
         let (written, file) = self.finish_unsynced()?;
         if sync {
             file.sync_all()?;
@@ -290,7 +290,7 @@ impl StagedFile {
 }
 
 /// Most fsyncs [`Syncs`] runs at once; one more waits for the oldest.
-pub const SYNCS_IN_FLIGHT: usize = 8;
+pub(crate) const SYNCS_IN_FLIGHT: usize = 8;
 
 /// The fsyncs of an import's (or an export's) finished files, each on a thread of its own, running
 /// while the next files are read, hashed and written. An import of an artifact of many files spent about 1.5 ms

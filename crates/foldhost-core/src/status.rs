@@ -260,7 +260,7 @@ pub const MAX_WARNINGS: usize = 16;
 
 impl FoldStatus {
     /// Records the applier now running.
-    pub fn set_guest(&self, name: &str) {
+    pub(crate) fn set_guest(&self, name: &str) {
         if let Ok(mut g) = self.guest.lock() {
             *g = name.to_string();
         }
@@ -276,7 +276,7 @@ impl FoldStatus {
     }
 
     /// The running applier's guest contract version.
-    pub fn guest_contract(&self) -> Option<&'static str> {
+    pub(crate) fn guest_contract(&self) -> Option<&'static str> {
         self.guest_contract.lock().ok().and_then(|c| *c)
     }
 
@@ -298,7 +298,7 @@ impl FoldStatus {
     }
 
     /// The current warnings.
-    pub fn warnings(&self) -> Vec<String> {
+    pub(crate) fn warnings(&self) -> Vec<String> {
         self.warnings.lock().map(|g| g.clone()).unwrap_or_default()
     }
 

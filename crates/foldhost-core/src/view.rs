@@ -108,11 +108,6 @@ pub struct PreImages {
 }
 
 impl PreImages {
-    /// The keys changed since C, each with its guest view at C, in key order.
-    pub fn into_keys(self) -> BTreeMap<String, Base> {
-        self.keys
-    }
-
     /// True when the capture passed its bounds (its view at C is incomplete).
     pub fn overflowed(&self) -> bool {
         self.overflowed
@@ -184,7 +179,7 @@ impl<S: SnapshotStore> SharedStore<S> {
     }
 
     /// [`SharedStore::begin_pre_images`] with bounds of its own (the tests' small ones).
-    pub fn begin_pre_images_bounded(
+    pub(crate) fn begin_pre_images_bounded(
         &self,
         max_keys: usize,
         max_bytes: usize,

@@ -148,7 +148,7 @@ impl LocalNats {
     }
 
     /// The server's name in its cluster (`None` for a standalone server).
-    pub fn server_name(&self) -> Option<&str> {
+    pub(crate) fn server_name(&self) -> Option<&str> {
         self.cluster.as_ref().map(|c| c.server_name.as_str())
     }
 

@@ -25,7 +25,7 @@ use foldhost_core::kv::KvError;
 use foldhost_core::protocol::{self, StreamCreateVerdict};
 
 /// Most characters of a provider's reply quoted in an error.
-pub const MAX_REPLY_SHOWN: usize = 200;
+pub(crate) const MAX_REPLY_SHOWN: usize = 200;
 
 /// The JetStream stream of a KV bucket `bucket` under `config`: what `create_key_value` sends
 /// (subjects `$KV.<bucket>.>`, history as the per-subject limit, rollups allowed, deletes denied,

@@ -50,13 +50,13 @@ use foldhost_core::kv::KvError;
 use foldhost_core::protocol;
 
 /// Initial capacity of the read buffer; one read takes at most what it has free.
-pub const READ_BUFFER: usize = 256 * 1024;
+pub(crate) const READ_BUFFER: usize = 256 * 1024;
 /// Messages per chunk handed to the watch.
-pub const CHUNK: usize = 512;
+pub(crate) const CHUNK: usize = 512;
 /// The consumer's idle heartbeat (the client's ordered consumer uses the same).
-pub const IDLE_HEARTBEAT: Duration = Duration::from_secs(5);
+pub(crate) const IDLE_HEARTBEAT: Duration = Duration::from_secs(5);
 /// Heartbeat periods of silence, while waiting on the socket, before the watch ends.
-pub const MISSED_HEARTBEATS: u32 = 3;
+pub(crate) const MISSED_HEARTBEATS: u32 = 3;
 /// Chunks in flight between the socket's reader and the watch.
 const CHANNEL_CHUNKS: usize = 4;
 /// The subscription id of the deliver subject on this socket.

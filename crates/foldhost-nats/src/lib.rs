@@ -86,33 +86,33 @@ pub use foldhost_core::kv::WATCH_CHUNK;
 /// drain). The fold is committed before the connection is shut down, and nothing of it depends on
 /// the server by then; the operation timeout (30 s by default) is as long as the grace many
 /// orchestrators give a SIGTERM before a SIGKILL.
-pub const SHUTDOWN_BUDGET: Duration = Duration::from_secs(2);
+pub(crate) const SHUTDOWN_BUDGET: Duration = Duration::from_secs(2);
 
 /// Period of the floor guard's backstop probe: when no delivery arrives for this long, the stream's
 /// first sequence is checked against the frontier directly (seed 000: 30 s).
 pub const FLOOR_BACKSTOP: Duration = Duration::from_secs(30);
 
 /// Least time between two delivery stamps (`WatchEvent::Stamp`) outside the level.
-pub const STAMP_PERIOD: Duration = Duration::from_millis(100);
+pub(crate) const STAMP_PERIOD: Duration = Duration::from_millis(100);
 
 /// Longest the stream info read when a bucket was opened stands in for a fresh read in a node's
 /// identity refusal before its store opens ([`NatsKv::start_state`]): the refusal costs no request
 /// of its own, and a handle opened long before reads afresh.
-pub const START_INFO_MAX_AGE: Duration = Duration::from_secs(2);
+pub(crate) const START_INFO_MAX_AGE: Duration = Duration::from_secs(2);
 
 /// How many times the floor guard retries a failed probe at a delivery gap before ending the watch.
-pub const FLOOR_PROBE_RETRIES: u32 = 4;
+pub(crate) const FLOOR_PROBE_RETRIES: u32 = 4;
 
 /// How long the floor guard trusts a stream-info answer that retention does not evict current
 /// values (on such a bucket a skipped sequence was superseded, and its successor is delivered).
-pub const FLOOR_NON_EVICTING_TRUST: Duration = Duration::from_secs(1);
+pub(crate) const FLOOR_NON_EVICTING_TRUST: Duration = Duration::from_secs(1);
 
 /// The header a headers-only delivery carries with the payload's size.
 const NATS_MSG_SIZE: async_nats::header::HeaderName =
     async_nats::header::HeaderName::from_static("Nats-Msg-Size");
 
 /// Runs `fut` under `limit`; a timeout is [`KvError::Timeout`] naming `op`.
-pub async fn timed<T>(
+pub(crate) async fn timed<T>(
     op: &'static str,
     limit: Duration,
     fut: impl Future<Output = Result<T, KvError>>,
@@ -453,7 +453,7 @@ fn retention_of(info: &async_nats::jetstream::stream::Info) -> foldhost_core::pr
 
 impl NatsKv {
     /// The subject filters for a scope ([`protocol::scope_filters`]: never overlapping).
-    pub fn filter_subjects(&self, scope: &WatchScope) -> Result<Vec<String>, KvError> {
+    pub(crate) fn filter_subjects(&self, scope: &WatchScope) -> Result<Vec<String>, KvError> {
         let prefixes: Vec<&str> = match scope {
             WatchScope::All => return Ok(vec![format!("{}>", self.subject_prefix)]),
             WatchScope::Prefix(p) => vec![p.as_str()],

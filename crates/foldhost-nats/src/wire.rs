@@ -23,17 +23,17 @@ use std::ops::Range;
 /// 80-byte `$JS.ACK` reply — is longer. A limit of 4 KiB here refused such a delivery on every
 /// attempt: the watch ended, the fold resumed at the same message and stalled for good. An
 /// `INFO` naming a large cluster's `connect_urls` is longer than 4 KiB too.
-pub const MAX_CONTROL_LINE: usize = 64 * 1024;
+pub(crate) const MAX_CONTROL_LINE: usize = 64 * 1024;
 
 /// Largest message accepted from the server whatever its `INFO` says: nats-server refuses a
 /// `max_payload` above 64 MiB. A stored message may be larger than the server's *current*
 /// `max_payload` (lowered after it was written); refusing it would stall the fold at it, as the
 /// client library does not.
-pub const MAX_MESSAGE: usize = 64 * 1024 * 1024;
+pub(crate) const MAX_MESSAGE: usize = 64 * 1024 * 1024;
 
 /// What the server sent that a subscriber acts on.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum ServerOp {
+pub(crate) enum ServerOp {
     /// `INFO {json}`: the JSON's range.
     Info(Range<usize>),
     /// `MSG` or `HMSG`: ranges of the buffer parsed.
@@ -61,7 +61,7 @@ pub enum ServerOp {
 
 /// A protocol violation (the connection cannot continue).
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
-pub enum WireError {
+pub(crate) enum WireError {
     /// The control line exceeds [`MAX_CONTROL_LINE`].
     #[error("a control line of more than {MAX_CONTROL_LINE} bytes")]
     LineTooLong,
@@ -80,7 +80,10 @@ pub enum WireError {
 
 /// Parses one server operation at the start of `buf`: `Ok(None)` until it is complete, else the
 /// operation and how many bytes it took. `max_payload` bounds a message's announced size.
-pub fn parse_op(buf: &[u8], max_payload: usize) -> Result<Option<(ServerOp, usize)>, WireError> {
+pub(crate) fn parse_op(
+    buf: &[u8],
+    max_payload: usize,
+) -> Result<Option<(ServerOp, usize)>, WireError> {
     let Some(eol) = find_crlf(buf) else {
         return if buf.len() > MAX_CONTROL_LINE {
             Err(WireError::LineTooLong)
@@ -229,7 +232,7 @@ fn find_crlf(buf: &[u8]) -> Option<usize> {
 
 /// A parsed `HMSG` header block.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct HeaderBlock<'a> {
+pub(crate) struct HeaderBlock<'a> {
     /// The status code (`NATS/1.0 100 Idle Heartbeat` → 100).
     pub status: Option<u16>,
     /// The text after the status code.
@@ -240,7 +243,7 @@ pub struct HeaderBlock<'a> {
 
 impl<'a> HeaderBlock<'a> {
     /// The first value of `name` (case-insensitive, as NATS compares header names on lookup).
-    pub fn get(&self, name: &str) -> Option<&str> {
+    pub(crate) fn get(&self, name: &str) -> Option<&str> {
         self.fields
             .iter()
             .find(|(n, _)| n.eq_ignore_ascii_case(name))
@@ -256,7 +259,7 @@ impl<'a> HeaderBlock<'a> {
 /// (flow control, heartbeats, errors) only: a stored message's block (a delivery with a
 /// `$JS.ACK` reply) is whatever a writer stored, and what it means is
 /// [`foldhost_core::protocol::decode_stored`]'s verdict, never an error of this parser.
-pub fn parse_headers(block: &[u8]) -> Result<HeaderBlock<'_>, WireError> {
+pub(crate) fn parse_headers(block: &[u8]) -> Result<HeaderBlock<'_>, WireError> {
     let text = std::str::from_utf8(block)
         .map_err(|_| WireError::Malformed("a header block that is not UTF-8".into()))?;
     let mut lines = text.lines().peekable();
@@ -297,13 +300,13 @@ pub fn parse_headers(block: &[u8]) -> Result<HeaderBlock<'_>, WireError> {
 }
 
 /// The header a headers-only delivery carries the stored message's payload size in.
-pub const NATS_MSG_SIZE: &str = "Nats-Msg-Size";
+pub(crate) const NATS_MSG_SIZE: &str = "Nats-Msg-Size";
 
 /// The payload size a headers-only delivery's block names (`Nats-Msg-Size: N`, the last such line:
 /// the server appends its own after the stored ones); `None` when no line names a decimal size.
 /// Read line by line from the raw block, whatever else it holds (a writer's lines may be
 /// undecodable; this one is the server's).
-pub fn stored_msg_size(block: &[u8]) -> Option<u64> {
+pub(crate) fn stored_msg_size(block: &[u8]) -> Option<u64> {
     block
         .split(|&b| b == b'\n')
         .filter_map(|line| {
@@ -318,7 +321,7 @@ pub fn stored_msg_size(block: &[u8]) -> Option<u64> {
 
 /// Credentials a lean connection sends in its `CONNECT`.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub enum WireAuth {
+pub(crate) enum WireAuth {
     /// None.
     None,
     /// `user` and `pass`.
@@ -337,7 +340,7 @@ pub enum WireAuth {
 
 /// The `CONNECT` line (no echo of our own publishes, headers on, not verbose). `tls`: the
 /// connection runs over TLS.
-pub fn connect_line(auth: &WireAuth, name: Option<&str>, tls: bool) -> String {
+pub(crate) fn connect_line(auth: &WireAuth, name: Option<&str>, tls: bool) -> String {
     let mut o = serde_json::json!({
         "verbose": false,
         "pedantic": false,
@@ -419,12 +422,12 @@ pub fn server_address(url: &str) -> Option<ServerAddress> {
 }
 
 /// The largest `.creds` text read (a user JWT and a seed are well under 8 KiB).
-pub const MAX_CREDS: usize = 64 * 1024;
+pub(crate) const MAX_CREDS: usize = 64 * 1024;
 
 /// The user JWT and nkey seed of a `.creds` text: the first and second blocks framed by
 /// dash-decorated lines (`-----BEGIN NATS USER JWT-----` … `------END NATS USER JWT------`), as
 /// the nats tools write them. `None` when either is missing or a block is not one token.
-pub fn parse_creds(text: &str) -> Option<(String, String)> {
+pub(crate) fn parse_creds(text: &str) -> Option<(String, String)> {
     let decorated = |l: &str| l.starts_with("---") && l.ends_with("---") && l.len() >= 6;
     let mut blocks = Vec::new();
     let mut lines = text.lines().map(str::trim);

@@ -222,11 +222,6 @@ pub fn report_error(e: &anyhow::Error) -> i32 {
     1
 }
 
-/// The path of a store's status file (for tools).
-pub fn status_path(store: &Path) -> PathBuf {
-    store.join(storedir::STATUS_FILE)
-}
-
 #[cfg(test)]
 mod tests {
 

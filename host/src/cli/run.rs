@@ -209,7 +209,7 @@ pub(super) fn parse_config_item(kv: &str) -> Result<(String, String), String> {
 
 impl RunArgs {
     /// The typed configuration these arguments describe (reading `--guest-config-file`).
-    pub fn into_config(self) -> anyhow::Result<NodeConfig> {
+    pub(crate) fn into_config(self) -> anyhow::Result<NodeConfig> {
         if self.query_token.is_some() {
             bail!(
                 "--query-token / FOLDHOST_QUERY_TOKEN: the query token is read from a file only (the command line shows in ps): give --query-token-file FILE"

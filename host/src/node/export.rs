@@ -73,10 +73,11 @@ pub struct ExportRounds {
 }
 
 /// Reads the stream the fold records (its reserved identity key), if any.
-pub type StreamSource = Arc<dyn Fn() -> Option<crate::artifact::ManifestStream> + Send + Sync>;
+pub(crate) type StreamSource =
+    Arc<dyn Fn() -> Option<crate::artifact::ManifestStream> + Send + Sync>;
 
 /// Opens a lease (its bucket) when first asked.
-pub type LeaseOpener =
+pub(crate) type LeaseOpener =
     Box<dyn Fn() -> futures::future::BoxFuture<'static, Result<ExportLease, String>> + Send + Sync>;
 
 /// The export lease of a node's rounds: opened once, by the first round that needs it; a failed
@@ -88,7 +89,7 @@ pub struct LeaseSlot {
 
 impl LeaseSlot {
     /// A lease opened by `open` when a round first needs it.
-    pub fn opening(open: LeaseOpener) -> Self {
+    pub(crate) fn opening(open: LeaseOpener) -> Self {
         LeaseSlot {
             lease: tokio::sync::OnceCell::new(),
             open,
@@ -147,7 +148,7 @@ impl ExportRounds {
 
     /// One round: lease → live export → upload → pointer → complete → prune; the local artifact
     /// removed on every path.
-    pub async fn round(&self) -> RoundOutcome {
+    pub(crate) async fn round(&self) -> RoundOutcome {
         // A quiet fold exports nothing: when the pointer already holds this node's committed
         // cursor, the round ends before the lease (an absent or corrupt pointer is exported over).
         let at = self.fold.cursor.load(std::sync::atomic::Ordering::Acquire);

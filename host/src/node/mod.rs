@@ -39,7 +39,7 @@ use crate::view::SharedStore;
 
 /// Why a node did not start, or stopped.
 #[derive(Debug, thiserror::Error)]
-pub enum NodeError {
+pub(crate) enum NodeError {
     /// The configuration cannot run (a flag combination, a limit over its ceiling).
     #[error("{0}")]
     Config(String),
@@ -98,7 +98,7 @@ pub enum NativeApply {
 
 /// The `--listen` endpoint's settings.
 #[derive(Clone, Debug)]
-pub struct ListenConfig {
+pub(crate) struct ListenConfig {
     /// Address to bind (`127.0.0.1:0` picks a free port).
     pub addr: String,
     /// The admin token (`/swap`, `/export`); `None` with no file: one is generated beside the store.
@@ -140,7 +140,7 @@ impl ListenConfig {
 
 /// Everything a running host is configured by, typed. [`NodeConfig::new`] holds every default.
 #[derive(Clone, Debug)]
-pub struct NodeConfig {
+pub(crate) struct NodeConfig {
     /// NATS server URL.
     pub nats: String,
     /// NATS credentials file.
@@ -305,17 +305,17 @@ impl NodeConfig {
 }
 
 /// How long a won export lease lasts by default.
-pub const DEFAULT_EXPORT_LEASE: Duration = Duration::from_secs(600);
+pub(crate) const DEFAULT_EXPORT_LEASE: Duration = Duration::from_secs(600);
 
 /// The NATS KV bucket holding export leases by default.
 pub const DEFAULT_LEASE_BUCKET: &str = "foldhost_leases";
 
 /// The default prefix a NATS query's reply subject must have.
-pub const DEFAULT_QUERY_REPLY_PREFIX: &str = "_INBOX.";
+pub(crate) const DEFAULT_QUERY_REPLY_PREFIX: &str = "_INBOX.";
 
 /// What a finished run reports.
 #[derive(Debug, Clone, Copy)]
-pub struct RunSummary {
+pub(crate) struct RunSummary {
     /// The store's cursor at the end.
     pub cursor: WatchCursor,
     /// Updates delivered during the run.
@@ -323,7 +323,7 @@ pub struct RunSummary {
 }
 
 /// A running host (see the module docs for the order of its steps).
-pub struct Node;
+pub(crate) struct Node;
 
 impl Node {
     /// Runs a host with `cfg` until `shutdown` turns true (or, with `catch_up`, until it is level
@@ -629,7 +629,7 @@ fn repair_scratch(store: &Path) -> PathBuf {
 }
 
 /// Resolves once `rx` turns true; never, if its sender goes away without that.
-pub async fn signalled(mut rx: tokio::sync::watch::Receiver<bool>) {
+pub(crate) async fn signalled(mut rx: tokio::sync::watch::Receiver<bool>) {
     while !*rx.borrow_and_update() {
         if rx.changed().await.is_err() {
             std::future::pending::<()>().await;

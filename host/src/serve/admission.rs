@@ -47,7 +47,9 @@ impl RequestHead {
     /// request line, a head over its buffer, and conflicting `Content-Length`s). Pure. Refuses
     /// more than one `Host`, a header admission reads that is not UTF-8, an unreadable
     /// `Content-Length`, and a declared body over [`MAX_BODY`].
-    pub fn from_parts(parts: &hyper::http::request::Parts) -> Result<RequestHead, HttpError> {
+    pub(crate) fn from_parts(
+        parts: &hyper::http::request::Parts,
+    ) -> Result<RequestHead, HttpError> {
         let text = |name, why| -> Result<Option<String>, HttpError> {
             let mut values = parts.headers.get_all(name).iter();
             let Some(v) = values.next() else {
@@ -113,7 +115,7 @@ pub enum Route {
 
 impl Route {
     /// True for the routes that change the host (they need the admin token).
-    pub fn is_admin(self) -> bool {
+    pub(crate) fn is_admin(self) -> bool {
         matches!(self, Route::Swap | Route::Shadow | Route::Export)
     }
 }
@@ -169,7 +171,8 @@ pub struct Refusal {
 }
 
 impl Refusal {
-    pub(crate) fn new(status: u16, message: impl Into<String>) -> Self {
+    /// A refusal with its HTTP status and message.
+    pub fn new(status: u16, message: impl Into<String>) -> Self {
         Refusal {
             status,
             message: message.into(),
@@ -300,7 +303,7 @@ pub struct HeadPhase {
 
 impl HeadPhase {
     /// Enters a connection; returns its ticket and what tells it to close.
-    pub fn enter(&mut self) -> (u64, Arc<tokio::sync::Notify>) {
+    pub(crate) fn enter(&mut self) -> (u64, Arc<tokio::sync::Notify>) {
         let id = self.next;
         self.next += 1;
         let n = Arc::new(tokio::sync::Notify::new());
@@ -310,20 +313,20 @@ impl HeadPhase {
 
     /// The connection `id` has sent its whole request, was authenticated, or ended: it can no
     /// longer be evicted.
-    pub fn leave(&mut self, id: u64) {
+    pub(crate) fn leave(&mut self, id: u64) {
         self.queue.retain(|(i, _)| *i != id);
     }
 
     /// The connection `id` waits for its next request again: evictable, after every connection
     /// already waiting. A connection already in the queue keeps its place.
-    pub fn rejoin(&mut self, id: u64, told: Arc<tokio::sync::Notify>) {
+    pub(crate) fn rejoin(&mut self, id: u64, told: Arc<tokio::sync::Notify>) {
         if !self.queue.iter().any(|(i, _)| *i == id) {
             self.queue.push_back((id, told));
         }
     }
 
     /// Tells the oldest connection still in its head phase to close; its ticket, if there was one.
-    pub fn evict_oldest(&mut self) -> Option<u64> {
+    pub(crate) fn evict_oldest(&mut self) -> Option<u64> {
         let (id, n) = self.queue.pop_front()?;
         n.notify_one();
         Some(id)

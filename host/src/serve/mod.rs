@@ -63,41 +63,41 @@ pub use client::{call, call_with_deadline, call_with_token};
 pub use conn::serve;
 
 /// Largest request head accepted.
-pub const MAX_HEAD: usize = 16 * 1024;
+pub(crate) const MAX_HEAD: usize = 16 * 1024;
 /// Largest body any route accepts (the default component size limit for `/swap`); each route
 /// has its own, lower or equal ([`Limits`]).
-pub const MAX_BODY: usize = 64 * 1024 * 1024;
+pub(crate) const MAX_BODY: usize = 64 * 1024 * 1024;
 /// Largest query body by default.
-pub const MAX_QUERY: usize = 1024 * 1024;
+pub(crate) const MAX_QUERY: usize = 1024 * 1024;
 /// Largest `/export` body (a path).
-pub const MAX_EXPORT_BODY: usize = 4096;
+pub(crate) const MAX_EXPORT_BODY: usize = 4096;
 /// The bytes of query bodies all connections together may hold while they are read.
-pub const QUERY_BODY_BUDGET: usize = 32 * 1024 * 1024;
+pub(crate) const QUERY_BODY_BUDGET: usize = 32 * 1024 * 1024;
 /// The bytes of query answers all connections together may hold while they are written.
-pub const ANSWER_BUDGET: usize = 64 * 1024 * 1024;
+pub(crate) const ANSWER_BUDGET: usize = 64 * 1024 * 1024;
 /// Most `--listen-host` names a listener takes.
-pub const MAX_LISTEN_HOSTS: usize = 64;
+pub(crate) const MAX_LISTEN_HOSTS: usize = 64;
 /// How long a client may take to send its request head, and how long a connection may stay idle
 /// between two requests (the wait for the next head is the same clock).
-pub const HEAD_DEADLINE: Duration = Duration::from_secs(5);
+pub(crate) const HEAD_DEADLINE: Duration = Duration::from_secs(5);
 /// How long a client may take to send its whole request (head and body): the body has what the
 /// head's deadline leaves of it.
-pub const REQUEST_DEADLINE: Duration = Duration::from_secs(30);
+pub(crate) const REQUEST_DEADLINE: Duration = Duration::from_secs(30);
 /// How long writing a response may take.
-pub const WRITE_DEADLINE: Duration = Duration::from_secs(10);
+pub(crate) const WRITE_DEADLINE: Duration = Duration::from_secs(10);
 /// How long a query may wait for its answer.
-pub const IO_TIMEOUT: Duration = Duration::from_secs(10);
+pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// The admin token file a host generates in its store directory when no token is given.
-pub const ADMIN_TOKEN_FILE: &str = "admin-token";
+pub(crate) const ADMIN_TOKEN_FILE: &str = "admin-token";
 /// The query token file a host listening beyond loopback generates in its store directory when
 /// no query token is given (and `--query-open` is not).
-pub const QUERY_TOKEN_FILE: &str = "query-token";
+pub(crate) const QUERY_TOKEN_FILE: &str = "query-token";
 /// Largest token file read.
 const MAX_TOKEN_FILE: u64 = 4096;
 
 /// Reads a token file: its content, trimmed, must be non-empty and at most 4 KiB.
-pub fn read_token_file(path: &std::path::Path) -> std::io::Result<String> {
+pub(crate) fn read_token_file(path: &std::path::Path) -> std::io::Result<String> {
     use std::io::Read as _;
     let f = std::fs::File::open(path).map_err(|e| {
         std::io::Error::new(e.kind(), format!("token file {}: {e}", path.display()))
@@ -123,7 +123,7 @@ pub fn read_token_file(path: &std::path::Path) -> std::io::Result<String> {
 /// (mode 0600 or stricter), and hold 64 hex digits. A client that follows the path a listener
 /// names in `/status` uses this, so a listener that is not the host (a squatter on the port)
 /// cannot make it send some other file (a private key) as a bearer token.
-pub fn read_generated_token(path: &std::path::Path) -> std::io::Result<String> {
+pub(crate) fn read_generated_token(path: &std::path::Path) -> std::io::Result<String> {
     use std::os::unix::fs::PermissionsExt as _;
     let refuse = |why: &str| {
         std::io::Error::new(
@@ -152,7 +152,7 @@ pub fn read_generated_token(path: &std::path::Path) -> std::io::Result<String> {
 /// ([`QUERY_TOKEN_FILE`] in the store) if a run before generated it and it is still private,
 /// else a new one generated there ([`generate_token_file`]). Kept across restarts, so remote
 /// clients that copied it once keep working; delete the file to change it.
-pub fn query_token_from_store(path: &std::path::Path) -> std::io::Result<String> {
+pub(crate) fn query_token_from_store(path: &std::path::Path) -> std::io::Result<String> {
     use std::os::unix::fs::PermissionsExt as _;
     let private = std::fs::symlink_metadata(path)
         .is_ok_and(|m| m.file_type().is_file() && m.permissions().mode() & 0o077 == 0);
@@ -164,7 +164,7 @@ pub fn query_token_from_store(path: &std::path::Path) -> std::io::Result<String>
 
 /// Generates a token (32 bytes from the OS's random source, hex) and writes it to `path`
 /// readable and writable by this user only (mode 0600, written beside and renamed into place).
-pub fn generate_token_file(path: &std::path::Path) -> std::io::Result<String> {
+pub(crate) fn generate_token_file(path: &std::path::Path) -> std::io::Result<String> {
     use std::io::{Read as _, Write as _};
     use std::os::unix::fs::OpenOptionsExt as _;
     let mut raw = [0u8; 32];
@@ -214,7 +214,7 @@ pub struct ServeState {
 /// its slot until it is evicted ([`HeadPhase`]) or, while a request of it is whole, for at most the
 /// time its answer takes ([`IO_TIMEOUT`] twice) + [`WRITE_DEADLINE`]; between two requests it is
 /// evictable again, and closed after [`HEAD_DEADLINE`] without one.
-pub const MAX_CONNECTIONS: usize = 256;
+pub(crate) const MAX_CONNECTIONS: usize = 256;
 
 /// A response before it is put on the wire: status, content type, body, and whether the
 /// connection closes after it.
@@ -228,7 +228,7 @@ pub(crate) struct Reply {
 }
 
 impl Reply {
-    pub(crate) fn new(status: u16, content_type: &'static str, body: impl Into<Vec<u8>>) -> Self {
+    pub fn new(status: u16, content_type: &'static str, body: impl Into<Vec<u8>>) -> Self {
         Reply {
             status,
             content_type,
@@ -310,7 +310,7 @@ pub(crate) async fn query(
 
 /// How long a swap (settle, compile, rebuild from the fold) may take before the caller gives up
 /// waiting (the swap itself still completes or is refused).
-pub const SWAP_TIMEOUT: Duration = Duration::from_secs(300);
+pub(crate) const SWAP_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// `POST /export`: the body is the output path (a directory, or a file ending `.tar`) on the host's
 /// machine; the answer is the artifact's manifest.
@@ -340,20 +340,20 @@ pub(crate) async fn export(body: Vec<u8>, state: &ServeState) -> Reply {
 /// How long a `/shadow` caller waits for the answer of a shadow that waits up to `max_wait` for
 /// its batches: a minute longer than the host waits, so the host's own answer (or its 504) comes
 /// first.
-pub fn shadow_deadline(max_wait: Duration) -> Duration {
+pub(crate) fn shadow_deadline(max_wait: Duration) -> Duration {
     SWAP_TIMEOUT + max_wait + Duration::from_secs(60)
 }
 
 /// Longest wait for a shadow's batches the host accepts, seconds (a day).
-pub const MAX_SHADOW_WAIT_S: u64 = 24 * 3600;
+pub(crate) const MAX_SHADOW_WAIT_S: u64 = 24 * 3600;
 
 /// Largest JSON header of a `/shadow` body (its request list included).
-pub const MAX_SHADOW_HEADER: usize = 4 * 1024 * 1024;
+pub(crate) const MAX_SHADOW_HEADER: usize = 4 * 1024 * 1024;
 
 /// The JSON header line of a `/shadow` body.
 #[derive(Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
-pub struct ShadowHeader {
+pub(crate) struct ShadowHeader {
     /// Batches to feed the candidate before the comparison.
     pub batches: u64,
     /// Keys to sample when `requests` is empty.
@@ -371,7 +371,9 @@ pub struct ShadowHeader {
 
 /// Splits a `/shadow` body into its plan and the component: one line of JSON
 /// ([`ShadowHeader`]), a newline, then the component's bytes. Pure.
-pub fn parse_shadow_body(body: &[u8]) -> Result<(crate::applied::ShadowPlan, &[u8]), String> {
+pub(crate) fn parse_shadow_body(
+    body: &[u8],
+) -> Result<(crate::applied::ShadowPlan, &[u8]), String> {
     use crate::applied::{MAX_SHADOW_REQUESTS, ShadowPlan, ShadowRequests};
     let end = body
         .iter()

@@ -86,10 +86,10 @@ use crate::protocol;
 mod tests;
 
 /// The simulated bucket's name ([`KvWatcher::bucket_name`]).
-pub const SIM_BUCKET: &str = "sim";
+pub(crate) const SIM_BUCKET: &str = "sim";
 
 /// The simulated stream's name (in its [`StreamIdentity`]).
-pub const SIM_STREAM: &str = "KV_sim";
+pub(crate) const SIM_STREAM: &str = "KV_sim";
 
 /// What one message of the simulated stream does to its key.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -115,7 +115,7 @@ pub struct SimMessage {
 
 impl SimMessage {
     /// The update a watch delivers for this message.
-    pub fn to_update(&self) -> KvUpdate {
+    pub(crate) fn to_update(&self) -> KvUpdate {
         let version = VersionToken::from_u64(self.sequence);
         let key = self.key.clone();
         match &self.op {

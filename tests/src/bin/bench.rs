@@ -46,10 +46,10 @@ use foldhost::applied::{
 use foldhost::bucket::{BucketConfig, ConnectOptions};
 use foldhost::guest::{GuestApply, GuestEngine, GuestLimits};
 use foldhost::kv::WatchScope;
-use foldhost::localnats::LocalNats;
 use foldhost::nats::{NatsConnection, NatsKv};
 use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotStore};
 use foldhost::view::{FoldRead, SharedStore};
+use foldhost_localnats::LocalNats;
 use futures::StreamExt;
 
 #[path = "bench/bootstrap.rs"]

@@ -34,7 +34,7 @@ fn run_measured(
         r = subprocess.run(sys.argv[2:])\n\
         open(sys.argv[1], 'w').write(str(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss))\n\
         sys.exit(r.returncode if r.returncode >= 0 else 128 - r.returncode)\n";
-    let rss = scratch.join(format!("rss-{}", foldhost::localnats::reserved_port()?));
+    let rss = scratch.join(format!("rss-{}", foldhost_localnats::reserved_port()?));
     let mut c = Command::new("python3");
     c.arg("-c")
         .arg(SCRIPT)
@@ -226,7 +226,7 @@ async fn folding_host(
         (0..n).map(|i| (format!("$KV.{bucket}.route.h{i:05}"), Bytes::from("v1"))),
     )
     .await?;
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut cmd = run_command(h, bucket, store, Some(&addr));
     cmd.args(extra).stderr(Stdio::null());
     for (k, v) in env {
@@ -566,7 +566,7 @@ async fn a_listener_naming_another_stores_token_file_is_sent_no_token() -> anyho
 
     // A listener on another loopback port claiming that store's token file in its `/status`; it
     // keeps every request head it is sent.
-    let squat = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let squat = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let listener = tokio::net::TcpListener::bind(&squat).await?;
     let heads = std::sync::Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
     let kept = heads.clone();

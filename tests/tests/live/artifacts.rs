@@ -109,7 +109,7 @@ async fn a_live_export_under_writes_bootstraps_a_node_that_replays_only_the_tail
     }
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("node1");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = run_command(&h, "art", &store, Some(&addr))
         .stderr(Stdio::null())
         .spawn()?;

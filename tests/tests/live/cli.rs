@@ -78,7 +78,7 @@ fn a_corrupt_store_is_refused_by_status_dump_and_run_and_left_byte_identical() -
 fn an_unreachable_server_is_one_line_exit_1_and_creates_no_store() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("s");
-    let port = foldhost::localnats::reserved_port()?;
+    let port = foldhost_localnats::reserved_port()?;
     let out = foldhost()
         .args(["run", "--bucket", "b", "--catch-up", "--nats"])
         .arg(format!("nats://127.0.0.1:{port}"))

@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use foldhost::bucket::{BucketConfig, ConnectOptions};
 use foldhost::kv::KvWriter;
-use foldhost::localnats::LocalCluster;
 use foldhost::nats::{NatsConnection, NatsKv};
+use foldhost_localnats::LocalCluster;
 use foldhost_tests::{
     Moto, bucket_contents, dump_store, first_difference, foldhost, terminate, wait_status,
 };
@@ -183,7 +183,7 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
 
     let mut nodes = Nodes(Vec::new());
     for name in ["a", "b", "c"] {
-        let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+        let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
         let child = node(
             &cluster,
             &moto,
@@ -288,7 +288,7 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
     // Now the bucket evicts its oldest messages; a node whose start the log no longer holds
     // bootstraps from the artifact a round publishes. (A node stopped mid-round leaves its lease
     // to run out: 3 s here.)
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut exporter = Nodes(vec![(
         node(
             &cluster,

@@ -233,7 +233,7 @@ async fn a_crash_between_the_commit_and_on_applied_keeps_the_batch_and_the_rebui
         "the crashed fold holds every revision up to its cursor {cursor} and nothing after it"
     );
     // A restart rebuilds the router from the fold (hydration) and folds the rest.
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = run_command(&h, "onapplied", &store, Some(&addr))
         .arg("--guest")
         .arg(&router)

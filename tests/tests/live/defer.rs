@@ -239,7 +239,7 @@ async fn a_v2_record_and_a_later_v1_write_wait_for_v2_then_apply_in_order() -> a
     }
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = start_host(&h, "defer", &store, &addr, &[])?;
     wait_status(&addr, |s| s.applied_through >= 51).await?;
 
@@ -311,7 +311,7 @@ async fn retained_records_survive_a_restart_warn_past_the_grace_and_release_afte
     let x0 = kv.put("k.x", "x0".into()).await?.as_u64().unwrap_or(0);
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = start_host(&h, "keep", &store, &addr, &[])?;
     wait_status(&addr, |s| s.applied_through >= x0).await?;
     let rev = |v: VersionToken| v.as_u64().unwrap_or(0);
@@ -369,7 +369,7 @@ async fn raw_publishes_of_reserved_looking_keys_are_skipped_and_never_touch_reta
     let a0 = kv.put("k.a", "a0".into()).await?.as_u64().unwrap_or(0);
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = start_host(&h, "rsv", &store, &addr, &[])?;
     wait_status(&addr, |s| s.applied_through >= a0).await?;
     // v1 defers r1: one retained record, stored under `\x01retained/<r1>/k.a`.
@@ -564,7 +564,7 @@ async fn a_clean_stop_writes_the_same_applied_through_as_status_while_records_ar
     let x0 = kv.put("k.x", "x0".into()).await?.as_u64().unwrap_or(0);
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = start_host(&h, "stopped", &store, &addr, &[])?;
     wait_status(&addr, |s| s.applied_through >= x0).await?;
     let r1 = kv.put("k.x", "fmt2:x1".into()).await?.as_u64().unwrap_or(0);
@@ -589,7 +589,7 @@ async fn a_relist_delete_of_a_key_with_a_retained_record_is_released_after_it_in
     let kv = h.bucket_with_history("resync", 10).await?;
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let rev = |v: VersionToken| v.as_u64().unwrap_or(0);
     // The host starts first: each revision is delivered (a state-sync start would deliver the
     // key's last revision only).

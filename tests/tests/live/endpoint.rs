@@ -21,7 +21,7 @@ use foldhost_tests::{
 fn addr() -> anyhow::Result<String> {
     Ok(format!(
         "127.0.0.1:{}",
-        foldhost::localnats::reserved_port()?
+        foldhost_localnats::reserved_port()?
     ))
 }
 
@@ -162,7 +162,7 @@ async fn a_wildcard_listener_answers_queries_only_with_the_query_token_and_never
     kv.put("k", "v".into()).await?;
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let port = foldhost::localnats::reserved_port()?;
+    let port = foldhost_localnats::reserved_port()?;
     let wildcard = format!("0.0.0.0:{port}");
     // Clients reach it through loopback here, as a DNS-rebound page in a local browser would.
     let a = format!("127.0.0.1:{port}");

@@ -67,7 +67,7 @@ async fn fold_reaches_the_writer_under_a_query_flood(
         .await?;
     }
     let tmp = tempfile::tempdir()?;
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = run_command(&h, "flooded", &tmp.path().join("fold"), Some(&addr))
         .arg("--guest")
         .arg(guest_wasm(guest))

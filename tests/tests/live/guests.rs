@@ -136,7 +136,7 @@ pub(crate) async fn router_survives_sigkills_and_answers_every_host_like_the_buc
 
     // Final run: live, serving queries; wait until it has applied the whole stream.
     let last = kv.positions().await?.last_sequence;
-    let port = foldhost::localnats::reserved_port()?;
+    let port = foldhost_localnats::reserved_port()?;
     let addr = format!("127.0.0.1:{port}");
     let mut host = foldhost()
         .args([
@@ -315,7 +315,7 @@ async fn runaway_guest_stopped(
     // can commit.
     kv.put("sleep.apply", "v".into()).await?;
     let tmp = tempfile::tempdir()?;
-    let port = foldhost::localnats::reserved_port()?;
+    let port = foldhost_localnats::reserved_port()?;
     let addr = format!("127.0.0.1:{port}");
     let mut host = foldhost()
         .args([
@@ -396,7 +396,7 @@ async fn a_guest_sleeping_in_query_or_init_is_cut_at_its_deadline() -> anyhow::R
     let kv = h.bucket("napper").await?;
     kv.put("k", "v".into()).await?;
     let tmp = tempfile::tempdir()?;
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = run_command(&h, "napper", &tmp.path().join("fold"), Some(&addr))
         .args(["--guest-deadline-ms", "300", "--guest"])
         .arg(guest_wasm("hostile_sleep"))
@@ -464,7 +464,7 @@ async fn a_loud_guests_log_lines_errors_and_answers_are_cut_at_their_limits() ->
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
     let log_path = tmp.path().join("host.log");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = run_command(&h, "loud", &store, Some(&addr))
         // The deadline is not under test here: generous, so the size limits are what stop it.
         .args(["--guest-deadline-ms", "60000"])
@@ -1000,7 +1000,7 @@ async fn keys_expiring_by_per_message_ttl_leave_the_fold_and_the_router_live_and
     js.update_stream(config).await?;
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = run_command(&h, "ttl", &store, Some(&addr))
         .arg("--guest")
         .arg(guest_wasm("router"))

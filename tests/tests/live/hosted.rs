@@ -7,9 +7,9 @@
 
 use foldhost::bucket::{BucketConfig, ConnectOptions};
 use foldhost::kv::KvWriter;
-use foldhost::localnats::LocalNats;
 use foldhost::nats::{NatsConnection, create_bucket_raw};
 use foldhost::protocol::StreamCreateVerdict;
+use foldhost_localnats::LocalNats;
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);

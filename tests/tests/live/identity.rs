@@ -180,7 +180,7 @@ async fn a_bucket_recreated_under_a_running_node_stops_it_untouched_or_is_relist
     // Default: the running node stops with the refusal, the fold as it was.
     let store = tmp.path().join("refusing");
     fold_old_bucket(&h, bucket, &store).await?;
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut child = run_command(&h, bucket, &store, Some(&addr))
         .stderr(std::process::Stdio::null())
         .spawn()?;
@@ -212,7 +212,7 @@ async fn a_bucket_recreated_under_a_running_node_stops_it_untouched_or_is_relist
         .await?;
     let store = tmp.path().join("relisting");
     fold_old_bucket(&h, bucket, &store).await?;
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut cmd = run_command(&h, bucket, &store, Some(&addr));
     cmd.args(["--on-recreated", "relist"]);
     let (mut child, mut log) = spawn_logged(cmd)?;
@@ -240,7 +240,7 @@ async fn an_artifact_of_the_buckets_earlier_incarnation_is_never_restored() -> a
     let artifacts = tmp.path().join("artifacts");
     std::fs::create_dir_all(&artifacts)?;
     // Exported from a running host (an artifact records the scope it vouches for).
-    let ea = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let ea = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut ex = run_command(&h, "incarn", &exporter, Some(&ea))
         .stderr(std::process::Stdio::null())
         .spawn()?;
@@ -313,7 +313,7 @@ async fn a_clean_stop_leaves_the_record_the_next_open_removes_it_and_a_kill_leav
     .await?;
     let record = store.join(closed::CLOSED_FILE);
     let start = || -> anyhow::Result<(std::process::Child, String)> {
-        let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+        let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
         let child = run_command(&h, "closing", &store, Some(&addr))
             .stderr(std::process::Stdio::null())
             .spawn()?;

@@ -105,7 +105,7 @@ async fn the_javascript_router_swaps_in_for_the_rust_router_under_load_and_back_
     );
 
     let store = tmp.path().join("fold");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = run_command(&h, "lang", &store, Some(&addr))
         .arg("--guest")
         .arg(guest_wasm("router"))
@@ -251,7 +251,7 @@ async fn scaffold_builds_and_folds(lang: &str) -> anyhow::Result<()> {
     kv.put("greeting.dave", "hey".into()).await?;
     kv.put("greeting.dave", "good day".into()).await?;
     let last = kv.positions().await?.last_sequence;
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = run_command(&h, "scaffold", &tmp.path().join("fold"), Some(&addr))
         .arg("--guest")
         .arg(&wasm)

@@ -8,8 +8,8 @@
 use base64::Engine as _;
 use foldhost::bucket::{BucketConfig, ConnectOptions};
 use foldhost::kv::KvWriter as _;
-use foldhost::localnats::{LocalNats, reserved_port};
 use foldhost::nats::NatsConnection;
+use foldhost_localnats::{LocalNats, reserved_port};
 use foldhost_tests::{foldhost, terminate, wait_status};
 
 use crate::watch_semantics::raw_publish;

@@ -1,7 +1,7 @@
 //! The test kit's local nats-server is ready only when *it* listens: a port another process holds
 //! is an error at start, never a server that looks ready through someone else's listener.
 
-use foldhost::localnats::{LocalNats, LocalNatsError};
+use foldhost_localnats::{LocalNats, LocalNatsError};
 
 #[test]
 fn a_server_whose_port_another_process_holds_is_an_error_not_ready_through_the_other_listener()

@@ -122,7 +122,7 @@ fn signal(child: &std::process::Child, sig: &str) -> anyhow::Result<()> {
 fn addr() -> anyhow::Result<String> {
     Ok(format!(
         "127.0.0.1:{}",
-        foldhost::localnats::reserved_port()?
+        foldhost_localnats::reserved_port()?
     ))
 }
 

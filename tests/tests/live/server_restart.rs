@@ -17,7 +17,7 @@ async fn fold_resumes_by_itself_after_the_server_restarts() -> anyhow::Result<()
     }
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = run_command(&h, "restart", &store, Some(&addr))
         .stderr(Stdio::null())
         .spawn()?;
@@ -59,7 +59,7 @@ async fn a_watch_whose_consumer_is_deleted_or_whose_server_restarts_resumes_with
     }
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = run_command(&h, "resume", &store, Some(&addr))
         .stderr(Stdio::null())
         .spawn()?;
@@ -118,7 +118,7 @@ async fn a_node_whose_server_has_gone_still_stops_on_sigterm_and_keeps_its_fold(
     let want = bucket_contents(&kv).await?;
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = run_command(&h, "gone", &store, Some(&addr))
         .args(["--nats-op-timeout", "3600"])
         .stderr(Stdio::null())

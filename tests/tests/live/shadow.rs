@@ -103,7 +103,7 @@ async fn setup(
         kv.put(&format!("k.{i:04}"), format!("seed{i}").into())
             .await?;
     }
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let host = start_host(h, bucket, &tmp.join("fold"), &addr, guest)?;
     wait_status(&addr, |s| s.applied_through >= u64::from(STABLE)).await?;
     let writer = Writer::start(&kv, bucket, 7);
@@ -372,7 +372,7 @@ async fn a_shadow_on_a_quiet_bucket_compares_on_what_came_and_promotes_nothing()
             .await?;
     }
     let tmp = tempfile::tempdir()?;
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = start_host(&h, "shq", &tmp.path().join("fold"), &addr, "kvstore_v2")?;
     wait_status(&addr, |s| s.applied_through >= u64::from(STABLE)).await?;
     // No writer: the 5 batches never come. The wait runs out (checked on the loop's tick), the

@@ -135,7 +135,7 @@ async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Resu
     }
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let hold = tmp.path().join("hold");
     let mut host = start_host_holding(&h, "swap", &store, &addr, None, "kvstore", Some(&hold))?;
     wait_status(&addr, |s| s.applied_through >= 2000).await?;
@@ -256,7 +256,7 @@ async fn a_swap_refused_mid_hydration_leaves_the_old_version_serving_and_applies
         .await?;
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let hold = tmp.path().join("hold");
     let mut host =
         start_host_holding(&h, "midway", &store, &addr, None, "kvstore_v2", Some(&hold))?;
@@ -308,7 +308,7 @@ async fn refused_swaps_leave_the_old_guest_serving() -> anyhow::Result<()> {
     kv.put("trap.me", "the trap guest dies hydrating this".into())
         .await?;
     let tmp = tempfile::tempdir()?;
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let token = "s3cret";
     let mut host = start_host(&h, "refuse", &tmp.path().join("fold"), &addr, Some(token))?;
     wait_status(&addr, |s| s.applied_through >= 2).await?;
@@ -359,7 +359,7 @@ async fn a_changed_guest_file_is_swapped_in_with_watch_guest() -> anyhow::Result
     let tmp = tempfile::tempdir()?;
     let guest = tmp.path().join("guest.wasm");
     std::fs::copy(guest_wasm("kvstore"), &guest)?;
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut cmd = foldhost();
     cmd.args([
         "run",
@@ -401,7 +401,7 @@ async fn queries_are_served_over_nats_request_reply() -> anyhow::Result<()> {
     let kv = h.bucket("nq").await?;
     kv.put("route.a", "{\"upstream\":\"1\"}".into()).await?;
     let tmp = tempfile::tempdir()?;
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = foldhost()
         .args([
             "run",
@@ -474,7 +474,7 @@ async fn a_swap_from_a_0_1_guest_to_a_0_2_guest_serves_every_route_like_the_buck
             .await?;
     }
     let tmp = tempfile::tempdir()?;
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut host = start_host_holding(
         &h,
         "contracts",

@@ -57,7 +57,7 @@ fn publish(moto: &Moto, url: &str, artifact: &Path) -> anyhow::Result<Output> {
 
 /// The cursor of the published artifact, read by bootstrapping a throwaway store from it.
 fn published_cursor(moto: &Moto, url: &str, scratch: &Path) -> anyhow::Result<Option<u64>> {
-    let store = scratch.join(format!("probe-{}", foldhost::localnats::reserved_port()?));
+    let store = scratch.join(format!("probe-{}", foldhost_localnats::reserved_port()?));
     let m = ok(
         &with_artifacts(moto, "bootstrap", url)
             .arg("--store")
@@ -81,7 +81,7 @@ async fn folding_host(
         (0..n).map(|i| (format!("$KV.{bucket}.route.h{i:05}"), Bytes::from("v1"))),
     )
     .await?;
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let child = run_command(h, bucket, store, Some(&addr))
         .stderr(Stdio::null())
         .spawn()?;
@@ -493,7 +493,7 @@ async fn two_nodes_exporting_in_rounds_publish_a_pointer_a_third_node_bootstraps
     // Two exporters on the same key, a round a second each.
     let mut nodes = Vec::new();
     for name in ["a", "b"] {
-        let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+        let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
         let mut cmd = run_command(&h, "rounds", &tmp.path().join(name), Some(&addr));
         cmd.args([
             "--artifacts",
@@ -648,7 +648,7 @@ async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_
     // Node A exports in rounds under a long lease; its first round is held after the payload is
     // uploaded, before the pointer moves (a slow exporter, placed by the code's progress).
     let hold = tmp.path().join("hold");
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let log = tmp.path().join("a.log");
     let mut cmd = run_command(&h, "slow", &tmp.path().join("a"), Some(&addr));
     cmd.args([

@@ -26,7 +26,7 @@ const ODD: [&[u8]; 6] = [
 fn addr() -> anyhow::Result<String> {
     Ok(format!(
         "127.0.0.1:{}",
-        foldhost::localnats::reserved_port()?
+        foldhost_localnats::reserved_port()?
     ))
 }
 

@@ -5,7 +5,7 @@ use super::*;
 /// What the first half of an export leaves for the second: the cursor the staged copy holds, and
 /// what the store proved about it while writing it (see [`SnapshotStore::export_to`]).
 #[derive(Clone, Debug)]
-pub struct Staged {
+pub(crate) struct Staged {
     /// The cursor the copy must recover.
     pub cursor: WatchCursor,
     /// The store's digests and check of its copy, when it made them.
@@ -16,7 +16,7 @@ pub struct Staged {
 
 /// The first half of an export, the part that needs the fold quiet: makes `stage` and copies the
 /// committed fold into `stage/data` (with its `FOLDHOST.json`).
-pub fn export_stage<S: SnapshotStore + ?Sized>(
+pub(crate) fn export_stage<S: SnapshotStore + ?Sized>(
     store: &S,
     backend: Backend,
     stage: &Path,
@@ -47,7 +47,7 @@ pub fn stream_of<S: SnapshotStore + ?Sized>(
 /// check made while writing it, or by reopening it: cursor equality), hashes every file the store
 /// did not, fsyncs them all, writes the manifest last, and renames the stage to `out`. The stage
 /// is removed on any failure.
-pub fn seal(
+pub(crate) fn seal(
     stage: &Path,
     out: &Path,
     staged: &Staged,
@@ -203,12 +203,12 @@ pub fn export_store<S: SnapshotStore + ?Sized>(
 }
 
 /// True when `out` names a tar file rather than an artifact directory.
-pub fn is_tar(out: &Path) -> bool {
+pub(crate) fn is_tar(out: &Path) -> bool {
     out.extension().is_some_and(|e| e == "tar")
 }
 
 /// [`seal`] into `out`, or, when `out` ends in `.tar`, into a hidden directory packed into `out`.
-pub fn seal_to(
+pub(crate) fn seal_to(
     stage: &Path,
     out: &Path,
     staged: &Staged,

@@ -221,7 +221,7 @@ fn seal_import(
 /// staged file's), the manifest entry (at most [`MAX_MANIFEST_BYTES`], compared with the pointer)
 /// and an extension entry at most [`MAX_TAR_EXTENSION_BYTES`] ([`TarGuard`]); never a payload
 /// entry, whatever its header announces.
-pub fn import_tar_stream(
+pub(crate) fn import_tar_stream(
     reader: impl Read,
     pointer: &[u8],
     dest: &Path,

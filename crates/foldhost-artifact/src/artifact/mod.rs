@@ -50,26 +50,26 @@ mod tarball;
 
 pub use export::*;
 pub use import::*;
-pub use tarball::*;
+pub(crate) use tarball::*;
 
 /// The manifest's file name, at the artifact's root.
-pub const MANIFEST_FILE: &str = "MANIFEST.json";
+pub(crate) const MANIFEST_FILE: &str = "MANIFEST.json";
 /// The payload directory, at the artifact's root.
-pub const DATA_DIR: &str = "data";
+pub(crate) const DATA_DIR: &str = "data";
 /// The manifest schema this build writes (2: with the exporting watch's scope). Schema 1 (no
 /// scope) is still read.
-pub const SCHEMA: u32 = 2;
+pub(crate) const SCHEMA: u32 = 2;
 /// Largest manifest read.
 pub const MAX_MANIFEST_BYTES: u64 = 16 * 1024 * 1024;
 /// Most files an artifact may list.
-pub const MAX_FILES: usize = 100_000;
+pub(crate) const MAX_FILES: usize = 100_000;
 /// Largest single file a tar may carry (1 TiB: a sanity bound, not a quota).
-pub const MAX_FILE_BYTES: u64 = 1 << 40;
+pub(crate) const MAX_FILE_BYTES: u64 = 1 << 40;
 /// Largest tar extension entry (GNU long name `L` or link `K`, PAX `x` or `g`) read: the `tar`
 /// crate buffers such an entry's body whole, so [`TarGuard`] refuses a larger one from its header.
 pub const MAX_TAR_EXTENSION_BYTES: u64 = 64 << 10;
 /// Most previous pointer targets a manifest lists ([`ExportManifest::previous`]).
-pub const MAX_PREVIOUS_TARGETS: usize = 8;
+pub(crate) const MAX_PREVIOUS_TARGETS: usize = 8;
 
 /// The stream an artifact's fold folds (as [`crate::kv::StreamIdentity`] holds it).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -268,7 +268,7 @@ fn io_err<'a>(
 }
 
 /// The on-disk format generation of `backend`'s files (bumped when a backend's layout changes).
-pub fn format_generation(backend: Backend) -> u32 {
+pub(crate) fn format_generation(backend: Backend) -> u32 {
     match backend {
         // `FHLG` v1 records.
         Backend::AppendLog => 1,
@@ -281,7 +281,7 @@ pub fn format_generation(backend: Backend) -> u32 {
 
 /// Checks a payload path: non-empty, relative, `/`-separated plain components (no `.`, `..`, root
 /// or prefix), at most 4 096 bytes. Pure.
-pub fn check_path(p: &str) -> Result<PathBuf, ArtifactError> {
+pub(crate) fn check_path(p: &str) -> Result<PathBuf, ArtifactError> {
     let unsafe_path = || ArtifactError::UnsafePath(p.to_string());
     if p.is_empty() || p.len() > 4096 || p.contains('\0') || p.contains('\\') {
         return Err(unsafe_path());
@@ -301,7 +301,7 @@ pub fn check_path(p: &str) -> Result<PathBuf, ArtifactError> {
 ///
 /// Before naming a new stage it removes the stale ones beside `path` ([`sweep_stale_stages`]): a
 /// process killed mid-import or mid-export leaves its stage behind, as large as the fold.
-pub fn stage_path(path: &Path, tag: &str) -> PathBuf {
+pub(crate) fn stage_path(path: &Path, tag: &str) -> PathBuf {
     sweep_stale_stages(path);
     let name = path
         .file_name()
@@ -320,11 +320,11 @@ const STAGE_TAGS: [&str; 5] = ["export", "artifact", "unpack", "import", "tar"];
 
 /// A stage left behind is removed only once it is this old, whatever its process: a process in
 /// another PID namespace sharing the directory is not visible in `/proc`.
-pub const STALE_STAGE_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
+pub(crate) const STALE_STAGE_AGE: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// The process id in `entry` when it is a stage of the file or directory named `name`, as
 /// [`stage_path`] names one (`.<name>.<tag>-<pid>-<nanos>`). Pure.
-pub fn stage_owner(name: &str, entry: &str) -> Option<u32> {
+pub(crate) fn stage_owner(name: &str, entry: &str) -> Option<u32> {
     let rest = entry
         .strip_prefix('.')?
         .strip_prefix(name)?
@@ -344,7 +344,7 @@ pub fn stage_owner(name: &str, entry: &str) -> Option<u32> {
 /// Removes the stages beside `path` whose process is no longer running on this machine and that
 /// are older than [`STALE_STAGE_AGE`]; best effort (a failure leaves the stage, never fails the
 /// caller). Returns how many went. Nothing is removed where `/proc` cannot tell a live process.
-pub fn sweep_stale_stages(path: &Path) -> usize {
+pub(crate) fn sweep_stale_stages(path: &Path) -> usize {
     let Some(name) = path.file_name().map(|n| n.to_string_lossy().into_owned()) else {
         return 0;
     };
@@ -430,7 +430,7 @@ fn now_ms() -> u64 {
 }
 
 /// Progress of a long copy or hash: `(bytes done, bytes total)`.
-pub type Progress<'a> = &'a mut dyn FnMut(u64, u64);
+pub(crate) type Progress<'a> = &'a mut dyn FnMut(u64, u64);
 
 /// Streams `src` through BLAKE3, reporting bytes to `tick`.
 fn hash_file(src: &Path, tick: &mut dyn FnMut(u64)) -> Result<(u64, String), ArtifactError> {

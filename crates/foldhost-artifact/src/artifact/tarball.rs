@@ -3,13 +3,13 @@
 use super::*;
 
 /// Packs the artifact directory `artifact` into the tar file `out` (written beside, then renamed).
-pub fn pack_tar(artifact: &Path, out: &Path) -> Result<(), ArtifactError> {
+pub(crate) fn pack_tar(artifact: &Path, out: &Path) -> Result<(), ArtifactError> {
     pack_tar_with(artifact, out, None)
 }
 
 /// [`pack_tar`] with `manifest` (checked, and naming the same files) as the tar's manifest
 /// instead of the artifact's own: a publish adds the pointer's previous targets.
-pub fn pack_tar_with(
+pub(crate) fn pack_tar_with(
     artifact: &Path,
     out: &Path,
     manifest: Option<&[u8]>,
@@ -127,7 +127,7 @@ const TAR_EXTENSIONS: [u8; 4] = [b'L', b'K', b'x', b'g'];
 /// body rounded up to 512 bytes; an all-zero header ends the archive, and what follows passes
 /// unchecked (the `tar` crate reads nothing after it). Its own memory: one header block and a PAX
 /// body (bounded as above).
-pub struct TarGuard<R> {
+pub(crate) struct TarGuard<R> {
     inner: R,
     /// Offset in the archive of the next byte read.
     offset: u64,

@@ -80,23 +80,23 @@ use bootstrap::relative_to;
 
 /// Size of one segment of a payload (the last one is shorter). `FOLDHOST_ARTIFACT_SEGMENT_BYTES`
 /// overrides it, between [`MIN_SEGMENT_BYTES`] and [`MAX_SEGMENT_BYTES`].
-pub const SEGMENT_BYTES: u64 = 16 << 20;
+pub(crate) const SEGMENT_BYTES: u64 = 16 << 20;
 /// The smallest segment size a publisher may be set to.
-pub const MIN_SEGMENT_BYTES: u64 = 64 << 10;
+pub(crate) const MIN_SEGMENT_BYTES: u64 = 64 << 10;
 /// The largest segment a download accepts (a listing saying more is refused): the bound on what
 /// one segment fetched ahead can hold in memory.
 pub const MAX_SEGMENT_BYTES: u64 = 64 << 20;
 /// The most segments one payload may have (a listing with more is refused): their names stay six
 /// digits.
-pub const MAX_SEGMENTS: usize = 1_000_000;
+pub(crate) const MAX_SEGMENTS: usize = 1_000_000;
 /// Bytes of segments a download fetches ahead of the one the import is reading (at least one
 /// segment is always fetched ahead when there is one).
-pub const READAHEAD_BYTES: u64 = 32 << 20;
+pub(crate) const READAHEAD_BYTES: u64 = 32 << 20;
 /// Segments of one upload in flight at once (memory: about this many segments).
-pub const UPLOAD_CONCURRENCY: usize = 2;
+pub(crate) const UPLOAD_CONCURRENCY: usize = 2;
 
 /// Attempts at publishing a pointer against concurrent exporters before giving up.
-pub const POINTER_ATTEMPTS: u32 = 8;
+pub(crate) const POINTER_ATTEMPTS: u32 = 8;
 
 /// Errors of the artifact transport.
 #[derive(Debug, thiserror::Error)]
@@ -198,7 +198,7 @@ impl TransportError {
     /// Whether a download failed because its payload is gone (an object not found, or a segment
     /// listing with a hole: a prune deleting it meanwhile): a bootstrap reads the pointer again
     /// and retries once.
-    pub fn payload_gone(&self) -> bool {
+    pub(crate) fn payload_gone(&self) -> bool {
         match self {
             TransportError::Store { source, .. } => {
                 matches!(source, object_store::Error::NotFound { .. })
@@ -235,7 +235,7 @@ pub struct Pointer {
 impl Pointer {
     /// The targets prune judges against: this one and the previous ones it lists, each
     /// `(cursor, published_unix_ms)`.
-    pub fn targets(&self) -> Vec<(u64, i64)> {
+    pub(crate) fn targets(&self) -> Vec<(u64, i64)> {
         std::iter::once((self.manifest.cursor.unwrap_or(0), self.published_unix_ms))
             .chain(
                 self.manifest
@@ -296,7 +296,7 @@ pub fn payload_name(manifest_bytes: &[u8], cursor: u64) -> String {
 
 /// The cursor a payload's name carries; `None` for a name of the earlier form (`<hex>.tar`) or a
 /// foreign object.
-pub fn payload_cursor(name: &str) -> Option<u64> {
+pub(crate) fn payload_cursor(name: &str) -> Option<u64> {
     let (cursor, rest) = name.split_once('-')?;
     if cursor.len() != 20 || !cursor.bytes().all(|b| b.is_ascii_digit()) || !rest.ends_with(".tar")
     {
@@ -325,7 +325,7 @@ pub fn segment_name(i: usize) -> String {
 /// (`X.tar/NNNNNN`, a segment of `X.tar`) or payloads directory (`X.tar`, a whole payload of the
 /// earlier layout): the first component. Prune judges payloads, so every segment of one stands
 /// or falls with it; an object of no such shape is judged under a name that carries no cursor.
-pub fn payload_of(relative: &str) -> &str {
+pub(crate) fn payload_of(relative: &str) -> &str {
     match relative.split_once('/') {
         Some((first, _)) => first,
         None => relative,
@@ -338,7 +338,7 @@ pub fn payload_of(relative: &str) -> &str {
 /// is an empty plan (the payload is not segmented). The listing comes from the store, so nothing
 /// in it is trusted: a gap would feed the import a tar with a hole, an oversized segment would
 /// break the download's memory bound.
-pub fn segment_plan(listed: &[(String, u64)]) -> Result<Vec<u64>, String> {
+pub(crate) fn segment_plan(listed: &[(String, u64)]) -> Result<Vec<u64>, String> {
     if listed.len() > MAX_SEGMENTS {
         // The listing stops one past the limit, so its length is not the store's count.
         return Err(format!("more than {MAX_SEGMENTS} segments listed"));
@@ -530,7 +530,7 @@ impl ArtifactTransport {
     /// The published pointer of `key`, if any; a corrupt pointer reads as none, and one over
     /// [`artifact::MAX_MANIFEST_BYTES`] is refused ([`TransportError::TooLarge`]) without being
     /// read.
-    pub async fn published(&self, key: &str) -> Result<Option<Pointer>, TransportError> {
+    pub(crate) async fn published(&self, key: &str) -> Result<Option<Pointer>, TransportError> {
         let path = self.pointer_path(key);
         let Some(o) = self.read_pointer_object(&path).await? else {
             return Ok(None);
@@ -647,7 +647,7 @@ pub mod clock {
         }
 
         /// How long ago `then_ms` was (zero when it is in the future).
-        pub fn since(self, then_ms: i64) -> Duration {
+        pub(crate) fn since(self, then_ms: i64) -> Duration {
             Duration::from_millis(u64::try_from(self.0.saturating_sub(then_ms)).unwrap_or(0))
         }
     }

@@ -100,7 +100,7 @@ fn decimal_u64(t: &[u8]) -> Option<u64> {
 
 /// How many consecutive failed store applies a watch tolerates before it fail-stops. A failed batch
 /// is re-queued, not dropped; this bounds the re-queued backlog under a store that keeps failing.
-pub const MAX_STORE_APPLY_FAILURES: u32 = 16;
+pub(crate) const MAX_STORE_APPLY_FAILURES: u32 = 16;
 
 /// Whether the fold should fail-stop after `streak` consecutive failed store applies.
 pub fn store_failures_fatal(streak: u32) -> bool {
@@ -163,16 +163,17 @@ pub fn held_after_defers(keys: &[&str], deferred: &[bool]) -> Vec<usize> {
 /// Most queries the fold loop serves in a row while fold work waits (deliveries in the watch
 /// channel, or a lost guest instance to rebuild): a ready batch is postponed by at most this many
 /// queries ([`loop_gates`]).
-pub const MAX_QUERIES_BETWEEN_FLUSHES: u32 = 32;
+pub(crate) const MAX_QUERIES_BETWEEN_FLUSHES: u32 = 32;
 
 /// Most query time the fold loop spends in a row while fold work waits: a query that starts within
 /// it runs to its end (a guest call is never cut short but by its deadline), and none starts past
 /// it. A query that spins to its deadline therefore ends its turn by itself.
-pub const QUERY_TIME_BETWEEN_FLUSHES: std::time::Duration = std::time::Duration::from_millis(10);
+pub(crate) const QUERY_TIME_BETWEEN_FLUSHES: std::time::Duration =
+    std::time::Duration::from_millis(10);
 
 /// Most flushes (or guest rebuilds) the fold loop runs in a row while a query waits: a waiting query
 /// is postponed by at most this many.
-pub const MAX_FLUSHES_BETWEEN_QUERIES: u32 = 16;
+pub(crate) const MAX_FLUSHES_BETWEEN_QUERIES: u32 = 16;
 
 /// What the fold loop has done since it last switched between queries and its own work: the input
 /// of [`loop_gates`]. Kept by the loop, changed only through [`LoopShare::served_query`] and

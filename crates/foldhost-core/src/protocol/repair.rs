@@ -91,7 +91,7 @@ pub fn cursorless_start_needs_repair(
 
 /// Whether an artifact at `artifact_revision` is strictly ahead of the local fold (a restore never
 /// moves the fold, or a guest's structure, backward).
-pub fn restore_ahead(artifact_revision: u64, local_revision: Option<u64>) -> bool {
+pub(crate) fn restore_ahead(artifact_revision: u64, local_revision: Option<u64>) -> bool {
     local_revision.is_none_or(|l| artifact_revision > l)
 }
 

@@ -64,7 +64,7 @@ impl Undecodable {
     }
 
     /// The reason named by [`Undecodable::as_str`].
-    pub fn from_name(name: &str) -> Option<Undecodable> {
+    pub(crate) fn from_name(name: &str) -> Option<Undecodable> {
         [
             Undecodable::Empty,
             Undecodable::NotUtf8,

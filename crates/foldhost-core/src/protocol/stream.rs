@@ -32,7 +32,7 @@ pub enum StreamCreateVerdict {
 }
 
 /// JetStream's error code for "stream name already in use".
-pub const JS_STREAM_NAME_IN_USE: u64 = 10058;
+pub(crate) const JS_STREAM_NAME_IN_USE: u64 = 10058;
 
 /// Decides a raw stream-create reply from its error fields (`None` when the reply carries no
 /// error). 10058 in either `code` or `err_code` (providers differ in which) is "already exists";

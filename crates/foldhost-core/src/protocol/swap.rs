@@ -1,11 +1,11 @@
 //! Swaps and shadows: catch-up rounds, the cut-over, shadow steps and promotion.
 
 /// Most catch-up rounds a swap runs beside the fold before its cut-over.
-pub const MAX_SWAP_CATCH_UP_ROUNDS: u32 = 4;
+pub(crate) const MAX_SWAP_CATCH_UP_ROUNDS: u32 = 4;
 
 /// Keys changed since the candidate's capture began that the cut-over takes on itself; more, and
 /// another catch-up round runs beside the fold first.
-pub const SWAP_CUT_OVER_KEYS: usize = 256;
+pub(crate) const SWAP_CUT_OVER_KEYS: usize = 256;
 
 /// Whether a swap whose candidate is level with its capture's cursor, with `changed` keys changed
 /// since and `rounds` catch-up rounds run, runs another round beside the fold before its

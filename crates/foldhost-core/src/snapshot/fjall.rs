@@ -48,7 +48,7 @@ use super::{ProvenCopy, SnapshotError, SnapshotStore};
 use crate::kv::{KvEntry, KvUpdate, WatchCursor};
 
 /// The subdirectory of the store directory that holds fjall's files.
-pub const DB_DIR: &str = "fjall";
+pub(crate) const DB_DIR: &str = "fjall";
 /// The keyspace holding data and meta.
 const KEYSPACE: &str = "fold";
 /// Tag of data keys.
@@ -190,7 +190,7 @@ impl FjallSnapshot {
 
     /// Opens a private copy of `STORE/fjall` for reading (see the module docs): never writes into
     /// the store, works beside a running host. [`SnapshotStore::apply`] is refused.
-    pub fn open_read_only(store_dir: &Path) -> Result<Self, SnapshotError> {
+    pub(crate) fn open_read_only(store_dir: &Path) -> Result<Self, SnapshotError> {
         let path = store_dir.join(DB_DIR);
         if !path.join("version").exists() {
             return Err(SnapshotError::Io {
@@ -275,13 +275,16 @@ impl FjallSnapshot {
     /// journal (64 MiB of zeros, which reads as large, so that store is flushed), but appends to
     /// an existing one, and its recovery cuts a journal back to its last valid batch; a journal
     /// emptied by [`Self::close_flushed`] therefore grows by exactly what is written into it.
-    pub fn close_durably(self) -> Result<(), SnapshotError> {
+    pub(crate) fn close_durably(self) -> Result<(), SnapshotError> {
         self.close_keeping_journal(CLEAN_STOP_JOURNAL_BYTES)
     }
 
     /// [`Self::close_durably`] with another bound on the journal left to replay (tests, probes).
     #[doc(hidden)]
-    pub fn close_keeping_journal(mut self, max_journal_bytes: u64) -> Result<(), SnapshotError> {
+    pub(crate) fn close_keeping_journal(
+        mut self,
+        max_journal_bytes: u64,
+    ) -> Result<(), SnapshotError> {
         self.writable()?;
         // Journals that cannot be listed are treated as large: flushing is never wrong.
         if journal_bytes(&self.path).is_some_and(|n| n <= max_journal_bytes) {
@@ -306,7 +309,7 @@ impl FjallSnapshot {
     /// failure before the truncation leaves the journals as they were (the next open replays
     /// them); the empty journal files stay, because fjall recovers its sequence number from the
     /// tables only when an active journal file exists.
-    pub fn close_flushed(self) -> Result<(), SnapshotError> {
+    pub(crate) fn close_flushed(self) -> Result<(), SnapshotError> {
         self.writable()?;
         self.flush_memtable()?;
         self.db
@@ -331,14 +334,9 @@ impl FjallSnapshot {
         Ok(())
     }
 
-    /// The fjall directory (`STORE/fjall`, or the private copy of a read-only open).
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Makes the next apply's commit fail as an I/O error would (tests only).
-    #[doc(hidden)]
-    pub fn inject_write_fault(&mut self) {
+    #[cfg(test)]
+    pub(crate) fn inject_write_fault(&mut self) {
         self.fail_next_write = true;
     }
 
@@ -438,7 +436,7 @@ enum Journals {
 
 /// The most journal a clean stop leaves for the next open to replay instead of flushing it into
 /// a table ([`FjallSnapshot::close_durably`]); the same bound as RocksDB's log.
-pub const CLEAN_STOP_JOURNAL_BYTES: u64 = 1 << 20;
+pub(crate) const CLEAN_STOP_JOURNAL_BYTES: u64 = 1 << 20;
 
 /// The bytes of every journal file in a fjall directory (`None` when it cannot be listed).
 fn journal_bytes(dir: &Path) -> Option<u64> {

@@ -207,7 +207,7 @@ pub(crate) mod testing {
     }
 
     /// The key of entry `i`: `key.` and eight digits.
-    pub(crate) fn key(i: u64) -> String {
+    pub fn key(i: u64) -> String {
         format!("key.{i:08}")
     }
 

@@ -25,7 +25,7 @@
 //!
 //! Backends: [`AppendLogSnapshot`] (always built), `FjallSnapshot` (cargo feature `fjall`) and
 //! `RocksDbSnapshot` (feature `rocksdb`). The two LSM backends share the value-record codec
-//! ([`value_codec`]) and keep the same contract; `conformance` (tests) checks every backend against
+//! (`value_codec`) and keep the same contract; `conformance` (tests) checks every backend against
 //! it with one suite.
 
 mod append_log;
@@ -40,7 +40,8 @@ mod live_map;
 mod lsm;
 #[cfg(feature = "rocksdb")]
 mod rocks;
-pub mod value_codec;
+#[cfg(any(feature = "fjall", feature = "rocksdb"))]
+mod value_codec;
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -226,7 +227,7 @@ pub fn is_reserved(key: &str) -> bool {
 
 /// How many of the store's keys are the host's own (retained records, the stream identity): they
 /// sort before every bucket key, so this visits only them.
-pub fn reserved_len<S: SnapshotStore + ?Sized>(store: &S) -> Result<u64, SnapshotError> {
+pub(crate) fn reserved_len<S: SnapshotStore + ?Sized>(store: &S) -> Result<u64, SnapshotError> {
     let mut n = 0u64;
     store.for_each_in_range(RESERVED_PREFIX, &mut |_| {
         n += 1;

@@ -56,7 +56,7 @@ use super::{ProvenCopy, SnapshotError, SnapshotStore};
 use crate::kv::{KvEntry, KvUpdate, WatchCursor};
 
 /// The subdirectory of the store directory that holds RocksDB's files.
-pub const DB_DIR: &str = "rocksdb";
+pub(crate) const DB_DIR: &str = "rocksdb";
 
 /// Tuning for [`RocksDbSnapshot`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -120,7 +120,7 @@ impl std::fmt::Debug for RocksDbSnapshot {
 /// the flush they replace costs 4.4 ms at 0.14 MB of log and 11.7 ms at 0.86 MB: under the bound
 /// the stop and the next open together cost no more than a flush and its open, and leave no
 /// level-0 table behind.
-pub const CLEAN_STOP_LOG_BYTES: u64 = 1 << 20;
+pub(crate) const CLEAN_STOP_LOG_BYTES: u64 = 1 << 20;
 
 /// The fewest distinct keys whose existence probe (see [`RocksDbSnapshot::probe_live`]) is split
 /// across two threads: under it, a thread's start (tens of µs) costs about what it saves, even
@@ -266,13 +266,13 @@ impl RocksDbSnapshot {
     /// replays no more than that bound. Either way the log stays until RocksDB drops it as
     /// obsolete, so a failure here loses nothing: the next open replays it. A read-only instance
     /// has nothing to make durable.
-    pub fn close_durably(self) -> Result<(), SnapshotError> {
+    pub(crate) fn close_durably(self) -> Result<(), SnapshotError> {
         self.close_keeping_log(CLEAN_STOP_LOG_BYTES)
     }
 
     /// [`Self::close_durably`] with another bound on the log left to replay (tests and probes).
     #[doc(hidden)]
-    pub fn close_keeping_log(self, max_log_bytes: u64) -> Result<(), SnapshotError> {
+    pub(crate) fn close_keeping_log(self, max_log_bytes: u64) -> Result<(), SnapshotError> {
         if self.read_only {
             return Ok(());
         }
@@ -294,7 +294,7 @@ impl RocksDbSnapshot {
 
     /// Opens `STORE/rocksdb` read-only: no lock, no writes into the store, works beside a running
     /// writer (it sees the writer's state as of the open). [`SnapshotStore::apply`] is refused.
-    pub fn open_read_only(store_dir: &Path) -> Result<Self, SnapshotError> {
+    pub(crate) fn open_read_only(store_dir: &Path) -> Result<Self, SnapshotError> {
         let path = store_dir.join(DB_DIR);
         if !path.join("CURRENT").exists() {
             return Err(SnapshotError::Io {
@@ -395,14 +395,9 @@ impl RocksDbSnapshot {
         })
     }
 
-    /// The RocksDB directory (`STORE/rocksdb`).
-    pub fn path(&self) -> &Path {
-        &self.path
-    }
-
     /// Makes the next apply's commit fail as an I/O error would (tests only).
-    #[doc(hidden)]
-    pub fn inject_write_fault(&mut self) {
+    #[cfg(test)]
+    pub(crate) fn inject_write_fault(&mut self) {
         self.fail_next_write = true;
     }
 

@@ -17,7 +17,7 @@ use crate::kv::VersionToken;
 
 /// Why a stored value record could not be decoded (the caller names the store and key).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum ValueRecordError {
+pub(crate) enum ValueRecordError {
     /// Zero bytes: not even the version length.
     #[error("empty value record (no version length byte)")]
     Empty,
@@ -35,12 +35,12 @@ pub enum ValueRecordError {
 }
 
 /// Encoded size of a record holding `value_len` bytes under `version`.
-pub fn encoded_len(version: &VersionToken, value_len: usize) -> usize {
+pub(crate) fn encoded_len(version: &VersionToken, value_len: usize) -> usize {
     1 + version.as_bytes().len() + value_len
 }
 
 /// Appends the record for (`version`, `value`) to `out`.
-pub fn encode_into(out: &mut Vec<u8>, version: &VersionToken, value: &[u8]) {
+pub(crate) fn encode_into(out: &mut Vec<u8>, version: &VersionToken, value: &[u8]) {
     let ver = version.as_bytes();
     out.reserve(1 + ver.len() + value.len());
     // A VersionToken is at most MAX_LEN (10) bytes, so the length always fits in one byte.
@@ -50,7 +50,7 @@ pub fn encode_into(out: &mut Vec<u8>, version: &VersionToken, value: &[u8]) {
 }
 
 /// The record for (`version`, `value`) as a fresh buffer.
-pub fn encode(version: &VersionToken, value: &[u8]) -> Vec<u8> {
+pub(crate) fn encode(version: &VersionToken, value: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(encoded_len(version, value.len()));
     encode_into(&mut out, version, value);
     out
@@ -58,7 +58,7 @@ pub fn encode(version: &VersionToken, value: &[u8]) -> Vec<u8> {
 
 /// Splits a stored record into its version and value (a sub-slice of `record`). Bounds-checked:
 /// any malformed input is an error.
-pub fn decode(record: &[u8]) -> Result<(VersionToken, &[u8]), ValueRecordError> {
+pub(crate) fn decode(record: &[u8]) -> Result<(VersionToken, &[u8]), ValueRecordError> {
     let (&ver_len, rest) = record.split_first().ok_or(ValueRecordError::Empty)?;
     if usize::from(ver_len) > VersionToken::MAX_LEN {
         return Err(ValueRecordError::VersionTooLong(ver_len));

@@ -125,7 +125,7 @@ pub fn read(dir: &Path) -> Option<Closed> {
 }
 
 /// Removes the record, durably, if there is one.
-pub fn remove(dir: &Path) -> Result<(), StoreDirError> {
+pub(crate) fn remove(dir: &Path) -> Result<(), StoreDirError> {
     let path = dir.join(CLOSED_FILE);
     match std::fs::remove_file(&path) {
         Ok(()) => sync_dir(dir),

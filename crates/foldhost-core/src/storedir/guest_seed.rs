@@ -17,7 +17,7 @@ use std::path::Path;
 use super::StoreDirError;
 
 /// The seed file's name in the store directory.
-pub const GUEST_SEED_FILE: &str = "guest-seed";
+pub(crate) const GUEST_SEED_FILE: &str = "guest-seed";
 
 fn err(path: &Path, reason: String) -> StoreDirError {
     StoreDirError::Meta {

@@ -36,7 +36,7 @@ use crate::snapshot::{FjallOptions, FjallSnapshot};
 use crate::snapshot::{RocksDbOptions, RocksDbSnapshot};
 
 /// The meta file's name.
-pub const META_FILE: &str = "FOLDHOST.json";
+pub(crate) const META_FILE: &str = "FOLDHOST.json";
 /// The status file's name.
 pub const STATUS_FILE: &str = "status.json";
 
@@ -75,7 +75,7 @@ impl Backend {
     }
 
     /// Why this build cannot open the backend, naming the cargo feature; `None` when it can.
-    pub fn not_compiled_reason(&self) -> Option<String> {
+    pub(crate) fn not_compiled_reason(&self) -> Option<String> {
         (!self.is_compiled()).then(|| {
             format!(
                 "backend {} is not built into this foldhost: rebuild with `--features {}`",

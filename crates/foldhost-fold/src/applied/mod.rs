@@ -114,7 +114,7 @@ pub enum AppliedError {
 pub use crate::status::{FoldStatus, MAX_WARNINGS};
 
 /// Most delivery time stamps a fold keeps (one arrives per chunk of at most 64 updates).
-pub const MAX_STAMPS: usize = 1024;
+pub(crate) const MAX_STAMPS: usize = 1024;
 
 #[cfg(test)]
 mod skipped_tests {
@@ -165,7 +165,7 @@ pub struct Finished {
 
 /// How often retention is re-read during a live watch while a key-listing repair could still be
 /// planned and the memo is unset.
-pub const RETENTION_PERIOD: Duration = Duration::from_secs(60);
+pub(crate) const RETENTION_PERIOD: Duration = Duration::from_secs(60);
 
 /// Exports the fold of a running host through its control channel ([`Control::Export`]): the
 /// fold flushes and copies itself into a stage between batches (paused only for the copy), then

@@ -38,7 +38,7 @@ impl KeySorter {
     }
 
     /// Adds one key.
-    pub fn push(&mut self, key: String) -> Result<(), RepairError> {
+    pub(crate) fn push(&mut self, key: String) -> Result<(), RepairError> {
         if key.len() > MAX_SPILL_KEY {
             return Err(RepairError::Refused(format!(
                 "a listed key of {} bytes is over the {MAX_SPILL_KEY}-byte limit",
@@ -55,7 +55,7 @@ impl KeySorter {
     }
 
     /// Runs spilled so far (for tests and logs).
-    pub fn runs(&self) -> usize {
+    pub(crate) fn runs(&self) -> usize {
         self.runs.len()
     }
 
@@ -77,7 +77,7 @@ impl KeySorter {
     }
 
     /// Every key pushed, ascending, each once.
-    pub fn finish(mut self) -> Result<SortedKeys, RepairError> {
+    pub(crate) fn finish(mut self) -> Result<SortedKeys, RepairError> {
         if self.runs.is_empty() {
             self.buf.sort_unstable();
             self.buf.dedup();
@@ -156,7 +156,7 @@ pub struct SortedKeys {
 
 impl SortedKeys {
     /// The next key, or `None` at the end.
-    pub fn next_key(&mut self) -> Result<Option<String>, RepairError> {
+    pub(crate) fn next_key(&mut self) -> Result<Option<String>, RepairError> {
         if self.runs.is_empty() {
             return Ok(self.memory.next());
         }

@@ -51,11 +51,11 @@ pub use relist::relist;
 pub use restore::{RestoreSource, restore};
 
 /// Default size of one sorted run of listed keys held in memory before it is spilled (64 MiB).
-pub const DEFAULT_SORT_RUN_BYTES: usize = 64 << 20;
+pub(crate) const DEFAULT_SORT_RUN_BYTES: usize = 64 << 20;
 
 /// Most stale keys (re-list) or delete candidates (restore) one repair holds: the one part of a
 /// repair that grows with the gap rather than staying bounded.
-pub const MAX_HELD_KEYS: usize = 50_000_000;
+pub(crate) const MAX_HELD_KEYS: usize = 50_000_000;
 
 /// How an expired cursor is repaired, and with what.
 #[derive(Clone)]
@@ -103,7 +103,7 @@ impl std::fmt::Debug for RepairConfig {
 
 impl RepairConfig {
     /// Whether an artifact restore can run (the mode allows it and a source is configured).
-    pub fn restore_armed(&self) -> bool {
+    pub(crate) fn restore_armed(&self) -> bool {
         matches!(self.mode, RepairMode::Restore | RepairMode::Auto) && self.restore_from.is_some()
     }
 

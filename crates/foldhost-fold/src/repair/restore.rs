@@ -55,7 +55,7 @@ impl std::fmt::Debug for RestoreSource {
 }
 
 /// Where a chosen artifact is: on disk already, or to be downloaded.
-pub enum Located {
+pub(crate) enum Located {
     /// A local artifact directory or `.tar`.
     Local(PathBuf),
     /// The published artifact of the transport's key.
@@ -69,7 +69,7 @@ impl RestoreSource {
     }
 
     /// The source in words, for messages.
-    pub fn describe(&self) -> String {
+    pub(crate) fn describe(&self) -> String {
         match self {
             RestoreSource::Dir(d) => d.display().to_string(),
             RestoreSource::Transport { transport, key } => {
@@ -81,7 +81,7 @@ impl RestoreSource {
     /// The artifacts to try, newest (highest cursor) first, with their manifests (peeked, not
     /// verified: the import verifies) — for a transport, the pointer's manifest, before anything
     /// is downloaded.
-    pub async fn candidates(&self) -> Result<Vec<(Located, ExportManifest)>, RepairError> {
+    pub(crate) async fn candidates(&self) -> Result<Vec<(Located, ExportManifest)>, RepairError> {
         match self {
             RestoreSource::Dir(dir) => {
                 let dir = dir.clone();
@@ -106,7 +106,7 @@ impl RestoreSource {
     /// once; `live`, the bucket's stream, refuses another's before the download, and a payload
     /// pruned mid-download is retried once from the pointer read again). Returns the manifest of
     /// what arrived.
-    pub async fn import(
+    pub(crate) async fn import(
         &self,
         located: Located,
         dest: &Path,

@@ -42,13 +42,13 @@ mod v2 {
 
 /// Bytes of one packed update's header in a 0.2.0 batch: key length (u32), value length (u32),
 /// revision (u64), op (u8).
-pub const PACKED_HEADER_BYTES: usize = 17;
+pub(crate) const PACKED_HEADER_BYTES: usize = 17;
 
 /// `batch` packed as `foldhost:guest@0.2.0`'s `parse` takes it (see `wit/v0.2.0/guest.wit`): per
 /// update, little-endian key length, value length and revision, the op's index, then the key and
 /// the value. `out` is cleared first. A key or value longer than a `u32` can say is refused, never
 /// cut (a batch is capped far below that, `max-batch-bytes`, before it gets here).
-pub fn pack_batch(batch: &[Update<'_>], out: &mut Vec<u8>) -> Result<(), String> {
+pub(crate) fn pack_batch(batch: &[Update<'_>], out: &mut Vec<u8>) -> Result<(), String> {
     out.clear();
     let bytes: usize = batch
         .iter()
@@ -81,7 +81,7 @@ pub fn pack_batch(batch: &[Update<'_>], out: &mut Vec<u8>) -> Result<(), String>
 
 /// The contract version a component was bound to.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Contract {
+pub(crate) enum Contract {
     /// `foldhost:guest@0.1.0`: a `list<update>` per batch.
     V0_1,
     /// `foldhost:guest@0.2.0`: a packed batch.
@@ -123,7 +123,7 @@ impl FolderPre {
     }
 
     /// The contract it was bound to.
-    pub fn contract(&self) -> Contract {
+    pub(crate) fn contract(&self) -> Contract {
         match self {
             FolderPre::V1(_) => Contract::V0_1,
             FolderPre::V2(_) => Contract::V0_2,
@@ -131,7 +131,7 @@ impl FolderPre {
     }
 
     /// The engine it was compiled for.
-    pub fn engine(&self) -> &wasmtime::Engine {
+    pub(crate) fn engine(&self) -> &wasmtime::Engine {
         match self {
             FolderPre::V1(p) => p.engine(),
             FolderPre::V2(p) => p.engine(),
@@ -139,7 +139,7 @@ impl FolderPre {
     }
 
     /// A new instance in `store`.
-    pub async fn instantiate_async(
+    pub(crate) async fn instantiate_async(
         &self,
         store: &mut wasmtime::Store<HostState>,
     ) -> wasmtime::Result<FolderInstance> {
@@ -154,7 +154,7 @@ impl FolderPre {
 }
 
 /// One instance's `folder` export, whatever its contract; results in 0.1.0's types.
-pub enum FolderInstance {
+pub(crate) enum FolderInstance {
     /// A 0.1.0 instance.
     V1(Guest),
     /// A 0.2.0 instance, with the buffer its batches are packed into (kept between calls).
@@ -202,7 +202,7 @@ impl FolderInstance {
     }
 
     /// `init`.
-    pub async fn init(
+    pub(crate) async fn init(
         &self,
         store: &mut wasmtime::Store<HostState>,
         config: &[(&str, &str)],
@@ -238,7 +238,7 @@ impl FolderInstance {
     }
 
     /// `apply`.
-    pub async fn apply(
+    pub(crate) async fn apply(
         &self,
         store: &mut wasmtime::Store<HostState>,
     ) -> wasmtime::Result<Result<(), String>> {
@@ -251,7 +251,7 @@ impl FolderInstance {
     }
 
     /// `on-applied`.
-    pub async fn on_applied(
+    pub(crate) async fn on_applied(
         &self,
         store: &mut wasmtime::Store<HostState>,
         cursor: u64,
@@ -272,7 +272,7 @@ impl FolderInstance {
     }
 
     /// `query`.
-    pub async fn query(
+    pub(crate) async fn query(
         &self,
         store: &mut wasmtime::Store<HostState>,
         request: &[u8],
@@ -293,27 +293,27 @@ impl FolderInstance {
 const MAX_KEPT_PACK_BYTES: usize = 4 * 1024 * 1024;
 
 /// The most entries one `scan` import returns, whatever the guest asks.
-pub const MAX_SCAN_LIMIT: u32 = 10_000;
+pub(crate) const MAX_SCAN_LIMIT: u32 = 10_000;
 
 /// Bytes of a guest's stderr kept for error reports (a panic message lands there).
 const STDERR_CAPACITY: usize = 16 * 1024;
 
 /// Longest guest log line or error message kept; the rest is cut with its length marked.
-pub const MAX_MESSAGE_BYTES: usize = 4096;
+pub(crate) const MAX_MESSAGE_BYTES: usize = 4096;
 /// Most log lines one guest call may write; the rest are dropped (counted in one last line).
-pub const MAX_LOG_LINES_PER_CALL: u32 = 1000;
+pub(crate) const MAX_LOG_LINES_PER_CALL: u32 = 1000;
 /// Most elements a guest's tables may have together (`table.grow` is one instruction no deadline
 /// interrupts).
-pub const MAX_TABLE_ELEMENTS: usize = 1_000_000;
+pub(crate) const MAX_TABLE_ELEMENTS: usize = 1_000_000;
 /// Most core instances in one guest (language runtimes such as componentize-py use several).
-pub const MAX_INSTANCES: usize = 64;
+pub(crate) const MAX_INSTANCES: usize = 64;
 /// Most tables in one guest.
-pub const MAX_TABLES: usize = 64;
+pub(crate) const MAX_TABLES: usize = 64;
 /// Most linear memories in one guest (together under the memory cap).
-pub const MAX_MEMORIES: usize = 16;
+pub(crate) const MAX_MEMORIES: usize = 16;
 
 /// `text` cut to at most `max` bytes (at a character boundary), with what was cut marked.
-pub fn clip_text(text: String, max: usize) -> String {
+pub(crate) fn clip_text(text: String, max: usize) -> String {
     if text.len() <= max {
         return text;
     }
@@ -327,7 +327,7 @@ pub fn clip_text(text: String, max: usize) -> String {
 /// The memory cap was hit: the guest's memories together asked for more than the cap.
 #[derive(Debug, thiserror::Error)]
 #[error("memory cap of {cap_mib} MiB hit (all of the guest's memories together)")]
-pub struct MemoryCapHit {
+pub(crate) struct MemoryCapHit {
     /// The cap, in MiB.
     pub cap_mib: usize,
 }
@@ -335,7 +335,7 @@ pub struct MemoryCapHit {
 /// A table grew past [`MAX_TABLE_ELEMENTS`].
 #[derive(Debug, thiserror::Error)]
 #[error("table limit of {max} elements hit (all tables together would hold {desired})")]
-pub struct TableCapHit {
+pub(crate) struct TableCapHit {
     /// The limit.
     pub max: usize,
     /// What the tables together would have held.
@@ -347,7 +347,7 @@ pub struct TableCapHit {
 /// ([`ResourceTable::set_max_capacity`], which a WASI import turns into a trap) or the store's
 /// component-model handles all taken (`Store::set_max_component_handles`, whose error only its
 /// text names).
-pub fn resource_limit_hit(
+pub(crate) fn resource_limit_hit(
     cause: &(dyn std::error::Error + 'static),
     limit: usize,
 ) -> Option<String> {
@@ -512,13 +512,13 @@ impl HostState {
     }
 
     /// Names the guest in its log lines (`name@version`, once its manifest is known).
-    pub fn set_guest(&mut self, guest: String) {
+    pub(crate) fn set_guest(&mut self, guest: String) {
         self.guest = guest;
     }
 
     /// What the guest said before it trapped: a Rust panic's message (the line after
     /// `panicked at …:`, with that location), else the last line it wrote to stderr.
-    pub fn panic_message(&self) -> Option<String> {
+    pub(crate) fn panic_message(&self) -> Option<String> {
         let bytes = self.stderr.contents();
         let text = String::from_utf8_lossy(&bytes);
         let lines: Vec<&str> = text.lines().map(str::trim).collect();
@@ -703,14 +703,16 @@ impl v2::foldhost::guest::log::Host for HostState {
 }
 
 /// Adds every linked contract version's imports (`fold`, `log`) to `linker`.
-pub fn add_to_linker(linker: &mut wasmtime::component::Linker<HostState>) -> wasmtime::Result<()> {
+pub(crate) fn add_to_linker(
+    linker: &mut wasmtime::component::Linker<HostState>,
+) -> wasmtime::Result<()> {
     use wasmtime::component::HasSelf;
     Guest::add_to_linker::<HostState, HasSelf<HostState>>(linker, |s| s)?;
     v2::Guest::add_to_linker::<HostState, HasSelf<HostState>>(linker, |s| s)
 }
 
 /// The host's update as the guest sees it.
-pub fn to_wit_update(u: &KvUpdate) -> Update<'_> {
+pub(crate) fn to_wit_update(u: &KvUpdate) -> Update<'_> {
     let (op, value): (Op, &[u8]) = match u {
         KvUpdate::Put(e) => (Op::Put, &e.value),
         KvUpdate::Delete { .. } => (Op::Delete, &[]),

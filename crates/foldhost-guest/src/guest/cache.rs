@@ -50,13 +50,13 @@ const MAGIC: &[u8; 16] = b"foldhost-cwasm-1";
 const HEADER_LEN: usize = 16 + 32 + 8 + 8 + 32;
 
 /// Most entries kept; writing one more removes the least recently written.
-pub const MAX_ENTRIES: usize = 16;
+pub(crate) const MAX_ENTRIES: usize = 16;
 /// Largest entry written or read (a JavaScript engine compiles to ~40 MB).
-pub const MAX_ENTRY_BYTES: u64 = 512 * 1024 * 1024;
+pub(crate) const MAX_ENTRY_BYTES: u64 = 512 * 1024 * 1024;
 
 /// Why an entry or the directory was not used.
 #[derive(Debug, thiserror::Error)]
-pub enum CacheError {
+pub(crate) enum CacheError {
     /// A file-system call failed.
     #[error("{path}: {what}: {source}")]
     Io {
@@ -117,7 +117,7 @@ impl Source {
 
 /// The cache directory of one engine, held open.
 #[derive(Debug)]
-pub struct DiskCache {
+pub(crate) struct DiskCache {
     dir: PathBuf,
     /// The directory, opened once and checked: every entry is reached relative to it.
     fd: OwnedFd,
@@ -216,7 +216,7 @@ fn header(component: &[u8; 32], engine_hash: u64, payload: &[u8]) -> Vec<u8> {
 
 /// The payload of `bytes` when they are a whole entry for `component` under `engine_hash`;
 /// otherwise what does not match. Pure: the whole format check, over bytes.
-pub fn check_entry<'a>(
+pub(crate) fn check_entry<'a>(
     bytes: &'a [u8],
     component: &[u8; 32],
     engine_hash: u64,
@@ -290,7 +290,7 @@ impl DiskCache {
     }
 
     /// The directory.
-    pub fn dir(&self) -> &Path {
+    pub(crate) fn dir(&self) -> &Path {
         &self.dir
     }
 
@@ -300,7 +300,8 @@ impl DiskCache {
     }
 
     /// The entry's path for a component digest (for messages and tests).
-    pub fn entry_path(&self, component: &[u8; 32]) -> PathBuf {
+    #[cfg(test)]
+    pub(crate) fn entry_path(&self, component: &[u8; 32]) -> PathBuf {
         self.dir.join(self.entry_name(component))
     }
 

@@ -59,25 +59,25 @@ use crate::view::FoldRead;
 use bindings::{FolderInstance, FolderPre, HostState, MAX_MESSAGE_BYTES, clip_text};
 
 /// Compiled components kept by one engine (the running one, the one before, a swap candidate…).
-pub const MAX_CACHED_COMPONENTS: usize = 8;
+pub(crate) const MAX_CACHED_COMPONENTS: usize = 8;
 
 /// Longest guest name or version accepted from a manifest.
-pub const MAX_MANIFEST_NAME: usize = 128;
+pub(crate) const MAX_MANIFEST_NAME: usize = 128;
 /// Most scope prefixes a manifest may declare.
-pub const MAX_SCOPE_PREFIXES: usize = 256;
+pub(crate) const MAX_SCOPE_PREFIXES: usize = 256;
 
 /// The wasm stack of a guest call, in bytes (a deeper recursion traps).
-pub const MAX_WASM_STACK: usize = 512 * 1024;
+pub(crate) const MAX_WASM_STACK: usize = 512 * 1024;
 
 /// Largest answer a guest's `query` may give.
-pub const MAX_QUERY_ANSWER_BYTES: usize = 16 * 1024 * 1024;
+pub(crate) const MAX_QUERY_ANSWER_BYTES: usize = 16 * 1024 * 1024;
 
 /// The default of [`GuestLimits::resource_entries`]. The guests in `guests/` (Rust, C, JavaScript,
 /// Python) hold a handful at a time; a guest that leaks a handle per call reaches it and is rebuilt.
 pub const DEFAULT_RESOURCE_ENTRIES: usize = 4096;
 
 /// How often the epoch advances: the granularity of call deadlines.
-pub const TICK: Duration = Duration::from_millis(2);
+pub(crate) const TICK: Duration = Duration::from_millis(2);
 
 /// Per-guest limits. Defaults: 1 s per call, 256 MiB of memory, 16 MiB of keys and values per
 /// call, hydration in chunks of 1 000, [`DEFAULT_RESOURCE_ENTRIES`] host resources.
@@ -170,7 +170,7 @@ impl GuestManifest {
     /// The prefixes a hydration scans, each key in scope under exactly one: a manifest may name
     /// overlapping prefixes (`a` and `ab`), and scanning both handed every key under `ab` to the
     /// guest twice — a counting guest then counted it twice.
-    pub fn hydration_prefixes(&self) -> Vec<String> {
+    pub(crate) fn hydration_prefixes(&self) -> Vec<String> {
         self.watch_scope().disjoint_prefixes()
     }
 }

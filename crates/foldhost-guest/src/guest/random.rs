@@ -26,7 +26,7 @@ use std::convert::Infallible;
 const LABEL: &[u8] = b"foldhost guest random v1\0";
 
 /// One deterministic random stream (BLAKE3's extendable output).
-pub struct GuestRandom(blake3::OutputReader);
+pub(crate) struct GuestRandom(blake3::OutputReader);
 
 impl GuestRandom {
     /// The stream named `stream` of the component whose BLAKE3 is `component`, under `seed`.
@@ -40,7 +40,7 @@ impl GuestRandom {
     }
 
     /// The first 16 bytes of the stream, as a number (`wasi:random/insecure-seed`).
-    pub fn first_u128(mut self) -> u128 {
+    pub(crate) fn first_u128(mut self) -> u128 {
         let mut b = [0u8; 16];
         self.0.fill(&mut b);
         u128::from_le_bytes(b)

@@ -32,8 +32,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use foldhost::bucket::ConnectOptions;
-use foldhost::localnats::LocalNats;
 use foldhost::nats::NatsConnection;
+use foldhost_localnats::LocalNats;
 use foldhost_tests::{Moto, wait_status};
 
 fn foldhost_release() -> anyhow::Result<PathBuf> {
@@ -154,7 +154,7 @@ async fn one(
     let key = format!("boot-{backend}-{}", target.name);
     let store = tmp.join(format!("{backend}-replayed"));
     // Export + upload: a node on the replayed store, one round.
-    let addr = format!("127.0.0.1:{}", foldhost::localnats::reserved_port()?);
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut cmd = Command::new(bin);
     cmd.args(["run", "--bucket", "boot", "--nats", nats, "--store"])
         .arg(&store)

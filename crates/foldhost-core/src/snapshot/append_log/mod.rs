@@ -85,9 +85,9 @@ impl Default for AppendLogOptions {
 }
 
 /// A failure tests can make the store hit, to prove the error paths (not part of the API).
-#[doc(hidden)]
+#[cfg_attr(not(test), expect(dead_code, reason = "only the tests inject faults"))]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum FaultPoint {
+pub(crate) enum FaultPoint {
     /// The next apply's write lands half its bytes, then fails (a full disk); the cut-back works.
     PartialWrite,
     /// Like [`FaultPoint::PartialWrite`], and cutting the partial write back fails too.
@@ -190,7 +190,7 @@ impl AppendLogSnapshot {
     /// compacting or locking, so it works beside a running writer (whose in-flight append reads as a
     /// torn tail). [`SnapshotStore::apply`] and [`Self::compact`] on it return an error. A missing
     /// log is an [`SnapshotError::Io`] error (`NotFound`), not an empty fold.
-    pub fn open_read_only(dir: &Path) -> Result<(Self, Recovery), SnapshotError> {
+    pub(crate) fn open_read_only(dir: &Path) -> Result<(Self, Recovery), SnapshotError> {
         let path = dir.join(LOG_NAME);
         let bytes = fs::read(&path).map_err(io_err(&path, "read"))?;
         let replayed = replay(&Bytes::from(bytes), &path)?;
@@ -206,7 +206,8 @@ impl AppendLogSnapshot {
     /// Rewrites the log as the live map plus one cursor record (see the module docs for the steps).
     /// A no-op when nothing was appended since the last compaction. On failure the store is
     /// poisoned; the log on disk still holds every applied batch, so a reopen recovers.
-    pub fn compact(&mut self) -> Result<(), SnapshotError> {
+    #[cfg(test)]
+    pub(crate) fn compact(&mut self) -> Result<(), SnapshotError> {
         let w = writable(&mut self.writer, &self.path)?;
         if w.appended() == 0 {
             return Ok(());
@@ -215,13 +216,14 @@ impl AppendLogSnapshot {
     }
 
     /// The log file's path (`DIR/fold.log`).
-    pub fn path(&self) -> &Path {
+    #[cfg(test)]
+    pub(crate) fn path(&self) -> &Path {
         &self.path
     }
 
     /// Makes the next write or compaction fail at `point` (tests only; no-op on a read-only store).
-    #[doc(hidden)]
-    pub fn inject_fault(&mut self, point: FaultPoint) {
+    #[cfg(test)]
+    pub(crate) fn inject_fault(&mut self, point: FaultPoint) {
         if let Some(w) = self.writer.as_mut() {
             w.fault = Some(point);
         }

@@ -135,7 +135,7 @@ impl<S: SnapshotStore> Fold<S> {
     }
 
     /// Notes when the server stored the message at `revision` (at most [`MAX_STAMPS`] kept).
-    pub fn note_stamp(&mut self, revision: u64, server_time_unix_ns: u64) {
+    pub(crate) fn note_stamp(&mut self, revision: u64, server_time_unix_ns: u64) {
         if self.stamps.back().is_some_and(|(r, _)| *r >= revision) {
             return;
         }
@@ -182,7 +182,7 @@ impl<S: SnapshotStore> Fold<S> {
 
     /// Commits `cursor` with no data (a restore's final step, the eviction memo). The fold must
     /// be settled.
-    pub async fn commit_position<A: Apply + ?Sized>(
+    pub(crate) async fn commit_position<A: Apply + ?Sized>(
         &mut self,
         cursor: WatchCursor,
         apply: &mut A,
@@ -198,7 +198,7 @@ impl<S: SnapshotStore> Fold<S> {
 
     /// The stream identity committed with the fold (`None`: none recorded yet). A record that does
     /// not decode is corruption, reported as such.
-    pub fn identity(&self) -> Result<Option<crate::kv::StreamIdentity>, SnapshotError> {
+    pub(crate) fn identity(&self) -> Result<Option<crate::kv::StreamIdentity>, SnapshotError> {
         let Some(e) = self.store.read()?.get(crate::retained::IDENTITY_KEY)? else {
             return Ok(None);
         };
@@ -266,7 +266,7 @@ impl<S: SnapshotStore> Fold<S> {
     }
 
     /// Records durably, on the cursor, that this fold has seen retention evict a current value.
-    pub async fn remember_eviction<A: Apply + ?Sized>(
+    pub(crate) async fn remember_eviction<A: Apply + ?Sized>(
         &mut self,
         apply: &mut A,
     ) -> Result<(), AppliedError> {

@@ -6,7 +6,7 @@ use super::*;
 impl<S: SnapshotStore> Fold<S> {
     /// Warns (once per record and run) about records retained longer than `grace`, and lists them
     /// in the status.
-    pub fn check_grace(&mut self, grace: Duration) -> Result<(), SnapshotError> {
+    pub(crate) fn check_grace(&mut self, grace: Duration) -> Result<(), SnapshotError> {
         if self.status.retained.load(Ordering::Relaxed) == 0 {
             if let Ok(mut w) = self.status.warnings.lock() {
                 w.clear();

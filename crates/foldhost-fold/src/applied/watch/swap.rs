@@ -164,7 +164,7 @@ fn quote(answer: &Result<Vec<u8>, String>) -> String {
 
 /// `key` as a sampled request: without the scope prefix it matched (all of it for a whole-bucket
 /// scope). Pure.
-pub fn sample_request(scope: &WatchScope, key: &str) -> Vec<u8> {
+pub(crate) fn sample_request(scope: &WatchScope, key: &str) -> Vec<u8> {
     let stripped = match scope {
         WatchScope::All => key,
         WatchScope::Prefix(p) => key.strip_prefix(p.as_str()).unwrap_or(key),
