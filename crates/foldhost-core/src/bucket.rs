@@ -32,6 +32,11 @@ pub struct ConnectOptions {
     /// The limit on every NATS call (default 30 s): a half-dead TCP connection otherwise parks an
     /// await forever, because the client does not fail in-flight requests when the socket dies.
     pub op_timeout: Duration,
+    /// The idle heartbeat asked of every consumer delivered over a lean connection (default
+    /// 5 s): a delivery silent for three of them ends its watch, which then resumes from the
+    /// cursor. Shorter notices a deleted consumer or a dead route sooner, at the cost of a
+    /// heartbeat message per period on an idle bucket.
+    pub watch_heartbeat: Duration,
 }
 
 impl ConnectOptions {
@@ -43,9 +48,13 @@ impl ConnectOptions {
             creds_file: None,
             name: Some("foldhost".into()),
             op_timeout: DEFAULT_OP_TIMEOUT,
+            watch_heartbeat: DEFAULT_WATCH_HEARTBEAT,
         }
     }
 }
+
+/// The default idle heartbeat of a watch's consumer ([`ConnectOptions::watch_heartbeat`]).
+pub const DEFAULT_WATCH_HEARTBEAT: Duration = Duration::from_secs(5);
 
 /// The default limit on one NATS call.
 pub const DEFAULT_OP_TIMEOUT: Duration = Duration::from_secs(30);

@@ -53,8 +53,6 @@ use foldhost_core::protocol;
 pub(crate) const READ_BUFFER: usize = 256 * 1024;
 /// Messages per chunk handed to the watch.
 pub(crate) const CHUNK: usize = 512;
-/// The consumer's idle heartbeat (the client's ordered consumer uses the same).
-pub(crate) const IDLE_HEARTBEAT: Duration = Duration::from_secs(5);
 /// Heartbeat periods of silence, while waiting on the socket, before the watch ends.
 pub(crate) const MISSED_HEARTBEATS: u32 = 3;
 /// Chunks in flight between the socket's reader and the watch.
@@ -102,6 +100,8 @@ pub(super) struct LeanDial {
     tls: std::sync::Arc<std::sync::OnceLock<Result<std::sync::Arc<rustls::ClientConfig>, String>>>,
     name: Option<String>,
     timeout: Duration,
+    /// The consumers' idle heartbeat ([`ConnectOptions::watch_heartbeat`]).
+    pub(super) heartbeat: Duration,
 }
 
 impl std::fmt::Debug for LeanDial {
@@ -160,6 +160,7 @@ impl LeanDial {
             tls: std::sync::Arc::default(),
             name: opts.name.clone(),
             timeout: opts.op_timeout.min(Duration::from_secs(10)),
+            heartbeat: opts.watch_heartbeat,
         })
     }
 
@@ -236,6 +237,8 @@ pub(super) struct Conn {
     wr: WriteSide,
     buf: BytesMut,
     max_payload: usize,
+    /// The consumer's idle heartbeat: three periods of silence end the delivery.
+    heartbeat: Duration,
 }
 
 /// Opens a socket to the first server that answers, authenticates, subscribes `inbox` and waits
@@ -333,6 +336,7 @@ async fn dial_inner(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
         wr,
         buf,
         max_payload: wire::MAX_CONTROL_LINE,
+        heartbeat: d.heartbeat,
     };
     if conn.buf.capacity() < READ_BUFFER {
         conn.buf.reserve(READ_BUFFER - conn.buf.len());
@@ -428,7 +432,7 @@ impl Reader {
         &mut self,
         tx: &mpsc::Sender<Result<Vec<Delivered>, KvError>>,
     ) -> Result<(), KvError> {
-        let silence = IDLE_HEARTBEAT * MISSED_HEARTBEATS;
+        let silence = self.conn.heartbeat * MISSED_HEARTBEATS;
         loop {
             // What came before a failure is handed over first (the fold commits it), then the
             // watch ends.
@@ -740,6 +744,7 @@ mod tests {
             wr: Box::new(wr),
             buf: BytesMut::with_capacity(READ_BUFFER),
             max_payload: 1 << 20,
+            heartbeat: foldhost_core::bucket::DEFAULT_WATCH_HEARTBEAT,
         };
         let mut lean = LeanDeliveries::start(conn, "b".into());
         server.write_all(frames).await.expect("write");

@@ -65,7 +65,7 @@ use tokio::sync::{Mutex, mpsc};
 
 use foldhost_core::bucket::{
     BucketConfig, BucketHandle, ConnectOptions, Connection, ConnectionCapabilities,
-    CredentialSource, credential_source,
+    CredentialSource, DEFAULT_WATCH_HEARTBEAT, credential_source,
 };
 use foldhost_core::kv::{
     KvEntry, KvError, KvReader, KvUpdate, KvWatcher, KvWriter, StreamIdentity, StreamState,

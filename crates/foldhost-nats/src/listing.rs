@@ -49,7 +49,9 @@ impl NatsKv {
             filter_subjects: filters,
             headers_only,
             flow_control: true,
-            idle_heartbeat: lean::IDLE_HEARTBEAT,
+            idle_heartbeat: lock(&self.listing_dial)
+                .as_ref()
+                .map_or(DEFAULT_WATCH_HEARTBEAT, |d| d.heartbeat),
             inactive_threshold: Duration::from_secs(30),
             memory_storage: true,
             ..Default::default()

@@ -38,7 +38,8 @@ impl NatsKv {
         };
         let (messages, initial_pending) = match dialed {
             Some(Ok(conn)) => {
-                let (name, pending) = self.create_lean_consumer(cfg).await?;
+                let heartbeat = dial.as_ref().map_or(DEFAULT_WATCH_HEARTBEAT, |d| d.heartbeat);
+                let (name, pending) = self.create_lean_consumer(cfg, heartbeat).await?;
                 self.lean_watches.fetch_add(1, Ordering::Relaxed);
                 let lean = lean::LeanDeliveries::start(conn, self.bucket.clone());
                 (
@@ -260,9 +261,11 @@ impl NatsKv {
     async fn create_lean_consumer(
         &self,
         cfg: consumer::push::OrderedConfig,
+        heartbeat: std::time::Duration,
     ) -> Result<(String, u64), KvError> {
         use consumer::IntoConsumerConfig as _;
-        let config: consumer::Config = cfg.into_consumer_config();
+        let mut config: consumer::Config = cfg.into_consumer_config();
+        config.idle_heartbeat = heartbeat;
         let consumer = timed("watch consumer", self.timeout, async {
             self.kv
                 .stream

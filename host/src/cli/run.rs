@@ -148,6 +148,10 @@ pub struct RunArgs {
     /// creation, a put), in seconds.
     #[arg(long, value_name = "SECS", default_value_t = crate::bucket::DEFAULT_OP_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub nats_op_timeout: u64,
+    /// The idle heartbeat asked of each watch's consumer, in seconds: a watch silent for three
+    /// of them ends and resumes from the cursor (a deleted consumer, a dead route).
+    #[arg(long, value_name = "SECS", default_value_t = crate::bucket::DEFAULT_WATCH_HEARTBEAT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=60))]
+    pub watch_heartbeat: u64,
     /// Restore an expired fold from the artifact published here (an object store URL, see
     /// `foldhost publish`); with `--artifact-key`.
     #[arg(
@@ -232,6 +236,7 @@ impl RunArgs {
             nats: self.nats,
             creds_file: self.creds_file,
             op_timeout: Duration::from_secs(self.nats_op_timeout),
+            watch_heartbeat: Duration::from_secs(self.watch_heartbeat),
             bucket: self.bucket,
             scope: self.scope,
             store: self.store.clone(),

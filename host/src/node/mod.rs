@@ -147,6 +147,9 @@ pub(crate) struct NodeConfig {
     pub creds_file: Option<PathBuf>,
     /// Longest one NATS operation may take ([`crate::bucket::DEFAULT_OP_TIMEOUT`] by default).
     pub op_timeout: Duration,
+    /// The idle heartbeat of the watches' consumers
+    /// ([`crate::bucket::ConnectOptions::watch_heartbeat`]).
+    pub watch_heartbeat: Duration,
     /// The bucket to fold.
     pub bucket: String,
     /// What to watch (`None`: the guest's manifest scope, or the whole bucket).
@@ -216,6 +219,7 @@ impl NodeConfig {
             nats: nats.into(),
             creds_file: None,
             op_timeout: crate::bucket::DEFAULT_OP_TIMEOUT,
+            watch_heartbeat: crate::bucket::DEFAULT_WATCH_HEARTBEAT,
             bucket: bucket.into(),
             scope: None,
             store: store.into(),
@@ -338,6 +342,7 @@ impl Node {
         let mut copts = ConnectOptions::new(cfg.nats.clone());
         copts.creds_file = cfg.creds_file.clone();
         copts.op_timeout = cfg.op_timeout;
+        copts.watch_heartbeat = cfg.watch_heartbeat;
         let conn = NatsConnection::open(copts).await?;
         {
             use crate::bucket::Connection as _;

@@ -60,7 +60,9 @@ async fn a_watch_whose_consumer_is_deleted_or_whose_server_restarts_resumes_with
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
     let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+    // One-second heartbeats: a watch whose consumer was deleted ends after three of them.
     let mut host = run_command(&h, "resume", &store, Some(&addr))
+        .args(["--watch-heartbeat", "1"])
         .stderr(Stdio::null())
         .spawn()?;
     let started = wait_status(&addr, |s| s.applied_through >= 200).await?;

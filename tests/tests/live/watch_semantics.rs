@@ -911,7 +911,13 @@ async fn a_lean_watch_cut_off_from_its_consumer_ends_instead_of_waiting_forever(
 -> anyhow::Result<()> {
     use futures::TryStreamExt as _;
     let h = Harness::start().await?;
-    let kv = h.bucket("silent").await?;
+    // One-second heartbeats: the silence that ends the watch is three of them.
+    let mut opts = foldhost::bucket::ConnectOptions::new(h.server.url());
+    opts.watch_heartbeat = Duration::from_secs(1);
+    let conn = foldhost::nats::NatsConnection::open(opts).await?;
+    let kv = conn
+        .bucket("silent", &foldhost::bucket::BucketConfig::default())
+        .await?;
     kv.put("k.a", "a".into()).await?;
     let cursor = kv.positions().await?.last_sequence;
     let (task, mut rx, _) = level_watch(&kv, cursor).await?;
