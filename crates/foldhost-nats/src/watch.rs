@@ -38,7 +38,9 @@ impl NatsKv {
         };
         let (messages, initial_pending) = match dialed {
             Some(Ok(conn)) => {
-                let heartbeat = dial.as_ref().map_or(DEFAULT_WATCH_HEARTBEAT, |d| d.heartbeat);
+                let heartbeat = dial
+                    .as_ref()
+                    .map_or(DEFAULT_WATCH_HEARTBEAT, |d| d.heartbeat);
                 let (name, pending) = self.create_lean_consumer(cfg, heartbeat).await?;
                 self.lean_watches.fetch_add(1, Ordering::Relaxed);
                 let lean = lean::LeanDeliveries::start(conn, self.bucket.clone());

@@ -339,67 +339,16 @@ impl Node {
         cfg.check()?;
         let proven = prove_guest(&cfg).await?;
         // Connect before touching the store: a run that cannot reach its server writes nothing.
-        let mut copts = ConnectOptions::new(cfg.nats.clone());
-        copts.creds_file = cfg.creds_file.clone();
-        copts.op_timeout = cfg.op_timeout;
-        copts.watch_heartbeat = cfg.watch_heartbeat;
-        let conn = NatsConnection::open(copts).await?;
-        {
-            use crate::bucket::Connection as _;
-            let caps = conn.capabilities();
-            tracing::info!(server = %caps.server_version, message_ttl = caps.message_ttl, conditional_publish = caps.conditional_publish, direct_get = caps.direct_get, "server capabilities");
-        }
-        let kv = conn
-            .bucket(
-                &cfg.bucket,
-                &BucketConfig {
-                    create: false,
-                    ..BucketConfig::default()
-                },
-            )
-            .await?;
-        if cfg.on_recreated == OnRecreated::Refuse {
-            let cursor = identity::refuse_another_stream(&cfg.store, &cfg.bucket, &kv).await?;
-            // The resume's gap is read while the store opens (a watch from another cursor, or of
-            // a narrower scope, discards it).
-            if let Some(rev) = cursor.revision() {
-                kv.prefetch_resume_gap(rev);
-            }
-        }
+        let (conn, kv) = connect(&cfg).await?;
         let shared = open_store(&cfg).await?;
         tracing::debug!(store = %cfg.store.display(), "store opened");
         if let Some(p) = &proven {
-            let seed =
-                match cfg.guest_seed {
-                    Some(seed) => seed,
-                    None => crate::storedir::guest_seed::load_or_create(&cfg.store).map_err(
-                        |source| NodeError::Store {
-                            path: cfg.store.clone(),
-                            source,
-                        },
-                    )?,
-                };
-            p.engine.set_random_seed(seed);
+            p.engine.set_random_seed(guest_seed(&cfg)?);
         }
         let (mut apply, scope) = build_applier(&cfg, proven.as_ref(), &shared).await?;
         tracing::info!(bucket = %cfg.bucket, scope = %scope, store = %cfg.store.display(), backend = cfg.backend.as_str(), guest = %apply.describe(), cursor = %shared.read()?.cursor(), "folding");
         let status = Arc::new(FoldStatus::default());
-        let base = StatusReport {
-            state: "running".into(),
-            pid: std::process::id(),
-            guest: Some(apply.describe()),
-            guest_compiled: proven
-                .as_ref()
-                .map(|p| p.prepared.source.as_str().to_string()),
-            guest_compile_ms: proven
-                .as_ref()
-                .map(|p| p.prepared.elapsed.as_millis() as u64),
-            guest_contract: proven.as_ref().map(|p| p.prepared.contract.to_string()),
-            bucket: cfg.bucket.clone(),
-            scope: scope.to_string(),
-            backend: cfg.backend.as_str().to_string(),
-            ..StatusReport::default()
-        };
+        let base = base_report(&cfg, apply.describe(), proven.as_ref(), &scope);
         let (control_tx, control_rx) = tokio::sync::mpsc::channel(64);
         let engine = proven.map(|p| p.engine);
         let transport = match &cfg.artifacts {
@@ -430,20 +379,7 @@ impl Node {
             },
         )
         .await?;
-        let opts = WatchOptions {
-            scope,
-            batch: cfg.batch,
-            catch_up: cfg.catch_up,
-            defer_grace: cfg.defer_grace,
-            repair: crate::repair::RepairConfig {
-                mode: cfg.repair,
-                restore_from: restore_source(&cfg, transport),
-                lister: Some(kv.clone() as Arc<dyn crate::kv::KvReader>),
-                scratch: Some(repair_scratch(&cfg.store)),
-                on_recreated: cfg.on_recreated,
-                ..Default::default()
-            },
-        };
+        let opts = watch_options(&cfg, scope, transport, kv.clone());
         // Kept to close the store after a clean stop (see `close_store`).
         let closing = shared.clone();
         let result = watch_applied(
@@ -467,6 +403,98 @@ impl Node {
             conn.shutdown().await;
         }
         outcome
+    }
+}
+
+/// Opens the connection and the bucket; with `--on-recreated refuse`, refuses a store whose
+/// stream is not the bucket's (before the store is opened for writing).
+async fn connect(
+    cfg: &NodeConfig,
+) -> Result<(NatsConnection, Arc<crate::nats::NatsKv>), NodeError> {
+    let mut copts = ConnectOptions::new(cfg.nats.clone());
+    copts.creds_file = cfg.creds_file.clone();
+    copts.op_timeout = cfg.op_timeout;
+    copts.watch_heartbeat = cfg.watch_heartbeat;
+    let conn = NatsConnection::open(copts).await?;
+    {
+        use crate::bucket::Connection as _;
+        let caps = conn.capabilities();
+        tracing::info!(server = %caps.server_version, message_ttl = caps.message_ttl, conditional_publish = caps.conditional_publish, direct_get = caps.direct_get, "server capabilities");
+    }
+    let kv = conn
+        .bucket(
+            &cfg.bucket,
+            &BucketConfig {
+                create: false,
+                ..BucketConfig::default()
+            },
+        )
+        .await?;
+    if cfg.on_recreated == OnRecreated::Refuse {
+        let cursor = identity::refuse_another_stream(&cfg.store, &cfg.bucket, &kv).await?;
+        // The resume's gap is read while the store opens (a watch from another cursor, or of
+        // a narrower scope, discards it).
+        if let Some(rev) = cursor.revision() {
+            kv.prefetch_resume_gap(rev);
+        }
+    }
+    Ok((conn, kv))
+}
+
+/// The guests' random seed: the configured one, or the store's own (made at its first run).
+fn guest_seed(cfg: &NodeConfig) -> Result<[u8; 32], NodeError> {
+    match cfg.guest_seed {
+        Some(seed) => Ok(seed),
+        None => crate::storedir::guest_seed::load_or_create(&cfg.store).map_err(|source| {
+            NodeError::Store {
+                path: cfg.store.clone(),
+                source,
+            }
+        }),
+    }
+}
+
+/// The status every report of this run starts from.
+fn base_report(
+    cfg: &NodeConfig,
+    guest: String,
+    proven: Option<&ProvenGuest>,
+    scope: &WatchScope,
+) -> StatusReport {
+    StatusReport {
+        state: "running".into(),
+        pid: std::process::id(),
+        guest: Some(guest),
+        guest_compiled: proven.map(|p| p.prepared.source.as_str().to_string()),
+        guest_compile_ms: proven.map(|p| p.prepared.elapsed.as_millis() as u64),
+        guest_contract: proven.map(|p| p.prepared.contract.to_string()),
+        bucket: cfg.bucket.clone(),
+        scope: scope.to_string(),
+        backend: cfg.backend.as_str().to_string(),
+        ..StatusReport::default()
+    }
+}
+
+/// The fold loop's options: the batch, the catch-up, the deferral grace and the repairs.
+fn watch_options(
+    cfg: &NodeConfig,
+    scope: WatchScope,
+    transport: Option<Arc<crate::transport::ArtifactTransport>>,
+    kv: Arc<crate::nats::NatsKv>,
+) -> WatchOptions {
+    WatchOptions {
+        scope,
+        batch: cfg.batch,
+        catch_up: cfg.catch_up,
+        defer_grace: cfg.defer_grace,
+        repair: crate::repair::RepairConfig {
+            mode: cfg.repair,
+            restore_from: restore_source(cfg, transport),
+            lister: Some(kv as Arc<dyn crate::kv::KvReader>),
+            scratch: Some(repair_scratch(&cfg.store)),
+            on_recreated: cfg.on_recreated,
+            ..Default::default()
+        },
     }
 }
 
