@@ -329,6 +329,18 @@ impl fmt::Debug for KvEntry {
     }
 }
 
+/// A record that carries an operation id ([`crate::protocol::OP_ID_HEADER`]): which operation
+/// landed where.
+#[derive(Clone, PartialEq, Eq, Debug)]
+pub struct OpRecord {
+    /// The operation.
+    pub op: crate::protocol::OpId,
+    /// The record's revision.
+    pub revision: u64,
+    /// The key it wrote.
+    pub key: String,
+}
+
 /// One watch event.
 #[derive(Clone, PartialEq, Eq, Debug)]
 pub enum KvUpdate {
@@ -399,6 +411,10 @@ pub enum WatchEvent {
     },
     /// Progress while catching up: how many updates remain pending on the server.
     Pending(u64),
+    /// The operation ids carried by updates of the next `Updates` chunks (in scope, in revision
+    /// order), sent before them: the fold records each in its operation ledger in the commit that
+    /// moves its cursor over the revision (docs/writes.md, "The operation ledger").
+    Ops(Vec<OpRecord>),
     /// When the server stored the message at `revision` (the last update of a chunk just sent).
     /// A fold whose cursor carries the eviction memo keeps the newest such time at or below its
     /// cursor, for the supersession-only resume.

@@ -9,6 +9,7 @@
 //! - [`snapshot`] — the durable store contract and its backends (the append log; fjall and
 //!   RocksDB behind features).
 //! - [`retained`] — deferred records kept in the fold until a guest can decode them.
+//! - [`ledger`] — the operation ledger: which write landed where, committed with the fold.
 //! - [`view`] — the fold as its readers (guests) see it.
 //! - [`storedir`] — the store directory: backend choice, read-only opens, the status file.
 //! - [`status`] — the one status model ([`status::StatusReport`]) and the live figures of a
@@ -21,6 +22,7 @@
 pub mod bucket;
 pub mod crashpoint;
 pub mod kv;
+pub mod ledger;
 pub mod protocol;
 pub mod retained;
 pub mod snapshot;

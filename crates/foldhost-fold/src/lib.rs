@@ -7,7 +7,7 @@
 
 pub(crate) use foldhost_artifact::{artifact, transport};
 pub(crate) use foldhost_core::{
-    crashpoint, kv, protocol, retained, snapshot, status, storedir, view,
+    crashpoint, kv, ledger, protocol, retained, snapshot, status, storedir, view,
 };
 
 pub mod applied;

@@ -46,6 +46,8 @@ pub(super) struct StoredMessage {
     pub(super) sequence: u64,
     /// What it means ([`protocol::decode_stored`] over its header block as stored).
     pub(super) verdict: Result<protocol::KvOp, protocol::Undecodable>,
+    /// The operation id its header block carries ([`protocol::decode_stored_record`]).
+    pub(super) op_id: Option<protocol::OpId>,
     /// Its payload.
     pub(super) payload: Bytes,
     /// When it was stored, Unix nanoseconds (0: not readable).
@@ -84,11 +86,17 @@ pub(super) fn parse_msg_get_reply(payload: &[u8]) -> Result<Option<StoredMessage
         .as_str()
         .and_then(super::rfc3339_unix_ns)
         .unwrap_or(0);
+    // An empty `hdrs` is a message stored without headers.
+    let (verdict, op_id) =
+        match protocol::decode_stored_record(hdrs.as_deref().filter(|h| !h.is_empty())) {
+            Ok((op, id)) => (Ok(op), id),
+            Err(e) => (Err(e), None),
+        };
     Ok(Some(StoredMessage {
         subject,
         sequence,
-        // An empty `hdrs` is a message stored without headers.
-        verdict: protocol::decode_stored(hdrs.as_deref().filter(|h| !h.is_empty())),
+        verdict,
+        op_id,
         payload: payload.into(),
         time_unix_ns,
     }))
@@ -96,7 +104,8 @@ pub(super) fn parse_msg_get_reply(payload: &[u8]) -> Result<Option<StoredMessage
 
 /// One message of a catch-up, decoded: its update and the delivery metadata a consumer would have
 /// given it (the same shape as a delivered message's, so the watch forwards both alike).
-pub(super) type Decoded = (KvUpdate, Option<AckMeta>);
+/// The third is the operation id the message carries, if any.
+pub(super) type Decoded = (KvUpdate, Option<AckMeta>, Option<protocol::OpId>);
 
 /// A gap read ahead of its watch: the sequence it starts at and the reading task, which answers
 /// the stream it read, the gap's last sequence and the messages (`None`: nothing usable).
@@ -337,7 +346,7 @@ impl NatsKv {
                     pending: (n - i).saturating_add(pending_after),
                     timestamp_unix_ns: m.time_unix_ns,
                 };
-                (update, Some(meta))
+                (update, Some(meta), m.op_id)
             })
             .collect()
     }

@@ -85,6 +85,7 @@ pub(super) enum Delivered {
         async_nats::Message,
         Option<protocol::AckMeta>,
         Option<Result<protocol::KvOp, protocol::Undecodable>>,
+        Option<protocol::OpId>,
     ),
     /// The client's ordered consumer reported an error and is re-creating itself.
     Recreating(String),
@@ -553,7 +554,10 @@ impl Reader {
                         return self.on_status(status, block.as_ref(), reply.as_ref(), replies);
                     }
                 }
-                let verdict = protocol::decode_stored(raw_block);
+                let (verdict, op_id) = match protocol::decode_stored_record(raw_block) {
+                    Ok((op, id)) => (Ok(op), id),
+                    Err(e) => (Err(e), None),
+                };
                 let size = raw_block.and_then(wire::stored_msg_size);
                 let (msg, meta) = self.message(
                     frozen,
@@ -562,7 +566,7 @@ impl Reader {
                     frozen.slice(shift(payload)),
                     size,
                 )?;
-                out.push(Delivered::Message(msg, Some(meta), Some(verdict)));
+                out.push(Delivered::Message(msg, Some(meta), Some(verdict), op_id));
             }
             ServerOp::Ping => replies.extend_from_slice(b"PONG\r\n"),
             ServerOp::Err(text) => return Err(self.fail(format!("the server said: {text}"))),
@@ -772,7 +776,7 @@ mod tests {
             .filter_map(|r| r.as_ref().ok())
             .flatten()
             .filter_map(|d| match d {
-                Delivered::Message(m, _, _) => Some(m.subject.to_string()),
+                Delivered::Message(m, _, _, _) => Some(m.subject.to_string()),
                 Delivered::Recreating(_) => None,
             })
             .collect()
@@ -874,7 +878,7 @@ mod tests {
             .filter_map(|r| r.as_ref().ok())
             .flatten()
             .filter_map(|d| match d {
-                Delivered::Message(m, _, v) => Some((m.subject.to_string(), *v)),
+                Delivered::Message(m, _, v, _) => Some((m.subject.to_string(), *v)),
                 Delivered::Recreating(_) => None,
             })
             .collect();

@@ -40,6 +40,7 @@ mod floor;
 mod lean;
 pub mod lease;
 mod listing;
+mod publish;
 mod traits;
 mod watch;
 pub use lean::{LEAN_DELIVERY_ENV, lean_allowed};
@@ -48,6 +49,7 @@ pub mod wire;
 pub use create::{create_bucket_raw, kv_stream_config, parse_stream_create_reply};
 
 pub use connection::NatsConnection;
+pub use publish::{ACK_WAIT, Published, WriteKind};
 use connection::{DeliveryClient, connect_client, lock};
 use floor::FloorGuard;
 use watch::ConsumerCleanup;
@@ -68,7 +70,7 @@ use foldhost_core::bucket::{
     CredentialSource, DEFAULT_WATCH_HEARTBEAT, credential_source,
 };
 use foldhost_core::kv::{
-    KvEntry, KvError, KvReader, KvUpdate, KvWatcher, KvWriter, StreamIdentity, StreamState,
+    KvEntry, KvError, KvReader, OpRecord, KvUpdate, KvWatcher, KvWriter, StreamIdentity, StreamState,
     VersionToken, WatchCursor, WatchEvent, WatchScope,
 };
 use foldhost_core::protocol;
@@ -483,7 +485,8 @@ impl NatsKv {
         msg: &async_nats::Message,
         parsed: Option<protocol::AckMeta>,
         verdict: Option<Result<protocol::KvOp, protocol::Undecodable>>,
-    ) -> Option<(KvUpdate, Option<protocol::AckMeta>)> {
+        op_id: Option<protocol::OpId>,
+    ) -> Option<catchup::Decoded> {
         let meta = parsed.or_else(|| {
             msg.reply
                 .as_ref()
@@ -492,9 +495,18 @@ impl NatsKv {
         let version = meta
             .map(|m| VersionToken::from_u64(m.stream_sequence))
             .unwrap_or(VersionToken::UNKNOWN);
+        // The client library's delivery (no verdict of ours): its header map says both.
+        let op_id = match verdict {
+            Some(_) => op_id,
+            None => msg
+                .headers
+                .as_ref()
+                .and_then(|h| h.get(protocol::OP_ID_HEADER))
+                .and_then(|v| protocol::OpId::parse(v.as_str()).ok()),
+        };
         let verdict = verdict.unwrap_or_else(|| header_map_verdict(msg.headers.as_ref()));
         let update = self.update_of(msg.subject.as_str(), verdict, &msg.payload, version)?;
-        Some((update, meta))
+        Some((update, meta, op_id))
     }
 
     /// The update one stored message of `subject` stands for, from what it means

@@ -107,7 +107,7 @@ impl NatsKv {
                 }
             };
             for d in chunk {
-                if let lean::Delivered::Message(msg, meta, verdict) = d {
+                if let lean::Delivered::Message(msg, meta, verdict, _) = d {
                     self.list_take(&msg, meta, verdict, listed)?;
                 }
             }
@@ -189,7 +189,7 @@ impl NatsKv {
         verdict: Option<Result<protocol::KvOp, protocol::Undecodable>>,
         listed: &mut Listed<'_, '_>,
     ) -> Result<(), KvError> {
-        let Some((update, meta)) = self.to_update(msg, meta, verdict) else {
+        let Some((update, meta, _)) = self.to_update(msg, meta, verdict, None) else {
             return Ok(());
         };
         listed.remaining = match meta {

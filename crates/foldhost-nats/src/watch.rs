@@ -312,7 +312,7 @@ impl NatsKv {
     ) -> Result<bool, KvError> {
         if !head.is_empty() {
             guard
-                .before_chunk(self, head.iter().filter_map(|(_, m)| m.as_ref()))
+                .before_chunk(self, head.iter().filter_map(|(_, m, _)| m.as_ref()))
                 .await?;
             if !out.forward(scope, head, guard).await {
                 return Ok(false);
@@ -340,9 +340,9 @@ impl NatsKv {
         let mut decoded = Vec::with_capacity(chunk.len());
         for item in chunk {
             match item {
-                lean::Delivered::Message(m, meta, verdict) => {
+                lean::Delivered::Message(m, meta, verdict, op_id) => {
                     *consecutive_errors = 0;
-                    if let Some(d) = self.to_update(&m, meta, verdict) {
+                    if let Some(d) = self.to_update(&m, meta, verdict, op_id) {
                         decoded.push(d);
                     }
                 }
@@ -370,7 +370,7 @@ impl NatsKv {
         if let Some(passed) = passed
             && let Some(m) = decoded
                 .iter()
-                .filter_map(|(_, m)| m.as_ref())
+                .filter_map(|(_, m, _)| m.as_ref())
                 .find(|m| m.stream_sequence <= passed)
         {
             return Err(KvError::WatchError(format!(
@@ -449,7 +449,7 @@ impl NatsKv {
                 passed = highest_sequence(&decoded).max(passed);
             }
             guard
-                .before_chunk(self, decoded.iter().filter_map(|(_, m)| m.as_ref()))
+                .before_chunk(self, decoded.iter().filter_map(|(_, m, _)| m.as_ref()))
                 .await?;
             if !out.forward(scope, decoded, &mut guard).await {
                 return Ok(());
@@ -525,7 +525,7 @@ impl Deliveries {
                     Ok(c) => c.map(|c| {
                         Ok(c.into_iter()
                             .map(|item| match item {
-                                Ok(m) => lean::Delivered::Message(m.message, None, None),
+                                Ok(m) => lean::Delivered::Message(m.message, None, None, None),
                                 Err(e) => lean::Delivered::Recreating(e.to_string()),
                             })
                             .collect())
@@ -620,12 +620,29 @@ impl Forwarder {
     async fn forward(
         &mut self,
         scope: &WatchScope,
-        decoded: Vec<(KvUpdate, Option<protocol::AckMeta>)>,
+        decoded: Vec<catchup::Decoded>,
         guard: &mut FloorGuard,
     ) -> bool {
+        // The chunk's operation ids go first: the fold records each with the commit that moves
+        // its cursor over the record.
+        let ops: Vec<OpRecord> = decoded
+            .iter()
+            .filter_map(|(update, _, op)| {
+                let (op, revision) = ((*op)?, update.revision()?);
+                let key = NatsKv::scope_key(&self.subject_prefix, update);
+                (scope.contains(key) && key == update.key()).then(|| OpRecord {
+                    op,
+                    revision,
+                    key: key.to_string(),
+                })
+            })
+            .collect();
+        if !ops.is_empty() && !self.send(WatchEvent::Ops(ops)).await {
+            return false;
+        }
         let mut out: Vec<KvUpdate> = Vec::with_capacity(decoded.len());
         let mut stamp: Option<(u64, u64)> = None;
-        for (update, meta) in decoded {
+        for (update, meta, _) in decoded {
             if scope.contains(NatsKv::scope_key(&self.subject_prefix, &update)) {
                 self.last_delivered = update.revision().or(self.last_delivered);
                 if let (Some(r), Some(m)) = (update.revision(), meta)
@@ -702,7 +719,7 @@ async fn send_stamp(tx: &mpsc::Sender<WatchEvent>, stamp: Option<(u64, u64)>) ->
 fn highest_sequence(decoded: &[catchup::Decoded]) -> Option<u64> {
     decoded
         .iter()
-        .filter_map(|(_, m)| m.as_ref().map(|m| m.stream_sequence))
+        .filter_map(|(_, m, _)| m.as_ref().map(|m| m.stream_sequence))
         .max()
 }
 

@@ -15,6 +15,7 @@ mod stored;
 mod stream;
 mod swap;
 mod watch;
+mod write;
 
 pub use artifacts::*;
 pub use endpoint::*;
@@ -24,6 +25,7 @@ pub use stored::*;
 pub use stream::*;
 pub use swap::*;
 pub use watch::*;
+pub use write::*;
 
 #[cfg(test)]
 mod tests {

@@ -102,8 +102,17 @@ impl std::fmt::Display for Undecodable {
 /// (the proptest `the_decoder_agrees_with_the_client_library` checks this against the library's
 /// own parser).
 pub fn decode_stored(block: Option<&[u8]>) -> Result<KvOp, Undecodable> {
+    decode_stored_record(block).map(|(op, _)| op)
+}
+
+/// [`decode_stored`], and the operation id the record carries in its
+/// [`super::OP_ID_HEADER`] (`None` when absent, or when its value is not a UUIDv7: a record some
+/// other writer made, which no write through a host can be answered by).
+pub fn decode_stored_record(
+    block: Option<&[u8]>,
+) -> Result<(KvOp, Option<super::OpId>), Undecodable> {
     let Some(block) = block else {
-        return Ok(KvOp::Put);
+        return Ok((KvOp::Put, None));
     };
     let text = std::str::from_utf8(block).map_err(|_| Undecodable::NotUtf8)?;
     let mut lines = text.lines().peekable();
@@ -115,7 +124,8 @@ pub fn decode_stored(block: Option<&[u8]>) -> Result<KvOp, Undecodable> {
     if !status.is_empty() {
         return Err(Undecodable::StatusLine);
     }
-    let (mut op, mut reason): (Option<String>, Option<String>) = (None, None);
+    let (mut op, mut reason, mut op_id): (Option<String>, Option<String>, Option<String>) =
+        (None, None, None);
     while let Some(line) = lines.next() {
         if line.is_empty() {
             continue;
@@ -136,11 +146,13 @@ pub fn decode_stored(block: Option<&[u8]>) -> Result<KvOp, Undecodable> {
         let slot = match name {
             "KV-Operation" => &mut op,
             "Nats-Marker-Reason" => &mut reason,
+            super::OP_ID_HEADER => &mut op_id,
             _ => continue,
         };
         slot.get_or_insert(value);
     }
-    Ok(kv_op(op.as_deref(), reason.as_deref()))
+    let op_id = op_id.and_then(|v| super::OpId::parse(&v).ok());
+    Ok((kv_op(op.as_deref(), reason.as_deref()), op_id))
 }
 
 /// The update standing for an undecodable stored message of `subject`: a key in the host's

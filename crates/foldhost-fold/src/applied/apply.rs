@@ -332,6 +332,14 @@ pub enum Control {
             Result<(WatchCursor, Option<crate::snapshot::ProvenCopy>), SnapshotError>,
         >,
     },
+    /// Sweep the operation ledger: remove the rows recorded before `cutoff_unix_ms` and raise
+    /// the watermark over them, in one commit under the current cursor ([`crate::ledger::sweep`]).
+    SweepLedger {
+        /// Rows recorded before this instant go.
+        cutoff_unix_ms: u64,
+        /// How many rows went, or why the sweep failed (the ledger is then untouched).
+        reply: tokio::sync::oneshot::Sender<Result<u64, String>>,
+    },
     /// Run a query against the applier.
     Query {
         /// The request bytes.

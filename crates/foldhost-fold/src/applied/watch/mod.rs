@@ -506,6 +506,13 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 .map_err(|e| AppliedError::Task(e.to_string()))?;
                 let _ = reply.send(copied);
             }
+            Some(Control::SweepLedger {
+                cutoff_unix_ms,
+                reply,
+            }) => {
+                let swept = self.fold.sweep_ledger(cutoff_unix_ms);
+                let _ = reply.send(swept);
+            }
             Some(Control::Swap { bytes, what, reply }) => {
                 self.start_swap(bytes, what, reply, t).await?;
             }
@@ -595,6 +602,10 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             }
             WatchEvent::Pending(n) => {
                 status.pending.store(n, Ordering::Relaxed);
+                false
+            }
+            WatchEvent::Ops(ops) => {
+                self.fold.note_ops(ops);
                 false
             }
         }

@@ -1,0 +1,152 @@
+//! Writes that carry an operation id (docs/writes.md): a publish on the key's subject with
+//! `Nats-Msg-Id` (the broker's duplicate window) and [`protocol::OP_ID_HEADER`] (what the fold and
+//! a lost acknowledgement's resolution read), optionally conditional on the subject's last
+//! sequence; and the two reads that settle a write the publish could not: the newest record on a
+//! key, and the key of the record at a sequence.
+//!
+//! Invariants: a publish answers what the broker said and nothing more — [`Published::Lost`]
+//! whenever the acknowledgement did not arrive, however the wait ended, so the caller resolves
+//! it from the log; the reads go to the stream leader as JSON and decode the stored header block
+//! with [`protocol::decode_stored_record`], never through the client library's parser.
+
+use super::*;
+
+/// How long a publish waits for its acknowledgement before it is [`Published::Lost`] (at most the
+/// operation timeout). A late acknowledgement costs a read of the log, never a wrong answer.
+pub const ACK_WAIT: Duration = Duration::from_secs(5);
+
+/// What a write publishes on its key.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WriteKind {
+    /// A value.
+    Put(Bytes),
+    /// A delete marker (`KV-Operation: DEL`).
+    Delete,
+    /// A purge marker (`KV-Operation: PURGE`, rolling up the key's history).
+    Purge,
+}
+
+/// What the broker answered a publish.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Published {
+    /// Durable at `sequence`; `duplicate` when the broker's duplicate window collapsed it onto an
+    /// earlier record with the same `Nats-Msg-Id` (at `sequence`, possibly on another key).
+    Acked {
+        /// The record's stream sequence (the key's revision).
+        sequence: u64,
+        /// Collapsed onto an earlier record.
+        duplicate: bool,
+    },
+    /// The compare-and-set lost: the key's last sequence is not the one asked for.
+    WrongLastSequence,
+    /// No acknowledgement arrived (a timeout, a connection lost): the record may or may not be on
+    /// the log.
+    Lost(String),
+    /// The broker (or the client, before sending) refused it: nothing landed.
+    Refused(String),
+}
+
+impl NatsKv {
+    /// Publishes `kind` on `key` under `op`, conditional on the key's last revision being
+    /// `if_revision` when given (0: the key has no record).
+    pub async fn publish_op(
+        &self,
+        key: &str,
+        kind: &WriteKind,
+        op: &protocol::OpId,
+        if_revision: Option<u64>,
+    ) -> Published {
+        if !protocol::kv_key_valid(key) {
+            return Published::Refused(format!("{key:?} is not a valid key"));
+        }
+        let id = op.to_string();
+        let mut msg = jetstream::message::PublishMessage::build()
+            .message_id(&id)
+            .header(protocol::OP_ID_HEADER, id.as_str());
+        msg = match kind {
+            WriteKind::Put(value) => msg.payload(value.clone()),
+            WriteKind::Delete => msg.header("KV-Operation", "DEL"),
+            WriteKind::Purge => msg
+                .header("KV-Operation", "PURGE")
+                .header("Nats-Rollup", "sub"),
+        };
+        if let Some(rev) = if_revision {
+            msg = msg.expected_last_subject_sequence(rev);
+        }
+        let wait = self.timeout.min(ACK_WAIT);
+        let subject = format!("{}{key}", self.subject_prefix);
+        use async_nats::jetstream::context::PublishErrorKind as K;
+        let sent = match tokio::time::timeout(wait, self.js.send_publish(subject, msg)).await {
+            Err(_) => return Published::Lost(format!("no room to send within {wait:?}")),
+            Ok(Err(e)) => {
+                return match e.kind() {
+                    // Never sent: the request did not leave this process.
+                    K::MaxPayloadExceeded | K::MaxAckPending => Published::Refused(e.to_string()),
+                    _ => Published::Lost(e.to_string()),
+                };
+            }
+            Ok(Ok(ack)) => ack,
+        };
+        match tokio::time::timeout(wait, sent).await {
+            Err(_) => Published::Lost(format!("no acknowledgement within {wait:?}")),
+            Ok(Ok(ack)) => Published::Acked {
+                sequence: ack.sequence,
+                duplicate: ack.duplicate,
+            },
+            Ok(Err(e)) => match e.kind() {
+                K::WrongLastSequence => Published::WrongLastSequence,
+                K::TimedOut | K::BrokenPipe => Published::Lost(e.to_string()),
+                K::StreamNotFound | K::MaxPayloadExceeded => Published::Refused(e.to_string()),
+                // Another error answered by the broker names why it refused; anything else may
+                // have landed.
+                _ => Published::Lost(e.to_string()),
+            },
+        }
+    }
+
+    /// The newest record on `key`: its revision and the operation id it carries (`Ok(None)`: the
+    /// key has no record). An undecodable newest record carries no id.
+    pub async fn newest_record(
+        &self,
+        key: &str,
+    ) -> Result<Option<(u64, Option<protocol::OpId>)>, KvError> {
+        if !protocol::kv_key_valid(key) {
+            return Err(KvError::Invalid(format!("{key:?} is not a valid key")));
+        }
+        let request =
+            serde_json::json!({ "last_by_subj": format!("{}{key}", self.subject_prefix) });
+        Ok(self
+            .msg_get("newest record", request)
+            .await?
+            .map(|m| (m.sequence, m.op_id)))
+    }
+
+    /// The bucket key of the record at `sequence` (`Ok(None)`: no record there, or one outside
+    /// this bucket's subjects).
+    pub async fn key_at(&self, sequence: u64) -> Result<Option<String>, KvError> {
+        let request = serde_json::json!({ "seq": sequence });
+        Ok(self
+            .msg_get("record at sequence", request)
+            .await?
+            .and_then(|m| self.key_of(&m.subject).map(str::to_string)))
+    }
+
+    /// One `$JS.API.STREAM.MSG.GET` from the stream leader, decoded.
+    async fn msg_get(
+        &self,
+        what: &'static str,
+        request: serde_json::Value,
+    ) -> Result<Option<catchup::StoredMessage>, KvError> {
+        let answer = timed(what, self.timeout, async {
+            self.client
+                .request(
+                    format!("$JS.API.STREAM.MSG.GET.{}", self.stream_name),
+                    request.to_string().into(),
+                )
+                .await
+                .map_err(|e| backend(what, e))
+        })
+        .await?;
+        catchup::parse_msg_get_reply(&answer.payload).map_err(|e| backend(what, e))
+    }
+}
