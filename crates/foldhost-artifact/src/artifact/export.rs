@@ -69,12 +69,46 @@ fn seal_inner(
     let data = stage.join(DATA_DIR);
     let backend = crate::storedir::backend_of(&data)?;
     let names = list_files(&data)?;
+    let proven = staged.proven.as_ref();
+    let files = hash_and_sync_files(&data, names, proven, progress)?;
+    sync_payload_dirs(&data, &files)?;
+    let keys = check_copy_cursor(&data, backend, proven, cursor)?;
+    let manifest = ExportManifest {
+        schema: SCHEMA,
+        backend: backend.as_str().to_string(),
+        format: format_generation(backend),
+        cursor: cursor.revision(),
+        scope,
+        keys,
+        created_unix_ms: now_ms(),
+        files,
+        stream: staged.stream.clone(),
+        previous: Vec::new(),
+    };
+    write_manifest(stage, &manifest)?;
+    rename_into_place(stage, out)?;
+    Ok(manifest)
+}
+
+/// The total size of the payload's files `names` under `data`, the denominator of the progress.
+fn payload_size(data: &Path, names: &[String]) -> Result<u64, ArtifactError> {
     let mut total = 0u64;
-    for n in &names {
+    for n in names {
         let p = data.join(check_path(n)?);
         total += std::fs::metadata(&p).map_err(io_err(&p, "stat"))?.len();
     }
-    let proven = staged.proven.as_ref();
+    Ok(total)
+}
+
+/// Hashes (or, where the store proved it, size-checks) every payload file and fsyncs each; returns
+/// once all fsyncs are done, and refuses a copy missing a file the store proved.
+fn hash_and_sync_files(
+    data: &Path,
+    names: Vec<String>,
+    proven: Option<&ProvenCopy>,
+    progress: Progress<'_>,
+) -> Result<Vec<ArtifactFile>, ArtifactError> {
+    let total = payload_size(data, &names)?;
     let mut done = 0u64;
     let mut files = Vec::with_capacity(names.len());
     let mut syncs = Syncs::default();
@@ -123,11 +157,16 @@ fn seal_inner(
     }
     syncs
         .wait()
-        .map_err(io_err(&data, "fsync the payload's files"))?;
-    // Every directory of the payload, so each file's entry is durable too.
+        .map_err(io_err(data, "fsync the payload's files"))?;
+    Ok(files)
+}
+
+/// Fsyncs every directory of the payload (`data` and each file's parent), so each file's entry
+/// is durable too.
+fn sync_payload_dirs(data: &Path, files: &[ArtifactFile]) -> Result<(), ArtifactError> {
     let mut dirs: std::collections::BTreeSet<PathBuf> = std::collections::BTreeSet::new();
-    dirs.insert(data.clone());
-    for f in &files {
+    dirs.insert(data.to_path_buf());
+    for f in files {
         if let Some(parent) = data.join(check_path(&f.path)?).parent() {
             dirs.insert(parent.to_path_buf());
         }
@@ -135,10 +174,21 @@ fn seal_inner(
     for d in &dirs {
         sync_dir(d)?;
     }
+    Ok(())
+}
+
+/// Proves the copy recovers `cursor` (by the store's own check, or by reopening it read-only with
+/// the same backend) and returns the keys it holds.
+fn check_copy_cursor(
+    data: &Path,
+    backend: Backend,
+    proven: Option<&ProvenCopy>,
+    cursor: WatchCursor,
+) -> Result<u64, ArtifactError> {
     let (got, keys) = match proven {
         Some(c) => (c.cursor, c.keys),
         None => {
-            let (copy, _) = AnyStore::open_read_only(&data)?;
+            let (copy, _) = AnyStore::open_read_only(data)?;
             if copy.backend() != backend.as_str() {
                 return Err(ArtifactError::BackendMismatch {
                     artifact: backend.as_str().to_string(),
@@ -155,19 +205,12 @@ fn seal_inner(
             got: got.revision(),
         });
     }
-    let manifest = ExportManifest {
-        schema: SCHEMA,
-        backend: backend.as_str().to_string(),
-        format: format_generation(backend),
-        cursor: cursor.revision(),
-        scope,
-        keys,
-        created_unix_ms: now_ms(),
-        files,
-        stream: staged.stream.clone(),
-        previous: Vec::new(),
-    };
-    let bytes = serde_json::to_vec_pretty(&manifest).map_err(|e| ArtifactError::Manifest {
+    Ok(keys)
+}
+
+/// Writes `manifest` into the stage and fsyncs it and the stage: the manifest is written last.
+fn write_manifest(stage: &Path, manifest: &ExportManifest) -> Result<(), ArtifactError> {
+    let bytes = serde_json::to_vec_pretty(manifest).map_err(|e| ArtifactError::Manifest {
         path: stage.join(MANIFEST_FILE),
         reason: e.to_string(),
     })?;
@@ -175,13 +218,16 @@ fn seal_inner(
     let mut f = File::create(&mpath).map_err(io_err(&mpath, "create"))?;
     f.write_all(&bytes).map_err(io_err(&mpath, "write"))?;
     f.sync_all().map_err(io_err(&mpath, "fsync"))?;
-    sync_dir(stage)?;
+    sync_dir(stage)
+}
+
+/// Renames the sealed stage to `out` (refused if `out` exists) and fsyncs `out`'s parent.
+fn rename_into_place(stage: &Path, out: &Path) -> Result<(), ArtifactError> {
     if out.exists() {
         return Err(ArtifactError::Exists(out.to_path_buf()));
     }
     std::fs::rename(stage, out).map_err(io_err(out, "rename stage into place"))?;
-    sync_dir(out.parent().unwrap_or_else(|| Path::new(".")))?;
-    Ok(manifest)
+    sync_dir(out.parent().unwrap_or_else(|| Path::new(".")))
 }
 
 /// Exports `store` to the artifact directory `out` (which must not exist): stage, verify, hash,

@@ -245,10 +245,7 @@ fn import_tar_entries(
     stage: &Path,
     progress: Progress<'_>,
 ) -> Result<(Option<crate::snapshot::CompactLogCheck>, Syncs), ArtifactError> {
-    let bad = |reason: String| ArtifactError::Tar {
-        path: stage.to_path_buf(),
-        reason,
-    };
+    let bad = |reason: String| tar_error(stage, reason);
     std::fs::create_dir_all(stage).map_err(io_err(stage, "create stage"))?;
     let mut log_check = log_check_for(m, stage);
     let listed: std::collections::BTreeMap<&str, &ArtifactFile> =
@@ -265,10 +262,7 @@ fn import_tar_entries(
         if count > MAX_FILES + 1 {
             return Err(bad(format!("more than {MAX_FILES} entries")));
         }
-        let raw = entry.path_bytes().into_owned();
-        let name = String::from_utf8(raw).map_err(|_| bad("an entry path is not UTF-8".into()))?;
-        let name = name.trim_end_matches('/').to_string();
-        check_path(&name)?;
+        let name = entry_name(&entry, stage)?;
         let kind = entry.header().entry_type();
         if kind.is_dir() {
             continue;
@@ -280,78 +274,19 @@ fn import_tar_entries(
             });
         }
         if name == MANIFEST_FILE {
-            let mut embedded = Vec::new();
-            (&mut entry)
-                .take(MAX_MANIFEST_BYTES + 1)
-                .read_to_end(&mut embedded)
-                .map_err(|e| bad(e.to_string()))?;
-            if embedded != pointer {
-                return Err(bad("its embedded manifest is not the pointer's".into()));
-            }
+            check_embedded_manifest(&mut entry, pointer, stage)?;
             manifest_seen = true;
             continue;
         }
-        let rel_name = name
-            .strip_prefix(DATA_DIR)
-            .and_then(|r| r.strip_prefix('/'))
-            .ok_or_else(|| ArtifactError::ExtraFile(name.clone()))?;
-        let f = listed
-            .get(rel_name)
-            .ok_or_else(|| ArtifactError::ExtraFile(rel_name.to_string()))?;
-        if !seen.insert(rel_name.to_string()) {
-            return Err(bad(format!("{rel_name}: in the tar twice")));
-        }
-        let size = entry.header().size().map_err(|e| bad(e.to_string()))?;
-        if size != f.size {
-            return Err(ArtifactError::SizeMismatch {
-                path: f.path.clone(),
-                want: f.size,
-                got: size,
-            });
-        }
-        let dst = stage.join(check_path(rel_name)?);
-        if let Some(parent) = dst.parent() {
-            std::fs::create_dir_all(parent).map_err(io_err(parent, "create stage"))?;
-        }
-        let mut out = StagedFile::create(&dst, true).map_err(io_err(&dst, "create"))?;
-        let mut hasher = blake3::Hasher::new();
-        let mut n = 0u64;
-        loop {
-            let spare = out.spare();
-            let got = entry
-                .read(spare)
-                .map_err(io_err(&dst, "read the download"))?;
-            if got == 0 {
-                break;
-            }
-            hasher.update(&spare[..got]);
-            if rel_name == crate::snapshot::LOG_FILE
-                && let Some(c) = log_check.as_mut()
-            {
-                c.feed(&spare[..got]);
-            }
-            out.commit(got).map_err(io_err(&dst, "write"))?;
-            n += got as u64;
-            done += got as u64;
+        let (rel_name, f) = listed_entry(&name, entry.header(), &listed, &mut seen, stage)?;
+        let mut tick = |got: u64| {
+            done += got;
             progress(done, total);
-        }
-        let digest = hasher.finalize().to_hex().to_string();
-        if n != f.size {
-            return Err(ArtifactError::SizeMismatch {
-                path: f.path.clone(),
-                want: f.size,
-                got: n,
-            });
-        }
-        if digest != f.blake3 {
-            return Err(ArtifactError::HashMismatch {
-                path: f.path.clone(),
-                want: f.blake3.clone(),
-                got: digest,
-            });
-        }
-        out.finish_syncing_in(&mut syncs)
-            .map_err(io_err(&dst, "write and fsync"))?;
+        };
+        let log = (rel_name == crate::snapshot::LOG_FILE)
+            .then_some(log_check.as_mut())
+            .flatten();
+        write_entry(&mut entry, stage, rel_name, f, log, &mut tick, &mut syncs)?;
     }
     if !manifest_seen {
         return Err(bad(format!("no {MANIFEST_FILE} in the payload")));
@@ -360,4 +295,127 @@ fn import_tar_entries(
         return Err(ArtifactError::MissingFile(missing.path.clone()));
     }
     Ok((log_check, syncs))
+}
+
+/// The refusal of the tar stream being imported into `stage`, for `reason`.
+fn tar_error(stage: &Path, reason: String) -> ArtifactError {
+    ArtifactError::Tar {
+        path: stage.to_path_buf(),
+        reason,
+    }
+}
+
+/// The entry's path as UTF-8 without a trailing `/`, refused unless it is a safe relative path.
+fn entry_name<R: Read>(entry: &tar::Entry<'_, R>, stage: &Path) -> Result<String, ArtifactError> {
+    let raw = entry.path_bytes().into_owned();
+    let name = String::from_utf8(raw)
+        .map_err(|_| tar_error(stage, "an entry path is not UTF-8".into()))?;
+    let name = name.trim_end_matches('/').to_string();
+    check_path(&name)?;
+    Ok(name)
+}
+
+/// Reads the tar's embedded manifest (at most one byte over the limit) and refuses it unless it
+/// is byte for byte the pointer's.
+fn check_embedded_manifest(
+    entry: &mut impl Read,
+    pointer: &[u8],
+    stage: &Path,
+) -> Result<(), ArtifactError> {
+    let mut embedded = Vec::new();
+    entry
+        .take(MAX_MANIFEST_BYTES + 1)
+        .read_to_end(&mut embedded)
+        .map_err(|e| tar_error(stage, e.to_string()))?;
+    if embedded != pointer {
+        return Err(tar_error(
+            stage,
+            "its embedded manifest is not the pointer's".into(),
+        ));
+    }
+    Ok(())
+}
+
+/// The payload file the entry `name` is (its path under the data directory and its manifest
+/// line): refused unless the manifest lists it, once, with the size its header declares.
+fn listed_entry<'n, 'm>(
+    name: &'n str,
+    header: &tar::Header,
+    listed: &std::collections::BTreeMap<&str, &'m ArtifactFile>,
+    seen: &mut std::collections::BTreeSet<String>,
+    stage: &Path,
+) -> Result<(&'n str, &'m ArtifactFile), ArtifactError> {
+    let rel_name = name
+        .strip_prefix(DATA_DIR)
+        .and_then(|r| r.strip_prefix('/'))
+        .ok_or_else(|| ArtifactError::ExtraFile(name.to_string()))?;
+    let f = *listed
+        .get(rel_name)
+        .ok_or_else(|| ArtifactError::ExtraFile(rel_name.to_string()))?;
+    if !seen.insert(rel_name.to_string()) {
+        return Err(tar_error(stage, format!("{rel_name}: in the tar twice")));
+    }
+    let size = header.size().map_err(|e| tar_error(stage, e.to_string()))?;
+    if size != f.size {
+        return Err(ArtifactError::SizeMismatch {
+            path: f.path.clone(),
+            want: f.size,
+            got: size,
+        });
+    }
+    Ok((rel_name, f))
+}
+
+/// Copies one payload entry into the stage, hashing it (and feeding the log check, if given) as
+/// it goes; refuses it unless its size and digest are the manifest's, then queues its fsync.
+fn write_entry(
+    entry: &mut impl Read,
+    stage: &Path,
+    rel_name: &str,
+    f: &ArtifactFile,
+    mut log_check: Option<&mut crate::snapshot::CompactLogCheck>,
+    tick: &mut dyn FnMut(u64),
+    syncs: &mut Syncs,
+) -> Result<(), ArtifactError> {
+    let dst = stage.join(check_path(rel_name)?);
+    if let Some(parent) = dst.parent() {
+        std::fs::create_dir_all(parent).map_err(io_err(parent, "create stage"))?;
+    }
+    let mut out = StagedFile::create(&dst, true).map_err(io_err(&dst, "create"))?;
+    let mut hasher = blake3::Hasher::new();
+    let mut n = 0u64;
+    loop {
+        let spare = out.spare();
+        let got = entry
+            .read(spare)
+            .map_err(io_err(&dst, "read the download"))?;
+        if got == 0 {
+            break;
+        }
+        hasher.update(&spare[..got]);
+        if let Some(c) = log_check.as_deref_mut() {
+            c.feed(&spare[..got]);
+        }
+        out.commit(got).map_err(io_err(&dst, "write"))?;
+        n += got as u64;
+        tick(got as u64);
+    }
+    let digest = hasher.finalize().to_hex().to_string();
+    if n != f.size {
+        return Err(ArtifactError::SizeMismatch {
+            path: f.path.clone(),
+            want: f.size,
+            got: n,
+        });
+    }
+    if digest != f.blake3 {
+        return Err(ArtifactError::HashMismatch {
+            path: f.path.clone(),
+            want: f.blake3.clone(),
+            got: digest,
+        });
+    }
+    out.finish_syncing_in(syncs)
+        .map_err(io_err(&dst, "write and fsync"))?;
+    Ok(())
 }

@@ -60,22 +60,30 @@ impl ArtifactTransport {
                 url: self.url.clone(),
             });
         };
-        if let Some(live) = live {
-            let relation = protocol::stream_relation(
-                Some(live.key()),
-                manifest.stream.as_ref().map(ManifestStream::key),
-            );
-            if !protocol::bootstrap_stream_allowed(relation) {
-                return Err(TransportError::OtherStream {
-                    key: key.to_string(),
-                    artifact: stream_words(manifest.stream.as_ref()),
-                    ours: format!("the bucket is {}", live.identity()),
-                    what: "refusing to bootstrap from another incarnation of the bucket",
-                });
-            }
-        }
+        check_bootstrap_stream(key, &manifest, live)?;
         crate::crashpoint::hold(crate::crashpoint::BOOTSTRAP_BEFORE_PAYLOAD).await;
-        let name = payload_name(&manifest_bytes, manifest.cursor.unwrap_or(0));
+        let segments = self
+            .payload_segments(key, &manifest_bytes, &manifest)
+            .await?;
+        tracing::debug!(key, segments = segments.len(), "bootstrap: payload listed");
+        if self.local {
+            return self
+                .bootstrap_from_files(segments, manifest_bytes, dest, want)
+                .await;
+        }
+        self.bootstrap_from_stream(segments, manifest_bytes, dest, want)
+            .await
+    }
+
+    /// The segments of the payload `manifest_bytes` names, in order: its listed segments when it
+    /// has any (contiguous from zero, each with its listed size), else the earlier single object.
+    async fn payload_segments(
+        &self,
+        key: &str,
+        manifest_bytes: &[u8],
+        manifest: &ExportManifest,
+    ) -> Result<Vec<Segment>, TransportError> {
+        let name = payload_name(manifest_bytes, manifest.cursor.unwrap_or(0));
         let dir = self.segments_dir(key, &name);
         let plan = segment_plan(&self.list_segments(&dir).await?).map_err(|reason| {
             TransportError::Io {
@@ -84,7 +92,7 @@ impl ArtifactTransport {
                 source: std::io::Error::other(reason),
             }
         })?;
-        let segments: Vec<Segment> = if plan.is_empty() {
+        Ok(if plan.is_empty() {
             // The earlier layout: the payload as one object, its size whatever the store says.
             vec![Segment {
                 path: self.payloads_dir(key).join(name),
@@ -98,13 +106,18 @@ impl ArtifactTransport {
                     size: Some(size),
                 })
                 .collect()
-        };
-        tracing::debug!(key, segments = segments.len(), "bootstrap: payload listed");
-        if self.local {
-            return self
-                .bootstrap_from_files(segments, manifest_bytes, dest, want)
-                .await;
-        }
+        })
+    }
+
+    /// [`Self::bootstrap_into`] from a remote store: the segments streamed, fetched ahead, into
+    /// the import on a blocking thread; a download error wins over the import's error it caused.
+    async fn bootstrap_from_stream(
+        &self,
+        segments: Vec<Segment>,
+        manifest_bytes: Vec<u8>,
+        dest: &Path,
+        want: Option<crate::storedir::Backend>,
+    ) -> Result<ExportManifest, TransportError> {
         let (tx, rx) =
             tokio::sync::mpsc::channel::<std::io::Result<bytes::Bytes>>(DOWNLOAD_CHUNKS_IN_FLIGHT);
         let dest_owned = dest.to_path_buf();
@@ -293,6 +306,30 @@ impl ArtifactTransport {
             })?;
         Ok(file.take(len))
     }
+}
+
+/// Refuses to bootstrap `key` from an artifact of another stream than the bucket's `live` one
+/// ([`protocol::bootstrap_stream_allowed`]); without `live` every artifact passes.
+fn check_bootstrap_stream(
+    key: &str,
+    manifest: &ExportManifest,
+    live: Option<&ManifestStream>,
+) -> Result<(), TransportError> {
+    if let Some(live) = live {
+        let relation = protocol::stream_relation(
+            Some(live.key()),
+            manifest.stream.as_ref().map(ManifestStream::key),
+        );
+        if !protocol::bootstrap_stream_allowed(relation) {
+            return Err(TransportError::OtherStream {
+                key: key.to_string(),
+                artifact: stream_words(manifest.stream.as_ref()),
+                ours: format!("the bucket is {}", live.identity()),
+                what: "refusing to bootstrap from another incarnation of the bucket",
+            });
+        }
+    }
+    Ok(())
 }
 
 /// The read size for a payload on the local file system.

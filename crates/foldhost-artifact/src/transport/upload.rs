@@ -24,49 +24,8 @@ impl ArtifactTransport {
             Err(TransportError::TooLarge { .. }) => None,
             other => other?,
         };
-        // The artifact the pointer already names: its segments are being read by bootstraps, and
-        // the publish would be refused (an equal cursor) after rewriting them.
-        let unlisted = |m: &ExportManifest| ExportManifest {
-            previous: Vec::new(),
-            ..m.clone()
-        };
-        if let Some(p) = &current
-            && unlisted(&p.manifest) == unlisted(&manifest)
-        {
-            return Err(TransportError::SupersededByNewer {
-                key: key.to_string(),
-                current: cursor,
-                ours: cursor,
-            });
-        }
-        // The manifest published: the artifact's own with the pointer's recent targets (what
-        // prune counts its grace from). Another incarnation's targets are not carried: their
-        // cursors belong to another sequence.
-        let mut published = ExportManifest {
-            previous: Vec::new(),
-            ..manifest.clone()
-        };
-        if let Some(p) = &current {
-            let relation = protocol::stream_relation(
-                manifest.stream.as_ref().map(ManifestStream::key),
-                p.manifest.stream.as_ref().map(ManifestStream::key),
-            );
-            if matches!(
-                relation,
-                protocol::StreamRelation::Same | protocol::StreamRelation::Unknown
-            ) {
-                published.previous = p
-                    .targets()
-                    .into_iter()
-                    .filter(|(c, _)| *c < cursor)
-                    .take(artifact::MAX_PREVIOUS_TARGETS)
-                    .map(|(cursor, published_unix_ms)| PreviousTarget {
-                        cursor,
-                        published_unix_ms,
-                    })
-                    .collect();
-            }
-        }
+        check_not_already_published(key, current.as_ref(), &manifest, cursor)?;
+        let published = published_manifest(&manifest, current.as_ref(), cursor);
         let manifest_bytes =
             serde_json::to_vec_pretty(&published).map_err(|e| ArtifactError::Manifest {
                 path: manifest_path.clone(),
@@ -74,29 +33,9 @@ impl ArtifactTransport {
             })?;
         let name = payload_name(&manifest_bytes, cursor);
         let payload = self.segments_dir(key, &name);
-        std::fs::create_dir_all(scratch).map_err(|source| TransportError::Io {
-            path: scratch.to_path_buf(),
-            op: "create scratch",
-            source,
-        })?;
-        let tar = scratch.join(format!(".upload-{name}"));
-        let packed = {
-            let (a, t, m) = (artifact.to_path_buf(), tar.clone(), manifest_bytes.clone());
-            tokio::task::spawn_blocking(move || artifact::pack_tar_with(&a, &t, Some(&m)))
-                .await
-                .map_err(|e| TransportError::Io {
-                    path: tar.clone(),
-                    op: "pack task",
-                    source: std::io::Error::other(e.to_string()),
-                })
-        };
-        let result = match packed {
-            Ok(Ok(())) => self.upload_segments(&payload, &tar).await,
-            Ok(Err(e)) => Err(e.into()),
-            Err(e) => Err(e),
-        };
-        let _ = std::fs::remove_file(&tar);
-        let segments = result?;
+        let segments = self
+            .pack_and_upload(artifact, scratch, &name, &manifest_bytes, &payload)
+            .await?;
         crate::crashpoint::hit(crate::crashpoint::PUBLISH_BEFORE_POINTER);
         crate::crashpoint::hold(crate::crashpoint::PUBLISH_BEFORE_POINTER).await;
         self.publish(key, &manifest_bytes, cursor, manifest.stream.as_ref())
@@ -106,6 +45,42 @@ impl ArtifactTransport {
             payload: payload.to_string(),
             segments,
         })
+    }
+
+    /// Packs `artifact` (with `manifest_bytes` as its manifest) into a tar in `scratch` and
+    /// uploads it as the segments of `payload`; returns their count. The tar is removed on every
+    /// path.
+    async fn pack_and_upload(
+        &self,
+        artifact: &Path,
+        scratch: &Path,
+        name: &str,
+        manifest_bytes: &[u8],
+        payload: &ObjectPath,
+    ) -> Result<usize, TransportError> {
+        std::fs::create_dir_all(scratch).map_err(|source| TransportError::Io {
+            path: scratch.to_path_buf(),
+            op: "create scratch",
+            source,
+        })?;
+        let tar = scratch.join(format!(".upload-{name}"));
+        let packed = {
+            let (a, t, m) = (artifact.to_path_buf(), tar.clone(), manifest_bytes.to_vec());
+            tokio::task::spawn_blocking(move || artifact::pack_tar_with(&a, &t, Some(&m)))
+                .await
+                .map_err(|e| TransportError::Io {
+                    path: tar.clone(),
+                    op: "pack task",
+                    source: std::io::Error::other(e.to_string()),
+                })
+        };
+        let result = match packed {
+            Ok(Ok(())) => self.upload_segments(payload, &tar).await,
+            Ok(Err(e)) => Err(e.into()),
+            Err(e) => Err(e),
+        };
+        let _ = std::fs::remove_file(&tar);
+        result
     }
 
     /// Cuts the file `tar` into segments under `dir`, each one atomic put (at most
@@ -280,4 +255,65 @@ impl ArtifactTransport {
             attempts: POINTER_ATTEMPTS,
         })
     }
+}
+
+/// Refuses to publish the artifact the pointer `current` already names (ignoring its previous
+/// targets): bootstraps are reading its segments, and the publish would be refused (an equal
+/// cursor) after rewriting them.
+fn check_not_already_published(
+    key: &str,
+    current: Option<&Pointer>,
+    manifest: &ExportManifest,
+    cursor: u64,
+) -> Result<(), TransportError> {
+    let unlisted = |m: &ExportManifest| ExportManifest {
+        previous: Vec::new(),
+        ..m.clone()
+    };
+    if let Some(p) = current
+        && unlisted(&p.manifest) == unlisted(manifest)
+    {
+        return Err(TransportError::SupersededByNewer {
+            key: key.to_string(),
+            current: cursor,
+            ours: cursor,
+        });
+    }
+    Ok(())
+}
+
+/// The manifest published: the artifact's own with the pointer's recent targets below `cursor`
+/// (what prune counts its grace from). Another incarnation's targets are not carried: their
+/// cursors belong to another sequence.
+fn published_manifest(
+    manifest: &ExportManifest,
+    current: Option<&Pointer>,
+    cursor: u64,
+) -> ExportManifest {
+    let mut published = ExportManifest {
+        previous: Vec::new(),
+        ..manifest.clone()
+    };
+    if let Some(p) = current {
+        let relation = protocol::stream_relation(
+            manifest.stream.as_ref().map(ManifestStream::key),
+            p.manifest.stream.as_ref().map(ManifestStream::key),
+        );
+        if matches!(
+            relation,
+            protocol::StreamRelation::Same | protocol::StreamRelation::Unknown
+        ) {
+            published.previous = p
+                .targets()
+                .into_iter()
+                .filter(|(c, _)| *c < cursor)
+                .take(artifact::MAX_PREVIOUS_TARGETS)
+                .map(|(cursor, published_unix_ms)| PreviousTarget {
+                    cursor,
+                    published_unix_ms,
+                })
+                .collect();
+        }
+    }
+    published
 }
