@@ -18,6 +18,7 @@
 //! - [`storedir`] — the store directory: backend choice, read-only opens, the status file.
 //! - [`status`] — the one status model ([`status::StatusReport`]).
 //! - [`guest`] — WebAssembly guests behind the `Apply` seam (wasmtime).
+//! - [`write`] — writes through the host: outcomes, operation ids, the ledger's answers.
 //! - [`serve`] — the `--listen` endpoint: `/status`, `/query`, `/swap`, `/export`.
 //! - [`cli`] — the command line (a shell over `node`).
 //! - [`crashpoint`] — named crash points, compiled in only with the `crashpoints` feature (tests).
@@ -32,6 +33,7 @@ pub use foldhost_fold::applied;
 pub mod cli;
 pub use foldhost_core::crashpoint;
 pub use foldhost_core::kv;
+pub use foldhost_core::ledger;
 pub use foldhost_guest::guest;
 use foldhost_localnats as localnats;
 pub use foldhost_nats::lease;
@@ -50,3 +52,4 @@ pub use foldhost_core::storedir;
 pub mod testkit;
 pub use foldhost_artifact::transport;
 pub use foldhost_core::view;
+pub mod write;

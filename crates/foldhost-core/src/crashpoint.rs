@@ -36,6 +36,10 @@ pub(crate) const POINTS: &[(&str, &str)] = &[
         "between a fold batch's store commit and the applier's `on-applied`",
     ),
     (
+        FOLD_LEDGER_COMMIT,
+        "before the first fold commit that records an operation ledger row (hold only)",
+    ),
+    (
         RELIST_BATCH,
         "inside the key-listing diff, after a batch of its synthetic deletes committed",
     ),
@@ -73,6 +77,9 @@ pub(crate) const POINTS: &[(&str, &str)] = &[
 pub const FOLD_COMMITTED: &str = "fold.committed";
 /// Between a fold batch's store commit and `on-applied`.
 pub const FOLD_BEFORE_ON_APPLIED: &str = "fold.before-on-applied";
+/// Before the first fold commit that records an operation ledger row (a write through the host
+/// is then durable and not yet applied: `pending`).
+pub const FOLD_LEDGER_COMMIT: &str = "fold.ledger-commit";
 /// Inside the key-listing diff, after a committed batch of synthetic deletes.
 pub const RELIST_BATCH: &str = "repair.relist.batch";
 /// Inside an artifact restore, after a committed batch of its difference.

@@ -80,14 +80,14 @@ pub fn read_watermark<S: SnapshotStore + ?Sized>(store: &S) -> Result<u64, Ledge
     match store.get(WATERMARK_KEY)? {
         None => Ok(0),
         Some(e) => {
-            let bytes: [u8; 8] =
-                e.value
-                    .as_ref()
-                    .try_into()
-                    .map_err(|_| LedgerError::Corrupt {
-                        key: WATERMARK_KEY.into(),
-                        reason: format!("{} bytes, not 8", e.value.len()),
-                    })?;
+            let bytes: [u8; 8] = e
+                .value
+                .as_ref()
+                .try_into()
+                .map_err(|_| LedgerError::Corrupt {
+                    key: WATERMARK_KEY.into(),
+                    reason: format!("{} bytes, not 8", e.value.len()),
+                })?;
             Ok(u64::from_be_bytes(bytes))
         }
     }

@@ -84,6 +84,9 @@ pub struct StatusReport {
     /// The file holding the admin token of the host's `--listen` endpoint (mode 0600), when the
     /// host generated it or was given it as a file.
     pub admin_token_file: Option<String>,
+    /// The file holding the write token of the host's `--listen` endpoint (mode 0600), when the
+    /// host generated it or was given it as a file.
+    pub write_token_file: Option<String>,
     /// When this was taken (Unix milliseconds).
     pub updated_unix_ms: u64,
     /// The last export round of this host (`--export-every`), if any ran.
@@ -253,12 +256,33 @@ pub struct FoldStatus {
     pub skipped_messages: AtomicU64,
     /// The last of them: revision, subject and reason.
     pub last_skipped: std::sync::Mutex<Option<(u64, String, &'static str)>>,
+    /// Told whenever `applied_through` or `cursor` is published: what a write or a read waiting
+    /// for a revision waits on ([`FoldStatus::wait_applied`]).
+    pub applied_moved: tokio::sync::Notify,
 }
 
 /// Most warnings kept in [`FoldStatus::warnings`].
 pub const MAX_WARNINGS: usize = 16;
 
 impl FoldStatus {
+    /// Waits until `applied_through` reaches `revision`, at most until `deadline`: the
+    /// `applied_through` seen last (at or past `revision` when the wait succeeded).
+    pub async fn wait_applied(&self, revision: u64, deadline: tokio::time::Instant) -> u64 {
+        loop {
+            let moved = self.applied_moved.notified();
+            tokio::pin!(moved);
+            // Registered before the check, so a publish in between is not missed.
+            moved.as_mut().enable();
+            let through = self.applied_through.load(Ordering::Acquire);
+            if through >= revision {
+                return through;
+            }
+            if tokio::time::timeout_at(deadline, moved).await.is_err() {
+                return self.applied_through.load(Ordering::Acquire);
+            }
+        }
+    }
+
     /// Records the applier now running.
     pub(crate) fn set_guest(&self, name: &str) {
         if let Ok(mut g) = self.guest.lock() {

@@ -49,9 +49,9 @@ pub mod wire;
 pub use create::{create_bucket_raw, kv_stream_config, parse_stream_create_reply};
 
 pub use connection::NatsConnection;
-pub use publish::{ACK_WAIT, Published, WriteKind};
 use connection::{DeliveryClient, connect_client, lock};
 use floor::FloorGuard;
+pub use publish::{ACK_WAIT, Published, WriteKind};
 use watch::ConsumerCleanup;
 
 use std::future::Future;
@@ -70,8 +70,8 @@ use foldhost_core::bucket::{
     CredentialSource, DEFAULT_WATCH_HEARTBEAT, credential_source,
 };
 use foldhost_core::kv::{
-    KvEntry, KvError, KvReader, OpRecord, KvUpdate, KvWatcher, KvWriter, StreamIdentity, StreamState,
-    VersionToken, WatchCursor, WatchEvent, WatchScope,
+    KvEntry, KvError, KvReader, KvUpdate, KvWatcher, KvWriter, OpRecord, StreamIdentity,
+    StreamState, VersionToken, WatchCursor, WatchEvent, WatchScope,
 };
 use foldhost_core::protocol;
 

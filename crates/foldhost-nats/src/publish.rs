@@ -46,7 +46,22 @@ pub enum Published {
     Refused(String),
 }
 
+/// Room left in a message for the headers a write adds (its id twice, the operation, the
+/// conditions).
+const HEADER_ROOM: u64 = 512;
+
 impl NatsKv {
+    /// The largest value a write may carry: the server's largest payload, less room for the
+    /// headers a write adds, and within the bucket's own limit on a value when it sets one.
+    pub fn max_value_len(&self) -> u64 {
+        let payload = u64::try_from(self.client.server_info().max_payload).unwrap_or(0);
+        let room = payload.saturating_sub(HEADER_ROOM);
+        match u64::try_from(self.kv.stream.cached_info().config.max_message_size) {
+            Ok(limit) if limit > 0 => room.min(limit.saturating_sub(HEADER_ROOM)),
+            _ => room,
+        }
+    }
+
     /// Publishes `kind` on `key` under `op`, conditional on the key's last revision being
     /// `if_revision` when given (0: the key has no record).
     pub async fn publish_op(

@@ -615,17 +615,9 @@ impl Forwarder {
         self.tx.send(ev).await.is_ok()
     }
 
-    /// Forwards one checked chunk; live after the level, the guard's frontier follows every
-    /// delivered sequence, and the level itself guards a state-sync watch from there.
-    async fn forward(
-        &mut self,
-        scope: &WatchScope,
-        decoded: Vec<catchup::Decoded>,
-        guard: &mut FloorGuard,
-    ) -> bool {
-        // The chunk's operation ids go first: the fold records each with the commit that moves
-        // its cursor over the record.
-        let ops: Vec<OpRecord> = decoded
+    /// The operation ids of a chunk's records in scope (an undecodable record carries none).
+    fn ops_of(&self, scope: &WatchScope, decoded: &[catchup::Decoded]) -> Vec<OpRecord> {
+        decoded
             .iter()
             .filter_map(|(update, _, op)| {
                 let (op, revision) = ((*op)?, update.revision()?);
@@ -636,7 +628,20 @@ impl Forwarder {
                     key: key.to_string(),
                 })
             })
-            .collect();
+            .collect()
+    }
+
+    /// Forwards one checked chunk; live after the level, the guard's frontier follows every
+    /// delivered sequence, and the level itself guards a state-sync watch from there.
+    async fn forward(
+        &mut self,
+        scope: &WatchScope,
+        decoded: Vec<catchup::Decoded>,
+        guard: &mut FloorGuard,
+    ) -> bool {
+        // The chunk's operation ids go first: the fold records each with the commit that moves
+        // its cursor over the record.
+        let ops = self.ops_of(scope, &decoded);
         if !ops.is_empty() && !self.send(WatchEvent::Ops(ops)).await {
             return false;
         }

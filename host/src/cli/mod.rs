@@ -26,6 +26,7 @@ mod run;
 mod scaffold;
 mod status;
 mod swap;
+mod write;
 
 pub use artifacts::*;
 pub use run::*;
@@ -69,6 +70,11 @@ pub enum Command {
     Bootstrap(BootstrapArgs),
     /// Delete a key's published payloads older than a grace, never the pointer's target.
     Prune(PruneArgs),
+    /// Write a key through a running host (`--listen`): prints the outcome as one JSON line and
+    /// exits 0 applied, 3 pending, 4 unknown, 5 refused.
+    Put(write::PutArgs),
+    /// Delete (or `--purge`) a key through a running host, answered as `put` is.
+    Delete(write::DeleteArgs),
 }
 
 /// `foldhost new-guest`.
@@ -119,6 +125,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Publish(a) => cmd_publish(a).await,
         Command::Bootstrap(a) => cmd_bootstrap(a).await,
         Command::Prune(a) => cmd_prune(a).await,
+        Command::Put(a) => write::cmd_put(a).await,
+        Command::Delete(a) => write::cmd_delete(a).await,
     }
 }
 
@@ -201,6 +209,10 @@ pub fn log_filter(spec: &str) -> String {
 
 /// Exit code for an error: 1 (clap's usage errors exit 2 on their own).
 pub fn report_error(e: &anyhow::Error) -> i32 {
+    // An outcome already printed as the answer: only its exit code.
+    if let Some(write::OutcomeExit(code)) = e.downcast_ref::<write::OutcomeExit>() {
+        return *code;
+    }
     // One line: the chain joined, no backtrace.
     let mut line = String::new();
     for cause in e.chain() {

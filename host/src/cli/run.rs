@@ -71,6 +71,20 @@ pub struct RunArgs {
     /// Read the admin token from this file (keeps it out of `ps`).
     #[arg(long, value_name = "FILE", conflicts_with = "admin_token")]
     pub admin_token_file: Option<PathBuf>,
+    /// Bearer token `POST /write` requires (only it: the admin token does not open `/write`).
+    /// Without it (or `--write-token-file`) the host uses the one in `STORE/write-token` (mode
+    /// 0600, generated there at the first run and kept across restarts), where `foldhost put` and
+    /// `foldhost delete` find it.
+    #[arg(long, env = "FOLDHOST_WRITE_TOKEN", hide_env_values = true)]
+    pub write_token: Option<String>,
+    /// Read the write token from this file (keeps it out of `ps`).
+    #[arg(long, value_name = "FILE", conflicts_with = "write_token")]
+    pub write_token_file: Option<PathBuf>,
+    /// How long the operation ledger keeps a write's row after its record was folded, in days: a
+    /// retry within it is answered from the row; a later one (minted before the swept rows) is
+    /// answered `unknown`, never applied twice.
+    #[arg(long, value_name = "DAYS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3650))]
+    pub ledger_retention_days: u64,
     /// Read the bearer token `/status` and `/query` require from this file (the admin token opens
     /// them too). Without it, a loopback listener answers them to anyone on this machine, and any
     /// other (0.0.0.0 and :: included) only with the token it generates into `STORE/query-token`
@@ -237,6 +251,7 @@ impl RunArgs {
             creds_file: self.creds_file,
             op_timeout: Duration::from_secs(self.nats_op_timeout),
             watch_heartbeat: Duration::from_secs(self.watch_heartbeat),
+            ledger_retention: Duration::from_secs(self.ledger_retention_days * 24 * 3600),
             bucket: self.bucket,
             scope: self.scope,
             store: self.store.clone(),
@@ -260,6 +275,8 @@ impl RunArgs {
             listen: self.listen.map(|addr| ListenConfig {
                 admin_token: self.admin_token,
                 admin_token_file: self.admin_token_file,
+                write_token: self.write_token,
+                write_token_file: self.write_token_file,
                 query_token: None,
                 query_token_file: self.query_token_file,
                 query_open: self.query_open,

@@ -53,6 +53,19 @@ pub(super) async fn admin_token_for(
     token: Option<String>,
     file: Option<&Path>,
 ) -> anyhow::Result<Option<String>> {
+    token_for(listen, token, file, "admin_token_file", "--admin-token").await
+}
+
+/// The token for the host at `listen` that its `/status` names the file of in `field`
+/// (`admin_token_file`, `write_token_file`): given, read from `file`, or followed as
+/// [`admin_token_for`] says. `flag` names the option that gives it, for the refusal.
+pub(super) async fn token_for(
+    listen: &str,
+    token: Option<String>,
+    file: Option<&Path>,
+    field: &str,
+    flag: &str,
+) -> anyhow::Result<Option<String>> {
     if token.is_some() {
         return Ok(token);
     }
@@ -64,7 +77,7 @@ pub(super) async fn admin_token_for(
     };
     let named = serde_json::from_slice::<serde_json::Value>(&body)
         .ok()
-        .and_then(|v| v["admin_token_file"].as_str().map(PathBuf::from));
+        .and_then(|v| v[field].as_str().map(PathBuf::from));
     let Some(file) = named else {
         return Ok(None);
     };
@@ -74,7 +87,7 @@ pub(super) async fn admin_token_for(
     let store_status = file.parent().and_then(storedir::read_status);
     if let Err(why) = token_file_followable(listen, &file, store_status.as_ref()) {
         bail!(
-            "{listen}: not sending the admin token of {}: {why}; pass --admin-token or --admin-token-file",
+            "{listen}: not sending the token of {}: {why}; pass {flag} or {flag}-file",
             file.display()
         );
     }
@@ -110,7 +123,8 @@ pub(super) fn token_file_followable(
             status.listen.as_deref().unwrap_or("no address")
         ));
     }
-    let names_file = status.admin_token_file.as_deref().map(Path::new) == Some(file);
+    let names_file = status.admin_token_file.as_deref().map(Path::new) == Some(file)
+        || status.write_token_file.as_deref().map(Path::new) == Some(file);
     if !names_file || status.state == "stopped" {
         return Err("its store's status.json is not of a running host using that file".into());
     }

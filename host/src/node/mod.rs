@@ -105,6 +105,10 @@ pub(crate) struct ListenConfig {
     pub admin_token: Option<String>,
     /// A file holding the admin token.
     pub admin_token_file: Option<PathBuf>,
+    /// The write token (`/write`); `None` with no file: one is generated beside the store.
+    pub write_token: Option<String>,
+    /// A file holding the write token.
+    pub write_token_file: Option<PathBuf>,
     /// A token `/status` and `/query` must present. With none (and no `query_token_file`), a
     /// loopback listener answers them to anyone, and any other listener (a wildcard one
     /// included) to the token it generates into `STORE/query-token` (mode 0600), unless
@@ -129,6 +133,8 @@ impl ListenConfig {
             addr: addr.into(),
             admin_token: None,
             admin_token_file: None,
+            write_token: None,
+            write_token_file: None,
             query_token: None,
             query_token_file: None,
             query_open: false,
@@ -150,6 +156,9 @@ pub(crate) struct NodeConfig {
     /// The idle heartbeat of the watches' consumers
     /// ([`crate::bucket::ConnectOptions::watch_heartbeat`]).
     pub watch_heartbeat: Duration,
+    /// How long the operation ledger keeps a row after folding its record
+    /// ([`crate::protocol::DEFAULT_LEDGER_RETENTION_MS`] by default).
+    pub ledger_retention: Duration,
     /// The bucket to fold.
     pub bucket: String,
     /// What to watch (`None`: the guest's manifest scope, or the whole bucket).
@@ -220,6 +229,7 @@ impl NodeConfig {
             creds_file: None,
             op_timeout: crate::bucket::DEFAULT_OP_TIMEOUT,
             watch_heartbeat: crate::bucket::DEFAULT_WATCH_HEARTBEAT,
+            ledger_retention: Duration::from_millis(crate::protocol::DEFAULT_LEDGER_RETENTION_MS),
             bucket: bucket.into(),
             scope: None,
             store: store.into(),
@@ -367,15 +377,19 @@ impl Node {
             engine,
             transport.clone(),
             control_tx,
-            {
-                // Weak: the listener and the export rounds outlive the fold, and a store still
-                // shared at the stop leaves no clean-stop record (`close_store`).
-                let store = shared.downgrade();
-                Arc::new(move || {
-                    let store = store.upgrade()?;
-                    let store = store.read().ok()?;
-                    crate::artifact::stream_of(&*store).ok().flatten()
-                })
+            side::FoldAccess {
+                stream: {
+                    // Weak: the listener and the export rounds outlive the fold, and a store
+                    // still shared at the stop leaves no clean-stop record (`close_store`).
+                    let store = shared.downgrade();
+                    Arc::new(move || {
+                        let store = store.upgrade()?;
+                        let store = store.read().ok()?;
+                        crate::artifact::stream_of(&*store).ok().flatten()
+                    })
+                },
+                ledger: ledger_lookup(&shared),
+                kv: kv.clone(),
             },
         )
         .await?;
@@ -452,6 +466,21 @@ fn guest_seed(cfg: &NodeConfig) -> Result<[u8; 32], NodeError> {
             }
         }),
     }
+}
+
+/// The operation ledger as the write path reads it: the row of an id and the watermark, from the
+/// committed fold (weak, as the stream source: the listener outlives the fold).
+fn ledger_lookup(shared: &SharedStore<AnyStore>) -> crate::write::LedgerLookup {
+    let store = shared.downgrade();
+    Arc::new(move |op| {
+        let store = store.upgrade().ok_or("the fold has stopped")?;
+        let s = store
+            .read()
+            .map_err(|_| "the store is poisoned".to_string())?;
+        let row = crate::ledger::read_row(&*s, op).map_err(|e| e.to_string())?;
+        let watermark = crate::ledger::read_watermark(&*s).map_err(|e| e.to_string())?;
+        Ok((row, watermark))
+    })
 }
 
 /// The status every report of this run starts from.

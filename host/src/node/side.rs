@@ -47,8 +47,24 @@ impl SideTasks {
         engine: Option<Arc<GuestEngine>>,
         transport: Option<Arc<crate::transport::ArtifactTransport>>,
         control: mpsc::Sender<Control>,
-        stream: super::export::StreamSource,
+        fold: FoldAccess,
     ) -> Result<SideTasks, NodeError> {
+        let FoldAccess { stream, ledger, kv } = fold;
+        let mut others = Vec::new();
+        let (rate, sampler) = crate::write::ApplyRate::start(status.clone());
+        others.push(sampler);
+        let write = Arc::new(crate::write::WritePath {
+            kv,
+            bucket: cfg.bucket.clone(),
+            scope: scope.clone(),
+            status: status.clone(),
+            ledger,
+            rate,
+        });
+        others.push(tokio::spawn(sweep_ledger(
+            cfg.ledger_retention,
+            control.clone(),
+        )));
         let fatal: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
         let last_export: Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>> =
             Arc::default();
@@ -66,6 +82,7 @@ impl SideTasks {
                     &fatal,
                     &last_export,
                     stream.clone(),
+                    write.clone(),
                 )
                 .await?,
             ),
@@ -76,7 +93,6 @@ impl SideTasks {
             // the port the system chose is found.
             write_status_file(&cfg.store, &live_status(&base, status));
         }
-        let mut others = Vec::new();
         if cfg.watch_guest
             && let (Some(path), Some(engine)) = (cfg.guest.clone(), engine)
         {
@@ -183,6 +199,7 @@ async fn listen(
     fatal: &Arc<std::sync::Mutex<Option<String>>>,
     last_export: &Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
     stream: super::export::StreamSource,
+    write: Arc<crate::write::WritePath>,
 ) -> Result<JoinHandle<()>, NodeError> {
     let io = |source| NodeError::Listen {
         addr: l.addr.clone(),
@@ -203,6 +220,19 @@ async fn listen(
             (t, Some(f))
         }
     };
+    let (write_token, write_token_file) = match (&l.write_token, &l.write_token_file) {
+        (Some(t), _) => (t.clone(), None),
+        (None, Some(f)) => (
+            crate::serve::read_token_file(f).map_err(io)?,
+            Some(f.clone()),
+        ),
+        (None, None) => {
+            let f = cfg.store.join(crate::write::WRITE_TOKEN_FILE);
+            let t = crate::serve::query_token_from_store(&f).map_err(io)?;
+            tracing::info!(file = %f.display(), "write token (mode 0600): foldhost put and delete --listen read it from there");
+            (t, Some(f))
+        }
+    };
     let query_token = query_token(cfg, l, local).map_err(io)?;
     if local.ip().is_unspecified() && l.hosts.is_empty() {
         tracing::info!(addr = %local, "a wildcard listener with no --listen-host: it admits only a Host that is the IP address a client connected to (give --listen-host NAME for each name clients use)");
@@ -210,6 +240,7 @@ async fn listen(
     tracing::info!(addr = %local, "serving /status, /query, /swap and /export");
     let policy = crate::serve::AccessPolicy {
         admin_token,
+        write_token,
         query_token,
         listen: local,
         hosts: l.hosts.clone(),
@@ -222,6 +253,8 @@ async fn listen(
     base.listen = Some(local.to_string());
     base.admin_token_file =
         token_file.map(|f| std::path::absolute(&f).unwrap_or(f).display().to_string());
+    base.write_token_file =
+        write_token_file.map(|f| std::path::absolute(&f).unwrap_or(f).display().to_string());
     let (render_base, render_status, render_fatal, render_export) = (
         base.clone(),
         status.clone(),
@@ -244,9 +277,55 @@ async fn listen(
         backend: cfg.backend,
         scope: scope.to_string(),
         stream,
+        write: Some(write),
     });
     Ok(tokio::spawn(crate::serve::serve(listener, state)))
 }
+
+/// What the side tasks read of the fold: its stream identity (exports), its operation ledger and
+/// its bucket (writes).
+pub(super) struct FoldAccess {
+    /// The stream the fold records (weak: `None` once the fold stopped).
+    pub(super) stream: super::export::StreamSource,
+    /// The ledger's rows and watermark.
+    pub(super) ledger: crate::write::LedgerLookup,
+    /// The bucket writes publish to.
+    pub(super) kv: Arc<crate::nats::NatsKv>,
+}
+
+/// Sweeps the operation ledger every [`LEDGER_SWEEP_PERIOD`] (the first time at once): rows
+/// recorded more than `retention` ago go, as one commit of the fold ([`Control::SweepLedger`]).
+async fn sweep_ledger(retention: std::time::Duration, control: mpsc::Sender<Control>) {
+    let mut tick = tokio::time::interval(LEDGER_SWEEP_PERIOD);
+    loop {
+        tick.tick().await;
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_millis() as u64)
+            .unwrap_or(0);
+        let cutoff = crate::protocol::ledger_cutoff(now, retention.as_millis() as u64);
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let asked = Control::SweepLedger {
+            cutoff_unix_ms: cutoff,
+            reply: tx,
+        };
+        if control.send(asked).await.is_err() {
+            return;
+        }
+        match rx.await {
+            Ok(Ok(0)) | Err(_) => {}
+            Ok(Ok(n)) => {
+                tracing::info!(rows = n, cutoff_unix_ms = cutoff, "operation ledger swept")
+            }
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "the operation ledger could not be swept; the next period tries again")
+            }
+        }
+    }
+}
+
+/// How often the operation ledger is swept.
+const LEDGER_SWEEP_PERIOD: std::time::Duration = std::time::Duration::from_secs(3600);
 
 /// The token `/status` and `/query` need on the listener bound at `local`
 /// ([`crate::protocol::query_access`]): the one given (literally or in a file), `None` where they

@@ -303,7 +303,11 @@ impl ConnCtx {
         // The body's share of a budget, taken before a byte of it is read: a chunked query
         // takes the route's whole limit, the most it may read.
         let budget = match route {
-            Route::Query if head.chunked || head.content_length > 0 => {
+            Route::Query | Route::Write if head.chunked || head.content_length > 0 => {
+                if route == Route::Write {
+                    // Admitted with the write token: no longer a stranger to evict.
+                    self.slot.leave();
+                }
                 let bytes = if head.chunked {
                     limit
                 } else {
@@ -366,6 +370,7 @@ impl ConnCtx {
             Route::Swap => (super::swap(body, state).await, None),
             Route::Shadow => (super::shadow(body, state).await, None),
             Route::Export => (super::export(body, state).await, None),
+            Route::Write => (super::write(body, state).await, None),
         };
         // The body's budget is held until the request is served.
         drop(budget);
@@ -603,6 +608,7 @@ mod tests {
             engine: None,
             policy: AccessPolicy {
                 admin_token: "admin-secret".into(),
+                write_token: "write-secret".into(),
                 query_token: None,
                 listen,
                 hosts: Vec::new(),
@@ -612,6 +618,7 @@ mod tests {
             backend: crate::storedir::Backend::AppendLog,
             scope: ">".into(),
             stream: Arc::new(|| None),
+            write: None,
         });
         let heads = Arc::new(Mutex::new(HeadPhase::default()));
         let budgets = Arc::new(Budgets::new());

@@ -119,7 +119,7 @@ pub(crate) fn read_token_file(path: &std::path::Path) -> std::io::Result<String>
 }
 
 /// Reads a token file a host generated ([`generate_token_file`]), refusing anything else: the
-/// file must be named [`ADMIN_TOKEN_FILE`], be a regular file no one but its owner can read
+/// file must be named [`ADMIN_TOKEN_FILE`] or [`crate::write::WRITE_TOKEN_FILE`], be a regular file no one but its owner can read
 /// (mode 0600 or stricter), and hold 64 hex digits. A client that follows the path a listener
 /// names in `/status` uses this, so a listener that is not the host (a squatter on the port)
 /// cannot make it send some other file (a private key) as a bearer token.
@@ -129,12 +129,15 @@ pub(crate) fn read_generated_token(path: &std::path::Path) -> std::io::Result<St
         std::io::Error::new(
             std::io::ErrorKind::InvalidData,
             format!(
-                "{}: not a generated admin token file: {why}",
+                "{}: not a token file a host generated: {why}",
                 path.display()
             ),
         )
     };
-    if path.file_name() != Some(std::ffi::OsStr::new(ADMIN_TOKEN_FILE)) {
+    let name = path.file_name();
+    if name != Some(std::ffi::OsStr::new(ADMIN_TOKEN_FILE))
+        && name != Some(std::ffi::OsStr::new(crate::write::WRITE_TOKEN_FILE))
+    {
         return Err(refuse("wrong name"));
     }
     let meta = std::fs::symlink_metadata(path)?;
@@ -195,6 +198,8 @@ pub(crate) fn generate_token_file(path: &std::path::Path) -> std::io::Result<Str
 pub struct ServeState {
     /// The host's status, now.
     pub status: Box<dyn Fn() -> crate::status::StatusReport + Send + Sync>,
+    /// Writes through the host (`None`: this host takes none).
+    pub(crate) write: Option<Arc<crate::write::WritePath>>,
     /// The fold's control channel (`None` once the fold stopped).
     pub control: mpsc::Sender<Control>,
     /// Compiles a swapped-in guest off the fold's path (`None`: no guest, no swap).
@@ -311,6 +316,18 @@ pub(crate) async fn query(
 /// How long a swap (settle, compile, rebuild from the fold) may take before the caller gives up
 /// waiting (the swap itself still completes or is refused).
 pub(crate) const SWAP_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// `POST /write`: the body is a [`crate::write::WriteRequest`]; the answer its
+/// [`crate::write::WriteAnswer`], one JSON line, with the status the outcome goes with.
+pub(crate) async fn write(body: Vec<u8>, state: &ServeState) -> Reply {
+    let Some(w) = &state.write else {
+        return unavailable("this host takes no writes");
+    };
+    let answer = w.write_json(&body).await;
+    let mut b = serde_json::to_vec(&answer).unwrap_or_default();
+    b.push(b'\n');
+    Reply::new(answer.http_status(), "application/json", b)
+}
 
 /// `POST /export`: the body is the output path (a directory, or a file ending `.tar`) on the host's
 /// machine; the answer is the artifact's manifest.

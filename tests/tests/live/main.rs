@@ -29,3 +29,4 @@ mod swap;
 mod transport;
 mod undecodable;
 mod watch_semantics;
+mod writes;

@@ -26,7 +26,7 @@ async fn collect_until_level(
         match tokio::time::timeout(Duration::from_secs(120), rx.recv()).await? {
             Some(WatchEvent::Updates(us)) => got.extend(us),
             Some(WatchEvent::CaughtUp { .. }) => break,
-            Some(WatchEvent::Pending(_) | WatchEvent::Stamp { .. }) => {}
+            Some(WatchEvent::Pending(_) | WatchEvent::Stamp { .. } | WatchEvent::Ops(_)) => {}
             None => {
                 let r = task.await?;
                 anyhow::bail!("watch ended before it was level: {r:?}");
@@ -320,7 +320,7 @@ async fn delta_then_live_in(
                 level = true;
                 kv.put(after, "live".into()).await?;
             }
-            Some(WatchEvent::Pending(_) | WatchEvent::Stamp { .. }) => {}
+            Some(WatchEvent::Pending(_) | WatchEvent::Stamp { .. } | WatchEvent::Ops(_)) => {}
             None => {
                 let r = task.await?;
                 anyhow::bail!("watch ended: {r:?}");

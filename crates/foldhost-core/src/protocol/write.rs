@@ -426,7 +426,8 @@ mod tests {
             super::super::decode_stored_record(Some(block.as_bytes())),
             Ok((super::super::KvOp::Delete, Some(id)))
         );
-        let foreign = format!("NATS/1.0\r\n{OP_ID_HEADER}: 1b4e28ba-2fa1-41d2-883f-0016d3cca427\r\n\r\n");
+        let foreign =
+            format!("NATS/1.0\r\n{OP_ID_HEADER}: 1b4e28ba-2fa1-41d2-883f-0016d3cca427\r\n\r\n");
         assert_eq!(
             super::super::decode_stored_record(Some(foreign.as_bytes())),
             Ok((super::super::KvOp::Put, None))
@@ -565,7 +566,10 @@ mod tests {
     fn a_wait_over_the_limit_is_refused_and_none_is_the_default() {
         assert_eq!(write_wait_ms(None), Ok(DEFAULT_WRITE_WAIT_MS));
         assert_eq!(write_wait_ms(Some(0)), Ok(0));
-        assert_eq!(write_wait_ms(Some(MAX_WRITE_WAIT_MS)), Ok(MAX_WRITE_WAIT_MS));
+        assert_eq!(
+            write_wait_ms(Some(MAX_WRITE_WAIT_MS)),
+            Ok(MAX_WRITE_WAIT_MS)
+        );
         assert!(write_wait_ms(Some(MAX_WRITE_WAIT_MS + 1)).is_err());
     }
 

@@ -128,12 +128,13 @@ impl<S: SnapshotStore> Fold<S> {
             "applied-through never passes the cursor"
         );
         s.applied_through
-            .store(through.unwrap_or(0), Ordering::Relaxed);
+            .store(through.unwrap_or(0), Ordering::Release);
         s.retained.store(n, Ordering::Relaxed);
         s.oldest_retained_revision
             .store(oldest.map_or(0, |o| o.0), Ordering::Relaxed);
         s.oldest_retained_unix_ms
             .store(oldest.map_or(0, |o| o.1), Ordering::Relaxed);
+        s.applied_moved.notify_waiters();
         Ok(())
     }
 
@@ -165,7 +166,10 @@ impl<S: SnapshotStore> Fold<S> {
             }
             if self.ops.len() >= MAX_PENDING_OPS {
                 let dropped = self.ops.pop_front();
-                tracing::warn!(?dropped, "operation ids queued past the limit: the oldest is not recorded in the ledger");
+                tracing::warn!(
+                    ?dropped,
+                    "operation ids queued past the limit: the oldest is not recorded in the ledger"
+                );
             }
             self.ops.push_back(op);
         }
@@ -533,6 +537,9 @@ impl<S: SnapshotStore> Fold<S> {
         // The ledger rows of the records this commit moves the cursor over commit with them.
         if !self.frozen {
             let rows = self.take_ledger_rows(cursor.revision_or_zero());
+            if !rows.is_empty() {
+                crashpoint::hold(crashpoint::FOLD_LEDGER_COMMIT).await;
+            }
             raw.extend(rows);
         }
         debug_assert!(

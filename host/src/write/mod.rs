@@ -1,0 +1,420 @@
+//! Writes through the host (docs/writes.md): one request — a key, a value or a delete, an
+//! operation id, a compare-and-set revision, a wait — answered `applied`, `pending`, `unknown` or
+//! `refused`, for `POST /write`, `foldhost put|delete` and the NATS write subject alike.
+//!
+//! Invariants:
+//! - **Every decision is the protocol's** ([`crate::protocol::admit_write`], `after_ack`,
+//!   `resolve_lost_ack`, `outcome_at`): this module reads what they decide from (the ledger, the
+//!   broker's answer, the log, the fold's positions) and renders the answer.
+//! - **Nothing is published twice for one operation id by this host**: an id the ledger records
+//!   is answered from its row; an id minted at or before the watermark without a row is unknown.
+//! - **Unknown only after the log was asked**: a lost acknowledgement reads the newest record on
+//!   the key before it is answered unknown.
+//! - **Bad input is refused before anything is published**, naming the field.
+
+mod rate;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use base64::Engine as _;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+
+use crate::kv::WatchScope;
+use crate::nats::{NatsKv, Published, WriteKind};
+use crate::protocol::{self, Admission, LedgerRow, OpId, Outcome, UnknownWhy, WriteRefusal};
+use crate::status::FoldStatus;
+
+pub(crate) use rate::ApplyRate;
+
+/// The token file `POST /write` needs, generated beside the store when none is given.
+pub(crate) const WRITE_TOKEN_FILE: &str = "write-token";
+
+/// Largest `/write` body: a value of the broker's largest payload (8 MiB at most in NATS) as
+/// base64, and the rest of the request.
+pub(crate) const MAX_WRITE_BODY: usize = 12 * 1024 * 1024;
+
+/// A write request (the body of `POST /write`, and of a request on the write subject).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct WriteRequest {
+    /// The key.
+    pub key: String,
+    /// `put` (the default), `delete` or `purge`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op: Option<String>,
+    /// The value as UTF-8 text (a put; exclusive with `value_base64`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
+    /// The value as standard base64 (a put; exclusive with `value`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub value_base64: Option<String>,
+    /// The operation id (a UUIDv7); the host mints one when absent. A retry sends the same.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op_id: Option<String>,
+    /// Compare-and-set: the key's revision the write expects (0: the key has no record).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub if_revision: Option<u64>,
+    /// How long to wait for this node's fold to apply the write before answering `pending`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wait_ms: Option<u64>,
+    /// The bucket, when the caller names it (it must be the one this node folds).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bucket: Option<String>,
+}
+
+/// How far behind a pending write this fold is.
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+pub struct LagAnswer {
+    /// Records between `applied_through` and the write.
+    pub records: u64,
+    /// Estimated seconds to apply them, at the measured rate.
+    pub seconds: u64,
+}
+
+/// A write's answer: one JSON object.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
+pub struct WriteAnswer {
+    /// `applied`, `pending`, `unknown` or `refused`.
+    pub outcome: String,
+    /// The operation id (minted by the host when the request had none; absent only when the
+    /// request could not be read).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub op_id: Option<String>,
+    /// The record's revision (applied, pending); the key's current one for `conflict`; where
+    /// the id landed for `op_reused`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub revision: Option<u64>,
+    /// How far behind this fold is (pending).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lag: Option<LagAnswer>,
+    /// Why it was refused: `conflict`, `op_reused`, `too_large`, `not_folded` or `invalid`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The key the operation id landed on (`op_reused`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub key: Option<String>,
+    /// What happened, for a person.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
+}
+
+impl WriteAnswer {
+    fn outcome(o: Outcome, op: &OpId) -> Self {
+        match o {
+            Outcome::Applied { revision } => WriteAnswer {
+                outcome: "applied".into(),
+                op_id: Some(op.to_string()),
+                revision: Some(revision),
+                ..Default::default()
+            },
+            Outcome::Pending { revision, lag } => WriteAnswer {
+                outcome: "pending".into(),
+                op_id: Some(op.to_string()),
+                revision: Some(revision),
+                lag: Some(LagAnswer {
+                    records: lag.records,
+                    seconds: lag.seconds,
+                }),
+                message: Some("durable, not yet applied by this node: do not retry".into()),
+                ..Default::default()
+            },
+        }
+    }
+
+    fn refused(r: WriteRefusal, op: Option<&OpId>) -> Self {
+        let mut a = WriteAnswer {
+            outcome: "refused".into(),
+            op_id: op.map(OpId::to_string),
+            reason: Some(r.reason().into()),
+            ..Default::default()
+        };
+        a.message = Some(match r {
+            WriteRefusal::Conflict { current } => {
+                a.revision = current;
+                match current {
+                    Some(c) => format!("the key is at revision {c}"),
+                    None => "the key has no record".into(),
+                }
+            }
+            WriteRefusal::OpReused { key, revision } => {
+                a.revision = Some(revision);
+                let m = format!("the operation id landed on {key:?} at revision {revision}");
+                a.key = Some(key);
+                m
+            }
+            WriteRefusal::TooLarge { size, limit } => {
+                format!("the value is {size} bytes; the bucket takes at most {limit}")
+            }
+            WriteRefusal::NotFolded { what } => format!("{what} is not folded by this node"),
+            WriteRefusal::Invalid { what } => what,
+        });
+        a
+    }
+
+    fn unknown(why: UnknownWhy, op: &OpId) -> Self {
+        let message = match why {
+            UnknownWhy::BeforeWatermark {
+                minted_unix_ms,
+                watermark_unix_ms,
+            } => format!(
+                "minted at {minted_unix_ms} ms, before this node's ledger watermark ({watermark_unix_ms} ms), and no row: it may have landed; its record, if any, is on the log"
+            ),
+            UnknownWhy::LogUnreadable(e) => {
+                format!("no acknowledgement, and the log could not be read ({e}): retry with the same op_id")
+            }
+            UnknownWhy::NotNewest => "no acknowledgement, and the newest record on the key is not this operation's: retry with the same op_id".into(),
+        };
+        WriteAnswer {
+            outcome: "unknown".into(),
+            op_id: Some(op.to_string()),
+            message: Some(message),
+            ..Default::default()
+        }
+    }
+
+    /// The HTTP status the answer goes with: 200 applied, 202 pending, 503 unknown (retry with
+    /// the same id), and per refusal 409 (conflict, op_reused), 413, 422 (not folded), 400.
+    pub(crate) fn http_status(&self) -> u16 {
+        match (self.outcome.as_str(), self.reason.as_deref()) {
+            ("applied", _) => 200,
+            ("pending", _) => 202,
+            ("unknown", _) => 503,
+            (_, Some("conflict" | "op_reused")) => 409,
+            (_, Some("too_large")) => 413,
+            (_, Some("not_folded")) => 422,
+            _ => 400,
+        }
+    }
+}
+
+/// Reads the ledger's row for an operation and its watermark from the committed fold.
+pub(crate) type LedgerLookup =
+    Arc<dyn Fn(&OpId) -> Result<(Option<LedgerRow>, u64), String> + Send + Sync>;
+
+/// What a write needs of the running node.
+pub(crate) struct WritePath {
+    pub(crate) kv: Arc<NatsKv>,
+    pub(crate) bucket: String,
+    pub(crate) scope: WatchScope,
+    pub(crate) status: Arc<FoldStatus>,
+    pub(crate) ledger: LedgerLookup,
+    pub(crate) rate: Arc<ApplyRate>,
+}
+
+/// A request checked and decoded: what to publish, under which id.
+struct Checked {
+    key: String,
+    kind: WriteKind,
+    op: OpId,
+    if_revision: Option<u64>,
+    wait: Duration,
+}
+
+impl WritePath {
+    /// Answers one request body (JSON).
+    pub(crate) async fn write_json(&self, body: &[u8]) -> WriteAnswer {
+        match serde_json::from_slice::<WriteRequest>(body) {
+            Ok(req) => self.write(req).await,
+            Err(e) => WriteAnswer::refused(
+                WriteRefusal::Invalid {
+                    what: format!("the request: {e}"),
+                },
+                None,
+            ),
+        }
+    }
+
+    /// Answers one request.
+    pub(crate) async fn write(&self, req: WriteRequest) -> WriteAnswer {
+        let c = match self.check(req) {
+            Ok(c) => c,
+            Err((r, op)) => return WriteAnswer::refused(r, op.as_ref()),
+        };
+        let (row, watermark) = match (self.ledger)(&c.op) {
+            Ok(found) => found,
+            // The ledger cannot say whether the id landed: nothing is published on a guess.
+            Err(e) => {
+                return WriteAnswer::unknown(
+                    UnknownWhy::LogUnreadable(format!("the ledger: {e}")),
+                    &c.op,
+                );
+            }
+        };
+        match protocol::admit_write(&c.op, &c.key, row.as_ref(), watermark, now_unix_ms()) {
+            Admission::Landed { revision } => self.settle(revision, &c).await,
+            Admission::Refused(r) => WriteAnswer::refused(r, Some(&c.op)),
+            Admission::Unknown(why) => WriteAnswer::unknown(why, &c.op),
+            Admission::Publish => self.publish(&c).await,
+        }
+    }
+
+    /// Publishes, and turns the broker's answer (or its absence) into a revision or an answer.
+    async fn publish(&self, c: &Checked) -> WriteAnswer {
+        let published = self
+            .kv
+            .publish_op(&c.key, &c.kind, &c.op, c.if_revision)
+            .await;
+        let revision = match published {
+            Published::Acked {
+                sequence,
+                duplicate,
+            } => {
+                let landed = if duplicate {
+                    match self.kv.key_at(sequence).await {
+                        Ok(k) => k,
+                        Err(e) => {
+                            return WriteAnswer::unknown(
+                                UnknownWhy::LogUnreadable(e.to_string()),
+                                &c.op,
+                            );
+                        }
+                    }
+                } else {
+                    None
+                };
+                match protocol::after_ack(&c.key, sequence, landed.as_deref()) {
+                    Ok(rev) => rev,
+                    Err(r) => return WriteAnswer::refused(r, Some(&c.op)),
+                }
+            }
+            Published::WrongLastSequence => {
+                let current = self.kv.newest_record(&c.key).await.ok().flatten();
+                return WriteAnswer::refused(
+                    WriteRefusal::Conflict {
+                        current: current.map(|(rev, _)| rev),
+                    },
+                    Some(&c.op),
+                );
+            }
+            Published::Lost(why) => {
+                tracing::warn!(op_id = %c.op, key = %c.key, error = %why, "a write's acknowledgement was lost: resolving it from the log");
+                let newest = self
+                    .kv
+                    .newest_record(&c.key)
+                    .await
+                    .map_err(|e| e.to_string());
+                match protocol::resolve_lost_ack(&c.op, newest) {
+                    Ok(rev) => rev,
+                    Err(why) => {
+                        tracing::warn!(op_id = %c.op, key = %c.key, ?why, "a write could not tell whether its record landed: retry under the same op_id");
+                        return WriteAnswer::unknown(why, &c.op);
+                    }
+                }
+            }
+            Published::Refused(why) => {
+                return WriteAnswer::refused(
+                    WriteRefusal::Invalid {
+                        what: format!("the broker refused it: {why}"),
+                    },
+                    Some(&c.op),
+                );
+            }
+        };
+        self.settle(revision, c).await
+    }
+
+    /// A record durable at `revision`: applied once this fold reaches it within the wait,
+    /// pending otherwise.
+    async fn settle(&self, revision: u64, c: &Checked) -> WriteAnswer {
+        let deadline = tokio::time::Instant::now() + c.wait;
+        let through = self.status.wait_applied(revision, deadline).await;
+        WriteAnswer::outcome(
+            protocol::outcome_at(revision, through, self.rate.per_second()),
+            &c.op,
+        )
+    }
+
+    /// The request checked field by field; a refusal names the field (and carries the id when
+    /// one was given or minted).
+    fn check(&self, req: WriteRequest) -> Result<Checked, (WriteRefusal, Option<OpId>)> {
+        let invalid = |what: String| WriteRefusal::Invalid { what };
+        let op = match req.op_id.as_deref() {
+            Some(text) => {
+                OpId::parse(text).map_err(|e| (invalid(format!("op_id {text:?}: {e}")), None))?
+            }
+            None => mint(),
+        };
+        let refuse = |r: WriteRefusal| (r, Some(op));
+        if let Some(b) = &req.bucket
+            && *b != self.bucket
+        {
+            return Err(refuse(WriteRefusal::NotFolded {
+                what: format!("bucket {b:?}"),
+            }));
+        }
+        if !protocol::kv_key_valid(&req.key) {
+            return Err(refuse(invalid(format!(
+                "key {:?} is not a valid key",
+                req.key
+            ))));
+        }
+        if !self.scope.contains(&req.key) {
+            return Err(refuse(WriteRefusal::NotFolded {
+                what: format!("key {:?} (outside the scope {})", req.key, self.scope),
+            }));
+        }
+        let wait = protocol::write_wait_ms(req.wait_ms).map_err(refuse)?;
+        let kind = match req.op.as_deref().unwrap_or("put") {
+            "put" => match (req.value, req.value_base64) {
+                (Some(v), None) => WriteKind::Put(Bytes::from(v)),
+                (None, Some(b)) => WriteKind::Put(Bytes::from(
+                    base64::engine::general_purpose::STANDARD
+                        .decode(b.as_bytes())
+                        .map_err(|e| refuse(invalid(format!("value_base64: {e}"))))?,
+                )),
+                _ => {
+                    return Err(refuse(invalid(
+                        "a put takes exactly one of value and value_base64".into(),
+                    )));
+                }
+            },
+            op @ ("delete" | "purge") => {
+                if req.value.is_some() || req.value_base64.is_some() {
+                    return Err(refuse(invalid(format!("a {op} takes no value"))));
+                }
+                if op == "delete" {
+                    WriteKind::Delete
+                } else {
+                    WriteKind::Purge
+                }
+            }
+            other => {
+                return Err(refuse(invalid(format!(
+                    "op {other:?}: put, delete or purge"
+                ))));
+            }
+        };
+        if let WriteKind::Put(v) = &kind {
+            let limit = self.kv.max_value_len();
+            if v.len() as u64 > limit {
+                return Err(refuse(WriteRefusal::TooLarge {
+                    size: v.len() as u64,
+                    limit,
+                }));
+            }
+        }
+        Ok(Checked {
+            key: req.key,
+            kind,
+            op,
+            if_revision: req.if_revision,
+            wait: Duration::from_millis(wait),
+        })
+    }
+}
+
+/// A new operation id: a UUIDv7 minted now.
+pub(crate) fn mint() -> OpId {
+    let u = uuid::Uuid::now_v7();
+    // `now_v7` always makes a version-7 id.
+    OpId::from_bytes(*u.as_bytes()).unwrap_or_else(|_| unreachable!("now_v7 mints a UUIDv7"))
+}
+
+fn now_unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as u64)
+        .unwrap_or(0)
+}

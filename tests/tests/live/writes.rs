@@ -1,0 +1,357 @@
+//! Writes through a host (docs/writes.md): every answer applied, pending, unknown or refused, from
+//! a real situation against a real nats-server, the CLI's exit code per outcome, and retries
+//! answered from the operation ledger without publishing.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use foldhost::kv::{KvReader as _, KvWriter as _};
+use foldhost::write::WriteAnswer;
+use foldhost_tests::*;
+
+/// A node folding `bucket` with `--listen` on a reserved port, its write token in a file the test
+/// chose; waits until it serves.
+struct Node {
+    child: std::process::Child,
+    addr: String,
+    token: String,
+}
+
+impl Node {
+    async fn start(
+        h: &Harness,
+        bucket: &str,
+        store: &Path,
+        env: &[(&str, String)],
+    ) -> anyhow::Result<Node> {
+        let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+        let token = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+        let token_file = store.with_extension("write-token");
+        std::fs::write(&token_file, token)?;
+        let mut cmd = run_command(h, bucket, store, Some(&addr));
+        cmd.arg("--write-token-file")
+            .arg(&token_file)
+            .stderr(Stdio::null());
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd.spawn()?;
+        wait_status(&addr, |s| s.state == "running").await?;
+        Ok(Node {
+            child,
+            addr,
+            token: token.into(),
+        })
+    }
+
+    /// `POST /write` with `body` (JSON): the HTTP status and the answer.
+    async fn write(&self, body: serde_json::Value) -> anyhow::Result<(u16, WriteAnswer)> {
+        let (code, answer) = foldhost::serve::call_with_token(
+            &self.addr,
+            "POST",
+            "/write",
+            body.to_string().as_bytes(),
+            Some(&self.token),
+        )
+        .await?;
+        let parsed = serde_json::from_slice(&answer).map_err(|e| {
+            anyhow::anyhow!("HTTP {code}: {e}: {}", String::from_utf8_lossy(&answer))
+        })?;
+        Ok((code, parsed))
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = terminate(&mut self.child);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_through_the_host_is_applied_at_its_revision_and_the_fold_holds_it()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("w").await?;
+    kv.put("k.before", "x".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let node = Node::start(&h, "w", &store, &[]).await?;
+    // Through the CLI: one JSON line, exit code 0 for applied.
+    let out = foldhost()
+        .args([
+            "put",
+            "k.a",
+            "hello",
+            "--listen",
+            &node.addr,
+            "--write-token-file",
+        ])
+        .arg(store.with_extension("write-token"))
+        .output()?;
+    let answer: WriteAnswer = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(out.status.code(), Some(0), "{answer:?}");
+    assert_eq!(answer.outcome, "applied");
+    let revision = answer
+        .revision
+        .expect("an applied write names its revision");
+    assert!(answer.op_id.is_some(), "the host minted an operation id");
+    // Durable at that revision on the bucket, and already in the fold: "a read right after sees
+    // it" — the store is read while the node runs.
+    let entry = kv.entry("k.a").await?.expect("on the bucket");
+    assert_eq!(
+        (entry.value.as_ref(), entry.version.as_u64()),
+        (&b"hello"[..], Some(revision))
+    );
+    let dump = dump_store(&store)?;
+    assert_eq!(dump.get("k.a"), Some(&(b"hello".to_vec(), revision)));
+    // A delete answers the same way (exit 0), and the fold loses the key.
+    let out = foldhost()
+        .args([
+            "delete",
+            "k.a",
+            "--listen",
+            &node.addr,
+            "--write-token-file",
+        ])
+        .arg(store.with_extension("write-token"))
+        .output()?;
+    let answer: WriteAnswer = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(
+        (out.status.code(), answer.outcome.as_str()),
+        (Some(0), "applied")
+    );
+    assert_eq!(dump_store(&store)?.get("k.a"), None);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_the_fold_has_not_applied_is_pending_and_its_retry_is_answered_from_the_ledger()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("p").await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let hold = tmp.path().join("hold");
+    let node = Node::start(
+        &h,
+        "p",
+        &store,
+        &[(
+            foldhost::crashpoint::HOLD_ENV,
+            format!(
+                "{}:{}",
+                foldhost::crashpoint::FOLD_LEDGER_COMMIT,
+                hold.display()
+            ),
+        )],
+    )
+    .await?;
+    let (code, first) = node
+        .write(serde_json::json!({"key": "k.a", "value": "v1", "wait_ms": 200}))
+        .await?;
+    // Durable, held before the commit that applies it: pending, with its revision and the lag.
+    assert_eq!(
+        (code, first.outcome.as_str()),
+        (202, "pending"),
+        "{first:?}"
+    );
+    let revision = first.revision.expect("pending names the revision");
+    let lag = first.lag.expect("pending names the lag");
+    assert!(lag.records >= 1 && lag.seconds >= 1, "{lag:?}");
+    assert!(hold.with_extension("reached").exists(), "the fold is held");
+    let last = kv.positions().await?.last_sequence;
+    // Released, the fold applies it; the same operation id asked again is answered applied at
+    // the first revision — a different value and all — and nothing is published.
+    std::fs::write(hold.with_extension("release"), "")?;
+    wait_status(&node.addr, |s| s.applied_through >= revision).await?;
+    let op_id = first.op_id.clone().expect("the id");
+    let (code, again) = node
+        .write(serde_json::json!({"key": "k.a", "value": "v2", "op_id": op_id}))
+        .await?;
+    assert_eq!(
+        (code, again.outcome.as_str()),
+        (200, "applied"),
+        "{again:?}"
+    );
+    assert_eq!(again.revision, Some(revision));
+    assert_eq!(
+        kv.positions().await?.last_sequence,
+        last,
+        "published nothing"
+    );
+    assert_eq!(
+        kv.entry("k.a").await?.map(|e| e.value),
+        Some("v1".into()),
+        "the first copy stands"
+    );
+    // The same id sent for another key: refused, naming where it landed.
+    let (code, reused) = node
+        .write(serde_json::json!({"key": "k.b", "value": "x", "op_id": op_id}))
+        .await?;
+    assert_eq!((code, reused.reason.as_deref()), (409, Some("op_reused")));
+    assert_eq!(
+        (reused.key.as_deref(), reused.revision),
+        (Some("k.a"), Some(revision))
+    );
+    assert_eq!(
+        kv.positions().await?.last_sequence,
+        last,
+        "published nothing"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_after_the_brokers_duplicate_window_is_answered_applied_and_publishes_nothing()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("d").await?;
+    // The broker's duplicate window shortened to a second.
+    let js = kv.jetstream();
+    let mut config = js.get_stream("KV_d").await?.cached_info().config.clone();
+    config.duplicate_window = Duration::from_secs(1);
+    js.update_stream(config).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let node = Node::start(&h, "d", &store, &[]).await?;
+    let (_, first) = node
+        .write(serde_json::json!({"key": "k.a", "value": "v"}))
+        .await?;
+    assert_eq!(first.outcome, "applied", "{first:?}");
+    let op_id = first.op_id.clone().expect("the id");
+    // Past the window (a precondition, not a synchronisation: waiting longer changes nothing),
+    // the broker no longer collapses the id; only the ledger stands between a retry and a second
+    // record.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let last = kv.positions().await?.last_sequence;
+    let (code, again) = node
+        .write(serde_json::json!({"key": "k.a", "value": "v", "op_id": op_id}))
+        .await?;
+    assert_eq!((code, again.outcome.as_str()), (200, "applied"));
+    assert_eq!(again.revision, first.revision);
+    assert_eq!(
+        kv.positions().await?.last_sequence,
+        last,
+        "published nothing"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_writers_racing_a_compare_and_set_one_applies_and_the_other_conflicts_naming_it()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("c").await?;
+    let start = kv
+        .put("k.a", "v0".into())
+        .await?
+        .as_u64()
+        .expect("a revision");
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let node = Node::start(&h, "c", &store, &[]).await?;
+    let ask = |value: &'static str| {
+        node.write(serde_json::json!({"key": "k.a", "value": value, "if_revision": start}))
+    };
+    let (a, b) = tokio::join!(ask("a"), ask("b"));
+    let (a, b) = (a?, b?);
+    let (won, lost) = match (a.1.outcome.as_str(), b.1.outcome.as_str()) {
+        ("applied", "refused") => (a, b),
+        ("refused", "applied") => (b, a),
+        _ => anyhow::bail!("exactly one applies: {a:?} {b:?}"),
+    };
+    assert_eq!(lost.0, 409);
+    assert_eq!(lost.1.reason.as_deref(), Some("conflict"));
+    assert_eq!(
+        lost.1.revision, won.1.revision,
+        "the conflict names the winner's revision"
+    );
+    // A compare-and-set at a stale revision through the CLI: exit code 5, refused.
+    let out = foldhost()
+        .args(["put", "k.a", "late", "--if-revision", &start.to_string()])
+        .args(["--listen", &node.addr, "--write-token-file"])
+        .arg(store.with_extension("write-token"))
+        .output()?;
+    let answer: WriteAnswer = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(
+        (out.status.code(), answer.reason.as_deref()),
+        (Some(5), Some("conflict"))
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_writes_are_refused_naming_what_and_publish_nothing() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("b").await?;
+    kv.put("k.a", "x".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let node = Node::start(&h, "b", &store, &[]).await?;
+    let last = kv.positions().await?.last_sequence;
+    let cases = [
+        (serde_json::json!({"key": "bad key"}), 400, "invalid"),
+        (
+            serde_json::json!({"key": "k.a", "value": "x", "value_base64": "eA=="}),
+            400,
+            "invalid",
+        ),
+        (
+            serde_json::json!({"key": "k.a", "value": "x", "op_id": "1b4e28ba-2fa1-41d2-883f-0016d3cca427"}),
+            400,
+            "invalid",
+        ),
+        (
+            serde_json::json!({"key": "k.a", "value": "x", "bucket": "other"}),
+            422,
+            "not_folded",
+        ),
+        (
+            serde_json::json!({"key": "k.a", "value": "x", "wait_ms": 3_600_000}),
+            400,
+            "invalid",
+        ),
+        (
+            serde_json::json!({"key": "k.a", "op": "delete", "value": "x"}),
+            400,
+            "invalid",
+        ),
+        (
+            serde_json::json!({"key": "k.a", "value": "x", "extra": 1}),
+            400,
+            "invalid",
+        ),
+    ];
+    for (body, status, reason) in cases {
+        let (code, answer) = node.write(body.clone()).await?;
+        assert_eq!(
+            (code, answer.outcome.as_str(), answer.reason.as_deref()),
+            (status, "refused", Some(reason)),
+            "{body}: {answer:?}"
+        );
+        assert!(answer.message.is_some(), "{body}: a refusal says why");
+    }
+    // Too large for the server's payload: refused before publishing.
+    let big = "x".repeat(2 * 1024 * 1024);
+    let (code, answer) = node
+        .write(serde_json::json!({"key": "k.a", "value": big}))
+        .await?;
+    assert_eq!((code, answer.reason.as_deref()), (413, Some("too_large")));
+    // Without the write token (or with the admin token): 401, nothing read.
+    let (code, _) = foldhost::serve::call_with_token(
+        &node.addr,
+        "POST",
+        "/write",
+        br#"{"key":"k.a","value":"y"}"#,
+        None,
+    )
+    .await?;
+    assert_eq!(code, 401);
+    assert_eq!(
+        kv.positions().await?.last_sequence,
+        last,
+        "published nothing"
+    );
+    Ok(())
+}
