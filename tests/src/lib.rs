@@ -16,6 +16,8 @@ use foldhost::nats::{NatsConnection, NatsKv};
 use foldhost::status::StatusReport;
 use foldhost_localnats::LocalNats;
 
+pub mod proxy;
+
 /// A bucket's contents: key → (value, revision).
 pub type Contents = BTreeMap<String, (Vec<u8>, u64)>;
 

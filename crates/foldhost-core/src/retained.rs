@@ -37,6 +37,33 @@ pub use crate::snapshot::{RESERVED_PREFIX, is_reserved};
 /// stream (`--on-recreated relist`).
 pub const IDENTITY_KEY: &str = "\u{1}identity";
 
+/// What a state-sync start left unseen ([`crate::protocol::Unseen`]): the first revision it never
+/// delivered, 8 bytes big-endian, then the level reported after it (8 more) once one was. Until it
+/// is settled `applied_through` stays below the floor. Committed with the batch that skipped it;
+/// removed by the first commit after it is settled.
+pub const UNSEEN_FLOOR_KEY: &str = "\u{1}unseen-floor";
+
+/// The store update that records what a state-sync left unseen (`None`: removes it).
+pub fn unseen_floor_update(unseen: Option<crate::protocol::Unseen>) -> KvUpdate {
+    match unseen {
+        Some(u) => {
+            let mut value = u.floor.to_be_bytes().to_vec();
+            if let Some(l) = u.level {
+                value.extend_from_slice(&l.to_be_bytes());
+            }
+            KvUpdate::Put(KvEntry {
+                key: UNSEEN_FLOOR_KEY.into(),
+                value: Bytes::from(value),
+                version: VersionToken::UNKNOWN,
+            })
+        }
+        None => KvUpdate::Delete {
+            key: UNSEEN_FLOOR_KEY.into(),
+            version: VersionToken::UNKNOWN,
+        },
+    }
+}
+
 /// Where retained records live: `RETAINED_PREFIX` + 20-digit revision + `/` + key (log order).
 /// A record of unknown revision (a synthetic delete of a re-list or restore) has no revision of
 /// its own: it is stored at its *position* — the fold's revision when it was retained — as
@@ -284,6 +311,9 @@ pub struct RetainedIndex {
     bases: BTreeMap<String, Base>,
     /// Store keys under [`RETAINED_PREFIX`] that no host wrote (see [`RetainedIndex::load`]).
     forged: Vec<String>,
+    /// What a state-sync start left unseen ([`UNSEEN_FLOOR_KEY`]), while it matters
+    /// ([`crate::protocol::applied_through`]).
+    unseen: Option<crate::protocol::Unseen>,
 }
 
 impl RetainedIndex {
@@ -323,7 +353,37 @@ impl RetainedIndex {
             index.records.remove(&k);
             index.forged.push(k);
         }
+        // A record that does not decode cannot be trusted: the lowest floor and no level stand
+        // in (nothing is covered until a level is reported and the record rewritten).
+        index.unseen = store.get(UNSEEN_FLOOR_KEY)?.map(|e| {
+            let v = e.value.as_ref();
+            let at = |i: usize| v.get(i..i + 8).and_then(|b| <[u8; 8]>::try_from(b).ok());
+            match (v.len(), at(0), at(8)) {
+                (8, Some(f), _) => crate::protocol::Unseen {
+                    floor: u64::from_be_bytes(f),
+                    level: None,
+                },
+                (16, Some(f), Some(l)) => crate::protocol::Unseen {
+                    floor: u64::from_be_bytes(f),
+                    level: Some(u64::from_be_bytes(l)),
+                },
+                _ => crate::protocol::Unseen {
+                    floor: 1,
+                    level: None,
+                },
+            }
+        });
         Ok(index)
+    }
+
+    /// What a state-sync start left unseen, while it matters.
+    pub fn unseen(&self) -> Option<crate::protocol::Unseen> {
+        self.unseen
+    }
+
+    /// Records what a state-sync start left unseen (as committed with [`unseen_floor_update`]).
+    pub fn set_unseen(&mut self, unseen: Option<crate::protocol::Unseen>) {
+        self.unseen = unseen;
     }
 
     /// The store keys of forged records found at load (see [`RetainedIndex::load`]), handed over
@@ -390,7 +450,11 @@ impl RetainedIndex {
     /// ([`crate::protocol::applied_through`]) held below the oldest record's first unapplied
     /// revision. `/status`, `status.json` and `status --store` all come here.
     pub fn applied_through(&self, cursor: Option<u64>) -> Option<u64> {
-        crate::protocol::applied_through(cursor, self.oldest().map(RetainedRecord::first_unapplied))
+        crate::protocol::applied_through(
+            cursor,
+            self.oldest().map(RetainedRecord::first_unapplied),
+            self.unseen,
+        )
     }
 }
 

@@ -76,6 +76,11 @@ pub struct StatusReport {
     pub skipped_messages: u64,
     /// The last message skipped as undecodable.
     pub last_skipped: Option<SkippedMessage>,
+    /// The operation ledger's watermark (Unix milliseconds; 0: it never lost a row): an
+    /// operation minted at or before it with no row is answered `unknown` (docs/writes.md).
+    pub ledger_watermark_unix_ms: u64,
+    /// Ledger sweeps completed since the host started.
+    pub ledger_sweeps: u64,
     /// Bucket keys in the fold (set by `status --store`).
     pub keys: Option<u64>,
     /// The address the host's `--listen` endpoint is bound to: with `--listen HOST:0`, the port
@@ -191,6 +196,8 @@ impl StatusReport {
             eviction_seen: s.eviction_seen.load(Ordering::Relaxed) == 1,
             repairs: s.repairs.load(Ordering::Relaxed),
             skipped_messages: s.skipped_messages.load(Ordering::Relaxed),
+            ledger_watermark_unix_ms: s.ledger_watermark_unix_ms.load(Ordering::Relaxed),
+            ledger_sweeps: s.ledger_sweeps.load(Ordering::Relaxed),
             last_skipped: s
                 .last_skipped()
                 .map(|(revision, subject, reason)| SkippedMessage {
@@ -256,6 +263,10 @@ pub struct FoldStatus {
     pub skipped_messages: AtomicU64,
     /// The last of them: revision, subject and reason.
     pub last_skipped: std::sync::Mutex<Option<(u64, String, &'static str)>>,
+    /// The operation ledger's watermark, Unix milliseconds (0: it never lost a row).
+    pub ledger_watermark_unix_ms: AtomicU64,
+    /// Ledger sweeps completed since start.
+    pub ledger_sweeps: AtomicU64,
     /// Told whenever `applied_through` or `cursor` is published: what a write or a read waiting
     /// for a revision waits on ([`FoldStatus::wait_applied`]).
     pub applied_moved: tokio::sync::Notify,

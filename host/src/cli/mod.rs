@@ -75,6 +75,9 @@ pub enum Command {
     Put(write::PutArgs),
     /// Delete (or `--purge`) a key through a running host, answered as `put` is.
     Delete(write::DeleteArgs),
+    /// Read a key from a running host's fold (`--listen`), optionally once it has applied a
+    /// revision (`--min-revision`): one JSON line; exit 0 found, 6 not found, 3 behind.
+    Get(write::GetArgs),
 }
 
 /// `foldhost new-guest`.
@@ -127,6 +130,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Prune(a) => cmd_prune(a).await,
         Command::Put(a) => write::cmd_put(a).await,
         Command::Delete(a) => write::cmd_delete(a).await,
+        Command::Get(a) => write::cmd_get(a).await,
     }
 }
 

@@ -80,11 +80,11 @@ pub struct RunArgs {
     /// Read the write token from this file (keeps it out of `ps`).
     #[arg(long, value_name = "FILE", conflicts_with = "write_token")]
     pub write_token_file: Option<PathBuf>,
-    /// How long the operation ledger keeps a write's row after its record was folded, in days: a
-    /// retry within it is answered from the row; a later one (minted before the swept rows) is
-    /// answered `unknown`, never applied twice.
-    #[arg(long, value_name = "DAYS", default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..=3650))]
-    pub ledger_retention_days: u64,
+    /// How long the operation ledger keeps a write's row after its record was folded (`30d`,
+    /// `12h`, `90s`): a retry within it is answered from the row; a later one (minted before the
+    /// swept rows) is answered `unknown`, never applied twice.
+    #[arg(long, value_name = "DURATION", default_value = "30d", value_parser = parse_retention)]
+    pub ledger_retention: Duration,
     /// Read the bearer token `/status` and `/query` require from this file (the admin token opens
     /// them too). Without it, a loopback listener answers them to anyone on this machine, and any
     /// other (0.0.0.0 and :: included) only with the token it generates into `STORE/query-token`
@@ -251,7 +251,7 @@ impl RunArgs {
             creds_file: self.creds_file,
             op_timeout: Duration::from_secs(self.nats_op_timeout),
             watch_heartbeat: Duration::from_secs(self.watch_heartbeat),
-            ledger_retention: Duration::from_secs(self.ledger_retention_days * 24 * 3600),
+            ledger_retention: self.ledger_retention,
             bucket: self.bucket,
             scope: self.scope,
             store: self.store.clone(),
@@ -375,4 +375,14 @@ pub(super) fn merge_config(
         }
     }
     base
+}
+
+/// A ledger retention: a human duration (`humantime`: `30d`, `12h`, `90s`), at least a second and
+/// at most ten years.
+fn parse_retention(s: &str) -> Result<Duration, String> {
+    let d = humantime::parse_duration(s).map_err(|e| format!("{s:?}: {e}"))?;
+    if d < Duration::from_secs(1) || d > Duration::from_secs(3650 * 24 * 3600) {
+        return Err(format!("{s:?}: between 1s and 3650d"));
+    }
+    Ok(d)
 }

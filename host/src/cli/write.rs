@@ -1,6 +1,7 @@
-//! `foldhost put` and `foldhost delete`: writes through a running host
-//! (`--listen`), each answer one JSON line, each outcome its own exit code (docs/cli.md):
-//! 0 applied, 3 pending, 4 unknown, 5 refused; 1 when the host could not be asked.
+//! `foldhost put`, `foldhost delete` and `foldhost get`: writes and reads through a running host
+//! (`--listen`), each answer one JSON line, each outcome its own exit code (docs/writes.md):
+//! 0 applied (or read), 3 pending (or behind), 4 unknown, 5 refused, 6 not found; 1 when the host
+//! could not be asked.
 
 use std::io::Read as _;
 use std::path::PathBuf;
@@ -58,6 +59,26 @@ pub struct DeleteArgs {
     pub target: WriteTarget,
 }
 
+/// `foldhost get`.
+#[derive(Args, Debug)]
+pub struct GetArgs {
+    /// The key.
+    pub key: String,
+    /// The host's `--listen` address.
+    #[arg(long)]
+    pub listen: String,
+    /// Answer only once the host's fold has applied this revision (a write's, say); past a
+    /// bounded wait the answer is `behind`, with `retry_after_seconds`.
+    #[arg(long, value_name = "REVISION")]
+    pub min_revision: Option<u64>,
+    /// How long the host may wait for `--min-revision` (default 5 000, at most 60 000).
+    #[arg(long, value_name = "MS", requires = "min_revision")]
+    pub wait_ms: Option<u64>,
+    /// The query token, from this file (where the host requires one).
+    #[arg(long, value_name = "FILE")]
+    pub token_file: Option<PathBuf>,
+}
+
 /// An outcome's exit code, carried as an error so `main` exits with it and prints nothing more
 /// (the answer was printed).
 #[derive(Debug, thiserror::Error)]
@@ -106,6 +127,48 @@ pub(super) async fn cmd_delete(a: DeleteArgs) -> anyhow::Result<()> {
         ..request_of(&a.target)
     };
     send(&a.target, &req).await
+}
+
+pub(super) async fn cmd_get(a: GetArgs) -> anyhow::Result<()> {
+    let token = a
+        .token_file
+        .as_deref()
+        .map(crate::serve::read_token_file)
+        .transpose()?;
+    let headers: Vec<(&str, String)> = [
+        a.min_revision
+            .map(|r| (crate::protocol::MIN_REVISION_HEADER, r.to_string())),
+        a.wait_ms
+            .map(|ms| (crate::protocol::WAIT_MS_HEADER, ms.to_string())),
+    ]
+    .into_iter()
+    .flatten()
+    .collect();
+    let (code, answer) = crate::serve::call_with_headers(
+        &a.listen,
+        "POST",
+        "/get",
+        a.key.as_bytes(),
+        token.as_deref(),
+        &headers,
+        crate::serve::SWAP_TIMEOUT,
+    )
+    .await
+    .with_context(|| format!("get via {}", a.listen))?;
+    let parsed: serde_json::Value = serde_json::from_slice(&answer).with_context(|| {
+        format!(
+            "get via {}: HTTP {code}: {}",
+            a.listen,
+            String::from_utf8_lossy(&answer).trim_end()
+        )
+    })?;
+    println!("{parsed}");
+    match code {
+        200 => Ok(()),
+        404 => Err(OutcomeExit(6).into()),
+        503 if parsed["behind"] == true => Err(OutcomeExit(3).into()),
+        _ => Err(OutcomeExit(5).into()),
+    }
 }
 
 fn request_of(t: &WriteTarget) -> WriteRequest {

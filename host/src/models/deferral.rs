@@ -1,5 +1,6 @@
 //! Deferral: retained records, the hold on their keys, their release, and `applied_through`
-//! (seed 004, "a key's applied history is a prefix of its log"; `retained.rs`, `applied/fold/mod.rs`).
+//! (docs/design.md, "Deferral": a key's applied history is a prefix of its log; `retained.rs`,
+//! `applied/fold/mod.rs`).
 //!
 //! A log of [`LOG`] updates to two keys is delivered in order into batches of at most
 //! [`MAX_BATCH`]. A flush offers the batch to the guest, which may defer any update it is offered
@@ -12,13 +13,21 @@
 //! start the retained records are released: offered in log order through the same loop; what the
 //! guest applies is released, what it defers again stays retained. A crash loses memory (the open
 //! batch); the fold's store — cursor, retained records, what guests applied — is durable. After
-//! every commit the fold publishes `applied_through` ([`protocol::applied_through`] of the cursor
-//! and the oldest retained revision).
+//! every commit the fold publishes `applied_through` ([`protocol::applied_through`] of the cursor,
+//! the oldest retained revision and the unseen floor).
+//!
+//! A run starts either as a delta watch (every revision delivered) or as a state-sync start (a
+//! fold with no cursor: each key's latest record only, [`sync_log`]); the revisions such a start
+//! skips are tracked ([`protocol::first_unseen`]) and the first is durably recorded as unseen
+//! ([`protocol::Unseen`]), which holds `applied_through` below it until the fold is level with
+//! nothing retained. A watch is level once it delivered its last revision (a state-sync: the last
+//! of [`sync_log`]; a delta: the log's end).
 //!
 //! Properties:
 //! - "a key's applied history is a prefix of its log": per key, the revisions guests applied, in
 //!   the order they applied them, are a prefix of that key's revisions in the log;
-//! - "applied_through never covers an unapplied revision";
+//! - "applied_through never covers a revision its key's state is older than": every revision at or
+//!   below it is one whose key's last applied revision is at least it (in a delta run: applied);
 //! - sometimes "a deferred update released and the whole log applied".
 //!
 //! Mutations (each must produce a counterexample):
@@ -26,7 +35,8 @@
 //! - `RetainedNotDurable` — retained records live in memory only: a crash loses them while the
 //!   cursor covers them;
 //! - `ReleaseDropsRetained` — a release drops the records the guest defers again;
-//! - `AppliedThroughIgnoresRetained` — `applied_through` is handed no oldest retained revision.
+//! - `AppliedThroughIgnoresRetained` — `applied_through` is handed no oldest retained revision;
+//! - `AppliedThroughIgnoresUnseen` — `applied_through` is handed no unseen floor.
 
 use stateright::{Checker, Model, Property};
 
@@ -55,6 +65,7 @@ enum Mutation {
     RetainedNotDurable,
     ReleaseDropsRetained,
     AppliedThroughIgnoresRetained,
+    AppliedThroughIgnoresUnseen,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
@@ -73,6 +84,17 @@ struct State {
     reported: Option<u64>,
     /// Retained records are to be offered before anything new (after a swap or a start).
     release_due: bool,
+    /// The run began with a state-sync start.
+    sync: bool,
+    /// A state-sync watch is delivering (in memory: a start with no cursor).
+    syncing: bool,
+    /// The revision the state-sync expects next (in memory).
+    next_expected: u64,
+    /// What the state-sync left unseen (durable, committed with its batch; its level recorded at
+    /// once when the watch is level).
+    unseen: Option<protocol::Unseen>,
+    /// The revision the running watch reported level at (in memory).
+    level: Option<u64>,
     defers: u32,
     crashes: u8,
     swaps: u8,
@@ -90,6 +112,32 @@ enum Action {
     Swap,
     /// The node crashes and starts again.
     Crash,
+}
+
+/// What a state-sync start delivers: each key's latest revision, in log order.
+fn sync_log() -> Vec<u64> {
+    (1..=LOG)
+        .filter(|r| !(r + 1..=LOG).any(|later| key_of(later) == key_of(*r)))
+        .collect()
+}
+
+/// The revisions of `key` a run delivers: all of them, or the state-sync's.
+fn delivered_of(sync: bool, key: &str) -> Vec<u64> {
+    let all: Vec<u64> = if sync {
+        sync_log()
+    } else {
+        (1..=LOG).collect()
+    };
+    all.into_iter().filter(|r| key_of(*r) == key).collect()
+}
+
+/// The next revision the watch delivers after `received`.
+fn next_delivery(s: &State) -> Option<u64> {
+    if s.syncing {
+        sync_log().into_iter().find(|r| *r > s.received)
+    } else {
+        (s.received < LOG).then_some(s.received + 1)
+    }
 }
 
 /// The key revision `r` updates.
@@ -149,7 +197,43 @@ impl DeferralModel {
             Mutation::AppliedThroughIgnoresRetained => None,
             _ => s.retained.first().copied(),
         };
-        protocol::applied_through(s.cursor, oldest)
+        let unseen = match self.mutation {
+            Mutation::AppliedThroughIgnoresUnseen => None,
+            _ => s.unseen,
+        };
+        protocol::applied_through(s.cursor, oldest, unseen)
+    }
+
+    /// What the state-sync left unseen after a commit of `batch` (`n` still at the cursor and the
+    /// retained records before it): a skipped revision found (the lowest stands), the level
+    /// added, or the record removed once settled with no state-sync tracking — as the fold does.
+    fn unseen_after(n: &mut State, batch: &[u64]) {
+        let mut after = n.unseen;
+        if n.syncing {
+            let (first, next) = protocol::first_unseen(n.next_expected, batch.iter().copied());
+            n.next_expected = next;
+            if let Some(f) = first {
+                after = Some(match after {
+                    None => protocol::Unseen {
+                        floor: f,
+                        level: None,
+                    },
+                    Some(u) => protocol::Unseen {
+                        floor: u.floor.min(f),
+                        ..u
+                    },
+                });
+            }
+        }
+        if let (Some(u), Some(l)) = (after.as_mut(), n.level)
+            && u.level.is_none()
+        {
+            u.level = Some(l);
+        }
+        if !n.syncing && after.is_some_and(|u| u.settled(n.cursor, !n.retained.is_empty())) {
+            after = None;
+        }
+        n.unseen = after;
     }
 }
 
@@ -158,18 +242,26 @@ impl Model for DeferralModel {
     type Action = Action;
 
     fn init_states(&self) -> Vec<State> {
-        vec![State {
-            received: 0,
-            batch: Vec::new(),
-            cursor: None,
-            retained: Vec::new(),
-            applied: Vec::new(),
-            reported: None,
-            release_due: false,
-            defers: 0,
-            crashes: 0,
-            swaps: 0,
-        }]
+        [false, true]
+            .into_iter()
+            .map(|sync| State {
+                received: 0,
+                batch: Vec::new(),
+                cursor: None,
+                retained: Vec::new(),
+                applied: Vec::new(),
+                reported: None,
+                release_due: false,
+                sync,
+                syncing: sync,
+                next_expected: 1,
+                unseen: None,
+                level: None,
+                defers: 0,
+                crashes: 0,
+                swaps: 0,
+            })
+            .collect()
     }
 
     fn actions(&self, s: &State, actions: &mut Vec<Action>) {
@@ -184,7 +276,7 @@ impl Model for DeferralModel {
             }
             return;
         }
-        if s.received < LOG && s.batch.len() < MAX_BATCH {
+        if next_delivery(s).is_some() && s.batch.len() < MAX_BATCH {
             actions.push(Action::Deliver);
         }
         if !s.batch.is_empty() {
@@ -203,11 +295,21 @@ impl Model for DeferralModel {
         let mut n = s.clone();
         match action {
             Action::Deliver => {
-                n.received += 1;
+                n.received = next_delivery(s)?;
                 n.batch.push(n.received);
+                if next_delivery(&n).is_none() {
+                    // The watch is level: recorded at once where something is unseen.
+                    n.level = Some(n.received);
+                    if let Some(u) = n.unseen.as_mut()
+                        && u.level.is_none()
+                    {
+                        u.level = Some(n.received);
+                    }
+                }
             }
             Action::Flush { defer } => {
                 let batch = std::mem::take(&mut n.batch);
+                Self::unseen_after(&mut n, &batch);
                 let deferred = self.deferral(&n.retained, &batch, defer);
                 for (r, d) in batch.iter().zip(&deferred) {
                     if *d {
@@ -218,6 +320,9 @@ impl Model for DeferralModel {
                 }
                 n.defers += defer.count_ones();
                 n.cursor = protocol::commit_cursor(n.cursor, batch.iter().copied().max());
+                if n.level.is_some_and(|l| n.cursor >= Some(l)) {
+                    n.syncing = false;
+                }
                 n.reported = self.applied_through(&n);
             }
             Action::Release { defer } => {
@@ -242,6 +347,10 @@ impl Model for DeferralModel {
                 n.crashes += 1;
                 n.batch.clear();
                 n.received = n.cursor.unwrap_or(0);
+                // A start with no cursor is a state-sync again; one with a cursor a delta.
+                n.syncing = n.sync && n.cursor.is_none();
+                n.next_expected = n.received + 1;
+                n.level = None;
                 if self.mutation == Mutation::RetainedNotDurable {
                     n.retained.clear();
                 }
@@ -258,7 +367,7 @@ impl Model for DeferralModel {
                 "a key's applied history is a prefix of its log",
                 |_, s: &State| {
                     KEYS.iter().all(|k| {
-                        let log = (1..=LOG).filter(|r| key_of(*r) == *k);
+                        let log = delivered_of(s.sync, k).into_iter();
                         let applied: Vec<u64> = s
                             .applied
                             .iter()
@@ -270,10 +379,12 @@ impl Model for DeferralModel {
                 },
             ),
             Property::always(
-                "applied_through never covers an unapplied revision",
+                "applied_through never covers a revision its key's state is older than",
                 |_, s: &State| {
-                    s.reported
-                        .is_none_or(|t| (1..=t).all(|r| s.applied.contains(&r)))
+                    s.reported.is_none_or(|t| {
+                        (1..=t)
+                            .all(|r| s.applied.iter().any(|a| key_of(*a) == key_of(r) && *a >= r))
+                    })
                 },
             ),
             Property::sometimes(
@@ -297,7 +408,7 @@ fn check(mutation: Mutation) -> impl Checker<DeferralModel> {
 fn a_keys_applied_history_is_always_a_prefix_of_its_log() {
     let c = check(Mutation::None);
     c.assert_no_discovery("a key's applied history is a prefix of its log");
-    c.assert_no_discovery("applied_through never covers an unapplied revision");
+    c.assert_no_discovery("applied_through never covers a revision its key's state is older than");
     assert!(
         c.discovery("a deferred update released and the whole log applied")
             .is_some(),
@@ -319,15 +430,19 @@ fn each_mutation_of_deferral_has_a_counterexample() {
         ),
         (
             Mutation::RetainedNotDurable,
-            "applied_through never covers an unapplied revision",
+            "applied_through never covers a revision its key's state is older than",
         ),
         (
             Mutation::ReleaseDropsRetained,
-            "applied_through never covers an unapplied revision",
+            "applied_through never covers a revision its key's state is older than",
+        ),
+        (
+            Mutation::AppliedThroughIgnoresUnseen,
+            "applied_through never covers a revision its key's state is older than",
         ),
         (
             Mutation::AppliedThroughIgnoresRetained,
-            "applied_through never covers an unapplied revision",
+            "applied_through never covers a revision its key's state is older than",
         ),
     ] {
         let c = check(mutation);

@@ -390,6 +390,7 @@ impl Node {
                 },
                 ledger: ledger_lookup(&shared),
                 kv: kv.clone(),
+                read_key: key_reader(&shared),
             },
         )
         .await?;
@@ -480,6 +481,18 @@ fn ledger_lookup(shared: &SharedStore<AnyStore>) -> crate::write::LedgerLookup {
         let row = crate::ledger::read_row(&*s, op).map_err(|e| e.to_string())?;
         let watermark = crate::ledger::read_watermark(&*s).map_err(|e| e.to_string())?;
         Ok((row, watermark))
+    })
+}
+
+/// One key of the committed fold, as `POST /get` reads it (weak, as the stream source).
+fn key_reader(shared: &SharedStore<AnyStore>) -> crate::write::KeyReader {
+    let store = shared.downgrade();
+    Arc::new(move |key| {
+        let store = store.upgrade().ok_or("the fold has stopped")?;
+        let s = store
+            .read()
+            .map_err(|_| "the store is poisoned".to_string())?;
+        s.get(key).map_err(|e| e.to_string())
     })
 }
 

@@ -49,7 +49,12 @@ impl SideTasks {
         control: mpsc::Sender<Control>,
         fold: FoldAccess,
     ) -> Result<SideTasks, NodeError> {
-        let FoldAccess { stream, ledger, kv } = fold;
+        let FoldAccess {
+            stream,
+            ledger,
+            kv,
+            read_key,
+        } = fold;
         let mut others = Vec::new();
         let (rate, sampler) = crate::write::ApplyRate::start(status.clone());
         others.push(sampler);
@@ -83,6 +88,7 @@ impl SideTasks {
                     &last_export,
                     stream.clone(),
                     write.clone(),
+                    read_key,
                 )
                 .await?,
             ),
@@ -114,6 +120,10 @@ impl SideTasks {
                 sub,
                 cfg.query_reply_prefix.clone(),
                 control.clone(),
+                crate::write::Positions {
+                    status: status.clone(),
+                    rate: write.rate.clone(),
+                },
             )));
         }
         if let (Some(every), Some(transport), Some((_, key))) =
@@ -200,6 +210,7 @@ async fn listen(
     last_export: &Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
     stream: super::export::StreamSource,
     write: Arc<crate::write::WritePath>,
+    read_key: crate::write::KeyReader,
 ) -> Result<JoinHandle<()>, NodeError> {
     let io = |source| NodeError::Listen {
         addr: l.addr.clone(),
@@ -277,6 +288,11 @@ async fn listen(
         backend: cfg.backend,
         scope: scope.to_string(),
         stream,
+        positions: Some(crate::write::Positions {
+            status: status.clone(),
+            rate: write.rate.clone(),
+        }),
+        read_key: Some(read_key),
         write: Some(write),
     });
     Ok(tokio::spawn(crate::serve::serve(listener, state)))
@@ -291,6 +307,8 @@ pub(super) struct FoldAccess {
     pub(super) ledger: crate::write::LedgerLookup,
     /// The bucket writes publish to.
     pub(super) kv: Arc<crate::nats::NatsKv>,
+    /// One key of the committed fold (`POST /get`).
+    pub(super) read_key: crate::write::KeyReader,
 }
 
 /// Sweeps the operation ledger every [`LEDGER_SWEEP_PERIOD`] (the first time at once): rows
@@ -493,8 +511,12 @@ async fn serve_nats_queries(
     mut sub: async_nats::Subscriber,
     reply_prefix: String,
     control: mpsc::Sender<Control>,
+    positions: crate::write::Positions,
 ) {
     use futures::StreamExt;
+    // Queries that wait for a revision wait beside the others, at most this many at once (the
+    // rest are answered `behind` at once).
+    let waiting = Arc::new(tokio::sync::Semaphore::new(MAX_WAITING_NATS_QUERIES));
     while let Some(msg) = sub.next().await {
         let Some(reply_to) = msg.reply.clone() else {
             continue;
@@ -503,28 +525,115 @@ async fn serve_nats_queries(
             tracing::warn!(reply = %reply_to, prefix = %reply_prefix, "query refused: its reply subject is not an inbox");
             continue;
         }
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let q = Control::Query {
-            request: msg.payload.to_vec(),
-            reply: tx,
+        let header = |name: &str| {
+            msg.headers
+                .as_ref()
+                .and_then(|h| h.get(name))
+                .map(|v| v.as_str().to_string())
         };
-        if control.send(q).await.is_err() {
-            return;
-        }
-        let published = match rx.await {
-            Ok(Ok(answer)) => client.publish(reply_to, answer.into()).await,
-            Ok(Err(e)) => {
-                let mut headers = async_nats::HeaderMap::new();
-                headers.insert("Foldhost-Error", "true");
-                client
-                    .publish_with_headers(reply_to, headers, e.to_string().into())
-                    .await
+        let min = header(crate::protocol::MIN_REVISION_HEADER);
+        let wait = header(crate::protocol::WAIT_MS_HEADER);
+        let asked = crate::protocol::parse_min_revision(min.as_deref())
+            .and_then(|min| crate::protocol::parse_read_wait(wait.as_deref()).map(|w| (min, w)));
+        match asked.map(|(min, wait_ms)| min.map(|m| (m, wait_ms))) {
+            Err(e) => reply_error(&client, reply_to, "true", None, e).await,
+            Ok(None) => {
+                if !nats_query(&client, &control, reply_to, msg.payload.to_vec()).await {
+                    return;
+                }
             }
-            Err(_) => return,
-        };
-        if let Err(e) = published {
-            tracing::warn!(error = %e, "query reply not sent");
+            Ok(Some((min, wait_ms))) => {
+                let Ok(permit) = waiting.clone().try_acquire_owned() else {
+                    let lag = crate::protocol::lag_to(
+                        min,
+                        positions.status.applied_through.load(Ordering::Acquire),
+                        positions.rate.per_second(),
+                    );
+                    reply_error(
+                        &client,
+                        reply_to,
+                        "behind",
+                        Some(lag.seconds),
+                        "too many reads waiting".into(),
+                    )
+                    .await;
+                    continue;
+                };
+                let (client, control, p) = (client.clone(), control.clone(), positions.clone());
+                tokio::spawn(async move {
+                    let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
+                    let through = p.status.wait_applied(min, deadline).await;
+                    match crate::protocol::read_gate(min, through, p.rate.per_second()) {
+                        Ok(()) => {
+                            nats_query(&client, &control, reply_to, msg.payload.to_vec()).await;
+                        }
+                        Err(lag) => {
+                            let why = format!("behind: applied through {through}, {min} asked");
+                            reply_error(&client, reply_to, "behind", Some(lag.seconds), why).await;
+                        }
+                    }
+                    drop(permit);
+                });
+            }
         }
+    }
+}
+
+/// Most NATS queries waiting for a revision at once.
+const MAX_WAITING_NATS_QUERIES: usize = 256;
+
+/// One query handed to the fold, its answer (or error) published to `reply_to`. False when the
+/// fold has stopped.
+async fn nats_query(
+    client: &async_nats::Client,
+    control: &mpsc::Sender<Control>,
+    reply_to: async_nats::Subject,
+    request: Vec<u8>,
+) -> bool {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    if control
+        .send(Control::Query { request, reply: tx })
+        .await
+        .is_err()
+    {
+        return false;
+    }
+    let published = match rx.await {
+        Ok(Ok(answer)) => client.publish(reply_to, answer.into()).await,
+        Ok(Err(e)) => {
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Foldhost-Error", "true");
+            client
+                .publish_with_headers(reply_to, headers, e.to_string().into())
+                .await
+        }
+        Err(_) => return false,
+    };
+    if let Err(e) = published {
+        tracing::warn!(error = %e, "query reply not sent");
+    }
+    true
+}
+
+/// An error reply to a NATS query: `Foldhost-Error: KIND` (`true`, or `behind` with
+/// `Retry-After: SECONDS`) and the reason as the body.
+async fn reply_error(
+    client: &async_nats::Client,
+    reply_to: async_nats::Subject,
+    kind: &str,
+    retry_after: Option<u64>,
+    why: String,
+) {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Foldhost-Error", kind);
+    if let Some(s) = retry_after {
+        headers.insert("Retry-After", s.to_string().as_str());
+    }
+    if let Err(e) = client
+        .publish_with_headers(reply_to, headers, why.into())
+        .await
+    {
+        tracing::warn!(error = %e, "query reply not sent");
     }
 }
 

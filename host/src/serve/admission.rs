@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use hyper::header::{AUTHORIZATION, CONTENT_LENGTH, HOST, ORIGIN, TRANSFER_ENCODING};
 
-use super::{MAX_BODY, MAX_EXPORT_BODY, MAX_QUERY, MAX_SHADOW_HEADER};
+use super::{MAX_BODY, MAX_EXPORT_BODY, MAX_GET_BODY, MAX_QUERY, MAX_SHADOW_HEADER};
 
 /// What admission reads of a request head.
 #[derive(Debug, PartialEq, Eq)]
@@ -29,6 +29,10 @@ pub struct RequestHead {
     pub host: Option<String>,
     /// The `Origin` header (browsers send it on cross-site requests).
     pub origin: Option<String>,
+    /// The revision a read must see (`Foldhost-Min-Revision`), when it names one.
+    pub min_revision: Option<u64>,
+    /// How long such a read may wait for it, ms (`Foldhost-Wait-Ms`; default 5 000).
+    pub wait_ms: u64,
 }
 
 /// Why a request head was refused before admission.
@@ -64,6 +68,22 @@ impl RequestHead {
         };
         let host = text(HOST, "more than one Host header")?;
         let origin = text(ORIGIN, "more than one Origin header")?;
+        let min_revision = crate::protocol::parse_min_revision(
+            text(
+                hyper::header::HeaderName::from_static("foldhost-min-revision"),
+                "more than one Foldhost-Min-Revision header",
+            )?
+            .as_deref(),
+        )
+        .map_err(|_| HttpError::Bad("Foldhost-Min-Revision is not a revision"))?;
+        let wait_ms = crate::protocol::parse_read_wait(
+            text(
+                hyper::header::HeaderName::from_static("foldhost-wait-ms"),
+                "more than one Foldhost-Wait-Ms header",
+            )?
+            .as_deref(),
+        )
+        .map_err(|_| HttpError::Bad("Foldhost-Wait-Ms is not a wait of at most 60000 ms"))?;
         let bearer = text(AUTHORIZATION, "more than one Authorization header")?
             .and_then(|a| a.strip_prefix("Bearer ").map(|t| t.trim().to_string()));
         // A chunked body's length is checked as it is read; hyper ignores a `Content-Length`
@@ -88,6 +108,8 @@ impl RequestHead {
             bearer,
             host,
             origin,
+            min_revision,
+            wait_ms,
         })
     }
 }
@@ -113,6 +135,8 @@ pub enum Route {
     Export,
     /// `POST /write` (the write token).
     Write,
+    /// `POST /get`: one key of the fold (the query token's rules).
+    Get,
 }
 
 impl Route {
@@ -208,6 +232,7 @@ pub fn admit(
         "/shadow" => Route::Shadow,
         "/export" => Route::Export,
         "/write" => Route::Write,
+        "/get" => Route::Get,
         _ => return Err(Refusal::new(404, "not found")),
     };
     let method = if route == Route::Status {
@@ -286,6 +311,7 @@ pub fn admit(
         Route::Shadow => policy.limits.swap_body.saturating_add(MAX_SHADOW_HEADER),
         Route::Export => MAX_EXPORT_BODY,
         Route::Write => crate::write::MAX_WRITE_BODY,
+        Route::Get => MAX_GET_BODY,
     };
     if head.content_length > limit {
         return Err(Refusal::new(
@@ -373,6 +399,7 @@ mod tests {
                 ("Content-Length", "5"),
                 ("Authorization", "Bearer  tok "),
                 ("Origin", "http://a:1"),
+                ("Foldhost-Min-Revision", "17"),
             ],
             "/query?x=1",
         ))
@@ -387,7 +414,13 @@ mod tests {
                 bearer: Some("tok".into()),
                 host: Some("a:1".into()),
                 origin: Some("http://a:1".into()),
+                min_revision: Some(17),
+                wait_ms: crate::protocol::READ_WAIT_MS,
             }
+        );
+        // A minimum revision that is not one is refused before admission.
+        assert!(
+            RequestHead::from_parts(&parts(&[("Foldhost-Min-Revision", "soon")], "/q")).is_err()
         );
         // Another scheme than Bearer is no token.
         let h = RequestHead::from_parts(&parts(&[("Authorization", "Basic eA==")], "/q"))
@@ -481,6 +514,8 @@ mod tests {
             host: Some(host.into()),
             origin: None,
             chunked: false,
+            min_revision: None,
+            wait_ms: 0,
         }
     }
 

@@ -44,6 +44,19 @@ pub async fn call_with_deadline(
     token: Option<&str>,
     read: Duration,
 ) -> std::io::Result<(u16, Vec<u8>)> {
+    call_with_headers(addr, method, path, body, token, &[], read).await
+}
+
+/// [`call_with_deadline`] with more request headers (`Foldhost-Min-Revision`, say).
+pub async fn call_with_headers(
+    addr: &str,
+    method: &str,
+    path: &str,
+    body: &[u8],
+    token: Option<&str>,
+    headers: &[(&str, String)],
+    read: Duration,
+) -> std::io::Result<(u16, Vec<u8>)> {
     let other = std::io::Error::other;
     let sock = tokio::time::timeout(IO_TIMEOUT, TcpStream::connect(addr))
         .await
@@ -56,6 +69,9 @@ pub async fn call_with_deadline(
         .header(CONNECTION, "close");
     if let Some(t) = token {
         req = req.header(AUTHORIZATION, format!("Bearer {t}"));
+    }
+    for (name, value) in headers {
+        req = req.header(*name, value.as_str());
     }
     let req = req
         .body(Full::new(Bytes::copy_from_slice(body)))

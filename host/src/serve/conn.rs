@@ -258,6 +258,9 @@ struct Admitted {
     route: Route,
     body: Vec<u8>,
     budget: Option<OwnedSemaphorePermit>,
+    /// The revision a read must see first (`Foldhost-Min-Revision`), and how long it waits.
+    min_revision: Option<u64>,
+    wait_ms: u64,
 }
 
 fn timed_out(what: &str) -> std::io::Error {
@@ -346,6 +349,8 @@ impl ConnCtx {
                 route,
                 body,
                 budget,
+                min_revision: head.min_revision,
+                wait_ms: head.wait_ms,
             })),
             Err(BodyError::TooLarge) => refuse(
                 413,
@@ -362,8 +367,15 @@ impl ConnCtx {
             route,
             body,
             budget,
+            min_revision,
+            wait_ms,
         } = request;
         let state = &*self.state;
+        if let (Route::Query | Route::Get, Some(min)) = (route, min_revision)
+            && let Err(behind) = super::wait_revision(state, min, wait_ms).await
+        {
+            return (behind, None);
+        }
         let answered = match route {
             Route::Status => (super::status(state), None),
             Route::Query => super::query(body, state, &self.budgets.answer_kib).await,
@@ -371,6 +383,7 @@ impl ConnCtx {
             Route::Shadow => (super::shadow(body, state).await, None),
             Route::Export => (super::export(body, state).await, None),
             Route::Write => (super::write(body, state).await, None),
+            Route::Get => (super::get(&body, state), None),
         };
         // The body's budget is held until the request is served.
         drop(budget);
@@ -619,6 +632,8 @@ mod tests {
             scope: ">".into(),
             stream: Arc::new(|| None),
             write: None,
+            positions: None,
+            read_key: None,
         });
         let heads = Arc::new(Mutex::new(HeadPhase::default()));
         let budgets = Arc::new(Budgets::new());

@@ -59,7 +59,7 @@ use crate::applied::Control;
 pub use admission::{
     AccessPolicy, HeadPhase, HttpError, Limits, Refusal, RequestHead, Route, admit, token_matches,
 };
-pub use client::{call, call_with_deadline, call_with_token};
+pub use client::{call, call_with_deadline, call_with_headers, call_with_token};
 pub use conn::serve;
 
 /// Largest request head accepted.
@@ -69,6 +69,8 @@ pub(crate) const MAX_HEAD: usize = 16 * 1024;
 pub(crate) const MAX_BODY: usize = 64 * 1024 * 1024;
 /// Largest query body by default.
 pub(crate) const MAX_QUERY: usize = 1024 * 1024;
+/// Largest `/get` body (a key).
+pub(crate) const MAX_GET_BODY: usize = 4096;
 /// Largest `/export` body (a path).
 pub(crate) const MAX_EXPORT_BODY: usize = 4096;
 /// The bytes of query bodies all connections together may hold while they are read.
@@ -200,6 +202,10 @@ pub struct ServeState {
     pub status: Box<dyn Fn() -> crate::status::StatusReport + Send + Sync>,
     /// Writes through the host (`None`: this host takes none).
     pub(crate) write: Option<Arc<crate::write::WritePath>>,
+    /// The fold's positions and apply rate, for reads that wait for a revision (`None`: no fold).
+    pub(crate) positions: Option<crate::write::Positions>,
+    /// One key of the committed fold (`POST /get`; `None`: no fold).
+    pub(crate) read_key: Option<crate::write::KeyReader>,
     /// The fold's control channel (`None` once the fold stopped).
     pub control: mpsc::Sender<Control>,
     /// Compiles a swapped-in guest off the fold's path (`None`: no guest, no swap).
@@ -316,6 +322,74 @@ pub(crate) async fn query(
 /// How long a swap (settle, compile, rebuild from the fold) may take before the caller gives up
 /// waiting (the swap itself still completes or is refused).
 pub(crate) const SWAP_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Waits, at most `wait_ms` (a read's `Foldhost-Wait-Ms`, default
+/// [`crate::protocol::READ_WAIT_MS`]), for the fold to apply `min` (its `Foldhost-Min-Revision`);
+/// past the bound, the 503 `behind` answer: one JSON object with the lag and
+/// `retry_after_seconds`, computed from it and the fold's measured apply rate.
+pub(crate) async fn wait_revision(state: &ServeState, min: u64, wait_ms: u64) -> Result<(), Reply> {
+    let Some(p) = &state.positions else {
+        return Err(unavailable("this host has no fold to wait for"));
+    };
+    let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
+    let through = p.status.wait_applied(min, deadline).await;
+    crate::protocol::read_gate(min, through, p.rate.per_second()).map_err(|lag| {
+        let body = serde_json::json!({
+            "behind": true,
+            "min_revision": min,
+            "applied_through": through,
+            "lag_records": lag.records,
+            "retry_after_seconds": lag.seconds,
+        });
+        Reply::new(503, "application/json", format!("{body}\n"))
+    })
+}
+
+/// `POST /get`: the body is a key; the answer the fold's entry for it, one JSON object —
+/// `{"key", "value" (UTF-8) or "value_base64", "revision", "applied_through"}`, or 404 with
+/// `"found": false` when the fold does not hold the key.
+pub(crate) fn get(body: &[u8], state: &ServeState) -> Reply {
+    let Some(read) = &state.read_key else {
+        return unavailable("this host has no fold to read");
+    };
+    let Ok(key) = std::str::from_utf8(body).map(str::trim) else {
+        return Reply::new(400, "text/plain", b"the key is not UTF-8\n");
+    };
+    if !crate::protocol::kv_key_valid(key) {
+        return Reply::new(400, "text/plain", format!("{key:?} is not a valid key\n"));
+    }
+    let through = state.positions.as_ref().map(|p| {
+        p.status
+            .applied_through
+            .load(std::sync::atomic::Ordering::Acquire)
+    });
+    let answer = match read(key) {
+        Err(e) => return unavailable(&e),
+        Ok(None) => {
+            let body = serde_json::json!({"key": key, "found": false, "applied_through": through});
+            return Reply::new(404, "application/json", format!("{body}\n"));
+        }
+        Ok(Some(e)) => {
+            let mut v = serde_json::json!({
+                "key": key,
+                "found": true,
+                "revision": e.version.as_u64(),
+                "applied_through": through,
+            });
+            match std::str::from_utf8(&e.value) {
+                Ok(text) => v["value"] = text.into(),
+                Err(_) => {
+                    use base64::Engine as _;
+                    v["value_base64"] = base64::engine::general_purpose::STANDARD
+                        .encode(&e.value)
+                        .into()
+                }
+            }
+            v
+        }
+    };
+    Reply::new(200, "application/json", format!("{answer}\n"))
+}
 
 /// `POST /write`: the body is a [`crate::write::WriteRequest`]; the answer its
 /// [`crate::write::WriteAnswer`], one JSON line, with the status the outcome goes with.

@@ -189,6 +189,17 @@ impl WriteAnswer {
     }
 }
 
+/// The fold's positions and measured apply rate: what a read waiting for a revision waits on.
+#[derive(Clone)]
+pub(crate) struct Positions {
+    pub(crate) status: Arc<FoldStatus>,
+    pub(crate) rate: Arc<ApplyRate>,
+}
+
+/// Reads one key of the committed fold (`None`: the fold does not hold it).
+pub(crate) type KeyReader =
+    Arc<dyn Fn(&str) -> Result<Option<crate::kv::KvEntry>, String> + Send + Sync>;
+
 /// Reads the ledger's row for an operation and its watermark from the committed fold.
 pub(crate) type LedgerLookup =
     Arc<dyn Fn(&OpId) -> Result<(Option<LedgerRow>, u64), String> + Send + Sync>;

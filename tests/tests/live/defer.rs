@@ -653,3 +653,81 @@ async fn a_relist_delete_of_a_key_with_a_retained_record_is_released_after_it_in
     assert_eq!(first_difference(&want, &dump_store(&store)?), None);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cursorless_start_never_reports_applied_through_over_revisions_it_never_saw()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    // History 1: a rewritten key keeps only its newest record, so a cursor-less start (a
+    // state-sync re-list) never sees what revisions 1–5 were.
+    let kv = h.bucket("unseen").await?;
+    let mut last = 0;
+    for k in ["k.r0", "k.r1", "k.r2", "k.d0", "k.d1"] {
+        last = kv.put(k, "fmt2:old".into()).await?.as_u64().unwrap_or(0);
+    }
+    assert_eq!(last, 5);
+    for i in 6..=25 {
+        kv.put(&format!("k.p{i:02}"), "fmt2:p".into()).await?;
+    }
+    for k in ["k.r0", "k.r1", "k.r2"] {
+        kv.put(k, "fmt2:new".into()).await?;
+    }
+    for k in ["k.d0", "k.d1"] {
+        kv.delete(k).await?;
+    }
+    let end = kv.positions().await?.last_sequence;
+    assert_eq!(end, 30);
+    // kvstore 0.1.0 defers every `fmt2:` value: nothing of the bucket is applied.
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+    let mut host = start_host(&h, "unseen", &store, &addr, &[])?;
+    let s = wait_status(&addr, |s| s.cursor >= Some(end)).await?;
+    assert!(s.retained > 0, "{s:?}");
+    // Revision 3 wrote k.r2, rewritten at 28 and retained: the fold holds no k.r2, so
+    // applied_through must not cover 3 — nor anything the start never saw, which begins at 1.
+    assert_eq!(s.applied_through, 0, "{s:?}\n{}", host_log(&store));
+    // A read that must see revision 3 is not let through.
+    let out = foldhost()
+        .args([
+            "get",
+            "k.r2",
+            "--listen",
+            &addr,
+            "--min-revision",
+            "3",
+            "--wait-ms",
+            "0",
+        ])
+        .output()?;
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // A version that decodes them applies everything: then the whole log is covered.
+    swap_to_v2(&addr)?;
+    let s = wait_status(&addr, |s| s.retained == 0).await?;
+    assert_eq!(s.applied_through, end, "{s:?}");
+    let out = foldhost()
+        .args([
+            "get",
+            "k.r2",
+            "--listen",
+            &addr,
+            "--min-revision",
+            "3",
+            "--wait-ms",
+            "0",
+        ])
+        .output()?;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    terminate(&mut host)?;
+    Ok(())
+}

@@ -25,6 +25,16 @@ impl Node {
         store: &Path,
         env: &[(&str, String)],
     ) -> anyhow::Result<Node> {
+        Node::start_with(h, bucket, store, env, &[]).await
+    }
+
+    async fn start_with(
+        h: &Harness,
+        bucket: &str,
+        store: &Path,
+        env: &[(&str, String)],
+        args: &[&str],
+    ) -> anyhow::Result<Node> {
         let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
         let token = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
         let token_file = store.with_extension("write-token");
@@ -32,6 +42,7 @@ impl Node {
         let mut cmd = run_command(h, bucket, store, Some(&addr));
         cmd.arg("--write-token-file")
             .arg(&token_file)
+            .args(args)
             .stderr(Stdio::null());
         for (k, v) in env {
             cmd.env(k, v);
@@ -60,6 +71,26 @@ impl Node {
         })?;
         Ok((code, parsed))
     }
+}
+
+/// Shortens `bucket`'s duplicate window to a second, so a test can pass it.
+async fn short_duplicate_window(kv: &foldhost::nats::NatsKv, bucket: &str) -> anyhow::Result<()> {
+    let js = kv.jetstream();
+    let mut config = js
+        .get_stream(format!("KV_{bucket}"))
+        .await?
+        .cached_info()
+        .config
+        .clone();
+    config.duplicate_window = Duration::from_secs(1);
+    js.update_stream(config).await?;
+    Ok(())
+}
+
+/// Waits past a one-second duplicate window (a precondition, not a synchronisation: waiting
+/// longer changes nothing): the broker no longer collapses an id sent before.
+async fn pass_duplicate_window() {
+    tokio::time::sleep(Duration::from_millis(1500)).await;
 }
 
 impl Drop for Node {
@@ -207,11 +238,7 @@ async fn a_retry_after_the_brokers_duplicate_window_is_answered_applied_and_publ
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let kv = h.bucket("d").await?;
-    // The broker's duplicate window shortened to a second.
-    let js = kv.jetstream();
-    let mut config = js.get_stream("KV_d").await?.cached_info().config.clone();
-    config.duplicate_window = Duration::from_secs(1);
-    js.update_stream(config).await?;
+    short_duplicate_window(&kv, "d").await?;
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
     let node = Node::start(&h, "d", &store, &[]).await?;
@@ -220,10 +247,8 @@ async fn a_retry_after_the_brokers_duplicate_window_is_answered_applied_and_publ
         .await?;
     assert_eq!(first.outcome, "applied", "{first:?}");
     let op_id = first.op_id.clone().expect("the id");
-    // Past the window (a precondition, not a synchronisation: waiting longer changes nothing),
-    // the broker no longer collapses the id; only the ledger stands between a retry and a second
-    // record.
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Past the window only the ledger stands between a retry and a second record.
+    pass_duplicate_window().await;
     let last = kv.positions().await?.last_sequence;
     let (code, again) = node
         .write(serde_json::json!({"key": "k.a", "value": "v", "op_id": op_id}))
@@ -352,6 +377,292 @@ async fn bad_writes_are_refused_naming_what_and_publish_nothing() -> anyhow::Res
         kv.positions().await?.last_sequence,
         last,
         "published nothing"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_op_id_older_than_the_swept_ledger_is_unknown_and_publishes_nothing()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("s").await?;
+    short_duplicate_window(&kv, "s").await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let retention = ["--ledger-retention", "1s"];
+    let node = Node::start_with(&h, "s", &store, &[], &retention).await?;
+    let (_, first) = node
+        .write(serde_json::json!({"key": "k.a", "value": "v"}))
+        .await?;
+    assert_eq!(first.outcome, "applied", "{first:?}");
+    let op_id = first.op_id.clone().expect("the id");
+    drop(node);
+    // Past the retention (and the broker's window), a restart sweeps the row at once.
+    pass_duplicate_window().await;
+    let node = Node::start_with(&h, "s", &store, &[], &retention).await?;
+    let swept = wait_status(&node.addr, |s| s.ledger_sweeps >= 1).await?;
+    assert!(swept.ledger_watermark_unix_ms > 0, "{swept:?}");
+    let last = kv.positions().await?.last_sequence;
+    let (code, again) = node
+        .write(serde_json::json!({"key": "k.a", "value": "v", "op_id": op_id}))
+        .await?;
+    assert_eq!(
+        (code, again.outcome.as_str()),
+        (503, "unknown"),
+        "{again:?}"
+    );
+    assert_eq!(
+        kv.positions().await?.last_sequence,
+        last,
+        "published nothing"
+    );
+    // A new operation is written as ever.
+    let (_, new) = node
+        .write(serde_json::json!({"key": "k.a", "value": "w"}))
+        .await?;
+    assert_eq!(new.outcome, "applied", "{new:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_bootstrapped_from_an_artifact_answers_a_retry_its_donor_applied()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("a").await?;
+    short_duplicate_window(&kv, "a").await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let donor = Node::start(&h, "a", &store, &[]).await?;
+    let (_, first) = donor
+        .write(serde_json::json!({"key": "k.a", "value": "v"}))
+        .await?;
+    assert_eq!(first.outcome, "applied", "{first:?}");
+    let art = tmp.path().join("art");
+    let out = foldhost()
+        .args(["export", "--listen", &donor.addr, "--out"])
+        .arg(&art)
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    drop(donor);
+    let joined = tmp.path().join("joined");
+    let out = foldhost()
+        .args(["import", "--artifact"])
+        .arg(&art)
+        .arg("--store")
+        .arg(&joined)
+        .output()?;
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    pass_duplicate_window().await;
+    let node = Node::start(&h, "a", &joined, &[]).await?;
+    let last = kv.positions().await?.last_sequence;
+    let (code, again) = node
+        .write(serde_json::json!({"key": "k.a", "value": "v", "op_id": first.op_id}))
+        .await?;
+    assert_eq!(
+        (code, again.outcome.as_str()),
+        (200, "applied"),
+        "{again:?}"
+    );
+    assert_eq!(again.revision, first.revision);
+    assert_eq!(
+        kv.positions().await?.last_sequence,
+        last,
+        "published nothing"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_read_with_a_minimum_revision_waits_for_the_fold_and_past_its_bound_is_behind()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("r").await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let hold = tmp.path().join("hold");
+    let node = Node::start(
+        &h,
+        "r",
+        &store,
+        &[(
+            foldhost::crashpoint::HOLD_ENV,
+            format!(
+                "{}:{}",
+                foldhost::crashpoint::FOLD_LEDGER_COMMIT,
+                hold.display()
+            ),
+        )],
+    )
+    .await?;
+    let (_, pending) = node
+        .write(serde_json::json!({"key": "k.a", "value": "v", "wait_ms": 0}))
+        .await?;
+    let revision = pending.revision.expect("a revision");
+    assert_eq!(pending.outcome, "pending", "{pending:?}");
+    let get = |min: u64, wait_ms: u64| {
+        foldhost()
+            .args(["get", "k.a", "--listen", &node.addr, "--min-revision"])
+            .arg(min.to_string())
+            .arg("--wait-ms")
+            .arg(wait_ms.to_string())
+            .output()
+    };
+    // Held: past its bound (none) the read is behind (exit 3), with a positive
+    // retry_after_seconds.
+    let out = get(revision, 0)?;
+    let behind: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(out.status.code(), Some(3), "{behind}");
+    assert_eq!(behind["behind"], true);
+    assert!(
+        behind["retry_after_seconds"].as_u64() >= Some(1),
+        "{behind}"
+    );
+    // A read that may wait (a minute) while the fold is released answers once the fold passes
+    // the revision.
+    let waiting = tokio::task::spawn_blocking({
+        let addr = node.addr.clone();
+        move || {
+            foldhost()
+                .args(["get", "k.a", "--listen", &addr, "--min-revision"])
+                .arg(revision.to_string())
+                .args(["--wait-ms", "60000"])
+                .output()
+        }
+    });
+    std::fs::write(hold.with_extension("release"), "")?;
+    let out = waiting.await??;
+    let read: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    assert_eq!(out.status.code(), Some(0), "{read}");
+    assert_eq!(
+        (read["value"].as_str(), read["revision"].as_u64()),
+        (Some("v"), Some(revision))
+    );
+    assert!(read["applied_through"].as_u64() >= Some(revision), "{read}");
+    // A key the fold does not hold: exit 6.
+    let out = foldhost()
+        .args(["get", "k.none", "--listen", &node.addr])
+        .output()?;
+    assert_eq!(out.status.code(), Some(6));
+    let _ = kv;
+    Ok(())
+}
+
+/// A node folding `bucket` through `proxy` (its client, its watch and its writes), with a short
+/// operation timeout so a read the proxy blocks fails soon.
+async fn node_through(
+    h: &Harness,
+    proxy: &foldhost_tests::proxy::Proxy,
+    bucket: &str,
+    store: &Path,
+) -> anyhow::Result<Node> {
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+    let token = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    let token_file = store.with_extension("write-token");
+    std::fs::write(&token_file, token)?;
+    let _ = h;
+    let child = foldhost()
+        .args(["run", "--bucket", bucket, "--nats", &proxy.url(), "--store"])
+        .arg(store)
+        .args([
+            "--listen",
+            &addr,
+            "--nats-op-timeout",
+            "3",
+            "--write-token-file",
+        ])
+        .arg(&token_file)
+        .stderr(Stdio::null())
+        .spawn()?;
+    wait_status(&addr, |s| s.state == "running").await?;
+    Ok(Node {
+        child,
+        addr,
+        token: token.into(),
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_acknowledgement_is_resolved_from_the_log_to_applied() -> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("l").await?;
+    let proxy = foldhost_tests::proxy::Proxy::start(&h.server.url().replace("nats://", "")).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let node = node_through(&h, &proxy, "l", &store).await?;
+    // The publish reaches the server; its acknowledgement never reaches the node. The node
+    // reconnects and reads the key's newest record: its own operation's.
+    proxy.cut_after_publish_to("$KV.l.");
+    let (code, answer) = node
+        .write(serde_json::json!({"key": "k.a", "value": "v"}))
+        .await?;
+    assert_eq!(proxy.cuts(), 1, "the publish's connection was cut");
+    assert_eq!(
+        (code, answer.outcome.as_str()),
+        (200, "applied"),
+        "{answer:?}"
+    );
+    let entry = kv.entry("k.a").await?.expect("landed");
+    assert_eq!(entry.version.as_u64(), answer.revision);
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_acknowledgement_with_the_log_unreadable_is_unknown_and_the_retry_lands_once()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("u").await?;
+    let proxy = foldhost_tests::proxy::Proxy::start(&h.server.url().replace("nats://", "")).await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let node = node_through(&h, &proxy, "u", &store).await?;
+    // Cut after the publish, and let nobody reconnect: the log cannot be read.
+    proxy.refuse_new(true);
+    proxy.cut_after_publish_to("$KV.u.");
+    let (code, answer) = node
+        .write(serde_json::json!({"key": "k.a", "value": "v"}))
+        .await?;
+    assert_eq!(proxy.cuts(), 1);
+    assert_eq!(
+        (code, answer.outcome.as_str()),
+        (503, "unknown"),
+        "{answer:?}"
+    );
+    // It did land (the server had the publish). A retry under the same id once the node can
+    // reach the server again is answered as that record: one record, never two.
+    proxy.refuse_new(false);
+    let landed = kv.entry("k.a").await?.expect("landed").version.as_u64();
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let (code, again) = loop {
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the retry never settled"
+        );
+        let (code, again) = node
+            .write(serde_json::json!({"key": "k.a", "value": "v", "op_id": answer.op_id}))
+            .await?;
+        // The node's client may still be reconnecting: unknown again, and the retry is right.
+        if again.outcome != "unknown" {
+            break (code, again);
+        }
+    };
+    assert_eq!(
+        (code, again.outcome.as_str()),
+        (200, "applied"),
+        "{again:?}"
+    );
+    assert_eq!(again.revision, landed);
+    assert_eq!(
+        kv.positions().await?.last_sequence,
+        landed.unwrap_or(0),
+        "one record"
     );
     Ok(())
 }

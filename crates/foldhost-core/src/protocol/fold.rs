@@ -130,15 +130,60 @@ pub fn caught_up(applied: Option<u64>, through: Option<u64>) -> bool {
     }
 }
 
+/// What a state-sync start (each key's latest record only) left unseen: the first revision it
+/// skipped, and the level — the revision the watch reported level at after it (`None` until one
+/// did), past which every key's latest record as of the start has been folded.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Unseen {
+    /// The first revision the start never delivered.
+    pub floor: u64,
+    /// The level reported after it, once one was.
+    pub level: Option<u64>,
+}
+
+impl Unseen {
+    /// Whether it no longer holds `applied_through` down: the cursor is at the level and nothing
+    /// is retained, so every key's latest record of the start is applied and every revision it
+    /// skipped was superseded by one of them. The fold then removes it.
+    pub fn settled(&self, cursor: Option<u64>, retained: bool) -> bool {
+        !retained && matches!((self.level, cursor), (Some(l), Some(c)) if c >= l)
+    }
+}
+
 /// The highest revision every update at or below which has been *applied* (`applied_through`):
 /// the store's cursor, held below the oldest retained (deferred) record, which the cursor covers
-/// but no guest has applied yet (seed 004).
-pub fn applied_through(cursor: Option<u64>, oldest_retained: Option<u64>) -> Option<u64> {
-    match (cursor, oldest_retained) {
-        (c, None) => c,
-        (None, Some(_)) => None,
-        (Some(c), Some(r)) => Some(c.min(r.saturating_sub(1))),
+/// but no guest has applied yet (docs/design.md, "Deferral"), and — until it is settled — below the
+/// first revision a state-sync start never delivered ([`Unseen`]): the log no longer says which
+/// key that revision touched, so it is assumed to be an older write of a key whose latest record
+/// is not applied yet (not delivered, or retained), whose state in the fold is older than it.
+pub fn applied_through(
+    cursor: Option<u64>,
+    oldest_retained: Option<u64>,
+    unseen: Option<Unseen>,
+) -> Option<u64> {
+    let c = cursor?;
+    let held = oldest_retained.map_or(c, |r| c.min(r.saturating_sub(1)));
+    Some(match unseen {
+        Some(u) if !u.settled(cursor, oldest_retained.is_some()) => {
+            held.min(u.floor.saturating_sub(1))
+        }
+        _ => held,
+    })
+}
+
+/// A state-sync start's first unseen revision: with `next` the revision expected next (the one
+/// after the last delivered, or after the cursor the start began at), the first revision of
+/// `delivered` (ascending) skips over, if any; and the revision expected after them.
+pub fn first_unseen(next: u64, delivered: impl IntoIterator<Item = u64>) -> (Option<u64>, u64) {
+    let mut next = next;
+    let mut first = None;
+    for r in delivered {
+        if r > next && first.is_none() {
+            first = Some(next);
+        }
+        next = next.max(r.saturating_add(1));
     }
+    (first, next)
 }
 
 /// Which updates of a batch must be held back because an earlier update of the same key is

@@ -276,18 +276,38 @@ mod tests {
 
     #[test]
     fn applied_through_stays_below_the_oldest_retained_record() {
-        // (cursor, oldest retained, expected)
+        let unseen = |floor, level| Some(Unseen { floor, level });
+        // (cursor, oldest retained, unseen, expected)
         let table = [
-            (None, None, None),
-            (Some(10), None, Some(10)),
-            (Some(10), Some(7), Some(6)),
-            (Some(10), Some(11), Some(10)),
-            (Some(10), Some(1), Some(0)),
-            (None, Some(3), None),
+            (None, None, None, None),
+            (Some(10), None, None, Some(10)),
+            (Some(10), Some(7), None, Some(6)),
+            (Some(10), Some(11), None, Some(10)),
+            (Some(10), Some(1), None, Some(0)),
+            (None, Some(3), None, None),
+            // A state-sync start that never saw revision 1: nothing is covered while anything is
+            // retained, or before the cursor reaches the level (or any level is known) ...
+            (Some(30), Some(6), unseen(1, Some(30)), Some(0)),
+            (Some(30), Some(6), unseen(4, Some(30)), Some(3)),
+            (Some(30), Some(6), unseen(9, Some(30)), Some(5)),
+            (Some(20), None, unseen(3, Some(30)), Some(2)),
+            (Some(20), None, unseen(3, None), Some(2)),
+            // ... and with nothing retained at the level, the floor says nothing.
+            (Some(30), None, unseen(1, Some(30)), Some(30)),
+            (Some(31), None, unseen(1, Some(30)), Some(31)),
         ];
-        for (c, r, want) in table {
-            assert_eq!(applied_through(c, r), want, "{c:?} {r:?}");
+        for (c, r, u, want) in table {
+            assert_eq!(applied_through(c, r, u), want, "{c:?} {r:?} {u:?}");
         }
+    }
+
+    #[test]
+    fn the_first_unseen_revision_is_the_first_a_state_sync_skipped() {
+        assert_eq!(first_unseen(1, [1, 2, 3]), (None, 4));
+        assert_eq!(first_unseen(1, [6, 7, 9]), (Some(1), 10));
+        assert_eq!(first_unseen(1, [1, 2, 5, 9]), (Some(3), 10));
+        assert_eq!(first_unseen(11, []), (None, 11));
+        assert_eq!(first_unseen(11, [11, 13]), (Some(12), 14));
     }
 
     #[test]

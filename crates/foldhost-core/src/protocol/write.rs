@@ -33,6 +33,18 @@ pub const DEFAULT_LEDGER_RETENTION_MS: u64 = 30 * 24 * 3600 * 1000;
 /// future.
 pub const MAX_OP_ID_SKEW_MS: u64 = 5 * 60 * 1000;
 
+/// The header a read (`/query`, `/get`, a NATS query) names the revision it must see in: the
+/// host answers once `applied_through` reaches it.
+pub const MIN_REVISION_HEADER: &str = "Foldhost-Min-Revision";
+
+/// How long a read waits for `applied_through` to reach its minimum revision before it is
+/// answered `behind`, unless it names its own bound in [`WAIT_MS_HEADER`].
+pub const READ_WAIT_MS: u64 = 5_000;
+
+/// The header a read names its own bound on that wait in (milliseconds, at most
+/// [`MAX_WRITE_WAIT_MS`]).
+pub const WAIT_MS_HEADER: &str = "Foldhost-Wait-Ms";
+
 /// The longest `retry_after_seconds` a caller is told.
 pub const MAX_RETRY_AFTER_SECONDS: u64 = 60;
 
@@ -371,6 +383,43 @@ pub fn write_wait_ms(asked: Option<u64>) -> Result<u64, WriteRefusal> {
     }
 }
 
+/// The minimum revision a read asks for, from its [`MIN_REVISION_HEADER`] (absent: none). A value
+/// that is not a decimal revision is refused, naming it.
+pub fn parse_min_revision(header: Option<&str>) -> Result<Option<u64>, String> {
+    match header.map(str::trim) {
+        None => Ok(None),
+        Some(v) => v
+            .parse::<u64>()
+            .map(Some)
+            .map_err(|_| format!("{MIN_REVISION_HEADER}: {v:?} is not a revision")),
+    }
+}
+
+/// A read's bound on its wait, from its [`WAIT_MS_HEADER`]: [`READ_WAIT_MS`] when absent; one
+/// that is not a number of milliseconds, or is over [`MAX_WRITE_WAIT_MS`], is refused.
+pub fn parse_read_wait(header: Option<&str>) -> Result<u64, String> {
+    match header.map(str::trim) {
+        None => Ok(READ_WAIT_MS),
+        Some(v) => match v.parse::<u64>() {
+            Ok(ms) if ms <= MAX_WRITE_WAIT_MS => Ok(ms),
+            _ => Err(format!(
+                "{WAIT_MS_HEADER}: {v:?} is not a wait of at most {MAX_WRITE_WAIT_MS} ms"
+            )),
+        },
+    }
+}
+
+/// Whether a read that must see `min_revision` may be answered with the fold applied through
+/// `applied_through`: `Ok` when it may, else the lag to tell the caller (its `seconds` is the
+/// `retry_after_seconds`).
+pub fn read_gate(min_revision: u64, applied_through: u64, rate_per_s: f64) -> Result<(), Lag> {
+    if applied_through >= min_revision {
+        Ok(())
+    } else {
+        Err(lag_to(min_revision, applied_through, rate_per_s))
+    }
+}
+
 /// The sweep's cutoff: rows recorded before it go.
 pub fn ledger_cutoff(now_unix_ms: u64, retention_ms: u64) -> u64 {
     now_unix_ms.saturating_sub(retention_ms)
@@ -571,6 +620,27 @@ mod tests {
             Ok(MAX_WRITE_WAIT_MS)
         );
         assert!(write_wait_ms(Some(MAX_WRITE_WAIT_MS + 1)).is_err());
+    }
+
+    #[test]
+    fn a_read_passes_once_applied_through_reaches_its_minimum_and_is_told_the_lag_before() {
+        assert_eq!(read_gate(10, 10, 0.0), Ok(()));
+        assert_eq!(read_gate(10, 12, 0.0), Ok(()));
+        assert_eq!(
+            read_gate(10, 4, 3.0),
+            Err(Lag {
+                records: 6,
+                seconds: 2
+            })
+        );
+        assert_eq!(parse_min_revision(None), Ok(None));
+        assert_eq!(parse_min_revision(Some(" 42 ")), Ok(Some(42)));
+        assert!(parse_min_revision(Some("-1")).is_err());
+        assert!(parse_min_revision(Some("4x")).is_err());
+        assert_eq!(parse_read_wait(None), Ok(READ_WAIT_MS));
+        assert_eq!(parse_read_wait(Some("0")), Ok(0));
+        assert!(parse_read_wait(Some("60001")).is_err());
+        assert!(parse_read_wait(Some("soon")).is_err());
     }
 
     #[test]

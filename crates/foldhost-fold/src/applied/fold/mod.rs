@@ -31,6 +31,7 @@ pub(super) fn now_unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
+mod positions;
 mod retention;
 
 /// Most operation ids queued ahead of the commits that record them.
@@ -60,6 +61,10 @@ pub struct Fold<S: SnapshotStore> {
     /// ledger row in the commit that moves the cursor over its revision (at most
     /// [`MAX_PENDING_OPS`]).
     ops: std::collections::VecDeque<crate::kv::OpRecord>,
+    /// During a state-sync start: the revision expected next ([`Fold::begin_state_sync`]).
+    state_sync: Option<u64>,
+    /// The revision the running watch reported level at ([`Fold::state_sync_level`]).
+    level: Option<u64>,
     /// The stream identity to record with the next committed batch (a fold that records none yet:
     /// it is committed with the first cursor, see `check_identity`).
     pub(super) pending_identity: Option<crate::kv::StreamIdentity>,
@@ -85,6 +90,8 @@ impl<S: SnapshotStore> Fold<S> {
             requeued_skipped: None,
             stamps: Default::default(),
             ops: Default::default(),
+            state_sync: None,
+            level: None,
             pending_identity: None,
         };
         // The migration of folds written before bucket keys in the host's space were skipped:
@@ -105,6 +112,9 @@ impl<S: SnapshotStore> Fold<S> {
             fold.store.write()?.apply(&deletes, applied)?;
         }
         fold.publish_retained()?;
+        if let Err(e) = fold.publish_watermark() {
+            tracing::warn!(error = %e, "the operation ledger's watermark is unreadable");
+        }
         Ok(fold)
     }
 
@@ -152,65 +162,6 @@ impl<S: SnapshotStore> Fold<S> {
             self.stamps.pop_front();
         }
         self.stamps.push_back((revision, server_time_unix_ns));
-    }
-
-    /// Operation ids of records about to be delivered ([`crate::kv::WatchEvent::Ops`]). Ids of
-    /// revisions the cursor already covers are dropped (a re-delivery after a restart: the first
-    /// commit recorded them); past [`MAX_PENDING_OPS`] the oldest go, with a warning (a watch
-    /// never sends that many ahead of the batch that commits them).
-    pub(crate) fn note_ops(&mut self, ops: Vec<crate::kv::OpRecord>) {
-        let cursor = self.applied.revision_or_zero();
-        for op in ops {
-            if op.revision <= cursor || self.ops.back().is_some_and(|b| b.revision >= op.revision) {
-                continue;
-            }
-            if self.ops.len() >= MAX_PENDING_OPS {
-                let dropped = self.ops.pop_front();
-                tracing::warn!(
-                    ?dropped,
-                    "operation ids queued past the limit: the oldest is not recorded in the ledger"
-                );
-            }
-            self.ops.push_back(op);
-        }
-    }
-
-    /// The ledger rows of the queued operation ids at or below `through`, taken off the queue.
-    fn take_ledger_rows(&mut self, through: u64) -> Vec<KvUpdate> {
-        let now = now_unix_ms();
-        let mut rows = Vec::new();
-        while self.ops.front().is_some_and(|o| o.revision <= through) {
-            if let Some(o) = self.ops.pop_front() {
-                let row = crate::protocol::LedgerRow {
-                    revision: o.revision,
-                    key: o.key,
-                    recorded_unix_ms: now,
-                };
-                rows.push(crate::ledger::row_put(&o.op, &row));
-            }
-        }
-        rows
-    }
-
-    /// Sweeps the operation ledger under the current cursor ([`crate::ledger::sweep`]): how many
-    /// rows went.
-    pub(crate) fn sweep_ledger(&mut self, cutoff_unix_ms: u64) -> Result<u64, String> {
-        let updates = {
-            let store = self.store.read().map_err(|e| e.to_string())?;
-            crate::ledger::sweep(&*store, cutoff_unix_ms).map_err(|e| e.to_string())?
-        };
-        let n = updates
-            .iter()
-            .filter(|u| matches!(u, KvUpdate::Delete { .. }))
-            .count() as u64;
-        if !updates.is_empty() {
-            self.store
-                .write()
-                .map_err(|e| e.to_string())?
-                .apply(&updates, self.applied)
-                .map_err(|e| e.to_string())?;
-        }
-        Ok(n)
     }
 
     /// `cursor` with its memo's time moved to the newest known server time of a message at or
@@ -534,14 +485,10 @@ impl<S: SnapshotStore> Fold<S> {
                 .moved_to(protocol::commit_cursor(self.applied.revision(), batch_high));
             self.stamped(moved)
         };
-        // The ledger rows of the records this commit moves the cursor over commit with them.
-        if !self.frozen {
-            let rows = self.take_ledger_rows(cursor.revision_or_zero());
-            if !rows.is_empty() {
-                crashpoint::hold(crashpoint::FOLD_LEDGER_COMMIT).await;
-            }
-            raw.extend(rows);
-        }
+        let unseen = self
+            .carry_positions(&mut raw, cursor)
+            .await
+            .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
         debug_assert!(
             cursor.revision_or_zero() >= self.applied.revision_or_zero(),
             "a commit never moves the cursor backward ({:?} after {:?})",
@@ -561,6 +508,8 @@ impl<S: SnapshotStore> Fold<S> {
                 self.store_streak = 0;
                 self.status.store_failure_streak.store(0, Ordering::Relaxed);
                 self.applied = cursor;
+                self.positions_committed(unseen)
+                    .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
                 self.publish_retained()
                     .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
                 let updates = raw.iter().filter(|u| !is_reserved(u.key())).count();

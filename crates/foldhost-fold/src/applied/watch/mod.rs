@@ -329,6 +329,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         // memo) re-checks that trust once its snapshot exists, before anything of it is folded.
         let mut vouch_pending =
             (relist || start.revision().is_none()) && self.fold.cursor().memo().is_none();
+        self.fold.watch_starts(relist, start);
         // One timer, re-armed when the batch opens: a fresh timer per delivery costs more than the
         // delivery. A full batch never waits for it (the timer wheel ticks in milliseconds).
         let timer = tokio::time::sleep(Duration::from_secs(3600));
@@ -595,6 +596,10 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 false
             }
             WatchEvent::CaughtUp { through } => {
+                if let Err(e) = self.fold.state_sync_level(through) {
+                    // Unrecorded, the level only keeps applied_through lower (never higher).
+                    tracing::warn!(error = %e, "the level of a state-sync start was not recorded");
+                }
                 t.level = Some(through);
                 status.caught_up.store(1, Ordering::Relaxed);
                 status.pending.store(0, Ordering::Relaxed);

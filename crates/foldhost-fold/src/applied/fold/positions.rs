@@ -1,0 +1,208 @@
+//! What a commit carries beside the batch for the write side and `applied_through`: the
+//! operation ledger's rows (docs/writes.md, "The operation ledger") and what a state-sync start
+//! left unseen ([`protocol::Unseen`]).
+//!
+//! Invariants: a ledger row commits in the commit that moves the cursor over its record, never
+//! before it; what a state-sync skipped is recorded in the commit of the batch that skipped it,
+//! and removed only once settled (the cursor at the level, nothing retained) with no state-sync
+//! running, so `applied_through` never covers a revision whose key's state is older.
+
+use super::*;
+
+impl<S: SnapshotStore> Fold<S> {
+    /// A watch starts from `start`: a state-sync (a re-list, or no cursor) delivers each key's
+    /// latest record only, and what it skips is tracked; a delta delivers every revision in scope.
+    pub(crate) fn watch_starts(&mut self, relist: bool, start: WatchCursor) {
+        if relist || start.revision().is_none() {
+            self.begin_state_sync(start.revision_or_zero());
+        } else {
+            self.end_state_sync();
+        }
+    }
+
+    /// A state-sync start begins at `cursor` (0: none): the revisions it skips are tracked, and the
+    /// first is recorded as unseen ([`protocol::Unseen`]).
+    pub(crate) fn begin_state_sync(&mut self, cursor: u64) {
+        self.state_sync = Some(cursor.saturating_add(1));
+        self.level = None;
+    }
+
+    /// A delta watch: nothing is skipped any more.
+    pub(crate) fn end_state_sync(&mut self) {
+        self.state_sync = None;
+        self.level = None;
+    }
+
+    /// The watch is level at `through` (`None`: it delivered nothing; the cursor stands in).
+    /// Recorded at once as the level of what a state-sync left unseen, when it has none yet
+    /// (one commit under the current cursor: the level is a revision, whatever is committed).
+    pub(crate) fn state_sync_level(&mut self, through: Option<u64>) -> Result<(), SnapshotError> {
+        let level = through.unwrap_or(self.applied.revision_or_zero());
+        self.level = Some(level);
+        let unseen = self.store.with_retained(|r| r.unseen())?;
+        if let Some(u) = unseen
+            && u.level.is_none()
+        {
+            let u = Some(protocol::Unseen {
+                level: Some(level),
+                ..u
+            });
+            self.store
+                .write()?
+                .apply(&[crate::retained::unseen_floor_update(u)], self.applied)?;
+            self.store.with_retained(|r| r.set_unseen(u))?;
+            self.publish_retained()?;
+        }
+        Ok(())
+    }
+
+    /// What a state-sync left unseen after this commit, when the commit changes it: a skipped
+    /// revision found (the lowest stands), the level added, or the record removed once settled
+    /// (as of before the commit, with no state-sync tracking).
+    fn unseen_change(
+        &mut self,
+        raw: &[KvUpdate],
+    ) -> Result<Option<Option<protocol::Unseen>>, SnapshotError> {
+        let (before, retained) = self.store.with_retained(|r| (r.unseen(), r.len()))?;
+        let mut after = before;
+        if let Some(next) = self.state_sync {
+            let (first, next) =
+                protocol::first_unseen(next, raw.iter().filter_map(KvUpdate::revision));
+            self.state_sync = Some(next);
+            if let Some(f) = first {
+                after = Some(match after {
+                    None => protocol::Unseen {
+                        floor: f,
+                        level: None,
+                    },
+                    Some(u) => protocol::Unseen {
+                        floor: u.floor.min(f),
+                        ..u
+                    },
+                });
+            }
+        }
+        if let (Some(u), Some(l)) = (after.as_mut(), self.level)
+            && u.level.is_none()
+        {
+            u.level = Some(l);
+        }
+        if self.state_sync.is_none()
+            && after.is_some_and(|u| u.settled(self.applied.revision(), retained > 0))
+        {
+            after = None;
+        }
+        Ok((after != before).then_some(after))
+    }
+
+    /// Operation ids of records about to be delivered ([`crate::kv::WatchEvent::Ops`]). Ids of
+    /// revisions the cursor already covers are dropped (a re-delivery after a restart: the first
+    /// commit recorded them); past [`MAX_PENDING_OPS`] the oldest go, with a warning (a watch
+    /// never sends that many ahead of the batch that commits them).
+    pub(crate) fn note_ops(&mut self, ops: Vec<crate::kv::OpRecord>) {
+        let cursor = self.applied.revision_or_zero();
+        for op in ops {
+            if op.revision <= cursor || self.ops.back().is_some_and(|b| b.revision >= op.revision) {
+                continue;
+            }
+            if self.ops.len() >= MAX_PENDING_OPS {
+                let dropped = self.ops.pop_front();
+                tracing::warn!(
+                    ?dropped,
+                    "operation ids queued past the limit: the oldest is not recorded in the ledger"
+                );
+            }
+            self.ops.push_back(op);
+        }
+    }
+
+    /// The ledger rows of the queued operation ids at or below `through`, taken off the queue.
+    fn take_ledger_rows(&mut self, through: u64) -> Vec<KvUpdate> {
+        let now = now_unix_ms();
+        let mut rows = Vec::new();
+        while self.ops.front().is_some_and(|o| o.revision <= through) {
+            if let Some(o) = self.ops.pop_front() {
+                let row = crate::protocol::LedgerRow {
+                    revision: o.revision,
+                    key: o.key,
+                    recorded_unix_ms: now,
+                };
+                rows.push(crate::ledger::row_put(&o.op, &row));
+            }
+        }
+        rows
+    }
+
+    /// Sweeps the operation ledger under the current cursor ([`crate::ledger::sweep`]): how many
+    /// rows went.
+    pub(crate) fn sweep_ledger(&mut self, cutoff_unix_ms: u64) -> Result<u64, String> {
+        let updates = {
+            let store = self.store.read().map_err(|e| e.to_string())?;
+            crate::ledger::sweep(&*store, cutoff_unix_ms).map_err(|e| e.to_string())?
+        };
+        let n = updates
+            .iter()
+            .filter(|u| matches!(u, KvUpdate::Delete { .. }))
+            .count() as u64;
+        if !updates.is_empty() {
+            self.store
+                .write()
+                .map_err(|e| e.to_string())?
+                .apply(&updates, self.applied)
+                .map_err(|e| e.to_string())?;
+        }
+        self.publish_watermark().map_err(|e| e.to_string())?;
+        self.status.ledger_sweeps.fetch_add(1, Ordering::Relaxed);
+        Ok(n)
+    }
+
+    /// Brings the status's ledger watermark in line with the store's.
+    pub(super) fn publish_watermark(&self) -> Result<(), crate::ledger::LedgerError> {
+        let watermark = crate::ledger::read_watermark(&*self.store.read()?)?;
+        self.status
+            .ledger_watermark_unix_ms
+            .store(watermark, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// The reserved updates this commit carries (appended to `raw`): the unseen record when it
+    /// changes, and the ledger rows of the records the commit moves the cursor to `cursor` over.
+    /// Returns the unseen record's change, to publish once committed.
+    pub(super) async fn carry_positions(
+        &mut self,
+        raw: &mut Vec<KvUpdate>,
+        cursor: WatchCursor,
+    ) -> Result<Option<Option<protocol::Unseen>>, SnapshotError> {
+        if self.frozen {
+            return Ok(None);
+        }
+        let unseen = self.unseen_change(raw)?;
+        if let Some(u) = unseen {
+            raw.push(crate::retained::unseen_floor_update(u));
+        }
+        let rows = self.take_ledger_rows(cursor.revision_or_zero());
+        if !rows.is_empty() {
+            crashpoint::hold(crashpoint::FOLD_LEDGER_COMMIT).await;
+        }
+        raw.extend(rows);
+        Ok(unseen)
+    }
+
+    /// After a commit: the unseen record's change published to the index, and the state-sync
+    /// tracking ended once the cursor passed the level (past it every revision in scope comes).
+    pub(super) fn positions_committed(
+        &mut self,
+        unseen: Option<Option<protocol::Unseen>>,
+    ) -> Result<(), SnapshotError> {
+        if let Some(u) = unseen {
+            self.store.with_retained(|r| r.set_unseen(u))?;
+        }
+        if self
+            .level
+            .is_some_and(|l| self.applied.revision_or_zero() >= l)
+        {
+            self.state_sync = None;
+        }
+        Ok(())
+    }
+}
