@@ -687,6 +687,14 @@ pub trait KvWatcher: Send + Sync {
         Ok((self.stream_state().await?, self.retention().await?))
     }
 
+    /// When the server stored the record at `revision`, Unix nanoseconds (`Ok(None)`: no record
+    /// there any more, or this backend keeps no times). What a fold checks its checkpoint
+    /// against: another time at the same revision is another record (a log restored from an
+    /// older copy and written past the fold).
+    async fn stored_at(&self, _revision: u64) -> Result<Option<u64>, KvError> {
+        Ok(None)
+    }
+
     /// The bucket's name, for messages.
     fn bucket_name(&self) -> String {
         String::new()

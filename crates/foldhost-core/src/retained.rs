@@ -37,6 +37,35 @@ pub use crate::snapshot::{RESERVED_PREFIX, is_reserved};
 /// stream (`--on-recreated relist`).
 pub const IDENTITY_KEY: &str = "\u{1}identity";
 
+/// The fold's checkpoint: a revision at or below its cursor and when the server stored the record
+/// there (Unix ns), 16 bytes big-endian, committed with the batch whose cursor covers it. At a
+/// start the log's record at that revision must have the same time
+/// ([`crate::protocol::checkpoint_verdict`]).
+pub const CHECKPOINT_KEY: &str = "\u{1}checkpoint";
+
+/// The store update that records the checkpoint.
+pub fn checkpoint_put(revision: u64, stored_unix_ns: u64) -> KvUpdate {
+    let mut value = revision.to_be_bytes().to_vec();
+    value.extend_from_slice(&stored_unix_ns.to_be_bytes());
+    KvUpdate::Put(KvEntry {
+        key: CHECKPOINT_KEY.into(),
+        value: Bytes::from(value),
+        version: VersionToken::UNKNOWN,
+    })
+}
+
+/// The checkpoint a store records (`None`: none, or bytes that are not one).
+pub fn read_checkpoint<S: SnapshotStore + ?Sized>(
+    store: &S,
+) -> Result<Option<(u64, u64)>, SnapshotError> {
+    Ok(store.get(CHECKPOINT_KEY)?.and_then(|e| {
+        let v = e.value.as_ref();
+        let rev = <[u8; 8]>::try_from(v.get(..8)?).ok()?;
+        let ns = <[u8; 8]>::try_from(v.get(8..16)?).ok()?;
+        (v.len() == 16).then(|| (u64::from_be_bytes(rev), u64::from_be_bytes(ns)))
+    }))
+}
+
 /// What a state-sync start left unseen ([`crate::protocol::Unseen`]): the first revision it never
 /// delivered, 8 bytes big-endian, then the level reported after it (8 more) once one was. Until it
 /// is settled `applied_through` stays below the floor. Committed with the batch that skipped it;

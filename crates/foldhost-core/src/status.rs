@@ -81,6 +81,21 @@ pub struct StatusReport {
     pub ledger_watermark_unix_ms: u64,
     /// Ledger sweeps completed since the host started.
     pub ledger_sweeps: u64,
+    /// When the server created the stream the fold folds (RFC 3339).
+    pub stream_created_at: Option<String>,
+    /// The revision of the fold's checkpoint (the newest its cursor covers whose stored time it
+    /// recorded); checked against the log at every start.
+    pub checkpoint_revision: Option<u64>,
+    /// When the server stored the record at `checkpoint_revision` (RFC 3339).
+    pub checkpoint_stored_at: Option<String>,
+    /// The stream's first sequence, as last read (every 5 s).
+    pub stream_first_sequence: Option<u64>,
+    /// The stream's last sequence, as last read (every 5 s).
+    pub stream_last_sequence: Option<u64>,
+    /// The most updates one committed batch held since the host started.
+    pub longest_batch: u64,
+    /// The longest one `apply` took since the host started, microseconds.
+    pub longest_apply_us: u64,
     /// Bucket keys in the fold (set by `status --store`).
     pub keys: Option<u64>,
     /// The address the host's `--listen` endpoint is bound to: with `--listen HOST:0`, the port
@@ -149,6 +164,17 @@ pub fn age_s(since_unix_ms: u64, now_unix_ms: u64) -> Option<u64> {
     (since_unix_ms > 0).then(|| now_unix_ms.saturating_sub(since_unix_ms) / 1000)
 }
 
+/// Unix nanoseconds as RFC 3339 (`None` for 0, unknown).
+pub fn rfc3339(unix_ns: u64) -> Option<String> {
+    if unix_ns == 0 {
+        return None;
+    }
+    time::OffsetDateTime::from_unix_timestamp_nanos(i128::from(unix_ns))
+        .ok()?
+        .format(&time::format_description::well_known::Rfc3339)
+        .ok()
+}
+
 /// The wall clock in Unix milliseconds (0 if the clock is before 1970).
 pub fn now_unix_ms() -> u64 {
     std::time::SystemTime::now()
@@ -198,6 +224,16 @@ impl StatusReport {
             skipped_messages: s.skipped_messages.load(Ordering::Relaxed),
             ledger_watermark_unix_ms: s.ledger_watermark_unix_ms.load(Ordering::Relaxed),
             ledger_sweeps: s.ledger_sweeps.load(Ordering::Relaxed),
+            stream_created_at: rfc3339(s.stream_created_unix_ns.load(Ordering::Relaxed)),
+            checkpoint_revision: Some(s.checkpoint_revision.load(Ordering::Relaxed))
+                .filter(|r| *r > 0),
+            checkpoint_stored_at: rfc3339(s.checkpoint_stored_unix_ns.load(Ordering::Relaxed)),
+            stream_first_sequence: Some(s.stream_first_sequence.load(Ordering::Relaxed))
+                .filter(|r| *r > 0),
+            stream_last_sequence: Some(s.stream_last_sequence.load(Ordering::Relaxed))
+                .filter(|r| *r > 0),
+            longest_batch: s.longest_batch.load(Ordering::Relaxed),
+            longest_apply_us: s.longest_apply_us.load(Ordering::Relaxed),
             last_skipped: s
                 .last_skipped()
                 .map(|(revision, subject, reason)| SkippedMessage {
@@ -265,6 +301,20 @@ pub struct FoldStatus {
     pub last_skipped: std::sync::Mutex<Option<(u64, String, &'static str)>>,
     /// The operation ledger's watermark, Unix milliseconds (0: it never lost a row).
     pub ledger_watermark_unix_ms: AtomicU64,
+    /// The fold's checkpoint: a revision its cursor covers (0: none recorded) ...
+    pub checkpoint_revision: AtomicU64,
+    /// ... and when the server stored the record there, Unix nanoseconds.
+    pub checkpoint_stored_unix_ns: AtomicU64,
+    /// When the server created the stream the fold folds, Unix nanoseconds (0: not known yet).
+    pub stream_created_unix_ns: AtomicU64,
+    /// The stream's first and last sequence as last read (0: not read yet).
+    pub stream_first_sequence: AtomicU64,
+    /// See `stream_first_sequence`.
+    pub stream_last_sequence: AtomicU64,
+    /// The most updates one committed batch held since start.
+    pub longest_batch: AtomicU64,
+    /// The longest one `apply` took since start, microseconds.
+    pub longest_apply_us: AtomicU64,
     /// Ledger sweeps completed since start.
     pub ledger_sweeps: AtomicU64,
     /// Told whenever `applied_through` or `cursor` is published: what a write or a read waiting

@@ -146,6 +146,16 @@ impl NatsKv {
             .and_then(|m| self.key_of(&m.subject).map(str::to_string)))
     }
 
+    /// When the record at `sequence` was stored, Unix nanoseconds (`Ok(None)`: no record there).
+    pub async fn record_time_at(&self, sequence: u64) -> Result<Option<u64>, KvError> {
+        let request = serde_json::json!({ "seq": sequence });
+        Ok(self
+            .msg_get("record at the checkpoint", request)
+            .await?
+            .map(|m| m.time_unix_ns)
+            .filter(|t| *t > 0))
+    }
+
     /// One `$JS.API.STREAM.MSG.GET` from the stream leader, decoded.
     async fn msg_get(
         &self,

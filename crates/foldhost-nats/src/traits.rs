@@ -156,6 +156,10 @@ impl KvWatcher for NatsKv {
         self.read_retention().await.map(Some)
     }
 
+    async fn stored_at(&self, revision: u64) -> Result<Option<u64>, KvError> {
+        self.record_time_at(revision).await
+    }
+
     async fn stream_state(&self) -> Result<Option<StreamState>, KvError> {
         let info = self.stream_info().await?;
         Ok(Some(StreamState {

@@ -138,6 +138,12 @@ pub struct RunArgs {
     /// untouched) or `relist` (re-fold the new bucket: the key-listing diff, then a re-list).
     #[arg(long, default_value_t = defaults().on_recreated, value_name = "WHAT")]
     pub on_recreated: OnRecreated,
+    /// What to do when the log holds another record at the fold's checkpoint revision than the
+    /// one it folded (`log_diverged`: a broker restored from an older copy and written past this
+    /// fold): `refuse` (stop with one line saying so, the fold untouched) or `relist` (re-fold
+    /// the bucket: the key-listing diff, then a re-list).
+    #[arg(long, default_value_t = defaults().on_diverged, value_name = "WHAT")]
+    pub on_diverged: OnRecreated,
     /// A directory of artifacts (directories or `.tar` files as `foldhost export` writes them); a
     /// restore takes the one with the newest cursor. Without it no restore is armed.
     #[arg(long, value_name = "DIR")]
@@ -290,6 +296,7 @@ impl RunArgs {
             catch_up: self.catch_up,
             repair: self.repair,
             on_recreated: self.on_recreated,
+            on_diverged: self.on_diverged,
             restore_from: self.restore_from,
             artifacts: self.artifacts.zip(self.artifact_key),
             allow_non_atomic_pointer: self.allow_non_atomic_pointer,

@@ -195,6 +195,8 @@ pub(crate) struct NodeConfig {
     pub repair: RepairMode,
     /// What to do with a recreated bucket.
     pub on_recreated: OnRecreated,
+    /// What to do when the log holds another record at the fold's checkpoint (`log_diverged`).
+    pub on_diverged: OnRecreated,
     /// Where artifacts for a restore come from: a local directory…
     pub restore_from: Option<PathBuf>,
     /// …or the artifact published under a key in an object store (URL, key).
@@ -248,6 +250,7 @@ impl NodeConfig {
             catch_up: false,
             repair: RepairMode::Auto,
             on_recreated: OnRecreated::Refuse,
+            on_diverged: OnRecreated::Refuse,
             restore_from: None,
             artifacts: None,
             allow_non_atomic_pointer: false,
@@ -535,6 +538,7 @@ fn watch_options(
             lister: Some(kv as Arc<dyn crate::kv::KvReader>),
             scratch: Some(repair_scratch(&cfg.store)),
             on_recreated: cfg.on_recreated,
+            on_diverged: cfg.on_diverged,
             ..Default::default()
         },
     }

@@ -70,6 +70,10 @@ impl SideTasks {
             cfg.ledger_retention,
             control.clone(),
         )));
+        others.push(tokio::spawn(read_positions(
+            write.kv.clone(),
+            status.clone(),
+        )));
         let fatal: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
         let last_export: Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>> =
             Arc::default();
@@ -341,6 +345,26 @@ async fn sweep_ledger(retention: std::time::Duration, control: mpsc::Sender<Cont
         }
     }
 }
+
+/// Reads the stream's first and last sequence into the status every [`POSITIONS_PERIOD`] (one
+/// stream-info request each; a failed read leaves the last figures).
+async fn read_positions(kv: Arc<crate::nats::NatsKv>, status: Arc<FoldStatus>) {
+    let mut tick = tokio::time::interval(POSITIONS_PERIOD);
+    loop {
+        tick.tick().await;
+        if let Ok(p) = kv.positions().await {
+            status
+                .stream_first_sequence
+                .store(p.first_sequence, Ordering::Relaxed);
+            status
+                .stream_last_sequence
+                .store(p.last_sequence, Ordering::Relaxed);
+        }
+    }
+}
+
+/// How often the stream's first and last sequence are read for the status.
+const POSITIONS_PERIOD: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How often the operation ledger is swept.
 const LEDGER_SWEEP_PERIOD: std::time::Duration = std::time::Duration::from_secs(3600);

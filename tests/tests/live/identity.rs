@@ -338,3 +338,99 @@ async fn a_clean_stop_leaves_the_record_the_next_open_removes_it_and_a_kill_leav
     assert_eq!(closed::read(&store), None);
     Ok(())
 }
+
+/// A put that retries while the client reconnects to a restarted server.
+async fn put_retrying(kv: &foldhost::nats::NatsKv, key: &str, value: &str) -> anyhow::Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while kv.put(key, Bytes::from(value.to_string())).await.is_err() {
+        anyhow::ensure!(std::time::Instant::now() < deadline, "writes never resumed");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    Ok(())
+}
+
+/// Copies a directory tree (`cp -a`).
+fn copy_tree(from: &Path, to: &Path) -> anyhow::Result<()> {
+    let st = std::process::Command::new("cp")
+        .arg("-a")
+        .arg(from)
+        .arg(to)
+        .status()?;
+    anyhow::ensure!(st.success(), "cp -a {} {}", from.display(), to.display());
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_broker_restored_from_an_older_copy_and_written_past_the_fold_is_refused_as_log_diverged()
+-> anyhow::Result<()> {
+    let mut h = Harness::start().await?;
+    let kv = h.bucket("div").await?;
+    for i in 0..10 {
+        kv.put(&format!("k.{i:02}"), "old".into()).await?;
+    }
+    // The broker's store as it was at sequence 10.
+    let tmp = tempfile::tempdir()?;
+    let copy = tmp.path().join("copy");
+    h.server.stop();
+    copy_tree(h.server.store_dir(), &copy)?;
+    h.server.restart()?;
+    for i in 10..20 {
+        put_retrying(&kv, &format!("k.{i:02}"), "later").await?;
+    }
+    let store = tmp.path().join("fold");
+    let o = run_command(&h, "div", &store, None)
+        .arg("--catch-up")
+        .output()?;
+    ok(&o, "the first catch-up")?;
+    let stopped = foldhost::storedir::read_status(&store).expect("status.json");
+    assert_eq!(stopped.cursor, Some(20));
+    assert_eq!(
+        stopped.checkpoint_revision,
+        Some(20),
+        "the checkpoint covers the last record: {stopped:?}"
+    );
+    assert!(stopped.checkpoint_stored_at.is_some(), "{stopped:?}");
+    let folded = dump_store(&store)?;
+    // The broker comes back from the copy and is written past the fold: sequences 11..=22 are
+    // other records now.
+    h.server.stop();
+    std::fs::remove_dir_all(h.server.store_dir())?;
+    copy_tree(&copy, h.server.store_dir())?;
+    h.server.restart()?;
+    for i in 0..12 {
+        put_retrying(&kv, &format!("n.{i:02}"), "new").await?;
+    }
+    assert_eq!(kv.positions().await?.last_sequence, 22);
+    let o = run_command(&h, "div", &store, None)
+        .arg("--catch-up")
+        .output()?;
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{stderr}");
+    let last = stderr.trim_end().lines().last().unwrap_or_default();
+    assert!(
+        last.contains("log_diverged")
+            && last.contains("revision 20")
+            && last.contains("--on-diverged relist"),
+        "{stderr}"
+    );
+    assert_eq!(
+        first_difference(&folded, &dump_store(&store)?),
+        None,
+        "the fold is untouched"
+    );
+    // Re-listed on request, the fold is exactly the log as it is now.
+    let o = run_command(&h, "div", &store, None)
+        .args(["--catch-up", "--on-diverged", "relist"])
+        .output()?;
+    ok(&o, "the relist")?;
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &dump_store(&store)?),
+        None
+    );
+    // And the next start verifies the new checkpoint and resumes.
+    let o = run_command(&h, "div", &store, None)
+        .arg("--catch-up")
+        .output()?;
+    ok(&o, "a resume on the re-listed fold")?;
+    Ok(())
+}

@@ -171,6 +171,45 @@ pub fn applied_through(
     })
 }
 
+/// What a fold's recorded checkpoint — a revision at or below its cursor and when the server
+/// stored the record there — says of the log it resumes on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CheckpointVerdict {
+    /// Nothing recorded, or the log no longer holds that revision (or keeps no times): nothing
+    /// to compare.
+    Unverified,
+    /// The log holds the same record there.
+    Same,
+    /// The log holds another record at that revision: a log restored from an older copy and
+    /// written past the fold (`log_diverged`).
+    Diverged {
+        /// The checkpoint's revision.
+        revision: u64,
+        /// When the record the fold folded there was stored, Unix ns.
+        recorded_unix_ns: u64,
+        /// When the record the log holds there now was stored, Unix ns.
+        found_unix_ns: u64,
+    },
+}
+
+/// Compares the recorded checkpoint `(revision, stored Unix ns)` with the time of the record the
+/// log holds at that revision now (`None`: none there, or no times).
+pub fn checkpoint_verdict(recorded: Option<(u64, u64)>, found: Option<u64>) -> CheckpointVerdict {
+    match (recorded, found) {
+        (Some((revision, recorded_unix_ns)), Some(found_unix_ns))
+            if recorded_unix_ns != found_unix_ns =>
+        {
+            CheckpointVerdict::Diverged {
+                revision,
+                recorded_unix_ns,
+                found_unix_ns,
+            }
+        }
+        (Some(_), Some(_)) => CheckpointVerdict::Same,
+        _ => CheckpointVerdict::Unverified,
+    }
+}
+
 /// A state-sync start's first unseen revision: with `next` the revision expected next (the one
 /// after the last delivered, or after the cursor the start began at), the first revision of
 /// `delivered` (ascending) skips over, if any; and the revision expected after them.

@@ -302,6 +302,22 @@ mod tests {
     }
 
     #[test]
+    fn a_checkpoint_whose_revision_holds_another_record_has_diverged() {
+        use CheckpointVerdict::*;
+        assert_eq!(checkpoint_verdict(None, Some(5)), Unverified);
+        assert_eq!(checkpoint_verdict(Some((9, 5)), None), Unverified);
+        assert_eq!(checkpoint_verdict(Some((9, 5)), Some(5)), Same);
+        assert_eq!(
+            checkpoint_verdict(Some((9, 5)), Some(6)),
+            Diverged {
+                revision: 9,
+                recorded_unix_ns: 5,
+                found_unix_ns: 6
+            }
+        );
+    }
+
+    #[test]
     fn the_first_unseen_revision_is_the_first_a_state_sync_skipped() {
         assert_eq!(first_unseen(1, [1, 2, 3]), (None, 4));
         assert_eq!(first_unseen(1, [6, 7, 9]), (Some(1), 10));

@@ -109,6 +109,10 @@ pub enum AppliedError {
     /// untouched.
     #[error("{0}")]
     Recreated(String),
+    /// The log holds another record at the fold's checkpoint (`log_diverged`,
+    /// `--on-diverged refuse`); the fold is untouched.
+    #[error("{0}")]
+    LogDiverged(String),
 }
 
 pub use crate::status::{FoldStatus, MAX_WARNINGS};

@@ -136,8 +136,32 @@ async fn check_identity_of<S: SnapshotStore, A: Apply + ?Sized>(
         found.last_sequence,
     );
     let bucket = watcher.bucket_name();
+    status
+        .stream_created_unix_ns
+        .store(found.identity.created_unix_ns, Ordering::Relaxed);
     match verdict {
-        protocol::IdentityVerdict::Same => {}
+        protocol::IdentityVerdict::Same => {
+            if let Some(why) = diverged(fold, watcher).await? {
+                if opts.repair.on_diverged == protocol::OnRecreated::Refuse {
+                    return Err(AppliedError::LogDiverged(format!(
+                        "bucket {bucket}: log_diverged: {why}; the fold is untouched: rerun with --on-diverged relist to re-fold the bucket, or start from an empty store"
+                    )));
+                }
+                tracing::warn!(bucket = %bucket, reason = %why, "log_diverged, --on-diverged relist: re-folding the bucket as a cursor-less start");
+                reset_for(
+                    fold,
+                    apply,
+                    watcher,
+                    opts,
+                    status,
+                    &found.identity,
+                    "log_diverged",
+                )
+                .await?;
+                watcher.pin_identity(found.identity);
+                return Ok(true);
+            }
+        }
         protocol::IdentityVerdict::Record => {
             if cursor.revision().is_some() {
                 tracing::warn!(bucket = %bucket, identity = %found.identity, cursor = %cursor, "the fold records no stream identity (written by an older version): recording this stream's, which still covers the cursor");
@@ -151,26 +175,78 @@ async fn check_identity_of<S: SnapshotStore, A: Apply + ?Sized>(
                 return Err(AppliedError::Recreated(refusal(&bucket, &why)));
             }
             tracing::warn!(bucket = %bucket, reason = %why, "--on-recreated relist: re-folding the new bucket as a cursor-less start");
-            let dropped = fold.drop_retained(apply).await?;
-            let report = crate::repair::relist(
-                &mut Repairing { fold, apply },
-                &opts.repair,
+            reset_for(
+                fold,
+                apply,
                 watcher,
-                &opts.scope,
-                opts.batch.max,
+                opts,
+                status,
+                &found.identity,
+                "recreated bucket",
             )
             .await?;
-            fold.commit_identity(&found.identity, WatchCursor::NONE, apply)
-                .await?;
-            status.seq.store(0, Ordering::Relaxed);
-            status.repairs.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(bucket = %bucket, retained_dropped = dropped, listed = report.listed, deleted = report.deleted, "recreated bucket: fold reset; re-listing the new bucket");
             watcher.pin_identity(found.identity);
             return Ok(true);
         }
     }
     watcher.pin_identity(found.identity);
     Ok(false)
+}
+
+/// Resets the fold for `identity`: the retained records go (the guest rebuilds from the fold),
+/// the key-listing diff deletes every fold key the stream does not list, the checkpoint goes, and
+/// the cursor goes to none with the identity recorded; the next watch is a state-sync re-list.
+async fn reset_for<S: SnapshotStore, A: Apply + ?Sized>(
+    fold: &mut Fold<S>,
+    apply: &mut A,
+    watcher: &dyn KvWatcher,
+    opts: &WatchOptions,
+    status: &FoldStatus,
+    identity: &crate::kv::StreamIdentity,
+    why: &str,
+) -> Result<(), AppliedError> {
+    let dropped = fold.drop_retained(apply).await?;
+    let report = crate::repair::relist(
+        &mut Repairing { fold, apply },
+        &opts.repair,
+        watcher,
+        &opts.scope,
+        opts.batch.max,
+    )
+    .await?;
+    fold.forget_checkpoint()
+        .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+    fold.commit_identity(identity, WatchCursor::NONE, apply)
+        .await?;
+    status.seq.store(0, Ordering::Relaxed);
+    status.repairs.fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(bucket = %watcher.bucket_name(), retained_dropped = dropped, listed = report.listed, deleted = report.deleted, "{why}: fold reset; re-listing the bucket");
+    Ok(())
+}
+
+/// Why the fold may not resume on this log (`log_diverged`): the log holds another record at the
+/// fold's checkpoint ([`protocol::checkpoint_verdict`]). `None`: the same record, or nothing to
+/// compare.
+async fn diverged<S: SnapshotStore>(
+    fold: &Fold<S>,
+    watcher: &dyn KvWatcher,
+) -> Result<Option<String>, AppliedError> {
+    let Some(recorded) = fold.checkpoint() else {
+        return Ok(None);
+    };
+    let found = watcher.stored_at(recorded.0).await?;
+    Ok(match protocol::checkpoint_verdict(Some(recorded), found) {
+        protocol::CheckpointVerdict::Diverged {
+            revision,
+            recorded_unix_ns,
+            found_unix_ns,
+        } => Some(format!(
+            "the log holds another record at the fold's checkpoint revision {revision} (stored at {}, the one folded at {}): the broker was restored from an older copy and written past this fold",
+            crate::status::rfc3339(found_unix_ns).unwrap_or_default(),
+            crate::status::rfc3339(recorded_unix_ns).unwrap_or_default()
+        )),
+        protocol::CheckpointVerdict::Same | protocol::CheckpointVerdict::Unverified => None,
+    })
 }
 
 /// Why a fold may not resume on `found` (for a [`protocol::IdentityVerdict::Recreated`] or

@@ -73,6 +73,9 @@ pub struct RepairConfig {
     pub sort_run_bytes: usize,
     /// `--on-recreated`: what a fold does when its bucket's stream was recreated.
     pub on_recreated: crate::protocol::OnRecreated,
+    /// `--on-diverged`: what a fold does when the log holds another record at its checkpoint
+    /// (a broker restored from an older copy and written past the fold): the same two choices.
+    pub on_diverged: crate::protocol::OnRecreated,
 }
 
 impl Default for RepairConfig {
@@ -84,6 +87,7 @@ impl Default for RepairConfig {
             scratch: None,
             sort_run_bytes: DEFAULT_SORT_RUN_BYTES,
             on_recreated: crate::protocol::OnRecreated::Refuse,
+            on_diverged: crate::protocol::OnRecreated::Refuse,
         }
     }
 }

@@ -61,6 +61,8 @@ pub struct Fold<S: SnapshotStore> {
     /// ledger row in the commit that moves the cursor over its revision (at most
     /// [`MAX_PENDING_OPS`]).
     ops: std::collections::VecDeque<crate::kv::OpRecord>,
+    /// The recorded checkpoint: a revision the cursor covers and when its record was stored.
+    checkpoint: Option<(u64, u64)>,
     /// During a state-sync start: the revision expected next ([`Fold::begin_state_sync`]).
     state_sync: Option<u64>,
     /// The revision the running watch reported level at ([`Fold::state_sync_level`]).
@@ -77,7 +79,7 @@ impl<S: SnapshotStore> Fold<S> {
         status
             .seq
             .fetch_max(applied.revision_or_zero(), Ordering::Relaxed);
-        let fold = Fold {
+        let mut fold = Fold {
             store,
             applied,
             requeued: Vec::new(),
@@ -90,6 +92,7 @@ impl<S: SnapshotStore> Fold<S> {
             requeued_skipped: None,
             stamps: Default::default(),
             ops: Default::default(),
+            checkpoint: None,
             state_sync: None,
             level: None,
             pending_identity: None,
@@ -112,6 +115,8 @@ impl<S: SnapshotStore> Fold<S> {
             fold.store.write()?.apply(&deletes, applied)?;
         }
         fold.publish_retained()?;
+        fold.checkpoint = crate::retained::read_checkpoint(&*fold.store.read()?)?;
+        fold.publish_checkpoint();
         if let Err(e) = fold.publish_watermark() {
             tracing::warn!(error = %e, "the operation ledger's watermark is unreadable");
         }
@@ -420,9 +425,11 @@ impl<S: SnapshotStore> Fold<S> {
             deferred = ?outcome.as_ref().map(|d| d.iter().filter(|x| **x).count()),
             "batch parsed and applied"
         );
+        let apply_us = t.elapsed().as_micros() as u64;
+        self.status.last_apply_us.store(apply_us, Ordering::Relaxed);
         self.status
-            .last_apply_us
-            .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+            .longest_apply_us
+            .fetch_max(apply_us, Ordering::Relaxed);
         let deferred = match outcome {
             Ok(d) => d,
             Err(e) => {
@@ -485,7 +492,7 @@ impl<S: SnapshotStore> Fold<S> {
                 .moved_to(protocol::commit_cursor(self.applied.revision(), batch_high));
             self.stamped(moved)
         };
-        let unseen = self
+        let carried = self
             .carry_positions(&mut raw, cursor)
             .await
             .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
@@ -508,7 +515,7 @@ impl<S: SnapshotStore> Fold<S> {
                 self.store_streak = 0;
                 self.status.store_failure_streak.store(0, Ordering::Relaxed);
                 self.applied = cursor;
-                self.positions_committed(unseen)
+                self.positions_committed(carried)
                     .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
                 self.publish_retained()
                     .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
@@ -516,6 +523,9 @@ impl<S: SnapshotStore> Fold<S> {
                 self.status
                     .committed
                     .fetch_add(updates as u64, Ordering::Relaxed);
+                self.status
+                    .longest_batch
+                    .fetch_max(updates as u64, Ordering::Relaxed);
                 self.status.batches.fetch_add(1, Ordering::Relaxed);
                 crashpoint::hit(crashpoint::FOLD_BEFORE_ON_APPLIED);
                 apply.on_applied(cursor).await;

@@ -9,7 +9,44 @@
 
 use super::*;
 
+/// What a commit carried beside its batch, to publish once it is committed.
+#[derive(Default)]
+pub(crate) struct Carried {
+    unseen: Option<Option<protocol::Unseen>>,
+    checkpoint: Option<(u64, u64)>,
+}
+
 impl<S: SnapshotStore> Fold<S> {
+    /// The recorded checkpoint: a revision the cursor covers and when its record was stored.
+    pub(crate) fn checkpoint(&self) -> Option<(u64, u64)> {
+        self.checkpoint
+    }
+
+    /// Forgets the checkpoint (a reset re-folds the bucket from nothing), in one commit under the
+    /// current cursor.
+    pub(crate) fn forget_checkpoint(&mut self) -> Result<(), SnapshotError> {
+        if self.checkpoint.take().is_some() {
+            let delete = KvUpdate::Delete {
+                key: crate::retained::CHECKPOINT_KEY.into(),
+                version: crate::kv::VersionToken::UNKNOWN,
+            };
+            self.store.write()?.apply(&[delete], self.applied)?;
+        }
+        self.publish_checkpoint();
+        Ok(())
+    }
+
+    /// The checkpoint into the status.
+    pub(super) fn publish_checkpoint(&self) {
+        let (rev, ns) = self.checkpoint.unwrap_or((0, 0));
+        self.status
+            .checkpoint_revision
+            .store(rev, Ordering::Relaxed);
+        self.status
+            .checkpoint_stored_unix_ns
+            .store(ns, Ordering::Relaxed);
+    }
+
     /// A watch starts from `start`: a state-sync (a re-list, or no cursor) delivers each key's
     /// latest record only, and what it skips is tracked; a delta delivers every revision in scope.
     pub(crate) fn watch_starts(&mut self, relist: bool, start: WatchCursor) {
@@ -166,36 +203,50 @@ impl<S: SnapshotStore> Fold<S> {
     }
 
     /// The reserved updates this commit carries (appended to `raw`): the unseen record when it
-    /// changes, and the ledger rows of the records the commit moves the cursor to `cursor` over.
-    /// Returns the unseen record's change, to publish once committed.
+    /// changes, the checkpoint when a newer delivery stamp is covered, and the ledger rows of the
+    /// records the commit moves the cursor to `cursor` over. Returns what to publish once
+    /// committed.
     pub(super) async fn carry_positions(
         &mut self,
         raw: &mut Vec<KvUpdate>,
         cursor: WatchCursor,
-    ) -> Result<Option<Option<protocol::Unseen>>, SnapshotError> {
+    ) -> Result<Carried, SnapshotError> {
         if self.frozen {
-            return Ok(None);
+            return Ok(Carried::default());
         }
         let unseen = self.unseen_change(raw)?;
         if let Some(u) = unseen {
             raw.push(crate::retained::unseen_floor_update(u));
         }
-        let rows = self.take_ledger_rows(cursor.revision_or_zero());
+        let through = cursor.revision_or_zero();
+        let checkpoint = self
+            .stamps
+            .iter()
+            .rev()
+            .find(|(r, _)| *r <= through)
+            .copied()
+            .filter(|(r, _)| self.checkpoint.is_none_or(|(c, _)| *r > c));
+        if let Some((rev, ns)) = checkpoint {
+            raw.push(crate::retained::checkpoint_put(rev, ns));
+        }
+        let rows = self.take_ledger_rows(through);
         if !rows.is_empty() {
             crashpoint::hold(crashpoint::FOLD_LEDGER_COMMIT).await;
         }
         raw.extend(rows);
-        Ok(unseen)
+        Ok(Carried { unseen, checkpoint })
     }
 
-    /// After a commit: the unseen record's change published to the index, and the state-sync
-    /// tracking ended once the cursor passed the level (past it every revision in scope comes).
-    pub(super) fn positions_committed(
-        &mut self,
-        unseen: Option<Option<protocol::Unseen>>,
-    ) -> Result<(), SnapshotError> {
-        if let Some(u) = unseen {
+    /// After a commit: what it carried published (the unseen record to the index, the
+    /// checkpoint to the status), and the state-sync tracking ended once the cursor passed the
+    /// level (past it every revision in scope comes).
+    pub(super) fn positions_committed(&mut self, carried: Carried) -> Result<(), SnapshotError> {
+        if let Some(u) = carried.unseen {
             self.store.with_retained(|r| r.set_unseen(u))?;
+        }
+        if let Some(c) = carried.checkpoint {
+            self.checkpoint = Some(c);
+            self.publish_checkpoint();
         }
         if self
             .level
