@@ -125,6 +125,12 @@ pub struct RunArgs {
     /// requester cannot have the host publish, with its credentials, to a subject it names).
     #[arg(long, default_value_t = defaults().query_reply_prefix)]
     pub query_reply_prefix: String,
+    /// Also take writes as NATS request/reply on this subject: the request is `/write`'s JSON,
+    /// the reply its answer (docs/writes.md). Who may write is who may publish to the subject
+    /// (the NATS account's permissions); replies go only to subjects under
+    /// `--query-reply-prefix`.
+    #[arg(long, value_name = "SUBJ")]
+    pub write_subject: Option<String>,
     /// Fold to the stream's last sequence as of start, then exit 0.
     #[arg(long)]
     pub catch_up: bool,
@@ -293,6 +299,7 @@ impl RunArgs {
             watch_guest: self.watch_guest,
             query_subject: self.query_subject,
             query_reply_prefix: self.query_reply_prefix,
+            write_subject: self.write_subject,
             catch_up: self.catch_up,
             repair: self.repair,
             on_recreated: self.on_recreated,

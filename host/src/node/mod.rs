@@ -187,8 +187,10 @@ pub(crate) struct NodeConfig {
     pub watch_guest: bool,
     /// Also serve queries as NATS request/reply on this subject.
     pub query_subject: Option<String>,
-    /// Reply subjects of NATS queries must start with this.
+    /// Reply subjects of NATS queries (and writes) must start with this.
     pub query_reply_prefix: String,
+    /// Also take writes as NATS request/reply on this subject.
+    pub write_subject: Option<String>,
     /// Fold to the stream's last sequence as of start, then return.
     pub catch_up: bool,
     /// Which cursor-expiry repairs are allowed.
@@ -247,6 +249,7 @@ impl NodeConfig {
             watch_guest: false,
             query_subject: None,
             query_reply_prefix: DEFAULT_QUERY_REPLY_PREFIX.to_string(),
+            write_subject: None,
             catch_up: false,
             repair: RepairMode::Auto,
             on_recreated: OnRecreated::Refuse,

@@ -130,6 +130,20 @@ impl SideTasks {
                 },
             )));
         }
+        if let Some(subject) = &cfg.write_subject {
+            let client = conn.client().await?;
+            let sub = client
+                .subscribe(subject.clone())
+                .await
+                .map_err(|e| NodeError::Config(format!("--write-subject {subject}: {e}")))?;
+            tracing::info!(subject = %subject, "taking writes over NATS request/reply");
+            others.push(tokio::spawn(serve_nats_writes(
+                client,
+                sub,
+                cfg.query_reply_prefix.clone(),
+                write.clone(),
+            )));
+        }
         if let (Some(every), Some(transport), Some((_, key))) =
             (cfg.export_every, transport, &cfg.artifacts)
         {
@@ -602,6 +616,48 @@ async fn serve_nats_queries(
         }
     }
 }
+
+/// Takes writes on a NATS subject: each request is a [`crate::write::WriteRequest`] (JSON), each
+/// reply its [`crate::write::WriteAnswer`] (JSON) with the outcome in `Foldhost-Outcome`. At most
+/// [`MAX_NATS_WRITES`] are in flight; more wait in the subscription.
+async fn serve_nats_writes(
+    client: async_nats::Client,
+    mut sub: async_nats::Subscriber,
+    reply_prefix: String,
+    write: Arc<crate::write::WritePath>,
+) {
+    use futures::StreamExt;
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_NATS_WRITES));
+    while let Some(msg) = sub.next().await {
+        let Some(reply_to) = msg.reply.clone() else {
+            continue;
+        };
+        if !crate::protocol::reply_subject_allowed(&reply_to, &reply_prefix) {
+            tracing::warn!(reply = %reply_to, prefix = %reply_prefix, "write refused: its reply subject is not an inbox");
+            continue;
+        }
+        let Ok(permit) = in_flight.clone().acquire_owned().await else {
+            return;
+        };
+        let (client, write) = (client.clone(), write.clone());
+        tokio::spawn(async move {
+            let answer = write.write_json(&msg.payload).await;
+            let mut headers = async_nats::HeaderMap::new();
+            headers.insert("Foldhost-Outcome", answer.outcome.as_str());
+            let body = serde_json::to_vec(&answer).unwrap_or_default();
+            if let Err(e) = client
+                .publish_with_headers(reply_to, headers, body.into())
+                .await
+            {
+                tracing::warn!(error = %e, "write reply not sent");
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// Most NATS writes in flight at once.
+const MAX_NATS_WRITES: usize = 64;
 
 /// Most NATS queries waiting for a revision at once.
 const MAX_WAITING_NATS_QUERIES: usize = 256;

@@ -666,3 +666,50 @@ async fn a_lost_acknowledgement_with_the_log_unreadable_is_unknown_and_the_retry
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_over_the_nats_write_subject_is_answered_like_one_through_the_endpoint()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("n").await?;
+    let tmp = tempfile::tempdir()?;
+    let store = tmp.path().join("fold");
+    let node = Node::start_with(&h, "n", &store, &[], &["--write-subject", "fold.n.write"]).await?;
+    let client = h.conn.client().await?;
+    let ask = |body: serde_json::Value| {
+        let client = client.clone();
+        async move {
+            let reply = client
+                .request("fold.n.write", body.to_string().into())
+                .await?;
+            let outcome = reply
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("Foldhost-Outcome"))
+                .map(|v| v.as_str().to_string());
+            let answer: WriteAnswer = serde_json::from_slice(&reply.payload)?;
+            anyhow::Ok((outcome, answer))
+        }
+    };
+    let (outcome, answer) = ask(serde_json::json!({"key": "k.a", "value": "v"})).await?;
+    assert_eq!(answer.outcome, "applied", "{answer:?}");
+    assert_eq!(outcome.as_deref(), Some("applied"));
+    assert_eq!(
+        kv.entry("k.a").await?.and_then(|e| e.version.as_u64()),
+        answer.revision
+    );
+    // The same operation again, through the endpoint this time: answered as the first.
+    let (_, again) = node
+        .write(serde_json::json!({"key": "k.a", "value": "v", "op_id": answer.op_id}))
+        .await?;
+    assert_eq!(
+        (again.outcome.as_str(), again.revision),
+        ("applied", answer.revision)
+    );
+    let (_, bad) = ask(serde_json::json!({"key": "bad key", "value": "v"})).await?;
+    assert_eq!(
+        (bad.outcome.as_str(), bad.reason.as_deref()),
+        ("refused", Some("invalid"))
+    );
+    Ok(())
+}
