@@ -165,6 +165,7 @@ impl WriteAnswer {
                 format!("no acknowledgement, and the log could not be read ({e}): retry with the same op_id")
             }
             UnknownWhy::NotNewest => "no acknowledgement, and the newest record on the key is not this operation's: retry with the same op_id".into(),
+            UnknownWhy::FoldBehind => "this node has no row for the operation yet and is behind the log, where its first copy may be: retry with the same op_id once the node is level".into(),
         };
         WriteAnswer {
             outcome: "unknown".into(),
@@ -219,6 +220,8 @@ struct Checked {
     key: String,
     kind: WriteKind,
     op: OpId,
+    /// The caller sent the id (it may be a retry).
+    given_id: bool,
     if_revision: Option<u64>,
     wait: Duration,
 }
@@ -257,8 +260,35 @@ impl WritePath {
             Admission::Landed { revision } => self.settle(revision, &c).await,
             Admission::Refused(r) => WriteAnswer::refused(r, Some(&c.op)),
             Admission::Unknown(why) => WriteAnswer::unknown(why, &c.op),
+            Admission::Publish if c.given_id => self.publish_retry(&c).await,
             Admission::Publish => self.publish(&c).await,
         }
+    }
+
+    /// An id the caller gave, with no ledger row: perhaps a retry of a write the fold has not
+    /// folded yet. Its record, when it is the newest on the key, answers it; past the broker's
+    /// duplicate window with the fold behind the log, it is `unknown`
+    /// ([`protocol::retry_may_have_landed`]); otherwise it is published.
+    async fn publish_retry(&self, c: &Checked) -> WriteAnswer {
+        let newest = self.kv.newest_record(&c.key).await;
+        if let Ok(Some((revision, Some(found)))) = newest
+            && found == c.op
+        {
+            return self.settle(revision, c).await;
+        }
+        let through = self
+            .status
+            .applied_through
+            .load(std::sync::atomic::Ordering::Acquire);
+        let last = self
+            .status
+            .stream_last_sequence
+            .load(std::sync::atomic::Ordering::Relaxed)
+            .max(self.status.seq.load(std::sync::atomic::Ordering::Relaxed));
+        if protocol::retry_may_have_landed(&c.op, now_unix_ms(), through, last) {
+            return WriteAnswer::unknown(UnknownWhy::FoldBehind, &c.op);
+        }
+        self.publish(c).await
     }
 
     /// Publishes, and turns the broker's answer (or its absence) into a revision or an answer.
@@ -410,6 +440,7 @@ impl WritePath {
             key: req.key,
             kind,
             op,
+            given_id: req.op_id.is_some(),
             if_revision: req.if_revision,
             wait: Duration::from_millis(wait),
         })

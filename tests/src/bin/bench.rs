@@ -60,6 +60,9 @@ mod languages;
 mod matrix;
 #[path = "bench/table.rs"]
 mod table;
+/// Writes through a host against bare puts.
+#[path = "bench/writes.rs"]
+mod writes;
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
@@ -950,6 +953,11 @@ async fn main() -> anyhow::Result<()> {
         // batches of RUNS, no NATS, no store. FOLDHOST_BENCH_GUEST picks the guest.
         return feed(keys, runs.max(1)).await;
     }
+    if what == "writes" {
+        writes::run().await?;
+        table::print("foldhost-bench writes");
+        return Ok(());
+    }
     if what == "table" {
         return table_all(args.get(2).and_then(|s| s.parse().ok()).unwrap_or(3)).await;
     }
@@ -979,7 +987,7 @@ async fn main() -> anyhow::Result<()> {
     }
     if !matches!(what, "ingest" | "guest" | "swap" | "artifact" | "all") {
         anyhow::bail!(
-            "usage: foldhost-bench [table [RUNS]|ingest|matrix|languages|guest|swap|artifact|all|backends|bootstrap] [KEYS] [RUNS]"
+            "usage: foldhost-bench [table [RUNS]|ingest|matrix|languages|guest|swap|artifact|all|backends|bootstrap|writes] [KEYS] [RUNS]"
         );
     }
     Ok(())
@@ -1062,6 +1070,7 @@ async fn table_all(runs: usize) -> anyhow::Result<()> {
     bench_artifact(1_000_000, runs)?;
     backends::run(1_000_000)?;
     bootstrap::run(1_000_000).await?;
+    writes::run().await?;
     table::print(&format!("make bench (foldhost-bench table {runs})"));
     Ok(())
 }

@@ -223,6 +223,10 @@ pub enum UnknownWhy {
     /// The acknowledgement was lost and the newest record on the key is another operation's (or
     /// none): this one may still land, or may have been overwritten.
     NotNewest,
+    /// A retry older than the broker's duplicate window, with no row yet, while this fold is
+    /// behind the log: its first copy may be in the part not folded yet
+    /// ([`retry_may_have_landed`]).
+    FoldBehind,
 }
 
 /// The decision before anything is published.
@@ -279,6 +283,25 @@ pub fn admit_write(
         });
     }
     Admission::Publish
+}
+
+/// How old an operation id must be before the broker's duplicate window (two minutes by
+/// default) can no longer be trusted to collapse a second publish of it: a minute, with margin.
+pub const DUPLICATE_WINDOW_TRUST_MS: u64 = 60_000;
+
+/// Whether a retry of `op` — an id the caller sent, with no ledger row, and whose record is not the
+/// newest on its key — may still have landed where neither the ledger nor the broker would see it:
+/// the id is older than the duplicate window can be trusted for, and the log holds records past
+/// what this fold applied (`log_last` > `applied_through`), among which its record may be. Then
+/// the answer is `unknown` (retry once the fold is level), never a second publish.
+pub fn retry_may_have_landed(
+    op: &OpId,
+    now_unix_ms: u64,
+    applied_through: u64,
+    log_last: u64,
+) -> bool {
+    now_unix_ms.saturating_sub(op.minted_unix_ms()) > DUPLICATE_WINDOW_TRUST_MS
+        && log_last > applied_through
 }
 
 /// An acknowledged publish at `sequence`: when the broker collapsed it onto an earlier record
@@ -563,6 +586,21 @@ mod tests {
             admit_write(&op(now + MAX_OP_ID_SKEW_MS + 1, 1), "a", None, 0, now),
             Admission::Refused(WriteRefusal::Invalid { .. })
         ));
+    }
+
+    #[test]
+    fn an_old_retry_is_held_back_only_while_the_fold_is_behind_the_log() {
+        let id = op(1_000_000, 1);
+        let late = 1_000_000 + DUPLICATE_WINDOW_TRUST_MS + 1;
+        assert!(retry_may_have_landed(&id, late, 10, 11));
+        assert!(
+            !retry_may_have_landed(&id, late, 11, 11),
+            "level: the ledger knows"
+        );
+        assert!(
+            !retry_may_have_landed(&id, 1_000_000 + DUPLICATE_WINDOW_TRUST_MS, 10, 11),
+            "within the window the broker collapses it"
+        );
     }
 
     #[test]

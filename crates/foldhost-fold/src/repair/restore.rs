@@ -19,6 +19,7 @@ use crate::protocol::{self, KeyRestore};
 use crate::retained::is_reserved;
 use crate::snapshot::{SnapshotError, SnapshotStore};
 use crate::storedir::{AnyStore, Backend};
+use crate::view::SharedStore;
 
 use super::extsort::MAX_SPILL_KEY;
 use super::relist::fold_deletes;
@@ -546,9 +547,11 @@ pub async fn restore<T: RepairTarget>(
         w.flush().map_err(io_err(&spill_path, "write spill"))?;
         Ok(r)
     })?;
+    let fold_cursor = target.cursor();
+    let adopted = block(|| adopt_ledger(&store, &art, fold_cursor))?;
     drop(art);
     let (deletes, listed) = filter_deletes(cfg, watcher, scope, candidates, rev).await?;
-    tracing::info!(artifact = %path.display(), cursor = rev, taken, deletes = deletes.len(), "repair: restore diff");
+    tracing::info!(artifact = %path.display(), cursor = rev, taken, deletes = deletes.len(), ledger_rows_adopted = adopted, "repair: restore diff");
     // Fold the difference under the old cursor, then move the cursor in one last commit.
     target.freeze_cursor(true);
     let folded = fold_difference(target, &spill_path, deletes, max).await;
@@ -569,6 +572,60 @@ pub async fn restore<T: RepairTarget>(
         artifact: Some(path),
         cursor: Some(rev),
     })
+}
+
+/// Adopts the artifact's operation ledger (docs/writes.md, "The operation ledger"): the rows the
+/// fold lacks — operations its donor folded from records this fold never saw — and its watermark
+/// where it is higher, committed as reserved keys under the fold's `cursor` (before the restore
+/// moves it: a crash in between adopts them again, the same rows). Returns how many rows.
+fn adopt_ledger<S: SnapshotStore>(
+    store: &SharedStore<S>,
+    art: &AnyStore,
+    cursor: crate::kv::WatchCursor,
+) -> Result<u64, RepairError> {
+    const BATCH: usize = 4096;
+    let mut adopted = 0u64;
+    let mut batch: Vec<KvUpdate> = Vec::new();
+    let mut last: Option<String> = None;
+    loop {
+        art.for_each_in_range_after(crate::ledger::LEDGER_PREFIX, last.as_deref(), &mut |e| {
+            batch.push(KvUpdate::Put(e.clone()));
+            if batch.len() >= BATCH {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        })?;
+        let full = batch.len() >= BATCH;
+        last = batch.last().map(|u| u.key().to_string());
+        {
+            let local = store.read()?;
+            let mut missing = Vec::with_capacity(batch.len());
+            for u in batch.drain(..) {
+                if local.get(u.key())?.is_none() {
+                    missing.push(u);
+                }
+            }
+            drop(local);
+            if !missing.is_empty() {
+                adopted += missing.len() as u64;
+                store.write()?.apply(&missing, cursor)?;
+            }
+        }
+        if !full {
+            break;
+        }
+    }
+    let theirs =
+        crate::ledger::read_watermark(art).map_err(|e| RepairError::Refused(e.to_string()))?;
+    let ours = crate::ledger::read_watermark(&*store.read()?)
+        .map_err(|e| RepairError::Refused(e.to_string()))?;
+    if theirs > ours {
+        store
+            .write()?
+            .apply(&[crate::ledger::watermark_put(theirs)], cursor)?;
+    }
+    Ok(adopted)
 }
 
 /// The retention's first revision, or a refusal when the bucket cannot say.
@@ -690,6 +747,59 @@ async fn fold_difference<T: RepairTarget>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// An op id minted at `ms` (a UUIDv7 with `n` in its random bits).
+    fn op(ms: u64, n: u8) -> protocol::OpId {
+        let mut b = [n; 16];
+        b[..6].copy_from_slice(&ms.to_be_bytes()[2..]);
+        b[6] = 0x70 | (b[6] & 0x0f);
+        b[8] = 0x80 | (b[8] & 0x3f);
+        protocol::OpId::from_bytes(b).expect("a v7")
+    }
+
+    #[test]
+    fn a_restore_adopts_the_rows_and_the_watermark_of_the_artifacts_ledger() {
+        let dirs = (
+            tempfile::tempdir().expect("tmp"),
+            tempfile::tempdir().expect("tmp"),
+        );
+        let row = |rev: u64, key: &str| protocol::LedgerRow {
+            revision: rev,
+            key: key.into(),
+            recorded_unix_ms: 1,
+        };
+        let cursor = crate::kv::WatchCursor::at(10);
+        // The donor folded three operations and swept up to 500; the fold holds one of them.
+        let (mut art, _) = AnyStore::open(dirs.0.path(), Backend::AppendLog).expect("open");
+        art.apply(
+            &[
+                crate::ledger::row_put(&op(1_000, 1), &row(5, "a")),
+                crate::ledger::row_put(&op(2_000, 2), &row(12, "b")),
+                crate::ledger::row_put(&op(3_000, 3), &row(14, "c")),
+                crate::ledger::watermark_put(500),
+            ],
+            crate::kv::WatchCursor::at(14),
+        )
+        .expect("donor");
+        let (mut local, _) = AnyStore::open(dirs.1.path(), Backend::AppendLog).expect("open");
+        local
+            .apply(
+                &[crate::ledger::row_put(&op(1_000, 1), &row(5, "a"))],
+                cursor,
+            )
+            .expect("local");
+        let shared = SharedStore::new(local);
+        assert_eq!(adopt_ledger(&shared, &art, cursor).expect("adopt"), 2);
+        let s = shared.read().expect("read");
+        for (id, want) in [(op(2_000, 2), row(12, "b")), (op(3_000, 3), row(14, "c"))] {
+            assert_eq!(crate::ledger::read_row(&*s, &id).expect("row"), Some(want));
+        }
+        assert_eq!(crate::ledger::read_watermark(&*s).expect("watermark"), 500);
+        assert_eq!(s.cursor(), cursor, "the cursor is the restore's to move");
+        drop(s);
+        // Again: nothing more to adopt.
+        assert_eq!(adopt_ledger(&shared, &art, cursor).expect("again"), 0);
+    }
 
     #[test]
     fn spilled_entries_read_back_exactly_and_a_bad_length_is_an_error() {
