@@ -320,6 +320,9 @@ pub struct FoldStatus {
     /// Told whenever `applied_through` or `cursor` is published: what a write or a read waiting
     /// for a revision waits on ([`FoldStatus::wait_applied`]).
     pub applied_moved: tokio::sync::Notify,
+    /// How many wait on `applied_moved` now: while any does, the fold flushes a batch as soon as
+    /// its deliveries are taken instead of lingering for the batch window.
+    pub applied_waiters: AtomicU64,
 }
 
 /// Most warnings kept in [`FoldStatus::warnings`].
@@ -329,6 +332,14 @@ impl FoldStatus {
     /// Waits until `applied_through` reaches `revision`, at most until `deadline`: the
     /// `applied_through` seen last (at or past `revision` when the wait succeeded).
     pub async fn wait_applied(&self, revision: u64, deadline: tokio::time::Instant) -> u64 {
+        // While anyone waits, the fold commits what it holds without lingering for more.
+        self.applied_waiters.fetch_add(1, Ordering::AcqRel);
+        let through = self.wait_applied_inner(revision, deadline).await;
+        self.applied_waiters.fetch_sub(1, Ordering::AcqRel);
+        through
+    }
+
+    async fn wait_applied_inner(&self, revision: u64, deadline: tokio::time::Instant) -> u64 {
         loop {
             let moved = self.applied_moved.notified();
             tokio::pin!(moved);

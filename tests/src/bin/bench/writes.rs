@@ -33,7 +33,15 @@ pub async fn run() -> anyhow::Result<()> {
     let token_file = dir.path().join("write-token");
     std::fs::write(&token_file, TOKEN)?;
     let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
-    let mut host = foldhost_tests::foldhost()
+    // The release `foldhost` beside this binary (target/release/).
+    let bin = std::env::current_exe()?.with_file_name("foldhost");
+    anyhow::ensure!(
+        bin.exists(),
+        "{} not built: make bench builds it",
+        bin.display()
+    );
+    let mut host = std::process::Command::new(bin)
+        .env("FOLDHOST_LOG", "warn")
         .args([
             "run",
             "--bucket",

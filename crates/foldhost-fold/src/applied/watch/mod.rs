@@ -562,6 +562,10 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         if self.opts.catch_up && t.level.is_some() {
             *flush_now = true;
         }
+        // A writer (or a read) waiting for applied_through: no lingering for the batch window.
+        if self.status.applied_waiters.load(Ordering::Acquire) > 0 {
+            *flush_now = true;
+        }
         Step::Continue
     }
 
