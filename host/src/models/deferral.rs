@@ -208,31 +208,20 @@ impl DeferralModel {
     /// retained records before it): a skipped revision found (the lowest stands), the level
     /// added, or the record removed once settled with no state-sync tracking — as the fold does.
     fn unseen_after(n: &mut State, batch: &[u64]) {
-        let mut after = n.unseen;
+        let mut first = None;
         if n.syncing {
-            let (first, next) = protocol::first_unseen(n.next_expected, batch.iter().copied());
+            let (skipped, next) = protocol::first_unseen(n.next_expected, batch.iter().copied());
             n.next_expected = next;
-            if let Some(f) = first {
-                after = Some(match after {
-                    None => protocol::Unseen {
-                        floor: f,
-                        level: None,
-                    },
-                    Some(u) => protocol::Unseen {
-                        floor: u.floor.min(f),
-                        ..u
-                    },
-                });
-            }
+            first = skipped;
         }
-        if let (Some(u), Some(l)) = (after.as_mut(), n.level)
-            && u.level.is_none()
-        {
-            u.level = Some(l);
-        }
-        if !n.syncing && after.is_some_and(|u| u.settled(n.cursor, !n.retained.is_empty())) {
-            after = None;
-        }
+        let after = protocol::unseen_after(
+            n.unseen,
+            first,
+            n.level,
+            n.syncing,
+            n.cursor,
+            !n.retained.is_empty(),
+        );
         n.unseen = after;
     }
 }

@@ -28,8 +28,20 @@ impl Node {
         Node::start_with(h, bucket, store, env, &[]).await
     }
 
+    /// [`Node::start`] with more arguments.
     async fn start_with(
         h: &Harness,
+        bucket: &str,
+        store: &Path,
+        env: &[(&str, String)],
+        args: &[&str],
+    ) -> anyhow::Result<Node> {
+        Node::start_on(&h.url(), bucket, store, env, args).await
+    }
+
+    /// [`Node::start_with`] on the server at `nats` (a proxy in front of the test's, say).
+    async fn start_on(
+        nats: &str,
         bucket: &str,
         store: &Path,
         env: &[(&str, String)],
@@ -39,8 +51,11 @@ impl Node {
         let token = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
         let token_file = store.with_extension("write-token");
         std::fs::write(&token_file, token)?;
-        let mut cmd = run_command(h, bucket, store, Some(&addr));
-        cmd.arg("--write-token-file")
+        let mut cmd = foldhost();
+        cmd.args(["run", "--bucket", bucket, "--nats", nats, "--store"])
+            .arg(store)
+            .args(["--listen", &addr])
+            .arg("--write-token-file")
             .arg(&token_file)
             .args(args)
             .stderr(Stdio::null());
@@ -558,35 +573,18 @@ async fn a_read_with_a_minimum_revision_waits_for_the_fold_and_past_its_bound_is
 /// A node folding `bucket` through `proxy` (its client, its watch and its writes), with a short
 /// operation timeout so a read the proxy blocks fails soon.
 async fn node_through(
-    h: &Harness,
     proxy: &foldhost_tests::proxy::Proxy,
     bucket: &str,
     store: &Path,
 ) -> anyhow::Result<Node> {
-    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
-    let token = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
-    let token_file = store.with_extension("write-token");
-    std::fs::write(&token_file, token)?;
-    let _ = h;
-    let child = foldhost()
-        .args(["run", "--bucket", bucket, "--nats", &proxy.url(), "--store"])
-        .arg(store)
-        .args([
-            "--listen",
-            &addr,
-            "--nats-op-timeout",
-            "3",
-            "--write-token-file",
-        ])
-        .arg(&token_file)
-        .stderr(Stdio::null())
-        .spawn()?;
-    wait_status(&addr, |s| s.state == "running").await?;
-    Ok(Node {
-        child,
-        addr,
-        token: token.into(),
-    })
+    Node::start_on(
+        &proxy.url(),
+        bucket,
+        store,
+        &[],
+        &["--nats-op-timeout", "3"],
+    )
+    .await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -596,7 +594,7 @@ async fn a_lost_acknowledgement_is_resolved_from_the_log_to_applied() -> anyhow:
     let proxy = foldhost_tests::proxy::Proxy::start(&h.server.url().replace("nats://", "")).await?;
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let node = node_through(&h, &proxy, "l", &store).await?;
+    let node = node_through(&proxy, "l", &store).await?;
     // The publish reaches the server; its acknowledgement never reaches the node. The node
     // reconnects and reads the key's newest record: its own operation's.
     proxy.cut_after_publish_to("$KV.l.");
@@ -622,7 +620,7 @@ async fn a_lost_acknowledgement_with_the_log_unreadable_is_unknown_and_the_retry
     let proxy = foldhost_tests::proxy::Proxy::start(&h.server.url().replace("nats://", "")).await?;
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    let node = node_through(&h, &proxy, "u", &store).await?;
+    let node = node_through(&proxy, "u", &store).await?;
     // Cut after the publish, and let nobody reconnect: the log cannot be read.
     proxy.refuse_new(true);
     proxy.cut_after_publish_to("$KV.u.");

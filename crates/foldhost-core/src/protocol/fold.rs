@@ -210,6 +210,41 @@ pub fn checkpoint_verdict(recorded: Option<(u64, u64)>, found: Option<u64>) -> C
     }
 }
 
+/// What a state-sync left unseen after a commit: `before`, with `first` — the first revision the
+/// commit's batch skipped, while a state-sync is `tracking` — kept lowest, the `level` the watch
+/// reported added where it has none, and removed once settled at `cursor` with `retained`
+/// records, when no state-sync is tracking any more. The fold and the deferral model both decide
+/// by it.
+pub fn unseen_after(
+    before: Option<Unseen>,
+    first: Option<u64>,
+    level: Option<u64>,
+    tracking: bool,
+    cursor: Option<u64>,
+    retained: bool,
+) -> Option<Unseen> {
+    let mut after = match (before, first) {
+        (None, Some(f)) => Some(Unseen {
+            floor: f,
+            level: None,
+        }),
+        (Some(u), Some(f)) => Some(Unseen {
+            floor: u.floor.min(f),
+            ..u
+        }),
+        (b, None) => b,
+    };
+    if let (Some(u), Some(l)) = (after.as_mut(), level)
+        && u.level.is_none()
+    {
+        u.level = Some(l);
+    }
+    if !tracking && after.is_some_and(|u| u.settled(cursor, retained)) {
+        after = None;
+    }
+    after
+}
+
 /// A state-sync start's first unseen revision: with `next` the revision expected next (the one
 /// after the last delivered, or after the cursor the start began at), the first revision of
 /// `delivered` (ascending) skips over, if any; and the revision expected after them.

@@ -318,6 +318,54 @@ mod tests {
     }
 
     #[test]
+    fn what_a_state_sync_left_unseen_is_kept_lowest_levelled_once_and_dropped_only_when_settled() {
+        let u = |floor, level| Some(Unseen { floor, level });
+        // A first skip; a lower one replaces it, a higher one does not.
+        assert_eq!(
+            unseen_after(None, Some(5), None, true, Some(9), true),
+            u(5, None)
+        );
+        assert_eq!(
+            unseen_after(u(5, None), Some(3), None, true, Some(9), true),
+            u(3, None)
+        );
+        assert_eq!(
+            unseen_after(u(3, None), Some(7), None, true, Some(9), true),
+            u(3, None)
+        );
+        // The level is added once and never moved.
+        assert_eq!(
+            unseen_after(u(3, None), None, Some(20), true, Some(9), true),
+            u(3, Some(20))
+        );
+        assert_eq!(
+            unseen_after(u(3, Some(20)), None, Some(30), false, Some(9), true),
+            u(3, Some(20))
+        );
+        // Settled (at the level, nothing retained) it goes — but never while a state-sync tracks.
+        assert_eq!(
+            unseen_after(u(3, Some(20)), None, None, false, Some(20), false),
+            None
+        );
+        assert_eq!(
+            unseen_after(u(3, Some(20)), None, None, true, Some(20), false),
+            u(3, Some(20))
+        );
+        assert_eq!(
+            unseen_after(u(3, Some(20)), None, None, false, Some(20), true),
+            u(3, Some(20))
+        );
+        assert_eq!(
+            unseen_after(u(3, Some(20)), None, None, false, Some(19), false),
+            u(3, Some(20))
+        );
+        assert_eq!(
+            unseen_after(None, None, Some(20), false, Some(20), false),
+            None
+        );
+    }
+
+    #[test]
     fn the_first_unseen_revision_is_the_first_a_state_sync_skipped() {
         assert_eq!(first_unseen(1, [1, 2, 3]), (None, 4));
         assert_eq!(first_unseen(1, [6, 7, 9]), (Some(1), 10));

@@ -101,34 +101,21 @@ impl<S: SnapshotStore> Fold<S> {
         raw: &[KvUpdate],
     ) -> Result<Option<Option<protocol::Unseen>>, SnapshotError> {
         let (before, retained) = self.store.with_retained(|r| (r.unseen(), r.len()))?;
-        let mut after = before;
+        let mut first = None;
         if let Some(next) = self.state_sync {
-            let (first, next) =
+            let (skipped, next) =
                 protocol::first_unseen(next, raw.iter().filter_map(KvUpdate::revision));
             self.state_sync = Some(next);
-            if let Some(f) = first {
-                after = Some(match after {
-                    None => protocol::Unseen {
-                        floor: f,
-                        level: None,
-                    },
-                    Some(u) => protocol::Unseen {
-                        floor: u.floor.min(f),
-                        ..u
-                    },
-                });
-            }
+            first = skipped;
         }
-        if let (Some(u), Some(l)) = (after.as_mut(), self.level)
-            && u.level.is_none()
-        {
-            u.level = Some(l);
-        }
-        if self.state_sync.is_none()
-            && after.is_some_and(|u| u.settled(self.applied.revision(), retained > 0))
-        {
-            after = None;
-        }
+        let after = protocol::unseen_after(
+            before,
+            first,
+            self.level,
+            self.state_sync.is_some(),
+            self.applied.revision(),
+            retained > 0,
+        );
         Ok((after != before).then_some(after))
     }
 
