@@ -188,7 +188,8 @@ fn a_query_trap_between_a_failed_commit_and_its_retry_never_leaves_the_guest_wit
 #[test]
 fn a_seed_replays_to_the_same_run() {
     // Seeds covering both guests on both kinds of bucket: each run twice must give the same trace
-    // (every write, fault, repair-visible step and committed cursor).
+    // (every write, fault, repair-visible step and committed cursor), whatever the machine's
+    // speed did to how often the driver's waits polled.
     let mut kinds = std::collections::BTreeSet::new();
     for seed in 0..16u64 {
         let sc = Scenario::on_backend(0x5EED_0000 + seed, Backend::AppendLog);
@@ -197,7 +198,12 @@ fn a_seed_replays_to_the_same_run() {
         }
         let a = run_seed(sc.clone()).expect("the seed passes");
         let b = run_seed(sc.clone()).expect("the seed passes");
-        assert_eq!(a, b, "two runs of seed {:#x} differ", sc.seed);
+        assert_eq!(
+            a.replay(),
+            b.replay(),
+            "two runs of seed {:#x} differ",
+            sc.seed
+        );
         assert!(a.trace.len() > 5, "{:?}", a.trace);
     }
     assert_eq!(kinds.len(), 4, "both guests on both kinds of bucket");

@@ -69,8 +69,13 @@ pub struct Failure {
     pub trace: Vec<String>,
 }
 
+/// Marks a trace line whose presence or text depends on how many times a wait polled (the
+/// queries sent while the driver waits for the fold): kept for reading a failure, left out of a
+/// replay's comparison.
+const POLLED: &str = "~ ";
+
 /// The outcome of a passing run, for coverage and replay checks.
-#[derive(Debug, Default, PartialEq, Eq)]
+#[derive(Debug, Default)]
 pub struct Outcome {
     pub trace: Vec<String>,
     pub repairs: u64,
@@ -83,6 +88,31 @@ pub struct Outcome {
     /// Queries sent while a batch waited re-queued after a failed commit (a trapping one among
     /// them): between the failure and its retry.
     pub queries_before_retry: u32,
+}
+
+/// What a seed decides, and so what two runs of it must share: every line of the trace but the
+/// polled ones, and the counts of repairs, crashes, torn commits, swaps and exports. Traps and
+/// queries are not in it: how many queries a wait sends depends on how often it polled.
+#[derive(Debug, PartialEq, Eq)]
+pub struct Replay {
+    pub trace: Vec<String>,
+    pub counts: [u32; 4],
+    pub repairs: u64,
+}
+
+impl Outcome {
+    pub fn replay(&self) -> Replay {
+        Replay {
+            trace: self
+                .trace
+                .iter()
+                .filter(|l| !l.starts_with(POLLED))
+                .cloned()
+                .collect(),
+            counts: [self.crashes, self.torn, self.swaps, self.exports],
+            repairs: self.repairs,
+        }
+    }
 }
 
 /// What the driver needs of the running life to send queries between its other steps.
@@ -98,7 +128,12 @@ struct Asker {
 /// A run in progress.
 pub struct Sim {
     sc: Scenario,
+    /// Every decision of the run but the polled queries: drawn a fixed number of times per step,
+    /// so a seed replays.
     rng: Rng,
+    /// The queries sent while a wait polls: their own stream, since how many polls a wait takes
+    /// depends on the machine (commits run on blocking threads while virtual time advances).
+    poll_rng: Rng,
     bucket: SimBucket,
     truth: Arc<Mutex<Truth>>,
     _tmp: tempfile::TempDir,
@@ -135,6 +170,7 @@ impl Sim {
         });
         Sim {
             rng: Rng::new(sc.seed),
+            poll_rng: Rng::new(sc.seed ^ 0x9011_ED00_0000_0000),
             sc,
             bucket,
             truth: Arc::new(Mutex::new(Truth::default())),
@@ -744,11 +780,11 @@ impl Sim {
         };
         let unsettled = a.status.store_failure_streak.load(Ordering::SeqCst) > 0;
         let traps = a.traps;
-        if !self.rng.chance(if unsettled { 50 } else { 4 }) {
+        if !self.poll_rng.chance(if unsettled { 50 } else { 4 }) {
             return Ok(());
         }
-        let key = self.rng.pick(&KEYS);
-        let trap = traps && self.rng.chance(if unsettled { 60 } else { 20 });
+        let key = self.poll_rng.pick(&KEYS);
+        let trap = traps && self.poll_rng.chance(if unsettled { 60 } else { 20 });
         let first = self.ask(key, trap).await?;
         let then = if trap {
             Some(self.ask(key, false).await?)
@@ -764,8 +800,8 @@ impl Sim {
             "a query"
         };
         self.note(match then {
-            Some(t) => format!("{what}, trapping: {first}, then {t}"),
-            None => format!("{what}: {first}"),
+            Some(t) => format!("{POLLED}{what}, trapping: {first}, then {t}"),
+            None => format!("{POLLED}{what}: {first}"),
         });
         Ok(())
     }
