@@ -323,17 +323,41 @@ pub struct FoldStatus {
     /// How many wait on `applied_moved` now: while any does, the fold flushes a batch as soon as
     /// its deliveries are taken instead of lingering for the batch window.
     pub applied_waiters: AtomicU64,
+    /// Told when a wait on `applied_moved` begins: a batch already lingering for its window is
+    /// flushed at once (its deliveries may have come before the writer's acknowledgement did).
+    pub waiter_arrived: tokio::sync::Notify,
+}
+
+/// A waiter on `applied_through` for as long as it lives ([`FoldStatus::expect_applied`]).
+pub struct ExpectApplied<'a>(&'a FoldStatus);
+
+impl Drop for ExpectApplied<'_> {
+    fn drop(&mut self) {
+        self.0.applied_waiters.fetch_sub(1, Ordering::AcqRel);
+    }
 }
 
 /// Most warnings kept in [`FoldStatus::warnings`].
 pub const MAX_WARNINGS: usize = 16;
 
 impl FoldStatus {
+    /// Counts as a waiter on `applied_through` until dropped: a write holds it from before its
+    /// publish, so the fold flushes its record as soon as it is delivered, beside the
+    /// acknowledgement's way back to the writer, rather than lingering for the batch window.
+    pub fn expect_applied(&self) -> ExpectApplied<'_> {
+        self.applied_waiters.fetch_add(1, Ordering::AcqRel);
+        self.waiter_arrived.notify_one();
+        ExpectApplied(self)
+    }
+
     /// Waits until `applied_through` reaches `revision`, at most until `deadline`: the
     /// `applied_through` seen last (at or past `revision` when the wait succeeded).
     pub async fn wait_applied(&self, revision: u64, deadline: tokio::time::Instant) -> u64 {
         // While anyone waits, the fold commits what it holds without lingering for more.
         self.applied_waiters.fetch_add(1, Ordering::AcqRel);
+        if self.applied_through.load(Ordering::Acquire) < revision {
+            self.waiter_arrived.notify_one();
+        }
         let through = self.wait_applied_inner(revision, deadline).await;
         self.applied_waiters.fetch_sub(1, Ordering::AcqRel);
         through

@@ -11,6 +11,44 @@ pub struct NatsConnection {
     /// How many times the client's connection dropped: a watch delivered through the client's
     /// ordered consumer ends at a drop (see `run_watch`).
     drops: Arc<tokio::sync::watch::Sender<u64>>,
+    /// The permission violations the server reported on the connection.
+    denials: Arc<tokio::sync::watch::Sender<Denials>>,
+}
+
+/// How many of a connection's latest permission violations are kept.
+const DENIALS_KEPT: usize = 32;
+
+/// The permission violations a server reported on a connection ([`protocol::permission_violation`]),
+/// each numbered in the order they came; the latest [`DENIALS_KEPT`].
+#[derive(Clone, Debug, Default)]
+pub struct Denials {
+    /// Violations so far; the newest's number.
+    pub count: u64,
+    /// The latest: (number, what was denied, the subject).
+    pub recent: std::collections::VecDeque<(u64, protocol::Denied, String)>,
+}
+
+impl Denials {
+    fn record(&mut self, denied: protocol::Denied, subject: &str) {
+        self.count += 1;
+        if self.recent.len() == DENIALS_KEPT {
+            self.recent.pop_front();
+        }
+        self.recent
+            .push_back((self.count, denied, subject.to_string()));
+    }
+
+    /// The first violation numbered after `since` that `pick` accepts.
+    pub fn after(
+        &self,
+        since: u64,
+        pick: impl Fn(protocol::Denied, &str) -> bool,
+    ) -> Option<(protocol::Denied, String)> {
+        self.recent
+            .iter()
+            .find(|(n, d, s)| *n > since && pick(*d, s))
+            .map(|(_, d, s)| (*d, s.clone()))
+    }
 }
 
 impl NatsConnection {
@@ -21,7 +59,13 @@ impl NatsConnection {
             client: Mutex::new(None),
             healthy: Arc::new(AtomicBool::new(false)),
             drops: Arc::new(tokio::sync::watch::channel(0).0),
+            denials: Arc::new(tokio::sync::watch::channel(Denials::default()).0),
         }
+    }
+
+    /// The permission violations the server reports on this connection, as they come.
+    pub fn denials(&self) -> tokio::sync::watch::Receiver<Denials> {
+        self.denials.subscribe()
     }
 
     /// Dials and returns the connection (a convenience for `new` + `connect`).
@@ -53,6 +97,7 @@ impl NatsConnection {
         if let Ok(mut d) = kv.drops.lock() {
             *d = Some(self.drops.subscribe());
         }
+        *lock(&kv.denials) = Some(self.denials.subscribe());
         Ok(kv)
     }
 }
@@ -64,7 +109,13 @@ impl Connection for NatsConnection {
         if guard.is_some() {
             return Ok(());
         }
-        let client = connect_client(&self.opts, self.healthy.clone(), self.drops.clone()).await?;
+        let client = connect_client(
+            &self.opts,
+            self.healthy.clone(),
+            self.drops.clone(),
+            Some(self.denials.clone()),
+        )
+        .await?;
         self.healthy.store(true, Ordering::Release);
         *guard = Some(client);
         Ok(())
@@ -133,6 +184,7 @@ pub(crate) async fn connect_client(
     opts: &ConnectOptions,
     healthy: Arc<AtomicBool>,
     drops: Arc<tokio::sync::watch::Sender<u64>>,
+    denials: Option<Arc<tokio::sync::watch::Sender<Denials>>>,
 ) -> Result<async_nats::Client, KvError> {
     // The client library builds its TLS configuration with the process's default provider, and
     // the build has two (ring through the client, aws-lc-rs through the object store's HTTP
@@ -150,8 +202,21 @@ pub(crate) async fn connect_client(
         .event_callback(move |ev| {
             let healthy = healthy.clone();
             let drops = drops.clone();
+            let denials = denials.clone();
             async move {
                 match ev {
+                    async_nats::Event::ServerError(async_nats::ServerError::Other(m)) => {
+                        if let Some((d, subject)) = protocol::permission_violation(&m) {
+                            tracing::debug!(
+                                denied = d.as_str(),
+                                subject,
+                                "the server reported a permission violation"
+                            );
+                            if let Some(denials) = &denials {
+                                denials.send_modify(|l| l.record(d, subject));
+                            }
+                        }
+                    }
                     async_nats::Event::Connected => healthy.store(true, Ordering::Release),
                     async_nats::Event::Disconnected | async_nats::Event::Closed => {
                         drops.send_modify(|n| *n += 1);

@@ -48,8 +48,8 @@ pub mod wire;
 
 pub use create::{create_bucket_raw, kv_stream_config, parse_stream_create_reply};
 
-pub use connection::NatsConnection;
 use connection::{DeliveryClient, connect_client, lock};
+pub use connection::{Denials, NatsConnection};
 use floor::FloorGuard;
 pub use publish::{ACK_WAIT, Published, WriteKind};
 use watch::ConsumerCleanup;
@@ -177,6 +177,8 @@ pub struct NatsKv {
     info_reads: std::sync::atomic::AtomicU64,
     /// The connection's drop count, when the handle came from a [`NatsConnection`].
     drops: std::sync::Mutex<Option<tokio::sync::watch::Receiver<u64>>>,
+    /// The connection's permission violations, when the handle came from a [`NatsConnection`].
+    denials: std::sync::Mutex<Option<tokio::sync::watch::Receiver<connection::Denials>>>,
 }
 
 /// Whether `e` (from `get_key_value`) says the bucket's stream does not exist.
@@ -251,6 +253,7 @@ impl NatsKv {
             opened_at,
             info_reads: std::sync::atomic::AtomicU64::new(1),
             drops: std::sync::Mutex::new(None),
+            denials: std::sync::Mutex::new(None),
         }))
     }
 

@@ -44,6 +44,9 @@ pub enum Published {
     Lost(String),
     /// The broker (or the client, before sending) refused it: nothing landed.
     Refused(String),
+    /// The server reported a permission violation for the publish (on the connection, where
+    /// the client would have waited out its deadline): nothing landed. The subject.
+    Denied(String),
 }
 
 /// Room left in a message for the headers a write adds (its id twice, the operation, the
@@ -91,6 +94,10 @@ impl NatsKv {
         let wait = self.timeout.min(ACK_WAIT);
         let subject = format!("{}{key}", self.subject_prefix);
         use async_nats::jetstream::context::PublishErrorKind as K;
+        // Watched from before the publish: a violation the server reports for this subject
+        // answers the write at once, not at the end of its deadline.
+        let denied = self.denial_of(protocol::Denied::Publish, subject.clone());
+        let subject_sent = subject.clone();
         let sent = match tokio::time::timeout(wait, self.js.send_publish(subject, msg)).await {
             Err(_) => return Published::Lost(format!("no room to send within {wait:?}")),
             Ok(Err(e)) => {
@@ -102,7 +109,12 @@ impl NatsKv {
             }
             Ok(Ok(ack)) => ack,
         };
-        match tokio::time::timeout(wait, sent).await {
+        let acked = tokio::select! {
+            biased;
+            acked = tokio::time::timeout(wait, sent) => acked,
+            () = denied => return Published::Denied(subject_sent),
+        };
+        match acked {
             Err(_) => Published::Lost(format!("no acknowledgement within {wait:?}")),
             Ok(Ok(ack)) => Published::Acked {
                 sequence: ack.sequence,
@@ -116,6 +128,34 @@ impl NatsKv {
                 // have landed.
                 _ => Published::Lost(e.to_string()),
             },
+        }
+    }
+
+    /// Resolves once the connection reports a violation of `denied` on `subject` numbered after
+    /// now; never when it reports none (or the handle has no connection's report).
+    fn denial_of(
+        &self,
+        denied: protocol::Denied,
+        subject: String,
+    ) -> impl std::future::Future<Output = ()> + use<> {
+        let rx = lock(&self.denials).clone();
+        let since = rx.as_ref().map(|r| r.borrow().count).unwrap_or(0);
+        async move {
+            let Some(mut rx) = rx else {
+                return std::future::pending().await;
+            };
+            loop {
+                if rx
+                    .borrow_and_update()
+                    .after(since, |d, s| d == denied && s == subject)
+                    .is_some()
+                {
+                    return;
+                }
+                if rx.changed().await.is_err() {
+                    return std::future::pending().await;
+                }
+            }
         }
     }
 

@@ -236,7 +236,8 @@ impl NatsKv {
         let drops = Arc::new(tokio::sync::watch::channel(0).0);
         let mut opts = opts;
         opts.name = opts.name.map(|n| format!("{n}-ordered"));
-        let client = connect_client(&opts, Arc::new(AtomicBool::new(true)), drops.clone()).await?;
+        let client =
+            connect_client(&opts, Arc::new(AtomicBool::new(true)), drops.clone(), None).await?;
         let stream = timed("delivery stream", self.timeout, async {
             jetstream::new(client)
                 .get_stream(&self.stream_name)

@@ -22,6 +22,7 @@ use crate::storedir::{self, AnyStore, Backend};
 
 mod artifacts;
 mod demo;
+mod grants;
 mod run;
 mod scaffold;
 mod status;
@@ -78,6 +79,9 @@ pub enum Command {
     /// Read a key from a running host's fold (`--listen`), optionally once it has applied a
     /// revision (`--min-revision`): one JSON line; exit 0 found, 6 not found, 3 behind.
     Get(write::GetArgs),
+    /// Print the NATS permissions a node's user needs for what its `run` flags make it do, as a
+    /// block for a nats-server `authorization` section (or `--json`).
+    Grants(grants::GrantsArgs),
 }
 
 /// `foldhost new-guest`.
@@ -131,6 +135,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Put(a) => write::cmd_put(a).await,
         Command::Delete(a) => write::cmd_delete(a).await,
         Command::Get(a) => write::cmd_get(a).await,
+        Command::Grants(a) => grants::cmd_grants(a),
     }
 }
 

@@ -12,6 +12,7 @@
 //!   ([`BatchConfig`], [`GuestLimits`]); the command line takes its defaults from there.
 //! - **A failed fold with `--listen` keeps serving `/status`** (saying why) until shutdown.
 
+mod denial;
 mod export;
 mod identity;
 mod side;
@@ -80,6 +81,16 @@ pub(crate) enum NodeError {
     /// The fold stopped (the watch, the store, the applier or a repair).
     #[error(transparent)]
     Applied(#[from] AppliedError),
+    /// The server refused something the node's own work needs for its user's permissions.
+    #[error(
+        "the server refused this node's {denied} to {subject}: its user lacks the grant (`foldhost grants` prints what a node needs)"
+    )]
+    Denied {
+        /// `publish` or `subscribe`.
+        denied: &'static str,
+        /// The subject.
+        subject: String,
+    },
     /// The artifact transport (`--artifacts`).
     #[error(transparent)]
     Transport(#[from] crate::transport::TransportError),
@@ -403,6 +414,18 @@ impl Node {
         let opts = watch_options(&cfg, scope, transport, kv.clone());
         // Kept to close the store after a clean stop (see `close_store`).
         let closing = shared.clone();
+        // A permission the fold's own work lacks stops the node, naming it once; a write the
+        // server refuses is answered to its writer instead (`refused: permission`).
+        let denied = std::sync::Mutex::new(None);
+        let stop = async {
+            tokio::select! {
+                () = signalled(shutdown.clone()) => {}
+                d = denial::fold_denial(conn.denials(), &cfg.bucket) => {
+                    tracing::error!(denied = d.0.as_str(), subject = %d.1, "the server refused the node's own work for its permissions: stopping");
+                    *denied.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(d);
+                }
+            }
+        };
         let result = watch_applied(
             kv,
             shared,
@@ -410,10 +433,20 @@ impl Node {
             opts,
             status.clone(),
             Some(control_rx),
-            signalled(shutdown.clone()),
+            stop,
         )
         .await;
-        let outcome = tasks.finish(&cfg, &status, result, shutdown).await;
+        let mut outcome = tasks.finish(&cfg, &status, result, shutdown).await;
+        if let Some((d, subject)) = denied
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        {
+            outcome = Err(NodeError::Denied {
+                denied: d.as_str(),
+                subject,
+            });
+        }
         drop(apply);
         drop(tasks);
         if outcome.is_ok() {

@@ -149,6 +149,9 @@ impl WriteAnswer {
             }
             WriteRefusal::NotFolded { what } => format!("{what} is not folded by this node"),
             WriteRefusal::Invalid { what } => what,
+            WriteRefusal::Permission { subject } => format!(
+                "the server refused this node's publish to {subject}: its user lacks the grant (see `foldhost grants`)"
+            ),
         });
         a
     }
@@ -176,7 +179,8 @@ impl WriteAnswer {
     }
 
     /// The HTTP status the answer goes with: 200 applied, 202 pending, 503 unknown (retry with
-    /// the same id), and per refusal 409 (conflict, op_reused), 413, 422 (not folded), 400.
+    /// the same id), and per refusal 409 (conflict, op_reused), 413, 422 (not folded), 403
+    /// (the server refused the node's publish), 400.
     pub(crate) fn http_status(&self) -> u16 {
         match (self.outcome.as_str(), self.reason.as_deref()) {
             ("applied", _) => 200,
@@ -185,6 +189,7 @@ impl WriteAnswer {
             (_, Some("conflict" | "op_reused")) => 409,
             (_, Some("too_large")) => 413,
             (_, Some("not_folded")) => 422,
+            (_, Some("permission")) => 403,
             _ => 400,
         }
     }
@@ -293,6 +298,7 @@ impl WritePath {
 
     /// Publishes, and turns the broker's answer (or its absence) into a revision or an answer.
     async fn publish(&self, c: &Checked) -> WriteAnswer {
+        let _expecting = self.status.expect_applied();
         let published = self
             .kv
             .publish_op(&c.key, &c.kind, &c.op, c.if_revision)
@@ -343,6 +349,9 @@ impl WritePath {
                         return WriteAnswer::unknown(why, &c.op);
                     }
                 }
+            }
+            Published::Denied(subject) => {
+                return WriteAnswer::refused(WriteRefusal::Permission { subject }, Some(&c.op));
             }
             Published::Refused(why) => {
                 return WriteAnswer::refused(

@@ -13,6 +13,7 @@ mod crash_safety;
 mod defer;
 mod endpoint;
 mod fairness;
+mod grants;
 mod guest_runtime;
 mod guests;
 mod hosted;

@@ -193,6 +193,11 @@ pub enum WriteRefusal {
         /// What is wrong, and where.
         what: String,
     },
+    /// The server refused the publish for this node's permissions: nothing landed.
+    Permission {
+        /// The subject it refused.
+        subject: String,
+    },
 }
 
 impl WriteRefusal {
@@ -204,6 +209,7 @@ impl WriteRefusal {
             WriteRefusal::TooLarge { .. } => "too_large",
             WriteRefusal::NotFolded { .. } => "not_folded",
             WriteRefusal::Invalid { .. } => "invalid",
+            WriteRefusal::Permission { .. } => "permission",
         }
     }
 }

@@ -2,7 +2,9 @@
 //! bare KV put from the same client in the same run (the broker's own round trip, which bounds
 //! any write), and writes per second with 16 concurrent writers through `/write` against 16
 //! concurrent bare puts. The host is the release `foldhost` binary beside this one, folding an idle
-//! bucket with the native applier; every `/write` waits for `applied`.
+//! bucket with the native applier; every `/write` waits for `applied`. Each writer keeps one
+//! HTTP/1.1 connection open across its writes, as a caller's HTTP library does (the NATS client
+//! behind a bare put keeps its connection too).
 
 use std::process::Stdio;
 use std::sync::Arc;
@@ -22,6 +24,45 @@ const PER_WRITER: usize = 500;
 
 /// The write token the benchmark's host is given.
 const TOKEN: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
+/// One keep-alive HTTP/1.1 connection to the host, sending `/write` requests in turn.
+struct Writer {
+    send: hyper::client::conn::http1::SendRequest<http_body_util::Full<bytes::Bytes>>,
+    addr: String,
+}
+
+impl Writer {
+    async fn connect(addr: &str) -> anyhow::Result<Writer> {
+        let sock = tokio::net::TcpStream::connect(addr).await?;
+        sock.set_nodelay(true)?;
+        let (send, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(sock)).await?;
+        tokio::spawn(conn);
+        Ok(Writer {
+            send,
+            addr: addr.to_string(),
+        })
+    }
+
+    /// Sends one write; its HTTP status.
+    async fn write(&mut self, body: String) -> anyhow::Result<u16> {
+        use http_body_util::BodyExt as _;
+        self.send.ready().await?;
+        let req = hyper::Request::post("/write")
+            .header(hyper::header::HOST, &self.addr)
+            .header(hyper::header::AUTHORIZATION, format!("Bearer {TOKEN}"))
+            .body(http_body_util::Full::new(bytes::Bytes::from(body)))?;
+        let resp = self.send.send_request(req).await?;
+        let code = resp.status().as_u16();
+        let body = resp.into_body().collect().await?.to_bytes();
+        anyhow::ensure!(
+            code == 200 || code == 202,
+            "write answered {code}: {}",
+            String::from_utf8_lossy(&body)
+        );
+        Ok(code)
+    }
+}
 
 /// Runs both figures and adds them to the table.
 pub async fn run() -> anyhow::Result<()> {
@@ -65,18 +106,13 @@ pub async fn run() -> anyhow::Result<()> {
         bare.push(t.elapsed().as_secs_f64() * 1e6);
     }
     let mut through = Vec::with_capacity(SAMPLES);
+    let mut writer = Writer::connect(&addr).await?;
     for i in 0..SAMPLES {
         let body = format!(r#"{{"key":"host.{i:05}","value":"v"}}"#);
         let t = Instant::now();
-        let (code, answer) =
-            foldhost::serve::call_with_token(&addr, "POST", "/write", body.as_bytes(), Some(TOKEN))
-                .await?;
+        let code = writer.write(body).await?;
         through.push(t.elapsed().as_secs_f64() * 1e6);
-        anyhow::ensure!(
-            code == 200,
-            "not applied: {code} {}",
-            String::from_utf8_lossy(&answer)
-        );
+        anyhow::ensure!(code == 200, "not applied: {code}");
     }
     bare.sort_by(|a, b| a.total_cmp(b));
     through.sort_by(|a, b| a.total_cmp(b));
@@ -122,17 +158,10 @@ pub async fn run() -> anyhow::Result<()> {
     for w in 0..WRITERS {
         let addr = addr.clone();
         tasks.push(tokio::spawn(async move {
+            let mut writer = Writer::connect(&addr).await?;
             for i in 0..PER_WRITER {
                 let body = format!(r#"{{"key":"host16.{w:02}.{i:04}","value":"v"}}"#);
-                let (code, _) = foldhost::serve::call_with_token(
-                    &addr,
-                    "POST",
-                    "/write",
-                    body.as_bytes(),
-                    Some(TOKEN),
-                )
-                .await?;
-                anyhow::ensure!(code == 200 || code == 202, "write answered {code}");
+                writer.write(body).await?;
             }
             anyhow::Ok(())
         }));

@@ -352,14 +352,10 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                     return Ok(TurnEnd::Done);
                 }
                 _ = &mut timer, if t.timer_armed => flush_now = true,
-                _ = self.grace_tick.tick() => {
-                    self.rebuild_held = false;
-                    self.fold
-                        .check_grace(self.opts.defer_grace)
-                        .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
-                    // A shadow on an idle bucket: its wait may have run out.
-                    self.on_committed(&mut t).await?;
-                }
+                // A writer began waiting for applied_through while the batch lingered: flush it
+                // now rather than at the end of the window.
+                _ = self.status.waiter_arrived.notified(), if t.timer_armed => flush_now = true,
+                _ = self.grace_tick.tick() => self.on_grace_tick(&mut t).await?,
                 _ = self.retention_tick.tick(), if watches_for_eviction(&self.opts, &self.fold) => {
                     self.on_retention_tick(&mut t).await?;
                 }
@@ -567,6 +563,16 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             *flush_now = true;
         }
         Step::Continue
+    }
+
+    /// Once a second: a held rebuild may be tried again, deferred records past their grace are
+    /// warned of, and a shadow on an idle bucket may have run out its wait.
+    async fn on_grace_tick(&mut self, t: &mut Turn) -> Result<(), AppliedError> {
+        self.rebuild_held = false;
+        self.fold
+            .check_grace(self.opts.defer_grace)
+            .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        self.on_committed(t).await
     }
 
     /// One event into the batch and the progress figures; true when it asks for a flush (the

@@ -1,0 +1,87 @@
+//! `foldhost grants`: the NATS permissions a node's user needs for what its `run` flags make it do
+//! (docs/state.md, "Grants"), composed by `protocol::compose_grants` and printed as a block for a
+//! nats-server `authorization` section or as JSON.
+
+use super::*;
+
+use crate::protocol::{BucketUse, compose_grants, grants_block};
+
+/// `foldhost grants`.
+#[derive(Args, Debug)]
+pub struct GrantsArgs {
+    /// The bucket the node folds (`run --bucket`).
+    #[arg(long)]
+    pub bucket: String,
+    /// The node takes no writes for it (`/write`, `put`, `--write-subject`): no publish to the
+    /// bucket is granted, and a write through the node is refused by the server.
+    #[arg(long)]
+    pub read_only: bool,
+    /// The subject the node serves queries on (`run --query-subject`).
+    #[arg(long, value_name = "SUBJ")]
+    pub query_subject: Option<String>,
+    /// The subject the node takes writes on (`run --write-subject`).
+    #[arg(long, value_name = "SUBJ")]
+    pub write_subject: Option<String>,
+    /// Where the node's replies to those go (`run --query-reply-prefix`).
+    #[arg(long, default_value_t = crate::node::DEFAULT_QUERY_REPLY_PREFIX.to_string())]
+    pub query_reply_prefix: String,
+    /// The node runs export rounds (`run --export-every`): the lease bucket is granted.
+    #[arg(long)]
+    pub exports: bool,
+    /// The bucket holding export leases (`run --lease-bucket`).
+    #[arg(long, default_value_t = crate::node::DEFAULT_LEASE_BUCKET.to_string())]
+    pub lease_bucket: String,
+    /// The client's inbox prefix (the NATS client's default).
+    #[arg(long, default_value = "_INBOX")]
+    pub inbox_prefix: String,
+    /// One JSON object: `{"publish": [...], "subscribe": [...]}`.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The subject filter covering every reply subject under `prefix` (`_INBOX.` → `_INBOX.>`).
+fn under(prefix: &str) -> String {
+    format!("{}.>", prefix.trim_end_matches('.'))
+}
+
+pub(super) fn cmd_grants(a: GrantsArgs) -> anyhow::Result<()> {
+    for (what, name) in [("--bucket", &a.bucket), ("--lease-bucket", &a.lease_bucket)] {
+        if name.is_empty()
+            || !name
+                .bytes()
+                .all(|c| c.is_ascii_alphanumeric() || c == b'_' || c == b'-')
+        {
+            bail!("{what} {name:?}: a bucket name is letters, digits, `_` and `-`");
+        }
+    }
+    let mut buckets = vec![BucketUse {
+        bucket: a.bucket.clone(),
+        asserts: false,
+        writes: !a.read_only,
+    }];
+    if a.exports {
+        buckets.push(BucketUse {
+            bucket: a.lease_bucket.clone(),
+            asserts: true,
+            writes: true,
+        });
+    }
+    let serves: Vec<String> = [&a.query_subject, &a.write_subject]
+        .into_iter()
+        .flatten()
+        .cloned()
+        .collect();
+    let mut grants = compose_grants(&buckets, &a.inbox_prefix, &serves);
+    if !serves.is_empty() {
+        // Answers go to requesters' reply subjects, only under the reply prefix.
+        grants.publish.push(under(&a.query_reply_prefix));
+        grants.publish.sort();
+        grants.publish.dedup();
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(&grants)?);
+    } else {
+        print!("{}", grants_block(&grants));
+    }
+    Ok(())
+}

@@ -1,0 +1,24 @@
+//! What stops a node for its NATS user's permissions: a violation the server reports for the
+//! node's own work (its fold, listings, exports, replies). A write the server refuses is not one
+//! of them: its writer is answered `refused: permission` (docs/writes.md).
+
+/// The first permission violation the server reports for the node's own work: anything but a
+/// write to `bucket` (which its writer is answered).
+pub(super) async fn fold_denial(
+    mut rx: tokio::sync::watch::Receiver<crate::nats::Denials>,
+    bucket: &str,
+) -> (crate::protocol::Denied, String) {
+    let writes = format!("$KV.{bucket}.");
+    loop {
+        // From the connection's first report on: one during the start-up counts too.
+        let found = rx.borrow_and_update().after(0, |d, s| {
+            !(d == crate::protocol::Denied::Publish && s.starts_with(&writes))
+        });
+        if let Some(d) = found {
+            return d;
+        }
+        if rx.changed().await.is_err() {
+            return std::future::pending().await;
+        }
+    }
+}
