@@ -19,7 +19,7 @@ export NATS_SERVER_BIN
 guests/build.sh >/dev/null
 guests/router-c/build.sh test >/dev/null
 # Build once, before the load starts: the runs measure the tests, not the compiler.
-cargo build --workspace --bins --quiet "${features[@]}"
+cargo build -p foldhost --bin foldhost --quiet "${features[@]}"
 if cargo nextest --version >/dev/null 2>&1; then
   runner=(cargo nextest run --workspace --no-fail-fast --final-status-level fail "${features[@]}")
   cargo nextest run --workspace --no-run "${features[@]}"
