@@ -421,7 +421,8 @@ impl Node {
             tokio::select! {
                 () = signalled(shutdown.clone()) => {}
                 d = denial::fold_denial(conn.denials(), &cfg.bucket) => {
-                    tracing::error!(denied = d.0.as_str(), subject = %d.1, "the server refused the node's own work for its permissions: stopping");
+                    // Said once, by the error the run ends with (`NodeError::Denied`).
+                    tracing::debug!(denied = d.0.as_str(), subject = %d.1, "a permission the node's own work needs was refused: stopping");
                     *denied.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(d);
                 }
             }

@@ -453,6 +453,9 @@ async fn export_rounds_after_a_relist_publish_the_new_streams_artifact_and_the_o
             "1",
             "--on-recreated",
             "relist",
+            // The recreation ends the watch by its silence: three heartbeats of one second.
+            "--watch-heartbeat",
+            "1",
         ],
         &env,
     )

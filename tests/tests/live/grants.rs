@@ -275,7 +275,12 @@ async fn a_node_lacking_a_grant_its_fold_needs_names_the_subject_once_and_stops(
         .filter(|l| l.contains("lacks the grant"))
         .collect();
     anyhow::ensure!(
-        naming.len() == 1 && naming[0].contains(&format!("$JS.API.CONSUMER.CREATE.KV_{BUCKET}")),
+        naming.len() == 1
+            && naming[0].contains(&format!("$JS.API.CONSUMER.CREATE.KV_{BUCKET}"))
+            && stderr
+                .matches(&format!("CONSUMER.CREATE.KV_{BUCKET}"))
+                .count()
+                == 1,
         "one line naming the subject: {stderr}"
     );
     Ok(())

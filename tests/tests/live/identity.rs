@@ -181,7 +181,9 @@ async fn a_bucket_recreated_under_a_running_node_stops_it_untouched_or_is_relist
     let store = tmp.path().join("refusing");
     fold_old_bucket(&h, bucket, &store).await?;
     let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+    // A recreation ends the watch by its silence: three heartbeats of one second each.
     let mut child = run_command(&h, bucket, &store, Some(&addr))
+        .args(["--watch-heartbeat", "1"])
         .stderr(std::process::Stdio::null())
         .spawn()?;
     watching(&h, bucket, &addr).await?;
@@ -214,7 +216,7 @@ async fn a_bucket_recreated_under_a_running_node_stops_it_untouched_or_is_relist
     fold_old_bucket(&h, bucket, &store).await?;
     let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut cmd = run_command(&h, bucket, &store, Some(&addr));
-    cmd.args(["--on-recreated", "relist"]);
+    cmd.args(["--on-recreated", "relist", "--watch-heartbeat", "1"]);
     let (mut child, mut log) = spawn_logged(cmd)?;
     watching(&h, bucket, &addr).await?;
     let kv = recreate(&h, bucket).await?;
