@@ -111,6 +111,50 @@ pub struct StatusReport {
     pub updated_unix_ms: u64,
     /// The last export round of this host (`--export-every`), if any ran.
     pub last_export: Option<ExportRoundReport>,
+    /// The guest's state buckets (docs/state.md): each declared bucket's fold, and every bucket
+    /// folded here before whose declaration is gone (kept, never removed).
+    pub state_buckets: Vec<StateBucketReport>,
+}
+
+/// One state bucket's fold, as status reports it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct StateBucketReport {
+    /// The name the guest uses (`notes`, `<module>.<name>`).
+    pub local: String,
+    /// The server bucket.
+    pub bucket: String,
+    /// `own` or `read`; empty for a bucket no longer declared.
+    pub access: String,
+    /// Whether the running guest declares it.
+    pub declared: bool,
+    /// The fold's cursor.
+    pub cursor: Option<u64>,
+    /// Highest revision delivered.
+    pub seq: u64,
+    /// Highest revision every update at or below which is applied and committed.
+    pub applied_through: u64,
+    /// `seq - applied_through`.
+    pub lag: u64,
+    /// Batches committed since the host started.
+    pub batches: u64,
+}
+
+impl StateBucketReport {
+    /// `self` (the bucket's fixed facts) with its fold's live figures from `s`.
+    pub fn with_live(&self, s: &FoldStatus) -> StateBucketReport {
+        let cursor = s.cursor.load(Ordering::Relaxed);
+        let applied_through = s.applied_through.load(Ordering::Relaxed);
+        let seq = s.seq.load(Ordering::Relaxed).max(cursor);
+        StateBucketReport {
+            cursor: (cursor > 0).then_some(cursor),
+            seq,
+            applied_through,
+            lag: lag(seq, applied_through),
+            batches: s.batches.load(Ordering::Relaxed),
+            ..self.clone()
+        }
+    }
 }
 
 /// A stored message skipped as undecodable.
@@ -242,6 +286,18 @@ impl StatusReport {
                     reason: reason.to_string(),
                 }),
             updated_unix_ms: now,
+            state_buckets: self
+                .state_buckets
+                .iter()
+                .cloned()
+                .chain(
+                    s.lanes
+                        .get()
+                        .into_iter()
+                        .flatten()
+                        .map(|(fixed, live)| fixed.with_live(live)),
+                )
+                .collect(),
             ..self.clone()
         }
     }
@@ -250,6 +306,8 @@ impl StatusReport {
 /// Live figures of a running fold, shared with status, metrics and progress displays.
 #[derive(Debug, Default)]
 pub struct FoldStatus {
+    /// The folds of the guest's state buckets beside this one, once they run (docs/state.md).
+    pub lanes: std::sync::OnceLock<Vec<(StateBucketReport, std::sync::Arc<FoldStatus>)>>,
     /// Highest revision delivered by the watch (`seq`); 0 before any.
     pub seq: AtomicU64,
     /// Highest revision every update at or below which is applied and committed

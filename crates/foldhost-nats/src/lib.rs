@@ -301,6 +301,16 @@ impl NatsKv {
         })
     }
 
+    /// The bucket's limits as its stream is configured (read when this handle opened it).
+    pub fn limits(&self) -> foldhost_core::protocol::BucketLimits {
+        let c = &self.kv.stream.cached_info().config;
+        foldhost_core::protocol::BucketLimits {
+            history: c.max_messages_per_subject,
+            max_age_ms: u64::try_from(c.max_age.as_millis()).unwrap_or(u64::MAX),
+            max_bytes: c.max_bytes,
+        }
+    }
+
     /// Stream-info requests this handle has sent, the open's included.
     pub fn stream_info_reads(&self) -> u64 {
         self.info_reads.load(Ordering::Relaxed)

@@ -207,6 +207,17 @@ pub struct RunArgs {
     /// This node's name in the export lease (default: the store's path and the process id).
     #[arg(long)]
     pub node_id: Option<String>,
+    /// The largest value a guest may write to a state bucket, in bytes (docs/state.md).
+    #[arg(long, value_name = "BYTES", default_value_t = defaults().state_caps.max_value)]
+    pub state_max_value: u64,
+    /// The most a state bucket may hold, in bytes: a declaration above it is refused at load.
+    #[arg(long, value_name = "BYTES", default_value_t = defaults().state_caps.max_bucket)]
+    pub state_max_bucket: u64,
+    /// Test builds only: a guest's state writes skip the host's own checks (to show what the
+    /// server does with them).
+    #[cfg(feature = "crashpoints")]
+    #[arg(long, hide = true)]
+    pub state_unchecked_writes: bool,
 }
 
 /// The defaults of a run, from the one place they are defined.
@@ -317,6 +328,14 @@ impl RunArgs {
                 max: self.batch_max.max(1),
                 channel_capacity: self.channel.max(1),
             },
+            state_caps: crate::protocol::StateCaps {
+                max_value: self.state_max_value,
+                max_bucket: self.state_max_bucket,
+            },
+            #[cfg(feature = "crashpoints")]
+            state_unchecked_writes: self.state_unchecked_writes,
+            #[cfg(not(feature = "crashpoints"))]
+            state_unchecked_writes: false,
         })
     }
 }

@@ -3,16 +3,17 @@
 //! of them: its writer is answered `refused: permission` (docs/writes.md).
 
 /// The first permission violation the server reports for the node's own work: anything but a
-/// write to `bucket` (which its writer is answered).
+/// write to one of `buckets` (the main bucket and the guest's state buckets: their writers are
+/// answered).
 pub(super) async fn fold_denial(
     mut rx: tokio::sync::watch::Receiver<crate::nats::Denials>,
-    bucket: &str,
+    buckets: &[String],
 ) -> (crate::protocol::Denied, String) {
-    let writes = format!("$KV.{bucket}.");
+    let writes: Vec<String> = buckets.iter().map(|b| format!("$KV.{b}.")).collect();
     loop {
         // From the connection's first report on: one during the start-up counts too.
         let found = rx.borrow_and_update().after(0, |d, s| {
-            !(d == crate::protocol::Denied::Publish && s.starts_with(&writes))
+            !(d == crate::protocol::Denied::Publish && writes.iter().any(|w| s.starts_with(w)))
         });
         if let Some(d) = found {
             return d;

@@ -15,6 +15,7 @@
 mod denial;
 mod export;
 mod identity;
+pub(crate) mod lanes;
 mod side;
 
 pub use export::{ExportRounds, RoundOutcome};
@@ -94,6 +95,9 @@ pub(crate) enum NodeError {
     /// The artifact transport (`--artifacts`).
     #[error(transparent)]
     Transport(#[from] crate::transport::TransportError),
+    /// A state bucket's fold stopped (docs/state.md).
+    #[error("{0}")]
+    State(String),
     /// A task of the node panicked or was cancelled.
     #[error("{0}: {1}")]
     Task(&'static str, String),
@@ -230,6 +234,11 @@ pub(crate) struct NodeConfig {
     pub defer_grace: Duration,
     /// Batching.
     pub batch: BatchConfig,
+    /// The host's caps on a guest's state buckets.
+    pub state_caps: crate::protocol::StateCaps,
+    /// Test builds only (`--state-unchecked-writes`): a guest's state writes skip the host's own
+    /// checks, so a test sees what the server does with them.
+    pub state_unchecked_writes: bool,
 }
 
 impl NodeConfig {
@@ -274,6 +283,8 @@ impl NodeConfig {
             node_id: None,
             defer_grace: crate::applied::DEFAULT_DEFER_GRACE,
             batch: BatchConfig::default(),
+            state_caps: crate::protocol::StateCaps::default(),
+            state_unchecked_writes: false,
         }
     }
 
@@ -372,11 +383,19 @@ impl Node {
         if let Some(p) = &proven {
             p.engine.set_random_seed(guest_seed(&cfg)?);
         }
-        let (mut apply, scope) = build_applier(&cfg, proven.as_ref(), &shared).await?;
+        let (mut apply, scope, lanes, link) =
+            build_applier(&cfg, proven.as_ref(), &shared, &conn).await?;
         tracing::info!(bucket = %cfg.bucket, scope = %scope, store = %cfg.store.display(), backend = cfg.backend.as_str(), guest = %apply.describe(), cursor = %shared.read()?.cursor(), "folding");
         let status = Arc::new(FoldStatus::default());
-        let base = base_report(&cfg, apply.describe(), proven.as_ref(), &scope);
+        let mut base = base_report(&cfg, apply.describe(), proven.as_ref(), &scope);
+        let (live_lanes, gone_lanes) = lanes::reports(&cfg, &lanes);
+        base.state_buckets = gone_lanes;
+        let _ = status.lanes.set(live_lanes);
+        let mut written = vec![cfg.bucket.clone()];
+        written.extend(lanes.iter().map(|l| l.decl.bucket.clone()));
         let (control_tx, control_rx) = tokio::sync::mpsc::channel(64);
+        let mut running =
+            lanes::Running::start(&cfg, lanes, apply.describe(), &control_tx, &link, &shutdown);
         let engine = proven.map(|p| p.engine);
         let transport = match &cfg.artifacts {
             Some((url, _)) => Some(Arc::new(crate::transport::ArtifactTransport::from_url(
@@ -417,10 +436,22 @@ impl Node {
         // A permission the fold's own work lacks stops the node, naming it once; a write the
         // server refuses is answered to its writer instead (`refused: permission`).
         let denied = std::sync::Mutex::new(None);
+        let lane_failure = std::sync::Mutex::new(None);
         let stop = async {
+            // On a shutdown the state buckets stop first (the main loop serves their last
+            // batches), then the main fold; a state bucket's failure stops the node.
+            let lanes_then_shutdown = async {
+                let failed = running.failed().await;
+                if failed.is_none() {
+                    signalled(shutdown.clone()).await;
+                }
+                failed
+            };
             tokio::select! {
-                () = signalled(shutdown.clone()) => {}
-                d = denial::fold_denial(conn.denials(), &cfg.bucket) => {
+                failed = lanes_then_shutdown => {
+                    *lane_failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = failed;
+                }
+                d = denial::fold_denial(conn.denials(), &written) => {
                     // Said once, by the error the run ends with (`NodeError::Denied`).
                     tracing::debug!(denied = d.0.as_str(), subject = %d.1, "a permission the node's own work needs was refused: stopping");
                     *denied.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(d);
@@ -447,6 +478,13 @@ impl Node {
                 denied: d.as_str(),
                 subject,
             });
+        }
+        if let Some(why) = lane_failure
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take()
+        {
+            outcome = Err(NodeError::State(why));
         }
         drop(apply);
         drop(tasks);
@@ -688,7 +726,10 @@ async fn build_applier(
     cfg: &NodeConfig,
     proven: Option<&ProvenGuest>,
     shared: &SharedStore<AnyStore>,
-) -> Result<(Box<dyn Apply>, WatchScope), NodeError> {
+    conn: &NatsConnection,
+) -> Result<Built, NodeError> {
+    let mut lanes = Vec::new();
+    let mut link = Arc::new(crate::applied::LaneLink::default());
     let (apply, manifest_scope): (Box<dyn Apply>, Option<WatchScope>) = match proven {
         Some(p) => {
             let mut g = GuestApply::load(
@@ -700,6 +741,16 @@ async fn build_applier(
                 Arc::new(shared.clone()),
             )
             .await?;
+            // The state buckets first: asserted, folded level, attached — so the guest's first
+            // instance is hydrated from every bucket's current values.
+            let decls = lanes::declarations(cfg, g.manifest())?;
+            lanes = lanes::open(cfg, conn, decls).await?;
+            lanes::catch_up(cfg, &lanes).await?;
+            if !lanes.is_empty() {
+                g.attach_state(lanes::access(cfg, &lanes))
+                    .map_err(NodeError::Hydrate)?;
+            }
+            link = g.lane_link();
             g.hydrate().await.map_err(NodeError::Hydrate)?;
             let scope = g.manifest().watch_scope();
             (Box::new(g), Some(scope))
@@ -713,8 +764,17 @@ async fn build_applier(
         (None, Some(m)) => m,
         (None, None) => WatchScope::All,
     };
-    Ok((apply, scope))
+    Ok((apply, scope, lanes, link))
 }
+
+/// What [`build_applier`] builds: the applier, the scope, the guest's state buckets (caught up,
+/// not yet folding live) and what they share with the guest.
+type Built = (
+    Box<dyn Apply>,
+    WatchScope,
+    Vec<lanes::Lane>,
+    Arc<crate::applied::LaneLink>,
+);
 
 /// The run's restore source: `--artifacts URL --artifact-key K`, or `--restore-from DIR`.
 fn restore_source(

@@ -271,6 +271,43 @@ pub fn check_declarations(
     Ok(out)
 }
 
+/// The limits of a bucket's stream as the server holds them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BucketLimits {
+    /// Values kept per key.
+    pub history: i64,
+    /// How long a value lives, in milliseconds; 0: for ever.
+    pub max_age_ms: u64,
+    /// The most the bucket may hold, in bytes; -1: no limit.
+    pub max_bytes: i64,
+}
+
+/// What differs between an owned bucket's declaration (as [`check_declarations`] returned it:
+/// `max_bytes` resolved) and the bucket the server holds under its name, in words; `None` when
+/// they agree. The host never changes an existing bucket: a difference is refused at start.
+pub fn state_config_mismatch(d: &OwnedDecl, actual: BucketLimits) -> Option<String> {
+    let mut diffs = Vec::new();
+    if actual.history != i64::from(d.history) {
+        diffs.push(format!(
+            "keeps {} values per key (declared {})",
+            actual.history, d.history
+        ));
+    }
+    if actual.max_age_ms != d.max_age_ms {
+        diffs.push(format!(
+            "max age {} ms (declared {} ms)",
+            actual.max_age_ms, d.max_age_ms
+        ));
+    }
+    if u64::try_from(actual.max_bytes).ok() != Some(d.max_bytes) {
+        diffs.push(format!(
+            "max bytes {} (declared {})",
+            actual.max_bytes, d.max_bytes
+        ));
+    }
+    (!diffs.is_empty()).then(|| diffs.join(", "))
+}
+
 /// The guest call a state verb is made from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum GuestCall {
@@ -942,5 +979,32 @@ mod tests {
         ] {
             assert_eq!(permission_violation(other), None, "{other:?}");
         }
+    }
+
+    #[test]
+    fn an_existing_bucket_that_differs_from_its_declaration_is_named_field_by_field() {
+        let d = OwnedDecl {
+            name: "notes".into(),
+            history: 1,
+            max_age_ms: 0,
+            max_bytes: 1024,
+            per_key_ttl: false,
+        };
+        let same = BucketLimits {
+            history: 1,
+            max_age_ms: 0,
+            max_bytes: 1024,
+        };
+        assert_eq!(state_config_mismatch(&d, same), None);
+        let other = BucketLimits {
+            history: 5,
+            max_age_ms: 60_000,
+            max_bytes: -1,
+        };
+        let why = state_config_mismatch(&d, other).expect("differs");
+        assert_eq!(
+            why,
+            "keeps 5 values per key (declared 1), max age 60000 ms (declared 0 ms), max bytes -1 (declared 1024)"
+        );
     }
 }

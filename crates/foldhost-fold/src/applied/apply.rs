@@ -78,6 +78,27 @@ pub trait Apply: Send {
     /// Called after the store committed through `cursor`.
     async fn on_applied(&mut self, cursor: WatchCursor);
 
+    /// One verdict per update of `batch` of the state bucket the guest names `bucket` (a lane,
+    /// [`crate::applied::lane`]); `apply` follows as for the main bucket. Appliers that fold no
+    /// state bucket refuse it.
+    async fn parse_lane(
+        &mut self,
+        bucket: &str,
+        batch: &[KvUpdate],
+    ) -> Result<Vec<Verdict>, ApplyError> {
+        let _ = batch;
+        Err(ApplyError {
+            applier: self.describe(),
+            call: "parse",
+            message: format!("this applier folds no state bucket (asked for {bucket:?})"),
+        })
+    }
+
+    /// The lane `bucket`'s store committed through `cursor`.
+    async fn on_applied_lane(&mut self, bucket: &str, cursor: WatchCursor) {
+        let _ = (bucket, cursor);
+    }
+
     /// Drops whatever state the applier built that the committed fold does not back (after a
     /// failed release of retained records, or a re-queued batch's retry on another generation):
     /// the next call rebuilds it from the fold.
@@ -174,6 +195,13 @@ pub trait SwapCandidate: Send {
     /// are part of the rebuild from the fold, so they are applied as hydration applies: what the new
     /// version skips or defers is not built.
     async fn catch_up(&mut self, updates: &[KvUpdate]) -> Result<(), ApplyError>;
+
+    /// Hands the levelled candidate every state bucket's fold (a lane's current values, then its
+    /// end of current), on the fold's path at the cut-over, when no lane's batch is between its
+    /// `apply` and its commit. Appliers without lanes have nothing to do.
+    async fn catch_up_lanes(&mut self) -> Result<(), ApplyError> {
+        Ok(())
+    }
 
     /// Answers a query (a shadow's comparison): `Ok` with the candidate's own answer — its
     /// response, or the error it chose to give — or `Err` when the call itself failed (a trap, a
@@ -340,6 +368,9 @@ pub enum Control {
         /// How many rows went, or why the sweep failed (the ledger is then untouched).
         reply: tokio::sync::oneshot::Sender<Result<u64, String>>,
     },
+    /// A state bucket's turn at the applier: its steps are served inline, nothing else between
+    /// them ([`crate::applied::lane`]).
+    Lane(crate::applied::LaneSession),
     /// Run a query against the applier.
     Query {
         /// The request bytes.

@@ -37,6 +37,7 @@ use crate::snapshot::SnapshotError;
 
 mod apply;
 mod fold;
+pub mod lane;
 mod start;
 mod watch;
 
@@ -48,6 +49,7 @@ pub use apply::{
 pub use fold::Fold;
 #[cfg(any(test, feature = "testkit"))]
 pub use fold::flush_all;
+pub use lane::{LaneApply, LaneLink, LaneSession};
 pub use start::identity_refusal;
 pub use watch::watch_applied;
 

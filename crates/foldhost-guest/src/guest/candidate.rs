@@ -33,6 +33,14 @@ impl SwapCandidate for GuestCandidate {
                 ),
             ));
         }
+        if self.core.manifest.state != self.running.state
+            || self.core.manifest.reads != self.running.reads
+        {
+            return Err(self.core.err(
+                "swap",
+                "its state buckets differ from the running guest's (a change of `state` or `reads` needs a restart)".into(),
+            ));
+        }
         self.core.call_init(&mut live).await?;
         let stats = self
             .core
@@ -57,9 +65,27 @@ impl SwapCandidate for GuestCandidate {
             .map(bindings::to_wit_update)
             .collect();
         self.core
-            .feed(&mut live, updates)
+            .feed(&mut live, "", updates)
             .await
             .map_err(|e| self.core.err("swap", format!("catch-up failed: {e}")))?;
+        self.live = Some(live);
+        Ok(())
+    }
+
+    async fn catch_up_lanes(&mut self) -> Result<(), ApplyError> {
+        let Some(mut live) = self.live.take() else {
+            return Err(self
+                .core
+                .err("swap", "caught up before it was hydrated".into()));
+        };
+        let entries = self
+            .core
+            .hydrate_lanes(&mut live)
+            .await
+            .map_err(|e| self.core.err("swap", format!("state buckets: {e}")))?;
+        if let Some(h) = self.hydrated.as_mut() {
+            h.0 += entries;
+        }
         self.live = Some(live);
         Ok(())
     }

@@ -7,6 +7,11 @@ impl Core {
         format!("{}@{}", self.manifest.name, self.manifest.version)
     }
 
+    /// The declared bucket the guest names `bucket`, once the state is attached.
+    pub(super) fn lane(&self, bucket: &str) -> Option<&state::StateLane> {
+        self.state.get().and_then(|s| s.lane(bucket))
+    }
+
     pub(super) fn err(&self, call: &'static str, message: String) -> ApplyError {
         ApplyError {
             applier: self.describe(),
@@ -70,9 +75,13 @@ impl Core {
     }
 
     /// Re-arms the deadline before a call: a deadline is relative to the epoch when it is set.
-    /// Also resets the call's log-line count.
-    pub(super) fn arm(&self, live: &mut Live) {
+    /// Also resets the call's log-line count and records which call runs (a state write is
+    /// allowed from some only) and until when.
+    pub(super) fn arm(&self, live: &mut Live, call: crate::protocol::GuestCall) {
         live.store.set_epoch_deadline(self.deadline_ticks());
+        let data = live.store.data_mut();
+        data.call = call;
+        data.deadline = Some(tokio::time::Instant::now() + self.limits.call_deadline);
         #[cfg(any(test, feature = "testkit"))]
         if self.interrupt_next.swap(false, Ordering::Relaxed) {
             live.store.set_epoch_deadline(0);
@@ -110,6 +119,7 @@ impl Core {
             self.limits.resource_entries,
             &self.engine.random_seed(),
             &self.digest,
+            self.state.clone(),
         );
         let mut store = Store::new(self.pre.engine(), state);
         store.limiter(|s| &mut s.limits);
@@ -126,7 +136,7 @@ impl Core {
     }
 
     pub(super) async fn call_manifest(&self, live: &mut Live) -> Result<GuestManifest, ApplyError> {
-        self.arm(live);
+        self.arm(live, crate::protocol::GuestCall::Setup);
         let m = self
             .within("manifest", live.guest.manifest(&mut live.store))
             .await?
@@ -154,15 +164,27 @@ impl Core {
                 ),
             ));
         }
+        if m.state.len() + m.reads.len() > crate::protocol::MAX_STATE_BUCKETS {
+            return Err(self.err(
+                "manifest",
+                format!(
+                    "{} buckets declared: at most {}",
+                    m.state.len() + m.reads.len(),
+                    crate::protocol::MAX_STATE_BUCKETS
+                ),
+            ));
+        }
         Ok(GuestManifest {
             name: m.name,
             version: m.version,
             scope: m.scope,
+            state: m.state,
+            reads: m.reads,
         })
     }
 
     pub(super) async fn call_init(&self, live: &mut Live) -> Result<(), ApplyError> {
-        self.arm(live);
+        self.arm(live, crate::protocol::GuestCall::Setup);
         let config: Vec<(&str, &str)> = self
             .config
             .iter()
@@ -178,7 +200,11 @@ impl Core {
     pub(super) async fn fresh(&self) -> Result<Live, ApplyError> {
         let mut live = self.instantiate().await?;
         let m = self.call_manifest(&mut live).await?;
-        if m.name != self.manifest.name || m.version != self.manifest.version {
+        if m.name != self.manifest.name
+            || m.version != self.manifest.version
+            || m.state != self.manifest.state
+            || m.reads != self.manifest.reads
+        {
             return Err(self.err(
                 "manifest",
                 format!("a fresh instance says it is {}@{}", m.name, m.version),
@@ -191,11 +217,12 @@ impl Core {
     pub(super) async fn call_parse(
         &self,
         live: &mut Live,
+        bucket: &str,
         batch: &[bindings::Update<'_>],
     ) -> Result<Vec<Verdict>, ApplyError> {
-        self.arm(live);
+        self.arm(live, crate::protocol::GuestCall::Parse);
         let verdicts = self
-            .within("parse", live.guest.parse(&mut live.store, batch))
+            .within("parse", live.guest.parse(&mut live.store, bucket, batch))
             .await?
             .map_err(|e| self.call_error(live, "parse", e))?;
         if verdicts.len() != batch.len() {
@@ -226,7 +253,7 @@ impl Core {
         live: &mut Live,
         request: &[u8],
     ) -> Result<Result<Vec<u8>, String>, ApplyError> {
-        self.arm(live);
+        self.arm(live, crate::protocol::GuestCall::Query);
         let answer = self
             .within("query", live.guest.query(&mut live.store, request))
             .await?
@@ -242,7 +269,7 @@ impl Core {
     }
 
     pub(super) async fn call_apply(&self, live: &mut Live) -> Result<(), ApplyError> {
-        self.arm(live);
+        self.arm(live, crate::protocol::GuestCall::Apply);
         self.within("apply", live.guest.apply(&mut live.store))
             .await?
             .map_err(|e| self.call_error(live, "apply", e))?
@@ -255,6 +282,7 @@ impl Core {
     pub(super) async fn feed(
         &self,
         live: &mut Live,
+        bucket: &str,
         updates: Vec<bindings::Update<'_>>,
     ) -> Result<(), ApplyError> {
         let chunk = self.limits.hydrate_chunk.max(1);
@@ -281,7 +309,7 @@ impl Core {
                 bytes += size;
                 call.extend(rest.next());
             }
-            self.call_parse(live, &call).await?;
+            self.call_parse(live, bucket, &call).await?;
             self.call_apply(live).await?;
             // A guest call runs to its end without yielding (its deadline traps, it does not
             // yield), so a hydration of many chunks would hold its worker thread throughout: on a
@@ -312,18 +340,66 @@ impl Core {
         while let Some(read) = pages.next().await {
             let page = read.map_err(|e| self.err("hydrate", format!("read the fold: {e}")))?;
             total += page.items.len() as u64;
-            self.feed(live, page.updates()).await?;
+            self.feed(live, "", page.updates()).await?;
             pages.recycle(page);
             if swapping {
                 crate::crashpoint::hold(crate::crashpoint::SWAP_HYDRATING).await;
             }
         }
+        self.call_end_of_current(live, "").await?;
+        // A swap's candidate is handed the state buckets at the cut-over (`hydrate_lanes`), when
+        // no lane's batch is between its apply and its commit; a rebuild, here.
+        if !swapping {
+            total += self.hydrate_lanes(live).await?;
+        }
         tracing::info!(
             guest = %self.describe(),
             entries = total,
+            buckets = 1 + self.state.get().map_or(0, |s| s.lanes.len()),
             ms = t.elapsed().as_millis() as u64,
             "guest hydrated from the fold"
         );
         Ok((total, t.elapsed()))
+    }
+
+    /// `end-of-current` of `bucket`, under the call deadline.
+    pub(super) async fn call_end_of_current(
+        &self,
+        live: &mut Live,
+        bucket: &str,
+    ) -> Result<(), ApplyError> {
+        self.arm(live, crate::protocol::GuestCall::Apply);
+        self.within(
+            "end-of-current",
+            live.guest.end_of_current(&mut live.store, bucket),
+        )
+        .await?
+        .map_err(|e| self.call_error(live, "end-of-current", e))
+    }
+
+    /// Streams every state bucket's committed fold into `live`, each bucket's current values then
+    /// its `end-of-current`, in the order declared; returns the entries handed over.
+    pub(super) async fn hydrate_lanes(&self, live: &mut Live) -> Result<u64, ApplyError> {
+        let Some(access) = self.state.get() else {
+            return Ok(0);
+        };
+        let chunk = self.limits.hydrate_chunk.max(1);
+        let mut total = 0u64;
+        for lane in &access.lanes {
+            let mut pages = PageReader::start(lane.read.clone(), vec![String::new()], chunk);
+            while let Some(read) = pages.next().await {
+                let page = read.map_err(|e| {
+                    self.err(
+                        "hydrate",
+                        format!("read the fold of {:?}: {e}", lane.decl.local),
+                    )
+                })?;
+                total += page.items.len() as u64;
+                self.feed(live, &lane.decl.local, page.updates()).await?;
+                pages.recycle(page);
+            }
+            self.call_end_of_current(live, &lane.decl.local).await?;
+        }
+        Ok(total)
     }
 }

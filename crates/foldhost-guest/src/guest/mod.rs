@@ -37,6 +37,7 @@ mod engine;
 mod hydration;
 mod instance;
 mod random;
+pub mod state;
 
 use candidate::GuestCandidate;
 pub use engine::{EngineOptions, GuestEngine, Prepared};
@@ -46,17 +47,18 @@ use hydration::PageReader;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use wasmtime::component::{Component, Linker};
 use wasmtime::{Config, Engine, Store};
 
-use crate::applied::{Apply, ApplyError, SwapCandidate, Verdict};
+use crate::applied::{Apply, ApplyError, LaneLink, SwapCandidate, Verdict};
 use crate::kv::{KvEntry, KvUpdate, WatchCursor, WatchScope};
 use crate::view::FoldRead;
 use bindings::{FolderInstance, FolderPre, HostState, MAX_MESSAGE_BYTES, clip_text};
+use state::StateAccess;
 
 /// Compiled components kept by one engine (the running one, the one before, a swap candidate…).
 pub(crate) const MAX_CACHED_COMPONENTS: usize = 8;
@@ -155,6 +157,10 @@ pub struct GuestManifest {
     pub version: String,
     /// The key prefixes it wants; empty = all.
     pub scope: Vec<String>,
+    /// The state buckets it owns (0.3.0; docs/state.md).
+    pub state: Vec<crate::protocol::OwnedDecl>,
+    /// Other modules' buckets it reads, each `<module>.<name>`.
+    pub reads: Vec<String>,
 }
 
 impl GuestManifest {
@@ -193,6 +199,10 @@ struct Core {
     limits: GuestLimits,
     config: Vec<(String, String)>,
     fold: Arc<dyn FoldRead>,
+    /// The state buckets every instance of this guest reaches, once attached.
+    state: Arc<OnceLock<StateAccess>>,
+    /// Shared with the lanes: the generation and their discard requests.
+    link: Arc<LaneLink>,
     /// Test builds only: the next call is armed with a deadline already passed, so wasmtime
     /// interrupts it at its first epoch check — a real deadline trap at a chosen call.
     #[cfg(any(test, feature = "testkit"))]
@@ -231,10 +241,14 @@ impl GuestApply {
                 name: what.to_string(),
                 version: "?".into(),
                 scope: Vec::new(),
+                state: Vec::new(),
+                reads: Vec::new(),
             },
             limits,
             config,
             fold,
+            state: Arc::new(OnceLock::new()),
+            link: Arc::new(LaneLink::default()),
             #[cfg(any(test, feature = "testkit"))]
             interrupt_next: AtomicBool::new(false),
         };
@@ -257,6 +271,85 @@ impl GuestApply {
         &self.core.manifest
     }
 
+    /// Attaches the folds of the buckets the manifest declares (docs/state.md), before the first
+    /// hydration: every instance from now on is hydrated from them and reaches them through the
+    /// `state` import. Once per guest; a second attach is refused.
+    pub fn attach_state(&mut self, access: StateAccess) -> Result<(), ApplyError> {
+        self.core
+            .state
+            .set(access)
+            .map_err(|_| self.core.err("init", "state buckets attached twice".into()))
+    }
+
+    /// What the lanes share with this guest (its generation, their discard requests).
+    pub fn lane_link(&self) -> Arc<LaneLink> {
+        self.core.link.clone()
+    }
+
+    /// `parse` of `bucket`'s batch (`""`: the main bucket), over the byte limit refused.
+    async fn parse_in(
+        &mut self,
+        bucket: &str,
+        batch: &[KvUpdate],
+    ) -> Result<Vec<Verdict>, ApplyError> {
+        let bytes: usize = batch.iter().map(KvUpdate::byte_len).sum();
+        if bytes > self.core.limits.max_batch_bytes {
+            return Err(self.core.err(
+                "parse",
+                format!(
+                    "a batch of {} updates carries {bytes} bytes, over the guest's max-batch-bytes limit of {}",
+                    batch.len(),
+                    self.core.limits.max_batch_bytes
+                ),
+            ));
+        }
+        let mut live = self.live().await?;
+        let updates: Vec<bindings::Update<'_>> =
+            batch.iter().map(bindings::to_wit_update).collect();
+        let r = self.core.call_parse(&mut live, bucket, &updates).await;
+        if r.is_ok() {
+            self.live = Some(live);
+        }
+        r
+    }
+
+    /// `on-applied` of `bucket` (`""`: the main bucket). On a failure the batch is committed but
+    /// the instance is not trustworthy any more: the next batch rebuilds a fresh one from the
+    /// folds.
+    async fn on_applied_in(&mut self, bucket: &str, cursor: WatchCursor) {
+        self.take_lane_discard();
+        let Some(mut live) = self.live.take() else {
+            return;
+        };
+        self.core
+            .arm(&mut live, crate::protocol::GuestCall::OnApplied);
+        let called = self
+            .core
+            .within(
+                "on-applied",
+                live.guest
+                    .on_applied(&mut live.store, bucket, cursor.revision_or_zero()),
+            )
+            .await;
+        match called {
+            Ok(Ok(())) => self.live = Some(live),
+            Ok(Err(e)) => {
+                let err = self.core.call_error(&live, "on-applied", e);
+                tracing::warn!(error = %err, "guest failed after a commit; rebuilding it");
+            }
+            Err(err) => {
+                tracing::warn!(error = %err, "guest failed after a commit; rebuilding it");
+            }
+        }
+    }
+
+    /// A lane asked for the live instance to go: it goes now, before any call.
+    fn take_lane_discard(&mut self) {
+        if self.core.link.take_discard() {
+            self.live = None;
+        }
+    }
+
     /// Builds the first instance's domain state from the committed fold (a no-op when the live
     /// instance is already hydrated). Call before the first batch.
     pub async fn hydrate(&mut self) -> Result<(), ApplyError> {
@@ -267,6 +360,7 @@ impl GuestApply {
 
     /// The live instance, building and hydrating a fresh one if the last call killed it.
     async fn live(&mut self) -> Result<Live, ApplyError> {
+        self.take_lane_discard();
         let mut l = match self.live.take() {
             Some(l) if self.hydrations > 0 => return Ok(l),
             Some(l) => l,
@@ -274,6 +368,7 @@ impl GuestApply {
         };
         let stats = self.core.stream_fold(&mut l, false).await?;
         self.hydrations += 1;
+        self.core.link.set_generation(self.hydrations);
         self.last_hydration = Some(stats);
         self.lost = None;
         Ok(l)
@@ -291,25 +386,25 @@ impl Apply for GuestApply {
     }
 
     async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
-        let bytes: usize = batch.iter().map(KvUpdate::byte_len).sum();
-        if bytes > self.core.limits.max_batch_bytes {
+        self.parse_in("", batch).await
+    }
+
+    async fn parse_lane(
+        &mut self,
+        bucket: &str,
+        batch: &[KvUpdate],
+    ) -> Result<Vec<Verdict>, ApplyError> {
+        if bucket.is_empty() || self.core.lane(bucket).is_none() {
             return Err(self.core.err(
                 "parse",
-                format!(
-                    "a batch of {} updates carries {bytes} bytes, over the guest's max-batch-bytes limit of {}",
-                    batch.len(),
-                    self.core.limits.max_batch_bytes
-                ),
+                format!("{bucket:?} is not a bucket this guest declares"),
             ));
         }
-        let mut live = self.live().await?;
-        let updates: Vec<bindings::Update<'_>> =
-            batch.iter().map(bindings::to_wit_update).collect();
-        let r = self.core.call_parse(&mut live, &updates).await;
-        if r.is_ok() {
-            self.live = Some(live);
-        }
-        r
+        self.parse_in(bucket, batch).await
+    }
+
+    async fn on_applied_lane(&mut self, bucket: &str, cursor: WatchCursor) {
+        self.on_applied_in(bucket, cursor).await;
     }
 
     async fn apply(
@@ -340,30 +435,7 @@ impl Apply for GuestApply {
     }
 
     async fn on_applied(&mut self, cursor: WatchCursor) {
-        let Some(mut live) = self.live.take() else {
-            return;
-        };
-        self.core.arm(&mut live);
-        let called = self
-            .core
-            .within(
-                "on-applied",
-                live.guest
-                    .on_applied(&mut live.store, cursor.revision_or_zero()),
-            )
-            .await;
-        // On a failure the batch is committed but the instance is not trustworthy any more: the
-        // next batch rebuilds a fresh one from the fold.
-        match called {
-            Ok(Ok(())) => self.live = Some(live),
-            Ok(Err(e)) => {
-                let err = self.core.call_error(&live, "on-applied", e);
-                tracing::warn!(error = %err, "guest failed after a commit; rebuilding it");
-            }
-            Err(err) => {
-                tracing::warn!(error = %err, "guest failed after a commit; rebuilding it");
-            }
-        }
+        self.on_applied_in("", cursor).await;
     }
 
     fn swap_candidate(
@@ -393,10 +465,15 @@ impl Apply for GuestApply {
                     name: what.to_string(),
                     version: "?".into(),
                     scope: Vec::new(),
+                    state: Vec::new(),
+                    reads: Vec::new(),
                 },
                 limits: self.core.limits,
                 config: self.core.config.clone(),
                 fold: view,
+                // The same buckets and the same lanes: a swap keeps the declarations.
+                state: self.core.state.clone(),
+                link: self.core.link.clone(),
                 #[cfg(any(test, feature = "testkit"))]
                 interrupt_next: AtomicBool::new(false),
             },
@@ -431,6 +508,7 @@ impl Apply for GuestApply {
             self.live.replace(live),
         );
         self.hydrations += 1;
+        self.core.link.set_generation(self.hydrations);
         self.last_hydration = Some(stats);
         Ok(Box::new(retired))
     }
@@ -440,10 +518,11 @@ impl Apply for GuestApply {
     }
 
     fn rebuild_due(&self) -> bool {
-        self.live.is_none()
+        self.live.is_none() || self.core.link.discard_requested()
     }
 
     async fn rebuild(&mut self) -> Result<(), ApplyError> {
+        self.take_lane_discard();
         if self.live.is_some() {
             return Ok(());
         }
@@ -463,6 +542,7 @@ impl Apply for GuestApply {
         // No instance: answered at once. Building one here would put a hydration on the fold's
         // path on a query's account, ahead of the deliveries waiting (a query that spins to its
         // deadline, asked in a loop, rebuilt the guest after every answer and stopped the fold).
+        self.take_lane_discard();
         let mut live = match self.live.take() {
             Some(l) if self.hydrations > 0 => l,
             Some(l) => {

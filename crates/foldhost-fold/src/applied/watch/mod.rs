@@ -484,6 +484,8 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
     /// A query, an export or a swap, between batches.
     async fn on_control(&mut self, c: Option<Control>, t: &mut Turn) -> Result<(), AppliedError> {
         match c {
+            // A state bucket's flush: served whole, nothing else reaching the guest meanwhile.
+            Some(Control::Lane(session)) => super::lane::serve(self.apply, session).await,
             Some(Control::Query { request, reply }) => {
                 // Between batches: the applier's structure is whole.
                 let answer = self.apply.query(&request).await;

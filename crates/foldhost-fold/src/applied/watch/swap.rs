@@ -543,6 +543,10 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         if let Err(e) = candidate.catch_up(&updates).await {
             return Ok(Err(e));
         }
+        // The state buckets last, here: no lane's batch is between its apply and its commit.
+        if let Err(e) = candidate.catch_up_lanes().await {
+            return Ok(Err(e));
+        }
         Ok(Ok((candidate, updates.len() as u64)))
     }
 

@@ -1,21 +1,25 @@
 //! The generated bindings of the guest contract, every version the host links — `wit/guest.wit`
-//! (`foldhost:guest@0.1.0`) and `wit/v0.2.0/guest.wit` (`@0.2.0`: `parse` takes a packed batch) —
-//! and the host side of their imports. The only file in the crate that names generated types;
-//! `guest/mod.rs` sees one [`FolderPre`] / [`FolderInstance`] whatever the version, with 0.1.0's
-//! types as the common ones, and converts to the host's own types at the edge.
+//! (`foldhost:guest@0.1.0`), `wit/v0.2.0/guest.wit` (`@0.2.0`: `parse` takes a packed batch) and
+//! `wit/v0.3.0/guest.wit` (`@0.3.0`: state buckets, in `v3.rs`) — and the host side of their
+//! imports. The only module in the crate that names generated types; `guest/mod.rs` sees one
+//! [`FolderPre`] / [`FolderInstance`] whatever the version, with 0.1.0's types as the common ones,
+//! and converts to the host's own types at the edge.
 //!
 //! Invariants: a component is bound to the newest version it exports ([`FolderPre::new`]); every
 //! version's imports are served by the same [`HostState`] code (`fold_get`, `fold_scan`,
 //! `log_line`), so no version reads or logs differently.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use wasmtime::component::ResourceTable;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use crate::kv::{KvEntry, KvUpdate};
+use crate::protocol::{GuestCall, OwnedDecl};
 use crate::view::FoldRead;
+
+use super::state::StateAccess;
 
 wasmtime::component::bindgen!({
     path: "../../wit",
@@ -86,6 +90,8 @@ pub(crate) enum Contract {
     V0_1,
     /// `foldhost:guest@0.2.0`: a packed batch.
     V0_2,
+    /// `foldhost:guest@0.3.0`: state buckets.
+    V0_3,
 }
 
 impl Contract {
@@ -94,6 +100,7 @@ impl Contract {
         match self {
             Contract::V0_1 => "0.1.0",
             Contract::V0_2 => "0.2.0",
+            Contract::V0_3 => "0.3.0",
         }
     }
 }
@@ -105,19 +112,25 @@ pub enum FolderPre {
     V1(GuestPre<HostState>),
     /// A 0.2.0 guest.
     V2(v2::GuestPre<HostState>),
+    /// A 0.3.0 guest.
+    V3(v3::GuestPre<HostState>),
 }
 
 impl FolderPre {
     /// Binds `pre` to the newest contract whose `folder` it exports; the error names why it fits
     /// neither.
     pub fn new(pre: wasmtime::component::InstancePre<HostState>) -> wasmtime::Result<Self> {
-        let newest = match v2::GuestPre::new(pre.clone()) {
+        let newest = match v3::GuestPre::new(pre.clone()) {
+            Ok(p) => return Ok(FolderPre::V3(p)),
+            Err(e) => e,
+        };
+        let second = match v2::GuestPre::new(pre.clone()) {
             Ok(p) => return Ok(FolderPre::V2(p)),
             Err(e) => e,
         };
         GuestPre::new(pre).map(FolderPre::V1).map_err(|oldest| {
             wasmtime::Error::msg(format!(
-                "it fits no guest contract this host links: as foldhost:guest@0.2.0, {newest:#}; as @0.1.0, {oldest:#}"
+                "it fits no guest contract this host links: as foldhost:guest@0.3.0, {newest:#}; as @0.2.0, {second:#}; as @0.1.0, {oldest:#}"
             ))
         })
     }
@@ -127,6 +140,7 @@ impl FolderPre {
         match self {
             FolderPre::V1(_) => Contract::V0_1,
             FolderPre::V2(_) => Contract::V0_2,
+            FolderPre::V3(_) => Contract::V0_3,
         }
     }
 
@@ -135,6 +149,7 @@ impl FolderPre {
         match self {
             FolderPre::V1(p) => p.engine(),
             FolderPre::V2(p) => p.engine(),
+            FolderPre::V3(p) => p.engine(),
         }
     }
 
@@ -146,6 +161,10 @@ impl FolderPre {
         Ok(match self {
             FolderPre::V1(p) => FolderInstance::V1(p.instantiate_async(store).await?),
             FolderPre::V2(p) => FolderInstance::V2 {
+                guest: p.instantiate_async(store).await?,
+                packed: Vec::new(),
+            },
+            FolderPre::V3(p) => FolderInstance::V3 {
                 guest: p.instantiate_async(store).await?,
                 packed: Vec::new(),
             },
@@ -164,40 +183,83 @@ pub(crate) enum FolderInstance {
         /// The packing buffer.
         packed: Vec<u8>,
     },
+    /// A 0.3.0 instance, with its packing buffer.
+    V3 {
+        /// The instance.
+        guest: v3::Guest,
+        /// The packing buffer.
+        packed: Vec<u8>,
+    },
 }
 
-fn v1_manifest(m: v2::foldhost::guest::types::GuestManifest) -> GuestManifest {
-    GuestManifest {
+/// A manifest as a guest gave it, whatever its contract (0.1.0 and 0.2.0 declare no buckets).
+pub(crate) struct RawManifest {
+    pub name: String,
+    pub version: String,
+    pub scope: Vec<String>,
+    pub state: Vec<OwnedDecl>,
+    pub reads: Vec<String>,
+}
+
+fn v3_manifest(m: v3::foldhost::guest::types::GuestManifest) -> RawManifest {
+    RawManifest {
         name: m.name,
         version: m.version,
         scope: m.scope,
+        state: m
+            .state
+            .into_iter()
+            .map(|b| OwnedDecl {
+                name: b.name,
+                history: b.history.max(1),
+                max_age_ms: b.max_age_ms,
+                max_bytes: b.max_bytes,
+                per_key_ttl: b.per_key_ttl,
+            })
+            .collect(),
+        reads: m.reads,
     }
 }
 
-fn v1_verdict(v: v2::foldhost::guest::types::Verdict) -> Verdict {
-    use v2::foldhost::guest::types::Verdict as V2;
-    match v {
-        V2::Accept => Verdict::Accept,
-        V2::Skip => Verdict::Skip,
-        V2::Defer => Verdict::Defer,
-    }
+/// A packed-batch contract's verdict as 0.1.0's (every version's enum has the same cases).
+macro_rules! v1_verdict {
+    ($v:expr, $V:ty) => {{
+        type V = $V;
+        match $v {
+            V::Accept => Verdict::Accept,
+            V::Skip => Verdict::Skip,
+            V::Defer => Verdict::Defer,
+        }
+    }};
 }
-
-pub use foldhost::guest::types::GuestManifest;
 
 impl FolderInstance {
     /// `manifest`.
-    pub async fn manifest(
+    pub(crate) async fn manifest(
         &self,
         store: &mut wasmtime::Store<HostState>,
-    ) -> wasmtime::Result<GuestManifest> {
+    ) -> wasmtime::Result<RawManifest> {
+        let plain = |name, version, scope| RawManifest {
+            name,
+            version,
+            scope,
+            state: Vec::new(),
+            reads: Vec::new(),
+        };
         match self {
-            FolderInstance::V1(g) => g.foldhost_guest_folder().call_manifest(store).await,
-            FolderInstance::V2 { guest, .. } => guest
+            FolderInstance::V1(g) => {
+                let m = g.foldhost_guest_folder().call_manifest(store).await?;
+                Ok(plain(m.name, m.version, m.scope))
+            }
+            FolderInstance::V2 { guest, .. } => {
+                let m = guest.foldhost_guest_folder().call_manifest(store).await?;
+                Ok(plain(m.name, m.version, m.scope))
+            }
+            FolderInstance::V3 { guest, .. } => guest
                 .foldhost_guest_folder()
                 .call_manifest(store)
                 .await
-                .map(v1_manifest),
+                .map(v3_manifest),
         }
     }
 
@@ -212,15 +274,25 @@ impl FolderInstance {
             FolderInstance::V2 { guest, .. } => {
                 guest.foldhost_guest_folder().call_init(store, config).await
             }
+            FolderInstance::V3 { guest, .. } => {
+                guest.foldhost_guest_folder().call_init(store, config).await
+            }
         }
     }
 
-    /// `parse`: the batch as 0.1.0 records, or packed for 0.2.0.
-    pub async fn parse(
+    /// `parse` of `bucket`'s batch (`""`: the main bucket): as 0.1.0 records, or packed for 0.2.0
+    /// and 0.3.0. Only a 0.3.0 guest declares other buckets.
+    pub(crate) async fn parse(
         &mut self,
         store: &mut wasmtime::Store<HostState>,
+        bucket: &str,
         batch: &[Update<'_>],
     ) -> wasmtime::Result<Vec<Verdict>> {
+        if !bucket.is_empty() && !matches!(self, FolderInstance::V3 { .. }) {
+            return Err(wasmtime::Error::msg(format!(
+                "a guest of contract 0.1.0 or 0.2.0 folds no state bucket (asked for {bucket:?})"
+            )));
+        }
         match self {
             FolderInstance::V1(g) => g.foldhost_guest_folder().call_parse(store, batch).await,
             FolderInstance::V2 { guest, packed } => {
@@ -232,8 +304,42 @@ impl FolderInstance {
                 if packed.capacity() > MAX_KEPT_PACK_BYTES {
                     *packed = Vec::new();
                 }
-                Ok(verdicts?.into_iter().map(v1_verdict).collect())
+                let verdicts = verdicts?.into_iter();
+                Ok(verdicts
+                    .map(|v| v1_verdict!(v, v2::foldhost::guest::types::Verdict))
+                    .collect())
             }
+            FolderInstance::V3 { guest, packed } => {
+                pack_batch(batch, packed).map_err(wasmtime::Error::msg)?;
+                let verdicts = guest
+                    .foldhost_guest_folder()
+                    .call_parse(&mut *store, bucket, packed)
+                    .await;
+                if packed.capacity() > MAX_KEPT_PACK_BYTES {
+                    *packed = Vec::new();
+                }
+                let verdicts = verdicts?.into_iter();
+                Ok(verdicts
+                    .map(|v| v1_verdict!(v, v3::foldhost::guest::types::Verdict))
+                    .collect())
+            }
+        }
+    }
+
+    /// `end-of-current` of `bucket` (0.3.0; older contracts have no such call).
+    pub(crate) async fn end_of_current(
+        &self,
+        store: &mut wasmtime::Store<HostState>,
+        bucket: &str,
+    ) -> wasmtime::Result<()> {
+        match self {
+            FolderInstance::V3 { guest, .. } => {
+                guest
+                    .foldhost_guest_folder()
+                    .call_end_of_current(store, bucket)
+                    .await
+            }
+            FolderInstance::V1(_) | FolderInstance::V2 { .. } => Ok(()),
         }
     }
 
@@ -247,16 +353,30 @@ impl FolderInstance {
             FolderInstance::V2 { guest, .. } => {
                 guest.foldhost_guest_folder().call_apply(store).await
             }
+            FolderInstance::V3 { guest, .. } => {
+                guest.foldhost_guest_folder().call_apply(store).await
+            }
         }
     }
 
-    /// `on-applied`.
+    /// `on-applied` of `bucket` (`""`: the main bucket; older contracts hear only of it).
     pub(crate) async fn on_applied(
         &self,
         store: &mut wasmtime::Store<HostState>,
+        bucket: &str,
         cursor: u64,
     ) -> wasmtime::Result<()> {
+        if let FolderInstance::V3 { guest, .. } = self {
+            return guest
+                .foldhost_guest_folder()
+                .call_on_applied(store, bucket, cursor)
+                .await;
+        }
+        if !bucket.is_empty() {
+            return Ok(());
+        }
         match self {
+            FolderInstance::V3 { .. } => Ok(()),
             FolderInstance::V1(g) => {
                 g.foldhost_guest_folder()
                     .call_on_applied(store, cursor)
@@ -280,6 +400,12 @@ impl FolderInstance {
         match self {
             FolderInstance::V1(g) => g.foldhost_guest_folder().call_query(store, request).await,
             FolderInstance::V2 { guest, .. } => {
+                guest
+                    .foldhost_guest_folder()
+                    .call_query(store, request)
+                    .await
+            }
+            FolderInstance::V3 { guest, .. } => {
                 guest
                     .foldhost_guest_folder()
                     .call_query(store, request)
@@ -468,6 +594,12 @@ pub struct HostState {
     pub log_lines: u32,
     /// The guest's stderr (its panic messages), for error reports.
     pub stderr: MemoryOutputPipe,
+    /// The call running now (a state write is allowed from some only).
+    pub(crate) call: GuestCall,
+    /// When the call running now must end.
+    pub(crate) deadline: Option<tokio::time::Instant>,
+    /// The state buckets, once the host attached them (shared by every instance of the guest).
+    pub(crate) state: Arc<OnceLock<StateAccess>>,
 }
 
 impl HostState {
@@ -482,6 +614,7 @@ impl HostState {
         resource_entries: usize,
         seed: &[u8; 32],
         component: &[u8; 32],
+        state: Arc<OnceLock<StateAccess>>,
     ) -> Self {
         use super::random::GuestRandom;
         let stderr = MemoryOutputPipe::new(STDERR_CAPACITY);
@@ -508,7 +641,17 @@ impl HostState {
             guest,
             log_lines: 0,
             stderr,
+            call: GuestCall::Setup,
+            deadline: None,
+            state,
         }
+    }
+
+    /// What is left of the running call's deadline.
+    pub(crate) fn time_left(&self) -> std::time::Duration {
+        self.deadline.map_or(std::time::Duration::ZERO, |d| {
+            d.saturating_duration_since(tokio::time::Instant::now())
+        })
     }
 
     /// Names the guest in its log lines (`name@version`, once its manifest is known).
@@ -630,6 +773,8 @@ macro_rules! tracing_level {
     };
 }
 
+mod v3;
+
 fn to_entry(e: KvEntry) -> Entry {
     Entry {
         revision: e.version.as_u64().unwrap_or(0),
@@ -702,13 +847,14 @@ impl v2::foldhost::guest::log::Host for HostState {
     }
 }
 
-/// Adds every linked contract version's imports (`fold`, `log`) to `linker`.
+/// Adds every linked contract version's imports (`fold`, `log`, and 0.3.0's `state`) to `linker`.
 pub(crate) fn add_to_linker(
     linker: &mut wasmtime::component::Linker<HostState>,
 ) -> wasmtime::Result<()> {
     use wasmtime::component::HasSelf;
     Guest::add_to_linker::<HostState, HasSelf<HostState>>(linker, |s| s)?;
-    v2::Guest::add_to_linker::<HostState, HasSelf<HostState>>(linker, |s| s)
+    v2::Guest::add_to_linker::<HostState, HasSelf<HostState>>(linker, |s| s)?;
+    v3::Guest::add_to_linker::<HostState, HasSelf<HostState>>(linker, |s| s)
 }
 
 /// The host's update as the guest sees it.

@@ -1,0 +1,211 @@
+//! `foldhost:guest@0.3.0` (`wit/v0.3.0/guest.wit`): the state buckets. Its `fold` and `log`
+//! imports are served by the same [`HostState`] code as every version's; its `state` import is
+//! served here, every decision the protocol's ([`crate::protocol::admit_state_write`]).
+
+use crate::kv::KvEntry;
+use crate::protocol::{self, GuestCall, StateWrite};
+
+use super::HostState;
+use crate::guest::state::{StateWriteRequest, WrittenOutcome};
+
+wasmtime::component::bindgen!({
+    path: "../../wit/v0.3.0",
+    world: "foldhost:guest/guest@0.3.0",
+    imports: {
+        // A write goes to the server through the host's write path.
+        "foldhost:guest/state.put": async | trappable,
+        "foldhost:guest/state.delete": async | trappable,
+        default: trappable,
+    },
+    exports: { default: async },
+    ownership: Borrowing { duplicate_if_necessary: true },
+});
+
+use foldhost::guest::state::{Outcome, Refusal, WriteOptions, Written};
+use foldhost::guest::types::Entry;
+
+/// The most keys one `keys` call returns, whatever the guest asks.
+pub(crate) const MAX_KEYS_LIMIT: u32 = 10_000;
+
+fn entry(e: KvEntry) -> Entry {
+    Entry {
+        revision: e.version.as_u64().unwrap_or(0),
+        key: e.key,
+        value: e.value.to_vec(),
+    }
+}
+
+fn refusal(reason: &str, message: String) -> Refusal {
+    Refusal {
+        reason: reason.to_string(),
+        message,
+    }
+}
+
+impl foldhost::guest::types::Host for HostState {}
+
+impl foldhost::guest::fold::Host for HostState {
+    fn get(&mut self, key: String) -> wasmtime::Result<Option<Entry>> {
+        Ok(self.fold_get(&key)?.map(entry))
+    }
+
+    fn scan(
+        &mut self,
+        prefix: String,
+        start_after: Option<String>,
+        limit: u32,
+    ) -> wasmtime::Result<Vec<Entry>> {
+        let v = self.fold_scan(&prefix, start_after.as_deref(), limit)?;
+        Ok(v.into_iter().map(entry).collect())
+    }
+}
+
+impl foldhost::guest::log::Host for HostState {
+    fn log(&mut self, level: foldhost::guest::log::Level, message: String) -> wasmtime::Result<()> {
+        use foldhost::guest::log::Level;
+        self.log_line(tracing_level!(level, Level), message);
+        Ok(())
+    }
+}
+
+impl HostState {
+    /// The lane `bucket` names, or the refusal of an undeclared name.
+    fn read_lane(&self, bucket: &str) -> Result<crate::guest::state::StateLane, Refusal> {
+        self.state
+            .get()
+            .and_then(|s| s.lane(bucket))
+            .cloned()
+            .ok_or_else(|| {
+                let r = protocol::StateRefusal::Undeclared(bucket.to_string());
+                refusal(r.reason(), r.to_string())
+            })
+    }
+
+    /// A put (`value`) or delete, admitted by the protocol, then handed to the writer with what is
+    /// left of the call's deadline.
+    async fn state_write(
+        &mut self,
+        bucket: String,
+        key: String,
+        value: Option<Vec<u8>>,
+        options: WriteOptions,
+    ) -> Result<Written, Refusal> {
+        let Some(access) = self.state.get().cloned() else {
+            let r = protocol::StateRefusal::Undeclared(bucket);
+            return Err(refusal(r.reason(), r.to_string()));
+        };
+        let lane = access.lane(&bucket);
+        let holds = lane.map_or(0, |l| (l.holds)());
+        let admitted = protocol::admit_state_write(
+            StateWrite {
+                local: &bucket,
+                call: self.call,
+                value: value.as_deref(),
+                ttl: options.ttl_ms.is_some(),
+            },
+            lane.map(|l| &l.decl),
+            holds,
+            access.caps,
+        );
+        if let Err(r) = admitted
+            && !(access.unchecked && self.call != GuestCall::Setup)
+        {
+            return Err(refusal(r.reason(), r.to_string()));
+        }
+        if options.ttl_ms.is_some() {
+            return Err(refusal(
+                "invalid",
+                "a time to live per key is not written by this host yet: leave ttl-ms unset".into(),
+            ));
+        }
+        let (Some(lane), Some(writer)) = (lane, access.writer.as_ref()) else {
+            return Err(refusal(
+                "invalid",
+                format!("this host lends no writer for bucket {bucket:?}"),
+            ));
+        };
+        if key.is_empty() {
+            return Err(refusal("invalid", "the key is empty".into()));
+        }
+        let within = self.time_left();
+        let req = StateWriteRequest {
+            key,
+            value,
+            op_id: options.op_id,
+            if_revision: options.if_revision,
+            within,
+        };
+        match tokio::time::timeout(within, writer.write(&lane.decl, req)).await {
+            Ok(Ok(w)) => Ok(Written {
+                outcome: match w.outcome {
+                    WrittenOutcome::Applied => Outcome::Applied,
+                    WrittenOutcome::Pending => Outcome::Pending,
+                    WrittenOutcome::Unknown => Outcome::Unknown,
+                },
+                op_id: w.op_id,
+                revision: w.revision,
+            }),
+            Ok(Err(r)) => Err(refusal(&r.reason, r.message)),
+            Err(_) => Err(refusal(
+                "invalid",
+                "the write did not answer within the call's deadline".into(),
+            )),
+        }
+    }
+}
+
+impl foldhost::guest::state::Host for HostState {
+    fn get(
+        &mut self,
+        bucket: String,
+        key: String,
+    ) -> wasmtime::Result<Result<Option<Entry>, Refusal>> {
+        let lane = match self.read_lane(&bucket) {
+            Ok(l) => l,
+            Err(r) => return Ok(Err(r)),
+        };
+        let got = lane
+            .read
+            .get(&key)
+            .map_err(|e| wasmtime::Error::msg(format!("state get {bucket:?} {key:?}: {e}")))?;
+        Ok(Ok(got.map(entry)))
+    }
+
+    fn keys(
+        &mut self,
+        bucket: String,
+        prefix: String,
+        start_after: Option<String>,
+        limit: u32,
+    ) -> wasmtime::Result<Result<Vec<String>, Refusal>> {
+        let lane = match self.read_lane(&bucket) {
+            Ok(l) => l,
+            Err(r) => return Ok(Err(r)),
+        };
+        let limit = limit.min(MAX_KEYS_LIMIT) as usize;
+        let got = lane
+            .read
+            .scan(&prefix, start_after.as_deref(), limit)
+            .map_err(|e| wasmtime::Error::msg(format!("state keys {bucket:?} {prefix:?}: {e}")))?;
+        Ok(Ok(got.into_iter().map(|e| e.key).collect()))
+    }
+
+    async fn put(
+        &mut self,
+        bucket: String,
+        key: String,
+        value: Vec<u8>,
+        options: WriteOptions,
+    ) -> wasmtime::Result<Result<Written, Refusal>> {
+        Ok(self.state_write(bucket, key, Some(value), options).await)
+    }
+
+    async fn delete(
+        &mut self,
+        bucket: String,
+        key: String,
+        options: WriteOptions,
+    ) -> wasmtime::Result<Result<Written, Refusal>> {
+        Ok(self.state_write(bucket, key, None, options).await)
+    }
+}
