@@ -12,6 +12,10 @@ pub struct GrantsArgs {
     /// The bucket the node folds (`run --bucket`).
     #[arg(long)]
     pub bucket: String,
+    /// The node's guest (`run --guest`): the state buckets its manifest declares are granted —
+    /// each owned one created, checked and written, each read one folded (docs/state.md).
+    #[arg(long, value_name = "FILE")]
+    pub guest: Option<PathBuf>,
     /// The node takes no writes for it (`/write`, `put`, `--write-subject`): no publish to the
     /// bucket is granted, and a write through the node is refused by the server.
     #[arg(long)]
@@ -44,7 +48,43 @@ fn under(prefix: &str) -> String {
     format!("{}.>", prefix.trim_end_matches('.'))
 }
 
-pub(super) fn cmd_grants(a: GrantsArgs) -> anyhow::Result<()> {
+/// The buckets `guest`'s manifest declares, as the node would fold and write them.
+async fn guest_buckets(guest: &Path, main: &str) -> anyhow::Result<Vec<BucketUse>> {
+    let bytes = crate::guest::read_guest_file(guest)?;
+    let engine = crate::guest::GuestEngine::new()?;
+    let what = guest.display().to_string();
+    let g = crate::guest::GuestApply::load(
+        &engine,
+        &what,
+        &bytes,
+        crate::guest::GuestLimits::default(),
+        Vec::new(),
+        std::sync::Arc::new(crate::view::EmptyFold),
+    )
+    .await?;
+    let m = g.manifest();
+    let decls = crate::protocol::check_declarations(
+        &m.name,
+        &m.state,
+        &m.reads,
+        crate::protocol::StateCaps::default(),
+        main,
+    )
+    .map_err(|e| anyhow!("--guest {what}: {e}"))?;
+    Ok(decls
+        .into_iter()
+        .map(|d| {
+            let owned = d.access == crate::protocol::Access::Own;
+            BucketUse {
+                bucket: d.bucket,
+                asserts: owned,
+                writes: owned,
+            }
+        })
+        .collect())
+}
+
+pub(super) async fn cmd_grants(a: GrantsArgs) -> anyhow::Result<()> {
     for (what, name) in [("--bucket", &a.bucket), ("--lease-bucket", &a.lease_bucket)] {
         if name.is_empty()
             || !name
@@ -59,6 +99,9 @@ pub(super) fn cmd_grants(a: GrantsArgs) -> anyhow::Result<()> {
         asserts: false,
         writes: !a.read_only,
     }];
+    if let Some(guest) = &a.guest {
+        buckets.extend(guest_buckets(guest, &a.bucket).await?);
+    }
     if a.exports {
         buckets.push(BucketUse {
             bucket: a.lease_bucket.clone(),

@@ -25,6 +25,7 @@ mod demo;
 mod grants;
 mod run;
 mod scaffold;
+mod state;
 mod status;
 mod swap;
 mod write;
@@ -82,6 +83,9 @@ pub enum Command {
     /// Print the NATS permissions a node's user needs for what its `run` flags make it do, as a
     /// block for a nats-server `authorization` section (or `--json`).
     Grants(grants::GrantsArgs),
+    /// The state buckets folded under a store, declared or not (docs/state.md).
+    #[command(subcommand)]
+    State(state::StateCommand),
 }
 
 /// `foldhost new-guest`.
@@ -135,7 +139,8 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Put(a) => write::cmd_put(a).await,
         Command::Delete(a) => write::cmd_delete(a).await,
         Command::Get(a) => write::cmd_get(a).await,
-        Command::Grants(a) => grants::cmd_grants(a),
+        Command::Grants(a) => grants::cmd_grants(a).await,
+        Command::State(a) => state::cmd_state(a),
     }
 }
 

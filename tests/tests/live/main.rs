@@ -26,6 +26,7 @@ mod repair;
 mod resume;
 mod server_restart;
 mod shadow;
+mod state;
 mod swap;
 mod transport;
 mod undecodable;

@@ -550,6 +550,8 @@ pub fn compose_grants(buckets: &[BucketUse], inbox_prefix: &str, serves: &[Strin
         publish.insert(format!("$JS.FC.{stream}.>"));
         if b.asserts {
             publish.insert(format!("$JS.API.STREAM.CREATE.{stream}"));
+            // The client reads the account's limits before it creates a bucket.
+            publish.insert("$JS.API.INFO".to_string());
         }
         if b.writes {
             publish.insert(format!("$KV.{}.>", b.bucket));

@@ -1,0 +1,578 @@
+//! A guest's state on the bus (docs/state.md), on a real nats-server whose users hold exactly what
+//! `foldhost grants --guest` composes: an owner keeps state in buckets it declares and a reader
+//! follows one of them; every host-side refusal fires before anything is published; a reader sees
+//! the current values (never a deletion) then one end-of-current, then changes; a node killed
+//! mid-fold over three buckets resumes each from its own cursor.
+
+use std::path::Path;
+use std::process::Stdio;
+
+use foldhost::bucket::{BucketConfig, ConnectOptions};
+use foldhost::kv::KvWriter as _;
+use foldhost::nats::{NatsConnection, NatsKv};
+use foldhost_localnats::{LocalNats, reserved_port};
+use foldhost_tests::*;
+use serde_json::{Value, json};
+
+/// The owner's and the reader's main buckets (each folds its own).
+const OWNER_MAIN: &str = "owner_main";
+const READER_MAIN: &str = "reader_main";
+/// The server buckets the owner's declarations derive.
+const NOTES: &str = "state_owner_notes";
+const TALLY: &str = "state_owner_tally";
+const MINE: &str = "state_reader_mine";
+
+/// `foldhost grants --bucket MAIN --guest GUEST --json` as a `permissions` block.
+fn grants_for(main: &str, guest: &str) -> anyhow::Result<String> {
+    let out = foldhost()
+        .args(["grants", "--bucket", main, "--json", "--guest"])
+        .arg(guest_wasm(guest))
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "grants failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: Value = serde_json::from_slice(&out.stdout)?;
+    let list = |k: &str| -> String {
+        v[k].as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(Value::as_str)
+            .map(|s| format!("{s:?}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    Ok(format!(
+        "permissions: {{ publish: {{ allow: [{}] }}, subscribe: {{ allow: [{}] }} }}",
+        list("publish"),
+        list("subscribe")
+    ))
+}
+
+/// A server whose users are `admin` (everything), `owner` and `reader` (their composed grants).
+fn server(log: &Path) -> anyhow::Result<LocalNats> {
+    let owner = grants_for(OWNER_MAIN, "state_owner")?;
+    let reader = grants_for(READER_MAIN, "state_reader")?;
+    let conf = format!(
+        "log_file: {:?}\nauthorization {{\n  users = [\n    {{ user: admin, password: admin }}\n    {{ user: owner, password: owner\n{owner}\n    }}\n    {{ user: reader, password: reader\n{reader}\n    }}\n  ]\n}}\n",
+        log.display().to_string()
+    );
+    Ok(LocalNats::start_with_config(&conf)?)
+}
+
+fn url_as(server: &LocalNats, user: &str) -> String {
+    format!("nats://{user}:{user}@127.0.0.1:{}", server.port())
+}
+
+/// Server log lines reporting a permission violation by `user`.
+fn violations(log: &Path, user: &str) -> Vec<String> {
+    let by = format!("/user:{user}\"");
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.contains("Violation") && l.contains(&by))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The node runs, every fold (the main bucket and each declared one) level with its stream (a
+/// node's state buckets are folded level before it answers at all).
+fn level(s: &foldhost::status::StatusReport) -> bool {
+    s.state == "running"
+        && s.cursor.is_some()
+        && s.lag == 0
+        && s.state_buckets.iter().all(|b| !b.declared || b.lag == 0)
+}
+
+/// A node process, killed if the test fails before it stops it.
+struct Node {
+    child: Option<std::process::Child>,
+    addr: String,
+}
+
+impl Node {
+    fn stop(&mut self) -> anyhow::Result<std::process::ExitStatus> {
+        let mut child = self
+            .child
+            .take()
+            .ok_or_else(|| anyhow::anyhow!("stopped twice"))?;
+        terminate(&mut child)
+    }
+
+    /// `POST /query` with a JSON request: the guest's JSON answer.
+    async fn ask(&self, request: Value) -> anyhow::Result<Value> {
+        let body = request.to_string();
+        let (code, answer) =
+            foldhost::serve::call(&self.addr, "POST", "/query", body.as_bytes()).await?;
+        anyhow::ensure!(
+            code == 200,
+            "{request}: HTTP {code}: {}",
+            String::from_utf8_lossy(&answer)
+        );
+        Ok(serde_json::from_slice(&answer)?)
+    }
+
+    /// The guest's view of `bucket`: what it was handed through `apply`.
+    async fn seen(&self, bucket: &str) -> anyhow::Result<Value> {
+        self.ask(json!({"op": "seen", "bucket": bucket})).await
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Starts `guest` as `user` folding `main` into `store`, with `extra` flags; waits until it runs.
+async fn start(
+    server: &LocalNats,
+    user: &str,
+    main: &str,
+    guest: &str,
+    store: &Path,
+    extra: &[&str],
+) -> anyhow::Result<Node> {
+    let addr = format!("127.0.0.1:{}", reserved_port()?);
+    let log = store.with_extension("log");
+    let child = foldhost()
+        .args(["run", "--bucket", main, "--nats", &url_as(server, user)])
+        .arg("--store")
+        .arg(store)
+        .arg("--guest")
+        .arg(guest_wasm(guest))
+        .args(["--listen", &addr])
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log)?)
+        .spawn()?;
+    let node = Node {
+        child: Some(child),
+        addr,
+    };
+    if let Err(e) = wait_status(&node.addr, level).await {
+        let said = std::fs::read_to_string(&log).unwrap_or_default();
+        anyhow::bail!("{user}'s node did not come level: {e}; it said: {said}");
+    }
+    Ok(node)
+}
+
+/// Waits until the guest's view of `bucket` satisfies `done`.
+async fn wait_seen(
+    node: &Node,
+    bucket: &str,
+    done: impl Fn(&Value) -> bool,
+) -> anyhow::Result<Value> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let seen = node.seen(bucket).await?;
+        if done(&seen) {
+            return Ok(seen);
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the guest's view of {bucket} never got there: {seen}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// The refusal's reason in a guest's answer, if it was refused.
+fn refused(answer: &Value) -> Option<&str> {
+    answer["refused"]["reason"].as_str()
+}
+
+/// The last sequence of the stream behind `bucket`, as the admin sees it.
+async fn last_sequence(admin: &NatsConnection, bucket: &str) -> anyhow::Result<u64> {
+    let kv = admin
+        .bucket(
+            bucket,
+            &BucketConfig {
+                create: false,
+                ..BucketConfig::default()
+            },
+        )
+        .await?;
+    Ok(kv.positions().await?.last_sequence)
+}
+
+/// Consumers on the streams of `buckets`, as the admin sees them.
+async fn consumers(admin: &NatsConnection, buckets: &[&str]) -> anyhow::Result<usize> {
+    let js = async_nats::jetstream::new(admin.client().await?);
+    let mut n = 0;
+    for b in buckets {
+        n += js
+            .get_stream(format!("KV_{b}"))
+            .await?
+            .info()
+            .await?
+            .state
+            .consumer_count;
+    }
+    Ok(n)
+}
+
+async fn main_bucket(admin: &NatsConnection, name: &str) -> anyhow::Result<std::sync::Arc<NatsKv>> {
+    let kv = admin.bucket(name, &BucketConfig::default()).await?;
+    kv.put("seed", "1".into()).await?;
+    Ok(kv)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before_a_publish()
+-> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let log = tmp.path().join("server.log");
+    let server = server(&log)?;
+    let admin = NatsConnection::open(ConnectOptions::new(url_as(&server, "admin"))).await?;
+    main_bucket(&admin, OWNER_MAIN).await?;
+    main_bucket(&admin, READER_MAIN).await?;
+
+    // The owner, with a small bucket cap and writes attempted from parse and apply.
+    let owner_store = tmp.path().join("owner");
+    let cap = "65536";
+    let mut owner = start(
+        &server,
+        "owner",
+        OWNER_MAIN,
+        "state_owner",
+        &owner_store,
+        &[
+            "--state-max-bucket",
+            cap,
+            "--guest-config",
+            "write-in-parse=1",
+            "--guest-config",
+            "write-in-apply=1",
+        ],
+    )
+    .await?;
+    // Every verb, on its own bucket.
+    let put = owner
+        .ask(json!({"op": "put", "bucket": "notes", "key": "a", "value": "1"}))
+        .await?;
+    anyhow::ensure!(
+        ["pending", "applied"].contains(&put["ok"]["outcome"].as_str().unwrap_or_default()),
+        "the owner's put: {put}"
+    );
+    owner
+        .ask(json!({"op": "put", "bucket": "notes", "key": "gone", "value": "x"}))
+        .await?;
+    let deleted = owner
+        .ask(json!({"op": "delete", "bucket": "notes", "key": "gone"}))
+        .await?;
+    anyhow::ensure!(
+        deleted["ok"]["op_id"].is_string(),
+        "the owner's delete: {deleted}"
+    );
+    wait_seen(&owner, "notes", |s| {
+        s["entries"]["a"] == "1"
+            && s["entries"].get("gone").is_none()
+            && s["events"]
+                .as_array()
+                .is_some_and(|e| e.iter().any(|x| x == "chg:del:gone"))
+    })
+    .await?;
+    let got = owner
+        .ask(json!({"op": "get", "bucket": "notes", "key": "a"}))
+        .await?;
+    anyhow::ensure!(got["ok"]["value"] == "1", "the owner's get: {got}");
+    let keys = owner.ask(json!({"op": "keys", "bucket": "notes"})).await?;
+    anyhow::ensure!(keys["ok"] == json!(["a"]), "the owner's keys: {keys}");
+
+    // Each host-side refusal, with its reason, and nothing reaches the server.
+    let before = last_sequence(&admin, NOTES).await?;
+    let big = "x".repeat(300 * 1024);
+    let half = "y".repeat(40 * 1024);
+    for (request, reason) in [
+        (
+            json!({"op": "put", "bucket": "nope", "key": "k", "value": "v"}),
+            "undeclared",
+        ),
+        (
+            json!({"op": "put", "bucket": "notes", "key": "k", "value": big}),
+            "too_large",
+        ),
+        (
+            json!({"op": "put", "bucket": "notes", "key": "k", "value": "{\"db\": {\"Password\": \"hunter2\"}}"}),
+            "credential",
+        ),
+        (
+            json!({"op": "put", "bucket": "notes", "key": "k", "value": "v", "ttl_ms": 1000}),
+            "no_ttl",
+        ),
+    ] {
+        let answer = owner.ask(request.clone()).await?;
+        anyhow::ensure!(refused(&answer) == Some(reason), "{request}: {answer}");
+        anyhow::ensure!(
+            answer["refused"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "a refusal says why: {answer}"
+        );
+    }
+    // The bucket's cap: a first 40 KiB fits under 64 KiB, a second does not.
+    let first = owner
+        .ask(json!({"op": "put", "bucket": "notes", "key": "h1", "value": half}))
+        .await?;
+    anyhow::ensure!(first["ok"].is_object(), "{first}");
+    wait_seen(&owner, "notes", |s| s["entries"].get("h1").is_some()).await?;
+    let before_full = last_sequence(&admin, NOTES).await?;
+    anyhow::ensure!(
+        before_full == before + 1,
+        "only the admitted write was published"
+    );
+    let second = owner
+        .ask(json!({"op": "put", "bucket": "notes", "key": "h2", "value": half}))
+        .await?;
+    anyhow::ensure!(refused(&second) == Some("bucket_full"), "{second}");
+    // Writes from parse and apply (asked by the guest's configuration on every main batch).
+    let log_answer = owner.ask(json!({"op": "log"})).await?;
+    let refusals: Vec<&str> = log_answer["refusals"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    anyhow::ensure!(
+        refusals.contains(&"parse:wrong_call") && refusals.contains(&"apply:wrong_call"),
+        "writes from parse and apply are refused: {log_answer}"
+    );
+    anyhow::ensure!(
+        last_sequence(&admin, NOTES).await? == before_full,
+        "no refused write reached the server"
+    );
+
+    // The reader starts after the owner wrote: it is handed the current values — not the key
+    // deleted before it ever ran — then one end-of-current.
+    let reader_store = tmp.path().join("reader");
+    let mut reader = start(
+        &server,
+        "reader",
+        READER_MAIN,
+        "state_reader",
+        &reader_store,
+        &[],
+    )
+    .await?;
+    let seen = reader.seen("owner.notes").await?;
+    let events: Vec<&str> = seen["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    anyhow::ensure!(
+        seen["eoc"] == true && seen["violations"] == json!([]),
+        "current values then one end-of-current: {seen}"
+    );
+    let eoc_at = events.iter().position(|e| *e == "eoc");
+    anyhow::ensure!(
+        events.iter().filter(|e| **e == "eoc").count() == 1
+            && eoc_at == Some(events.len() - 1)
+            && events
+                .iter()
+                .all(|e| *e == "eoc" || e.starts_with("cur:put:"))
+            && !events.iter().any(|e| e.ends_with(":gone")),
+        "the reader's first view: {seen}"
+    );
+    anyhow::ensure!(seen["entries"]["a"] == "1", "{seen}");
+    // A change afterwards reaches it, as a change.
+    owner
+        .ask(json!({"op": "put", "bucket": "notes", "key": "b", "value": "2"}))
+        .await?;
+    wait_seen(&reader, "owner.notes", |s| {
+        s["entries"]["b"] == "2"
+            && s["events"]
+                .as_array()
+                .is_some_and(|e| e.iter().any(|x| x == "chg:put:b"))
+    })
+    .await?;
+    // The reader reads and lists the owner's bucket; its writes are refused by the host.
+    let got = reader
+        .ask(json!({"op": "get", "bucket": "owner.notes", "key": "b"}))
+        .await?;
+    anyhow::ensure!(got["ok"]["value"] == "2", "{got}");
+    let keys = reader
+        .ask(json!({"op": "keys", "bucket": "owner.notes"}))
+        .await?;
+    anyhow::ensure!(
+        keys["ok"].as_array().is_some_and(|k| k.len() == 3),
+        "{keys}"
+    );
+    let notes_before = last_sequence(&admin, NOTES).await?;
+    for op in ["put", "delete"] {
+        let answer = reader
+            .ask(json!({"op": op, "bucket": "owner.notes", "key": "b", "value": "x"}))
+            .await?;
+        anyhow::ensure!(refused(&answer) == Some("read_only"), "{op}: {answer}");
+    }
+    // Its own bucket it writes.
+    let mine = reader
+        .ask(json!({"op": "put", "bucket": "mine", "key": "m", "value": "1"}))
+        .await?;
+    anyhow::ensure!(mine["ok"].is_object(), "{mine}");
+    anyhow::ensure!(
+        last_sequence(&admin, NOTES).await? == notes_before
+            && violations(&log, "reader").is_empty(),
+        "the host refused before any publish: no message, no violation"
+    );
+    reader.stop()?;
+
+    // Forced past the host's check, the same write is refused by the server: `permission`,
+    // naming the subject — not a timeout.
+    let mut forced = start(
+        &server,
+        "reader",
+        READER_MAIN,
+        "state_reader",
+        &reader_store,
+        &["--state-unchecked-writes"],
+    )
+    .await?;
+    let answer = forced
+        .ask(json!({"op": "put", "bucket": "owner.notes", "key": "b", "value": "x"}))
+        .await?;
+    anyhow::ensure!(
+        refused(&answer) == Some("permission")
+            && answer["refused"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains(NOTES)),
+        "the server's refusal: {answer}"
+    );
+    anyhow::ensure!(
+        !violations(&log, "reader").is_empty(),
+        "the server logged it"
+    );
+    forced.stop()?;
+    owner.stop()?;
+
+    // Restarted, each resumes its folds; stopped, none leaves a consumer behind.
+    let mut owner = start(
+        &server,
+        "owner",
+        OWNER_MAIN,
+        "state_owner",
+        &owner_store,
+        &["--state-max-bucket", cap],
+    )
+    .await?;
+    let seen = owner.seen("notes").await?;
+    anyhow::ensure!(
+        seen["entries"]["b"] == "2" && seen["entries"].get("gone").is_none(),
+        "{seen}"
+    );
+    let mut reader = start(
+        &server,
+        "reader",
+        READER_MAIN,
+        "state_reader",
+        &reader_store,
+        &[],
+    )
+    .await?;
+    let seen = reader.seen("mine").await?;
+    anyhow::ensure!(seen["entries"]["m"] == "1", "{seen}");
+    anyhow::ensure!(
+        owner.stop()?.success() && reader.stop()?.success(),
+        "clean stops"
+    );
+    anyhow::ensure!(
+        consumers(&admin, &[OWNER_MAIN, READER_MAIN, NOTES, TALLY, MINE]).await? == 0,
+        "no consumer lingers on any stream"
+    );
+    anyhow::ensure!(
+        violations(&log, "owner").is_empty(),
+        "{:?}",
+        violations(&log, "owner")
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_killed_mid_fold_over_three_buckets_resumes_each_from_its_own_cursor()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let main = h.bucket("kill_main").await?;
+    // The owner's buckets as its declarations make them (one value per key, the host's cap).
+    let lane = |name: &'static str| {
+        let conn = &h.conn;
+        async move {
+            conn.bucket(
+                name,
+                &BucketConfig {
+                    max_bytes: Some(foldhost::protocol::DEFAULT_STATE_MAX_BUCKET as i64),
+                    ..BucketConfig::default()
+                },
+            )
+            .await
+        }
+    };
+    let (notes, tally) = (lane(NOTES).await?, lane(TALLY).await?);
+    for i in 0..50 {
+        main.put(&format!("m.{i:02}"), format!("{i}").into())
+            .await?;
+        notes
+            .put(&format!("n.{i:02}"), format!("{i}").into())
+            .await?;
+        tally
+            .put(&format!("t.{i:02}"), format!("{i}").into())
+            .await?;
+    }
+    for i in (0..50).step_by(7) {
+        notes.delete(&format!("n.{i:02}")).await?;
+        tally.put(&format!("t.{i:02}"), "again".into()).await?;
+    }
+    let store = tempfile::tempdir()?;
+    let run = |extra: &[&str]| {
+        let mut c = run_command(&h, "kill_main", store.path(), None);
+        c.arg("--guest")
+            .arg(guest_wasm("state_owner"))
+            .args(["--batch-max", "10"])
+            .args(extra);
+        c
+    };
+    // Killed at the 14th commit of any fold: the state buckets fold first (6 batches each, from
+    // no cursor), so the main bucket is a batch or two in.
+    run_to_crash(run(&[]), foldhost::crashpoint::FOLD_COMMITTED, 14)?;
+    let addr = format!("127.0.0.1:{}", reserved_port()?);
+    let mut c = run(&["--listen", &addr]);
+    let node = Node {
+        child: Some(c.stdout(Stdio::null()).stderr(Stdio::null()).spawn()?),
+        addr,
+    };
+    wait_status(&node.addr, level).await?;
+    for (kv, bucket, dir) in [
+        (&main, "", store.path().to_path_buf()),
+        (&notes, "notes", store.path().join("state/notes")),
+        (&tally, "tally", store.path().join("state/tally")),
+    ] {
+        let want = bucket_contents(kv).await?;
+        let seen = wait_seen(&node, bucket, |s| {
+            s["entries"]
+                .as_object()
+                .is_some_and(|e| e.len() == want.len())
+        })
+        .await?;
+        for (k, (v, _)) in &want {
+            anyhow::ensure!(
+                seen["entries"][k].as_str() == Some(String::from_utf8_lossy(v).as_ref()),
+                "{bucket:?} {k}: {seen}"
+            );
+        }
+        anyhow::ensure!(seen["violations"] == json!([]), "{seen}");
+        if !bucket.is_empty() {
+            let dumped = dump_store(&dir)?;
+            anyhow::ensure!(
+                first_difference(&want, &dumped).is_none(),
+                "{bucket}'s fold: {:?}",
+                first_difference(&want, &dumped)
+            );
+        }
+    }
+    Ok(())
+}
