@@ -3,8 +3,9 @@
 //! `Store` per instance, an epoch deadline and a memory cap on every call.
 //!
 //! Invariants:
-//! - Only `guest/bindings.rs` names generated types; everything else speaks the host's types.
-//! - **No ambient authority.** A guest imports fold reads and logging (the WIT world) and the WASI
+//! - Only `guest/bindings/` names generated types; everything else speaks the host's types.
+//! - **No ambient authority.** A guest imports fold reads, logging and (0.3.0) its declared state
+//!   buckets (the WIT world, docs/state.md) and the WASI
 //!   interfaces Rust's std pulls in. Those are linked from `wasmtime-wasi` with an *empty* context:
 //!   no preopened directories, no environment, no arguments, sockets and name lookup refused, stdin
 //!   closed, stdout discarded, stderr kept (16 KiB) only to report a panic message, and a clock that
@@ -585,7 +586,7 @@ mod tests {
     use super::{GuestEngine, Page};
 
     #[test]
-    fn a_component_exporting_no_folder_is_refused_naming_both_contracts() {
+    fn a_component_exporting_no_folder_is_refused_naming_every_contract() {
         let engine = GuestEngine::new().expect("engine");
         let err = engine
             .prepare("empty", b"(component)")
@@ -594,7 +595,8 @@ mod tests {
             .to_string();
         assert!(
             err.contains("fits no guest contract")
-                && err.contains("foldhost:guest@0.2.0")
+                && err.contains("foldhost:guest@0.3.0")
+                && err.contains("@0.2.0")
                 && err.contains("@0.1.0"),
             "{err}"
         );
@@ -605,6 +607,8 @@ mod tests {
             name: "g".into(),
             version: "1".into(),
             scope: scope.iter().map(|s| s.to_string()).collect(),
+            state: Vec::new(),
+            reads: Vec::new(),
         };
         assert_eq!(m(&[]).hydration_prefixes(), [""]);
         assert_eq!(
