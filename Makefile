@@ -29,6 +29,7 @@ test:
 	$(SETUP) && guests/build.sh && guests/router-c/build.sh test && \
 	guests/router-js/build.sh test && guests/router-py/build.sh test && \
 	cargo test --quiet --manifest-path sdk/rust/Cargo.toml --features json && \
+	cargo test --quiet --manifest-path sdk/rust/Cargo.toml --features json,state && \
 	$(MAKE) --no-print-directory lint-sources && \
 	{ command -v clippy-driver >/dev/null || { echo "make test: no clippy-driver (rustup component add clippy)" >&2; exit 1; }; } && \
 	$(CLIPPY_BUILD) cargo build --workspace --bins --quiet $(FEATURES) && \
@@ -48,6 +49,7 @@ lint-sources:
 	cargo fmt --manifest-path guests/Cargo.toml --all -- --check
 	cargo fmt --manifest-path sdk/rust/Cargo.toml -- --check
 	cargo clippy --manifest-path sdk/rust/Cargo.toml --all-targets --features json --quiet -- -D warnings
+	cargo clippy --manifest-path sdk/rust/Cargo.toml --all-targets --features json,state --quiet -- -D warnings
 	cargo clippy --manifest-path guests/Cargo.toml --target wasm32-wasip2 --quiet -- -D warnings
 
 setup:

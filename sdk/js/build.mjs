@@ -2,11 +2,16 @@
 // Builds a JavaScript foldhost guest into a WebAssembly component, in two steps:
 //
 //   1. rolldown bundles the guest's entry module with this SDK (its `import ... from
-//      'foldhost-guest'` resolves to foldhost-guest.js here) and any pure-JS modules it imports,
-//      into one ES module. The WIT imports (`foldhost:guest/...`) stay imports.
+//      'foldhost-guest'` resolves to foldhost-guest.js here, `'foldhost-guest/state'` to
+//      foldhost-guest-state.js) and any pure-JS modules it imports, into one ES module. The WIT
+//      imports (`foldhost:guest/...@VERSION`) stay imports.
 //   2. componentize-js (StarlingMonkey, SpiderMonkey in wasm) makes that module a component of the
 //      world `guest` in the WIT directory, without the http and fetch-event features: with them the
 //      component imports wasi:http, which the host refuses.
+//
+// The contract is the one the bundle's WIT imports name: 0.1.0 for a guest of 'foldhost-guest',
+// 0.3.0 for one of 'foldhost-guest/state' (state buckets, docs/state.md). A guest importing both
+// is refused, and so is a WIT_DIR whose package is another version than the bundle's imports.
 //
 // Why bundle: componentize-js 0.23 does load relative imports itself, but only of files inside one
 // directory it maps into the build (the working directory when the source lies under it, else the
@@ -14,14 +19,15 @@
 // outside the checkout could not reach the SDK that way; a bundle is one self-contained file.
 //
 // Usage: node build.mjs ENTRY.js OUT.wasm [WIT_DIR]
-//   WIT_DIR defaults to the checkout's wit/ (../../wit from here). Prints nothing on success.
+//   WIT_DIR defaults to the checkout's WIT of the bundle's contract: wit/ (../../wit from here)
+//   for 0.1.0, wit/vX.Y.Z/ for another (wit/v0.3.0/). Prints nothing on success.
 //   When wasm-tools is on PATH, the component's imports are checked: no wasi:http, no wasi:sockets.
 //
 // The toolchain is pinned in package.json / package-lock.json here: `npm ci` in this directory
 // (scripts/setup.sh does it).
 
 import { execFileSync } from 'node:child_process';
-import { mkdtemp, mkdir, rm, writeFile } from 'node:fs/promises';
+import { mkdtemp, mkdir, readFile, readdir, rm, stat, writeFile } from 'node:fs/promises';
 import { tmpdir } from 'node:os';
 import { dirname, join, resolve } from 'node:path';
 import { fileURLToPath } from 'node:url';
@@ -36,7 +42,6 @@ async function main() {
   }
   const entry = resolve(entryArg);
   const out = resolve(outArg);
-  const wit = resolve(witArg ?? join(here, '..', '..', 'wit'));
 
   let rolldown, componentize;
   try {
@@ -52,11 +57,21 @@ async function main() {
     input: entry,
     platform: 'browser', // StarlingMonkey is web-like: TextEncoder, no Node built-ins
     external: [/^foldhost:guest\//],
-    resolve: { alias: { 'foldhost-guest': join(here, 'foldhost-guest.js') } },
+    // One entry module per contract (see above).
+    resolve: {
+      alias: {
+        'foldhost-guest/state': join(here, 'foldhost-guest-state.js'),
+        'foldhost-guest': join(here, 'foldhost-guest.js'),
+      },
+    },
   });
   const { output } = await bundle.generate({ format: 'esm' });
   await bundle.close();
   if (output.length !== 1) throw new Error(`the bundle has ${output.length} chunks; a guest must make one`);
+
+  const contract = contractOf(output[0].code);
+  const wit = resolve(witArg ?? defaultWit(contract));
+  await checkWit(wit, contract);
 
   // 2. The component. componentize-js maps the source's directory into its build, so the bundle
   // gets a fresh directory of its own, which is also the working directory (see above).
@@ -79,6 +94,49 @@ async function main() {
   }
 
   checkImports(out);
+}
+
+/**
+ * The contract version the bundle's `foldhost:guest/...@VERSION` imports name, or `undefined` when
+ * it imports none. Two versions: the guest imports both entry modules, which no world has.
+ */
+function contractOf(code) {
+  const versions = new Set([...code.matchAll(/\b(?:from|import)\s*["']foldhost:guest\/[a-z-]+@([^"']+)["']/g)].map((m) => m[1]));
+  if (versions.size > 1) {
+    throw new Error(
+      `the guest imports contracts ${[...versions].sort().join(' and ')} at once: import from 'foldhost-guest' ` +
+        `(0.1.0) or from 'foldhost-guest/state' (0.3.0), not both`,
+    );
+  }
+  return [...versions][0];
+}
+
+/** The checkout's WIT directory of `contract`: wit/ holds 0.1.0, wit/vX.Y.Z/ the others. */
+function defaultWit(contract) {
+  const root = join(here, '..', '..', 'wit');
+  return contract === undefined || contract === '0.1.0' ? root : join(root, `v${contract}`);
+}
+
+/** Refuses a WIT directory (or file) whose `package foldhost:guest@VERSION` is not `contract`. */
+async function checkWit(wit, contract) {
+  if (contract === undefined) return;
+  let files;
+  try {
+    files = (await stat(wit)).isDirectory()
+      ? (await readdir(wit)).filter((f) => f.endsWith('.wit')).map((f) => join(wit, f))
+      : [wit];
+  } catch {
+    return; // componentize-js names a missing WIT itself
+  }
+  for (const file of files) {
+    const m = /^\s*package\s+foldhost:guest@([^;\s]+)\s*;/m.exec(await readFile(file, 'utf8'));
+    if (m && m[1] !== contract) {
+      throw new Error(
+        `${wit} is the contract foldhost:guest@${m[1]}, the guest imports @${contract} ` +
+          `(${contract === '0.1.0' ? "'foldhost-guest'" : "'foldhost-guest/state'"}): pass ${defaultWit(contract)}`,
+      );
+    }
+  }
 }
 
 /** Refuses a component importing the network (the host links no wasi:http; sockets have no use). */

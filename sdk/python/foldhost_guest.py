@@ -1,7 +1,8 @@
 """foldhost_guest: the Python SDK for foldhost WebAssembly guests.
 
-A guest is a component of the world ``foldhost:guest/guest@0.1.0`` (wit/guest.wit), built with
-componentize-py. Its raw exports are batch-shaped (``parse`` gets a list of updates, ``apply`` gets
+A guest is a component of the world ``foldhost:guest/guest@0.1.0`` (wit/guest.wit), or, to keep
+state in NATS buckets, of ``foldhost:guest/guest@0.3.0`` (wit/v0.3.0/guest.wit; see "State
+buckets" below), built with componentize-py. Its raw exports are batch-shaped (``parse`` gets a list of updates, ``apply`` gets
 nothing and must remember what ``parse`` accepted); this module turns them into the shape of the
 Rust SDK's ``Folder`` trait (sdk/rust), so a guest author writes only the domain logic::
 
@@ -52,11 +53,63 @@ What the SDK does between the host and the folder (the same as the Rust SDK):
 ``rest`` (on changes, and parse's third argument) is the key without its scope prefix: the first
 that matches, in the manifest's order (as the Rust SDK's ``Change::rest``), or the whole key when
 the scope is empty.
+
+State buckets (contract 0.3.0, docs/state.md)
+---------------------------------------------
+
+Which contract a build speaks is the WIT it is built with, nothing in the guest's code: the SDK
+looks at the bindings componentize-py generated (``wit_world``) and ``export`` makes the matching
+export class. ``-d WIT_DIR`` (the checkout's ``wit/``) is 0.1.0, exactly as before;
+``-d WIT_DIR/v0.3.0`` is 0.3.0. ``CONTRACT`` says which (``"0.1.0"`` or ``"0.3.0"``). A folder
+written for 0.1.0 builds unchanged for 0.3.0 (no state, no reads: the host sees the main bucket
+only); a manifest that declares ``state`` or ``reads`` fails the build on 0.1.0's bindings (at
+``export``). 0.2.0's bindings are refused the same way: this SDK does not speak 0.2.0.
+
+A 0.3.0 guest declares the buckets it owns and the other modules' buckets it reads::
+
+    class Counter(fg.Folder):
+        manifest = fg.Manifest("counter", "0.1.0", [],
+                               state=[fg.StateBucket("counts")], reads=["catalog.items"])
+
+        def apply_state(self, bucket, changes):      # "catalog.items" or "counts"
+            ...                                      # Put.value is the raw bytes
+
+        def on_applied(self, cursor, bucket=""):     # "" is the main bucket
+            if bucket == "":
+                fg.state.put("counts", "total", str(self.count))
+
+and, next to the 0.1.0 API, which stays as it is for the main bucket:
+
+- ``parse``/``apply`` see the main bucket only, with scope, deletes and pending values as above.
+  (0.3.0's packed batches are unpacked by the SDK.)
+- ``apply_state(bucket, changes)``: each batch of a declared bucket (``bucket`` as the manifest
+  names it: the local name of an owned one, ``<module>.<name>`` of a read one), every update
+  accepted without a ``parse``: ``Put.value`` is the raw bytes, ``rest`` the whole key (a state
+  bucket has no scope). Raise to fail the batch, as ``apply``. The default ignores them.
+- ``end_of_current(bucket)``: every current value of ``bucket`` (``""``: the main bucket) has been
+  given; what follows are changes. Once per bucket per instance. No error channel (as
+  ``on_applied``). The default does nothing.
+- ``on_applied(cursor, bucket="")``: ``bucket`` is ``""`` for the main bucket. A folder whose
+  ``on_applied`` takes only the cursor (0.1.0's signature) is called for the main bucket only.
+- ``state``: the ``state`` import. ``state.get(bucket, key)`` (an entry or ``None``),
+  ``state.keys(bucket, prefix, start_after, limit)`` (one page of keys) and ``state.keys_all``
+  read this node's committed fold of a declared bucket, from any call; ``state.put(bucket, key,
+  value, ...)`` and ``state.delete(bucket, key, ...)`` write an owned one, from ``on_applied`` and
+  ``query`` only, and answer a ``Written`` (``outcome`` ``"applied"``, ``"pending"`` or
+  ``"unknown"``, ``op_id``, ``revision``). A call the host refuses raises ``Refused`` with
+  ``reason`` (``undeclared``, ``read_only``, ``wrong_call``, ``too_large``, ``bucket_full``,
+  ``credential``, ``no_ttl``, ``conflict``, ``op_reused``, ``permission``, ``invalid``) and
+  ``message``; on 0.1.0's bindings every ``state`` call raises ``RuntimeError``.
+
+Build a 0.3.0 guest with ``componentize-py -d WIT_DIR/v0.3.0 -w guest componentize ...``; its
+native tests run with ``FOLDHOST_WIT=WIT_DIR/v0.3.0`` (fake_host.py).
 """
 
 from __future__ import annotations
 
+import inspect as _inspect
 import json as _json
+import struct as _struct
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Generic, Iterator, Optional, TypeVar, Union
 
@@ -66,9 +119,19 @@ from wit_world.imports import fold as _fold
 from wit_world.imports import log as _log
 from wit_world.imports import types as _types
 
+try:
+    # Only contract 0.3.0's world imports `state`.
+    from wit_world.imports import state as _state
+except ImportError:
+    _state = None
+
+CONTRACT = "0.3.0" if _state is not None else "0.1.0" if hasattr(_types, "Update") else "0.2.0"
+"""The guest contract of the bindings this build is made with: ``"0.1.0"`` or ``"0.3.0"``."""
+
 __all__ = [
-    "Manifest", "Folder", "export", "accept", "Accept", "SKIP", "DEFER", "Put", "Delete", "Change",
-    "log", "fold", "text", "parse_json", "json_bytes",
+    "Manifest", "StateBucket", "Folder", "export", "accept", "Accept", "SKIP", "DEFER", "Put",
+    "Delete", "Change", "log", "fold", "state", "Refused", "Written", "text", "parse_json",
+    "json_bytes", "CONTRACT",
 ]
 
 V = TypeVar("V")
@@ -78,12 +141,32 @@ V = TypeVar("V")
 
 
 @dataclass(frozen=True)
+class StateBucket:
+    """A bucket the module owns (contract 0.3.0): its local name (1 to 32 of ``a-z``, ``0-9``,
+    ``-``; the server bucket is ``state_<module>_<name>``) and the owner's options: values kept per
+    key (1 to 64), how long a value lives in milliseconds (0: for ever), the most the bucket may
+    hold in bytes (0: the host's cap), whether a write may carry its own time to live."""
+
+    name: str
+    history: int = 1
+    max_age_ms: int = 0
+    max_bytes: int = 0
+    per_key_ttl: bool = False
+
+
+@dataclass(frozen=True)
 class Manifest:
-    """Name, version and scope (key prefixes; empty means the whole bucket)."""
+    """Name, version and scope (key prefixes of the main bucket; empty means the whole bucket).
+
+    Contract 0.3.0 only: ``state``, the buckets the module owns (``StateBucket``s), and
+    ``reads``, other modules' buckets it reads, each ``"<module>.<name>"``. With either declared,
+    ``name`` is the module's name (1 to 32 of ``a-z``, ``0-9``, ``-``)."""
 
     name: str
     version: str
     scope: list[str] = field(default_factory=list)
+    state: list[StateBucket] = field(default_factory=list)
+    reads: list[str] = field(default_factory=list)
 
 
 class Accept(Generic[V]):
@@ -168,8 +251,19 @@ class Folder:
         """Applies, in order, what the last ``parse`` accepted. Raise to fail the batch."""
         raise NotImplementedError
 
-    def on_applied(self, cursor: int) -> None:
-        """The host has committed everything through ``cursor`` (a bucket revision)."""
+    def on_applied(self, cursor: int, bucket: str = "") -> None:
+        """The host has committed everything through ``cursor`` (a bucket revision) of ``bucket``
+        (``""``, the main bucket; contract 0.3.0 also a declared state bucket's name). The place
+        to write state (``state.put``). A folder may define it with the cursor alone."""
+
+    def apply_state(self, bucket: str, changes: list[Change]) -> None:
+        """Contract 0.3.0: applies, in order, a batch of the declared bucket ``bucket`` (every
+        update, no ``parse``: ``Put.value`` is the raw bytes, ``rest`` the whole key). Raise to
+        fail the batch. Must not write state (the host refuses it: the batch re-runs)."""
+
+    def end_of_current(self, bucket: str) -> None:
+        """Contract 0.3.0: every current value of ``bucket`` (``""``: the main bucket) has been
+        given to this instance; what follows are changes. Once per bucket per instance."""
 
     def query(self, request: bytes) -> Union[bytes, str]:
         """Answers a query (a ``str`` answer is sent as UTF-8). Raise for an error answer."""
@@ -291,6 +385,123 @@ class _Fold:
 
 fold = _Fold()
 
+# ---- State buckets (contract 0.3.0) -------------------------------------------------------------
+
+
+class Refused(Exception):
+    """A ``state`` call the host refused, before anything reached the server: ``reason`` is one
+    word (``undeclared``, ``read_only``, ``wrong_call``, ``too_large``, ``bucket_full``,
+    ``credential``, ``no_ttl``, or the write path's ``conflict``, ``op_reused``, ``permission``,
+    ``invalid``), ``message`` says what and why, for a person. Its text is ``"reason: message"``
+    (what a query answers when it lets the exception out)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Written:
+    """How a write went: ``outcome`` ``"applied"`` (durable at ``revision`` and applied by this
+    node's fold), ``"pending"`` (durable at ``revision``, not applied here yet: do not retry) or
+    ``"unknown"`` (retry with the same ``op_id``); ``op_id`` is the caller's or the one the host
+    minted."""
+
+    outcome: str
+    op_id: str
+    revision: Optional[int]
+
+
+def _state_call(verb: str, *args: Any) -> Any:
+    if _state is None:
+        raise RuntimeError(
+            f"state.{verb}: the state import is contract 0.3.0's, and this build's bindings are "
+            f"{CONTRACT}'s: build with componentize-py -d WIT_DIR/v0.3.0"
+        )
+    try:
+        return getattr(_state, verb)(*args)
+    except Err as e:
+        refusal = e.value
+        raise Refused(refusal.reason, refusal.message) from None
+
+
+def _options(op_id: Optional[str], if_revision: Optional[int], wait_ms: int, ttl_ms: Optional[int]) -> Any:
+    return _state.WriteOptions(op_id, if_revision, wait_ms, ttl_ms) if _state is not None else None
+
+
+def _written(w: Any) -> Written:
+    return Written(w.outcome.name.lower(), w.op_id, w.revision)
+
+
+class _State:
+    """The module's state buckets (the ``state`` import of contract 0.3.0), each named as the
+    manifest declares it: an owned one by its local name, a read one as ``<module>.<name>``. Reads
+    come from this node's committed fold of the bucket (what the guest was given through
+    ``apply_state``); writes go to the server through the host's write path. A refusal raises
+    ``Refused``. Entries have ``key``, ``value`` (bytes) and ``revision``."""
+
+    @staticmethod
+    def get(bucket: str, key: str) -> Optional[_types.Entry]:
+        """The live entry for ``key`` in ``bucket``, or ``None``."""
+        return _state_call("get", bucket, key)
+
+    @staticmethod
+    def keys(bucket: str, prefix: str = "", start_after: Optional[str] = None, limit: int = _DEFAULT_PAGE) -> list[str]:
+        """One page of the keys of ``bucket`` that start with ``prefix``, in key order, strictly
+        after ``start_after``. The host caps ``limit``: page on with the last key until a page
+        comes back empty (or use ``keys_all``)."""
+        return _state_call("keys", bucket, prefix, start_after, limit)
+
+    @staticmethod
+    def keys_all(bucket: str, prefix: str = "", page_size: int = _DEFAULT_PAGE) -> Iterator[str]:
+        """Every key of ``bucket`` that starts with ``prefix``, in key order, a page at a time."""
+        start_after = None
+        while True:
+            page = _state_call("keys", bucket, prefix, start_after, page_size)
+            if not page:
+                return
+            yield from page
+            start_after = page[-1]
+
+    @staticmethod
+    def put(
+        bucket: str,
+        key: str,
+        value: Union[bytes, str],
+        *,
+        op_id: Optional[str] = None,
+        if_revision: Optional[int] = None,
+        wait_ms: int = 0,
+        ttl_ms: Optional[int] = None,
+    ) -> Written:
+        """Writes ``value`` (bytes, or str sent as UTF-8) at ``key`` of an owned bucket, from
+        ``on_applied`` or ``query`` only. ``op_id`` (a UUIDv7) makes a retry safe (the host mints
+        one when absent); ``if_revision`` makes it a compare-and-set (0: the key is absent);
+        ``wait_ms`` (from ``query``) how long to wait for this node's fold to apply it;
+        ``ttl_ms`` a time to live of its own (a bucket declared ``per_key_ttl``)."""
+        if isinstance(value, str):
+            value = value.encode()
+        options = _options(op_id, if_revision, wait_ms, ttl_ms)
+        return _written(_state_call("put", bucket, key, bytes(value), options))
+
+    @staticmethod
+    def delete(
+        bucket: str,
+        key: str,
+        *,
+        op_id: Optional[str] = None,
+        if_revision: Optional[int] = None,
+        wait_ms: int = 0,
+        ttl_ms: Optional[int] = None,
+    ) -> Written:
+        """Deletes ``key`` of an owned bucket (the same calls and options as ``put``)."""
+        options = _options(op_id, if_revision, wait_ms, ttl_ms)
+        return _written(_state_call("delete", bucket, key, options))
+
+
+state = _State()
+
 # ---- The folder export --------------------------------------------------------------------------
 
 
@@ -323,46 +534,157 @@ class _Runtime:
         self.folder = cls()
         self.pending: list[Change] = []
 
+    def verdict(self, key: str, value: bytes, revision: int, is_put: bool) -> _types.Verdict:
+        """One main-bucket update's verdict; what it accepts joins ``pending``."""
+        rest = _strip_scope(self.scope, key)
+        if rest is None:
+            return _types.Verdict.SKIP
+        if not is_put:
+            # A delete or a purge: nothing to decode.
+            self.pending.append(Delete(key, rest, revision))
+            return _types.Verdict.ACCEPT
+        try:
+            verdict = self.folder.parse(key, value, rest)
+        except Exception as e:
+            log.error("parse raised on %r: %s", key, _message(e))
+            raise
+        if isinstance(verdict, Accept):
+            self.pending.append(Put(key, rest, revision, verdict.value))
+            return _types.Verdict.ACCEPT
+        if verdict is SKIP:
+            return _types.Verdict.SKIP
+        if verdict is DEFER:
+            return _types.Verdict.DEFER
+        message = f"parse returned {verdict!r} for {key!r}: return accept(value), SKIP or DEFER"
+        log.error(message)
+        raise TypeError(message)
+
     def parse(self, batch: list[_types.Update]) -> list[_types.Verdict]:
         self.pending = []
-        verdicts = []
-        for update in batch:
-            rest = _strip_scope(self.scope, update.key)
-            if rest is None:
-                verdicts.append(_types.Verdict.SKIP)
-            elif update.op != _types.Op.PUT:
-                # A delete or a purge: nothing to decode.
-                self.pending.append(Delete(update.key, rest, update.revision))
-                verdicts.append(_types.Verdict.ACCEPT)
-            else:
-                try:
-                    verdict = self.folder.parse(update.key, update.value, rest)
-                except Exception as e:
-                    log.error("parse raised on %r: %s", update.key, _message(e))
-                    raise
-                if isinstance(verdict, Accept):
-                    self.pending.append(Put(update.key, rest, update.revision, verdict.value))
-                    verdicts.append(_types.Verdict.ACCEPT)
-                elif verdict is SKIP:
-                    verdicts.append(_types.Verdict.SKIP)
-                elif verdict is DEFER:
-                    verdicts.append(_types.Verdict.DEFER)
-                else:
-                    message = f"parse returned {verdict!r} for {update.key!r}: return accept(value), SKIP or DEFER"
-                    log.error(message)
-                    raise TypeError(message)
-        return verdicts
+        return [self.verdict(u.key, u.value, u.revision, u.op == _types.Op.PUT) for u in batch]
 
     def apply(self) -> None:
         changes, self.pending = self.pending, []
         self.folder.apply(changes)
+
+    def query(self, request: bytes) -> bytes:
+        try:
+            answer = self.folder.query(request)
+        except Exception as e:
+            raise Err(_message(e))
+        if isinstance(answer, str):
+            return answer.encode()
+        if isinstance(answer, (bytes, bytearray, memoryview)):
+            return bytes(answer)
+        raise Err(f"query returned {type(answer).__name__}: return bytes or str")
+
+
+# A packed update's header (contract 0.3.0): key length, value length, revision, op.
+_HEADER = _struct.Struct("<IIQB")
+
+
+def _unpack(batch: bytes) -> Iterator[tuple[str, bytes, int, int]]:
+    """The updates of a packed batch, as ``(key, value, revision, op byte)``. A host never sends a
+    torn or malformed batch: one raises ``ValueError``."""
+    view = memoryview(batch)
+    at, end = 0, len(view)
+    while at < end:
+        if end - at < _HEADER.size:
+            raise ValueError(f"packed batch torn at byte {at}: a header needs {_HEADER.size} bytes")
+        key_len, value_len, revision, op = _HEADER.unpack_from(view, at)
+        at += _HEADER.size
+        if end - at < key_len + value_len or op > 2:
+            raise ValueError(f"packed batch malformed at byte {at - _HEADER.size}")
+        key = str(view[at:at + key_len], "utf-8")
+        at += key_len
+        yield key, bytes(view[at:at + value_len]), revision, op
+        at += value_len
+
+
+def _takes_bucket(method: Any) -> bool:
+    """Whether ``on_applied`` takes a bucket after the cursor (0.1.0's takes the cursor alone)."""
+    try:
+        _inspect.signature(method).bind(0, "")
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read: assume the full one
+        return True
+    return True
+
+
+class _StateRuntime(_Runtime):
+    """Contract 0.3.0's runtime: packed batches tagged with their bucket. A main-bucket batch goes
+    through the folder's ``parse`` and ``apply`` as in 0.1.0; a state bucket's through
+    ``apply_state``."""
+
+    def __init__(self, cls: type[Folder]):
+        super().__init__(cls)
+        m = self.manifest
+        for bucket in m.state:
+            if not isinstance(bucket, StateBucket):
+                raise TypeError(f"{cls.__name__}.manifest.state: {bucket!r} is not a foldhost_guest.StateBucket")
+        for read in m.reads:
+            if not isinstance(read, str):
+                raise TypeError(f"{cls.__name__}.manifest.reads: {read!r} is not a str")
+        self.bucket = ""  # the bucket of the last parse
+        self.on_applied_takes_bucket = _takes_bucket(self.folder.on_applied)
+
+    def wit_manifest(self) -> _types.GuestManifest:
+        m = self.manifest
+        state = [_types.StateBucket(b.name, b.history, b.max_age_ms, b.max_bytes, b.per_key_ttl) for b in m.state]
+        return _types.GuestManifest(m.name, m.version, list(m.scope), state, list(m.reads))
+
+    def parse_packed(self, bucket: str, batch: bytes) -> list[_types.Verdict]:
+        self.pending = []
+        self.bucket = bucket
+        try:
+            updates = list(_unpack(batch))
+        except (ValueError, UnicodeDecodeError) as e:
+            log.error("parse of bucket %r: %s", bucket, _message(e))
+            raise
+        if bucket == "":
+            return [self.verdict(key, value, revision, op == 0) for key, value, revision, op in updates]
+        for key, value, revision, op in updates:
+            self.pending.append(Put(key, key, revision, value) if op == 0 else Delete(key, key, revision))
+        return [_types.Verdict.ACCEPT] * len(updates)
+
+    def apply(self) -> None:
+        changes, self.pending = self.pending, []
+        if self.bucket == "":
+            self.folder.apply(changes)
+        else:
+            self.folder.apply_state(self.bucket, changes)
+
+    def on_applied(self, bucket: str, cursor: int) -> None:
+        if self.on_applied_takes_bucket:
+            self.folder.on_applied(cursor, bucket)
+        elif bucket == "":
+            self.folder.on_applied(cursor)
 
 
 def export(cls: type[Folder]) -> type:
     """The class componentize-py exports as the WIT interface ``folder``: assign it to ``Folder``
     at the guest module's top level (``Folder = export(MyFolder)``). It holds no state of its own
     (whether the runtime makes one instance or one per call does not matter): the folder lives in
-    one runtime, made on the first call."""
+    one runtime, made on the first call.
+
+    Its shape is the contract of the bindings the build generated (``CONTRACT``): 0.1.0's, or
+    0.3.0's (packed batches tagged with a bucket, ``end_of_current``). A manifest that declares
+    ``state`` or ``reads`` is refused here, so the build fails, unless the bindings are 0.3.0's."""
+    if CONTRACT == "0.3.0":
+        return _export_state(cls)
+    manifest = getattr(cls, "manifest", None)
+    if CONTRACT != "0.1.0" or (isinstance(manifest, Manifest) and (manifest.state or manifest.reads)):
+        what = "declares state buckets" if CONTRACT == "0.1.0" else "is built"
+        raise TypeError(
+            f"{cls.__name__} {what} against contract {CONTRACT}'s bindings: the Python SDK speaks "
+            "0.1.0 (componentize-py -d WIT_DIR) and, for state buckets, 0.3.0 (-d WIT_DIR/v0.3.0)"
+        )
+    return _export_v1(cls)
+
+
+def _export_v1(cls: type[Folder]) -> type:
+    """Contract 0.1.0's export class."""
     runtime: Optional[_Runtime] = None
 
     def rt() -> _Runtime:
@@ -404,15 +726,62 @@ def export(cls: type[Folder]) -> type:
                 raise
 
         def query(self, request: bytes) -> bytes:
+            return rt().query(request)
+
+    FolderExport.__name__ = FolderExport.__qualname__ = f"{cls.__name__}Export"
+    return FolderExport
+
+
+def _export_state(cls: type[Folder]) -> type:
+    """Contract 0.3.0's export class."""
+    runtime: Optional[_StateRuntime] = None
+
+    def rt() -> _StateRuntime:
+        nonlocal runtime
+        if runtime is None:
+            runtime = _StateRuntime(cls)
+        return runtime
+
+    class FolderExport:
+        @staticmethod
+        def instance() -> Folder:
+            """The folder instance (made on first use): for a guest's native tests."""
+            return rt().folder
+
+        def manifest(self) -> _types.GuestManifest:
+            return rt().wit_manifest()
+
+        def init(self, config: list[tuple[str, str]]) -> None:
             try:
-                answer = rt().folder.query(request)
+                rt().folder.init(dict(config))
             except Exception as e:
                 raise Err(_message(e))
-            if isinstance(answer, str):
-                return answer.encode()
-            if isinstance(answer, (bytes, bytearray, memoryview)):
-                return bytes(answer)
-            raise Err(f"query returned {type(answer).__name__}: return bytes or str")
+
+        def parse(self, bucket: str, batch: bytes) -> list[_types.Verdict]:
+            return rt().parse_packed(bucket, batch)
+
+        def apply(self) -> None:
+            try:
+                rt().apply()
+            except Exception as e:
+                raise Err(_message(e))
+
+        def end_of_current(self, bucket: str) -> None:
+            try:
+                rt().folder.end_of_current(bucket)
+            except Exception as e:
+                log.error("end_of_current(%r) raised: %s", bucket, _message(e))
+                raise
+
+        def on_applied(self, bucket: str, cursor: int) -> None:
+            try:
+                rt().on_applied(bucket, cursor)
+            except Exception as e:
+                log.error("on_applied(%r) raised: %s", bucket, _message(e))
+                raise
+
+        def query(self, request: bytes) -> bytes:
+            return rt().query(request)
 
     FolderExport.__name__ = FolderExport.__qualname__ = f"{cls.__name__}Export"
     return FolderExport

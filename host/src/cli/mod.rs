@@ -106,6 +106,10 @@ pub struct NewGuestArgs {
     /// The WIT directory (a foldhost checkout's `wit/`; found automatically beside this binary).
     #[arg(long)]
     pub wit: Option<PathBuf>,
+    /// A guest that keeps state on the bus (contract 0.3.0, docs/state.md): it owns one bucket and
+    /// reads another module's.
+    #[arg(long)]
+    pub state: bool,
 }
 
 /// `foldhost demo`.

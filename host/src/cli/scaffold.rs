@@ -5,7 +5,10 @@
 //! A scaffold refers to the checkout's SDK and WIT by absolute path (`{{sdk}}`, `{{wit}}`) rather
 //! than copying them, so a project keeps building against the SDK it was made with and picks up
 //! its fixes. Placeholders: `{{name}}` (the guest's name), `{{crate_file}}` (the name with `-` as
-//! `_`: the Rust crate's file name, the Python module's, the output `.wasm`'s), `{{sdk}}`, `{{wit}}`.
+//! `_`: the Rust crate's file name, the Python module's, the output `.wasm`'s), `{{module}}` (the
+//! name as a state module name: lowercase, `-` for `_`), `{{sdk}}`, `{{wit}}`. With `--state` the
+//! templates are `templates/<lang>-state/`: a guest that owns one bucket and reads another's
+//! (docs/state.md).
 
 use std::path::{Path, PathBuf};
 
@@ -59,6 +62,22 @@ const RUST: &[Template] = &[
     file(".gitignore", "target/\n"),
 ];
 
+const RUST_STATE: &[Template] = &[
+    file(
+        "Cargo.toml",
+        include_str!("templates/rust-state/Cargo.toml.tmpl"),
+    ),
+    file(
+        "src/lib.rs",
+        include_str!("templates/rust-state/lib.rs.tmpl"),
+    ),
+    file(
+        "README.md",
+        include_str!("templates/rust-state/README.md.tmpl"),
+    ),
+    file(".gitignore", "target/\n"),
+];
+
 const C: &[Template] = &[
     file("guest.c", include_str!("templates/c/guest.c.tmpl")),
     script("build.sh", include_str!("templates/c/build.sh.tmpl")),
@@ -109,6 +128,14 @@ impl Lang {
         }
     }
 
+    /// The templates of a guest that keeps state (`--state`), when the language has them.
+    fn state_templates(self) -> Option<&'static [Template]> {
+        match self {
+            Lang::Rust => Some(RUST_STATE),
+            Lang::Js | Lang::Python | Lang::C => None,
+        }
+    }
+
     /// The SDK's directory in a checkout, when the language has one.
     fn sdk(self) -> Option<&'static str> {
         match self {
@@ -142,6 +169,10 @@ impl Fill<'_> {
         template
             .replace("{{name}}", self.name)
             .replace("{{crate_file}}", &self.name.replace('-', "_"))
+            .replace(
+                "{{module}}",
+                &self.name.to_ascii_lowercase().replace('_', "-"),
+            )
             .replace("{{sdk}}", &self.sdk.display().to_string())
             .replace("{{wit}}", &self.wit.display().to_string())
     }
@@ -168,6 +199,20 @@ pub(super) fn cmd_new_guest(a: NewGuestArgs) -> anyhow::Result<()> {
         bail!("guest name {name:?}: use letters, digits, '-' and '_', starting with a letter");
     }
     let lang = a.lang;
+    let templates = if a.state {
+        let module = name.to_ascii_lowercase().replace('_', "-");
+        if !crate::protocol::is_state_name(&module) {
+            bail!(
+                "guest name {name:?}: a guest that keeps state needs a module name of at most {} letters, digits and hyphens (it is {module:?})",
+                crate::protocol::MAX_STATE_NAME
+            );
+        }
+        lang.state_templates().with_context(|| {
+            format!("--state: no {lang:?} scaffold of a guest that keeps state (rust has one)")
+        })?
+    } else {
+        lang.templates()
+    };
     let sdk = match (a.sdk.clone(), lang.sdk()) {
         (Some(p), _) => {
             std::fs::canonicalize(&p).with_context(|| format!("--sdk {}", p.display()))?
@@ -194,7 +239,7 @@ pub(super) fn cmd_new_guest(a: NewGuestArgs) -> anyhow::Result<()> {
         sdk: &sdk,
         wit: &wit,
     };
-    for t in lang.templates() {
+    for t in templates {
         let path = dir.join(t.path);
         if let Some(parent) = path.parent() {
             std::fs::create_dir_all(parent)
@@ -229,7 +274,11 @@ mod tests {
         };
         for lang in [Lang::Rust, Lang::Js, Lang::Python, Lang::C] {
             assert!(!lang.templates().is_empty());
-            for t in lang.templates() {
+            for t in lang
+                .templates()
+                .iter()
+                .chain(lang.state_templates().into_iter().flatten())
+            {
                 let out = fill.apply(t.text);
                 assert!(
                     !out.contains("{{"),
@@ -248,5 +297,10 @@ mod tests {
             );
         }
         assert!(valid_name("a-b_1") && !valid_name("1a") && !valid_name("") && !valid_name("a b"));
+        let state = fill.apply(RUST_STATE[1].text);
+        assert!(
+            state.contains("Manifest::whole_bucket(\"my-guest\"") && state.contains(".owns("),
+            "the state scaffold names its module by the rule: {state}"
+        );
     }
 }

@@ -109,6 +109,7 @@ pub fn count_updates(batch: &[u8]) -> usize {
 }
 
 /// The manifest in the bindings' type.
+#[cfg(not(feature = "state"))]
 pub fn manifest<F: Folder>() -> RawManifest {
     let Manifest {
         name,
@@ -122,12 +123,43 @@ pub fn manifest<F: Folder>() -> RawManifest {
     }
 }
 
+/// The manifest in the bindings' type.
+#[cfg(feature = "state")]
+pub fn manifest<F: Folder>() -> RawManifest {
+    let Manifest {
+        name,
+        version,
+        scope,
+        state,
+        reads,
+    } = F::manifest();
+    RawManifest {
+        name,
+        version,
+        scope,
+        state: state
+            .into_iter()
+            .map(|b| raw::StateBucket {
+                name: b.name,
+                history: b.history,
+                max_age_ms: b.max_age_ms,
+                max_bytes: b.max_bytes,
+                per_key_ttl: b.per_key_ttl,
+            })
+            .collect(),
+        reads,
+    }
+}
+
 /// A guest's whole state inside the component: the folder, its scope, and what the last `parse`
 /// accepted.
 pub struct Runtime<F: Folder> {
     folder: F,
     scope: Vec<String>,
     pending: Vec<Change<F::Value>>,
+    /// What the last `parse` of a state bucket accepted: its name and its changes.
+    #[cfg(feature = "state")]
+    pending_state: Option<(String, Vec<Change<Vec<u8>>>)>,
 }
 
 impl<F: Folder> Default for Runtime<F> {
@@ -145,6 +177,8 @@ impl<F: Folder> Runtime<F> {
             folder: F::default(),
             scope,
             pending: Vec::new(),
+            #[cfg(feature = "state")]
+            pending_state: None,
         }
     }
 
@@ -159,6 +193,10 @@ impl<F: Folder> Runtime<F> {
     /// bug) panics, which traps the call.
     pub fn parse(&mut self, batch: &[u8]) -> Vec<RawVerdict> {
         self.pending.clear();
+        #[cfg(feature = "state")]
+        {
+            self.pending_state = None;
+        }
         let mut verdicts = Vec::new();
         for update in unpack(batch) {
             let update = update.unwrap_or_else(|e| panic!("{e}"));
@@ -192,10 +230,58 @@ impl<F: Folder> Runtime<F> {
         verdicts
     }
 
+    /// `parse` of a state bucket's packed `batch` (`""`: the main bucket, [`Runtime::parse`]):
+    /// every update accepted, its value kept as bytes for [`Folder::apply_state`].
+    #[cfg(feature = "state")]
+    pub fn parse_in(&mut self, bucket: &str, batch: &[u8]) -> Vec<RawVerdict> {
+        if bucket.is_empty() {
+            return self.parse(batch);
+        }
+        self.pending.clear();
+        let mut changes = Vec::new();
+        for update in unpack(batch) {
+            let update = update.unwrap_or_else(|e| panic!("{e}"));
+            changes.push(match update.op {
+                Op::Put => Change::Put {
+                    key: update.key.to_owned(),
+                    revision: update.revision,
+                    value: update.value.to_vec(),
+                },
+                Op::Delete | Op::Purge => Change::Delete {
+                    key: update.key.to_owned(),
+                    revision: update.revision,
+                },
+            });
+        }
+        let verdicts = vec![RawVerdict::Accept; changes.len()];
+        self.pending_state = Some((bucket.to_owned(), changes));
+        verdicts
+    }
+
     /// `apply`: applies what the last `parse` accepted, and forgets it (also on error).
     pub fn apply(&mut self) -> Result<(), String> {
+        #[cfg(feature = "state")]
+        if let Some((bucket, changes)) = self.pending_state.take() {
+            return self.folder.apply_state(&bucket, changes);
+        }
         let changes = std::mem::take(&mut self.pending);
         self.folder.apply(changes)
+    }
+
+    /// `end-of-current`.
+    #[cfg(feature = "state")]
+    pub fn end_of_current(&mut self, bucket: &str) {
+        self.folder.end_of_current(bucket);
+    }
+
+    /// `on-applied` of `bucket` (`""`: the main bucket, [`Folder::on_applied`]).
+    #[cfg(feature = "state")]
+    pub fn on_applied_in(&mut self, bucket: &str, cursor: u64) {
+        if bucket.is_empty() {
+            self.folder.on_applied(cursor);
+        } else {
+            self.folder.on_state_applied(bucket, cursor);
+        }
     }
 
     /// `on-applied`.
@@ -218,6 +304,8 @@ mod tests {
         applied: Vec<Change<u32>>,
         cursor: u64,
         config: Vec<(String, String)>,
+        /// What the state-bucket calls saw, in order (the `state` feature).
+        state_calls: Vec<String>,
     }
 
     impl Folder for Recorder {
@@ -252,6 +340,33 @@ mod tests {
 
         fn on_applied(&mut self, cursor: u64) {
             self.cursor = cursor;
+        }
+
+        #[cfg(feature = "state")]
+        fn apply_state(
+            &mut self,
+            bucket: &str,
+            changes: Vec<Change<Vec<u8>>>,
+        ) -> Result<(), String> {
+            for c in changes {
+                let what = match &c {
+                    Change::Put { value, .. } => format!("put={}", String::from_utf8_lossy(value)),
+                    Change::Delete { .. } => "del".into(),
+                };
+                self.state_calls
+                    .push(format!("{bucket}:{}:{what}", c.key()));
+            }
+            Ok(())
+        }
+
+        #[cfg(feature = "state")]
+        fn end_of_current(&mut self, bucket: &str) {
+            self.state_calls.push(format!("eoc {bucket}"));
+        }
+
+        #[cfg(feature = "state")]
+        fn on_state_applied(&mut self, bucket: &str, cursor: u64) {
+            self.state_calls.push(format!("applied {bucket}@{cursor}"));
         }
     }
 
@@ -446,6 +561,44 @@ mod tests {
                 value: 2
             }]
         );
+    }
+
+    #[cfg(feature = "state")]
+    #[test]
+    fn a_state_bucket_batch_is_applied_raw_and_tagged_and_never_mixed_with_the_main_one() {
+        let mut rt = Runtime::<Recorder>::new();
+        // A state batch: every update accepted (out of the main scope too), values as bytes.
+        let v = rt.parse_in(
+            "catalog.items",
+            &batch(vec![put("sku-1", "{}", 3), del("sku-2", Op::Purge, 4)]),
+        );
+        assert_eq!(v, [RawVerdict::Accept, RawVerdict::Accept]);
+        rt.apply().expect("applied");
+        // A main batch after it goes to `apply`, not to `apply_state`.
+        let v = rt.parse_in("", &batch(vec![put("n.a", "7", 5)]));
+        assert_eq!(v, [RawVerdict::Accept]);
+        rt.apply().expect("applied");
+        // A state parse replaces an unapplied main one (the host applies what the last parse
+        // accepted).
+        rt.parse_in("", &batch(vec![put("n.b", "8", 6)]));
+        rt.parse_in("counts", &batch(vec![put("total", "1", 1)]));
+        rt.apply().expect("applied");
+        rt.end_of_current("counts");
+        rt.on_applied_in("counts", 1);
+        rt.on_applied_in("", 5);
+        assert_eq!(
+            rt.folder.state_calls,
+            [
+                "catalog.items:sku-1:put={}",
+                "catalog.items:sku-2:del",
+                "counts:total:put=1",
+                "eoc counts",
+                "applied counts@1",
+            ]
+        );
+        assert_eq!(rt.folder.applied.len(), 1, "only n.a reached apply");
+        assert_eq!(rt.folder.cursor, 5);
+        assert_eq!(manifest::<Recorder>().state.len(), 0);
     }
 
     #[test]

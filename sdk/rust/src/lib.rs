@@ -114,9 +114,23 @@ use std::fmt;
 /// with `foldhost_guest::bindings::export!(MyType);`.
 #[doc(hidden)]
 #[allow(missing_docs, unsafe_code, clippy::all)]
+#[cfg(not(feature = "state"))]
 pub mod bindings {
     wit_bindgen::generate!({
         path: "../../wit/v0.2.0",
+        world: "guest",
+        pub_export_macro: true,
+        default_bindings_module: "foldhost_guest::bindings",
+    });
+}
+
+/// The raw bindings of `foldhost:guest/guest@0.3.0` (the `state` feature).
+#[doc(hidden)]
+#[allow(missing_docs, unsafe_code, clippy::all)]
+#[cfg(feature = "state")]
+pub mod bindings {
+    wit_bindgen::generate!({
+        path: "../../wit/v0.3.0",
         world: "guest",
         pub_export_macro: true,
         default_bindings_module: "foldhost_guest::bindings",
@@ -127,6 +141,10 @@ pub mod fold;
 #[cfg(feature = "json")]
 pub mod json;
 pub mod log;
+#[cfg(feature = "state")]
+pub mod state;
+#[cfg(feature = "state")]
+pub use state::StateBucket;
 
 #[doc(hidden)]
 pub mod __private;
@@ -140,6 +158,12 @@ pub struct Manifest {
     pub version: String,
     /// The key prefixes the guest wants to see; empty means the whole bucket.
     pub scope: Vec<String>,
+    /// The buckets the guest owns ([`Manifest::owns`]).
+    #[cfg(feature = "state")]
+    pub state: Vec<StateBucket>,
+    /// Other modules' buckets the guest reads, each `<module>.<name>` ([`Manifest::reads`]).
+    #[cfg(feature = "state")]
+    pub reads: Vec<String>,
 }
 
 impl Manifest {
@@ -161,16 +185,16 @@ impl Manifest {
             name: name.into(),
             version: version.into(),
             scope: scope.into_iter().map(Into::into).collect(),
+            #[cfg(feature = "state")]
+            state: Vec::new(),
+            #[cfg(feature = "state")]
+            reads: Vec::new(),
         }
     }
 
     /// A manifest whose scope is the whole bucket (every key).
     pub fn whole_bucket(name: impl Into<String>, version: impl Into<String>) -> Self {
-        Manifest {
-            name: name.into(),
-            version: version.into(),
-            scope: Vec::new(),
-        }
+        Manifest::new(name, version, Vec::<String>::new())
     }
 
     /// Whether `key` is inside the scope: it starts with one of the prefixes, or the scope is empty.
@@ -181,6 +205,30 @@ impl Manifest {
 
 pub(crate) fn in_scope(scope: &[String], key: &str) -> bool {
     scope.is_empty() || scope.iter().any(|prefix| key.starts_with(prefix.as_str()))
+}
+
+#[cfg(feature = "state")]
+impl Manifest {
+    /// Declares a bucket the guest owns (the host creates it when absent, never deletes it).
+    ///
+    /// ```
+    /// use foldhost_guest::{Manifest, StateBucket};
+    /// let m = Manifest::whole_bucket("counter", "0.1.0")
+    ///     .owns(StateBucket::new("counts"))
+    ///     .reads("catalog.items");
+    /// assert_eq!(m.state[0].name, "counts");
+    /// assert_eq!(m.reads, ["catalog.items"]);
+    /// ```
+    pub fn owns(mut self, bucket: StateBucket) -> Self {
+        self.state.push(bucket);
+        self
+    }
+
+    /// Declares another module's bucket the guest reads, as `<module>.<name>`.
+    pub fn reads(mut self, bucket: impl Into<String>) -> Self {
+        self.reads.push(bucket.into());
+        self
+    }
 }
 
 impl Manifest {
@@ -327,6 +375,30 @@ pub trait Folder: Default + 'static {
     /// The host has committed everything through `cursor` (a bucket revision).
     fn on_applied(&mut self, _cursor: u64) {}
 
+    /// Applies, in order, the changes of a state bucket the manifest declares (`bucket` as
+    /// declared: its own by name, another's as `<module>.<name>`), values as raw bytes. First a
+    /// bucket's current values (never a delete among them), then [`Folder::end_of_current`], then
+    /// its changes. An error fails the batch as [`Folder::apply`]'s does.
+    #[cfg(feature = "state")]
+    fn apply_state(&mut self, bucket: &str, changes: Vec<Change<Vec<u8>>>) -> Result<(), String> {
+        let _ = (bucket, changes);
+        Ok(())
+    }
+
+    /// Every current value of `bucket` (`""`: the main bucket) has been handed over: what follows
+    /// are changes. Once per bucket per instance.
+    #[cfg(feature = "state")]
+    fn end_of_current(&mut self, bucket: &str) {
+        let _ = bucket;
+    }
+
+    /// The host has committed everything of state bucket `bucket` through `cursor`. Writes
+    /// ([`state::put`]) are allowed here and in [`Folder::query`], never in `parse` or `apply`.
+    #[cfg(feature = "state")]
+    fn on_state_applied(&mut self, bucket: &str, cursor: u64) {
+        let _ = (bucket, cursor);
+    }
+
     /// Answers a query against the structure (request and response are opaque bytes).
     fn query(&self, _request: &[u8]) -> Result<Vec<u8>, String> {
         Err("this guest answers no queries".into())
@@ -343,6 +415,7 @@ pub trait Folder: Default + 'static {
 ///
 /// It defines the guest's state (a `thread_local!` holding a [`Default`] instance and the pending
 /// accepted values) and a hidden type implementing the generated bindings trait.
+#[cfg(not(feature = "state"))]
 #[macro_export]
 macro_rules! export_folder {
     ($ty:ty) => {
@@ -377,6 +450,63 @@ macro_rules! export_folder {
 
                 fn on_applied(cursor: u64) {
                     __FOLDHOST_RUNTIME.with_borrow_mut(|runtime| runtime.on_applied(cursor))
+                }
+
+                fn query(
+                    request: ::std::vec::Vec<u8>,
+                ) -> ::core::result::Result<::std::vec::Vec<u8>, ::std::string::String> {
+                    __FOLDHOST_RUNTIME.with_borrow(|runtime| runtime.query(&request))
+                }
+            }
+
+            $crate::bindings::export! { __FoldhostGuestExport with_types_in $crate::bindings }
+        };
+    };
+}
+
+/// Exports a [`Folder`] implementation as the component's `foldhost:guest/folder@0.3.0` interface
+/// (the `state` feature); used as without it.
+#[cfg(feature = "state")]
+#[macro_export]
+macro_rules! export_folder {
+    ($ty:ty) => {
+        const _: () = {
+            ::std::thread_local! {
+                static __FOLDHOST_RUNTIME: ::core::cell::RefCell<$crate::__private::Runtime<$ty>> =
+                    ::core::cell::RefCell::new($crate::__private::Runtime::new());
+            }
+
+            struct __FoldhostGuestExport;
+
+            impl $crate::__private::Guest for __FoldhostGuestExport {
+                fn manifest() -> $crate::__private::RawManifest {
+                    $crate::__private::manifest::<$ty>()
+                }
+
+                fn init(
+                    config: ::std::vec::Vec<(::std::string::String, ::std::string::String)>,
+                ) -> ::core::result::Result<(), ::std::string::String> {
+                    __FOLDHOST_RUNTIME.with_borrow_mut(|runtime| runtime.init(config))
+                }
+
+                fn parse(
+                    bucket: ::std::string::String,
+                    batch: ::std::vec::Vec<u8>,
+                ) -> ::std::vec::Vec<$crate::__private::RawVerdict> {
+                    __FOLDHOST_RUNTIME.with_borrow_mut(|runtime| runtime.parse_in(&bucket, &batch))
+                }
+
+                fn end_of_current(bucket: ::std::string::String) {
+                    __FOLDHOST_RUNTIME.with_borrow_mut(|runtime| runtime.end_of_current(&bucket))
+                }
+
+                fn apply() -> ::core::result::Result<(), ::std::string::String> {
+                    __FOLDHOST_RUNTIME.with_borrow_mut(|runtime| runtime.apply())
+                }
+
+                fn on_applied(bucket: ::std::string::String, cursor: u64) {
+                    __FOLDHOST_RUNTIME
+                        .with_borrow_mut(|runtime| runtime.on_applied_in(&bucket, cursor))
                 }
 
                 fn query(

@@ -199,9 +199,15 @@ async fn the_javascript_router_swaps_in_for_the_rust_router_under_load_and_back_
 /// `foldhost new-guest my-guest --lang LANG`, built with the scaffold's one command; returns the
 /// component.
 fn scaffold(lang: &str, dir: &Path) -> anyhow::Result<PathBuf> {
+    scaffold_with(lang, dir, &[])
+}
+
+/// [`scaffold`] with more `new-guest` flags.
+fn scaffold_with(lang: &str, dir: &Path, flags: &[&str]) -> anyhow::Result<PathBuf> {
     let out = foldhost()
         .args(["new-guest", "my-guest", "--lang", lang, "--dir"])
         .arg(dir)
+        .args(flags)
         .output()?;
     anyhow::ensure!(
         out.status.success(),
@@ -296,4 +302,66 @@ async fn new_guest_in_python_builds_with_one_command_and_folds() -> anyhow::Resu
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn new_guest_in_c_builds_with_one_command_and_folds() -> anyhow::Result<()> {
     scaffold_builds_and_folds("c").await
+}
+
+/// Every state scaffold is the same counter (docs/state.md): it owns `counts`, where it writes how
+/// many keys its main bucket holds, and reads `catalog.items`, another module's bucket.
+async fn state_scaffold_keeps_and_follows_state(lang: &str) -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let dir = tmp.path().join("my-guest");
+    let wasm = scaffold_with(lang, &dir, &["--state"])?;
+    let h = Harness::start().await?;
+    // The catalog module's bucket, written before the guest ever ran.
+    let items = h.bucket("state_catalog_items").await?;
+    items.put("sku-1", "widget".into()).await?;
+    let kv = h.bucket("scaffold").await?;
+    kv.put("a", "1".into()).await?;
+    kv.put("b", "2".into()).await?;
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+    let mut host = run_command(&h, "scaffold", &tmp.path().join("fold"), Some(&addr))
+        .arg("--guest")
+        .arg(&wasm)
+        .stderr(Stdio::null())
+        .spawn()?;
+    let s = wait_status(&addr, |s| s.state != "running" || s.applied_through >= 2).await?;
+    assert_eq!(s.state, "running", "{s:?}");
+    assert_eq!(s.guest_contract.as_deref(), Some("0.3.0"));
+    let ask = |request: String| {
+        let addr = addr.clone();
+        async move { foldhost::serve::call(&addr, "POST", "/query", request.as_bytes()).await }
+    };
+    let until = |request: &'static str, want: &'static [u8]| {
+        let ask = &ask;
+        async move {
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+            loop {
+                let got = ask(request.to_string()).await?;
+                if got == (200, want.to_vec()) {
+                    return anyhow::Ok(());
+                }
+                anyhow::ensure!(
+                    std::time::Instant::now() < deadline,
+                    "{request}: {got:?}, never {:?}",
+                    String::from_utf8_lossy(want)
+                );
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        }
+    };
+    // Read from the other module's bucket, as it stood before the guest started.
+    until("item:sku-1", b"widget").await?;
+    // Written to its own bucket from on-applied, then folded back.
+    until("total", b"2").await?;
+    // Changes afterwards reach it, in both directions.
+    items.put("sku-2", "gadget".into()).await?;
+    until("item:sku-2", b"gadget").await?;
+    kv.put("c", "3".into()).await?;
+    until("total", b"3").await?;
+    terminate(&mut host)?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_guest_with_state_in_rust_owns_one_bucket_and_reads_another() -> anyhow::Result<()> {
+    state_scaffold_keeps_and_follows_state("rust").await
 }
