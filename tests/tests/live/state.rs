@@ -85,6 +85,24 @@ fn level(s: &foldhost::status::StatusReport) -> bool {
         && s.state_buckets.iter().all(|b| !b.declared || b.lag == 0)
 }
 
+/// `foldhost state list --store STORE --json`, as `[local, declared]` pairs.
+fn state_list(store: &Path) -> anyhow::Result<Value> {
+    let out = foldhost()
+        .args(["state", "list", "--json", "--store"])
+        .arg(store)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "state list: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rows: Vec<foldhost::status::StateBucketReport> = serde_json::from_slice(&out.stdout)?;
+    Ok(rows
+        .into_iter()
+        .map(|b| json!([b.local, b.declared]))
+        .collect())
+}
+
 /// A node process, killed if the test fails before it stops it.
 struct Node {
     child: Option<std::process::Child>,
@@ -489,6 +507,51 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
         violations(&log, "owner").is_empty(),
         "{:?}",
         violations(&log, "owner")
+    );
+
+    // The owner's store under a guest that declares other buckets: the old ones are reported,
+    // never removed.
+    let listed = state_list(&owner_store)?;
+    anyhow::ensure!(
+        listed == json!([["notes", true], ["tally", true]]),
+        "before: {listed}"
+    );
+    let mut other = start(
+        &server,
+        "admin",
+        OWNER_MAIN,
+        "state_reader",
+        &owner_store,
+        &[],
+    )
+    .await?;
+    let status: foldhost::status::StatusReport = serde_json::from_slice(
+        &foldhost::serve::call(&other.addr, "GET", "/status", b"")
+            .await?
+            .1,
+    )?;
+    let gone: Vec<&str> = status
+        .state_buckets
+        .iter()
+        .filter(|b| !b.declared)
+        .map(|b| b.local.as_str())
+        .collect();
+    anyhow::ensure!(gone == ["notes", "tally"], "{:?}", status.state_buckets);
+    other.stop()?;
+    let listed = state_list(&owner_store)?;
+    anyhow::ensure!(
+        listed
+            == json!([
+                ["mine", true],
+                ["owner.notes", true],
+                ["notes", false],
+                ["tally", false]
+            ]),
+        "after: {listed}"
+    );
+    anyhow::ensure!(
+        owner_store.join("state/notes").is_dir() && owner_store.join("state/tally").is_dir(),
+        "kept"
     );
     Ok(())
 }
