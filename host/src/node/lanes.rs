@@ -325,6 +325,7 @@ pub(crate) fn undeclared<'a>(store: &Path, declared: impl Iterator<Item = &'a st
 /// the main loop's `control` channel.
 pub(crate) struct Running {
     tasks: tokio::task::JoinSet<(String, Result<crate::applied::Finished, AppliedError>)>,
+    shutdown: tokio::sync::watch::Receiver<bool>,
 }
 
 impl Running {
@@ -361,7 +362,10 @@ impl Running {
                 (lane.decl.local, r)
             });
         }
-        Running { tasks }
+        Running {
+            tasks,
+            shutdown: shutdown.clone(),
+        }
     }
 
     /// Resolves when a lane fails (with why), or when every lane has stopped cleanly (`None`,
@@ -369,6 +373,11 @@ impl Running {
     pub(crate) async fn failed(&mut self) -> Option<String> {
         while let Some(done) = self.tasks.join_next().await {
             match done {
+                // A fold ends by itself only at a shutdown; any other end leaves the guest's
+                // view of the bucket behind, so the node stops.
+                Ok((local, Ok(_))) if !*self.shutdown.borrow() => {
+                    return Some(format!("state bucket {local:?}: its fold ended"));
+                }
                 Ok((_, Ok(_))) => {}
                 Ok((local, Err(e))) => return Some(format!("state bucket {local:?}: {e}")),
                 Err(e) => return Some(format!("a state bucket's fold task: {e}")),
