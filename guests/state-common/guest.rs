@@ -22,7 +22,7 @@
 //!   bucket's fold value of the request as a key (`not found` when absent).
 //!
 //! Nothing decoded from the host or a query is unwrapped: bad input is an empty verdict list or a
-//! query error, never a trap.
+//! query error, never a trap — except the query `{"op":"trap"}`, which aborts on purpose.
 
 use std::cell::RefCell;
 use std::collections::BTreeMap;
@@ -333,6 +333,9 @@ fn json_query(request: &[u8]) -> Result<Value, String> {
                 "violations": state.violations,
             })
         })),
+        // A trap on request: the host drops this instance and hydrates a fresh one from its folds
+        // (how the suite checks that a rebuild sees every bucket).
+        "trap" => std::process::abort(),
         other => Err(format!("unknown op {other:?}")),
     }
 }

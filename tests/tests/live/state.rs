@@ -187,13 +187,16 @@ async fn wait_seen(
 ) -> anyhow::Result<Value> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     loop {
-        let seen = node.seen(bucket).await?;
-        if done(&seen) {
-            return Ok(seen);
+        // An answer other than 200 ("guest rebuilding" after a trap) is waited out too.
+        let seen = node.seen(bucket).await;
+        if let Ok(seen) = &seen
+            && done(seen)
+        {
+            return Ok(seen.clone());
         }
         anyhow::ensure!(
             std::time::Instant::now() < deadline,
-            "the guest's view of {bucket} never got there: {seen}"
+            "the guest's view of {bucket} never got there: {seen:?}"
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
@@ -495,6 +498,29 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
     .await?;
     let seen = reader.seen("mine").await?;
     anyhow::ensure!(seen["entries"]["m"] == "1", "{seen}");
+    // A trap drops the reader's instance; the next is hydrated from every bucket's fold.
+    let trapped =
+        foldhost::serve::call(&reader.addr, "POST", "/query", br#"{"op":"trap"}"#).await?;
+    anyhow::ensure!(trapped.0 != 200, "the trap answered {trapped:?}");
+    let hydrations = |s: &Value| s["eoc"] == true;
+    let seen = wait_seen(&reader, "owner.notes", hydrations).await?;
+    let events: Vec<&str> = seen["events"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(Value::as_str)
+        .collect();
+    anyhow::ensure!(
+        seen["entries"]["b"] == "2"
+            && seen["entries"]["a"] == "1"
+            && events
+                .iter()
+                .all(|e| *e == "eoc" || e.starts_with("cur:put:"))
+            && seen["violations"] == json!([]),
+        "a fresh instance, hydrated from the bucket's fold: {seen}"
+    );
+    let mine = reader.seen("mine").await?;
+    anyhow::ensure!(mine["entries"]["m"] == "1" && mine["eoc"] == true, "{mine}");
     anyhow::ensure!(
         owner.stop()?.success() && reader.stop()?.success(),
         "clean stops"
