@@ -234,6 +234,14 @@ impl StateWriter for LaneWriter {
                 });
             };
             use base64::Engine as _;
+            // Minted here when the guest gave none, so a write that runs out of time still names
+            // the id to retry with.
+            let minted = req.op_id.is_none().then(crate::write::mint);
+            let op_id = req
+                .op_id
+                .clone()
+                .or_else(|| minted.as_ref().map(ToString::to_string))
+                .unwrap_or_default();
             let request = crate::write::WriteRequest {
                 key: req.key,
                 op: req.value.is_none().then(|| "delete".to_string()),
@@ -245,7 +253,14 @@ impl StateWriter for LaneWriter {
                 wait_ms: Some(0),
                 ..Default::default()
             };
-            let answer = path.write(request).await;
+            let write = path.write_minted(request, minted);
+            let Ok(answer) = tokio::time::timeout(req.within, write).await else {
+                return Ok(Written {
+                    outcome: WrittenOutcome::Unknown,
+                    op_id,
+                    revision: None,
+                });
+            };
             let outcome = match answer.outcome.as_str() {
                 "applied" => WrittenOutcome::Applied,
                 "pending" => WrittenOutcome::Pending,

@@ -247,7 +247,18 @@ impl WritePath {
 
     /// Answers one request.
     pub(crate) async fn write(&self, req: WriteRequest) -> WriteAnswer {
-        let c = match self.check(req) {
+        self.write_minted(req, None).await
+    }
+
+    /// [`WritePath::write`], with the id to use when the request names none minted by the caller
+    /// (so a caller that gives up waiting still knows the id to retry with); the write is treated
+    /// as a first attempt all the same.
+    pub(crate) async fn write_minted(
+        &self,
+        req: WriteRequest,
+        minted: Option<OpId>,
+    ) -> WriteAnswer {
+        let c = match self.check(req, minted) {
             Ok(c) => c,
             Err((r, op)) => return WriteAnswer::refused(r, op.as_ref()),
         };
@@ -378,13 +389,17 @@ impl WritePath {
 
     /// The request checked field by field; a refusal names the field (and carries the id when
     /// one was given or minted).
-    fn check(&self, req: WriteRequest) -> Result<Checked, (WriteRefusal, Option<OpId>)> {
+    fn check(
+        &self,
+        req: WriteRequest,
+        minted: Option<OpId>,
+    ) -> Result<Checked, (WriteRefusal, Option<OpId>)> {
         let invalid = |what: String| WriteRefusal::Invalid { what };
         let op = match req.op_id.as_deref() {
             Some(text) => {
                 OpId::parse(text).map_err(|e| (invalid(format!("op_id {text:?}: {e}")), None))?
             }
-            None => mint(),
+            None => minted.unwrap_or_else(mint),
         };
         let refuse = |r: WriteRefusal| (r, Some(op));
         if let Some(b) = &req.bucket

@@ -39,7 +39,8 @@ pub struct StateWriteRequest {
     pub op_id: Option<String>,
     /// Compare-and-set revision (0: absent).
     pub if_revision: Option<u64>,
-    /// How long the writer may take, at most (what is left of the guest call's deadline).
+    /// How long the writer may take, at most (within what is left of the guest call's deadline):
+    /// past it the writer answers `unknown` with the operation id, never later.
     pub within: Duration,
 }
 
@@ -77,7 +78,8 @@ pub struct WriteRefused {
 /// A boxed write in flight.
 pub type WriteFuture<'a> = Pin<Box<dyn Future<Output = Result<Written, WriteRefused>> + Send + 'a>>;
 
-/// Publishes admitted writes to a state bucket's server bucket (the host's write path).
+/// Publishes admitted writes to a state bucket's server bucket (the host's write path), each
+/// within its request's `within`.
 pub trait StateWriter: Send + Sync {
     /// Writes `req` to `bucket` (its server name in `bucket.bucket`).
     fn write<'a>(&'a self, bucket: &'a StateBucket, req: StateWriteRequest) -> WriteFuture<'a>;
