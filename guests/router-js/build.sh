@@ -6,7 +6,8 @@
 # makes it a component (~12 MB: the SpiderMonkey engine is inside).
 #
 #   build.sh        build (prints nothing on success; guests/build.sh prints the listing)
-#   build.sh test   the SDK's and the router's unit tests, under node with fake host imports
+#   build.sh test   the SDK's (both contracts': sdk/js/test/sdk.test.mjs, state.test.mjs) and the
+#                   router's unit tests, under node with fake host imports
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -20,7 +21,7 @@ if ! command -v node >/dev/null 2>&1; then
 fi
 
 if [[ "${1:-}" == "test" ]]; then
-    exec node --import "$sdk/test/fake-host.mjs" --test --test-reporter=spec "$sdk/test/sdk.test.mjs" "$here/router.test.mjs"
+    exec node --import "$sdk/test/fake-host.mjs" --test --test-reporter=spec "$sdk/test/sdk.test.mjs" "$sdk/test/state.test.mjs" "$here/router.test.mjs"
 fi
 
 if [[ ! -d "$sdk/node_modules/@bytecodealliance/componentize-js" ]]; then

@@ -52,6 +52,18 @@ export function utf8(string) {
  * `bytes` as text. Strict by default (`undefined` for bytes that are not UTF-8); with
  * `{ lossy: true }` each ill-formed sequence becomes U+FFFD, as Rust's `String::from_utf8_lossy`
  * does.
+ * @overload
+ * @param {Uint8Array} bytes
+ * @param {{lossy: true}} options
+ * @returns {string}
+ */
+/**
+ * @overload
+ * @param {Uint8Array} bytes
+ * @param {{lossy?: boolean}} [options]
+ * @returns {string | undefined}
+ */
+/**
  * @param {Uint8Array} bytes
  * @param {{lossy?: boolean}} [options]
  * @returns {string | undefined}
@@ -158,8 +170,24 @@ export function makeLog(rawLog) {
 // ---- The committed fold -------------------------------------------------------------------------
 
 /** A raw `entry` record with its revision as a Number. */
-export function entry(raw) {
+export function entryOf(raw) {
   return { key: raw.key, value: raw.value, revision: Number(raw.revision) };
+}
+
+/**
+ * `bytes` as a Uint8Array of this realm. componentize-js's bindings hand every `list<u8>` over as a
+ * Uint8Array of their own realm, which `instanceof Uint8Array` here misses (and so does anything
+ * `slice`d from it): over its buffer when that is this realm's (no copy), else copied.
+ */
+export function ownBytes(bytes) {
+  if (bytes instanceof Uint8Array) return bytes;
+  if (bytes.buffer instanceof ArrayBuffer) return new Uint8Array(bytes.buffer, bytes.byteOffset, bytes.byteLength);
+  return new Uint8Array(bytes);
+}
+
+/** Whether `value` is a Uint8Array of any realm. */
+export function isBytes(value) {
+  return value instanceof Uint8Array || Object.prototype.toString.call(value) === '[object Uint8Array]';
 }
 
 /** The host caps a page at 10 000 entries; a smaller default keeps one page's memory modest. */
@@ -169,8 +197,10 @@ export const DEFAULT_PAGE = 1000;
  * The `fold` object over a contract's raw `fold` import: read access to the host's committed fold
  * of the main bucket (the raw bytes as of the last committed batch, never the batch being applied).
  * @param {{get: Function, scan: Function}} rawFold
+ * @param {(raw: object) => {key: string, value: Uint8Array, revision: number}} [entry] a raw entry
+ *   as handed out
  */
-export function makeFold(rawFold) {
+export function makeFold(rawFold, entry = entryOf) {
   const fold = {
     /**
      * The live entry for `key`, or `undefined`.
@@ -275,8 +305,11 @@ export function judge(guest, prefixes, rawLog, pending, key, value, op, revision
   throw new TypeError(e);
 }
 
-/** `guest.query(request)` as the WIT's `result<list<u8>, string>`: bytes, or a thrown string. */
-export function answer(guest, request) {
+/**
+ * `guest.query(request)` as the WIT's `result<list<u8>, string>`: bytes, or a thrown string. With
+ * `anyRealm`, a Uint8Array of another realm (bytes the bindings handed over) is an answer too.
+ */
+export function answer(guest, request, { anyRealm = false } = {}) {
   if (typeof guest.query !== 'function') throw 'this guest answers no queries';
   let answer;
   try {
@@ -287,5 +320,6 @@ export function answer(guest, request) {
   if (typeof answer === 'string') return encoder.encode(answer);
   if (answer instanceof Uint8Array) return answer;
   if (answer instanceof ArrayBuffer) return new Uint8Array(answer);
+  if (anyRealm && isBytes(answer)) return ownBytes(answer);
   throw `query returned ${String(answer)}: return a Uint8Array or a string`;
 }

@@ -86,9 +86,42 @@ import * as rawFold from 'foldhost:guest/fold@0.3.0';
 import { log as rawLog } from 'foldhost:guest/log@0.3.0';
 import * as rawState from 'foldhost:guest/state@0.3.0';
 
-import { DEFAULT_PAGE, answer, checkGuest, entry, judge, makeFold, makeLog, message, utf8 } from './foldhost-guest-core.js';
+import { DEFAULT_PAGE, answer, checkGuest, isBytes, judge, makeFold, makeLog, message, ownBytes, utf8 } from './foldhost-guest-core.js';
 
 export { DEFER, SKIP, accept, format, json, text, utf8 } from './foldhost-guest-core.js';
+
+/**
+ * A change of the main bucket, handed to `apply`: `value` is what `parse` accepted.
+ * @typedef {{op: 'put', key: string, rest: string, revision: number, value: any}
+ *   | {op: 'delete', key: string, rest: string, revision: number}} Change
+ */
+/**
+ * A change of a declared bucket, handed to `applyState`: `value` is the raw bytes.
+ * @typedef {{op: 'put', key: string, revision: number, value: Uint8Array}
+ *   | {op: 'delete', key: string, revision: number}} StateChange
+ */
+/**
+ * How a write is made: `opId` makes a retry safe (the host mints one when absent); `ifRevision`:
+ * compare-and-set (0: the key is absent); `waitMs`: from `query`, how long to wait for this node to
+ * apply it; `ttlMs`: a time to live of its own (a bucket declared with `perKeyTtl`).
+ * @typedef {{opId?: string, ifRevision?: number | bigint, waitMs?: number, ttlMs?: number | bigint}} WriteOptions
+ */
+/**
+ * A write's answer: 'applied' or 'pending' (durable at `revision`: do not retry), or 'unknown'
+ * (retry with the same `opId`).
+ * @typedef {{outcome: 'applied'|'pending'|'unknown', opId: string, revision: number | undefined}} Written
+ */
+
+// ---- Bytes --------------------------------------------------------------------------------------
+
+// componentize-js's bindings hand every `list<u8>` over (a batch, a request, an entry's value) as a
+// Uint8Array of their own realm, which `instanceof Uint8Array` in the guest misses. This module
+// hands the guest only Uint8Arrays of its own realm (`ownBytes`), and takes either.
+
+/** A raw `entry` record: its value a Uint8Array of this realm, its revision a Number. */
+function entry(raw) {
+  return { key: raw.key, value: ownBytes(raw.value), revision: Number(raw.revision) };
+}
 
 // ---- Logging and the committed fold of the main bucket ------------------------------------------
 
@@ -100,7 +133,7 @@ export const log = makeLog(rawLog);
  * `get(key)`, `scan(prefix, { startAfter, limit })`, `scanAll(prefix, { pageSize })`, as
  * foldhost-guest's `fold`.
  */
-export const fold = makeFold(rawFold);
+export const fold = makeFold(rawFold, entry);
 
 // ---- Packed batches -----------------------------------------------------------------------------
 
@@ -114,10 +147,11 @@ const strictUtf8 = new TextDecoder('utf-8', { fatal: true, ignoreBOM: true });
  * The updates of a packed batch, in order: `{ key, value, revision, op }`, `value` a copy of its
  * bytes (empty for a delete or a purge), `revision` a Number, `op` 'put', 'delete' or 'purge'.
  * Throws a RangeError on a torn or malformed batch (a host never sends one).
- * @param {Uint8Array} batch
+ * @param {Uint8Array} packed
  * @returns {{key: string, value: Uint8Array, revision: number, op: 'put'|'delete'|'purge'}[]}
  */
-export function unpack(batch) {
+export function unpack(packed) {
+  const batch = ownBytes(packed);
   const view = new DataView(batch.buffer, batch.byteOffset, batch.byteLength);
   const updates = [];
   let at = 0;
@@ -140,7 +174,7 @@ export function unpack(batch) {
     // A copy: a view would keep the whole batch alive as long as the guest keeps the value.
     const value = batch.slice(at, at + valueLength);
     at += valueLength;
-    updates.push({ key, value, revision, op });
+    updates.push({ key, value, revision, op: /** @type {'put'|'delete'|'purge'} */ (op) });
   }
   return updates;
 }
@@ -197,7 +231,7 @@ function verb(f) {
   try {
     return f();
   } catch (e) {
-    const refusal = e !== null && typeof e === 'object' ? e.payload : undefined;
+    const refusal = e !== null && typeof e === 'object' ? /** @type {any} */ (e).payload : undefined;
     if (refusal !== null && typeof refusal === 'object' && typeof refusal.reason === 'string') {
       throw new Refused(refusal);
     }
@@ -208,19 +242,25 @@ function verb(f) {
 /** A value to write: bytes as they are, a string as UTF-8. */
 function bytesOf(value) {
   if (typeof value === 'string') return utf8(value);
-  if (value instanceof Uint8Array) return value;
+  if (isBytes(value)) return ownBytes(value);
   if (value instanceof ArrayBuffer) return new Uint8Array(value);
   throw new TypeError(`state.put: the value must be a Uint8Array or a string, not ${String(value)}`);
 }
 
 const u64 = (n) => (n === undefined || n === null ? undefined : BigInt(n));
 
-/** The WIT's `write-options` from `{ opId, ifRevision, waitMs, ttlMs }`. */
+/**
+ * The WIT's `write-options` from `{ opId, ifRevision, waitMs, ttlMs }`.
+ * @param {WriteOptions} [options]
+ */
 function writeOptions({ opId, ifRevision, waitMs = 0, ttlMs } = {}) {
   return { opId: opId ?? undefined, ifRevision: u64(ifRevision), waitMs, ttlMs: u64(ttlMs) };
 }
 
-/** A raw `written` with its revision as a Number (or `undefined` when not known). */
+/**
+ * A raw `written` with its revision as a Number (or `undefined` when not known).
+ * @returns {Written}
+ */
 function written(raw) {
   const revision = raw.revision === undefined || raw.revision === null ? undefined : Number(raw.revision);
   return { outcome: raw.outcome, opId: raw.opId, revision };
@@ -277,11 +317,8 @@ export const state = {
    * @param {string} bucket
    * @param {string} key
    * @param {Uint8Array | string} value
-   * @param {{opId?: string, ifRevision?: number, waitMs?: number, ttlMs?: number}} [options]
-   *   `opId`: makes a retry safe (the host mints one when absent); `ifRevision`: compare-and-set
-   *   (0: the key is absent); `waitMs`: from `query`, how long to wait for this node to apply it;
-   *   `ttlMs`: a time to live of its own (a bucket declared with `perKeyTtl`)
-   * @returns {{outcome: 'applied'|'pending'|'unknown', opId: string, revision: number | undefined}}
+   * @param {WriteOptions} [options]
+   * @returns {Written}
    */
   put(bucket, key, value, options) {
     const bytes = bytesOf(value);
@@ -292,8 +329,8 @@ export const state = {
    * Deletes `key` of an owned bucket (the same rules and options as `put`).
    * @param {string} bucket
    * @param {string} key
-   * @param {{opId?: string, ifRevision?: number, waitMs?: number, ttlMs?: number}} [options]
-   * @returns {{outcome: 'applied'|'pending'|'unknown', opId: string, revision: number | undefined}}
+   * @param {WriteOptions} [options]
+   * @returns {Written}
    */
   delete(bucket, key, options) {
     return written(verb(() => rawState.delete(bucket, key, writeOptions(options))));
@@ -331,9 +368,9 @@ function stateBucket(declared) {
  * @param {(config: Map<string, string>) => void} [guest.init] the operator's configuration
  * @param {(key: string, value: Uint8Array, rest: string) => import('./foldhost-guest-core.js').Verdict} guest.parse
  *   decodes one put of the main bucket in scope; must not change the guest's state
- * @param {(changes: object[]) => void} guest.apply applies what the last parse of the main bucket
+ * @param {(changes: Change[]) => void} guest.apply applies what the last parse of the main bucket
  *   accepted, in order
- * @param {(bucket: string, changes: object[]) => void} [guest.applyState] applies a declared
+ * @param {(bucket: string, changes: StateChange[]) => void} [guest.applyState] applies a declared
  *   bucket's updates, in order
  * @param {(bucket: string) => void} [guest.endOfCurrent] every current value of `bucket` (`""`:
  *   the main bucket) has been given; what follows are changes
@@ -351,7 +388,8 @@ export function exportFolder(guest) {
     throw new TypeError("exportFolder: manifest.reads: each a string '<module>.<name>'");
   }
   for (const hook of ['applyState', 'endOfCurrent', 'onStateApplied', 'onApplied', 'init', 'query']) {
-    if (guest[hook] !== undefined && typeof guest[hook] !== 'function') {
+    const f = /** @type {Record<string, unknown>} */ (guest)[hook];
+    if (f !== undefined && typeof f !== 'function') {
       throw new TypeError(`exportFolder: ${hook} must be a function`);
     }
   }
@@ -437,7 +475,7 @@ export function exportFolder(guest) {
     },
 
     query(request) {
-      return answer(guest, request);
+      return answer(guest, ownBytes(request), { anyRealm: true });
     },
   };
 }

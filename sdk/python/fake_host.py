@@ -14,14 +14,16 @@ over:
 
 - ``FAKE.buckets``: each declared bucket's committed fold, by the name the guest declares it by
   (bucket -> key -> (value, revision)). ``FAKE.declare(manifest)`` adds an empty one for each
-  bucket a manifest (the SDK's or the WIT's) owns or reads. A bucket not in it is ``undeclared``.
-- ``FAKE.read_only``: the buckets only read (``declare`` fills it): a write is ``read_only``.
-- ``FAKE.refusal``: ``(reason, message)`` to refuse every write with (``None``: none refused).
-- ``FAKE.writes``: every write made, ``("put", bucket, key, value, options)`` or
-  ``("delete", bucket, key, options)``. A write lands in ``FAKE.buckets`` at once, at the
-  bucket's next revision, and answers ``applied`` (an ``if_revision`` that is not the key's
-  revision, 0 for an absent key, is refused ``conflict``). The fake does not refuse a write from
-  ``parse`` or ``apply`` (``wrong_call``) as the host does.
+  bucket a manifest (the SDK's or the WIT's) owns or reads. A bucket not in it is refused
+  ``undeclared``; a write to one whose name has a ``.`` (another module's) ``read_only``; an
+  ``if_revision`` that is not the key's revision (0: absent) ``conflict``.
+- ``FAKE.refuse``: when set, ``(verb, bucket, key) -> (reason, message) or None``: a refusal the
+  host would make (``wrong_call``, ``too_large``, ``bucket_full``, ...) before the fake's checks.
+- ``FAKE.writes``: every write made (not those refused), ``("put", bucket, key, value,
+  options)`` or ``("delete", bucket, key, options)``. A write lands in ``FAKE.buckets`` at once,
+  at the bucket's next revision (``FAKE.revisions``: each bucket's last), and answers ``applied``
+  (the host answers a write from a guest call ``pending``, and its fold applies it with the
+  bucket's next batch).
 
 ``FAKE.packed(bucket, updates)`` makes a packed batch (0.3.0's ``parse``) of ``(key, value,
 revision[, op])`` tuples — ``op`` ``"put"`` (the default), ``"delete"`` or ``"purge"``, ``value``
@@ -63,9 +65,9 @@ class Fake:
         self.logs: list[tuple[str, str]] = []
         self.page_cap = 10_000
         self.buckets: dict[str, dict[str, tuple[bytes, int]]] = {}
-        self.read_only: set[str] = set()
-        self.refusal = None
+        self.refuse = None
         self.writes: list[tuple] = []
+        self.revisions: dict[str, int] = {}  # each bucket's last revision ("": the main bucket)
 
     def declare(self, manifest) -> None:
         """An empty fold for each bucket ``manifest`` owns (``state``) or reads (``reads``)."""
@@ -73,13 +75,13 @@ class Fake:
             self.buckets.setdefault(bucket.name, {})
         for bucket in manifest.reads:
             self.buckets.setdefault(bucket, {})
-            self.read_only.add(bucket)
 
     def packed(self, bucket: str, updates) -> bytes:
         """``pack(updates)``, folded into the fake's fold of ``bucket`` (``""``: ``entries``)."""
         updates = list(updates)
         fold = self.entries if bucket == "" else self.buckets.setdefault(bucket, {})
         for key, value, revision, *op in updates:
+            self.revisions[bucket] = max(self.revisions.get(bucket, 0), revision)
             if op and op[0] != "put":
                 fold.pop(key, None)
             else:
@@ -128,48 +130,49 @@ def _install_state(state, types) -> None:
     def refuse(reason, message):
         return Err(state.Refusal(reason, message))
 
-    def declared(bucket):
+    def declared(verb, bucket, key):
+        refusal = FAKE.refuse and FAKE.refuse(verb, bucket, key)
+        if refusal:
+            raise refuse(*refusal)
         fold = FAKE.buckets.get(bucket)
         if fold is None:
             raise refuse("undeclared", f"bucket {bucket!r} is not in the manifest")
         return fold
 
-    def writable(bucket, key, options):
-        fold = declared(bucket)
-        if bucket in FAKE.read_only:
+    def writable(verb, bucket, key, options):
+        fold = declared(verb, bucket, key)
+        if "." in bucket:
             raise refuse("read_only", f"bucket {bucket!r} is only read")
-        if FAKE.refusal is not None:
-            raise refuse(*FAKE.refusal)
         current = fold.get(key, (b"", 0))[1]
         if options.if_revision is not None and options.if_revision != current:
             raise refuse("conflict", f"{bucket}/{key} is at revision {current}, not {options.if_revision}")
         return fold
 
-    def written(fold, options):
-        revision = max((r for _, r in fold.values()), default=0) + 1
+    def written(bucket, options):
+        revision = FAKE.revisions[bucket] = FAKE.revisions.get(bucket, 0) + 1
         op_id = options.op_id or f"fake-op-{len(FAKE.writes)}"
         return revision, state.Written(state.Outcome.APPLIED, op_id, revision)
 
     def get(bucket, key):
-        e = declared(bucket).get(key)
+        e = declared("get", bucket, key).get(key)
         return None if e is None else types.Entry(key, *e)
 
     def keys(bucket, prefix, start_after, limit):
-        fold = declared(bucket)
+        fold = declared("keys", bucket, prefix)
         found = sorted(k for k in fold if k.startswith(prefix) and (start_after is None or k > start_after))
         return found[: min(limit, FAKE.page_cap)]
 
     def put(bucket, key, value, options):
-        fold = writable(bucket, key, options)
+        fold = writable("put", bucket, key, options)
         FAKE.writes.append(("put", bucket, key, value, options))
-        revision, answer = written(fold, options)
+        revision, answer = written(bucket, options)
         fold[key] = (value, revision)
         return answer
 
     def delete(bucket, key, options):
-        fold = writable(bucket, key, options)
+        fold = writable("delete", bucket, key, options)
         FAKE.writes.append(("delete", bucket, key, options))
-        _, answer = written(fold, options)
+        _, answer = written(bucket, options)
         fold.pop(key, None)
         return answer
 

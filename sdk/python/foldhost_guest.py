@@ -2,9 +2,10 @@
 
 A guest is a component of the world ``foldhost:guest/guest@0.1.0`` (wit/guest.wit), or, to keep
 state in NATS buckets, of ``foldhost:guest/guest@0.3.0`` (wit/v0.3.0/guest.wit; see "State
-buckets" below), built with componentize-py. Its raw exports are batch-shaped (``parse`` gets a list of updates, ``apply`` gets
-nothing and must remember what ``parse`` accepted); this module turns them into the shape of the
-Rust SDK's ``Folder`` trait (sdk/rust), so a guest author writes only the domain logic::
+buckets" below), built with componentize-py. Its raw exports are batch-shaped (``parse`` gets a
+list of updates, ``apply`` gets nothing and must remember what ``parse`` accepted); this module
+turns them into the shape of the Rust SDK's ``Folder`` trait (sdk/rust), so a guest author writes
+only the domain logic::
 
     import foldhost_guest as fg
 
@@ -74,9 +75,11 @@ A 0.3.0 guest declares the buckets it owns and the other modules' buckets it rea
         def apply_state(self, bucket, changes):      # "catalog.items" or "counts"
             ...                                      # Put.value is the raw bytes
 
-        def on_applied(self, cursor, bucket=""):     # "" is the main bucket
-            if bucket == "":
+        def on_applied(self, cursor):                # the main bucket committed: write here
+            try:
                 fg.state.put("counts", "total", str(self.count))
+            except fg.Refused as refused:            # refused.reason: one word
+                fg.log.warn(str(refused))            # "refused (<reason>): <message>"
 
 and, next to the 0.1.0 API, which stays as it is for the main bucket:
 
@@ -87,19 +90,27 @@ and, next to the 0.1.0 API, which stays as it is for the main bucket:
   accepted without a ``parse``: ``Put.value`` is the raw bytes, ``rest`` the whole key (a state
   bucket has no scope). Raise to fail the batch, as ``apply``. The default ignores them.
 - ``end_of_current(bucket)``: every current value of ``bucket`` (``""``: the main bucket) has been
-  given; what follows are changes. Once per bucket per instance. No error channel (as
-  ``on_applied``). The default does nothing.
-- ``on_applied(cursor, bucket="")``: ``bucket`` is ``""`` for the main bucket. A folder whose
-  ``on_applied`` takes only the cursor (0.1.0's signature) is called for the main bucket only.
+  given; what follows are changes. Once per bucket per instance. The default does nothing.
+- ``on_applied(cursor)`` stays the main bucket's; ``on_state_applied(bucket, cursor)`` is a
+  declared bucket's (the default does nothing). ``end_of_current``, ``on_applied`` and
+  ``on_state_applied`` have no error channel: an exception is logged, then traps the instance.
 - ``state``: the ``state`` import. ``state.get(bucket, key)`` (an entry or ``None``),
   ``state.keys(bucket, prefix, start_after, limit)`` (one page of keys) and ``state.keys_all``
   read this node's committed fold of a declared bucket, from any call; ``state.put(bucket, key,
-  value, ...)`` and ``state.delete(bucket, key, ...)`` write an owned one, from ``on_applied`` and
-  ``query`` only, and answer a ``Written`` (``outcome`` ``"applied"``, ``"pending"`` or
-  ``"unknown"``, ``op_id``, ``revision``). A call the host refuses raises ``Refused`` with
-  ``reason`` (``undeclared``, ``read_only``, ``wrong_call``, ``too_large``, ``bucket_full``,
-  ``credential``, ``no_ttl``, ``conflict``, ``op_reused``, ``permission``, ``invalid``) and
-  ``message``; on 0.1.0's bindings every ``state`` call raises ``RuntimeError``.
+  value, ...)`` and ``state.delete(bucket, key, ...)`` write an owned one, from ``on_applied``,
+  ``on_state_applied`` and ``query`` only (the host refuses a write from ``parse`` or ``apply``:
+  they re-run on hydration and retry), and answer a ``Written`` (``outcome`` ``"applied"``,
+  ``"pending"`` — durable at ``revision``, do not retry; a write from inside a guest call usually
+  is — or ``"unknown"`` — retry with the same ``op_id``). A call the host refuses raises
+  ``Refused``: ``reason`` is one word (``undeclared``, ``read_only``, ``wrong_call``,
+  ``too_large``, ``bucket_full``, ``credential``, ``no_ttl``, or the write path's ``conflict``,
+  ``op_reused``, ``permission``, ``invalid``), ``message`` the host's explanation, and its text
+  ``refused (<reason>): <message>``. Uncaught, it is what any other exception is: ``apply``'s or
+  ``query``'s error, a trap in ``on_applied`` — catch it where a refusal is an expected answer (a
+  write from ``on_applied`` should, or a full bucket traps the instance batch after batch). On
+  0.1.0's bindings every ``state`` call raises ``RuntimeError``.
+
+The names follow the Rust SDK's ``state`` feature and the JS SDK's ``foldhost-guest/state``.
 
 Build a 0.3.0 guest with ``componentize-py -d WIT_DIR/v0.3.0 -w guest componentize ...``; its
 native tests run with ``FOLDHOST_WIT=WIT_DIR/v0.3.0`` (fake_host.py).
@@ -107,7 +118,6 @@ native tests run with ``FOLDHOST_WIT=WIT_DIR/v0.3.0`` (fake_host.py).
 
 from __future__ import annotations
 
-import inspect as _inspect
 import json as _json
 import struct as _struct
 from dataclasses import dataclass, field
@@ -251,15 +261,19 @@ class Folder:
         """Applies, in order, what the last ``parse`` accepted. Raise to fail the batch."""
         raise NotImplementedError
 
-    def on_applied(self, cursor: int, bucket: str = "") -> None:
-        """The host has committed everything through ``cursor`` (a bucket revision) of ``bucket``
-        (``""``, the main bucket; contract 0.3.0 also a declared state bucket's name). The place
-        to write state (``state.put``). A folder may define it with the cursor alone."""
+    def on_applied(self, cursor: int) -> None:
+        """The host has committed everything through ``cursor`` (a bucket revision) of the main
+        bucket. Contract 0.3.0: a place to write state (``state.put``)."""
+
+    def on_state_applied(self, bucket: str, cursor: int) -> None:
+        """Contract 0.3.0: the host has committed everything of the declared bucket ``bucket``
+        through ``cursor``. A place to write state, as ``on_applied``."""
 
     def apply_state(self, bucket: str, changes: list[Change]) -> None:
         """Contract 0.3.0: applies, in order, a batch of the declared bucket ``bucket`` (every
         update, no ``parse``: ``Put.value`` is the raw bytes, ``rest`` the whole key). Raise to
-        fail the batch. Must not write state (the host refuses it: the batch re-runs)."""
+        fail the batch. Must not write state (the host refuses it: the batch re-runs). The
+        default ignores them."""
 
     def end_of_current(self, bucket: str) -> None:
         """Contract 0.3.0: every current value of ``bucket`` (``""``: the main bucket) has been
@@ -392,11 +406,11 @@ class Refused(Exception):
     """A ``state`` call the host refused, before anything reached the server: ``reason`` is one
     word (``undeclared``, ``read_only``, ``wrong_call``, ``too_large``, ``bucket_full``,
     ``credential``, ``no_ttl``, or the write path's ``conflict``, ``op_reused``, ``permission``,
-    ``invalid``), ``message`` says what and why, for a person. Its text is ``"reason: message"``
-    (what a query answers when it lets the exception out)."""
+    ``invalid``), ``message`` says what and why, for a person. Its text is
+    ``"refused (<reason>): <message>"`` (what a query answers when it lets the exception out)."""
 
     def __init__(self, reason: str, message: str):
-        super().__init__(f"{reason}: {message}")
+        super().__init__(f"refused ({reason}): {message}")
         self.reason = reason
         self.message = message
 
@@ -426,7 +440,8 @@ def _state_call(verb: str, *args: Any) -> Any:
         raise Refused(refusal.reason, refusal.message) from None
 
 
-def _options(op_id: Optional[str], if_revision: Optional[int], wait_ms: int, ttl_ms: Optional[int]) -> Any:
+def _options(op_id: Optional[str], if_revision: Optional[int], wait_ms: int,
+             ttl_ms: Optional[int]) -> Any:
     return _state.WriteOptions(op_id, if_revision, wait_ms, ttl_ms) if _state is not None else None
 
 
@@ -447,7 +462,8 @@ class _State:
         return _state_call("get", bucket, key)
 
     @staticmethod
-    def keys(bucket: str, prefix: str = "", start_after: Optional[str] = None, limit: int = _DEFAULT_PAGE) -> list[str]:
+    def keys(bucket: str, prefix: str = "", start_after: Optional[str] = None,
+             limit: int = _DEFAULT_PAGE) -> list[str]:
         """One page of the keys of ``bucket`` that start with ``prefix``, in key order, strictly
         after ``start_after``. The host caps ``limit``: page on with the last key until a page
         comes back empty (or use ``keys_all``)."""
@@ -476,10 +492,10 @@ class _State:
         ttl_ms: Optional[int] = None,
     ) -> Written:
         """Writes ``value`` (bytes, or str sent as UTF-8) at ``key`` of an owned bucket, from
-        ``on_applied`` or ``query`` only. ``op_id`` (a UUIDv7) makes a retry safe (the host mints
-        one when absent); ``if_revision`` makes it a compare-and-set (0: the key is absent);
-        ``wait_ms`` (from ``query``) how long to wait for this node's fold to apply it;
-        ``ttl_ms`` a time to live of its own (a bucket declared ``per_key_ttl``)."""
+        ``on_applied``, ``on_state_applied`` or ``query`` only. ``op_id`` (a UUIDv7) makes a retry
+        safe (the host mints one when absent); ``if_revision`` makes it a compare-and-set (0: the
+        key is absent); ``wait_ms`` (from ``query``) how long to wait for this node's fold to apply
+        it; ``ttl_ms`` a time to live of its own (a bucket declared ``per_key_ttl``)."""
         if isinstance(value, str):
             value = value.encode()
         options = _options(op_id, if_revision, wait_ms, ttl_ms)
@@ -601,17 +617,6 @@ def _unpack(batch: bytes) -> Iterator[tuple[str, bytes, int, int]]:
         at += value_len
 
 
-def _takes_bucket(method: Any) -> bool:
-    """Whether ``on_applied`` takes a bucket after the cursor (0.1.0's takes the cursor alone)."""
-    try:
-        _inspect.signature(method).bind(0, "")
-    except TypeError:
-        return False
-    except ValueError:  # no signature to read: assume the full one
-        return True
-    return True
-
-
 class _StateRuntime(_Runtime):
     """Contract 0.3.0's runtime: packed batches tagged with their bucket. A main-bucket batch goes
     through the folder's ``parse`` and ``apply`` as in 0.1.0; a state bucket's through
@@ -622,16 +627,18 @@ class _StateRuntime(_Runtime):
         m = self.manifest
         for bucket in m.state:
             if not isinstance(bucket, StateBucket):
-                raise TypeError(f"{cls.__name__}.manifest.state: {bucket!r} is not a foldhost_guest.StateBucket")
+                raise TypeError(f"{cls.__name__}.manifest.state: {bucket!r} is not a StateBucket")
         for read in m.reads:
             if not isinstance(read, str):
                 raise TypeError(f"{cls.__name__}.manifest.reads: {read!r} is not a str")
         self.bucket = ""  # the bucket of the last parse
-        self.on_applied_takes_bucket = _takes_bucket(self.folder.on_applied)
 
     def wit_manifest(self) -> _types.GuestManifest:
         m = self.manifest
-        state = [_types.StateBucket(b.name, b.history, b.max_age_ms, b.max_bytes, b.per_key_ttl) for b in m.state]
+        state = [
+            _types.StateBucket(b.name, b.history, b.max_age_ms, b.max_bytes, b.per_key_ttl)
+            for b in m.state
+        ]
         return _types.GuestManifest(m.name, m.version, list(m.scope), state, list(m.reads))
 
     def parse_packed(self, bucket: str, batch: bytes) -> list[_types.Verdict]:
@@ -639,13 +646,14 @@ class _StateRuntime(_Runtime):
         self.bucket = bucket
         try:
             updates = list(_unpack(batch))
-        except (ValueError, UnicodeDecodeError) as e:
+        except ValueError as e:  # UnicodeDecodeError included
             log.error("parse of bucket %r: %s", bucket, _message(e))
             raise
         if bucket == "":
-            return [self.verdict(key, value, revision, op == 0) for key, value, revision, op in updates]
+            return [self.verdict(key, value, rev, op == 0) for key, value, rev, op in updates]
         for key, value, revision, op in updates:
-            self.pending.append(Put(key, key, revision, value) if op == 0 else Delete(key, key, revision))
+            change = Put(key, key, revision, value) if op == 0 else Delete(key, key, revision)
+            self.pending.append(change)
         return [_types.Verdict.ACCEPT] * len(updates)
 
     def apply(self) -> None:
@@ -656,10 +664,10 @@ class _StateRuntime(_Runtime):
             self.folder.apply_state(self.bucket, changes)
 
     def on_applied(self, bucket: str, cursor: int) -> None:
-        if self.on_applied_takes_bucket:
-            self.folder.on_applied(cursor, bucket)
-        elif bucket == "":
+        if bucket == "":
             self.folder.on_applied(cursor)
+        else:
+            self.folder.on_state_applied(bucket, cursor)
 
 
 def export(cls: type[Folder]) -> type:

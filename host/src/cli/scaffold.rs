@@ -78,6 +78,54 @@ const RUST_STATE: &[Template] = &[
     file(".gitignore", "target/\n"),
 ];
 
+const JS_STATE: &[Template] = &[
+    file("guest.js", include_str!("templates/js-state/guest.js.tmpl")),
+    file(
+        "guest.test.mjs",
+        include_str!("templates/js-state/guest.test.mjs.tmpl"),
+    ),
+    file(
+        "package.json",
+        include_str!("templates/js-state/package.json.tmpl"),
+    ),
+    file(
+        "jsconfig.json",
+        include_str!("templates/js-state/jsconfig.json.tmpl"),
+    ),
+    script("build.sh", include_str!("templates/js-state/build.sh.tmpl")),
+    file(
+        "README.md",
+        include_str!("templates/js-state/README.md.tmpl"),
+    ),
+    file(
+        ".gitignore",
+        include_str!("templates/js-state/gitignore.tmpl"),
+    ),
+];
+
+const PYTHON_STATE: &[Template] = &[
+    file(
+        "guest.py",
+        include_str!("templates/python-state/guest.py.tmpl"),
+    ),
+    file(
+        "test_guest.py",
+        include_str!("templates/python-state/test_guest.py.tmpl"),
+    ),
+    script(
+        "build.sh",
+        include_str!("templates/python-state/build.sh.tmpl"),
+    ),
+    file(
+        "README.md",
+        include_str!("templates/python-state/README.md.tmpl"),
+    ),
+    file(
+        ".gitignore",
+        include_str!("templates/python-state/gitignore.tmpl"),
+    ),
+];
+
 const C: &[Template] = &[
     file("guest.c", include_str!("templates/c/guest.c.tmpl")),
     script("build.sh", include_str!("templates/c/build.sh.tmpl")),
@@ -132,7 +180,9 @@ impl Lang {
     fn state_templates(self) -> Option<&'static [Template]> {
         match self {
             Lang::Rust => Some(RUST_STATE),
-            Lang::Js | Lang::Python | Lang::C => None,
+            Lang::Js => Some(JS_STATE),
+            Lang::Python => Some(PYTHON_STATE),
+            Lang::C => None,
         }
     }
 
@@ -208,7 +258,9 @@ pub(super) fn cmd_new_guest(a: NewGuestArgs) -> anyhow::Result<()> {
             );
         }
         lang.state_templates().with_context(|| {
-            format!("--state: no {lang:?} scaffold of a guest that keeps state (rust has one)")
+            format!(
+                "--state: no {lang:?} scaffold of a guest that keeps state (rust, js and python have one)"
+            )
         })?
     } else {
         lang.templates()

@@ -3,10 +3,18 @@
 const sdk = new URL('../foldhost-guest.js', import.meta.url).href;
 const sdkState = new URL('../foldhost-guest-state.js', import.meta.url).href;
 
-const fold = `
+// As componentize-js's bindings hand them over: u64 as BigInt, option as undefined; for contract
+// 0.3.0 also bytes as Uint8Arrays of another realm (the bindings' own), which `instanceof` in the
+// guest misses: the 0.3.0 SDK must not rely on it. (The 0.1.0 fakes keep this realm's bytes.)
+const foreign = `
+    import { runInNewContext } from 'node:vm';
+    const Foreign = runInNewContext('Uint8Array');
+    const bytes = (b) => new Foreign(b);`;
+
+const foldOf = (foreignBytes) => `
+    ${foreignBytes ? foreign : 'const bytes = (b) => b;'}
     const fake = () => globalThis.foldhostFake;
-    // As the host's bindings hand them over: u64 as BigInt, option as undefined.
-    const raw = (key, e) => ({ key, value: e.value, revision: BigInt(e.revision) });
+    const raw = (key, e) => ({ key, value: bytes(e.value), revision: BigInt(e.revision) });
     export function get(key) {
       const e = fake().entries.get(key);
       return e === undefined ? undefined : raw(key, e);
@@ -26,6 +34,7 @@ const log = `
 // The state verbs over foldhostFake.state. A refusal is thrown as componentize-js throws a WIT
 // result's error: an Error whose own property `payload` is the error value (jco's ComponentError).
 const state = `
+    ${foreign}
     const fake = () => globalThis.foldhostFake;
     class ComponentError extends Error {
       constructor(value) {
@@ -62,7 +71,7 @@ const state = `
     }
     export function get(bucket, key) {
       const e = folded('get', bucket, key).get(key);
-      return e === undefined ? undefined : { key, value: e.value, revision: BigInt(e.revision) };
+      return e === undefined ? undefined : { key, value: bytes(e.value), revision: BigInt(e.revision) };
     }
     export function keys(bucket, prefix, startAfter, limit) {
       return [...folded('keys', bucket, prefix).keys()]
@@ -79,9 +88,9 @@ const state = `
     export { del as delete };`;
 
 const fakes = {
-  'foldhost:guest/fold@0.1.0': fold,
+  'foldhost:guest/fold@0.1.0': foldOf(false),
   'foldhost:guest/log@0.1.0': log,
-  'foldhost:guest/fold@0.3.0': fold,
+  'foldhost:guest/fold@0.3.0': foldOf(true),
   'foldhost:guest/log@0.3.0': log,
   'foldhost:guest/state@0.3.0': state,
 };

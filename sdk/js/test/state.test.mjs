@@ -4,6 +4,7 @@
 // updates, end-of-current, on-applied per bucket, and the state verbs.
 import assert from 'node:assert/strict';
 import { beforeEach, test } from 'node:test';
+import { runInNewContext } from 'node:vm';
 
 import * as v1 from '../foldhost-guest.js';
 import { DEFER, Refused, SKIP, accept, exportFolder, fold, log, pack, state, text, unpack } from '../foldhost-guest-state.js';
@@ -317,4 +318,51 @@ test('both entry modules share the verdicts, text and json; each has its own log
   assert.notEqual(v1.log, log);
   fake.entries.set('k', { value: bytes('v'), revision: 1 });
   assert.deepEqual(fold.get('k'), v1.fold.get('k'));
+});
+
+test("bytes of the bindings' realm: the guest gets its own realm's, and may answer either", () => {
+  // componentize-js hands every list<u8> over as a Uint8Array of its bindings' realm.
+  const Foreign = runInNewContext('Uint8Array');
+  const foreign = (b) => new Foreign(b);
+  assert.equal(foreign(bytes('x')) instanceof Uint8Array, false);
+
+  const seen = {};
+  const folder = exportFolder({
+    manifest: { name: 'r', version: '1', reads: ['m.b'] },
+    parse: (key, value) => ((seen.parsed = value), accept(value)),
+    apply: ([change]) => (seen.applied = change.value),
+    applyState: (bucket, [change]) => (seen.state = change.value),
+    query(request) {
+      seen.request = request;
+      const q = text(request);
+      if (q === 'foreign') return foreign(bytes('raw'));
+      if (q === 'kept') return seen.applied;
+      return state.get('m.b', q)?.value ?? fold.get(q)?.value ?? 'none';
+    },
+  });
+  folder.parse('', foreign(pack([{ key: 'k', value: 'v' }])));
+  folder.apply();
+  folder.parse('m.b', foreign(pack([{ key: 's', value: 'w' }])));
+  folder.apply();
+  for (const v of [seen.parsed, seen.applied, seen.state]) assert.ok(v instanceof Uint8Array);
+  assert.deepEqual([seen.applied, seen.state], [bytes('v'), bytes('w')]);
+
+  assert.deepEqual(folder.query(foreign(bytes('kept'))), bytes('v'));
+  assert.ok(seen.request instanceof Uint8Array);
+  assert.deepEqual(folder.query(bytes('foreign')), bytes('raw'));
+
+  // The fake's 0.3.0 imports hand over foreign bytes, as the bindings do.
+  fake.state.set('m.b', new Map([['s', { value: bytes('w'), revision: 1 }]]));
+  fake.entries.set('f', { value: bytes('main'), revision: 2 });
+  assert.ok(state.get('m.b', 's').value instanceof Uint8Array);
+  assert.ok(fold.get('f').value instanceof Uint8Array);
+  assert.ok([...fold.scanAll('')][0].value instanceof Uint8Array);
+  assert.deepEqual(folder.query(bytes('s')), bytes('w'));
+  assert.deepEqual(folder.query(bytes('f')), bytes('main'));
+
+  // A write takes either realm's bytes.
+  fake.state.set('own', new Map());
+  state.put('own', 'k', foreign(bytes('z')));
+  assert.ok(fake.writes.at(-1).value instanceof Uint8Array);
+  assert.deepEqual(fake.writes.at(-1).value, bytes('z'));
 });

@@ -365,3 +365,14 @@ async fn state_scaffold_keeps_and_follows_state(lang: &str) -> anyhow::Result<()
 async fn new_guest_with_state_in_rust_owns_one_bucket_and_reads_another() -> anyhow::Result<()> {
     state_scaffold_keeps_and_follows_state("rust").await
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_guest_with_state_in_javascript_owns_one_bucket_and_reads_another() -> anyhow::Result<()>
+{
+    state_scaffold_keeps_and_follows_state("js").await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn new_guest_with_state_in_python_owns_one_bucket_and_reads_another() -> anyhow::Result<()> {
+    state_scaffold_keeps_and_follows_state("python").await
+}
