@@ -305,6 +305,7 @@ mod tests {
         cursor: u64,
         config: Vec<(String, String)>,
         /// What the state-bucket calls saw, in order (the `state` feature).
+        #[cfg(feature = "state")]
         state_calls: Vec<String>,
     }
 
