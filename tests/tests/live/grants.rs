@@ -14,6 +14,8 @@ use foldhost::write::WriteAnswer;
 use foldhost_localnats::{LocalNats, reserved_port};
 use foldhost_tests::*;
 
+use crate::users::{server, url_as, violations};
+
 const BUCKET: &str = "granted";
 
 /// `foldhost grants ARGS`' standard output.
@@ -50,38 +52,6 @@ fn block_from_json(json: &str, drop: &[&str]) -> anyhow::Result<String> {
         list("publish")?,
         list("subscribe")?
     ))
-}
-
-/// A server whose users are `admin` (everything) and each `(name, permissions block)`, logging
-/// to `log`.
-fn server(log: &Path, users: &[(&str, String)]) -> anyhow::Result<LocalNats> {
-    let mut conf = format!(
-        "log_file: {:?}\nauthorization {{\n  users = [\n    {{ user: admin, password: admin }}\n",
-        log.display().to_string()
-    );
-    for (name, block) in users {
-        conf.push_str(&format!(
-            "    {{ user: {name}, password: {name}\n{block}\n    }}\n"
-        ));
-    }
-    conf.push_str("  ]\n}\n");
-    Ok(LocalNats::start_with_config(&conf)?)
-}
-
-fn url_as(server: &LocalNats, user: &str) -> String {
-    format!("nats://{user}:{user}@127.0.0.1:{}", server.port())
-}
-
-/// Server log lines that report a permission violation by `user` (the server names the
-/// account and user on each: `"$G/user:NAME" - Publish Violation - Subject "…"`).
-fn violations(log: &Path, user: &str) -> Vec<String> {
-    let by = format!("/user:{user}\"");
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains("Violation") && l.contains(&by))
-        .map(str::to_string)
-        .collect()
 }
 
 /// A node process, killed if the test fails before it stops it.

@@ -30,5 +30,6 @@ mod state;
 mod swap;
 mod transport;
 mod undecodable;
+mod users;
 mod watch_semantics;
 mod writes;

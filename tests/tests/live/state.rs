@@ -12,6 +12,8 @@ use foldhost::kv::KvWriter as _;
 use foldhost::nats::{NatsConnection, NatsKv};
 use foldhost_localnats::{LocalNats, reserved_port};
 use foldhost_tests::*;
+
+use crate::users::{self, url_as, violations};
 use serde_json::{Value, json};
 
 /// The owner's and the reader's main buckets (each folds its own).
@@ -54,26 +56,7 @@ fn grants_for(main: &str, guest: &str) -> anyhow::Result<String> {
 fn server(log: &Path) -> anyhow::Result<LocalNats> {
     let owner = grants_for(OWNER_MAIN, "state_owner")?;
     let reader = grants_for(READER_MAIN, "state_reader")?;
-    let conf = format!(
-        "log_file: {:?}\nauthorization {{\n  users = [\n    {{ user: admin, password: admin }}\n    {{ user: owner, password: owner\n{owner}\n    }}\n    {{ user: reader, password: reader\n{reader}\n    }}\n  ]\n}}\n",
-        log.display().to_string()
-    );
-    Ok(LocalNats::start_with_config(&conf)?)
-}
-
-fn url_as(server: &LocalNats, user: &str) -> String {
-    format!("nats://{user}:{user}@127.0.0.1:{}", server.port())
-}
-
-/// Server log lines reporting a permission violation by `user`.
-fn violations(log: &Path, user: &str) -> Vec<String> {
-    let by = format!("/user:{user}\"");
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.contains("Violation") && l.contains(&by))
-        .map(str::to_string)
-        .collect()
+    users::server(log, &[("owner", owner), ("reader", reader)])
 }
 
 /// The node runs, every fold (the main bucket and each declared one) level with its stream (a
