@@ -179,8 +179,18 @@ pub(super) async fn cmd_export(a: ExportArgs) -> anyhow::Result<()> {
                         dir.display()
                     )
                 })?;
+                // Every state bucket's fold under it too, declared or kept (each opened for
+                // writing, for the same reasons).
+                let lanes = open_state_folds(&dir, backend)?;
+                let sources: Vec<crate::artifact::StateFoldSource> = lanes
+                    .iter()
+                    .map(|(local, store)| crate::artifact::StateFoldSource {
+                        local: local.clone(),
+                        store: store.downgrade(),
+                    })
+                    .collect();
                 let mut progress = byte_progress("hashing");
-                crate::artifact::export_store(&store, backend, &out, None, &mut progress)
+                crate::artifact::export_store(&store, backend, &sources, &out, None, &mut progress)
                     .with_context(|| format!("export to {}", out.display()))
             })
             .await
@@ -191,6 +201,29 @@ pub(super) async fn cmd_export(a: ExportArgs) -> anyhow::Result<()> {
     };
     println!("{manifest}");
     Ok(())
+}
+
+/// The state buckets' folds under the store `dir` (`state/<local>/`), each opened for writing
+/// with `backend`; a directory that is not a state bucket's name is refused.
+fn open_state_folds(
+    dir: &Path,
+    backend: storedir::Backend,
+) -> anyhow::Result<Vec<(String, crate::view::SharedStore<AnyStore>)>> {
+    let root = dir.join(storedir::STATE_DIR);
+    let mut out = Vec::new();
+    for local in crate::node::lanes::undeclared(dir, std::iter::empty()) {
+        if !crate::protocol::is_state_local(&local) {
+            bail!(
+                "{}: {local:?} is not a state bucket's directory (remove it, or move it out of the store)",
+                root.display()
+            );
+        }
+        let path = root.join(&local);
+        let (store, _) = AnyStore::open(&path, backend)
+            .with_context(|| format!("open state bucket {local:?} at {}", path.display()))?;
+        out.push((local, crate::view::SharedStore::new(store)));
+    }
+    Ok(out)
 }
 
 pub(super) async fn cmd_import(a: ImportArgs) -> anyhow::Result<()> {

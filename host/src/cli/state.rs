@@ -58,7 +58,7 @@ pub(super) fn cmd_state(c: StateCommand) -> anyhow::Result<()> {
         let declared = if b.declared {
             "declared"
         } else {
-            "no longer declared (kept)"
+            "not declared by the last run (kept)"
         };
         let bucket = if b.bucket.is_empty() {
             "-"

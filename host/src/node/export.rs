@@ -70,6 +70,10 @@ pub struct ExportRounds {
     /// The stream the fold records now (read before and after each export: the artifact records
     /// it, and a pointer to another stream is never "up to date").
     pub stream: StreamSource,
+    /// The guest's state buckets' folds, carried in each artifact at their own cursors (the
+    /// pointer orders artifacts by the main fold's cursor: a round publishes when the main fold
+    /// moved on, docs/state.md).
+    pub state: Vec<crate::artifact::StateFoldSource>,
 }
 
 /// Reads the stream the fold records (its reserved identity key), if any.
@@ -199,6 +203,7 @@ impl ExportRounds {
                 dir.clone(),
                 Some(self.scope.clone()),
                 stream.clone(),
+                self.state.clone(),
             )
             .await
             .map_err(|e| Err(e.to_string()))?;

@@ -37,8 +37,7 @@ use crate::view::SharedStore;
 
 use super::{NodeConfig, NodeError, signalled};
 
-/// The directory under a store that holds its state buckets' folds.
-pub(crate) const STATE_DIR: &str = "state";
+use crate::storedir::STATE_DIR;
 
 /// One declared bucket, opened: its server handle, its fold's store and live figures.
 pub(crate) struct Lane {
@@ -279,6 +278,18 @@ impl StateWriter for LaneWriter {
             })
         })
     }
+}
+
+/// Each lane's fold as an export carries it beside the main fold (held weakly: an export never
+/// keeps a stopped fold's store open).
+pub(crate) fn export_sources(lanes: &[Lane]) -> Vec<crate::artifact::StateFoldSource> {
+    lanes
+        .iter()
+        .map(|l| crate::artifact::StateFoldSource {
+            local: l.decl.local.clone(),
+            store: l.store.downgrade(),
+        })
+        .collect()
 }
 
 /// The lanes' status entries: each declared lane live, and every lane directory under the store

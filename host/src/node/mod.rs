@@ -192,6 +192,7 @@ impl Node {
         let mut written = vec![cfg.bucket.clone()];
         written.extend(lanes.iter().map(|l| l.decl.bucket.clone()));
         let (control_tx, control_rx) = tokio::sync::mpsc::channel(64);
+        let state_exports = lanes::export_sources(&lanes);
         let mut running =
             lanes::Running::start(&cfg, lanes, apply.describe(), &control_tx, &link, &shutdown);
         let engine = proven.map(|p| p.engine);
@@ -225,6 +226,7 @@ impl Node {
                 ledger: ledger_lookup(&shared),
                 kv: kv.clone(),
                 read_key: key_reader(&shared),
+                state: state_exports,
             },
         )
         .await?;

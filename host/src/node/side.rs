@@ -54,6 +54,7 @@ impl SideTasks {
             ledger,
             kv,
             read_key,
+            state,
         } = fold;
         let mut others = Vec::new();
         let (rate, sampler) = crate::write::ApplyRate::start(status.clone());
@@ -93,6 +94,7 @@ impl SideTasks {
                     stream.clone(),
                     write.clone(),
                     read_key,
+                    state.clone(),
                 )
                 .await?,
             ),
@@ -149,7 +151,11 @@ impl SideTasks {
         {
             let rounds =
                 export_rounds(cfg, conn, transport, scope, &control, &last_export, status).await?;
-            let rounds = super::ExportRounds { stream, ..rounds };
+            let rounds = super::ExportRounds {
+                stream,
+                state,
+                ..rounds
+            };
             tracing::info!(every_s = every.as_secs_f64(), key = %key, "export rounds on");
             others.push(tokio::spawn(rounds.run(every)));
         }
@@ -229,6 +235,7 @@ async fn listen(
     stream: super::export::StreamSource,
     write: Arc<crate::write::WritePath>,
     read_key: crate::write::KeyReader,
+    state_folds: Vec<crate::artifact::StateFoldSource>,
 ) -> Result<JoinHandle<()>, NodeError> {
     let io = |source| NodeError::Listen {
         addr: l.addr.clone(),
@@ -306,6 +313,7 @@ async fn listen(
         backend: cfg.backend,
         scope: scope.to_string(),
         stream,
+        state_folds,
         positions: Some(crate::write::Positions {
             status: status.clone(),
             rate: write.rate.clone(),
@@ -327,6 +335,8 @@ pub(super) struct FoldAccess {
     pub(super) kv: Arc<crate::nats::NatsKv>,
     /// One key of the committed fold (`POST /get`).
     pub(super) read_key: crate::write::KeyReader,
+    /// The state buckets' folds, carried in every export beside the fold's own.
+    pub(super) state: Vec<crate::artifact::StateFoldSource>,
 }
 
 /// Sweeps the operation ledger every [`LEDGER_SWEEP_PERIOD`] (the first time at once): rows
@@ -462,6 +472,7 @@ async fn export_rounds(
         last: last.clone(),
         fold: fold.clone(),
         stream: Arc::new(|| None),
+        state: Vec::new(),
     })
 }
 

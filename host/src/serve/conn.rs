@@ -631,6 +631,7 @@ mod tests {
             backend: crate::storedir::Backend::AppendLog,
             scope: ">".into(),
             stream: Arc::new(|| None),
+            state_folds: Vec::new(),
             write: None,
             positions: None,
             read_key: None,

@@ -219,6 +219,8 @@ pub struct ServeState {
     /// The stream the fold records now (recorded in exported artifacts, so that a bootstrap of
     /// another incarnation refuses them).
     pub stream: std::sync::Arc<dyn Fn() -> Option<crate::artifact::ManifestStream> + Send + Sync>,
+    /// The guest's state buckets' folds, carried in exported artifacts beside the fold's own.
+    pub state_folds: Vec<crate::artifact::StateFoldSource>,
 }
 
 /// Most connections served at once; more wait in the listen backlog. An unauthenticated one holds
@@ -416,6 +418,7 @@ pub(crate) async fn export(body: Vec<u8>, state: &ServeState) -> Reply {
         out,
         Some(state.scope.clone()),
         (state.stream)(),
+        state.state_folds.clone(),
     )
     .await
     {

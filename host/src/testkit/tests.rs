@@ -1915,6 +1915,7 @@ async fn an_expired_cursor_is_relisted_where_the_listing_is_the_truth_and_restor
     crate::artifact::export_store(
         &peer,
         crate::storedir::Backend::AppendLog,
+        &[],
         &artifacts.path().join("peer-6"),
         Some(WatchScope::All.to_string()),
         &mut |_, _| {},

@@ -858,7 +858,7 @@ fn bench_artifact_of(
         // Writable, as `foldhost export --store` opens it (RocksDB cannot checkpoint read-only).
         let (store, _) = AnyStore::open(&src, backend)?;
         let t = Instant::now();
-        foldhost::artifact::export_store(&store, backend, &art, None, &mut |_, _| {})?;
+        foldhost::artifact::export_store(&store, backend, &[], &art, None, &mut |_, _| {})?;
         let e = t.elapsed().as_secs_f64();
         drop(store);
         // The baseline reads a warm page cache: an export written past the cache (the append

@@ -317,6 +317,7 @@ impl Sim {
         artifact::export_store(
             &store,
             self.sc.backend,
+            &[],
             &out,
             Some(WatchScope::All.to_string()),
             &mut |_, _| {},

@@ -12,6 +12,83 @@ pub(crate) struct Staged {
     pub proven: Option<ProvenCopy>,
     /// The stream the copied fold folds, when known.
     pub stream: Option<ManifestStream>,
+    /// The state buckets' folds copied beside it, under `data/state/`.
+    pub state: Vec<StagedState>,
+}
+
+/// A state bucket's fold copied into a stage: what its manifest entry will say once proven.
+#[derive(Clone, Debug)]
+pub(crate) struct StagedState {
+    /// The name the guest uses: its directory under `data/state/`.
+    pub local: String,
+    /// The cursor its copy must recover.
+    pub cursor: WatchCursor,
+    /// The stream it folds, when recorded.
+    pub stream: Option<ManifestStream>,
+}
+
+/// A state bucket's fold to carry in an artifact beside the main fold (docs/state.md): its name
+/// as the guest uses it, and its store (a running node's, shared with its fold, or one opened at
+/// rest), held weakly: an export never keeps a stopped fold's store open.
+#[derive(Clone)]
+pub struct StateFoldSource {
+    /// The bucket as the guest names it (its directory under `state/`).
+    pub local: String,
+    /// Its store (`SharedStore::downgrade`).
+    pub store: std::sync::Weak<std::sync::RwLock<AnyStore>>,
+}
+
+/// Copies each state bucket's fold into `data/state/<local>/` with its `FOLDHOST.json`, each
+/// under its own store's read lock (no commit of that bucket lands mid-copy): every copy is
+/// exactly its fold at its cursor. The main fold's `backend` is required of each (one node's
+/// folds share a backend). Blocking.
+pub(crate) fn copy_state_folds(
+    sources: &[StateFoldSource],
+    data: &Path,
+    backend: Backend,
+) -> Result<Vec<StagedState>, ArtifactError> {
+    if sources.len() > MAX_STATE_FOLDS {
+        return Err(ArtifactError::Fold(format!(
+            "{} state buckets, over {MAX_STATE_FOLDS}",
+            sources.len()
+        )));
+    }
+    let mut out = Vec::with_capacity(sources.len());
+    for src in sources {
+        if !crate::protocol::is_state_local(&src.local) {
+            return Err(ArtifactError::UnsafePath(src.local.clone()));
+        }
+        let dir = data.join(crate::storedir::STATE_DIR).join(&src.local);
+        std::fs::create_dir_all(&dir).map_err(io_err(&dir, "create stage"))?;
+        let store = src.store.upgrade().ok_or_else(|| {
+            ArtifactError::Fold(format!(
+                "state bucket {:?}: its fold has stopped",
+                src.local
+            ))
+        })?;
+        let store = store.read().map_err(|_| {
+            ArtifactError::Fold(format!(
+                "state bucket {:?}: its store is poisoned",
+                src.local
+            ))
+        })?;
+        if store.backend() != backend.as_str() {
+            return Err(ArtifactError::BackendMismatch {
+                artifact: format!("state bucket {:?} in {}", src.local, store.backend()),
+                wanted: backend.as_str().to_string(),
+            });
+        }
+        let (cursor, stream) = (store.cursor(), stream_of(&*store)?);
+        store.export_to(&dir)?;
+        drop(store);
+        crate::storedir::write_meta(&dir, backend)?;
+        out.push(StagedState {
+            local: src.local.clone(),
+            cursor,
+            stream,
+        });
+    }
+    Ok(out)
 }
 
 /// The first half of an export, the part that needs the fold quiet: makes `stage` and copies the
@@ -19,6 +96,7 @@ pub(crate) struct Staged {
 pub(crate) fn export_stage<S: SnapshotStore + ?Sized>(
     store: &S,
     backend: Backend,
+    state: &[StateFoldSource],
     stage: &Path,
 ) -> Result<Staged, ArtifactError> {
     let data = make_stage(stage)?;
@@ -26,10 +104,12 @@ pub(crate) fn export_stage<S: SnapshotStore + ?Sized>(
     let stream = stream_of(store)?;
     let proven = store.export_to(&data)?;
     crate::storedir::write_meta(&data, backend)?;
+    let state = copy_state_folds(state, &data, backend)?;
     Ok(Staged {
         cursor,
         proven,
         stream,
+        state,
     })
 }
 
@@ -73,6 +153,7 @@ fn seal_inner(
     let files = hash_and_sync_files(&data, names, proven, progress)?;
     sync_payload_dirs(&data, &files)?;
     let keys = check_copy_cursor(&data, backend, proven, cursor)?;
+    let state = check_state_copies(&data, backend, &staged.state)?;
     let manifest = ExportManifest {
         schema: SCHEMA,
         backend: backend.as_str().to_string(),
@@ -84,6 +165,7 @@ fn seal_inner(
         files,
         stream: staged.stream.clone(),
         previous: Vec::new(),
+        state,
     };
     write_manifest(stage, &manifest)?;
     rename_into_place(stage, out)?;
@@ -208,6 +290,35 @@ fn check_copy_cursor(
     Ok(keys)
 }
 
+/// Proves each state bucket's copy recovers its cursor (reopened read-only, as the main fold's
+/// copy is when its store proved nothing) and returns the manifest's entries.
+fn check_state_copies(
+    data: &Path,
+    backend: Backend,
+    staged: &[StagedState],
+) -> Result<Vec<ManifestState>, ArtifactError> {
+    let mut out = Vec::with_capacity(staged.len());
+    for st in staged {
+        let dir = data.join(crate::storedir::STATE_DIR).join(&st.local);
+        let keys = check_copy_cursor(&dir, backend, None, st.cursor).map_err(|e| match e {
+            ArtifactError::CursorMismatch { want, got, .. } => ArtifactError::StateCursorMismatch {
+                local: st.local.clone(),
+                want,
+                got,
+            },
+            e => e,
+        })?;
+        out.push(ManifestState {
+            local: st.local.clone(),
+            backend: backend.as_str().to_string(),
+            cursor: st.cursor.revision(),
+            keys,
+            stream: st.stream.clone(),
+        });
+    }
+    Ok(out)
+}
+
 /// Writes `manifest` into the stage and fsyncs it and the stage: the manifest is written last.
 fn write_manifest(stage: &Path, manifest: &ExportManifest) -> Result<(), ArtifactError> {
     let bytes = serde_json::to_vec_pretty(manifest).map_err(|e| ArtifactError::Manifest {
@@ -233,9 +344,11 @@ fn rename_into_place(stage: &Path, out: &Path) -> Result<(), ArtifactError> {
 /// Exports `store` to the artifact directory `out` (which must not exist): stage, verify, hash,
 /// manifest, rename. For a store no host is writing; a running host exports through
 /// `foldhost::applied::export_live` instead.
+/// `state` are the state buckets' folds to carry beside it (opened at rest too).
 pub fn export_store<S: SnapshotStore + ?Sized>(
     store: &S,
     backend: Backend,
+    state: &[StateFoldSource],
     out: &Path,
     scope: Option<String>,
     progress: Progress<'_>,
@@ -244,7 +357,7 @@ pub fn export_store<S: SnapshotStore + ?Sized>(
         return Err(ArtifactError::Exists(out.to_path_buf()));
     }
     let stage = stage_path(out, "export");
-    let staged = or_discard(&stage, export_stage(store, backend, &stage))?;
+    let staged = or_discard(&stage, export_stage(store, backend, state, &stage))?;
     seal_to(&stage, out, &staged, scope, progress)
 }
 
@@ -279,13 +392,16 @@ pub type LiveCopy = Result<(WatchCursor, Option<crate::snapshot::ProvenCopy>), A
 /// directory it is given, between batches (paused only for the copy; the fold's loop does it,
 /// `foldhost::applied::export_live`), then the stage is verified, hashed and sealed here, off the
 /// fold's path, recording `stream` (the fold's stream, read by the caller before and after) in
-/// the manifest.
+/// the manifest. Each of `state`, the node's state buckets' folds, is copied after the main fold,
+/// under its own store's read lock (each exact at its own cursor; the buckets are separate
+/// streams, so no cut across them is promised).
 pub async fn export_live_with<F, Fut>(
     copy: F,
     backend: Backend,
     out: PathBuf,
     scope: Option<String>,
     stream: Option<ManifestStream>,
+    state: Vec<StateFoldSource>,
 ) -> Result<ExportManifest, ArtifactError>
 where
     F: FnOnce(PathBuf) -> Fut,
@@ -299,10 +415,14 @@ where
         let data = make_stage(&stage)?;
         let (cursor, proven) = copy(data.clone()).await?;
         crate::storedir::write_meta(&data, backend)?;
+        let state = tokio::task::spawn_blocking(move || copy_state_folds(&state, &data, backend))
+            .await
+            .map_err(|e| ArtifactError::Fold(format!("state export task: {e}")))??;
         Ok(Staged {
             cursor,
             proven,
             stream,
+            state,
         })
     };
     let staged = or_discard(&stage, copied.await)?;

@@ -198,6 +198,7 @@ fn seal_import(
         });
     }
     tracing::debug!(cursor = got, "import: the copy reopened at its cursor");
+    check_imported_state(stage, m)?;
     // Every file's fsync (started as each was written) before the stage is renamed into place.
     syncs
         .wait()
@@ -210,6 +211,30 @@ fn seal_import(
     }
     std::fs::rename(stage, dest).map_err(io_err(dest, "rename stage into place"))?;
     sync_dir(dest.parent().unwrap_or_else(|| Path::new(".")))
+}
+
+/// Each state bucket's staged fold must open as the manifest's backend and recover its entry's
+/// cursor, like the main fold's.
+fn check_imported_state(stage: &Path, m: &ExportManifest) -> Result<(), ArtifactError> {
+    for st in &m.state {
+        let dir = stage.join(crate::storedir::STATE_DIR).join(&st.local);
+        let (copy, _) = AnyStore::open_read_only(&dir)?;
+        if copy.backend() != st.backend {
+            return Err(ArtifactError::BackendMismatch {
+                artifact: format!("state bucket {:?} in {}", st.local, st.backend),
+                wanted: format!("the payload's own {}", copy.backend()),
+            });
+        }
+        let got = copy.cursor().revision();
+        if got != st.cursor {
+            return Err(ArtifactError::StateCursorMismatch {
+                local: st.local.clone(),
+                want: st.cursor,
+                got,
+            });
+        }
+    }
+    Ok(())
 }
 
 /// Imports an artifact straight from its tar stream `reader` (a download, never stored as a tar):

@@ -2,7 +2,9 @@
 //! (seed 000, "Export/import").
 //!
 //! An artifact is a directory (or the same tree in one tar file, for transport):
-//! - `data/` — the backend's own files, plus `FOLDHOST.json`: a complete store directory;
+//! - `data/` — the backend's own files, plus `FOLDHOST.json`: a complete store directory, with the
+//!   guest's state buckets' folds under `data/state/<local>/` as a store keeps them
+//!   (docs/state.md), each listed in the manifest's `state` with its own cursor;
 //! - `MANIFEST.json` — [`ExportManifest`]: schema, backend and format generation, the cursor the
 //!   payload is exactly consistent with, the exporting watch's scope, and every file's size and
 //!   BLAKE3 digest.
@@ -21,8 +23,10 @@
 //!   not plain relative components (`..`, absolute, links, devices), a missing or unlisted file,
 //!   before opening anything; it copies into a hidden stage beside the destination re-checking
 //!   every size and digest (a download streams straight into the stage, [`import_tar_stream`]),
-//!   proves the staged copy recovers the manifest's cursor (the same two ways as export), and only
-//!   then renames it into place. The destination is untouched by every refusal.
+//!   proves the staged copy recovers the manifest's cursor (the same two ways as export) and each
+//!   state bucket's copy its entry's cursor (reopened), and only then renames it into place. A
+//!   state entry names one directory ([`crate::protocol::is_state_local`]); no file under
+//!   `state/` lies outside a listed one. The destination is untouched by every refusal.
 //! - **Bounded.** The manifest is at most [`MAX_MANIFEST_BYTES`], at most [`MAX_FILES`] files, and a
 //!   tar entry at most [`MAX_FILE_BYTES`]. Every tar is read through [`TarGuard`], which parses each
 //!   512-byte header as it passes and refuses an extension entry (GNU long name or link, PAX) over
@@ -70,6 +74,9 @@ pub(crate) const MAX_FILE_BYTES: u64 = 1 << 40;
 pub const MAX_TAR_EXTENSION_BYTES: u64 = 64 << 10;
 /// Most previous pointer targets a manifest lists ([`ExportManifest::previous`]).
 pub(crate) const MAX_PREVIOUS_TARGETS: usize = 8;
+/// Most state bucket folds a manifest lists ([`ExportManifest::state`]): those the guest declares
+/// and those kept under the store after their declaration went.
+pub(crate) const MAX_STATE_FOLDS: usize = 256;
 
 /// The stream an artifact's fold folds (as [`crate::kv::StreamIdentity`] holds it).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -155,6 +162,29 @@ pub struct ExportManifest {
     /// a local artifact and in those of earlier versions (older readers ignore the field).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub previous: Vec<PreviousTarget>,
+    /// The state buckets' folds the payload carries beside the main fold, each a store directory
+    /// under `data/state/<local>/` whose files are listed in [`Self::files`] (docs/state.md).
+    /// Empty for a guest without state buckets and in artifacts of earlier versions (older
+    /// readers ignore the field and import the directories as plain files).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub state: Vec<ManifestState>,
+}
+
+/// A state bucket's fold carried in an artifact: where its store is, and the cursor it is
+/// exactly consistent with.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ManifestState {
+    /// The name the guest uses (`notes`, `<module>.<name>`): its directory under `data/state/`.
+    pub local: String,
+    /// The backend that wrote it (the main fold's).
+    pub backend: String,
+    /// The watch cursor its store is exactly consistent with (`None`: nothing folded).
+    pub cursor: Option<u64>,
+    /// Keys in its fold.
+    pub keys: u64,
+    /// The stream it folds, when recorded.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<ManifestStream>,
 }
 
 /// Why an export or an import failed.
@@ -232,6 +262,17 @@ pub enum ArtifactError {
     CursorMismatch {
         /// Which gate.
         what: &'static str,
+        /// The cursor it must equal.
+        want: Option<u64>,
+        /// The cursor recovered.
+        got: Option<u64>,
+    },
+    /// A state bucket's fold in the artifact does not recover the cursor its manifest entry
+    /// names.
+    #[error("state bucket {local:?}: recovered cursor {got:?} differs from {want:?}")]
+    StateCursorMismatch {
+        /// The bucket, as the guest names it.
+        local: String,
         /// The cursor it must equal.
         want: Option<u64>,
         /// The cursor recovered.
@@ -587,8 +628,67 @@ fn parse_manifest(bytes: &[u8], path: &Path) -> Result<ExportManifest, ArtifactE
     {
         return Err(bad("the stream's name is empty or over 255 bytes".into()));
     }
+    check_state_entries(&m).map_err(bad)?;
     Ok(m)
 }
+
+/// The manifest's state entries: at most [`MAX_STATE_FOLDS`], each a state bucket's name (one
+/// plain path component, [`crate::protocol::is_state_local`]) listed once, of the main fold's
+/// backend; and every payload file under `state/` inside a listed bucket's directory. Pure.
+fn check_state_entries(m: &ExportManifest) -> Result<(), String> {
+    if m.state.len() > MAX_STATE_FOLDS {
+        return Err(format!(
+            "{} state buckets, over {MAX_STATE_FOLDS}",
+            m.state.len()
+        ));
+    }
+    let mut seen = std::collections::BTreeSet::new();
+    for st in &m.state {
+        if !crate::protocol::is_state_local(&st.local) {
+            return Err(format!("{:?} is not a state bucket's name", st.local));
+        }
+        if !seen.insert(st.local.as_str()) {
+            return Err(format!("state bucket {:?} listed twice", st.local));
+        }
+        if st.backend != m.backend {
+            return Err(format!(
+                "state bucket {:?} is {}, the fold {}",
+                st.local, st.backend, m.backend
+            ));
+        }
+        if let Some(s) = &st.stream
+            && (s.name.is_empty() || s.name.len() > 255)
+        {
+            return Err(format!(
+                "state bucket {:?}: the stream's name is empty or over 255 bytes",
+                st.local
+            ));
+        }
+    }
+    for f in &m.files {
+        let Some(rest) = f
+            .path
+            .strip_prefix(crate::storedir::STATE_DIR)
+            .and_then(|r| r.strip_prefix('/'))
+        else {
+            continue;
+        };
+        match rest.split_once('/') {
+            Some((local, _)) if seen.contains(local) => {}
+            _ => {
+                return Err(format!(
+                    "{}: under {}/ but in no state bucket the manifest lists",
+                    f.path,
+                    crate::storedir::STATE_DIR
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod state_tests;
 
 #[cfg(test)]
 mod tests {
@@ -647,8 +747,8 @@ mod tests {
         let tmp = tempfile::tempdir().expect("tempdir");
         let store = small_log(&tmp.path().join("src"));
         let out = tmp.path().join("art");
-        let m =
-            export_store(&store, Backend::AppendLog, &out, None, &mut |_, _| {}).expect("export");
+        let m = export_store(&store, Backend::AppendLog, &[], &out, None, &mut |_, _| {})
+            .expect("export");
         assert_eq!((m.cursor, m.keys), (Some(50), 50));
         for f in &m.files {
             let bytes = std::fs::read(out.join(DATA_DIR).join(&f.path)).expect("read");
@@ -670,7 +770,7 @@ mod tests {
         let store = small_log(&tmp.path().join("src"));
         let out = tmp.path().join("art");
         let stage = stage_path(&out, "export");
-        let staged = export_stage(&store, Backend::AppendLog, &stage).expect("stage");
+        let staged = export_stage(&store, Backend::AppendLog, &[], &stage).expect("stage");
         assert!(staged.proven.is_some(), "the append log proves its copy");
         let log = stage.join(DATA_DIR).join(crate::snapshot::LOG_FILE);
         let mut f = std::fs::OpenOptions::new()
@@ -785,6 +885,7 @@ mod tests {
             files: vec![],
             stream: None,
             previous: vec![],
+            state: vec![],
         })
         .expect("json");
         for (kind, words) in [

@@ -155,6 +155,16 @@ pub fn is_state_name(name: &str) -> bool {
             .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-')
 }
 
+/// Whether `local` names a state bucket as a guest does: an owned bucket's name, or a read one's
+/// `<module>.<name>`, each part a [`is_state_name`]. Such a name is one plain path component (the
+/// bucket's directory under a store's `state/`).
+pub fn is_state_local(local: &str) -> bool {
+    match local.split_once('.') {
+        None => is_state_name(local),
+        Some((module, name)) => is_state_name(module) && is_state_name(name),
+    }
+}
+
 /// The server bucket of `module`'s state bucket `name`: `state_<module>_<name>`. Both names obey
 /// [`is_state_name`] (no underscore), so the rule is injective.
 pub fn state_bucket(module: &str, name: &str) -> String {
@@ -671,6 +681,18 @@ mod tests {
             assert!(!is_state_name(bad), "{bad:?}");
         }
         assert!(is_state_name(&"a".repeat(MAX_STATE_NAME)));
+    }
+
+    #[test]
+    fn a_state_local_name_is_a_name_or_module_dot_name_and_one_path_component() {
+        for ok in ["notes", "agent.servers", "a-1.b-2"] {
+            assert!(is_state_local(ok), "{ok:?}");
+        }
+        for bad in [
+            "", ".", "..", "a.", ".a", "a.b.c", "a/b", "a..b", "A.b", "a._b",
+        ] {
+            assert!(!is_state_local(bad), "{bad:?}");
+        }
     }
 
     #[test]

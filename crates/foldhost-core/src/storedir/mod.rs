@@ -39,6 +39,10 @@ use crate::snapshot::{RocksDbOptions, RocksDbSnapshot};
 pub(crate) const META_FILE: &str = "FOLDHOST.json";
 /// The status file's name.
 pub const STATUS_FILE: &str = "status.json";
+/// The directory under a store that holds its state buckets' folds, one store directory each,
+/// named as the guest names the bucket (docs/state.md). An artifact's payload keeps the same
+/// layout under its `data/`.
+pub const STATE_DIR: &str = "state";
 
 /// A storage backend. Every variant exists in every build (so `FOLDHOST.json` always parses);
 /// [`Backend::is_compiled`] says whether this build can open it.

@@ -176,13 +176,15 @@ pub(crate) const RETENTION_PERIOD: Duration = Duration::from_secs(60);
 /// Exports the fold of a running host through its control channel ([`Control::Export`]): the
 /// fold flushes and copies itself into a stage between batches (paused only for the copy), then
 /// the stage is verified, hashed and sealed off the fold's path
-/// ([`crate::artifact::export_live_with`]), recording `stream` in the manifest.
+/// ([`crate::artifact::export_live_with`]), recording `stream` in the manifest and carrying the
+/// `state` buckets' folds beside the fold's own.
 pub async fn export_live_of(
     control: &tokio::sync::mpsc::Sender<Control>,
     backend: crate::storedir::Backend,
     out: std::path::PathBuf,
     scope: Option<String>,
     stream: Option<crate::artifact::ManifestStream>,
+    state: Vec<crate::artifact::StateFoldSource>,
 ) -> Result<crate::artifact::ExportManifest, crate::artifact::ArtifactError> {
     use crate::artifact::ArtifactError;
     let copy = |dir: std::path::PathBuf| async move {
@@ -198,7 +200,7 @@ pub async fn export_live_of(
             .map_err(|_| ArtifactError::Fold("stopped before the export".into()))?
             .map_err(ArtifactError::from)
     };
-    crate::artifact::export_live_with(copy, backend, out, scope, stream).await
+    crate::artifact::export_live_with(copy, backend, out, scope, stream, state).await
 }
 
 /// [`export_live_of`] without a stream recorded.
@@ -208,5 +210,5 @@ pub async fn export_live(
     out: std::path::PathBuf,
     scope: Option<String>,
 ) -> Result<crate::artifact::ExportManifest, crate::artifact::ArtifactError> {
-    export_live_of(control, backend, out, scope, None).await
+    export_live_of(control, backend, out, scope, None, Vec::new()).await
 }
