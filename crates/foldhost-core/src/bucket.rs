@@ -4,7 +4,14 @@
 //!
 //! Invariants:
 //! - Credentials are chosen by one pure function, [`credential_source`]: `creds` (inline) >
-//!   `creds_file` > a URL with embedded user info > none.
+//!   `creds_file` > an nkey seed > a user and password > a URL with embedded user info > none.
+//!   Both delivery paths (the client library's and the lean connection) authenticate from it.
+//! - No secret is printed: a password, an nkey seed, a private key and inline `.creds` are
+//!   [`Secret`]s or redacted by [`ConnectOptions`]' own `Debug` (a URL's password included), so
+//!   no log line, status or `{:?}` of a configuration shows one.
+//! - TLS options ([`TlsOptions`]) are the files' contents, read once by whoever builds the
+//!   options (the CLI names the file in its error): a connection never reads them again, and any
+//!   of them makes TLS required, on every server of the URL.
 //! - Bucket configuration applies only at creation: an existing bucket is returned as it is.
 //! - `is_healthy` is an atomic load, never a network call.
 
@@ -16,8 +23,62 @@ use async_trait::async_trait;
 
 use crate::kv::{KvError, KvReader, KvWatcher, KvWriter};
 
+/// A secret's text (a password, an nkey seed, a private key): its `Debug` prints `<redacted>`,
+/// and it has no `Display`, so it reaches no log by accident; [`Secret::expose`] hands it to the
+/// one place that sends or parses it.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// Wraps `text`.
+    pub fn new(text: impl Into<String>) -> Self {
+        Secret(text.into())
+    }
+
+    /// The text, for the code that sends or parses it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
+
+/// TLS beyond what a `tls://` URL asks: the roots to trust, a client certificate, the handshake
+/// before the server's `INFO`. Any of them makes TLS required ([`TlsOptions::any`]).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct TlsOptions {
+    /// PEM certificates to trust as roots instead of the system's (the content of `--tls-ca`).
+    pub ca_pem: Option<Vec<u8>>,
+    /// A client certificate chain (PEM) and its private key (PEM): presented to a server that
+    /// verifies clients.
+    pub client: Option<ClientCertificate>,
+    /// The TLS handshake first, before the server's `INFO` (a server configured
+    /// `handshake_first`).
+    pub first: bool,
+}
+
+impl TlsOptions {
+    /// Whether any option is set: the connection then requires TLS.
+    pub fn any(&self) -> bool {
+        self.ca_pem.is_some() || self.client.is_some() || self.first
+    }
+}
+
+/// A client certificate and its key, as PEM text.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ClientCertificate {
+    /// The certificate chain, PEM.
+    pub cert_pem: Vec<u8>,
+    /// The private key, PEM.
+    pub key_pem: Secret,
+}
+
 /// How to reach and authenticate to a server.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct ConnectOptions {
     /// `nats://host:port` or `tls://…`, or several separated by commas (the members of a cluster,
     /// as the nats tools take them: the client connects to one and reconnects to another when it
@@ -27,6 +88,12 @@ pub struct ConnectOptions {
     pub creds: Option<String>,
     /// A path to a `.creds` file.
     pub creds_file: Option<PathBuf>,
+    /// An nkey user seed (`SU…`): the server's nonce is signed with it.
+    pub nkey_seed: Option<Secret>,
+    /// A user and its password.
+    pub user_password: Option<(String, Secret)>,
+    /// TLS: the roots, a client certificate, the handshake first.
+    pub tls: TlsOptions,
     /// A client name shown by the server's monitoring.
     pub name: Option<String>,
     /// The limit on every NATS call (default 30 s): a half-dead TCP connection otherwise parks an
@@ -39,6 +106,23 @@ pub struct ConnectOptions {
     pub watch_heartbeat: Duration,
 }
 
+impl std::fmt::Debug for ConnectOptions {
+    /// Every secret redacted: inline `.creds`, a URL's password, the seed, the password, the key.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnectOptions")
+            .field("url", &redacted_url(&self.url))
+            .field("creds", &self.creds.as_ref().map(|_| "<redacted>"))
+            .field("creds_file", &self.creds_file)
+            .field("nkey_seed", &self.nkey_seed)
+            .field("user_password", &self.user_password)
+            .field("tls", &self.tls)
+            .field("name", &self.name)
+            .field("op_timeout", &self.op_timeout)
+            .field("watch_heartbeat", &self.watch_heartbeat)
+            .finish()
+    }
+}
+
 impl ConnectOptions {
     /// Options for `url` with the defaults.
     pub fn new(url: impl Into<String>) -> Self {
@@ -46,11 +130,32 @@ impl ConnectOptions {
             url: url.into(),
             creds: None,
             creds_file: None,
+            nkey_seed: None,
+            user_password: None,
+            tls: TlsOptions::default(),
             name: Some("foldhost".into()),
             op_timeout: DEFAULT_OP_TIMEOUT,
             watch_heartbeat: DEFAULT_WATCH_HEARTBEAT,
         }
     }
+}
+
+/// A `--nats` value as it may be shown: each URL's userinfo replaced by `<redacted>@` (a
+/// password or a token lives there).
+pub fn redacted_url(urls: &str) -> String {
+    urls.split(',')
+        .map(|u| {
+            let start = u
+                .find("://")
+                .map_or_else(|| u.len() - u.trim_start().len(), |i| i + 3);
+            let end = u[start..].find('/').map_or(u.len(), |i| start + i);
+            match u[start..end].rfind('@') {
+                Some(at) => format!("{}<redacted>{}", &u[..start], &u[start + at..]),
+                None => u.to_string(),
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// The default idle heartbeat of a watch's consumer ([`ConnectOptions::watch_heartbeat`]).
@@ -66,18 +171,27 @@ pub enum CredentialSource {
     Creds,
     /// A `.creds` file.
     CredsFile(PathBuf),
+    /// An nkey seed signs the nonce.
+    Nkey,
+    /// A user and password given apart from the URL.
+    UserPassword,
     /// User info embedded in the URL.
     Url,
     /// No authentication.
     None,
 }
 
-/// The credential priority: creds > creds_file > URL-embedded > none.
+/// The credential priority: creds > creds_file > nkey seed > user and password > URL-embedded >
+/// none.
 pub fn credential_source(opts: &ConnectOptions) -> CredentialSource {
     if opts.creds.is_some() {
         CredentialSource::Creds
     } else if let Some(p) = &opts.creds_file {
         CredentialSource::CredsFile(p.clone())
+    } else if opts.nkey_seed.is_some() {
+        CredentialSource::Nkey
+    } else if opts.user_password.is_some() {
+        CredentialSource::UserPassword
     } else if url_has_userinfo(&opts.url) {
         CredentialSource::Url
     } else {
@@ -300,10 +414,12 @@ mod tests {
     }
 
     #[test]
-    fn credentials_priority_is_creds_then_file_then_url_then_none() {
+    fn credentials_priority_is_creds_then_file_then_nkey_then_user_then_url_then_none() {
         let mut o = ConnectOptions::new("nats://u:p@127.0.0.1:4222");
         o.creds = Some("---".into());
         o.creds_file = Some("/x.creds".into());
+        o.nkey_seed = Some(Secret::new("SU"));
+        o.user_password = Some(("a".into(), Secret::new("b")));
         assert_eq!(credential_source(&o), CredentialSource::Creds);
         o.creds = None;
         assert_eq!(
@@ -311,8 +427,53 @@ mod tests {
             CredentialSource::CredsFile("/x.creds".into())
         );
         o.creds_file = None;
+        assert_eq!(credential_source(&o), CredentialSource::Nkey);
+        o.nkey_seed = None;
+        assert_eq!(credential_source(&o), CredentialSource::UserPassword);
+        o.user_password = None;
         assert_eq!(credential_source(&o), CredentialSource::Url);
         o.url = "nats://127.0.0.1:4222/a@b".into();
         assert_eq!(credential_source(&o), CredentialSource::None);
+    }
+
+    #[test]
+    fn no_secret_of_the_options_shows_in_their_debug_output() {
+        let mut o = ConnectOptions::new("nats://a:4222,tls://usr:pw-in-url@b:4222/x,tok-en@c");
+        o.creds = Some("creds-seed-text".into());
+        o.nkey_seed = Some(Secret::new("SUSEEDTEXT"));
+        o.user_password = Some(("alice".into(), Secret::new("hunter2")));
+        o.tls.client = Some(ClientCertificate {
+            cert_pem: b"CERT".to_vec(),
+            key_pem: Secret::new("PRIVATE-KEY-TEXT"),
+        });
+        let shown = format!("{o:?}");
+        for secret in [
+            "pw-in-url",
+            "tok-en",
+            "creds-seed-text",
+            "SUSEEDTEXT",
+            "hunter2",
+            "PRIVATE-KEY-TEXT",
+        ] {
+            assert!(!shown.contains(secret), "{secret} in {shown}");
+        }
+        assert!(shown.contains("alice") && shown.contains("tls://<redacted>@b:4222/x"));
+        assert_eq!(
+            redacted_url("nats://a:4222, u:p@h"),
+            "nats://a:4222, <redacted>@h"
+        );
+    }
+
+    #[test]
+    fn any_tls_option_makes_tls_required() {
+        let mut t = TlsOptions::default();
+        assert!(!t.any());
+        t.first = true;
+        assert!(t.any());
+        let t = TlsOptions {
+            ca_pem: Some(Vec::new()),
+            ..TlsOptions::default()
+        };
+        assert!(t.any());
     }
 }

@@ -178,6 +178,22 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// The key pair of an nkey *user* seed (`SU…`, what a server's `nkey` user signs with); the
+/// error never quotes the seed.
+pub(crate) fn user_nkey(seed: &str) -> Result<nkeys::KeyPair, &'static str> {
+    match nkeys::KeyPair::from_seed(seed.trim()) {
+        Ok(k) if k.key_pair_type() == nkeys::KeyPairType::User => Ok(k),
+        Ok(_) => Err("the nkey seed is not a user's (SU…)"),
+        Err(_) => Err("the nkey seed does not parse (an nkey user seed is SU…, 58 characters)"),
+    }
+}
+
+/// The public key (`U…`) of an nkey user seed, as a server's `nkey` user names it; the error
+/// never quotes the seed.
+pub fn nkey_user_public_key(seed: &str) -> Result<String, &'static str> {
+    user_nkey(seed).map(|k| k.public_key())
+}
+
 /// Dials a client with `opts`: its health kept in `healthy`, each drop (a disconnection or the
 /// connection's close) counted in `drops`.
 pub(crate) async fn connect_client(
@@ -191,7 +207,8 @@ pub(crate) async fn connect_client(
     // client): without one installed, a `tls://` connection panics. Installing an already
     // installed one is a no-op.
     let _ = rustls::crypto::ring::default_provider().install_default();
-    let url = opts.url.clone();
+    // An error names the URL without its userinfo (a password or a token lives there).
+    let url = foldhost_core::bucket::redacted_url(&opts.url);
     let err = |reason: String| KvError::Connect {
         url: url.clone(),
         reason,
@@ -229,22 +246,7 @@ pub(crate) async fn connect_client(
     if let Some(n) = &opts.name {
         o = o.name(n);
     }
-    o = match credential_source(opts) {
-        CredentialSource::Creds => {
-            let creds = opts.creds.as_deref().unwrap_or_default();
-            o.credentials(creds).map_err(|e| err(e.to_string()))?
-        }
-        CredentialSource::CredsFile(p) => o
-            .credentials_file(&p)
-            .await
-            .map_err(|e| err(format!("{}: {e}", p.display())))?,
-        CredentialSource::Url => match foldhost_core::bucket::url_credentials(&opts.url) {
-            Some((user, Some(pass))) => o.user_and_password(user, pass),
-            Some((token, None)) => o.token(token),
-            None => o,
-        },
-        CredentialSource::None => o,
-    };
+    o = authenticated(o, opts).await.map_err(err)?;
     // Every member of the cluster named: the client connects to one and, when that server
     // dies, reconnects to another (the watch then resumes from the applied cursor).
     let servers = foldhost_core::bucket::server_urls(&opts.url);
@@ -255,6 +257,54 @@ pub(crate) async fn connect_client(
         o.connect(servers).await.map_err(|e| err(e.to_string()))
     })
     .await
+}
+
+/// `o` with the credentials ([`credential_source`]) and the TLS options of `opts`; the error
+/// never quotes a secret.
+async fn authenticated(
+    o: async_nats::ConnectOptions,
+    opts: &ConnectOptions,
+) -> Result<async_nats::ConnectOptions, String> {
+    let mut o = match credential_source(opts) {
+        CredentialSource::Creds => {
+            let creds = opts.creds.as_deref().unwrap_or_default();
+            o.credentials(creds).map_err(|e| e.to_string())?
+        }
+        CredentialSource::CredsFile(p) => o
+            .credentials_file(&p)
+            .await
+            .map_err(|e| format!("{}: {e}", p.display()))?,
+        CredentialSource::Nkey => {
+            let seed = opts.nkey_seed.as_ref().map(Secret::expose).unwrap_or("");
+            // The library only logs a seed it cannot read, then fails as "authentication":
+            // checked here so the error says what is wrong (never the seed itself).
+            user_nkey(seed)?;
+            o.nkey(seed.trim().to_string())
+        }
+        CredentialSource::UserPassword => match &opts.user_password {
+            Some((user, pass)) => o.user_and_password(user.clone(), pass.expose().to_string()),
+            None => o,
+        },
+        CredentialSource::Url => match foldhost_core::bucket::url_credentials(&opts.url) {
+            Some((user, Some(pass))) => o.user_and_password(user, pass),
+            Some((token, None)) => o.token(token),
+            None => o,
+        },
+        CredentialSource::None => o,
+    };
+    // TLS options: the one configuration the lean connections use too (`tls.rs`), and TLS
+    // required on every server; the handshake before `INFO` when asked.
+    if opts.tls.any() {
+        if opts.tls.ca_pem.is_some() || opts.tls.client.is_some() {
+            let config = crate::tls::client_config(&opts.tls)?;
+            o = o.tls_client_config((*config).clone());
+        }
+        o = o.require_tls(true);
+        if opts.tls.first {
+            o = o.tls_first();
+        }
+    }
+    Ok(o)
 }
 
 /// The connection the client's ordered consumer delivers a watch on: a client of its own, so a

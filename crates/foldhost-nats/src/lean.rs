@@ -28,12 +28,15 @@
 //!   is bounded by [`READ_BUFFER`], a message by the larger of the server's `max_payload` and
 //!   [`wire::MAX_MESSAGE`] (a stored message may predate a lowered `max_payload`; the client
 //!   library takes it, so this connection does too).
-//! - **Wherever the client connects**: plain or TLS (a `tls://` URL, or a server whose `INFO`
-//!   requires it; the system's roots, as the client library loads them), with the URL's
-//!   credentials or a `.creds` user (its nkey signs the server's nonce). Only a websocket URL, or
-//!   a `CONNECT` the server refuses, keeps the client's ordered consumer (`Dial::Unsupported`
-//!   turns this connection off for the handle); a socket that cannot be opened falls back for
-//!   that one watch.
+//! - **Wherever the client connects, as the client does**: plain or TLS (a `tls://` URL, a
+//!   server whose `INFO` requires it, or any TLS option, which requires it everywhere), trusting
+//!   and presenting exactly what the client's connection does (`tls.rs`: the `--tls-ca` roots or
+//!   the system's, the client certificate), the handshake before `INFO` when the options say
+//!   `first`; authenticated as the client is: the URL's credentials, a user and password, an
+//!   nkey user or a `.creds` user (either seed signs the server's nonce). Only a websocket URL
+//!   (no lean dial is made; one log line says why), or a `CONNECT` the server refuses, keeps the
+//!   client's ordered consumer (`Dial::Unsupported` turns this connection off for the handle); a
+//!   socket that cannot be opened falls back for that one watch.
 //! - **Listings too**: a listing's consumer (`LastPerSubject`, no acks) is delivered the same way,
 //!   so no stored header block reaches the client library on a listing either.
 
@@ -45,7 +48,7 @@ use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 use tokio::sync::mpsc;
 
 use super::wire::{self, ServerOp, WireAuth};
-use foldhost_core::bucket::{ConnectOptions, CredentialSource, credential_source};
+use foldhost_core::bucket::{ConnectOptions, CredentialSource, Secret, credential_source};
 use foldhost_core::kv::KvError;
 use foldhost_core::protocol;
 
@@ -96,9 +99,11 @@ pub(super) enum Delivered {
 pub(super) struct LeanDial {
     servers: Vec<wire::ServerAddress>,
     auth: DialAuth,
-    /// The TLS client configuration (the system's roots, as the client library loads them),
-    /// built when a URL asks for TLS or at the first server whose `INFO` requires it.
+    /// The TLS client configuration (`tls::client_config`: the client's own), built when a URL
+    /// or the options ask for TLS or at the first server whose `INFO` requires it.
     tls: std::sync::Arc<std::sync::OnceLock<Result<std::sync::Arc<rustls::ClientConfig>, String>>>,
+    /// The TLS options it is built from.
+    tls_options: foldhost_core::bucket::TlsOptions,
     name: Option<String>,
     timeout: Duration,
     /// The consumers' idle heartbeat ([`ConnectOptions::watch_heartbeat`]).
@@ -114,31 +119,46 @@ impl std::fmt::Debug for LeanDial {
     }
 }
 
-/// How a lean connection authenticates: what the `CONNECT` line carries as it is, or a `.creds`
-/// user whose nkey signs the server's nonce.
+/// How a lean connection authenticates: what the `CONNECT` line carries as it is, a `.creds`
+/// user whose nkey signs the server's nonce, or an nkey user whose seed does.
 #[derive(Clone)]
 enum DialAuth {
     Wire(WireAuth),
     Creds { jwt: String, seed: String },
+    Nkey(Secret),
 }
 
 impl LeanDial {
-    /// `None` when the options need what this connection does not speak (a websocket URL), or
+    /// Why not, when the options need what this connection does not speak (a websocket URL), or
     /// name credentials it cannot read (the client library then fails on them too, naming them).
-    pub(super) fn from_options(opts: &ConnectOptions) -> Option<LeanDial> {
-        let creds =
-            |text: &str| wire::parse_creds(text).map(|(jwt, seed)| DialAuth::Creds { jwt, seed });
+    pub(super) fn from_options(opts: &ConnectOptions) -> Result<LeanDial, String> {
+        let creds = |text: &str| {
+            wire::parse_creds(text)
+                .map(|(jwt, seed)| DialAuth::Creds { jwt, seed })
+                .ok_or_else(|| "the credentials are not a .creds text".to_string())
+        };
         let auth = match credential_source(opts) {
             CredentialSource::Creds => creds(opts.creds.as_deref().unwrap_or_default())?,
             CredentialSource::CredsFile(p) => {
                 let mut text = String::new();
+                let unreadable = |e: std::io::Error| format!("{}: {e}", p.display());
                 std::io::Read::read_to_string(
-                    &mut std::io::Read::take(std::fs::File::open(p).ok()?, wire::MAX_CREDS as u64),
+                    &mut std::io::Read::take(
+                        std::fs::File::open(&p).map_err(unreadable)?,
+                        wire::MAX_CREDS as u64,
+                    ),
                     &mut text,
                 )
-                .ok()?;
+                .map_err(unreadable)?;
                 creds(&text)?
             }
+            CredentialSource::Nkey => {
+                DialAuth::Nkey(opts.nkey_seed.clone().unwrap_or_else(|| Secret::new("")))
+            }
+            CredentialSource::UserPassword => DialAuth::Wire(match &opts.user_password {
+                Some((user, pass)) => WireAuth::UserPass(user.clone(), pass.expose().to_string()),
+                None => WireAuth::None,
+            }),
             CredentialSource::Url => {
                 DialAuth::Wire(match foldhost_core::bucket::url_credentials(&opts.url) {
                     Some((user, Some(pass))) => WireAuth::UserPass(user, pass),
@@ -151,42 +171,26 @@ impl LeanDial {
         let servers = foldhost_core::bucket::server_urls(&opts.url)
             .into_iter()
             .map(wire::server_address)
-            .collect::<Option<Vec<_>>>()?;
+            .collect::<Option<Vec<_>>>()
+            .ok_or("a URL that is not nats:// or tls:// (a websocket)")?;
         if servers.is_empty() {
-            return None;
+            return Err("no server URL".into());
         }
-        Some(LeanDial {
+        Ok(LeanDial {
             servers,
             auth,
             tls: std::sync::Arc::default(),
+            tls_options: opts.tls.clone(),
             name: opts.name.clone(),
             timeout: opts.op_timeout.min(Duration::from_secs(10)),
             heartbeat: opts.watch_heartbeat,
         })
     }
 
-    /// The TLS configuration, built once: the system's root certificates (`SSL_CERT_FILE` and
-    /// `SSL_CERT_DIR` honoured), as the client library trusts them.
+    /// The TLS configuration, built once: the client connection's own (`tls::client_config`).
     fn tls_config(&self) -> Result<std::sync::Arc<rustls::ClientConfig>, String> {
         self.tls
-            .get_or_init(|| {
-                let found = rustls_native_certs::load_native_certs();
-                let mut roots = rustls::RootCertStore::empty();
-                let (added, _) = roots.add_parsable_certificates(found.certs);
-                if added == 0 {
-                    return Err(format!(
-                        "no root certificate could be loaded ({} errors)",
-                        found.errors.len()
-                    ));
-                }
-                let provider = std::sync::Arc::new(rustls::crypto::ring::default_provider());
-                rustls::ClientConfig::builder_with_provider(provider)
-                    .with_safe_default_protocol_versions()
-                    .map(|b| {
-                        std::sync::Arc::new(b.with_root_certificates(roots).with_no_client_auth())
-                    })
-                    .map_err(|e| e.to_string())
-            })
+            .get_or_init(|| crate::tls::client_config(&self.tls_options))
             .clone()
     }
 
@@ -205,6 +209,20 @@ impl LeanDial {
                     .map_err(|e| DialError::Unsupported(format!("credentials: {e}")))?;
                 Ok(WireAuth::Jwt {
                     jwt: jwt.clone(),
+                    sig: base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(sig),
+                })
+            }
+            DialAuth::Nkey(seed) => {
+                let nonce = nonce.ok_or_else(|| {
+                    DialError::Unsupported("the server sent no nonce for the nkey".into())
+                })?;
+                let key = crate::connection::user_nkey(seed.expose())
+                    .map_err(|e| DialError::Unsupported(e.into()))?;
+                let sig = key
+                    .sign(nonce.as_bytes())
+                    .map_err(|e| DialError::Unsupported(format!("nkey: {e}")))?;
+                Ok(WireAuth::Nkey {
+                    public: key.public_key(),
                     sig: base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(sig),
                 })
             }
@@ -254,9 +272,10 @@ pub(super) async fn dial(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
     }
 }
 
-/// Reads the server's `INFO` (it speaks first, in the clear), with what came after it.
+/// Reads the server's `INFO` (it speaks first: in the clear, or after the handshake when TLS
+/// comes first), with what came after it.
 async fn read_info(
-    sock: &mut tokio::net::TcpStream,
+    sock: &mut (impl tokio::io::AsyncRead + Unpin),
 ) -> Result<(serde_json::Value, BytesMut), DialError> {
     let transient = |e: std::io::Error| DialError::Transient(e.to_string());
     let mut buf = BytesMut::with_capacity(4096);
@@ -283,8 +302,9 @@ async fn read_info(
     }
 }
 
-/// The TLS handshake over `sock` (after the server's `INFO`, as the client library does), the
-/// server's certificate checked against the system's roots for the host the URL names.
+/// The TLS handshake over `sock` (after the server's `INFO`, as the client library does, or
+/// before it with `first`), the server's certificate checked against the client's roots
+/// (`tls.rs`) for the host the URL names.
 async fn upgrade(
     d: &LeanDial,
     server: &wire::ServerAddress,
@@ -301,7 +321,12 @@ async fn upgrade(
     Ok((Box::new(rd), Box::new(wr)))
 }
 
-async fn dial_inner(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
+/// The socket to the first server that answers, TLS where the URL, the options or the server's
+/// `INFO` ask (before the `INFO` with `first`): its two sides, the `INFO`, what came after it,
+/// and whether it is TLS.
+async fn open_socket(
+    d: &LeanDial,
+) -> Result<(ReadSide, WriteSide, serde_json::Value, BytesMut, bool), DialError> {
     let mut last = String::from("no server");
     let mut found = None;
     for server in &d.servers {
@@ -315,14 +340,13 @@ async fn dial_inner(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
     }
     let (mut sock, server) = found.ok_or(DialError::Transient(last))?;
     let _ = sock.set_nodelay(true);
-    let transient = |e: std::io::Error| DialError::Transient(e.to_string());
-    let (info, buf) = read_info(&mut sock).await?;
-    if info["auth_required"].as_bool() == Some(true) && !d.has_auth() {
-        return Err(DialError::Unsupported(
-            "the server requires credentials the options do not name".into(),
-        ));
+    if d.tls_options.first {
+        let (mut rd, wr) = upgrade(d, server, sock).await?;
+        let (info, buf) = read_info(&mut rd).await?;
+        return Ok((rd, wr, info, buf, true));
     }
-    let tls = server.tls || info["tls_required"].as_bool() == Some(true);
+    let (info, buf) = read_info(&mut sock).await?;
+    let tls = server.tls || d.tls_options.any() || info["tls_required"].as_bool() == Some(true);
     let (rd, wr) = if tls {
         if !buf.is_empty() {
             return Err(DialError::Transient("bytes after INFO before TLS".into()));
@@ -332,6 +356,17 @@ async fn dial_inner(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
         let (rd, wr) = sock.into_split();
         (Box::new(rd) as ReadSide, Box::new(wr) as WriteSide)
     };
+    Ok((rd, wr, info, buf, tls))
+}
+
+async fn dial_inner(d: &LeanDial, inbox: &str) -> Result<Conn, DialError> {
+    let transient = |e: std::io::Error| DialError::Transient(e.to_string());
+    let (rd, wr, info, buf, tls) = open_socket(d).await?;
+    if info["auth_required"].as_bool() == Some(true) && !d.has_auth() {
+        return Err(DialError::Unsupported(
+            "the server requires credentials the options do not name".into(),
+        ));
+    }
     let mut conn = Conn {
         rd,
         wr,
@@ -700,7 +735,7 @@ mod tests {
             d.servers.iter().map(|s| s.tls).collect::<Vec<_>>(),
             [false, true]
         );
-        assert!(LeanDial::from_options(&ConnectOptions::new("nats://a:1,ws://b:2")).is_none());
+        assert!(LeanDial::from_options(&ConnectOptions::new("nats://a:1,ws://b:2")).is_err());
         let o = ConnectOptions::new("nats://u:p@a:1");
         let d = LeanDial::from_options(&o).expect("plain with a password");
         assert!(
@@ -728,10 +763,44 @@ mod tests {
         assert!(d.wire_auth(None).is_err(), "no nonce, no signature");
         // A creds file that is not one names nothing the connection can send.
         o.creds = Some("not creds".into());
-        assert!(LeanDial::from_options(&o).is_none());
+        assert!(LeanDial::from_options(&o).is_err());
         let mut o = ConnectOptions::new("nats://a:1");
         o.creds_file = Some("/nonexistent/x.creds".into());
-        assert!(LeanDial::from_options(&o).is_none());
+        assert!(LeanDial::from_options(&o).is_err());
+    }
+
+    #[test]
+    fn an_nkey_user_signs_the_nonce_and_a_user_sends_its_password_on_a_lean_connection() {
+        let user = nkeys::KeyPair::new_user();
+        let mut o = ConnectOptions::new("nats://a:1");
+        o.nkey_seed = Some(Secret::new(user.seed().expect("a seed")));
+        let d = LeanDial::from_options(&o).expect("an nkey user");
+        let WireAuth::Nkey { public, sig } = d.wire_auth(Some("nonce-2")).expect("signed") else {
+            panic!("an nkey auth");
+        };
+        assert_eq!(public, user.public_key());
+        let sig = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(sig)
+            .expect("base64url");
+        assert!(user.verify(b"nonce-2", &sig).is_ok());
+        assert!(d.wire_auth(None).is_err(), "no nonce, no signature");
+        // An account seed is not a user's: the server would refuse it; so does the dial.
+        o.nkey_seed = Some(Secret::new(
+            nkeys::KeyPair::new_account().seed().expect("a seed"),
+        ));
+        let d = LeanDial::from_options(&o).expect("options");
+        assert!(d.wire_auth(Some("n")).is_err());
+        let mut o = ConnectOptions::new("nats://u:url-pw@a:1");
+        o.user_password = Some(("alice".into(), Secret::new("pw")));
+        let d = LeanDial::from_options(&o).expect("a user");
+        assert!(
+            matches!(&d.auth, DialAuth::Wire(WireAuth::UserPass(u, p)) if u == "alice" && p == "pw"),
+            "the user given apart wins over the URL's"
+        );
+        // Any TLS option requires TLS on a nats:// URL too; the handshake first when asked.
+        o.tls.first = true;
+        let d = LeanDial::from_options(&o).expect("tls first");
+        assert!(d.tls_options.any() && d.tls_options.first);
     }
 
     /// A reader over a real local socket whose other end the test writes as the server.

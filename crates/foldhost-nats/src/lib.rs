@@ -41,15 +41,17 @@ mod lean;
 pub mod lease;
 mod listing;
 mod publish;
+mod tls;
 mod traits;
 mod watch;
 pub use lean::{LEAN_DELIVERY_ENV, lean_allowed};
+pub use tls::check_tls;
 pub mod wire;
 
 pub use create::{create_bucket_raw, kv_stream_config, parse_stream_create_reply};
 
 use connection::{DeliveryClient, connect_client, lock};
-pub use connection::{Denials, NatsConnection};
+pub use connection::{Denials, NatsConnection, nkey_user_public_key};
 use floor::FloorGuard;
 pub use publish::{ACK_WAIT, Published, WriteKind};
 use watch::ConsumerCleanup;
@@ -67,7 +69,7 @@ use tokio::sync::{Mutex, mpsc};
 
 use foldhost_core::bucket::{
     BucketConfig, BucketHandle, ConnectOptions, Connection, ConnectionCapabilities,
-    CredentialSource, DEFAULT_WATCH_HEARTBEAT, credential_source,
+    CredentialSource, DEFAULT_WATCH_HEARTBEAT, Secret, credential_source,
 };
 use foldhost_core::kv::{
     KvEntry, KvError, KvReader, KvUpdate, KvWatcher, KvWriter, OpRecord, StreamIdentity,
@@ -263,7 +265,13 @@ impl NatsKv {
     /// dialled with `opts`. Off, every watch and listing goes through the client. A handle from
     /// [`NatsConnection::bucket`] starts with them on where the options allow it.
     pub fn set_lean_delivery(&self, opts: Option<&ConnectOptions>) {
-        let dial = opts.and_then(lean::LeanDial::from_options);
+        let dial = opts.and_then(|o| {
+            lean::LeanDial::from_options(o)
+                .inspect_err(|why| {
+                    tracing::info!(event = "lean_delivery_off", bucket = %self.bucket, reason = %why, "watches and listings are delivered through the client's ordered consumer");
+                })
+                .ok()
+        });
         let watches = lean_allowed(std::env::var(LEAN_DELIVERY_ENV).ok().as_deref());
         *lock(&self.lean_dial) = dial.clone().filter(|_| watches);
         *lock(&self.listing_dial) = dial;

@@ -319,8 +319,9 @@ pub(crate) fn stored_msg_size(block: &[u8]) -> Option<u64> {
         .next_back()
 }
 
-/// Credentials a lean connection sends in its `CONNECT`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+/// Credentials a lean connection sends in its `CONNECT`. Its `Debug` names the kind and the
+/// user, never a password, token or signature.
+#[derive(Clone, PartialEq, Eq)]
 pub(crate) enum WireAuth {
     /// None.
     None,
@@ -336,6 +337,26 @@ pub(crate) enum WireAuth {
         /// The nonce's signature, base64url without padding.
         sig: String,
     },
+    /// An nkey user: its public key and the nonce signed with its seed (base64url without
+    /// padding), as a server's `nkey` user authenticates.
+    Nkey {
+        /// The user's public key (`U…`).
+        public: String,
+        /// The nonce's signature, base64url without padding.
+        sig: String,
+    },
+}
+
+impl std::fmt::Debug for WireAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            WireAuth::None => f.write_str("None"),
+            WireAuth::UserPass(u, _) => write!(f, "UserPass({u:?}, <redacted>)"),
+            WireAuth::Token(_) => f.write_str("Token(<redacted>)"),
+            WireAuth::Jwt { .. } => f.write_str("Jwt { <redacted> }"),
+            WireAuth::Nkey { public, .. } => write!(f, "Nkey {{ public: {public:?}, <redacted> }}"),
+        }
+    }
 }
 
 /// The `CONNECT` line (no echo of our own publishes, headers on, not verbose). `tls`: the
@@ -364,6 +385,10 @@ pub(crate) fn connect_line(auth: &WireAuth, name: Option<&str>, tls: bool) -> St
         WireAuth::Token(t) => o["auth_token"] = serde_json::Value::from(t.as_str()),
         WireAuth::Jwt { jwt, sig } => {
             o["jwt"] = serde_json::Value::from(jwt.as_str());
+            o["sig"] = serde_json::Value::from(sig.as_str());
+        }
+        WireAuth::Nkey { public, sig } => {
+            o["nkey"] = serde_json::Value::from(public.as_str());
             o["sig"] = serde_json::Value::from(sig.as_str());
         }
     }
@@ -710,5 +735,31 @@ mod tests {
             (&v["jwt"], &v["sig"], &v["tls_required"]),
             (&"j".into(), &"s".into(), &true.into())
         );
+    }
+
+    #[test]
+    fn an_nkey_user_sends_its_public_key_and_signature_and_no_credential_shows_in_debug() {
+        let l = connect_line(
+            &WireAuth::Nkey {
+                public: "UABC".into(),
+                sig: "s1".into(),
+            },
+            None,
+            true,
+        );
+        let v: serde_json::Value = serde_json::from_str(&l[8..l.len() - 2]).unwrap();
+        assert_eq!((&v["nkey"], &v["sig"]), (&"UABC".into(), &"s1".into()));
+        let shown = format!(
+            "{:?} {:?} {:?}",
+            WireAuth::UserPass("u".into(), "pw-1".into()),
+            WireAuth::Token("tok-1".into()),
+            WireAuth::Nkey {
+                public: "UABC".into(),
+                sig: "sig-1".into()
+            }
+        );
+        for secret in ["pw-1", "tok-1", "sig-1"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
     }
 }
