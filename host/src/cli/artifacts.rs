@@ -96,17 +96,14 @@ pub struct BootstrapArgs {
     /// The backend the store must have.
     #[arg(long)]
     pub backend: Option<Backend>,
-    /// NATS server URL: with --bucket, the bucket's stream is read first and an artifact of
-    /// another stream (an earlier incarnation of a recreated bucket) is refused before the
-    /// download.
-    #[arg(long, requires = "bucket")]
-    pub nats: Option<String>,
-    /// The bucket the store will fold (with --nats).
-    #[arg(long, requires = "nats")]
+    /// The bucket the store will fold: its stream is read first (through --nats or NATS_URL) and
+    /// an artifact of another stream (an earlier incarnation of a recreated bucket) is refused
+    /// before the download.
+    #[arg(long)]
     pub bucket: Option<String>,
-    /// A `.creds` file for the NATS connection (with --nats).
-    #[arg(long, requires = "nats")]
-    pub creds_file: Option<PathBuf>,
+    /// The NATS connection the bucket's stream is read through (with --bucket).
+    #[command(flatten)]
+    pub nats: super::NatsArgs,
 }
 
 /// `foldhost prune`.
@@ -256,9 +253,21 @@ pub(super) async fn cmd_publish(a: PublishArgs) -> anyhow::Result<()> {
 }
 
 pub(super) async fn cmd_bootstrap(a: BootstrapArgs) -> anyhow::Result<()> {
+    // The NATS flags are read (every file, every check) before anything is fetched or made.
+    let nats = match &a.bucket {
+        Some(_) => Some(a.nats.connect_options()?.ok_or_else(|| {
+            anyhow!(
+                "--bucket: no NATS URL to read its stream through (give --nats URL or set NATS_URL)"
+            )
+        })?),
+        None if a.nats.nats.is_some() => {
+            bail!("--nats: a bootstrap reads a bucket's stream: give --bucket too")
+        }
+        None => None,
+    };
     let t = a.from.transport()?;
-    let live = match (&a.nats, &a.bucket) {
-        (Some(url), Some(bucket)) => live_stream(url, bucket, a.creds_file.clone()).await?,
+    let live = match (nats, &a.bucket) {
+        (Some(opts), Some(bucket)) => live_stream(opts, bucket).await?,
         _ => None,
     };
     let m = t
@@ -271,14 +280,11 @@ pub(super) async fn cmd_bootstrap(a: BootstrapArgs) -> anyhow::Result<()> {
 
 /// The stream of `bucket` now, as a bootstrap checks an artifact against it.
 pub(super) async fn live_stream(
-    url: &str,
+    opts: crate::bucket::ConnectOptions,
     bucket: &str,
-    creds_file: Option<PathBuf>,
 ) -> anyhow::Result<Option<crate::artifact::ManifestStream>> {
     use crate::bucket::Connection as _;
     use crate::kv::KvWatcher as _;
-    let mut opts = crate::bucket::ConnectOptions::new(url);
-    opts.creds_file = creds_file;
     let conn = crate::nats::NatsConnection::open(opts).await?;
     let kv = conn
         .bucket(

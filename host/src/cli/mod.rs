@@ -23,6 +23,7 @@ use crate::storedir::{self, AnyStore, Backend};
 mod artifacts;
 mod demo;
 mod grants;
+mod nats;
 mod run;
 mod scaffold;
 mod state;
@@ -31,6 +32,7 @@ mod swap;
 mod write;
 
 pub use artifacts::*;
+pub use nats::NatsArgs;
 pub use run::*;
 pub use status::*;
 pub use swap::*;

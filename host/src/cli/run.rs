@@ -5,9 +5,9 @@ use super::*;
 /// `foldhost run`. Every default comes from [`NodeConfig::new`] and the types it holds.
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
-    /// NATS server URL.
-    #[arg(long, env = "FOLDHOST_NATS")]
-    pub nats: String,
+    /// How to reach and authenticate to NATS (`cli/nats.rs`).
+    #[command(flatten)]
+    pub nats: NatsArgs,
     /// Bucket to fold (must exist).
     #[arg(long)]
     pub bucket: String,
@@ -167,9 +167,6 @@ pub struct RunArgs {
     /// Watch → fold channel depth, in updates.
     #[arg(long, default_value_t = defaults().batch.channel_capacity)]
     pub channel: usize,
-    /// A `.creds` file for the NATS connection.
-    #[arg(long)]
-    pub creds_file: Option<PathBuf>,
     /// Longest one NATS operation may take before it fails (a stream read, a consumer's
     /// creation, a put), in seconds.
     #[arg(long, value_name = "SECS", default_value_t = crate::bucket::DEFAULT_OP_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
@@ -268,10 +265,10 @@ impl RunArgs {
             }
             None => self.guest_config.clone(),
         };
+        let nats = self.nats.required()?;
         let d = defaults();
         Ok(NodeConfig {
-            nats: self.nats,
-            creds_file: self.creds_file,
+            nats,
             op_timeout: Duration::from_secs(self.nats_op_timeout),
             watch_heartbeat: Duration::from_secs(self.watch_heartbeat),
             ledger_retention: self.ledger_retention,

@@ -6,10 +6,10 @@ use super::*;
 /// Everything a running host is configured by, typed. [`NodeConfig::new`] holds every default.
 #[derive(Clone, Debug)]
 pub(crate) struct NodeConfig {
-    /// NATS server URL.
-    pub nats: String,
-    /// NATS credentials file.
-    pub creds_file: Option<PathBuf>,
+    /// How to reach and authenticate to NATS: the URL(s), the credentials, TLS (its
+    /// `op_timeout` and `watch_heartbeat` are the two fields below). Its `Debug` redacts every
+    /// secret.
+    pub nats: ConnectOptions,
     /// Longest one NATS operation may take ([`crate::bucket::DEFAULT_OP_TIMEOUT`] by default).
     pub op_timeout: Duration,
     /// The idle heartbeat of the watches' consumers
@@ -93,8 +93,7 @@ impl NodeConfig {
         store: impl Into<PathBuf>,
     ) -> Self {
         NodeConfig {
-            nats: nats.into(),
-            creds_file: None,
+            nats: ConnectOptions::new(nats),
             op_timeout: crate::bucket::DEFAULT_OP_TIMEOUT,
             watch_heartbeat: crate::bucket::DEFAULT_WATCH_HEARTBEAT,
             ledger_retention: Duration::from_millis(crate::protocol::DEFAULT_LEDGER_RETENTION_MS),

@@ -304,8 +304,7 @@ impl Node {
 async fn connect(
     cfg: &NodeConfig,
 ) -> Result<(NatsConnection, Arc<crate::nats::NatsKv>), NodeError> {
-    let mut copts = ConnectOptions::new(cfg.nats.clone());
-    copts.creds_file = cfg.creds_file.clone();
+    let mut copts = cfg.nats.clone();
     copts.op_timeout = cfg.op_timeout;
     copts.watch_heartbeat = cfg.watch_heartbeat;
     let conn = NatsConnection::open(copts).await?;
