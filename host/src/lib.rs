@@ -38,6 +38,9 @@ pub use foldhost_guest::guest;
 use foldhost_localnats as localnats;
 pub use foldhost_nats::lease;
 #[cfg(test)]
+mod log_events_tests;
+pub(crate) mod metrics;
+#[cfg(test)]
 mod models;
 pub use foldhost_nats as nats;
 pub mod node;

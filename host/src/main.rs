@@ -15,13 +15,25 @@ fn main() {
             tracing_subscriber::EnvFilter::try_new(foldhost::cli::log_filter(&spec)).ok()
         })
         .unwrap_or_else(|| tracing_subscriber::EnvFilter::new("info,async_nats=warn"));
-    tracing_subscriber::fmt()
+    let lines = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        // Fields at the top level (`event` among them); the fold in `spans`; the `target` tells
+        // the host's lines (`foldhost…`) from a library's.
+        foldhost::cli::LogFormat::Json => lines
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_span_list(true)
+            .init(),
         // Colour only on a terminal: logs captured to a file or a pipe stay plain text.
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .with_target(false)
-        .init();
+        foldhost::cli::LogFormat::Text => lines
+            .with_target(false)
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+    }
+    foldhost::cli::set_log_format(cli.log_format);
     tracing::debug!(pid = std::process::id(), "process started");
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -361,11 +361,11 @@ impl RetainedIndex {
             match decode(&e.value) {
                 Ok(r) if r.store_key() == e.key => index.insert(r),
                 Ok(_) => {
-                    tracing::warn!(key = ?e.key, "a retained record under another record's key: set aside as forged");
+                    tracing::warn!(event = "retained_forged", key = ?e.key, "a retained record under another record's key: set aside as forged");
                     index.forged.push(e.key.clone());
                 }
                 Err(reason) => {
-                    tracing::warn!(key = ?e.key, %reason, "a retained record that does not decode: set aside as forged");
+                    tracing::warn!(event = "retained_forged", key = ?e.key, %reason, "a retained record that does not decode: set aside as forged");
                     index.forged.push(e.key.clone());
                 }
             }
@@ -378,7 +378,7 @@ impl RetainedIndex {
             .map(|(k, _)| k.clone())
             .collect();
         for k in orphans {
-            tracing::warn!(key = ?k, "a retained record with no head carrying its key's base: set aside as forged");
+            tracing::warn!(event = "retained_forged", key = ?k, "a retained record with no head carrying its key's base: set aside as forged");
             index.records.remove(&k);
             index.forged.push(k);
         }

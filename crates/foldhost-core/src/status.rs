@@ -49,6 +49,9 @@ pub struct StatusReport {
     pub applied_through: u64,
     /// `seq - applied_through` ([`lag`]).
     pub lag: u64,
+    /// Whether the fold has been level with its stream (as of its watch's start) since the host
+    /// started: a start folding a backlog is not.
+    pub caught_up: bool,
     /// Updates delivered since the host started.
     pub delivered: u64,
     /// Batches committed since the host started.
@@ -253,6 +256,7 @@ impl StatusReport {
             seq,
             applied_through,
             lag: lag(seq, applied_through),
+            caught_up: s.caught_up.load(Ordering::Relaxed) == 1,
             delivered: s.delivered.load(Ordering::Relaxed),
             batches: s.batches.load(Ordering::Relaxed),
             last_apply_us: s.last_apply_us.load(Ordering::Relaxed),
@@ -328,6 +332,14 @@ pub struct FoldStatus {
     pub last_apply_us: AtomicU64,
     /// Duration of the last store commit, microseconds.
     pub last_commit_us: AtomicU64,
+    /// Every batch's parse and apply, microseconds (`/metrics`).
+    pub apply_us: Histogram,
+    /// Every batch's store commit, microseconds.
+    pub commit_us: Histogram,
+    /// Every batch's flush, from its parse to its commit, microseconds.
+    pub batch_us: Histogram,
+    /// Every committed batch's updates.
+    pub batch_updates: Histogram,
     /// Consecutive store failures right now.
     pub store_failure_streak: AtomicU64,
     /// 1 once the watch reported it is level with the stream as of its start.
@@ -504,6 +516,49 @@ impl FoldStatus {
     /// The last undecodable message skipped: revision, subject, reason.
     pub fn last_skipped(&self) -> Option<(u64, String, &'static str)> {
         self.last_skipped.lock().ok().and_then(|g| g.clone())
+    }
+}
+
+/// Upper bounds of [`Histogram`]'s buckets: 1, 2.5, 5 per decade from 1 to 10^7 (a duration in
+/// microseconds up to 10 s, a batch's size up to 10 million updates); above the last, `+Inf`.
+pub const HISTOGRAM_BOUNDS: [u64; 22] = [
+    1, 2, 5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000,
+    250_000, 500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000,
+];
+
+/// A histogram of whole numbers, lock-free: a count per bucket of [`HISTOGRAM_BOUNDS`] (and one
+/// past the last), their sum and count. Observations are relaxed: a scrape may see a sum a moment
+/// ahead of a bucket, never a lost observation.
+#[derive(Debug, Default)]
+pub struct Histogram {
+    buckets: [AtomicU64; HISTOGRAM_BOUNDS.len() + 1],
+    sum: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    /// Records `v`.
+    pub fn observe(&self, v: u64) {
+        let i = HISTOGRAM_BOUNDS.partition_point(|b| *b < v);
+        self.buckets[i].fetch_add(1, Ordering::Relaxed);
+        self.sum.fetch_add(v, Ordering::Relaxed);
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// `(sum, count, [(upper bound, count in that bucket alone)])`, the last bound `None`
+    /// (`+Inf`); an exposition accumulates them.
+    pub fn snapshot(&self) -> (u64, u64, Vec<(Option<u64>, u64)>) {
+        let buckets = self
+            .buckets
+            .iter()
+            .enumerate()
+            .map(|(i, b)| (HISTOGRAM_BOUNDS.get(i).copied(), b.load(Ordering::Relaxed)))
+            .collect();
+        (
+            self.sum.load(Ordering::Relaxed),
+            self.count.load(Ordering::Relaxed),
+            buckets,
+        )
     }
 }
 

@@ -149,11 +149,11 @@ impl NatsKv {
             }
             Err(e @ KvError::Timeout { .. }) => {
                 // The server drops a request the client may not publish: no answer, ever.
-                tracing::warn!(bucket = %self.bucket, first, last, error = %e, "direct catch-up gave way to a consumer: is $JS.API.STREAM.MSG.GET.{} allowed for this client? Without it every start waits this long first", self.stream_name);
+                tracing::warn!(event = "catchup_gave_way", bucket = %self.bucket, first, last, error = %e, "direct catch-up gave way to a consumer: is $JS.API.STREAM.MSG.GET.{} allowed for this client? Without it every start waits this long first", self.stream_name);
                 None
             }
             Err(e) => {
-                tracing::info!(bucket = %self.bucket, first, last, error = %e, "direct catch-up gave way to a consumer");
+                tracing::info!(event = "catchup_gave_way", bucket = %self.bucket, first, last, error = %e, "direct catch-up gave way to a consumer");
                 None
             }
         }
@@ -172,7 +172,7 @@ impl NatsKv {
             return;
         }
         let kv = Arc::clone(self);
-        let task = tokio::spawn(async move {
+        let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
             // The stream info too is bounded by the catch-up's budget: the watch waits for this.
             let budget = kv.timeout.min(protocol::DIRECT_CATCH_UP_BUDGET);
             let info = tokio::time::timeout(budget, kv.stream_info())
@@ -188,7 +188,7 @@ impl NatsKv {
             let last = *range.end();
             let messages = kv.direct_catch_up(range, false).await?;
             Some((identity_of(&info), last, messages))
-        });
+        }));
         if let Ok(mut p) = self.prefetch.lock()
             && let Some(old) = p.replace(Prefetch { start, task })
         {

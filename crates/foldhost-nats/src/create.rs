@@ -152,7 +152,7 @@ pub(super) async fn create_bucket(
     // Another node may have created it between our look and our create (a fleet starts
     // together): the bucket being there is success.
     if let Ok(kv) = js.get_key_value(bucket).await {
-        tracing::info!(bucket, error = %first, "bucket create answered an error, but the bucket is there: using it");
+        tracing::info!(event = "bucket_create_raced", bucket, error = %first, "bucket create answered an error, but the bucket is there: using it");
         return Ok(kv);
     }
     let verdict = create_bucket_raw(client, bucket, config, timeout)
@@ -169,7 +169,7 @@ pub(super) async fn create_bucket(
     .await
     {
         Ok(kv) => {
-            tracing::info!(bucket, ?verdict, error = %first, "bucket created through the raw stream API");
+            tracing::info!(event = "bucket_created_raw", bucket, ?verdict, error = %first, "bucket created through the raw stream API");
             Ok(kv)
         }
         Err(e) => Err(KvError::Backend {

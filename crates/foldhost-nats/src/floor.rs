@@ -117,7 +117,7 @@ impl FloorGuard {
                     Ok(None) => {}
                     Err(e @ KvError::StreamChanged { .. }) => return Err(e),
                     Err(e) => {
-                        tracing::warn!(bucket = %kv.bucket, error = %e, "floor guard: watermark probe failed; retrying next period")
+                        tracing::warn!(event = "floor_probe_failed", bucket = %kv.bucket, error = %e, "floor guard: watermark probe failed; retrying next period")
                     }
                 }
             }
@@ -126,7 +126,7 @@ impl FloorGuard {
                 return Err(e);
             }
             Err(e) => {
-                tracing::warn!(bucket = %kv.bucket, error = %e, "floor guard: backstop probe failed; retrying next period")
+                tracing::warn!(event = "floor_probe_failed", bucket = %kv.bucket, error = %e, "floor guard: backstop probe failed; retrying next period")
             }
         }
         Ok(())
@@ -143,7 +143,7 @@ impl FloorGuard {
             Ok(_) => Ok(()),
             Err(e @ (KvError::CursorExpired { .. } | KvError::StreamChanged { .. })) => Err(e),
             Err(e) => {
-                tracing::warn!(bucket = %kv.bucket, error = %e, "floor guard: probe after a consumer error failed; the next delivery is checked");
+                tracing::warn!(event = "floor_probe_failed", bucket = %kv.bucket, error = %e, "floor guard: probe after a consumer error failed; the next delivery is checked");
                 Ok(())
             }
         }
@@ -190,7 +190,7 @@ impl FloorGuard {
                     Err(e) if attempt >= FLOOR_PROBE_RETRIES => return Err(e),
                     Err(e) => {
                         attempt += 1;
-                        tracing::warn!(bucket = %kv.bucket, error = %e, attempt, "floor guard: probe failed; retrying");
+                        tracing::warn!(event = "floor_probe_failed", bucket = %kv.bucket, error = %e, attempt, "floor guard: probe failed; retrying");
                         tokio::time::sleep(Duration::from_millis(250u64 << attempt)).await;
                     }
                 }
@@ -233,7 +233,7 @@ impl NatsKv {
         }
         *non_evicting_at = None;
         if protocol::floor_guard_trips(r.evicts_current_values, frontier, r.first_revision) {
-            tracing::warn!(bucket = %self.bucket, frontier, first_sequence = r.first_revision, "floor guard: retention overran the watch; ending it with CursorExpired");
+            tracing::warn!(event = "floor_overrun", bucket = %self.bucket, frontier, first_sequence = r.first_revision, "floor guard: retention overran the watch; ending it with CursorExpired");
             return Err(KvError::CursorExpired {
                 resume_from: frontier.saturating_add(1),
                 first_sequence: r.first_revision,
@@ -260,7 +260,7 @@ impl NatsKv {
         } else {
             return Ok(());
         };
-        tracing::warn!(bucket = %self.bucket, %detail, "the stream changed under the watch");
+        tracing::warn!(event = "stream_changed", bucket = %self.bucket, %detail, "the stream changed under the watch");
         Err(KvError::StreamChanged {
             bucket: self.bucket.clone(),
             detail,

@@ -93,7 +93,7 @@ pub use foldhost_core::kv::WATCH_CHUNK;
 pub(crate) const SHUTDOWN_BUDGET: Duration = Duration::from_secs(2);
 
 /// Period of the floor guard's backstop probe: when no delivery arrives for this long, the stream's
-/// first sequence is checked against the frontier directly (seed 000: 30 s).
+/// first sequence is checked against the frontier directly (every 30 s).
 pub const FLOOR_BACKSTOP: Duration = Duration::from_secs(30);
 
 /// Least time between two delivery stamps (`WatchEvent::Stamp`) outside the level.
@@ -375,7 +375,7 @@ fn identity_of(info: &async_nats::jetstream::stream::Info) -> StreamIdentity {
 }
 
 impl NatsKv {
-    /// The supersession-only resume (seed 000): when a cursor with the eviction memo looks expired
+    /// The supersession-only resume: when a cursor with the eviction memo looks expired
     /// on a bucket where age is the only eviction and the cursor's message is at most half of
     /// `max_age` old by the server's clock, every later message is younger still, so none aged
     /// out and each one missing was superseded by a later write: the resume may start at the
@@ -418,7 +418,7 @@ impl NatsKv {
         if first == 0 || !protocol::gap_holds_no_eviction(age_only, max_age, age) {
             return Ok(None);
         }
-        tracing::info!(bucket = %self.bucket, cursor = %cursor, first, cursor_message_age_ms = age.as_millis() as u64, "supersession-only gap: every message after the cursor was superseded, none aged out; resuming at the first retained revision");
+        tracing::info!(event = "resume_superseded_gap", bucket = %self.bucket, cursor = %cursor, first, cursor_message_age_ms = age.as_millis() as u64, "supersession-only gap: every message after the cursor was superseded, none aged out; resuming at the first retained revision");
         Ok(Some(first))
     }
 }

@@ -68,7 +68,7 @@ impl NatsKv {
             match lean::dial(&d, &inbox).await {
                 Ok(conn) => return self.list_lean(conn, cfg, &mut listed).await,
                 Err(lean::DialError::Unsupported(why)) => {
-                    tracing::info!(bucket = %self.bucket, reason = %why, "listings go through the client");
+                    tracing::info!(event = "lean_listing_off", bucket = %self.bucket, reason = %why, "listings go through the client");
                     *lock(&self.listing_dial) = None;
                 }
                 Err(lean::DialError::Transient(why)) => {

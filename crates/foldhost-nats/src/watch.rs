@@ -58,7 +58,7 @@ impl NatsKv {
             }
             Some(Err(e)) => {
                 if let lean::DialError::Unsupported(why) = &e {
-                    tracing::info!(bucket = %self.bucket, reason = %why, "watches are delivered through the client's ordered consumer");
+                    tracing::info!(event = "lean_delivery_off", bucket = %self.bucket, reason = %why, "watches are delivered through the client's ordered consumer");
                     *lock(&self.lean_dial) = None;
                     *lock(&self.listing_dial) = None;
                 } else {
@@ -103,7 +103,7 @@ impl NatsKv {
         match policy {
             consumer::DeliverPolicy::LastPerSubject if recovering => {
                 let first = first_sequence.max(1);
-                tracing::info!(bucket = %self.bucket, first, "the state-sync start met a message the client library cannot read: reading the stream from its first sequence instead");
+                tracing::info!(event = "watch_unreadable_start", bucket = %self.bucket, first, "the state-sync start met a message the client library cannot read: reading the stream from its first sequence instead");
                 consumer::DeliverPolicy::ByStartSequence {
                     start_sequence: first,
                 }
@@ -160,7 +160,7 @@ impl NatsKv {
             )
         {
             if recovering {
-                tracing::info!(bucket = %self.bucket, first = *range.start(), last = *range.end(), "reading past the message the client's connection dropped on: these sequences through the stream API, then the consumer");
+                tracing::info!(event = "watch_read_past", bucket = %self.bucket, first = *range.start(), last = *range.end(), "reading past the message the client's connection dropped on: these sequences through the stream API, then the consumer");
             }
             let read = match prefetched {
                 Some(p) => Some(p),
@@ -350,7 +350,7 @@ impl NatsKv {
                 lean::Delivered::Recreating(e) => {
                     *consecutive_errors += 1;
                     guard.consumer_error();
-                    tracing::warn!(bucket = %self.bucket, error = %e, "watch: consumer error (recreating)");
+                    tracing::warn!(event = "watch_consumer_recreated", bucket = %self.bucket, error = %e, "watch: consumer error (recreating)");
                     if *consecutive_errors >= 30 {
                         return Err(KvError::WatchError(format!(
                             "bucket {}: {consecutive_errors} consecutive consumer errors, last: {e}",
@@ -423,7 +423,7 @@ impl NatsKv {
                     Some(Ok(c)) => c,
                     Some(Err(e)) => {
                         if let Deliveries::Ordered { failed: Some(why), .. } = &messages {
-                            tracing::warn!(bucket = %self.bucket, error = %why, "the client library failed on a delivery; the next watch reads past it through the stream API on a new connection");
+                            tracing::warn!(event = "watch_client_failed", bucket = %self.bucket, error = %why, "the client library failed on a delivery; the next watch reads past it through the stream API on a new connection");
                         }
                         return Err(e);
                     }
@@ -457,7 +457,7 @@ impl NatsKv {
             }
         }
         if matches!(messages, Deliveries::Ordered { .. }) {
-            tracing::warn!(bucket = %self.bucket, "the client's ordered consumer ended: its connection is gone (the client library fails on some stored messages); the next watch reads past it through the stream API on a new connection");
+            tracing::warn!(event = "watch_consumer_ended", bucket = %self.bucket, "the client's ordered consumer ended: its connection is gone (the client library fails on some stored messages); the next watch reads past it through the stream API on a new connection");
         }
         Err(KvError::WatchError(format!(
             "bucket {}: watch stream ended",

@@ -44,6 +44,36 @@ pub struct Cli {
     /// The command.
     #[command(subcommand)]
     pub command: Command,
+    /// How log lines are written to standard error: `text`, or `json` (one object per line,
+    /// every line naming its `event`; README, "Log events").
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "FOLDHOST_LOG_FORMAT")]
+    pub log_format: LogFormat,
+}
+
+/// Whether the process logs JSON (`--log-format json`): its last lines (a run's stop, a failed
+/// command's error) are then log lines too, so that every line of standard error parses.
+static JSON_LOGS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Records the process's `--log-format` (the binary calls it once its logger is set).
+pub fn set_log_format(format: LogFormat) {
+    JSON_LOGS.store(
+        format == LogFormat::Json,
+        std::sync::atomic::Ordering::Relaxed,
+    );
+}
+
+fn json_logs() -> bool {
+    JSON_LOGS.load(std::sync::atomic::Ordering::Relaxed)
+}
+
+/// `--log-format`.
+#[derive(clap::ValueEnum, Clone, Copy, Debug, PartialEq, Eq)]
+pub enum LogFormat {
+    /// Lines for people (coloured on a terminal).
+    Text,
+    /// One JSON object per line: `timestamp`, `level`, the fields (`event` first), `message`,
+    /// and the spans naming the fold.
+    Json,
 }
 
 /// Subcommands.
@@ -246,11 +276,12 @@ pub fn report_error(e: &anyhow::Error) -> i32 {
         }
         line.push_str(&text);
     }
-    let _ = writeln!(
-        std::io::stderr(),
-        "foldhost: error: {}",
-        line.replace('\n', " ")
-    );
+    let line = line.replace('\n', " ");
+    if json_logs() {
+        tracing::error!(event = "command_failed", error = %line, "foldhost: error: {line}");
+    } else {
+        let _ = writeln!(std::io::stderr(), "foldhost: error: {line}");
+    }
     1
 }
 

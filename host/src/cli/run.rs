@@ -115,6 +115,10 @@ pub struct RunArgs {
     /// Largest `/query` body, in bytes.
     #[arg(long, default_value_t = crate::serve::MAX_QUERY)]
     pub query_max_bytes: usize,
+    /// `GET /readyz` answers ready while the fold (and each state bucket's) is at most this many
+    /// records behind its stream, once it has been level with it.
+    #[arg(long, value_name = "RECORDS", default_value_t = crate::serve::DEFAULT_READY_MAX_LAG)]
+    pub ready_max_lag: u64,
     /// Swap the guest whenever the `--guest` file's content changes (checked every second).
     #[arg(long)]
     pub watch_guest: bool,
@@ -302,6 +306,7 @@ impl RunArgs {
                 query_open: self.query_open,
                 hosts: self.listen_host,
                 query_max_bytes: self.query_max_bytes,
+                ready_max_lag: self.ready_max_lag,
                 ..ListenConfig::new(addr)
             }),
             watch_guest: self.watch_guest,
@@ -344,11 +349,22 @@ pub(super) async fn cmd_run(a: RunArgs) -> anyhow::Result<()> {
         wait_for_signal().await;
         let _ = shutdown_tx.send(true);
     });
+    let fold = cfg.bucket.clone();
     let summary = Node::run(cfg, shutdown_rx).await?;
-    eprintln!(
-        "foldhost: stopped at cursor {} ({} updates delivered this run)",
-        summary.cursor, summary.delivered
-    );
+    if json_logs() {
+        tracing::info!(
+            event = "fold_stopped",
+            fold = %fold,
+            cursor = summary.cursor.revision_or_zero(),
+            delivered = summary.delivered,
+            "stopped"
+        );
+    } else {
+        eprintln!(
+            "foldhost: stopped at cursor {} ({} updates delivered this run)",
+            summary.cursor, summary.delivered
+        );
+    }
     Ok(())
 }
 

@@ -182,7 +182,7 @@ impl ExportRounds {
         let lease = match self.lease.get().await {
             Ok(l) => l,
             Err(e) => {
-                tracing::warn!(error = %e, "export round: the lease bucket could not be opened");
+                tracing::warn!(event = "export_lease_unavailable", error = %e, "export round: the lease bucket could not be opened");
                 return RoundOutcome::Failed(e);
             }
         };
@@ -192,7 +192,11 @@ impl ExportRounds {
             Err(e) => return RoundOutcome::Failed(e.to_string()),
         };
         let lease_revision = held.revision();
-        tracing::info!(lease_revision, "export round: lease won");
+        tracing::info!(
+            event = "export_lease_won",
+            lease_revision,
+            "export round: lease won"
+        );
         let dir = self.scratch.join(format!("round-{}", now_unix_ms()));
         let published: Result<_, Result<u64, String>> = async {
             std::fs::create_dir_all(&self.scratch)
@@ -226,7 +230,7 @@ impl ExportRounds {
         match published {
             Ok(p) => {
                 if let Err(e) = lease.complete(held, p.cursor, now_unix_ms()).await {
-                    tracing::warn!(error = %e, "export round: the lease could not be completed");
+                    tracing::warn!(event = "export_lease_complete_failed", error = %e, "export round: the lease could not be completed");
                 }
                 match self
                     .transport
@@ -234,21 +238,28 @@ impl ExportRounds {
                     .await
                 {
                     Ok(n) if n > 0 => {
-                        tracing::info!(pruned = n, "export round: old payloads pruned")
+                        tracing::info!(
+                            event = "export_pruned",
+                            pruned = n,
+                            "export round: old payloads pruned"
+                        )
                     }
                     Ok(_) => {}
-                    Err(e) => tracing::warn!(error = %e, "export round: prune failed"),
+                    Err(e) => {
+                        tracing::warn!(event = "export_prune_failed", error = %e, "export round: prune failed")
+                    }
                 }
-                tracing::info!(cursor = p.cursor, payload = %p.payload, lease_revision, "export round: artifact published");
+                tracing::info!(event = "export_published", cursor = p.cursor, payload = %p.payload, lease_revision, "export round: artifact published");
                 RoundOutcome::Published { cursor: p.cursor }
             }
             Err(e) => {
                 if let Err(le) = lease.abandon(held, now_unix_ms()).await {
-                    tracing::warn!(error = %le, "export round: the lease could not be abandoned (it runs out by itself)");
+                    tracing::warn!(event = "export_lease_abandon_failed", error = %le, "export round: the lease could not be abandoned (it runs out by itself)");
                 }
                 match e {
                     Ok(current) => {
                         tracing::info!(
+                            event = "export_superseded",
                             current,
                             lease_revision,
                             "export round: superseded by a newer artifact; lease abandoned"
@@ -256,7 +267,7 @@ impl ExportRounds {
                         RoundOutcome::Superseded { current }
                     }
                     Err(why) => {
-                        tracing::warn!(error = %why, "export round failed");
+                        tracing::warn!(event = "export_failed", error = %why, "export round failed");
                         RoundOutcome::Failed(why)
                     }
                 }

@@ -374,19 +374,24 @@ impl Running {
                 link.clone(),
             );
             let stop = signalled(shutdown.clone());
-            tasks.spawn(async move {
-                let r = watch_applied(
-                    lane.kv,
-                    lane.store,
-                    &mut apply,
-                    opts,
-                    lane.status,
-                    None,
-                    stop,
-                )
-                .await;
-                (lane.decl.local, r)
-            });
+            // Each state bucket's lines carry its name beside the fold's.
+            let span = tracing::info_span!("state", bucket = %lane.decl.local);
+            tasks.spawn(tracing::Instrument::instrument(
+                async move {
+                    let r = watch_applied(
+                        lane.kv,
+                        lane.store,
+                        &mut apply,
+                        opts,
+                        lane.status,
+                        None,
+                        stop,
+                    )
+                    .await;
+                    (lane.decl.local, r)
+                },
+                span,
+            ));
         }
         Running {
             tasks,

@@ -142,6 +142,8 @@ pub(crate) struct ListenConfig {
     pub hosts: Vec<String>,
     /// Largest `/query` body accepted.
     pub query_max_bytes: usize,
+    /// Records a fold may be behind and still be ready (`GET /readyz`).
+    pub ready_max_lag: u64,
 }
 
 impl ListenConfig {
@@ -158,6 +160,7 @@ impl ListenConfig {
             query_open: false,
             hosts: Vec::new(),
             query_max_bytes: crate::serve::MAX_QUERY,
+            ready_max_lag: crate::serve::DEFAULT_READY_MAX_LAG,
         }
     }
 }
@@ -172,6 +175,16 @@ impl Node {
         cfg: NodeConfig,
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> Result<RunSummary, NodeError> {
+        // Every line of the fold, its side tasks and its state buckets' folds names the fold
+        // (README, "Log events").
+        let span = tracing::info_span!("fold", fold = %cfg.bucket);
+        tracing::Instrument::instrument(Self::run_fold(cfg, shutdown), span).await
+    }
+
+    async fn run_fold(
+        cfg: NodeConfig,
+        shutdown: tokio::sync::watch::Receiver<bool>,
+    ) -> Result<RunSummary, NodeError> {
         cfg.check()?;
         let proven = prove_guest(&cfg).await?;
         // Connect before touching the store: a run that cannot reach its server writes nothing.
@@ -183,7 +196,7 @@ impl Node {
         }
         let (mut apply, scope, lanes, link) =
             build_applier(&cfg, proven.as_ref(), &shared, &conn).await?;
-        tracing::info!(bucket = %cfg.bucket, scope = %scope, store = %cfg.store.display(), backend = cfg.backend.as_str(), guest = %apply.describe(), cursor = %shared.read()?.cursor(), "folding");
+        tracing::info!(event = "fold_started", bucket = %cfg.bucket, scope = %scope, store = %cfg.store.display(), backend = cfg.backend.as_str(), guest = %apply.describe(), cursor = %shared.read()?.cursor(), "folding");
         let status = Arc::new(FoldStatus::default());
         let mut base = base_report(&cfg, apply.describe(), proven.as_ref(), &scope);
         let (live_lanes, gone_lanes) = lanes::reports(&cfg, &lanes);
@@ -311,7 +324,7 @@ async fn connect(
     {
         use crate::bucket::Connection as _;
         let caps = conn.capabilities();
-        tracing::info!(server = %caps.server_version, message_ttl = caps.message_ttl, conditional_publish = caps.conditional_publish, direct_get = caps.direct_get, "server capabilities");
+        tracing::info!(event = "nats_server_capabilities", server = %caps.server_version, message_ttl = caps.message_ttl, conditional_publish = caps.conditional_publish, direct_get = caps.direct_get, "server capabilities");
     }
     let kv = conn
         .bucket(
@@ -431,8 +444,12 @@ async fn close_store(shared: SharedStore<AnyStore>, dir: &Path) {
     let closed = tokio::task::spawn_blocking(move || store.close_cleanly(&dir)).await;
     match closed {
         Ok(Ok(())) => tracing::debug!("clean-stop record written"),
-        Ok(Err(e)) => tracing::warn!(error = %e, "no clean-stop record"),
-        Err(e) => tracing::warn!(error = %e, "no clean-stop record"),
+        Ok(Err(e)) => {
+            tracing::warn!(event = "store_clean_stop_failed", error = %e, "no clean-stop record")
+        }
+        Err(e) => {
+            tracing::warn!(event = "store_clean_stop_failed", error = %e, "no clean-stop record")
+        }
     }
 }
 
@@ -460,7 +477,7 @@ async fn prove_guest(cfg: &NodeConfig) -> Result<Option<ProvenGuest>, NodeError>
     })?;
     let what = path.display().to_string();
     let (_, prepared) = engine.prepare_traced(&what, &bytes)?;
-    tracing::info!(
+    tracing::info!(event = "guest_compiled",
         guest = %what,
         from = prepared.source.as_str(),
         ms = prepared.elapsed.as_millis() as u64,
@@ -499,7 +516,7 @@ async fn open_store(cfg: &NodeConfig) -> Result<SharedStore<AnyStore>, NodeError
                 source,
             })?;
     if let Some(reason) = &recovery.reason {
-        tracing::warn!(
+        tracing::warn!(event = "store_recovered",
             store = %cfg.store.display(),
             discarded_bytes = recovery.discarded_tail_bytes,
             discarded_records = recovery.discarded_records,
@@ -641,6 +658,6 @@ fn final_status(
 /// Writes `status.json`, warning (not failing) when it cannot: the file is advisory.
 fn write_status_file(store: &Path, report: &StatusReport) {
     if let Err(e) = storedir::write_status(store, report) {
-        tracing::warn!(error = %e, "status file not written");
+        tracing::warn!(event = "status_file_failed", error = %e, "status file not written");
     }
 }

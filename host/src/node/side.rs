@@ -67,13 +67,11 @@ impl SideTasks {
             ledger,
             rate,
         });
-        others.push(tokio::spawn(sweep_ledger(
-            cfg.ledger_retention,
-            control.clone(),
+        others.push(tokio::spawn(tracing::Instrument::in_current_span(
+            sweep_ledger(cfg.ledger_retention, control.clone()),
         )));
-        others.push(tokio::spawn(read_positions(
-            write.kv.clone(),
-            status.clone(),
+        others.push(tokio::spawn(tracing::Instrument::in_current_span(
+            read_positions(write.kv.clone(), status.clone()),
         )));
         let fatal: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
         let last_export: Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>> =
@@ -108,10 +106,8 @@ impl SideTasks {
         if cfg.watch_guest
             && let (Some(path), Some(engine)) = (cfg.guest.clone(), engine)
         {
-            others.push(tokio::spawn(watch_guest_file(
-                path,
-                engine,
-                control.clone(),
+            others.push(tokio::spawn(tracing::Instrument::in_current_span(
+                watch_guest_file(path, engine, control.clone()),
             )));
         }
         if let Some(subject) = &cfg.query_subject {
@@ -120,16 +116,18 @@ impl SideTasks {
                 .subscribe(subject.clone())
                 .await
                 .map_err(|e| NodeError::Config(format!("--query-subject {subject}: {e}")))?;
-            tracing::info!(subject = %subject, "serving queries over NATS request/reply");
-            others.push(tokio::spawn(serve_nats_queries(
-                client,
-                sub,
-                cfg.query_reply_prefix.clone(),
-                control.clone(),
-                crate::write::Positions {
-                    status: status.clone(),
-                    rate: write.rate.clone(),
-                },
+            tracing::info!(event = "nats_queries_serving", subject = %subject, "serving queries over NATS request/reply");
+            others.push(tokio::spawn(tracing::Instrument::in_current_span(
+                serve_nats_queries(
+                    client,
+                    sub,
+                    cfg.query_reply_prefix.clone(),
+                    control.clone(),
+                    crate::write::Positions {
+                        status: status.clone(),
+                        rate: write.rate.clone(),
+                    },
+                ),
             )));
         }
         if let Some(subject) = &cfg.write_subject {
@@ -138,12 +136,9 @@ impl SideTasks {
                 .subscribe(subject.clone())
                 .await
                 .map_err(|e| NodeError::Config(format!("--write-subject {subject}: {e}")))?;
-            tracing::info!(subject = %subject, "taking writes over NATS request/reply");
-            others.push(tokio::spawn(serve_nats_writes(
-                client,
-                sub,
-                cfg.query_reply_prefix.clone(),
-                write.clone(),
+            tracing::info!(event = "nats_writes_serving", subject = %subject, "taking writes over NATS request/reply");
+            others.push(tokio::spawn(tracing::Instrument::in_current_span(
+                serve_nats_writes(client, sub, cfg.query_reply_prefix.clone(), write.clone()),
             )));
         }
         if let (Some(every), Some(transport), Some((_, key))) =
@@ -156,14 +151,18 @@ impl SideTasks {
                 state,
                 ..rounds
             };
-            tracing::info!(every_s = every.as_secs_f64(), key = %key, "export rounds on");
-            others.push(tokio::spawn(rounds.run(every)));
+            tracing::info!(event = "export_rounds_started", every_s = every.as_secs_f64(), key = %key, "export rounds on");
+            others.push(tokio::spawn(tracing::Instrument::in_current_span(
+                rounds.run(every),
+            )));
         }
-        others.push(tokio::spawn(report_progress(
-            cfg.store.clone(),
-            base.clone(),
-            status.clone(),
-            last_export.clone(),
+        others.push(tokio::spawn(tracing::Instrument::in_current_span(
+            report_progress(
+                cfg.store.clone(),
+                base.clone(),
+                status.clone(),
+                last_export.clone(),
+            ),
         )));
         Ok(SideTasks {
             server,
@@ -210,7 +209,7 @@ impl SideTasks {
         if let Some(server) = self.server.take() {
             if let Err(e) = &outcome {
                 // The fold has stopped; the host stays up so `/status` can say why.
-                tracing::error!(error = %e, "fold failed; still serving /status until signalled");
+                tracing::error!(event = "fold_failed", error = %e, "fold failed; still serving /status until signalled");
                 signalled(shutdown).await;
             }
             server.abort();
@@ -252,7 +251,7 @@ async fn listen(
         (None, None) => {
             let f = cfg.store.join(crate::serve::ADMIN_TOKEN_FILE);
             let t = crate::serve::generate_token_file(&f).map_err(io)?;
-            tracing::info!(file = %f.display(), "admin token generated (mode 0600): foldhost swap and export --listen read it from there");
+            tracing::info!(event = "admin_token_generated", file = %f.display(), "admin token generated (mode 0600): foldhost swap and export --listen read it from there");
             (t, Some(f))
         }
     };
@@ -265,15 +264,15 @@ async fn listen(
         (None, None) => {
             let f = cfg.store.join(crate::write::WRITE_TOKEN_FILE);
             let t = crate::serve::query_token_from_store(&f).map_err(io)?;
-            tracing::info!(file = %f.display(), "write token (mode 0600): foldhost put and delete --listen read it from there");
+            tracing::info!(event = "write_token_ready", file = %f.display(), "write token (mode 0600): foldhost put and delete --listen read it from there");
             (t, Some(f))
         }
     };
     let query_token = query_token(cfg, l, local).map_err(io)?;
     if local.ip().is_unspecified() && l.hosts.is_empty() {
-        tracing::info!(addr = %local, "a wildcard listener with no --listen-host: it admits only a Host that is the IP address a client connected to (give --listen-host NAME for each name clients use)");
+        tracing::info!(event = "listen_wildcard", addr = %local, "a wildcard listener with no --listen-host: it admits only a Host that is the IP address a client connected to (give --listen-host NAME for each name clients use)");
     }
-    tracing::info!(addr = %local, "serving /status, /query, /swap and /export");
+    tracing::info!(event = "listen_started", addr = %local, "serving /status, /query, /swap and /export");
     let policy = crate::serve::AccessPolicy {
         admin_token,
         write_token,
@@ -314,6 +313,11 @@ async fn listen(
         scope: scope.to_string(),
         stream,
         state_folds,
+        ready_max_lag: l.ready_max_lag,
+        folds: vec![crate::metrics::FoldSource {
+            name: cfg.bucket.clone(),
+            status: status.clone(),
+        }],
         positions: Some(crate::write::Positions {
             status: status.clone(),
             rate: write.rate.clone(),
@@ -321,7 +325,9 @@ async fn listen(
         read_key: Some(read_key),
         write: Some(write),
     });
-    Ok(tokio::spawn(crate::serve::serve(listener, state)))
+    Ok(tokio::spawn(tracing::Instrument::in_current_span(
+        crate::serve::serve(listener, state),
+    )))
 }
 
 /// What the side tasks read of the fold: its stream identity (exports), its operation ledger and
@@ -361,10 +367,15 @@ async fn sweep_ledger(retention: std::time::Duration, control: mpsc::Sender<Cont
         match rx.await {
             Ok(Ok(0)) | Err(_) => {}
             Ok(Ok(n)) => {
-                tracing::info!(rows = n, cutoff_unix_ms = cutoff, "operation ledger swept")
+                tracing::info!(
+                    event = "ledger_swept",
+                    rows = n,
+                    cutoff_unix_ms = cutoff,
+                    "operation ledger swept"
+                )
             }
             Ok(Err(e)) => {
-                tracing::warn!(error = %e, "the operation ledger could not be swept; the next period tries again")
+                tracing::warn!(event = "ledger_sweep_failed", error = %e, "the operation ledger could not be swept; the next period tries again")
             }
         }
     }
@@ -416,12 +427,12 @@ fn query_token(
         QueryAccess::GeneratedToken => {
             let f = cfg.store.join(crate::serve::QUERY_TOKEN_FILE);
             let t = crate::serve::query_token_from_store(&f)?;
-            tracing::warn!(addr = %local, file = %f.display(), "a listener beyond loopback: /status and /query answer only with the query token in this file (mode 0600; clients send it as Authorization: Bearer), or give --query-token-file, or --query-open");
+            tracing::warn!(event = "listen_query_token_generated", addr = %local, file = %f.display(), "a listener beyond loopback: /status and /query answer only with the query token in this file (mode 0600; clients send it as Authorization: Bearer), or give --query-token-file, or --query-open");
             Some(t)
         }
         QueryAccess::Open => None,
         QueryAccess::OpenByChoice => {
-            tracing::warn!(addr = %local, "--query-open: /status and /query answer without a token anyone who can reach this address; they can read the fold through the guest's query and flood the guest with queries");
+            tracing::warn!(event = "listen_query_open", addr = %local, "--query-open: /status and /query answer without a token anyone who can reach this address; they can read the fold through the guest's query and flood the guest with queries");
             None
         }
     })
@@ -527,14 +538,14 @@ async fn watch_guest_file(path: PathBuf, engine: Arc<GuestEngine>, control: mpsc
         }
         current = Some(hash);
         let what = path.display().to_string();
-        tracing::info!(guest = %what, "guest file changed; swapping");
+        tracing::info!(event = "guest_file_changed", guest = %what, "guest file changed; swapping");
         // Compile off the fold's path; the fold's swap then finds it in the cache.
         let compiled = {
             let (engine, bytes, what) = (engine.clone(), bytes.clone(), what.clone());
             tokio::task::spawn_blocking(move || engine.prepare(&what, &bytes).map(|_| ())).await
         };
         if let Ok(Err(e)) = compiled {
-            tracing::warn!(error = %e, "swap refused; the running guest stays");
+            tracing::warn!(event = "swap_refused", error = %e, "swap refused; the running guest stays");
             continue;
         }
         let (tx, rx) = tokio::sync::oneshot::channel();
@@ -571,7 +582,7 @@ async fn serve_nats_queries(
             continue;
         };
         if !crate::protocol::reply_subject_allowed(&reply_to, &reply_prefix) {
-            tracing::warn!(reply = %reply_to, prefix = %reply_prefix, "query refused: its reply subject is not an inbox");
+            tracing::warn!(event = "nats_query_refused", reply = %reply_to, prefix = %reply_prefix, "query refused: its reply subject is not an inbox");
             continue;
         }
         let header = |name: &str| {
@@ -609,7 +620,7 @@ async fn serve_nats_queries(
                     continue;
                 };
                 let (client, control, p) = (client.clone(), control.clone(), positions.clone());
-                tokio::spawn(async move {
+                tokio::spawn(tracing::Instrument::in_current_span(async move {
                     let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
                     let through = p.status.wait_applied(min, deadline).await;
                     match crate::protocol::read_gate(min, through, p.rate.per_second()) {
@@ -622,7 +633,7 @@ async fn serve_nats_queries(
                         }
                     }
                     drop(permit);
-                });
+                }));
             }
         }
     }
@@ -644,14 +655,14 @@ async fn serve_nats_writes(
             continue;
         };
         if !crate::protocol::reply_subject_allowed(&reply_to, &reply_prefix) {
-            tracing::warn!(reply = %reply_to, prefix = %reply_prefix, "write refused: its reply subject is not an inbox");
+            tracing::warn!(event = "nats_write_refused", reply = %reply_to, prefix = %reply_prefix, "write refused: its reply subject is not an inbox");
             continue;
         }
         let Ok(permit) = in_flight.clone().acquire_owned().await else {
             return;
         };
         let (client, write) = (client.clone(), write.clone());
-        tokio::spawn(async move {
+        tokio::spawn(tracing::Instrument::in_current_span(async move {
             let answer = write.write_json(&msg.payload).await;
             let mut headers = async_nats::HeaderMap::new();
             headers.insert("Foldhost-Outcome", answer.outcome.as_str());
@@ -660,10 +671,10 @@ async fn serve_nats_writes(
                 .publish_with_headers(reply_to, headers, body.into())
                 .await
             {
-                tracing::warn!(error = %e, "write reply not sent");
+                tracing::warn!(event = "nats_write_reply_failed", error = %e, "write reply not sent");
             }
             drop(permit);
-        });
+        }));
     }
 }
 
@@ -701,7 +712,7 @@ async fn nats_query(
         Err(_) => return false,
     };
     if let Err(e) = published {
-        tracing::warn!(error = %e, "query reply not sent");
+        tracing::warn!(event = "nats_query_reply_failed", error = %e, "query reply not sent");
     }
     true
 }
@@ -724,7 +735,7 @@ async fn reply_error(
         .publish_with_headers(reply_to, headers, why.into())
         .await
     {
-        tracing::warn!(error = %e, "query reply not sent");
+        tracing::warn!(event = "nats_query_reply_failed", error = %e, "query reply not sent");
     }
 }
 
@@ -764,18 +775,14 @@ async fn report_progress(
                 b.set_length(total);
                 b.set_position(committed);
             } else if n.is_multiple_of(8) {
-                tracing::info!(committed, total, "hydrating");
+                tracing::info!(event = "fold_hydrating", committed, total, "hydrating");
             }
         } else if !hydrated_logged {
             hydrated_logged = true;
+            // The fold says it is level (`fold_caught_up`).
             if let Some(b) = &bar {
                 b.finish_and_clear();
             }
-            tracing::info!(
-                committed,
-                applied_through = status.applied_through.load(Ordering::Relaxed),
-                "level with the stream; following live updates"
-            );
         }
         if n.is_multiple_of(4) {
             let mut report = live_status(&base, &status);

@@ -137,6 +137,12 @@ pub enum Route {
     Write,
     /// `POST /get`: one key of the fold (the query token's rules).
     Get,
+    /// `GET /healthz`: the process answers (no token: a probe's).
+    Health,
+    /// `GET /metrics`: the Prometheus text (the query token's rules, as `/status`).
+    Metrics,
+    /// `GET /readyz`: every fold runs, level and within its lag (no token: a probe's).
+    Ready,
 }
 
 impl Route {
@@ -233,9 +239,15 @@ pub fn admit(
         "/export" => Route::Export,
         "/write" => Route::Write,
         "/get" => Route::Get,
+        "/healthz" => Route::Health,
+        "/metrics" => Route::Metrics,
+        "/readyz" => Route::Ready,
         _ => return Err(Refusal::new(404, "not found")),
     };
-    let method = if route == Route::Status {
+    let method = if matches!(
+        route,
+        Route::Status | Route::Health | Route::Ready | Route::Metrics
+    ) {
         "GET"
     } else {
         "POST"
@@ -298,14 +310,17 @@ pub fn admit(
                 .is_some_and(|q| token_matches(bearer, q)),
         }
     };
-    if !route.is_admin() && route != Route::Write && !admin && !query_allowed() {
+    // A probe carries no token: the probes say only whether the process answers and which fold
+    // is not ready and why.
+    let probe = matches!(route, Route::Health | Route::Ready);
+    if !route.is_admin() && route != Route::Write && !probe && !admin && !query_allowed() {
         return Err(Refusal::new(
             401,
             format!("{} needs the query bearer token", head.path),
         ));
     }
     let limit = match route {
-        Route::Status => 0,
+        Route::Status | Route::Health | Route::Ready | Route::Metrics => 0,
         Route::Query => policy.limits.query_body,
         Route::Swap => policy.limits.swap_body,
         Route::Shadow => policy.limits.swap_body.saturating_add(MAX_SHADOW_HEADER),
@@ -731,6 +746,41 @@ mod tests {
         }
         p.hosts = vec!["node7.internal:8080".into()];
         assert_eq!(status_of(admit(&h, &p, p.listen)), 200);
+    }
+
+    #[test]
+    fn the_probes_answer_without_a_token_take_get_and_no_body_and_keep_the_host_check() {
+        let p = policy("10.0.0.5:8080", Some("reader"));
+        let arrived = on("10.0.0.5:8080");
+        for path in ["/healthz", "/readyz"] {
+            let h = head("GET", path, "10.0.0.5:8080", 0);
+            assert_eq!(status_of(admit(&h, &p, arrived)), 200, "{path}");
+            assert_eq!(
+                status_of(admit(&head("POST", path, "10.0.0.5:8080", 0), &p, arrived)),
+                405,
+                "{path}"
+            );
+            assert_eq!(
+                status_of(admit(&head("GET", path, "10.0.0.5:8080", 1), &p, arrived)),
+                413,
+                "{path}"
+            );
+            assert_eq!(
+                status_of(admit(
+                    &head("GET", path, "evil.example:8080", 0),
+                    &p,
+                    arrived
+                )),
+                403,
+                "{path}"
+            );
+        }
+        let status = head("GET", "/status", "10.0.0.5:8080", 0);
+        assert_eq!(
+            status_of(admit(&status, &p, arrived)),
+            401,
+            "/status keeps its token"
+        );
     }
 
     #[test]

@@ -69,7 +69,7 @@ async fn serve_with(
         let (sock, _) = match listener.accept().await {
             Ok(s) => s,
             Err(e) => {
-                tracing::warn!(error = %e, "listen: accept failed");
+                tracing::warn!(event = "listen_accept_failed", error = %e, "listen: accept failed");
                 tokio::time::sleep(Duration::from_millis(50)).await;
                 continue;
             }
@@ -108,10 +108,10 @@ async fn serve_with(
             answered: AtomicBool::new(false),
         });
         let (state, budgets) = (state.clone(), budgets.clone());
-        tokio::spawn(async move {
+        tokio::spawn(tracing::Instrument::in_current_span(async move {
             let _permit = permit;
             connection(sock, state, budgets, slot).await;
-        });
+        }));
     }
 }
 
@@ -384,6 +384,9 @@ impl ConnCtx {
             Route::Export => (super::export(body, state).await, None),
             Route::Write => (super::write(body, state).await, None),
             Route::Get => (super::get(&body, state), None),
+            Route::Health => (super::health(), None),
+            Route::Metrics => (super::metrics(state), None),
+            Route::Ready => (super::ready(state), None),
         };
         // The body's budget is held until the request is served.
         drop(budget);
@@ -632,6 +635,8 @@ mod tests {
             scope: ">".into(),
             stream: Arc::new(|| None),
             state_folds: Vec::new(),
+            ready_max_lag: 0,
+            folds: Vec::new(),
             write: None,
             positions: None,
             read_key: None,

@@ -221,6 +221,11 @@ pub struct ServeState {
     pub stream: std::sync::Arc<dyn Fn() -> Option<crate::artifact::ManifestStream> + Send + Sync>,
     /// The guest's state buckets' folds, carried in exported artifacts beside the fold's own.
     pub state_folds: Vec<crate::artifact::StateFoldSource>,
+    /// How many records a fold (and each of its state buckets') may be behind and still be
+    /// ready (`GET /readyz`, `--ready-max-lag`).
+    pub ready_max_lag: u64,
+    /// The folds `/metrics` reads.
+    pub(crate) folds: Vec<crate::metrics::FoldSource>,
 }
 
 /// Most connections served at once; more wait in the listen backlog. An unauthenticated one holds
@@ -265,6 +270,55 @@ pub(crate) fn status(state: &ServeState) -> Reply {
     let mut b = serde_json::to_vec(&v).unwrap_or_default();
     b.push(b'\n');
     Reply::new(200, "application/json", b)
+}
+
+/// The default of `--ready-max-lag`, records.
+pub const DEFAULT_READY_MAX_LAG: u64 = 1000;
+
+/// `GET /metrics`: every fold's figures in the Prometheus text format (`crate::metrics`).
+pub(crate) fn metrics(state: &ServeState) -> Reply {
+    match crate::metrics::render(&state.folds) {
+        Ok(text) => Reply::new(200, crate::metrics::CONTENT_TYPE, text.into_bytes()),
+        Err(_) => Reply::new(500, "text/plain", b"the metrics could not be encoded\n"),
+    }
+}
+
+/// `GET /healthz`: the process answers.
+pub(crate) fn health() -> Reply {
+    Reply::new(200, "text/plain", b"ok\n")
+}
+
+/// `GET /readyz`: 200 `ready` when the fold runs, has been level with its stream since the host
+/// started and is within `--ready-max-lag` records, and so is each state bucket's fold; else 503
+/// naming the fold (or the state bucket) and why ([`crate::protocol::fold_unready`]).
+pub(crate) fn ready(state: &ServeState) -> Reply {
+    let s = (state.status)();
+    let mut why = crate::protocol::fold_unready(
+        crate::protocol::Readiness {
+            state: &s.state,
+            caught_up: s.caught_up,
+            applied_through: s.applied_through,
+            seq: s.seq,
+            stream_last: s.stream_last_sequence,
+        },
+        state.ready_max_lag,
+    )
+    .map(|w| format!("fold {}: {w}", s.bucket));
+    for b in s.state_buckets.iter().filter(|b| b.declared) {
+        if why.is_some() {
+            break;
+        }
+        why = (b.lag > state.ready_max_lag).then(|| {
+            format!(
+                "fold {}: state bucket {}: {} records behind (the limit is {})",
+                s.bucket, b.local, b.lag, state.ready_max_lag
+            )
+        });
+    }
+    match why {
+        None => Reply::new(200, "text/plain", format!("ready: fold {}\n", s.bucket)),
+        Some(w) => Reply::new(503, "text/plain", format!("not ready: {w}\n")),
+    }
 }
 
 /// A 503 response with `message`.

@@ -347,7 +347,7 @@ impl WritePath {
                 );
             }
             Published::Lost(why) => {
-                tracing::warn!(op_id = %c.op, key = %c.key, error = %why, "a write's acknowledgement was lost: resolving it from the log");
+                tracing::warn!(event = "write_ack_lost", op_id = %c.op, key = %c.key, error = %why, "a write's acknowledgement was lost: resolving it from the log");
                 let newest = self
                     .kv
                     .newest_record(&c.key)
@@ -356,7 +356,7 @@ impl WritePath {
                 match protocol::resolve_lost_ack(&c.op, newest) {
                     Ok(rev) => rev,
                     Err(why) => {
-                        tracing::warn!(op_id = %c.op, key = %c.key, ?why, "a write could not tell whether its record landed: retry under the same op_id");
+                        tracing::warn!(event = "write_outcome_unknown", op_id = %c.op, key = %c.key, ?why, "a write could not tell whether its record landed: retry under the same op_id");
                         return WriteAnswer::unknown(why, &c.op);
                     }
                 }

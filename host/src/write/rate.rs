@@ -27,13 +27,13 @@ impl ApplyRate {
     pub(crate) fn start(status: Arc<FoldStatus>) -> (Arc<ApplyRate>, tokio::task::JoinHandle<()>) {
         let rate = Arc::new(ApplyRate::default());
         let r = rate.clone();
-        let task = tokio::spawn(async move {
+        let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
             let mut tick = tokio::time::interval(PERIOD);
             loop {
                 tick.tick().await;
                 r.sample(Instant::now(), status.committed.load(Ordering::Relaxed));
             }
-        });
+        }));
         (rate, task)
     }
 

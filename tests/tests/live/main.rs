@@ -22,6 +22,8 @@ mod languages;
 mod lean_auth;
 mod lease;
 mod localnats;
+mod log_events;
+mod probes;
 mod repair;
 mod resume;
 mod server_restart;

@@ -427,10 +427,10 @@ pub(crate) fn sweep_stale_stages(path: &Path) -> usize {
         match r {
             Ok(()) => {
                 removed += 1;
-                tracing::warn!(stage = %at.display(), pid, "removed a stage left by a process that is gone");
+                tracing::warn!(event = "stage_removed", stage = %at.display(), pid, "removed a stage left by a process that is gone");
             }
             Err(e) => {
-                tracing::warn!(stage = %at.display(), error = %e, "could not remove a stale stage")
+                tracing::warn!(event = "stage_remove_failed", stage = %at.display(), error = %e, "could not remove a stale stage")
             }
         }
     }

@@ -33,7 +33,7 @@ impl ArtifactTransport {
                 if again.as_ref().map(|p| &p.bytes) == first.as_ref() {
                     return Err(e);
                 }
-                tracing::warn!(key, error = %e, "bootstrap: the payload vanished mid-download (pruned after the pointer moved on); read the pointer again, retrying once");
+                tracing::warn!(event = "bootstrap_retrying", key, error = %e, "bootstrap: the payload vanished mid-download (pruned after the pointer moved on); read the pointer again, retrying once");
                 self.bootstrap_from(key, again, dest, want, live).await
             }
             other => other,
@@ -387,7 +387,7 @@ impl Fetch {
         let (tx, chunks) = tokio::sync::mpsc::channel(capacity);
         let (responded, after) = tokio::sync::oneshot::channel();
         let seg = segment.clone();
-        let task = tokio::spawn(async move {
+        let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
             if let Some(go) = go {
                 let _ = go.await;
             }
@@ -437,7 +437,7 @@ impl Fetch {
                     ))))
                     .await;
             }
-        })
+        }))
         .abort_handle();
         (
             Fetch {

@@ -206,7 +206,7 @@ impl ArtifactTransport {
                 });
             }
             if relation == protocol::StreamRelation::Later && matches!(state, PointerState::At(_)) {
-                tracing::warn!(key, ours = %stream_words(stream), theirs = %stream_words(theirs.as_ref()), "the pointer names an earlier incarnation of this stream: replacing it");
+                tracing::warn!(event = "pointer_replacing_earlier_stream", key, ours = %stream_words(stream), theirs = %stream_words(theirs.as_ref()), "the pointer names an earlier incarnation of this stream: replacing it");
             }
             if !protocol::pointer_replace_allowed(state, cursor, relation) {
                 let current = match state {
@@ -221,7 +221,7 @@ impl ArtifactTransport {
             }
             let mode = match (&state, version) {
                 _ if !self.atomic_pointer => {
-                    tracing::warn!(key, url = %self.url, "publishing a NON-ATOMIC pointer (--allow-non-atomic-pointer): a concurrent exporter may overwrite a newer one");
+                    tracing::warn!(event = "pointer_non_atomic", key, url = %self.url, "publishing a NON-ATOMIC pointer (--allow-non-atomic-pointer): a concurrent exporter may overwrite a newer one");
                     PutMode::Overwrite
                 }
                 (PointerState::Absent, _) => PutMode::Create,
@@ -238,7 +238,7 @@ impl ArtifactTransport {
                 .await;
             match put {
                 Ok(_) => {
-                    tracing::info!(key, cursor, url = %self.url, "artifact pointer published");
+                    tracing::info!(event = "pointer_published", key, cursor, url = %self.url, "artifact pointer published");
                     return Ok(());
                 }
                 // Another exporter moved it between the read and the put: read again.

@@ -150,3 +150,43 @@ pub fn host_names_listener(
         ip == Some(listen.ip().to_canonical()) || loopback_name(listen.ip())
     }
 }
+
+/// A fold's figures as readiness judges them ([`fold_unready`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Readiness<'a> {
+    /// `running`, `stopped`, `failed`.
+    pub state: &'a str,
+    /// Whether the fold has been level with its stream since the host started.
+    pub caught_up: bool,
+    /// Everything at or below it is applied and committed.
+    pub applied_through: u64,
+    /// Highest revision delivered.
+    pub seq: u64,
+    /// The stream's last sequence as last read (`None`: not read yet).
+    pub stream_last: Option<u64>,
+}
+
+/// Why a fold is not ready to answer (`GET /readyz`), or `None` when it is: it runs, has been
+/// level with its stream since the host started, and is at most `max_lag` records behind — behind
+/// the stream's last sequence or what it was delivered, whichever is further (a deferred record
+/// holds `applied_through` back, so a fold held behind is not ready). Pure.
+pub fn fold_unready(f: Readiness<'_>, max_lag: u64) -> Option<String> {
+    if f.state != "running" {
+        return Some(format!("it is {}", f.state));
+    }
+    if !f.caught_up {
+        return Some(format!(
+            "catching up: applied through {} of {}",
+            f.applied_through,
+            f.stream_last.unwrap_or(f.seq).max(f.seq)
+        ));
+    }
+    let head = f.stream_last.unwrap_or(0).max(f.seq);
+    let behind = head.saturating_sub(f.applied_through);
+    (behind > max_lag).then(|| {
+        format!(
+            "applied through {}, {behind} records behind {head} (the limit is {max_lag})",
+            f.applied_through
+        )
+    })
+}

@@ -34,6 +34,59 @@ mod tests {
     use super::*;
 
     #[test]
+    fn a_fold_is_ready_only_running_level_and_within_its_lag() {
+        let f = Readiness {
+            state: "running",
+            caught_up: true,
+            applied_through: 100,
+            seq: 100,
+            stream_last: Some(100),
+        };
+        assert_eq!(fold_unready(f, 0), None);
+        assert!(
+            fold_unready(
+                Readiness {
+                    state: "failed",
+                    ..f
+                },
+                10
+            )
+            .is_some()
+        );
+        let hydrating = fold_unready(
+            Readiness {
+                caught_up: false,
+                ..f
+            },
+            10,
+        );
+        assert!(hydrating.is_some_and(|w| w.contains("catching up")));
+        let behind = Readiness {
+            stream_last: Some(150),
+            ..f
+        };
+        assert_eq!(fold_unready(behind, 50), None);
+        assert!(fold_unready(behind, 49).is_some_and(|w| w.contains("50 records behind")));
+        // A deferred record holds applied_through below what was delivered.
+        let held = Readiness {
+            seq: 120,
+            applied_through: 90,
+            ..f
+        };
+        assert!(fold_unready(held, 10).is_some_and(|w| w.contains("30 records behind 120")));
+        assert_eq!(
+            fold_unready(
+                Readiness {
+                    stream_last: None,
+                    ..f
+                },
+                0
+            ),
+            None
+        );
+    }
+
+    #[test]
     fn a_shadow_is_promoted_only_on_complete_agreement_that_someone_hears_of() {
         assert_eq!(shadow_promotion(50, 50, 200, 200, 0, true), Ok(()));
         assert_eq!(shadow_promotion(60, 50, 1, 1, 0, true), Ok(()));

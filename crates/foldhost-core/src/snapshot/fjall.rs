@@ -108,7 +108,7 @@ impl Drop for FjallSnapshot {
             return;
         }
         if let Err(e) = self.flush_memtable() {
-            tracing::warn!(store = %self.path.display(), error = %e, "flushing the memtable at close failed; the next open replays the journal");
+            tracing::warn!(event = "store_close_flush_failed", store = %self.path.display(), error = %e, "flushing the memtable at close failed; the next open replays the journal");
         }
     }
 }
@@ -558,7 +558,7 @@ impl SnapshotStore for FjallSnapshot {
             wb.commit().map_err(ferr(&self.path, "commit batch"))
         };
         if let Err(e) = res {
-            tracing::warn!(cause = %e, "fjall store poisoned; reopen it to recover");
+            tracing::warn!(event = "store_poisoned", cause = %e, "fjall store poisoned; reopen it to recover");
             self.poisoned.get_or_insert_with(|| e.to_string());
             return Err(e);
         }

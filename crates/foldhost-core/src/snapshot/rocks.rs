@@ -422,7 +422,7 @@ impl RocksDbSnapshot {
     }
 
     fn poison(&mut self, err: &SnapshotError) {
-        tracing::warn!(cause = %err, "rocksdb store poisoned; reopen it to recover");
+        tracing::warn!(event = "store_poisoned", cause = %err, "rocksdb store poisoned; reopen it to recover");
         self.poisoned.get_or_insert_with(|| err.to_string());
     }
 

@@ -324,13 +324,13 @@ impl AnyStore {
             #[cfg(feature = "fjall")]
             AnyStore::Fjall(s) => {
                 if let Err(e) = s.close_durably() {
-                    tracing::warn!(store = %dir.display(), error = %e, "making fjall's journal durable at a clean stop failed; the next open replays what reached it");
+                    tracing::warn!(event = "store_close_sync_failed", store = %dir.display(), error = %e, "making fjall's journal durable at a clean stop failed; the next open replays what reached it");
                 }
             }
             #[cfg(feature = "rocksdb")]
             AnyStore::RocksDb(s) => {
                 if let Err(e) = s.close_durably() {
-                    tracing::warn!(store = %dir.display(), error = %e, "making RocksDB's log durable at a clean stop failed; the next open replays what reached it");
+                    tracing::warn!(event = "store_close_sync_failed", store = %dir.display(), error = %e, "making RocksDB's log durable at a clean stop failed; the next open replays what reached it");
                 }
             }
             other => drop(other),

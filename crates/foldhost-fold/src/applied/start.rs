@@ -61,6 +61,7 @@ pub(super) async fn prepare<S: SnapshotStore, A: Apply + ?Sized>(
         // No repair allowed: the state-sync re-list alone, which cannot remove a key it does not
         // deliver.
         tracing::warn!(
+            event = "fold_relist_keeping_keys",
             "the fold holds data but no cursor and --repair is none: re-listing without removing keys the bucket no longer has"
         );
         return Ok(false);
@@ -147,7 +148,7 @@ async fn check_identity_of<S: SnapshotStore, A: Apply + ?Sized>(
                         "bucket {bucket}: log_diverged: {why}; the fold is untouched: rerun with --on-diverged relist to re-fold the bucket, or start from an empty store"
                     )));
                 }
-                tracing::warn!(bucket = %bucket, reason = %why, "log_diverged, --on-diverged relist: re-folding the bucket as a cursor-less start");
+                tracing::warn!(event = "fold_reset_diverged", bucket = %bucket, reason = %why, "log_diverged, --on-diverged relist: re-folding the bucket as a cursor-less start");
                 reset_for(
                     fold,
                     apply,
@@ -164,7 +165,7 @@ async fn check_identity_of<S: SnapshotStore, A: Apply + ?Sized>(
         }
         protocol::IdentityVerdict::Record => {
             if cursor.revision().is_some() {
-                tracing::warn!(bucket = %bucket, identity = %found.identity, cursor = %cursor, "the fold records no stream identity (written by an older version): recording this stream's, which still covers the cursor");
+                tracing::warn!(event = "stream_identity_recorded", bucket = %bucket, identity = %found.identity, cursor = %cursor, "the fold records no stream identity (written by an older version): recording this stream's, which still covers the cursor");
             }
             // Committed with the next batch (the first cursor, on a new fold).
             fold.pending_identity = Some(found.identity.clone());
@@ -174,7 +175,7 @@ async fn check_identity_of<S: SnapshotStore, A: Apply + ?Sized>(
             if opts.repair.on_recreated == protocol::OnRecreated::Refuse {
                 return Err(AppliedError::Recreated(refusal(&bucket, &why)));
             }
-            tracing::warn!(bucket = %bucket, reason = %why, "--on-recreated relist: re-folding the new bucket as a cursor-less start");
+            tracing::warn!(event = "fold_reset_recreated", bucket = %bucket, reason = %why, "--on-recreated relist: re-folding the new bucket as a cursor-less start");
             reset_for(
                 fold,
                 apply,
@@ -220,7 +221,7 @@ async fn reset_for<S: SnapshotStore, A: Apply + ?Sized>(
         .await?;
     status.seq.store(0, Ordering::Relaxed);
     status.repairs.fetch_add(1, Ordering::Relaxed);
-    tracing::warn!(bucket = %watcher.bucket_name(), retained_dropped = dropped, listed = report.listed, deleted = report.deleted, "{why}: fold reset; re-listing the bucket");
+    tracing::warn!(event = "fold_reset", bucket = %watcher.bucket_name(), retained_dropped = dropped, listed = report.listed, deleted = report.deleted, "{why}: fold reset; re-listing the bucket");
     Ok(())
 }
 
@@ -320,7 +321,7 @@ pub(super) async fn repair_expired<S: SnapshotStore, A: Apply + ?Sized>(
     note_retention(fold, apply, retention).await?;
     let seen = fold.cursor().memo().is_some();
     let plan = protocol::plan_repair(opts.repair.mode, protocol::listing_truth(retention, seen));
-    tracing::warn!(reason = %why, ?plan, cursor = %fold.cursor(), "cursor expired: repairing");
+    tracing::warn!(event = "repair_started", reason = %why, ?plan, cursor = %fold.cursor(), "cursor expired: repairing");
     let report = match plan {
         protocol::RepairPlan::None => return Err(AppliedError::Watch(why)),
         protocol::RepairPlan::RefuseRelist => {
@@ -362,7 +363,7 @@ pub(super) async fn repair_expired<S: SnapshotStore, A: Apply + ?Sized>(
         })?,
     };
     status.repairs.fetch_add(1, Ordering::Relaxed);
-    tracing::warn!(kind = report.kind, listed = report.listed, deleted = report.deleted, taken = report.taken, cursor = ?report.cursor, "cursor-expiry repair done");
+    tracing::warn!(event = "repair_finished", kind = report.kind, listed = report.listed, deleted = report.deleted, taken = report.taken, cursor = ?report.cursor, "cursor-expiry repair done");
     Ok(report.kind == "relist")
 }
 

@@ -215,7 +215,12 @@ pub(super) async fn list_sorted(
     if let Some(e) = failed {
         return Err(e);
     }
-    tracing::info!(keys = n, runs = sorter.runs(), "repair: bucket listed");
+    tracing::info!(
+        event = "repair_listed",
+        keys = n,
+        runs = sorter.runs(),
+        "repair: bucket listed"
+    );
     Ok((block(|| sorter.finish())?, n))
 }
 

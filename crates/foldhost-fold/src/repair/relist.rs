@@ -123,7 +123,12 @@ pub async fn relist<T: RepairTarget>(
         let s = store.read()?;
         stale_keys(&*s, scope, listing)
     })?;
-    tracing::info!(listed, stale = stale.len(), "repair: re-list diff");
+    tracing::info!(
+        event = "repair_relist_diff",
+        listed,
+        stale = stale.len(),
+        "repair: re-list diff"
+    );
     let deleted = fold_deletes(target, stale, max, crashpoint::RELIST_BATCH).await?;
     let _ = std::fs::remove_dir_all(&scratch);
     Ok(RepairReport {

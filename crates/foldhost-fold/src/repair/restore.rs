@@ -154,7 +154,7 @@ fn artifacts_in(dir: &Path) -> Result<Vec<(PathBuf, ExportManifest)>, RepairErro
         match m {
             Ok(m) => found.push((path, m)),
             Err(e) => {
-                tracing::warn!(artifact = %path.display(), error = %e, "restore source: skipping an unreadable artifact")
+                tracing::warn!(event = "restore_artifact_skipped", artifact = %path.display(), error = %e, "restore source: skipping an unreadable artifact")
             }
         }
     }
@@ -208,7 +208,7 @@ async fn choose_and_import(
         match imported {
             Ok(chosen) => return Ok(chosen),
             Err(e) => {
-                tracing::warn!(artifact = %named.display(), error = %e, "restore: this artifact failed verification; trying the next newest");
+                tracing::warn!(event = "restore_artifact_rejected", artifact = %named.display(), error = %e, "restore: this artifact failed verification; trying the next newest");
                 last = Some(e);
             }
         }
@@ -551,7 +551,7 @@ pub async fn restore<T: RepairTarget>(
     let adopted = block(|| adopt_ledger(&store, &art, fold_cursor))?;
     drop(art);
     let (deletes, listed) = filter_deletes(cfg, watcher, scope, candidates, rev).await?;
-    tracing::info!(artifact = %path.display(), cursor = rev, taken, deletes = deletes.len(), ledger_rows_adopted = adopted, "repair: restore diff");
+    tracing::info!(event = "repair_restore_diff", artifact = %path.display(), cursor = rev, taken, deletes = deletes.len(), ledger_rows_adopted = adopted, "repair: restore diff");
     // Fold the difference under the old cursor, then move the cursor in one last commit.
     target.freeze_cursor(true);
     let folded = fold_difference(target, &spill_path, deletes, max).await;

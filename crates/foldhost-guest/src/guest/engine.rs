@@ -83,7 +83,10 @@ impl GuestEngine {
         let disk = options.cache_dir.as_deref().and_then(|dir| {
             cache::DiskCache::open(dir, &engine)
                 .inspect_err(|e| {
-                    tracing::warn!("compiled-component cache not used: {e}");
+                    tracing::warn!(
+                        event = "guest_cache_unavailable",
+                        "compiled-component cache not used: {e}"
+                    );
                 })
                 .ok()
         });
@@ -124,6 +127,24 @@ impl GuestEngine {
         self.prepare_traced(what, bytes).map(|(pre, _)| pre)
     }
 
+    /// Compiles `bytes` now and writes the result to the disk cache (a failed write is logged, the
+    /// compilation kept).
+    fn compile(&self, what: &str, bytes: &[u8], hash: &[u8; 32]) -> Result<Component, GuestError> {
+        let c = Component::new(&self.engine, bytes).map_err(|e| GuestError::Compile {
+            what: what.to_string(),
+            reason: format!("{e:#}"),
+        })?;
+        if let Some(d) = &self.disk
+            && let Err(e) = d.store(hash, &c)
+        {
+            tracing::warn!(
+                event = "guest_cache_store_failed",
+                "{what}: compiled, but not cached: {e}"
+            );
+        }
+        Ok(c)
+    }
+
     /// [`GuestEngine::prepare`], saying where the compilation came from: this engine's memory,
     /// the disk cache (checked before it is loaded: [`cache`]), or a compilation now, which is then
     /// written to the disk cache.
@@ -147,6 +168,7 @@ impl GuestEngine {
                     d.load(&self.engine, &hash)
                         .inspect_err(|e| {
                             tracing::warn!(
+                                event = "guest_cache_entry_ignored",
                                 "{what}: compiled-cache entry ignored, compiling afresh: {e}"
                             );
                             cache_refused = Some(e.to_string());
@@ -156,20 +178,7 @@ impl GuestEngine {
                 });
                 let (c, source) = match from_disk {
                     Some(c) => (c, cache::Source::Disk),
-                    None => {
-                        let c = Component::new(&self.engine, bytes).map_err(|e| {
-                            GuestError::Compile {
-                                what: what.to_string(),
-                                reason: format!("{e:#}"),
-                            }
-                        })?;
-                        if let Some(d) = &self.disk
-                            && let Err(e) = d.store(&hash, &c)
-                        {
-                            tracing::warn!("{what}: compiled, but not cached: {e}");
-                        }
-                        (c, cache::Source::Compiled)
-                    }
+                    None => (self.compile(what, bytes, &hash)?, cache::Source::Compiled),
                 };
                 if let Ok(mut cache) = self.cache.lock() {
                     // Bounded: a host swapped back and forth keeps its recent components, not

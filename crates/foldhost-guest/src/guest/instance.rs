@@ -352,7 +352,7 @@ impl Core {
         if !swapping {
             total += self.hydrate_lanes(live).await?;
         }
-        tracing::info!(
+        tracing::info!(event = "guest_hydrated",
             guest = %self.describe(),
             entries = total,
             buckets = 1 + self.state.get().map_or(0, |s| s.lanes.len()),

@@ -336,10 +336,10 @@ impl GuestApply {
             Ok(Ok(())) => self.live = Some(live),
             Ok(Err(e)) => {
                 let err = self.core.call_error(&live, "on-applied", e);
-                tracing::warn!(error = %err, "guest failed after a commit; rebuilding it");
+                tracing::warn!(event = "guest_trapped", error = %err, "guest failed after a commit; rebuilding it");
             }
             Err(err) => {
-                tracing::warn!(error = %err, "guest failed after a commit; rebuilding it");
+                tracing::warn!(event = "guest_trapped", error = %err, "guest failed after a commit; rebuilding it");
             }
         }
     }

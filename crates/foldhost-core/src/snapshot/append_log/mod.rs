@@ -442,7 +442,7 @@ impl Writer {
     }
 
     fn poison(&mut self, cause: String) {
-        tracing::warn!(%cause, "append-log writer poisoned; reopen the store to recover");
+        tracing::warn!(event = "store_poisoned", %cause, "append-log writer poisoned; reopen the store to recover");
         // Keep the first cause: later failures are usually consequences of it.
         self.poisoned.get_or_insert(cause);
     }

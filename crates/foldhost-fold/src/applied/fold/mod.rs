@@ -48,6 +48,9 @@ pub struct Fold<S: SnapshotStore> {
     store_streak: u32,
     pub(super) apply_streak: u32,
     status: Arc<FoldStatus>,
+    /// When the flush being committed began its parse (the batch's duration, `/metrics`); kept
+    /// across a failed commit's retry, so a retried batch counts its whole time.
+    flush_started: Option<Instant>,
     /// Store keys of retained records already warned about (each is warned about once per run).
     warned: std::collections::BTreeSet<String>,
     /// While set (a restore folding its difference), commits keep the cursor where it is.
@@ -87,6 +90,7 @@ impl<S: SnapshotStore> Fold<S> {
             store_streak: 0,
             apply_streak: 0,
             status,
+            flush_started: None,
             warned: Default::default(),
             frozen: false,
             requeued_skipped: None,
@@ -109,6 +113,7 @@ impl<S: SnapshotStore> Fold<S> {
                 })
                 .collect();
             tracing::warn!(
+                event = "retained_forged_deleted",
                 records = deletes.len(),
                 "deleting retained records no host wrote (a raw publish into the host's key space, folded by an older version)"
             );
@@ -118,7 +123,7 @@ impl<S: SnapshotStore> Fold<S> {
         fold.checkpoint = crate::retained::read_checkpoint(&*fold.store.read()?)?;
         fold.publish_checkpoint();
         if let Err(e) = fold.publish_watermark() {
-            tracing::warn!(error = %e, "the operation ledger's watermark is unreadable");
+            tracing::warn!(event = "ledger_watermark_unreadable", error = %e, "the operation ledger's watermark is unreadable");
         }
         Ok(fold)
     }
@@ -301,7 +306,7 @@ impl<S: SnapshotStore> Fold<S> {
             .applied
             .with_memo(Some(crate::kv::EvictionMemo::default()));
         self.commit_position(cursor, apply).await?;
-        tracing::warn!(cursor = %cursor, "retention has evicted current values from this bucket: the fold will never trust its key listing again (eviction memo)");
+        tracing::warn!(event = "eviction_memo_recorded", cursor = %cursor, "retention has evicted current values from this bucket: the fold will never trust its key listing again (eviction memo)");
         Ok(())
     }
 
@@ -341,11 +346,11 @@ impl<S: SnapshotStore> Fold<S> {
                     Some((subject, reason)) => {
                         let revision = u.revision().unwrap_or(0);
                         if status.note_skipped(revision, subject, reason) {
-                            tracing::warn!(revision, subject, reason = %reason, "skipped an undecodable stored message (see docs/design.md, \"What a stored message means\"): never folded, its revision passed");
+                            tracing::warn!(event = "message_skipped", revision, subject, reason = %reason, "skipped an undecodable stored message (see docs/design.md, \"What a stored message means\"): never folded, its revision passed");
                         }
                     }
                     None => {
-                        tracing::warn!(key = ?u.key(), revision = ?u.revision(), "skipped a bucket key in the host's reserved space (it starts with \\x01): never folded, never shown to a guest");
+                        tracing::warn!(event = "reserved_key_skipped", key = ?u.key(), revision = ?u.revision(), "skipped a bucket key in the host's reserved space (it starts with \\x01): never folded, never shown to a guest");
                     }
                 }
                 false
@@ -406,6 +411,7 @@ impl<S: SnapshotStore> Fold<S> {
         apply: &mut A,
     ) -> Result<Result<Vec<RetainedRecord>, ()>, AppliedError> {
         let t = Instant::now();
+        self.flush_started.get_or_insert(t);
         // Updates of keys with retained records are held back before the guest sees them.
         let held = self
             .store
@@ -427,6 +433,7 @@ impl<S: SnapshotStore> Fold<S> {
         );
         let apply_us = t.elapsed().as_micros() as u64;
         self.status.last_apply_us.store(apply_us, Ordering::Relaxed);
+        self.status.apply_us.observe(apply_us);
         self.status
             .longest_apply_us
             .fetch_max(apply_us, Ordering::Relaxed);
@@ -441,7 +448,7 @@ impl<S: SnapshotStore> Fold<S> {
                         last: e,
                     });
                 }
-                tracing::warn!(error = %e, streak = self.apply_streak, "apply failed; the batch will be retried, nothing of it is committed");
+                tracing::warn!(event = "fold_apply_retrying", error = %e, streak = self.apply_streak, "apply failed; the batch will be retried, nothing of it is committed");
                 return Ok(Err(()));
             }
         };
@@ -476,6 +483,10 @@ impl<S: SnapshotStore> Fold<S> {
         // Retained records commit with their batch (reserved keys, unknown version: the cursor
         // is the batch's).
         raw.extend(retained_now.iter().map(RetainedRecord::to_put));
+        let deferred_now = (
+            retained_now.len(),
+            retained_now.first().map(|r| r.update.key().to_string()),
+        );
         let batch_high = raw
             .iter()
             .filter_map(KvUpdate::revision)
@@ -504,9 +515,11 @@ impl<S: SnapshotStore> Fold<S> {
         );
         let t = Instant::now();
         let (raw, result) = commit(&self.store, raw, cursor).await?;
+        let commit_us = t.elapsed().as_micros() as u64;
         self.status
             .last_commit_us
-            .store(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+            .store(commit_us, Ordering::Relaxed);
+        self.status.commit_us.observe(commit_us);
         match result {
             Ok(()) => {
                 self.status.set_error(None);
@@ -519,20 +532,37 @@ impl<S: SnapshotStore> Fold<S> {
                     .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
                 self.publish_retained()
                     .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
-                let updates = raw.iter().filter(|u| !is_reserved(u.key())).count();
-                self.status
-                    .committed
-                    .fetch_add(updates as u64, Ordering::Relaxed);
-                self.status
-                    .longest_batch
-                    .fetch_max(updates as u64, Ordering::Relaxed);
-                self.status.batches.fetch_add(1, Ordering::Relaxed);
+                self.count_committed(&raw, deferred_now, cursor);
                 crashpoint::hit(crashpoint::FOLD_BEFORE_ON_APPLIED);
                 apply.on_applied(cursor).await;
                 crashpoint::hit(crashpoint::FOLD_COMMITTED);
                 Ok(None)
             }
             Err(e) => self.requeue_failed(e, raw, generation, skipped_high),
+        }
+    }
+
+    /// A committed batch's figures (status and `/metrics`), and its deferrals said once.
+    fn count_committed(
+        &mut self,
+        raw: &[KvUpdate],
+        (deferred, first): (usize, Option<String>),
+        cursor: WatchCursor,
+    ) {
+        let updates = raw.iter().filter(|u| !is_reserved(u.key())).count() as u64;
+        self.status.committed.fetch_add(updates, Ordering::Relaxed);
+        self.status
+            .longest_batch
+            .fetch_max(updates, Ordering::Relaxed);
+        self.status.batches.fetch_add(1, Ordering::Relaxed);
+        self.status.batch_updates.observe(updates);
+        if let Some(started) = self.flush_started.take() {
+            self.status
+                .batch_us
+                .observe(started.elapsed().as_micros() as u64);
+        }
+        if let (n @ 1.., Some(first)) = (deferred, first) {
+            tracing::info!(event = "record_deferred", records = n, first_key = %first, cursor = %cursor, "records the guest deferred are retained until a guest version takes them");
         }
     }
 
@@ -547,7 +577,7 @@ impl<S: SnapshotStore> Fold<S> {
                 .requeued_generation
                 .is_some_and(|g| g != apply.generation())
         {
-            tracing::warn!(
+            tracing::warn!(event = "guest_build_discarded",
                 applied_on = ?self.requeued_generation,
                 now = apply.generation(),
                 "a re-queued batch is retried on another build of the applier than the one that applied it: that build is dropped and rebuilt from the fold once the batch commits"
@@ -578,7 +608,7 @@ impl<S: SnapshotStore> Fold<S> {
                 last: e,
             });
         }
-        tracing::warn!(error = %e, streak = self.store_streak, "store apply failed; batch re-queued");
+        tracing::warn!(event = "store_apply_retrying", error = %e, streak = self.store_streak, "store apply failed; batch re-queued");
         self.requeued = raw;
         self.requeued_generation = Some(generation);
         // The whole batch is re-queued, so its skipped keys' revisions ride with it.
@@ -635,7 +665,7 @@ async fn commit_settled<S: SnapshotStore>(
         if protocol::store_failures_fatal(streak) {
             return Err(AppliedError::Store { streak, last: e });
         }
-        tracing::warn!(error = %e, streak, "store commit failed; retrying");
+        tracing::warn!(event = "store_commit_retrying", error = %e, streak, "store commit failed; retrying");
         status.set_error(Some(e.to_string()));
         raw = back;
         tokio::time::sleep(STORE_RETRY_DELAY).await;

@@ -132,6 +132,7 @@ impl<S: SnapshotStore> Fold<S> {
             if self.ops.len() >= MAX_PENDING_OPS {
                 let dropped = self.ops.pop_front();
                 tracing::warn!(
+                    event = "ledger_ids_dropped",
                     ?dropped,
                     "operation ids queued past the limit: the oldest is not recorded in the ledger"
                 );

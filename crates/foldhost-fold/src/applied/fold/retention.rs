@@ -31,7 +31,7 @@ impl<S: SnapshotStore> Fold<S> {
         let mut lines = Vec::new();
         for (store_key, key, revision, age_s) in &overdue {
             if self.warned.insert(store_key.clone()) {
-                tracing::warn!(key = %key, revision, age_s, grace_s = grace.as_secs(), "record retained longer than the grace: no running guest version can decode it");
+                tracing::warn!(event = "record_retained_overdue", key = %key, revision, age_s, grace_s = grace.as_secs(), "record retained longer than the grace: no running guest version can decode it");
             }
             if lines.len() < MAX_WARNINGS {
                 lines.push(format!(
@@ -131,7 +131,7 @@ impl<S: SnapshotStore> Fold<S> {
             Ok(d) => d,
             Err(e) => {
                 apply.discard();
-                tracing::warn!(error = %e, retained = records.len(), "retained records could not be applied; they stay retained");
+                tracing::warn!(event = "record_release_failed", error = %e, retained = records.len(), "retained records could not be applied; they stay retained");
                 return Ok((0, records.len() as u64));
             }
         };
@@ -168,7 +168,7 @@ impl<S: SnapshotStore> Fold<S> {
             if matches!(e, SnapshotError::Poisoned { .. }) {
                 return Err(store_err(e));
             }
-            tracing::warn!(error = %e, "releasing retained records failed to commit; they stay retained");
+            tracing::warn!(event = "record_release_failed", error = %e, "releasing retained records failed to commit; they stay retained");
             return Ok((0, records.len() as u64));
         }
         let still = index.len() as u64;
@@ -184,6 +184,7 @@ impl<S: SnapshotStore> Fold<S> {
         self.publish_retained().map_err(store_err)?;
         apply.on_applied(cursor).await;
         tracing::info!(
+            event = "record_released",
             released,
             still_retained = still,
             "retained records released"

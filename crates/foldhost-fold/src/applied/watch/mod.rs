@@ -253,7 +253,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                     broken = broken.saturating_add(1);
                     self.status
                         .set_error(Some(format!("watch broke, resuming: {e}")));
-                    tracing::warn!(error = %e, attempt = broken, delay_ms = delay.as_millis() as u64, cursor = %self.fold.cursor(), "watch broke; resuming from the applied cursor");
+                    tracing::warn!(event = "watch_resumed", error = %e, attempt = broken, delay_ms = delay.as_millis() as u64, cursor = %self.fold.cursor(), "watch broke; resuming from the applied cursor");
                     tokio::select! {
                         biased;
                         _ = shutdown.as_mut() => {
@@ -277,13 +277,15 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
     ) -> AbortOnDrop<Result<(), crate::kv::KvError>> {
         let scope = self.opts.scope.clone();
         let w = self.watcher.clone();
-        AbortOnDrop(tokio::spawn(async move {
-            if relist {
-                w.watch(&scope, tx).await
-            } else {
-                w.watch_from(&scope, start, tx).await
-            }
-        }))
+        AbortOnDrop(tokio::spawn(tracing::Instrument::in_current_span(
+            async move {
+                if relist {
+                    w.watch(&scope, tx).await
+                } else {
+                    w.watch_from(&scope, start, tx).await
+                }
+            },
+        )))
     }
 
     /// `--catch-up`: the fold is level with the stream as of the watch's start, everything
@@ -414,6 +416,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         note_retention(&mut self.fold, self.apply, r).await?;
         let first_sequence = r.map_or(0, |r| r.first_revision);
         tracing::warn!(
+            event = "relist_evicting",
             first_sequence,
             "retention began evicting during a re-list: the key listing cannot vouch for every key"
         );
@@ -462,7 +465,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
     async fn rebuild_lost(&mut self) {
         self.share.flushed();
         if let Err(e) = self.apply.rebuild().await {
-            tracing::warn!(error = %e, "the guest could not be rebuilt between batches; the next batch tries again");
+            tracing::warn!(event = "guest_rebuild_failed", error = %e, "the guest could not be rebuilt between batches; the next batch tries again");
             self.rebuild_held = true;
         }
     }
@@ -610,10 +613,13 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             WatchEvent::CaughtUp { through } => {
                 if let Err(e) = self.fold.state_sync_level(through) {
                     // Unrecorded, the level only keeps applied_through lower (never higher).
-                    tracing::warn!(error = %e, "the level of a state-sync start was not recorded");
+                    tracing::warn!(event = "fold_level_unrecorded", error = %e, "the level of a state-sync start was not recorded");
                 }
                 t.level = Some(through);
-                status.caught_up.store(1, Ordering::Relaxed);
+                // Said once per run of the fold: a watch that resumes is level again quietly.
+                if status.caught_up.swap(1, Ordering::Relaxed) != 1 {
+                    tracing::info!(event = "fold_caught_up", through = ?through, "level with the stream; following live updates");
+                }
                 status.pending.store(0, Ordering::Relaxed);
                 true
             }
@@ -651,7 +657,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             // The stream changed under the watch: the next turn's identity check refuses, or
             // resets for the new stream.
             Ok(Err(e @ KvError::StreamChanged { .. })) => {
-                tracing::warn!(error = %e, "watch ended: checking the bucket's identity again");
+                tracing::warn!(event = "watch_identity_recheck", error = %e, "watch ended: checking the bucket's identity again");
                 Ok(TurnEnd::Changed)
             }
             // The connection, the server or the consumer failed: resumed from the applied cursor.

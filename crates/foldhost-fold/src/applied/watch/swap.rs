@@ -201,7 +201,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             return Ok(());
         }
         if let Err(e) = self.begin_candidate(bytes, what.clone(), t).await? {
-            tracing::warn!(error = %e, "swap refused; the running guest stays");
+            tracing::warn!(event = "swap_refused", error = %e, "swap refused; the running guest stays");
             let _ = reply.send(Err(refused(&from, &what, &e)));
             return Ok(());
         }
@@ -226,13 +226,14 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             return Ok(());
         }
         if let Err(e) = self.begin_candidate(bytes, what.clone(), t).await? {
-            tracing::warn!(error = %e, "shadow refused; the running guest stays");
+            tracing::warn!(event = "shadow_refused", error = %e, "shadow refused; the running guest stays");
             let _ = reply.send(Err(shadow_failed(&from, &what, &e)));
             return Ok(());
         }
         let batches_at_start = self.status.batches.load(Ordering::Relaxed);
         if let Some(p) = self.swap.as_mut() {
             tracing::info!(
+                event = "shadow_started",
                 batches = plan.batches,
                 "shadow: the candidate will be fed the fold's next batches"
             );
@@ -289,11 +290,11 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 return Ok(Err(e));
             }
         };
-        tracing::info!(from = %from, cursor = %self.fold.cursor(), "swap: hydrating the new version beside the running one");
-        let task = tokio::spawn(async move {
+        tracing::info!(event = "swap_started", from = %from, cursor = %self.fold.cursor(), "swap: hydrating the new version beside the running one");
+        let task = tokio::spawn(tracing::Instrument::in_current_span(async move {
             let r = candidate.hydrate().await;
             (candidate, r)
-        });
+        }));
         let restart_store = store.clone();
         self.swap = Some(PendingSwap {
             task: Some(AbortOnDrop(task)),
@@ -365,7 +366,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         {
             // Nobody waits for this shadow's answer any more (the caller gave up): it ends here,
             // and never promotes anything nobody would hear of.
-            tracing::warn!(candidate = %candidate.describe(), "shadow abandoned: its caller went away");
+            tracing::warn!(event = "shadow_abandoned", candidate = %candidate.describe(), "shadow abandoned: its caller went away");
             self.swap = None;
             return Ok(());
         }
@@ -428,23 +429,26 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         }
         let view = p.view.clone();
         tracing::info!(
+            event = "swap_catching_up",
             round = p.rounds,
             keys = pre.len(),
             "swap: catching the new version up beside the fold"
         );
-        p.task = Some(AbortOnDrop(tokio::spawn(async move {
-            let r = match pre.catch_up(&*view) {
-                Ok(updates) => candidate
-                    .catch_up(&updates)
-                    .await
-                    .map(|()| updates.len() as u64),
-                Err(e) => Err(candidate_error(
-                    &*candidate,
-                    format!("read the fold for a catch-up round: {e}"),
-                )),
-            };
-            (candidate, r)
-        })));
+        p.task = Some(AbortOnDrop(tokio::spawn(
+            tracing::Instrument::in_current_span(async move {
+                let r = match pre.catch_up(&*view) {
+                    Ok(updates) => candidate
+                        .catch_up(&updates)
+                        .await
+                        .map(|()| updates.len() as u64),
+                    Err(e) => Err(candidate_error(
+                        &*candidate,
+                        format!("read the fold for a catch-up round: {e}"),
+                    )),
+                };
+                (candidate, r)
+            }),
+        )));
         Ok(())
     }
 
@@ -492,9 +496,11 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             Ok(r) => {
                 self.status
                     .set_applier(&self.apply.describe(), self.apply.contract());
-                tracing::info!(from = %r.from, to = %r.to, hydrated = r.hydrated_entries, caught_up = r.caught_up, hydrate_ms = r.hydrate_ms, paused_ms = r.paused_ms, "guest swapped");
+                tracing::info!(event = "guest_swapped", from = %r.from, to = %r.to, hydrated = r.hydrated_entries, caught_up = r.caught_up, hydrate_ms = r.hydrate_ms, paused_ms = r.paused_ms, "guest swapped");
             }
-            Err(e) => tracing::warn!(error = %e, "swap refused; the running guest stays"),
+            Err(e) => {
+                tracing::warn!(event = "swap_refused", error = %e, "swap refused; the running guest stays")
+            }
         }
         if let Some(reply) = p.reply.take() {
             let _ = reply.send(outcome);
@@ -598,9 +604,11 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                     self.status
                         .set_applier(&self.apply.describe(), self.apply.contract());
                 }
-                tracing::info!(live = %r.live, candidate = %r.candidate, batches = r.batches, requests = r.requests, differing = r.differing, promoted = r.promoted, paused_ms = r.paused_ms, "shadow compared");
+                tracing::info!(event = "shadow_compared", live = %r.live, candidate = %r.candidate, batches = r.batches, requests = r.requests, differing = r.differing, promoted = r.promoted, paused_ms = r.paused_ms, "shadow compared");
             }
-            Err(e) => tracing::warn!(error = %e, "shadow failed; the running guest stays"),
+            Err(e) => {
+                tracing::warn!(event = "shadow_failed", error = %e, "shadow failed; the running guest stays")
+            }
         }
         if let Some(reply) = shadow.reply.take() {
             let _ = reply.send(outcome);

@@ -613,6 +613,7 @@ impl HostState {
         if self.log_lines > MAX_LOG_LINES_PER_CALL {
             if self.log_lines == MAX_LOG_LINES_PER_CALL + 1 {
                 tracing::warn!(
+                    event = "guest_log_dropped",
                     guest,
                     "more than {MAX_LOG_LINES_PER_CALL} log lines in one call: the rest of this call's are dropped"
                 );
@@ -623,9 +624,9 @@ impl HostState {
         match level {
             tracing::Level::TRACE => tracing::trace!(guest, "{message}"),
             tracing::Level::DEBUG => tracing::debug!(guest, "{message}"),
-            tracing::Level::INFO => tracing::info!(guest, "{message}"),
-            tracing::Level::WARN => tracing::warn!(guest, "{message}"),
-            tracing::Level::ERROR => tracing::error!(guest, "{message}"),
+            tracing::Level::INFO => tracing::info!(event = "guest_log", guest, "{message}"),
+            tracing::Level::WARN => tracing::warn!(event = "guest_log", guest, "{message}"),
+            tracing::Level::ERROR => tracing::error!(event = "guest_log", guest, "{message}"),
         }
     }
 }

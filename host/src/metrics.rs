@@ -1,0 +1,298 @@
+//! `GET /metrics`: the fold's figures in the Prometheus text format (OpenMetrics 1.0), encoded by
+//! `prometheus-client` from the live [`FoldStatus`] at each scrape (README, "Metrics").
+//!
+//! Invariants:
+//! - **Read, never kept.** A scrape reads the fold's atomics and histograms; nothing here counts
+//!   on its own, so the figures are the ones `/status` shows, and a scrape never waits for the fold.
+//! - **Every series names its fold** (`fold="<bucket>"`); a state bucket's series add
+//!   `state_bucket="<local>"`.
+//! - **Prometheus names**: units in the name (`_seconds`, `_bytes`), counters end in `_total`.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric, NoLabelSet};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::ConstCounter;
+use prometheus_client::metrics::gauge::ConstGauge;
+use prometheus_client::registry::{Registry, Unit};
+
+use crate::applied::FoldStatus;
+use crate::status::Histogram;
+
+/// The content type of [`render`]'s text.
+pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// One fold, as the scrape reads it.
+#[derive(Debug, Clone)]
+pub(crate) struct FoldSource {
+    /// The fold's name (its bucket).
+    pub name: String,
+    /// Its live figures.
+    pub status: Arc<FoldStatus>,
+}
+
+#[derive(Debug)]
+struct Folds(Vec<FoldSource>);
+
+type Labels<'a> = Vec<(&'static str, &'a str)>;
+
+/// A counter, a gauge or a histogram of each series (the fold's labels with its value).
+enum Value {
+    Counter(u64),
+    Gauge(i64),
+    /// `(sum, count, buckets)` in the histogram's own unit, divided by the factor on encoding.
+    Histogram(u64, u64, Vec<(Option<u64>, u64)>, f64),
+}
+
+fn histogram(h: &Histogram, per_unit: f64) -> Value {
+    let (sum, count, buckets) = h.snapshot();
+    Value::Histogram(sum, count, buckets, per_unit)
+}
+
+/// The series of one metric: its name, help, unit and a value per label set.
+fn family(
+    encoder: &mut DescriptorEncoder<'_>,
+    name: &str,
+    help: &str,
+    unit: Option<Unit>,
+    series: &[(Labels<'_>, Value)],
+) -> Result<(), std::fmt::Error> {
+    let Some((_, first)) = series.first() else {
+        return Ok(());
+    };
+    let kind = match first {
+        Value::Counter(_) => MetricType::Counter,
+        Value::Gauge(_) => MetricType::Gauge,
+        Value::Histogram(..) => MetricType::Histogram,
+    };
+    let mut metric = encoder.encode_descriptor(name, help, unit.as_ref(), kind)?;
+    for (labels, value) in series {
+        let mut m = metric.encode_family(labels)?;
+        match value {
+            Value::Counter(v) => ConstCounter::new(*v).encode(m)?,
+            Value::Gauge(v) => ConstGauge::new(*v).encode(m)?,
+            Value::Histogram(sum, count, buckets, per_unit) => {
+                let buckets: Vec<(f64, u64)> = buckets
+                    .iter()
+                    .map(|(upper, c)| (upper.map_or(f64::INFINITY, |u| u as f64 / per_unit), *c))
+                    .collect();
+                m.encode_histogram::<NoLabelSet>(*sum as f64 / per_unit, *count, &buckets, None)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn gauge(v: u64) -> Value {
+    Value::Gauge(i64::try_from(v).unwrap_or(i64::MAX))
+}
+
+/// Microseconds per second.
+const US: f64 = 1e6;
+
+impl Collector for Folds {
+    fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        type Pick = fn(&FoldStatus) -> Value;
+        // Every fold's main series, then each state bucket's with its extra label.
+        let mut folds: Vec<(Labels<'_>, &FoldStatus)> = Vec::new();
+        for f in &self.0 {
+            folds.push((vec![("fold", f.name.as_str())], &f.status));
+            for (report, status) in f.status.lanes.get().into_iter().flatten() {
+                folds.push((
+                    vec![
+                        ("fold", f.name.as_str()),
+                        ("state_bucket", report.local.as_str()),
+                    ],
+                    status,
+                ));
+            }
+        }
+        let metrics: [(&str, &str, Option<Unit>, Pick); 18] = [
+            (
+                "foldhost_delivered_updates",
+                "Updates delivered by the watch since the host started.",
+                None,
+                |s| Value::Counter(s.delivered.load(Ordering::Relaxed)),
+            ),
+            (
+                "foldhost_applied_updates",
+                "Updates committed to the fold since the host started.",
+                None,
+                |s| Value::Counter(s.committed.load(Ordering::Relaxed)),
+            ),
+            (
+                "foldhost_batches",
+                "Batches committed since the host started.",
+                None,
+                |s| Value::Counter(s.batches.load(Ordering::Relaxed)),
+            ),
+            (
+                "foldhost_batch_updates",
+                "Updates per committed batch.",
+                None,
+                |s| histogram(&s.batch_updates, 1.0),
+            ),
+            (
+                "foldhost_apply_duration",
+                "Each batch's parse and apply by the guest.",
+                Some(Unit::Seconds),
+                |s| histogram(&s.apply_us, US),
+            ),
+            (
+                "foldhost_commit_duration",
+                "Each batch's store commit.",
+                Some(Unit::Seconds),
+                |s| histogram(&s.commit_us, US),
+            ),
+            (
+                "foldhost_batch_duration",
+                "Each batch's flush, from its parse to its commit.",
+                Some(Unit::Seconds),
+                |s| histogram(&s.batch_us, US),
+            ),
+            ("foldhost_seq", "Highest revision delivered.", None, |s| {
+                gauge(
+                    s.seq
+                        .load(Ordering::Relaxed)
+                        .max(s.cursor.load(Ordering::Relaxed)),
+                )
+            }),
+            (
+                "foldhost_applied_through",
+                "Highest revision every update at or below which is applied and committed.",
+                None,
+                |s| gauge(s.applied_through.load(Ordering::Relaxed)),
+            ),
+            ("foldhost_cursor", "The store's cursor.", None, |s| {
+                gauge(s.cursor.load(Ordering::Relaxed))
+            }),
+            (
+                "foldhost_stream_last_sequence",
+                "The stream's last sequence, as last read (0: not read yet).",
+                None,
+                |s| gauge(s.stream_last_sequence.load(Ordering::Relaxed)),
+            ),
+            (
+                "foldhost_lag_records",
+                "Records behind: the stream's last sequence (or the highest delivered) minus applied_through.",
+                None,
+                |s| {
+                    let head = s
+                        .stream_last_sequence
+                        .load(Ordering::Relaxed)
+                        .max(s.seq.load(Ordering::Relaxed));
+                    gauge(head.saturating_sub(s.applied_through.load(Ordering::Relaxed)))
+                },
+            ),
+            (
+                "foldhost_caught_up",
+                "1 once the fold has been level with its stream since the host started.",
+                None,
+                |s| gauge(s.caught_up.load(Ordering::Relaxed)),
+            ),
+            (
+                "foldhost_retained_records",
+                "Records a guest deferred, retained in the fold.",
+                None,
+                |s| gauge(s.retained.load(Ordering::Relaxed)),
+            ),
+            (
+                "foldhost_oldest_retained_age",
+                "Age of the oldest retained record (0: none).",
+                Some(Unit::Seconds),
+                |s| {
+                    let at = s.oldest_retained_unix_ms.load(Ordering::Relaxed);
+                    gauge(if at == 0 {
+                        0
+                    } else {
+                        crate::status::now_unix_ms().saturating_sub(at) / 1000
+                    })
+                },
+            ),
+            (
+                "foldhost_skipped_messages",
+                "Undecodable stored messages skipped.",
+                None,
+                |s| Value::Counter(s.skipped_messages.load(Ordering::Relaxed)),
+            ),
+            (
+                "foldhost_repairs",
+                "Cursor-expiry repairs run.",
+                None,
+                |s| Value::Counter(s.repairs.load(Ordering::Relaxed)),
+            ),
+            (
+                "foldhost_store_failure_streak",
+                "Consecutive store failures now.",
+                None,
+                |s| gauge(s.store_failure_streak.load(Ordering::Relaxed)),
+            ),
+        ];
+        for (name, help, unit, pick) in metrics {
+            let series: Vec<(Labels<'_>, Value)> = folds
+                .iter()
+                .map(|(labels, s)| (labels.clone(), pick(s)))
+                .collect();
+            family(&mut encoder, name, help, unit, &series)?;
+        }
+        if let Some(rss) = resident_bytes() {
+            let none: Labels<'_> = Vec::new();
+            family(
+                &mut encoder,
+                "foldhost_process_resident_memory",
+                "The process's resident set.",
+                Some(Unit::Bytes),
+                &[(none, gauge(rss))],
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// The process's resident set size, from `/proc/self/statm` (Linux), in bytes.
+fn resident_bytes() -> Option<u64> {
+    let statm = std::fs::read_to_string("/proc/self/statm").ok()?;
+    let pages: u64 = statm.split_whitespace().nth(1)?.parse().ok()?;
+    Some(pages * 4096)
+}
+
+/// The scrape's text for `folds`.
+pub(crate) fn render(folds: &[FoldSource]) -> Result<String, std::fmt::Error> {
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(Folds(folds.to_vec())));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry)?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_scrape_names_every_series_by_fold_with_units_and_totals_in_the_names() {
+        let status = Arc::new(FoldStatus::default());
+        status.delivered.store(7, Ordering::Relaxed);
+        status.applied_through.store(5, Ordering::Relaxed);
+        status.apply_us.observe(1_500);
+        status.apply_us.observe(40);
+        let text = render(&[FoldSource {
+            name: "routes".into(),
+            status,
+        }])
+        .expect("render");
+        for line in [
+            "foldhost_delivered_updates_total{fold=\"routes\"} 7",
+            "foldhost_applied_through{fold=\"routes\"} 5",
+            "foldhost_apply_duration_seconds_count{fold=\"routes\"} 2",
+            "foldhost_apply_duration_seconds_bucket{le=\"0.0025\",fold=\"routes\"} 2",
+            "foldhost_apply_duration_seconds_bucket{le=\"0.001\",fold=\"routes\"} 1",
+            "# TYPE foldhost_apply_duration_seconds histogram",
+        ] {
+            assert!(text.contains(line), "{line:?} missing from:\n{text}");
+        }
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+}
