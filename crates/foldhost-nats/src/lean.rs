@@ -1,7 +1,7 @@
 //! The lean delivery connection: a watch's consumer delivered over a socket of its own, read by
 //! the pure parser in `wire.rs`, instead of through the client library's subscription machinery.
 //!
-//! Why: measured on this project's two-core machine (`docs/performance.md` §4, stop 19), the
+//! Why: measured on this project's two-core machine (`docs/performance.md` §4), the
 //! async-nats client spends 0.74–0.94 µs of CPU per delivered message (its reader task, a
 //! `Message` per message with its own allocations, a channel send and a task wake-up per message,
 //! the ordered consumer's bookkeeping) while nats-server spends about 1.4 µs producing it; on a

@@ -23,6 +23,7 @@ mod lean_auth;
 mod lease;
 mod localnats;
 mod log_events;
+mod nats_auth;
 mod probes;
 mod repair;
 mod resume;
