@@ -29,6 +29,7 @@ mod scaffold;
 mod state;
 mod status;
 mod swap;
+mod units;
 mod write;
 
 pub use artifacts::*;

@@ -34,14 +34,14 @@ pub struct RunArgs {
     /// with `--guest-config` override it.
     #[arg(long, value_name = "FILE")]
     pub guest_config_file: Option<PathBuf>,
-    /// Deadline of one guest call, in milliseconds.
-    #[arg(long, default_value_t = defaults().guest_limits.call_deadline.as_millis() as u64)]
+    /// Deadline of one guest call, in milliseconds (or `2s`).
+    #[arg(long, value_name = "MS", default_value_t = defaults().guest_limits.call_deadline.as_millis() as u64, value_parser = units::millis)]
     pub guest_deadline_ms: u64,
-    /// Memory cap of a guest, in MiB.
-    #[arg(long, default_value_t = defaults().guest_limits.memory_bytes >> 20)]
+    /// Memory cap of a guest, in MiB (or `1GiB`).
+    #[arg(long, value_name = "MIB", default_value_t = defaults().guest_limits.memory_bytes >> 20, value_parser = units::mebibytes)]
     pub guest_memory_mb: usize,
-    /// Most key and value bytes passed to the guest in one call.
-    #[arg(long, default_value_t = defaults().guest_limits.max_batch_bytes)]
+    /// Most key and value bytes passed to the guest in one call (or `8MiB`).
+    #[arg(long, value_name = "BYTES", default_value_t = defaults().guest_limits.max_batch_bytes, value_parser = units::bytes_usize)]
     pub guest_max_batch_bytes: usize,
     /// The compiled-component cache: a directory private to this user (created mode 0700) where a
     /// compiled guest is kept, so the next start or a swap back loads it in milliseconds. Default:
@@ -112,8 +112,8 @@ pub struct RunArgs {
     /// connected to) is refused (403): a DNS-rebound name reaches nothing.
     #[arg(long, value_name = "NAME")]
     pub listen_host: Vec<String>,
-    /// Largest `/query` body, in bytes.
-    #[arg(long, default_value_t = crate::serve::MAX_QUERY)]
+    /// Largest `/query` body, in bytes (or `1MiB`).
+    #[arg(long, value_name = "BYTES", default_value_t = crate::serve::MAX_QUERY, value_parser = units::bytes_usize)]
     pub query_max_bytes: usize,
     /// `GET /readyz` answers ready while the fold (and each state bucket's) is at most this many
     /// records behind its stream, once it has been level with it.
@@ -159,11 +159,11 @@ pub struct RunArgs {
     #[arg(long, value_name = "DIR")]
     pub restore_from: Option<PathBuf>,
     /// Warn (log and status) about a record a guest deferred that stays retained longer than this
-    /// many seconds.
-    #[arg(long, default_value_t = defaults().defer_grace.as_secs())]
+    /// many seconds (or `30m`).
+    #[arg(long, value_name = "SECS", default_value_t = defaults().defer_grace.as_secs(), value_parser = units::secs)]
     pub defer_grace_secs: u64,
-    /// Batch window in milliseconds.
-    #[arg(long, default_value_t = defaults().batch.window.as_millis() as u64)]
+    /// Batch window in milliseconds (or `1s`).
+    #[arg(long, value_name = "MS", default_value_t = defaults().batch.window.as_millis() as u64, value_parser = units::millis)]
     pub batch_window_ms: u64,
     /// Maximum updates per batch.
     #[arg(long, default_value_t = defaults().batch.max)]
@@ -172,12 +172,12 @@ pub struct RunArgs {
     #[arg(long, default_value_t = defaults().batch.channel_capacity)]
     pub channel: usize,
     /// Longest one NATS operation may take before it fails (a stream read, a consumer's
-    /// creation, a put), in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = crate::bucket::DEFAULT_OP_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=3600))]
+    /// creation, a put), in seconds (or `2m`; 1 s to 1 h).
+    #[arg(long, value_name = "SECS", default_value_t = crate::bucket::DEFAULT_OP_TIMEOUT.as_secs(), value_parser = units::secs_within::<1, 3600>)]
     pub nats_op_timeout: u64,
     /// The idle heartbeat asked of each watch's consumer, in seconds: a watch silent for three
-    /// of them ends and resumes from the cursor (a deleted consumer, a dead route).
-    #[arg(long, value_name = "SECS", default_value_t = crate::bucket::DEFAULT_WATCH_HEARTBEAT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=60))]
+    /// of them ends and resumes from the cursor (a deleted consumer, a dead route); 1 to 60 s.
+    #[arg(long, value_name = "SECS", default_value_t = crate::bucket::DEFAULT_WATCH_HEARTBEAT.as_secs(), value_parser = units::secs_within::<1, 60>)]
     pub watch_heartbeat: u64,
     /// Restore an expired fold from the artifact published here (an object store URL, see
     /// `foldhost publish`); with `--artifact-key`.
@@ -196,11 +196,12 @@ pub struct RunArgs {
     #[arg(long, requires = "artifacts")]
     pub allow_non_atomic_pointer: bool,
     /// Run an export round every this many seconds (with `--artifacts`): win the export lease,
-    /// export live, upload, move the pointer, prune. One node of a fleet exports per round.
-    #[arg(long, value_name = "SECS", requires = "artifacts")]
+    /// export live, upload, move the pointer, prune. One node of a fleet exports per round (or
+    /// `5m`).
+    #[arg(long, value_name = "SECS", requires = "artifacts", value_parser = units::secs)]
     pub export_every: Option<u64>,
-    /// How long a won export lease lasts, in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = defaults().export_lease.as_secs())]
+    /// How long a won export lease lasts, in seconds (or `10m`).
+    #[arg(long, value_name = "SECS", default_value_t = defaults().export_lease.as_secs(), value_parser = units::secs)]
     pub export_lease_secs: u64,
     /// The NATS KV bucket holding export leases (created when absent).
     #[arg(long, default_value_t = defaults().lease_bucket)]
@@ -208,11 +209,12 @@ pub struct RunArgs {
     /// This node's name in the export lease (default: the store's path and the process id).
     #[arg(long)]
     pub node_id: Option<String>,
-    /// The largest value a guest may write to a state bucket, in bytes (docs/state.md).
-    #[arg(long, value_name = "BYTES", default_value_t = defaults().state_caps.max_value)]
+    /// The largest value a guest may write to a state bucket, in bytes or `256KiB` (docs/state.md).
+    #[arg(long, value_name = "BYTES", default_value_t = defaults().state_caps.max_value, value_parser = units::bytes)]
     pub state_max_value: u64,
-    /// The most a state bucket may hold, in bytes: a declaration above it is refused at load.
-    #[arg(long, value_name = "BYTES", default_value_t = defaults().state_caps.max_bucket)]
+    /// The most a state bucket may hold, in bytes or `64MiB`: a declaration above it is refused at
+    /// load.
+    #[arg(long, value_name = "BYTES", default_value_t = defaults().state_caps.max_bucket, value_parser = units::bytes)]
     pub state_max_bucket: u64,
     /// Test builds only: a guest's state writes skip the host's own checks (to show what the
     /// server does with them).
