@@ -161,6 +161,10 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run(a) => cmd_run(*a).await,
         Command::Status(a) => match a.listen.clone() {
+            Some(addr) if a.watch.is_some() => {
+                let period = a.watch.unwrap_or(Duration::from_secs(2));
+                cmd_status_watch(&addr, a.token_file.as_deref(), period, a.count).await
+            }
             Some(addr) => cmd_status_live(&addr, a.token_file.as_deref(), a.json).await,
             None => cmd_status(a),
         },

@@ -19,6 +19,108 @@ pub struct StatusArgs {
     /// One JSON object.
     #[arg(long)]
     pub json: bool,
+    /// Refresh every this many seconds (default 2, or `500ms`), one line per fold: state,
+    /// positions, lag, rate, guest. On a terminal the screen is redrawn; otherwise each refresh
+    /// appends its lines. Needs `--listen`.
+    #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "2", requires = "listen", conflicts_with = "json", value_parser = watch_period)]
+    pub watch: Option<Duration>,
+    /// With `--watch`: stop after this many refreshes (default: until interrupted).
+    #[arg(long, value_name = "N", requires = "watch")]
+    pub count: Option<u64>,
+}
+
+/// `--watch`'s period: seconds (a bare number, fractions allowed) or a `humantime` duration,
+/// 100 ms to 1 h.
+fn watch_period(s: &str) -> Result<Duration, String> {
+    let d = match s.trim().parse::<f64>() {
+        Ok(secs) if secs.is_finite() && secs >= 0.0 => Duration::from_secs_f64(secs),
+        _ => humantime::parse_duration(s.trim()).map_err(|e| format!("{s:?}: {e}"))?,
+    };
+    if d < Duration::from_millis(100) || d > Duration::from_secs(3600) {
+        return Err(format!("{s:?}: between 100ms and 1h"));
+    }
+    Ok(d)
+}
+
+/// One fold's line of `status --watch`: its name, state, cursor, applied_through, lag, the rate
+/// its applied_through moved at since the last refresh (`None`: the first), retained records and
+/// the guest. Pure.
+pub(crate) fn watch_line(s: &StatusReport, rate: Option<f64>) -> String {
+    let cursor = s.cursor.map_or_else(|| "-".to_string(), |c| c.to_string());
+    let rate = rate.map_or_else(|| "-".to_string(), |r| format!("{r:.0}/s"));
+    let behind = s
+        .stream_last_sequence
+        .unwrap_or(0)
+        .max(s.seq)
+        .saturating_sub(s.applied_through);
+    format!(
+        "{:<20} {:<8} cursor {:<10} applied {:<10} lag {:<8} {:>9} retained {:<5} {}",
+        s.bucket,
+        if s.state == "running" && !s.caught_up {
+            "catching"
+        } else {
+            s.state.as_str()
+        },
+        cursor,
+        s.applied_through,
+        behind,
+        rate,
+        s.retained,
+        s.guest.as_deref().unwrap_or("-")
+    )
+}
+
+/// `status --watch`: the host's status every `period`, `count` times (or until interrupted); a
+/// refresh that cannot reach the host says so and the next one tries again.
+pub(super) async fn cmd_status_watch(
+    addr: &str,
+    token_file: Option<&Path>,
+    period: Duration,
+    count: Option<u64>,
+) -> anyhow::Result<()> {
+    let token = token_file.map(crate::serve::read_token_file).transpose()?;
+    let redraw = std::io::stdout().is_terminal();
+    let mut last: Option<(std::time::Instant, u64)> = None;
+    let mut tick = tokio::time::interval(period);
+    let mut n = 0u64;
+    while count.is_none_or(|c| n < c) {
+        tick.tick().await;
+        n += 1;
+        let line = match crate::serve::call_with_token(
+            addr,
+            "GET",
+            "/status",
+            b"",
+            token.as_deref(),
+        )
+        .await
+        {
+            Ok((200, body)) => match serde_json::from_slice::<StatusReport>(&body) {
+                Ok(s) => {
+                    let now = std::time::Instant::now();
+                    let rate = last.map(|(at, applied)| {
+                        s.applied_through.saturating_sub(applied) as f64
+                            / now.duration_since(at).as_secs_f64().max(1e-3)
+                    });
+                    last = Some((now, s.applied_through));
+                    watch_line(&s, rate)
+                }
+                Err(e) => format!("{addr}: unreadable status: {e}"),
+            },
+            Ok((401, _)) => bail!(
+                "{addr}: /status needs a token: pass --token-file with the host's query token"
+            ),
+            Ok((code, _)) => format!("{addr}: /status answered {code}"),
+            Err(e) => format!("{addr}: unreachable: {e}"),
+        };
+        let mut out = std::io::stdout().lock();
+        if redraw {
+            write!(out, "\x1b[2J\x1b[H")?;
+        }
+        writeln!(out, "{line}")?;
+        out.flush()?;
+    }
+    Ok(())
 }
 
 /// `foldhost dump`.
@@ -205,5 +307,58 @@ pub(super) fn printable(v: &[u8]) -> String {
             "b64:{}",
             base64::engine::general_purpose::STANDARD.encode(v)
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_watch_line_names_the_fold_its_state_positions_lag_rate_and_guest() {
+        let s = StatusReport {
+            state: "running".into(),
+            caught_up: true,
+            bucket: "routes".into(),
+            cursor: Some(120),
+            seq: 120,
+            applied_through: 100,
+            stream_last_sequence: Some(130),
+            retained: 2,
+            guest: Some("router@1.2.0".into()),
+            ..StatusReport::default()
+        };
+        let line = watch_line(&s, Some(42.4));
+        let words: Vec<&str> = line.split_whitespace().collect();
+        assert_eq!(
+            words,
+            [
+                "routes",
+                "running",
+                "cursor",
+                "120",
+                "applied",
+                "100",
+                "lag",
+                "30",
+                "42/s",
+                "retained",
+                "2",
+                "router@1.2.0"
+            ]
+        );
+        let hydrating = watch_line(
+            &StatusReport {
+                caught_up: false,
+                ..s
+            },
+            None,
+        );
+        assert!(
+            hydrating.contains(" catching ") && hydrating.contains(" - "),
+            "{hydrating}"
+        );
+        assert!(watch_period("0.05").is_err() && watch_period("2").is_ok());
+        assert_eq!(watch_period("500ms"), Ok(Duration::from_millis(500)));
     }
 }

@@ -77,7 +77,7 @@ async fn wait_for(addr: &str, path: &str, code: u16) -> anyhow::Result<String> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_fold_held_behind_by_a_deferred_record_is_not_ready_until_it_is_released()
+async fn a_fold_held_behind_by_a_deferred_record_is_unready_and_says_so_in_metrics_and_status_watch_until_released()
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let kv = h.bucket_with_history("probes", 10).await?;
@@ -121,6 +121,44 @@ async fn a_fold_held_behind_by_a_deferred_record_is_not_ready_until_it_is_releas
         before["foldhost_seq"] == before["foldhost_applied_through"],
         "{before:?}"
     );
+    // `status --watch`: a line per refresh, the fold's name, state and positions, the rate from
+    // the second refresh on.
+    let watch = foldhost()
+        .args([
+            "status",
+            "--listen",
+            &addr,
+            "--watch",
+            "0.2",
+            "--count",
+            "2",
+            "--token-file",
+        ])
+        .arg(&token)
+        .output()?;
+    let text = String::from_utf8(watch.stdout)?;
+    let lines: Vec<&str> = text.lines().collect();
+    anyhow::ensure!(
+        watch.status.success() && lines.len() == 2,
+        "status --watch: {text}{}",
+        String::from_utf8_lossy(&watch.stderr)
+    );
+    for (i, line) in lines.iter().enumerate() {
+        let words: Vec<&str> = line.split_whitespace().collect();
+        anyhow::ensure!(
+            words.first() == Some(&"probes") && words.get(1) == Some(&"running"),
+            "{line}"
+        );
+        anyhow::ensure!(
+            line.contains("applied 1 ") && line.contains("lag 0 "),
+            "{line}"
+        );
+        anyhow::ensure!(line.contains("kvstore@0.1.0"), "{line}");
+        anyhow::ensure!(
+            (i == 0) == line.contains(" - "),
+            "the rate from the second on: {line}"
+        );
+    }
     // kvstore 0.1.0 defers `fmt2:` values: the fold is held behind the record once it is
     // committed as retained.
     kv.put("k.a", "fmt2:a1".into()).await?;
