@@ -14,6 +14,8 @@ RUNS ?= 5
 BENCH_RUNS ?= 3
 
 SETUP = NATS_SERVER_BIN="$$(scripts/setup.sh)" && export NATS_SERVER_BIN
+# `test` also needs Chromium (the status page's browser test): `setup.sh --test` installs it.
+SETUP_TEST = NATS_SERVER_BIN="$$(scripts/setup.sh --test)" && export NATS_SERVER_BIN
 
 demo:
 	$(SETUP) && guests/build.sh >/dev/null && cargo run --quiet -p foldhost -- demo
@@ -26,7 +28,7 @@ demo:
 CLIPPY_BUILD = RUSTC_WORKSPACE_WRAPPER="$$(command -v clippy-driver)" CLIPPY_ARGS="-D__CLIPPY_HACKERY__warnings"
 
 test:
-	$(SETUP) && guests/build.sh && guests/router-c/build.sh test && \
+	$(SETUP_TEST) && guests/build.sh && guests/router-c/build.sh test && \
 	guests/router-js/build.sh test && guests/router-py/build.sh test && \
 	cargo test --quiet --manifest-path sdk/rust/Cargo.toml --features json && \
 	cargo test --quiet --manifest-path sdk/rust/Cargo.toml --features json,state && \

@@ -4,8 +4,13 @@
 # toolchain of the C guest (guests/router-c): clang, wasm-ld and wasi-libc from Debian's packages,
 # wit-bindgen and wasm-tools from crates.io (pinned); and those of the JavaScript and Python guests:
 # componentize-js (npm, sdk/js/package-lock.json) and componentize-py (PyPI, pinned).
+# With --test (`make test`), also Chromium, the browser the status page's live test runs headless
+# (tests/tests/live/page.rs); the demo does not need it.
 # Prints the path of nats-server on stdout; everything else goes to stderr.
 set -euo pipefail
+
+for_tests=0
+if [ "${1:-}" = "--test" ]; then for_tests=1; fi
 
 NATS_SERVER_VERSION="${NATS_SERVER_VERSION:-2.15.1}"
 # The C guest's bindings come from the same wit-bindgen release as the Rust SDK's (sdk/rust: 0.63),
@@ -125,6 +130,28 @@ if ! cmp -s "$sdk_js/package-lock.json" "$sdk_js/node_modules/.foldhost-installe
   echo "setup: installing the JavaScript guest toolchain (npm ci in sdk/js)" >&2
   (cd "$sdk_js" && npm ci --no-audit --no-fund --loglevel=error >&2)
   cp "$sdk_js/package-lock.json" "$sdk_js/node_modules/.foldhost-installed-lock"
+fi
+
+# The status page's live test loads the page in Debian's `chromium`, headless: installed for the
+# tests only, when `chromium` is not on PATH, quietly (apt-get's output is shown only if it fails).
+if [ "$for_tests" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "setup: chromium is not on PATH and there is no apt-get to install it: the status page's" \
+      "browser test (tests/tests/live/page.rs) will fail until a Chromium named \`chromium\` is on PATH" >&2
+  else
+    echo "setup: installing chromium (Debian package; the status page's browser test)" >&2
+    apt_log=$(mktemp)
+    if ! { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >"$apt_log" 2>&1 \
+           || { apt-get update -qq >"$apt_log" 2>&1 \
+                && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >"$apt_log" 2>&1; }; }; then
+      cat "$apt_log" >&2
+      rm -f "$apt_log"
+      echo "setup: apt-get could not install chromium (as root?)" >&2
+      exit 1
+    fi
+    rm -f "$apt_log"
+    command -v chromium >/dev/null 2>&1 || { echo "setup: chromium not on PATH after install" >&2; exit 1; }
+  fi
 fi
 
 cargo_install wit-bindgen-cli "$WIT_BINDGEN_VERSION" c wit-bindgen

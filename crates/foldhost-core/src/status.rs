@@ -2,9 +2,12 @@
 //! prints (from a running host or from a store at rest), what a host keeps in `status.json`, and
 //! what the test harness reads — one type, serialised one way.
 //!
-//! Invariants: `lag` and the retained record's age are computed here only ([`lag`], [`age_s`]);
-//! `applied_through` is the fold's ([`crate::retained::RetainedIndex::applied_through`], published
-//! by the fold with every commit), never recomputed from other fields.
+//! Invariants: `lag` and the retained record's age are computed here only ([`lag`], [`age_s`],
+//! [`behind_stream`]); `applied_through` is the fold's
+//! ([`crate::retained::RetainedIndex::applied_through`], published by the fold with every commit),
+//! never recomputed from other fields. What the status keeps of the past is bounded: at most
+//! [`LAG_HISTORY_LEN`] lag samples, oldest first, and the last [`MAX_LAST_SWAPS`] swaps, oldest
+//! first; a push past the bound drops the oldest.
 
 use std::sync::atomic::Ordering;
 
@@ -117,6 +120,49 @@ pub struct StatusReport {
     /// The guest's state buckets (docs/state.md): each declared bucket's fold, and every bucket
     /// folded here before whose declaration is gone (kept, never removed).
     pub state_buckets: Vec<StateBucketReport>,
+    /// Records behind the stream ([`behind_stream`]), one sample every `lag_history_period_s`,
+    /// oldest first: at most [`LAG_HISTORY_LEN`] (the last ten minutes). Empty until the status
+    /// reporter's first sample; a store at rest shows its last run's, from `status.json`.
+    pub lag_history: Vec<u64>,
+    /// Seconds between two `lag_history` samples (0: no samples).
+    pub lag_history_period_s: u64,
+    /// The last guest swaps since the host started (a promoted shadow included), oldest first: at
+    /// most [`MAX_LAST_SWAPS`].
+    pub last_swaps: Vec<SwapRecord>,
+}
+
+/// A completed swap of the running guest, as status reports it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct SwapRecord {
+    /// The guest replaced (its name and version).
+    pub from: String,
+    /// The guest now running.
+    pub to: String,
+    /// When the swap completed (Unix milliseconds).
+    pub unix_ms: u64,
+    /// How long the fold paused for the cut-over, ms (the `guest_swapped` event's `paused_ms`).
+    pub paused_ms: u64,
+    /// `swap` (`POST /swap`, `--watch-guest`) or `shadow` (a shadow promoted).
+    pub kind: String,
+}
+
+/// Most lag samples kept ([`StatusReport::lag_history`]): ten minutes at one every
+/// [`LAG_SAMPLE_PERIOD`].
+pub const LAG_HISTORY_LEN: usize = 120;
+
+/// How often the status reporter samples the lag into [`FoldStatus::lag_history`].
+pub const LAG_SAMPLE_PERIOD: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Most swaps kept ([`StatusReport::last_swaps`]).
+pub const MAX_LAST_SWAPS: usize = 5;
+
+/// Pushes `item` at the back of `ring`, dropping from the front what passes `cap`.
+fn push_bounded<T>(ring: &mut std::collections::VecDeque<T>, cap: usize, item: T) {
+    ring.push_back(item);
+    while ring.len() > cap {
+        ring.pop_front();
+    }
 }
 
 /// One state bucket's fold, as status reports it.
@@ -206,6 +252,14 @@ pub fn lag(seq: u64, applied_through: u64) -> u64 {
     seq.saturating_sub(applied_through)
 }
 
+/// Records the fold is behind its stream: the stream's last sequence as last read (or the highest
+/// revision delivered, when that is ahead or the stream was not read yet) minus `applied_through`
+/// — what `/readyz` and `foldhost_lag_records` measure, and what [`StatusReport::lag_history`]
+/// samples.
+pub fn behind_stream(stream_last: u64, seq: u64, applied_through: u64) -> u64 {
+    stream_last.max(seq).saturating_sub(applied_through)
+}
+
 /// Seconds from `since_unix_ms` to `now_unix_ms` (`None` when `since` is unknown, 0).
 pub fn age_s(since_unix_ms: u64, now_unix_ms: u64) -> Option<u64> {
     (since_unix_ms > 0).then(|| now_unix_ms.saturating_sub(since_unix_ms) / 1000)
@@ -290,6 +344,9 @@ impl StatusReport {
                     reason: reason.to_string(),
                 }),
             updated_unix_ms: now,
+            lag_history: s.lag_history(),
+            lag_history_period_s: LAG_SAMPLE_PERIOD.as_secs(),
+            last_swaps: s.last_swaps(),
             state_buckets: self
                 .state_buckets
                 .iter()
@@ -396,6 +453,11 @@ pub struct FoldStatus {
     /// Told when a wait on `applied_moved` begins: a batch already lingering for its window is
     /// flushed at once (its deliveries may have come before the writer's acknowledgement did).
     pub waiter_arrived: tokio::sync::Notify,
+    /// Records behind the stream, sampled by the status reporter ([`FoldStatus::sample_lag`]),
+    /// oldest first, at most [`LAG_HISTORY_LEN`].
+    pub lag_history: std::sync::Mutex<std::collections::VecDeque<u64>>,
+    /// The last swaps ([`FoldStatus::note_swap`]), oldest first, at most [`MAX_LAST_SWAPS`].
+    pub last_swaps: std::sync::Mutex<std::collections::VecDeque<SwapRecord>>,
 }
 
 /// A waiter on `applied_through` for as long as it lives ([`FoldStatus::expect_applied`]).
@@ -517,6 +579,43 @@ impl FoldStatus {
     pub fn last_skipped(&self) -> Option<(u64, String, &'static str)> {
         self.last_skipped.lock().ok().and_then(|g| g.clone())
     }
+
+    /// Takes one lag sample: the records the fold is behind its stream now ([`behind_stream`]),
+    /// the oldest sample dropped past [`LAG_HISTORY_LEN`]. The status reporter calls it every
+    /// [`LAG_SAMPLE_PERIOD`].
+    pub fn sample_lag(&self) {
+        let behind = behind_stream(
+            self.stream_last_sequence.load(Ordering::Relaxed),
+            self.seq.load(Ordering::Relaxed),
+            self.applied_through.load(Ordering::Relaxed),
+        );
+        if let Ok(mut h) = self.lag_history.lock() {
+            push_bounded(&mut h, LAG_HISTORY_LEN, behind);
+        }
+    }
+
+    /// The lag samples, oldest first.
+    pub fn lag_history(&self) -> Vec<u64> {
+        self.lag_history
+            .lock()
+            .map(|h| h.iter().copied().collect())
+            .unwrap_or_default()
+    }
+
+    /// Records a completed swap, the oldest dropped past [`MAX_LAST_SWAPS`].
+    pub fn note_swap(&self, swap: SwapRecord) {
+        if let Ok(mut s) = self.last_swaps.lock() {
+            push_bounded(&mut s, MAX_LAST_SWAPS, swap);
+        }
+    }
+
+    /// The last swaps, oldest first.
+    pub fn last_swaps(&self) -> Vec<SwapRecord> {
+        self.last_swaps
+            .lock()
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default()
+    }
 }
 
 /// Upper bounds of [`Histogram`]'s buckets: 1, 2.5, 5 per decade from 1 to 10^7 (a duration in
@@ -580,7 +679,76 @@ mod tests {
     }
 
     #[test]
+    fn the_lag_history_keeps_the_newest_samples_in_order_and_no_more_than_its_bound() {
+        let s = FoldStatus::default();
+        assert!(s.lag_history().is_empty());
+        let total = LAG_HISTORY_LEN as u64 + 7;
+        for n in 0..total {
+            // Behind the stream: its last sequence (read every 5 s) past what is applied.
+            s.stream_last_sequence.store(n * 3, Ordering::Relaxed);
+            s.seq.store(n, Ordering::Relaxed);
+            s.applied_through.store(n, Ordering::Relaxed);
+            s.sample_lag();
+        }
+        let h = s.lag_history();
+        assert_eq!(h.len(), LAG_HISTORY_LEN, "bounded");
+        let want: Vec<u64> = (total - LAG_HISTORY_LEN as u64..total)
+            .map(|n| n * 2)
+            .collect();
+        assert_eq!(h, want, "the newest, oldest first");
+        let r = StatusReport::default().with_live(&s);
+        assert_eq!(r.lag_history, want);
+        assert_eq!(r.lag_history_period_s, LAG_SAMPLE_PERIOD.as_secs());
+        // The stream not read yet: what was delivered counts.
+        let fresh = FoldStatus::default();
+        fresh.seq.store(9, Ordering::Relaxed);
+        fresh.applied_through.store(4, Ordering::Relaxed);
+        fresh.sample_lag();
+        assert_eq!(fresh.lag_history(), vec![5]);
+    }
+
+    #[test]
+    fn the_last_swaps_are_kept_oldest_first_and_bounded() {
+        let s = FoldStatus::default();
+        for n in 0..MAX_LAST_SWAPS as u64 + 3 {
+            s.note_swap(SwapRecord {
+                from: format!("g@{n}"),
+                to: format!("g@{}", n + 1),
+                unix_ms: 1000 + n,
+                paused_ms: n,
+                kind: "swap".into(),
+            });
+        }
+        let kept = StatusReport::default().with_live(&s).last_swaps;
+        assert_eq!(kept.len(), MAX_LAST_SWAPS);
+        let froms: Vec<&str> = kept.iter().map(|r| r.from.as_str()).collect();
+        assert_eq!(froms, ["g@3", "g@4", "g@5", "g@6", "g@7"]);
+    }
+
+    #[test]
+    fn a_status_without_the_history_fields_reads_them_empty() {
+        let r: StatusReport =
+            serde_json::from_slice(br#"{"state":"running","lag":3}"#).expect("reads");
+        assert!(r.lag_history.is_empty() && r.last_swaps.is_empty());
+        assert_eq!(r.lag_history_period_s, 0);
+        let round: StatusReport = serde_json::from_slice(
+            &serde_json::to_vec(&StatusReport {
+                lag_history: vec![4, 0],
+                lag_history_period_s: 5,
+                last_swaps: vec![SwapRecord::default()],
+                ..StatusReport::default()
+            })
+            .expect("writes"),
+        )
+        .expect("reads");
+        assert_eq!((round.lag_history, round.last_swaps.len()), (vec![4, 0], 1));
+    }
+
+    #[test]
     fn lag_and_age_never_underflow() {
+        assert_eq!(behind_stream(0, 9, 4), 5);
+        assert_eq!(behind_stream(12, 9, 4), 8);
+        assert_eq!(behind_stream(3, 2, 4), 0);
         assert_eq!(lag(5, 9), 0);
         assert_eq!(lag(9, 5), 4);
         assert_eq!(age_s(0, 10_000), None);

@@ -739,8 +739,9 @@ async fn reply_error(
     }
 }
 
-/// Keeps `status.json` current and shows hydration progress: a bar on a terminal, log lines
-/// otherwise.
+/// Keeps `status.json` current, shows hydration progress (a bar on a terminal, log lines
+/// otherwise) and samples the lag into the status's bounded `lag_history` (`sample_lag`) at its
+/// first tick, then every [`crate::status::LAG_SAMPLE_PERIOD`].
 async fn report_progress(
     dir: PathBuf,
     base: StatusReport,
@@ -759,11 +760,16 @@ async fn report_progress(
     } else {
         None
     };
-    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    let period = Duration::from_millis(250);
+    let mut tick = tokio::time::interval(period);
+    let sample_every = (crate::status::LAG_SAMPLE_PERIOD.as_millis() / period.as_millis()) as u64;
     let mut n = 0u64;
     let mut hydrated_logged = false;
     loop {
         tick.tick().await;
+        if n.is_multiple_of(sample_every) {
+            status.sample_lag();
+        }
         n += 1;
         let committed = status.committed.load(Ordering::Relaxed);
         let pending = status.pending.load(Ordering::Relaxed);

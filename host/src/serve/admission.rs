@@ -143,6 +143,11 @@ pub enum Route {
     Metrics,
     /// `GET /readyz`: every fold runs, level and within its lag (no token: a probe's).
     Ready,
+    /// `GET /`: the status page (`serve/page.html`). It carries no data — the figures come from
+    /// `/status`, which the page fetches with the token its address's fragment holds — so it
+    /// needs no token (a browser's navigation carries none, and the fragment never reaches the
+    /// server); the Host and Origin checks and the empty body are `/status`'s.
+    Page,
 }
 
 impl Route {
@@ -242,11 +247,12 @@ pub fn admit(
         "/healthz" => Route::Health,
         "/metrics" => Route::Metrics,
         "/readyz" => Route::Ready,
+        "/" => Route::Page,
         _ => return Err(Refusal::new(404, "not found")),
     };
     let method = if matches!(
         route,
-        Route::Status | Route::Health | Route::Ready | Route::Metrics
+        Route::Status | Route::Health | Route::Ready | Route::Metrics | Route::Page
     ) {
         "GET"
     } else {
@@ -311,8 +317,8 @@ pub fn admit(
         }
     };
     // A probe carries no token: the probes say only whether the process answers and which fold
-    // is not ready and why.
-    let probe = matches!(route, Route::Health | Route::Ready);
+    // is not ready and why. Nor does a browser opening the page, which holds no data.
+    let probe = matches!(route, Route::Health | Route::Ready | Route::Page);
     if !route.is_admin() && route != Route::Write && !probe && !admin && !query_allowed() {
         return Err(Refusal::new(
             401,
@@ -320,7 +326,7 @@ pub fn admit(
         ));
     }
     let limit = match route {
-        Route::Status | Route::Health | Route::Ready | Route::Metrics => 0,
+        Route::Status | Route::Health | Route::Ready | Route::Metrics | Route::Page => 0,
         Route::Query => policy.limits.query_body,
         Route::Swap => policy.limits.swap_body,
         Route::Shadow => policy.limits.swap_body.saturating_add(MAX_SHADOW_HEADER),
@@ -781,6 +787,55 @@ mod tests {
             401,
             "/status keeps its token"
         );
+    }
+
+    #[test]
+    fn the_page_takes_get_and_no_body_keeps_the_host_and_origin_checks_and_leaves_the_token_to_status()
+     {
+        for (listen, arrived) in [
+            ("10.0.0.5:8080", "10.0.0.5:8080"),
+            ("0.0.0.0:8080", "10.0.0.5:8080"),
+            ("127.0.0.1:8080", "127.0.0.1:8080"),
+        ] {
+            let p = policy(listen, Some("reader"));
+            let arrived = on(arrived);
+            let host = arrived.to_string();
+            let page = head("GET", "/", &host, 0);
+            assert_eq!(admit(&page, &p, arrived), Ok((Route::Page, 0)), "{listen}");
+            // The data it shows is `/status`'s, behind the token the page sends from its
+            // address's fragment.
+            let mut status = head("GET", "/status", &host, 0);
+            assert_eq!(status_of(admit(&status, &p, arrived)), 401, "{listen}");
+            status.bearer = Some("reader".into());
+            assert_eq!(status_of(admit(&status, &p, arrived)), 200, "{listen}");
+            for (method, len, want) in [("POST", 0, 405), ("PUT", 0, 405), ("GET", 1, 413)] {
+                assert_eq!(
+                    status_of(admit(&head(method, "/", &host, len), &p, arrived)),
+                    want,
+                    "{listen} {method} / with {len} body bytes"
+                );
+            }
+            // What keeps `/status` from a rebound name or a cross-site page keeps the page too.
+            assert_eq!(
+                status_of(admit(
+                    &head("GET", "/", "evil.example:8080", 0),
+                    &p,
+                    arrived
+                )),
+                403,
+                "{listen}"
+            );
+            let mut h = head("GET", "/", &host, 0);
+            h.origin = Some("http://evil.example".into());
+            assert_eq!(status_of(admit(&h, &p, arrived)), 403, "{listen}");
+            h.origin = Some(format!("http://{host}"));
+            assert_eq!(status_of(admit(&h, &p, arrived)), 200, "{listen}");
+            // Only `/` itself: another path is no page.
+            assert_eq!(
+                status_of(admit(&head("GET", "/index.html", &host, 0), &p, arrived)),
+                404
+            );
+        }
     }
 
     #[test]

@@ -387,6 +387,7 @@ impl ConnCtx {
             Route::Health => (super::health(), None),
             Route::Metrics => (super::metrics(state), None),
             Route::Ready => (super::ready(state), None),
+            Route::Page => (super::page(), None),
         };
         // The body's budget is held until the request is served.
         drop(budget);
@@ -443,6 +444,9 @@ fn into_response(reply: Reply, slot: Arc<Slot>) -> Response<Answer> {
         StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static(reply.content_type));
+    for (name, value) in reply.headers {
+        resp.headers_mut().insert(name.clone(), value.clone());
+    }
     if reply.close {
         resp.headers_mut()
             .insert(CONNECTION, HeaderValue::from_static("close"));
@@ -757,6 +761,68 @@ mod tests {
         resp.into_body().collect().await?;
         tokio::time::timeout(HUNG, driver).await???;
         Ok(())
+    }
+
+    #[tokio::test]
+    async fn the_page_goes_out_with_its_policy_and_no_other_answer_does() -> anyhow::Result<()> {
+        let (addr, _) = server(Limits::default()).await?;
+        let page = exchange(
+            addr,
+            format!("GET / HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await?;
+        let (head, body) = page.split_once("\r\n\r\n").unwrap_or((&page, ""));
+        let head = head.to_ascii_lowercase();
+        assert!(head.starts_with("http/1.1 200"), "{head}");
+        for line in [
+            "content-type: text/html; charset=utf-8",
+            "content-security-policy: default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; connect-src 'self'; img-src data:",
+            "x-content-type-options: nosniff",
+        ] {
+            assert!(
+                head.contains(&format!("\r\n{line}\r\n")),
+                "{line} missing: {head}"
+            );
+        }
+        assert_eq!(body, super::super::PAGE, "the page, whole");
+        let status = exchange(
+            addr,
+            format!("GET /status HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await?
+        .to_ascii_lowercase();
+        assert!(status.starts_with("http/1.1 200"), "{status}");
+        assert!(!status.contains("content-security-policy"), "{status}");
+        Ok(())
+    }
+
+    #[test]
+    fn the_page_sets_every_figure_as_text_and_loads_nothing_from_elsewhere() {
+        let page = super::super::PAGE;
+        for banned in [
+            "innerHTML",
+            "outerHTML",
+            "insertAdjacentHTML",
+            "document.write",
+            "eval(",
+        ] {
+            assert!(!page.contains(banned), "the page uses {banned}");
+        }
+        for banned in ["src=\"http", "href=\"http", "//cdn", "@import", "url("] {
+            assert!(!page.contains(banned), "the page loads {banned}");
+        }
+        for field in [
+            "cursor",
+            "lag",
+            "applied_through",
+            "lag_history",
+            "last_swaps",
+        ] {
+            assert!(
+                page.contains(&format!("data-field=\"{field}\"")),
+                "no {field} on the page"
+            );
+        }
     }
 
     #[tokio::test]

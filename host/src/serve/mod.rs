@@ -1,6 +1,7 @@
 //! The `--listen` endpoint: `GET /status`, `POST /query`, and the admin routes `POST /swap`,
 //! `POST /shadow` and `POST /export`, over HTTP/1.1 (hyper) with keep-alive: a connection carries
-//! several requests, one after the other, each admitted on its own.
+//! several requests, one after the other, each admitted on its own; and `GET /`, the status page
+//! for people ([`page`]: `page.html`, which shows what `/status` answers).
 //!
 //! Every decision about a request before its body is read is a pure function over its head
 //! ([`admit`], over [`RequestHead::from_parts`]); the hyper plumbing around it (`conn.rs`) is
@@ -41,6 +42,12 @@
 //!   `localhost:PORT`, …; on a wildcard the IP literal of the address the connection arrived on;
 //!   [`crate::protocol::host_names_listener`]) — and a browser's `Origin`, when present, must be
 //!   that same origin. Checked on every request of a connection, not once for it.
+//! - **No data in the page, and no script in it but its own**: `GET /` answers a fixed file
+//!   compiled into the binary; every figure it shows it fetches from `/status` (with the token
+//!   its address's fragment holds, which never reaches the server in a URL) and sets as text,
+//!   never as markup. It goes out with [`PAGE_HEADERS`]: a Content-Security-Policy that lets it
+//!   run only its inline script and style, fetch only from this origin and load nothing else,
+//!   and `nosniff`.
 //!
 //! Queries are handed to the fold loop ([`crate::applied::Control::Query`]) and answered between
 //! batches: a query never sees a half-applied batch.
@@ -52,6 +59,7 @@ mod conn;
 use std::sync::Arc;
 use std::time::Duration;
 
+use hyper::header::{HeaderName, HeaderValue};
 use tokio::sync::{Semaphore, mpsc, oneshot};
 
 use crate::applied::Control;
@@ -234,13 +242,16 @@ pub struct ServeState {
 /// evictable again, and closed after [`HEAD_DEADLINE`] without one.
 pub(crate) const MAX_CONNECTIONS: usize = 256;
 
-/// A response before it is put on the wire: status, content type, body, and whether the
-/// connection closes after it.
+/// A response before it is put on the wire: status, content type, body, the headers beyond
+/// those, and whether the connection closes after it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Reply {
     pub(crate) status: u16,
     pub(crate) content_type: &'static str,
     pub(crate) body: Vec<u8>,
+    /// Headers sent besides `Content-Type` (and `Connection` when it closes): none but the
+    /// page's ([`PAGE_HEADERS`]).
+    pub(crate) headers: &'static [(HeaderName, HeaderValue)],
     /// Close the connection once written (a refusal: its body, if any, was not read).
     pub(crate) close: bool,
 }
@@ -251,6 +262,7 @@ impl Reply {
             status,
             content_type,
             body: body.into(),
+            headers: &[],
             close: false,
         }
     }
@@ -261,6 +273,35 @@ impl Reply {
             close: true,
             ..Reply::new(r.status, "text/plain", format!("{}\n", r.message))
         }
+    }
+}
+
+/// The status page (`GET /`): one self-contained file — markup, style and script inline, no
+/// asset from anywhere — that fetches `/status` every 2 s and sets its figures as text.
+pub(crate) const PAGE: &str = include_str!("page.html");
+
+/// The page's Content-Security-Policy: its own inline script and style only, fetches to this
+/// origin only, images only as `data:` URLs (its icon), nothing else.
+pub(crate) const PAGE_CSP: &str = "default-src 'none'; script-src 'unsafe-inline'; \
+     style-src 'unsafe-inline'; connect-src 'self'; img-src data:";
+
+/// The headers the page goes out with: [`PAGE_CSP`], and no content sniffing.
+pub(crate) static PAGE_HEADERS: [(HeaderName, HeaderValue); 2] = [
+    (
+        hyper::header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(PAGE_CSP),
+    ),
+    (
+        hyper::header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    ),
+];
+
+/// `GET /`: the status page ([`PAGE`], with [`PAGE_HEADERS`]).
+pub(crate) fn page() -> Reply {
+    Reply {
+        headers: &PAGE_HEADERS,
+        ..Reply::new(200, "text/html; charset=utf-8", PAGE)
     }
 }
 

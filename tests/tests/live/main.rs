@@ -24,6 +24,7 @@ mod lease;
 mod localnats;
 mod log_events;
 mod nats_auth;
+mod page;
 mod probes;
 mod repair;
 mod resume;

@@ -117,6 +117,18 @@ fn refused(from: &str, what: &str, e: &ApplyError) -> ApplyError {
     }
 }
 
+/// What the status keeps of a completed swap (`kind`: `swap`, or `shadow` for a promoted one),
+/// completed now.
+fn swapped(from: &str, to: &str, paused_ms: u64, kind: &str) -> crate::status::SwapRecord {
+    crate::status::SwapRecord {
+        from: from.to_string(),
+        to: to.to_string(),
+        unix_ms: crate::status::now_unix_ms(),
+        paused_ms,
+        kind: kind.to_string(),
+    }
+}
+
 /// The failure of a shadow of `what`, with `e` as the reason.
 fn shadow_failed(from: &str, what: &str, e: &ApplyError) -> ApplyError {
     ApplyError {
@@ -496,6 +508,8 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             Ok(r) => {
                 self.status
                     .set_applier(&self.apply.describe(), self.apply.contract());
+                self.status
+                    .note_swap(swapped(&r.from, &r.to, r.paused_ms, "swap"));
                 tracing::info!(event = "guest_swapped", from = %r.from, to = %r.to, hydrated = r.hydrated_entries, caught_up = r.caught_up, hydrate_ms = r.hydrate_ms, paused_ms = r.paused_ms, "guest swapped");
             }
             Err(e) => {
@@ -603,6 +617,8 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 if r.promoted {
                     self.status
                         .set_applier(&self.apply.describe(), self.apply.contract());
+                    self.status
+                        .note_swap(swapped(&r.live, &r.candidate, r.paused_ms, "shadow"));
                 }
                 tracing::info!(event = "shadow_compared", live = %r.live, candidate = %r.candidate, batches = r.batches, requests = r.requests, differing = r.differing, promoted = r.promoted, paused_ms = r.paused_ms, "shadow compared");
             }
