@@ -237,6 +237,7 @@ impl Collector for Folds {
                 .collect();
             family(&mut encoder, name, help, unit, &series)?;
         }
+        self.encode_kinds(&mut encoder, &folds)?;
         if let Some(rss) = resident_bytes() {
             let none: Labels<'_> = Vec::new();
             family(
@@ -248,6 +249,141 @@ impl Collector for Folds {
             )?;
         }
         Ok(())
+    }
+}
+
+impl Folds {
+    /// The series with a label of their own beside the fold's: failed guest calls by kind, write
+    /// outcomes, export rounds by outcome.
+    fn encode_kinds(
+        &self,
+        encoder: &mut DescriptorEncoder<'_>,
+        folds: &[(Labels<'_>, &FoldStatus)],
+    ) -> Result<(), std::fmt::Error> {
+        // Guest calls: the main fold's only (the state buckets' batches go to the same guest).
+        let mut calls = Vec::new();
+        let mut rebuilds = Vec::new();
+        for f in &self.0 {
+            let g = &f.status.guest_counters;
+            for (kind, n) in [
+                ("trap", &g.traps),
+                ("deadline", &g.deadline_hits),
+                ("limit", &g.limit_hits),
+            ] {
+                calls.push((
+                    vec![("fold", f.name.as_str()), ("kind", kind)],
+                    Value::Counter(n.load(Ordering::Relaxed)),
+                ));
+            }
+            rebuilds.push((
+                vec![("fold", f.name.as_str())],
+                Value::Counter(g.rebuilds.load(Ordering::Relaxed)),
+            ));
+        }
+        family(
+            encoder,
+            "foldhost_guest_failed_calls",
+            "Guest calls that failed, by kind: a trap, the call's deadline, a resource cap.",
+            None,
+            &calls,
+        )?;
+        family(
+            encoder,
+            "foldhost_guest_rebuilds",
+            "Guest instances rebuilt from the fold after a failed call.",
+            None,
+            &rebuilds,
+        )?;
+        // Writes: every fold's write path, a state bucket's included.
+        let writes: Vec<(Vec<(String, String)>, u64)> = folds
+            .iter()
+            .flat_map(|(labels, s)| {
+                let base: Vec<(String, String)> = labels
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect();
+                let counts = s
+                    .write_outcomes
+                    .lock()
+                    .map(|m| m.clone())
+                    .unwrap_or_default();
+                counts.into_iter().map(move |((outcome, reason), n)| {
+                    let mut l = base.clone();
+                    l.push(("outcome".into(), outcome));
+                    l.push(("reason".into(), reason));
+                    (l, n)
+                })
+            })
+            .collect();
+        let writes: Vec<(Labels<'_>, Value)> = writes
+            .iter()
+            .map(|(l, n)| {
+                (
+                    l.iter().map(|(k, v)| (label_key(k), v.as_str())).collect(),
+                    Value::Counter(*n),
+                )
+            })
+            .collect();
+        family(
+            encoder,
+            "foldhost_write_outcomes",
+            "Writes answered through the host, by outcome (and a refusal's reason).",
+            None,
+            &writes,
+        )?;
+        let mut rounds = Vec::new();
+        let mut published = Vec::new();
+        for f in &self.0 {
+            let counts = f
+                .status
+                .export_rounds
+                .lock()
+                .map(|m| m.clone())
+                .unwrap_or_default();
+            for outcome in [
+                "published",
+                "not-ours",
+                "up-to-date",
+                "superseded",
+                "failed",
+            ] {
+                rounds.push((
+                    vec![("fold", f.name.as_str()), ("outcome", outcome)],
+                    Value::Counter(counts.get(outcome).copied().unwrap_or(0)),
+                ));
+            }
+            let at = f.status.last_published_unix_ms.load(Ordering::Relaxed);
+            if at > 0 {
+                published.push((
+                    vec![("fold", f.name.as_str())],
+                    gauge(crate::status::now_unix_ms().saturating_sub(at) / 1000),
+                ));
+            }
+        }
+        family(
+            encoder,
+            "foldhost_export_rounds",
+            "Export rounds run by this node, by outcome.",
+            None,
+            &rounds,
+        )?;
+        family(
+            encoder,
+            "foldhost_export_last_published_age",
+            "Time since this node last published an artifact.",
+            Some(Unit::Seconds),
+            &published,
+        )
+    }
+}
+
+/// The label names [`Folds::encode_kinds`] builds (static, as the encoder takes them).
+fn label_key(k: &str) -> &'static str {
+    match k {
+        "fold" => "fold",
+        "state_bucket" => "state_bucket",
+        "outcome" => "outcome",
+        _ => "reason",
     }
 }
 
@@ -278,6 +414,13 @@ mod tests {
         status.applied_through.store(5, Ordering::Relaxed);
         status.apply_us.observe(1_500);
         status.apply_us.observe(40);
+        status
+            .guest_counters
+            .deadline_hits
+            .fetch_add(2, Ordering::Relaxed);
+        status.count_write("refused", "conflict");
+        status.count_write("applied", "");
+        status.count_export_round("up-to-date");
         let text = render(&[FoldSource {
             name: "routes".into(),
             status,
@@ -290,6 +433,11 @@ mod tests {
             "foldhost_apply_duration_seconds_bucket{le=\"0.0025\",fold=\"routes\"} 2",
             "foldhost_apply_duration_seconds_bucket{le=\"0.001\",fold=\"routes\"} 1",
             "# TYPE foldhost_apply_duration_seconds histogram",
+            "foldhost_guest_failed_calls_total{fold=\"routes\",kind=\"deadline\"} 2",
+            "foldhost_guest_failed_calls_total{fold=\"routes\",kind=\"trap\"} 0",
+            "foldhost_write_outcomes_total{fold=\"routes\",outcome=\"refused\",reason=\"conflict\"} 1",
+            "foldhost_write_outcomes_total{fold=\"routes\",outcome=\"applied\",reason=\"\"} 1",
+            "foldhost_export_rounds_total{fold=\"routes\",outcome=\"up-to-date\"} 1",
         ] {
             assert!(text.contains(line), "{line:?} missing from:\n{text}");
         }

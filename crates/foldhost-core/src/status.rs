@@ -397,6 +397,15 @@ pub struct FoldStatus {
     pub batch_us: Histogram,
     /// Every committed batch's updates.
     pub batch_updates: Histogram,
+    /// The guest's failed calls and rebuilds (shared with the guest's applier: `/metrics`).
+    pub guest_counters: std::sync::Arc<GuestCounters>,
+    /// Writes answered through this fold's write path, by outcome and refusal reason (at most
+    /// [`MAX_WRITE_OUTCOME_KINDS`] kinds: both come from the host's own fixed sets).
+    pub write_outcomes: std::sync::Mutex<std::collections::BTreeMap<(String, String), u64>>,
+    /// Export rounds by outcome (`published`, `not-ours`, `up-to-date`, `superseded`, `failed`).
+    pub export_rounds: std::sync::Mutex<std::collections::BTreeMap<&'static str, u64>>,
+    /// When this node last published an artifact, Unix milliseconds (0: never).
+    pub last_published_unix_ms: AtomicU64,
     /// Consecutive store failures right now.
     pub store_failure_streak: AtomicU64,
     /// 1 once the watch reported it is level with the stream as of its start.
@@ -616,6 +625,43 @@ impl FoldStatus {
             .map(|s| s.iter().cloned().collect())
             .unwrap_or_default()
     }
+}
+
+/// Most distinct `(outcome, reason)` pairs [`FoldStatus::write_outcomes`] keeps.
+pub const MAX_WRITE_OUTCOME_KINDS: usize = 64;
+
+impl FoldStatus {
+    /// Counts one write's answer.
+    pub fn count_write(&self, outcome: &str, reason: &str) {
+        let Ok(mut m) = self.write_outcomes.lock() else {
+            return;
+        };
+        let key = (outcome.to_string(), reason.to_string());
+        if m.len() < MAX_WRITE_OUTCOME_KINDS || m.contains_key(&key) {
+            *m.entry(key).or_insert(0) += 1;
+        }
+    }
+
+    /// Counts one export round's outcome.
+    pub fn count_export_round(&self, outcome: &'static str) {
+        if let Ok(mut m) = self.export_rounds.lock() {
+            *m.entry(outcome).or_insert(0) += 1;
+        }
+    }
+}
+
+/// A guest's failed calls by kind, and the instances rebuilt after them. The applier counts; the
+/// status and `/metrics` read.
+#[derive(Debug, Default)]
+pub struct GuestCounters {
+    /// Calls that trapped (a panic, an `unreachable`, a host refusal turned trap).
+    pub traps: AtomicU64,
+    /// Calls interrupted at their deadline.
+    pub deadline_hits: AtomicU64,
+    /// Calls stopped at a resource cap (memory, tables, instances).
+    pub limit_hits: AtomicU64,
+    /// Instances rebuilt from the fold after a failed call.
+    pub rebuilds: AtomicU64,
 }
 
 /// Upper bounds of [`Histogram`]'s buckets: 1, 2.5, 5 per decade from 1 to 10^7 (a duration in

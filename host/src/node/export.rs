@@ -120,7 +120,17 @@ impl ExportRounds {
             let started = std::time::Instant::now();
             let outcome = self.round().await;
             let (duration_ms, unix_ms) = (started.elapsed().as_millis() as u64, now_unix_ms());
+            self.fold.count_export_round(match &outcome {
+                RoundOutcome::Published { .. } => "published",
+                RoundOutcome::NotOurs => "not-ours",
+                RoundOutcome::UpToDate { .. } => "up-to-date",
+                RoundOutcome::Superseded { .. } => "superseded",
+                RoundOutcome::Failed(_) => "failed",
+            });
             if let RoundOutcome::Published { cursor } = &outcome {
+                self.fold
+                    .last_published_unix_ms
+                    .store(unix_ms, std::sync::atomic::Ordering::Relaxed);
                 last_published = Some(crate::status::PublishedRound {
                     unix_ms,
                     cursor: *cursor,

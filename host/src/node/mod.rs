@@ -194,10 +194,10 @@ impl Node {
         if let Some(p) = &proven {
             p.engine.set_random_seed(guest_seed(&cfg)?);
         }
-        let (mut apply, scope, lanes, link) =
-            build_applier(&cfg, proven.as_ref(), &shared, &conn).await?;
-        tracing::info!(event = "fold_started", bucket = %cfg.bucket, scope = %scope, store = %cfg.store.display(), backend = cfg.backend.as_str(), guest = %apply.describe(), cursor = %shared.read()?.cursor(), "folding");
         let status = Arc::new(FoldStatus::default());
+        let (mut apply, scope, lanes, link) =
+            build_applier(&cfg, proven.as_ref(), &shared, &conn, &status).await?;
+        tracing::info!(event = "fold_started", bucket = %cfg.bucket, scope = %scope, store = %cfg.store.display(), backend = cfg.backend.as_str(), guest = %apply.describe(), cursor = %shared.read()?.cursor(), "folding");
         let mut base = base_report(&cfg, apply.describe(), proven.as_ref(), &scope);
         let (live_lanes, gone_lanes) = lanes::reports(&cfg, &lanes);
         base.state_buckets = gone_lanes;
@@ -543,6 +543,7 @@ async fn build_applier(
     proven: Option<&ProvenGuest>,
     shared: &SharedStore<AnyStore>,
     conn: &NatsConnection,
+    status: &FoldStatus,
 ) -> Result<Built, NodeError> {
     let mut lanes = Vec::new();
     let mut link = Arc::new(crate::applied::LaneLink::default());
@@ -557,6 +558,7 @@ async fn build_applier(
                 Arc::new(shared.clone()),
             )
             .await?;
+            g.count_into(status.guest_counters.clone());
             // The state buckets first: asserted, folded level, attached — so the guest's first
             // instance is hydrated from every bucket's current values.
             let decls = lanes::declarations(cfg, g.manifest())?;

@@ -258,6 +258,13 @@ impl WritePath {
         req: WriteRequest,
         minted: Option<OpId>,
     ) -> WriteAnswer {
+        let answer = self.answer(req, minted).await;
+        self.status
+            .count_write(&answer.outcome, answer.reason.as_deref().unwrap_or(""));
+        answer
+    }
+
+    async fn answer(&self, req: WriteRequest, minted: Option<OpId>) -> WriteAnswer {
         let c = match self.check(req, minted) {
             Ok(c) => c,
             Err((r, op)) => return WriteAnswer::refused(r, op.as_ref()),

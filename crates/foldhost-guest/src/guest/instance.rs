@@ -36,10 +36,18 @@ impl Core {
                 })
                 .or_else(|| bindings::resource_limit_hit(c, self.limits.resource_entries))
         });
-        let message = if matches!(
+        let deadline = matches!(
             e.downcast_ref::<wasmtime::Trap>(),
             Some(wasmtime::Trap::Interrupt)
-        ) {
+        );
+        let memory = format!("{e:#}").contains("forcing trap when growing memory");
+        let counter = match (deadline, limit_hit.is_some() || memory) {
+            (true, _) => &self.counters.deadline_hits,
+            (false, true) => &self.counters.limit_hits,
+            (false, false) => &self.counters.traps,
+        };
+        counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let message = if deadline {
             format!(
                 "deadline of {} ms exceeded (interrupted)",
                 self.limits.call_deadline.as_millis()

@@ -204,6 +204,8 @@ struct Core {
     state: Arc<OnceLock<StateAccess>>,
     /// Shared with the lanes: the generation and their discard requests.
     link: Arc<LaneLink>,
+    /// Failed calls and rebuilds, counted for the fold's status (kept across swaps).
+    counters: Arc<foldhost_core::status::GuestCounters>,
     /// Test builds only: the next call is armed with a deadline already passed, so wasmtime
     /// interrupts it at its first epoch check — a real deadline trap at a chosen call.
     #[cfg(any(test, feature = "testkit"))]
@@ -250,6 +252,7 @@ impl GuestApply {
             fold,
             state: Arc::new(OnceLock::new()),
             link: Arc::new(LaneLink::default()),
+            counters: Arc::default(),
             #[cfg(any(test, feature = "testkit"))]
             interrupt_next: AtomicBool::new(false),
         };
@@ -265,6 +268,12 @@ impl GuestApply {
             last_hydration: None,
             lost: None,
         })
+    }
+
+    /// Counts this guest's failed calls and rebuilds into `counters` (the fold's status), from now
+    /// on and across swaps.
+    pub fn count_into(&mut self, counters: Arc<foldhost_core::status::GuestCounters>) {
+        self.core.counters = counters;
     }
 
     /// The guest's manifest.
@@ -368,6 +377,12 @@ impl GuestApply {
             None => self.core.fresh().await?,
         };
         let stats = self.core.stream_fold(&mut l, false).await?;
+        if self.hydrations > 0 {
+            self.core
+                .counters
+                .rebuilds
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         self.hydrations += 1;
         self.core.link.set_generation(self.hydrations);
         self.last_hydration = Some(stats);
@@ -475,6 +490,7 @@ impl Apply for GuestApply {
                 // The same buckets and the same lanes: a swap keeps the declarations.
                 state: self.core.state.clone(),
                 link: self.core.link.clone(),
+                counters: self.core.counters.clone(),
                 #[cfg(any(test, feature = "testkit"))]
                 interrupt_next: AtomicBool::new(false),
             },
