@@ -18,7 +18,8 @@ fn main() {
     let lines = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);
-    match cli.log_format {
+    let format = foldhost::cli::log_format_of(&cli);
+    match format {
         // Fields at the top level (`event` among them); the fold in `spans`; the `target` tells
         // the host's lines (`foldhost…`) from a library's.
         foldhost::cli::LogFormat::Json => lines
@@ -33,7 +34,7 @@ fn main() {
             .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
             .init(),
     }
-    foldhost::cli::set_log_format(cli.log_format);
+    foldhost::cli::set_log_format(format);
     tracing::debug!(pid = std::process::id(), "process started");
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -21,6 +21,7 @@ use crate::status::StatusReport;
 use crate::storedir::{self, AnyStore, Backend};
 
 mod artifacts;
+mod config;
 mod demo;
 mod grants;
 mod nats;
@@ -55,6 +56,30 @@ pub struct Cli {
 /// command's error) are then log lines too, so that every line of standard error parses.
 static JSON_LOGS: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
+/// The process's log format: `--log-format` when given on the command line (or in the
+/// environment), else a `run --config` file's `log_format`, else text. A file that does not
+/// read is left to `run` to refuse.
+pub fn log_format_of(cli: &Cli) -> LogFormat {
+    use clap::CommandFactory as _;
+    let given = Cli::command()
+        .try_get_matches_from(std::env::args_os())
+        .ok()
+        .and_then(|m| m.value_source("log_format"))
+        .is_some_and(|s| s != clap::parser::ValueSource::DefaultValue);
+    if given {
+        return cli.log_format;
+    }
+    match &cli.command {
+        Command::Run(a) => a
+            .config
+            .as_deref()
+            .and_then(|f| config::load(f).ok())
+            .and_then(|(_, f)| f)
+            .unwrap_or(cli.log_format),
+        _ => cli.log_format,
+    }
+}
+
 /// Records the process's `--log-format` (the binary calls it once its logger is set).
 pub fn set_log_format(format: LogFormat) {
     JSON_LOGS.store(
@@ -80,8 +105,11 @@ pub enum LogFormat {
 /// Subcommands.
 #[derive(Subcommand, Debug)]
 pub enum Command {
-    /// Fold a bucket into a local store and keep it current.
+    /// Fold a bucket into a local store and keep it current (or every fold of a `--config` file).
     Run(Box<RunArgs>),
+    /// Check a config file (`run --config`) without connecting.
+    #[command(subcommand)]
+    Config(config::ConfigCommand),
     /// Show a store's cursor, seq, applied_through, applier and lag.
     Status(StatusArgs),
     /// Print the fold's entries in key order, one per line.
@@ -182,6 +210,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Get(a) => write::cmd_get(a).await,
         Command::Grants(a) => grants::cmd_grants(a).await,
         Command::State(a) => state::cmd_state(a),
+        Command::Config(c) => config::cmd_config(c),
     }
 }
 

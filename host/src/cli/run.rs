@@ -5,18 +5,26 @@ use super::*;
 /// `foldhost run`. Every default comes from [`NodeConfig::new`] and the types it holds.
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
+    /// A TOML file of folds, every flag of `run` a key of the same name (README, "Several folds
+    /// from one file"): every fold runs in this process. Flags given beside it override the file
+    /// when it holds one fold.
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    /// The fold's name, in its log lines and its metrics (default: its bucket).
+    #[arg(long, value_name = "NAME")]
+    pub name: Option<String>,
     /// How to reach and authenticate to NATS (`cli/nats.rs`).
     #[command(flatten)]
     pub nats: NatsArgs,
     /// Bucket to fold (must exist).
-    #[arg(long)]
-    pub bucket: String,
+    #[arg(long, required_unless_present = "config")]
+    pub bucket: Option<String>,
     /// What to watch: all, prefix:P, or prefixes:P1,P2 (default: the guest's manifest, else all).
     #[arg(long, value_parser = parse_scope)]
     pub scope: Option<WatchScope>,
     /// Store directory.
-    #[arg(long)]
-    pub store: PathBuf,
+    #[arg(long, required_unless_present = "config")]
+    pub store: Option<PathBuf>,
     /// Storage backend: append-log, fjall or rocksdb (the last two when built with their features).
     #[arg(long, default_value_t = defaults().backend)]
     pub backend: Backend,
@@ -272,15 +280,19 @@ impl RunArgs {
             None => self.guest_config.clone(),
         };
         let nats = self.nats.required()?;
+        let (Some(bucket), Some(store)) = (self.bucket.clone(), self.store.clone()) else {
+            bail!("run needs --bucket and --store (or --config FILE)");
+        };
         let d = defaults();
         Ok(NodeConfig {
             nats,
             op_timeout: Duration::from_secs(self.nats_op_timeout),
             watch_heartbeat: Duration::from_secs(self.watch_heartbeat),
             ledger_retention: self.ledger_retention,
-            bucket: self.bucket,
+            name: self.name.clone(),
+            bucket,
             scope: self.scope,
-            store: self.store.clone(),
+            store,
             backend: self.backend,
             sync: self.sync,
             guest: self.guest,
@@ -345,6 +357,9 @@ impl RunArgs {
 }
 
 pub(super) async fn cmd_run(a: RunArgs) -> anyhow::Result<()> {
+    if let Some(file) = &a.config {
+        return cmd_run_config(file).await;
+    }
     let cfg = a.into_config()?;
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -365,6 +380,65 @@ pub(super) async fn cmd_run(a: RunArgs) -> anyhow::Result<()> {
         eprintln!(
             "foldhost: stopped at cursor {} ({} updates delivered this run)",
             summary.cursor, summary.delivered
+        );
+    }
+    Ok(())
+}
+
+/// `run --config FILE`: every fold of the file in this process, each checked before any starts,
+/// each its own `Node` — one fold's fail-stop never stops another; a signal stops them all. Fails
+/// (after the others stopped) when a fold failed.
+async fn cmd_run_config(file: &Path) -> anyhow::Result<()> {
+    let (folds, _) = super::config::load(file)?;
+    let overrides = super::config::run_overrides();
+    if folds.len() > 1 && !overrides.is_empty() {
+        bail!(
+            "{}: flags beside --config override the file only when it holds one fold ({} here): put them in the file",
+            file.display(),
+            folds.len()
+        );
+    }
+    let mut cfgs = Vec::with_capacity(folds.len());
+    for fold in &folds {
+        let cfg = super::config::fold_args(file, fold, &overrides)?
+            .into_config()
+            .with_context(|| format!("{}: fold {}", file.display(), fold.name))?;
+        cfgs.push(cfg);
+    }
+    let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        wait_for_signal().await;
+        let _ = shutdown_tx.send(true);
+    });
+    let mut running = tokio::task::JoinSet::new();
+    for cfg in cfgs {
+        let name = cfg.fold_name().to_string();
+        let stop = shutdown_rx.clone();
+        running.spawn(async move { (name, Node::run(cfg, stop).await) });
+    }
+    let mut failed = Vec::new();
+    while let Some(done) = running.join_next().await {
+        match done {
+            Ok((name, Ok(summary))) => tracing::info!(
+                event = "fold_stopped",
+                fold = %name,
+                cursor = summary.cursor.revision_or_zero(),
+                delivered = summary.delivered,
+                "stopped"
+            ),
+            Ok((name, Err(e))) => {
+                tracing::error!(event = "fold_failed", fold = %name, error = %e, "fold failed");
+                failed.push(format!("{name}: {e}"));
+            }
+            Err(e) => failed.push(format!("a fold's task: {e}")),
+        }
+    }
+    if !failed.is_empty() {
+        bail!(
+            "{} of {} folds failed: {}",
+            failed.len(),
+            folds.len(),
+            failed.join("; ")
         );
     }
     Ok(())

@@ -18,6 +18,9 @@ pub(crate) struct NodeConfig {
     /// How long the operation ledger keeps a row after folding its record
     /// ([`crate::protocol::DEFAULT_LEDGER_RETENTION_MS`] by default).
     pub ledger_retention: Duration,
+    /// The fold's name: in its log lines' span and its metrics' `fold` label (`None`: the
+    /// bucket's). Several folds of one process have distinct names (a config file's `name`).
+    pub name: Option<String>,
     /// The bucket to fold.
     pub bucket: String,
     /// What to watch (`None`: the guest's manifest scope, or the whole bucket).
@@ -86,6 +89,11 @@ pub(crate) struct NodeConfig {
 }
 
 impl NodeConfig {
+    /// The fold's name ([`NodeConfig::name`], else its bucket).
+    pub fn fold_name(&self) -> &str {
+        self.name.as_deref().unwrap_or(&self.bucket)
+    }
+
     /// Folding `bucket` on the server at `nats` into `store`, every other setting at its default.
     pub fn new(
         nats: impl Into<String>,
@@ -97,6 +105,7 @@ impl NodeConfig {
             op_timeout: crate::bucket::DEFAULT_OP_TIMEOUT,
             watch_heartbeat: crate::bucket::DEFAULT_WATCH_HEARTBEAT,
             ledger_retention: Duration::from_millis(crate::protocol::DEFAULT_LEDGER_RETENTION_MS),
+            name: None,
             bucket: bucket.into(),
             scope: None,
             store: store.into(),

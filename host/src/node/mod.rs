@@ -177,7 +177,7 @@ impl Node {
     ) -> Result<RunSummary, NodeError> {
         // Every line of the fold, its side tasks and its state buckets' folds names the fold
         // (README, "Log events").
-        let span = tracing::info_span!("fold", fold = %cfg.bucket);
+        let span = tracing::info_span!("fold", fold = %cfg.fold_name());
         tracing::Instrument::instrument(Self::run_fold(cfg, shutdown), span).await
     }
 

@@ -315,7 +315,7 @@ async fn listen(
         state_folds,
         ready_max_lag: l.ready_max_lag,
         folds: vec![crate::metrics::FoldSource {
-            name: cfg.bucket.clone(),
+            name: cfg.fold_name().to_string(),
             status: status.clone(),
         }],
         positions: Some(crate::write::Positions {

@@ -9,6 +9,7 @@ mod artifact_store;
 mod artifacts;
 mod cli;
 mod cluster;
+mod config;
 mod crash_safety;
 mod defer;
 mod endpoint;

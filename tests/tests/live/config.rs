@@ -1,0 +1,216 @@
+//! `run --config FILE` (README, "Several folds from one file"): three folds in one process — an
+//! append log with a Rust guest, fjall with the JavaScript router, RocksDB with the native applier
+//! — each fold its bucket, each resumes from its own cursor after a SIGKILL, a guest trapping in
+//! one leaves the other two folding; a key no flag has is refused naming its line.
+
+use std::path::Path;
+use std::process::Stdio;
+
+use foldhost::kv::KvWriter as _;
+use foldhost_tests::*;
+
+/// The three folds' buckets, stores and listen addresses.
+struct Three {
+    dir: tempfile::TempDir,
+    file: std::path::PathBuf,
+    addrs: [String; 3],
+}
+
+const BUCKETS: [&str; 3] = ["cfg_log", "cfg_fjall", "cfg_rocks"];
+
+fn config(h: &Harness) -> anyhow::Result<Three> {
+    let dir = tempfile::tempdir()?;
+    let addrs = [
+        format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?),
+        format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?),
+        format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?),
+    ];
+    let store = |n: &str| dir.path().join(n).display().to_string();
+    let text = format!(
+        r#"nats = "{nats}"
+batch_window_ms = "20ms"
+
+[[folds]]
+name = "log"
+bucket = "cfg_log"
+store = "{s0}"
+guest = "{g0}"
+listen = "{a0}"
+
+[[folds]]
+name = "fjall"
+bucket = "cfg_fjall"
+store = "{s1}"
+backend = "fjall"
+guest = "{g1}"
+listen = "{a1}"
+
+[[folds]]
+name = "rocks"
+bucket = "cfg_rocks"
+store = "{s2}"
+backend = "rocksdb"
+listen = "{a2}"
+"#,
+        nats = h.url(),
+        s0 = store("log"),
+        s1 = store("fjall"),
+        s2 = store("rocks"),
+        g0 = guest_wasm("hostile_trap").display(),
+        g1 = guest_wasm("router_js").display(),
+        a0 = addrs[0],
+        a1 = addrs[1],
+        a2 = addrs[2],
+    );
+    let file = dir.path().join("foldhost.toml");
+    std::fs::write(&file, text)?;
+    Ok(Three { dir, file, addrs })
+}
+
+fn start(t: &Three, log: &str) -> anyhow::Result<std::process::Child> {
+    Ok(foldhost()
+        .args(["run", "--config"])
+        .arg(&t.file)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(t.dir.path().join(log))?)
+        .spawn()?)
+}
+
+/// Puts `n` keys from `from` into each bucket (routes for the router).
+async fn write(
+    kvs: &[std::sync::Arc<foldhost::nats::NatsKv>],
+    from: usize,
+    n: usize,
+) -> anyhow::Result<()> {
+    for i in from..from + n {
+        let route = format!("{{\"upstream\":\"10.0.0.{}:80\"}}", i % 250);
+        kvs[0]
+            .put(&format!("k.{i:03}"), format!("v{i}").into())
+            .await?;
+        kvs[1]
+            .put(&format!("route.h{i:03}.example"), route.into())
+            .await?;
+        kvs[2]
+            .put(&format!("k.{i:03}"), format!("v{i}").into())
+            .await?;
+    }
+    Ok(())
+}
+
+/// Waits until the fold at `addr` is level with its bucket and holds what it holds.
+async fn level_and_equal(
+    addr: &str,
+    kv: &foldhost::nats::NatsKv,
+    store: &Path,
+) -> anyhow::Result<foldhost::status::StatusReport> {
+    let last = kv.positions().await?.last_sequence;
+    let s = wait_status(addr, |s| s.state == "running" && s.applied_through >= last).await?;
+    let want = bucket_contents(kv).await?;
+    let got = dump_store(store)?;
+    anyhow::ensure!(
+        first_difference(&want, &got).is_none(),
+        "{addr}: {:?}",
+        first_difference(&want, &got)
+    );
+    Ok(s)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_folds_in_one_process_each_resume_from_their_cursor_and_fail_alone()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let mut kvs = Vec::new();
+    for b in BUCKETS {
+        kvs.push(h.bucket(b).await?);
+    }
+    write(&kvs, 0, 40).await?;
+    let t = config(&h)?;
+    let stores = ["log", "fjall", "rocks"].map(|n| t.dir.path().join(n));
+    let mut node = start(&t, "first.log")?;
+    for i in 0..3 {
+        level_and_equal(&t.addrs[i], &kvs[i], &stores[i]).await?;
+    }
+    // Killed, written to, started again: each fold resumes from its own cursor.
+    node.kill()?;
+    node.wait()?;
+    write(&kvs, 40, 5).await?;
+    let mut node = start(&t, "second.log")?;
+    for i in 0..3 {
+        let s = level_and_equal(&t.addrs[i], &kvs[i], &stores[i]).await?;
+        anyhow::ensure!(
+            s.delivered <= 5,
+            "fold {i} resumed from its cursor, not from the start: {s:?}"
+        );
+    }
+    // The log fold's guest traps on `trap.me`: that fold stops, the other two go on folding.
+    kvs[0].put("trap.me", "x".into()).await?;
+    let failed = wait_status(&t.addrs[0], |s| s.state == "failed").await?;
+    anyhow::ensure!(
+        failed
+            .error
+            .as_deref()
+            .is_some_and(|e| e.contains("hostile-trap")),
+        "{failed:?}"
+    );
+    write(&kvs, 45, 5).await?;
+    for i in 1..3 {
+        level_and_equal(&t.addrs[i], &kvs[i], &stores[i]).await?;
+    }
+    anyhow::ensure!(node.try_wait()?.is_none(), "the process runs on");
+    let status = terminate(&mut node)?;
+    anyhow::ensure!(
+        !status.success(),
+        "a fold failed: the process says so at its stop"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_no_flag_has_is_refused_naming_its_line_and_nothing_is_opened() -> anyhow::Result<()>
+{
+    let dir = tempfile::tempdir()?;
+    let store = dir.path().join("store");
+    let file = dir.path().join("foldhost.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "nats = \"nats://127.0.0.1:1\"\n\n[[folds]]\nbucket = \"b\"\nstore = \"{}\"\nbakend = \"fjall\"\n",
+            store.display()
+        ),
+    )?;
+    for args in [vec!["config", "check"], vec!["run", "--config"]] {
+        let out = foldhost().args(&args).arg(&file).output()?;
+        let err = String::from_utf8_lossy(&out.stderr);
+        anyhow::ensure!(out.status.code() == Some(1), "{args:?}: {err}");
+        anyhow::ensure!(
+            err.lines().count() == 1
+                && err.contains("foldhost.toml:6:")
+                && err.contains("unknown key `bakend`"),
+            "{args:?}: one line naming the file, the line and the key: {err}"
+        );
+        anyhow::ensure!(!store.exists(), "nothing opened");
+    }
+    // The same file without the typo checks, printing every effective value.
+    std::fs::write(
+        &file,
+        format!(
+            "nats = \"nats://u:secret@127.0.0.1:1\"\n\n[[folds]]\nbucket = \"b\"\nstore = \"{}\"\nbackend = \"fjall\"\n",
+            store.display()
+        ),
+    )?;
+    let out = foldhost().args(["config", "check"]).arg(&file).output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    anyhow::ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    anyhow::ensure!(
+        text.contains("backend = \"fjall\"\n")
+            && text.contains("batch_max = ")
+            && !text.contains("secret"),
+        "{text}"
+    );
+    anyhow::ensure!(!store.exists(), "config check opens nothing");
+    Ok(())
+}
