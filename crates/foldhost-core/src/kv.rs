@@ -91,8 +91,9 @@ impl fmt::Debug for VersionToken {
 ///
 /// A cursor may carry the **eviction memo** ([`EvictionMemo`]): this fold once saw the bucket's
 /// retention evict a current value, so a listing of the bucket is never again the truth for it
-/// (seed 000, "Retention can be edited"). Every cursor committed after it carries it on, and an
-/// artifact's store carries it to the node that imports it.
+/// even if its retention is edited later (docs/design.md, "Cursor-expiry repair"). Every
+/// cursor committed after it carries it on, and an artifact's store carries it to the node that
+/// imports it.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Default)]
 pub struct WatchCursor {
     revision: Option<u64>,

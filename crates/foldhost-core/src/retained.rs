@@ -1,5 +1,5 @@
 //! Retained records: updates a guest answered `defer` for (it cannot decode them), kept durably in
-//! the fold until a guest version that can decode them is running (seed 004).
+//! the fold until a guest version that can decode them is running (docs/design.md, "Deferral").
 //!
 //! Invariants:
 //! - **In the store, atomically with the batch.** A retained record lives under a reserved key

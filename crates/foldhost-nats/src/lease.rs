@@ -1,8 +1,8 @@
-//! The export lease (seed 000, "Fleet coordination"): at most one node of a fleet exports an
-//! artifact of a bucket per round. The lease is one key in a NATS KV bucket, won by compare-and-set
-//! only: a create-only write when the key is absent, a CAS takeover (on the revision read) when the
-//! lease it holds has expired or does not decode. The expiry lives inside the value, so no clock
-//! on the server is trusted and a dropped holder's lease simply runs out.
+//! The export lease (README, "A fleet: artifacts in object storage"): at most one node of a fleet
+//! exports an artifact of a bucket per round. The lease is one key in a NATS KV bucket, won by
+//! compare-and-set only: a create-only write when the key is absent, a CAS takeover (on the
+//! revision read) when the lease it holds has expired or does not decode. The expiry lives inside
+//! the value, so no clock on the server is trusted and a dropped holder's lease simply runs out.
 //!
 //! Invariants: every write is a CAS on what was read (two nodes can never both win a round); the
 //! decision to take a lease over is [`foldhost_core::protocol::lease_takeover_allowed`]; a held lease is

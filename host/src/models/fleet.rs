@@ -1,4 +1,4 @@
-//! The fleet (seed 000, "Transport" and "Fleet coordination"): exporters publishing their folds
+//! The fleet (docs/design.md, "Transport and export rounds"): exporters publishing their folds
 //! through the artifact transport, a pruner, a bootstrapping node, and the export lease.
 //!
 //! Modelled, [`FleetModel`]: a bucket that evicts current values (where artifacts are what a fleet

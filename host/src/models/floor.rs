@@ -1,5 +1,5 @@
-//! The live floor guard (seed 000, "the floor guard", and the file table's `model_live_watch.rs`),
-//! for a whole-bucket watch and for a prefix watch.
+//! The live floor guard (docs/design.md, "Cursor-expiry repair"), for a whole-bucket watch and for
+//! a prefix watch.
 //!
 //! A log of [`LOG`] writes — `p/x` put, `q/x` put, `p/y` put, `p/x` deleted, `q/x` put; `p/` is
 //! the prefix scope — is written while a watch folds it. Retention removes a superseded message

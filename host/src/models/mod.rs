@@ -1,4 +1,4 @@
-//! Stateright models of the fold's protocol (issue 17), compiled into the crate's tests only.
+//! Stateright models of the fold's protocol, compiled into the crate's tests only.
 //!
 //! Invariants:
 //! - A model decides nothing itself: every correctness decision it makes goes through the same

@@ -1,4 +1,4 @@
-//! The cursor-expiry repair as steps (seed 000, "Cursor-expiry repair"), interleaved with the
+//! The cursor-expiry repair as steps (docs/design.md, "Cursor-expiry repair"), interleaved with the
 //! bucket's writers, its retention, an artifact's publisher, and the fold's own crashes.
 //!
 //! Modelled: a bucket of [`KEYS`] keys whose log takes up to [`MAX_OPS`] puts and deletes; its

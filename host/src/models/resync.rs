@@ -1,5 +1,4 @@
-//! Resync ordering: the key-listing repair's ack barrier (seed 000, "Cursor-expiry repair", and
-//! the file table's `model_resync_order.rs`).
+//! Resync ordering: the key-listing repair's ack barrier (docs/design.md, "Cursor-expiry repair").
 //!
 //! A fold holds `a@1` and `b@2` (cursor 2) when its cursor expires. The bucket goes on meanwhile —
 //! `a` is deleted (3) and created again (4), `b` is deleted (5) — and every write interleaves with

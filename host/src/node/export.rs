@@ -1,8 +1,8 @@
-//! Export rounds (seed 000, the export state machine): every `--export-every`, a node tries to win
-//! the export lease; the winner exports its fold live (between batches — the fold pauses only for
-//! the copy), uploads the artifact, moves the pointer, completes the lease with the cursor, prunes
-//! old payloads, and removes its local copy on every path, success or failure. A node that loses
-//! the lease, or whose artifact is superseded, does nothing more that round.
+//! Export rounds (docs/design.md, "Transport and export rounds"): every `--export-every`, a node
+//! tries to win the export lease; the winner exports its fold live (between batches — the fold
+//! pauses only for the copy), uploads the artifact, moves the pointer, completes the lease with the
+//! cursor, prunes old payloads, and removes its local copy on every path, success or failure. A
+//! node that loses the lease, or whose artifact is superseded, does nothing more that round.
 //!
 //! Nothing here is fatal to the node: the lease's bucket is opened by the first round that needs
 //! it (a cluster still electing its leader when the node starts fails that round, not the node),

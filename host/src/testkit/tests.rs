@@ -1061,7 +1061,7 @@ async fn a_swap_runs_between_batches_after_everything_delivered_is_committed() {
     );
 }
 
-/// Issue 15: a swap hydrates the new version beside the running one, from the fold as it was when
+/// A swap hydrates the new version beside the running one, from the fold as it was when
 /// the swap began (cursor C), while the old version keeps folding; the cut-over hands the new one
 /// each key changed since C exactly once, with its value now. Nothing applied twice, nothing
 /// skipped, and the new version's copy equals the fold.
@@ -1197,7 +1197,7 @@ async fn a_swap_hydrates_beside_the_running_fold_and_catches_up_each_changed_key
     assert_eq!(by(2, &seen[at + 1..]), [29]);
 }
 
-/// Issue 15: with more than [`protocol::SWAP_CUT_OVER_KEYS`] keys changed during the hydration,
+/// With more than [`protocol::SWAP_CUT_OVER_KEYS`] keys changed during the hydration,
 /// a catch-up round runs beside the fold first (the fold keeps committing during it too); the
 /// cut-over then takes only the keys changed during that round. Each key once per round, its
 /// value at the round's cursor; nothing applied twice; the copy equals the fold.
@@ -1291,7 +1291,7 @@ async fn a_swap_under_many_writes_catches_up_in_rounds_beside_the_fold_before_it
     assert_eq!(apply.state, bucket(&sim).await);
 }
 
-/// Issue 15: one swap at a time. A second swap asked for while the first one's candidate hydrates
+/// One swap at a time. A second swap asked for while the first one's candidate hydrates
 /// is refused in one line naming the swap in flight; the first still completes, and the fold keeps
 /// committing throughout.
 #[tokio::test(start_paused = true)]
@@ -1371,7 +1371,7 @@ async fn a_second_swap_while_one_hydrates_is_refused_and_the_first_completes() {
     assert_eq!(apply.state, contents(&*store.read().expect("read")));
 }
 
-/// Issue 14: a watch that breaks (the connection, the server or the consumer failed) is resumed
+/// A watch that breaks (the connection, the server or the consumer failed) is resumed
 /// from the applied cursor after a bounded backoff — the fold does not stop, and nothing is lost
 /// or applied twice. Repeated breaks only lengthen the backoff up to its cap.
 #[tokio::test(start_paused = true)]

@@ -1053,7 +1053,7 @@ async fn feed_rate(
     Ok(rate)
 }
 
-/// `make bench`: every benchmark at the sizes the issue names, then the one table. Ingest, guest
+/// `make bench`: every benchmark at the sizes its targets name, then the one table. Ingest, guest
 /// and the matrix at 100 000 keys; swap at 100 000 and 1 000 000; artifacts, backends, bootstrap
 /// and resume at 1 000 000.
 async fn table_all(runs: usize) -> anyhow::Result<()> {

@@ -1,4 +1,4 @@
-//! A fleet on a real cluster (issue 14, test 6): three `nats-server` processes joined by routes, an
+//! A fleet on a real cluster: three `nats-server` processes joined by routes, an
 //! R3 bucket under a continuous writer, three `foldhost run --artifacts …` nodes exporting in
 //! rounds. The stream leader's server is killed mid-run and later restarted: nothing is lost and
 //! every fold converges to the bucket. The bucket is then made to evict its oldest messages, and a

@@ -1,6 +1,7 @@
-//! Deferral (seed 004): a record a guest version cannot decode is retained durably in the fold,
-//! later updates of its key wait behind it, `applied_through` stays below it while the cursor moves
-//! on, and a version that decodes it applies the retained records first, in log order.
+//! Deferral (docs/design.md, "Deferral"): a record a guest version cannot decode is retained
+//! durably in the fold, later updates of its key wait behind it, `applied_through` stays below it
+//! while the cursor moves on, and a version that decodes it applies the retained records first, in
+//! log order.
 //!
 //! The first test drives [`Fold`] directly with a native applier (deterministic, no server): it pins
 //! the same-batch rule (an update after a deferred one of its key is held back even when the guest

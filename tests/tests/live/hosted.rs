@@ -1,9 +1,9 @@
-//! Hosted NATS (issue 14): bucket creation falls back to a raw `$JS.API.STREAM.CREATE` request and
-//! classifies "already exists" and "stream limit reached while the bucket is present" as success.
-//! Against a real nats-server: the raw path makes the same KV stream the client does, an existing
-//! bucket is success, and an account at its JetStream stream limit (a server config with account
-//! limits) keeps its bucket usable while a new bucket fails with one line naming the bucket and
-//! the limit.
+//! Hosted NATS (README, "Hosted NATS"): bucket creation falls back to a raw `$JS.API.STREAM.CREATE`
+//! request and classifies "already exists" and "stream limit reached while the bucket is present"
+//! as success. Against a real nats-server: the raw path makes the same KV stream the client does,
+//! an existing bucket is success, and an account at its JetStream stream limit (a server config
+//! with account limits) keeps its bucket usable while a new bucket fails with one line naming the
+//! bucket and the limit.
 
 use foldhost::bucket::{BucketConfig, ConnectOptions};
 use foldhost::kv::KvWriter;

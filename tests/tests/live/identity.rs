@@ -1,8 +1,9 @@
-//! Bucket identity (issue 12): a fold records which stream it folds (name and creation time) and
-//! checks it at every start and every watch (re)start, so a bucket deleted and created again under
-//! the same name is never folded as if it were the old one — under a stopped node and under a
-//! running one. By default the run refuses with one line and leaves the fold byte for byte as it
-//! was; with `--on-recreated relist` the fold becomes exactly the new bucket.
+//! Bucket identity (docs/design.md, "Bucket identity"): a fold records which stream it folds (name
+//! and creation time) and checks it at every start and every watch (re)start, so a bucket deleted
+//! and created again under the same name is never folded as if it were the old one — under a
+//! stopped node and under a running one. By default the run refuses with one line and leaves the
+//! fold byte for byte as it was; with `--on-recreated relist` the fold becomes exactly the new
+//! bucket.
 
 use std::collections::BTreeMap;
 use std::path::Path;

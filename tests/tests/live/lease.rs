@@ -1,4 +1,4 @@
-//! The export lease (issue 14) against a real nats-server KV bucket: one holder per round, won and
+//! The export lease against a real nats-server KV bucket: one holder per round, won and
 //! released by compare-and-set only; an expired, dropped or corrupt lease is taken over; a holder
 //! whose lease was taken over is told it lost and never overwrites the new holder. Times are passed
 //! in (the expiry lives in the value), so nothing here waits on a clock.

@@ -1,4 +1,4 @@
-//! Cursor-expiry repair with the real binary on live evicting buckets (issue 6): NATS's silent clamp
+//! Cursor-expiry repair with the real binary on live evicting buckets: NATS's silent clamp
 //! is pinned and reported as `CursorExpired`; a keep-values bucket is repaired by the key-listing
 //! diff; an evicting one refuses that diff and restores from an artifact, identical to the exporter;
 //! a stale artifact fails with the fold untouched; the eviction memo outlives the eviction; a

@@ -301,7 +301,7 @@ fn put_at(key: &str, value: &str, rev: u64) -> KvUpdate {
     })
 }
 
-/// The interleaving of a store failure and a guest failure (issue 12): a batch the guest applied
+/// The interleaving of a store failure and a guest failure: a batch the guest applied
 /// whose commit failed is re-queued; the guest then fails on the next batch and is dropped; the
 /// instance built after it must not be hydrated from a fold that lacks the re-queued batch — the
 /// fold commits the re-queued batch before the guest sees anything newer. Placed deterministically:

@@ -45,7 +45,7 @@ async fn fold_resumes_by_itself_after_the_server_restarts() -> anyhow::Result<()
     Ok(())
 }
 
-/// Issue 14, test 7: the watch's consumer deleted from the server side, again and again, and the
+/// The watch's consumer deleted from the server side, again and again, and the
 /// server restarted twice, under a writer: the host (one process, never restarted) resumes from
 /// its applied cursor every time, stays `running`, and its fold converges to the bucket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -1,4 +1,4 @@
-//! The artifact transport (issue 14) against a real S3-compatible server (moto, on loopback) and a
+//! The artifact transport against a real S3-compatible server (moto, on loopback) and a
 //! real nats-server: an artifact published to object storage bootstraps a node that resumes with a
 //! delta only; the pointer never moves backward; prune never deletes the pointer's target and waits
 //! for the grace; a corrupt pointer is replaced; the local file system refuses to publish a pointer

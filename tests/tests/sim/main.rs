@@ -1,4 +1,4 @@
-//! Deterministic simulation of the fold (issue 17): the real `watch_applied`, the real repairs
+//! Deterministic simulation of the fold: the real `watch_applied`, the real repairs
 //! (re-list and artifact restore), the real stores and the real guest host, over the simulated
 //! bucket (`foldhost::testkit::SimBucket`) with faults injected at every store-apply call and at
 //! guest calls. No nats-server, no wall clock: each seed runs in its own single-threaded runtime

@@ -1,5 +1,5 @@
 //! Artifacts: a verified, self-describing copy of a fold that another node imports to start from
-//! (seed 000, "Export/import").
+//! (docs/design.md, "Artifacts").
 //!
 //! An artifact is a directory (or the same tree in one tar file, for transport):
 //! - `data/` — the backend's own files, plus `FOLDHOST.json`: a complete store directory, with the

@@ -1,7 +1,7 @@
-//! The artifact transport (seed 000, "Transport"): artifacts published to object storage, where a
-//! fleet bootstraps from them. One URL names the store and a prefix (`s3://bucket/prefix`,
-//! `gs://…`, `az://…`, `file:///…`; credentials from the environment, as the `object_store` crate
-//! reads them). Under the prefix, per artifact key:
+//! The artifact transport (docs/design.md, "Transport and export rounds"): artifacts published to
+//! object storage, where a fleet bootstraps from them. One URL names the store and a prefix
+//! (`s3://bucket/prefix`, `gs://…`, `az://…`, `file:///…`; credentials from the environment, as the
+//! `object_store` crate reads them). Under the prefix, per artifact key:
 //!
 //! - `<key>.segments/<cursor>-<blake3(manifest)[..16] hex>.tar/NNNNNN` — the payload, a tar
 //!   cut into **segments** of [`SEGMENT_BYTES`] (the last one shorter), each its own object, written

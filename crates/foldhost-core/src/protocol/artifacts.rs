@@ -12,10 +12,10 @@ pub enum PointerState {
     At(u64),
 }
 
-/// Whether an exporter may publish a pointer to its artifact at `cursor` over `current` (seed 000,
-/// "the pointer"): never backward, and never sideways to an equal cursor (the pointer's artifact
-/// already speaks for it); a corrupt pointer is replaceable. A `false` is `SupersededByNewer` for
-/// the exporter, which abandons its round.
+/// Whether an exporter may publish a pointer to its artifact at `cursor` over `current`
+/// (docs/design.md, "Transport and export rounds", the pointer): never backward, and never sideways
+/// to an equal cursor (the pointer's artifact already speaks for it); a corrupt pointer is
+/// replaceable. A `false` is `SupersededByNewer` for the exporter, which abandons its round.
 pub fn pointer_publish_allowed(current: PointerState, cursor: u64) -> bool {
     match current {
         PointerState::Absent | PointerState::Corrupt => true,
@@ -136,9 +136,9 @@ pub enum LeaseState {
     },
 }
 
-/// Whether a node may take the export lease (seed 000, "Fleet coordination"): when it is absent,
-/// freed or corrupt, or when the holder's expiry has passed by the taker's clock. The take is
-/// itself a CAS on the revision read, so of two nodes deciding "yes" at once only one wins.
+/// Whether a node may take the export lease (README, "A fleet: artifacts in object storage"): when
+/// it is absent, freed or corrupt, or when the holder's expiry has passed by the taker's clock. The
+/// take is itself a CAS on the revision read, so of two nodes deciding "yes" at once only one wins.
 pub fn lease_takeover_allowed(state: LeaseState, now_unix_ms: u64) -> bool {
     match state {
         LeaseState::Absent | LeaseState::Free | LeaseState::Corrupt => true,

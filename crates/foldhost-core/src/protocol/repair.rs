@@ -124,8 +124,8 @@ pub enum KeyRestore {
 /// newer (never a move backward) or the fold's cursor already covers it (an entry at or below the
 /// cursor is never news: an artifact exported mid catch-up can hold an older value of a key the
 /// fold has since deleted, and taking it would bring the key back until the resume delivered its
-/// later write — found by the repair model, issue 17); delete a key the artifact lacks unless the
-/// bucket lists it live (never a phantom delete).
+/// later write — found by the repair model, `host/src/models/repair.rs`); delete a key the artifact
+/// lacks unless the bucket lists it live (never a phantom delete).
 pub fn restore_key(
     local: Option<u64>,
     artifact: Option<u64>,
@@ -162,8 +162,8 @@ pub fn gap_holds_no_eviction(
 /// the watch's snapshot exists, must still make the listing the truth. A bucket that began evicting
 /// between the decision and the snapshot may have removed current values the snapshot silently
 /// lacks, and a state-sync watch has no frontier for the floor guard to check until it is level
-/// (found by the seeded simulation, issue 17). An unknown retention (`None`) changes nothing: the
-/// decision was made without it too.
+/// (found by the seeded simulation, `tests/tests/sim/`). An unknown retention (`None`) changes
+/// nothing: the decision was made without it too.
 pub fn relist_still_vouched(retention_now: Option<Retention>) -> bool {
     retention_now.is_none_or(|r| listing_is_truth(r.evicts_current_values, r.first_revision, false))
 }
@@ -204,10 +204,10 @@ pub enum IdentityVerdict {
 }
 
 /// The bucket identity check, made at every start and every watch (re)start, before a revision is
-/// trusted (issue 12). `recorded_is_found` says whether the identity committed with the fold is the
-/// stream's now (`None`: the fold records none yet), `cursor` is the fold's cursor and
-/// `last_sequence` the stream's last sequence. Another stream (a change of name or creation time)
-/// is [`IdentityVerdict::Recreated`]; a cursor past the stream's end is
+/// trusted (docs/design.md, "Bucket identity"). `recorded_is_found` says whether the identity
+/// committed with the fold is the stream's now (`None`: the fold records none yet), `cursor` is the
+/// fold's cursor and `last_sequence` the stream's last sequence. Another stream (a change of name
+/// or creation time) is [`IdentityVerdict::Recreated`]; a cursor past the stream's end is
 /// [`IdentityVerdict::CursorAhead`]; a fold with no identity adopts the found one only when the
 /// cursor passes that test. Never silently mixes two streams: every other answer ends the run or
 /// repairs as a cursor-less start (`--on-recreated`).

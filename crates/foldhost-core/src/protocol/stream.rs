@@ -17,7 +17,7 @@ pub fn server_features(version: &str) -> (bool, bool, bool) {
     }
 }
 
-/// How a raw `$JS.API.STREAM.CREATE` reply is taken (seed 000, hosted NATS).
+/// How a raw `$JS.API.STREAM.CREATE` reply is taken (README, "Hosted NATS").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StreamCreateVerdict {
     /// The server created the stream (or found it already there with the same configuration).
@@ -96,12 +96,12 @@ impl StreamLimits {
     /// limit or an oldest-first size/count limit. A per-key history limit only drops superseded
     /// revisions, and `discard: new` refuses writes rather than evicting, so neither counts.
     ///
-    /// Per-message TTLs do not count either — a deliberate refinement of seed 000, which classes
-    /// TTL buckets with `max_age` ones: a message expires by its TTL because its writer asked for
-    /// it, so the expiry is the writer's own delete. A key absent from the listing was deleted or
-    /// expired — both deletes — so the listing stays the truth and the re-list repair is allowed.
-    /// (The Python client creates every KV stream with `allow_msg_ttl`; classing those as evicting
-    /// made them impossible to re-list.)
+    /// Per-message TTLs do not count either — TTL buckets are deliberately not classed with
+    /// `max_age` ones (docs/design.md, "Delete markers"): a message expires by its TTL because its
+    /// writer asked for it, so the expiry is the writer's own delete. A key absent from the listing
+    /// was deleted or expired — both deletes — so the listing stays the truth and the re-list
+    /// repair is allowed. (The Python client creates every KV stream with `allow_msg_ttl`; classing
+    /// those as evicting made them impossible to re-list.)
     pub fn evicts_current_values(&self) -> bool {
         !self.max_age.is_zero() || self.oldest_first()
     }

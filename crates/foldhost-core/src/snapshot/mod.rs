@@ -1,7 +1,7 @@
 //! The durable fold: the [`SnapshotStore`] contract every backend keeps, and the default backend,
 //! [`AppendLogSnapshot`] (an append-only CRC-framed log replayed into an in-RAM ordered map).
 //!
-//! Invariants (seed 000, "The durable fold"):
+//! Invariants (docs/design.md, "Durability contract"):
 //! - **Cursor-after-apply.** [`SnapshotStore::apply`] makes a batch's data and its cursor durable
 //!   together: a reader never recovers a cursor whose data is absent. On the append log the batch and
 //!   its cursor record go out in one `write(2)`; recovery drops any records after the last cursor

@@ -35,7 +35,7 @@
 //!   `DEST/rocksdb`, then reopens it read-only and requires the same cursor.
 //!
 //! # Tuning
-//! Tuned for large folds (seed 000): ribbon filters (10 bits/key equivalent) partitioned together
+//! Tuned for large folds: ribbon filters (10 bits/key equivalent) partitioned together
 //! with a two-level index, index and filter blocks held in the bounded block cache (top level
 //! pinned), ZSTD at every level (see `data_cf_options`), dynamic level sizes. Filters are
 //! kept on the last level too (not `optimize_filters_for_hits`): the count-keeping probe in `apply`
@@ -115,7 +115,7 @@ impl std::fmt::Debug for RocksDbSnapshot {
 
 /// The most write-ahead log a clean stop leaves for the next open to replay rather than flush
 /// into a level-0 table (see [`RocksDbSnapshot::close_durably`]). 1 MiB is about 7 000 updates of
-/// a 100-byte value. Measured on a 300 000-key store (`docs/performance.md` §7, stop 23), a
+/// a 100-byte value. Measured on a 300 000-key store (`docs/performance.md` §7, `00ffbe8`), a
 /// replay at the open costs about 5 ms per MiB of log and the fsync at the stop about 3, where
 /// the flush they replace costs 4.4 ms at 0.14 MB of log and 11.7 ms at 0.86 MB: under the bound
 /// the stop and the next open together cost no more than a flush and its open, and leave no
@@ -130,7 +130,7 @@ const SPLIT_PROBE_KEYS: usize = 64;
 /// The cost per key, on one thread, from which a probe is worth splitting. A check the filter
 /// answers (a new key) costs well under 1 µs, one answered from the block cache 1–2 µs, one that
 /// reads and decompresses a cold 4 KiB block about 10 µs with ZSTD (6.5 with LZ4): a resume's, on
-/// a fold whose blocks are not cached (`docs/performance.md` §7, stop 27).
+/// a fold whose blocks are not cached (`docs/performance.md` §7, `d873fd7`).
 const SPLIT_PROBE_COST: std::time::Duration = std::time::Duration::from_micros(4);
 
 /// Whether the next large probe should be split, from the last large one: `keys` checked in
@@ -186,7 +186,7 @@ fn data_cf_options(opts: &RocksDbOptions, cache: &Cache) -> Options {
     // (a 1 000 000-key replay leaves three), where LZ4, which has no entropy coding, left the
     // bench's hex values whole: the store and its artifact were 80 MB with LZ4, 49 MB with ZSTD,
     // and a bootstrap through S3 (moto) took 0.08 s instead of 0.12 (`docs/performance.md` §7,
-    // stop 27). The replay did not slow (the flushes run beside the fold); a cold point read
+    // `d873fd7`). The replay did not slow (the flushes run beside the fold); a cold point read
     // pays the slower decompression, about 4 ms over a resume's 1 000 existence checks.
     o.set_compression_type(DBCompressionType::Zstd);
     o.set_level_compaction_dynamic_level_bytes(true);

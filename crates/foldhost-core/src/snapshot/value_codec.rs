@@ -1,5 +1,4 @@
-//! The value-record codec the LSM backends share (seed 000, "value-record codec"): what a data key
-//! maps to on disk.
+//! The value-record codec the LSM backends share: what a data key maps to on disk.
 //!
 //! ```text
 //! [ver_len: u8][version bytes: ver_len ≤ 10][value bytes: the rest]

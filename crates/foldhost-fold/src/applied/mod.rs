@@ -1,11 +1,11 @@
 //! `watch_applied`: the cursor-after-apply combinator, and [`Fold`], the one place a batch, the
 //! applied cursor and the store change together.
 //!
-//! The invariant (seed 000, "The resume guarantee"): **a persisted or reported cursor C implies every
-//! update with revision ≤ C has had `apply` return and is durable in the store.** Concretely, on each
-//! flush: `parse` the batch, `apply` what it accepted, then `store.apply(raw batch, cursor)` (data
-//! and cursor atomically), and only then `on_applied(cursor)` and the status advance. Nothing moves
-//! the cursor on receipt.
+//! The invariant (docs/design.md, "Durability contract"): **a persisted or reported cursor C
+//! implies every update with revision ≤ C has had `apply` return and is durable in the store.**
+//! Concretely, on each flush: `parse` the batch, `apply` what it accepted, then `store.apply(raw
+//! batch, cursor)` (data and cursor atomically), and only then `on_applied(cursor)` and the status
+//! advance. Nothing moves the cursor on receipt.
 //!
 //! Further rules kept here:
 //! - The cursor is the store's. After a transient store failure the raw batch is re-queued in front
@@ -144,7 +144,8 @@ mod skipped_tests {
     }
 }
 
-/// How long a record may stay retained before a warning names it (seed 004's default).
+/// How long a record may stay retained before a warning names it (the default of
+/// `--defer-grace-secs`: README, "Records a guest version cannot decode").
 pub const DEFAULT_DEFER_GRACE: Duration = Duration::from_secs(30 * 60);
 
 /// Options for one run of [`watch_applied`].

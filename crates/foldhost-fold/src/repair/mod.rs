@@ -1,6 +1,7 @@
-//! Cursor-expiry repair, the fold's side (seed 000, "Cursor-expiry repair"). When a watch cannot
-//! resume — its cursor fell out of the stream at start, the live floor guard tripped mid-stream, or
-//! a fold holds data but no cursor — `watch_applied` settles the fold and calls one of two repairs:
+//! Cursor-expiry repair, the fold's side (docs/design.md, "Cursor-expiry repair"). When a watch
+//! cannot resume — its cursor fell out of the stream at start, the live floor guard tripped
+//! mid-stream, or a fold holds data but no cursor — `watch_applied` settles the fold and calls one
+//! of two repairs:
 //!
 //! - [`relist`]: where "not in the bucket" means "deleted" ([`crate::protocol::listing_truth`]), the
 //!   bucket's live keys are listed, sorted externally ([`KeySorter`]), merge-joined against the

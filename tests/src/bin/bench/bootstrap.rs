@@ -1,4 +1,4 @@
-//! The `bootstrap` benchmark (issue 14): on a KEYS-key bucket (default 1 000 000; 32 B keys,
+//! The `bootstrap` benchmark: on a KEYS-key bucket (default 1 000 000; 32 B keys,
 //! 100 B values), for each of fjall and RocksDB, through the release `foldhost` binary as a user
 //! runs it:
 //!

@@ -18,7 +18,7 @@ struct Row {
 static ROWS: Mutex<Vec<Row>> = Mutex::new(Vec::new());
 
 /// Adds a row: `figure` measured as `value`, against `baseline` (what it is and its value, same
-/// run), `ratio` (figure ÷ baseline, or as the row says), and the issue's `target` ("" for none).
+/// run), `ratio` (figure ÷ baseline, or as the row says), and the figure's `target` ("" for none).
 pub fn row(
     figure: impl Into<String>,
     value: impl Into<String>,

@@ -60,8 +60,8 @@ where
     let mut grace_tick = tokio::time::interval(Duration::from_secs(1));
     grace_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // Retention is read live at every watch start and every expiry, and periodically while a
-    // key-listing repair could still be planned and the memo is unset (seed 000: the fold reads
-    // retention while eviction is in force).
+    // key-listing repair could still be planned and the memo is unset (the fold reads retention
+    // while eviction is in force: docs/design.md, "Cursor-expiry repair").
     let mut retention_tick = tokio::time::interval(RETENTION_PERIOD);
     retention_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     retention_tick.reset();
