@@ -47,6 +47,7 @@ lint: lint-sources
 # Everything `lint` checks but the workspace's clippy pass (which `test` runs inside its build).
 lint-sources:
 	python3 scripts/lint-layers.py
+	python3 scripts/lint-citations.py
 	cargo fmt --all -- --check
 	cargo fmt --manifest-path guests/Cargo.toml --all -- --check
 	cargo fmt --manifest-path sdk/rust/Cargo.toml -- --check
