@@ -109,7 +109,7 @@ impl Collector for Folds {
                 ));
             }
         }
-        let metrics: [(&str, &str, Option<Unit>, Pick); 18] = [
+        let metrics: [(&str, &str, Option<Unit>, Pick); 19] = [
             (
                 "foldhost_delivered_updates",
                 "Updates delivered by the watch since the host started.",
@@ -218,10 +218,16 @@ impl Collector for Folds {
                 |s| Value::Counter(s.skipped_messages.load(Ordering::Relaxed)),
             ),
             (
-                "foldhost_repairs",
-                "Cursor-expiry repairs run.",
+                "foldhost_swaps",
+                "Guest swaps completed (a promoted shadow included).",
                 None,
-                |s| Value::Counter(s.repairs.load(Ordering::Relaxed)),
+                |s| Value::Counter(s.swaps.load(Ordering::Relaxed)),
+            ),
+            (
+                "foldhost_swap_pause",
+                "Each swap's pause of the fold.",
+                Some(Unit::Seconds),
+                |s| histogram(&s.swap_pause_us, US),
             ),
             (
                 "foldhost_store_failure_streak",
@@ -360,6 +366,29 @@ impl Folds {
                 ));
             }
         }
+        let mut repairs = Vec::new();
+        for (labels, s) in folds {
+            let counts = s
+                .repair_outcomes
+                .lock()
+                .map(|m| m.clone())
+                .unwrap_or_default();
+            for kind in ["relist", "restore", "reset"] {
+                for outcome in ["done", "refused", "failed"] {
+                    let mut l = labels.clone();
+                    l.extend([("kind", kind), ("outcome", outcome)]);
+                    let n = counts.get(&(kind, outcome)).copied().unwrap_or(0);
+                    repairs.push((l, Value::Counter(n)));
+                }
+            }
+        }
+        family(
+            encoder,
+            "foldhost_repairs",
+            "Repairs by kind (a key-listing re-list, an artifact restore, a reset of the fold) and outcome.",
+            None,
+            &repairs,
+        )?;
         family(
             encoder,
             "foldhost_export_rounds",
@@ -421,6 +450,7 @@ mod tests {
         status.count_write("refused", "conflict");
         status.count_write("applied", "");
         status.count_export_round("up-to-date");
+        status.count_repair("restore", "refused");
         let text = render(&[FoldSource {
             name: "routes".into(),
             status,
@@ -438,6 +468,8 @@ mod tests {
             "foldhost_write_outcomes_total{fold=\"routes\",outcome=\"refused\",reason=\"conflict\"} 1",
             "foldhost_write_outcomes_total{fold=\"routes\",outcome=\"applied\",reason=\"\"} 1",
             "foldhost_export_rounds_total{fold=\"routes\",outcome=\"up-to-date\"} 1",
+            "foldhost_repairs_total{fold=\"routes\",kind=\"restore\",outcome=\"refused\"} 1",
+            "foldhost_swaps_total{fold=\"routes\"} 0",
         ] {
             assert!(text.contains(line), "{line:?} missing from:\n{text}");
         }

@@ -406,6 +406,13 @@ pub struct FoldStatus {
     pub export_rounds: std::sync::Mutex<std::collections::BTreeMap<&'static str, u64>>,
     /// When this node last published an artifact, Unix milliseconds (0: never).
     pub last_published_unix_ms: AtomicU64,
+    /// Repairs by kind (`relist`, `restore`, `reset`) and outcome (`done`, `refused`, `failed`).
+    pub repair_outcomes:
+        std::sync::Mutex<std::collections::BTreeMap<(&'static str, &'static str), u64>>,
+    /// Swaps completed since the host started (a promoted shadow included).
+    pub swaps: AtomicU64,
+    /// Every completed swap's pause of the fold, microseconds.
+    pub swap_pause_us: Histogram,
     /// Consecutive store failures right now.
     pub store_failure_streak: AtomicU64,
     /// 1 once the watch reported it is level with the stream as of its start.
@@ -611,8 +618,19 @@ impl FoldStatus {
             .unwrap_or_default()
     }
 
-    /// Records a completed swap, the oldest dropped past [`MAX_LAST_SWAPS`].
+    /// Counts one repair's outcome.
+    pub fn count_repair(&self, kind: &'static str, outcome: &'static str) {
+        if let Ok(mut m) = self.repair_outcomes.lock() {
+            *m.entry((kind, outcome)).or_insert(0) += 1;
+        }
+    }
+
+    /// Records a completed swap (counted, its pause observed), the oldest dropped past
+    /// [`MAX_LAST_SWAPS`].
     pub fn note_swap(&self, swap: SwapRecord) {
+        self.swaps.fetch_add(1, Ordering::Relaxed);
+        self.swap_pause_us
+            .observe(swap.paused_ms.saturating_mul(1000));
         if let Ok(mut s) = self.last_swaps.lock() {
             push_bounded(&mut s, MAX_LAST_SWAPS, swap);
         }

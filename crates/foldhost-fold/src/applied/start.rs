@@ -221,6 +221,7 @@ async fn reset_for<S: SnapshotStore, A: Apply + ?Sized>(
         .await?;
     status.seq.store(0, Ordering::Relaxed);
     status.repairs.fetch_add(1, Ordering::Relaxed);
+    status.count_repair("reset", "done");
     tracing::warn!(event = "fold_reset", bucket = %watcher.bucket_name(), retained_dropped = dropped, listed = report.listed, deleted = report.deleted, "{why}: fold reset; re-listing the bucket");
     Ok(())
 }
@@ -322,7 +323,12 @@ pub(super) async fn repair_expired<S: SnapshotStore, A: Apply + ?Sized>(
     let seen = fold.cursor().memo().is_some();
     let plan = protocol::plan_repair(opts.repair.mode, protocol::listing_truth(retention, seen));
     tracing::warn!(event = "repair_started", reason = %why, ?plan, cursor = %fold.cursor(), "cursor expired: repairing");
-    let report = match plan {
+    let kind = match plan {
+        protocol::RepairPlan::Restore => "restore",
+        _ => "relist",
+    };
+    let repaired: Result<_, AppliedError> = async {
+        let report = match plan {
         protocol::RepairPlan::None => return Err(AppliedError::Watch(why)),
         protocol::RepairPlan::RefuseRelist => {
             let because = if seen {
@@ -361,7 +367,17 @@ pub(super) async fn repair_expired<S: SnapshotStore, A: Apply + ?Sized>(
             }
             other => other,
         })?,
-    };
+        };
+        Ok(report)
+    }
+    .await;
+    match &repaired {
+        Ok(_) => status.count_repair(kind, "done"),
+        Err(AppliedError::Repair(RepairError::Refused(_))) => status.count_repair(kind, "refused"),
+        Err(AppliedError::Watch(_)) => {}
+        Err(_) => status.count_repair(kind, "failed"),
+    }
+    let report = repaired?;
     status.repairs.fetch_add(1, Ordering::Relaxed);
     tracing::warn!(event = "repair_finished", kind = report.kind, listed = report.listed, deleted = report.deleted, taken = report.taken, cursor = ?report.cursor, "cursor-expiry repair done");
     Ok(report.kind == "relist")
