@@ -566,3 +566,26 @@ pub fn files_under(dir: &Path) -> anyhow::Result<Vec<PathBuf>> {
     }
     Ok(out)
 }
+
+/// `foldhost swap --listen LISTEN --guest GUEST.wasm` (with `--admin-token-file` when given, else
+/// the token the host's `/status` names): the swap's report.
+pub fn swap_to(
+    listen: &str,
+    guest: &str,
+    admin_token_file: Option<&Path>,
+) -> anyhow::Result<serde_json::Value> {
+    let mut c = foldhost();
+    c.args(["swap", "--listen", listen, "--guest"])
+        .arg(guest_wasm(guest))
+        .env_remove("FOLDHOST_ADMIN_TOKEN");
+    if let Some(f) = admin_token_file {
+        c.arg("--admin-token-file").arg(f);
+    }
+    let out = c.output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "swap to {guest}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}

@@ -135,9 +135,21 @@ fn key_args(key: &str, value: &toml::Value, out: &mut Vec<String>) -> Result<(),
     Ok(())
 }
 
+/// What a config file says.
+#[derive(Debug)]
+pub(crate) struct Loaded {
+    /// Its folds.
+    pub folds: Vec<Fold>,
+    /// `log_format`, when it says.
+    pub log_format: Option<LogFormat>,
+    /// A top-level `listen`: one address serving every fold under `/folds/NAME/…`.
+    pub listen: Option<String>,
+}
+
 /// Reads `path`: the folds it describes, each checked for unknown keys and for its `bucket` and
-/// `store`, their names, stores and listen addresses distinct; and its `log_format`.
-pub(crate) fn load(path: &Path) -> anyhow::Result<(Vec<Fold>, Option<LogFormat>)> {
+/// `store`, their names, stores and listen addresses distinct; its `log_format`; its process-wide
+/// `listen`.
+pub(crate) fn load(path: &Path) -> anyhow::Result<Loaded> {
     let file = path.display().to_string();
     let text = std::fs::read_to_string(path).with_context(|| file.clone())?;
     let doc: toml::Table = text.parse().map_err(|e: toml::de::Error| {
@@ -150,6 +162,7 @@ pub(crate) fn load(path: &Path) -> anyhow::Result<(Vec<Fold>, Option<LogFormat>)
     let mut top = Vec::new();
     let mut top_lines = BTreeMap::new();
     let mut log_format = None;
+    let mut listen = None;
     let mut folds_value = None;
     for (k, v) in &doc {
         let line = key_line(&text, None, k);
@@ -160,6 +173,12 @@ pub(crate) fn load(path: &Path) -> anyhow::Result<(Vec<Fold>, Option<LogFormat>)
                 v.as_str()
                     .and_then(|s| <LogFormat as clap::ValueEnum>::from_str(s, false).ok())
                     .ok_or_else(|| anyhow!("{file}:{line}: log_format: `text` or `json`"))?,
+            );
+        } else if k == "listen" {
+            listen = Some(
+                v.as_str()
+                    .ok_or_else(|| anyhow!("{file}:{line}: listen: an address, \"HOST:PORT\""))?
+                    .to_string(),
             );
         } else if FOLD_ONLY.contains(&k.as_str()) {
             bail!("{file}:{line}: `{k}` belongs in each [[folds]] table, not at the top");
@@ -193,6 +212,12 @@ pub(crate) fn load(path: &Path) -> anyhow::Result<(Vec<Fold>, Option<LogFormat>)
                     i + 1
                 );
             }
+            if k == "listen" && listen.is_some() {
+                bail!(
+                    "{file}:{line}: fold {} has its own `listen` beside the process's: with a top-level listen every fold is served there, under /folds/NAME/",
+                    i + 1
+                );
+            }
             key_args(k, v, &mut argv).map_err(|e| anyhow!("{file}:{line}: {k}: {e}"))?;
             lines.insert(k.clone(), line);
         }
@@ -210,7 +235,11 @@ pub(crate) fn load(path: &Path) -> anyhow::Result<(Vec<Fold>, Option<LogFormat>)
         folds.push(Fold { name, argv, lines });
     }
     check_distinct(&file, &folds, &doc)?;
-    Ok((folds, log_format))
+    Ok(Loaded {
+        folds,
+        log_format,
+        listen,
+    })
 }
 
 /// The line of the i-th `[[folds]]` header.
@@ -234,10 +263,10 @@ fn check_distinct(file: &str, folds: &[Fold], doc: &toml::Table) -> anyhow::Resu
         for (i, f) in folds.iter().enumerate() {
             let value = match key {
                 "name" => Some(f.name.clone()),
+                // A top-level store is refused; a top-level listen is the process's own.
                 _ => tables
                     .get(i)
                     .and_then(|t| t.get(key))
-                    .or_else(|| doc.get(key))
                     .and_then(toml::Value::as_str)
                     .map(str::to_string),
             };
@@ -348,10 +377,17 @@ fn redact_url(urls: &str) -> String {
 /// `foldhost config check FILE`.
 pub(super) fn cmd_config(c: ConfigCommand) -> anyhow::Result<()> {
     let ConfigCommand::Check(a) = c;
-    let (folds, log_format) = load(&a.file)?;
+    let Loaded {
+        folds,
+        log_format,
+        listen,
+    } = load(&a.file)?;
     let mut out = std::io::stdout().lock();
     if let Some(f) = log_format {
         writeln!(out, "log_format = {:?}", format!("{f:?}").to_lowercase())?;
+    }
+    if let Some(l) = &listen {
+        writeln!(out, "listen = {}", toml::Value::String(l.clone()))?;
     }
     for fold in &folds {
         // Every value as run would take it: parsed, then checked as run checks it.
@@ -418,7 +454,7 @@ listen = "127.0.0.1:8081"
     #[test]
     fn every_key_is_a_run_flag_the_top_a_default_and_a_fold_its_own_key_wins() {
         let (_d, p) = write(TWO);
-        let (folds, _) = load(&p).expect("loads");
+        let folds = load(&p).expect("loads").folds;
         assert_eq!(folds.len(), 2);
         let routes = fold_args(&p, &folds[0], &[]).expect("parses");
         assert_eq!(routes.name.as_deref(), Some("routes"));
@@ -486,7 +522,7 @@ listen = "127.0.0.1:8081"
         }
         let (_d, p) =
             write("[[folds]]\nbucket = \"a\"\nstore = \"s\"\ndefer_grace_secs = \"soon\"\n");
-        let (folds, _) = load(&p).expect("loads");
+        let folds = load(&p).expect("loads").folds;
         let e = fold_args(&p, &folds[0], &[])
             .expect_err("bad value")
             .to_string();
@@ -498,7 +534,7 @@ listen = "127.0.0.1:8081"
         let (_d, p) = write(
             "nats = \"nats://alice:hunter2@127.0.0.1:4222\"\n[[folds]]\nbucket = \"a\"\nstore = \"s\"\nadmin_token = \"s3cret\"\n",
         );
-        let (folds, _) = load(&p).expect("loads");
+        let folds = load(&p).expect("loads").folds;
         let lines = effective(&folds[0], &[]).expect("effective").join("\n");
         assert!(
             !lines.contains("hunter2") && !lines.contains("s3cret"),

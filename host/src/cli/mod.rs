@@ -74,7 +74,7 @@ pub fn log_format_of(cli: &Cli) -> LogFormat {
             .config
             .as_deref()
             .and_then(|f| config::load(f).ok())
-            .and_then(|(_, f)| f)
+            .and_then(|l| l.log_format)
             .unwrap_or(cli.log_format),
         _ => cli.log_format,
     }

@@ -389,7 +389,7 @@ pub(super) async fn cmd_run(a: RunArgs) -> anyhow::Result<()> {
 /// each its own `Node` — one fold's fail-stop never stops another; a signal stops them all. Fails
 /// (after the others stopped) when a fold failed.
 async fn cmd_run_config(file: &Path) -> anyhow::Result<()> {
-    let (folds, _) = super::config::load(file)?;
+    let super::config::Loaded { folds, listen, .. } = super::config::load(file)?;
     let overrides = super::config::run_overrides();
     if folds.len() > 1 && !overrides.is_empty() {
         bail!(
@@ -400,11 +400,40 @@ async fn cmd_run_config(file: &Path) -> anyhow::Result<()> {
     }
     let mut cfgs = Vec::with_capacity(folds.len());
     for fold in &folds {
-        let cfg = super::config::fold_args(file, fold, &overrides)?
+        // With a process-wide listen, each fold is parsed with it (its tokens, names and limits
+        // are the process's), then registered on the one listener below.
+        let mut extra = overrides.clone();
+        if let Some(addr) = &listen {
+            extra.extend(["--listen".to_string(), addr.clone()]);
+        }
+        let cfg = super::config::fold_args(file, fold, &extra)?
             .into_config()
             .with_context(|| format!("{}: fold {}", file.display(), fold.name))?;
         cfgs.push(cfg);
     }
+    // One listener for every fold: bound before any fold starts, so no fold's failure takes it.
+    let _serving = match (&listen, cfgs.first()) {
+        (Some(_), Some(first)) => {
+            let l = first.listen.clone().context("the process's listen")?;
+            let (each, serving) = crate::node::bind_shared(first, &l).await?;
+            if let Some(shared) = &each.shared {
+                shared
+                    .registry
+                    .expect(cfgs.iter().map(|c| c.fold_name().to_string()).collect());
+            }
+            for cfg in &mut cfgs {
+                if let Some(own) = cfg.listen.take() {
+                    cfg.listen = Some(crate::node::ListenConfig {
+                        query_max_bytes: own.query_max_bytes,
+                        ready_max_lag: own.ready_max_lag,
+                        ..each.clone()
+                    });
+                }
+            }
+            Some(serving)
+        }
+        _ => None,
+    };
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
         wait_for_signal().await;

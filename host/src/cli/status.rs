@@ -70,6 +70,18 @@ pub(crate) fn watch_line(s: &StatusReport, rate: Option<f64>) -> String {
     )
 }
 
+/// The folds a `/status` answer describes: one report, or a listener's `{"folds": [...]}`.
+fn reports(body: &[u8]) -> serde_json::Result<Vec<StatusReport>> {
+    #[derive(serde::Deserialize)]
+    struct Folds {
+        folds: Vec<StatusReport>,
+    }
+    match serde_json::from_slice::<Folds>(body) {
+        Ok(f) => Ok(f.folds),
+        Err(_) => serde_json::from_slice::<StatusReport>(body).map(|s| vec![s]),
+    }
+}
+
 /// `status --watch`: the host's status every `period`, `count` times (or until interrupted); a
 /// refresh that cannot reach the host says so and the next one tries again.
 pub(super) async fn cmd_status_watch(
@@ -80,7 +92,9 @@ pub(super) async fn cmd_status_watch(
 ) -> anyhow::Result<()> {
     let token = token_file.map(crate::serve::read_token_file).transpose()?;
     let redraw = std::io::stdout().is_terminal();
-    let mut last: Option<(std::time::Instant, u64)> = None;
+    // Each fold's applied_through at the last refresh, by name, for its rate.
+    let mut last: std::collections::BTreeMap<String, (std::time::Instant, u64)> =
+        std::collections::BTreeMap::new();
     let mut tick = tokio::time::interval(period);
     let mut n = 0u64;
     while count.is_none_or(|c| n < c) {
@@ -95,15 +109,21 @@ pub(super) async fn cmd_status_watch(
         )
         .await
         {
-            Ok((200, body)) => match serde_json::from_slice::<StatusReport>(&body) {
-                Ok(s) => {
+            Ok((200, body)) => match reports(&body) {
+                Ok(folds) => {
                     let now = std::time::Instant::now();
-                    let rate = last.map(|(at, applied)| {
-                        s.applied_through.saturating_sub(applied) as f64
-                            / now.duration_since(at).as_secs_f64().max(1e-3)
-                    });
-                    last = Some((now, s.applied_through));
-                    watch_line(&s, rate)
+                    let lines: Vec<String> = folds
+                        .iter()
+                        .map(|s| {
+                            let rate = last.get(&s.bucket).map(|(at, applied)| {
+                                s.applied_through.saturating_sub(*applied) as f64
+                                    / now.duration_since(*at).as_secs_f64().max(1e-3)
+                            });
+                            last.insert(s.bucket.clone(), (now, s.applied_through));
+                            watch_line(s, rate)
+                        })
+                        .collect();
+                    lines.join("\n")
                 }
                 Err(e) => format!("{addr}: unreadable status: {e}"),
             },

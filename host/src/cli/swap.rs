@@ -105,7 +105,8 @@ pub(super) fn token_file_followable(
     file: &Path,
     store_status: Option<&StatusReport>,
 ) -> Result<(), String> {
-    let addr: std::net::SocketAddr = listen
+    let addr: std::net::SocketAddr = crate::serve::split_listen(listen)
+        .0
         .parse()
         .map_err(|_| "the address is not a literal IP address and port".to_string())?;
     if !addr.ip().is_loopback() {

@@ -17,7 +17,11 @@ mod denial;
 mod export;
 mod identity;
 pub(crate) mod lanes;
+mod shared;
 mod side;
+mod tokens;
+
+pub(crate) use shared::{SharedListen, bind_shared};
 
 pub use config::DEFAULT_LEASE_BUCKET;
 pub(crate) use config::{DEFAULT_QUERY_REPLY_PREFIX, NodeConfig, RunSummary};
@@ -144,6 +148,9 @@ pub(crate) struct ListenConfig {
     pub query_max_bytes: usize,
     /// Records a fold may be behind and still be ready (`GET /readyz`).
     pub ready_max_lag: u64,
+    /// Set when one listener serves every fold of the process ([`bind_shared`]): the fold
+    /// registers there instead of binding `addr`.
+    pub shared: Option<SharedListen>,
 }
 
 impl ListenConfig {
@@ -161,6 +168,7 @@ impl ListenConfig {
             hosts: Vec::new(),
             query_max_bytes: crate::serve::MAX_QUERY,
             ready_max_lag: crate::serve::DEFAULT_READY_MAX_LAG,
+            shared: None,
         }
     }
 }

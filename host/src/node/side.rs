@@ -240,51 +240,21 @@ async fn listen(
         addr: l.addr.clone(),
         source,
     };
-    let listener = tokio::net::TcpListener::bind(&l.addr).await.map_err(io)?;
-    let local = listener.local_addr().map_err(io)?;
-    let (admin_token, token_file) = match (&l.admin_token, &l.admin_token_file) {
-        (Some(t), _) => (t.clone(), None),
-        (None, Some(f)) => (
-            crate::serve::read_token_file(f).map_err(io)?,
-            Some(f.clone()),
-        ),
-        (None, None) => {
-            let f = cfg.store.join(crate::serve::ADMIN_TOKEN_FILE);
-            let t = crate::serve::generate_token_file(&f).map_err(io)?;
-            tracing::info!(event = "admin_token_generated", file = %f.display(), "admin token generated (mode 0600): foldhost swap and export --listen read it from there");
-            (t, Some(f))
+    // On a listener of every fold of the process, the fold registers instead of binding.
+    let (listener, local) = match &l.shared {
+        Some(shared) => (None, shared.addr),
+        None => {
+            let listener = tokio::net::TcpListener::bind(&l.addr).await.map_err(io)?;
+            let local = listener.local_addr().map_err(io)?;
+            (Some(listener), local)
         }
     };
-    let (write_token, write_token_file) = match (&l.write_token, &l.write_token_file) {
-        (Some(t), _) => (t.clone(), None),
-        (None, Some(f)) => (
-            crate::serve::read_token_file(f).map_err(io)?,
-            Some(f.clone()),
-        ),
-        (None, None) => {
-            let f = cfg.store.join(crate::write::WRITE_TOKEN_FILE);
-            let t = crate::serve::query_token_from_store(&f).map_err(io)?;
-            tracing::info!(event = "write_token_ready", file = %f.display(), "write token (mode 0600): foldhost put and delete --listen read it from there");
-            (t, Some(f))
-        }
-    };
-    let query_token = query_token(cfg, l, local).map_err(io)?;
-    if local.ip().is_unspecified() && l.hosts.is_empty() {
-        tracing::info!(event = "listen_wildcard", addr = %local, "a wildcard listener with no --listen-host: it admits only a Host that is the IP address a client connected to (give --listen-host NAME for each name clients use)");
-    }
-    tracing::info!(event = "listen_started", addr = %local, "serving /status, /query, /swap and /export");
-    let policy = crate::serve::AccessPolicy {
-        admin_token,
-        write_token,
-        query_token,
-        listen: local,
-        hosts: l.hosts.clone(),
-        query_open: l.query_open,
-        limits: crate::serve::Limits {
-            query_body: l.query_max_bytes,
-            ..Default::default()
-        },
-    };
+    let super::tokens::Settled {
+        policy,
+        admin_file: token_file,
+        write_file: write_token_file,
+        ..
+    } = super::tokens::settle(cfg, l, local).map_err(io)?;
     base.listen = Some(local.to_string());
     base.admin_token_file =
         token_file.map(|f| std::path::absolute(&f).unwrap_or(f).display().to_string());
@@ -318,6 +288,7 @@ async fn listen(
             name: cfg.fold_name().to_string(),
             status: status.clone(),
         }],
+        registry: None,
         positions: Some(crate::write::Positions {
             status: status.clone(),
             rate: write.rate.clone(),
@@ -325,9 +296,17 @@ async fn listen(
         read_key: Some(read_key),
         write: Some(write),
     });
-    Ok(tokio::spawn(tracing::Instrument::in_current_span(
-        crate::serve::serve(listener, state),
-    )))
+    match (listener, &l.shared) {
+        (Some(listener), _) => Ok(tokio::spawn(tracing::Instrument::in_current_span(
+            crate::serve::serve(listener, state),
+        ))),
+        (None, Some(shared)) => {
+            shared.registry.insert(cfg.fold_name(), state);
+            // Nothing to serve of its own: the process's listener serves the fold.
+            Ok(tokio::spawn(std::future::pending()))
+        }
+        (None, None) => unreachable!("a listener is bound unless one is shared"),
+    }
 }
 
 /// What the side tasks read of the fold: its stream identity (exports), its operation ledger and
@@ -403,40 +382,6 @@ const POSITIONS_PERIOD: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// How often the operation ledger is swept.
 const LEDGER_SWEEP_PERIOD: std::time::Duration = std::time::Duration::from_secs(3600);
-
-/// The token `/status` and `/query` need on the listener bound at `local`
-/// ([`crate::protocol::query_access`]): the one given (literally or in a file), `None` where they
-/// are open, or — beyond loopback, given none and not `--query-open` — the one in
-/// `STORE/query-token`, generated there (mode 0600) when absent. The token itself is never logged.
-fn query_token(
-    cfg: &NodeConfig,
-    l: &super::ListenConfig,
-    local: std::net::SocketAddr,
-) -> std::io::Result<Option<String>> {
-    use crate::protocol::QueryAccess;
-    let loopback = local.ip().to_canonical().is_loopback();
-    let token_given = l.query_token.is_some() || l.query_token_file.is_some();
-    let access = crate::protocol::query_access(loopback, token_given, l.query_open)
-        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-    Ok(match access {
-        QueryAccess::GivenToken => match (&l.query_token, &l.query_token_file) {
-            (Some(t), _) => Some(t.clone()),
-            (None, Some(f)) => Some(crate::serve::read_token_file(f)?),
-            (None, None) => None,
-        },
-        QueryAccess::GeneratedToken => {
-            let f = cfg.store.join(crate::serve::QUERY_TOKEN_FILE);
-            let t = crate::serve::query_token_from_store(&f)?;
-            tracing::warn!(event = "listen_query_token_generated", addr = %local, file = %f.display(), "a listener beyond loopback: /status and /query answer only with the query token in this file (mode 0600; clients send it as Authorization: Bearer), or give --query-token-file, or --query-open");
-            Some(t)
-        }
-        QueryAccess::Open => None,
-        QueryAccess::OpenByChoice => {
-            tracing::warn!(event = "listen_query_open", addr = %local, "--query-open: /status and /query answer without a token anyone who can reach this address; they can read the fold through the guest's query and flood the guest with queries");
-            None
-        }
-    })
-}
 
 /// The export rounds `--export-every` asks for: the lease in its own NATS KV bucket (created when
 /// absent), this node's name in it, a scratch directory beside the store.

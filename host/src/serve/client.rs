@@ -47,6 +47,15 @@ pub async fn call_with_deadline(
     call_with_headers(addr, method, path, body, token, &[], read).await
 }
 
+/// A `--listen` value as the CLI takes it: `HOST:PORT`, or `HOST:PORT/folds/NAME` for one fold of
+/// a listener serving several — the address and the path prefix (empty for the first). Pure.
+pub fn split_listen(listen: &str) -> (&str, &str) {
+    match listen.find('/') {
+        Some(i) => (&listen[..i], &listen[i..]),
+        None => (listen, ""),
+    }
+}
+
 /// [`call_with_deadline`] with more request headers (`Foldhost-Min-Revision`, say).
 pub async fn call_with_headers(
     addr: &str,
@@ -58,6 +67,9 @@ pub async fn call_with_headers(
     read: Duration,
 ) -> std::io::Result<(u16, Vec<u8>)> {
     let other = std::io::Error::other;
+    // `ADDR/folds/NAME`: one fold of a listener serving several, its routes under that prefix.
+    let (addr, prefix) = split_listen(addr);
+    let path = format!("{prefix}{path}");
     let sock = tokio::time::timeout(IO_TIMEOUT, TcpStream::connect(addr))
         .await
         .map_err(|_| other("connect timeout"))??;

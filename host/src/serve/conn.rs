@@ -255,6 +255,8 @@ struct ConnCtx {
 
 /// A request admitted and read whole: its route, its body, and the budget its body holds.
 struct Admitted {
+    /// The fold a `/folds/NAME/…` path names (a listener serving several folds).
+    fold: Option<String>,
     route: Route,
     body: Vec<u8>,
     budget: Option<OwnedSemaphorePermit>,
@@ -294,10 +296,19 @@ impl ConnCtx {
     ) -> std::io::Result<Result<Admitted, Reply>> {
         let refuse =
             |status, message: &str| Ok(Err(Reply::refused(&Refusal::new(status, message))));
-        let head = match RequestHead::from_parts(parts) {
+        let mut head = match RequestHead::from_parts(parts) {
             Ok(h) => h,
             Err(e @ HttpError::TooLarge) => return refuse(413, &e.to_string()),
             Err(e @ HttpError::Bad(_)) => return refuse(400, &e.to_string()),
+        };
+        // `/folds/NAME/route`: admitted as `/route`, served by the fold NAME.
+        let fold = match super::folds::split_fold(&head.path) {
+            Ok((fold, route)) => {
+                let fold = fold.map(str::to_string);
+                head.path = route.to_string();
+                fold
+            }
+            Err(why) => return refuse(404, why),
         };
         let (route, limit) = match admit(&head, &self.state.policy, self.arrived_on) {
             Ok(r) => r,
@@ -346,6 +357,7 @@ impl ConnCtx {
         .map_err(|_| timed_out("request deadline"))?;
         match read {
             Ok(body) => Ok(Ok(Admitted {
+                fold,
                 route,
                 body,
                 budget,
@@ -360,17 +372,48 @@ impl ConnCtx {
         }
     }
 
+    /// The state serving a request for `fold`'s `route`: the fold's when the path names one (on a
+    /// listener of several folds), the only fold's for a fold route on a listener of one, else the
+    /// listener's own.
+    fn target(&self, fold: Option<&str>, route: Route) -> Result<Arc<ServeState>, Reply> {
+        let not_found = |m: String| Reply::new(404, "text/plain", format!("{m}\n"));
+        match (fold, &self.state.registry) {
+            (Some(name), Some(r)) => r
+                .get(name)
+                .ok_or_else(|| not_found(format!("no fold named {name:?} here"))),
+            (Some(_), None) => Err(not_found(
+                "this listener serves one fold: its routes have no /folds/ prefix".into(),
+            )),
+            (None, Some(r))
+                if !matches!(
+                    route,
+                    Route::Health | Route::Ready | Route::Metrics | Route::Page | Route::Status
+                ) =>
+            {
+                r.only().ok_or_else(|| {
+                    not_found("this listener serves several folds: name one, /folds/NAME/…".into())
+                })
+            }
+            _ => Ok(self.state.clone()),
+        }
+    }
+
     /// Serves an admitted request; a query's answer holds its share of [`ANSWER_BUDGET`] until it
     /// is written (the second value).
     async fn route(&self, request: Admitted) -> (Reply, Option<OwnedSemaphorePermit>) {
         let Admitted {
+            fold,
             route,
             body,
             budget,
             min_revision,
             wait_ms,
         } = request;
-        let state = &*self.state;
+        let target = match self.target(fold.as_deref(), route) {
+            Ok(t) => t,
+            Err(refused) => return (refused, None),
+        };
+        let state = &*target;
         if let (Route::Query | Route::Get, Some(min)) = (route, min_revision)
             && let Err(behind) = super::wait_revision(state, min, wait_ms).await
         {
@@ -641,6 +684,7 @@ mod tests {
             state_folds: Vec::new(),
             ready_max_lag: 0,
             folds: Vec::new(),
+            registry: None,
             write: None,
             positions: None,
             read_key: None,

@@ -55,6 +55,9 @@
 mod admission;
 mod client;
 mod conn;
+mod folds;
+
+pub use folds::FoldRegistry;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -67,7 +70,7 @@ use crate::applied::Control;
 pub use admission::{
     AccessPolicy, HeadPhase, HttpError, Limits, Refusal, RequestHead, Route, admit, token_matches,
 };
-pub use client::{call, call_with_deadline, call_with_headers, call_with_token};
+pub use client::{call, call_with_deadline, call_with_headers, call_with_token, split_listen};
 pub use conn::serve;
 
 /// Largest request head accepted.
@@ -234,6 +237,38 @@ pub struct ServeState {
     pub ready_max_lag: u64,
     /// The folds `/metrics` reads.
     pub(crate) folds: Vec<crate::metrics::FoldSource>,
+    /// Set on a listener serving every fold of the process (`/folds/NAME/…`, [`FoldRegistry`]):
+    /// this state is then the process's own, and a fold's routes go to the fold's.
+    pub(crate) registry: Option<Arc<FoldRegistry>>,
+}
+
+impl ServeState {
+    /// The state of a listener serving the folds of `registry` under `policy`: its own routes are
+    /// the process's (`/healthz`, `/readyz`, `/metrics`, `/status`, the page); every fold route
+    /// goes to a registered fold, so the fold fields here are never used.
+    pub(crate) fn process(
+        policy: AccessPolicy,
+        registry: Arc<FoldRegistry>,
+        ready_max_lag: u64,
+    ) -> ServeState {
+        let (control, _) = mpsc::channel(1);
+        ServeState {
+            status: Box::new(crate::status::StatusReport::default),
+            write: None,
+            positions: None,
+            read_key: None,
+            control,
+            engine: None,
+            policy,
+            backend: crate::storedir::Backend::AppendLog,
+            scope: String::new(),
+            stream: Arc::new(|| None),
+            state_folds: Vec::new(),
+            ready_max_lag,
+            folds: Vec::new(),
+            registry: Some(registry),
+        }
+    }
 }
 
 /// Most connections served at once; more wait in the listen backlog. An unauthenticated one holds
@@ -307,6 +342,12 @@ pub(crate) fn page() -> Reply {
 
 /// `GET /status`: the host's status as JSON.
 pub(crate) fn status(state: &ServeState) -> Reply {
+    if let Some(r) = &state.registry {
+        return match r.only() {
+            Some(fold) => status(&fold),
+            None => folds::status(r),
+        };
+    }
     let v = (state.status)();
     let mut b = serde_json::to_vec(&v).unwrap_or_default();
     b.push(b'\n');
@@ -318,7 +359,15 @@ pub const DEFAULT_READY_MAX_LAG: u64 = 1000;
 
 /// `GET /metrics`: every fold's figures in the Prometheus text format (`crate::metrics`).
 pub(crate) fn metrics(state: &ServeState) -> Reply {
-    match crate::metrics::render(&state.folds) {
+    match &state.registry {
+        Some(r) => folds::metrics(r),
+        None => metrics_of(&state.folds),
+    }
+}
+
+/// The metrics of `folds`.
+fn metrics_of(folds: &[crate::metrics::FoldSource]) -> Reply {
+    match crate::metrics::render(folds) {
         Ok(text) => Reply::new(200, crate::metrics::CONTENT_TYPE, text.into_bytes()),
         Err(_) => Reply::new(500, "text/plain", b"the metrics could not be encoded\n"),
     }
@@ -333,7 +382,27 @@ pub(crate) fn health() -> Reply {
 /// started and is within `--ready-max-lag` records, and so is each state bucket's fold; else 503
 /// naming the fold (or the state bucket) and why ([`crate::protocol::fold_unready`]).
 pub(crate) fn ready(state: &ServeState) -> Reply {
+    if let Some(r) = &state.registry {
+        return folds::ready(r);
+    }
     let s = (state.status)();
+    let name = state
+        .folds
+        .first()
+        .map_or(s.bucket.as_str(), |f| f.name.as_str());
+    match unready(state) {
+        None => Reply::new(200, "text/plain", format!("ready: fold {name}\n")),
+        Some(w) => Reply::new(503, "text/plain", format!("not ready: {w}\n")),
+    }
+}
+
+/// Why the fold of `state` is not ready (naming it, or its state bucket), or `None`.
+fn unready(state: &ServeState) -> Option<String> {
+    let s = (state.status)();
+    let name = state
+        .folds
+        .first()
+        .map_or(s.bucket.as_str(), |f| f.name.as_str());
     let mut why = crate::protocol::fold_unready(
         crate::protocol::Readiness {
             state: &s.state,
@@ -344,22 +413,19 @@ pub(crate) fn ready(state: &ServeState) -> Reply {
         },
         state.ready_max_lag,
     )
-    .map(|w| format!("fold {}: {w}", s.bucket));
+    .map(|w| format!("fold {name}: {w}"));
     for b in s.state_buckets.iter().filter(|b| b.declared) {
         if why.is_some() {
             break;
         }
         why = (b.lag > state.ready_max_lag).then(|| {
             format!(
-                "fold {}: state bucket {}: {} records behind (the limit is {})",
-                s.bucket, b.local, b.lag, state.ready_max_lag
+                "fold {name}: state bucket {}: {} records behind (the limit is {})",
+                b.local, b.lag, state.ready_max_lag
             )
         });
     }
-    match why {
-        None => Reply::new(200, "text/plain", format!("ready: fold {}\n", s.bucket)),
-        Some(w) => Reply::new(503, "text/plain", format!("not ready: {w}\n")),
-    }
+    why
 }
 
 /// A 503 response with `message`.

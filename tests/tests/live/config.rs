@@ -214,3 +214,93 @@ async fn a_key_no_flag_has_is_refused_naming_its_line_and_nothing_is_opened() ->
     anyhow::ensure!(!store.exists(), "config check opens nothing");
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_listen_address_serves_every_fold_under_its_name_and_the_process_across_them()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let (a, b) = (h.bucket("one_a").await?, h.bucket("one_b").await?);
+    a.put("k.a", "va".into()).await?;
+    b.put("k.b", "vb".into()).await?;
+    let dir = tempfile::tempdir()?;
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+    let file = dir.path().join("foldhost.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "nats = \"{}\"\nlisten = \"{addr}\"\n\n[[folds]]\nname = \"a\"\nbucket = \"one_a\"\nstore = \"{}\"\nguest = \"{}\"\n\n[[folds]]\nname = \"b\"\nbucket = \"one_b\"\nstore = \"{}\"\nbackend = \"fjall\"\n",
+            h.url(),
+            dir.path().join("a").display(),
+            guest_wasm("kvstore").display(),
+            dir.path().join("b").display(),
+        ),
+    )?;
+    let mut node = foldhost()
+        .args(["run", "--config"])
+        .arg(&file)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(dir.path().join("run.log"))?)
+        .spawn()?;
+    // Each fold under its name: its own status, its own guest.
+    let fold_a = format!("{addr}/folds/a");
+    let fold_b = format!("{addr}/folds/b");
+    let sa = wait_status(&fold_a, |s| s.caught_up && s.applied_through >= 1).await?;
+    let sb = wait_status(&fold_b, |s| s.caught_up && s.applied_through >= 1).await?;
+    anyhow::ensure!(
+        sa.bucket == "one_a" && sb.bucket == "one_b",
+        "{sa:?} {sb:?}"
+    );
+    let (code, answer) = foldhost::serve::call(&fold_a, "POST", "/query", b"k.a").await?;
+    anyhow::ensure!((code, answer.as_slice()) == (200, &b"va"[..]), "{code}");
+    // The process's own routes, across the folds.
+    let (code, body) = foldhost::serve::call(&addr, "GET", "/status", b"").await?;
+    let v: serde_json::Value = serde_json::from_slice(&body)?;
+    anyhow::ensure!(
+        code == 200 && v["folds"].as_array().map(Vec::len) == Some(2),
+        "{v}"
+    );
+    let (code, body) = foldhost::serve::call(&addr, "GET", "/readyz", b"").await?;
+    let text = String::from_utf8_lossy(&body);
+    anyhow::ensure!(
+        code == 200 && text == "ready: fold a, fold b\n",
+        "{code} {text:?} {v}"
+    );
+    let (_, body) = foldhost::serve::call(&addr, "GET", "/metrics", b"").await?;
+    let text = String::from_utf8_lossy(&body);
+    for fold in ["a", "b"] {
+        anyhow::ensure!(
+            text.contains(&format!("foldhost_applied_through{{fold=\"{fold}\"}} ")),
+            "{text}"
+        );
+    }
+    // A fold route without a fold, or naming none here: 404 saying why.
+    let (code, body) = foldhost::serve::call(&addr, "POST", "/query", b"k.a").await?;
+    anyhow::ensure!(
+        code == 404 && String::from_utf8_lossy(&body).contains("/folds/NAME"),
+        "{code}"
+    );
+    let (code, _) = foldhost::serve::call(&addr, "GET", "/folds/zz/status", b"").await?;
+    anyhow::ensure!(code == 404, "{code}");
+    // The CLI reaches one fold as ADDR/folds/NAME: a swap of fold a alone.
+    let report = swap_to(&fold_a, "kvstore_v2", None)?;
+    anyhow::ensure!(report["to"] == "kvstore@0.2.0", "{report}");
+    let sb = wait_status(&fold_b, |_| true).await?;
+    anyhow::ensure!(
+        sb.guest.is_none() || sb.guest.as_deref() == Some("native:count"),
+        "{sb:?}"
+    );
+    // status --watch: a line per fold.
+    let watch = foldhost()
+        .args([
+            "status", "--listen", &addr, "--watch", "0.2", "--count", "1",
+        ])
+        .output()?;
+    let text = String::from_utf8(watch.stdout)?;
+    let firsts: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    anyhow::ensure!(firsts == ["one_a", "one_b"], "{text}");
+    terminate(&mut node)?;
+    Ok(())
+}

@@ -128,16 +128,7 @@ async fn a_deferral_and_a_swap_log_their_documented_events_as_json() -> anyhow::
     let deferred = kv.put("k.a", "fmt2:a1".into()).await?;
     let at = deferred.as_u64().unwrap_or(0);
     wait_status(&addr, |s| s.cursor >= Some(at) && s.retained == 1).await?;
-    let out = foldhost()
-        .args(["swap", "--listen", &addr, "--guest"])
-        .arg(guest_wasm("kvstore_v2"))
-        .env_remove("FOLDHOST_ADMIN_TOKEN")
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "swap: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    swap_to(&addr, "kvstore_v2", None)?;
     wait_status(&addr, |s| s.retained == 0 && s.applied_through >= at).await?;
     terminate(&mut host)?;
     let lines = events(&std::fs::read_to_string(&log)?, "jdefer")?;

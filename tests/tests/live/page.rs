@@ -345,18 +345,7 @@ async fn the_status_page_shows_what_status_says_in_a_real_browser() -> anyhow::R
     let first = revision(kv.put("k.last", "v".into()).await?)?;
     level(&addr, &token, first, |_| true).await?;
     // A swap, so the page has one to list.
-    let out = foldhost()
-        .args(["swap", "--listen", &addr, "--guest"])
-        .arg(guest_wasm("kvstore_v2"))
-        .arg("--admin-token-file")
-        .arg(store.join("admin-token"))
-        .env_remove("FOLDHOST_ADMIN_TOKEN")
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "swap: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    swap_to(&addr, "kvstore_v2", Some(&store.join("admin-token")))?;
     let last = revision(kv.put("k.after-swap", "v".into()).await?)?;
     let before = level(&addr, &token, last, |s| s.last_swaps.len() == 1).await?;
 

@@ -184,18 +184,7 @@ async fn a_fold_held_behind_by_a_deferred_record_is_unready_and_says_so_in_metri
         held["foldhost_delivered_updates_total"] > before["foldhost_delivered_updates_total"],
         "{before:?}\n{held:?}"
     );
-    let out = foldhost()
-        .args(["swap", "--listen", &addr, "--guest"])
-        .arg(guest_wasm("kvstore_v2"))
-        .arg("--admin-token-file")
-        .arg(store.join("admin-token"))
-        .env_remove("FOLDHOST_ADMIN_TOKEN")
-        .output()?;
-    anyhow::ensure!(
-        out.status.success(),
-        "swap: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    swap_to(&addr, "kvstore_v2", Some(&store.join("admin-token")))?;
     assert_eq!(
         wait_for(&addr, "/readyz", 200).await?,
         "ready: fold probes\n"
