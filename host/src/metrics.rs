@@ -109,7 +109,7 @@ impl Collector for Folds {
                 ));
             }
         }
-        let metrics: [(&str, &str, Option<Unit>, Pick); 19] = [
+        let metrics: [(&str, &str, Option<Unit>, Pick); 20] = [
             (
                 "foldhost_delivered_updates",
                 "Updates delivered by the watch since the host started.",
@@ -184,6 +184,24 @@ impl Collector for Folds {
                         .load(Ordering::Relaxed)
                         .max(s.seq.load(Ordering::Relaxed));
                     gauge(head.saturating_sub(s.applied_through.load(Ordering::Relaxed)))
+                },
+            ),
+            (
+                "foldhost_lag",
+                "How far behind its stream the fold is in time: since the server stored the newest record at or below applied_through (from delivery stamps, to within 0.1 s); 0 when level.",
+                Some(Unit::Seconds),
+                |s| {
+                    let head = s
+                        .stream_last_sequence
+                        .load(Ordering::Relaxed)
+                        .max(s.seq.load(Ordering::Relaxed));
+                    let behind = head > s.applied_through.load(Ordering::Relaxed);
+                    let at = s.applied_server_time_unix_ns.load(Ordering::Relaxed) / 1_000_000;
+                    gauge(if behind && at > 0 {
+                        crate::status::now_unix_ms().saturating_sub(at) / 1000
+                    } else {
+                        0
+                    })
                 },
             ),
             (

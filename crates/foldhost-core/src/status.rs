@@ -411,6 +411,10 @@ pub struct FoldStatus {
         std::sync::Mutex<std::collections::BTreeMap<(&'static str, &'static str), u64>>,
     /// Swaps completed since the host started (a promoted shadow included).
     pub swaps: AtomicU64,
+    /// When the server stored the newest record known at or below `applied_through` (Unix
+    /// nanoseconds, from the watch's delivery stamps; 0: none yet): what `/metrics`' lag in
+    /// seconds is measured from.
+    pub applied_server_time_unix_ns: AtomicU64,
     /// Every completed swap's pause of the fold, microseconds.
     pub swap_pause_us: Histogram,
     /// Consecutive store failures right now.

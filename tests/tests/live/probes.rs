@@ -114,6 +114,7 @@ async fn a_fold_held_behind_by_a_deferred_record_is_unready_and_says_so_in_metri
         "foldhost_seq",
         "foldhost_applied_through",
         "foldhost_lag_records",
+        "foldhost_lag_seconds",
     ] {
         anyhow::ensure!(before.contains_key(name), "{name} missing: {before:?}");
     }
@@ -194,7 +195,8 @@ async fn a_fold_held_behind_by_a_deferred_record_is_unready_and_says_so_in_metri
     })
     .await?;
     anyhow::ensure!(
-        released["foldhost_seq"] == released["foldhost_applied_through"],
+        released["foldhost_seq"] == released["foldhost_applied_through"]
+            && released["foldhost_lag_seconds"] == 0.0,
         "{released:?}"
     );
     terminate(&mut host)?;

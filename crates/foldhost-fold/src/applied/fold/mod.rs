@@ -556,6 +556,12 @@ impl<S: SnapshotStore> Fold<S> {
             .fetch_max(updates, Ordering::Relaxed);
         self.status.batches.fetch_add(1, Ordering::Relaxed);
         self.status.batch_updates.observe(updates);
+        let through = self.status.applied_through.load(Ordering::Relaxed);
+        if let Some((_, ns)) = self.stamps.iter().rev().find(|(r, _)| *r <= through) {
+            self.status
+                .applied_server_time_unix_ns
+                .store(*ns, Ordering::Relaxed);
+        }
         if let Some(started) = self.flush_started.take() {
             self.status
                 .batch_us
