@@ -80,6 +80,19 @@ pub fn log_format_of(cli: &Cli) -> LogFormat {
     }
 }
 
+/// The first flag among `args` that carries a secret as its value (`--admin-token T`,
+/// `--write-token=T`): a command line shows in `ps`, so a token is taken from a file or the
+/// environment only. Pure.
+pub(crate) fn secret_on_command_line(
+    args: impl IntoIterator<Item = String>,
+) -> Option<&'static str> {
+    args.into_iter().find_map(|a| {
+        ["--admin-token", "--write-token"]
+            .into_iter()
+            .find(|f| a == *f || a.starts_with(&format!("{f}=")))
+    })
+}
+
 /// Records the process's `--log-format` (the binary calls it once its logger is set).
 pub fn set_log_format(format: LogFormat) {
     JSON_LOGS.store(
@@ -186,6 +199,16 @@ pub struct DemoArgs {
 
 /// Runs a parsed command line.
 pub async fn run(cli: Cli) -> anyhow::Result<()> {
+    if let Some(flag) = secret_on_command_line(std::env::args().skip(1)) {
+        bail!(
+            "{flag}: a token on the command line shows in ps; give {flag}-file FILE (or its environment variable, FOLDHOST_{}_TOKEN)",
+            if flag == "--admin-token" {
+                "ADMIN"
+            } else {
+                "WRITE"
+            }
+        );
+    }
     match cli.command {
         Command::Run(a) => cmd_run(*a).await,
         Command::Status(a) => match a.listen.clone() {
@@ -346,6 +369,28 @@ mod tests {
     }
 
     use super::*;
+
+    #[test]
+    fn a_token_given_as_a_flag_value_is_refused_and_a_token_file_is_not() {
+        let args = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert_eq!(
+            secret_on_command_line(args(&["swap", "--admin-token", "t"])),
+            Some("--admin-token")
+        );
+        assert_eq!(
+            secret_on_command_line(args(&["put", "--write-token=t"])),
+            Some("--write-token")
+        );
+        assert_eq!(
+            secret_on_command_line(args(&[
+                "swap",
+                "--admin-token-file",
+                "/f",
+                "--write-token-file=/g"
+            ])),
+            None
+        );
+    }
 
     #[test]
     fn a_token_file_is_followed_only_for_a_loopback_listener_its_own_store_says_is_its_host() {

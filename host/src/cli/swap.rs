@@ -87,7 +87,7 @@ pub(super) async fn token_for(
     let store_status = file.parent().and_then(storedir::read_status);
     if let Err(why) = token_file_followable(listen, &file, store_status.as_ref()) {
         bail!(
-            "{listen}: not sending the {} token of {}: {why}; pass {flag} or {flag}-file",
+            "{listen}: not sending the {} token of {}: {why}; pass {flag}-file (or set its environment variable)",
             field.trim_end_matches("_token_file"),
             file.display()
         );

@@ -40,7 +40,7 @@ fn start_host_holding(
         .arg(guest_wasm(guest))
         .stderr(Stdio::null());
     if let Some(t) = token {
-        c.args(["--admin-token", t]);
+        c.env("FOLDHOST_ADMIN_TOKEN", t);
     }
     if let Some(hold) = hold {
         c.env(
@@ -89,7 +89,7 @@ fn swap(
     c.args(["swap", "--listen", addr, "--guest"]).arg(guest);
     c.env_remove("FOLDHOST_ADMIN_TOKEN");
     if let Some(t) = token {
-        c.args(["--admin-token", t]);
+        c.env("FOLDHOST_ADMIN_TOKEN", t);
     }
     let out = c.output()?;
     let text = format!(
