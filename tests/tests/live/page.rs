@@ -405,3 +405,73 @@ async fn the_status_page_shows_what_status_says_in_a_real_browser() -> anyhow::R
     terminate(&mut node.0)?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_of_a_listener_serving_several_folds_shows_each_as_its_status_says()
+-> anyhow::Result<()> {
+    let browser = chromium()?;
+    let h = Harness::start().await?;
+    let buckets = ["page_one", "page_two"];
+    let mut last = Vec::new();
+    for (i, b) in buckets.iter().enumerate() {
+        let kv = h.bucket(b).await?;
+        for k in 0..=(3 * i + 2) {
+            kv.put(&format!("k.{k}"), "v".into()).await?;
+        }
+        last.push(kv.positions().await?.last_sequence);
+    }
+    let tmp = tempfile::tempdir()?;
+    let profiles = tmp.path().join("chromium");
+    std::fs::create_dir(&profiles)?;
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+    let file = tmp.path().join("foldhost.toml");
+    let mut text = format!("nats = \"{}\"\nlisten = \"{addr}\"\n", h.url());
+    for b in buckets {
+        text.push_str(&format!(
+            "\n[[folds]]\nbucket = \"{b}\"\nstore = \"{}\"\n",
+            tmp.path().join(b).display()
+        ));
+    }
+    std::fs::write(&file, text)?;
+    let mut node = Node(
+        foldhost()
+            .args(["run", "--config"])
+            .arg(&file)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    );
+    let mut statuses = Vec::new();
+    for (b, last) in buckets.iter().zip(&last) {
+        let at = format!("{addr}/folds/{b}");
+        statuses.push(
+            wait_status(&at, |s| {
+                s.caught_up && s.applied_through == *last && s.stream_last_sequence == Some(*last)
+            })
+            .await?,
+        );
+    }
+    let dom = dump_until(&browser, &profiles, &format!("http://{addr}/"), |dom| {
+        refreshes(dom) >= 1 && buckets.iter().all(|b| fold_section(dom, b).is_some())
+    })
+    .await?;
+    for (b, s) in buckets.iter().zip(&statuses) {
+        let section = fold_section(&dom, b).ok_or_else(|| anyhow::anyhow!("no {b}"))?;
+        for (field, want) in [
+            (
+                "cursor",
+                s.cursor.map(|c| c.to_string()).unwrap_or_default(),
+            ),
+            ("lag", s.lag.to_string()),
+            ("applied_through", s.applied_through.to_string()),
+        ] {
+            let shown = element(section, "data-field", field).map(|(_, t)| t);
+            anyhow::ensure!(
+                shown.as_deref() == Some(want.as_str()),
+                "{b} {field}: the page shows {shown:?}, /folds/{b}/status says {want}\n{dom}"
+            );
+        }
+    }
+    terminate(&mut node.0)?;
+    Ok(())
+}
