@@ -15,6 +15,12 @@
 //! so the candidate sees exactly the fold at C however long it takes. The capture is bounded
 //! ([`MAX_PRE_IMAGE_KEYS`], [`MAX_PRE_IMAGE_BYTES`]); past the bound it is marked overflowed and the
 //! swap is refused at its cut-over, never served from a torn view.
+//!
+//! **Two captures at once.** A store keeps at most one capture per [`CaptureSlot`]: a swap's or a
+//! shadow's ([`CaptureSlot::Swap`]) and the query instance's ([`CaptureSlot::Queries`],
+//! docs/design.md, "Queries off the fold's path"). The fold records each changed key once into
+//! every running capture (one read of its view for all of them), and a view reads only its own
+//! capture, so neither capture's rounds move the other's view.
 
 use std::collections::BTreeMap;
 use std::ops::ControlFlow;
@@ -70,8 +76,8 @@ pub struct SharedStore<S> {
     store: Arc<std::sync::RwLock<S>>,
     /// Loaded from the store on first use.
     retained: Arc<std::sync::Mutex<Option<RetainedIndex>>>,
-    /// The running capture of pre-images, while a swap candidate hydrates.
-    pre_images: Arc<std::sync::Mutex<Option<PreImages>>>,
+    /// The running captures of pre-images, one per [`CaptureSlot`].
+    pre_images: Arc<std::sync::Mutex<Captures>>,
     /// The last capture generation handed out. Never reused: a [`PinnedView`] whose capture ended
     /// (an adopted guest keeps the view it hydrated through) must never match a later capture, or
     /// it would read that capture's pre-images — the fold as it was when a later swap began.
@@ -86,6 +92,41 @@ impl<S> Clone for SharedStore<S> {
             pre_images: self.pre_images.clone(),
             generations: self.generations.clone(),
         }
+    }
+}
+
+/// Who a pre-image capture is for: each slot holds at most one running capture.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CaptureSlot {
+    /// A swap's or a shadow's candidate.
+    Swap,
+    /// The query instance kept level with the fold.
+    Queries,
+}
+
+/// The running captures, by slot.
+#[derive(Debug, Default)]
+struct Captures {
+    slots: [Option<PreImages>; 2],
+}
+
+impl Captures {
+    fn slot(&mut self, slot: CaptureSlot) -> &mut Option<PreImages> {
+        &mut self.slots[slot as usize]
+    }
+
+    /// The running capture with this generation, whichever slot holds it.
+    fn of(&self, generation: u64) -> Option<&PreImages> {
+        self.slots
+            .iter()
+            .flatten()
+            .find(|p| p.generation == generation)
+    }
+
+    fn slot_of(&mut self, generation: u64) -> Option<&mut Option<PreImages>> {
+        self.slots
+            .iter_mut()
+            .find(|p| p.as_ref().is_some_and(|p| p.generation == generation))
     }
 }
 
@@ -165,7 +206,7 @@ impl<S: SnapshotStore> SharedStore<S> {
         SharedStore {
             store: Arc::new(std::sync::RwLock::new(store)),
             retained: Arc::new(std::sync::Mutex::new(None)),
-            pre_images: Arc::new(std::sync::Mutex::new(None)),
+            pre_images: Arc::new(std::sync::Mutex::new(Captures::default())),
             generations: Arc::new(std::sync::atomic::AtomicU64::new(0)),
         }
     }
@@ -184,9 +225,24 @@ impl<S: SnapshotStore> SharedStore<S> {
         max_keys: usize,
         max_bytes: usize,
     ) -> Result<PinnedView<S>, SnapshotError> {
+        self.begin_capture(CaptureSlot::Swap, max_keys, max_bytes)
+    }
+
+    /// [`SharedStore::begin_pre_images`] for the capture of `slot` (the other slot's capture goes
+    /// on untouched).
+    pub fn begin_capture_in(&self, slot: CaptureSlot) -> Result<PinnedView<S>, SnapshotError> {
+        self.begin_capture(slot, MAX_PRE_IMAGE_KEYS, MAX_PRE_IMAGE_BYTES)
+    }
+
+    fn begin_capture(
+        &self,
+        slot: CaptureSlot,
+        max_keys: usize,
+        max_bytes: usize,
+    ) -> Result<PinnedView<S>, SnapshotError> {
         let mut guard = self.pre_images.lock().map_err(|_| poisoned())?;
         let generation = self.next_generation();
-        *guard = Some(PreImages {
+        *guard.slot(slot) = Some(PreImages {
             generation,
             max_keys,
             max_bytes,
@@ -209,17 +265,17 @@ impl<S: SnapshotStore> SharedStore<S> {
         use std::sync::atomic::Ordering;
         let mut guard = self.pre_images.lock().map_err(|_| poisoned())?;
         let current = view.generation.load(Ordering::Acquire);
-        if guard.as_ref().is_none_or(|p| p.generation != current) {
+        let Some(slot) = guard.slot_of(current) else {
             return Ok(None);
-        }
+        };
         let generation = self.next_generation();
         let next = PreImages {
             generation,
-            max_keys: guard.as_ref().map_or(MAX_PRE_IMAGE_KEYS, |p| p.max_keys),
-            max_bytes: guard.as_ref().map_or(MAX_PRE_IMAGE_BYTES, |p| p.max_bytes),
+            max_keys: slot.as_ref().map_or(MAX_PRE_IMAGE_KEYS, |p| p.max_keys),
+            max_bytes: slot.as_ref().map_or(MAX_PRE_IMAGE_BYTES, |p| p.max_bytes),
             ..PreImages::default()
         };
-        let old = guard.replace(next);
+        let old = slot.replace(next);
         view.generation.store(generation, Ordering::Release);
         Ok(old)
     }
@@ -231,10 +287,35 @@ impl<S: SnapshotStore> SharedStore<S> {
             + 1
     }
 
-    /// Keys recorded by the running capture (0 when none runs).
+    /// Keys recorded by the running swap capture (0 when none runs).
     pub fn pre_images_len(&self) -> Result<usize, SnapshotError> {
+        let mut guard = self.pre_images.lock().map_err(|_| poisoned())?;
+        Ok(guard
+            .slot(CaptureSlot::Swap)
+            .as_ref()
+            .map_or(0, |p| p.keys.len()))
+    }
+
+    /// Keys recorded by the capture `view` reads (`None` when it is over), and whether it
+    /// overflowed.
+    pub fn capture_len(
+        &self,
+        view: &PinnedView<S>,
+    ) -> Result<Option<(usize, bool)>, SnapshotError> {
         let guard = self.pre_images.lock().map_err(|_| poisoned())?;
-        Ok(guard.as_ref().map_or(0, |p| p.keys.len()))
+        Ok(guard
+            .of(view.generation())
+            .map(|p| (p.keys.len(), p.overflowed)))
+    }
+
+    /// Ends the capture `view` reads (a no-op when it is over); `view` reads the live fold from
+    /// here on.
+    pub fn end_capture(&self, view: &PinnedView<S>) -> Result<(), SnapshotError> {
+        let mut guard = self.pre_images.lock().map_err(|_| poisoned())?;
+        if let Some(slot) = guard.slot_of(view.generation()) {
+            *slot = None;
+        }
+        Ok(())
     }
 
     /// Records the guest view of each of `keys` not recorded yet, when a capture runs. The fold
@@ -244,44 +325,46 @@ impl<S: SnapshotStore> SharedStore<S> {
         keys: impl IntoIterator<Item = &'k str>,
     ) -> Result<(), SnapshotError> {
         let mut guard = self.pre_images.lock().map_err(|_| poisoned())?;
-        let Some(p) = guard.as_mut() else {
-            return Ok(());
-        };
-        if p.overflowed {
+        if guard.slots.iter().flatten().all(|p| p.overflowed) {
             return Ok(());
         }
         for key in keys {
-            if is_reserved(key) || p.keys.contains_key(key) {
+            if is_reserved(key) {
+                continue;
+            }
+            let wanted = |p: &PreImages| !p.overflowed && !p.keys.contains_key(key);
+            if !guard.slots.iter().flatten().any(wanted) {
                 continue;
             }
             // Lock order: pre-images, then the retained index, then the store (a reader never
-            // holds the latter two while it takes the first).
+            // holds the latter two while it takes the first). One read serves every capture.
             let view = self.get(key)?;
-            p.bytes += key.len() + view.as_ref().map_or(0, |e| e.value.len());
-            p.keys.insert(key.to_string(), view);
-            if p.keys.len() > p.max_keys || p.bytes > p.max_bytes {
-                p.overflowed = true;
-                p.keys.clear();
-                return Ok(());
+            for p in guard.slots.iter_mut().flatten() {
+                if !wanted(p) {
+                    continue;
+                }
+                p.bytes += key.len() + view.as_ref().map_or(0, |e| e.value.len());
+                p.keys.insert(key.to_string(), view.clone());
+                if p.keys.len() > p.max_keys || p.bytes > p.max_bytes {
+                    p.overflowed = true;
+                    p.keys.clear();
+                }
             }
         }
         Ok(())
     }
 
-    /// Ends the running capture and hands over what it recorded; every [`PinnedView`] reads the
-    /// live fold from here on.
+    /// Ends the running swap capture and hands over what it recorded; its [`PinnedView`] reads
+    /// the live fold from here on.
     pub fn take_pre_images(&self) -> Result<Option<PreImages>, SnapshotError> {
         let mut guard = self.pre_images.lock().map_err(|_| poisoned())?;
-        Ok(guard.take())
+        Ok(guard.slot(CaptureSlot::Swap).take())
     }
 
     /// The pre-image of `key` in capture `generation`: `Some(view at C)` when the key changed since.
     fn pre_image(&self, generation: u64, key: &str) -> Result<Option<Base>, SnapshotError> {
         let guard = self.pre_images.lock().map_err(|_| poisoned())?;
-        Ok(guard
-            .as_ref()
-            .filter(|p| p.generation == generation)
-            .and_then(|p| p.keys.get(key).cloned()))
+        Ok(guard.of(generation).and_then(|p| p.keys.get(key).cloned()))
     }
 
     /// The pre-images of capture `generation` with keys under `prefix` in `(after, through]`;
@@ -295,7 +378,7 @@ impl<S: SnapshotStore> SharedStore<S> {
     ) -> Result<Option<Vec<(String, Base)>>, SnapshotError> {
         use std::ops::Bound;
         let guard = self.pre_images.lock().map_err(|_| poisoned())?;
-        let Some(p) = guard.as_ref().filter(|p| p.generation == generation) else {
+        let Some(p) = guard.of(generation) else {
             return Ok(None);
         };
         let lower = match after {
@@ -778,6 +861,59 @@ mod tests {
         // The capture is over: the view reads the live fold.
         assert_eq!(view.get("k3").expect("get"), None);
         assert_eq!(view.scan("k", None, 100).expect("scan").len(), 9);
+    }
+
+    /// The query instance's capture and a swap's run side by side: each view reads the fold at
+    /// its own capture, a round of one never moves the other, and ending one leaves the other.
+    #[test]
+    fn a_swap_capture_and_the_query_capture_each_keep_their_own_view() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (mut store, _) =
+            AppendLogSnapshot::open(dir.path(), AppendLogOptions::default()).expect("open");
+        store
+            .apply(&[put("k", "v1", 1)], WatchCursor::at(1))
+            .expect("apply");
+        let shared = SharedStore::new(store);
+        let change = |value: &'static str, rev: u64| {
+            shared.capture_pre_images(["k"]).expect("capture");
+            shared
+                .write()
+                .expect("write")
+                .apply(&[put("k", value, rev)], WatchCursor::at(rev))
+                .expect("apply");
+        };
+        let value = |view: &PinnedView<AppendLogSnapshot>| {
+            view.get("k")
+                .expect("get")
+                .map(|e| String::from_utf8_lossy(&e.value).into_owned())
+        };
+        let queries = shared
+            .begin_capture_in(CaptureSlot::Queries)
+            .expect("query capture");
+        change("v2", 2);
+        let swap = shared.begin_pre_images().expect("swap capture");
+        change("v3", 3);
+        assert_eq!(value(&queries).as_deref(), Some("v1"));
+        assert_eq!(value(&swap).as_deref(), Some("v2"));
+        assert_eq!(shared.capture_len(&queries).expect("len"), Some((1, false)));
+        // A round of the query capture moves its view to now; the swap's stays at v2.
+        let old = shared
+            .restart_pre_images(&queries)
+            .expect("round")
+            .expect("its capture");
+        assert_eq!(old.keys().collect::<Vec<_>>(), ["k"]);
+        assert_eq!(value(&queries).as_deref(), Some("v3"));
+        assert_eq!(value(&swap).as_deref(), Some("v2"));
+        change("v4", 4);
+        assert_eq!(value(&queries).as_deref(), Some("v3"));
+        // The swap ends: the query capture goes on.
+        let taken = shared.take_pre_images().expect("take").expect("the swap's");
+        assert_eq!(taken.len(), 1);
+        assert_eq!(value(&swap).as_deref(), Some("v4"));
+        assert_eq!(value(&queries).as_deref(), Some("v3"));
+        shared.end_capture(&queries).expect("end");
+        assert_eq!(shared.capture_len(&queries).expect("len"), None);
+        assert_eq!(value(&queries).as_deref(), Some("v4"));
     }
 
     #[test]

@@ -140,6 +140,7 @@ fn options(cfg: &NodeConfig, lane: &Lane, catch_up: bool) -> WatchOptions {
             on_diverged: cfg.on_diverged,
             ..Default::default()
         },
+        queries: None,
     }
 }
 

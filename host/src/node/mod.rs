@@ -213,6 +213,9 @@ impl Node {
         let mut written = vec![cfg.bucket.clone()];
         written.extend(lanes.iter().map(|l| l.decl.bucket.clone()));
         let (control_tx, control_rx) = tokio::sync::mpsc::channel(64);
+        // Where queries go: a query instance beside the fold once one is level (docs/design.md,
+        // "Queries off the fold's path"), the fold loop until then.
+        let queries = crate::applied::Queries::new(control_tx.clone());
         let state_exports = lanes::export_sources(&lanes);
         let mut running =
             lanes::Running::start(&cfg, lanes, apply.describe(), &control_tx, &link, &shutdown);
@@ -251,7 +254,10 @@ impl Node {
             },
         )
         .await?;
-        let opts = watch_options(&cfg, scope, transport, kv.clone());
+        let mut opts = watch_options(&cfg, scope, transport, kv.clone());
+        if cfg.listen.is_some() || cfg.query_subject.is_some() {
+            opts.queries = Some(queries.clone());
+        }
         // Kept to close the store after a clean stop (see `close_store`).
         let closing = shared.clone();
         // A permission the fold's own work lacks stops the node, naming it once; a write the
@@ -436,6 +442,7 @@ fn watch_options(
             on_diverged: cfg.on_diverged,
             ..Default::default()
         },
+        queries: None,
     }
 }
 

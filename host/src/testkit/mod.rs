@@ -83,6 +83,8 @@ use crate::nats::FLOOR_BACKSTOP;
 use crate::protocol;
 
 #[cfg(test)]
+mod query_tests;
+#[cfg(test)]
 mod tests;
 
 /// The simulated bucket's name ([`KvWatcher::bucket_name`]).

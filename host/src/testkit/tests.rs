@@ -39,6 +39,7 @@ fn opts(max: usize, window: Duration, catch_up: bool) -> WatchOptions {
         catch_up,
         defer_grace: crate::applied::DEFAULT_DEFER_GRACE,
         repair: crate::repair::RepairConfig::default(),
+        queries: None,
     }
 }
 

@@ -847,6 +847,7 @@ async fn hydrated_guest_answers_like_one_that_watched_from_the_start() -> anyhow
             catch_up: true,
             defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
             repair: Default::default(),
+            queries: None,
         },
         Arc::new(FoldStatus::default()),
         None,
@@ -896,6 +897,7 @@ async fn hashring_removing_a_node_moves_only_the_keys_it_owned() -> anyhow::Resu
         catch_up: true,
         defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
         repair: Default::default(),
+        queries: None,
     };
     let fold = async |ring: &mut GuestApply| {
         watch_applied(

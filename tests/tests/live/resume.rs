@@ -26,6 +26,7 @@ fn opts(max: usize) -> WatchOptions {
         catch_up: true,
         defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
         repair: Default::default(),
+        queries: None,
     }
 }
 

@@ -335,6 +335,10 @@ impl Apply for Harnessed {
         self.inner.adopt(candidate)
     }
 
+    fn query_instance(&mut self, view: Arc<dyn FoldRead>) -> Option<Box<dyn SwapCandidate>> {
+        self.inner.query_instance(view)
+    }
+
     async fn query(&mut self, request: &[u8]) -> Result<Vec<u8>, ApplyError> {
         if self.trap_next_query.swap(false, Ordering::SeqCst) {
             // A guest is interrupted by the guest host (a real trap); a native applier fails as
@@ -456,6 +460,12 @@ impl Apply for NativeMap {
         Ok(())
     }
 
+    fn query_instance(&mut self, view: Arc<dyn FoldRead>) -> Option<Box<dyn SwapCandidate>> {
+        Some(Box::new(NativeMapCandidate {
+            map: NativeMap::new(view),
+        }))
+    }
+
     async fn query(&mut self, request: &[u8]) -> Result<Vec<u8>, ApplyError> {
         if self.stale {
             self.rebuild_from_fold()?;
@@ -469,5 +479,37 @@ impl Apply for NativeMap {
                 call: "query",
                 message: "missing".into(),
             })
+    }
+}
+
+/// [`NativeMap`]'s query instance: the same map, built from its own view of the fold and kept
+/// level by the fold loop's rounds.
+struct NativeMapCandidate {
+    map: NativeMap,
+}
+
+#[async_trait]
+impl SwapCandidate for NativeMapCandidate {
+    fn describe(&self) -> String {
+        "native:map".into()
+    }
+
+    async fn hydrate(&mut self) -> Result<u64, ApplyError> {
+        self.map.rebuild_from_fold()?;
+        Ok(self.map.map.len() as u64)
+    }
+
+    async fn catch_up(&mut self, updates: &[KvUpdate]) -> Result<(), ApplyError> {
+        self.map
+            .apply(updates, &vec![Verdict::Accept; updates.len()])
+            .await
+    }
+
+    async fn query(&mut self, request: &[u8]) -> Result<Result<Vec<u8>, String>, ApplyError> {
+        Ok(self.map.query(request).await.map_err(|e| e.message))
+    }
+
+    fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
+        self
     }
 }

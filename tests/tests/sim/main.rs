@@ -18,7 +18,9 @@
 //! least its last durable commit; `apply` is never shown a regression or a phantom delete; every
 //! mid-run export resumes to the truth. Between its steps the driver sends queries — more often
 //! while a batch waits re-queued after a failed commit, some of them trapping the guest — and after
-//! every round the running guest must answer as a fresh one built from the fold; a pinned case
+//! every round the running guest must answer as a fresh one built from the fold, and so must the
+//! query instance (docs/design.md, "Queries off the fold's path") once it is level with the
+//! committed fold, asked every key in one ask; a pinned case
 //! places a trapping query between a failed commit and its retry on every backend and guest.
 //!
 //! Tiers: the fast tier (these tests, in CI) runs [`FAST_SEEDS`] seeds per backend;
@@ -115,8 +117,9 @@ fn assert_coverage(runs: &[(Scenario, Outcome)], torn: bool) {
     let exports = sum(&|(_, o)| u64::from(o.exports));
     let traps = sum(&|(_, o)| u64::from(o.guest_traps));
     let before_retry = sum(&|(_, o)| u64::from(o.queries_before_retry));
+    let instance_checks = sum(&|(_, o)| u64::from(o.instance_checks));
     eprintln!(
-        "{} seeds: {relists} re-list repairs, {restores} restores, {crashes} crashes ({torn_n} torn), {swaps} swaps, {traps} guest traps, {before_retry} queries between a failed commit and its retry, {exports} exports resumed",
+        "{} seeds: {relists} re-list repairs, {restores} restores, {crashes} crashes ({torn_n} torn), {swaps} swaps, {traps} guest traps, {before_retry} queries between a failed commit and its retry, {exports} exports resumed, {instance_checks} query-instance checks",
         runs.len()
     );
     assert!(relists > 0, "no re-list repair ran");
@@ -129,6 +132,11 @@ fn assert_coverage(runs: &[(Scenario, Outcome)], torn: bool) {
     assert!(
         before_retry > 0,
         "no query ran between a failed commit and its retry"
+    );
+    assert!(
+        instance_checks >= runs.len() as u64,
+        "the query instance was checked against a fresh one {instance_checks} times in {} seeds",
+        runs.len()
     );
 }
 

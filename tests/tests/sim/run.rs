@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use foldhost::applied::{
-    Apply, ApplyError, BatchConfig, Control, FoldStatus, WatchOptions, watch_applied,
+    Apply, ApplyError, BatchConfig, Control, FoldStatus, Queries, WatchOptions, watch_applied,
 };
 use foldhost::artifact;
 use foldhost::guest::{GuestApply, GuestEngine, GuestLimits};
@@ -88,6 +88,9 @@ pub struct Outcome {
     /// Queries sent while a batch waited re-queued after a failed commit (a trapping one among
     /// them): between the failure and its retry.
     pub queries_before_retry: u32,
+    /// Times the query instance, level with the committed fold, was checked against a fresh
+    /// instance hydrated from it.
+    pub instance_checks: u32,
 }
 
 /// What a seed decides, and so what two runs of it must share: every line of the trace but the
@@ -118,6 +121,8 @@ impl Outcome {
 /// What the driver needs of the running life to send queries between its other steps.
 struct Asker {
     ctl: mpsc::Sender<Control>,
+    /// The fold's query route: the query instance once level, the fold loop before.
+    queries: Queries,
     status: Arc<FoldStatus>,
     /// Sets the next query to trap ([`Harnessed::trap_next_query`]).
     trap: Arc<AtomicBool>,
@@ -512,9 +517,15 @@ impl Sim {
                 scratch: Some(self.root.join("scratch")),
                 ..RepairConfig::default()
             },
+            queries: None,
         };
         let status = Arc::new(FoldStatus::default());
         let (ctl_tx, ctl_rx) = mpsc::channel(4);
+        let queries = Queries::new(ctl_tx.clone());
+        let opts = WatchOptions {
+            queries: Some(queries.clone()),
+            ..opts
+        };
         let (stop_tx, stop_rx) = oneshot::channel::<()>();
         let watcher: Arc<dyn KvWatcher> = Arc::new(self.bucket.clone());
         let mut fold = Box::pin(watch_applied(
@@ -530,6 +541,7 @@ impl Sim {
         ));
         self.asker = Some(Asker {
             ctl: ctl_tx.clone(),
+            queries: queries.clone(),
             status: status.clone(),
             trap: trap_next_query,
             traps: faults,
@@ -753,23 +765,28 @@ impl Sim {
             return Ok("no fold".into());
         };
         let ctl = a.ctl.clone();
-        if trap {
+        let reply = if trap {
+            // Through the fold loop, to the running applier (whose next query traps).
             a.trap.store(true, Ordering::SeqCst);
-        }
-        let (tx, rx) = oneshot::channel();
-        let q = Control::Query {
-            request: key.as_bytes().to_vec(),
-            reply: tx,
+            let (tx, rx) = oneshot::channel();
+            let q = Control::Query {
+                request: key.as_bytes().to_vec(),
+                reply: tx,
+            };
+            if ctl.send(q).await.is_err() {
+                return Ok("the fold stopped".into());
+            }
+            rx.await.ok()
+        } else {
+            // Through the query route: the query instance when one is level.
+            a.queries.ask(key.as_bytes().to_vec()).await.ok()
         };
-        if ctl.send(q).await.is_err() {
-            return Ok("the fold stopped".into());
-        }
-        Ok(match rx.await {
+        Ok(match reply.ok_or(()) {
             Ok(Ok(_)) => format!("{key}: a value"),
             Ok(Err(e)) if e.is_rebuilding() => format!("{key}: rebuilding"),
             Ok(Err(e)) if e.message.contains("missing") => format!("{key}: missing"),
             Ok(Err(e)) => format!("{key}: failed ({})", e.call),
-            Err(_) => "no reply".into(),
+            Err(()) => "no reply".into(),
         })
     }
 
@@ -959,6 +976,60 @@ impl Sim {
             if running != expect {
                 return Err(format!(
                     "the guest answers {key} with {running:?}, the truth is {expect:?}"
+                ));
+            }
+        }
+        self.check_query_instance(shared, fresh.as_mut()).await
+    }
+
+    /// The query instance, once level with the committed fold, answers every key (asked together)
+    /// as `fresh` — an instance hydrated from the fold at that cursor — does.
+    async fn check_query_instance(
+        &mut self,
+        shared: &SharedStore<FaultStore>,
+        fresh: &mut dyn Apply,
+    ) -> Res<()> {
+        let Some(queries) = self.asker.as_ref().map(|a| a.queries.clone()) else {
+            return Ok(());
+        };
+        let start = tokio::time::Instant::now();
+        loop {
+            let committed = shared
+                .read()
+                .map_err(|e| format!("read the store: {e}"))?
+                .cursor()
+                .revision_or_zero();
+            if queries.level() == Some(committed) {
+                break;
+            }
+            if start.elapsed() > STUCK {
+                return Err(format!(
+                    "the query instance is not level with the fold at {committed} (it is at {:?})",
+                    queries.level()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        let keys: Vec<&str> = KEYS
+            .iter()
+            .copied()
+            .filter(|k| self.sc.scope.contains(k))
+            .collect();
+        let (by_instance, _) = queries.answered();
+        let answers = queries
+            .ask_many(keys.iter().map(|k| k.as_bytes().to_vec()).collect())
+            .await
+            .map_err(|e| format!("ask the query instance: {e}"))?;
+        if queries.answered().0 != by_instance + keys.len() as u64 {
+            return Err("the fold loop answered the check, not the query instance".into());
+        }
+        self.out.instance_checks += 1;
+        for (key, reply) in keys.iter().zip(answers) {
+            let instance = answer(reply)?;
+            let hydrated = answer(fresh.query(key.as_bytes()).await)?;
+            if instance != hydrated {
+                return Err(format!(
+                    "the query instance answers {key} with {instance:?}, a fresh instance from the fold with {hydrated:?}"
                 ));
             }
         }

@@ -162,6 +162,20 @@ pub trait Apply: Send {
         })
     }
 
+    /// A second instance of this applier for answering queries beside the fold (docs/design.md,
+    /// "Queries off the fold's path"), reading the fold through `view`: hydrated by the caller
+    /// ([`SwapCandidate::hydrate`]), then kept level by catch-up rounds
+    /// ([`SwapCandidate::catch_up`]) and the state buckets' committed batches
+    /// ([`SwapCandidate::apply_lane`]). `None` (the default): this applier has none, and its
+    /// queries are answered by the fold loop between batches.
+    fn query_instance(
+        &mut self,
+        view: std::sync::Arc<dyn FoldRead>,
+    ) -> Option<Box<dyn SwapCandidate>> {
+        let _ = view;
+        None
+    }
+
     /// Answers a query against the structure the applier built. Called between batches only, so it
     /// never sees a half-applied batch.
     async fn query(&mut self, _request: &[u8]) -> Result<Vec<u8>, ApplyError> {
@@ -201,6 +215,18 @@ pub trait SwapCandidate: Send {
     /// `apply` and its commit. Appliers without lanes have nothing to do.
     async fn catch_up_lanes(&mut self) -> Result<(), ApplyError> {
         Ok(())
+    }
+
+    /// Applies a state bucket's committed batch (`bucket` as the guest names it) as hydration
+    /// applies: what the query instance, level with the bucket's fold before it, needs to be
+    /// level after it. Candidates without lanes refuse it.
+    async fn apply_lane(&mut self, bucket: &str, updates: &[KvUpdate]) -> Result<(), ApplyError> {
+        let _ = updates;
+        Err(ApplyError {
+            applier: self.describe(),
+            call: "apply",
+            message: format!("this candidate folds no state bucket (asked for {bucket:?})"),
+        })
     }
 
     /// Answers a query (a shadow's comparison): `Ok` with the candidate's own answer — its
@@ -371,6 +397,14 @@ pub enum Control {
     /// A state bucket's turn at the applier: its steps are served inline, nothing else between
     /// them ([`crate::applied::lane`]).
     Lane(crate::applied::LaneSession),
+    /// Several lookups against the applier, answered in a row between two batches
+    /// ([`crate::applied::Queries`] when no query instance is level).
+    Queries {
+        /// The requests, in order.
+        lookups: Vec<Vec<u8>>,
+        /// Where the answers go, one per lookup, in order.
+        reply: tokio::sync::oneshot::Sender<Vec<Result<Vec<u8>, ApplyError>>>,
+    },
     /// Run a query against the applier.
     Query {
         /// The request bytes.

@@ -211,11 +211,20 @@ impl Apply for LaneApply {
     }
 }
 
-/// Serves `session` against `apply` until it ends (the main loop's side of a lane's turn).
-pub(crate) async fn serve<A: Apply + ?Sized>(apply: &mut A, mut session: LaneSession) {
+/// Serves `session` against `apply` until it ends (the main loop's side of a lane's turn). With
+/// `feed`, each batch `apply` took is noted, and handed on as committed at the `on-applied` that
+/// follows its commit (the query instance's copy of the lane, [`LaneFeed`]).
+pub(crate) async fn serve<A: Apply + ?Sized>(
+    apply: &mut A,
+    mut session: LaneSession,
+    mut feed: Option<&mut LaneFeed>,
+) {
     while let Some(step) = session.steps.recv().await {
         match step {
             LaneStep::Parse { batch, reply } => {
+                if let Some(f) = feed.as_deref_mut() {
+                    f.parsing(&session.bucket);
+                }
                 let r = apply.parse_lane(&session.bucket, &batch).await;
                 let _ = reply.send(r);
             }
@@ -225,13 +234,95 @@ pub(crate) async fn serve<A: Apply + ?Sized>(apply: &mut A, mut session: LaneSes
                 reply,
             } => {
                 let r = apply.apply(&batch, &verdicts).await;
+                if r.is_ok()
+                    && let Some(f) = feed.as_deref_mut()
+                {
+                    f.applied(&session.bucket, batch);
+                }
                 let _ = reply.send(r);
             }
             LaneStep::OnApplied { cursor } => {
+                if let Some(f) = feed.as_deref_mut() {
+                    f.committed(&session.bucket);
+                }
                 apply.on_applied_lane(&session.bucket, cursor).await;
                 return;
             }
         }
+    }
+}
+
+/// Most bytes of lane batches a [`LaneFeed`] holds for the query instance; past it the feed
+/// overflows and the query instance is rebuilt from the folds.
+pub(crate) const MAX_LANE_FEED_BYTES: usize = 64 * 1024 * 1024;
+
+/// The state buckets' batches on their way to the query instance: noted when the guest applied
+/// them, handed on once their lane committed them (a batch applied and not committed — its commit
+/// failed and is retried — waits for the `on-applied` of the retry; one still pending when the
+/// bucket's next batch is parsed was never committed, and is dropped).
+#[derive(Debug, Default)]
+pub(crate) struct LaneFeed {
+    /// Applied, not yet committed, per bucket.
+    pending: std::collections::BTreeMap<String, Vec<Vec<KvUpdate>>>,
+    /// Committed, in commit order, not yet handed to the query instance.
+    committed: Vec<(String, Vec<KvUpdate>)>,
+    bytes: usize,
+    overflowed: bool,
+}
+
+impl LaneFeed {
+    fn applied(&mut self, bucket: &str, batch: Vec<KvUpdate>) {
+        if self.overflowed {
+            return;
+        }
+        self.bytes += batch.iter().map(KvUpdate::byte_len).sum::<usize>();
+        if self.bytes > MAX_LANE_FEED_BYTES {
+            self.overflowed = true;
+            self.pending.clear();
+            self.committed.clear();
+            return;
+        }
+        self.pending
+            .entry(bucket.to_string())
+            .or_default()
+            .push(batch);
+    }
+
+    /// A new batch of `bucket` reaches the guest: a batch of it applied before and still not
+    /// committed never will be (a lane commits a re-queued batch before the guest sees a newer
+    /// one; one that is never committed — a failed release — was dropped).
+    fn parsing(&mut self, bucket: &str) {
+        self.pending.remove(bucket);
+    }
+
+    fn committed(&mut self, bucket: &str) {
+        if let Some(batches) = self.pending.remove(bucket) {
+            self.committed
+                .extend(batches.into_iter().map(|b| (bucket.to_string(), b)));
+        }
+    }
+
+    /// Whether committed batches wait.
+    pub(crate) fn has_committed(&self) -> bool {
+        !self.committed.is_empty()
+    }
+
+    /// True once the feed dropped batches (over its bound): the query instance must be rebuilt.
+    pub(crate) fn overflowed(&self) -> bool {
+        self.overflowed
+    }
+
+    /// The committed batches, in commit order, handed on.
+    pub(crate) fn take_committed(&mut self) -> Vec<(String, Vec<KvUpdate>)> {
+        let out = std::mem::take(&mut self.committed);
+        self.bytes = self
+            .pending
+            .values()
+            .flatten()
+            .flatten()
+            .map(KvUpdate::byte_len)
+            .sum();
+        out
     }
 }
 
@@ -290,7 +381,7 @@ mod tests {
             let mut apply = Tagged::default();
             while let Some(c) = rx.recv().await {
                 if let Control::Lane(s) = c {
-                    serve(&mut apply, s).await;
+                    serve(&mut apply, s, None).await;
                 }
             }
             apply

@@ -38,6 +38,7 @@ use crate::snapshot::SnapshotError;
 mod apply;
 mod fold;
 pub mod lane;
+mod queries;
 mod start;
 mod watch;
 
@@ -50,6 +51,7 @@ pub use fold::Fold;
 #[cfg(any(test, feature = "testkit"))]
 pub use fold::flush_all;
 pub use lane::{LaneApply, LaneLink, LaneSession};
+pub use queries::{MAX_LOOKUPS_PER_ASK, Queries, Unanswered};
 pub use start::identity_refusal;
 pub use watch::watch_applied;
 
@@ -161,6 +163,10 @@ pub struct WatchOptions {
     pub defer_grace: Duration,
     /// How an expired cursor is repaired (`--repair`, `--restore-from`).
     pub repair: crate::repair::RepairConfig,
+    /// The fold's query route, when its queries should be answered off the fold's path: the
+    /// loop keeps a query instance level beside it and installs it there ([`Queries`]). `None`:
+    /// no query instance (queries, if any, are answered between batches).
+    pub queries: Option<Queries>,
 }
 
 /// What a finished fold reports.

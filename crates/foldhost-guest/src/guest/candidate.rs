@@ -90,6 +90,26 @@ impl SwapCandidate for GuestCandidate {
         Ok(())
     }
 
+    async fn apply_lane(&mut self, bucket: &str, updates: &[KvUpdate]) -> Result<(), ApplyError> {
+        if bucket.is_empty() || self.core.lane(bucket).is_none() {
+            return Err(self.core.err(
+                "apply",
+                format!("{bucket:?} is not a bucket this guest declares"),
+            ));
+        }
+        let Some(mut live) = self.live.take() else {
+            return Err(self.core.err(
+                "apply",
+                "a state bucket's batch before it was hydrated".into(),
+            ));
+        };
+        let updates: Vec<bindings::Update<'_>> =
+            updates.iter().map(bindings::to_wit_update).collect();
+        self.core.feed(&mut live, bucket, updates).await?;
+        self.live = Some(live);
+        Ok(())
+    }
+
     async fn query(&mut self, request: &[u8]) -> Result<Result<Vec<u8>, String>, ApplyError> {
         let Some(mut live) = self.live.take() else {
             return Err(self

@@ -454,6 +454,31 @@ impl Apply for GuestApply {
         self.on_applied_in("", cursor).await;
     }
 
+    fn query_instance(&mut self, view: Arc<dyn FoldRead>) -> Option<Box<dyn SwapCandidate>> {
+        // The same compiled component, limits, configuration and state buckets; its own store and
+        // instance, reading the fold through `view`.
+        Some(Box::new(GuestCandidate {
+            core: Core {
+                engine: self.core.engine.clone(),
+                pre: self.core.pre.clone(),
+                digest: self.core.digest,
+                manifest: self.core.manifest.clone(),
+                limits: self.core.limits,
+                config: self.core.config.clone(),
+                fold: view,
+                state: self.core.state.clone(),
+                // Its own: a lane's discard request is the running instance's, not this one's.
+                link: Arc::new(LaneLink::default()),
+                counters: self.core.counters.clone(),
+                #[cfg(any(test, feature = "testkit"))]
+                interrupt_next: AtomicBool::new(false),
+            },
+            live: None,
+            running: self.core.manifest.clone(),
+            hydrated: None,
+        }))
+    }
+
     fn swap_candidate(
         &mut self,
         what: &str,

@@ -27,8 +27,10 @@ use crate::protocol;
 use crate::snapshot::SnapshotStore;
 use crate::view::SharedStore;
 
+mod replica;
 mod swap;
 
+use replica::{QueryInstance, QueryInstanceLife};
 use swap::{PendingSwap, hydrated};
 
 use super::fold::{STORE_RETRY_DELAY, apply_backoff, flush_all};
@@ -82,6 +84,8 @@ where
         retention_tick,
         depth,
         swap: None,
+        query_instance: None,
+        query_life: QueryInstanceLife::default(),
         share: protocol::LoopShare::default(),
         rebuild_held: false,
     };
@@ -103,6 +107,9 @@ struct FoldLoop<'a, S: SnapshotStore, A: Apply + ?Sized> {
     depth: usize,
     /// The swap whose candidate is hydrating, if any.
     swap: Option<PendingSwap>,
+    /// The query instance, when the fold has a query route and one is built or building.
+    query_instance: Option<QueryInstance>,
+    query_life: QueryInstanceLife,
     /// Queries and flushes since the loop last switched between them ([`protocol::loop_gates`]).
     share: protocol::LoopShare,
     /// A rebuild of the lost guest instance failed: none is tried between batches again until the
@@ -358,6 +365,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 // now rather than at the end of the window.
                 _ = self.status.waiter_arrived.notified(), if t.timer_armed => flush_now = true,
                 _ = self.grace_tick.tick() => self.on_grace_tick(&mut t).await?,
+                ev = replica::next_event(&mut self.query_instance) => self.on_query_instance(ev, &mut t).await?,
                 _ = self.retention_tick.tick(), if watches_for_eviction(&self.opts, &self.fold) => {
                     self.on_retention_tick(&mut t).await?;
                 }
@@ -388,8 +396,10 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             }
             if flush_now {
                 self.flush_ready(&mut t, timer.as_mut()).await?;
-                // A shadow waiting for the fold's batches looks again after each commit.
+                // A shadow waiting for the fold's batches looks again after each commit, and so
+                // does a query instance waiting for its next round.
                 self.on_committed(&mut t).await?;
+                self.query_round()?;
             }
         }
     }
@@ -488,7 +498,19 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
     async fn on_control(&mut self, c: Option<Control>, t: &mut Turn) -> Result<(), AppliedError> {
         match c {
             // A state bucket's flush: served whole, nothing else reaching the guest meanwhile.
-            Some(Control::Lane(session)) => super::lane::serve(self.apply, session).await,
+            Some(Control::Lane(session)) => {
+                let feed = self.query_instance.as_mut().map(|q| &mut q.lanes);
+                super::lane::serve(self.apply, session, feed).await;
+                self.query_round()?;
+            }
+            Some(Control::Queries { lookups, reply }) => {
+                // Between batches, in a row: the applier's structure is whole and stays so.
+                let mut answers = Vec::with_capacity(lookups.len());
+                for request in &lookups {
+                    answers.push(self.apply.query(request).await);
+                }
+                let _ = reply.send(answers);
+            }
             Some(Control::Query { request, reply }) => {
                 // Between batches: the applier's structure is whole.
                 let answer = self.apply.query(&request).await;
@@ -577,7 +599,10 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         self.fold
             .check_grace(self.opts.defer_grace)
             .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
-        self.on_committed(t).await
+        self.on_committed(t).await?;
+        // A query instance starts here (at the loop's first tick, and after a backoff).
+        self.begin_query_instance(t).await?;
+        self.query_round()
     }
 
     /// One event into the batch and the progress figures; true when it asks for a flush (the

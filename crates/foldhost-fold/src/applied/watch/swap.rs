@@ -581,6 +581,9 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             Ok(retired) => drop(tokio::task::spawn_blocking(move || drop(retired))),
             Err(e) => return Ok(Err(e)),
         }
+        // No query is answered by the version before from here on (before the caller hears of the
+        // swap): the fold loop answers until a query instance of this one is level.
+        self.retire_query_instance();
         let (released, still_retained) = self.fold.release(self.apply).await?;
         Ok(Ok((released, still_retained)))
     }
