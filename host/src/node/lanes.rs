@@ -250,7 +250,9 @@ impl StateWriter for LaneWriter {
                     .map(|v| base64::engine::general_purpose::STANDARD.encode(v)),
                 op_id: req.op_id,
                 if_revision: req.if_revision,
-                wait_ms: Some(0),
+                // Waits for this node's fold of the bucket only where the guest may
+                // (`StateWriteRequest::wait`: from `query` on the query instance).
+                wait_ms: Some(u64::try_from(req.wait.as_millis()).unwrap_or(u64::MAX)),
                 ..Default::default()
             };
             let write = path.write_minted(request, minted);

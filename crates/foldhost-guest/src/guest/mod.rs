@@ -206,6 +206,9 @@ struct Core {
     link: Arc<LaneLink>,
     /// Failed calls and rebuilds, counted for the fold's status (kept across swaps).
     counters: Arc<foldhost_core::status::GuestCounters>,
+    /// Its instances answer queries beside the fold (the query instance): a state write from
+    /// their `query` may wait for the fold to apply it.
+    answers_beside_fold: bool,
     /// Test builds only: the next call is armed with a deadline already passed, so wasmtime
     /// interrupts it at its first epoch check — a real deadline trap at a chosen call.
     #[cfg(any(test, feature = "testkit"))]
@@ -253,6 +256,7 @@ impl GuestApply {
             state: Arc::new(OnceLock::new()),
             link: Arc::new(LaneLink::default()),
             counters: Arc::default(),
+            answers_beside_fold: false,
             #[cfg(any(test, feature = "testkit"))]
             interrupt_next: AtomicBool::new(false),
         };
@@ -470,6 +474,7 @@ impl Apply for GuestApply {
                 // Its own: a lane's discard request is the running instance's, not this one's.
                 link: Arc::new(LaneLink::default()),
                 counters: self.core.counters.clone(),
+                answers_beside_fold: true,
                 #[cfg(any(test, feature = "testkit"))]
                 interrupt_next: AtomicBool::new(false),
             },
@@ -516,6 +521,7 @@ impl Apply for GuestApply {
                 state: self.core.state.clone(),
                 link: self.core.link.clone(),
                 counters: self.core.counters.clone(),
+                answers_beside_fold: false,
                 #[cfg(any(test, feature = "testkit"))]
                 interrupt_next: AtomicBool::new(false),
             },

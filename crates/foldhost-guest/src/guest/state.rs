@@ -42,6 +42,10 @@ pub struct StateWriteRequest {
     /// How long the writer may take, at most (within what is left of the guest call's deadline):
     /// past it the writer answers `unknown` with the operation id, never later.
     pub within: Duration,
+    /// How long to wait for this node's fold of the bucket to apply the write before answering
+    /// `pending` (never more than `within`): the guest's `wait-ms`, from `query` on the query
+    /// instance only — elsewhere the fold that would apply it waits for the call, and it is 0.
+    pub wait: Duration,
 }
 
 /// How an admitted write went.

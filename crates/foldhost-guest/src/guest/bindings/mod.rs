@@ -470,6 +470,9 @@ pub struct HostState {
     pub(crate) deadline: Option<tokio::time::Instant>,
     /// The state buckets, once the host attached them (shared by every instance of the guest).
     pub(crate) state: Arc<OnceLock<StateAccess>>,
+    /// This instance answers queries beside the fold (docs/design.md, "Queries off the fold's
+    /// path"): a write from its `query` may wait for the fold to apply it (`wait-ms`).
+    pub(crate) may_wait: bool,
 }
 
 impl HostState {
@@ -514,6 +517,7 @@ impl HostState {
             call: GuestCall::Setup,
             deadline: None,
             state,
+            may_wait: false,
         }
     }
 

@@ -130,12 +130,22 @@ impl HostState {
         // Nine tenths of what is left of the call: a write that cannot finish in time answers
         // `unknown` (with its op id, to retry with) before the call itself is stopped.
         let left = self.time_left();
+        let within = left.saturating_sub(left / 10);
+        // Waiting for this node to apply it is possible only where the fold is free to: from
+        // `query` on the query instance. Elsewhere the fold that would apply it waits for this
+        // call, and the write answers once it is durable.
+        let wait = if self.call == GuestCall::Query && self.may_wait {
+            std::time::Duration::from_millis(u64::from(options.wait_ms)).min(within)
+        } else {
+            std::time::Duration::ZERO
+        };
         let req = StateWriteRequest {
             key,
             value,
             op_id: options.op_id,
             if_revision: options.if_revision,
-            within: left.saturating_sub(left / 10),
+            within,
+            wait,
         };
         match writer.write(&lane.decl, req).await {
             Ok(w) => Ok(Written {
