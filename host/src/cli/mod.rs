@@ -31,6 +31,7 @@ mod state;
 mod status;
 mod swap;
 mod units;
+mod vendored;
 mod write;
 
 pub use artifacts::*;
@@ -173,11 +174,12 @@ pub struct NewGuestArgs {
     /// Where to create it (default: ./NAME).
     #[arg(long)]
     pub dir: Option<PathBuf>,
-    /// The SDK (a foldhost checkout's `sdk/rust`, `sdk/js` or `sdk/python`; found automatically
-    /// beside this binary).
+    /// Link this SDK (a foldhost checkout's `sdk/rust`, `sdk/js` or `sdk/python`) instead of
+    /// writing the one this binary carries into the project's `foldhost/`.
     #[arg(long)]
     pub sdk: Option<PathBuf>,
-    /// The WIT directory (a foldhost checkout's `wit/`; found automatically beside this binary).
+    /// Link this WIT directory (a foldhost checkout's `wit/`) instead of writing the one this
+    /// binary carries.
     #[arg(long)]
     pub wit: Option<PathBuf>,
     /// A guest that keeps state on the bus (contract 0.3.0, docs/state.md): it owns one bucket and

@@ -2,9 +2,10 @@
 //! from the templates in `templates/<lang>/` (real files, so they read and diff as what they make;
 //! the live suite builds and runs one of each).
 //!
-//! A scaffold refers to the checkout's SDK and WIT by absolute path (`{{sdk}}`, `{{wit}}`) rather
-//! than copying them, so a project keeps building against the SDK it was made with and picks up
-//! its fixes. Placeholders: `{{name}}` (the guest's name), `{{crate_file}}` (the name with `-` as
+//! A scaffold carries its SDK and the WIT: this binary holds them ([`super::vendored`]) and writes
+//! them under the project's `foldhost/`, so the project builds wherever its language's toolchain is,
+//! with no foldhost checkout. `--sdk PATH` (and `--wit PATH`) link an existing copy by absolute path
+//! instead — a checkout's, whose installed JavaScript toolchain it then shares. Placeholders: `{{name}}` (the guest's name), `{{crate_file}}` (the name with `-` as
 //! `_`: the Rust crate's file name, the Python module's, the output `.wasm`'s), `{{module}}` (the
 //! name as a state module name: lowercase, `-` for `_`), `{{sdk}}`, `{{wit}}`. With `--state` the
 //! templates are `templates/<lang>-state/`: a guest that owns one bucket and reads another's
@@ -14,7 +15,11 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{Context, bail};
 
-use super::{NewGuestArgs, find_in_checkout};
+use super::{NewGuestArgs, find_in_checkout, vendored};
+
+/// The componentize-py a Python scaffold installs when none is found (the version
+/// `scripts/setup.sh` pins).
+pub(super) const COMPONENTIZE_PY_VERSION: &str = "0.25.1";
 
 /// A guest language `new-guest` can scaffold.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
@@ -225,6 +230,7 @@ impl Fill<'_> {
             )
             .replace("{{sdk}}", &self.sdk.display().to_string())
             .replace("{{wit}}", &self.wit.display().to_string())
+            .replace("{{componentize_py}}", COMPONENTIZE_PY_VERSION)
     }
 }
 
@@ -241,6 +247,36 @@ fn checkout_dir(rel: &str) -> Option<PathBuf> {
     find_in_checkout(Path::new(rel))
         .and_then(|p| p.parent().map(Path::to_path_buf))
         .and_then(|p| std::fs::canonicalize(p).ok())
+}
+
+/// Where a scaffold's own copy of the SDK and the WIT goes, in the project.
+const CARRIED_DIR: &str = "foldhost";
+
+/// The SDK `--sdk` names (or, with only `--wit` given, the checkout's beside this binary), as an
+/// absolute path; none for C.
+fn linked_sdk(a: &NewGuestArgs, lang: Lang) -> anyhow::Result<PathBuf> {
+    Ok(match (a.sdk.clone(), lang.sdk()) {
+        (Some(p), _) => {
+            std::fs::canonicalize(&p).with_context(|| format!("--sdk {}", p.display()))?
+        }
+        (None, Some(rel)) => checkout_dir(rel).with_context(|| {
+            format!(
+                "the SDK ({} of a foldhost checkout) was not found: pass --sdk PATH, or neither --sdk nor --wit for the SDK this binary carries",
+                Path::new(rel).parent().unwrap_or(Path::new(rel)).display()
+            )
+        })?,
+        (None, None) => PathBuf::new(),
+    })
+}
+
+/// The WIT `--wit` names (or the checkout's beside this binary), as an absolute path.
+fn linked_wit(a: &NewGuestArgs) -> anyhow::Result<PathBuf> {
+    match a.wit.clone() {
+        Some(p) => std::fs::canonicalize(&p).with_context(|| format!("--wit {}", p.display())),
+        None => checkout_dir("wit/guest.wit").context(
+            "the WIT (wit/ of a foldhost checkout) was not found: pass --wit PATH, or neither --sdk nor --wit for the WIT this binary carries",
+        ),
+    }
 }
 
 pub(super) fn cmd_new_guest(a: NewGuestArgs) -> anyhow::Result<()> {
@@ -265,32 +301,38 @@ pub(super) fn cmd_new_guest(a: NewGuestArgs) -> anyhow::Result<()> {
     } else {
         lang.templates()
     };
-    let sdk = match (a.sdk.clone(), lang.sdk()) {
-        (Some(p), _) => {
-            std::fs::canonicalize(&p).with_context(|| format!("--sdk {}", p.display()))?
-        }
-        (None, Some(rel)) => checkout_dir(rel).with_context(|| {
-            format!(
-                "the SDK ({} of a foldhost checkout) was not found: pass --sdk PATH",
-                Path::new(rel).parent().unwrap_or(Path::new(rel)).display()
-            )
-        })?,
-        (None, None) => PathBuf::new(),
-    };
-    let wit = match a.wit.clone() {
-        Some(p) => std::fs::canonicalize(&p).with_context(|| format!("--wit {}", p.display()))?,
-        None => checkout_dir("wit/guest.wit")
-            .context("the WIT (wit/ of a foldhost checkout) was not found: pass --wit PATH")?,
-    };
     let dir = a.dir.clone().unwrap_or_else(|| PathBuf::from(name));
     if dir.exists() {
         bail!("{}: already exists; not overwriting", dir.display());
     }
+    let sdk_dir = lang
+        .sdk()
+        .and_then(|f| Path::new(f).parent())
+        .map(Path::to_path_buf);
+    let (sdk, wit, carried) = if a.sdk.is_none() && a.wit.is_none() {
+        // Relative to the project: its files refer to `foldhost/…` from their own directory.
+        let root = Path::new(CARRIED_DIR);
+        let sdk = sdk_dir.as_ref().map_or_else(PathBuf::new, |d| root.join(d));
+        (sdk, root.join("wit"), true)
+    } else {
+        (linked_sdk(&a, lang)?, linked_wit(&a)?, false)
+    };
     let fill = Fill {
         name,
         sdk: &sdk,
         wit: &wit,
     };
+    if carried {
+        let sdk = sdk_dir.as_ref().and_then(|d| d.to_str());
+        for (path, text) in vendored::for_sdk(sdk) {
+            let path = dir.join(CARRIED_DIR).join(path);
+            if let Some(parent) = path.parent() {
+                std::fs::create_dir_all(parent)
+                    .with_context(|| format!("create {}", parent.display()))?;
+            }
+            std::fs::write(&path, text).with_context(|| format!("write {}", path.display()))?;
+        }
+    }
     for t in templates {
         let path = dir.join(t.path);
         if let Some(parent) = path.parent() {
@@ -354,5 +396,58 @@ mod tests {
             state.contains("Manifest::whole_bucket(\"my-guest\"") && state.contains(".owns("),
             "the state scaffold names its module by the rule: {state}"
         );
+    }
+
+    #[test]
+    fn a_python_scaffold_installs_the_componentize_py_the_setup_pins() {
+        let setup = include_str!("../../../scripts/setup.sh");
+        let pinned = setup
+            .lines()
+            .find_map(|l| l.strip_prefix("COMPONENTIZE_PY_VERSION=\"${COMPONENTIZE_PY_VERSION:-"))
+            .and_then(|rest| rest.strip_suffix("}\""))
+            .expect("setup.sh pins componentize-py");
+        assert_eq!(COMPONENTIZE_PY_VERSION, pinned);
+    }
+
+    #[test]
+    fn a_scaffold_made_without_sdk_or_wit_carries_its_sdk_and_wit_and_refers_to_them_relatively() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        for (lang, sdk) in [
+            (Lang::Rust, Some("sdk/rust/src/lib.rs")),
+            (Lang::Python, Some("sdk/python/foldhost_guest.py")),
+            (Lang::Js, Some("sdk/js/build.mjs")),
+            (Lang::C, None),
+        ] {
+            let dir = tmp.path().join(format!("{lang:?}"));
+            cmd_new_guest(NewGuestArgs {
+                name: "my-guest".into(),
+                lang,
+                dir: Some(dir.clone()),
+                sdk: None,
+                wit: None,
+                state: false,
+            })
+            .expect("scaffolded");
+            assert!(
+                dir.join("foldhost/wit/v0.3.0/guest.wit").is_file(),
+                "{lang:?}"
+            );
+            assert!(dir.join("foldhost/docs/state.md").is_file(), "{lang:?}");
+            if let Some(f) = sdk {
+                assert!(dir.join("foldhost").join(f).is_file(), "{lang:?}: {f}");
+            }
+            // No file refers to where this binary was built.
+            let checkout = env!("CARGO_MANIFEST_DIR").trim_end_matches("/host");
+            for t in lang.templates() {
+                let text = std::fs::read_to_string(dir.join(t.path)).expect("read");
+                assert!(
+                    !text.contains(checkout),
+                    "{lang:?} {} names {checkout}",
+                    t.path
+                );
+            }
+        }
+        let cargo = std::fs::read_to_string(tmp.path().join("Rust/Cargo.toml")).expect("read");
+        assert!(cargo.contains("path = \"foldhost/sdk/rust\""), "{cargo}");
     }
 }

@@ -203,12 +203,26 @@ fn scaffold(lang: &str, dir: &Path) -> anyhow::Result<PathBuf> {
 }
 
 /// [`scaffold`] with more `new-guest` flags.
+///
+/// Rust and Python scaffolds carry the SDK and the WIT the binary holds (the project, in a
+/// temporary directory outside the checkout, builds from its own `foldhost/`); JavaScript ones
+/// link the checkout's SDK, whose installed toolchain they share (a carried one installs its own
+/// with `npm ci` at its first build).
 fn scaffold_with(lang: &str, dir: &Path, flags: &[&str]) -> anyhow::Result<PathBuf> {
-    let out = foldhost()
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut new_guest = foldhost();
+    new_guest
         .args(["new-guest", "my-guest", "--lang", lang, "--dir"])
         .arg(dir)
-        .args(flags)
-        .output()?;
+        .args(flags);
+    if lang == "js" && !flags.contains(&"--sdk") {
+        new_guest
+            .arg("--sdk")
+            .arg(root.join("sdk/js"))
+            .arg("--wit")
+            .arg(root.join("wit"));
+    }
+    let out = new_guest.output()?;
     anyhow::ensure!(
         out.status.success(),
         "{}",
