@@ -25,6 +25,7 @@ mod config;
 mod demo;
 mod grants;
 mod nats;
+mod reference;
 mod run;
 mod scaffold;
 mod state;
@@ -161,6 +162,21 @@ pub enum Command {
     /// The state buckets folded under a store, declared or not (docs/state.md).
     #[command(subcommand)]
     State(state::StateCommand),
+    /// Print the completion script for a shell (e.g. `foldhost completions bash >
+    /// /etc/bash_completion.d/foldhost`).
+    Completions {
+        /// The shell.
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
+    /// Write the man pages (`foldhost.1`, and `foldhost-COMMAND.1` for each command) into DIR.
+    Man {
+        /// Where the pages go (created if missing).
+        dir: PathBuf,
+    },
+    /// Print the command reference (docs/cli.md) as Markdown.
+    #[command(hide = true)]
+    CliReference,
 }
 
 /// `foldhost new-guest`.
@@ -236,6 +252,12 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Grants(a) => grants::cmd_grants(a).await,
         Command::State(a) => state::cmd_state(a),
         Command::Config(c) => config::cmd_config(c),
+        Command::Completions { shell } => {
+            reference::completions(shell);
+            Ok(())
+        }
+        Command::Man { dir } => reference::man(&dir),
+        Command::CliReference => reference::print_markdown(),
     }
 }
 
