@@ -13,12 +13,14 @@ FEATURES = --features fjall,rocksdb,crashpoints
 RUNS ?= 5
 BENCH_RUNS ?= 3
 
+# Each target installs only what it needs (scripts/setup.sh says what each tier holds): `demo` the
+# nats-server and the wasm32-wasip2 target, `bench` every guest toolchain too, `test` Chromium too.
 SETUP = NATS_SERVER_BIN="$$(scripts/setup.sh)" && export NATS_SERVER_BIN
-# `test` also needs Chromium (the status page's browser test): `setup.sh --test` installs it.
 SETUP_TEST = NATS_SERVER_BIN="$$(scripts/setup.sh --test)" && export NATS_SERVER_BIN
+SETUP_BENCH = NATS_SERVER_BIN="$$(scripts/setup.sh --bench)" && export NATS_SERVER_BIN
 
 demo:
-	$(SETUP) && guests/build.sh >/dev/null && cargo run --quiet -p foldhost -- demo
+	$(SETUP) && guests/build.sh router >/dev/null && cargo run --quiet -p foldhost -- demo
 
 # `test` compiles the workspace once, through clippy's driver: clippy's lints (`-D warnings`) run
 # in the very build the suites use, where a separate `cargo clippy` pass would check every
@@ -56,7 +58,7 @@ lint-sources:
 	cargo clippy --manifest-path guests/Cargo.toml --target wasm32-wasip2 --quiet -- -D warnings
 
 setup:
-	scripts/setup.sh >/dev/null
+	scripts/setup.sh --test >/dev/null
 
 flake:
 	scripts/flake.sh $(RUNS)
@@ -68,7 +70,7 @@ guests:
 # date): ~25 minutes on 2 cores. Builds the release binaries, the guests and the slipstream
 # baseline tool (../shared/bench/slipfold, into target/slipfold) first. BENCH_RUNS=3 by default.
 bench: slipfold
-	$(SETUP) && guests/build.sh >/dev/null && \
+	$(SETUP_BENCH) && guests/build.sh >/dev/null && \
 	cargo build --release --quiet -p foldhost --features fjall,rocksdb && \
 	cargo run --release --quiet -p foldhost-tests --features fjall,rocksdb --bin foldhost-bench -- table $(BENCH_RUNS)
 
@@ -79,5 +81,5 @@ slipfold:
 
 # Artifact bootstrap vs full replay, 1 000 000 keys on fjall and RocksDB (the release binary).
 bench-bootstrap:
-	$(SETUP) && cargo build --release --quiet -p foldhost --features fjall,rocksdb && \
+	$(SETUP_BENCH) && cargo build --release --quiet -p foldhost --features fjall,rocksdb && \
 	cargo run --release --quiet -p foldhost-tests --features fjall,rocksdb --bin foldhost-bench -- bootstrap $(KEYS)

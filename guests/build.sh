@@ -2,6 +2,9 @@
 # Builds every guest in this workspace as a WebAssembly component (wasm32-wasip2, release), then the
 # C, JavaScript and Python guests (router-c/, router-js/, router-py/build.sh), and lists them:
 # target/wasm32-wasip2/release/<name_with_underscores>.wasm. Honours CARGO_BUILD_JOBS.
+#
+#   guests/build.sh          every guest (the tests' and the benchmarks' set)
+#   guests/build.sh router   the Rust router only (`make demo`: no other language's toolchain needed)
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -16,6 +19,12 @@ fi
 jobs=()
 if [[ -n "${CARGO_BUILD_JOBS:-}" ]]; then
     jobs=(-j "$CARGO_BUILD_JOBS")
+fi
+
+if [[ "${1:-}" == "router" ]]; then
+    cargo build --release --target "$target" "${jobs[@]}" -p router
+    echo "$here/target/$target/release/router.wasm"
+    exit 0
 fi
 
 cargo build --release --target "$target" "${jobs[@]}"

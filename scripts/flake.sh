@@ -14,7 +14,7 @@ features=(--features fjall,rocksdb,crashpoints)
 out="${FLAKE_DIR:-target/flake}"
 mkdir -p "$out"
 
-NATS_SERVER_BIN="$(scripts/setup.sh)"
+NATS_SERVER_BIN="$(scripts/setup.sh --test)"
 export NATS_SERVER_BIN
 guests/build.sh >/dev/null
 guests/router-c/build.sh test >/dev/null

