@@ -53,6 +53,7 @@ lint-sources:
 	cargo fmt --all -- --check
 	cargo fmt --manifest-path guests/Cargo.toml --all -- --check
 	cargo fmt --manifest-path sdk/rust/Cargo.toml -- --check
+	cargo fmt --manifest-path bench/slipfold/Cargo.toml -- --check
 	cargo clippy --manifest-path sdk/rust/Cargo.toml --all-targets --features json --quiet -- -D warnings
 	cargo clippy --manifest-path sdk/rust/Cargo.toml --all-targets --features json,state --quiet -- -D warnings
 	cargo clippy --manifest-path guests/Cargo.toml --target wasm32-wasip2 --quiet -- -D warnings
@@ -68,7 +69,7 @@ guests:
 
 # Every benchmark, one table (figure, baseline from the same run, ratio, target; the cores and the
 # date): ~25 minutes on 2 cores. Builds the release binaries, the guests and the slipstream
-# baseline tool (../shared/bench/slipfold, into target/slipfold) first. BENCH_RUNS=3 by default.
+# baseline tool (bench/slipfold, into target/slipfold) first. BENCH_RUNS=3 by default.
 bench: slipfold
 	$(SETUP_BENCH) && guests/build.sh >/dev/null && \
 	cargo build --release --quiet -p foldhost --features fjall,rocksdb && \
@@ -77,7 +78,7 @@ bench: slipfold
 # beyond-slipstream 0.8.6 folding a bucket with a native closure: the library a user would pick
 # instead, as a measuring tool (never a dependency of the project).
 slipfold:
-	cargo build --release --locked --quiet --manifest-path ../shared/bench/slipfold/Cargo.toml --target-dir target/slipfold
+	cargo build --release --locked --quiet --manifest-path bench/slipfold/Cargo.toml --target-dir target/slipfold
 
 # Artifact bootstrap vs full replay, 1 000 000 keys on fjall and RocksDB (the release binary).
 bench-bootstrap:

@@ -1,7 +1,7 @@
 //! The ingest matrix: one bucket of KEYS routes folded by every applier (native, the router guest,
 //! the kvstore guest) into every compiled-in backend (append log, fjall, RocksDB), each against the
 //! raw async-nats drain of the same stream and against `beyond-slipstream` 0.8.6 folding the same
-//! bucket with a native closure (the `slipfold` tool, `../shared/bench/slipfold/`, built into
+//! bucket with a native closure (the `slipfold` tool, `bench/slipfold/`, built into
 //! `target/slipfold` by `make slipfold`; never a dependency of the project). Runs alternate between
 //! the sides; every figure is the median of RUNS.
 
