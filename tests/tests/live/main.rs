@@ -13,6 +13,7 @@ mod config;
 mod crash_safety;
 mod defer;
 mod endpoint;
+mod examples;
 mod fairness;
 mod grants;
 mod guest_runtime;
