@@ -19,8 +19,10 @@ pub struct SwapArgs {
     pub admin_token_file: Option<PathBuf>,
     /// Shadow first: hydrate the new guest beside the running one, feed it the fold's next N
     /// batches too, then send the same requests to both and list what they answer differently.
-    /// The running guest stays unless `--promote` is given and nothing differed. Exits 1 when
-    /// something differed.
+    /// The running guest stays unless `--promote` is given and nothing differed. Exits 0 when the
+    /// new guest answered every request as the running one (and was promoted, if asked), 3 when it
+    /// answered any differently, 4 when `--promote` was asked and refused for another reason (too
+    /// few batches, …), 1 when the shadow itself failed.
     #[arg(long, value_name = "N")]
     pub shadow: Option<u64>,
     /// With `--shadow`: ask this many keys in scope (those the batches changed first), each as the
@@ -156,7 +158,8 @@ pub(super) async fn cmd_swap(a: SwapArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `foldhost swap --shadow N`: prints the report; an error when anything differed.
+/// `foldhost swap --shadow N`: prints the report; exits [`SHADOW_DIFFERED`] when anything
+/// differed, [`SHADOW_NOT_PROMOTED`] when a promotion asked for was refused.
 pub(super) async fn shadow_swap(
     a: &SwapArgs,
     batches: u64,
@@ -197,8 +200,8 @@ pub(super) async fn shadow_swap(
     let report: crate::applied::ShadowReport =
         serde_json::from_slice(&answer).context("the shadow report")?;
     if report.differing > 0 {
-        bail!(
-            "{} answered {} of {} requests differently from {}; {}",
+        eprintln!(
+            "foldhost: {} answered {} of {} requests differently from {}; {}",
             report.candidate,
             report.differing,
             report.requests,
@@ -209,13 +212,20 @@ pub(super) async fn shadow_swap(
                 "not promoted"
             }
         );
+        return Err(super::write::OutcomeExit(SHADOW_DIFFERED).into());
     }
     if a.promote && !report.promoted {
-        bail!(
-            "{} not promoted: {}",
+        eprintln!(
+            "foldhost: {} not promoted: {}",
             report.candidate,
             report.not_promoted.as_deref().unwrap_or("unknown")
         );
+        return Err(super::write::OutcomeExit(SHADOW_NOT_PROMOTED).into());
     }
     Ok(())
 }
+
+/// `swap --shadow`'s exit code when the new guest answered a request differently.
+pub(crate) const SHADOW_DIFFERED: i32 = 3;
+/// `swap --shadow --promote`'s exit code when nothing differed but the promotion was refused.
+pub(crate) const SHADOW_NOT_PROMOTED: i32 = 4;

@@ -111,8 +111,8 @@ async fn setup(
     Ok((kv, host, addr, writer))
 }
 
-/// `foldhost swap --shadow …`: success, stdout, stderr.
-fn shadow(addr: &str, guest: &str, args: &[&str]) -> anyhow::Result<(bool, String, String)> {
+/// `foldhost swap --shadow …`: the exit code, stdout, stderr.
+fn shadow(addr: &str, guest: &str, args: &[&str]) -> anyhow::Result<(Option<i32>, String, String)> {
     let out = foldhost()
         .args(["swap", "--listen", addr, "--guest"])
         .arg(guest_wasm(guest))
@@ -120,7 +120,7 @@ fn shadow(addr: &str, guest: &str, args: &[&str]) -> anyhow::Result<(bool, Strin
         .env_remove("FOLDHOST_ADMIN_TOKEN")
         .output()?;
     Ok((
-        out.status.success(),
+        out.status.code(),
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     ))
@@ -190,7 +190,7 @@ async fn a_shadow_that_answers_differently_is_reported_with_those_requests_and_n
             "--promote",
         ],
     )?;
-    assert!(!ok, "a differing candidate fails the command: {out}{err}");
+    assert_eq!(ok, Some(3), "a differing candidate exits 3: {out}{err}");
     assert!(
         err.contains("answered 2 of 3 requests differently") && err.contains("not promoted"),
         "{err}"
@@ -230,7 +230,7 @@ async fn a_shadow_that_answers_differently_is_reported_with_those_requests_and_n
     // A sample: keys in scope, asked as they are (a whole-bucket scope strips nothing); without
     // --promote the command still says what differed.
     let (ok, out, _) = shadow(&addr, "kvstore_v2", &["--shadow", "5", "--sample", "8"])?;
-    assert!(!ok);
+    assert_eq!(ok, Some(3), "{out}");
     let report: serde_json::Value = serde_json::from_str(out.trim())?;
     assert_eq!(report["requests"], 8, "{out}");
     // A sampled key the batches changed may since have been deleted (both answer `missing`); every
@@ -297,7 +297,7 @@ async fn a_candidate_that_traps_in_shadow_leaves_the_live_guest_and_the_fold_unt
     writer.wait_for(200).await?;
     kv.put("trap.me", "boom".into()).await?;
     let (ok, out, err) = shadowing.await??;
-    assert!(!ok, "{out}{err}");
+    assert_eq!(ok, Some(1), "a failed shadow is an error: {out}{err}");
     assert!(
         err.contains("the shadow of the candidate failed")
             && err.contains("keeps running untouched")
@@ -314,7 +314,7 @@ async fn a_candidate_that_traps_in_shadow_leaves_the_live_guest_and_the_fold_unt
     );
     // Its capture is over: a swap right after goes through at once.
     let (ok, out, err) = shadow(&addr, "kvstore_v2", &[])?;
-    assert!(ok, "a swap after the failed shadow: {out}{err}");
+    assert_eq!(ok, Some(0), "a swap after the failed shadow: {out}{err}");
     settle_and_check(
         &kv,
         host,
@@ -337,7 +337,7 @@ async fn an_agreeing_shadow_is_promoted_with_nothing_lost_or_applied_twice() -> 
         "kvstore_v2",
         &["--shadow", "30", "--sample", "200", "--promote"],
     )?;
-    assert!(ok, "{out}{err}");
+    assert_eq!(ok, Some(0), "{out}{err}");
     let report: serde_json::Value = serde_json::from_str(out.trim())?;
     assert_eq!(report["promoted"], true, "{out}");
     assert_eq!(report["differing"], 0, "{out}");
@@ -391,7 +391,11 @@ async fn a_shadow_on_a_quiet_bucket_compares_on_what_came_and_promotes_nothing()
             "--promote",
         ],
     )?;
-    assert!(!ok, "{out}{err}");
+    assert_eq!(
+        ok,
+        Some(4),
+        "nothing differed, promotion refused: {out}{err}"
+    );
     let report: serde_json::Value = serde_json::from_str(out.trim())?;
     assert_eq!(report["batches"], 0, "{out}");
     assert_eq!(report["requests"], 10, "{out}");
