@@ -28,11 +28,18 @@
 //!    upload, and its download and import (S3 on moto, and the local file system), with the peak
 //!    RSS of each. See `bench/bootstrap.rs`.
 //!
+//! 7. **queries** — on a bucket of 100 000 routes, through the release `foldhost` binary with the
+//!    router guest: queries/s and p50/p99 latency over HTTP (`POST /query`, 16 and 64 keep-alive
+//!    connections) and NATS request/reply (16 requesters), against KV gets from the server at the
+//!    same concurrency, idle and beside a writer at 10 000 puts/s. See `bench/queries.rs`.
+//!
 //! Runs alternate between the compared sides; every figure is the median of RUNS runs.
 //!
 //! `cargo run --release -p foldhost-tests --bin foldhost-bench -- [ingest|guest|swap|artifact|all] [KEYS] [RUNS]`
 //! `cargo run --release -p foldhost-tests --features fjall,rocksdb --bin foldhost-bench -- backends [KEYS]`
 //! `make bench-bootstrap` (`foldhost-bench bootstrap [KEYS]`, needs `target/release/foldhost`)
+//! `cargo run --release -p foldhost-tests --bin foldhost-bench -- queries [SECS] [RUNS]` (needs
+//! `target/release/foldhost` and the router guest)
 
 use std::ops::ControlFlow;
 use std::path::PathBuf;
@@ -58,6 +65,9 @@ mod bootstrap;
 mod languages;
 #[path = "bench/matrix.rs"]
 mod matrix;
+/// Queries through a node against KV gets.
+#[path = "bench/queries.rs"]
+mod queries;
 #[path = "bench/table.rs"]
 mod table;
 /// Writes through a host against bare puts.
@@ -960,6 +970,14 @@ async fn main() -> anyhow::Result<()> {
         table::print("foldhost-bench writes");
         return Ok(());
     }
+    if what == "queries" {
+        // `queries [SECS] [RUNS]`: each row SECS measured seconds, the median of RUNS runs.
+        let secs: f64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(5.0);
+        let runs: usize = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(3);
+        queries::run(secs, runs).await?;
+        table::print(&format!("foldhost-bench queries {secs} {runs}"));
+        return Ok(());
+    }
     if what == "table" {
         return table_all(args.get(2).and_then(|s| s.parse().ok()).unwrap_or(3)).await;
     }
@@ -989,7 +1007,7 @@ async fn main() -> anyhow::Result<()> {
     }
     if !matches!(what, "ingest" | "guest" | "swap" | "artifact" | "all") {
         anyhow::bail!(
-            "usage: foldhost-bench [table [RUNS]|ingest|matrix|languages|guest|swap|artifact|all|backends|bootstrap|writes] [KEYS] [RUNS]"
+            "usage: foldhost-bench [table [RUNS]|ingest|matrix|languages|guest|swap|artifact|all|backends|bootstrap|writes|queries [SECS] [RUNS]] [KEYS] [RUNS]"
         );
     }
     Ok(())
@@ -1057,7 +1075,7 @@ async fn feed_rate(
 
 /// `make bench`: every benchmark at the sizes its targets name, then the one table. Ingest, guest
 /// and the matrix at 100 000 keys; swap at 100 000 and 1 000 000; artifacts, backends, bootstrap
-/// and resume at 1 000 000.
+/// and resume at 1 000 000; queries on 100 000 routes, 5 s a row.
 async fn table_all(runs: usize) -> anyhow::Result<()> {
     let server = LocalNats::start()?;
     let conn = NatsConnection::open(ConnectOptions::new(server.url())).await?;
@@ -1073,6 +1091,7 @@ async fn table_all(runs: usize) -> anyhow::Result<()> {
     backends::run(1_000_000)?;
     bootstrap::run(1_000_000).await?;
     writes::run().await?;
+    queries::run(5.0, runs).await?;
     table::print(&format!("make bench (foldhost-bench table {runs})"));
     Ok(())
 }
