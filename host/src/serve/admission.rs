@@ -7,7 +7,7 @@
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-use hyper::header::{AUTHORIZATION, CONTENT_LENGTH, HOST, ORIGIN, TRANSFER_ENCODING};
+use hyper::header::{AUTHORIZATION, CONTENT_LENGTH, CONTENT_TYPE, HOST, ORIGIN, TRANSFER_ENCODING};
 
 use super::{MAX_BODY, MAX_EXPORT_BODY, MAX_GET_BODY, MAX_QUERY, MAX_SHADOW_HEADER};
 
@@ -33,6 +33,9 @@ pub struct RequestHead {
     pub min_revision: Option<u64>,
     /// How long such a read may wait for it, ms (`Foldhost-Wait-Ms`; default 5 000).
     pub wait_ms: u64,
+    /// The body is a batch of lookups (`Content-Type: application/x-foldhost-lookups`,
+    /// [`super::lookups`]).
+    pub lookups: bool,
 }
 
 /// Why a request head was refused before admission.
@@ -50,7 +53,9 @@ impl RequestHead {
     /// Reads what admission needs from a parsed head (hyper has already refused a malformed
     /// request line, a head over its buffer, and conflicting `Content-Length`s). Pure. Refuses
     /// more than one `Host`, a header admission reads that is not UTF-8, an unreadable
-    /// `Content-Length`, and a declared body over [`MAX_BODY`].
+    /// `Content-Length`, and a declared body over [`MAX_BODY`]. An HTTP/2 request names its host
+    /// in `:authority` (the URI's authority), which must then equal a `Host` sent beside it; its
+    /// body without a `Content-Length` is read as a chunked one (its length known once read).
     pub(crate) fn from_parts(
         parts: &hyper::http::request::Parts,
     ) -> Result<RequestHead, HttpError> {
@@ -66,7 +71,15 @@ impl RequestHead {
                 .map(|s| Some(s.trim().to_string()))
                 .map_err(|_| HttpError::Bad("a header is not UTF-8"))
         };
-        let host = text(HOST, "more than one Host header")?;
+        let mut host = text(HOST, "more than one Host header")?;
+        if parts.version == hyper::Version::HTTP_2
+            && let Some(authority) = parts.uri.authority().map(|a| a.as_str().to_string())
+        {
+            if host.as_ref().is_some_and(|h| *h != authority) {
+                return Err(HttpError::Bad("Host differs from :authority"));
+            }
+            host = Some(authority);
+        }
         let origin = text(ORIGIN, "more than one Origin header")?;
         let min_revision = crate::protocol::parse_min_revision(
             text(
@@ -88,7 +101,9 @@ impl RequestHead {
             .and_then(|a| a.strip_prefix("Bearer ").map(|t| t.trim().to_string()));
         // A chunked body's length is checked as it is read; hyper ignores a `Content-Length`
         // beside a `Transfer-Encoding`.
-        let chunked = parts.headers.contains_key(TRANSFER_ENCODING);
+        let chunked = parts.headers.contains_key(TRANSFER_ENCODING)
+            || (parts.version == hyper::Version::HTTP_2
+                && !parts.headers.contains_key(CONTENT_LENGTH));
         let content_length = match parts.headers.get(CONTENT_LENGTH) {
             Some(v) if !chunked => std::str::from_utf8(v.as_bytes())
                 .ok()
@@ -110,6 +125,8 @@ impl RequestHead {
             origin,
             min_revision,
             wait_ms,
+            lookups: text(CONTENT_TYPE, "more than one Content-Type header")?
+                .is_some_and(|t| super::lookups::is_lookups(&t)),
         })
     }
 }
@@ -437,6 +454,7 @@ mod tests {
                 origin: Some("http://a:1".into()),
                 min_revision: Some(17),
                 wait_ms: crate::protocol::READ_WAIT_MS,
+                lookups: false,
             }
         );
         // A minimum revision that is not one is refused before admission.
@@ -454,6 +472,33 @@ mod tests {
         ))
         .expect("valid");
         assert_eq!((h.chunked, h.content_length), (true, 0));
+    }
+
+    #[test]
+    fn an_http2_head_names_its_host_in_authority_and_a_body_without_length_is_read_as_chunked() {
+        let h2 = |headers: &[(&str, &str)]| {
+            let mut b = hyper::Request::builder()
+                .method("POST")
+                .version(hyper::Version::HTTP_2)
+                .uri("http://127.0.0.1:7/query");
+            for (k, v) in headers {
+                b = b.header(*k, *v);
+            }
+            RequestHead::from_parts(&b.body(()).expect("request").into_parts().0)
+        };
+        let h = h2(&[("Content-Type", "application/x-foldhost-lookups")]).expect("valid");
+        assert_eq!(h.host.as_deref(), Some("127.0.0.1:7"));
+        assert_eq!((h.chunked, h.content_length, h.lookups), (true, 0, true));
+        let h = h2(&[("Content-Length", "3"), ("Host", "127.0.0.1:7")]).expect("valid");
+        assert_eq!((h.chunked, h.content_length, h.lookups), (false, 3, false));
+        assert_eq!(
+            h2(&[("Host", "evil.example")]),
+            Err(HttpError::Bad("Host differs from :authority"))
+        );
+        // HTTP/1.1: the Host header, whatever the request target says.
+        let h =
+            RequestHead::from_parts(&parts(&[("Host", "a:1")], "http://b:2/query")).expect("valid");
+        assert_eq!(h.host.as_deref(), Some("a:1"));
     }
 
     #[test]
@@ -537,6 +582,7 @@ mod tests {
             chunked: false,
             min_revision: None,
             wait_ms: 0,
+            lookups: false,
         }
     }
 

@@ -1,32 +1,52 @@
 //! The hyper plumbing of the endpoint: the accept loop with its connection slots and eviction,
-//! one HTTP/1.1 connection per task (keep-alive: its requests one after the other), and each
-//! request's flow — admitted from its head ([`super::admit`]), its body's budget taken, its body
-//! read within the route's limit and the request's deadline, answered, the answer written within
-//! [`WRITE_DEADLINE`].
+//! one connection per task, and each request's flow — admitted from its head ([`super::admit`]),
+//! its body's budget taken, its body read within the route's limit and the request's deadline,
+//! answered, the answer written within [`WRITE_DEADLINE`].
+//!
+//! A connection speaks HTTP/1.1 (keep-alive: its requests one after the other, pipelined ones
+//! answered in order) or, when it opens with the HTTP/2 preface (prior knowledge, cleartext:
+//! h2c), HTTP/2: each stream a request, admitted, budgeted and bounded in time exactly as an
+//! HTTP/1.1 request is, at most [`H2_MAX_STREAMS`] of them at once. The first bytes are read to
+//! tell the two apart within the head deadline. What a connection may hold is bounded either way
+//! (see the module invariants of `super`): an HTTP/1.1 one a read buffer of [`MAX_HEAD`]; an
+//! HTTP/2 one a header list of [`MAX_HEAD`] at a time, [`H2_WINDOW`] of body bytes not yet read
+//! (its connection window: every stream's together), and per stream at most [`H2_CHUNK`] twice
+//! of an answer beyond what its client's window lets through. The timing of both is the slot's
+//! (`slot.rs`): a connection with no request in service for [`HEAD_DEADLINE`] is closed (the
+//! first head, the wait between two, an HTTP/2 header block that never ends), each request's
+//! body is read within [`REQUEST_DEADLINE`], and an answer not written by its deadline cuts the
+//! connection. A refused HTTP/1.1 request closes its connection (its body unread); a refused
+//! HTTP/2 stream is reset, its body unread, and the connection's other streams go on.
 
-use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
-use http_body_util::{BodyExt as _, Full};
-use hyper::body::{Body, Bytes, Frame, Incoming, SizeHint};
-use hyper::header::{CONNECTION, CONTENT_TYPE, HeaderValue};
-use hyper::{Request, Response, StatusCode};
+use hyper::body::{Bytes, Incoming};
+use hyper::{Request, Response};
 use hyper_util::rt::{TokioIo, TokioTimer};
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::AsyncReadExt as _;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
 
-use super::admission::{HeadPhase, HttpError, Refusal, RequestHead, Route, admit, body_fits};
+use super::admission::{HeadPhase, HttpError, Refusal, RequestHead, Route, admit};
+use super::slot::{Answer, BodyError, Flushes, InService, Slot, into_response, read_body};
 use super::{
     ANSWER_BUDGET, HEAD_DEADLINE, MAX_CONNECTIONS, MAX_HEAD, QUERY_BODY_BUDGET, REQUEST_DEADLINE,
     Reply, ServeState, WRITE_DEADLINE,
 };
+
+/// Most HTTP/2 streams one connection has open at once (`SETTINGS_MAX_CONCURRENT_STREAMS`).
+pub(crate) const H2_MAX_STREAMS: u32 = 32;
+/// An HTTP/2 connection's receive windows, the connection's and each stream's: the body bytes
+/// the client may send before the host reads them (HTTP/2's own initial window).
+pub(crate) const H2_WINDOW: u32 = 65_535;
+/// The chunks an answer is handed to HTTP/2 in, and the most a stream buffers beyond its
+/// client's window.
+pub(crate) const H2_CHUNK: usize = 16 * 1024;
+/// The HTTP/2 connection preface a client with prior knowledge opens with.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
 
 /// The byte budgets bodies are read under and answers written under (see the module invariants).
 pub(crate) struct Budgets {
@@ -98,15 +118,7 @@ async fn serve_with(
         let Ok((ticket, told)) = heads.lock().map(|mut h| h.enter()) else {
             return;
         };
-        let slot = Arc::new(Slot {
-            heads: heads.clone(),
-            ticket,
-            told,
-            closed: AtomicBool::new(false),
-            respond_by: Mutex::new(None),
-            answer_budget: Mutex::new(None),
-            answered: AtomicBool::new(false),
-        });
+        let slot = Arc::new(Slot::new(heads.clone(), ticket, told));
         let (state, budgets) = (state.clone(), budgets.clone());
         tokio::spawn(tracing::Instrument::in_current_span(async move {
             let _permit = permit;
@@ -115,84 +127,55 @@ async fn serve_with(
     }
 }
 
-/// One connection's place in the eviction queue, and the deadline of the answer it writes.
-struct Slot {
-    heads: Arc<Mutex<HeadPhase>>,
-    ticket: u64,
-    /// Notified when the connection is evicted.
-    told: Arc<Notify>,
-    /// The connection ended: it never rejoins the queue.
-    closed: AtomicBool,
-    /// When the answer being written must be written by.
-    respond_by: Mutex<Option<Instant>>,
-    /// The share of [`ANSWER_BUDGET`] the answer being written holds until its last byte is
-    /// written (hyper keeps the bytes in its write queue after it has taken the body).
-    answer_budget: Mutex<Option<OwnedSemaphorePermit>>,
-    /// The answer's body has been handed to hyper: the next completed flush ends the answer.
-    answered: AtomicBool,
+/// Reads the first bytes of a connection until they are the HTTP/2 preface or cannot be: whether
+/// they are, and the bytes read (replayed to the protocol). The end of the stream before either
+/// is not the preface.
+async fn sniff(sock: &mut TcpStream) -> std::io::Result<(bool, Bytes)> {
+    let mut seen = Vec::with_capacity(H2_PREFACE.len());
+    let mut chunk = [0u8; H2_PREFACE.len()];
+    while seen.len() < H2_PREFACE.len() && H2_PREFACE.starts_with(&seen) {
+        let n = sock
+            .read(&mut chunk[..H2_PREFACE.len() - seen.len()])
+            .await?;
+        if n == 0 {
+            break;
+        }
+        seen.extend_from_slice(&chunk[..n]);
+    }
+    Ok((seen == H2_PREFACE, Bytes::from(seen)))
 }
 
-impl Slot {
-    /// Out of the eviction queue: the request is whole, or admitted with the admin token.
-    fn leave(&self) {
-        if let Ok(mut h) = self.heads.lock() {
-            h.leave(self.ticket);
-        }
-    }
+/// Runs an HTTP/2 connection's stream tasks, each on its own task in the connection's span, and
+/// each ended with the connection ([`Slot::ended`]).
+#[derive(Clone)]
+struct StreamTasks {
+    slot: Arc<Slot>,
+    span: tracing::Span,
+}
 
-    /// Back in the eviction queue: the answer is written and the connection waits for its next
-    /// request.
-    fn rejoin(&self) {
-        if let Ok(mut h) = self.heads.lock()
-            && !self.closed.load(Ordering::Acquire)
-        {
-            h.rejoin(self.ticket, self.told.clone());
-        }
-    }
-
-    /// The connection ended (idempotent).
-    fn close(&self) {
-        if let Ok(mut h) = self.heads.lock() {
-            self.closed.store(true, Ordering::Release);
-            h.leave(self.ticket);
-        }
-    }
-
-    fn set_respond_by(&self, by: Option<Instant>) {
-        if let Ok(mut r) = self.respond_by.lock() {
-            *r = by;
-        }
-    }
-
-    fn respond_by(&self) -> Option<Instant> {
-        self.respond_by.lock().ok().and_then(|r| *r)
-    }
-
-    /// Everything hyper buffered has been written: if that was an answer's last byte, the
-    /// answer is done and the connection waits for its next request.
-    fn flushed(&self) {
-        if self.answered.swap(false, Ordering::AcqRel) {
-            self.set_respond_by(None);
-            if let Ok(mut b) = self.answer_budget.lock() {
-                b.take();
-            }
-            self.rejoin();
-        }
-    }
-
-    /// An answer starts: written by `by`, holding `budget` until then.
-    fn answering(&self, by: Instant, budget: Option<OwnedSemaphorePermit>) {
-        self.set_respond_by(Some(by));
-        if let Ok(mut b) = self.answer_budget.lock() {
-            *b = budget;
-        }
+impl<F> hyper::rt::Executor<F> for StreamTasks
+where
+    F: std::future::Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn execute(&self, fut: F) {
+        let slot = self.slot.clone();
+        tokio::spawn(tracing::Instrument::instrument(
+            async move {
+                tokio::select! {
+                    _ = fut => {}
+                    () = slot.ended() => {}
+                }
+            },
+            self.span.clone(),
+        ));
     }
 }
 
-/// Serves one connection until the client closes it, a deadline cuts it, it is refused, or it is
-/// evicted.
+/// Serves one connection until the client closes it, its slot's watchdog cuts it (a deadline),
+/// it is refused, or it is evicted.
 async fn connection(
-    sock: TcpStream,
+    mut sock: TcpStream,
     state: Arc<ServeState>,
     budgets: Arc<Budgets>,
     slot: Arc<Slot>,
@@ -205,41 +188,74 @@ async fn connection(
             return;
         }
     };
+    // Small frames (an HTTP/2 window update, a short answer) go out at once, not after the
+    // client's delayed acknowledgement.
+    if let Err(e) = sock.set_nodelay(true) {
+        tracing::debug!(error = %e, "listen: TCP_NODELAY not set");
+    }
     let ctx = Arc::new(ConnCtx {
         state,
         budgets,
         slot: slot.clone(),
         arrived_on,
     });
-    let io = TokioIo::new(WriteDeadline {
-        sock,
-        slot: slot.clone(),
-        sleep: None,
-    });
     let service = hyper::service::service_fn(move |req| {
         let ctx = ctx.clone();
         async move { ctx.handle(req).await }
     });
-    let mut builder = hyper::server::conn::http1::Builder::new();
-    builder
-        .timer(TokioTimer::new())
-        // The wait for each head, the first and every one after an answer (keep-alive idle).
-        .header_read_timeout(HEAD_DEADLINE)
-        // The read buffer, and so the largest head (hyper answers 431 past it).
-        .max_buf_size(MAX_HEAD)
-        .keep_alive(true)
-        // A client that shuts its side after sending its request still gets the answer.
-        .half_close(true);
-    let conn = builder.serve_connection(io, service);
+    let served = {
+        let slot = slot.clone();
+        async move {
+            let (h2, prefix) = sniff(&mut sock).await?;
+            let io = TokioIo::new(Flushes {
+                sock,
+                prefix,
+                slot: slot.clone(),
+            });
+            if h2 {
+                let tasks = StreamTasks {
+                    slot,
+                    span: tracing::Span::current(),
+                };
+                hyper::server::conn::http2::Builder::new(tasks)
+                    .timer(TokioTimer::new())
+                    .max_concurrent_streams(H2_MAX_STREAMS)
+                    .max_header_list_size(MAX_HEAD as u32)
+                    .initial_stream_window_size(H2_WINDOW)
+                    .initial_connection_window_size(H2_WINDOW)
+                    .max_send_buf_size(H2_CHUNK)
+                    .serve_connection(io, service)
+                    .await
+                    .map_err(std::io::Error::other)
+            } else {
+                hyper::server::conn::http1::Builder::new()
+                    .timer(TokioTimer::new())
+                    // The wait for each head, the first and every one after an answer
+                    // (keep-alive idle); the slot's watchdog keeps the same clock.
+                    .header_read_timeout(HEAD_DEADLINE)
+                    // The read buffer, and so the largest head (hyper answers 431 past it).
+                    .max_buf_size(MAX_HEAD)
+                    .keep_alive(true)
+                    // A client that shuts its side after sending its request still gets the answer.
+                    .half_close(true)
+                    .serve_connection(io, service)
+                    .await
+                    .map_err(std::io::Error::other)
+            }
+        }
+    };
     let told = slot.told.clone();
     tokio::select! {
-        r = conn => {
+        r = served => {
             if let Err(e) = r {
                 tracing::debug!(error = %e, "listen: connection ended");
             }
         }
         () = told.notified() => {
             tracing::debug!("listen: connection evicted while waiting for a request or sending one: every slot was taken");
+        }
+        why = slot.watchdog() => {
+            tracing::debug!(why, "listen: connection cut");
         }
     }
     slot.close();
@@ -263,6 +279,8 @@ struct Admitted {
     /// The revision a read must see first (`Foldhost-Min-Revision`), and how long it waits.
     min_revision: Option<u64>,
     wait_ms: u64,
+    /// The body is a batch of lookups ([`super::lookups`]).
+    lookups: bool,
 }
 
 fn timed_out(what: &str) -> std::io::Error {
@@ -270,21 +288,23 @@ fn timed_out(what: &str) -> std::io::Error {
 }
 
 impl ConnCtx {
-    /// One request: an error cuts the connection without an answer (the request deadline, or the
-    /// client gone mid-body).
+    /// One request (an HTTP/2 stream): an error cuts it without an answer (the request deadline,
+    /// or the client gone mid-body) — the connection over HTTP/1.1, the stream over HTTP/2.
     async fn handle(&self, req: Request<Incoming>) -> std::io::Result<Response<Answer>> {
+        let mut served = InService::begin(&self.slot);
+        let h1 = req.version() != hyper::Version::HTTP_2;
         let (parts, body) = req.into_parts();
-        let (reply, answer_budget) = match self.read_request(&parts, body).await? {
+        let (reply, answer_budget) = match self.read_request(&parts, body, &mut served).await? {
             Ok(request) => {
                 // Whole: no longer evictable until its answer is written.
-                self.slot.leave();
+                served.hold();
                 self.route(request).await
             }
             Err(refused) => (refused, None),
         };
-        self.slot
-            .answering(Instant::now() + WRITE_DEADLINE, answer_budget);
-        Ok(into_response(reply, self.slot.clone()))
+        let done = served.answering(Instant::now() + WRITE_DEADLINE, answer_budget, h1);
+        let chunk = if h1 { usize::MAX } else { H2_CHUNK };
+        Ok(into_response(reply, done, chunk, h1))
     }
 
     /// Admits the head, takes the body's budget and reads the body within the route's limit and
@@ -293,7 +313,9 @@ impl ConnCtx {
         &self,
         parts: &hyper::http::request::Parts,
         body: Incoming,
+        served: &mut InService,
     ) -> std::io::Result<Result<Admitted, Reply>> {
+        use hyper::body::Body as _;
         let refuse =
             |status, message: &str| Ok(Err(Reply::refused(&Refusal::new(status, message))));
         let mut head = match RequestHead::from_parts(parts) {
@@ -301,6 +323,8 @@ impl ConnCtx {
             Err(e @ HttpError::TooLarge) => return refuse(413, &e.to_string()),
             Err(e @ HttpError::Bad(_)) => return refuse(400, &e.to_string()),
         };
+        // An HTTP/2 stream that ended with its head has no body to budget.
+        head.chunked &= !body.is_end_stream();
         // `/folds/NAME/route`: admitted as `/route`, served by the fold NAME.
         let fold = match super::folds::split_fold(&head.path) {
             Ok((fold, route)) => {
@@ -320,7 +344,7 @@ impl ConnCtx {
             Route::Query | Route::Write if head.chunked || head.content_length > 0 => {
                 if route == Route::Write {
                     // Admitted with the write token: no longer a stranger to evict.
-                    self.slot.leave();
+                    served.hold();
                 }
                 let bytes = if head.chunked {
                     limit
@@ -341,7 +365,7 @@ impl ConnCtx {
             }
             Route::Swap | Route::Shadow | Route::Export => {
                 // Admitted with the admin token: no longer a stranger to evict.
-                self.slot.leave();
+                served.hold();
                 match self.budgets.admin.clone().try_acquire_owned() {
                     Ok(p) => Some(p),
                     Err(_) => return refuse(503, "another admin request is in flight; retry"),
@@ -363,6 +387,7 @@ impl ConnCtx {
                 budget,
                 min_revision: head.min_revision,
                 wait_ms: head.wait_ms,
+                lookups: head.lookups,
             })),
             Err(BodyError::TooLarge) => refuse(
                 413,
@@ -408,6 +433,7 @@ impl ConnCtx {
             budget,
             min_revision,
             wait_ms,
+            lookups,
         } = request;
         let target = match self.target(fold.as_deref(), route) {
             Ok(t) => t,
@@ -421,6 +447,9 @@ impl ConnCtx {
         }
         let answered = match route {
             Route::Status => (super::status(state), None),
+            Route::Query if lookups => {
+                super::query_lookups(&body, state, &self.budgets.answer_kib).await
+            }
             Route::Query => super::query(body, state, &self.budgets.answer_kib).await,
             Route::Swap => (super::swap(body, state).await, None),
             Route::Shadow => (super::shadow(body, state).await, None),
@@ -438,190 +467,16 @@ impl ConnCtx {
     }
 }
 
-/// Why a body was not read whole.
-#[derive(Debug, thiserror::Error)]
-pub(crate) enum BodyError {
-    /// Its bytes would pass the route's limit: refused, the chunk that would pass it unkept.
-    #[error("the body passes the route's limit")]
-    TooLarge,
-    /// The client went away or sent a malformed body.
-    #[error("reading the body: {0}")]
-    Read(std::io::Error),
-}
-
-/// Reads a body whole, keeping at most `limit` bytes: stops at the first chunk that would pass
-/// it ([`body_fits`]), whatever the body declared. `declared` (at most the limit once admitted)
-/// sizes the buffer.
-pub(crate) async fn read_body<B>(
-    mut body: B,
-    limit: usize,
-    declared: usize,
-) -> Result<Vec<u8>, BodyError>
-where
-    B: Body<Data = Bytes> + Unpin,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
-{
-    let mut buf = Vec::with_capacity(declared.min(limit));
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| BodyError::Read(std::io::Error::other(e)))?;
-        let Ok(data) = frame.into_data() else {
-            // Trailers: not kept.
-            continue;
-        };
-        if !body_fits(buf.len(), data.len(), limit) {
-            return Err(BodyError::TooLarge);
-        }
-        buf.extend_from_slice(&data);
-    }
-    Ok(buf)
-}
-
-/// The hyper response for `reply`; once hyper has taken its body, the next completed flush ends
-/// the answer ([`Slot::flushed`]).
-fn into_response(reply: Reply, slot: Arc<Slot>) -> Response<Answer> {
-    let mut resp = Response::new(Answer {
-        body: Full::new(Bytes::from(reply.body)),
-        _done: Answered(slot),
-    });
-    *resp.status_mut() =
-        StatusCode::from_u16(reply.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-    resp.headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static(reply.content_type));
-    for (name, value) in reply.headers {
-        resp.headers_mut().insert(name.clone(), value.clone());
-    }
-    if reply.close {
-        resp.headers_mut()
-            .insert(CONNECTION, HeaderValue::from_static("close"));
-    }
-    resp
-}
-
-/// A response body: the bytes, and what marks the answer handed over.
-pub(crate) struct Answer {
-    body: Full<Bytes>,
-    _done: Answered,
-}
-
-/// Dropped when hyper has taken the whole body: the next completed flush ends the answer.
-struct Answered(Arc<Slot>);
-
-impl Drop for Answered {
-    fn drop(&mut self) {
-        self.0.answered.store(true, Ordering::Release);
-    }
-}
-
-impl Body for Answer {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        Pin::new(&mut self.get_mut().body).poll_frame(cx)
-    }
-
-    fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        self.body.size_hint()
-    }
-}
-
-/// The socket, with each answer's write deadline: a write or flush still blocked at the
-/// deadline fails, and hyper closes the connection.
-struct WriteDeadline {
-    sock: TcpStream,
-    slot: Arc<Slot>,
-    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
-}
-
-impl WriteDeadline {
-    /// The inner write is blocked: fails it once the answer's deadline has passed, else waits
-    /// (woken at the deadline).
-    fn blocked<T>(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<T>> {
-        let Some(by) = self.slot.respond_by() else {
-            return Poll::Pending;
-        };
-        let sleep = self
-            .sleep
-            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(by)));
-        if sleep.deadline() != by {
-            sleep.as_mut().reset(by);
-        }
-        match sleep.as_mut().poll(cx) {
-            Poll::Ready(()) => Poll::Ready(Err(timed_out("response write deadline"))),
-            Poll::Pending => Poll::Pending,
-        }
-    }
-}
-
-impl AsyncRead for WriteDeadline {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().sock).poll_read(cx, buf)
-    }
-}
-
-impl AsyncWrite for WriteDeadline {
-    fn poll_write(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &[u8],
-    ) -> Poll<std::io::Result<usize>> {
-        let this = self.get_mut();
-        match Pin::new(&mut this.sock).poll_write(cx, buf) {
-            Poll::Pending => this.blocked(cx),
-            r => r,
-        }
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        let this = self.get_mut();
-        match Pin::new(&mut this.sock).poll_write_vectored(cx, bufs) {
-            Poll::Pending => this.blocked(cx),
-            r => r,
-        }
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.sock.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        let this = self.get_mut();
-        match Pin::new(&mut this.sock).poll_flush(cx) {
-            Poll::Ready(Ok(())) => {
-                this.slot.flushed();
-                Poll::Ready(Ok(()))
-            }
-            Poll::Pending => this.blocked(cx),
-            r => r,
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().sock).poll_shutdown(cx)
-    }
-}
-
 #[cfg(test)]
 mod tests {
-    use std::sync::atomic::AtomicUsize;
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
+    use http_body_util::{BodyExt as _, Full};
+    use hyper::body::Frame;
     use hyper::header::HOST;
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    use tokio::sync::Notify;
 
     use super::*;
     use crate::applied::Control;
@@ -804,6 +659,164 @@ mod tests {
         assert_eq!(resp.status(), 403);
         resp.into_body().collect().await?;
         tokio::time::timeout(HUNG, driver).await???;
+        Ok(())
+    }
+
+    #[tokio::test]
+    async fn pipelined_requests_written_at_once_are_answered_in_order_on_one_connection()
+    -> anyhow::Result<()> {
+        let (addr, queries) = server(Limits::default()).await?;
+        let mut raw = Vec::new();
+        for i in 0..3 {
+            raw.extend_from_slice(
+                format!("POST /query HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 2\r\n\r\nk{i}")
+                    .as_bytes(),
+            );
+        }
+        raw.extend_from_slice(
+            format!("GET /status HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n").as_bytes(),
+        );
+        let resp = exchange(addr, &raw).await?;
+        let answers: Vec<&str> = resp.split("HTTP/1.1 ").skip(1).collect();
+        assert_eq!(answers.len(), 4, "{resp}");
+        for (i, a) in answers.iter().take(3).enumerate() {
+            assert!(a.starts_with("200"), "{a}");
+            assert!(a.ends_with(&format!("k{i}")), "answer {i} in order: {a}");
+        }
+        assert_eq!(queries.load(Ordering::SeqCst), 3);
+        Ok(())
+    }
+
+    /// An HTTP/2 prior-knowledge client on a new connection to `addr`.
+    async fn h2_client(
+        addr: SocketAddr,
+    ) -> anyhow::Result<hyper::client::conn::http2::SendRequest<Full<Bytes>>> {
+        let sock = TcpStream::connect(addr).await?;
+        let (sender, conn) = hyper::client::conn::http2::handshake(
+            hyper_util::rt::TokioExecutor::new(),
+            TokioIo::new(sock),
+        )
+        .await?;
+        tokio::spawn(conn);
+        Ok(sender)
+    }
+
+    fn h2_query(addr: SocketAddr, body: &str) -> anyhow::Result<Request<Full<Bytes>>> {
+        Ok(Request::post(format!("http://{addr}/query"))
+            .body(Full::new(Bytes::from(body.to_string())))?)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn concurrent_http2_streams_are_each_admitted_and_answered_and_a_refused_one_ends_alone()
+    -> anyhow::Result<()> {
+        let (addr, queries) = server(Limits::default()).await?;
+        let sender = h2_client(addr).await?;
+        let asked = (0..8).map(|i| {
+            let mut sender = sender.clone();
+            async move {
+                let resp = sender
+                    .send_request(h2_query(addr, &format!("k{i}"))?)
+                    .await?;
+                anyhow::ensure!(resp.version() == hyper::Version::HTTP_2);
+                let status = resp.status();
+                let body = resp.into_body().collect().await?.to_bytes();
+                anyhow::Ok((status, body))
+            }
+        });
+        let answers = tokio::time::timeout(HUNG, futures::future::join_all(asked)).await?;
+        for (i, a) in answers.into_iter().enumerate() {
+            let (status, body) = a?;
+            assert_eq!(status, 200);
+            assert_eq!(&body[..], format!("k{i}").as_bytes());
+        }
+        assert_eq!(queries.load(Ordering::SeqCst), 8);
+        // A stream naming another host is refused on its own head; the connection serves on.
+        let mut s = sender.clone();
+        let rebound = Request::get("http://evil.example/status").body(Full::new(Bytes::new()))?;
+        let resp = tokio::time::timeout(HUNG, s.send_request(rebound)).await??;
+        assert_eq!(resp.status(), 403);
+        let resp = tokio::time::timeout(HUNG, s.send_request(h2_query(addr, "again")?)).await??;
+        assert_eq!(resp.status(), 200);
+        assert_eq!(&resp.into_body().collect().await?.to_bytes()[..], b"again");
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_http2_connection_is_evictable_while_no_stream_is_whole_and_never_while_one_is_served()
+    -> anyhow::Result<()> {
+        let gate = Arc::new(Notify::new());
+        let Served {
+            addr,
+            queries,
+            heads,
+            ..
+        } = server_with(Limits::default(), Some(gate.clone())).await?;
+        let mut sender = h2_client(addr).await?;
+        queued(&heads, 1, "an HTTP/2 connection, no stream yet").await?;
+        let answer = tokio::spawn(sender.send_request(h2_query(addr, "k")?));
+        until("the query reaches the fold", || {
+            queries.load(Ordering::SeqCst) == 1
+        })
+        .await?;
+        queued(&heads, 0, "a whole stream being served").await?;
+        gate.notify_one();
+        let resp = tokio::time::timeout(HUNG, answer).await???;
+        assert_eq!(resp.status(), 200);
+        resp.into_body().collect().await?;
+        queued(&heads, 1, "answered, waiting for the next stream").await?;
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_http2_connection_without_a_request_is_closed_at_the_head_deadline()
+    -> anyhow::Result<()> {
+        let (addr, _) = server(Limits::default()).await?;
+        // The preface and nothing more: no settings, no stream.
+        let mut s = TcpStream::connect(addr).await?;
+        s.write_all(H2_PREFACE).await?;
+        let mut got = Vec::new();
+        // Closed by the server (its own settings frame, then the end of the stream).
+        tokio::time::timeout(HUNG, s.read_to_end(&mut got)).await??;
+        // Half a preface is not left waiting either.
+        let mut s = TcpStream::connect(addr).await?;
+        s.write_all(&H2_PREFACE[..10]).await?;
+        let mut got = Vec::new();
+        tokio::time::timeout(HUNG, s.read_to_end(&mut got)).await??;
+        assert!(got.is_empty(), "no answer to half a preface");
+        Ok(())
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_http2_answer_its_client_does_not_read_holds_its_budget_until_the_write_deadline_cuts_it()
+    -> anyhow::Result<()> {
+        const ANSWER: usize = 8 << 20;
+        let s = server_with(
+            Limits {
+                query_body: ANSWER,
+                ..Limits::default()
+            },
+            None,
+        )
+        .await?;
+        let full = ANSWER_BUDGET / 1024;
+        let answers = s.budgets.answer_kib.clone();
+        let mut sender = h2_client(s.addr).await?;
+        let body = "x".repeat(ANSWER);
+        // The client never reads the body: its stream window closes after 64 KiB.
+        let resp =
+            tokio::time::timeout(HUNG, sender.send_request(h2_query(s.addr, &body)?)).await??;
+        assert_eq!(resp.status(), 200);
+        until("the answer holds its budget", || {
+            answers.available_permits() == full - ANSWER / 1024
+        })
+        .await?;
+        until("the budget comes back", || {
+            answers.available_permits() == full
+        })
+        .await?;
+        // The connection was cut: the body ends in an error, not whole.
+        let read = tokio::time::timeout(HUNG, resp.into_body().collect()).await?;
+        assert!(read.is_err(), "cut before the whole answer arrived");
         Ok(())
     }
 

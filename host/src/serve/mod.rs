@@ -1,11 +1,15 @@
 //! The `--listen` endpoint: `GET /status`, `POST /query`, and the admin routes `POST /swap`,
-//! `POST /shadow` and `POST /export`, over HTTP/1.1 (hyper) with keep-alive: a connection carries
-//! several requests, one after the other, each admitted on its own; and `GET /`, the status page
-//! for people ([`page`]: `page.html`, which shows what `/status` answers).
+//! `POST /shadow` and `POST /export`, over HTTP/1.1 (hyper) with keep-alive — a connection
+//! carries several requests, one after the other (pipelined ones too), each admitted on its own —
+//! and over HTTP/2 cleartext for a client that opens with the HTTP/2 preface (prior knowledge:
+//! h2c), each stream a request admitted on its own, at most [`conn::H2_MAX_STREAMS`] at once per
+//! connection; and `GET /`, the status page for people ([`page`]: `page.html`, which shows what
+//! `/status` answers).
 //!
 //! Every decision about a request before its body is read is a pure function over its head
-//! ([`admit`], over [`RequestHead::from_parts`]); the hyper plumbing around it (`conn.rs`) is
-//! thin, and so is the client (`client.rs`: [`call`] and its variants, which the CLI uses).
+//! ([`admit`], over [`RequestHead::from_parts`]); the hyper plumbing around it (`conn.rs`, and
+//! `slot.rs`: a connection's requests in service, its answers and their deadlines) is thin, and
+//! so is the client (`client.rs`: [`call`] and its variants, which the CLI uses).
 //!
 //! Invariants — what an unauthenticated or hostile client cannot do:
 //! - **No body byte is read before the request is admitted**: the route known, the caller
@@ -13,23 +17,29 @@
 //!   the Host and Origin checked, and the declared length under the route's own limit (`/status`
 //!   none, `/query` [`Limits::query_body`], `/swap` [`Limits::swap_body`], `/export` 4 KiB). A
 //!   chunked body is read only while its bytes stay within that limit: the chunk that would pass
-//!   it is refused (413) unkept, so no more than the limit is ever buffered. A refused request's
-//!   connection is closed, its body left unread.
+//!   it is refused (413) unkept, so no more than the limit is ever buffered; an HTTP/2 body
+//!   without a `Content-Length` is read as a chunked one. A refused HTTP/1.1 request's connection
+//!   is closed, its body left unread; a refused HTTP/2 stream is reset, its body unread, the
+//!   connection's other streams going on.
 //! - **Bodies and answers in flight are bounded in total**: unauthenticated bodies (queries) share
 //!   one byte budget ([`QUERY_BODY_BUDGET`]) taken before the read (a chunked body takes the
 //!   route's limit), answers waiting to be written another ([`ANSWER_BUDGET`]) — a request that
 //!   cannot get its share at once is refused with 503 — and admin bodies are read one at a time. A
 //!   query waits at most [`IO_TIMEOUT`] for room in the fold's control channel (64 deep), then for
 //!   its answer. Memory held for clients is therefore bounded by the budgets, one component, the
-//!   channel's queries, and a read buffer of at most [`MAX_HEAD`] per connection, whatever they
-//!   announce.
-//! - **Every connection is bounded in time**: each head within [`HEAD_DEADLINE`] of the wait for
-//!   it (so the idle time between two requests is bounded too), each whole request within
-//!   [`REQUEST_DEADLINE`] (a trickling client is cut, not waited for), each response written within
-//!   [`WRITE_DEADLINE`]. Idle clients cannot hold every slot either: with all taken, a new
-//!   connection evicts the oldest one that is waiting for a request or whose request is not yet
-//!   whole and not authenticated ([`HeadPhase`]); one whose request is whole is never evicted
-//!   before its answer is written.
+//!   channel's queries, and per connection a read buffer of at most [`MAX_HEAD`] (HTTP/1.1) or
+//!   (HTTP/2) one header list of at most [`MAX_HEAD`], [`conn::H2_WINDOW`] of body bytes not yet
+//!   read (the connection's receive window, all its streams together) and, per stream, at most
+//!   [`conn::H2_CHUNK`] twice of an answer beyond its client's window — whatever they announce.
+//! - **Every connection is bounded in time**: a connection with no request in service for
+//!   [`HEAD_DEADLINE`] is closed — the wait for its first head (the HTTP/2 preface included), the
+//!   idle time between two requests, an HTTP/2 header block that never ends —, each whole request
+//!   (an HTTP/2 stream's too) within [`REQUEST_DEADLINE`] (a trickling client is cut, not waited
+//!   for), each answer written within [`WRITE_DEADLINE`] (an HTTP/2 stream's client that opens no
+//!   window for it included), or the connection is cut. Idle clients cannot hold every slot
+//!   either: with all taken, a new connection evicts the oldest one that is waiting for a request
+//!   or whose requests are not yet whole and not authenticated ([`HeadPhase`]); one with a whole
+//!   request (an HTTP/2 stream) is never evicted before that answer is written.
 //! - **Admin routes always need the token** (`--admin-token`, `--admin-token-file`, or one the
 //!   host generates into a 0600 file beside the store); tokens are compared in constant time
 //!   ([`token_matches`]).
@@ -50,12 +60,19 @@
 //!   and `nosniff`.
 //!
 //! Queries are handed to the fold loop ([`crate::applied::Control::Query`]) and answered between
-//! batches: a query never sees a half-applied batch.
+//! batches: a query never sees a half-applied batch. Every query goes through one of two
+//! functions, over HTTP and over NATS alike: [`ask_one`] (one lookup) and [`ask_many`] (a batch:
+//! a `POST /query` whose `Content-Type` is [`LOOKUPS_CONTENT_TYPE`], its lookups and results
+//! framed as [`lookups`] says, at most [`MAX_LOOKUPS`] of them; a body that is not frames is a
+//! 400 naming the byte offset).
 
 mod admission;
 mod client;
 mod conn;
 mod folds;
+mod lookups;
+mod slot;
+mod token_file;
 
 pub use folds::FoldRegistry;
 
@@ -63,7 +80,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use hyper::header::{HeaderName, HeaderValue};
-use tokio::sync::{Semaphore, mpsc, oneshot};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use crate::applied::Control;
 
@@ -72,6 +89,14 @@ pub use admission::{
 };
 pub use client::{call, call_with_deadline, call_with_headers, call_with_token, split_listen};
 pub use conn::serve;
+pub use lookups::{
+    FrameError, LOOKUPS_CONTENT_TYPE, MAX_LOOKUPS, Outcome, decode_lookups, decode_results,
+    encode_lookups, encode_results,
+};
+pub(crate) use token_file::{
+    ADMIN_TOKEN_FILE, QUERY_TOKEN_FILE, generate_token_file, query_token_from_store,
+    read_generated_token, read_token_file,
+};
 
 /// Largest request head accepted.
 pub(crate) const MAX_HEAD: usize = 16 * 1024;
@@ -100,112 +125,6 @@ pub(crate) const REQUEST_DEADLINE: Duration = Duration::from_secs(30);
 pub(crate) const WRITE_DEADLINE: Duration = Duration::from_secs(10);
 /// How long a query may wait for its answer.
 pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(10);
-
-/// The admin token file a host generates in its store directory when no token is given.
-pub(crate) const ADMIN_TOKEN_FILE: &str = "admin-token";
-/// The query token file a host listening beyond loopback generates in its store directory when
-/// no query token is given (and `--query-open` is not).
-pub(crate) const QUERY_TOKEN_FILE: &str = "query-token";
-/// Largest token file read.
-const MAX_TOKEN_FILE: u64 = 4096;
-
-/// Reads a token file: its content, trimmed, must be non-empty and at most 4 KiB.
-pub(crate) fn read_token_file(path: &std::path::Path) -> std::io::Result<String> {
-    use std::io::Read as _;
-    let f = std::fs::File::open(path).map_err(|e| {
-        std::io::Error::new(e.kind(), format!("token file {}: {e}", path.display()))
-    })?;
-    let mut text = String::new();
-    f.take(MAX_TOKEN_FILE + 1)
-        .read_to_string(&mut text)
-        .map_err(|e| {
-            std::io::Error::new(e.kind(), format!("token file {}: {e}", path.display()))
-        })?;
-    let t = text.trim();
-    if t.is_empty() || text.len() as u64 > MAX_TOKEN_FILE {
-        return Err(std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!("token file {}: empty or over 4 KiB", path.display()),
-        ));
-    }
-    Ok(t.to_string())
-}
-
-/// Reads a token file a host generated ([`generate_token_file`]), refusing anything else: the
-/// file must be named [`ADMIN_TOKEN_FILE`] or [`crate::write::WRITE_TOKEN_FILE`], be a regular file no one but its owner can read
-/// (mode 0600 or stricter), and hold 64 hex digits. A client that follows the path a listener
-/// names in `/status` uses this, so a listener that is not the host (a squatter on the port)
-/// cannot make it send some other file (a private key) as a bearer token.
-pub(crate) fn read_generated_token(path: &std::path::Path) -> std::io::Result<String> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let refuse = |why: &str| {
-        std::io::Error::new(
-            std::io::ErrorKind::InvalidData,
-            format!(
-                "{}: not a token file a host generated: {why}",
-                path.display()
-            ),
-        )
-    };
-    let name = path.file_name();
-    if name != Some(std::ffi::OsStr::new(ADMIN_TOKEN_FILE))
-        && name != Some(std::ffi::OsStr::new(crate::write::WRITE_TOKEN_FILE))
-    {
-        return Err(refuse("wrong name"));
-    }
-    let meta = std::fs::symlink_metadata(path)?;
-    if !meta.file_type().is_file() || meta.permissions().mode() & 0o077 != 0 {
-        return Err(refuse("not a private regular file"));
-    }
-    let token = read_token_file(path)?;
-    if token.len() != 64 || !token.bytes().all(|b| b.is_ascii_hexdigit()) {
-        return Err(refuse("not 64 hex digits"));
-    }
-    Ok(token)
-}
-
-/// The query token a host listening beyond loopback uses when given none: the one in `path`
-/// ([`QUERY_TOKEN_FILE`] in the store) if a run before generated it and it is still private,
-/// else a new one generated there ([`generate_token_file`]). Kept across restarts, so remote
-/// clients that copied it once keep working; delete the file to change it.
-pub(crate) fn query_token_from_store(path: &std::path::Path) -> std::io::Result<String> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let private = std::fs::symlink_metadata(path)
-        .is_ok_and(|m| m.file_type().is_file() && m.permissions().mode() & 0o077 == 0);
-    match read_token_file(path) {
-        Ok(t) if private && t.len() == 64 && t.bytes().all(|b| b.is_ascii_hexdigit()) => Ok(t),
-        _ => generate_token_file(path),
-    }
-}
-
-/// Generates a token (32 bytes from the OS's random source, hex) and writes it to `path`
-/// readable and writable by this user only (mode 0600, written beside and renamed into place).
-pub(crate) fn generate_token_file(path: &std::path::Path) -> std::io::Result<String> {
-    use std::io::{Read as _, Write as _};
-    use std::os::unix::fs::OpenOptionsExt as _;
-    let mut raw = [0u8; 32];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut raw))
-        .map_err(|e| std::io::Error::new(e.kind(), format!("/dev/urandom: {e}")))?;
-    let token: String = raw.iter().map(|b| format!("{b:02x}")).collect();
-    let tmp = path.with_extension("tmp");
-    let _ = std::fs::remove_file(&tmp);
-    let written = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(&tmp)
-        .and_then(|mut f| {
-            f.write_all(token.as_bytes())?;
-            f.write_all(b"\n")?;
-            f.sync_all()
-        })
-        .and_then(|()| std::fs::rename(&tmp, path));
-    written.map_err(|e| {
-        std::io::Error::new(e.kind(), format!("token file {}: {e}", path.display()))
-    })?;
-    Ok(token)
-}
 
 /// What the server needs from the host.
 pub struct ServeState {
@@ -433,52 +352,116 @@ fn unavailable(message: &str) -> Reply {
     Reply::new(503, "text/plain", format!("{message}\n"))
 }
 
-/// `POST /query`: the body handed to the fold, the answer held under `answer_kib` (KiB of
-/// [`ANSWER_BUDGET`]) until it is written.
+/// What one lookup came to: the guest's answer, or its error.
+pub(crate) type Looked = Result<Vec<u8>, crate::applied::ApplyError>;
+
+/// One lookup handed to the fold and answered between two batches: the guest's answer or its
+/// error; `Err`, the reply to send when it could not be asked or answered (the fold not
+/// running, no room for it within [`IO_TIMEOUT`], no answer within another). The one path every
+/// single query takes, over HTTP and over NATS.
+pub(crate) async fn ask_one(state: &ServeState, request: Vec<u8>) -> Result<Looked, Reply> {
+    let (tx, rx) = oneshot::channel();
+    let control = Control::Query { request, reply: tx };
+    match tokio::time::timeout(IO_TIMEOUT, state.control.send(control)).await {
+        Ok(Ok(())) => {}
+        Ok(Err(_)) => return Err(unavailable("the fold is not running")),
+        Err(_) => {
+            return Err(unavailable(
+                "the fold is busy: no room for the query in time",
+            ));
+        }
+    }
+    match tokio::time::timeout(IO_TIMEOUT, rx).await {
+        Ok(Ok(looked)) => Ok(looked),
+        Ok(Err(_)) => Err(unavailable("the fold stopped")),
+        Err(_) => Err(no_answer_in_time()),
+    }
+}
+
+/// Several lookups, answered one per lookup in their order; `Err`, the reply to send when the
+/// batch could not be asked or answered whole (as [`ask_one`]'s). The one path every batch
+/// takes, over HTTP and over NATS. Each lookup is asked as [`ask_one`] asks it, in a row, the
+/// whole batch within the time one query may take (twice [`IO_TIMEOUT`]).
+pub(crate) async fn ask_many(
+    state: &ServeState,
+    lookups: Vec<Vec<u8>>,
+) -> Result<Vec<Looked>, Reply> {
+    let deadline = tokio::time::Instant::now() + 2 * IO_TIMEOUT;
+    let mut out = Vec::with_capacity(lookups.len());
+    for request in lookups {
+        match tokio::time::timeout_at(deadline, ask_one(state, request)).await {
+            Ok(looked) => out.push(looked?),
+            Err(_) => return Err(no_answer_in_time()),
+        }
+    }
+    Ok(out)
+}
+
+/// The 504 of a query the fold did not answer in time.
+fn no_answer_in_time() -> Reply {
+    Reply::new(504, "text/plain", b"no answer in time\n")
+}
+
+/// `reply` (an answer) holding its share of [`ANSWER_BUDGET`] (KiB of `answer_kib`) until it is
+/// written, or a 503 when the budget has no room for it now.
+fn budgeted(reply: Reply, answer_kib: &Arc<Semaphore>) -> (Reply, Option<OwnedSemaphorePermit>) {
+    let kib = reply.body.len().div_ceil(1024);
+    let budget = u32::try_from(kib)
+        .ok()
+        .and_then(|k| answer_kib.clone().try_acquire_many_owned(k).ok());
+    match budget {
+        Some(b) => (reply, Some(b)),
+        None => (unavailable("too many answers in flight; retry"), None),
+    }
+}
+
+/// `POST /query`: the body handed to the fold ([`ask_one`]), the answer held under `answer_kib`
+/// (KiB of [`ANSWER_BUDGET`]) until it is written.
 pub(crate) async fn query(
     body: Vec<u8>,
     state: &ServeState,
     answer_kib: &Arc<Semaphore>,
-) -> (Reply, Option<tokio::sync::OwnedSemaphorePermit>) {
-    let (tx, rx) = oneshot::channel();
-    let sent = tokio::time::timeout(
-        IO_TIMEOUT,
-        state.control.send(Control::Query {
-            request: body,
-            reply: tx,
-        }),
-    )
-    .await;
-    match sent {
-        Ok(Ok(())) => {}
-        Ok(Err(_)) => return (unavailable("the fold is not running"), None),
-        Err(_) => {
-            return (
-                unavailable("the fold is busy: no room for the query in time"),
-                None,
-            );
-        }
-    }
-    match tokio::time::timeout(IO_TIMEOUT, rx).await {
-        Ok(Ok(Ok(answer))) => {
-            let kib = answer.len().div_ceil(1024);
-            let budget = u32::try_from(kib)
-                .ok()
-                .and_then(|k| answer_kib.clone().try_acquire_many_owned(k).ok());
-            match budget {
-                Some(b) => (Reply::new(200, "application/octet-stream", answer), Some(b)),
-                None => (unavailable("too many answers in flight; retry"), None),
-            }
-        }
+) -> (Reply, Option<OwnedSemaphorePermit>) {
+    match ask_one(state, body).await {
+        Err(reply) => (reply, None),
+        Ok(Ok(answer)) => budgeted(
+            Reply::new(200, "application/octet-stream", answer),
+            answer_kib,
+        ),
         // No guest instance right now: the fold loop rebuilds it as fold work, never for a
         // query (docs/design.md, "The fold loop"), so the caller retries shortly.
-        Ok(Ok(Err(e))) if e.is_rebuilding() => (unavailable(&e.to_string()), None),
-        Ok(Ok(Err(e))) => (
+        Ok(Err(e)) if e.is_rebuilding() => (unavailable(&e.to_string()), None),
+        Ok(Err(e)) => (
             Reply::new(422, "text/plain", format!("{e}\n").as_bytes()),
             None,
         ),
-        Ok(Err(_)) => (unavailable("the fold stopped"), None),
-        Err(_) => (Reply::new(504, "text/plain", b"no answer in time\n"), None),
+    }
+}
+
+/// `POST /query` with `Content-Type: application/x-foldhost-lookups`: the body's lookups
+/// ([`lookups`]) handed to the fold as one batch ([`ask_many`]), the framed results held under
+/// `answer_kib` until written. A body that is not a sequence of frames, or holds more than
+/// [`MAX_LOOKUPS`], is a 400 naming the byte offset where it went wrong.
+pub(crate) async fn query_lookups(
+    body: &[u8],
+    state: &ServeState,
+    answer_kib: &Arc<Semaphore>,
+) -> (Reply, Option<OwnedSemaphorePermit>) {
+    let asked = match lookups::decode_lookups(body) {
+        Ok(l) => l,
+        Err(e) => {
+            return (
+                Reply::new(400, "text/plain", format!("lookups: {e}\n")),
+                None,
+            );
+        }
+    };
+    match ask_many(state, asked).await {
+        Err(reply) => (reply, None),
+        Ok(results) => budgeted(
+            Reply::new(200, LOOKUPS_CONTENT_TYPE, lookups::encode_looked(&results)),
+            answer_kib,
+        ),
     }
 }
 
@@ -758,37 +741,4 @@ pub(crate) async fn swap(body: Vec<u8>, state: &ServeState) -> Reply {
         reply: tx,
     };
     ask_fold(state, control, rx, SWAP_TIMEOUT).await
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn only_a_generated_private_token_file_is_followed() -> std::io::Result<()> {
-        use std::os::unix::fs::PermissionsExt as _;
-        let dir = tempfile::tempdir()?;
-        let file = dir.path().join(ADMIN_TOKEN_FILE);
-        let token = generate_token_file(&file)?;
-        assert_eq!(
-            std::fs::metadata(&file)?.permissions().mode() & 0o777,
-            0o600
-        );
-        assert_eq!(read_generated_token(&file)?, token);
-        // Readable by others: refused.
-        std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o644))?;
-        assert!(read_generated_token(&file).is_err());
-        // Another name (a private key, say), or content that is not a generated token: refused.
-        let key = dir.path().join("id_ed25519");
-        std::fs::write(&key, "-----BEGIN OPENSSH PRIVATE KEY-----\n")?;
-        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600))?;
-        assert!(read_generated_token(&key).is_err());
-        let other = dir.path().join("sub");
-        std::fs::create_dir(&other)?;
-        let fake = other.join(ADMIN_TOKEN_FILE);
-        std::fs::write(&fake, "-----BEGIN OPENSSH PRIVATE KEY-----\n")?;
-        std::fs::set_permissions(&fake, std::fs::Permissions::from_mode(0o600))?;
-        assert!(read_generated_token(&fake).is_err());
-        Ok(())
-    }
 }
