@@ -109,7 +109,7 @@ impl Collector for Folds {
                 ));
             }
         }
-        let metrics: [(&str, &str, Option<Unit>, Pick); 20] = [
+        let metrics: [(&str, &str, Option<Unit>, Pick); 21] = [
             (
                 "foldhost_delivered_updates",
                 "Updates delivered by the watch since the host started.",
@@ -246,6 +246,12 @@ impl Collector for Folds {
                 "Each swap's pause of the fold.",
                 Some(Unit::Seconds),
                 |s| histogram(&s.swap_pause_us, US),
+            ),
+            (
+                "foldhost_nats_queries_served",
+                "Requests on --query-subject this node answered (a batch of lookups is one).",
+                None,
+                |s| Value::Counter(s.nats_queries_served.load(Ordering::Relaxed)),
             ),
             (
                 "foldhost_store_failure_streak",
@@ -488,6 +494,7 @@ mod tests {
             "foldhost_export_rounds_total{fold=\"routes\",outcome=\"up-to-date\"} 1",
             "foldhost_repairs_total{fold=\"routes\",kind=\"restore\",outcome=\"refused\"} 1",
             "foldhost_swaps_total{fold=\"routes\"} 0",
+            "foldhost_nats_queries_served_total{fold=\"routes\"} 0",
         ] {
             assert!(text.contains(line), "{line:?} missing from:\n{text}");
         }

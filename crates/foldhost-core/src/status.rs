@@ -87,6 +87,9 @@ pub struct StatusReport {
     pub ledger_watermark_unix_ms: u64,
     /// Ledger sweeps completed since the host started.
     pub ledger_sweeps: u64,
+    /// Requests on `--query-subject` this node answered since it started (a batch of lookups is
+    /// one): nodes sharing the subject in a queue group split them.
+    pub nats_queries_served: u64,
     /// When the server created the stream the fold folds (RFC 3339).
     pub stream_created_at: Option<String>,
     /// The revision of the fold's checkpoint (the newest its cursor covers whose stored time it
@@ -326,6 +329,7 @@ impl StatusReport {
             skipped_messages: s.skipped_messages.load(Ordering::Relaxed),
             ledger_watermark_unix_ms: s.ledger_watermark_unix_ms.load(Ordering::Relaxed),
             ledger_sweeps: s.ledger_sweeps.load(Ordering::Relaxed),
+            nats_queries_served: s.nats_queries_served.load(Ordering::Relaxed),
             stream_created_at: rfc3339(s.stream_created_unix_ns.load(Ordering::Relaxed)),
             checkpoint_revision: Some(s.checkpoint_revision.load(Ordering::Relaxed))
                 .filter(|r| *r > 0),
@@ -464,6 +468,8 @@ pub struct FoldStatus {
     pub longest_apply_us: AtomicU64,
     /// Ledger sweeps completed since start.
     pub ledger_sweeps: AtomicU64,
+    /// Requests on `--query-subject` answered since start (a batch of lookups is one).
+    pub nats_queries_served: AtomicU64,
     /// Told whenever `applied_through` or `cursor` is published: what a write or a read waiting
     /// for a revision waits on ([`FoldStatus::wait_applied`]).
     pub applied_moved: tokio::sync::Notify,

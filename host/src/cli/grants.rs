@@ -29,6 +29,10 @@ pub struct GrantsArgs {
     /// Where the node's replies to those go (`run --query-reply-prefix`).
     #[arg(long, default_value_t = crate::node::DEFAULT_QUERY_REPLY_PREFIX.to_string())]
     pub query_reply_prefix: String,
+    /// The queue group the node takes those in (`run --query-group`): the subscribe grants name
+    /// it, so the user may take the subjects in that group only.
+    #[arg(long, value_name = "NAME", default_value_t = super::run::defaults().query_group, value_parser = super::run::parse_queue_group)]
+    pub query_group: String,
     /// The node runs export rounds (`run --export-every`): the lease bucket is granted.
     #[arg(long)]
     pub exports: bool,
@@ -109,10 +113,11 @@ pub(super) async fn cmd_grants(a: GrantsArgs) -> anyhow::Result<()> {
             writes: true,
         });
     }
+    // A queue subscription's grant: `SUBJECT GROUP` (nats-server's form for a queue group).
     let serves: Vec<String> = [&a.query_subject, &a.write_subject]
         .into_iter()
         .flatten()
-        .cloned()
+        .map(|s| format!("{s} {}", a.query_group))
         .collect();
     let mut grants = compose_grants(&buckets, &a.inbox_prefix, &serves);
     if !serves.is_empty() {

@@ -137,6 +137,10 @@ pub struct RunArgs {
     /// requester cannot have the host publish, with its credentials, to a subject it names).
     #[arg(long, default_value_t = defaults().query_reply_prefix)]
     pub query_reply_prefix: String,
+    /// The NATS queue group `--query-subject` and `--write-subject` are subscribed in: nodes in
+    /// one group share the subjects, each request going to exactly one of them.
+    #[arg(long, value_name = "NAME", default_value_t = defaults().query_group, value_parser = parse_queue_group)]
+    pub query_group: String,
     /// Also take writes as NATS request/reply on this subject: the request is `/write`'s JSON,
     /// the reply its answer (docs/writes.md). Who may write is who may publish to the subject
     /// (the NATS account's permissions); replies go only to subjects under
@@ -236,6 +240,19 @@ pub(super) fn defaults() -> NodeConfig {
     NodeConfig::new("", "", "")
 }
 
+/// A NATS queue group's name: a non-empty token of the protocol (no whitespace, no wildcard).
+pub(super) fn parse_queue_group(s: &str) -> Result<String, String> {
+    if s.is_empty()
+        || s.bytes()
+            .any(|b| b.is_ascii_whitespace() || b.is_ascii_control() || b == b'*' || b == b'>')
+    {
+        return Err(format!(
+            "{s:?} is not a queue group: one word, no whitespace or wildcard"
+        ));
+    }
+    Ok(s.to_string())
+}
+
 pub(super) fn parse_scope(s: &str) -> Result<WatchScope, String> {
     WatchScope::parse(s).map_err(|e| e.to_string())
 }
@@ -326,6 +343,7 @@ impl RunArgs {
             watch_guest: self.watch_guest,
             query_subject: self.query_subject,
             query_reply_prefix: self.query_reply_prefix,
+            query_group: self.query_group,
             write_subject: self.write_subject,
             catch_up: self.catch_up,
             repair: self.repair,

@@ -51,6 +51,9 @@ pub(crate) struct NodeConfig {
     pub query_subject: Option<String>,
     /// Reply subjects of NATS queries (and writes) must start with this.
     pub query_reply_prefix: String,
+    /// The queue group `query_subject` and `write_subject` are subscribed in: each request goes
+    /// to one node of the group.
+    pub query_group: String,
     /// Also take writes as NATS request/reply on this subject.
     pub write_subject: Option<String>,
     /// Fold to the stream's last sequence as of start, then return.
@@ -121,6 +124,7 @@ impl NodeConfig {
             watch_guest: false,
             query_subject: None,
             query_reply_prefix: DEFAULT_QUERY_REPLY_PREFIX.to_string(),
+            query_group: DEFAULT_QUERY_GROUP.to_string(),
             write_subject: None,
             catch_up: false,
             repair: RepairMode::Auto,
@@ -206,6 +210,9 @@ pub const DEFAULT_LEASE_BUCKET: &str = "foldhost_leases";
 
 /// The default prefix a NATS query's reply subject must have.
 pub(crate) const DEFAULT_QUERY_REPLY_PREFIX: &str = "_INBOX.";
+
+/// The queue group NATS queries and writes are taken in by default.
+pub(crate) const DEFAULT_QUERY_GROUP: &str = "foldhost";
 
 /// What a finished run reports.
 #[derive(Debug, Clone, Copy)]

@@ -1,6 +1,9 @@
-//! The tasks that run beside the fold: the `--listen` endpoint, `--watch-guest`, the NATS query
-//! service (`--query-subject`) and the status reporter (`status.json`, hydration progress). They
-//! reach the fold only through its control channel, between batches.
+//! The tasks that run beside the fold: the `--listen` endpoint, `--watch-guest`, the NATS
+//! services (`--query-subject`, `--write-subject`: `side/nats.rs`) and the status reporter
+//! (`status.json`, hydration progress). They reach the fold only through its control channel,
+//! between batches. The node has one `ServeState`: what the endpoint serves is what the NATS
+//! query service asks through, so every query, whichever way it came, goes through
+//! `serve::ask_one` or `serve::ask_many`.
 
 use std::io::IsTerminal as _;
 use std::path::PathBuf;
@@ -20,6 +23,8 @@ use crate::status::StatusReport;
 use super::{
     NodeConfig, NodeError, RunSummary, final_status, live_status, signalled, write_status_file,
 };
+
+mod nats;
 
 /// The running side tasks of a node.
 pub(super) struct SideTasks {
@@ -77,26 +82,32 @@ impl SideTasks {
         let last_export: Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>> =
             Arc::default();
         let mut base = base.clone();
-        let server = match &cfg.listen {
-            Some(l) => Some(
-                listen(
-                    cfg,
-                    l,
-                    &mut base,
-                    status,
-                    scope,
-                    engine.clone(),
-                    control.clone(),
-                    &fatal,
-                    &last_export,
-                    stream.clone(),
-                    write.clone(),
-                    read_key,
-                    state.clone(),
-                )
-                .await?,
-            ),
-            None => None,
+        // The fold as every query reaches it, over HTTP and over NATS: one state, so both go
+        // through `serve::ask_one` and `serve::ask_many`.
+        let parts = StateParts {
+            base: base.clone(),
+            status: status.clone(),
+            scope: scope.to_string(),
+            engine: engine.clone(),
+            control: control.clone(),
+            fatal: fatal.clone(),
+            last_export: last_export.clone(),
+            stream: stream.clone(),
+            write: write.clone(),
+            read_key,
+            state_folds: state.clone(),
+        };
+        let (server, served) = match &cfg.listen {
+            Some(l) => {
+                let (server, served) = listen(cfg, l, &mut base, parts).await?;
+                (Some(server), served)
+            }
+            None => {
+                let policy = unserved_policy()
+                    .map_err(|e| NodeError::Config(format!("a query state's tokens: {e}")))?;
+                let ready_max_lag = crate::serve::DEFAULT_READY_MAX_LAG;
+                (None, Arc::new(parts.build(cfg, policy, ready_max_lag)))
+            }
         };
         if server.is_some() {
             // At once, not at the reporter's first write: with `--listen HOST:0` this is where
@@ -113,32 +124,23 @@ impl SideTasks {
         if let Some(subject) = &cfg.query_subject {
             let client = conn.client().await?;
             let sub = client
-                .subscribe(subject.clone())
+                .queue_subscribe(subject.clone(), cfg.query_group.clone())
                 .await
                 .map_err(|e| NodeError::Config(format!("--query-subject {subject}: {e}")))?;
-            tracing::info!(event = "nats_queries_serving", subject = %subject, "serving queries over NATS request/reply");
+            tracing::info!(event = "nats_queries_serving", subject = %subject, group = %cfg.query_group, "serving queries over NATS request/reply");
             others.push(tokio::spawn(tracing::Instrument::in_current_span(
-                serve_nats_queries(
-                    client,
-                    sub,
-                    cfg.query_reply_prefix.clone(),
-                    control.clone(),
-                    crate::write::Positions {
-                        status: status.clone(),
-                        rate: write.rate.clone(),
-                    },
-                ),
+                nats::serve_nats_queries(client, sub, cfg.query_reply_prefix.clone(), served),
             )));
         }
         if let Some(subject) = &cfg.write_subject {
             let client = conn.client().await?;
             let sub = client
-                .subscribe(subject.clone())
+                .queue_subscribe(subject.clone(), cfg.query_group.clone())
                 .await
                 .map_err(|e| NodeError::Config(format!("--write-subject {subject}: {e}")))?;
-            tracing::info!(event = "nats_writes_serving", subject = %subject, "taking writes over NATS request/reply");
+            tracing::info!(event = "nats_writes_serving", subject = %subject, group = %cfg.query_group, "taking writes over NATS request/reply");
             others.push(tokio::spawn(tracing::Instrument::in_current_span(
-                serve_nats_writes(client, sub, cfg.query_reply_prefix.clone(), write.clone()),
+                nats::serve_nats_writes(client, sub, cfg.query_reply_prefix.clone(), write.clone()),
             )));
         }
         if let (Some(every), Some(transport), Some((_, key))) =
@@ -219,23 +221,14 @@ impl SideTasks {
 }
 
 /// Binds `--listen`, settles the admin token (given, read from a file, or generated beside the
-/// store), and serves `/status`, `/query`, `/swap` and `/export`.
-#[allow(clippy::too_many_arguments)] // one call site, each argument a different part of the node
+/// store), and serves `/status`, `/query`, `/swap` and `/export`; returns the server's task and
+/// the state it serves, which the NATS services serve too.
 async fn listen(
     cfg: &NodeConfig,
     l: &super::ListenConfig,
     base: &mut StatusReport,
-    status: &Arc<FoldStatus>,
-    scope: &WatchScope,
-    engine: Option<Arc<GuestEngine>>,
-    control: mpsc::Sender<Control>,
-    fatal: &Arc<std::sync::Mutex<Option<String>>>,
-    last_export: &Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
-    stream: super::export::StreamSource,
-    write: Arc<crate::write::WritePath>,
-    read_key: crate::write::KeyReader,
-    state_folds: Vec<crate::artifact::StateFoldSource>,
-) -> Result<JoinHandle<()>, NodeError> {
+    mut parts: StateParts,
+) -> Result<(JoinHandle<()>, Arc<crate::serve::ServeState>), NodeError> {
     let io = |source| NodeError::Listen {
         addr: l.addr.clone(),
         source,
@@ -260,53 +253,109 @@ async fn listen(
         token_file.map(|f| std::path::absolute(&f).unwrap_or(f).display().to_string());
     base.write_token_file =
         write_token_file.map(|f| std::path::absolute(&f).unwrap_or(f).display().to_string());
-    let (render_base, render_status, render_fatal, render_export) = (
-        base.clone(),
-        status.clone(),
-        fatal.clone(),
-        last_export.clone(),
-    );
-    let state = Arc::new(crate::serve::ServeState {
-        status: Box::new(move || {
-            let mut r = live_status(&render_base, &render_status);
-            r.last_export = render_export.lock().ok().and_then(|l| l.clone());
-            if let Some(f) = render_fatal.lock().ok().and_then(|f| f.clone()) {
-                r.state = "failed".into();
-                r.error = Some(f);
-            }
-            r
-        }),
-        control,
-        engine,
-        policy,
-        backend: cfg.backend,
-        scope: scope.to_string(),
-        stream,
-        state_folds,
-        ready_max_lag: l.ready_max_lag,
-        folds: vec![crate::metrics::FoldSource {
-            name: cfg.fold_name().to_string(),
-            status: status.clone(),
-        }],
-        registry: None,
-        positions: Some(crate::write::Positions {
-            status: status.clone(),
-            rate: write.rate.clone(),
-        }),
-        read_key: Some(read_key),
-        write: Some(write),
-    });
+    parts.base = base.clone();
+    let state = Arc::new(parts.build(cfg, policy, l.ready_max_lag));
     match (listener, &l.shared) {
-        (Some(listener), _) => Ok(tokio::spawn(tracing::Instrument::in_current_span(
-            crate::serve::serve(listener, state),
-        ))),
+        (Some(listener), _) => Ok((
+            tokio::spawn(tracing::Instrument::in_current_span(crate::serve::serve(
+                listener,
+                state.clone(),
+            ))),
+            state,
+        )),
         (None, Some(shared)) => {
-            shared.registry.insert(cfg.fold_name(), state);
+            shared.registry.insert(cfg.fold_name(), state.clone());
             // Nothing to serve of its own: the process's listener serves the fold.
-            Ok(tokio::spawn(std::future::pending()))
+            Ok((tokio::spawn(std::future::pending()), state))
         }
         (None, None) => unreachable!("a listener is bound unless one is shared"),
     }
+}
+
+/// What a node's [`crate::serve::ServeState`] is built from, but its policy.
+struct StateParts {
+    /// The host's fixed facts (with the listener's address and token files once bound).
+    base: StatusReport,
+    status: Arc<FoldStatus>,
+    scope: String,
+    engine: Option<Arc<GuestEngine>>,
+    control: mpsc::Sender<Control>,
+    fatal: Arc<std::sync::Mutex<Option<String>>>,
+    last_export: Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
+    stream: super::export::StreamSource,
+    write: Arc<crate::write::WritePath>,
+    read_key: crate::write::KeyReader,
+    state_folds: Vec<crate::artifact::StateFoldSource>,
+}
+
+impl StateParts {
+    /// The node's one serve state: what `--listen` serves, and what the NATS services ask the
+    /// fold through.
+    fn build(
+        self,
+        cfg: &NodeConfig,
+        policy: crate::serve::AccessPolicy,
+        ready_max_lag: u64,
+    ) -> crate::serve::ServeState {
+        let StateParts {
+            base,
+            status,
+            scope,
+            engine,
+            control,
+            fatal,
+            last_export,
+            stream,
+            write,
+            read_key,
+            state_folds,
+        } = self;
+        let render_status = status.clone();
+        crate::serve::ServeState {
+            status: Box::new(move || {
+                let mut r = live_status(&base, &render_status);
+                r.last_export = last_export.lock().ok().and_then(|l| l.clone());
+                if let Some(f) = fatal.lock().ok().and_then(|f| f.clone()) {
+                    r.state = "failed".into();
+                    r.error = Some(f);
+                }
+                r
+            }),
+            control,
+            engine,
+            policy,
+            backend: cfg.backend,
+            scope,
+            stream,
+            state_folds,
+            ready_max_lag,
+            folds: vec![crate::metrics::FoldSource {
+                name: cfg.fold_name().to_string(),
+                status: status.clone(),
+            }],
+            registry: None,
+            positions: Some(crate::write::Positions {
+                status,
+                rate: write.rate.clone(),
+            }),
+            read_key: Some(read_key),
+            write: Some(write),
+        }
+    }
+}
+
+/// The policy of a serve state no listener serves (a node with `--query-subject` and no
+/// `--listen`): its tokens random and held by no one, its address none.
+fn unserved_policy() -> std::io::Result<crate::serve::AccessPolicy> {
+    Ok(crate::serve::AccessPolicy {
+        admin_token: crate::serve::random_token()?,
+        write_token: crate::serve::random_token()?,
+        query_token: Some(crate::serve::random_token()?),
+        listen: std::net::SocketAddr::from(([127, 0, 0, 1], 0)),
+        hosts: Vec::new(),
+        query_open: false,
+        limits: crate::serve::Limits::default(),
+    })
 }
 
 /// What the side tasks read of the fold: its stream identity (exports), its operation ledger and
@@ -504,183 +553,6 @@ async fn watch_guest_file(path: PathBuf, engine: Arc<GuestEngine>, control: mpsc
         }
         // The fold logs the outcome; nothing more to do here.
         let _ = rx.await;
-    }
-}
-
-/// `--query-subject`: each request's payload goes to the guest's `query` (between batches); the
-/// reply is the answer, or the error text with a `Foldhost-Error: true` header. A request whose
-/// reply subject is not under the configured prefix is dropped
-/// ([`crate::protocol::reply_subject_allowed`]).
-async fn serve_nats_queries(
-    client: async_nats::Client,
-    mut sub: async_nats::Subscriber,
-    reply_prefix: String,
-    control: mpsc::Sender<Control>,
-    positions: crate::write::Positions,
-) {
-    use futures::StreamExt;
-    // Queries that wait for a revision wait beside the others, at most this many at once (the
-    // rest are answered `behind` at once).
-    let waiting = Arc::new(tokio::sync::Semaphore::new(MAX_WAITING_NATS_QUERIES));
-    while let Some(msg) = sub.next().await {
-        let Some(reply_to) = msg.reply.clone() else {
-            continue;
-        };
-        if !crate::protocol::reply_subject_allowed(&reply_to, &reply_prefix) {
-            tracing::warn!(event = "nats_query_refused", reply = %reply_to, prefix = %reply_prefix, "query refused: its reply subject is not an inbox");
-            continue;
-        }
-        let header = |name: &str| {
-            msg.headers
-                .as_ref()
-                .and_then(|h| h.get(name))
-                .map(|v| v.as_str().to_string())
-        };
-        let min = header(crate::protocol::MIN_REVISION_HEADER);
-        let wait = header(crate::protocol::WAIT_MS_HEADER);
-        let asked = crate::protocol::parse_min_revision(min.as_deref())
-            .and_then(|min| crate::protocol::parse_read_wait(wait.as_deref()).map(|w| (min, w)));
-        match asked.map(|(min, wait_ms)| min.map(|m| (m, wait_ms))) {
-            Err(e) => reply_error(&client, reply_to, "true", None, e).await,
-            Ok(None) => {
-                if !nats_query(&client, &control, reply_to, msg.payload.to_vec()).await {
-                    return;
-                }
-            }
-            Ok(Some((min, wait_ms))) => {
-                let Ok(permit) = waiting.clone().try_acquire_owned() else {
-                    let lag = crate::protocol::lag_to(
-                        min,
-                        positions.status.applied_through.load(Ordering::Acquire),
-                        positions.rate.per_second(),
-                    );
-                    reply_error(
-                        &client,
-                        reply_to,
-                        "behind",
-                        Some(lag.seconds),
-                        "too many reads waiting".into(),
-                    )
-                    .await;
-                    continue;
-                };
-                let (client, control, p) = (client.clone(), control.clone(), positions.clone());
-                tokio::spawn(tracing::Instrument::in_current_span(async move {
-                    let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
-                    let through = p.status.wait_applied(min, deadline).await;
-                    match crate::protocol::read_gate(min, through, p.rate.per_second()) {
-                        Ok(()) => {
-                            nats_query(&client, &control, reply_to, msg.payload.to_vec()).await;
-                        }
-                        Err(lag) => {
-                            let why = format!("behind: applied through {through}, {min} asked");
-                            reply_error(&client, reply_to, "behind", Some(lag.seconds), why).await;
-                        }
-                    }
-                    drop(permit);
-                }));
-            }
-        }
-    }
-}
-
-/// Takes writes on a NATS subject: each request is a [`crate::write::WriteRequest`] (JSON), each
-/// reply its [`crate::write::WriteAnswer`] (JSON) with the outcome in `Foldhost-Outcome`. At most
-/// [`MAX_NATS_WRITES`] are in flight; more wait in the subscription.
-async fn serve_nats_writes(
-    client: async_nats::Client,
-    mut sub: async_nats::Subscriber,
-    reply_prefix: String,
-    write: Arc<crate::write::WritePath>,
-) {
-    use futures::StreamExt;
-    let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_NATS_WRITES));
-    while let Some(msg) = sub.next().await {
-        let Some(reply_to) = msg.reply.clone() else {
-            continue;
-        };
-        if !crate::protocol::reply_subject_allowed(&reply_to, &reply_prefix) {
-            tracing::warn!(event = "nats_write_refused", reply = %reply_to, prefix = %reply_prefix, "write refused: its reply subject is not an inbox");
-            continue;
-        }
-        let Ok(permit) = in_flight.clone().acquire_owned().await else {
-            return;
-        };
-        let (client, write) = (client.clone(), write.clone());
-        tokio::spawn(tracing::Instrument::in_current_span(async move {
-            let answer = write.write_json(&msg.payload).await;
-            let mut headers = async_nats::HeaderMap::new();
-            headers.insert("Foldhost-Outcome", answer.outcome.as_str());
-            let body = serde_json::to_vec(&answer).unwrap_or_default();
-            if let Err(e) = client
-                .publish_with_headers(reply_to, headers, body.into())
-                .await
-            {
-                tracing::warn!(event = "nats_write_reply_failed", error = %e, "write reply not sent");
-            }
-            drop(permit);
-        }));
-    }
-}
-
-/// Most NATS writes in flight at once.
-const MAX_NATS_WRITES: usize = 64;
-
-/// Most NATS queries waiting for a revision at once.
-const MAX_WAITING_NATS_QUERIES: usize = 256;
-
-/// One query handed to the fold, its answer (or error) published to `reply_to`. False when the
-/// fold has stopped.
-async fn nats_query(
-    client: &async_nats::Client,
-    control: &mpsc::Sender<Control>,
-    reply_to: async_nats::Subject,
-    request: Vec<u8>,
-) -> bool {
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    if control
-        .send(Control::Query { request, reply: tx })
-        .await
-        .is_err()
-    {
-        return false;
-    }
-    let published = match rx.await {
-        Ok(Ok(answer)) => client.publish(reply_to, answer.into()).await,
-        Ok(Err(e)) => {
-            let mut headers = async_nats::HeaderMap::new();
-            headers.insert("Foldhost-Error", "true");
-            client
-                .publish_with_headers(reply_to, headers, e.to_string().into())
-                .await
-        }
-        Err(_) => return false,
-    };
-    if let Err(e) = published {
-        tracing::warn!(event = "nats_query_reply_failed", error = %e, "query reply not sent");
-    }
-    true
-}
-
-/// An error reply to a NATS query: `Foldhost-Error: KIND` (`true`, or `behind` with
-/// `Retry-After: SECONDS`) and the reason as the body.
-async fn reply_error(
-    client: &async_nats::Client,
-    reply_to: async_nats::Subject,
-    kind: &str,
-    retry_after: Option<u64>,
-    why: String,
-) {
-    let mut headers = async_nats::HeaderMap::new();
-    headers.insert("Foldhost-Error", kind);
-    if let Some(s) = retry_after {
-        headers.insert("Retry-After", s.to_string().as_str());
-    }
-    if let Err(e) = client
-        .publish_with_headers(reply_to, headers, why.into())
-        .await
-    {
-        tracing::warn!(event = "nats_query_reply_failed", error = %e, "query reply not sent");
     }
 }
 

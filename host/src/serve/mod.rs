@@ -93,8 +93,9 @@ pub use lookups::{
     FrameError, LOOKUPS_CONTENT_TYPE, MAX_LOOKUPS, Outcome, decode_lookups, decode_results,
     encode_lookups, encode_results,
 };
+pub(crate) use lookups::{encode_looked, is_lookups};
 pub(crate) use token_file::{
-    ADMIN_TOKEN_FILE, QUERY_TOKEN_FILE, generate_token_file, query_token_from_store,
+    ADMIN_TOKEN_FILE, QUERY_TOKEN_FILE, generate_token_file, query_token_from_store, random_token,
     read_generated_token, read_token_file,
 };
 

@@ -542,7 +542,8 @@ pub struct Grants {
 }
 
 /// The permissions a node needs for `buckets` (each folded), with its inbox prefix and the
-/// subjects it serves queries and writes on: to fold a bucket — its stream's info, ordered and
+/// subjects it serves queries and writes on (each as its subscribe grant: `SUBJECT QUEUE` for a
+/// queue subscription): to fold a bucket — its stream's info, ordered and
 /// listing consumers created and deleted, direct and stream gets, flow-control replies —, to
 /// assert one, and to write one. The lists are sorted and without repeats.
 pub fn compose_grants(buckets: &[BucketUse], inbox_prefix: &str, serves: &[String]) -> Grants {
