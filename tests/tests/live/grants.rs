@@ -84,12 +84,14 @@ async fn consumers(admin: &NatsConnection) -> anyhow::Result<usize> {
     Ok(stream.info().await?.state.consumer_count)
 }
 
-/// Starts a node as `user` with `--listen` and a write token; waits until its fold holds `last`.
+/// Starts a node as `user` with `--listen`, a write token and `args`; waits until its fold holds
+/// `last`.
 async fn node_as(
     server: &LocalNats,
     user: &str,
     store: &Path,
     last: u64,
+    args: &[&str],
 ) -> anyhow::Result<(Running, String, String)> {
     let addr = format!("127.0.0.1:{}", reserved_port()?);
     let token_file = store.with_extension("write-token");
@@ -106,6 +108,7 @@ async fn node_as(
         .arg(store)
         .args(["--listen", &addr, "--write-token-file"])
         .arg(&token_file)
+        .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?;
@@ -153,7 +156,8 @@ async fn a_node_holding_exactly_its_composed_grants_folds_writes_and_leaves_no_c
     }
     let last = kv.positions().await?.last_sequence;
 
-    let (mut node, addr, token) = node_as(&server, "node", &tmp.path().join("node"), last).await?;
+    let (mut node, addr, token) =
+        node_as(&server, "node", &tmp.path().join("node"), last, &[]).await?;
     let (code, answer) = put(&addr, &token, "written")?;
     anyhow::ensure!(
         code == 0 && answer.outcome == "applied",
@@ -163,7 +167,7 @@ async fn a_node_holding_exactly_its_composed_grants_folds_writes_and_leaves_no_c
     node.stop()?;
     kv.put("while-down", "x".into()).await?;
     let last = kv.positions().await?.last_sequence;
-    let (mut node, _, _) = node_as(&server, "node", &tmp.path().join("node"), last).await?;
+    let (mut node, _, _) = node_as(&server, "node", &tmp.path().join("node"), last, &[]).await?;
     let status = node.stop()?;
     anyhow::ensure!(status.success(), "the node's clean stop: {status}");
     anyhow::ensure!(
@@ -172,7 +176,8 @@ async fn a_node_holding_exactly_its_composed_grants_folds_writes_and_leaves_no_c
     );
 
     // Granted no writes: the server refuses the publish, and the writer is told so.
-    let (mut ro, addr, token) = node_as(&server, "reader", &tmp.path().join("ro"), last).await?;
+    let (mut ro, addr, token) =
+        node_as(&server, "reader", &tmp.path().join("ro"), last, &[]).await?;
     let (code, answer) = put(&addr, &token, "refused")?;
     anyhow::ensure!(
         code == 5
@@ -252,6 +257,88 @@ async fn a_node_lacking_a_grant_its_fold_needs_names_the_subject_once_and_stops(
                 .count()
                 == 1,
         "one line naming the subject: {stderr}"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_granted_its_served_subjects_takes_them_in_its_queue_group_and_in_no_other()
+-> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
+    let log = tmp.path().join("server.log");
+    let serves = [
+        "--query-subject",
+        "svc.granted.query",
+        "--write-subject",
+        "svc.granted.write",
+        "--query-group",
+        "routers",
+    ];
+    let block = grants(&serves)?;
+    anyhow::ensure!(
+        block.contains("\"svc.granted.query routers\"")
+            && block.contains("\"svc.granted.write routers\""),
+        "each served subject granted in its queue group: {block}"
+    );
+    let server = server(&log, &[("node", block)])?;
+    let admin = NatsConnection::open(ConnectOptions::new(url_as(&server, "admin"))).await?;
+    let kv = admin.bucket(BUCKET, &BucketConfig::default()).await?;
+    kv.put("k", "v".into()).await?;
+    let last = kv.positions().await?.last_sequence;
+    let (mut node, _, _) =
+        node_as(&server, "node", &tmp.path().join("node"), last, &serves).await?;
+    // Both subjects are taken: a query is answered (the native applier's answer or its error),
+    // a write applied.
+    let client = admin.client().await?;
+    client.request("svc.granted.query", "k".into()).await?;
+    let reply = client
+        .request(
+            "svc.granted.write",
+            serde_json::json!({"key": "w", "value": "x"})
+                .to_string()
+                .into(),
+        )
+        .await?;
+    let answer: WriteAnswer = serde_json::from_slice(&reply.payload)?;
+    anyhow::ensure!(answer.outcome == "applied", "{answer:?}");
+    let status = node.stop()?;
+    anyhow::ensure!(status.success(), "the node's clean stop: {status}");
+    anyhow::ensure!(
+        violations(&log, "node").is_empty(),
+        "the granted node hit violations: {:?}",
+        violations(&log, "node")
+    );
+    // The same user in another queue group: the server refuses the subscription, and the node
+    // stops naming the subject.
+    let mut other = serves.to_vec();
+    other[5] = "others";
+    let mut child = foldhost()
+        .args([
+            "run",
+            "--bucket",
+            BUCKET,
+            "--nats",
+            &url_as(&server, "node"),
+        ])
+        .arg("--store")
+        .arg(tmp.path().join("other"))
+        .args(&other)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let mut stderr = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        use std::io::Read as _;
+        // Read to its end: the node exits (a node that ran on would hold the test until the
+        // harness's own limit, failing it).
+        e.read_to_string(&mut stderr)?;
+    }
+    let status = child.wait()?;
+    anyhow::ensure!(
+        !status.success()
+            && stderr.contains("svc.granted.query")
+            && stderr.contains("lacks the grant"),
+        "refused in another group, naming the subject: {status}: {stderr}"
     );
     Ok(())
 }

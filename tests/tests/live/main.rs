@@ -28,6 +28,7 @@ mod log_events;
 mod nats_auth;
 mod page;
 mod probes;
+mod queries;
 mod repair;
 mod resume;
 mod server_restart;
