@@ -14,7 +14,9 @@ use std::time::Duration;
 /// is a batch of lookups ([`crate::serve::ask_many`]), answered as `POST /query` answers one: the
 /// framed results under the same content type. A request whose reply subject is not under the
 /// configured prefix is dropped ([`crate::protocol::reply_subject_allowed`]). Every request
-/// answered counts in the fold's `nats_queries_served`, before its reply goes out.
+/// answered counts in the fold's `nats_queries_served`, before its reply goes out. At most
+/// [`MAX_NATS_QUERIES`] are asked at once (more wait in the subscription), and at most
+/// [`MAX_WAITING_NATS_QUERIES`] wait for a revision beside them.
 pub(super) async fn serve_nats_queries(
     client: async_nats::Client,
     mut sub: async_nats::Subscriber,
@@ -28,6 +30,7 @@ pub(super) async fn serve_nats_queries(
     // Queries that wait for a revision wait beside the others, at most this many at once (the
     // rest are answered `behind` at once).
     let waiting = Arc::new(tokio::sync::Semaphore::new(MAX_WAITING_NATS_QUERIES));
+    let in_flight = Arc::new(tokio::sync::Semaphore::new(MAX_NATS_QUERIES));
     while let Some(msg) = sub.next().await {
         let Some(reply_to) = msg.reply.clone() else {
             continue;
@@ -56,7 +59,16 @@ pub(super) async fn serve_nats_queries(
                 count_served(&state);
                 reply_error(&client, asked.reply_to, "true", None, e).await;
             }
-            Ok(None) => nats_query(&client, &state, asked).await,
+            Ok(None) => {
+                let Ok(permit) = in_flight.clone().acquire_owned().await else {
+                    return;
+                };
+                let (client, state) = (client.clone(), state.clone());
+                tokio::spawn(tracing::Instrument::in_current_span(async move {
+                    nats_query(&client, &state, asked).await;
+                    drop(permit);
+                }));
+            }
             Ok(Some((min, wait_ms))) => {
                 let Ok(permit) = waiting.clone().try_acquire_owned() else {
                     let lag = crate::protocol::lag_to(
@@ -192,6 +204,9 @@ pub(super) async fn serve_nats_writes(
 
 /// Most NATS writes in flight at once.
 const MAX_NATS_WRITES: usize = 64;
+
+/// Most NATS queries (or batches) asked of the fold at once.
+const MAX_NATS_QUERIES: usize = 64;
 
 /// Most NATS queries waiting for a revision at once.
 const MAX_WAITING_NATS_QUERIES: usize = 256;
