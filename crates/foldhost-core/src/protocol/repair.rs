@@ -29,7 +29,8 @@ pub enum RepairPlan {
 }
 
 /// A bucket's retention as read live from its stream: whether it can evict a current value (an
-/// age limit, a size/count limit with `discard: old`, per-message TTLs), and its first retained
+/// age limit, or a size/count limit with `discard: old`; per-message TTLs are their writer's own
+/// deletes and do not count — `StreamLimits::evicts_current_values`), and its first retained
 /// revision.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Retention {

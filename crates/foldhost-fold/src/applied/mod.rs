@@ -55,7 +55,8 @@ pub use queries::{MAX_LOOKUPS_PER_ASK, Queries, Unanswered};
 pub use start::identity_refusal;
 pub use watch::watch_applied;
 
-/// Batching knobs (seed defaults: 10 ms window, 100 updates, channel of 256).
+/// Batching knobs (defaults: 10 ms window, 100 updates, channel of 256; docs/design.md, "The fold
+/// loop").
 #[derive(Clone, Copy, Debug)]
 pub struct BatchConfig {
     /// Longest a batch stays open before it flushes.
