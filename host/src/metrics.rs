@@ -109,7 +109,7 @@ impl Collector for Folds {
                 ));
             }
         }
-        let metrics: [(&str, &str, Option<Unit>, Pick); 21] = [
+        let metrics: [(&str, &str, Option<Unit>, Pick); 24] = [
             (
                 "foldhost_delivered_updates",
                 "Updates delivered by the watch since the host started.",
@@ -252,6 +252,28 @@ impl Collector for Folds {
                 "Requests on --query-subject this node answered (a batch of lookups is one).",
                 None,
                 |s| Value::Counter(s.nats_queries_served.load(Ordering::Relaxed)),
+            ),
+            (
+                "foldhost_queries_by_instance",
+                "Lookups the query instance answered beside the fold.",
+                None,
+                |s| Value::Counter(s.queries_by_instance.load(Ordering::Relaxed)),
+            ),
+            (
+                "foldhost_queries_by_fold",
+                "Lookups the fold loop answered between batches (no query instance level).",
+                None,
+                |s| Value::Counter(s.queries_by_fold.load(Ordering::Relaxed)),
+            ),
+            (
+                "foldhost_query_instance_level",
+                "1 while a query instance answers queries beside the fold, 0 otherwise.",
+                None,
+                |s| {
+                    gauge(u64::from(
+                        s.query_instance_level.load(Ordering::Relaxed) > 0,
+                    ))
+                },
             ),
             (
                 "foldhost_store_failure_streak",
@@ -495,6 +517,8 @@ mod tests {
             "foldhost_repairs_total{fold=\"routes\",kind=\"restore\",outcome=\"refused\"} 1",
             "foldhost_swaps_total{fold=\"routes\"} 0",
             "foldhost_nats_queries_served_total{fold=\"routes\"} 0",
+            "foldhost_queries_by_instance_total{fold=\"routes\"} 0",
+            "foldhost_query_instance_level{fold=\"routes\"} 0",
         ] {
             assert!(text.contains(line), "{line:?} missing from:\n{text}");
         }

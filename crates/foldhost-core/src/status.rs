@@ -90,6 +90,13 @@ pub struct StatusReport {
     /// Requests on `--query-subject` this node answered since it started (a batch of lookups is
     /// one): nodes sharing the subject in a queue group split them.
     pub nats_queries_served: u64,
+    /// The committed revision the query instance answers from (docs/design.md, "Queries off the
+    /// fold's path"); `None` while none is level and the fold loop answers queries.
+    pub query_instance_revision: Option<u64>,
+    /// Lookups the query instance answered since the host started.
+    pub queries_by_instance: u64,
+    /// Lookups the fold loop answered (between batches) since the host started.
+    pub queries_by_fold: u64,
     /// When the server created the stream the fold folds (RFC 3339).
     pub stream_created_at: Option<String>,
     /// The revision of the fold's checkpoint (the newest its cursor covers whose stored time it
@@ -330,6 +337,9 @@ impl StatusReport {
             ledger_watermark_unix_ms: s.ledger_watermark_unix_ms.load(Ordering::Relaxed),
             ledger_sweeps: s.ledger_sweeps.load(Ordering::Relaxed),
             nats_queries_served: s.nats_queries_served.load(Ordering::Relaxed),
+            query_instance_revision: s.query_instance_revision(),
+            queries_by_instance: s.queries_by_instance.load(Ordering::Relaxed),
+            queries_by_fold: s.queries_by_fold.load(Ordering::Relaxed),
             stream_created_at: rfc3339(s.stream_created_unix_ns.load(Ordering::Relaxed)),
             checkpoint_revision: Some(s.checkpoint_revision.load(Ordering::Relaxed))
                 .filter(|r| *r > 0),
@@ -470,6 +480,12 @@ pub struct FoldStatus {
     pub ledger_sweeps: AtomicU64,
     /// Requests on `--query-subject` answered since start (a batch of lookups is one).
     pub nats_queries_served: AtomicU64,
+    /// The revision the query instance is level with, plus one (0: none is level).
+    pub query_instance_level: AtomicU64,
+    /// Lookups answered by the query instance since start.
+    pub queries_by_instance: AtomicU64,
+    /// Lookups answered by the fold loop since start.
+    pub queries_by_fold: AtomicU64,
     /// Told whenever `applied_through` or `cursor` is published: what a write or a read waiting
     /// for a revision waits on ([`FoldStatus::wait_applied`]).
     pub applied_moved: tokio::sync::Notify,
@@ -499,6 +515,13 @@ impl Drop for ExpectApplied<'_> {
 pub const MAX_WARNINGS: usize = 16;
 
 impl FoldStatus {
+    /// The revision the query instance answers from, while one is level.
+    pub fn query_instance_revision(&self) -> Option<u64> {
+        self.query_instance_level
+            .load(Ordering::Relaxed)
+            .checked_sub(1)
+    }
+
     /// Counts as a waiter on `applied_through` until dropped: a write holds it from before its
     /// publish, so the fold flushes its record as soon as it is delivered, beside the
     /// acknowledgement's way back to the writer, rather than lingering for the batch window.

@@ -215,7 +215,7 @@ impl Node {
         let (control_tx, control_rx) = tokio::sync::mpsc::channel(64);
         // Where queries go: a query instance beside the fold once one is level (docs/design.md,
         // "Queries off the fold's path"), the fold loop until then.
-        let queries = crate::applied::Queries::new(control_tx.clone());
+        let queries = crate::applied::Queries::reporting(control_tx.clone(), status.clone());
         let state_exports = lanes::export_sources(&lanes);
         let mut running =
             lanes::Running::start(&cfg, lanes, apply.describe(), &control_tx, &link, &shutdown);
@@ -251,6 +251,7 @@ impl Node {
                 kv: kv.clone(),
                 read_key: key_reader(&shared),
                 state: state_exports,
+                queries: queries.clone(),
             },
         )
         .await?;

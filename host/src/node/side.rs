@@ -60,6 +60,7 @@ impl SideTasks {
             kv,
             read_key,
             state,
+            queries,
         } = fold;
         let mut others = Vec::new();
         let (rate, sampler) = crate::write::ApplyRate::start(status.clone());
@@ -96,6 +97,7 @@ impl SideTasks {
             write: write.clone(),
             read_key,
             state_folds: state.clone(),
+            queries,
         };
         let (server, served) = match &cfg.listen {
             Some(l) => {
@@ -286,6 +288,7 @@ struct StateParts {
     write: Arc<crate::write::WritePath>,
     read_key: crate::write::KeyReader,
     state_folds: Vec<crate::artifact::StateFoldSource>,
+    queries: crate::applied::Queries,
 }
 
 impl StateParts {
@@ -309,6 +312,7 @@ impl StateParts {
             write,
             read_key,
             state_folds,
+            queries,
         } = self;
         let render_status = status.clone();
         crate::serve::ServeState {
@@ -322,6 +326,7 @@ impl StateParts {
                 r
             }),
             control,
+            queries,
             engine,
             policy,
             backend: cfg.backend,
@@ -371,6 +376,9 @@ pub(super) struct FoldAccess {
     pub(super) read_key: crate::write::KeyReader,
     /// The state buckets' folds, carried in every export beside the fold's own.
     pub(super) state: Vec<crate::artifact::StateFoldSource>,
+    /// Where every query goes: the query instance once level, the fold loop before
+    /// (docs/design.md, "Queries off the fold's path").
+    pub(super) queries: crate::applied::Queries,
 }
 
 /// Sweeps the operation ledger every [`LEDGER_SWEEP_PERIOD`] (the first time at once): rows

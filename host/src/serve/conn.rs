@@ -511,17 +511,30 @@ mod tests {
         let seen = queries.clone();
         tokio::spawn(async move {
             while let Some(c) = rx.recv().await {
-                if let Control::Query { request, reply } = c {
-                    seen.fetch_add(1, Ordering::SeqCst);
-                    if let Some(g) = &gate {
-                        g.notified().await;
+                // Every ask of the endpoint reaches a fold without a query instance as one
+                // `Control::Queries`: each lookup is answered with itself.
+                match c {
+                    Control::Queries { lookups, reply } => {
+                        seen.fetch_add(1, Ordering::SeqCst);
+                        if let Some(g) = &gate {
+                            g.notified().await;
+                        }
+                        let _ = reply.send(lookups.into_iter().map(Ok).collect());
                     }
-                    let _ = reply.send(Ok(request));
+                    Control::Query { request, reply } => {
+                        seen.fetch_add(1, Ordering::SeqCst);
+                        if let Some(g) = &gate {
+                            g.notified().await;
+                        }
+                        let _ = reply.send(Ok(request));
+                    }
+                    _ => {}
                 }
             }
         });
         let state = Arc::new(ServeState {
             status: Box::new(crate::status::StatusReport::default),
+            queries: crate::applied::Queries::new(control.clone()),
             control,
             engine: None,
             policy: AccessPolicy {
@@ -638,12 +651,16 @@ mod tests {
             let status = Request::get("/status")
                 .header(HOST, addr.to_string())
                 .body(Full::new(Bytes::new()))?;
+            // The connection takes the next request once it finished the last (keep-alive, not
+            // pipelining): wait for that, or the send is refused as "not ready".
+            tokio::time::timeout(HUNG, sender.ready()).await??;
             let resp = tokio::time::timeout(HUNG, sender.send_request(status)).await??;
             assert_eq!(resp.status(), 200, "status {i}");
             resp.into_body().collect().await?;
             let query = Request::post("/query")
                 .header(HOST, addr.to_string())
                 .body(Full::new(Bytes::from(format!("k{i}"))))?;
+            tokio::time::timeout(HUNG, sender.ready()).await??;
             let resp = tokio::time::timeout(HUNG, sender.send_request(query)).await??;
             assert_eq!(resp.status(), 200, "query {i}");
             let answer = resp.into_body().collect().await?.to_bytes();
@@ -655,6 +672,7 @@ mod tests {
         let rebound = Request::get("/status")
             .header(HOST, "evil.example")
             .body(Full::new(Bytes::new()))?;
+        tokio::time::timeout(HUNG, sender.ready()).await??;
         let resp = tokio::time::timeout(HUNG, sender.send_request(rebound)).await??;
         assert_eq!(resp.status(), 403);
         resp.into_body().collect().await?;

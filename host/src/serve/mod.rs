@@ -139,6 +139,9 @@ pub struct ServeState {
     pub(crate) read_key: Option<crate::write::KeyReader>,
     /// The fold's control channel (`None` once the fold stopped).
     pub control: mpsc::Sender<Control>,
+    /// Where queries go: the fold's query instance once one is level, the fold loop before
+    /// ([`crate::applied::Queries`]).
+    pub(crate) queries: crate::applied::Queries,
     /// Compiles a swapped-in guest off the fold's path (`None`: no guest, no swap).
     pub engine: Option<Arc<crate::guest::GuestEngine>>,
     /// Tokens, limits and the listener's address.
@@ -177,6 +180,7 @@ impl ServeState {
             write: None,
             positions: None,
             read_key: None,
+            queries: crate::applied::Queries::new(control.clone()),
             control,
             engine: None,
             policy,
@@ -361,41 +365,34 @@ pub(crate) type Looked = Result<Vec<u8>, crate::applied::ApplyError>;
 /// running, no room for it within [`IO_TIMEOUT`], no answer within another). The one path every
 /// single query takes, over HTTP and over NATS.
 pub(crate) async fn ask_one(state: &ServeState, request: Vec<u8>) -> Result<Looked, Reply> {
-    let (tx, rx) = oneshot::channel();
-    let control = Control::Query { request, reply: tx };
-    match tokio::time::timeout(IO_TIMEOUT, state.control.send(control)).await {
-        Ok(Ok(())) => {}
-        Ok(Err(_)) => return Err(unavailable("the fold is not running")),
-        Err(_) => {
-            return Err(unavailable(
-                "the fold is busy: no room for the query in time",
-            ));
-        }
-    }
-    match tokio::time::timeout(IO_TIMEOUT, rx).await {
+    match tokio::time::timeout(IO_TIMEOUT, state.queries.ask(request)).await {
         Ok(Ok(looked)) => Ok(looked),
-        Ok(Err(_)) => Err(unavailable("the fold stopped")),
+        Ok(Err(e)) => Err(unanswered(e)),
         Err(_) => Err(no_answer_in_time()),
     }
 }
 
-/// Several lookups, answered one per lookup in their order; `Err`, the reply to send when the
-/// batch could not be asked or answered whole (as [`ask_one`]'s). The one path every batch
-/// takes, over HTTP and over NATS. Each lookup is asked as [`ask_one`] asks it, in a row, the
-/// whole batch within the time one query may take (twice [`IO_TIMEOUT`]).
+/// Several lookups, answered one per lookup in their order, by one instance with nothing applied
+/// between them ([`crate::applied::Queries::ask_many`]); `Err`, the reply to send when the batch
+/// could not be asked or answered whole (as [`ask_one`]'s). The one path every batch takes, over
+/// HTTP and over NATS, within the time one query may take (twice [`IO_TIMEOUT`]).
 pub(crate) async fn ask_many(
     state: &ServeState,
     lookups: Vec<Vec<u8>>,
 ) -> Result<Vec<Looked>, Reply> {
-    let deadline = tokio::time::Instant::now() + 2 * IO_TIMEOUT;
-    let mut out = Vec::with_capacity(lookups.len());
-    for request in lookups {
-        match tokio::time::timeout_at(deadline, ask_one(state, request)).await {
-            Ok(looked) => out.push(looked?),
-            Err(_) => return Err(no_answer_in_time()),
-        }
+    match tokio::time::timeout(2 * IO_TIMEOUT, state.queries.ask_many(lookups)).await {
+        Ok(Ok(looked)) => Ok(looked),
+        Ok(Err(e)) => Err(unanswered(e)),
+        Err(_) => Err(no_answer_in_time()),
     }
-    Ok(out)
+}
+
+/// The reply to an ask that got no answers at all.
+fn unanswered(e: crate::applied::Unanswered) -> Reply {
+    match e {
+        crate::applied::Unanswered::Stopped => unavailable("the fold is not running"),
+        crate::applied::Unanswered::TooMany => Reply::new(400, "text/plain", format!("{e}\n")),
+    }
 }
 
 /// The 504 of a query the fold did not answer in time.

@@ -356,3 +356,56 @@ async fn two_nodes_in_one_queue_group_share_the_query_subject_each_request_answe
     assert_eq!(answered.len(), N, "every one of the {N} got its reply");
     Ok(())
 }
+
+/// Once its query instance is level (`/status`: `query_instance_revision`), a node answers every
+/// query from it — beside the fold, not between its batches — with the answers the fold loop gave
+/// before, and keeps doing so while a writer moves the fold: the instance follows it in rounds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn once_the_query_instance_is_level_it_answers_every_query_and_follows_the_fold()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    seeded(&h, "instance").await?;
+    let node = Node::start(&h, "instance", &[]).await?;
+    let s = wait_status(&node.addr, |s| {
+        s.query_instance_revision == Some(s.applied_through)
+    })
+    .await?;
+    let asked = requests();
+    for r in &asked {
+        let (code, body) = single(&node.addr, r).await?;
+        let want = match r.strip_prefix('k') {
+            Some(i) => (200, format!("v{i}").into_bytes()),
+            None => (422, Vec::new()),
+        };
+        assert_eq!(code, want.0, "{r}: {}", String::from_utf8_lossy(&body));
+        if code == 200 {
+            assert_eq!(body, want.1, "{r}");
+        }
+    }
+    let after = wait_status(&node.addr, |_| true).await?;
+    assert_eq!(
+        after.queries_by_instance,
+        s.queries_by_instance + asked.len() as u64,
+        "every query answered by the query instance: {after:?}"
+    );
+    assert_eq!(
+        after.queries_by_fold, s.queries_by_fold,
+        "none by the fold loop"
+    );
+    // A change reaches the instance's answers once it is level with the fold again.
+    let kv = h.bucket("instance").await?;
+    let revision = kv
+        .put("k0", "changed".into())
+        .await?
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("a put without a revision"))?;
+    wait_status(&node.addr, |s| s.query_instance_revision >= Some(revision)).await?;
+    assert_eq!(single(&node.addr, "k0").await?, (200, b"changed".to_vec()));
+    let metrics = foldhost::serve::call(&node.addr, "GET", "/metrics", b"").await?;
+    let text = String::from_utf8_lossy(&metrics.1);
+    assert!(
+        text.contains("foldhost_query_instance_level{fold=\"instance\"} 1"),
+        "{text}"
+    );
+    Ok(())
+}

@@ -252,9 +252,27 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
             "write-in-parse=1",
             "--guest-config",
             "write-in-apply=1",
+            // Room for a write from `query` to wait for the fold on a loaded machine.
+            "--guest-deadline-ms",
+            "30000",
         ],
     )
     .await?;
+    // A write from `query` with `wait-ms`, once the query instance answers queries: the fold is
+    // free to apply it while the query waits, so it answers `applied`. (Were the query answered
+    // on the fold's path, the fold could not apply the write until the query returned: a wait
+    // there would run out, and the answer would be `pending`.)
+    wait_status(&owner.addr, |s| s.query_instance_revision.is_some()).await?;
+    let waited = owner
+        .ask(json!({"op": "put", "bucket": "notes", "key": "waited", "value": "w", "wait_ms": 25000}))
+        .await?;
+    anyhow::ensure!(
+        waited["ok"]["outcome"] == "applied",
+        "a query's write waiting for this node's fold: {waited}"
+    );
+    owner
+        .ask(json!({"op": "delete", "bucket": "notes", "key": "waited", "wait_ms": 25000}))
+        .await?;
     // Every verb, on its own bucket.
     let put = owner
         .ask(json!({"op": "put", "bucket": "notes", "key": "a", "value": "1"}))

@@ -61,6 +61,8 @@ impl std::fmt::Debug for Queries {
 
 struct Shared {
     control: mpsc::Sender<Control>,
+    /// Where the level and the counts are published too (`/status`, `/metrics`), when given.
+    status: Option<Arc<crate::status::FoldStatus>>,
     /// The query instance's channel, while one is level, and the epoch: raised by every
     /// withdrawal, so an instance withdrawn while its task still runs can never install itself
     /// or move the level again.
@@ -76,9 +78,26 @@ impl Queries {
     /// The route of the fold whose control channel is `control`: the fold loop answers until a
     /// query instance is level.
     pub fn new(control: mpsc::Sender<Control>) -> Self {
+        Self::build(control, None)
+    }
+
+    /// [`Queries::new`], publishing the query instance's level and the lookups each side
+    /// answered into the fold's `status` as well.
+    pub fn reporting(
+        control: mpsc::Sender<Control>,
+        status: Arc<crate::status::FoldStatus>,
+    ) -> Self {
+        Self::build(control, Some(status))
+    }
+
+    fn build(
+        control: mpsc::Sender<Control>,
+        status: Option<Arc<crate::status::FoldStatus>>,
+    ) -> Self {
         Queries {
             shared: Arc::new(Shared {
                 control,
+                status,
                 instance: Mutex::new((None, 0)),
                 level: AtomicU64::new(0),
                 by_instance: AtomicU64::new(0),
@@ -116,9 +135,30 @@ impl Queries {
         if let Ok(i) = self.shared.instance.lock()
             && i.1 == epoch
         {
-            self.shared
-                .level
-                .store(revision.saturating_add(1), Ordering::Release);
+            self.publish_level(revision.saturating_add(1));
+        }
+    }
+
+    /// The level, plus one (0: none), here and in the fold's status.
+    fn publish_level(&self, level: u64) {
+        self.shared.level.store(level, Ordering::Release);
+        if let Some(s) = &self.shared.status {
+            s.query_instance_level.store(level, Ordering::Relaxed);
+        }
+    }
+
+    /// `n` lookups answered, by the query instance or by the fold loop.
+    fn count(&self, n: u64, by_instance: bool) {
+        let (here, there) = match (&self.shared.status, by_instance) {
+            (s, true) => (
+                &self.shared.by_instance,
+                s.as_ref().map(|s| &s.queries_by_instance),
+            ),
+            (s, false) => (&self.shared.by_fold, s.as_ref().map(|s| &s.queries_by_fold)),
+        };
+        here.fetch_add(n, Ordering::Relaxed);
+        if let Some(t) = there {
+            t.fetch_add(n, Ordering::Relaxed);
         }
     }
 
@@ -145,7 +185,7 @@ impl Queries {
         if let Ok(mut i) = self.shared.instance.lock() {
             i.0 = None;
             i.1 = i.1.wrapping_add(1);
-            self.shared.level.store(0, Ordering::Release);
+            self.publish_level(0);
         }
     }
 
@@ -174,7 +214,7 @@ impl Queries {
                 match tx.send(Ask { lookups, reply }).await {
                     Ok(()) => match rx.await {
                         Ok(answers) => {
-                            self.shared.by_instance.fetch_add(n, Ordering::Relaxed);
+                            self.count(n, true);
                             return Ok(answers);
                         }
                         // The instance ended before it answered: the fold loop answers.
@@ -218,7 +258,7 @@ impl Queries {
             .await
             .map_err(|_| Unanswered::Stopped)?;
         let answers = rx.await.map_err(|_| Unanswered::Stopped)?;
-        self.shared.by_fold.fetch_add(n, Ordering::Relaxed);
+        self.count(n, false);
         Ok(answers)
     }
 }
