@@ -1,6 +1,6 @@
-//! The log's event names against the README's table ("Log events"): every `info`, `warn` and
-//! `error` line the host's crates emit names its `event`, every event is in the table at the level
-//! it is emitted at, and every event in the table is emitted somewhere.
+//! The log's event names against the table in docs/operations.md ("Log events"): every `info`,
+//! `warn` and `error` line the host's crates emit names its `event`, every event is in the table at
+//! the level it is emitted at, and every event in the table is emitted somewhere.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -98,13 +98,14 @@ fn emitted() -> Vec<(String, &'static str, Option<String>)> {
     out
 }
 
-/// The README's table of events: name → the levels it lists.
+/// The table of events in docs/operations.md ("Log events"): name → the levels it lists.
 fn table() -> BTreeMap<String, BTreeSet<String>> {
-    let readme = std::fs::read_to_string(root().join("README.md")).expect("README.md");
-    let section = readme
+    let doc =
+        std::fs::read_to_string(root().join("docs/operations.md")).expect("docs/operations.md");
+    let section = doc
         .split_once("### Log events")
         .map(|(_, rest)| rest)
-        .expect("README.md has a \"### Log events\" section");
+        .expect("docs/operations.md has a \"### Log events\" section");
     let mut rows = BTreeMap::new();
     for line in section.lines().skip_while(|l| !l.starts_with('|')) {
         if !line.starts_with('|') {
@@ -124,7 +125,7 @@ fn table() -> BTreeMap<String, BTreeSet<String>> {
 }
 
 #[test]
-fn every_state_change_the_host_logs_names_an_event_the_readme_table_documents_at_its_level() {
+fn every_state_change_the_host_logs_names_an_event_the_log_events_table_documents_at_its_level() {
     let emitted = emitted();
     assert!(emitted.len() > 50, "the scan found the host's log lines");
     let unnamed: Vec<&String> = emitted
@@ -148,7 +149,10 @@ fn every_state_change_the_host_logs_names_an_event_the_readme_table_documents_at
             None => missing.push(format!("{at}: {event} is not in the table")),
         }
     }
-    assert!(missing.is_empty(), "README.md \"Log events\": {missing:#?}");
+    assert!(
+        missing.is_empty(),
+        "docs/operations.md \"Log events\": {missing:#?}"
+    );
     let used: BTreeSet<&str> = emitted
         .iter()
         .filter_map(|(_, _, e)| e.as_deref())
