@@ -1,5 +1,5 @@
 //! `GET /metrics`: the fold's figures in the Prometheus text format (OpenMetrics 1.0), encoded by
-//! `prometheus-client` from the live [`FoldStatus`] at each scrape (README, "Metrics").
+//! `prometheus-client` from the live [`FoldStatus`] at each scrape (docs/operations.md, "Metrics").
 //!
 //! Invariants:
 //! - **Read, never kept.** A scrape reads the fold's atomics and histograms; nothing here counts

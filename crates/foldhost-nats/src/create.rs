@@ -1,4 +1,4 @@
-//! Bucket creation, with the raw fallback hosted NATS needs (README, "Hosted NATS"; Synadia Cloud):
+//! Bucket creation, with the raw fallback hosted NATS needs (docs/operations.md, "Hosted NATS"; Synadia Cloud):
 //! some providers answer `$JS.API.STREAM.CREATE` in shapes the client's `create_key_value` cannot
 //! parse, or answer "maximum number of streams reached" for an account at its limit even when the
 //! bucket is already there.

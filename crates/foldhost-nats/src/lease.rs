@@ -1,4 +1,4 @@
-//! The export lease (README, "A fleet: artifacts in object storage"): at most one node of a fleet
+//! The export lease (docs/operations.md, "A fleet: artifacts in object storage"): at most one node of a fleet
 //! exports an artifact of a bucket per round. The lease is one key in a NATS KV bucket, won by
 //! compare-and-set only: a create-only write when the key is absent, a CAS takeover (on the
 //! revision read) when the lease it holds has expired or does not decode. The expiry lives inside

@@ -1,4 +1,4 @@
-//! `--config FILE` and `foldhost config check FILE`: folds from one TOML file (README, "Several
+//! `--config FILE` and `foldhost config check FILE`: folds from one TOML file (docs/operations.md, "Several
 //! folds from one file").
 //!
 //! Invariants:

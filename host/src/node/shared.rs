@@ -1,4 +1,4 @@
-//! One listener for every fold of the process (`run --config` with a top-level `listen`: README,
+//! One listener for every fold of the process (`run --config` with a top-level `listen`: docs/operations.md,
 //! "Several folds from one file"): bound once, before any fold starts, with the tokens settled
 //! as a fold's own listener settles them — given, or generated beside the first fold's store —
 //! and each fold then registered under its name ([`crate::serve::FoldRegistry`]). A fold that

@@ -1,5 +1,5 @@
 //! One listen address for every fold of a process (`run --config` with a top-level `listen`:
-//! README, "Several folds from one file"): each fold's routes under `/folds/NAME/…`, the process's
+//! docs/operations.md, "Several folds from one file"): each fold's routes under `/folds/NAME/…`, the process's
 //! `/healthz`, `/readyz` and `/metrics` across every fold, `/status` listing them; a process of
 //! one fold keeps the plain routes too.
 //!

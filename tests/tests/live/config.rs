@@ -1,4 +1,4 @@
-//! `run --config FILE` (README, "Several folds from one file"): three folds in one process — an
+//! `run --config FILE` (docs/operations.md, "Several folds from one file"): three folds in one process — an
 //! append log with a Rust guest, fjall with the JavaScript router, RocksDB with the native applier
 //! — each fold its bucket, each resumes from its own cursor after a SIGKILL, a guest trapping in
 //! one leaves the other two folding; a key no flag has is refused naming its line.

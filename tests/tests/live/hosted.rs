@@ -1,4 +1,4 @@
-//! Hosted NATS (README, "Hosted NATS"): bucket creation falls back to a raw `$JS.API.STREAM.CREATE`
+//! Hosted NATS (docs/operations.md, "Hosted NATS"): bucket creation falls back to a raw `$JS.API.STREAM.CREATE`
 //! request and classifies "already exists" and "stream limit reached while the bucket is present"
 //! as success. Against a real nats-server: the raw path makes the same KV stream the client does,
 //! an existing bucket is success, and an account at its JetStream stream limit (a server config

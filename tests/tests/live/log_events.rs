@@ -1,4 +1,4 @@
-//! `--log-format json` (README, "Log events"): every line a node writes parses as one JSON object
+//! `--log-format json` (docs/operations.md, "Log events"): every line a node writes parses as one JSON object
 //! naming its `event` and the fold it belongs to; a deferral, a swap and a repair log the events
 //! the table documents for them.
 

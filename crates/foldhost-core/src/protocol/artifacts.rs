@@ -136,7 +136,7 @@ pub enum LeaseState {
     },
 }
 
-/// Whether a node may take the export lease (README, "A fleet: artifacts in object storage"): when
+/// Whether a node may take the export lease (docs/operations.md, "A fleet: artifacts in object storage"): when
 /// it is absent, freed or corrupt, or when the holder's expiry has passed by the taker's clock. The
 /// take is itself a CAS on the revision read, so of two nodes deciding "yes" at once only one wins.
 pub fn lease_takeover_allowed(state: LeaseState, now_unix_ms: u64) -> bool {

@@ -17,7 +17,7 @@ pub fn server_features(version: &str) -> (bool, bool, bool) {
     }
 }
 
-/// How a raw `$JS.API.STREAM.CREATE` reply is taken (README, "Hosted NATS").
+/// How a raw `$JS.API.STREAM.CREATE` reply is taken (docs/operations.md, "Hosted NATS").
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum StreamCreateVerdict {
     /// The server created the stream (or found it already there with the same configuration).

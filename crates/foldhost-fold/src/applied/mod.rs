@@ -148,7 +148,7 @@ mod skipped_tests {
 }
 
 /// How long a record may stay retained before a warning names it (the default of
-/// `--defer-grace-secs`: README, "Records a guest version cannot decode").
+/// `--defer-grace-secs`: docs/guests.md, deferral).
 pub const DEFAULT_DEFER_GRACE: Duration = Duration::from_secs(30 * 60);
 
 /// Options for one run of [`watch_applied`].
