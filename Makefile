@@ -3,7 +3,7 @@
 #   make test   — formatting, lints, and every test suite against a real nats-server
 # and, beside them:
 #   make flake  — the whole suite RUNS times (default 5) with one core held busy; names every failure
-.PHONY: demo test setup guests bench slipfold bench-bootstrap lint lint-sources flake
+.PHONY: demo test install setup guests bench slipfold bench-bootstrap lint lint-sources flake
 
 # `test` and `lint` cover the optional storage backends too (RocksDB is a long C++ build; see
 # docs in crates/foldhost-core/src/snapshot/rocks.rs) and compile in the crash points the crash tests arm
@@ -41,7 +41,8 @@ test:
 	  $(CLIPPY_BUILD) cargo nextest run --workspace --no-fail-fast $(FEATURES); \
 	else \
 	  $(CLIPPY_BUILD) cargo test --workspace --no-fail-fast $(FEATURES); \
-	fi
+	fi && \
+	scripts/install-check.sh
 
 lint: lint-sources
 	cargo clippy --workspace --all-targets --quiet $(FEATURES) -- -D warnings
@@ -57,6 +58,12 @@ lint-sources:
 	cargo clippy --manifest-path sdk/rust/Cargo.toml --all-targets --features json --quiet -- -D warnings
 	cargo clippy --manifest-path sdk/rust/Cargo.toml --all-targets --features json,state --quiet -- -D warnings
 	cargo clippy --manifest-path guests/Cargo.toml --target wasm32-wasip2 --quiet -- -D warnings
+
+# The release binary with every backend (`full`), into PREFIX/bin (default /usr/local/bin); the
+# same as `cargo install --locked --path host --features full --root PREFIX`.
+PREFIX ?= /usr/local
+install:
+	cargo install --locked --path host --features full --root $(PREFIX)
 
 setup:
 	scripts/setup.sh --test >/dev/null

@@ -49,7 +49,7 @@ pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
     /// How log lines are written to standard error: `text`, or `json` (one object per line,
-    /// every line naming its `event`; README, "Log events").
+    /// every line naming its `event`; docs/operations.md, "Log events").
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "FOLDHOST_LOG_FORMAT")]
     pub log_format: LogFormat,
 }

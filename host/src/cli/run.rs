@@ -5,7 +5,7 @@ use super::*;
 /// `foldhost run`. Every default comes from [`NodeConfig::new`] and the types it holds.
 #[derive(Args, Debug, Clone)]
 pub struct RunArgs {
-    /// A TOML file of folds, every flag of `run` a key of the same name (README, "Several folds
+    /// A TOML file of folds, every flag of `run` a key of the same name (docs/operations.md, "Several folds
     /// from one file"): every fold runs in this process. Flags given beside it override the file
     /// when it holds one fold.
     #[arg(long, value_name = "FILE")]
@@ -147,6 +147,12 @@ pub struct RunArgs {
     /// `--query-reply-prefix`.
     #[arg(long, value_name = "SUBJ")]
     pub write_subject: Option<String>,
+    /// Create the bucket when it does not exist (one value per key, file storage, one replica, a
+    /// 10 MiB cap: for a quick start on a server of your own — make production buckets with the
+    /// limits they need, e.g. `nats kv add`). Needs the permission to create the bucket's
+    /// stream, which `foldhost grants` does not grant. Without it, a missing bucket is an error.
+    #[arg(long)]
+    pub create_bucket: bool,
     /// Fold to the stream's last sequence as of start, then exit 0.
     #[arg(long)]
     pub catch_up: bool,
@@ -345,6 +351,7 @@ impl RunArgs {
             query_reply_prefix: self.query_reply_prefix,
             query_group: self.query_group,
             write_subject: self.write_subject,
+            create_bucket: self.create_bucket,
             catch_up: self.catch_up,
             repair: self.repair,
             on_recreated: self.on_recreated,

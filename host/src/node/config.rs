@@ -56,6 +56,9 @@ pub(crate) struct NodeConfig {
     pub query_group: String,
     /// Also take writes as NATS request/reply on this subject.
     pub write_subject: Option<String>,
+    /// Create the bucket when it does not exist (with [`crate::bucket::BucketConfig`]'s
+    /// defaults); otherwise a missing bucket is an error.
+    pub create_bucket: bool,
     /// Fold to the stream's last sequence as of start, then return.
     pub catch_up: bool,
     /// Which cursor-expiry repairs are allowed.
@@ -126,6 +129,7 @@ impl NodeConfig {
             query_reply_prefix: DEFAULT_QUERY_REPLY_PREFIX.to_string(),
             query_group: DEFAULT_QUERY_GROUP.to_string(),
             write_subject: None,
+            create_bucket: false,
             catch_up: false,
             repair: RepairMode::Auto,
             on_recreated: OnRecreated::Refuse,

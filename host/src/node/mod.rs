@@ -184,7 +184,7 @@ impl Node {
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> Result<RunSummary, NodeError> {
         // Every line of the fold, its side tasks and its state buckets' folds names the fold
-        // (README, "Log events").
+        // (docs/operations.md, "Log events").
         let span = tracing::info_span!("fold", fold = %cfg.fold_name());
         tracing::Instrument::instrument(Self::run_fold(cfg, shutdown), span).await
     }
@@ -345,7 +345,7 @@ async fn connect(
         .bucket(
             &cfg.bucket,
             &BucketConfig {
-                create: false,
+                create: cfg.create_bucket,
                 ..BucketConfig::default()
             },
         )
