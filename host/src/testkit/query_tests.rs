@@ -45,6 +45,15 @@ fn apply_to(map: &mut BTreeMap<String, Bytes>, updates: &[KvUpdate]) {
     }
 }
 
+/// This version cannot decode the value `later`: it defers it (the host retains it, and holds
+/// back the key's later updates).
+fn verdict(u: &KvUpdate) -> Verdict {
+    match u {
+        KvUpdate::Put(e) if &e.value[..] == b"later" => Verdict::Defer,
+        _ => Verdict::Accept,
+    }
+}
+
 fn answer(version: u32, map: &BTreeMap<String, Bytes>, request: &[u8]) -> Result<Vec<u8>, String> {
     let key = String::from_utf8_lossy(request);
     map.get(key.as_ref())
@@ -63,20 +72,26 @@ impl Apply for Mapped {
     }
 
     async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {
-        Ok(vec![Verdict::Accept; batch.len()])
+        Ok(batch.iter().map(verdict).collect())
     }
 
-    async fn apply(&mut self, batch: &[KvUpdate], _verdicts: &[Verdict]) -> Result<(), ApplyError> {
+    async fn apply(&mut self, batch: &[KvUpdate], verdicts: &[Verdict]) -> Result<(), ApplyError> {
+        let accepted: Vec<KvUpdate> = batch
+            .iter()
+            .zip(verdicts)
+            .filter(|(_, v)| **v == Verdict::Accept)
+            .map(|(u, _)| u.clone())
+            .collect();
         // Half of the batch now, the rest after the gate: a query answered meanwhile from this
         // instance would see a half-applied batch.
-        let half = batch.len() / 2;
-        apply_to(&mut self.map, &batch[..half]);
+        let half = accepted.len() / 2;
+        apply_to(&mut self.map, &accepted[..half]);
         let gate = self.gate.lock().expect("gate").take();
         if let Some((reached, release)) = gate {
             let _ = reached.send(());
             let _ = release.await;
         }
-        apply_to(&mut self.map, &batch[half..]);
+        apply_to(&mut self.map, &accepted[half..]);
         Ok(())
     }
 
@@ -154,7 +169,13 @@ impl SwapCandidate for MappedCandidate {
     }
 
     async fn catch_up(&mut self, updates: &[KvUpdate]) -> Result<(), ApplyError> {
-        apply_to(&mut self.map, updates);
+        // As hydration applies: what this version defers is not built.
+        let accepted: Vec<KvUpdate> = updates
+            .iter()
+            .filter(|u| verdict(u) == Verdict::Accept)
+            .cloned()
+            .collect();
+        apply_to(&mut self.map, &accepted);
         Ok(())
     }
 
@@ -387,4 +408,101 @@ async fn once_a_swap_is_answered_no_query_is_answered_by_the_version_before() {
         assert_eq!(queries.answered().0, by_instance + 1);
     })
     .await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_query_instance_beside_a_deferral_answers_as_a_fresh_instance_hydrated_from_the_fold() {
+    let sim = SimBucket::new();
+    for i in 1..=4 {
+        sim.put_now(&format!("k{i:02}"), "a");
+    }
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (store, _) =
+        AppendLogSnapshot::open(dir.path(), AppendLogOptions::default()).expect("open");
+    let store = SharedStore::new(store);
+    let status = Arc::new(FoldStatus::default());
+    let mut apply = Mapped {
+        version: 1,
+        map: BTreeMap::new(),
+        gate: Arc::default(),
+    };
+    let (control_tx, control_rx) = mpsc::channel(4);
+    let queries = Queries::new(control_tx.clone());
+    let (stop_tx, stop_rx) = oneshot::channel::<()>();
+    let opts = WatchOptions {
+        scope: WatchScope::All,
+        batch: BatchConfig::default(),
+        catch_up: false,
+        defer_grace: crate::applied::DEFAULT_DEFER_GRACE,
+        repair: crate::repair::RepairConfig::default(),
+        queries: Some(queries.clone()),
+    };
+    let view = store.clone();
+    let fold = watch_applied(
+        Arc::new(sim.clone()),
+        store,
+        &mut apply,
+        opts,
+        status.clone(),
+        Some(control_rx),
+        async {
+            let _ = stop_rx.await;
+        },
+    );
+    let driver = async {
+        until("the query instance level at 4", || {
+            queries.level() == Some(4)
+        })
+        .await;
+        // k02's record this version cannot decode is retained, and k02's next update held back
+        // behind it; k03 moves on.
+        sim.put_now("k02", "later");
+        // Delivered before the next put supersedes it (the bucket keeps one value per key).
+        until("the deferred record committed", || {
+            status.cursor.load(std::sync::atomic::Ordering::Relaxed) == 5
+        })
+        .await;
+        sim.put_now("k02", "b");
+        sim.put_now("k03", "c");
+        until("the query instance level at 7", || {
+            queries.level() == Some(7)
+        })
+        .await;
+        assert!(
+            status.retained.load(std::sync::atomic::Ordering::Relaxed) > 0,
+            "the deferral happened: k02's records are retained"
+        );
+        let keys: Vec<Vec<u8>> = (1..=4).map(|i| format!("k{i:02}").into_bytes()).collect();
+        let (by_instance, _) = queries.answered();
+        let answers = queries.ask_many(keys.clone()).await.expect("answered");
+        assert_eq!(
+            queries.answered().0,
+            by_instance + 4,
+            "answered by the query instance"
+        );
+        let mut fresh = MappedCandidate {
+            version: 1,
+            view: Arc::new(view),
+            map: BTreeMap::new(),
+        };
+        fresh.hydrate().await.expect("hydrated");
+        let mut expected = Vec::new();
+        for k in &keys {
+            expected.push(fresh.query(k).await.expect("answered"));
+        }
+        let answers: Vec<Result<Vec<u8>, String>> = answers
+            .into_iter()
+            .map(|a| a.map_err(|e| e.message))
+            .collect();
+        assert_eq!(answers, expected);
+        assert_eq!(
+            answers[1],
+            Ok(b"v1:a".to_vec()),
+            "k02 shows what was applied, not the deferred record"
+        );
+        assert_eq!(answers[2], Ok(b"v1:c".to_vec()));
+        let _ = stop_tx.send(());
+    };
+    let (folded, ()) = tokio::join!(fold, driver);
+    folded.expect("the fold ends cleanly");
 }
