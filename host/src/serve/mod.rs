@@ -642,6 +642,7 @@ pub(crate) fn parse_shadow_body(
             batches: header.batches,
             requests,
             promote: header.promote,
+            tolerated: 0,
             max_wait: Duration::from_secs(header.max_wait_s.min(MAX_SHADOW_WAIT_S)),
         },
         &body[end + 1..],

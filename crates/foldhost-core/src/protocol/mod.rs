@@ -8,6 +8,7 @@
 //! The rules are grouped by what they decide, one file each; all are items of this module.
 
 mod artifacts;
+mod channel;
 mod endpoint;
 mod fold;
 mod repair;
@@ -19,6 +20,7 @@ mod watch;
 mod write;
 
 pub use artifacts::*;
+pub use channel::*;
 pub use endpoint::*;
 pub use fold::*;
 pub use repair::*;
@@ -88,14 +90,17 @@ mod tests {
 
     #[test]
     fn a_shadow_is_promoted_only_on_complete_agreement_that_someone_hears_of() {
-        assert_eq!(shadow_promotion(50, 50, 200, 200, 0, true), Ok(()));
-        assert_eq!(shadow_promotion(60, 50, 1, 1, 0, true), Ok(()));
+        assert_eq!(shadow_promotion(50, 50, 200, 200, 0, 0, true), Ok(()));
+        assert_eq!(shadow_promotion(60, 50, 1, 1, 0, 0, true), Ok(()));
+        // A declared tolerance admits that many differences, no more.
+        assert_eq!(shadow_promotion(50, 50, 200, 200, 2, 2, true), Ok(()));
         for refused in [
-            shadow_promotion(50, 50, 200, 200, 1, true),
-            shadow_promotion(50, 50, 0, 0, 0, true),
-            shadow_promotion(50, 50, 199, 200, 0, true),
-            shadow_promotion(49, 50, 200, 200, 0, true),
-            shadow_promotion(50, 50, 200, 200, 0, false),
+            shadow_promotion(50, 50, 200, 200, 1, 0, true),
+            shadow_promotion(50, 50, 0, 0, 0, 0, true),
+            shadow_promotion(50, 50, 199, 200, 0, 0, true),
+            shadow_promotion(49, 50, 200, 200, 0, 0, true),
+            shadow_promotion(50, 50, 200, 200, 0, 0, false),
+            shadow_promotion(50, 50, 200, 200, 3, 2, true),
         ] {
             assert!(refused.is_err());
         }

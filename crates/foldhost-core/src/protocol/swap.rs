@@ -63,8 +63,10 @@ pub fn shadow_step(
 }
 
 /// Whether a shadow's candidate has earned its promotion: `seen` of the `wanted` batches fed,
-/// `asked` of the `planned` requests asked (the comparison's time budget can cut it), none of
-/// them answered differently (`differing`), and the caller still `waiting` for the answer. `Err`
+/// `asked` of the `planned` requests asked (the comparison's time budget can cut it), at most
+/// `tolerated` of them answered differently (`differing`; 0 unless the plan says otherwise — a
+/// guest channel's release may declare a tolerance, docs/channels.md), and the caller still
+/// `waiting` for the answer. `Err`
 /// says what is missing. A comparison on nothing proves nothing: no request, or fewer batches than
 /// asked (an idle bucket), is not a promotion.
 pub fn shadow_promotion(
@@ -73,9 +75,10 @@ pub fn shadow_promotion(
     asked: usize,
     planned: usize,
     differing: u64,
+    tolerated: u64,
     waiting: bool,
 ) -> Result<(), String> {
-    if differing > 0 {
+    if differing > tolerated {
         return Err(format!(
             "{differing} of {asked} requests answered differently"
         ));

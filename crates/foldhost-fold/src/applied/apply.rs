@@ -292,6 +292,9 @@ pub struct ShadowPlan {
     /// Swap to the candidate when it answered every request exactly as the running applier did
     /// (and only then).
     pub promote: bool,
+    /// Requests the candidate may answer differently and still be promoted (0: none; a guest
+    /// channel's release declares its own, docs/channels.md).
+    pub tolerated: u64,
     /// Longest the shadow waits for its batches: an idle bucket may never commit them, so after
     /// this it compares on what it was fed (the report says how many batches that was).
     pub max_wait: std::time::Duration,

@@ -686,6 +686,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             asked,
             requests.len(),
             differing,
+            shadow.plan.tolerated,
             shadow.reply.as_ref().is_some_and(|r| !r.is_closed()),
         );
         let not_promoted = match (shadow.plan.promote, evidence) {
