@@ -139,6 +139,42 @@ pub struct StatusReport {
     /// The last guest swaps since the host started (a promoted shadow included), oldest first: at
     /// most [`MAX_LAST_SWAPS`].
     pub last_swaps: Vec<SwapRecord>,
+    /// The guest channel this node follows (`run --guest-channel`; docs/channels.md), if any.
+    pub guest_channel: Option<GuestChannelReport>,
+}
+
+/// What a node following a guest channel shows of it: what it runs, what the channel wants,
+/// the rollout's state and this node's judgement of the release.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct GuestChannelReport {
+    /// The channel.
+    pub channel: String,
+    /// This node's name in it.
+    pub node: String,
+    /// The current release (0: none read yet).
+    pub release: u64,
+    /// `canary`, `rolling`, `halted`; `unpublished` when the channel has no release, `unknown`
+    /// before the channel was read.
+    pub state: String,
+    /// Who halted the release, and why, when it is halted.
+    pub halted_by: Option<String>,
+    /// The running version (`name@version (digest)`).
+    pub running: Option<String>,
+    /// Its digest.
+    pub running_digest: Option<String>,
+    /// The release's desired version.
+    pub desired: Option<String>,
+    /// Its digest.
+    pub desired_digest: Option<String>,
+    /// Whether this node is one of the release's canaries.
+    pub canary: bool,
+    /// This node's judgement of the release (empty before it judged).
+    pub judgement: String,
+    /// Why (the difference, the trap, the fetch error).
+    pub detail: String,
+    /// Why the channel cannot be read now, while it cannot.
+    pub error: Option<String>,
 }
 
 /// A completed swap of the running guest, as status reports it.
@@ -361,6 +397,12 @@ impl StatusReport {
             lag_history: s.lag_history(),
             lag_history_period_s: LAG_SAMPLE_PERIOD.as_secs(),
             last_swaps: s.last_swaps(),
+            guest_channel: s
+                .guest_channel
+                .lock()
+                .ok()
+                .and_then(|c| c.clone())
+                .or_else(|| self.guest_channel.clone()),
             state_buckets: self
                 .state_buckets
                 .iter()
@@ -500,6 +542,8 @@ pub struct FoldStatus {
     pub lag_history: std::sync::Mutex<std::collections::VecDeque<u64>>,
     /// The last swaps ([`FoldStatus::note_swap`]), oldest first, at most [`MAX_LAST_SWAPS`].
     pub last_swaps: std::sync::Mutex<std::collections::VecDeque<SwapRecord>>,
+    /// What the guest channel's follower shows (`run --guest-channel`), once it ran.
+    pub guest_channel: std::sync::Mutex<Option<GuestChannelReport>>,
 }
 
 /// A waiter on `applied_through` for as long as it lives ([`FoldStatus::expect_applied`]).

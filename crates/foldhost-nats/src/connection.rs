@@ -84,6 +84,19 @@ impl NatsConnection {
             .ok_or(KvError::NotConnected)
     }
 
+    /// A client of its own, dialled with this connection's options: for traffic whose stored
+    /// messages the client library parses (the guest channels' watch and objects,
+    /// docs/channels.md), so a message it cannot read takes down that client only.
+    pub async fn dial_another(&self) -> Result<async_nats::Client, KvError> {
+        connect_client(
+            &self.opts,
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(tokio::sync::watch::channel(0).0),
+            None,
+        )
+        .await
+    }
+
     /// The limit every NATS call of this connection runs under.
     pub fn op_timeout(&self) -> Duration {
         self.opts.op_timeout

@@ -32,6 +32,7 @@
 //!   probes, and every check a repair makes.
 
 mod catchup;
+pub mod channel;
 mod connection;
 mod create;
 #[cfg(test)]

@@ -24,6 +24,7 @@ mod artifacts;
 mod config;
 mod demo;
 mod grants;
+mod guest;
 mod nats;
 mod reference;
 mod run;
@@ -156,6 +157,10 @@ pub enum Command {
     /// Read a key from a running host's fold (`--listen`), optionally once it has applied a
     /// revision (`--min-revision`): one JSON line; exit 0 found, 6 not found, 3 behind.
     Get(write::GetArgs),
+    /// Publish guests to a channel the fleet follows (`run --guest-channel`), and see its
+    /// releases and every node's rollout (docs/channels.md).
+    #[command(subcommand)]
+    Guest(guest::GuestCommand),
     /// Print the NATS permissions a node's user needs for what its `run` flags make it do, as a
     /// block for a nats-server `authorization` section (or `--json`).
     Grants(grants::GrantsArgs),
@@ -250,6 +255,7 @@ pub async fn run(cli: Cli) -> anyhow::Result<()> {
         Command::Delete(a) => write::cmd_delete(a).await,
         Command::Get(a) => write::cmd_get(a).await,
         Command::Grants(a) => grants::cmd_grants(a).await,
+        Command::Guest(c) => guest::cmd_guest(c).await,
         Command::State(a) => state::cmd_state(a),
         Command::Config(c) => config::cmd_config(c),
         Command::Completions { shell } => {

@@ -130,6 +130,18 @@ pub struct RunArgs {
     /// Swap the guest whenever the `--guest` file's content changes (checked every second).
     #[arg(long)]
     pub watch_guest: bool,
+    /// Follow a guest channel instead of `--guest`: run the version its release gives this
+    /// node, shadow new ones as a canary, swap as the rollout allows, and return to the last good
+    /// one when it halts (docs/channels.md). This node's name in the channel is `--node-id`, else
+    /// the host's name.
+    #[arg(long, value_name = "NAME", conflicts_with_all = ["guest", "watch_guest"])]
+    pub guest_channel: Option<String>,
+    /// The NATS Object Store bucket holding the channel's components.
+    #[arg(long, value_name = "BUCKET", default_value_t = crate::nats::channel::ChannelBuckets::default().objects)]
+    pub guest_objects: String,
+    /// The NATS KV bucket holding the channel's releases and node reports.
+    #[arg(long, value_name = "BUCKET", default_value_t = crate::nats::channel::ChannelBuckets::default().channels)]
+    pub channel_bucket: String,
     /// Also serve the guest's query as a NATS request/reply service on this subject.
     #[arg(long)]
     pub query_subject: Option<String>,
@@ -347,6 +359,17 @@ impl RunArgs {
                 ..ListenConfig::new(addr)
             }),
             watch_guest: self.watch_guest,
+            guest_channel: self.guest_channel.map(|channel| crate::node::GuestChannel {
+                channel,
+                buckets: crate::nats::channel::ChannelBuckets {
+                    objects: self.guest_objects,
+                    channels: self.channel_bucket,
+                },
+                node: self
+                    .node_id
+                    .clone()
+                    .unwrap_or_else(crate::node::default_node_name),
+            }),
             query_subject: self.query_subject,
             query_reply_prefix: self.query_reply_prefix,
             query_group: self.query_group,

@@ -47,6 +47,8 @@ pub(crate) struct NodeConfig {
     pub listen: Option<ListenConfig>,
     /// Swap the guest whenever its file's content changes.
     pub watch_guest: bool,
+    /// Follow a guest channel instead of a guest file (docs/channels.md).
+    pub guest_channel: Option<super::GuestChannel>,
     /// Also serve queries as NATS request/reply on this subject.
     pub query_subject: Option<String>,
     /// Reply subjects of NATS queries (and writes) must start with this.
@@ -125,6 +127,7 @@ impl NodeConfig {
             apply: NativeApply::Count,
             listen: None,
             watch_guest: false,
+            guest_channel: None,
             query_subject: None,
             query_reply_prefix: DEFAULT_QUERY_REPLY_PREFIX.to_string(),
             query_group: DEFAULT_QUERY_GROUP.to_string(),
@@ -160,6 +163,19 @@ impl NodeConfig {
         }
         if self.watch_guest && self.guest.is_none() {
             return Err(NodeError::Config("--watch-guest needs --guest".into()));
+        }
+        if let Some(gc) = &self.guest_channel {
+            if self.guest.is_some() {
+                return Err(NodeError::Config(
+                    "--guest-channel and --guest exclude each other: the channel gives the guest"
+                        .into(),
+                ));
+            }
+            for (what, name) in [("--guest-channel", &gc.channel), ("--node-id", &gc.node)] {
+                if let Some(why) = crate::protocol::name_refusal(what, name) {
+                    return Err(NodeError::Config(why));
+                }
+            }
         }
         if self.export_every.is_some() && self.artifacts.is_none() {
             return Err(NodeError::Config(

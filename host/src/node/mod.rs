@@ -12,6 +12,7 @@
 //!   ([`BatchConfig`], [`GuestLimits`]); the command line takes its defaults from there.
 //! - **A failed fold with `--listen` keeps serving `/status`** (saying why) until shutdown.
 
+mod channel;
 mod config;
 mod denial;
 mod export;
@@ -21,6 +22,8 @@ mod shared;
 mod side;
 mod tokens;
 
+pub use channel::GuestChannel;
+pub(crate) use channel::default_node_name;
 pub(crate) use shared::{SharedListen, bind_shared};
 
 pub use config::DEFAULT_LEASE_BUCKET;
@@ -194,7 +197,12 @@ impl Node {
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> Result<RunSummary, NodeError> {
         cfg.check()?;
-        let proven = prove_guest(&cfg).await?;
+        // A channel's node reads the channel (a client of its own) for the guest it starts with.
+        let mut channel_start = match &cfg.guest_channel {
+            Some(gc) => Some(channel::start(&cfg, gc).await?),
+            None => None,
+        };
+        let proven = prove_guest(&cfg, channel_start.as_mut()).await?;
         // Connect before touching the store: a run that cannot reach its server writes nothing.
         let (conn, kv) = connect(&cfg).await?;
         let shared = open_store(&cfg).await?;
@@ -220,6 +228,16 @@ impl Node {
         let mut running =
             lanes::Running::start(&cfg, lanes, apply.describe(), &control_tx, &link, &shutdown);
         let engine = proven.map(|p| p.engine);
+        let follower = match (channel_start, &cfg.guest_channel, &engine) {
+            (Some(start), Some(gc), Some(engine)) => Some(channel::Follower::new(
+                start,
+                gc.clone(),
+                engine.clone(),
+                control_tx.clone(),
+                status.clone(),
+            )),
+            _ => None,
+        };
         let transport = match &cfg.artifacts {
             Some((url, _)) => Some(Arc::new(crate::transport::ArtifactTransport::from_url(
                 url,
@@ -236,6 +254,7 @@ impl Node {
             engine,
             transport.clone(),
             control_tx,
+            follower,
             side::FoldAccess {
                 stream: {
                     // Weak: the listener and the export rounds outlive the fold, and a store
@@ -481,11 +500,16 @@ struct ProvenGuest {
 /// Reads, compiles, link-checks and starts the guest (instantiate, `manifest`, `init`, against an
 /// empty fold) before anything is touched: a bad guest is refused with the reason (a missing
 /// import named, a trap in `init`) and nothing is connected or written.
-async fn prove_guest(cfg: &NodeConfig) -> Result<Option<ProvenGuest>, NodeError> {
-    let Some(path) = &cfg.guest else {
-        return Ok(None);
+async fn prove_guest(
+    cfg: &NodeConfig,
+    channel: Option<&mut channel::ChannelStart>,
+) -> Result<Option<ProvenGuest>, NodeError> {
+    let (path, bytes) = match (&cfg.guest, channel) {
+        (Some(path), _) => (path.clone(), crate::guest::read_guest_file(path)?),
+        // Named in errors and status by its version, digest first.
+        (None, Some(c)) => (PathBuf::from(c.version.label()), c.bytes.clone()),
+        (None, None) => return Ok(None),
     };
-    let bytes = crate::guest::read_guest_file(path)?;
     let engine = GuestEngine::with_options(crate::guest::EngineOptions {
         cache_dir: cfg.guest_cache.clone(),
         // The store's seed is set once the store is open; this probe instance draws nothing kept.
@@ -513,7 +537,7 @@ async fn prove_guest(cfg: &NodeConfig) -> Result<Option<ProvenGuest>, NodeError>
     Ok(Some(ProvenGuest {
         engine,
         bytes,
-        path: path.clone(),
+        path,
         prepared,
     }))
 }

@@ -1,4 +1,5 @@
-//! The tasks that run beside the fold: the `--listen` endpoint, `--watch-guest`, the NATS
+//! The tasks that run beside the fold: the `--listen` endpoint, `--watch-guest`, the guest
+//! channel's follower (`--guest-channel`: `channel.rs`), the NATS
 //! services (`--query-subject`, `--write-subject`: `side/nats.rs`) and the status reporter
 //! (`status.json`, hydration progress). They reach the fold only through its control channel,
 //! between batches. The node has one `ServeState`: what the endpoint serves is what the NATS
@@ -52,6 +53,7 @@ impl SideTasks {
         engine: Option<Arc<GuestEngine>>,
         transport: Option<Arc<crate::transport::ArtifactTransport>>,
         control: mpsc::Sender<Control>,
+        follower: Option<super::channel::Follower>,
         fold: FoldAccess,
     ) -> Result<SideTasks, NodeError> {
         let FoldAccess {
@@ -121,6 +123,11 @@ impl SideTasks {
         {
             others.push(tokio::spawn(tracing::Instrument::in_current_span(
                 watch_guest_file(path, engine, control.clone()),
+            )));
+        }
+        if let Some(follower) = follower {
+            others.push(tokio::spawn(tracing::Instrument::in_current_span(
+                follower.run(),
             )));
         }
         if let Some(subject) = &cfg.query_subject {

@@ -22,6 +22,9 @@ pub const MAX_CHANNEL_NAME: usize = 64;
 pub const MAX_CHANNEL_RECORD: usize = 64 * 1024;
 /// Most canary nodes a release names.
 pub const MAX_CANARIES: usize = 64;
+/// Largest component a channel carries, in bytes: a publish refuses more, and a node stops
+/// reading an object one byte past it.
+pub const MAX_COMPONENT_BYTES: u64 = 64 * 1024 * 1024;
 /// Longest detail a node report carries (cut, marked, beyond it).
 pub const MAX_REPORT_DETAIL: usize = 1024;
 
@@ -313,6 +316,15 @@ pub fn is_digest(digest: &str) -> bool {
         && digest
             .bytes()
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+}
+
+/// How long a following node waits before trying again after `failures` in a row (a fetch, an
+/// inconclusive shadow, a broken watch): 2 s doubling, capped at 60 s.
+pub fn channel_retry_backoff(failures: u32) -> std::time::Duration {
+    std::time::Duration::from_secs(
+        2u64.saturating_mul(1 << failures.saturating_sub(1).min(5))
+            .min(60),
+    )
 }
 
 /// The KV key of a channel's release entry.

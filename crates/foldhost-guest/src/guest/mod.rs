@@ -227,10 +227,10 @@ pub struct GuestApply {
     lost: Option<String>,
 }
 
-impl GuestApply {
-    /// Loads the component at `bytes` (named `what` in errors), reads its manifest from a first
-    /// instance, and keeps that instance (initialised, not yet hydrated).
-    pub async fn load(
+impl Core {
+    /// A core for the component at `bytes`, compiled (or found in the engine's caches), with a
+    /// placeholder manifest until its first instance names itself.
+    fn prepared(
         engine: &Arc<GuestEngine>,
         what: &str,
         bytes: &[u8],
@@ -239,7 +239,7 @@ impl GuestApply {
         fold: Arc<dyn FoldRead>,
     ) -> Result<Self, GuestError> {
         let (pre, prepared) = engine.prepare_traced(what, bytes)?;
-        let mut core = Core {
+        Ok(Core {
             engine: engine.clone(),
             pre,
             digest: prepared.digest,
@@ -259,7 +259,22 @@ impl GuestApply {
             answers_beside_fold: false,
             #[cfg(any(test, feature = "testkit"))]
             interrupt_next: AtomicBool::new(false),
-        };
+        })
+    }
+}
+
+impl GuestApply {
+    /// Loads the component at `bytes` (named `what` in errors), reads its manifest from a first
+    /// instance, and keeps that instance (initialised, not yet hydrated).
+    pub async fn load(
+        engine: &Arc<GuestEngine>,
+        what: &str,
+        bytes: &[u8],
+        limits: GuestLimits,
+        config: Vec<(String, String)>,
+        fold: Arc<dyn FoldRead>,
+    ) -> Result<Self, GuestError> {
+        let mut core = Core::prepared(engine, what, bytes, limits, config, fold)?;
         let mut live = core.instantiate().await?;
         core.manifest = core.call_manifest(&mut live).await?;
         // From here on its log lines carry its name@version, not the file it came from.
@@ -272,6 +287,26 @@ impl GuestApply {
             last_hydration: None,
             lost: None,
         })
+    }
+
+    /// The manifest the component at `bytes` declares, read from an instance that is never
+    /// initialised and then dropped: it compiles, links and names itself (a publisher's check,
+    /// docs/channels.md).
+    pub async fn read_manifest(
+        engine: &Arc<GuestEngine>,
+        what: &str,
+        bytes: &[u8],
+    ) -> Result<GuestManifest, GuestError> {
+        let core = Core::prepared(
+            engine,
+            what,
+            bytes,
+            GuestLimits::default(),
+            Vec::new(),
+            Arc::new(crate::view::EmptyFold),
+        )?;
+        let mut live = core.instantiate().await?;
+        Ok(core.call_manifest(&mut live).await?)
     }
 
     /// Counts this guest's failed calls and rebuilds into `counters` (the fold's status), from now

@@ -1,0 +1,607 @@
+//! `run --guest-channel`: the node follows a guest channel (docs/channels.md). At start it runs
+//! the version the channel's release gives a starting node (`protocol::start_version`); then a
+//! side task watches the channel's release entry and every node's report, derives the rollout's
+//! state with `protocol::rollout`, and takes the step `protocol::next_step` gives this node —
+//! shadow a candidate (a canary), swap to the desired version, or return to the last good one —
+//! through the fold's control channel, the machinery `foldhost swap` uses, with its refusals.
+//!
+//! Invariants:
+//! - No component reaches the fold that was not verified against its digest
+//!   ([`ChannelBus::fetch`]) and compiled off the fold's path first.
+//! - A node never runs a release's desired version before the rollout allows it: a canary only
+//!   through a shadow that promoted it, any other node only once the release rolls.
+//! - This node's report is the only key it writes; it says what the node runs and what it found
+//!   of the current release, and it is rewritten whenever either changes (a failed write is
+//!   tried again at the next tick).
+//! - The follower never stops the fold: a bus it cannot reach, a record it cannot decode, an
+//!   object it cannot fetch are said in the status and the log, and tried again.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use futures::StreamExt as _;
+use tokio::sync::mpsc;
+
+use crate::applied::{Control, FoldStatus, ShadowPlan, ShadowRequests};
+use crate::guest::GuestEngine;
+use crate::nats::channel::{ChannelBuckets, ChannelBus, ChannelChange, ChannelError};
+use crate::protocol::{self, ChannelEntry, GuestVersion, Judgement, NodeReport, Rollout, Step};
+use crate::status::GuestChannelReport;
+
+use super::{NodeConfig, NodeError};
+
+/// The channel a node follows (`run --guest-channel`).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GuestChannel {
+    /// The channel's name.
+    pub channel: String,
+    /// Where the fleet keeps channels.
+    pub buckets: ChannelBuckets,
+    /// This node's name in the channel's reports (`--node-id`, else the host's name).
+    pub node: String,
+}
+
+/// Requests a canary's comparison samples (keys changed during the shadow first).
+const SHADOW_SAMPLE: usize = 200;
+
+/// How often the follower checks the running guest for traps and retries what failed.
+const TICK: Duration = Duration::from_secs(1);
+
+/// What a node starting on a channel runs first, and what it read to decide it.
+pub(super) struct ChannelStart {
+    bus: ChannelBus,
+    /// The version to start with, and its verified bytes.
+    pub(super) version: GuestVersion,
+    pub(super) bytes: Vec<u8>,
+}
+
+/// This host's name as a channel node name: `/proc/sys/kernel/hostname` with every character a
+/// name may not hold made `-`, cut to [`protocol::MAX_CHANNEL_NAME`]; `node` when unreadable.
+pub(crate) fn default_node_name() -> String {
+    let raw = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    let name: String = raw
+        .trim()
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
+                c
+            } else {
+                '-'
+            }
+        })
+        .take(protocol::MAX_CHANNEL_NAME)
+        .collect();
+    if name.is_empty() { "node".into() } else { name }
+}
+
+/// Reads the channel and fetches the version a starting node runs. Refused, naming the channel,
+/// when nothing was published, when the only release is halted, or when the bytes cannot be
+/// fetched or verified: the node does not start on a guest it could not prove.
+pub(super) async fn start(cfg: &NodeConfig, gc: &GuestChannel) -> Result<ChannelStart, NodeError> {
+    let refused =
+        |why: String| NodeError::Refused(format!("--guest-channel {}: {why}", gc.channel));
+    let bus = open_bus(cfg, gc)
+        .await
+        .map_err(|e| refused(e.to_string()))?;
+    let Some((release, entry)) = bus
+        .release(&gc.channel)
+        .await
+        .map_err(|e| refused(e.to_string()))?
+    else {
+        return Err(refused(
+            "nothing was published (foldhost guest publish FILE --channel NAME)".into(),
+        ));
+    };
+    let reports = bus
+        .reports(&gc.channel)
+        .await
+        .map_err(|e| refused(e.to_string()))?;
+    let state = protocol::rollout(release, &entry, &reports);
+    let Some(version) = protocol::start_version(&entry, &state).cloned() else {
+        return Err(refused(format!(
+            "release {release} ({}) is {} and no earlier version was good",
+            entry.desired.label(),
+            state.as_str()
+        )));
+    };
+    let bytes = bus
+        .fetch(&version, protocol::MAX_COMPONENT_BYTES)
+        .await
+        .map_err(|e| refused(format!("release {release}: {}: {e}", version.label())))?;
+    tracing::info!(event = "guest_channel_start", channel = %gc.channel, node = %gc.node, release, state = state.as_str(), guest = %version.label(), "starting on the channel's version");
+    Ok(ChannelStart {
+        bus,
+        version,
+        bytes,
+    })
+}
+
+async fn open_bus(cfg: &NodeConfig, gc: &GuestChannel) -> Result<ChannelBus, ChannelError> {
+    let mut opts = cfg.nats.clone();
+    opts.op_timeout = cfg.op_timeout;
+    let client = crate::nats::NatsConnection::new(opts)
+        .dial_another()
+        .await
+        .map_err(|e| ChannelError::Bus {
+            op: "connect".into(),
+            reason: e.to_string(),
+        })?;
+    ChannelBus::open(client, &gc.buckets, false, cfg.op_timeout).await
+}
+
+/// The follower: what it holds between steps.
+pub(super) struct Follower {
+    bus: ChannelBus,
+    gc: GuestChannel,
+    engine: Arc<GuestEngine>,
+    control: mpsc::Sender<Control>,
+    status: Arc<FoldStatus>,
+    /// What the fold runs, as far as this follower made it so.
+    running: GuestVersion,
+    /// The bytes of what runs (a rollback's target is usually what ran before).
+    kept: BTreeMap<String, Vec<u8>>,
+    /// What this node found of the release it last judged: (release, judgement, detail).
+    mine: Option<(u64, Judgement, String)>,
+    /// The report last written (rewritten when it differs from the one due).
+    written: Option<NodeReport>,
+    /// The release whose failed fetch or inconclusive shadow is tried again, when, and the
+    /// failures in a row.
+    retry: Option<(u64, Instant, u32)>,
+    /// The guest's failed calls when the running version was swapped in (a rise is a trap).
+    failures_at_swap: u64,
+    /// The release and entry last read, and every node's report.
+    release: Option<(u64, ChannelEntry)>,
+    reports: BTreeMap<String, NodeReport>,
+}
+
+impl Follower {
+    /// The follower of a node that started on `start`.
+    pub(super) fn new(
+        start: ChannelStart,
+        gc: GuestChannel,
+        engine: Arc<GuestEngine>,
+        control: mpsc::Sender<Control>,
+        status: Arc<FoldStatus>,
+    ) -> Self {
+        let failures_at_swap = failures(&status);
+        let mut kept = BTreeMap::new();
+        kept.insert(start.version.digest.clone(), start.bytes);
+        Follower {
+            bus: start.bus,
+            gc,
+            engine,
+            control,
+            status,
+            running: start.version,
+            kept,
+            mine: None,
+            written: None,
+            retry: None,
+            failures_at_swap,
+            release: None,
+            reports: BTreeMap::new(),
+        }
+    }
+
+    /// Follows the channel until the node stops (the task is aborted).
+    pub(super) async fn run(mut self) {
+        tracing::info!(event = "guest_channel_following", channel = %self.gc.channel, node = %self.gc.node, guest = %self.running.label(), "following the guest channel");
+        let mut watch_failures = 0u32;
+        loop {
+            let mut watch = match self.bus.watch(&self.gc.channel).await {
+                Ok(w) => w,
+                Err(e) => {
+                    self.said_error(Some(e.to_string()));
+                    watch_failures += 1;
+                    tokio::time::sleep(protocol::channel_retry_backoff(watch_failures)).await;
+                    continue;
+                }
+            };
+            self.release = None;
+            self.reports.clear();
+            let mut current = false;
+            let mut tick = tokio::time::interval(TICK);
+            loop {
+                tokio::select! {
+                    change = watch.next() => match change {
+                        Some(Ok(ChannelChange::Current)) => {
+                            current = true;
+                            watch_failures = 0;
+                            self.said_error(None);
+                            self.act().await;
+                        }
+                        Some(Ok(c)) => {
+                            self.take(c);
+                        }
+                        Some(Err(e)) => {
+                            self.said_error(Some(e.to_string()));
+                            break;
+                        }
+                        None => {
+                            self.said_error(Some("the channel's watch ended".into()));
+                            break;
+                        }
+                    },
+                    _ = tick.tick() => {
+                        if current {
+                            self.check_traps();
+                            self.act().await;
+                        }
+                    }
+                }
+            }
+            watch_failures += 1;
+            tokio::time::sleep(protocol::channel_retry_backoff(watch_failures)).await;
+        }
+    }
+
+    /// Takes one change of the channel into the follower's view.
+    fn take(&mut self, c: ChannelChange) {
+        match c {
+            ChannelChange::Release(n, Ok(e)) => self.release = Some((n, e)),
+            ChannelChange::Release(n, Err(why)) => {
+                tracing::warn!(event = "channel_record_undecodable", key = %protocol::release_key(&self.gc.channel), release = n, error = %why, "the channel's release entry does not decode; the node keeps its version");
+                self.release = None;
+            }
+            ChannelChange::ReleaseGone => self.release = None,
+            ChannelChange::Report(node, Ok(r)) => {
+                self.reports.insert(node, r);
+            }
+            ChannelChange::Report(node, Err(why)) => {
+                tracing::warn!(event = "channel_record_undecodable", key = %protocol::report_key(&self.gc.channel, &node), error = %why, "a node report does not decode; left out");
+                self.reports.remove(&node);
+            }
+            ChannelChange::ReportGone(node) => {
+                self.reports.remove(&node);
+            }
+            ChannelChange::Current => {}
+        }
+    }
+
+    /// The current release and its state, this node's judgement of it, and the step to take.
+    fn decide(&self) -> Option<(u64, ChannelEntry, Rollout, Step)> {
+        let (release, entry) = self.release.clone()?;
+        let mut reports: Vec<NodeReport> = self.reports.values().cloned().collect();
+        // This node's own judgement counts at once, before its report comes back on the watch.
+        reports.retain(|r| r.node != self.gc.node);
+        if let Some(mine) = self.report_due(release) {
+            reports.push(mine);
+        }
+        let state = protocol::rollout(release, &entry, &reports);
+        let mine = self.judged(release).map(|(j, _)| j);
+        let step = protocol::next_step(
+            &entry,
+            &state,
+            &self.gc.node,
+            Some(&self.running.digest),
+            mine,
+        );
+        Some((release, entry, state, step))
+    }
+
+    /// Takes the next step, if one is due, and keeps the status and this node's report current.
+    async fn act(&mut self) {
+        let Some((release, entry, state, step)) = self.decide() else {
+            self.show(None, None);
+            self.write_report().await;
+            return;
+        };
+        self.show(Some((release, &entry)), Some(&state));
+        let due = match self.retry {
+            Some((r, at, _)) => r != release || Instant::now() >= at,
+            None => true,
+        };
+        match step {
+            Step::Stay => {}
+            Step::Shadow(v) if due => self.shadow(release, &entry, v).await,
+            Step::Swap(v) if due => self.swap(release, &entry, v).await,
+            Step::Shadow(_) | Step::Swap(_) => {}
+        }
+        if let Some((release, entry, state, _)) = self.decide() {
+            self.show(Some((release, &entry)), Some(&state));
+        }
+        self.write_report().await;
+    }
+
+    /// This node's judgement of `release`, if it judged it.
+    fn judged(&self, release: u64) -> Option<(Judgement, &str)> {
+        match &self.mine {
+            Some((r, j, d)) if *r == release => Some((*j, d.as_str())),
+            _ => None,
+        }
+    }
+
+    fn judge(&mut self, release: u64, j: Judgement, detail: String) {
+        let detail = protocol::report_detail(&detail);
+        match j {
+            Judgement::Clean => {
+                tracing::info!(event = "guest_channel_judged", channel = %self.gc.channel, release, judgement = j.as_str(), detail = %detail, "judged the release")
+            }
+            Judgement::Pending => {}
+            _ => {
+                tracing::warn!(event = "guest_channel_judged_bad", channel = %self.gc.channel, release, judgement = j.as_str(), detail = %detail, "judged the release: not clean")
+            }
+        }
+        self.mine = Some((release, j, detail));
+    }
+
+    /// The report this node owes: its judgement of `release` (pending if none yet; clean once
+    /// it runs the release's desired version without a worse judgement) and what it runs.
+    fn report_due(&self, release: u64) -> Option<NodeReport> {
+        let (_, entry) = self.release.as_ref()?;
+        let (judgement, detail) = match self.judged(release) {
+            Some((j, d)) => (j, d.to_string()),
+            None if self.running.digest == entry.desired.digest => {
+                (Judgement::Clean, String::new())
+            }
+            None => (Judgement::Pending, String::new()),
+        };
+        Some(NodeReport {
+            node: self.gc.node.clone(),
+            release,
+            outcome: judgement,
+            detail,
+            running: Some(self.running.clone()),
+            unix_ms: 0,
+        })
+    }
+
+    async fn write_report(&mut self) {
+        let Some((release, _)) = &self.release else {
+            return;
+        };
+        let Some(mut due) = self.report_due(*release) else {
+            return;
+        };
+        if self.written.as_ref() == Some(&due) {
+            return;
+        }
+        let unstamped = due.clone();
+        due.unix_ms = crate::status::now_unix_ms();
+        match self.bus.put_report(&self.gc.channel, &due).await {
+            Ok(()) => self.written = Some(unstamped),
+            Err(e) => {
+                tracing::warn!(event = "guest_channel_report_failed", channel = %self.gc.channel, error = %e, "this node's report was not written; tried again at the next tick")
+            }
+        }
+    }
+
+    /// Sets the retry of `release` after one more failure in a row.
+    fn retry_later(&mut self, release: u64) {
+        let n = match self.retry {
+            Some((r, _, n)) if r == release => n + 1,
+            _ => 1,
+        };
+        self.retry = Some((
+            release,
+            Instant::now() + protocol::channel_retry_backoff(n),
+            n,
+        ));
+    }
+
+    /// Fetches `v` (kept bytes first) and compiles it off the fold's path. A failure is tried
+    /// again later; it judges the release only when `v` is its desired version (`judging`).
+    async fn fetched(&mut self, release: u64, v: &GuestVersion, judging: bool) -> Option<Vec<u8>> {
+        let bytes = match self.kept.get(&v.digest) {
+            Some(b) => b.clone(),
+            None => match self.bus.fetch(v, protocol::MAX_COMPONENT_BYTES).await {
+                Ok(b) => b,
+                Err(e) => {
+                    self.retry_later(release);
+                    tracing::warn!(event = "guest_channel_unfetchable", channel = %self.gc.channel, release, guest = %v.label(), error = %e, "the version could not be fetched; the running guest stays");
+                    if judging {
+                        self.judge(release, Judgement::Unfetchable, e.to_string());
+                    }
+                    return None;
+                }
+            },
+        };
+        let compiled = {
+            let (engine, bytes, what) = (self.engine.clone(), bytes.clone(), v.label());
+            tokio::task::spawn_blocking(move || engine.prepare(&what, &bytes).map(|_| ()))
+                .await
+                .unwrap_or_else(|e| {
+                    Err(crate::guest::GuestError::Engine(format!(
+                        "compile task: {e}"
+                    )))
+                })
+        };
+        match compiled {
+            Ok(()) => Some(bytes),
+            Err(e) => {
+                self.retry_later(release);
+                tracing::warn!(event = "guest_channel_refused", channel = %self.gc.channel, release, guest = %v.label(), error = %e, "the version does not compile or link; the running guest stays");
+                if judging {
+                    self.judge(release, Judgement::Refused, e.to_string());
+                }
+                None
+            }
+        }
+    }
+
+    /// A canary's shadow of `v`: promoted when clean (the node then runs it), judged by its
+    /// report.
+    async fn shadow(&mut self, release: u64, entry: &ChannelEntry, v: GuestVersion) {
+        let Some(bytes) = self.fetched(release, &v, true).await else {
+            return;
+        };
+        tracing::info!(event = "guest_channel_shadowing", channel = %self.gc.channel, release, guest = %v.label(), batches = entry.shadow_batches, "shadowing the release's version beside the running one (a canary)");
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let asked = Control::Shadow {
+            bytes: bytes.clone(),
+            what: v.label(),
+            plan: ShadowPlan {
+                batches: entry.shadow_batches,
+                requests: ShadowRequests::Sample(SHADOW_SAMPLE),
+                promote: true,
+                tolerated: entry.tolerance,
+                max_wait: Duration::from_secs(entry.shadow_wait_s),
+            },
+            reply: tx,
+        };
+        if self.control.send(asked).await.is_err() {
+            return;
+        }
+        match rx.await {
+            Err(_) => {} // the fold stopped
+            Ok(Err(e)) => self.judge(release, Judgement::Trapped, e.to_string()),
+            Ok(Ok(r)) if r.promoted => {
+                self.now_running(v, bytes);
+                self.retry = None;
+                self.judge(
+                    release,
+                    Judgement::Clean,
+                    format!(
+                        "shadowed {} batches, {} requests, {} differing",
+                        r.batches, r.requests, r.differing
+                    ),
+                );
+            }
+            Ok(Ok(r)) if r.differing > entry.tolerance => {
+                let first = r.differences.first().map_or(String::new(), |d| {
+                    format!(
+                        "; first: {:?} live {} candidate {}",
+                        d.request, d.live, d.candidate
+                    )
+                });
+                self.judge(
+                    release,
+                    Judgement::Differed,
+                    format!(
+                        "{} of {} requests answered differently (tolerance {}){first}",
+                        r.differing, r.requests, entry.tolerance
+                    ),
+                );
+            }
+            Ok(Ok(r)) => {
+                // Inconclusive (too few batches or requests): shadow again later.
+                self.retry_later(release);
+                let why = r.not_promoted.unwrap_or_default();
+                tracing::info!(event = "guest_channel_shadow_inconclusive", channel = %self.gc.channel, release, why = %why, "the shadow proved nothing either way; tried again");
+                self.judge(release, Judgement::Pending, why);
+            }
+        }
+    }
+
+    /// Swaps the fold to `v`: the release's desired version (judged by the swap), or the last
+    /// good one (a return).
+    async fn swap(&mut self, release: u64, entry: &ChannelEntry, v: GuestVersion) {
+        let forward = v.digest == entry.desired.digest;
+        let Some(bytes) = self.fetched(release, &v, forward).await else {
+            return;
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let asked = Control::Swap {
+            bytes: bytes.clone(),
+            what: v.label(),
+            reply: tx,
+        };
+        if self.control.send(asked).await.is_err() {
+            return;
+        }
+        match rx.await {
+            Err(_) => {}
+            Ok(Err(e)) if forward => self.judge(release, Judgement::Refused, e.to_string()),
+            Ok(Err(e)) => {
+                tracing::error!(event = "guest_channel_return_failed", channel = %self.gc.channel, release, guest = %v.label(), error = %e, "the return to the last good version was refused; the running guest stays");
+            }
+            Ok(Ok(_)) => {
+                let from = self.running.label();
+                self.now_running(v.clone(), bytes);
+                self.retry = None;
+                if forward {
+                    tracing::info!(event = "guest_channel_swapped", channel = %self.gc.channel, release, from = %from, to = %v.label(), "swapped to the release's version");
+                    self.judge(release, Judgement::Clean, String::new());
+                } else {
+                    tracing::warn!(event = "guest_channel_returned", channel = %self.gc.channel, release, from = %from, to = %v.label(), "returned to the last good version");
+                }
+            }
+        }
+    }
+
+    fn now_running(&mut self, v: GuestVersion, bytes: Vec<u8>) {
+        // Keep what ran (a return's usual target) and what runs now; nothing more.
+        let previous = self.running.digest.clone();
+        self.kept.retain(|d, _| *d == previous);
+        self.kept.insert(v.digest.clone(), bytes);
+        self.running = v;
+        self.failures_at_swap = failures(&self.status);
+    }
+
+    /// A trap (or a deadline hit) of the running guest after it was swapped in to the current
+    /// release's desired version judges that release `trapped`.
+    fn check_traps(&mut self) {
+        let Some((release, entry)) = self.release.clone() else {
+            return;
+        };
+        if self.running.digest != entry.desired.digest {
+            return;
+        }
+        if matches!(self.judged(release), Some((j, _)) if j.halts()) {
+            return;
+        }
+        let now = failures(&self.status);
+        if now > self.failures_at_swap {
+            let n = now - self.failures_at_swap;
+            self.judge(
+                release,
+                Judgement::Trapped,
+                format!("{n} guest calls trapped or hit their deadline since the swap"),
+            );
+        }
+    }
+
+    /// Shows the follower's view in the fold's status.
+    fn show(&self, current: Option<(u64, &ChannelEntry)>, state: Option<&Rollout>) {
+        let mut r = GuestChannelReport {
+            channel: self.gc.channel.clone(),
+            node: self.gc.node.clone(),
+            running: Some(self.running.label()),
+            running_digest: Some(self.running.digest.clone()),
+            ..GuestChannelReport::default()
+        };
+        r.state = state.map_or("unpublished", Rollout::as_str).to_string();
+        if let Some((release, entry)) = current {
+            r.release = release;
+            r.desired = Some(entry.desired.label());
+            r.desired_digest = Some(entry.desired.digest.clone());
+            r.canary = entry.canaries.contains(&self.gc.node);
+            if let Some((j, d)) = self.judged(release) {
+                r.judgement = j.as_str().to_string();
+                r.detail = d.to_string();
+            }
+        }
+        if let Some(Rollout::Halted { by, why }) = state {
+            r.halted_by = Some(format!("{by}: {why}"));
+        }
+        if let Ok(mut slot) = self.status.guest_channel.lock() {
+            r.error = slot.as_ref().and_then(|s| s.error.clone());
+            *slot = Some(r);
+        }
+    }
+
+    fn said_error(&self, error: Option<String>) {
+        if let Some(e) = &error {
+            tracing::warn!(event = "guest_channel_watch_failed", channel = %self.gc.channel, error = %e, "the channel could not be read; the node keeps its version and tries again");
+        }
+        if let Ok(mut slot) = self.status.guest_channel.lock() {
+            let r = slot.get_or_insert_with(|| GuestChannelReport {
+                channel: self.gc.channel.clone(),
+                node: self.gc.node.clone(),
+                state: "unknown".into(),
+                running: Some(self.running.label()),
+                running_digest: Some(self.running.digest.clone()),
+                ..GuestChannelReport::default()
+            });
+            r.error = error;
+        }
+    }
+}
+
+/// The guest's failed calls that judge a version: traps and deadline hits.
+fn failures(status: &FoldStatus) -> u64 {
+    status.guest_counters.traps.load(Ordering::Relaxed)
+        + status.guest_counters.deadline_hits.load(Ordering::Relaxed)
+}
