@@ -21,6 +21,7 @@
 
 pub mod bucket;
 pub mod crashpoint;
+pub mod histogram;
 pub mod kv;
 pub mod ledger;
 pub mod protocol;

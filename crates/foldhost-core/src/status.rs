@@ -13,6 +13,8 @@ use std::sync::atomic::Ordering;
 
 use serde::{Deserialize, Serialize};
 
+pub use crate::histogram::{HISTOGRAM_BOUNDS, Histogram};
+
 use std::sync::atomic::AtomicU64;
 
 /// A host's status. Fields a source cannot know are `None` (or zero), never made up. Unknown
@@ -397,12 +399,7 @@ impl StatusReport {
             lag_history: s.lag_history(),
             lag_history_period_s: LAG_SAMPLE_PERIOD.as_secs(),
             last_swaps: s.last_swaps(),
-            guest_channel: s
-                .guest_channel
-                .lock()
-                .ok()
-                .and_then(|c| c.clone())
-                .or_else(|| self.guest_channel.clone()),
+            guest_channel: s.guest_channel().or_else(|| self.guest_channel.clone()),
             state_buckets: self
                 .state_buckets
                 .iter()
@@ -720,6 +717,11 @@ impl FoldStatus {
             .map(|s| s.iter().cloned().collect())
             .unwrap_or_default()
     }
+
+    /// What the guest channel's follower shows, once it ran.
+    pub fn guest_channel(&self) -> Option<GuestChannelReport> {
+        self.guest_channel.lock().ok().and_then(|c| c.clone())
+    }
 }
 
 /// Most distinct `(outcome, reason)` pairs [`FoldStatus::write_outcomes`] keeps.
@@ -757,49 +759,6 @@ pub struct GuestCounters {
     pub limit_hits: AtomicU64,
     /// Instances rebuilt from the fold after a failed call.
     pub rebuilds: AtomicU64,
-}
-
-/// Upper bounds of [`Histogram`]'s buckets: 1, 2.5, 5 per decade from 1 to 10^7 (a duration in
-/// microseconds up to 10 s, a batch's size up to 10 million updates); above the last, `+Inf`.
-pub const HISTOGRAM_BOUNDS: [u64; 22] = [
-    1, 2, 5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000,
-    250_000, 500_000, 1_000_000, 2_500_000, 5_000_000, 10_000_000,
-];
-
-/// A histogram of whole numbers, lock-free: a count per bucket of [`HISTOGRAM_BOUNDS`] (and one
-/// past the last), their sum and count. Observations are relaxed: a scrape may see a sum a moment
-/// ahead of a bucket, never a lost observation.
-#[derive(Debug, Default)]
-pub struct Histogram {
-    buckets: [AtomicU64; HISTOGRAM_BOUNDS.len() + 1],
-    sum: AtomicU64,
-    count: AtomicU64,
-}
-
-impl Histogram {
-    /// Records `v`.
-    pub fn observe(&self, v: u64) {
-        let i = HISTOGRAM_BOUNDS.partition_point(|b| *b < v);
-        self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        self.sum.fetch_add(v, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// `(sum, count, [(upper bound, count in that bucket alone)])`, the last bound `None`
-    /// (`+Inf`); an exposition accumulates them.
-    pub fn snapshot(&self) -> (u64, u64, Vec<(Option<u64>, u64)>) {
-        let buckets = self
-            .buckets
-            .iter()
-            .enumerate()
-            .map(|(i, b)| (HISTOGRAM_BOUNDS.get(i).copied(), b.load(Ordering::Relaxed)))
-            .collect();
-        (
-            self.sum.load(Ordering::Relaxed),
-            self.count.load(Ordering::Relaxed),
-            buckets,
-        )
-    }
 }
 
 #[cfg(test)]

@@ -3,7 +3,8 @@
 //! The key is the `init` config's `trap_key` (default `trap.me`): a batch holding a put or a delete
 //! of it logs a warning, then traps in `apply`. With the config key `fail_init` set, `init` fails.
 //! Otherwise it behaves like `kvstore`: a query's request is a key, the answer its value bytes, or
-//! the error `missing`.
+//! the error `missing` — but a query for the trap key traps too (a trap on live traffic that
+//! leaves the fold going).
 
 use std::collections::BTreeMap;
 
@@ -65,6 +66,9 @@ impl Folder for HostileTrap {
 
     fn query(&self, request: &[u8]) -> Result<Vec<u8>, String> {
         let key = std::str::from_utf8(request).map_err(|_| "missing")?;
+        if key == self.trap_key {
+            panic!("hostile-trap: trapping on a query for {}", self.trap_key);
+        }
         self.entries
             .get(key)
             .cloned()

@@ -293,6 +293,8 @@ impl Follower {
             Some((r, at, _)) => r != release || Instant::now() >= at,
             None => true,
         };
+        // Said before a step that may take long (a shadow waits for its batches).
+        self.write_report().await;
         match step {
             Step::Stay => {}
             Step::Shadow(v) if due => self.shadow(release, &entry, v).await,

@@ -7,6 +7,7 @@
 
 mod artifact_store;
 mod artifacts;
+mod channel;
 mod cli;
 mod cluster;
 mod config;

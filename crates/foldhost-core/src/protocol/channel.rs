@@ -266,7 +266,7 @@ pub fn previous_for_publish(current: Option<(&ChannelEntry, &Rollout)>) -> Optio
 /// (at least one when `fraction` > 0 and any node is known), ordered by BLAKE3 of the digest and
 /// the node's name — the same nodes for the same component, different nodes for the next.
 pub fn pick_canaries(fraction: f64, nodes: &[String], digest: &str) -> Vec<String> {
-    if !(fraction > 0.0) || nodes.is_empty() {
+    if fraction.is_nan() || fraction <= 0.0 || nodes.is_empty() {
         return Vec::new();
     }
     let want = ((fraction.min(1.0) * nodes.len() as f64).ceil() as usize)

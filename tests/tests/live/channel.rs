@@ -1,0 +1,516 @@
+//! Guest channels (docs/channels.md), three nodes on one real nats-server: a version published
+//! once reaches every node without a restart, a canary shadows it first, and a rollout stops
+//! itself — a difference or a trap halts it and every node returns to the last good version; a
+//! node started while it is halted runs that version; an object that was tampered with or
+//! removed is refused by every node, which keeps its version and says why.
+
+use std::process::{Child, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use foldhost::kv::KvWriter;
+use foldhost::nats::NatsKv;
+use foldhost::status::{GuestChannelReport, StatusReport};
+use foldhost_tests::{
+    Harness, bucket_contents, foldhost, guest_wasm, run_command, terminate, wait_status,
+};
+
+/// Stable keys `k.000`…, never written by the writer.
+const STABLE: u32 = 200;
+const CHANNEL: &str = "edge";
+
+/// A component that behaves exactly as `wasm` but is other bytes (another digest): `wasm` with a
+/// custom section appended, which no runtime reads.
+fn renamed(wasm: &[u8], tag: &str) -> Vec<u8> {
+    fn leb(mut n: usize, out: &mut Vec<u8>) {
+        loop {
+            let b = (n & 0x7f) as u8;
+            n >>= 7;
+            if n == 0 {
+                out.push(b);
+                return;
+            }
+            out.push(b | 0x80);
+        }
+    }
+    let name = b"foldhost-test";
+    let mut payload = Vec::new();
+    leb(name.len(), &mut payload);
+    payload.extend_from_slice(name);
+    payload.extend_from_slice(tag.as_bytes());
+    let mut out = wasm.to_vec();
+    out.push(0);
+    leb(payload.len(), &mut out);
+    out.extend_from_slice(&payload);
+    out
+}
+
+fn digest(bytes: &[u8]) -> String {
+    blake3::hash(bytes).to_hex().to_string()
+}
+
+/// `foldhost guest publish FILE --channel edge ARGS…`: the new release's number.
+fn publish(h: &Harness, file: &std::path::Path, args: &[&str]) -> anyhow::Result<u64> {
+    let out = foldhost()
+        .args(["guest", "publish"])
+        .arg(file)
+        .args(["--nats", &h.url(), "--channel", CHANNEL])
+        .args(args)
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "publish failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let said: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    said["release"]
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("no release in {said}"))
+}
+
+/// `foldhost guest status --channel edge --json`.
+fn guest_status(h: &Harness) -> anyhow::Result<serde_json::Value> {
+    let out = foldhost()
+        .args([
+            "guest",
+            "status",
+            "--json",
+            "--nats",
+            &h.url(),
+            "--channel",
+            CHANNEL,
+        ])
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "guest status failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// A node following the channel, named `name`, serving on a port of its own.
+struct Node {
+    name: String,
+    child: Child,
+    addr: String,
+    pid: u32,
+}
+
+impl Node {
+    async fn start(
+        h: &Harness,
+        bucket: &str,
+        tmp: &std::path::Path,
+        name: &str,
+    ) -> anyhow::Result<Self> {
+        let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+        let child = run_command(h, bucket, &tmp.join(name), Some(&addr))
+            .args(["--guest-channel", CHANNEL, "--node-id", name])
+            .stderr(Stdio::null())
+            .spawn()?;
+        let s = wait_status(&addr, |s| s.guest_channel.is_some()).await?;
+        Ok(Node {
+            name: name.to_string(),
+            child,
+            addr,
+            pid: s.pid,
+        })
+    }
+
+    /// Waits until the node's channel view satisfies `done`.
+    async fn wait(
+        &self,
+        done: impl Fn(&GuestChannelReport) -> bool,
+    ) -> anyhow::Result<StatusReport> {
+        wait_status(&self.addr, |s| {
+            s.state == "failed" || s.guest_channel.as_ref().is_some_and(&done)
+        })
+        .await
+        .and_then(|s| {
+            anyhow::ensure!(s.state != "failed", "{} failed: {:?}", self.name, s.error);
+            Ok(s)
+        })
+    }
+
+    async fn runs(&self, digest: &str) -> anyhow::Result<StatusReport> {
+        self.wait(|c| c.running_digest.as_deref() == Some(digest))
+            .await
+    }
+
+    async fn query(&self, request: &str) -> anyhow::Result<(u16, String)> {
+        let (code, body) =
+            foldhost::serve::call(&self.addr, "POST", "/query", request.as_bytes()).await?;
+        Ok((code, String::from_utf8_lossy(&body).into_owned()))
+    }
+
+    /// The node still runs as the process it started as.
+    async fn never_restarted(&mut self) -> anyhow::Result<()> {
+        anyhow::ensure!(self.child.try_wait()?.is_none(), "{} exited", self.name);
+        let s = wait_status(&self.addr, |_| true).await?;
+        anyhow::ensure!(s.pid == self.pid, "{} restarted", self.name);
+        Ok(())
+    }
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = terminate(&mut self.child);
+    }
+}
+
+/// A writer putting `w.*` keys until stopped.
+struct Writer {
+    stop: Arc<AtomicBool>,
+    acked: Arc<AtomicU64>,
+    task: tokio::task::JoinHandle<anyhow::Result<()>>,
+}
+
+impl Writer {
+    fn start(kv: &Arc<NatsKv>) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let acked = Arc::new(AtomicU64::new(0));
+        let task = {
+            let (kv, stop, acked) = (kv.clone(), stop.clone(), acked.clone());
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    kv.put(&format!("w.{:03}", n % 300), format!("w{n}").into())
+                        .await?;
+                    n += 1;
+                    acked.store(n, Ordering::Relaxed);
+                }
+                Ok(())
+            })
+        };
+        Writer { stop, acked, task }
+    }
+
+    async fn stop(self) -> anyhow::Result<u64> {
+        self.stop.store(true, Ordering::Relaxed);
+        self.task.await??;
+        Ok(self.acked.load(Ordering::Relaxed))
+    }
+}
+
+/// A bucket of the stable keys, v1 (`kvstore`) published, and three nodes following it.
+async fn fleet(
+    h: &Harness,
+    bucket: &str,
+    tmp: &std::path::Path,
+) -> anyhow::Result<(Arc<NatsKv>, String, Vec<Node>)> {
+    let kv = h.bucket(bucket).await?;
+    for i in 0..STABLE {
+        kv.put(&format!("k.{i:03}"), format!("seed{i}").into())
+            .await?;
+    }
+    let v1 = std::fs::read(guest_wasm("kvstore"))?;
+    publish(h, &guest_wasm("kvstore"), &[])?;
+    let mut nodes = Vec::new();
+    for name in ["n0", "n1", "n2"] {
+        nodes.push(Node::start(h, bucket, tmp, name).await?);
+    }
+    for n in &nodes {
+        let s = n.runs(&digest(&v1)).await?;
+        assert_eq!(
+            s.guest_channel.as_ref().map(|c| c.state.as_str()),
+            Some("rolling")
+        );
+        wait_status(&n.addr, |s| s.applied_through >= u64::from(STABLE)).await?;
+    }
+    Ok((kv, digest(&v1), nodes))
+}
+
+/// Every node answers every key of the bucket as `prefix` + its value once it applied all of it.
+async fn answer_like_the_bucket(kv: &NatsKv, nodes: &[Node], prefix: &str) -> anyhow::Result<()> {
+    let last = kv.positions().await?.last_sequence;
+    let want = bucket_contents(kv).await?;
+    for n in nodes {
+        wait_status(&n.addr, |s| s.applied_through >= last).await?;
+        for (key, (value, _)) in &want {
+            let expect = format!("{prefix}{}", String::from_utf8_lossy(value));
+            assert_eq!(n.query(key).await?, (200, expect), "{} {key}", n.name);
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_canary_shadows_a_new_version_clean_then_every_node_swaps_to_it_under_load_without_a_restart()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let (kv, _v1, mut nodes) = fleet(&h, "chclean", tmp.path()).await?;
+    let writer = Writer::start(&kv);
+    // Throughout the rollout every node answers every stable key with its value.
+    let checking = Arc::new(AtomicBool::new(true));
+    let checker = {
+        let (checking, addrs) = (
+            checking.clone(),
+            nodes.iter().map(|n| n.addr.clone()).collect::<Vec<_>>(),
+        );
+        tokio::spawn(async move {
+            let mut checked = 0u64;
+            while checking.load(Ordering::Relaxed) {
+                for addr in &addrs {
+                    let i = checked % u64::from(STABLE);
+                    let (code, body) = foldhost::serve::call(
+                        addr,
+                        "POST",
+                        "/query",
+                        format!("k.{i:03}").as_bytes(),
+                    )
+                    .await?;
+                    anyhow::ensure!(
+                        (code, body.as_slice()) == (200, format!("seed{i}").as_bytes()),
+                        "{addr} answered k.{i:03} with {code} {}",
+                        String::from_utf8_lossy(&body)
+                    );
+                    checked += 1;
+                }
+            }
+            anyhow::Ok(checked)
+        })
+    };
+    let v2_file = tmp.path().join("kvstore-renamed.wasm");
+    std::fs::write(
+        &v2_file,
+        renamed(&std::fs::read(guest_wasm("kvstore"))?, "v2"),
+    )?;
+    let v2 = digest(&std::fs::read(&v2_file)?);
+    let release = publish(
+        &h,
+        &v2_file,
+        &[
+            "--canary",
+            "n0",
+            "--shadow-batches",
+            "5",
+            "--shadow-wait",
+            "120s",
+        ],
+    )?;
+    for n in &nodes {
+        n.runs(&v2).await?;
+    }
+    checking.store(false, Ordering::Relaxed);
+    let checked = checker.await??;
+    assert!(checked > 0);
+    writer.stop().await?;
+    // The canary came by a promoted shadow, judged clean with what it compared; the others by a
+    // swap made after it.
+    let canary = nodes[0].wait(|c| c.judgement == "clean").await?;
+    let c = canary.guest_channel.clone().unwrap_or_default();
+    assert!(c.canary && c.detail.contains("shadowed 5 batches"), "{c:?}");
+    assert_eq!(c.release, release);
+    let promoted = canary
+        .last_swaps
+        .iter()
+        .find(|s| s.kind == "shadow")
+        .map(|s| s.unix_ms)
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "the canary's swap was no promoted shadow: {:?}",
+                canary.last_swaps
+            )
+        })?;
+    for n in &nodes[1..] {
+        let s = n.wait(|c| c.judgement == "clean").await?;
+        assert_eq!(s.last_swaps.len(), 1, "{}: {:?}", n.name, s.last_swaps);
+        assert_eq!(s.last_swaps[0].kind, "swap");
+        assert!(
+            s.last_swaps[0].unix_ms >= promoted,
+            "{} swapped before the canary was clean",
+            n.name
+        );
+        assert!(!s.guest_channel.is_some_and(|c| c.canary));
+    }
+    answer_like_the_bucket(&kv, &nodes, "").await?;
+    let fleet_view = guest_status(&h)?;
+    assert_eq!(fleet_view["state"], "rolling", "{fleet_view}");
+    let running: Vec<&str> = fleet_view["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n["running"]["digest"].as_str())
+        .collect();
+    assert_eq!(running, vec![v2.as_str(); 3], "{fleet_view}");
+    for n in &mut nodes {
+        n.never_restarted().await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_canary_that_answers_differently_halts_the_rollout_no_other_node_swaps_and_a_node_started_then_runs_the_last_good_version()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let (kv, v1, mut nodes) = fleet(&h, "chdiffer", tmp.path()).await?;
+    let writer = Writer::start(&kv);
+    // kvstore-v2 answers `v2:` + the value: every sampled key differs.
+    let release = publish(
+        &h,
+        &guest_wasm("kvstore_v2"),
+        &[
+            "--canary",
+            "n0",
+            "--shadow-batches",
+            "3",
+            "--shadow-wait",
+            "120s",
+        ],
+    )?;
+    let canary = nodes[0]
+        .wait(|c| c.release == release && c.judgement == "differed")
+        .await?;
+    let c = canary.guest_channel.clone().unwrap_or_default();
+    assert!(
+        c.detail.contains("answered differently") && c.detail.contains("v2:"),
+        "{c:?}"
+    );
+    for n in &nodes {
+        let s = n
+            .wait(|c| c.release == release && c.state == "halted")
+            .await?;
+        let c = s.guest_channel.clone().unwrap_or_default();
+        assert_eq!(c.running_digest.as_deref(), Some(v1.as_str()), "{}", n.name);
+        assert!(c.halted_by.is_some_and(|b| b.starts_with("n0: differed")));
+        assert!(
+            s.last_swaps.is_empty(),
+            "{} swapped: {:?}",
+            n.name,
+            s.last_swaps
+        );
+    }
+    writer.stop().await?;
+    // A node started now runs the last good version, not the halted one.
+    nodes.push(Node::start(&h, "chdiffer", tmp.path(), "n3").await?);
+    let s = nodes[3].runs(&v1).await?;
+    assert_eq!(s.guest.as_deref(), Some("kvstore@0.1.0"));
+    answer_like_the_bucket(&kv, &nodes, "").await?;
+    let fleet_view = guest_status(&h)?;
+    assert_eq!(fleet_view["state"], "halted", "{fleet_view}");
+    assert_eq!(fleet_view["halted"]["by"], "n0", "{fleet_view}");
+    for n in &mut nodes {
+        n.never_restarted().await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_that_traps_after_it_rolled_out_halts_the_release_and_every_node_returns_to_the_last_good_one()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let (kv, v1, mut nodes) = fleet(&h, "chtrap", tmp.path()).await?;
+    // hostile-trap answers like kvstore, but traps on a query for `trap.me`. No canary: every
+    // node swaps to it at once.
+    let trap = digest(&std::fs::read(guest_wasm("hostile_trap"))?);
+    let release = publish(&h, &guest_wasm("hostile_trap"), &[])?;
+    for n in &nodes {
+        n.runs(&trap).await?;
+    }
+    let (code, body) = nodes[1].query("trap.me").await?;
+    assert!(
+        code != 200 && body.contains("trapping on a query"),
+        "a trapping query answers an error: {code} {body}"
+    );
+    nodes[1]
+        .wait(|c| c.release == release && c.judgement == "trapped")
+        .await?;
+    for n in &nodes {
+        let s = n.runs(&v1).await?;
+        let c = s.guest_channel.clone().unwrap_or_default();
+        assert_eq!(c.state, "halted", "{}: {c:?}", n.name);
+        assert!(c.halted_by.is_some_and(|b| b.starts_with("n1: trapped")));
+        assert_eq!(s.guest.as_deref(), Some("kvstore@0.1.0"), "{}", n.name);
+    }
+    answer_like_the_bucket(&kv, &nodes, "").await?;
+    for n in &mut nodes {
+        n.never_restarted().await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tampered_or_removed_object_is_refused_by_every_node_which_keeps_its_version_and_says_why()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let (kv, v1, mut nodes) = fleet(&h, "chtamper", tmp.path()).await?;
+    let client = h.conn.client().await?;
+    let js = async_nats::jetstream::new(client.clone());
+    let objects = js.get_object_store("foldhost-guests").await?;
+    let bus = foldhost::nats::channel::ChannelBus::open(
+        client,
+        &foldhost::nats::channel::ChannelBuckets::default(),
+        false,
+        std::time::Duration::from_secs(10),
+    )
+    .await?;
+    // A release whose object holds other bytes than its name says: kvstore-v2 stored under the
+    // digest of a renamed kvstore (someone with write access to the object store replaced it).
+    let good = renamed(&std::fs::read(guest_wasm("kvstore"))?, "tampered");
+    let other = std::fs::read(guest_wasm("kvstore_v2"))?;
+    let version = foldhost::protocol::GuestVersion {
+        digest: digest(&good),
+        name: "kvstore".into(),
+        version: "0.1.0".into(),
+        size: good.len() as u64,
+    };
+    objects
+        .put(version.digest.as_str(), &mut other.as_slice())
+        .await?;
+    let (current, entry) = bus
+        .release(CHANNEL)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no release"))?;
+    let next = foldhost::protocol::ChannelEntry {
+        desired: version.clone(),
+        previous: Some(entry.desired.clone()),
+        canaries: Vec::new(),
+        ..entry.clone()
+    };
+    let release = bus.publish_release(CHANNEL, &next, Some(current)).await?;
+    for n in &nodes {
+        let s = n
+            .wait(|c| c.release == release && c.judgement == "unfetchable")
+            .await?;
+        let c = s.guest_channel.clone().unwrap_or_default();
+        assert!(
+            c.detail.contains("tampered or replaced"),
+            "{}: {c:?}",
+            n.name
+        );
+        assert_eq!(c.running_digest.as_deref(), Some(v1.as_str()));
+    }
+    // The same release with its object removed: every node says it is missing.
+    objects.delete(version.digest.as_str()).await?;
+    let (current, _) = bus
+        .release(CHANNEL)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no release"))?;
+    let release = bus.publish_release(CHANNEL, &next, Some(current)).await?;
+    for n in &nodes {
+        let s = n
+            .wait(|c| c.release == release && c.judgement == "unfetchable")
+            .await?;
+        let c = s.guest_channel.clone().unwrap_or_default();
+        assert!(c.detail.contains("does not exist"), "{}: {c:?}", n.name);
+        assert_eq!(c.running_digest.as_deref(), Some(v1.as_str()));
+    }
+    let fleet_view = guest_status(&h)?;
+    let judged: Vec<&str> = fleet_view["nodes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|n| n["outcome"].as_str())
+        .collect();
+    assert_eq!(judged, vec!["unfetchable"; 3], "{fleet_view}");
+    answer_like_the_bucket(&kv, &nodes, "").await?;
+    for n in &mut nodes {
+        n.never_restarted().await?;
+    }
+    Ok(())
+}
