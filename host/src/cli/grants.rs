@@ -39,6 +39,20 @@ pub struct GrantsArgs {
     /// The bucket holding export leases (`run --lease-bucket`).
     #[arg(long, default_value_t = crate::node::DEFAULT_LEASE_BUCKET.to_string())]
     pub lease_bucket: String,
+    /// The channel the node follows (`run --guest-channel`): the channels bucket and the
+    /// guests' object store are granted for reading, and the node's own report key for writing.
+    /// The state buckets of the versions it will run come from `--guest` (give a version's file).
+    #[arg(long, value_name = "NAME", requires = "node_id")]
+    pub guest_channel: Option<String>,
+    /// The node's name in the channel (`run --node-id`).
+    #[arg(long)]
+    pub node_id: Option<String>,
+    /// The guests' object store (`run --guest-objects`).
+    #[arg(long, default_value_t = crate::nats::channel::ChannelBuckets::default().objects)]
+    pub guest_objects: String,
+    /// The channels bucket (`run --channel-bucket`).
+    #[arg(long, default_value_t = crate::nats::channel::ChannelBuckets::default().channels)]
+    pub channel_bucket: String,
     /// The client's inbox prefix (the NATS client's default).
     #[arg(long, default_value = "_INBOX")]
     pub inbox_prefix: String,
@@ -89,7 +103,12 @@ async fn guest_buckets(guest: &Path, main: &str) -> anyhow::Result<Vec<BucketUse
 }
 
 pub(super) async fn cmd_grants(a: GrantsArgs) -> anyhow::Result<()> {
-    for (what, name) in [("--bucket", &a.bucket), ("--lease-bucket", &a.lease_bucket)] {
+    for (what, name) in [
+        ("--bucket", &a.bucket),
+        ("--lease-bucket", &a.lease_bucket),
+        ("--guest-objects", &a.guest_objects),
+        ("--channel-bucket", &a.channel_bucket),
+    ] {
         if name.is_empty()
             || !name
                 .bytes()
@@ -119,7 +138,26 @@ pub(super) async fn cmd_grants(a: GrantsArgs) -> anyhow::Result<()> {
         .flatten()
         .map(|s| format!("{s} {}", a.query_group))
         .collect();
+    let channel = match (&a.guest_channel, &a.node_id) {
+        (Some(channel), Some(node)) => {
+            for (what, name) in [("--guest-channel", channel), ("--node-id", node)] {
+                if let Some(why) = crate::protocol::name_refusal(what, name) {
+                    bail!("{why}");
+                }
+            }
+            buckets.push(BucketUse {
+                bucket: a.channel_bucket.clone(),
+                asserts: false,
+                writes: false,
+            });
+            crate::protocol::channel_grants(channel, node, &a.guest_objects, &a.channel_bucket)
+        }
+        _ => Vec::new(),
+    };
     let mut grants = compose_grants(&buckets, &a.inbox_prefix, &serves);
+    grants.publish.extend(channel);
+    grants.publish.sort();
+    grants.publish.dedup();
     if !serves.is_empty() {
         // Answers go to requesters' reply subjects, only under the reply prefix.
         grants.publish.push(under(&a.query_reply_prefix));

@@ -12,7 +12,7 @@ use foldhost::kv::KvWriter;
 use foldhost::nats::NatsKv;
 use foldhost::status::{GuestChannelReport, StatusReport};
 use foldhost_tests::{
-    Harness, bucket_contents, foldhost, guest_wasm, run_command, terminate, wait_status,
+    Harness, bucket_contents, foldhost, guest_wasm, run_command, terminate, wait_status, wait_until,
 };
 
 /// Stable keys `k.000`…, never written by the writer.
@@ -49,12 +49,17 @@ fn digest(bytes: &[u8]) -> String {
     blake3::hash(bytes).to_hex().to_string()
 }
 
-/// `foldhost guest publish FILE --channel edge ARGS…`: the new release's number.
+/// `foldhost guest publish FILE --channel edge ARGS…` on `h`'s server: the new release's number.
 fn publish(h: &Harness, file: &std::path::Path, args: &[&str]) -> anyhow::Result<u64> {
+    publish_to(&h.url(), file, args)
+}
+
+/// [`publish`] through `url`.
+fn publish_to(url: &str, file: &std::path::Path, args: &[&str]) -> anyhow::Result<u64> {
     let out = foldhost()
         .args(["guest", "publish"])
         .arg(file)
-        .args(["--nats", &h.url(), "--channel", CHANNEL])
+        .args(["--nats", url, "--channel", CHANNEL])
         .args(args)
         .output()?;
     anyhow::ensure!(
@@ -512,5 +517,102 @@ async fn a_tampered_or_removed_object_is_refused_by_every_node_which_keeps_its_v
     for n in &mut nodes {
         n.never_restarted().await?;
     }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_following_a_channel_under_exactly_its_grants_swaps_with_no_violation_and_cannot_write_another_nodes_report()
+-> anyhow::Result<()> {
+    use crate::users::{server, url_as, violations};
+    let tmp = tempfile::tempdir()?;
+    let log = tmp.path().join("server.log");
+    let out = foldhost()
+        .args([
+            "grants",
+            "--bucket",
+            "chgrant",
+            "--guest-channel",
+            CHANNEL,
+            "--node-id",
+            "n0",
+        ])
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let server = server(&log, &[("node", String::from_utf8(out.stdout)?)])?;
+    let admin = foldhost::nats::NatsConnection::open(foldhost::bucket::ConnectOptions::new(
+        url_as(&server, "admin"),
+    ))
+    .await?;
+    let kv = admin
+        .bucket("chgrant", &foldhost::bucket::BucketConfig::default())
+        .await?;
+    for i in 0..20 {
+        kv.put(&format!("k.{i}"), format!("v{i}").into()).await?;
+    }
+    let v1 = digest(&std::fs::read(guest_wasm("kvstore"))?);
+    publish_to(&url_as(&server, "admin"), &guest_wasm("kvstore"), &[])?;
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+    let child = foldhost()
+        .args([
+            "run",
+            "--bucket",
+            "chgrant",
+            "--nats",
+            &url_as(&server, "node"),
+            "--store",
+        ])
+        .arg(tmp.path().join("n0"))
+        .args([
+            "--listen",
+            &addr,
+            "--guest-channel",
+            CHANNEL,
+            "--node-id",
+            "n0",
+        ])
+        .stderr(Stdio::null())
+        .spawn()?;
+    let mut node = Node {
+        name: "n0".into(),
+        pid: child.id(),
+        child,
+        addr,
+    };
+    node.runs(&v1).await?;
+    let v2_file = tmp.path().join("kvstore-renamed.wasm");
+    std::fs::write(
+        &v2_file,
+        renamed(&std::fs::read(guest_wasm("kvstore"))?, "granted"),
+    )?;
+    publish_to(&url_as(&server, "admin"), &v2_file, &[])?;
+    let s = node.runs(&digest(&std::fs::read(&v2_file)?)).await?;
+    assert_eq!(s.guest_channel.map(|c| c.judgement), Some("clean".into()));
+    // The node's user may write its own report only.
+    let as_node = foldhost::nats::NatsConnection::open(foldhost::bucket::ConnectOptions::new(
+        url_as(&server, "node"),
+    ))
+    .await?
+    .client()
+    .await?;
+    let other = format!("$KV.foldhost-channels.{CHANNEL}.node.n9");
+    as_node.publish(other.clone(), "forged".into()).await?;
+    as_node.flush().await?;
+    wait_until("the server to log the forged report", || {
+        violations(&log, "node").iter().any(|l| l.contains(&other))
+    })
+    .await?;
+    let by_the_node: Vec<String> = violations(&log, "node")
+        .into_iter()
+        .filter(|l| !l.contains(&other))
+        .collect();
+    assert!(
+        by_the_node.is_empty(),
+        "the node's own work hit violations: {by_the_node:?}"
+    );
+    node.never_restarted().await?;
     Ok(())
 }

@@ -327,6 +327,25 @@ pub fn channel_retry_backoff(failures: u32) -> std::time::Duration {
     )
 }
 
+/// What a node following `channel` as `node` publishes beyond reading the two buckets (which
+/// `compose_grants` grants as folded, read-only buckets): its own report's key, and the object
+/// store's reads — the stream's info, the object's info by a stream get, and the ordered
+/// consumer its chunks come on. Nothing else of either bucket is written.
+pub fn channel_grants(channel: &str, node: &str, objects: &str, channels: &str) -> Vec<String> {
+    let stream = format!("OBJ_{objects}");
+    vec![
+        format!("$KV.{channels}.{}", report_key(channel, node)),
+        format!("$JS.API.STREAM.INFO.{stream}"),
+        format!("$JS.API.STREAM.MSG.GET.{stream}"),
+        format!("$JS.API.DIRECT.GET.{stream}"),
+        format!("$JS.API.DIRECT.GET.{stream}.>"),
+        format!("$JS.API.CONSUMER.CREATE.{stream}"),
+        format!("$JS.API.CONSUMER.CREATE.{stream}.>"),
+        format!("$JS.API.CONSUMER.DELETE.{stream}.>"),
+        format!("$JS.FC.{stream}.>"),
+    ]
+}
+
 /// The KV key of a channel's release entry.
 pub fn release_key(channel: &str) -> String {
     format!("{channel}.release")
