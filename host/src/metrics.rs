@@ -290,6 +290,7 @@ impl Collector for Folds {
             family(&mut encoder, name, help, unit, &series)?;
         }
         self.encode_kinds(&mut encoder, &folds)?;
+        self.encode_channels(&mut encoder)?;
         if let Some(rss) = resident_bytes() {
             let none: Labels<'_> = Vec::new();
             family(
@@ -305,6 +306,53 @@ impl Collector for Folds {
 }
 
 impl Folds {
+    /// A followed guest channel's series (docs/channels.md): its release, whether it is halted,
+    /// and one info series naming the running and desired digests, the rollout's state and this
+    /// node's judgement.
+    fn encode_channels(&self, encoder: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let channels: Vec<(&str, crate::status::GuestChannelReport)> = self
+            .0
+            .iter()
+            .filter_map(|f| Some((f.name.as_str(), f.status.guest_channel()?)))
+            .collect();
+        let (mut info, mut release, mut halted) = (Vec::new(), Vec::new(), Vec::new());
+        for (fold, c) in &channels {
+            let base = vec![("fold", *fold), ("channel", c.channel.as_str())];
+            let mut labels = base.clone();
+            labels.extend([
+                ("node", c.node.as_str()),
+                ("running", c.running_digest.as_deref().unwrap_or("")),
+                ("desired", c.desired_digest.as_deref().unwrap_or("")),
+                ("state", c.state.as_str()),
+                ("judgement", c.judgement.as_str()),
+            ]);
+            info.push((labels, gauge(1)));
+            release.push((base.clone(), gauge(c.release)));
+            halted.push((base, gauge(u64::from(c.state == "halted"))));
+        }
+        family(
+            encoder,
+            "foldhost_guest_channel_info",
+            "The followed guest channel: running and desired digests, rollout state, this node's judgement (always 1).",
+            None,
+            &info,
+        )?;
+        family(
+            encoder,
+            "foldhost_guest_channel_release",
+            "The followed guest channel's current release.",
+            None,
+            &release,
+        )?;
+        family(
+            encoder,
+            "foldhost_guest_channel_halted",
+            "1 while the followed guest channel's release is halted.",
+            None,
+            &halted,
+        )
+    }
+
     /// The series with a label of their own beside the fold's: failed guest calls by kind, write
     /// outcomes, export rounds by outcome.
     fn encode_kinds(

@@ -331,6 +331,32 @@ async fn a_canary_shadows_a_new_version_clean_then_every_node_swaps_to_it_under_
         assert!(!s.guest_channel.is_some_and(|c| c.canary));
     }
     answer_like_the_bucket(&kv, &nodes, "").await?;
+    // Each node's /metrics names what it runs and what the channel wants.
+    for n in &nodes {
+        let token = std::fs::read_to_string(tmp.path().join(&n.name).join("admin-token"))?;
+        let (code, body) =
+            foldhost::serve::call_with_token(&n.addr, "GET", "/metrics", b"", Some(token.trim()))
+                .await?;
+        let text = String::from_utf8(body)?;
+        assert_eq!(code, 200, "{text}");
+        let info = text
+            .lines()
+            .find(|l| l.starts_with("foldhost_guest_channel_info{"))
+            .ok_or_else(|| anyhow::anyhow!("no channel info in {text}"))?;
+        for part in [
+            format!("running=\"{v2}\""),
+            format!("desired=\"{v2}\""),
+            "state=\"rolling\"".to_string(),
+            "judgement=\"clean\"".to_string(),
+        ] {
+            assert!(info.contains(&part), "{part} not in {info}");
+        }
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("foldhost_guest_channel_halted{") && l.ends_with(" 0")),
+            "{text}"
+        );
+    }
     let fleet_view = guest_status(&h)?;
     assert_eq!(fleet_view["state"], "rolling", "{fleet_view}");
     let running: Vec<&str> = fleet_view["nodes"]
