@@ -4,7 +4,9 @@
 //!
 //! Invariants (each a step of [`Node::run`], in this order):
 //! - **No connection before a proven guest**: the guest is read, compiled, link-checked and started
-//!   (instantiate, `manifest`, `init` against an empty fold) before anything is connected.
+//!   (instantiate, `manifest`, `init` against an empty fold) before anything is connected. A node
+//!   following a guest channel (`channel.rs`) first reads the channel and fetches its version on a
+//!   client of its own, read-only; the fold's connection and the store still wait for the proof.
 //! - **No store before the server answers and the stream is the fold's**: the bucket is opened
 //!   first, and a fold of another stream is refused through a read-only open
 //!   (`identity::refuse_another_stream`), so a refused run writes nothing.
