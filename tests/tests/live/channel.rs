@@ -642,3 +642,151 @@ async fn a_node_following_a_channel_under_exactly_its_grants_swaps_with_no_viola
     node.never_restarted().await?;
     Ok(())
 }
+
+/// `foldhost ARGS…` on `h`'s server: exit code and standard error.
+fn fails(h: &Harness, args: &[&str]) -> anyhow::Result<(Option<i32>, String)> {
+    let out = foldhost().args(args).args(["--nats", &h.url()]).output()?;
+    Ok((
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_to_publish_or_to_a_following_node_is_refused_in_one_line_and_publishes_nothing()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let not_wasm = tmp.path().join("notes.wasm");
+    std::fs::write(&not_wasm, "not a component")?;
+    let not_wasm = not_wasm.display().to_string();
+    let kvstore = guest_wasm("kvstore").display().to_string();
+    for (args, says) in [
+        (
+            vec!["guest", "publish", not_wasm.as_str(), "--channel", CHANNEL],
+            "notes.wasm",
+        ),
+        (
+            vec!["guest", "publish", kvstore.as_str(), "--channel", "a.b"],
+            "--channel \"a.b\"",
+        ),
+        (
+            vec![
+                "guest",
+                "publish",
+                kvstore.as_str(),
+                "--channel",
+                CHANNEL,
+                "--canary-fraction",
+                "1.5",
+            ],
+            "--canary-fraction",
+        ),
+        (
+            vec![
+                "guest",
+                "publish",
+                kvstore.as_str(),
+                "--channel",
+                CHANNEL,
+                "--canary",
+                "x y",
+            ],
+            "--canary",
+        ),
+    ] {
+        let (code, err) = fails(&h, &args)?;
+        assert_eq!(code, Some(1), "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line: {err}");
+        assert!(err.contains(says), "{args:?}: {err}");
+    }
+    // Nothing was published: no channel to read.
+    let (code, err) = fails(&h, &["guest", "status", "--channel", CHANNEL])?;
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("no channel was published"), "{err}");
+    // A node on a channel with nothing published does not start, and says why.
+    h.bucket("chbad").await?;
+    let out = run_command(&h, "chbad", &tmp.path().join("n0"), None)
+        .args(["--guest-channel", CHANNEL, "--node-id", "n0", "--catch-up"])
+        .output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("no channel was published") && err.contains("--guest-channel edge"),
+        "{err}"
+    );
+    assert!(
+        !tmp.path().join("n0").exists(),
+        "a refused node made its store"
+    );
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_release_moves_only_from_the_revision_it_was_read_at_and_a_repeated_publish_changes_nothing()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let bus = foldhost::nats::channel::ChannelBus::open(
+        h.conn.client().await?,
+        &foldhost::nats::channel::ChannelBuckets::default(),
+        true,
+        std::time::Duration::from_secs(10),
+    )
+    .await?;
+    let first = publish(&h, &guest_wasm("kvstore"), &[])?;
+    let (read_at, entry) = bus
+        .release(CHANNEL)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no release"))?;
+    assert_eq!(read_at, first);
+    // The same version again: nothing published.
+    let out = foldhost()
+        .args(["guest", "publish"])
+        .arg(guest_wasm("kvstore"))
+        .args(["--nats", &h.url(), "--channel", CHANNEL])
+        .output()?;
+    assert!(out.status.success());
+    assert!(String::from_utf8_lossy(&out.stdout).contains("nothing published"));
+    assert_eq!(bus.release(CHANNEL).await?.map(|r| r.0), Some(first));
+    // Another publish moves it; a write from the old revision is refused, the entry untouched.
+    let v2 = tmp.path().join("v2.wasm");
+    std::fs::write(&v2, renamed(&std::fs::read(guest_wasm("kvstore"))?, "v2"))?;
+    let second = publish(&h, &v2, &[])?;
+    let stale = bus.publish_release(CHANNEL, &entry, Some(read_at)).await;
+    assert!(
+        matches!(
+            stale,
+            Err(foldhost::nats::channel::ChannelError::Conflict(_))
+        ),
+        "{stale:?}"
+    );
+    let (now, current) = bus
+        .release(CHANNEL)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no release"))?;
+    assert_eq!(now, second);
+    assert_eq!(current.desired.digest, digest(&std::fs::read(&v2)?));
+    assert_eq!(
+        current.previous.map(|p| p.digest),
+        Some(entry.desired.digest)
+    );
+    // History lists both, oldest first.
+    let out = foldhost()
+        .args([
+            "guest",
+            "history",
+            "--json",
+            "--nats",
+            &h.url(),
+            "--channel",
+            CHANNEL,
+        ])
+        .output()?;
+    let releases: Vec<u64> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok()?["release"].as_u64())
+        .collect();
+    assert_eq!(releases, vec![first, second]);
+    Ok(())
+}
