@@ -6,6 +6,7 @@
 //! - A mutation is the model run with one decision forged (a kernel's input or answer replaced),
 //!   and each mutation has a test asserting the checker finds its counterexample.
 
+mod channel;
 mod cursor;
 mod deferral;
 mod fleet;

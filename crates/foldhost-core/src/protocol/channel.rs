@@ -77,7 +77,7 @@ pub struct ChannelEntry {
 }
 
 /// What a node found of a release.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Judgement {
     /// Nothing judged yet (following, fetching, shadowing).
