@@ -386,7 +386,9 @@ fn check(mutation: Mutation) -> impl Checker<ChannelModel> {
 fn find(mutation: Mutation, property: &'static str) -> impl Checker<ChannelModel> {
     ChannelModel { mutation }
         .checker()
-        .finish_when(HasDiscoveries::AnyOf(std::collections::BTreeSet::from([property])))
+        .finish_when(HasDiscoveries::AnyOf(std::collections::BTreeSet::from([
+            property,
+        ])))
         .spawn_bfs()
         .join()
 }
