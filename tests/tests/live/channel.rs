@@ -790,3 +790,67 @@ async fn a_release_moves_only_from_the_revision_it_was_read_at_and_a_repeated_pu
     assert_eq!(releases, vec![first, second]);
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_that_fails_to_load_is_refused_the_release_halts_and_every_node_keeps_serving_its_version()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let (kv, v1, mut nodes) = fleet(&h, "chrefused", tmp.path()).await?;
+    // A component importing what the host does not offer: `guest publish` would refuse it (it
+    // reads its manifest first), so it is put on the bus as a publisher that skipped that would.
+    let bad = std::fs::read(foldhost_tests::hostile_wat("bad_import.wat"))?;
+    let bus = foldhost::nats::channel::ChannelBus::open(
+        h.conn.client().await?,
+        &foldhost::nats::channel::ChannelBuckets::default(),
+        false,
+        std::time::Duration::from_secs(10),
+    )
+    .await?;
+    let version = foldhost::protocol::GuestVersion {
+        digest: digest(&bad),
+        name: "bad-import".into(),
+        version: "0.1.0".into(),
+        size: bad.len() as u64,
+    };
+    bus.put_component(&version, &bad).await?;
+    let (current, entry) = bus
+        .release(CHANNEL)
+        .await?
+        .ok_or_else(|| anyhow::anyhow!("no release"))?;
+    let next = foldhost::protocol::ChannelEntry {
+        desired: version,
+        previous: Some(entry.desired.clone()),
+        ..entry
+    };
+    let release = bus.publish_release(CHANNEL, &next, Some(current)).await?;
+    for n in &nodes {
+        let s = n
+            .wait(|c| c.release == release && c.state == "halted")
+            .await?;
+        let c = s.guest_channel.clone().unwrap_or_default();
+        assert_eq!(c.running_digest.as_deref(), Some(v1.as_str()), "{}", n.name);
+        assert!(
+            c.halted_by.is_some_and(|b| b.contains("refused")),
+            "{}",
+            n.name
+        );
+        assert!(s.last_swaps.is_empty(), "{}: {:?}", n.name, s.last_swaps);
+        assert_eq!(s.state, "running");
+    }
+    let fleet_view = guest_status(&h)?;
+    assert_eq!(fleet_view["state"], "halted", "{fleet_view}");
+    assert!(
+        fleet_view["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .any(|n| n["outcome"] == "refused"),
+        "{fleet_view}"
+    );
+    answer_like_the_bucket(&kv, &nodes, "").await?;
+    for n in &mut nodes {
+        n.never_restarted().await?;
+    }
+    Ok(())
+}
