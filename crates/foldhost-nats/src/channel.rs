@@ -169,6 +169,8 @@ impl ChannelBus {
                     .create_key_value(kv::Config {
                         bucket: name.clone(),
                         history: CHANNEL_HISTORY,
+                        // The server refuses a record the readers would refuse anyway.
+                        max_value_size: protocol::MAX_CHANNEL_RECORD as i32,
                         description: "foldhost guest channels: releases and node reports".into(),
                         ..Default::default()
                     })
@@ -370,7 +372,13 @@ impl ChannelBus {
                 Ok(Some(Ok(ChannelChange::ReportGone(node)))) => {
                     out.remove(&node);
                 }
-                Ok(Some(Ok(ChannelChange::Current))) | Ok(None) => break,
+                Ok(Some(Ok(ChannelChange::Current))) => break,
+                Ok(None) => {
+                    return Err(bus(
+                        &format!("list the reports of {channel}"),
+                        "the watch ended before every report was read",
+                    ));
+                }
                 Ok(Some(Ok(_))) => {}
                 Ok(Some(Err(e))) => return Err(e),
                 Err(_) => {

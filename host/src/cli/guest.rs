@@ -123,6 +123,13 @@ async fn publish(a: GuestPublishArgs) -> anyhow::Result<()> {
     {
         bail!("--canary-fraction {f}: between 0 (exclusive) and 1");
     }
+    if a.shadow_wait > protocol::MAX_SHADOW_WAIT_S {
+        bail!(
+            "--shadow-wait {}: at most {} seconds",
+            a.shadow_wait,
+            protocol::MAX_SHADOW_WAIT_S
+        );
+    }
     let what = a.file.display().to_string();
     let bytes = read_component(&a.file)?;
     let engine = crate::guest::GuestEngine::new()?;
@@ -185,9 +192,30 @@ async fn publish(a: GuestPublishArgs) -> anyhow::Result<()> {
         published_unix_ms: crate::status::now_unix_ms(),
     };
     bus.put_component(&entry.desired, &bytes).await?;
-    let release = bus
+    let mut release = bus
         .publish_release(channel, &entry, current.as_ref().map(|(n, _)| *n))
         .await?;
+    // A report halting the release this one replaces may have come between the read and the
+    // write: its version is then no last good one, and the new release falls back to its own.
+    if let Some((n, old)) = &current
+        && entry.previous.as_ref() == Some(&old.desired)
+    {
+        let reports = bus.reports(channel).await?;
+        if let Rollout::Halted { by, why } = protocol::rollout(*n, old, &reports) {
+            let fixed = ChannelEntry {
+                previous: old.previous.clone(),
+                ..entry.clone()
+            };
+            eprintln!(
+                "note: release {n} was halted by {by} ({why}) while this one was published: its previous is {} instead",
+                fixed
+                    .previous
+                    .as_ref()
+                    .map_or("none".into(), GuestVersion::label)
+            );
+            release = bus.publish_release(channel, &fixed, Some(release)).await?;
+        }
+    }
     println!(
         "{}",
         serde_json::json!({
@@ -273,6 +301,7 @@ async fn status(a: ChannelArgs) -> anyhow::Result<()> {
                 "desired": entry.desired,
                 "previous": entry.previous,
                 "canaries": entry.canaries,
+                "entry": entry,
                 "nodes": reports,
             })
         );

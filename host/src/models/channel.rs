@@ -10,11 +10,15 @@
 //! bad version judges it `differed`, of a good one promotes it; a swap to a release's version
 //! judges it `clean`, and a bad version so swapped in may later trap (`trapped`).
 //!
+//! A node may restart (once in a run): it starts on [`protocol::start_version`] of the bus and
+//! keeps the judgement its report on the bus holds (the follower takes it back from the bus).
+//!
 //! Abstractions: fetching, compiling and the fold are one step (a refusal is a `differed` here:
 //! both halt); a node's report reaches the bus in its step.
 //!
 //! Properties (always): no node other than a canary runs a release's version before that release
-//! rolled (every canary clean); every release's `previous` is a version whose release rolled; at
+//! rolled (every canary clean); every release's `previous` is a version whose release rolled; a
+//! halted release never resumes; at
 //! rest (no node would read or change anything, every release published), no node runs a version
 //! a node judged bad and every node runs what the release's state says. Sometimes: a release
 //! halts and every node returns to the last good version; a release rolls to every node.
@@ -24,7 +28,9 @@
 //!   candidate while canaries judge;
 //! - `PreviousUnproven` — `previous_for_publish` forged: `previous` is always the current desired
 //!   version, proven or not;
-//! - `TrapIgnored` — `rollout`'s input forged: `trapped` reports left out.
+//! - `TrapIgnored` — `rollout`'s input forged: `trapped` reports left out;
+//! - `RestartForgets` — a restarted node forgets its judgement and reports `pending` (what the
+//!   follower did before it took its own report back from the bus): a halt is erased.
 
 use stateright::{Checker, HasDiscoveries, Model, Property};
 
@@ -40,6 +46,7 @@ const NO_EARLY: &str = "no node other than a canary runs a release's version bef
 const PROVEN_PREVIOUS: &str = "every release's previous is a version whose release rolled";
 const AT_REST: &str =
     "at rest no node runs a version judged bad and every node runs what the state says";
+const HALT_STAYS: &str = "a halted release never resumes";
 const HALTS_AND_RETURNS: &str = "a release halts and every node returns to the last good one";
 const ROLLS: &str = "a release rolls to every node";
 
@@ -50,6 +57,7 @@ enum Mutation {
     NonCanaryEarly,
     PreviousUnproven,
     TrapIgnored,
+    RestartForgets,
 }
 
 /// A release: its version, the last good one, whether node 0 is its canary.
@@ -76,6 +84,11 @@ struct State {
     rolled: Vec<bool>,
     early: bool,
     unproven: bool,
+    /// Whether a node restarted (at most once a run).
+    restarted: bool,
+    /// Ghosts: per release, whether it was ever halted; whether a halted one resumed.
+    halted: Vec<bool>,
+    resumed: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -84,6 +97,7 @@ enum Action {
     Read(usize),
     Step(usize),
     Trap(usize),
+    Restart(usize),
 }
 
 struct ChannelModel {
@@ -253,12 +267,15 @@ impl ChannelModel {
             .all(|v| !judged_bad(*v) && want.is_none_or(|w| *v == w))
     }
 
-    /// Marks the current release rolled when it is.
+    /// Marks the current release rolled or halted when it is, and a halted one that resumed.
     fn note_rolled(&self, n: &mut State) {
-        if self.truth(n) == Rollout::Rolling {
-            let last = n.rolled.len() - 1;
-            n.rolled[last] = true;
+        let last = n.rolled.len() - 1;
+        match self.truth(n) {
+            Rollout::Rolling => n.rolled[last] = true,
+            Rollout::Halted { .. } => n.halted[last] = true,
+            Rollout::Canary { .. } => {}
         }
+        n.resumed |= n.halted[last] && !matches!(self.truth(n), Rollout::Halted { .. });
     }
 }
 
@@ -283,6 +300,9 @@ impl Model for ChannelModel {
             rolled: vec![true],
             early: false,
             unproven: false,
+            restarted: false,
+            halted: vec![false],
+            resumed: false,
         }]
     }
 
@@ -303,6 +323,9 @@ impl Model for ChannelModel {
             }
             if Self::can_trap(s, i) {
                 actions.push(Action::Trap(i));
+            }
+            if !s.restarted {
+                actions.push(Action::Restart(i));
             }
         }
     }
@@ -332,6 +355,7 @@ impl Model for ChannelModel {
                     canary,
                 });
                 n.rolled.push(false);
+                n.halted.push(false);
                 n
             }
             Action::Read(i) => {
@@ -345,6 +369,23 @@ impl Model for ChannelModel {
                 n.reports[i] = Some((s.releases.len() as u8, Judgement::Trapped));
                 n
             }
+            Action::Restart(i) => {
+                let mut n = s.clone();
+                n.restarted = true;
+                let release = s.releases.len() as u8;
+                let r = s.releases[usize::from(release) - 1];
+                let state = self.truth(s);
+                // A node whose only release is halted does not start; it is not modelled.
+                let v = protocol::start_version(&entry(&r), &state).map(number)?;
+                n.running[i] = v;
+                n.views[i] = (release, s.reports);
+                if self.mutation == Mutation::RestartForgets
+                    && s.reports[i].is_some_and(|(rel, j)| rel == release && j.halts())
+                {
+                    n.reports[i] = Some((release, Judgement::Pending));
+                }
+                n
+            }
         };
         self.note_rolled(&mut n);
         Some(n)
@@ -354,6 +395,7 @@ impl Model for ChannelModel {
         vec![
             Property::always(NO_EARLY, |_, s: &State| !s.early),
             Property::always(PROVEN_PREVIOUS, |_, s: &State| !s.unproven),
+            Property::always(HALT_STAYS, |_, s: &State| !s.resumed),
             Property::always(AT_REST, |m: &ChannelModel, s: &State| {
                 !m.at_rest(s) || m.settled_well(s)
             }),
@@ -397,7 +439,7 @@ fn find(mutation: Mutation, property: &'static str) -> impl Checker<ChannelModel
 fn a_rollout_never_runs_a_version_early_keeps_a_proven_previous_and_settles_on_what_its_state_says()
 {
     let c = check(Mutation::None);
-    for p in [NO_EARLY, PROVEN_PREVIOUS, AT_REST] {
+    for p in [NO_EARLY, PROVEN_PREVIOUS, HALT_STAYS, AT_REST] {
         c.assert_no_discovery(p);
     }
     for p in [HALTS_AND_RETURNS, ROLLS] {
@@ -416,6 +458,7 @@ fn each_forged_rollout_decision_is_caught() {
         (Mutation::NonCanaryEarly, NO_EARLY),
         (Mutation::PreviousUnproven, PROVEN_PREVIOUS),
         (Mutation::TrapIgnored, AT_REST),
+        (Mutation::RestartForgets, HALT_STAYS),
     ] {
         let c = find(mutation, property);
         assert!(

@@ -201,8 +201,12 @@ impl Follower {
             };
             self.release = None;
             self.reports.clear();
+            // The bus may have lost this node's report while the watch was down: write it again.
+            self.written = None;
             let mut current = false;
             let mut tick = tokio::time::interval(TICK);
+            // After a long step (a shadow), one tick, not a burst of the ones missed.
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tokio::select! {
                     change = watch.next() => match change {
@@ -244,9 +248,13 @@ impl Follower {
             ChannelChange::Release(n, Err(why)) => {
                 tracing::warn!(event = "channel_record_undecodable", key = %protocol::release_key(&self.gc.channel), release = n, error = %why, "the channel's release entry does not decode; the node keeps its version");
                 self.release = None;
+                self.said_error(Some(format!("release {n} does not decode: {why}")));
             }
             ChannelChange::ReleaseGone => self.release = None,
             ChannelChange::Report(node, Ok(r)) => {
+                if node == self.gc.node {
+                    self.own_report_read(&r);
+                }
                 self.reports.insert(node, r);
             }
             ChannelChange::Report(node, Err(why)) => {
@@ -257,6 +265,25 @@ impl Follower {
                 self.reports.remove(&node);
             }
             ChannelChange::Current => {}
+        }
+    }
+
+    /// This node's report as the bus holds it. A judgement this process has not made (it was
+    /// made before a restart) is taken as its own when it says something of the version —
+    /// `clean`, or one that halts: a restarted node never erases the halt it reported. A copy
+    /// other than the one last written is written again.
+    fn own_report_read(&mut self, r: &NodeReport) {
+        let newer = self
+            .mine
+            .as_ref()
+            .is_none_or(|(rel, _, _)| *rel < r.release);
+        if newer && (r.outcome == Judgement::Clean || r.outcome.halts()) {
+            self.mine = Some((r.release, r.outcome, r.detail.clone()));
+        }
+        let mut unstamped = r.clone();
+        unstamped.unix_ms = 0;
+        if self.written.as_ref() != Some(&unstamped) {
+            self.written = None;
         }
     }
 
@@ -439,7 +466,7 @@ impl Follower {
                 requests: ShadowRequests::Sample(SHADOW_SAMPLE),
                 promote: true,
                 tolerated: entry.tolerance,
-                max_wait: Duration::from_secs(entry.shadow_wait_s),
+                max_wait: Duration::from_secs(entry.shadow_wait_s.min(protocol::MAX_SHADOW_WAIT_S)),
             },
             reply: tx,
         };
@@ -448,6 +475,7 @@ impl Follower {
         }
         match rx.await {
             Err(_) => {} // the fold stopped
+            Ok(Err(e)) if e.says_nothing_of_the_candidate() => self.not_now(release, &e),
             Ok(Err(e)) => self.judge(release, Judgement::Trapped, e.to_string()),
             Ok(Ok(r)) if r.promoted => {
                 self.now_running(v, bytes);
@@ -505,9 +533,15 @@ impl Follower {
         }
         match rx.await {
             Err(_) => {}
+            Ok(Err(e)) if e.says_nothing_of_the_candidate() => self.not_now(release, &e),
             Ok(Err(e)) if forward => self.judge(release, Judgement::Refused, e.to_string()),
             Ok(Err(e)) => {
+                self.retry_later(release);
                 tracing::error!(event = "guest_channel_return_failed", channel = %self.gc.channel, release, guest = %v.label(), error = %e, "the return to the last good version was refused; the running guest stays");
+                self.said_error(Some(format!(
+                    "the return to {} was refused: {e}",
+                    v.label()
+                )));
             }
             Ok(Ok(_)) => {
                 let from = self.running.label();
@@ -521,6 +555,13 @@ impl Follower {
                 }
             }
         }
+    }
+
+    /// A swap or shadow the node could not run now, for a reason of its own (another swap in
+    /// progress, the fold's change capture overflowed): nothing judged, tried again later.
+    fn not_now(&mut self, release: u64, e: &crate::applied::ApplyError) {
+        self.retry_later(release);
+        tracing::info!(event = "guest_channel_step_deferred", channel = %self.gc.channel, release, error = %e, "the node could not take its step now; tried again later");
     }
 
     fn now_running(&mut self, v: GuestVersion, bytes: Vec<u8>) {
@@ -550,7 +591,9 @@ impl Follower {
             self.judge(
                 release,
                 Judgement::Trapped,
-                format!("{n} guest calls trapped or hit their deadline since the swap"),
+                format!(
+                    "{n} guest calls trapped, hit their deadline or a resource cap since the swap"
+                ),
             );
         }
     }
@@ -602,8 +645,10 @@ impl Follower {
     }
 }
 
-/// The guest's failed calls that judge a version: traps and deadline hits.
+/// The guest's failed calls that judge a version: traps, deadline hits and resource caps.
 fn failures(status: &FoldStatus) -> u64 {
-    status.guest_counters.traps.load(Ordering::Relaxed)
-        + status.guest_counters.deadline_hits.load(Ordering::Relaxed)
+    let g = &status.guest_counters;
+    g.traps.load(Ordering::Relaxed)
+        + g.deadline_hits.load(Ordering::Relaxed)
+        + g.limit_hits.load(Ordering::Relaxed)
 }

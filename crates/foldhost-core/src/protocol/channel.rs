@@ -25,6 +25,9 @@ pub const MAX_CANARIES: usize = 64;
 /// Largest component a channel carries, in bytes: a publish refuses more, and a node stops
 /// reading an object one byte past it.
 pub const MAX_COMPONENT_BYTES: u64 = 64 * 1024 * 1024;
+/// Longest a canary waits for its shadow's batches, seconds (a day): a release asking more is
+/// refused when decoded.
+pub const MAX_SHADOW_WAIT_S: u64 = 24 * 3600;
 /// Longest detail a node report carries (cut, marked, beyond it).
 pub const MAX_REPORT_DETAIL: usize = 1024;
 
@@ -380,6 +383,12 @@ pub fn decode_entry(bytes: &[u8]) -> Result<ChannelEntry, String> {
             ));
         }
     }
+    if e.shadow_wait_s > MAX_SHADOW_WAIT_S {
+        return Err(format!(
+            "release entry: shadow_wait_s {} (most {MAX_SHADOW_WAIT_S})",
+            e.shadow_wait_s
+        ));
+    }
     if e.canaries.len() > MAX_CANARIES {
         return Err(format!(
             "release entry: {} canaries (most {MAX_CANARIES})",
@@ -405,6 +414,18 @@ pub fn decode_report(node: &str, bytes: &[u8]) -> Result<NodeReport, String> {
         serde_json::from_slice(bytes).map_err(|e| format!("report of {node}: {e}"))?;
     if r.node != node {
         return Err(format!("report under {node}'s key names {:?}", r.node));
+    }
+    if r.detail.len() > MAX_REPORT_DETAIL {
+        return Err(format!(
+            "report of {node}: a detail of {} bytes (most {MAX_REPORT_DETAIL})",
+            r.detail.len()
+        ));
+    }
+    if let Some(v) = r.running.as_ref().filter(|v| !is_digest(&v.digest)) {
+        return Err(format!(
+            "report of {node}: running digest {:?} is not 64 hex digits",
+            v.digest
+        ));
     }
     Ok(r)
 }

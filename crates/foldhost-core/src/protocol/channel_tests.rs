@@ -237,6 +237,14 @@ fn a_record_that_is_too_large_malformed_or_under_another_name_is_refused_with_wh
     let bytes = serde_json::to_vec(&r).expect("encodes");
     assert_eq!(decode_report("n1", &bytes), Ok(r));
     assert!(decode_report("n2", &bytes).is_err_and(|w| w.contains("names")));
+    let mut too_long = report("n1", 1, Judgement::Clean);
+    too_long.detail = "x".repeat(MAX_REPORT_DETAIL + 1);
+    let bytes = serde_json::to_vec(&too_long).expect("encodes");
+    assert!(decode_report("n1", &bytes).is_err_and(|w| w.contains("detail")));
+    let mut waits = entry(2, Some(1), &["a"]);
+    waits.shadow_wait_s = u64::MAX;
+    let bytes = serde_json::to_vec(&waits).expect("encodes");
+    assert!(decode_entry(&bytes).is_err_and(|w| w.contains("shadow_wait_s")));
     let long = "é".repeat(MAX_REPORT_DETAIL);
     let cut = report_detail(&long);
     assert!(cut.len() <= MAX_REPORT_DETAIL && cut.ends_with("..."));

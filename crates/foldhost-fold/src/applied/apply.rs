@@ -35,10 +35,22 @@ pub struct ApplyError {
     pub message: String,
 }
 
+/// The `call` of a swap's or shadow's refusal for a reason of the node's own — another swap or
+/// shadow in progress, the fold's change capture overflowed or replaced, the fold unreadable —
+/// which says nothing of the candidate ([`ApplyError::says_nothing_of_the_candidate`]): the caller
+/// may try again later (a guest channel's follower does, docs/channels.md).
+pub const NODE_CONDITION: &str = "node";
+
 /// How an answer to a query that found no instance begins ([`ApplyError::rebuilding`]).
 pub const GUEST_REBUILDING: &str = "guest rebuilding";
 
 impl ApplyError {
+    /// Whether this failure is the node's own condition, not the candidate's (a trap, a refusal
+    /// at load): [`NODE_CONDITION`].
+    pub fn says_nothing_of_the_candidate(&self) -> bool {
+        self.call == NODE_CONDITION
+    }
+
     /// The answer to a query that arrives while the applier's instance is lost (a failed call
     /// dropped it): given at once, never by rebuilding on the query's account. Retry: the fold
     /// loop rebuilds the instance as its own work ([`Apply::rebuild`]).

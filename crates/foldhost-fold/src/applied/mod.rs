@@ -44,8 +44,8 @@ mod watch;
 
 pub use apply::{
     Apply, ApplyError, Control, CountingApply, GUEST_REBUILDING, MAX_SHADOW_COMPARE,
-    MAX_SHADOW_DIFFERENCES_LISTED, MAX_SHADOW_QUOTE, MAX_SHADOW_REQUESTS, ShadowDifference,
-    ShadowPlan, ShadowReport, ShadowRequests, SwapCandidate, SwapReport, Verdict,
+    MAX_SHADOW_DIFFERENCES_LISTED, MAX_SHADOW_QUOTE, MAX_SHADOW_REQUESTS, NODE_CONDITION,
+    ShadowDifference, ShadowPlan, ShadowReport, ShadowRequests, SwapCandidate, SwapReport, Verdict,
 };
 pub use fold::Fold;
 #[cfg(any(test, feature = "testkit"))]

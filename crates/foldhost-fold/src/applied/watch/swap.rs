@@ -112,7 +112,7 @@ pub(super) async fn hydrated(swap: &mut Option<PendingSwap>) -> Hydrated {
 fn refused(from: &str, what: &str, e: &ApplyError) -> ApplyError {
     ApplyError {
         applier: from.to_string(),
-        call: "swap",
+        call: kept_call(e, "swap"),
         message: format!("{what} refused, {from} keeps running: {e}"),
     }
 }
@@ -133,8 +133,27 @@ fn swapped(from: &str, to: &str, paused_ms: u64, kind: &str) -> crate::status::S
 fn shadow_failed(from: &str, what: &str, e: &ApplyError) -> ApplyError {
     ApplyError {
         applier: from.to_string(),
-        call: "shadow",
+        call: kept_call(e, "shadow"),
         message: format!("the shadow of {what} failed, {from} keeps running untouched: {e}"),
+    }
+}
+
+/// `call`, unless `e` is the node's own condition ([`crate::applied::NODE_CONDITION`]), which the
+/// wrapping error keeps so its caller can tell it from the candidate's failure.
+fn kept_call(e: &ApplyError, call: &'static str) -> &'static str {
+    if e.says_nothing_of_the_candidate() {
+        crate::applied::NODE_CONDITION
+    } else {
+        call
+    }
+}
+
+/// The node's own condition ended the swap or shadow of `c` (not the candidate's failure).
+fn node_condition(c: &dyn SwapCandidate, message: String) -> ApplyError {
+    ApplyError {
+        applier: c.describe(),
+        call: crate::applied::NODE_CONDITION,
+        message,
     }
 }
 
@@ -145,15 +164,6 @@ fn overflow_message() -> String {
         crate::view::MAX_PRE_IMAGE_KEYS,
         crate::view::MAX_PRE_IMAGE_BYTES >> 20
     )
-}
-
-/// An error in the candidate's name.
-fn candidate_error(c: &dyn SwapCandidate, message: String) -> ApplyError {
-    ApplyError {
-        applier: c.describe(),
-        call: "swap",
-        message,
-    }
 }
 
 pub(super) fn store_err(last: SnapshotError) -> AppliedError {
@@ -267,7 +277,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         let from = self.apply.describe();
         Some(ApplyError {
             applier: from.clone(),
-            call: "swap",
+            call: crate::applied::NODE_CONDITION,
             message: if p.shadow.is_some() {
                 format!(
                     "{what} refused, {from} keeps running: the shadow of {} is still running",
@@ -425,7 +435,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 } else {
                     "its view of the fold was lost (another capture replaced it)".into()
                 };
-                let e = candidate_error(&*candidate, why);
+                let e = node_condition(&*candidate, why);
                 return self.conclude(Ok((candidate, Err(e))), t).await;
             }
         };
@@ -453,7 +463,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                         .catch_up(&updates)
                         .await
                         .map(|()| updates.len() as u64),
-                    Err(e) => Err(candidate_error(
+                    Err(e) => Err(node_condition(
                         &*candidate,
                         format!("read the fold for a catch-up round: {e}"),
                     )),
@@ -548,13 +558,13 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         self.settle(t).await?;
         let store = self.fold.store().clone();
         let Some(pre) = store.take_pre_images().map_err(store_err)? else {
-            return Ok(Err(candidate_error(
+            return Ok(Err(node_condition(
                 &*candidate,
                 "its view of the fold was lost (another capture replaced it)".into(),
             )));
         };
         if pre.overflowed() {
-            return Ok(Err(candidate_error(&*candidate, overflow_message())));
+            return Ok(Err(node_condition(&*candidate, overflow_message())));
         }
         if let Some(s) = p.shadow.as_mut() {
             note_changed(s, pre.keys());
