@@ -16,6 +16,7 @@ use foldhost::nats::{NatsConnection, NatsKv};
 use foldhost::status::StatusReport;
 use foldhost_localnats::LocalNats;
 
+pub mod history;
 pub mod proxy;
 
 /// A bucket's contents: key → (value, revision).

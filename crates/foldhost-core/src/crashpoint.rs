@@ -25,6 +25,38 @@
 //! `PATH.reached` and wait until `PATH.release` exists (the test does its part in between, then
 //! releases). Like crashing, holding exists only in `crashpoints` builds and is checked at start.
 
+/// The environment variable that plants a known bug in a `crashpoints` build: the write-history
+/// checker's own proof that it catches what it claims to (one name of [`MUTATIONS`]).
+pub const MUTATION_ENV: &str = "FOLDHOST_WRITE_MUTATION";
+
+/// The bugs a test build can be made to have, with what each breaks.
+pub const MUTATIONS: &[(&str, &str)] = &[
+    (
+        MUTATION_REPUBLISH_RETRY,
+        "a retry of a given operation id skips the ledger and is published again",
+    ),
+    (
+        MUTATION_EARLY_APPLIED,
+        "a write is answered applied without waiting for the fold to hold it",
+    ),
+    (
+        MUTATION_STALE_ROW,
+        "ledger rows of a bucket's previous life still answer after a re-list",
+    ),
+];
+
+/// A retry is published again.
+pub const MUTATION_REPUBLISH_RETRY: &str = "republish_retry";
+/// `applied` before the fold holds the write.
+pub const MUTATION_EARLY_APPLIED: &str = "early_applied";
+/// A previous life's rows answer.
+pub const MUTATION_STALE_ROW: &str = "stale_row";
+
+/// Whether the bug `name` is planted (only ever in a `crashpoints` build).
+pub fn mutated(name: &'static str) -> bool {
+    cfg!(feature = "crashpoints") && std::env::var(MUTATION_ENV).is_ok_and(|v| v == name)
+}
+
 /// The points a build can be crashed at, with what is durable when each fires.
 pub(crate) const POINTS: &[(&str, &str)] = &[
     (
@@ -60,6 +92,10 @@ pub(crate) const POINTS: &[(&str, &str)] = &[
         "mid-export: after one more staged file was hashed, before the manifest is written",
     ),
     (
+        QUERY_ROUND,
+        "a batch committed, before the query instance is handed its round (hold only)",
+    ),
+    (
         SWAP_HYDRATING,
         "mid-swap: the new version hydrated its first chunk beside the running one (hold only)",
     ),
@@ -90,6 +126,10 @@ pub const RESTORE_BEFORE_CURSOR: &str = "repair.restore.before-cursor";
 pub const EXPORT_STAGED: &str = "export.staged";
 /// Mid-export, after each staged file was hashed.
 pub const EXPORT_FILE: &str = "export.file";
+
+/// A batch committed (`applied_through` moved), before the query instance's next round: it
+/// answers from the state before the batch.
+pub const QUERY_ROUND: &str = "query.round";
 
 /// Mid-swap, after the new version's first hydration chunk (the old one still folding).
 pub const SWAP_HYDRATING: &str = "swap.hydrating";
@@ -182,8 +222,14 @@ pub fn hit(name: &'static str) {
 pub fn check_env() -> Result<(), String> {
     let crash = std::env::var(ENV).ok();
     let hold = std::env::var(HOLD_ENV).ok();
-    if crash.is_none() && hold.is_none() {
+    let mutation = std::env::var(MUTATION_ENV).ok();
+    if crash.is_none() && hold.is_none() && mutation.is_none() {
         return Ok(());
+    }
+    if let Some(m) = &mutation
+        && !MUTATIONS.iter().any(|(n, _)| n == m)
+    {
+        return Err(format!("{MUTATION_ENV}={m:?}: unknown mutation"));
     }
     if let Some(v) = &crash {
         parse_arm(v)?;
@@ -195,7 +241,7 @@ pub fn check_env() -> Result<(), String> {
         Ok(())
     } else {
         Err(format!(
-            "{ENV} or {HOLD_ENV} is set but this build has no crash points (cargo feature `crashpoints`)"
+            "{ENV}, {HOLD_ENV} or {MUTATION_ENV} is set but this build has no crash points (cargo feature `crashpoints`)"
         ))
     }
 }

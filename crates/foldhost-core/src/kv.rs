@@ -340,6 +340,10 @@ pub struct OpRecord {
     pub revision: u64,
     /// The key it wrote.
     pub key: String,
+    /// What it wrote ([`crate::protocol::write_digest`]).
+    pub digest: crate::protocol::WriteDigest,
+    /// When the server stored it, Unix milliseconds (0: not known).
+    pub stored_unix_ms: u64,
 }
 
 /// One watch event.

@@ -7,9 +7,11 @@
 //!   that moves its cursor over the record's revision, so a fold that holds a record's revision
 //!   holds its row, and a restart, a restore or a bootstrap carries both or neither.
 //! - **Rows only go by the sweep, and the sweep leaves a watermark.** A row leaves only when
-//!   [`sweep`] finds it recorded before the cutoff, in the same commit that raises the watermark
+//!   [`sweep_step`] finds it recorded before the cutoff, in the same commit that raises the watermark
 //!   ([`WATERMARK_KEY`]) to the newest mint instant it removed: an operation minted at or before
 //!   the watermark with no row may have been swept ([`crate::protocol::admit_write`]).
+//! - **A row answers only in its life.** [`lookup`] reads the row with the ledger's life
+//!   ([`LIFE_KEY`]) from one view of the store, and a row of an earlier life is no answer.
 //! - **Bounded and checked.** A row that does not decode is never an answer: it reads as an error
 //!   naming its key.
 
@@ -18,7 +20,7 @@ use std::ops::ControlFlow;
 use bytes::Bytes;
 
 use crate::kv::{KvEntry, KvUpdate, VersionToken};
-use crate::protocol::{LedgerRow, OpId};
+use crate::protocol::{LedgerLife, LedgerRow, OpId};
 use crate::snapshot::{SnapshotError, SnapshotStore};
 
 /// Where rows live: `LEDGER_PREFIX` + the operation id's text (time-ordered).
@@ -26,6 +28,9 @@ pub const LEDGER_PREFIX: &str = "\u{1}op/";
 
 /// The ledger's watermark: Unix milliseconds, 8 bytes big-endian (absent: 0, nothing swept).
 pub const WATERMARK_KEY: &str = "\u{1}op-watermark";
+
+/// The ledger's life ([`LedgerLife`]: its epoch and horizon; absent: epoch 0, complete).
+pub const LIFE_KEY: &str = "\u{1}op-life";
 
 /// The store key of `op`'s row.
 pub fn row_key(op: &OpId) -> String {
@@ -93,6 +98,42 @@ pub fn read_watermark<S: SnapshotStore + ?Sized>(store: &S) -> Result<u64, Ledge
     }
 }
 
+/// The ledger's life (epoch 0 and no horizon when none was ever recorded).
+pub fn read_life<S: SnapshotStore + ?Sized>(store: &S) -> Result<LedgerLife, LedgerError> {
+    match store.get(LIFE_KEY)? {
+        None => Ok(LedgerLife::default()),
+        Some(e) => LedgerLife::decode(&e.value).ok_or_else(|| LedgerError::Corrupt {
+            key: LIFE_KEY.into(),
+            reason: format!("{} bytes, not 12", e.value.len()),
+        }),
+    }
+}
+
+/// The store update that records the ledger's life.
+pub fn life_put(life: &LedgerLife) -> KvUpdate {
+    KvUpdate::Put(KvEntry {
+        key: LIFE_KEY.into(),
+        value: Bytes::copy_from_slice(&life.encode()),
+        version: VersionToken::UNKNOWN,
+    })
+}
+
+/// What the write path reads of the ledger for one operation, from one view of the store: its row
+/// in the current life (a row of an earlier life answers nothing), the watermark and the life.
+pub fn lookup<S: SnapshotStore + ?Sized>(
+    store: &S,
+    op: &OpId,
+) -> Result<(Option<LedgerRow>, u64, LedgerLife), LedgerError> {
+    let life = read_life(store)?;
+    let row = read_row(store, op)?;
+    let row = if crate::crashpoint::mutated(crate::crashpoint::MUTATION_STALE_ROW) {
+        row
+    } else {
+        crate::protocol::row_of_life(row, life)
+    };
+    Ok((row, read_watermark(store)?, life))
+}
+
 /// The store update that sets the watermark.
 pub fn watermark_put(unix_ms: u64) -> KvUpdate {
     KvUpdate::Put(KvEntry {
@@ -102,16 +143,29 @@ pub fn watermark_put(unix_ms: u64) -> KvUpdate {
     })
 }
 
-/// The rows a sweep at `cutoff_unix_ms` removes, and the watermark's update, as store updates for
-/// one commit (empty when nothing is due). Rows that do not decode are removed too (they answer
-/// nothing), and count their id's instant.
-pub fn sweep<S: SnapshotStore + ?Sized>(
+/// Most rows one sweep step reads: a sweep runs in steps of at most this many, each one commit
+/// between two batches of the fold, so a ledger of millions of rows never holds the fold for
+/// longer than one step.
+pub const SWEEP_STEP: usize = 4096;
+
+/// One step of a sweep at `now_unix_ms`: of at most [`SWEEP_STEP`] rows after `after` (`None`:
+/// from the first), the ones recorded before `cutoff_unix_ms`, and the watermark's update, as
+/// store updates for one commit; and the key to resume after (`None`: the sweep is done). Rows
+/// that do not decode are removed too (they answer nothing), and count their id's instant; the
+/// watermark never passes `now_unix_ms` ([`crate::protocol::watermark_after_sweep`]).
+pub fn sweep_step<S: SnapshotStore + ?Sized>(
     store: &S,
     cutoff_unix_ms: u64,
-) -> Result<Vec<KvUpdate>, LedgerError> {
+    now_unix_ms: u64,
+    after: Option<&str>,
+) -> Result<(Vec<KvUpdate>, Option<String>), LedgerError> {
     let mut out = Vec::new();
     let mut minted_max: Option<u64> = None;
-    store.for_each_in_range(LEDGER_PREFIX, &mut |e| {
+    let mut read = 0usize;
+    let mut last: Option<String> = None;
+    store.for_each_in_range_after(LEDGER_PREFIX, after, &mut |e| {
+        read += 1;
+        last = Some(e.key.clone());
         let due = LedgerRow::decode(&e.value).map_or(true, |r| r.recorded_unix_ms < cutoff_unix_ms);
         if due {
             let minted = e
@@ -129,16 +183,21 @@ pub fn sweep<S: SnapshotStore + ?Sized>(
                 version: VersionToken::UNKNOWN,
             });
         }
-        ControlFlow::Continue(())
+        if read >= SWEEP_STEP {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
+        }
     })?;
     if !out.is_empty() {
         let old = read_watermark(store)?;
-        let new = crate::protocol::watermark_after_sweep(old, minted_max);
+        let new = crate::protocol::watermark_after_sweep(old, minted_max, now_unix_ms);
         if new != old {
             out.push(watermark_put(new));
         }
     }
-    Ok(out)
+    let next = if read >= SWEEP_STEP { last } else { None };
+    Ok((out, next))
 }
 
 /// How many rows the ledger holds.

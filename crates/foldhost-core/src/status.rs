@@ -89,6 +89,11 @@ pub struct StatusReport {
     pub ledger_watermark_unix_ms: u64,
     /// Ledger sweeps completed since the host started.
     pub ledger_sweeps: u64,
+    /// The operation ledger's horizon (Unix milliseconds; 0: its rows are complete back to the
+    /// stream's start): records stored before it may have been passed without rows
+    /// (docs/writes.md, "When a node cannot vouch for an id").
+    #[serde(default)]
+    pub ledger_horizon_unix_ms: u64,
     /// Requests on `--query-subject` this node answered since it started (a batch of lookups is
     /// one): nodes sharing the subject in a queue group split them.
     pub nats_queries_served: u64,
@@ -99,6 +104,10 @@ pub struct StatusReport {
     pub queries_by_instance: u64,
     /// Lookups the fold loop answered (between batches) since the host started.
     pub queries_by_fold: u64,
+    /// Asks that waited for the query instance to reach the fold's `applied_through` (an answer
+    /// comes from a state at or past every write this node answered applied before it was asked).
+    #[serde(default)]
+    pub queries_waited_for_level: u64,
     /// When the server created the stream the fold folds (RFC 3339).
     pub stream_created_at: Option<String>,
     /// The revision of the fold's checkpoint (the newest its cursor covers whose stored time it
@@ -342,17 +351,13 @@ impl StatusReport {
         let seq = s.seq.load(Ordering::Relaxed).max(cursor);
         let oldest_ms = s.oldest_retained_unix_ms.load(Ordering::Relaxed);
         let now = now_unix_ms();
+        let (guest_contract, guest) = match guest.is_empty() {
+            true => (self.guest_contract.clone(), self.guest.clone()),
+            false => (s.guest_contract().map(str::to_string), Some(guest)),
+        };
         StatusReport {
-            guest_contract: if guest.is_empty() {
-                self.guest_contract.clone()
-            } else {
-                s.guest_contract().map(str::to_string)
-            },
-            guest: if guest.is_empty() {
-                self.guest.clone()
-            } else {
-                Some(guest)
-            },
+            guest_contract,
+            guest,
             error: self.error.clone().or_else(|| s.last_error()),
             cursor: (cursor > 0).then_some(cursor),
             seq,
@@ -374,10 +379,12 @@ impl StatusReport {
             skipped_messages: s.skipped_messages.load(Ordering::Relaxed),
             ledger_watermark_unix_ms: s.ledger_watermark_unix_ms.load(Ordering::Relaxed),
             ledger_sweeps: s.ledger_sweeps.load(Ordering::Relaxed),
+            ledger_horizon_unix_ms: s.ledger_horizon_unix_ms.load(Ordering::Relaxed),
             nats_queries_served: s.nats_queries_served.load(Ordering::Relaxed),
             query_instance_revision: s.query_instance_revision(),
             queries_by_instance: s.queries_by_instance.load(Ordering::Relaxed),
             queries_by_fold: s.queries_by_fold.load(Ordering::Relaxed),
+            queries_waited_for_level: s.queries_waited_for_level.load(Ordering::Relaxed),
             stream_created_at: rfc3339(s.stream_created_unix_ns.load(Ordering::Relaxed)),
             checkpoint_revision: Some(s.checkpoint_revision.load(Ordering::Relaxed))
                 .filter(|r| *r > 0),
@@ -517,6 +524,8 @@ pub struct FoldStatus {
     pub longest_apply_us: AtomicU64,
     /// Ledger sweeps completed since start.
     pub ledger_sweeps: AtomicU64,
+    /// The operation ledger's horizon, Unix milliseconds (0: complete).
+    pub ledger_horizon_unix_ms: AtomicU64,
     /// Requests on `--query-subject` answered since start (a batch of lookups is one).
     pub nats_queries_served: AtomicU64,
     /// The revision the query instance is level with, plus one (0: none is level).
@@ -525,6 +534,8 @@ pub struct FoldStatus {
     pub queries_by_instance: AtomicU64,
     /// Lookups answered by the fold loop since start.
     pub queries_by_fold: AtomicU64,
+    /// Asks that waited for the query instance's level since start.
+    pub queries_waited_for_level: AtomicU64,
     /// Told whenever `applied_through` or `cursor` is published: what a write or a read waiting
     /// for a revision waits on ([`FoldStatus::wait_applied`]).
     pub applied_moved: tokio::sync::Notify,

@@ -1,8 +1,8 @@
 //! Writes that carry an operation id (docs/writes.md): a publish on the key's subject with
 //! `Nats-Msg-Id` (the broker's duplicate window) and [`protocol::OP_ID_HEADER`] (what the fold and
 //! a lost acknowledgement's resolution read), optionally conditional on the subject's last
-//! sequence; and the two reads that settle a write the publish could not: the newest record on a
-//! key, and the key of the record at a sequence.
+//! sequence; and the reads that settle a write the publish could not: the newest record on a
+//! key, the record at a sequence, and the stream's duplicate window.
 //!
 //! Invariants: a publish answers what the broker said and nothing more — [`Published::Lost`]
 //! whenever the acknowledgement did not arrive, however the wait ended, so the caller resolves
@@ -47,6 +47,22 @@ pub enum Published {
     /// The server reported a permission violation for the publish (on the connection, where
     /// the client would have waited out its deadline): nothing landed. The subject.
     Denied(String),
+    /// The stream is full and discards new records (its byte or message limit): nothing landed.
+    /// What the broker said.
+    Full(String),
+}
+
+/// Whether the broker's refusal of a publish says the stream is full (a stream that discards new
+/// records past its byte or message limit answers so, and stores nothing).
+fn says_full(text: &str) -> bool {
+    let t = text.to_ascii_lowercase();
+    [
+        "maximum bytes exceeded",
+        "maximum messages exceeded",
+        "maximum messages per subject exceeded",
+    ]
+    .iter()
+    .any(|m| t.contains(m))
 }
 
 /// Room left in a message for the headers a write adds (its id twice, the operation, the
@@ -124,6 +140,7 @@ impl NatsKv {
                 K::WrongLastSequence => Published::WrongLastSequence,
                 K::TimedOut | K::BrokenPipe => Published::Lost(e.to_string()),
                 K::StreamNotFound | K::MaxPayloadExceeded => Published::Refused(e.to_string()),
+                _ if says_full(&e.to_string()) => Published::Full(e.to_string()),
                 // Another error answered by the broker names why it refused; anything else may
                 // have landed.
                 _ => Published::Lost(e.to_string()),
@@ -159,12 +176,12 @@ impl NatsKv {
         }
     }
 
-    /// The newest record on `key`: its revision and the operation id it carries (`Ok(None)`: the
-    /// key has no record). An undecodable newest record carries no id.
+    /// The newest record on `key`: where it landed, what it wrote, and the operation id it
+    /// carries (`Ok(None)`: the key has no record). An undecodable newest record carries no id.
     pub async fn newest_record(
         &self,
         key: &str,
-    ) -> Result<Option<(u64, Option<protocol::OpId>)>, KvError> {
+    ) -> Result<Option<(protocol::Landed, Option<protocol::OpId>)>, KvError> {
         if !protocol::kv_key_valid(key) {
             return Err(KvError::Invalid(format!("{key:?} is not a valid key")));
         }
@@ -173,17 +190,24 @@ impl NatsKv {
         Ok(self
             .msg_get("newest record", request)
             .await?
-            .map(|m| (m.sequence, m.op_id)))
+            .map(|m| (landed(key, &m), m.op_id)))
     }
 
-    /// The bucket key of the record at `sequence` (`Ok(None)`: no record there, or one outside
-    /// this bucket's subjects).
-    pub async fn key_at(&self, sequence: u64) -> Result<Option<String>, KvError> {
+    /// The record at `sequence`: where it landed and what it wrote (`Ok(None)`: no record there,
+    /// or one outside this bucket's subjects).
+    pub async fn record_at(&self, sequence: u64) -> Result<Option<protocol::Landed>, KvError> {
         let request = serde_json::json!({ "seq": sequence });
         Ok(self
             .msg_get("record at sequence", request)
             .await?
-            .and_then(|m| self.key_of(&m.subject).map(str::to_string)))
+            .and_then(|m| self.key_of(&m.subject).map(|k| landed(k, &m))))
+    }
+
+    /// The stream's duplicate window, read fresh from the server (its configuration can change
+    /// under a running node), in milliseconds.
+    pub async fn duplicate_window_ms(&self) -> Result<u64, KvError> {
+        let info = self.stream_info().await?;
+        Ok(u64::try_from(info.config.duplicate_window.as_millis()).unwrap_or(u64::MAX))
     }
 
     /// When the record at `sequence` was stored, Unix nanoseconds (`Ok(None)`: no record there).
@@ -213,5 +237,19 @@ impl NatsKv {
         })
         .await?;
         catchup::parse_msg_get_reply(&answer.payload).map_err(|e| backend(what, e))
+    }
+}
+
+/// A stored record as a write's resolution reads it: its revision, key and what it wrote (an
+/// undecodable record: `None`).
+fn landed(key: &str, m: &catchup::StoredMessage) -> protocol::Landed {
+    protocol::Landed {
+        revision: m.sequence,
+        key: key.to_string(),
+        digest: m
+            .verdict
+            .as_ref()
+            .ok()
+            .map(|op| protocol::write_digest(*op, &m.payload)),
     }
 }

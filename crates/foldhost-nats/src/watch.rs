@@ -620,13 +620,20 @@ impl Forwarder {
     fn ops_of(&self, scope: &WatchScope, decoded: &[catchup::Decoded]) -> Vec<OpRecord> {
         decoded
             .iter()
-            .filter_map(|(update, _, op)| {
+            .filter_map(|(update, meta, op)| {
                 let (op, revision) = ((*op)?, update.revision()?);
                 let key = NatsKv::scope_key(&self.subject_prefix, update);
+                let digest = match update {
+                    KvUpdate::Put(e) => protocol::write_digest(protocol::KvOp::Put, &e.value),
+                    KvUpdate::Delete { .. } => protocol::write_digest(protocol::KvOp::Delete, &[]),
+                    KvUpdate::Purge { .. } => protocol::write_digest(protocol::KvOp::Purge, &[]),
+                };
                 (scope.contains(key) && key == update.key()).then(|| OpRecord {
                     op,
                     revision,
                     key: key.to_string(),
+                    digest,
+                    stored_unix_ms: meta.map_or(0, |m| m.timestamp_unix_ns / 1_000_000),
                 })
             })
             .collect()

@@ -11,6 +11,7 @@ mod cursor;
 mod deferral;
 mod fleet;
 mod floor;
+mod ledger;
 mod log;
 mod repair;
 mod resync;

@@ -354,6 +354,8 @@ pub(crate) fn undeclared<'a>(store: &Path, declared: impl Iterator<Item = &'a st
 /// the main loop's `control` channel.
 pub(crate) struct Running {
     tasks: tokio::task::JoinSet<(String, Result<crate::applied::Finished, AppliedError>)>,
+    /// Each lane's ledger sweeper (aborted with the lanes).
+    _sweepers: tokio::task::JoinSet<()>,
     shutdown: tokio::sync::watch::Receiver<bool>,
 }
 
@@ -368,6 +370,7 @@ impl Running {
         shutdown: &tokio::sync::watch::Receiver<bool>,
     ) -> Self {
         let mut tasks = tokio::task::JoinSet::new();
+        let mut sweepers = tokio::task::JoinSet::new();
         for lane in lanes {
             let opts = options(cfg, &lane, false);
             let mut apply = LaneApply::new(
@@ -379,6 +382,13 @@ impl Running {
             let stop = signalled(shutdown.clone());
             // Each state bucket's lines carry its name beside the fold's.
             let span = tracing::info_span!("state", bucket = %lane.decl.local);
+            // A state bucket's ledger is swept as the fold's is: its own control channel takes
+            // the sweep's steps between its batches.
+            let (sweeps, control_rx) = tokio::sync::mpsc::channel(1);
+            sweepers.spawn(tracing::Instrument::instrument(
+                super::side::sweep_ledger(cfg.ledger_retention, sweeps),
+                span.clone(),
+            ));
             tasks.spawn(tracing::Instrument::instrument(
                 async move {
                     let r = watch_applied(
@@ -387,7 +397,7 @@ impl Running {
                         &mut apply,
                         opts,
                         lane.status,
-                        None,
+                        Some(control_rx),
                         stop,
                     )
                     .await;
@@ -398,6 +408,7 @@ impl Running {
         }
         Running {
             tasks,
+            _sweepers: sweepers,
             shutdown: shutdown.clone(),
         }
     }

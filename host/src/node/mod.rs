@@ -395,8 +395,9 @@ fn guest_seed(cfg: &NodeConfig) -> Result<[u8; 32], NodeError> {
     }
 }
 
-/// The operation ledger as the write path reads it: the row of an id and the watermark, from the
-/// committed fold (weak, as the stream source: the listener outlives the fold).
+/// The operation ledger as the write path reads it: the row of an id in the ledger's life, the
+/// watermark, the life and the cursor they were read at, from one view of the committed fold
+/// (weak, as the stream source: the listener outlives the fold).
 fn ledger_lookup(shared: &SharedStore<AnyStore>) -> crate::write::LedgerLookup {
     let store = shared.downgrade();
     Arc::new(move |op| {
@@ -404,9 +405,13 @@ fn ledger_lookup(shared: &SharedStore<AnyStore>) -> crate::write::LedgerLookup {
         let s = store
             .read()
             .map_err(|_| "the store is poisoned".to_string())?;
-        let row = crate::ledger::read_row(&*s, op).map_err(|e| e.to_string())?;
-        let watermark = crate::ledger::read_watermark(&*s).map_err(|e| e.to_string())?;
-        Ok((row, watermark))
+        let (row, watermark, life) = crate::ledger::lookup(&*s, op).map_err(|e| e.to_string())?;
+        Ok(crate::write::LedgerView {
+            row,
+            watermark,
+            life,
+            cursor: s.cursor().revision_or_zero(),
+        })
     })
 }
 

@@ -389,9 +389,11 @@ pub(super) struct FoldAccess {
 }
 
 /// Sweeps the operation ledger every [`LEDGER_SWEEP_PERIOD`] (the first time at once): rows
-/// recorded more than `retention` ago go, as one commit of the fold ([`Control::SweepLedger`]).
-async fn sweep_ledger(retention: std::time::Duration, control: mpsc::Sender<Control>) {
+/// recorded more than `retention` ago go, in steps of at most [`crate::ledger::SWEEP_STEP`] rows,
+/// each one commit of the fold between two of its batches ([`Control::SweepLedger`]).
+pub(super) async fn sweep_ledger(retention: std::time::Duration, control: mpsc::Sender<Control>) {
     let mut tick = tokio::time::interval(LEDGER_SWEEP_PERIOD);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
         let now = std::time::SystemTime::now()
@@ -399,27 +401,43 @@ async fn sweep_ledger(retention: std::time::Duration, control: mpsc::Sender<Cont
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
         let cutoff = crate::protocol::ledger_cutoff(now, retention.as_millis() as u64);
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let asked = Control::SweepLedger {
-            cutoff_unix_ms: cutoff,
-            reply: tx,
+        let mut after: Option<String> = None;
+        let mut removed = 0u64;
+        let failed = loop {
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let asked = Control::SweepLedger {
+                cutoff_unix_ms: cutoff,
+                after: after.take(),
+                reply: tx,
+            };
+            if control.send(asked).await.is_err() {
+                return;
+            }
+            match rx.await {
+                Err(_) => return,
+                Ok(Ok((n, next))) => {
+                    removed += n;
+                    match next {
+                        Some(k) => after = Some(k),
+                        None => break None,
+                    }
+                }
+                Ok(Err(e)) => break Some(e),
+            }
         };
-        if control.send(asked).await.is_err() {
-            return;
-        }
-        match rx.await {
-            Ok(Ok(0)) | Err(_) => {}
-            Ok(Ok(n)) => {
+        match failed {
+            Some(e) => {
+                tracing::warn!(event = "ledger_sweep_failed", error = %e, "the operation ledger could not be swept; the next period tries again")
+            }
+            None if removed > 0 => {
                 tracing::info!(
                     event = "ledger_swept",
-                    rows = n,
+                    rows = removed,
                     cutoff_unix_ms = cutoff,
                     "operation ledger swept"
                 )
             }
-            Ok(Err(e)) => {
-                tracing::warn!(event = "ledger_sweep_failed", error = %e, "the operation ledger could not be swept; the next period tries again")
-            }
+            None => {}
         }
     }
 }

@@ -172,6 +172,16 @@ impl Route {
     pub(crate) fn is_admin(self) -> bool {
         matches!(self, Route::Swap | Route::Shadow | Route::Export)
     }
+
+    /// True for the routes a reserved connection slot serves (every other slot in service):
+    /// probes, writes and the operator's routes.
+    pub(crate) fn keeps_a_reserved_slot(self) -> bool {
+        self.is_admin()
+            || matches!(
+                self,
+                Route::Health | Route::Ready | Route::Write | Route::Status | Route::Metrics
+            )
+    }
 }
 
 /// Body limits per route.

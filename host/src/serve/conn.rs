@@ -34,7 +34,7 @@ use super::admission::{HeadPhase, HttpError, Refusal, RequestHead, Route, admit}
 use super::slot::{Answer, BodyError, Flushes, InService, Slot, into_response, read_body};
 use super::{
     ANSWER_BUDGET, HEAD_DEADLINE, MAX_CONNECTIONS, MAX_HEAD, QUERY_BODY_BUDGET, REQUEST_DEADLINE,
-    Reply, ServeState, WRITE_DEADLINE,
+    RESERVED_CONNECTIONS, Reply, ServeState, WAITING_READS, WRITE_DEADLINE,
 };
 
 /// Most HTTP/2 streams one connection has open at once (`SETTINGS_MAX_CONCURRENT_STREAMS`).
@@ -56,6 +56,11 @@ pub(crate) struct Budgets {
     answer_kib: Arc<Semaphore>,
     /// One admin body at a time.
     admin: Arc<Semaphore>,
+    /// Reads waiting for a revision ([`WAITING_READS`]).
+    waiting: Arc<Semaphore>,
+    /// Connections beyond [`MAX_CONNECTIONS`] for probes, writes and the operator's routes
+    /// ([`RESERVED_CONNECTIONS`]).
+    reserved: Arc<Semaphore>,
 }
 
 impl Budgets {
@@ -64,6 +69,8 @@ impl Budgets {
             query_kib: Arc::new(Semaphore::new(QUERY_BODY_BUDGET / 1024)),
             answer_kib: Arc::new(Semaphore::new(ANSWER_BUDGET / 1024)),
             admin: Arc::new(Semaphore::new(1)),
+            waiting: Arc::new(Semaphore::new(WAITING_READS)),
+            reserved: Arc::new(Semaphore::new(RESERVED_CONNECTIONS)),
         }
     }
 }
@@ -96,7 +103,7 @@ async fn serve_with(
         };
         let permit = loop {
             match slots.clone().try_acquire_owned() {
-                Ok(p) => break Some(p),
+                Ok(p) => break Some((p, false)),
                 Err(tokio::sync::TryAcquireError::Closed) => break None,
                 Err(tokio::sync::TryAcquireError::NoPermits) => {}
             }
@@ -108,10 +115,15 @@ async fn serve_with(
             if let Ok(p) =
                 tokio::time::timeout(Duration::from_millis(50), slots.clone().acquire_owned()).await
             {
-                break p.ok();
+                break p.ok().map(|p| (p, false));
+            }
+            // Every slot is in service and none could be evicted: a reserved one, which serves
+            // only probes, writes and the operator's routes.
+            if let Ok(p) = budgets.reserved.clone().try_acquire_owned() {
+                break Some((p, true));
             }
         };
-        let Some(permit) = permit else {
+        let Some((permit, reserved)) = permit else {
             return;
         };
         // Registered before its task runs, so an accept burst always finds someone to evict.
@@ -122,7 +134,7 @@ async fn serve_with(
         let (state, budgets) = (state.clone(), budgets.clone());
         tokio::spawn(tracing::Instrument::in_current_span(async move {
             let _permit = permit;
-            connection(sock, state, budgets, slot).await;
+            connection(sock, state, budgets, slot, reserved).await;
         }));
     }
 }
@@ -179,6 +191,7 @@ async fn connection(
     state: Arc<ServeState>,
     budgets: Arc<Budgets>,
     slot: Arc<Slot>,
+    reserved: bool,
 ) {
     let arrived_on = match sock.local_addr() {
         Ok(a) => a,
@@ -198,6 +211,7 @@ async fn connection(
         budgets,
         slot: slot.clone(),
         arrived_on,
+        reserved,
     });
     let service = hyper::service::service_fn(move |req| {
         let ctx = ctx.clone();
@@ -267,6 +281,8 @@ struct ConnCtx {
     budgets: Arc<Budgets>,
     slot: Arc<Slot>,
     arrived_on: SocketAddr,
+    /// A reserved slot ([`RESERVED_CONNECTIONS`]): only probes, writes and the operator's routes.
+    reserved: bool,
 }
 
 /// A request admitted and read whole: its route, its body, and the budget its body holds.
@@ -276,9 +292,8 @@ struct Admitted {
     route: Route,
     body: Vec<u8>,
     budget: Option<OwnedSemaphorePermit>,
-    /// The revision a read must see first (`Foldhost-Min-Revision`), and how long it waits.
+    /// The revision a read must see (`Foldhost-Min-Revision`), already waited for.
     min_revision: Option<u64>,
-    wait_ms: u64,
     /// The body is a batch of lookups ([`super::lookups`]).
     lookups: bool,
 }
@@ -338,6 +353,35 @@ impl ConnCtx {
             Ok(r) => r,
             Err(refusal) => return Ok(Err(Reply::refused(&refusal))),
         };
+        if self.reserved && !route.keeps_a_reserved_slot() {
+            return refuse(
+                503,
+                "every connection slot is taken: only probes, writes and the operator's routes are served now; retry",
+            );
+        }
+        // A read that must wait for a revision waits before its body is budgeted or read, under a
+        // bound of its own: waiting reads never hold the bodies' budget, and never more than
+        // WAITING_READS connections.
+        if let (Route::Query | Route::Get, Some(min)) = (route, head.min_revision) {
+            let target = match self.target(fold.as_deref(), route) {
+                Ok(t) => t,
+                Err(refused) => return Ok(Err(refused)),
+            };
+            let level = target.positions.as_ref().is_some_and(|p| {
+                p.status
+                    .applied_through
+                    .load(std::sync::atomic::Ordering::Acquire)
+                    >= min
+            });
+            if !level {
+                let Ok(_waiting) = self.budgets.waiting.clone().try_acquire_owned() else {
+                    return refuse(503, "too many reads wait for a revision here; retry");
+                };
+                if let Err(behind) = super::wait_revision(&target, min, head.wait_ms).await {
+                    return Ok(Err(behind));
+                }
+            }
+        }
         // The body's share of a budget, taken before a byte of it is read: a chunked query
         // takes the route's whole limit, the most it may read.
         let budget = match route {
@@ -386,7 +430,6 @@ impl ConnCtx {
                 body,
                 budget,
                 min_revision: head.min_revision,
-                wait_ms: head.wait_ms,
                 lookups: head.lookups,
             })),
             Err(BodyError::TooLarge) => refuse(
@@ -432,7 +475,6 @@ impl ConnCtx {
             body,
             budget,
             min_revision,
-            wait_ms,
             lookups,
         } = request;
         let target = match self.target(fold.as_deref(), route) {
@@ -440,8 +482,10 @@ impl ConnCtx {
             Err(refused) => return (refused, None),
         };
         let state = &*target;
+        // A minimum revision was waited for before the body was read; the gate stands (the
+        // fold's applied_through never moves back), checked again without waiting.
         if let (Route::Query | Route::Get, Some(min)) = (route, min_revision)
-            && let Err(behind) = super::wait_revision(state, min, wait_ms).await
+            && let Err(behind) = super::wait_revision(state, min, 0).await
         {
             return (behind, None);
         }

@@ -201,6 +201,14 @@ impl ServeState {
 /// evictable again, and closed after [`HEAD_DEADLINE`] without one.
 pub(crate) const MAX_CONNECTIONS: usize = 256;
 
+/// Connections beyond [`MAX_CONNECTIONS`], taken only when every slot is in service and none can
+/// be evicted; they serve probes, writes and the operator's routes, and refuse the rest (503).
+pub(crate) const RESERVED_CONNECTIONS: usize = 16;
+
+/// Reads (`/query`, `/get`) waiting for a `Foldhost-Min-Revision` at once; one more is refused
+/// (503, retry). A waiting read holds no body budget: it waits before its body is read.
+pub(crate) const WAITING_READS: usize = 64;
+
 /// A response before it is put on the wire: status, content type, body, the headers beyond
 /// those, and whether the connection closes after it.
 #[derive(Debug, Clone, PartialEq, Eq)]

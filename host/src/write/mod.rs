@@ -3,11 +3,15 @@
 //! `refused`, for `POST /write`, `foldhost put|delete` and the NATS write subject alike.
 //!
 //! Invariants:
-//! - **Every decision is the protocol's** ([`crate::protocol::admit_write`], `after_ack`,
-//!   `resolve_lost_ack`, `outcome_at`): this module reads what they decide from (the ledger, the
-//!   broker's answer, the log, the fold's positions) and renders the answer.
+//! - **Every decision is the protocol's** ([`crate::protocol::admit_write`], `same_write`,
+//!   `vouch_retry`, `after_ack`, `resolve_lost_ack`, `outcome_at`): this module reads what they
+//!   decide from (the ledger, the broker's answer, the log, the stream's duplicate window, the
+//!   fold's positions) and renders the answer.
 //! - **Nothing is published twice for one operation id by this host**: an id the ledger records
-//!   is answered from its row; an id minted at or before the watermark without a row is unknown.
+//!   is answered from its row; an id minted at or before the watermark without a row is unknown;
+//!   a given id without a row is published only where the rows or the broker's window vouch for
+//!   it, and otherwise answered unknown, said once in the log (`write_unvouched`).
+//! - **An id names one write**: the same id with another key or body is refused `op_reused`.
 //! - **Unknown only after the log was asked**: a lost acknowledgement reads the newest record on
 //!   the key before it is answered unknown.
 //! - **Bad input is refused before anything is published**, naming the field.
@@ -23,7 +27,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::kv::WatchScope;
 use crate::nats::{NatsKv, Published, WriteKind};
-use crate::protocol::{self, Admission, LedgerRow, OpId, Outcome, UnknownWhy, WriteRefusal};
+use crate::protocol::{
+    self, Admission, LedgerLife, LedgerRow, OpId, Outcome, UnknownWhy, WriteDigest, WriteRefusal,
+};
 use crate::status::FoldStatus;
 
 pub(crate) use rate::ApplyRate;
@@ -89,7 +95,8 @@ pub struct WriteAnswer {
     /// How far behind this fold is (pending).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lag: Option<LagAnswer>,
-    /// Why it was refused: `conflict`, `op_reused`, `too_large`, `not_folded` or `invalid`.
+    /// Why it was refused: `conflict`, `op_reused`, `too_large`, `not_folded`, `invalid`,
+    /// `permission` or `bucket_full`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
     /// The key the operation id landed on (`op_reused`).
@@ -138,12 +145,25 @@ impl WriteAnswer {
                     None => "the key has no record".into(),
                 }
             }
-            WriteRefusal::OpReused { key, revision } => {
+            WriteRefusal::OpReused {
+                key,
+                revision,
+                other_body,
+            } => {
                 a.revision = Some(revision);
-                let m = format!("the operation id landed on {key:?} at revision {revision}");
+                let m = if other_body {
+                    format!(
+                        "the operation id already named another write: it landed on {key:?} at revision {revision} with another operation or value; a different write takes a fresh op_id"
+                    )
+                } else {
+                    format!("the operation id landed on {key:?} at revision {revision}")
+                };
                 a.key = Some(key);
                 m
             }
+            WriteRefusal::BucketFull { what } => format!(
+                "the bucket is full and discards new records ({what}): nothing was published; free room or raise its limit, then write again"
+            ),
             WriteRefusal::TooLarge { size, limit } => {
                 format!("the value is {size} bytes; the bucket takes at most {limit}")
             }
@@ -164,6 +184,12 @@ impl WriteAnswer {
             } => format!(
                 "minted at {minted_unix_ms} ms, before this node's ledger watermark ({watermark_unix_ms} ms), and no row: it may have landed; its record, if any, is on the log"
             ),
+            UnknownWhy::Unvouched {
+                minted_unix_ms,
+                horizon_unix_ms,
+            } => format!(
+                "minted at {minted_unix_ms} ms, before this node's ledger horizon ({horizon_unix_ms} ms: it folded from a listing there), outside the broker's duplicate window, and no row: it may have landed; its record, if any, is on the log"
+            ),
             UnknownWhy::LogUnreadable(e) => {
                 format!("no acknowledgement, and the log could not be read ({e}): retry with the same op_id")
             }
@@ -180,7 +206,7 @@ impl WriteAnswer {
 
     /// The HTTP status the answer goes with: 200 applied, 202 pending, 503 unknown (retry with
     /// the same id), and per refusal 409 (conflict, op_reused), 413, 422 (not folded), 403
-    /// (the server refused the node's publish), 400.
+    /// (the server refused the node's publish), 507 (the bucket is full), 400.
     pub(crate) fn http_status(&self) -> u16 {
         match (self.outcome.as_str(), self.reason.as_deref()) {
             ("applied", _) => 200,
@@ -190,6 +216,7 @@ impl WriteAnswer {
             (_, Some("too_large")) => 413,
             (_, Some("not_folded")) => 422,
             (_, Some("permission")) => 403,
+            (_, Some("bucket_full")) => 507,
             _ => 400,
         }
     }
@@ -206,9 +233,21 @@ pub(crate) struct Positions {
 pub(crate) type KeyReader =
     Arc<dyn Fn(&str) -> Result<Option<crate::kv::KvEntry>, String> + Send + Sync>;
 
-/// Reads the ledger's row for an operation and its watermark from the committed fold.
-pub(crate) type LedgerLookup =
-    Arc<dyn Fn(&OpId) -> Result<(Option<LedgerRow>, u64), String> + Send + Sync>;
+/// What the ledger says of one operation, read from one view of the committed fold.
+pub(crate) struct LedgerView {
+    /// Its row in the ledger's current life.
+    pub(crate) row: Option<LedgerRow>,
+    /// The ledger's watermark.
+    pub(crate) watermark: u64,
+    /// The ledger's life (epoch, horizon).
+    pub(crate) life: LedgerLife,
+    /// The committed cursor the rows were read at: every record at or below it that could leave
+    /// a row has one.
+    pub(crate) cursor: u64,
+}
+
+/// Reads the ledger's view of an operation from the committed fold.
+pub(crate) type LedgerLookup = Arc<dyn Fn(&OpId) -> Result<LedgerView, String> + Send + Sync>;
 
 /// What a write needs of the running node.
 pub(crate) struct WritePath {
@@ -224,6 +263,8 @@ pub(crate) struct WritePath {
 struct Checked {
     key: String,
     kind: WriteKind,
+    /// What the write writes ([`protocol::write_digest`]): an id names one write.
+    digest: WriteDigest,
     op: OpId,
     /// The caller sent the id (it may be a retry).
     given_id: bool,
@@ -269,7 +310,7 @@ impl WritePath {
             Ok(c) => c,
             Err((r, op)) => return WriteAnswer::refused(r, op.as_ref()),
         };
-        let (row, watermark) = match (self.ledger)(&c.op) {
+        let view = match (self.ledger)(&c.op) {
             Ok(found) => found,
             // The ledger cannot say whether the id landed: nothing is published on a guess.
             Err(e) => {
@@ -279,39 +320,92 @@ impl WritePath {
                 );
             }
         };
-        match protocol::admit_write(&c.op, &c.key, row.as_ref(), watermark, now_unix_ms()) {
+        let republish = crate::crashpoint::mutated(crate::crashpoint::MUTATION_REPUBLISH_RETRY);
+        let row = view.row.as_ref().filter(|_| !republish);
+        match protocol::admit_write(&c.op, &c.key, &c.digest, row, view.watermark, now_unix_ms()) {
             Admission::Landed { revision } => self.settle(revision, &c).await,
             Admission::Refused(r) => WriteAnswer::refused(r, Some(&c.op)),
-            Admission::Unknown(why) => WriteAnswer::unknown(why, &c.op),
-            Admission::Publish if c.given_id => self.publish_retry(&c).await,
+            Admission::Unknown(why) => self.unvouched(why, &c),
+            Admission::Publish if republish => self.publish(&c).await,
+            Admission::Publish if c.given_id => self.publish_retry(&c, &view).await,
             Admission::Publish => self.publish(&c).await,
         }
     }
 
+    /// An answer `unknown` before anything was published, said once in the log
+    /// (`write_unvouched`) when it is the ledger that cannot vouch for the id.
+    fn unvouched(&self, why: UnknownWhy, c: &Checked) -> WriteAnswer {
+        match &why {
+            UnknownWhy::BeforeWatermark {
+                minted_unix_ms,
+                watermark_unix_ms,
+            } => {
+                tracing::warn!(event = "write_unvouched", op_id = %c.op, key = %c.key, minted_unix_ms, watermark_unix_ms, "a write was answered unknown: its operation was minted before this node's ledger may have lost rows to the sweep, and no row says whether it landed");
+            }
+            UnknownWhy::Unvouched {
+                minted_unix_ms,
+                horizon_unix_ms,
+            } => {
+                tracing::warn!(event = "write_unvouched", op_id = %c.op, key = %c.key, minted_unix_ms, horizon_unix_ms, "a write was answered unknown: its operation may have landed among the records this node's fold passed without rows (a state-sync start or a re-list), outside the broker's duplicate window");
+            }
+            _ => {}
+        }
+        WriteAnswer::unknown(why, &c.op)
+    }
+
     /// An id the caller gave, with no ledger row: perhaps a retry of a write the fold has not
-    /// folded yet. Its record, when it is the newest on the key, answers it; past the broker's
-    /// duplicate window with the fold behind the log, it is `unknown`
-    /// ([`protocol::retry_may_have_landed`]); otherwise it is published.
-    async fn publish_retry(&self, c: &Checked) -> WriteAnswer {
+    /// passed yet, or passed without a row. Its record, when it is the newest on the key,
+    /// answers it; otherwise it is published only where the rows or the broker's duplicate
+    /// window vouch for it ([`protocol::vouch_retry`]).
+    async fn publish_retry(&self, c: &Checked, view: &LedgerView) -> WriteAnswer {
         let newest = self.kv.newest_record(&c.key).await;
-        if let Ok(Some((revision, Some(found)))) = newest
-            && found == c.op
-        {
-            return self.settle(revision, c).await;
+        let key_newest = match &newest {
+            Ok(Some((found, Some(id)))) if *id == c.op => {
+                return match protocol::same_write(&c.key, &c.digest, found) {
+                    Ok(revision) => self.settle(revision, c).await,
+                    Err(r) => WriteAnswer::refused(r, Some(&c.op)),
+                };
+            }
+            Ok(found) => found.as_ref().map(|(f, _)| f.revision),
+            Err(e) => {
+                return WriteAnswer::unknown(UnknownWhy::LogUnreadable(e.to_string()), &c.op);
+            }
+        };
+        let covered = protocol::Coverage {
+            cursor: view.cursor,
+            life: view.life,
+        };
+        let now = now_unix_ms();
+        // The most cautious judgement first (no window at all); the window is read from the
+        // stream, fresh, only when it is what decides.
+        let mut vouch = protocol::vouch_retry(&c.op, now, 0, key_newest, covered);
+        if vouch != protocol::Vouch::Publish {
+            match self.kv.duplicate_window_ms().await {
+                Ok(window) => {
+                    vouch = protocol::vouch_retry(&c.op, now, window, key_newest, covered);
+                }
+                Err(e) => {
+                    return WriteAnswer::unknown(
+                        UnknownWhy::LogUnreadable(format!("the duplicate window: {e}")),
+                        &c.op,
+                    );
+                }
+            }
         }
-        let through = self
-            .status
-            .applied_through
-            .load(std::sync::atomic::Ordering::Acquire);
-        let last = self
-            .status
-            .stream_last_sequence
-            .load(std::sync::atomic::Ordering::Relaxed)
-            .max(self.status.seq.load(std::sync::atomic::Ordering::Relaxed));
-        if protocol::retry_may_have_landed(&c.op, now_unix_ms(), through, last) {
-            return WriteAnswer::unknown(UnknownWhy::FoldBehind, &c.op);
+        match vouch {
+            protocol::Vouch::Publish => self.publish(c).await,
+            protocol::Vouch::FoldBehind => WriteAnswer::unknown(UnknownWhy::FoldBehind, &c.op),
+            protocol::Vouch::Unvouched {
+                minted_unix_ms,
+                horizon_unix_ms,
+            } => self.unvouched(
+                UnknownWhy::Unvouched {
+                    minted_unix_ms,
+                    horizon_unix_ms,
+                },
+                c,
+            ),
         }
-        self.publish(c).await
     }
 
     /// Publishes, and turns the broker's answer (or its absence) into a revision or an answer.
@@ -327,8 +421,8 @@ impl WritePath {
                 duplicate,
             } => {
                 let landed = if duplicate {
-                    match self.kv.key_at(sequence).await {
-                        Ok(k) => k,
+                    match self.kv.record_at(sequence).await {
+                        Ok(found) => found,
                         Err(e) => {
                             return WriteAnswer::unknown(
                                 UnknownWhy::LogUnreadable(e.to_string()),
@@ -339,7 +433,7 @@ impl WritePath {
                 } else {
                     None
                 };
-                match protocol::after_ack(&c.key, sequence, landed.as_deref()) {
+                match protocol::after_ack(&c.key, &c.digest, sequence, landed.as_ref()) {
                     Ok(rev) => rev,
                     Err(r) => return WriteAnswer::refused(r, Some(&c.op)),
                 }
@@ -348,7 +442,7 @@ impl WritePath {
                 let current = self.kv.newest_record(&c.key).await.ok().flatten();
                 return WriteAnswer::refused(
                     WriteRefusal::Conflict {
-                        current: current.map(|(rev, _)| rev),
+                        current: current.map(|(found, _)| found.revision),
                     },
                     Some(&c.op),
                 );
@@ -360,8 +454,9 @@ impl WritePath {
                     .newest_record(&c.key)
                     .await
                     .map_err(|e| e.to_string());
-                match protocol::resolve_lost_ack(&c.op, newest) {
-                    Ok(rev) => rev,
+                match protocol::resolve_lost_ack(&c.op, &c.key, &c.digest, newest) {
+                    Ok(Ok(rev)) => rev,
+                    Ok(Err(r)) => return WriteAnswer::refused(r, Some(&c.op)),
                     Err(why) => {
                         tracing::warn!(event = "write_outcome_unknown", op_id = %c.op, key = %c.key, ?why, "a write could not tell whether its record landed: retry under the same op_id");
                         return WriteAnswer::unknown(why, &c.op);
@@ -370,6 +465,9 @@ impl WritePath {
             }
             Published::Denied(subject) => {
                 return WriteAnswer::refused(WriteRefusal::Permission { subject }, Some(&c.op));
+            }
+            Published::Full(what) => {
+                return WriteAnswer::refused(WriteRefusal::BucketFull { what }, Some(&c.op));
             }
             Published::Refused(why) => {
                 return WriteAnswer::refused(
@@ -386,6 +484,9 @@ impl WritePath {
     /// A record durable at `revision`: applied once this fold reaches it within the wait,
     /// pending otherwise.
     async fn settle(&self, revision: u64, c: &Checked) -> WriteAnswer {
+        if crate::crashpoint::mutated(crate::crashpoint::MUTATION_EARLY_APPLIED) {
+            return WriteAnswer::outcome(Outcome::Applied { revision }, &c.op);
+        }
         let deadline = tokio::time::Instant::now() + c.wait;
         let through = self.status.wait_applied(revision, deadline).await;
         WriteAnswer::outcome(
@@ -467,9 +568,15 @@ impl WritePath {
                 }));
             }
         }
+        let digest = match &kind {
+            WriteKind::Put(v) => protocol::write_digest(protocol::KvOp::Put, v),
+            WriteKind::Delete => protocol::write_digest(protocol::KvOp::Delete, &[]),
+            WriteKind::Purge => protocol::write_digest(protocol::KvOp::Purge, &[]),
+        };
         Ok(Checked {
             key: req.key,
             kind,
+            digest,
             op,
             given_id: req.op_id.is_some(),
             if_revision: req.if_revision,

@@ -68,6 +68,9 @@ mod matrix;
 /// Queries through a node against KV gets.
 #[path = "bench/queries.rs"]
 mod queries;
+/// The operation ledger's sweep in steps against one commit.
+#[path = "bench/sweep.rs"]
+mod sweep;
 #[path = "bench/table.rs"]
 mod table;
 /// Writes through a host against bare puts.
@@ -970,6 +973,15 @@ async fn main() -> anyhow::Result<()> {
         table::print("foldhost-bench writes");
         return Ok(());
     }
+    if what == "sweep" {
+        let rows = args
+            .get(2)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(1_000_000);
+        sweep::run(rows).await?;
+        table::print(&format!("foldhost-bench sweep {rows}"));
+        return Ok(());
+    }
     if what == "queries" {
         // `queries [SECS] [RUNS]`: each row SECS measured seconds, the median of RUNS runs.
         let secs: f64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(5.0);
@@ -1091,6 +1103,7 @@ async fn table_all(runs: usize) -> anyhow::Result<()> {
     backends::run(1_000_000)?;
     bootstrap::run(1_000_000).await?;
     writes::run().await?;
+    sweep::run(1_000_000).await?;
     queries::run(5.0, runs).await?;
     table::print(&format!("make bench (foldhost-bench table {runs})"));
     Ok(())

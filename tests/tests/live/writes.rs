@@ -12,14 +12,14 @@ use foldhost_tests::*;
 
 /// A node folding `bucket` with `--listen` on a reserved port, its write token in a file the test
 /// chose; waits until it serves.
-struct Node {
+pub(crate) struct Node {
     child: std::process::Child,
-    addr: String,
+    pub(crate) addr: String,
     token: String,
 }
 
 impl Node {
-    async fn start(
+    pub(crate) async fn start(
         h: &Harness,
         bucket: &str,
         store: &Path,
@@ -29,7 +29,7 @@ impl Node {
     }
 
     /// [`Node::start`] with more arguments.
-    async fn start_with(
+    pub(crate) async fn start_with(
         h: &Harness,
         bucket: &str,
         store: &Path,
@@ -72,7 +72,10 @@ impl Node {
     }
 
     /// `POST /write` with `body` (JSON): the HTTP status and the answer.
-    async fn write(&self, body: serde_json::Value) -> anyhow::Result<(u16, WriteAnswer)> {
+    pub(crate) async fn write(
+        &self,
+        body: serde_json::Value,
+    ) -> anyhow::Result<(u16, WriteAnswer)> {
         let (code, answer) = foldhost::serve::call_with_token(
             &self.addr,
             "POST",
@@ -89,7 +92,10 @@ impl Node {
 }
 
 /// Shortens `bucket`'s duplicate window to a second, so a test can pass it.
-async fn short_duplicate_window(kv: &foldhost::nats::NatsKv, bucket: &str) -> anyhow::Result<()> {
+pub(crate) async fn short_duplicate_window(
+    kv: &foldhost::nats::NatsKv,
+    bucket: &str,
+) -> anyhow::Result<()> {
     let js = kv.jetstream();
     let mut config = js
         .get_stream(format!("KV_{bucket}"))
@@ -104,7 +110,7 @@ async fn short_duplicate_window(kv: &foldhost::nats::NatsKv, bucket: &str) -> an
 
 /// Waits past a one-second duplicate window (a precondition, not a synchronisation: waiting
 /// longer changes nothing): the broker no longer collapses an id sent before.
-async fn pass_duplicate_window() {
+pub(crate) async fn pass_duplicate_window() {
     tokio::time::sleep(Duration::from_millis(1500)).await;
 }
 
@@ -207,13 +213,13 @@ async fn a_write_the_fold_has_not_applied_is_pending_and_its_retry_is_answered_f
     assert!(lag.records >= 1 && lag.seconds >= 1, "{lag:?}");
     assert!(hold.with_extension("reached").exists(), "the fold is held");
     let last = kv.positions().await?.last_sequence;
-    // Released, the fold applies it; the same operation id asked again is answered applied at
-    // the first revision — a different value and all — and nothing is published.
+    // Released, the fold applies it; the same write asked again is answered applied at the
+    // first revision, and nothing is published.
     std::fs::write(hold.with_extension("release"), "")?;
     wait_status(&node.addr, |s| s.applied_through >= revision).await?;
     let op_id = first.op_id.clone().expect("the id");
     let (code, again) = node
-        .write(serde_json::json!({"key": "k.a", "value": "v2", "op_id": op_id}))
+        .write(serde_json::json!({"key": "k.a", "value": "v1", "op_id": op_id}))
         .await?;
     assert_eq!(
         (code, again.outcome.as_str()),

@@ -14,6 +14,8 @@
 //! - **Applied means this fold holds it.** A durable revision is `applied` only once
 //!   `applied_through` reaches it, `pending` before ([`outcome_at`]).
 
+use super::{LedgerRow, WriteDigest};
+
 /// The header every record written through the host carries its operation id in (beside
 /// `Nats-Msg-Id`, which only the broker's duplicate window reads).
 pub const OP_ID_HEADER: &str = "Foldhost-Op-Id";
@@ -27,11 +29,6 @@ pub const MAX_WRITE_WAIT_MS: u64 = 60_000;
 
 /// How long a ledger row is kept after its record was folded, by default (30 days).
 pub const DEFAULT_LEDGER_RETENTION_MS: u64 = 30 * 24 * 3600 * 1000;
-
-/// How far in the future (by this host's clock) an operation id may have been minted: further,
-/// and it is refused as invalid, since its instant would hold the ledger's watermark in the
-/// future.
-pub const MAX_OP_ID_SKEW_MS: u64 = 5 * 60 * 1000;
 
 /// The header a read (`/query`, `/get`, a NATS query) names the revision it must see in: the
 /// host answers once `applied_through` reaches it.
@@ -104,62 +101,6 @@ impl std::fmt::Debug for OpId {
     }
 }
 
-/// One row of the operation ledger: where an operation's record landed, and when this fold (or
-/// the donor whose fold it adopted) recorded it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LedgerRow {
-    /// The record's revision.
-    pub revision: u64,
-    /// The key it was written to.
-    pub key: String,
-    /// When the fold recorded it, Unix milliseconds (the sweep counts the retention from here).
-    pub recorded_unix_ms: u64,
-}
-
-/// The row format's version byte.
-const LEDGER_ROW_V1: u8 = 1;
-
-/// Why stored bytes are not a ledger row.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum LedgerRowError {
-    /// Shorter than the fixed part, or of another format version.
-    #[error("not a ledger row (format or length)")]
-    Format,
-    /// A key that is not UTF-8.
-    #[error("a ledger row whose key is not UTF-8")]
-    Key,
-}
-
-impl LedgerRow {
-    /// `[1][revision u64 BE][recorded_unix_ms u64 BE][key UTF-8]`.
-    pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(17 + self.key.len());
-        out.push(LEDGER_ROW_V1);
-        out.extend_from_slice(&self.revision.to_be_bytes());
-        out.extend_from_slice(&self.recorded_unix_ms.to_be_bytes());
-        out.extend_from_slice(self.key.as_bytes());
-        out
-    }
-
-    /// The row these bytes encode ([`LedgerRow::encode`]).
-    pub fn decode(bytes: &[u8]) -> Result<LedgerRow, LedgerRowError> {
-        if bytes.len() < 17 || bytes[0] != LEDGER_ROW_V1 {
-            return Err(LedgerRowError::Format);
-        }
-        let u64_at = |at: usize| {
-            let mut b = [0u8; 8];
-            b.copy_from_slice(&bytes[at..at + 8]);
-            u64::from_be_bytes(b)
-        };
-        let key = std::str::from_utf8(&bytes[17..]).map_err(|_| LedgerRowError::Key)?;
-        Ok(LedgerRow {
-            revision: u64_at(1),
-            key: key.to_string(),
-            recorded_unix_ms: u64_at(9),
-        })
-    }
-}
-
 /// Why a write is refused: nothing was published for it (or, for `op_reused` after a collapsed
 /// duplicate, nothing new landed).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -169,12 +110,20 @@ pub enum WriteRefusal {
         /// The key's revision now.
         current: Option<u64>,
     },
-    /// The operation id already landed on another key.
+    /// The operation id already landed on another key, or on this key with another body.
     OpReused {
         /// Where it landed.
         key: String,
         /// At which revision.
         revision: u64,
+        /// It landed on this key, with another operation or value.
+        other_body: bool,
+    },
+    /// The bucket is full (its byte or message limit, and it discards new records): nothing
+    /// landed.
+    BucketFull {
+        /// What the broker said.
+        what: String,
     },
     /// The value is larger than the bucket takes.
     TooLarge {
@@ -210,6 +159,7 @@ impl WriteRefusal {
             WriteRefusal::NotFolded { .. } => "not_folded",
             WriteRefusal::Invalid { .. } => "invalid",
             WriteRefusal::Permission { .. } => "permission",
+            WriteRefusal::BucketFull { .. } => "bucket_full",
         }
     }
 }
@@ -224,14 +174,22 @@ pub enum UnknownWhy {
         /// The watermark.
         watermark_unix_ms: u64,
     },
+    /// No row, and a copy may be among the records this fold passed without rows (a state-sync
+    /// start or a re-list), outside the broker's duplicate window ([`super::vouch_retry`]).
+    Unvouched {
+        /// The operation's mint instant.
+        minted_unix_ms: u64,
+        /// The ledger's horizon.
+        horizon_unix_ms: u64,
+    },
     /// The acknowledgement was lost and the log could not be read.
     LogUnreadable(String),
     /// The acknowledgement was lost and the newest record on the key is another operation's (or
     /// none): this one may still land, or may have been overwritten.
     NotNewest,
-    /// A retry older than the broker's duplicate window, with no row yet, while this fold is
-    /// behind the log: its first copy may be in the part not folded yet
-    /// ([`retry_may_have_landed`]).
+    /// A retry outside the broker's duplicate window, with no row yet, while the key has records
+    /// past what this fold has passed: its first copy may be among them
+    /// ([`super::vouch_retry`]).
     FoldBehind,
 }
 
@@ -251,30 +209,59 @@ pub enum Admission {
     Unknown(UnknownWhy),
 }
 
-/// Decides a write before publishing, from its ledger row (if any) and the ledger's watermark
-/// (0: the ledger never lost a row). `now_unix_ms` bounds the id's mint instant
-/// ([`MAX_OP_ID_SKEW_MS`]).
+/// A record on the log (or a ledger row) that carries an operation's id: where it landed and what
+/// it wrote (`None`: unknown, a row of the first format or an undecodable record).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Landed {
+    /// Its revision.
+    pub revision: u64,
+    /// Its key.
+    pub key: String,
+    /// The digest of what it wrote ([`super::write_digest`]).
+    pub digest: Option<WriteDigest>,
+}
+
+/// A write of `digest` on `key` whose operation id a record already carries: the same write
+/// (`Ok(revision)`), or the id reused for another key or another body — refused `op_reused`,
+/// naming where the first landed (an id names one write: never answered as the first).
+pub fn same_write(key: &str, digest: &WriteDigest, found: &Landed) -> Result<u64, WriteRefusal> {
+    let same_body = found.digest.is_none_or(|d| d == *digest);
+    if found.key == key && same_body {
+        Ok(found.revision)
+    } else {
+        Err(WriteRefusal::OpReused {
+            key: found.key.clone(),
+            revision: found.revision,
+            other_body: found.key == key,
+        })
+    }
+}
+
+/// Decides a write of `digest` before publishing, from its ledger row in the current life (if
+/// any, [`super::row_of_life`]) and the ledger's watermark (0: the ledger never lost a row).
+/// `now_unix_ms` bounds the id's mint instant ([`super::MAX_OP_ID_SKEW_MS`]) and the watermark
+/// ([`super::effective_watermark`]).
 pub fn admit_write(
     op: &OpId,
     key: &str,
+    digest: &WriteDigest,
     row: Option<&LedgerRow>,
     watermark_unix_ms: u64,
     now_unix_ms: u64,
 ) -> Admission {
     if let Some(row) = row {
-        return if row.key == key {
-            Admission::Landed {
-                revision: row.revision,
-            }
-        } else {
-            Admission::Refused(WriteRefusal::OpReused {
-                key: row.key.clone(),
-                revision: row.revision,
-            })
+        let found = Landed {
+            revision: row.revision,
+            key: row.key.clone(),
+            digest: row.digest,
+        };
+        return match same_write(key, digest, &found) {
+            Ok(revision) => Admission::Landed { revision },
+            Err(r) => Admission::Refused(r),
         };
     }
     let minted = op.minted_unix_ms();
-    if minted > now_unix_ms.saturating_add(MAX_OP_ID_SKEW_MS) {
+    if minted > now_unix_ms.saturating_add(super::MAX_OP_ID_SKEW_MS) {
         return Admission::Refused(WriteRefusal::Invalid {
             what: format!(
                 "op_id {op} was minted {} ms in this host's future",
@@ -282,56 +269,43 @@ pub fn admit_write(
             ),
         });
     }
-    if watermark_unix_ms > 0 && minted <= watermark_unix_ms {
+    let watermark = super::effective_watermark(watermark_unix_ms, now_unix_ms);
+    if watermark > 0 && minted <= watermark {
         return Admission::Unknown(UnknownWhy::BeforeWatermark {
             minted_unix_ms: minted,
-            watermark_unix_ms,
+            watermark_unix_ms: watermark,
         });
     }
     Admission::Publish
 }
 
-/// How old an operation id must be before the broker's duplicate window (two minutes by
-/// default) can no longer be trusted to collapse a second publish of it: a minute, with margin.
-pub const DUPLICATE_WINDOW_TRUST_MS: u64 = 60_000;
-
-/// Whether a retry of `op` — an id the caller sent, with no ledger row, and whose record is not the
-/// newest on its key — may still have landed where neither the ledger nor the broker would see it:
-/// the id is older than the duplicate window can be trusted for, and the log holds records past
-/// what this fold applied (`log_last` > `applied_through`), among which its record may be. Then
-/// the answer is `unknown` (retry once the fold is level), never a second publish.
-pub fn retry_may_have_landed(
-    op: &OpId,
-    now_unix_ms: u64,
-    applied_through: u64,
-    log_last: u64,
-) -> bool {
-    now_unix_ms.saturating_sub(op.minted_unix_ms()) > DUPLICATE_WINDOW_TRUST_MS
-        && log_last > applied_through
-}
-
-/// An acknowledged publish at `sequence`: when the broker collapsed it onto an earlier record
-/// (its duplicate window), `landed_key` is that record's key, and a record on another key refuses
-/// the write `op_reused`. Otherwise the record is durable at `sequence`.
-pub fn after_ack(key: &str, sequence: u64, landed_key: Option<&str>) -> Result<u64, WriteRefusal> {
-    match landed_key {
-        Some(other) if other != key => Err(WriteRefusal::OpReused {
-            key: other.to_string(),
-            revision: sequence,
-        }),
-        _ => Ok(sequence),
+/// An acknowledged publish of `digest` on `key` at `sequence`: when the broker collapsed it onto
+/// an earlier record (its duplicate window), `landed` is that record, and it must be the same
+/// write ([`same_write`]). Otherwise the record is durable at `sequence`.
+pub fn after_ack(
+    key: &str,
+    digest: &WriteDigest,
+    sequence: u64,
+    landed: Option<&Landed>,
+) -> Result<u64, WriteRefusal> {
+    match landed {
+        Some(found) => same_write(key, digest, found),
+        None => Ok(sequence),
     }
 }
 
-/// A publish whose acknowledgement was lost, resolved from the newest record on the key's
-/// subject: `Ok(revision)` when it carries this operation's id, `Err` (unknown) otherwise, or
-/// when the log could not be read (`newest` is `Err`).
+/// A publish of `digest` on `key` whose acknowledgement was lost, resolved from the newest record
+/// on the key's subject (`newest`: the record and the id it carries): its revision when it carries
+/// this operation's id and is the same write, a refusal when it carries the id with another body,
+/// unknown otherwise, or when the log could not be read (`newest` is `Err`).
 pub fn resolve_lost_ack(
     op: &OpId,
-    newest: Result<Option<(u64, Option<OpId>)>, String>,
-) -> Result<u64, UnknownWhy> {
+    key: &str,
+    digest: &WriteDigest,
+    newest: Result<Option<(Landed, Option<OpId>)>, String>,
+) -> Result<Result<u64, WriteRefusal>, UnknownWhy> {
     match newest {
-        Ok(Some((revision, Some(found)))) if found == *op => Ok(revision),
+        Ok(Some((found, Some(id)))) if id == *op => Ok(same_write(key, digest, &found)),
         Ok(_) => Err(UnknownWhy::NotNewest),
         Err(e) => Err(UnknownWhy::LogUnreadable(e)),
     }
@@ -454,15 +428,10 @@ pub fn ledger_cutoff(now_unix_ms: u64, retention_ms: u64) -> u64 {
     now_unix_ms.saturating_sub(retention_ms)
 }
 
-/// The watermark after a sweep removed rows minted at most `swept_minted_max` (`None`: it removed
-/// none): every operation minted at or before it may have lost its row. It never moves back.
-pub fn watermark_after_sweep(watermark_unix_ms: u64, swept_minted_max: Option<u64>) -> u64 {
-    watermark_unix_ms.max(swept_minted_max.unwrap_or(0))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::protocol::MAX_OP_ID_SKEW_MS;
 
     /// A UUIDv7 minted at `ms` with `rand` in its random bits.
     fn op(ms: u64, rand: u8) -> OpId {
@@ -478,6 +447,8 @@ mod tests {
             revision,
             key: key.into(),
             recorded_unix_ms: 7,
+            epoch: 0,
+            digest: Some(D),
         }
     }
 
@@ -516,114 +487,156 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_ledger_row_round_trips_and_foreign_bytes_are_refused() {
-        let r = LedgerRow {
-            revision: u64::MAX - 1,
-            key: "route.ü".into(),
-            recorded_unix_ms: 99,
-        };
-        assert_eq!(LedgerRow::decode(&r.encode()), Ok(r));
-        assert_eq!(LedgerRow::decode(b""), Err(LedgerRowError::Format));
-        let mut other = row(1, "a").encode();
-        other[0] = 2;
-        assert_eq!(LedgerRow::decode(&other), Err(LedgerRowError::Format));
-        let mut bad = row(1, "a").encode();
-        bad.push(0xff);
-        assert_eq!(LedgerRow::decode(&bad), Err(LedgerRowError::Key));
+    const D: WriteDigest = [1; 16];
+    const OTHER: WriteDigest = [2; 16];
+
+    fn landed(revision: u64, key: &str, digest: Option<WriteDigest>) -> Landed {
+        Landed {
+            revision,
+            key: key.into(),
+            digest,
+        }
     }
 
     #[test]
     fn a_recorded_op_is_answered_from_its_row_and_never_published_again() {
         let id = op(1_000, 1);
         assert_eq!(
-            admit_write(&id, "a", Some(&row(5, "a")), 0, 2_000),
+            admit_write(&id, "a", &D, Some(&row(5, "a")), 0, 2_000),
             Admission::Landed { revision: 5 }
         );
         // However old it is, and whatever the watermark: the row answers.
         assert_eq!(
-            admit_write(&id, "a", Some(&row(5, "a")), 9_999_999, 99_999_999),
+            admit_write(&id, "a", &D, Some(&row(5, "a")), 9_999_999, 99_999_999),
+            Admission::Landed { revision: 5 }
+        );
+        // A row of the first format recorded no digest: it answers any body.
+        let old = LedgerRow {
+            digest: None,
+            ..row(5, "a")
+        };
+        assert_eq!(
+            admit_write(&id, "a", &OTHER, Some(&old), 0, 2_000),
             Admission::Landed { revision: 5 }
         );
     }
 
     #[test]
-    fn an_op_id_that_landed_on_another_key_is_refused_naming_where() {
+    fn an_op_id_that_landed_on_another_key_or_with_another_body_is_refused_naming_where() {
         let id = op(1_000, 1);
         assert_eq!(
-            admit_write(&id, "b", Some(&row(5, "a")), 0, 2_000),
+            admit_write(&id, "b", &D, Some(&row(5, "a")), 0, 2_000),
             Admission::Refused(WriteRefusal::OpReused {
                 key: "a".into(),
-                revision: 5
+                revision: 5,
+                other_body: false,
             })
         );
         assert_eq!(
-            after_ack("b", 9, Some("a")),
-            Err(WriteRefusal::OpReused {
+            admit_write(&id, "a", &OTHER, Some(&row(5, "a")), 0, 2_000),
+            Admission::Refused(WriteRefusal::OpReused {
                 key: "a".into(),
-                revision: 9
+                revision: 5,
+                other_body: true,
             })
         );
-        assert_eq!(after_ack("a", 9, Some("a")), Ok(9));
-        assert_eq!(after_ack("a", 9, None), Ok(9));
+        assert_eq!(
+            after_ack("b", &D, 9, Some(&landed(9, "a", Some(D)))),
+            Err(WriteRefusal::OpReused {
+                key: "a".into(),
+                revision: 9,
+                other_body: false,
+            })
+        );
+        assert_eq!(
+            after_ack("a", &OTHER, 9, Some(&landed(9, "a", Some(D)))),
+            Err(WriteRefusal::OpReused {
+                key: "a".into(),
+                revision: 9,
+                other_body: true,
+            })
+        );
+        assert_eq!(after_ack("a", &D, 9, Some(&landed(9, "a", Some(D)))), Ok(9));
+        assert_eq!(after_ack("a", &D, 9, None), Ok(9));
     }
 
     #[test]
     fn an_op_minted_at_or_before_the_watermark_without_a_row_is_unknown_before_publishing() {
-        let at = |ms| admit_write(&op(ms, 1), "a", None, 5_000, 10_000);
+        let at = |ms| admit_write(&op(ms, 1), "a", &D, None, 5_000, 10_000);
         assert!(matches!(at(4_999), Admission::Unknown(_)));
         assert!(matches!(at(5_000), Admission::Unknown(_)));
         assert_eq!(at(5_001), Admission::Publish);
         // A ledger that never lost a row (watermark 0) publishes anything new.
         assert_eq!(
-            admit_write(&op(1, 1), "a", None, 0, 10_000),
+            admit_write(&op(1, 1), "a", &D, None, 0, 10_000),
             Admission::Publish
         );
+    }
+
+    #[test]
+    fn a_watermark_in_the_hosts_future_holds_back_no_fresh_write() {
+        // A stored watermark past now (left by a row no write path admits) counts as now.
+        let now = 10_000;
+        assert_eq!(
+            admit_write(&op(now + 1, 1), "a", &D, None, u64::MAX / 2, now),
+            Admission::Publish
+        );
+        assert!(matches!(
+            admit_write(&op(now, 1), "a", &D, None, u64::MAX / 2, now),
+            Admission::Unknown(UnknownWhy::BeforeWatermark {
+                watermark_unix_ms: 10_000,
+                ..
+            })
+        ));
     }
 
     #[test]
     fn an_op_id_minted_in_the_hosts_future_is_refused() {
         let now = 1_000_000;
         assert_eq!(
-            admit_write(&op(now + MAX_OP_ID_SKEW_MS, 1), "a", None, 0, now),
+            admit_write(&op(now + MAX_OP_ID_SKEW_MS, 1), "a", &D, None, 0, now),
             Admission::Publish
         );
         assert!(matches!(
-            admit_write(&op(now + MAX_OP_ID_SKEW_MS + 1, 1), "a", None, 0, now),
+            admit_write(&op(now + MAX_OP_ID_SKEW_MS + 1, 1), "a", &D, None, 0, now),
             Admission::Refused(WriteRefusal::Invalid { .. })
         ));
     }
 
     #[test]
-    fn an_old_retry_is_held_back_only_while_the_fold_is_behind_the_log() {
-        let id = op(1_000_000, 1);
-        let late = 1_000_000 + DUPLICATE_WINDOW_TRUST_MS + 1;
-        assert!(retry_may_have_landed(&id, late, 10, 11));
-        assert!(
-            !retry_may_have_landed(&id, late, 11, 11),
-            "level: the ledger knows"
-        );
-        assert!(
-            !retry_may_have_landed(&id, 1_000_000 + DUPLICATE_WINDOW_TRUST_MS, 10, 11),
-            "within the window the broker collapses it"
-        );
-    }
-
-    #[test]
-    fn a_lost_ack_is_resolved_only_by_a_newest_record_carrying_its_id() {
+    fn a_lost_ack_is_resolved_only_by_a_newest_record_carrying_its_id_and_body() {
         let id = op(1_000, 1);
-        assert_eq!(resolve_lost_ack(&id, Ok(Some((12, Some(id))))), Ok(12));
+        let newest = |found: Landed, carried: Option<OpId>| Ok(Some((found, carried)));
         assert_eq!(
-            resolve_lost_ack(&id, Ok(Some((12, Some(op(1_000, 2)))))),
-            Err(UnknownWhy::NotNewest)
+            resolve_lost_ack(&id, "a", &D, newest(landed(12, "a", Some(D)), Some(id))),
+            Ok(Ok(12))
         );
-        assert_eq!(
-            resolve_lost_ack(&id, Ok(Some((12, None)))),
-            Err(UnknownWhy::NotNewest)
-        );
-        assert_eq!(resolve_lost_ack(&id, Ok(None)), Err(UnknownWhy::NotNewest));
         assert!(matches!(
-            resolve_lost_ack(&id, Err("gone".into())),
+            resolve_lost_ack(&id, "a", &OTHER, newest(landed(12, "a", Some(D)), Some(id))),
+            Ok(Err(WriteRefusal::OpReused {
+                other_body: true,
+                ..
+            }))
+        ));
+        assert_eq!(
+            resolve_lost_ack(
+                &id,
+                "a",
+                &D,
+                newest(landed(12, "a", Some(D)), Some(op(1_000, 2)))
+            ),
+            Err(UnknownWhy::NotNewest)
+        );
+        assert_eq!(
+            resolve_lost_ack(&id, "a", &D, newest(landed(12, "a", Some(D)), None)),
+            Err(UnknownWhy::NotNewest)
+        );
+        assert_eq!(
+            resolve_lost_ack(&id, "a", &D, Ok(None)),
+            Err(UnknownWhy::NotNewest)
+        );
+        assert!(matches!(
+            resolve_lost_ack(&id, "a", &D, Err("gone".into())),
             Err(UnknownWhy::LogUnreadable(_))
         ));
     }
@@ -667,6 +680,12 @@ mod tests {
     }
 
     #[test]
+    fn the_sweeps_cutoff_is_the_retention_before_now() {
+        assert_eq!(ledger_cutoff(100, 30), 70);
+        assert_eq!(ledger_cutoff(10, 30), 0);
+    }
+
+    #[test]
     fn a_read_passes_once_applied_through_reaches_its_minimum_and_is_told_the_lag_before() {
         assert_eq!(read_gate(10, 10, 0.0), Ok(()));
         assert_eq!(read_gate(10, 12, 0.0), Ok(()));
@@ -685,14 +704,5 @@ mod tests {
         assert_eq!(parse_read_wait(Some("0")), Ok(0));
         assert!(parse_read_wait(Some("60001")).is_err());
         assert!(parse_read_wait(Some("soon")).is_err());
-    }
-
-    #[test]
-    fn the_watermark_follows_the_newest_swept_mint_instant_and_never_moves_back() {
-        assert_eq!(watermark_after_sweep(0, None), 0);
-        assert_eq!(watermark_after_sweep(0, Some(50)), 50);
-        assert_eq!(watermark_after_sweep(80, Some(50)), 80);
-        assert_eq!(ledger_cutoff(100, 30), 70);
-        assert_eq!(ledger_cutoff(10, 30), 0);
     }
 }

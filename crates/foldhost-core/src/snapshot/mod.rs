@@ -225,6 +225,22 @@ pub fn is_reserved(key: &str) -> bool {
     key.starts_with(RESERVED_PREFIX)
 }
 
+/// A key past every key the host writes in its reserved space (each is [`RESERVED_PREFIX`] and
+/// ASCII), and before every bucket key (a bucket key NATS takes starts with an ASCII letter,
+/// digit or one of `-/_=.`).
+const PAST_RESERVED: &str = "\u{1}\u{10ffff}";
+
+/// Where a scan of the bucket's keys under `prefix` starts: after `start_after`, and never among
+/// the host's reserved keys, which sort before every bucket key (the operation ledger's rows
+/// among them): a scan of the whole fold starts past them instead of walking them.
+pub fn scan_start<'a>(prefix: &str, start_after: Option<&'a str>) -> Option<&'a str> {
+    if prefix.is_empty() && start_after.is_none_or(|a| a < PAST_RESERVED) {
+        Some(PAST_RESERVED)
+    } else {
+        start_after
+    }
+}
+
 /// How many of the store's keys are the host's own (retained records, the stream identity): they
 /// sort before every bucket key, so this visits only them.
 pub(crate) fn reserved_len<S: SnapshotStore + ?Sized>(store: &S) -> Result<u64, SnapshotError> {

@@ -401,13 +401,17 @@ pub enum Control {
             Result<(WatchCursor, Option<crate::snapshot::ProvenCopy>), SnapshotError>,
         >,
     },
-    /// Sweep the operation ledger: remove the rows recorded before `cutoff_unix_ms` and raise
-    /// the watermark over them, in one commit under the current cursor ([`crate::ledger::sweep`]).
+    /// One step of a sweep of the operation ledger: remove the rows recorded before
+    /// `cutoff_unix_ms` among at most [`crate::ledger::SWEEP_STEP`] and raise the watermark over
+    /// them, in one commit under the current cursor ([`crate::ledger::sweep_step`]).
     SweepLedger {
         /// Rows recorded before this instant go.
         cutoff_unix_ms: u64,
-        /// How many rows went, or why the sweep failed (the ledger is then untouched).
-        reply: tokio::sync::oneshot::Sender<Result<u64, String>>,
+        /// Where this step starts: after this row's key (`None`: the first step).
+        after: Option<String>,
+        /// How many rows went and where the next step starts (`None`: done), or why the step
+        /// failed (the ledger is then untouched).
+        reply: tokio::sync::oneshot::Sender<Result<(u64, Option<String>), String>>,
     },
     /// A state bucket's turn at the applier: its steps are served inline, nothing else between
     /// them ([`crate::applied::lane`]).

@@ -14,6 +14,10 @@
 //!   answers.
 //! - Lookups asked together are answered together, in order, by the same instance with nothing
 //!   applied between them.
+//! - **Never older than what was answered applied.** An ask is answered from a state at or past
+//!   the fold's `applied_through` when it was asked (every write this node answered `applied`
+//!   before, every `Foldhost-Min-Revision` the caller already waited for): the query instance only
+//!   once its level reaches it ([`LEVEL_WAIT`]), the fold loop otherwise.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,6 +28,10 @@ use super::{ApplyError, Control};
 
 /// Most lookups one ask may carry.
 pub const MAX_LOOKUPS_PER_ASK: usize = 4096;
+
+/// How long an ask waits for the query instance to reach the fold's `applied_through` (normally
+/// one round, right after the batch that moved it) before the fold loop answers it instead.
+pub(crate) const LEVEL_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// Asks waiting for the query instance at once; beyond, an ask waits for room.
 pub(crate) const ASK_QUEUE: usize = 256;
@@ -69,6 +77,8 @@ struct Shared {
     instance: Mutex<(Option<mpsc::Sender<Ask>>, u64)>,
     /// The revision the query instance is level with, plus one (0: none is level).
     level: AtomicU64,
+    /// Told whenever the level moves (or the instance is withdrawn).
+    level_moved: tokio::sync::Notify,
     /// Lookups the query instance answered, and those the fold loop answered.
     by_instance: AtomicU64,
     by_fold: AtomicU64,
@@ -100,6 +110,7 @@ impl Queries {
                 status,
                 instance: Mutex::new((None, 0)),
                 level: AtomicU64::new(0),
+                level_moved: tokio::sync::Notify::new(),
                 by_instance: AtomicU64::new(0),
                 by_fold: AtomicU64::new(0),
             }),
@@ -142,6 +153,7 @@ impl Queries {
     /// The level, plus one (0: none), here and in the fold's status.
     fn publish_level(&self, level: u64) {
         self.shared.level.store(level, Ordering::Release);
+        self.shared.level_moved.notify_waiters();
         if let Some(s) = &self.shared.status {
             s.query_instance_level.store(level, Ordering::Relaxed);
         }
@@ -207,7 +219,10 @@ impl Queries {
             return Ok(Vec::new());
         }
         let n = lookups.len() as u64;
-        let instance = self.shared.instance.lock().ok().and_then(|i| i.0.clone());
+        let instance = match self.floor() {
+            Some(floor) => self.instance_at(floor).await,
+            None => self.instance(),
+        };
         let lookups = match instance {
             Some(tx) => {
                 let (reply, rx) = oneshot::channel();
@@ -227,6 +242,45 @@ impl Queries {
             None => lookups,
         };
         self.ask_fold_loop(lookups).await
+    }
+
+    /// The query instance's channel, while one is level.
+    fn instance(&self) -> Option<mpsc::Sender<Ask>> {
+        self.shared.instance.lock().ok().and_then(|i| i.0.clone())
+    }
+
+    /// The revision an answer must include: the fold's `applied_through` now (`None` without a
+    /// status to read it from).
+    fn floor(&self) -> Option<u64> {
+        self.shared
+            .status
+            .as_ref()
+            .map(|s| s.applied_through.load(Ordering::Acquire))
+    }
+
+    /// The query instance once its level reaches `floor`, waiting at most [`LEVEL_WAIT`]; `None`
+    /// (the fold loop answers) when none is level or it does not reach it in time.
+    async fn instance_at(&self, floor: u64) -> Option<mpsc::Sender<Ask>> {
+        let reached = |q: &Self| q.level().is_some_and(|l| l >= floor);
+        if reached(self) {
+            return self.instance();
+        }
+        self.instance()?;
+        if let Some(s) = &self.shared.status {
+            s.queries_waited_for_level.fetch_add(1, Ordering::Relaxed);
+        }
+        let deadline = tokio::time::Instant::now() + LEVEL_WAIT;
+        loop {
+            let moved = self.shared.level_moved.notified();
+            tokio::pin!(moved);
+            moved.as_mut().enable();
+            if reached(self) {
+                return self.instance();
+            }
+            if self.level().is_none() || tokio::time::timeout_at(deadline, moved).await.is_err() {
+                return None;
+            }
+        }
     }
 
     /// The lookups of an ask whose instance ended holding them cannot be asked again (they were

@@ -195,7 +195,8 @@ async fn check_identity_of<S: SnapshotStore, A: Apply + ?Sized>(
 }
 
 /// Resets the fold for `identity`: the retained records go (the guest rebuilds from the fold),
-/// the key-listing diff deletes every fold key the stream does not list, the checkpoint goes, and
+/// the key-listing diff deletes every fold key the stream does not list, the checkpoint goes, the
+/// operation ledger starts a new life, and
 /// the cursor goes to none with the identity recorded; the next watch is a state-sync re-list.
 async fn reset_for<S: SnapshotStore, A: Apply + ?Sized>(
     fold: &mut Fold<S>,
@@ -206,6 +207,10 @@ async fn reset_for<S: SnapshotStore, A: Apply + ?Sized>(
     identity: &crate::kv::StreamIdentity,
     why: &str,
 ) -> Result<(), AppliedError> {
+    // The rows so far answer for the bucket's previous life, not this one: they stop answering
+    // before anything of the new one is folded.
+    fold.new_ledger_life()
+        .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
     let dropped = fold.drop_retained(apply).await?;
     let report = crate::repair::relist(
         &mut Repairing { fold, apply },

@@ -587,22 +587,43 @@ fn adopt_ledger<S: SnapshotStore>(
     let mut adopted = 0u64;
     let mut batch: Vec<KvUpdate> = Vec::new();
     let mut last: Option<String> = None;
+    let refused = |e: crate::ledger::LedgerError| RepairError::Refused(e.to_string());
+    let theirs = crate::ledger::read_life(art).map_err(refused)?;
+    let ours = crate::ledger::read_life(&*store.read()?).map_err(refused)?;
     loop {
+        let mut seen = 0usize;
+        let mut next = None;
         art.for_each_in_range_after(crate::ledger::LEDGER_PREFIX, last.as_deref(), &mut |e| {
-            batch.push(KvUpdate::Put(e.clone()));
-            if batch.len() >= BATCH {
+            seen += 1;
+            next = Some(e.key.clone());
+            // Only rows of the donor's current life answer anything; they join this fold's life.
+            if let Ok(row) = protocol::LedgerRow::decode(&e.value)
+                && row.epoch == theirs.epoch
+            {
+                let row = protocol::LedgerRow {
+                    epoch: ours.epoch,
+                    ..row
+                };
+                batch.push(KvUpdate::Put(crate::kv::KvEntry {
+                    key: e.key.clone(),
+                    value: row.encode().into(),
+                    version: crate::kv::VersionToken::UNKNOWN,
+                }));
+            }
+            if seen >= BATCH {
                 ControlFlow::Break(())
             } else {
                 ControlFlow::Continue(())
             }
         })?;
-        let full = batch.len() >= BATCH;
-        last = batch.last().map(|u| u.key().to_string());
+        let full = seen >= BATCH;
+        last = next;
         {
             let local = store.read()?;
             let mut missing = Vec::with_capacity(batch.len());
             for u in batch.drain(..) {
-                if local.get(u.key())?.is_none() {
+                let mine = crate::ledger::read_row(&*local, &op_of(u.key())?).map_err(refused)?;
+                if protocol::row_of_life(mine, ours).is_none() {
                     missing.push(u);
                 }
             }
@@ -616,16 +637,31 @@ fn adopt_ledger<S: SnapshotStore>(
             break;
         }
     }
-    let theirs =
-        crate::ledger::read_watermark(art).map_err(|e| RepairError::Refused(e.to_string()))?;
-    let ours = crate::ledger::read_watermark(&*store.read()?)
-        .map_err(|e| RepairError::Refused(e.to_string()))?;
-    if theirs > ours {
-        store
-            .write()?
-            .apply(&[crate::ledger::watermark_put(theirs)], cursor)?;
+    let mut meta = Vec::new();
+    let theirs_mark = crate::ledger::read_watermark(art).map_err(refused)?;
+    let ours_mark = crate::ledger::read_watermark(&*store.read()?).map_err(refused)?;
+    if theirs_mark > ours_mark {
+        meta.push(crate::ledger::watermark_put(theirs_mark));
+    }
+    // The donor's rows are complete back to its horizon, this fold's to its own: together, back
+    // to the later of the two.
+    if theirs.horizon_unix_ms > ours.horizon_unix_ms {
+        meta.push(crate::ledger::life_put(&protocol::LedgerLife {
+            horizon_unix_ms: theirs.horizon_unix_ms,
+            ..ours
+        }));
+    }
+    if !meta.is_empty() {
+        store.write()?.apply(&meta, cursor)?;
     }
     Ok(adopted)
+}
+
+/// The operation id a ledger row's store key names.
+fn op_of(key: &str) -> Result<protocol::OpId, RepairError> {
+    key.strip_prefix(crate::ledger::LEDGER_PREFIX)
+        .and_then(|id| protocol::OpId::parse(id).ok())
+        .ok_or_else(|| RepairError::Refused(format!("ledger entry {key:?}: not an operation id")))
 }
 
 /// The retention's first revision, or a refusal when the bucket cannot say.
@@ -767,6 +803,12 @@ mod tests {
             revision: rev,
             key: key.into(),
             recorded_unix_ms: 1,
+            epoch: 0,
+            digest: Some([7; 16]),
+        };
+        let stale = protocol::LedgerRow {
+            epoch: 9,
+            ..row(13, "d")
         };
         let cursor = crate::kv::WatchCursor::at(10);
         // The donor folded three operations and swept up to 500; the fold holds one of them.
@@ -776,6 +818,8 @@ mod tests {
                 crate::ledger::row_put(&op(1_000, 1), &row(5, "a")),
                 crate::ledger::row_put(&op(2_000, 2), &row(12, "b")),
                 crate::ledger::row_put(&op(3_000, 3), &row(14, "c")),
+                // A row of an earlier life of the donor's ledger answers nothing: not adopted.
+                crate::ledger::row_put(&op(2_500, 4), &stale),
                 crate::ledger::watermark_put(500),
             ],
             crate::kv::WatchCursor::at(14),
@@ -794,6 +838,10 @@ mod tests {
         for (id, want) in [(op(2_000, 2), row(12, "b")), (op(3_000, 3), row(14, "c"))] {
             assert_eq!(crate::ledger::read_row(&*s, &id).expect("row"), Some(want));
         }
+        assert_eq!(
+            crate::ledger::read_row(&*s, &op(2_500, 4)).expect("row"),
+            None
+        );
         assert_eq!(crate::ledger::read_watermark(&*s).expect("watermark"), 500);
         assert_eq!(s.cursor(), cursor, "the cursor is the restore's to move");
         drop(s);

@@ -73,6 +73,8 @@ pub struct Fold<S: SnapshotStore> {
     /// The stream identity to record with the next committed batch (a fold that records none yet:
     /// it is committed with the first cursor, see `check_identity`).
     pub(super) pending_identity: Option<crate::kv::StreamIdentity>,
+    /// The operation ledger's life as committed (docs/writes.md, "When a node cannot vouch").
+    life: protocol::LedgerLife,
 }
 
 impl<S: SnapshotStore> Fold<S> {
@@ -100,6 +102,7 @@ impl<S: SnapshotStore> Fold<S> {
             state_sync: None,
             level: None,
             pending_identity: None,
+            life: protocol::LedgerLife::default(),
         };
         // The migration of folds written before bucket keys in the host's space were skipped:
         // forged retained records go, in one commit that does not move the cursor.
@@ -120,6 +123,7 @@ impl<S: SnapshotStore> Fold<S> {
             fold.store.write()?.apply(&deletes, applied)?;
         }
         fold.publish_retained()?;
+        fold.load_life()?;
         fold.checkpoint = crate::retained::read_checkpoint(&*fold.store.read()?)?;
         fold.publish_checkpoint();
         if let Err(e) = fold.publish_watermark() {

@@ -1,9 +1,10 @@
 //! What a commit carries beside the batch for the write side and `applied_through`: the
-//! operation ledger's rows (docs/writes.md, "The operation ledger") and what a state-sync start
-//! left unseen ([`protocol::Unseen`]).
+//! operation ledger's rows and its life (docs/writes.md, "The operation ledger") and what a
+//! state-sync start left unseen ([`protocol::Unseen`]).
 //!
 //! Invariants: a ledger row commits in the commit that moves the cursor over its record, never
-//! before it; what a state-sync skipped is recorded in the commit of the batch that skipped it,
+//! before it, and only for an id a write path could have admitted; a commit that passes records
+//! a state-sync did not deliver raises the ledger's horizon in the same commit; what a state-sync skipped is recorded in the commit of the batch that skipped it,
 //! and removed only once settled (the cursor at the level, nothing retained) with no state-sync
 //! running, so `applied_through` never covers a revision whose key's state is older.
 
@@ -14,6 +15,7 @@ use super::*;
 pub(crate) struct Carried {
     unseen: Option<Option<protocol::Unseen>>,
     checkpoint: Option<(u64, u64)>,
+    life: Option<protocol::LedgerLife>,
 }
 
 impl<S: SnapshotStore> Fold<S> {
@@ -99,7 +101,7 @@ impl<S: SnapshotStore> Fold<S> {
     fn unseen_change(
         &mut self,
         raw: &[KvUpdate],
-    ) -> Result<Option<Option<protocol::Unseen>>, SnapshotError> {
+    ) -> Result<(Option<Option<protocol::Unseen>>, bool), SnapshotError> {
         let (before, retained) = self.store.with_retained(|r| (r.unseen(), r.len()))?;
         let mut first = None;
         if let Some(next) = self.state_sync {
@@ -116,7 +118,7 @@ impl<S: SnapshotStore> Fold<S> {
             self.applied.revision(),
             retained > 0,
         );
-        Ok((after != before).then_some(after))
+        Ok(((after != before).then_some(after), first.is_some()))
     }
 
     /// Operation ids of records about to be delivered ([`crate::kv::WatchEvent::Ops`]). Ids of
@@ -141,29 +143,81 @@ impl<S: SnapshotStore> Fold<S> {
         }
     }
 
-    /// The ledger rows of the queued operation ids at or below `through`, taken off the queue.
+    /// The ledger rows of the queued operation ids at or below `through`, taken off the queue: one
+    /// per record whose id a write path could have admitted ([`protocol::row_admitted`]), in the
+    /// ledger's current life.
     fn take_ledger_rows(&mut self, through: u64) -> Vec<KvUpdate> {
         let now = now_unix_ms();
         let mut rows = Vec::new();
         while self.ops.front().is_some_and(|o| o.revision <= through) {
-            if let Some(o) = self.ops.pop_front() {
-                let row = crate::protocol::LedgerRow {
-                    revision: o.revision,
-                    key: o.key,
-                    recorded_unix_ms: now,
-                };
-                rows.push(crate::ledger::row_put(&o.op, &row));
+            let Some(o) = self.ops.pop_front() else { break };
+            if !protocol::row_admitted(&o.op, o.stored_unix_ms, now) {
+                tracing::warn!(
+                    event = "ledger_id_not_admitted",
+                    op_id = %o.op,
+                    revision = o.revision,
+                    minted_unix_ms = o.op.minted_unix_ms(),
+                    stored_unix_ms = o.stored_unix_ms,
+                    "a record carries an operation id minted further past its own time than any write path admits: it leaves no ledger row"
+                );
+                continue;
             }
+            let row = protocol::LedgerRow {
+                revision: o.revision,
+                key: o.key,
+                recorded_unix_ms: now,
+                epoch: self.life.epoch,
+                digest: Some(o.digest),
+            };
+            rows.push(crate::ledger::row_put(&o.op, &row));
         }
         rows
     }
 
-    /// Sweeps the operation ledger under the current cursor ([`crate::ledger::sweep`]): how many
-    /// rows went.
-    pub(crate) fn sweep_ledger(&mut self, cutoff_unix_ms: u64) -> Result<u64, String> {
-        let updates = {
+    /// Starts a new life of the ledger for a fold re-folded from a recreated or diverged bucket
+    /// (every row so far answers nothing; the horizon is now), in one commit under the current
+    /// cursor.
+    pub(crate) fn new_ledger_life(&mut self) -> Result<(), SnapshotError> {
+        let life = self.life.new_incarnation(now_unix_ms());
+        self.store
+            .write()?
+            .apply(&[crate::ledger::life_put(&life)], self.applied)?;
+        self.life = life;
+        self.publish_life();
+        Ok(())
+    }
+
+    /// Reads the ledger's life from the store (a fold that opens), into the status too.
+    pub(super) fn load_life(&mut self) -> Result<(), SnapshotError> {
+        self.life = crate::ledger::read_life(&*self.store.read()?).map_err(|e| {
+            SnapshotError::InvalidFormat {
+                path: "the operation ledger's life".into(),
+                reason: e.to_string(),
+            }
+        })?;
+        self.publish_life();
+        Ok(())
+    }
+
+    /// The ledger's horizon into the status.
+    pub(super) fn publish_life(&self) {
+        self.status
+            .ledger_horizon_unix_ms
+            .store(self.life.horizon_unix_ms, Ordering::Relaxed);
+    }
+
+    /// One step of a sweep of the operation ledger, under the current cursor
+    /// ([`crate::ledger::sweep_step`]): how many rows went, and the key to resume after (`None`:
+    /// the sweep is done, and counted).
+    pub(crate) fn sweep_ledger(
+        &mut self,
+        cutoff_unix_ms: u64,
+        after: Option<&str>,
+    ) -> Result<(u64, Option<String>), String> {
+        let (updates, next) = {
             let store = self.store.read().map_err(|e| e.to_string())?;
-            crate::ledger::sweep(&*store, cutoff_unix_ms).map_err(|e| e.to_string())?
+            crate::ledger::sweep_step(&*store, cutoff_unix_ms, now_unix_ms(), after)
+                .map_err(|e| e.to_string())?
         };
         let n = updates
             .iter()
@@ -177,8 +231,10 @@ impl<S: SnapshotStore> Fold<S> {
                 .map_err(|e| e.to_string())?;
         }
         self.publish_watermark().map_err(|e| e.to_string())?;
-        self.status.ledger_sweeps.fetch_add(1, Ordering::Relaxed);
-        Ok(n)
+        if next.is_none() {
+            self.status.ledger_sweeps.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok((n, next))
     }
 
     /// Brings the status's ledger watermark in line with the store's.
@@ -202,9 +258,16 @@ impl<S: SnapshotStore> Fold<S> {
         if self.frozen {
             return Ok(Carried::default());
         }
-        let unseen = self.unseen_change(raw)?;
+        let (unseen, skipped) = self.unseen_change(raw)?;
         if let Some(u) = unseen {
             raw.push(crate::retained::unseen_floor_update(u));
+        }
+        // A state-sync passed records it did not deliver: their operation ids leave no rows, so
+        // the ledger's horizon moves up in this very commit (docs/writes.md, "When a node cannot
+        // vouch for an id").
+        let life = skipped.then(|| self.life.passed_without_rows(now_unix_ms()));
+        if let Some(l) = &life {
+            raw.push(crate::ledger::life_put(l));
         }
         let through = cursor.revision_or_zero();
         let checkpoint = self
@@ -222,7 +285,11 @@ impl<S: SnapshotStore> Fold<S> {
             crashpoint::hold(crashpoint::FOLD_LEDGER_COMMIT).await;
         }
         raw.extend(rows);
-        Ok(Carried { unseen, checkpoint })
+        Ok(Carried {
+            unseen,
+            checkpoint,
+            life,
+        })
     }
 
     /// After a commit: what it carried published (the unseen record to the index, the
@@ -235,6 +302,10 @@ impl<S: SnapshotStore> Fold<S> {
         if let Some(c) = carried.checkpoint {
             self.checkpoint = Some(c);
             self.publish_checkpoint();
+        }
+        if let Some(l) = carried.life {
+            self.life = l;
+            self.publish_life();
         }
         if self
             .level

@@ -22,6 +22,7 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
+use crate::crashpoint;
 use crate::kv::{KvError, KvUpdate, KvWatcher, WatchEvent};
 use crate::protocol;
 use crate::snapshot::SnapshotStore;
@@ -395,11 +396,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 }
             }
             if flush_now {
-                self.flush_ready(&mut t, timer.as_mut()).await?;
-                // A shadow waiting for the fold's batches looks again after each commit, and so
-                // does a query instance waiting for its next round.
-                self.on_committed(&mut t).await?;
-                self.query_round()?;
+                self.flush_and_round(&mut t, timer.as_mut()).await?;
             }
         }
     }
@@ -494,6 +491,22 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         Ok(())
     }
 
+    /// Flushes what is ready; then a shadow waiting for the fold's batches looks again, and a
+    /// query instance waiting for its next round gets it.
+    async fn flush_and_round(
+        &mut self,
+        t: &mut Turn,
+        timer: Pin<&mut tokio::time::Sleep>,
+    ) -> Result<(), AppliedError> {
+        let before = self.fold.cursor();
+        self.flush_ready(t, timer).await?;
+        self.on_committed(t).await?;
+        if self.fold.cursor() != before && self.query_round_due() {
+            crashpoint::hold(crashpoint::QUERY_ROUND).await;
+        }
+        self.query_round()
+    }
+
     /// A query, an export or a swap, between batches.
     async fn on_control(&mut self, c: Option<Control>, t: &mut Turn) -> Result<(), AppliedError> {
         match c {
@@ -532,9 +545,10 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             }
             Some(Control::SweepLedger {
                 cutoff_unix_ms,
+                after,
                 reply,
             }) => {
-                let swept = self.fold.sweep_ledger(cutoff_unix_ms);
+                let swept = self.fold.sweep_ledger(cutoff_unix_ms, after.as_deref());
                 let _ = reply.send(swept);
             }
             Some(Control::Swap { bytes, what, reply }) => {

@@ -282,6 +282,15 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         self.query_life.not_before = None;
     }
 
+    /// Whether a query instance serves and waits for its next round (the round goes at the next
+    /// settled point).
+    pub(super) fn query_round_due(&self) -> bool {
+        matches!(
+            self.query_instance.as_ref().map(|q| &q.phase),
+            Some(Phase::Serving { wanting: true, .. })
+        )
+    }
+
     /// Starts the instance's next round when it waits for one and there is something to hand it;
     /// drops it when what it must be handed was lost (a capture overflowed, the lane feed did).
     pub(super) fn query_round(&mut self) -> Result<(), AppliedError> {

@@ -1,0 +1,210 @@
+use super::*;
+
+/// A UUIDv7 minted at `ms` with `rand` in its random bits.
+fn op(ms: u64, rand: u8) -> OpId {
+    let mut b = [rand; 16];
+    b[..6].copy_from_slice(&ms.to_be_bytes()[2..]);
+    b[6] = 0x70 | (b[6] & 0x0f);
+    b[8] = 0x80 | (b[8] & 0x3f);
+    OpId::from_bytes(b).expect("a v7")
+}
+
+fn row(revision: u64, key: &str, epoch: u32) -> LedgerRow {
+    LedgerRow {
+        revision,
+        key: key.into(),
+        recorded_unix_ms: 7,
+        epoch,
+        digest: Some([9; 16]),
+    }
+}
+
+#[test]
+fn a_ledger_row_round_trips_a_first_format_row_reads_without_digest_and_foreign_bytes_are_refused()
+{
+    let r = LedgerRow {
+        revision: u64::MAX - 1,
+        key: "route.ü".into(),
+        recorded_unix_ms: 99,
+        epoch: 7,
+        digest: Some([3; 16]),
+    };
+    assert_eq!(LedgerRow::decode(&r.encode()), Ok(r));
+    // The first format: [1][revision][recorded][key].
+    let mut v1 = vec![1u8];
+    v1.extend_from_slice(&5u64.to_be_bytes());
+    v1.extend_from_slice(&6u64.to_be_bytes());
+    v1.extend_from_slice(b"k");
+    assert_eq!(
+        LedgerRow::decode(&v1),
+        Ok(LedgerRow {
+            revision: 5,
+            key: "k".into(),
+            recorded_unix_ms: 6,
+            epoch: 0,
+            digest: None,
+        })
+    );
+    assert_eq!(LedgerRow::decode(b""), Err(LedgerRowError::Format));
+    assert_eq!(LedgerRow::decode(&[2; 36]), Err(LedgerRowError::Format));
+    let mut other = row(1, "a", 0).encode();
+    other[0] = 3;
+    assert_eq!(LedgerRow::decode(&other), Err(LedgerRowError::Format));
+    let mut bad = row(1, "a", 0).encode();
+    bad.push(0xff);
+    assert_eq!(LedgerRow::decode(&bad), Err(LedgerRowError::Key));
+}
+
+#[test]
+fn a_write_digest_tells_operations_and_values_apart() {
+    let put_a = write_digest(KvOp::Put, b"a");
+    assert_eq!(put_a, write_digest(KvOp::Put, b"a"));
+    assert_ne!(put_a, write_digest(KvOp::Put, b"b"));
+    assert_ne!(
+        write_digest(KvOp::Put, b""),
+        write_digest(KvOp::Delete, b"")
+    );
+    assert_ne!(
+        write_digest(KvOp::Delete, b""),
+        write_digest(KvOp::Purge, b"")
+    );
+    // A marker's payload is not part of it.
+    assert_eq!(
+        write_digest(KvOp::Delete, b"x"),
+        write_digest(KvOp::Delete, b"")
+    );
+}
+
+#[test]
+fn only_an_id_minted_no_further_past_its_records_time_than_a_host_admits_leaves_a_row() {
+    let stored = 1_000_000;
+    assert!(row_admitted(&op(stored, 1), stored, 0));
+    assert!(row_admitted(&op(stored + MAX_OP_ID_SKEW_MS, 1), stored, 0));
+    assert!(!row_admitted(
+        &op(stored + MAX_OP_ID_SKEW_MS + 1, 1),
+        stored,
+        0
+    ));
+    // Centuries ahead: never.
+    assert!(!row_admitted(&op(1 << 47, 1), stored, 0));
+    // Without the record's time, the recording instant stands in.
+    assert!(row_admitted(&op(stored, 1), 0, stored));
+    assert!(!row_admitted(
+        &op(stored + MAX_OP_ID_SKEW_MS + 1, 1),
+        0,
+        stored
+    ));
+}
+
+#[test]
+fn the_watermark_follows_the_newest_swept_mint_instant_never_moves_back_nor_past_the_sweeps_clock()
+{
+    assert_eq!(watermark_after_sweep(0, None, 100), 0);
+    assert_eq!(watermark_after_sweep(0, Some(50), 100), 50);
+    assert_eq!(watermark_after_sweep(80, Some(50), 100), 80);
+    assert_eq!(watermark_after_sweep(0, Some(u64::MAX), 100), 100);
+    assert_eq!(effective_watermark(500, 100), 100);
+    assert_eq!(effective_watermark(50, 100), 50);
+}
+
+#[test]
+fn a_row_of_an_earlier_life_answers_nothing() {
+    let life = LedgerLife {
+        epoch: 2,
+        horizon_unix_ms: 0,
+    };
+    assert_eq!(
+        row_of_life(Some(row(1, "a", 2)), life),
+        Some(row(1, "a", 2))
+    );
+    assert_eq!(row_of_life(Some(row(1, "a", 1)), life), None);
+    assert_eq!(row_of_life(None, life), None);
+}
+
+#[test]
+fn a_life_round_trips_a_state_sync_raises_the_horizon_and_a_new_incarnation_the_epoch() {
+    let l = LedgerLife {
+        epoch: 3,
+        horizon_unix_ms: 500,
+    };
+    assert_eq!(LedgerLife::decode(&l.encode()), Some(l));
+    assert_eq!(LedgerLife::decode(b"short"), None);
+    assert_eq!(
+        l.passed_without_rows(400),
+        l,
+        "the horizon never moves back"
+    );
+    assert_eq!(l.passed_without_rows(900).horizon_unix_ms, 900);
+    assert_eq!(l.passed_without_rows(900).epoch, 3);
+    let n = l.new_incarnation(900);
+    assert_eq!((n.epoch, n.horizon_unix_ms), (4, 900));
+}
+
+#[test]
+fn a_retry_without_a_row_is_published_only_where_the_rows_or_the_brokers_window_cover_it() {
+    let now = 10_000_000;
+    let window = 120_000;
+    let complete = Coverage {
+        cursor: 50,
+        life: LedgerLife::default(),
+    };
+    // Fresh (every copy would be in the window): published whatever else holds.
+    let fresh = op(now, 1);
+    let behind_horizon = Coverage {
+        cursor: 10,
+        life: LedgerLife {
+            epoch: 0,
+            horizon_unix_ms: now,
+        },
+    };
+    assert_eq!(
+        vouch_retry(&fresh, now, window, Some(99), behind_horizon),
+        Vouch::Publish
+    );
+    // Old, the key's newest record at or below the cursor, no horizon: the rows cover it.
+    let old = op(now - 600_000, 1);
+    assert_eq!(
+        vouch_retry(&old, now, window, Some(50), complete),
+        Vouch::Publish
+    );
+    assert_eq!(
+        vouch_retry(&old, now, window, None, complete),
+        Vouch::Publish
+    );
+    // Old, the key has records past the cursor: its copy may be there.
+    assert_eq!(
+        vouch_retry(&old, now, window, Some(51), complete),
+        Vouch::FoldBehind
+    );
+    // Old, minted before the horizon was set: a copy may have been passed without a row.
+    let horizon = Coverage {
+        cursor: 50,
+        life: LedgerLife {
+            epoch: 1,
+            horizon_unix_ms: now - 300_000,
+        },
+    };
+    assert_eq!(
+        vouch_retry(&old, now, window, Some(50), horizon),
+        Vouch::Unvouched {
+            minted_unix_ms: now - 600_000,
+            horizon_unix_ms: now - 300_000,
+        }
+    );
+    // Minted well after the horizon (past the skew allowance): the rows cover it.
+    let after = op(now - 300_000 + MAX_OP_ID_SKEW_MS + 1, 1);
+    assert_eq!(
+        vouch_retry(&after, now, window, Some(50), horizon),
+        Vouch::Publish
+    );
+    // A shorter window trusts less: the same age is no longer covered by the broker.
+    let recent = op(now - 2_000, 1);
+    assert_eq!(
+        vouch_retry(&recent, now, window, Some(50), behind_horizon),
+        Vouch::Publish
+    );
+    assert!(matches!(
+        vouch_retry(&recent, now, 1_000, Some(50), behind_horizon),
+        Vouch::Unvouched { .. }
+    ));
+}
