@@ -203,6 +203,27 @@ impl NatsKv {
             .and_then(|m| self.key_of(&m.subject).map(|k| landed(k, &m))))
     }
 
+    /// The first record on `key` after revision `after`: where it landed, what it wrote, and the
+    /// operation id it carries (`Ok(None)`: none). A compare-and-set conditioned on `after` that
+    /// landed is exactly this record.
+    pub async fn successor(
+        &self,
+        key: &str,
+        after: u64,
+    ) -> Result<Option<(protocol::Landed, Option<protocol::OpId>)>, KvError> {
+        if !protocol::kv_key_valid(key) {
+            return Err(KvError::Invalid(format!("{key:?} is not a valid key")));
+        }
+        let request = serde_json::json!({
+            "seq": after.saturating_add(1),
+            "next_by_subj": format!("{}{key}", self.subject_prefix),
+        });
+        Ok(self
+            .msg_get("record after a revision", request)
+            .await?
+            .map(|m| (landed(key, &m), m.op_id)))
+    }
+
     /// The stream's duplicate window, read fresh from the server (its configuration can change
     /// under a running node), in milliseconds.
     pub async fn duplicate_window_ms(&self) -> Result<u64, KvError> {

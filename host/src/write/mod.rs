@@ -326,9 +326,9 @@ impl WritePath {
             Admission::Landed { revision } => self.settle(revision, &c).await,
             Admission::Refused(r) => WriteAnswer::refused(r, Some(&c.op)),
             Admission::Unknown(why) => self.unvouched(why, &c),
-            Admission::Publish if republish => self.publish(&c).await,
+            Admission::Publish if republish => self.publish(&c, &view).await,
             Admission::Publish if c.given_id => self.publish_retry(&c, &view).await,
-            Admission::Publish => self.publish(&c).await,
+            Admission::Publish => self.publish(&c, &view).await,
         }
     }
 
@@ -393,7 +393,7 @@ impl WritePath {
             }
         }
         match vouch {
-            protocol::Vouch::Publish => self.publish(c).await,
+            protocol::Vouch::Publish => self.publish(c, view).await,
             protocol::Vouch::FoldBehind => WriteAnswer::unknown(UnknownWhy::FoldBehind, &c.op),
             protocol::Vouch::Unvouched {
                 minted_unix_ms,
@@ -409,7 +409,8 @@ impl WritePath {
     }
 
     /// Publishes, and turns the broker's answer (or its absence) into a revision or an answer.
-    async fn publish(&self, c: &Checked) -> WriteAnswer {
+    /// `view`: what the ledger said of the operation before.
+    async fn publish(&self, c: &Checked, view: &LedgerView) -> WriteAnswer {
         let _expecting = self.status.expect_applied();
         let published = self
             .kv
@@ -438,15 +439,7 @@ impl WritePath {
                     Err(r) => return WriteAnswer::refused(r, Some(&c.op)),
                 }
             }
-            Published::WrongLastSequence => {
-                let current = self.kv.newest_record(&c.key).await.ok().flatten();
-                return WriteAnswer::refused(
-                    WriteRefusal::Conflict {
-                        current: current.map(|(found, _)| found.revision),
-                    },
-                    Some(&c.op),
-                );
-            }
+            Published::WrongLastSequence => return self.conflicted(c, view).await,
             Published::Lost(why) => {
                 tracing::warn!(event = "write_ack_lost", op_id = %c.op, key = %c.key, error = %why, "a write's acknowledgement was lost: resolving it from the log");
                 let newest = self
@@ -479,6 +472,51 @@ impl WritePath {
             }
         };
         self.settle(revision, c).await
+    }
+
+    /// A compare-and-set the broker refused: a conflict naming the key's revision — unless the
+    /// operation's own first copy is the key's record right after the revision it asked for (a
+    /// retry of a write that landed: the broker checks the revision before its duplicate window),
+    /// or nothing can establish whether it landed ([`protocol::after_conflict`]).
+    async fn conflicted(&self, c: &Checked, view: &LedgerView) -> WriteAnswer {
+        let unreadable = |e: crate::kv::KvError| {
+            WriteAnswer::unknown(UnknownWhy::LogUnreadable(e.to_string()), &c.op)
+        };
+        let current = match self.kv.newest_record(&c.key).await {
+            Ok(found) => found.map(|(f, _)| f.revision),
+            // The key's revision cannot be told, nor, for a retry, whether its first copy landed.
+            Err(e) => return unreadable(e),
+        };
+        let asked = c.if_revision.unwrap_or(0);
+        let (successor, known) = if c.given_id {
+            let successor = match self.kv.successor(&c.key, asked).await {
+                Ok(s) => s,
+                Err(e) => return unreadable(e),
+            };
+            let known = asked > 0
+                && match self.kv.record_at(asked).await {
+                    Ok(at) => at.is_some_and(|r| r.key == c.key),
+                    Err(e) => return unreadable(e),
+                };
+            (successor, known)
+        } else {
+            (None, false)
+        };
+        let covered = protocol::Coverage {
+            cursor: view.cursor,
+            life: view.life,
+        };
+        let rows = protocol::vouch_retry(&c.op, now_unix_ms(), 0, current, covered);
+        let seen = protocol::ConflictSeen {
+            current,
+            successor: successor.as_ref(),
+            successor_known: known,
+        };
+        match protocol::after_conflict(&c.op, &c.key, &c.digest, c.given_id, seen, rows) {
+            protocol::AfterConflict::Landed(revision) => self.settle(revision, c).await,
+            protocol::AfterConflict::Refused(r) => WriteAnswer::refused(r, Some(&c.op)),
+            protocol::AfterConflict::Unknown(why) => self.unvouched(why, c),
+        }
     }
 
     /// A record durable at `revision`: applied once this fold reaches it within the wait,

@@ -482,3 +482,38 @@ async fn hundreds_of_reads_held_waiting_for_a_revision_never_lock_out_probes_wri
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retried_compare_and_set_whose_first_copy_landed_is_answered_as_it_not_refused()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket_with_history("cas", 8).await?;
+    let start = kv.put("k.a", "v0".into()).await?.as_u64().unwrap_or(0);
+    let tmp = tempfile::tempdir()?;
+    let a = Node::start(&h, "cas", &tmp.path().join("a"), &[]).await?;
+    let op_id = op_id_at(now_ms(), 6);
+    let cas =
+        serde_json::json!({"key": "k.a", "value": "v1", "op_id": op_id, "if_revision": start});
+    let (_, first) = a.write(cas.clone()).await?;
+    assert_eq!(first.outcome, "applied", "{first:?}");
+    // The key moves on; a node started from an empty store holds no row of the first write.
+    kv.put("k.a", "v2".into()).await?;
+    drop(a);
+    let b = Node::start(&h, "cas", &tmp.path().join("b"), &[]).await?;
+    let last = kv.positions().await?.last_sequence;
+    wait_status(&b.addr, |s| s.applied_through >= last).await?;
+    // The broker refuses the retry's revision before its duplicate window could collapse it:
+    // the retry is still the write that won.
+    let (code, again) = b.write(cas).await?;
+    assert_eq!(
+        (code, again.outcome.as_str(), again.revision),
+        (200, "applied", first.revision),
+        "{again:?}"
+    );
+    assert_eq!(
+        kv.positions().await?.last_sequence,
+        last,
+        "published nothing"
+    );
+    Ok(())
+}

@@ -271,6 +271,75 @@ pub fn vouch_retry(
     Vouch::Publish
 }
 
+/// What a compare-and-set the broker refused answers (the key's last revision was not the one it
+/// asked for). The broker checks the revision before its duplicate window, so a retry of a
+/// compare-and-set whose first copy landed is refused by it like any stale write: the first copy
+/// is found where it must be if it landed — the key's first record after `if_revision` — or
+/// judged by what the rows cover.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AfterConflict {
+    /// The record after `if_revision` is this operation's, the same write: answered as it.
+    Landed(u64),
+    /// Refused: a conflict naming the key's revision, or the id reused.
+    Refused(super::WriteRefusal),
+    /// Nothing can establish whether its first copy landed.
+    Unknown(super::UnknownWhy),
+}
+
+/// What the log shows a refused compare-and-set.
+#[derive(Debug, Clone, Copy)]
+pub struct ConflictSeen<'a> {
+    /// The key's revision now (`None`: it has no record).
+    pub current: Option<u64>,
+    /// The key's first record after the revision it asked for, and the id it carries.
+    pub successor: Option<&'a (super::Landed, Option<OpId>)>,
+    /// Nothing before that record can have been removed (the record at the revision it asked for
+    /// is still on the key).
+    pub successor_known: bool,
+}
+
+/// Judges a compare-and-set of `op` (`digest` on `key`) the broker refused: `retry` when the
+/// caller gave the id (a host-minted one is a first attempt); `seen` what the log shows;
+/// `rows` the ledger's judgement with no duplicate window at all ([`vouch_retry`] with a window
+/// of 0).
+pub fn after_conflict(
+    op: &OpId,
+    key: &str,
+    digest: &WriteDigest,
+    retry: bool,
+    seen: ConflictSeen<'_>,
+    rows: Vouch,
+) -> AfterConflict {
+    let ConflictSeen {
+        current,
+        successor,
+        successor_known,
+    } = seen;
+    if let Some((found, Some(id))) = successor
+        && id == op
+    {
+        return match super::same_write(key, digest, found) {
+            Ok(revision) => AfterConflict::Landed(revision),
+            Err(r) => AfterConflict::Refused(r),
+        };
+    }
+    let conflict = AfterConflict::Refused(super::WriteRefusal::Conflict { current });
+    if !retry || successor_known {
+        return conflict;
+    }
+    match rows {
+        Vouch::Publish => conflict,
+        Vouch::FoldBehind => AfterConflict::Unknown(super::UnknownWhy::FoldBehind),
+        Vouch::Unvouched {
+            minted_unix_ms,
+            horizon_unix_ms,
+        } => AfterConflict::Unknown(super::UnknownWhy::Unvouched {
+            minted_unix_ms,
+            horizon_unix_ms,
+        }),
+    }
+}
+
 #[cfg(test)]
 #[path = "ledger_tests.rs"]
 mod tests;

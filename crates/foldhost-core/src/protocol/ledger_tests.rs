@@ -208,3 +208,75 @@ fn a_retry_without_a_row_is_published_only_where_the_rows_or_the_brokers_window_
         Vouch::Unvouched { .. }
     ));
 }
+
+#[test]
+fn a_refused_compare_and_set_is_its_own_first_copy_when_that_is_the_record_after_its_revision() {
+    use crate::protocol::{Landed, UnknownWhy, WriteRefusal};
+    let id = op(1_000, 1);
+    let d = write_digest(KvOp::Put, b"v");
+    let found = |rev: u64, carried: Option<OpId>| {
+        (
+            Landed {
+                revision: rev,
+                key: "k".into(),
+                digest: Some(d),
+            },
+            carried,
+        )
+    };
+    let seen = |successor, known| ConflictSeen {
+        current: Some(9),
+        successor,
+        successor_known: known,
+    };
+    let conflict = AfterConflict::Refused(WriteRefusal::Conflict { current: Some(9) });
+    let mine = found(5, Some(id));
+    let theirs = found(5, Some(op(1_000, 2)));
+    // Its own record right after the revision it asked for: the write landed there.
+    assert_eq!(
+        after_conflict(&id, "k", &d, true, seen(Some(&mine), true), Vouch::Publish),
+        AfterConflict::Landed(5)
+    );
+    // Another write's record there, the history intact: it never landed.
+    assert_eq!(
+        after_conflict(
+            &id,
+            "k",
+            &d,
+            true,
+            seen(Some(&theirs), true),
+            Vouch::FoldBehind
+        ),
+        conflict
+    );
+    // A first attempt (a host-minted id) cannot have landed before.
+    assert_eq!(
+        after_conflict(&id, "k", &d, false, seen(None, false), Vouch::FoldBehind),
+        conflict
+    );
+    // The history before the successor may be gone: the rows decide.
+    assert_eq!(
+        after_conflict(&id, "k", &d, true, seen(None, false), Vouch::Publish),
+        conflict
+    );
+    assert_eq!(
+        after_conflict(&id, "k", &d, true, seen(None, false), Vouch::FoldBehind),
+        AfterConflict::Unknown(UnknownWhy::FoldBehind)
+    );
+    // Its id on another body: refused, naming the first.
+    let other = write_digest(KvOp::Put, b"w");
+    assert!(matches!(
+        after_conflict(
+            &id,
+            "k",
+            &other,
+            true,
+            seen(Some(&mine), true),
+            Vouch::Publish
+        ),
+        AfterConflict::Refused(WriteRefusal::OpReused {
+            other_body: true,
+            ..
+        })
+    ));
+}
