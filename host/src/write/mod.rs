@@ -423,7 +423,17 @@ impl WritePath {
             } => {
                 let landed = if duplicate {
                     match self.kv.record_at(sequence).await {
-                        Ok(found) => found,
+                        Ok(Some(found)) => Some(found),
+                        // The record the broker collapsed it onto is gone (superseded, purged):
+                        // which write it was cannot be told.
+                        Ok(None) => {
+                            return WriteAnswer::unknown(
+                                UnknownWhy::LogUnreadable(format!(
+                                    "the broker collapsed it onto the record at {sequence}, which is gone"
+                                )),
+                                &c.op,
+                            );
+                        }
                         Err(e) => {
                             return WriteAnswer::unknown(
                                 UnknownWhy::LogUnreadable(e.to_string()),

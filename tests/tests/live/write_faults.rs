@@ -192,7 +192,7 @@ async fn a_retry_of_a_write_that_landed_before_a_nodes_state_sync_start_is_unkno
     drop(a);
     pass_duplicate_window().await;
     // A node started from an empty store passes the first record without its row.
-    let b = Node::start(&h, "sync", &tmp.path().join("b"), &[]).await?;
+    let (b, mut logs) = Node::start_logged(&h, "sync", &tmp.path().join("b"), &[]).await?;
     let last = kv.positions().await?.last_sequence;
     wait_status(&b.addr, |s| s.applied_through >= last).await?;
     let (code, again) = b
@@ -219,6 +219,14 @@ async fn a_retry_of_a_write_that_landed_before_a_nodes_state_sync_start_is_unkno
         records_of(&kv, "sync", &op_id).await?.len(),
         1,
         "one record of the id"
+    );
+    // The log says why: the id, its mint instant and the horizon.
+    let line = logs.wait_for("write_unvouched")?;
+    assert!(
+        line.contains(&op_id)
+            && line.contains("minted_unix_ms")
+            && line.contains("horizon_unix_ms"),
+        "{line}"
     );
     Ok(())
 }

@@ -10,6 +10,9 @@ use foldhost::kv::{KvReader as _, KvWriter as _};
 use foldhost::write::WriteAnswer;
 use foldhost_tests::*;
 
+/// The write token every test node is given.
+const TOKEN: &str = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+
 /// A node folding `bucket` with `--listen` on a reserved port, its write token in a file the test
 /// chose; waits until it serves.
 pub(crate) struct Node {
@@ -47,28 +50,56 @@ impl Node {
         env: &[(&str, String)],
         args: &[&str],
     ) -> anyhow::Result<Node> {
+        let (mut cmd, addr) = Node::command(nats, bucket, store, env, args)?;
+        let child = cmd.stderr(Stdio::null()).spawn()?;
+        Node::running(child, addr).await
+    }
+
+    /// [`Node::start_with`], its log (warnings and up) read line by line.
+    pub(crate) async fn start_logged(
+        h: &Harness,
+        bucket: &str,
+        store: &Path,
+        args: &[&str],
+    ) -> anyhow::Result<(Node, LogLines)> {
+        let (cmd, addr) = Node::command(&h.url(), bucket, store, &[], args)?;
+        let (child, logs) = spawn_logged(cmd)?;
+        Ok((Node::running(child, addr).await?, logs))
+    }
+
+    /// The `foldhost run` of a node, and the address it will listen on.
+    fn command(
+        nats: &str,
+        bucket: &str,
+        store: &Path,
+        env: &[(&str, String)],
+        args: &[&str],
+    ) -> anyhow::Result<(std::process::Command, String)> {
         let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
-        let token = "0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
-        let token_file = store.with_extension("write-token");
-        std::fs::write(&token_file, token)?;
+        std::fs::write(store.with_extension("write-token"), TOKEN)?;
         let mut cmd = foldhost();
         cmd.args(["run", "--bucket", bucket, "--nats", nats, "--store"])
             .arg(store)
             .args(["--listen", &addr])
             .arg("--write-token-file")
-            .arg(&token_file)
-            .args(args)
-            .stderr(Stdio::null());
+            .arg(store.with_extension("write-token"))
+            .args(args);
         for (k, v) in env {
             cmd.env(k, v);
         }
-        let child = cmd.spawn()?;
-        wait_status(&addr, |s| s.state == "running").await?;
-        Ok(Node {
+        Ok((cmd, addr))
+    }
+
+    /// `child` once it serves on `addr`.
+    async fn running(child: std::process::Child, addr: String) -> anyhow::Result<Node> {
+        let node = Node {
             child,
             addr,
-            token: token.into(),
-        })
+            token: TOKEN.into(),
+        };
+        // Dropped on a failed start: the child goes with it.
+        wait_status(&node.addr, |s| s.state == "running").await?;
+        Ok(node)
     }
 
     /// `POST /write` with `body` (JSON): the HTTP status and the answer.

@@ -181,7 +181,8 @@ impl LedgerLife {
 
 /// Whether a record carrying `op`, stored at `stored_unix_ms` (0: unknown, then `recorded_unix_ms`
 /// stands in), may leave a ledger row: only when its id's mint instant is not further past the
-/// record's time than a write path admits ([`MAX_OP_ID_SKEW_MS`]). A row of any other id would let
+/// record's time than a write path could have admitted ([`MAX_OP_ID_SKEW_MS`], with a margin for
+/// the host's and the broker's clocks). A row of any other id would let
 /// one raw record carry the watermark into the future.
 pub fn row_admitted(op: &OpId, stored_unix_ms: u64, recorded_unix_ms: u64) -> bool {
     let at = if stored_unix_ms > 0 {
@@ -189,7 +190,17 @@ pub fn row_admitted(op: &OpId, stored_unix_ms: u64, recorded_unix_ms: u64) -> bo
     } else {
         recorded_unix_ms
     };
-    op.minted_unix_ms() <= at.saturating_add(MAX_OP_ID_SKEW_MS)
+    // Twice the admission's bound: a host whose clock runs ahead of the broker's may admit an id
+    // a little further past the record's stored time than its own bound.
+    op.minted_unix_ms() <= at.saturating_add(2 * MAX_OP_ID_SKEW_MS)
+}
+
+/// Whether a commit moving the cursor from `before` to `through` over the delivered `revisions`
+/// passes a revision it was never delivered: its record, and any operation id it carried, leaves
+/// no ledger row.
+pub fn passes_unseen(before: u64, revisions: impl IntoIterator<Item = u64>, through: u64) -> bool {
+    let (skipped, next) = super::first_unseen(before.saturating_add(1), revisions);
+    skipped.is_some() || next <= through
 }
 
 /// `row` as an answer in `life`: a row of another epoch (a previous incarnation of the bucket)

@@ -73,8 +73,10 @@ pub struct Fold<S: SnapshotStore> {
     /// The stream identity to record with the next committed batch (a fold that records none yet:
     /// it is committed with the first cursor, see `check_identity`).
     pub(super) pending_identity: Option<crate::kv::StreamIdentity>,
-    /// The operation ledger's life as committed (docs/writes.md, "When a node cannot vouch").
+    /// The operation ledger's life as committed (docs/writes.md, "When a node cannot vouch"),
+    /// and whether ids were dropped since the last commit.
     life: protocol::LedgerLife,
+    ids_dropped: bool,
 }
 
 impl<S: SnapshotStore> Fold<S> {
@@ -103,6 +105,7 @@ impl<S: SnapshotStore> Fold<S> {
             level: None,
             pending_identity: None,
             life: protocol::LedgerLife::default(),
+            ids_dropped: false,
         };
         // The migration of folds written before bucket keys in the host's space were skipped:
         // forged retained records go, in one commit that does not move the cursor.

@@ -133,6 +133,8 @@ impl<S: SnapshotStore> Fold<S> {
             }
             if self.ops.len() >= MAX_PENDING_OPS {
                 let dropped = self.ops.pop_front();
+                // Its row is lost: the next commit raises the ledger's horizon.
+                self.ids_dropped = true;
                 tracing::warn!(
                     event = "ledger_ids_dropped",
                     ?dropped,
@@ -258,18 +260,26 @@ impl<S: SnapshotStore> Fold<S> {
         if self.frozen {
             return Ok(Carried::default());
         }
-        let (unseen, skipped) = self.unseen_change(raw)?;
+        let (unseen, _) = self.unseen_change(raw)?;
         if let Some(u) = unseen {
             raw.push(crate::retained::unseen_floor_update(u));
         }
-        // A state-sync passed records it did not deliver: their operation ids leave no rows, so
-        // the ledger's horizon moves up in this very commit (docs/writes.md, "When a node cannot
-        // vouch for an id").
-        let life = skipped.then(|| self.life.passed_without_rows(now_unix_ms()));
+        let through = cursor.revision_or_zero();
+        // The commit passes records it was never delivered (a state-sync delivers each key's
+        // newest only; a record superseded, purged or expired before the watch read it is gone;
+        // on a scoped fold, another scope's), or ids were dropped: whatever operation ids they
+        // carried leave no rows, so the ledger's horizon moves up in this very commit
+        // (docs/writes.md, "When a node cannot vouch for an id").
+        let gap = protocol::passes_unseen(
+            self.applied.revision_or_zero(),
+            raw.iter().filter_map(KvUpdate::revision),
+            through,
+        );
+        let life = (gap || std::mem::take(&mut self.ids_dropped))
+            .then(|| self.life.passed_without_rows(now_unix_ms()));
         if let Some(l) = &life {
             raw.push(crate::ledger::life_put(l));
         }
-        let through = cursor.revision_or_zero();
         let checkpoint = self
             .stamps
             .iter()
