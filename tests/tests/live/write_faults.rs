@@ -525,3 +525,45 @@ async fn a_retried_compare_and_set_whose_first_copy_landed_is_answered_as_it_not
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_whose_first_copy_was_superseded_before_a_lagging_node_read_it_is_never_published_again()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    // One revision a key: a record superseded before a watch reads it is gone from the stream.
+    let kv = h.bucket("gone").await?;
+    short_duplicate_window(&kv, "gone").await?;
+    kv.put("k.z", "first".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let store_b = tmp.path().join("b");
+    // Node B folds, then stops: it lags from here.
+    let b = Node::start(&h, "gone", &store_b, &[]).await?;
+    let folded = kv.positions().await?.last_sequence;
+    wait_status(&b.addr, |s| s.applied_through >= folded).await?;
+    drop(b);
+    // Through node A, a write lands; another writer supersedes it before B reads it.
+    let a = Node::start(&h, "gone", &tmp.path().join("a"), &[]).await?;
+    let op_id = op_id_at(now_ms(), 8);
+    let (_, first) = a
+        .write(serde_json::json!({"key": "k.a", "value": "v1", "op_id": op_id}))
+        .await?;
+    assert_eq!(first.outcome, "applied", "{first:?}");
+    kv.put("k.a", "v2".into()).await?;
+    drop(a);
+    pass_duplicate_window().await;
+    // B resumes from its cursor: its watch never sees the first copy, so no row says it landed.
+    let b = Node::start(&h, "gone", &store_b, &[]).await?;
+    let last = kv.positions().await?.last_sequence;
+    wait_status(&b.addr, |s| s.applied_through >= last).await?;
+    // Past the broker's window (and 30 s past its mint instant), a retry through B.
+    let (code, again) = b
+        .write(serde_json::json!({"key": "k.a", "value": "v1", "op_id": op_id, "wait_ms": 100}))
+        .await?;
+    assert_eq!(
+        kv.positions().await?.last_sequence,
+        last,
+        "published again: HTTP {code} {again:?}"
+    );
+    assert_eq!(again.outcome, "unknown", "HTTP {code}: {again:?}");
+    Ok(())
+}
