@@ -45,6 +45,15 @@ fn unread_on_port(port: u16) -> Option<usize> {
     )
 }
 
+/// Releases a hold point when dropped (a held fold does not stop).
+struct Release(std::path::PathBuf);
+
+impl Drop for Release {
+    fn drop(&mut self) {
+        let _ = std::fs::write(&self.0, "");
+    }
+}
+
 fn now_ms() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -372,6 +381,8 @@ async fn a_read_right_after_an_applied_write_sees_it_while_the_query_instance_is
         format!("{}:{}", foldhost::crashpoint::QUERY_ROUND, hold.display()),
     )];
     let node = Node::start_with(&h, "race", &store, &env, &["--guest", &guest]).await?;
+    // Whatever happens below, the fold is released before the node is stopped (dropped first).
+    let _release = Release(hold.with_extension("release"));
     wait_status(&node.addr, |s| {
         s.query_instance_revision.is_some() && s.query_instance_revision == Some(s.applied_through)
     })
@@ -435,7 +446,8 @@ async fn hundreds_of_reads_held_waiting_for_a_revision_never_lock_out_probes_wri
             "POST /get HTTP/1.1\r\nHost: {}\r\nFoldhost-Min-Revision: 1000000\r\nFoldhost-Wait-Ms: 60000\r\nContent-Length: 3\r\n\r\nk.a",
             node.addr
         );
-        sock.write_all(request.as_bytes()).await?;
+        // A connection the node closed for a newer one (every slot taken) is one held read less.
+        let _ = sock.write_all(request.as_bytes()).await;
         held.push(tokio::spawn(async move {
             let mut buf = Vec::new();
             let _ = sock.read_to_end(&mut buf).await;
