@@ -28,8 +28,12 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::kv::KvEntry;
+
+mod held;
 use crate::retained::{Base, RetainedIndex};
 use crate::snapshot::{SnapshotError, SnapshotStore, is_reserved};
+use held::HeldTally;
+pub use held::StoreWrite;
 
 /// Read access to a committed fold, for appliers (a guest's `get`/`scan` imports, hydration).
 pub trait FoldRead: Send + Sync {
@@ -82,6 +86,8 @@ pub struct SharedStore<S> {
     /// (an adopted guest keeps the view it hydrated through) must never match a later capture, or
     /// it would read that capture's pre-images — the fold as it was when a later swap began.
     generations: Arc<std::sync::atomic::AtomicU64>,
+    /// The bytes the bucket's keys hold, kept by every commit once first asked.
+    held: Arc<HeldTally>,
 }
 
 impl<S> Clone for SharedStore<S> {
@@ -91,6 +97,7 @@ impl<S> Clone for SharedStore<S> {
             retained: self.retained.clone(),
             pre_images: self.pre_images.clone(),
             generations: self.generations.clone(),
+            held: self.held.clone(),
         }
     }
 }
@@ -208,6 +215,7 @@ impl<S: SnapshotStore> SharedStore<S> {
             retained: Arc::new(std::sync::Mutex::new(None)),
             pre_images: Arc::new(std::sync::Mutex::new(Captures::default())),
             generations: Arc::new(std::sync::atomic::AtomicU64::new(0)),
+            held: Arc::default(),
         }
     }
 
@@ -415,9 +423,19 @@ impl<S: SnapshotStore> SharedStore<S> {
         Arc::downgrade(&self.store)
     }
 
-    /// Writes the store (the fold only).
-    pub fn write(&self) -> Result<std::sync::RwLockWriteGuard<'_, S>, SnapshotError> {
-        self.store.write().map_err(|_| poisoned())
+    /// Writes the store (the fold only): every commit goes through [`StoreWrite::apply`].
+    pub fn write(&self) -> Result<StoreWrite<'_, S>, SnapshotError> {
+        Ok(StoreWrite {
+            guard: self.store.write().map_err(|_| poisoned())?,
+            held: &self.held,
+        })
+    }
+
+    /// The bytes (keys and values) of the bucket's keys in the fold, reserved keys excluded:
+    /// counted on the first ask, then kept by every commit (what a state bucket's size cap is
+    /// checked against at each guest write).
+    pub fn held_bytes(&self) -> Result<u64, SnapshotError> {
+        self.held.get_or_count(&*self.read()?)
     }
 
     /// Runs `f` on the retained records, loading them from the store the first time.
@@ -444,12 +462,14 @@ impl<S: SnapshotStore> SharedStore<S> {
                 retained,
                 pre_images: self.pre_images,
                 generations: self.generations,
+                held: self.held,
             }),
             Err(store) => Err(SharedStore {
                 store,
                 retained,
                 pre_images: self.pre_images,
                 generations: self.generations,
+                held: self.held,
             }),
         }
     }

@@ -205,18 +205,12 @@ pub(crate) fn access(cfg: &NodeConfig, lanes: &[Lane]) -> StateAccess {
     }
 }
 
-/// The bytes a lane's fold holds (keys and values): read from the fold at each write, which a
-/// state bucket's cap keeps small.
+/// The bytes a lane's fold holds (keys and values), kept by the lane's commits
+/// ([`SharedStore::held_bytes`]): a guest write is admitted without reading the fold. A store
+/// that cannot be read admits nothing (it holds, as far as the cap can tell, everything).
 fn holds(store: &SharedStore<AnyStore>) -> Arc<dyn Fn() -> u64 + Send + Sync> {
     let store = store.clone();
-    Arc::new(move || {
-        let mut total = 0u64;
-        let _ = crate::view::FoldRead::visit(&store, "", &mut |e| {
-            total += (e.key.len() + e.value.len()) as u64;
-            std::ops::ControlFlow::Continue(())
-        });
-        total
-    })
+    Arc::new(move || store.held_bytes().unwrap_or(u64::MAX))
 }
 
 /// The host's write path, one per state bucket.

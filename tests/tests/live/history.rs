@@ -2,7 +2,8 @@
 //! compare-and-set and read a few hot keys through two or three `foldhost run` nodes of one bucket,
 //! every request and answer recorded in a history ([`foldhost_tests::history`]), while a seeded
 //! nemesis kills and restarts the nats-server, cuts the nodes' connections at their proxy, kills
-//! and restarts nodes (from their own store and from an empty one), shortens the stream's
+//! and restarts nodes (from their own store, from an empty one, and from an artifact a running
+//! peer exported under the workload), shortens the stream's
 //! duplicate window, sweeps a node's ledger and recreates the bucket. At the end the stream's own
 //! records are read back and the checker proves every answer from the history and the log alone.
 //!
@@ -555,8 +556,8 @@ enum Fault {
     /// Cut connections at the proxy after a publish reached the server, once with the proxy
     /// refusing new connections for a while (the log unreadable).
     CutConnections,
-    /// SIGKILL a node and start it again from its store (`empty`: from an empty store).
-    KillNode { empty: bool },
+    /// SIGKILL a node and start it again from where [`Restart`] says.
+    KillNode(Restart),
     /// Shorten the stream's duplicate window to a second.
     ShortDuplicateWindow,
     /// Restart a node with `--ledger-retention 1s`, which sweeps its ledger at start.
@@ -564,6 +565,18 @@ enum Fault {
     /// Delete the bucket's stream and create it again; the nodes relist (`--on-recreated
     /// relist`). Only between phases: the old stream's log is read first.
     Recreate,
+}
+
+/// Where a killed node starts again from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Restart {
+    /// Its own store.
+    OwnStore,
+    /// An empty store (a new fold: a state-sync start).
+    Empty,
+    /// A store imported from an artifact a running peer exported while the clients wrote (a
+    /// new fold, which adopts the peer's ledger).
+    PeerArtifact,
 }
 
 /// Where a client sends: a node's address and the fold behind it (`None`: the node is down).
@@ -708,10 +721,48 @@ impl Cluster {
     /// Starts node `i` again (a new fold and store when `empty`), with `extra` arguments.
     async fn restart_node(&mut self, i: usize, empty: bool, extra: &[&str]) -> anyhow::Result<()> {
         if empty {
-            self.nodes[i].store = self.tmp.path().join(format!("fold-{i}-{}", self.next_fold));
-            self.nodes[i].fold = self.next_fold;
-            self.next_fold += 1;
+            self.new_fold(i);
         }
+        self.start_node(i, extra).await
+    }
+
+    /// Gives node `i` a new fold whose store does not exist yet.
+    fn new_fold(&mut self, i: usize) {
+        self.nodes[i].store = self.tmp.path().join(format!("fold-{i}-{}", self.next_fold));
+        self.nodes[i].fold = self.next_fold;
+        self.next_fold += 1;
+    }
+
+    /// Node `i`'s store becomes a new fold imported from an artifact node `peer` exports while it
+    /// runs (exactly at its cursor, between two of its batches).
+    fn import_from_peer(&mut self, i: usize, peer: usize) -> anyhow::Result<()> {
+        let artifact = self.tmp.path().join(format!("artifact-{}", self.next_fold));
+        let out = foldhost()
+            .args(["export", "--listen", &self.nodes[peer].addr, "--out"])
+            .arg(&artifact)
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "export from node {peer}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        self.new_fold(i);
+        let out = foldhost()
+            .args(["import", "--artifact"])
+            .arg(&artifact)
+            .arg("--store")
+            .arg(&self.nodes[i].store)
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "import into node {i}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(())
+    }
+
+    /// Starts node `i` on its store with `extra` arguments; its clients see it once it serves.
+    async fn start_node(&mut self, i: usize, extra: &[&str]) -> anyhow::Result<()> {
         self.nodes[i].extra = extra.iter().map(|s| s.to_string()).collect();
         let (child, addr) = self
             .spawn_node(&self.nodes[i].store.clone(), &self.nodes[i].extra.clone())
@@ -855,11 +906,21 @@ impl Cluster {
                 // An armed cut nobody reached is disarmed: the next phase starts clean.
                 self.proxy.cut_after_publish_to("$nothing.");
             }
-            Fault::KillNode { empty } => {
+            Fault::KillNode(from) => {
                 let i = rng.random_range(0..self.nodes.len());
                 self.kill_node(i)?;
                 more(tasks.len()).await?;
-                self.restart_node(i, empty, &[]).await?;
+                match from {
+                    Restart::OwnStore => self.restart_node(i, false, &[]).await?,
+                    Restart::Empty => self.restart_node(i, true, &[]).await?,
+                    Restart::PeerArtifact => {
+                        // Every other node is up: the nemesis strikes one node at a time.
+                        let peer =
+                            (i + 1 + rng.random_range(0..self.nodes.len() - 1)) % self.nodes.len();
+                        tokio::task::block_in_place(|| self.import_from_peer(i, peer))?;
+                        self.start_node(i, &[]).await?;
+                    }
+                }
             }
             Fault::ShortDuplicateWindow => self.short_duplicate_window().await?,
             Fault::SweepLedger => {
@@ -1393,8 +1454,9 @@ async fn every_write_answer_holds_under_server_kills_connection_cuts_and_node_re
     every_answer_holds(&[
         Fault::KillServer,
         Fault::CutConnections,
-        Fault::KillNode { empty: false },
-        Fault::KillNode { empty: true },
+        Fault::KillNode(Restart::OwnStore),
+        Fault::KillNode(Restart::Empty),
+        Fault::KillNode(Restart::PeerArtifact),
     ])
     .await
 }

@@ -138,6 +138,7 @@ pub async fn run() -> anyhow::Result<()> {
 
     // Throughput with 16 writers each.
     let kv = Arc::new(kv);
+    let busy = machine_busy_seconds()?;
     let t = Instant::now();
     let mut tasks = Vec::new();
     for w in 0..WRITERS {
@@ -153,14 +154,95 @@ pub async fn run() -> anyhow::Result<()> {
         t.await??;
     }
     let bare_rate = (WRITERS * PER_WRITER) as f64 / t.elapsed().as_secs_f64();
+    println!(
+        "writes: bare16: {bare_rate:.0}/s, machine {:.2} cores busy",
+        (machine_busy_seconds()? - busy) / t.elapsed().as_secs_f64()
+    );
+    let (host_rate, host_cpu) = through_host(&addr, host.id(), "host16", None).await?;
+    // The same writers answered `pending` at once (`wait_ms: 0`): what the host costs without
+    // waiting for its fold, so the gap between the two is the wait for the fold's commit.
+    let (pending_rate, pending_cpu) = through_host(&addr, host.id(), "pend16", Some(0)).await?;
+    println!(
+        "writes: 16 writers {host_rate:.0}/s through /write ({host_cpu:.2} cores), answered pending {pending_rate:.0}/s ({pending_cpu:.2} cores); bare puts {bare_rate:.0}/s"
+    );
+    table::row(
+        "writes/s, 16 concurrent writers (/write, each answered)",
+        table::rate(host_rate),
+        format!("16 concurrent bare KV puts {}/s", table::rate(bare_rate)),
+        host_rate / bare_rate,
+        "",
+    );
+    table::row(
+        format!(
+            "writes/s, 16 writers answered `pending` (wait_ms 0; host {pending_cpu:.2} cores, applied {host_cpu:.2})"
+        ),
+        table::rate(pending_rate),
+        format!("16 concurrent bare KV puts {}/s", table::rate(bare_rate)),
+        pending_rate / bare_rate,
+        "",
+    );
+    let _ = foldhost_tests::terminate(&mut host);
+    Ok(())
+}
+
+/// The host process's CPU time so far (utime + stime from `/proc/PID/stat`), in seconds.
+fn cpu_seconds(pid: u32) -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    // The fields after the command's closing parenthesis; utime and stime are the 12th and 13th.
+    let rest = stat
+        .rsplit_once(')')
+        .map(|(_, r)| r)
+        .ok_or_else(|| anyhow::anyhow!("/proc/{pid}/stat: no command field"))?;
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let tick = |i: usize| -> anyhow::Result<f64> {
+        Ok(fields
+            .get(i)
+            .ok_or_else(|| anyhow::anyhow!("/proc/{pid}/stat: short"))?
+            .parse::<f64>()?)
+    };
+    // Clock ticks are 100 per second on Linux.
+    Ok((tick(11)? + tick(12)?) / 100.0)
+}
+
+/// The whole machine's busy CPU time so far (every core; `/proc/stat`'s first line less idle and
+/// iowait), in seconds.
+fn machine_busy_seconds() -> anyhow::Result<f64> {
+    let stat = std::fs::read_to_string("/proc/stat")?;
+    let line = stat
+        .lines()
+        .next()
+        .ok_or_else(|| anyhow::anyhow!("/proc/stat: empty"))?;
+    let ticks: Vec<f64> = line
+        .split_whitespace()
+        .skip(1)
+        .map(str::parse::<f64>)
+        .collect::<Result<_, _>>()?;
+    let idle = ticks.get(3).copied().unwrap_or(0.0) + ticks.get(4).copied().unwrap_or(0.0);
+    Ok((ticks.iter().sum::<f64>() - idle) / 100.0)
+}
+
+/// [`WRITERS`] writers through the host's `/write`, [`PER_WRITER`] writes each under keys
+/// `prefix.*` (with `wait_ms` when given); writes per second and the host's cores meanwhile.
+async fn through_host(
+    addr: &str,
+    pid: u32,
+    prefix: &'static str,
+    wait_ms: Option<u64>,
+) -> anyhow::Result<(f64, f64)> {
+    let cpu = cpu_seconds(pid)?;
+    let busy = machine_busy_seconds()?;
     let t = Instant::now();
     let mut tasks = Vec::new();
     for w in 0..WRITERS {
-        let addr = addr.clone();
+        let addr = addr.to_string();
         tasks.push(tokio::spawn(async move {
             let mut writer = Writer::connect(&addr).await?;
             for i in 0..PER_WRITER {
-                let body = format!(r#"{{"key":"host16.{w:02}.{i:04}","value":"v"}}"#);
+                let wait = wait_ms.map(|ms| format!(r#","wait_ms":{ms}"#));
+                let body = format!(
+                    r#"{{"key":"{prefix}.{w:02}.{i:04}","value":"v"{}}}"#,
+                    wait.unwrap_or_default()
+                );
                 writer.write(body).await?;
             }
             anyhow::Ok(())
@@ -169,15 +251,12 @@ pub async fn run() -> anyhow::Result<()> {
     for t in tasks {
         t.await??;
     }
-    let host_rate = (WRITERS * PER_WRITER) as f64 / t.elapsed().as_secs_f64();
-    println!("writes: 16 writers {host_rate:.0}/s through /write; bare puts {bare_rate:.0}/s");
-    table::row(
-        "writes/s, 16 concurrent writers (/write, each answered)",
-        table::rate(host_rate),
-        format!("16 concurrent bare KV puts {}/s", table::rate(bare_rate)),
-        host_rate / bare_rate,
-        "",
+    let secs = t.elapsed().as_secs_f64();
+    let cores = (cpu_seconds(pid)? - cpu) / secs;
+    let machine = (machine_busy_seconds()? - busy) / secs;
+    println!(
+        "writes: {prefix}: {:.0}/s, host {cores:.2} cores, machine {machine:.2} cores busy",
+        (WRITERS * PER_WRITER) as f64 / secs
     );
-    let _ = foldhost_tests::terminate(&mut host);
-    Ok(())
+    Ok(((WRITERS * PER_WRITER) as f64 / secs, cores))
 }
