@@ -473,6 +473,42 @@ pub fn linearizable(ops: &[TimedRegisterOp]) -> Result<(), String> {
     Ok(())
 }
 
+/// For each incarnation, the earliest instant an answer showed its stream at or past a sequence:
+/// `landed_by(i, seq)` is the first completion of an op of incarnation `i` answered `applied` or
+/// `pending` at a revision of at least `seq`, or a read that found a record of at least `seq`
+/// (both proved by rules (a) and (e)); `None` when no answer did. A record at `seq` was on the
+/// stream before any such answer completed: sequences are given in the order records are stored.
+fn landed_by(history: &[Op]) -> impl Fn(usize, u64) -> Option<u64> {
+    // Per incarnation: (revision, completed) sorted by revision, with the earliest completion
+    // of every revision at or above each entry.
+    let mut shown: BTreeMap<usize, Vec<(u64, u64)>> = BTreeMap::new();
+    for o in history {
+        let revision = match &o.answer {
+            Answer::Applied { revision }
+            | Answer::Pending { revision }
+            | Answer::Found { revision, .. } => *revision,
+            _ => continue,
+        };
+        shown
+            .entry(o.incarnation)
+            .or_default()
+            .push((revision, o.completed));
+    }
+    for v in shown.values_mut() {
+        v.sort_unstable();
+        let mut earliest = u64::MAX;
+        for e in v.iter_mut().rev() {
+            earliest = earliest.min(e.1);
+            e.1 = earliest;
+        }
+    }
+    move |i, seq| {
+        let v = shown.get(&i)?;
+        let at = v.partition_point(|(r, _)| *r < seq);
+        v.get(at).map(|(_, done)| *done)
+    }
+}
+
 /// The refusals that promise nothing was published (docs/writes.md, "A write has three outcomes").
 const NOTHING_PUBLISHED: &[&str] = &[
     "conflict",
@@ -901,11 +937,20 @@ pub fn check(history: &[Op], log: &Log, finals: &[FinalFold]) -> Vec<Anomaly> {
     // the one an answer names (rule (b)'s), a record of a refused op (rule (c)'s) or of an op the
     // history never sent, as a write that landed there at some instant — so that this rule
     // judges only the order, and reports nothing the other rules report.
+    //
+    // A write that landed at an unknown instant took effect before any answer that shows the
+    // stream past its record completed (stream sequences are given in time order): its window
+    // closes there instead of staying open to the end, which keeps the tester's search small
+    // ([`landed_by`]).
+    let landed_by = landed_by(history);
+    let bound = |i: usize, seq: u64, invoked: u64| {
+        landed_by(i, seq).map_or(u64::MAX, |done| done.max(invoked))
+    };
     let mut per_key: BTreeMap<(usize, &str), Vec<TimedRegisterOp>> = BTreeMap::new();
-    let copy = |r: &Record, name: String, invoked: u64| TimedRegisterOp {
+    let copy = |i: usize, r: &Record, name: String, invoked: u64| TimedRegisterOp {
         name,
         invoked,
-        returned: u64::MAX,
+        returned: bound(i, r.seq, invoked),
         op: RegisterOp::Write {
             value: (r.kind == Kind::Put).then(|| r.value.clone()),
             if_revision: None,
@@ -937,9 +982,13 @@ pub fn check(history: &[Op], log: &Log, finals: &[FinalFold]) -> Vec<Anomaly> {
                 }
             },
             // Indeterminate: it happened if the log holds its record, else it did not.
-            None if attempts.iter().all(|o| o.answer.indeterminate()) => recs
-                .first()
-                .map(|r| (u64::MAX, RegisterRet::Wrote(r.seq), Some(r.seq))),
+            None if attempts.iter().all(|o| o.answer.indeterminate()) => recs.first().map(|r| {
+                (
+                    bound(*i, r.seq, invoked),
+                    RegisterRet::Wrote(r.seq),
+                    Some(r.seq),
+                )
+            }),
             // Refused for a reason that publishes nothing: it did not happen.
             None => None,
         };
@@ -960,6 +1009,7 @@ pub fn check(history: &[Op], log: &Log, finals: &[FinalFold]) -> Vec<Anomaly> {
         }
         for r in recs.iter().filter(|r| Some(r.seq) != named) {
             per_key.entry((*i, r.key.as_str())).or_default().push(copy(
+                *i,
                 r,
                 format!("op {id}'s record at {}", r.seq),
                 invoked,
@@ -974,6 +1024,7 @@ pub fn check(history: &[Op], log: &Log, finals: &[FinalFold]) -> Vec<Anomaly> {
                 .is_some_and(|id| writes.contains_key(&(i, id)));
             if !sent {
                 per_key.entry((i, r.key.as_str())).or_default().push(copy(
+                    i,
                     r,
                     format!("the unsent record at {}", r.seq),
                     0,
@@ -1087,4 +1138,64 @@ pub fn explain(anomalies: &[Anomaly], history: &[Op], log: &Log) -> String {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn answered(incarnation: usize, completed: u64, answer: Answer) -> Op {
+        Op {
+            client: 0,
+            node: 0,
+            incarnation,
+            invoked: completed.saturating_sub(1),
+            completed,
+            request: Request::Read {
+                key: "k".into(),
+                min_revision: None,
+            },
+            op_id: None,
+            retry: false,
+            answer,
+        }
+    }
+
+    /// A record is known stored by the first completed answer that shows its incarnation's
+    /// stream at or past it (an applied, a pending or a read's revision; another key's counts),
+    /// never by an answer of another incarnation or one that names no revision.
+    #[test]
+    fn a_record_is_known_landed_by_the_first_answer_showing_its_stream_at_or_past_it() {
+        let found = |revision| Answer::Found {
+            value: b"v".to_vec(),
+            revision,
+            applied_through: revision,
+        };
+        let history = vec![
+            answered(0, 10, Answer::Applied { revision: 5 }),
+            answered(0, 7, Answer::Pending { revision: 3 }),
+            answered(0, 20, found(9)),
+            answered(0, 4, Answer::Unknown),
+            answered(
+                0,
+                2,
+                Answer::Refused {
+                    reason: "conflict".into(),
+                    revision: Some(50),
+                    key: None,
+                },
+            ),
+            answered(1, 1, Answer::Applied { revision: 8 }),
+        ];
+        let by = landed_by(&history);
+        assert_eq!(by(0, 1), Some(7));
+        assert_eq!(by(0, 3), Some(7));
+        assert_eq!(by(0, 4), Some(10));
+        assert_eq!(by(0, 5), Some(10));
+        assert_eq!(by(0, 6), Some(20));
+        assert_eq!(by(0, 10), None, "a conflict's revision is not evidence");
+        assert_eq!(by(1, 8), Some(1));
+        assert_eq!(by(1, 9), None);
+        assert_eq!(by(2, 1), None);
+    }
 }
