@@ -393,6 +393,11 @@ async fn raw_publishes_of_reserved_looking_keys_are_skipped_and_never_touch_reta
     js.publish_with_headers(format!("$KV.rsv.{real}"), del, Bytes::new())
         .await?
         .await?;
+    // A key starting with NUL would sort before the host's space, where every scan of the whole
+    // fold starts past it (a guest's scan, `dump`, a state bucket's size): skipped the same way.
+    js.publish("$KV.rsv.\u{0}k.c", "hidden".into())
+        .await?
+        .await?;
     // The node keeps folding past them.
     let r2 = kv.put("k.b", "b1".into()).await?.as_u64().unwrap_or(0);
     let s = wait_status(&addr, |s| s.cursor >= Some(r2)).await?;
@@ -409,6 +414,10 @@ async fn raw_publishes_of_reserved_looking_keys_are_skipped_and_never_touch_reta
     assert_eq!(st.oldest_retained_revision, Some(r1), "{st:?}");
     let dump = dump_store(&store)?;
     assert!(dump.keys().all(|k| !k.starts_with('\u{1}')), "{dump:?}");
+    {
+        let (s, _) = foldhost::storedir::AnyStore::open_read_only(&store)?;
+        assert_eq!(s.get("\u{0}k.c")?, None, "a NUL-led key is never folded");
+    }
     let mut host = start_host(&h, "rsv", &store, &addr, &[])?;
     wait_status(&addr, |s| s.cursor >= Some(r2)).await?;
     // The real deferred update is released, in order, on top of the real base.

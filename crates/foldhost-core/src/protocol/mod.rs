@@ -788,7 +788,7 @@ mod tests {
     }
 
     #[test]
-    fn bucket_keys_in_the_hosts_reserved_space_are_not_admitted() {
+    fn bucket_keys_in_or_before_the_hosts_reserved_space_are_not_admitted() {
         assert!(bucket_key_admitted("route.a"));
         assert!(bucket_key_admitted(""));
         assert!(bucket_key_admitted("a\u{1}b"));
@@ -796,6 +796,9 @@ mod tests {
             "\u{1}retained/00000000000000000001/k1"
         ));
         assert!(!bucket_key_admitted("\u{1}"));
+        // Before the reserved space, where no scan of the whole fold looks.
+        assert!(!bucket_key_admitted("\u{0}route.a"));
+        assert!(bucket_key_admitted("a\u{0}b"));
     }
 
     #[test]

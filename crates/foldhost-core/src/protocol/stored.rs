@@ -189,7 +189,9 @@ pub fn kv_key_valid(key: &str) -> bool {
 /// publish, and folding one would put a forged host record — a fake base, a deleted deferred
 /// update — where the host keeps its own, or make the store undecodable. The rule: such a key is
 /// skipped with a warning, never stored and never shown to a guest; its revision still moves the
-/// cursor, like a key a guest skips.
+/// cursor, like a key a guest skips. A key starting with `\x00` is skipped the same way: it would
+/// sort before the host's record space, where every scan of the whole fold starts past it
+/// (`snapshot::scan_start`), so a guest's scan, `dump` and the state buckets' size would miss it.
 pub fn bucket_key_admitted(key: &str) -> bool {
-    !key.starts_with('\u{1}')
+    !key.starts_with(['\u{0}', '\u{1}'])
 }

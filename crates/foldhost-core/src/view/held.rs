@@ -10,7 +10,8 @@
 //!   (the main fold never asks; only state buckets' folds do).
 //! - **A failed commit forgets the tally**: the store may hold part of the batch, so the next ask
 //!   counts again rather than trust a figure that may be wrong.
-//! - Reserved keys (the ledger's rows, retained records, the fold's own records) are never counted.
+//! - Reserved keys (the ledger's rows, retained records, the fold's own records) are never counted,
+//!   and every other key is, wherever it sorts (the count walks around the reserved space).
 
 use std::collections::BTreeSet;
 use std::ops::{ControlFlow, Deref, DerefMut};
@@ -50,8 +51,17 @@ impl HeldTally {
         }
         self.1.fetch_add(1, Ordering::Relaxed);
         let mut total = 0u64;
-        let start = crate::snapshot::scan_start("", None);
-        store.for_each_in_range_after("", start, &mut |e| {
+        // The keys before the host's record space (only a store written before those were
+        // refused at the fold's edge holds any), then the keys past it: never its rows.
+        store.for_each_in_range_after("", None, &mut |e| {
+            if e.key.as_str() >= crate::snapshot::RESERVED_PREFIX {
+                return ControlFlow::Break(());
+            }
+            total = total.saturating_add(size(e));
+            ControlFlow::Continue(())
+        })?;
+        let past = crate::snapshot::scan_start("", None);
+        store.for_each_in_range_after("", past, &mut |e| {
             if !is_reserved(&e.key) {
                 total = total.saturating_add(size(e));
             }
@@ -100,12 +110,10 @@ impl<S: SnapshotStore> StoreWrite<'_, S> {
                 Ok(acc.saturating_add(s.get(k)?.as_ref().map_or(0, size)))
             })
         };
-        let before = match sum(&self.guard) {
-            Ok(b) => b,
-            Err(e) => {
-                self.held.forget();
-                return Err(e);
-            }
+        // A read that fails forgets the tally (the next ask counts again); the commit goes on.
+        let Ok(before) = sum(&self.guard) else {
+            self.held.forget();
+            return self.guard.apply(batch, cursor);
         };
         if let Err(e) = self.guard.apply(batch, cursor) {
             self.held.forget();
@@ -181,6 +189,8 @@ mod tests {
                 rev += 1;
                 let key = if next(10) == 0 {
                     format!("\u{1}op/{}", next(8))
+                } else if next(20) == 0 {
+                    format!("\u{0}nul{}", next(3))
                 } else {
                     format!("k{}", next(12))
                 };

@@ -357,7 +357,7 @@ impl<S: SnapshotStore> Fold<S> {
                         }
                     }
                     None => {
-                        tracing::warn!(event = "reserved_key_skipped", key = ?u.key(), revision = ?u.revision(), "skipped a bucket key in the host's reserved space (it starts with \\x01): never folded, never shown to a guest");
+                        tracing::warn!(event = "reserved_key_skipped", key = ?u.key(), revision = ?u.revision(), "skipped a bucket key in or before the host's reserved space (it starts with \\x01 or \\x00): never folded, never shown to a guest");
                     }
                 }
                 false
