@@ -224,6 +224,26 @@ impl NatsKv {
             .map(|m| (landed(key, &m), m.op_id)))
     }
 
+    /// When the oldest record the stream still stores on `key` was stored, Unix milliseconds
+    /// (`Ok(None)`: the key has no record; `u64::MAX` when its time cannot be read — as new as
+    /// can be, so it vouches for nothing).
+    pub async fn oldest_record_ms(&self, key: &str) -> Result<Option<u64>, KvError> {
+        if !protocol::kv_key_valid(key) {
+            return Err(KvError::Invalid(format!("{key:?} is not a valid key")));
+        }
+        let request = serde_json::json!({
+            "seq": 1,
+            "next_by_subj": format!("{}{key}", self.subject_prefix),
+        });
+        Ok(self
+            .msg_get("oldest record", request)
+            .await?
+            .map(|m| match m.time_unix_ns {
+                0 => u64::MAX,
+                t => t / 1_000_000,
+            }))
+    }
+
     /// The stream's duplicate window, read fresh from the server (its configuration can change
     /// under a running node), in milliseconds.
     pub async fn duplicate_window_ms(&self) -> Result<u64, KvError> {

@@ -1,8 +1,9 @@
 //! The operation ledger's rules under a fleet's events (docs/writes.md, "The operation ledger"
 //! and "When a node cannot vouch for an id"): writes and retries through one node, another
 //! writer's records, a record carrying a forged far-future id, the node restarted from an empty
-//! store (a state-sync start), the bucket recreated and re-listed, the sweep, and time passing
-//! beyond the broker's duplicate window. Every decision is the host's: [`protocol::admit_write`],
+//! store (a state-sync start), the bucket recreated and re-listed, the sweep, time passing
+//! beyond the broker's duplicate window, records superseded past the bucket's history, and the
+//! broker restarted (it then remembers only the ids of the records it still stores). Every decision is the host's: [`protocol::admit_write`],
 //! [`protocol::same_write`], [`protocol::vouch_retry`], [`protocol::after_ack`],
 //! [`protocol::row_admitted`], [`protocol::row_of_life`], [`protocol::watermark_after_sweep`] and
 //! the life's moves.
@@ -17,7 +18,9 @@
 //! - `NoHorizon` — a state-sync start passes records without rows and leaves the horizon;
 //! - `StaleRow` — a row of the bucket's previous life still answers;
 //! - `BodyIgnored` — a row answers a retry with another body;
-//! - `AnyIdRow` — a record of any id leaves a row and the sweep trusts it past its clock.
+//! - `AnyIdRow` — a record of any id leaves a row and the sweep trusts it past its clock;
+//! - `WindowTrusted` — the broker's window vouches for a retry on a key whose records may have
+//!   been removed since its first copy.
 
 use std::collections::BTreeMap;
 
@@ -49,15 +52,31 @@ enum Mutation {
     StaleRow,
     BodyIgnored,
     AnyIdRow,
+    WindowTrusted,
 }
 
 /// A record on the log: its key (one key), the operation id it carries (0, 1: the clients'; 2:
-/// the forged one), its body, when it was stored.
+/// the forged one), its body, when it was stored, whether the stream still stores it, and whether
+/// the broker remembers its id (a restart forgets the ids of removed records).
 #[derive(Clone, Debug, Hash, PartialEq, Eq)]
 struct Rec {
     op: Option<u8>,
     body: u8,
     stored_ms: u64,
+    kept: bool,
+    remembered: bool,
+}
+
+impl Rec {
+    fn new(op: Option<u8>, body: u8, stored_ms: u64) -> Self {
+        Self {
+            op,
+            body,
+            stored_ms,
+            kept: true,
+            remembered: true,
+        }
+    }
 }
 
 /// A ledger row as the model keeps it (revision, recorded, epoch, body).
@@ -84,6 +103,7 @@ struct State {
     recreated: bool,
     forged: bool,
     raws: u8,
+    broker_restarted: bool,
     answer: Option<Answer>,
 }
 
@@ -103,6 +123,11 @@ enum Action {
     Recreate,
     /// The ledger is swept.
     Sweep,
+    /// The key's oldest stored record is superseded past the bucket's history (one the node has
+    /// folded).
+    Trim,
+    /// The broker is killed and restarted.
+    BrokerRestart,
     /// Time passes.
     Tick,
 }
@@ -191,23 +216,32 @@ impl LedgerModel {
             life: Self::life(n),
         };
         let key_newest = (newest > 0).then_some(newest);
-        if protocol::vouch_retry(&id, n.now_ms, WINDOW_MS, key_newest, covered) != Vouch::Publish {
+        let oldest = n.log.iter().find(|r| r.kept).map(|r| r.stored_ms);
+        let window = protocol::WindowSeen {
+            window_ms: WINDOW_MS,
+            oldest_on_key_unix_ms: if self.mutation == Mutation::WindowTrusted {
+                None
+            } else {
+                oldest
+            },
+        };
+        if protocol::vouch_retry(&id, n.now_ms, Some(window), key_newest, covered) != Vouch::Publish
+        {
             return None;
         }
-        // The broker: a record of the same id stored within its window takes the publish.
-        let collapsed =
-            n.log.iter().enumerate().find(|(_, r)| {
-                r.op == Some(op) && n.now_ms.saturating_sub(r.stored_ms) < WINDOW_MS
-            });
+        // The broker: a record of the same id stored within its window, whose id it remembers,
+        // takes the publish; one the stream no longer stores answers unknown.
+        let collapsed = n.log.iter().enumerate().find(|(_, r)| {
+            r.op == Some(op) && r.remembered && n.now_ms.saturating_sub(r.stored_ms) < WINDOW_MS
+        });
         if let Some((i, r)) = collapsed {
             let rev = i as u64 + 1;
+            if !r.kept {
+                return None;
+            }
             return protocol::after_ack("k", &asked, rev, Some(&Self::landed(rev, r))).ok();
         }
-        n.log.push(Rec {
-            op: Some(op),
-            body,
-            stored_ms: n.now_ms,
-        });
+        n.log.push(Rec::new(Some(op), body, n.now_ms));
         Some(n.log.len() as u64)
     }
 
@@ -245,6 +279,7 @@ impl Model for LedgerModel {
             recreated: false,
             forged: false,
             raws: 0,
+            broker_restarted: false,
             answer: None,
         }]
     }
@@ -278,6 +313,14 @@ impl Model for LedgerModel {
         if !s.rows.is_empty() {
             actions.push(Action::Sweep);
         }
+        let kept = s.log.iter().filter(|r| r.kept).count();
+        let oldest_kept = s.log.iter().position(|r| r.kept);
+        if kept > 1 && oldest_kept.is_some_and(|i| (i as u64) < s.cursor) {
+            actions.push(Action::Trim);
+        }
+        if !s.broker_restarted && kept < s.log.len() {
+            actions.push(Action::BrokerRestart);
+        }
         if s.now_ms < MAX_TICK * TICK_MS {
             actions.push(Action::Tick);
         }
@@ -293,19 +336,11 @@ impl Model for LedgerModel {
             }
             Action::Raw => {
                 n.raws += 1;
-                n.log.push(Rec {
-                    op: None,
-                    body: 9,
-                    stored_ms: n.now_ms,
-                });
+                n.log.push(Rec::new(None, 9, n.now_ms));
             }
             Action::Forge => {
                 n.forged = true;
-                n.log.push(Rec {
-                    op: Some(2),
-                    body: 9,
-                    stored_ms: n.now_ms,
-                });
+                n.log.push(Rec::new(Some(2), 9, n.now_ms));
             }
             Action::Fold => {
                 n.cursor += 1;
@@ -357,6 +392,17 @@ impl Model for LedgerModel {
                     n.now_ms
                 };
                 n.watermark = protocol::watermark_after_sweep(n.watermark, minted, clock);
+            }
+            Action::Trim => {
+                if let Some(r) = n.log.iter_mut().find(|r| r.kept) {
+                    r.kept = false;
+                }
+            }
+            Action::BrokerRestart => {
+                n.broker_restarted = true;
+                for r in n.log.iter_mut().filter(|r| !r.kept) {
+                    r.remembered = false;
+                }
             }
             Action::Tick => n.now_ms += TICK_MS,
         }
@@ -417,6 +463,7 @@ fn each_mutation_of_the_ledgers_rules_has_a_counterexample() {
         (Mutation::StaleRow, "an answer names its record"),
         (Mutation::BodyIgnored, "an answer names its record"),
         (Mutation::AnyIdRow, "the watermark never passes the clock"),
+        (Mutation::WindowTrusted, "never applied twice"),
     ] {
         let c = check(mutation);
         assert!(

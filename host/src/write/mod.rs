@@ -355,8 +355,9 @@ impl WritePath {
 
     /// An id the caller gave, with no ledger row: perhaps a retry of a write the fold has not
     /// passed yet, or passed without a row. Its record, when it is the newest on the key,
-    /// answers it; otherwise it is published only where the rows or the broker's duplicate
-    /// window vouch for it ([`protocol::vouch_retry`]).
+    /// answers it; otherwise it is published only where the broker refuses a second copy (a
+    /// compare-and-set, [`protocol::broker_refuses_a_second_copy`]) or the rows or the broker's
+    /// duplicate window vouch for it ([`protocol::vouch_retry`]).
     async fn publish_retry(&self, c: &Checked, view: &LedgerView) -> WriteAnswer {
         let newest = self.kv.newest_record(&c.key).await;
         let key_newest = match &newest {
@@ -371,6 +372,9 @@ impl WritePath {
                 return WriteAnswer::unknown(UnknownWhy::LogUnreadable(e.to_string()), &c.op);
             }
         };
+        if protocol::broker_refuses_a_second_copy(c.if_revision, key_newest) {
+            return self.publish(c, view).await;
+        }
         let covered = protocol::Coverage {
             cursor: view.cursor,
             life: view.life,
@@ -378,18 +382,25 @@ impl WritePath {
         let now = now_unix_ms();
         // The most cautious judgement first (no window at all); the window is read from the
         // stream, fresh, only when it is what decides.
-        let mut vouch = protocol::vouch_retry(&c.op, now, 0, key_newest, covered);
+        let mut vouch = protocol::vouch_retry(&c.op, now, None, key_newest, covered);
         if vouch != protocol::Vouch::Publish {
-            match self.kv.duplicate_window_ms().await {
-                Ok(window) => {
-                    vouch = protocol::vouch_retry(&c.op, now, window, key_newest, covered);
-                }
-                Err(e) => {
-                    return WriteAnswer::unknown(
-                        UnknownWhy::LogUnreadable(format!("the duplicate window: {e}")),
-                        &c.op,
-                    );
-                }
+            let seen = async {
+                let window_ms =
+                    self.kv.duplicate_window_ms().await.map_err(|e| {
+                        UnknownWhy::LogUnreadable(format!("the duplicate window: {e}"))
+                    })?;
+                let oldest_on_key_unix_ms =
+                    self.kv.oldest_record_ms(&c.key).await.map_err(|e| {
+                        UnknownWhy::LogUnreadable(format!("the key's oldest record: {e}"))
+                    })?;
+                Ok::<_, UnknownWhy>(protocol::WindowSeen {
+                    window_ms,
+                    oldest_on_key_unix_ms,
+                })
+            };
+            match seen.await {
+                Ok(w) => vouch = protocol::vouch_retry(&c.op, now, Some(w), key_newest, covered),
+                Err(why) => return WriteAnswer::unknown(why, &c.op),
             }
         }
         match vouch {
@@ -516,7 +527,7 @@ impl WritePath {
             cursor: view.cursor,
             life: view.life,
         };
-        let rows = protocol::vouch_retry(&c.op, now_unix_ms(), 0, current, covered);
+        let rows = protocol::vouch_retry(&c.op, now_unix_ms(), None, current, covered);
         let seen = protocol::ConflictSeen {
             current,
             successor: successor.as_ref(),

@@ -1,7 +1,7 @@
 //! Write answers under what a fleet does to them (docs/writes.md, "The operation ledger" and "When
 //! a node cannot vouch for an id"), each against a real nats-server: a raw record cannot poison the
-//! ledger, a retry is never published a second time where the fold passed records without rows,
-//! a bucket's previous life answers nothing, an operation id names one write, a retained record
+//! ledger, a retry is never published a second time where the fold passed records without rows
+//! or where a restarted server forgot its first copy, a bucket's previous life answers nothing, an operation id names one write, a retained record
 //! does not hold retries unknown, and a full bucket is a refusal.
 
 use std::time::Duration;
@@ -577,5 +577,67 @@ async fn a_retry_whose_first_copy_was_superseded_before_a_lagging_node_read_it_i
         "published again: HTTP {code} {again:?}"
     );
     assert_eq!(again.outcome, "unknown", "HTTP {code}: {again:?}");
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_whose_first_copy_a_restarted_server_forgot_is_unknown_and_never_published_again()
+-> anyhow::Result<()> {
+    let mut h = Harness::start().await?;
+    // Two revisions a key, and a duplicate window far longer than the test: the retry below is
+    // well inside it, where the window alone would have vouched for it.
+    let kv = h.bucket_with_history("forgot", 2).await?;
+    let js = kv.jetstream();
+    let mut config = js
+        .get_stream("KV_forgot")
+        .await?
+        .cached_info()
+        .config
+        .clone();
+    config.duplicate_window = std::time::Duration::from_secs(3600);
+    js.update_stream(config).await?;
+    let tmp = tempfile::tempdir()?;
+    let a = Node::start(&h, "forgot", &tmp.path().join("a"), &[]).await?;
+    let op_id = op_id_at(now_ms(), 9);
+    let (_, first) = a
+        .write(serde_json::json!({"key": "k.a", "value": "v1", "op_id": op_id}))
+        .await?;
+    assert_eq!(first.outcome, "applied", "{first:?}");
+    drop(a);
+    // The first copy is superseded past the key's history: the stream no longer stores it.
+    kv.put("k.a", "v2".into()).await?;
+    kv.put("k.a", "v3".into()).await?;
+    assert_eq!(records_of(&kv, "forgot", &op_id).await?, Vec::<u64>::new());
+    // Killed and restarted, the server rebuilds its duplicate window from what it stores.
+    h.server.restart()?;
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let last = loop {
+        match kv.positions().await {
+            Ok(p) => break p.last_sequence,
+            Err(e) => {
+                anyhow::ensure!(
+                    std::time::Instant::now() < deadline,
+                    "the server never came back: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    // A node started from an empty store has no row of the id.
+    let b = Node::start(&h, "forgot", &tmp.path().join("b"), &[]).await?;
+    wait_status(&b.addr, |s| s.applied_through >= last).await?;
+    let (code, again) = b
+        .write(serde_json::json!({"key": "k.a", "value": "v1", "op_id": op_id}))
+        .await?;
+    assert_eq!(
+        kv.positions().await?.last_sequence,
+        last,
+        "published again: HTTP {code} {again:?}"
+    );
+    assert_eq!(
+        (code, again.outcome.as_str()),
+        (503, "unknown"),
+        "{again:?}"
+    );
     Ok(())
 }

@@ -16,7 +16,9 @@
 //!   the first write.
 //! - **No publish the ledger cannot vouch for.** A retry with no row is published only when every
 //!   copy it may have left is either covered by the rows (stored after the horizon, at or below
-//!   the cursor) or still inside the broker's duplicate window ([`vouch_retry`]).
+//!   the cursor) or still inside the broker's duplicate window on a key none of whose records
+//!   stored since can have been removed ([`vouch_retry`]): the broker rebuilds its window after a
+//!   restart only from the records it stores.
 
 use super::{KvOp, OpId};
 
@@ -255,19 +257,41 @@ pub enum Vouch {
     FoldBehind,
 }
 
+/// What the broker's duplicate window can vouch for on one key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowSeen {
+    /// The stream's duplicate window, read from the stream.
+    pub window_ms: u64,
+    /// When the key's oldest stored record was stored, Unix milliseconds (`None`: the key has no
+    /// record).
+    pub oldest_on_key_unix_ms: Option<u64>,
+}
+
 /// Judges a retry of `op` on a key whose newest record is at `key_newest` (`None`: the key has no
-/// record) that the ledger has no row for: a copy of it, if any, was stored no earlier than its
-/// mint instant less [`MAX_OP_ID_SKEW_MS`]; the broker collapses a second publish onto a copy
-/// stored within half its duplicate window (`window_ms`, read from the stream) of now.
+/// record) that the ledger has no row for. A copy of it, if any, was stored no earlier than its
+/// mint instant less [`MAX_OP_ID_SKEW_MS`] (twice that on the broker's clock, whose distance from
+/// the host's the same bound covers).
+///
+/// The broker collapses a second publish onto a copy stored within its duplicate window — but it
+/// rebuilds what it remembers, after a restart, only from the records it still stores. So
+/// `window` (`None`: no window at all, the rows alone judge) vouches for the retry only when it
+/// was minted within half the window of now *and* no record of the key stored since its earliest
+/// copy can have been removed: the key's oldest stored record predates that copy (older records
+/// go first, whether superseded past the bucket's history, aged out or purged under a marker), or
+/// the key has none.
 pub fn vouch_retry(
     op: &OpId,
     now_unix_ms: u64,
-    window_ms: u64,
+    window: Option<WindowSeen>,
     key_newest: Option<u64>,
     covered: Coverage,
 ) -> Vouch {
     let earliest = op.minted_unix_ms().saturating_sub(MAX_OP_ID_SKEW_MS);
-    if earliest > now_unix_ms.saturating_sub(window_ms / 2) {
+    if let Some(w) = window
+        && earliest > now_unix_ms.saturating_sub(w.window_ms / 2)
+        && w.oldest_on_key_unix_ms
+            .is_none_or(|t| t < earliest.saturating_sub(MAX_OP_ID_SKEW_MS))
+    {
         return Vouch::Publish;
     }
     if covered.life.horizon_unix_ms > 0 && earliest <= covered.life.horizon_unix_ms {
@@ -280,6 +304,21 @@ pub fn vouch_retry(
         return Vouch::FoldBehind;
     }
     Vouch::Publish
+}
+
+/// Whether the broker itself refuses a second copy of a compare-and-set conditioned on
+/// `if_revision` on a key whose newest record is at `key_newest` (`None`: it has none), whatever
+/// its duplicate window remembers: a first copy that landed moved the key's last revision past
+/// `if_revision` for good (revisions only grow, and a key emptied by expiry answers 0, never a
+/// revision it held). A condition of 0 (no record) holds again once the key has no record, so it
+/// is refused only while the key has one. Such a retry is published without a vouch: the refusal
+/// is judged by [`after_conflict`].
+pub fn broker_refuses_a_second_copy(if_revision: Option<u64>, key_newest: Option<u64>) -> bool {
+    match if_revision {
+        None => false,
+        Some(0) => key_newest.is_some(),
+        Some(_) => true,
+    }
 }
 
 /// What a compare-and-set the broker refused answers (the key's last revision was not the one it
@@ -311,8 +350,7 @@ pub struct ConflictSeen<'a> {
 
 /// Judges a compare-and-set of `op` (`digest` on `key`) the broker refused: `retry` when the
 /// caller gave the id (a host-minted one is a first attempt); `seen` what the log shows;
-/// `rows` the ledger's judgement with no duplicate window at all ([`vouch_retry`] with a window
-/// of 0).
+/// `rows` the ledger's judgement with no duplicate window at all ([`vouch_retry`] with none).
 pub fn after_conflict(
     op: &OpId,
     key: &str,

@@ -138,7 +138,12 @@ fn a_life_round_trips_a_state_sync_raises_the_horizon_and_a_new_incarnation_the_
 #[test]
 fn a_retry_without_a_row_is_published_only_where_the_rows_or_the_brokers_window_cover_it() {
     let now = 10_000_000;
-    let window = 120_000;
+    // The broker's window, on a key whose oldest stored record is an hour old.
+    let seen = WindowSeen {
+        window_ms: 120_000,
+        oldest_on_key_unix_ms: Some(now - 3_600_000),
+    };
+    let window = Some(seen);
     let complete = Coverage {
         cursor: 50,
         life: LedgerLife::default(),
@@ -199,9 +204,76 @@ fn a_retry_without_a_row_is_published_only_where_the_rows_or_the_brokers_window_
         Vouch::Publish
     );
     assert!(matches!(
-        vouch_retry(&recent, now, 1_000, Some(50), behind_horizon),
+        vouch_retry(
+            &recent,
+            now,
+            Some(WindowSeen {
+                window_ms: 1_000,
+                ..seen
+            }),
+            Some(50),
+            behind_horizon
+        ),
         Vouch::Unvouched { .. }
     ));
+    // No window at all: the rows alone judge.
+    assert!(matches!(
+        vouch_retry(&recent, now, None, Some(50), behind_horizon),
+        Vouch::Unvouched { .. }
+    ));
+    // In the window, but a record of the key stored since its earliest copy may have been removed
+    // (the key's oldest stored record is newer than that): a restarted broker forgets a removed
+    // copy's id, so the window vouches for nothing and the rows judge.
+    let trimmed = |oldest| {
+        Some(WindowSeen {
+            window_ms: 120_000,
+            oldest_on_key_unix_ms: Some(oldest),
+        })
+    };
+    assert!(matches!(
+        vouch_retry(&fresh, now, trimmed(now - 10), Some(99), behind_horizon),
+        Vouch::Unvouched { .. }
+    ));
+    assert_eq!(
+        vouch_retry(&fresh, now, trimmed(now - 10), Some(10), complete),
+        Vouch::Publish,
+        "complete rows still vouch"
+    );
+    // The oldest record predates any copy (by the skew on both clocks): the window vouches.
+    assert_eq!(
+        vouch_retry(
+            &fresh,
+            now,
+            trimmed(now - 2 * MAX_OP_ID_SKEW_MS - 1),
+            Some(99),
+            behind_horizon
+        ),
+        Vouch::Publish
+    );
+    assert!(matches!(
+        vouch_retry(
+            &fresh,
+            now,
+            trimmed(now - 2 * MAX_OP_ID_SKEW_MS),
+            Some(99),
+            behind_horizon
+        ),
+        Vouch::Unvouched { .. }
+    ));
+    // A key with no record: nothing of it was removed.
+    assert_eq!(
+        vouch_retry(
+            &fresh,
+            now,
+            Some(WindowSeen {
+                window_ms: 120_000,
+                oldest_on_key_unix_ms: None,
+            }),
+            None,
+            behind_horizon
+        ),
+        Vouch::Publish
+    );
 }
 
 #[test]
@@ -289,4 +361,19 @@ fn a_commit_that_passes_a_revision_it_was_never_delivered_is_seen() {
     assert!(passes_unseen(10, [11], 12));
     // Revisions the cursor already covers (a released retained record) change nothing.
     assert!(!passes_unseen(10, [5, 11], 11));
+}
+
+#[test]
+fn a_compare_and_set_retry_needs_no_vouch_where_the_broker_refuses_its_second_copy() {
+    assert!(!broker_refuses_a_second_copy(None, Some(5)));
+    assert!(broker_refuses_a_second_copy(Some(3), Some(5)));
+    assert!(
+        broker_refuses_a_second_copy(Some(3), None),
+        "an emptied key answers 0"
+    );
+    assert!(broker_refuses_a_second_copy(Some(0), Some(5)));
+    assert!(
+        !broker_refuses_a_second_copy(Some(0), None),
+        "a create holds again once the key has no record"
+    );
 }
