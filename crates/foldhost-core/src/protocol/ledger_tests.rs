@@ -197,83 +197,81 @@ fn a_retry_without_a_row_is_published_only_where_the_rows_or_the_brokers_window_
         vouch_retry(&after, now, window, Some(50), horizon),
         Vouch::Publish
     );
+}
+
+#[test]
+fn the_brokers_window_vouches_only_where_no_record_of_the_key_can_have_been_removed_since() {
+    let now = 10_000_000;
+    let complete = Coverage {
+        cursor: 50,
+        life: LedgerLife::default(),
+    };
+    let behind_horizon = Coverage {
+        cursor: 10,
+        life: LedgerLife {
+            epoch: 0,
+            horizon_unix_ms: now,
+        },
+    };
+    // The verdict for `op` under a window of `window_ms` on a key whose oldest stored record is
+    // `oldest` (`None` inside: the key has none; `None`: no window at all).
+    let judge = |op: &OpId, window_ms: u64, oldest: Option<Option<u64>>, newest, covered| {
+        let w = oldest.map(|oldest_on_key_unix_ms| WindowSeen {
+            window_ms,
+            oldest_on_key_unix_ms,
+        });
+        vouch_retry(op, now, w, newest, covered)
+    };
+    let unvouched = |v: Vouch| matches!(v, Vouch::Unvouched { .. });
+    let hour_old = Some(Some(now - 3_600_000));
     // A shorter window trusts less: the same age is no longer covered by the broker.
     let recent = op(now - 2_000, 1);
-    assert_eq!(
-        vouch_retry(&recent, now, window, Some(50), behind_horizon),
-        Vouch::Publish
-    );
-    assert!(matches!(
-        vouch_retry(
-            &recent,
-            now,
-            Some(WindowSeen {
-                window_ms: 1_000,
-                ..seen
-            }),
-            Some(50),
-            behind_horizon
-        ),
-        Vouch::Unvouched { .. }
-    ));
+    let v = judge(&recent, 120_000, hour_old, Some(50), behind_horizon);
+    assert_eq!(v, Vouch::Publish);
+    assert!(unvouched(judge(
+        &recent,
+        1_000,
+        hour_old,
+        Some(50),
+        behind_horizon
+    )));
     // No window at all: the rows alone judge.
-    assert!(matches!(
-        vouch_retry(&recent, now, None, Some(50), behind_horizon),
-        Vouch::Unvouched { .. }
-    ));
+    assert!(unvouched(judge(&recent, 0, None, Some(50), behind_horizon)));
     // In the window, but a record of the key stored since its earliest copy may have been removed
     // (the key's oldest stored record is newer than that): a restarted broker forgets a removed
     // copy's id, so the window vouches for nothing and the rows judge.
-    let trimmed = |oldest| {
-        Some(WindowSeen {
-            window_ms: 120_000,
-            oldest_on_key_unix_ms: Some(oldest),
-        })
-    };
-    assert!(matches!(
-        vouch_retry(&fresh, now, trimmed(now - 10), Some(99), behind_horizon),
-        Vouch::Unvouched { .. }
-    ));
-    assert_eq!(
-        vouch_retry(&fresh, now, trimmed(now - 10), Some(10), complete),
-        Vouch::Publish,
-        "complete rows still vouch"
-    );
+    let fresh = op(now, 1);
+    let trimmed = |oldest: u64| Some(Some(oldest));
+    assert!(unvouched(judge(
+        &fresh,
+        120_000,
+        trimmed(now - 10),
+        Some(99),
+        behind_horizon
+    )));
+    let v = judge(&fresh, 120_000, trimmed(now - 10), Some(10), complete);
+    assert_eq!(v, Vouch::Publish, "complete rows still vouch");
     // The oldest record predates any copy (by the skew on both clocks): the window vouches.
-    assert_eq!(
-        vouch_retry(
-            &fresh,
-            now,
-            trimmed(now - 2 * MAX_OP_ID_SKEW_MS - 1),
-            Some(99),
-            behind_horizon
-        ),
-        Vouch::Publish
+    let before_any_copy = now - 2 * MAX_OP_ID_SKEW_MS;
+    let v = judge(
+        &fresh,
+        120_000,
+        trimmed(before_any_copy - 1),
+        Some(99),
+        behind_horizon,
     );
-    assert!(matches!(
-        vouch_retry(
-            &fresh,
-            now,
-            trimmed(now - 2 * MAX_OP_ID_SKEW_MS),
-            Some(99),
-            behind_horizon
-        ),
-        Vouch::Unvouched { .. }
-    ));
+    assert_eq!(v, Vouch::Publish);
+    let v = judge(
+        &fresh,
+        120_000,
+        trimmed(before_any_copy),
+        Some(99),
+        behind_horizon,
+    );
+    assert!(unvouched(v));
     // A key with no record: nothing of it was removed.
-    assert_eq!(
-        vouch_retry(
-            &fresh,
-            now,
-            Some(WindowSeen {
-                window_ms: 120_000,
-                oldest_on_key_unix_ms: None,
-            }),
-            None,
-            behind_horizon
-        ),
-        Vouch::Publish
-    );
+    let v = judge(&fresh, 120_000, Some(None), None, behind_horizon);
+    assert_eq!(v, Vouch::Publish);
 }
 
 #[test]
