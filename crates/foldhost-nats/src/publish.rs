@@ -244,11 +244,22 @@ impl NatsKv {
             }))
     }
 
-    /// The stream's duplicate window, read fresh from the server (its configuration can change
-    /// under a running node), in milliseconds.
-    pub async fn duplicate_window_ms(&self) -> Result<u64, KvError> {
+    /// The stream's duplicate window in milliseconds, read fresh from the server (its
+    /// configuration can change under a running node), and when its oldest stored record was
+    /// stored, Unix milliseconds (`u64::MAX` when it stores none, or its time cannot be read —
+    /// as new as can be).
+    pub async fn duplicate_window_and_first_ms(&self) -> Result<(u64, u64), KvError> {
         let info = self.stream_info().await?;
-        Ok(u64::try_from(info.config.duplicate_window.as_millis()).unwrap_or(u64::MAX))
+        let window = u64::try_from(info.config.duplicate_window.as_millis()).unwrap_or(u64::MAX);
+        let first = if info.state.messages == 0 {
+            u64::MAX
+        } else {
+            u64::try_from(info.state.first_timestamp.unix_timestamp_nanos() / 1_000_000)
+                .ok()
+                .filter(|t| *t > 0)
+                .unwrap_or(u64::MAX)
+        };
+        Ok((window, first))
     }
 
     /// When the record at `sequence` was stored, Unix nanoseconds (`Ok(None)`: no record there).

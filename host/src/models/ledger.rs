@@ -1,9 +1,10 @@
-//! The operation ledger's rules under a fleet's events (docs/writes.md, "The operation ledger"
-//! and "When a node cannot vouch for an id"): writes and retries through one node, another
-//! writer's records, a record carrying a forged far-future id, the node restarted from an empty
-//! store (a state-sync start), the bucket recreated and re-listed, the sweep, time passing
-//! beyond the broker's duplicate window, records superseded past the bucket's history, and the
-//! broker restarted (it then remembers only the ids of the records it still stores). Every decision is the host's: [`protocol::admit_write`],
+//! The operation ledger's rules under a fleet's events (docs/writes.md, "The operation ledger" and
+//! "When a node cannot vouch for an id"): writes and retries through one node, another writer's
+//! records, a record carrying a forged far-future id, the node restarted from an empty store (a
+//! state-sync start), the bucket recreated and re-listed, the sweep, time passing beyond the
+//! broker's duplicate window, records removed (superseded past the bucket's history, or the key's
+//! last one evicted by the stream's limits), and the broker restarted (it then remembers only the
+//! ids of the records it still stores). Every decision is the host's: [`protocol::admit_write`],
 //! [`protocol::same_write`], [`protocol::vouch_retry`], [`protocol::after_ack`],
 //! [`protocol::row_admitted`], [`protocol::row_of_life`], [`protocol::watermark_after_sweep`] and
 //! the life's moves.
@@ -24,7 +25,7 @@
 
 use std::collections::BTreeMap;
 
-use stateright::{Checker, Model, Property};
+use stateright::{Checker, HasDiscoveries, Model, Property};
 
 use crate::protocol::{self, Admission, LedgerLife, LedgerRow, OpId, Vouch};
 
@@ -104,6 +105,8 @@ struct State {
     forged: bool,
     raws: u8,
     broker_restarted: bool,
+    /// The last write was collapsed by the broker onto its first copy.
+    collapsed: bool,
     answer: Option<Answer>,
 }
 
@@ -123,8 +126,8 @@ enum Action {
     Recreate,
     /// The ledger is swept.
     Sweep,
-    /// The key's oldest stored record is superseded past the bucket's history (one the node has
-    /// folded).
+    /// The key's oldest stored record (one the node has folded) is removed: superseded past the
+    /// bucket's history, or — the key's last — evicted by the stream's limits.
     Trim,
     /// The broker is killed and restarted.
     BrokerRestart,
@@ -216,14 +219,20 @@ impl LedgerModel {
             life: Self::life(n),
         };
         let key_newest = (newest > 0).then_some(newest);
+        // One key: the stream's oldest record is the key's (none: the stream is empty).
         let oldest = n.log.iter().find(|r| r.kept).map(|r| r.stored_ms);
-        let window = protocol::WindowSeen {
-            window_ms: WINDOW_MS,
-            oldest_on_key_unix_ms: if self.mutation == Mutation::WindowTrusted {
-                None
-            } else {
-                oldest
-            },
+        let window = if self.mutation == Mutation::WindowTrusted {
+            protocol::WindowSeen {
+                window_ms: WINDOW_MS,
+                oldest_on_key_unix_ms: None,
+                stream_first_unix_ms: 0,
+            }
+        } else {
+            protocol::WindowSeen {
+                window_ms: WINDOW_MS,
+                oldest_on_key_unix_ms: oldest,
+                stream_first_unix_ms: oldest.unwrap_or(u64::MAX),
+            }
         };
         if protocol::vouch_retry(&id, n.now_ms, Some(window), key_newest, covered) != Vouch::Publish
         {
@@ -239,6 +248,7 @@ impl LedgerModel {
             if !r.kept {
                 return None;
             }
+            n.collapsed = true;
             return protocol::after_ack("k", &asked, rev, Some(&Self::landed(rev, r))).ok();
         }
         n.log.push(Rec::new(Some(op), body, n.now_ms));
@@ -280,13 +290,16 @@ impl Model for LedgerModel {
             forged: false,
             raws: 0,
             broker_restarted: false,
+            collapsed: false,
             answer: None,
         }]
     }
 
     fn actions(&self, s: &State, actions: &mut Vec<Action>) {
         let room = s.log.len() < MAX_LOG;
-        if room && s.writes < MAX_WRITES {
+        // A write may still go when the log is full: a retry the broker collapses adds nothing
+        // (and one more record is the most a write adds).
+        if s.log.len() <= MAX_LOG && s.writes < MAX_WRITES {
             // Operation 0 is sent with its own body or reused with another; operation 1 with its
             // own.
             actions.push(Action::Write(0, 0));
@@ -315,7 +328,7 @@ impl Model for LedgerModel {
         }
         let kept = s.log.iter().filter(|r| r.kept).count();
         let oldest_kept = s.log.iter().position(|r| r.kept);
-        if kept > 1 && oldest_kept.is_some_and(|i| (i as u64) < s.cursor) {
+        if kept > 0 && oldest_kept.is_some_and(|i| (i as u64) < s.cursor) {
             actions.push(Action::Trim);
         }
         if !s.broker_restarted && kept < s.log.len() {
@@ -331,6 +344,7 @@ impl Model for LedgerModel {
         match action {
             Action::Write(op, body) => {
                 n.writes += 1;
+                n.collapsed = false;
                 let rev = self.write(&mut n, op, body);
                 n.answer = Some((op, body, rev));
             }
@@ -426,6 +440,10 @@ impl Model for LedgerModel {
             Property::always("the watermark never passes the clock", |_, s: &State| {
                 s.watermark <= s.now_ms
             }),
+            Property::sometimes(
+                "a retry collapsed by the broker's window",
+                |_, s: &State| s.collapsed,
+            ),
             Property::sometimes("a retry answered from its row", |_, s: &State| {
                 s.answer.is_some_and(|(op, _, rev)| {
                     rev.is_some() && s.rows.get(&op).is_some_and(|r| Some(r.0) == rev)
@@ -439,6 +457,18 @@ fn check(mutation: Mutation) -> impl Checker<LedgerModel> {
     LedgerModel { mutation }.checker().spawn_bfs().join()
 }
 
+/// Explores a mutation until `property` has a discovery (breadth first: the shortest
+/// counterexample, found long before the whole space is walked).
+fn find(mutation: Mutation, property: &'static str) -> impl Checker<LedgerModel> {
+    LedgerModel { mutation }
+        .checker()
+        .finish_when(HasDiscoveries::AnyOf(std::collections::BTreeSet::from([
+            property,
+        ])))
+        .spawn_bfs()
+        .join()
+}
+
 #[test]
 fn the_ledger_never_applies_a_write_twice_names_only_its_own_records_and_keeps_its_watermark() {
     let c = check(Mutation::None);
@@ -448,6 +478,11 @@ fn the_ledger_never_applies_a_write_twice_names_only_its_own_records_and_keeps_i
     assert!(
         c.discovery("a retry answered from its row").is_some(),
         "the model answers retries from the ledger"
+    );
+    assert!(
+        c.discovery("a retry collapsed by the broker's window")
+            .is_some(),
+        "the window vouches for some retries"
     );
     assert!(
         c.unique_state_count() > 1000,
@@ -465,7 +500,7 @@ fn each_mutation_of_the_ledgers_rules_has_a_counterexample() {
         (Mutation::AnyIdRow, "the watermark never passes the clock"),
         (Mutation::WindowTrusted, "never applied twice"),
     ] {
-        let c = check(mutation);
+        let c = find(mutation, property);
         assert!(
             c.discovery(property).is_some(),
             "{mutation:?} found no counterexample to {property:?}"

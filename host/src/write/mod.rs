@@ -188,7 +188,7 @@ impl WriteAnswer {
                 minted_unix_ms,
                 horizon_unix_ms,
             } => format!(
-                "minted at {minted_unix_ms} ms, before this node's ledger horizon ({horizon_unix_ms} ms: it folded from a listing there), outside the broker's duplicate window, and no row: it may have landed; its record, if any, is on the log"
+                "minted at {minted_unix_ms} ms, before this node's ledger horizon ({horizon_unix_ms} ms: it folded from a listing there), beyond what the broker's duplicate window vouches for, and no row: it may have landed; its record, if any, is on the log"
             ),
             UnknownWhy::LogUnreadable(e) => {
                 format!("no acknowledgement, and the log could not be read ({e}): retry with the same op_id")
@@ -346,7 +346,7 @@ impl WritePath {
                 minted_unix_ms,
                 horizon_unix_ms,
             } => {
-                tracing::warn!(event = "write_unvouched", op_id = %c.op, key = %c.key, minted_unix_ms, horizon_unix_ms, "a write was answered unknown: its operation may have landed among the records this node's fold passed without rows (a state-sync start or a re-list), outside the broker's duplicate window");
+                tracing::warn!(event = "write_unvouched", op_id = %c.op, key = %c.key, minted_unix_ms, horizon_unix_ms, "a write was answered unknown: its operation may have landed among the records this node's fold passed without rows (a state-sync start or a re-list), and the broker's duplicate window cannot vouch for it (too old, or records of its key were removed since)");
             }
             _ => {}
         }
@@ -372,7 +372,7 @@ impl WritePath {
                 return WriteAnswer::unknown(UnknownWhy::LogUnreadable(e.to_string()), &c.op);
             }
         };
-        if protocol::broker_refuses_a_second_copy(c.if_revision, key_newest) {
+        if protocol::broker_refuses_a_second_copy(c.if_revision) {
             return self.publish(c, view).await;
         }
         let covered = protocol::Coverage {
@@ -384,21 +384,26 @@ impl WritePath {
         // stream, fresh, only when it is what decides.
         let mut vouch = protocol::vouch_retry(&c.op, now, None, key_newest, covered);
         if vouch != protocol::Vouch::Publish {
-            let seen = async {
-                let window_ms =
-                    self.kv.duplicate_window_ms().await.map_err(|e| {
+            let seen = tokio::try_join!(
+                async {
+                    self.kv.duplicate_window_and_first_ms().await.map_err(|e| {
                         UnknownWhy::LogUnreadable(format!("the duplicate window: {e}"))
-                    })?;
-                let oldest_on_key_unix_ms =
+                    })
+                },
+                async {
                     self.kv.oldest_record_ms(&c.key).await.map_err(|e| {
                         UnknownWhy::LogUnreadable(format!("the key's oldest record: {e}"))
-                    })?;
-                Ok::<_, UnknownWhy>(protocol::WindowSeen {
+                    })
+                },
+            )
+            .map(
+                |((window_ms, stream_first_unix_ms), oldest_on_key_unix_ms)| protocol::WindowSeen {
                     window_ms,
                     oldest_on_key_unix_ms,
-                })
-            };
-            match seen.await {
+                    stream_first_unix_ms,
+                },
+            );
+            match seen {
                 Ok(w) => vouch = protocol::vouch_retry(&c.op, now, Some(w), key_newest, covered),
                 Err(why) => return WriteAnswer::unknown(why, &c.op),
             }

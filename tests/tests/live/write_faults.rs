@@ -1,8 +1,9 @@
 //! Write answers under what a fleet does to them (docs/writes.md, "The operation ledger" and "When
 //! a node cannot vouch for an id"), each against a real nats-server: a raw record cannot poison the
-//! ledger, a retry is never published a second time where the fold passed records without rows
-//! or where a restarted server forgot its first copy, a bucket's previous life answers nothing, an operation id names one write, a retained record
-//! does not hold retries unknown, and a full bucket is a refusal.
+//! ledger, a retry is never published a second time where the fold passed records without rows or
+//! where a restarted server forgot its first copy, a bucket's previous life answers nothing, an
+//! operation id names one write, a retained record does not hold retries unknown, and a full bucket
+//! is a refusal.
 
 use std::time::Duration;
 

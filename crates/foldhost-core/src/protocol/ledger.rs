@@ -265,6 +265,9 @@ pub struct WindowSeen {
     /// When the key's oldest stored record was stored, Unix milliseconds (`None`: the key has no
     /// record).
     pub oldest_on_key_unix_ms: Option<u64>,
+    /// When the stream's oldest stored record was stored, Unix milliseconds (`u64::MAX`: the
+    /// stream is empty, or its time cannot be read).
+    pub stream_first_unix_ms: u64,
 }
 
 /// Judges a retry of `op` on a key whose newest record is at `key_newest` (`None`: the key has no
@@ -276,9 +279,15 @@ pub struct WindowSeen {
 /// rebuilds what it remembers, after a restart, only from the records it still stores. So
 /// `window` (`None`: no window at all, the rows alone judge) vouches for the retry only when it
 /// was minted within half the window of now *and* no record of the key stored since its earliest
-/// copy can have been removed: the key's oldest stored record predates that copy (older records
-/// go first, whether superseded past the bucket's history, aged out or purged under a marker), or
-/// the key has none.
+/// copy can have been removed: the key's oldest stored record predates that copy (a key's records
+/// go oldest first, whether superseded past the bucket's history, aged out, evicted by the
+/// stream's limits or purged under a marker). A key with no record at all may have lost its last
+/// one to the stream's limits or to a rollup of the whole stream, both of which remove the
+/// stream's oldest records first: there the stream's oldest record must predate the copy. A
+/// record removed by hand (a message deleted, a subject purged with the stream's own API) leaves
+/// no trace here, nor does one removed between this judgement and the publish.
+///
+/// The bounds assume the broker's clock within [`MAX_OP_ID_SKEW_MS`] of the host's.
 pub fn vouch_retry(
     op: &OpId,
     now_unix_ms: u64,
@@ -289,8 +298,8 @@ pub fn vouch_retry(
     let earliest = op.minted_unix_ms().saturating_sub(MAX_OP_ID_SKEW_MS);
     if let Some(w) = window
         && earliest > now_unix_ms.saturating_sub(w.window_ms / 2)
-        && w.oldest_on_key_unix_ms
-            .is_none_or(|t| t < earliest.saturating_sub(MAX_OP_ID_SKEW_MS))
+        && w.oldest_on_key_unix_ms.unwrap_or(w.stream_first_unix_ms)
+            < earliest.saturating_sub(MAX_OP_ID_SKEW_MS)
     {
         return Vouch::Publish;
     }
@@ -310,15 +319,12 @@ pub fn vouch_retry(
 /// `if_revision` on a key whose newest record is at `key_newest` (`None`: it has none), whatever
 /// its duplicate window remembers: a first copy that landed moved the key's last revision past
 /// `if_revision` for good (revisions only grow, and a key emptied by expiry answers 0, never a
-/// revision it held). A condition of 0 (no record) holds again once the key has no record, so it
-/// is refused only while the key has one. Such a retry is published without a vouch: the refusal
-/// is judged by [`after_conflict`].
-pub fn broker_refuses_a_second_copy(if_revision: Option<u64>, key_newest: Option<u64>) -> bool {
-    match if_revision {
-        None => false,
-        Some(0) => key_newest.is_some(),
-        Some(_) => true,
-    }
+/// revision it held). A condition of 0 (a create: no record) holds again once the key has no
+/// record, which can happen between any read and the publish, so a create is vouched for like
+/// any write. Such a retry is published without a vouch: the refusal is judged by
+/// [`after_conflict`].
+pub fn broker_refuses_a_second_copy(if_revision: Option<u64>) -> bool {
+    if_revision.is_some_and(|r| r > 0)
 }
 
 /// What a compare-and-set the broker refused answers (the key's last revision was not the one it

@@ -175,7 +175,8 @@ pub enum UnknownWhy {
         watermark_unix_ms: u64,
     },
     /// No row, and a copy may be among the records this fold passed without rows (a state-sync
-    /// start or a re-list), outside the broker's duplicate window ([`super::vouch_retry`]).
+    /// start or a re-list), beyond what the broker's duplicate window vouches for
+    /// ([`super::vouch_retry`]).
     Unvouched {
         /// The operation's mint instant.
         minted_unix_ms: u64,
