@@ -186,6 +186,12 @@ pub struct GuestChannelReport {
     pub detail: String,
     /// Why the channel cannot be read now, while it cannot.
     pub error: Option<String>,
+    /// The running version's failed calls (traps, deadline hits, resource caps) since this node
+    /// swapped to it — a local trial's never count — as of the last check.
+    pub failed_calls: u64,
+    /// How many times this node has checked them since it started following (once a second
+    /// while the channel is read): a check counted after a failure judged it.
+    pub checks: u64,
 }
 
 /// A completed swap of the running guest, as status reports it.
@@ -770,6 +776,11 @@ pub struct GuestCounters {
     pub limit_hits: AtomicU64,
     /// Instances rebuilt from the fold after a failed call.
     pub rebuilds: AtomicU64,
+    /// Failed calls (traps, deadline hits, resource caps) of the instances running the fold — the
+    /// applier, its rebuilds and its query instance — and never of a trial's (a swap or shadow
+    /// candidate's before it is adopted): what a channel follower judges the version it runs by.
+    /// The three counters above count every instance.
+    pub running_failures: AtomicU64,
 }
 
 #[cfg(test)]

@@ -149,8 +149,10 @@ pub(super) struct Follower {
     /// The release whose failed fetch or inconclusive shadow is tried again, when, and the
     /// failures in a row.
     retry: Option<(u64, Instant, u32)>,
-    /// The guest's failed calls when the running version was swapped in (a rise is a trap).
+    /// The running guest's failed calls when it was swapped in (a rise is a trap).
     failures_at_swap: u64,
+    /// The checks of the running version's failed calls so far.
+    checks: u64,
     /// The release and entry last read, and every node's report.
     release: Option<(u64, ChannelEntry)>,
     reports: BTreeMap<String, NodeReport>,
@@ -180,6 +182,7 @@ impl Follower {
             written: None,
             retry: None,
             failures_at_swap,
+            checks: 0,
             release: None,
             reports: BTreeMap::new(),
         }
@@ -576,6 +579,7 @@ impl Follower {
     /// A trap (or a deadline hit) of the running guest after it was swapped in to the current
     /// release's desired version judges that release `trapped`.
     fn check_traps(&mut self) {
+        self.checks += 1;
         let Some((release, entry)) = self.release.clone() else {
             return;
         };
@@ -605,6 +609,8 @@ impl Follower {
             node: self.gc.node.clone(),
             running: Some(self.running.label()),
             running_digest: Some(self.running.digest.clone()),
+            failed_calls: failures(&self.status).saturating_sub(self.failures_at_swap),
+            checks: self.checks,
             ..GuestChannelReport::default()
         };
         r.state = state.map_or("unpublished", Rollout::as_str).to_string();
@@ -645,10 +651,11 @@ impl Follower {
     }
 }
 
-/// The guest's failed calls that judge a version: traps, deadline hits and resource caps.
+/// The failed calls that judge the running version: its traps, deadline hits and resource caps,
+/// never a local trial's (an operator's `swap` or `--shadow` candidate).
 fn failures(status: &FoldStatus) -> u64 {
-    let g = &status.guest_counters;
-    g.traps.load(Ordering::Relaxed)
-        + g.deadline_hits.load(Ordering::Relaxed)
-        + g.limit_hits.load(Ordering::Relaxed)
+    status
+        .guest_counters
+        .running_failures
+        .load(Ordering::Relaxed)
 }

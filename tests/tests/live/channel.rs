@@ -908,3 +908,63 @@ async fn a_version_that_fails_to_load_is_refused_the_release_halts_and_every_nod
     }
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_local_trial_that_fails_on_one_node_never_judges_the_release_the_fleet_runs()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let (_kv, _v1, mut nodes) = fleet(&h, "chtrial", tmp.path()).await?;
+    // Release 2 rolls out to every node (no canary).
+    let v2_file = tmp.path().join("kvstore-renamed.wasm");
+    std::fs::write(
+        &v2_file,
+        renamed(&std::fs::read(guest_wasm("kvstore"))?, "v2"),
+    )?;
+    let v2 = digest(&std::fs::read(&v2_file)?);
+    let release = publish(&h, &v2_file, &[])?;
+    for n in &nodes {
+        n.wait(|c| c.release == release && c.running_digest.as_deref() == Some(v2.as_str()))
+            .await?;
+    }
+    // On n0 an operator tries a component that hits its memory cap while hydrating, in shadow.
+    let out = foldhost()
+        .args(["swap", "--listen", &nodes[0].addr, "--guest"])
+        .arg(guest_wasm("hostile_membomb"))
+        .args(["--shadow", "1", "--shadow-wait", "5"])
+        .env_remove("FOLDHOST_ADMIN_TOKEN")
+        .output()?;
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.code() != Some(0) && said.contains("memory"),
+        "the trial fails at its memory cap: {said}"
+    );
+    // Two checks of n0's running version after the trial failed (the first may have begun before
+    // it): each judged what it found.
+    let before = wait_status(&nodes[0].addr, |s| s.guest_channel.is_some())
+        .await?
+        .guest_channel
+        .map_or(0, |c| c.checks);
+    let s = nodes[0].wait(|c| c.checks >= before + 2).await?;
+    let c = s.guest_channel.unwrap_or_default();
+    assert_eq!(
+        (c.failed_calls, c.judgement.as_str(), c.state.as_str()),
+        (0, "clean", "rolling"),
+        "a trial's failure judged the running release: {c:?}"
+    );
+    // Every node still runs release 2, and the bus holds no `trapped` report of it.
+    for n in &nodes {
+        let s = n.runs(&v2).await?;
+        let c = s.guest_channel.unwrap_or_default();
+        assert_eq!(c.state, "rolling", "{}: {c:?}", n.name);
+    }
+    let view = guest_status(&h)?;
+    assert!(
+        !judged_of(&view, release).iter().any(|j| j == "trapped"),
+        "{view}"
+    );
+    for n in &mut nodes {
+        n.never_restarted().await?;
+    }
+    Ok(())
+}

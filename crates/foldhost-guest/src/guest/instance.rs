@@ -47,6 +47,11 @@ impl Core {
             (false, false) => &self.counters.traps,
         };
         counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if !self.trial {
+            self.counters
+                .running_failures
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        }
         let message = if deadline {
             format!(
                 "deadline of {} ms exceeded (interrupted)",

@@ -206,6 +206,10 @@ struct Core {
     link: Arc<LaneLink>,
     /// Failed calls and rebuilds, counted for the fold's status (kept across swaps).
     counters: Arc<foldhost_core::status::GuestCounters>,
+    /// A trial: a swap or shadow candidate not adopted yet (or a query instance of one). Its
+    /// failed calls are never the running version's
+    /// ([`foldhost_core::status::GuestCounters::running_failures`]).
+    trial: bool,
     /// Its instances answer queries beside the fold (the query instance): a state write from
     /// their `query` may wait for the fold to apply it.
     answers_beside_fold: bool,
@@ -256,6 +260,7 @@ impl Core {
             state: Arc::new(OnceLock::new()),
             link: Arc::new(LaneLink::default()),
             counters: Arc::default(),
+            trial: false,
             answers_beside_fold: false,
             #[cfg(any(test, feature = "testkit"))]
             interrupt_next: AtomicBool::new(false),
@@ -509,6 +514,7 @@ impl Apply for GuestApply {
                 // Its own: a lane's discard request is the running instance's, not this one's.
                 link: Arc::new(LaneLink::default()),
                 counters: self.core.counters.clone(),
+                trial: self.core.trial,
                 answers_beside_fold: true,
                 #[cfg(any(test, feature = "testkit"))]
                 interrupt_next: AtomicBool::new(false),
@@ -556,6 +562,7 @@ impl Apply for GuestApply {
                 state: self.core.state.clone(),
                 link: self.core.link.clone(),
                 counters: self.core.counters.clone(),
+                trial: true,
                 answers_beside_fold: false,
                 #[cfg(any(test, feature = "testkit"))]
                 interrupt_next: AtomicBool::new(false),
@@ -576,11 +583,13 @@ impl Apply for GuestApply {
             .downcast::<GuestCandidate>()
             .map_err(|_| self.core.err("swap", format!("{described} is not a guest")))?;
         let GuestCandidate {
-            core,
+            mut core,
             live,
             hydrated,
             ..
         } = *c;
+        // Adopted, it is the running version: its failures judge it from the cut-over on.
+        core.trial = false;
         let (Some(live), Some(stats)) = (live, hydrated) else {
             return Err(self
                 .core
