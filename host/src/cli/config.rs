@@ -52,6 +52,19 @@ const PROCESS_KEYS: [&str; 1] = ["log_format"];
 const FOLD_ONLY: [&str; 3] = ["name", "bucket", "store"];
 /// Keys whose values `config check` never prints.
 const SECRET_KEYS: [&str; 3] = ["admin_token", "write_token", "query_token"];
+/// The listener's keys: with a top-level `listen`, one listener admits every fold with one set of
+/// tokens, names and limits, so a fold table may not set them (the top level sets them for every
+/// fold); a fold's own would silently give way to the first fold's.
+const SHARED_LISTENER_KEYS: [&str; 8] = [
+    "admin_token",
+    "admin_token_file",
+    "write_token",
+    "write_token_file",
+    "query_token_file",
+    "query_open",
+    "listen_host",
+    "query_max_bytes",
+];
 
 /// One fold of the file: its name and `run`'s arguments for it.
 #[derive(Debug, Clone)]
@@ -218,6 +231,12 @@ pub(crate) fn load(path: &Path) -> anyhow::Result<Loaded> {
                     i + 1
                 );
             }
+            if listen.is_some() && SHARED_LISTENER_KEYS.contains(&k.as_str()) {
+                bail!(
+                    "{file}:{line}: fold {} sets `{k}`, which the one listener of the top-level listen holds for every fold: set it at the top",
+                    i + 1
+                );
+            }
             key_args(k, v, &mut argv).map_err(|e| anyhow!("{file}:{line}: {k}: {e}"))?;
             lines.insert(k.clone(), line);
         }
@@ -232,6 +251,16 @@ pub(crate) fn load(path: &Path) -> anyhow::Result<Loaded> {
             .and_then(toml::Value::as_str)
             .unwrap_or_default()
             .to_string();
+        if listen.is_some()
+            && let Some(why) = crate::serve::fold_name_refusal(&name)
+        {
+            let at = lines.get("name").or_else(|| lines.get("bucket"));
+            bail!(
+                "{file}:{}: fold {}: name {name:?} cannot be served under /folds/NAME/ of the top-level listen: {why}",
+                at.copied().unwrap_or(header),
+                i + 1
+            );
+        }
         folds.push(Fold { name, argv, lines });
     }
     check_distinct(&file, &folds, &doc)?;
@@ -315,8 +344,9 @@ fn parse(argv: &[String]) -> Result<RunArgs, clap::Error> {
     RunCli::from_arg_matches(&matches).map(|c| c.args)
 }
 
-/// Every effective value of the fold, as `key = value` lines (defaults marked; secrets redacted).
-fn effective(fold: &Fold, overrides: &[String]) -> anyhow::Result<Vec<String>> {
+/// Every effective value of the fold, as its key and a `key = value` line in the type the file
+/// takes (defaults marked; secrets redacted).
+fn effective(fold: &Fold, overrides: &[String]) -> anyhow::Result<Vec<(String, String)>> {
     let argv: Vec<String> = fold.argv.iter().chain(overrides).cloned().collect();
     let cmd = RunCli::command();
     let matches = cmd.clone().try_get_matches_from(&argv)?;
@@ -333,18 +363,21 @@ fn effective(fold: &Fold, overrides: &[String]) -> anyhow::Result<Vec<String>> {
             continue;
         };
         let values: Vec<String> = raw.map(|v| v.to_string_lossy().into_owned()).collect();
+        let numeric = is_integer(arg.get_value_parser().type_id());
         let shown: Vec<String> = values
             .iter()
             .map(|v| {
                 if SECRET_KEYS.contains(&key.as_str()) {
-                    "<redacted>".to_string()
+                    toml::Value::String("<redacted>".into())
                 } else if key == "nats" {
-                    redact_url(v)
+                    toml::Value::String(redact_url(v))
+                } else if let (true, Ok(n)) = (numeric, v.parse::<i64>()) {
+                    toml::Value::Integer(n)
                 } else {
-                    v.clone()
+                    toml::Value::String(v.clone())
                 }
             })
-            .map(|v| toml::Value::String(v).to_string())
+            .map(|v| v.to_string())
             .collect();
         let default =
             matches.value_source(id.as_str()) == Some(clap::parser::ValueSource::DefaultValue);
@@ -355,12 +388,30 @@ fn effective(fold: &Fold, overrides: &[String]) -> anyhow::Result<Vec<String>> {
         } else {
             format!("[{}]", shown.join(", "))
         };
-        out.push(format!(
+        let line = format!(
             "{key} = {value}{}",
             if default { "  # default" } else { "" }
-        ));
+        );
+        out.push((key, line));
     }
     Ok(out)
+}
+
+/// Whether a flag's value parser yields an integer: its value is written as one (a value in
+/// units, `1MiB` or `30s`, stays a string, which the file takes too).
+fn is_integer(parsed: impl PartialEq<std::any::TypeId>) -> bool {
+    use std::any::TypeId;
+    [
+        TypeId::of::<u64>(),
+        TypeId::of::<u32>(),
+        TypeId::of::<u16>(),
+        TypeId::of::<u8>(),
+        TypeId::of::<usize>(),
+        TypeId::of::<i64>(),
+        TypeId::of::<i32>(),
+    ]
+    .iter()
+    .any(|t| parsed == *t)
 }
 
 /// `nats://user:pass@host` → `nats://<redacted>@host` (each of a list).
@@ -382,20 +433,38 @@ pub(super) fn cmd_config(c: ConfigCommand) -> anyhow::Result<()> {
         log_format,
         listen,
     } = load(&a.file)?;
+    // Each fold as run takes it: with a top-level listen, parsed with it.
+    let extra: Vec<String> = listen
+        .iter()
+        .flat_map(|l| ["--listen".to_string(), l.clone()])
+        .collect();
+    let mut tables = Vec::with_capacity(folds.len());
+    for fold in &folds {
+        // Every value as run would take it: parsed, then checked as run checks it.
+        fold_args(&a.file, fold, &extra)?
+            .into_config()
+            .with_context(|| format!("{}: fold {}", a.file.display(), fold.name))?;
+        tables.push(effective(fold, &extra)?);
+    }
     let mut out = std::io::stdout().lock();
     if let Some(f) = log_format {
         writeln!(out, "log_format = {:?}", format!("{f:?}").to_lowercase())?;
     }
+    // Under a top-level listen, its keys once at the top (every fold has the same), and in no
+    // fold's table: the output is a file `run` takes.
+    let listener_key =
+        |k: &str| listen.is_some() && (k == "listen" || SHARED_LISTENER_KEYS.contains(&k));
     if let Some(l) = &listen {
         writeln!(out, "listen = {}", toml::Value::String(l.clone()))?;
+        for (k, line) in tables.first().into_iter().flatten() {
+            if SHARED_LISTENER_KEYS.contains(&k.as_str()) {
+                writeln!(out, "{line}")?;
+            }
+        }
     }
-    for fold in &folds {
-        // Every value as run would take it: parsed, then checked as run checks it.
-        fold_args(&a.file, fold, &[])?
-            .into_config()
-            .with_context(|| format!("{}: fold {}", a.file.display(), fold.name))?;
+    for table in &tables {
         writeln!(out, "\n[[folds]]")?;
-        for line in effective(fold, &[])? {
+        for (_, line) in table.iter().filter(|(k, _)| !listener_key(k)) {
             writeln!(out, "{line}")?;
         }
     }
@@ -535,7 +604,12 @@ listen = "127.0.0.1:8081"
             "nats = \"nats://alice:hunter2@127.0.0.1:4222\"\n[[folds]]\nbucket = \"a\"\nstore = \"s\"\nadmin_token = \"s3cret\"\n",
         );
         let folds = load(&p).expect("loads").folds;
-        let lines = effective(&folds[0], &[]).expect("effective").join("\n");
+        let lines = effective(&folds[0], &[])
+            .expect("effective")
+            .into_iter()
+            .map(|(_, l)| l)
+            .collect::<Vec<_>>()
+            .join("\n");
         assert!(
             !lines.contains("hunter2") && !lines.contains("s3cret"),
             "{lines}"

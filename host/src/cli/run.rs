@@ -469,6 +469,8 @@ async fn cmd_run_config(file: &Path) -> anyhow::Result<()> {
                     .registry
                     .expect(cfgs.iter().map(|c| c.fold_name().to_string()).collect());
             }
+            // The listener's settings are the process's (a fold table may not set them: see
+            // `config::SHARED_LISTENER_KEYS`); only the readiness lag is each fold's.
             for cfg in &mut cfgs {
                 if let Some(own) = cfg.listen.take() {
                     cfg.listen = Some(crate::node::ListenConfig {

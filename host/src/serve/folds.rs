@@ -137,15 +137,20 @@ pub(crate) fn split_fold(path: &str) -> Result<(Option<&str>, &str), &'static st
         Some(i) => (&rest[..i], &rest[i..]),
         None => (rest, "/"),
     };
+    if let Some(why) = fold_name_refusal(name) {
+        return Err(why);
+    }
+    Ok((Some(name), route))
+}
+
+/// Why `name` cannot be a fold's `/folds/NAME` segment (`None`: it can).
+pub(crate) fn fold_name_refusal(name: &str) -> Option<&'static str> {
     let ok = !name.is_empty()
         && name.len() <= 64
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'));
-    if !ok {
-        return Err("a fold's name is 1 to 64 letters, digits, '.', '_' or '-'");
-    }
-    Ok((Some(name), route))
+    (!ok).then_some("a fold's name is 1 to 64 letters, digits, '.', '_' or '-'")
 }
 
 #[cfg(test)]

@@ -75,6 +75,7 @@ mod slot;
 mod token_file;
 
 pub use folds::FoldRegistry;
+pub(crate) use folds::fold_name_refusal;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -304,3 +304,104 @@ async fn one_listen_address_serves_every_fold_under_its_name_and_the_process_acr
     terminate(&mut node)?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_one_listen_a_folds_own_listener_setting_or_unservable_name_is_refused_in_one_line()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("foldhost.toml");
+    let stores = [dir.path().join("sa"), dir.path().join("sb")];
+    let head = format!(
+        "nats = \"nats://127.0.0.1:1\"\nlisten = \"127.0.0.1:0\"\n\n[[folds]]\nbucket = \"a\"\nstore = \"{}\"\n\n[[folds]]\n",
+        stores[0].display()
+    );
+    // Line 9 on: fold 2's table.
+    let second = format!("store = \"{}\"\n", stores[1].display());
+    for (fold2, line, says) in [
+        (
+            format!("bucket = \"b\"\n{second}query_open = true\n"),
+            11,
+            "`query_open`",
+        ),
+        (
+            format!("bucket = \"b\"\n{second}admin_token_file = \"/tmp/t\"\n"),
+            11,
+            "`admin_token_file`",
+        ),
+        (
+            format!("name = \"b b\"\nbucket = \"b\"\n{second}"),
+            9,
+            "\"b b\"",
+        ),
+    ] {
+        std::fs::write(&file, format!("{head}{fold2}"))?;
+        for args in [vec!["config", "check"], vec!["run", "--config"]] {
+            let out = foldhost().args(&args).arg(&file).output()?;
+            let err = String::from_utf8_lossy(&out.stderr);
+            anyhow::ensure!(out.status.code() == Some(1), "{args:?}: {err}");
+            anyhow::ensure!(
+                err.lines().count() == 1
+                    && err.contains(&format!("foldhost.toml:{line}:"))
+                    && err.contains("fold 2")
+                    && err.contains(says),
+                "{args:?}: one line naming the file, the line, the fold and the key: {err}"
+            );
+            for s in &stores {
+                anyhow::ensure!(!s.exists(), "nothing opened");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_check_prints_each_value_in_the_type_the_file_takes_and_its_output_checks_the_same()
+-> anyhow::Result<()> {
+    let dir = tempfile::tempdir()?;
+    let file = dir.path().join("foldhost.toml");
+    std::fs::write(
+        &file,
+        format!(
+            "nats = \"nats://127.0.0.1:1\"\nlisten = \"127.0.0.1:0\"\nquery_max_bytes = \"1MiB\"\n\n[[folds]]\nbucket = \"a\"\nstore = \"{}\"\n\n[[folds]]\nname = \"b2\"\nbucket = \"b\"\nstore = \"{}\"\nbatch_max = 50\n",
+            dir.path().join("sa").display(),
+            dir.path().join("sb").display()
+        ),
+    )?;
+    let check = |f: &std::path::Path| -> anyhow::Result<String> {
+        let out = foldhost().args(["config", "check"]).arg(f).output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "{}: {}",
+            f.display(),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let first = check(&file)?;
+    for want in [
+        "batch_max = 100  # default\n",
+        "batch_max = 50\n",
+        "guest_deadline_ms = 1000  # default\n",
+        "sync = false  # default\n",
+        "query_max_bytes = \"1MiB\"\n",
+    ] {
+        anyhow::ensure!(first.contains(want), "{want:?} in:\n{first}");
+    }
+    // The listener's keys once, at the top: no fold's table sets them.
+    let folds_part = first.split("[[folds]]").skip(1).collect::<String>();
+    anyhow::ensure!(
+        first.matches("query_open = ").count() == 1 && !folds_part.contains("query_max_bytes"),
+        "{first}"
+    );
+    // Its output is a file run takes, and checks to the same values.
+    let copy = dir.path().join("copy.toml");
+    std::fs::write(&copy, &first)?;
+    let again = check(&copy)?;
+    // (Only the `# default` marks go: a value the file now gives is no default.)
+    let values = |t: &str| t.replace("  # default", "");
+    anyhow::ensure!(
+        values(&again) == values(&first),
+        "first:\n{first}\nagain:\n{again}"
+    );
+    Ok(())
+}
