@@ -14,6 +14,9 @@ use crate::status::StatusReport;
 
 use super::{DemoArgs, find_in_checkout};
 
+/// How long the demo waits for its live run to apply the delta.
+const DEMO_WAIT: Duration = Duration::from_secs(120);
+
 /// Where the demo looks for the router guest when `--guest` is not given.
 fn find_router_guest() -> Option<PathBuf> {
     if let Ok(dir) = std::env::var("FOLDHOST_GUESTS_DIR") {
@@ -92,17 +95,24 @@ pub(super) async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
     }
     w.delete("route.host00000.example").await?;
     let target = first.cursor.revision_or_zero() + 11;
-    let mut status = String::new();
-    for _ in 0..200 {
-        tokio::time::sleep(Duration::from_millis(50)).await;
+    // Until the live run has applied the delta (a slow machine only takes longer; a run that
+    // never gets there is a failure, said as one).
+    let deadline = tokio::time::Instant::now() + DEMO_WAIT;
+    let status = loop {
         if let Ok((200, body)) = crate::serve::call(&listen, "GET", "/status", b"").await {
-            status = String::from_utf8_lossy(&body).trim_end().to_string();
             let report: StatusReport = serde_json::from_slice(&body).unwrap_or_default();
             if report.applied_through >= target {
-                break;
+                break String::from_utf8_lossy(&body).trim_end().to_string();
             }
         }
-    }
+        if host.is_finished() || tokio::time::Instant::now() >= deadline {
+            let _ = stop_tx.send(true);
+            bail!(
+                "demo: the live run did not apply the delta through revision {target} within {DEMO_WAIT:?}"
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
     println!("\n$ curl -s http://{listen}/status");
     println!("{status}");
     for host_name in ["host00042.example", "new7.example", "host00000.example"] {

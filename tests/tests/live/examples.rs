@@ -473,3 +473,25 @@ fn the_quickstart_answers_its_query_and_leaves_no_process_behind() -> anyhow::Re
     assert_eq!(started, 2, "a nats-server and a node:\n{said}");
     Ok(())
 }
+
+#[test]
+fn foldhost_demo_runs_end_to_end_and_resumes_with_a_delta() -> anyhow::Result<()> {
+    // `make demo`'s command, on the router guest the suite builds.
+    let out = foldhost()
+        .args(["demo", "--routes", "500", "--guest"])
+        .arg(guest_wasm("router"))
+        .output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    anyhow::ensure!(
+        out.status.success(),
+        "{text}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    anyhow::ensure!(
+        text.contains("seeded 500 routes")
+            && text.contains("11 updates delivered (a delta, not a replay)")
+            && text.trim_end().ends_with("demo ok"),
+        "{text}"
+    );
+    Ok(())
+}
