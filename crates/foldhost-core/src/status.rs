@@ -192,6 +192,8 @@ pub struct GuestChannelReport {
     /// How many times this node has checked them since it started following (once a second
     /// while the channel is read): a check counted after a failure judged it.
     pub checks: u64,
+    /// The version this node shadows now (a canary's trial), while it does.
+    pub shadowing: Option<String>,
 }
 
 /// A completed swap of the running guest, as status reports it.

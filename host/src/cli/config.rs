@@ -51,7 +51,7 @@ const PROCESS_KEYS: [&str; 1] = ["log_format"];
 /// Keys a fold must give itself (never a default for every fold).
 const FOLD_ONLY: [&str; 3] = ["name", "bucket", "store"];
 /// Keys whose values `config check` never prints.
-const SECRET_KEYS: [&str; 3] = ["admin_token", "write_token", "query_token"];
+const SECRET_KEYS: [&str; 4] = ["admin_token", "write_token", "query_token", "guest_seed"];
 /// The listener's keys: with a top-level `listen`, one listener admits every fold with one set of
 /// tokens, names and limits, so a fold table may not set them (the top level sets them for every
 /// fold); a fold's own would silently give way to the first fold's.
@@ -379,8 +379,30 @@ fn effective(fold: &Fold, overrides: &[String]) -> anyhow::Result<Vec<(String, S
             })
             .map(|v| v.to_string())
             .collect();
-        let default =
-            matches.value_source(id.as_str()) == Some(clap::parser::ValueSource::DefaultValue);
+        let source = matches.value_source(id.as_str());
+        let default = source == Some(clap::parser::ValueSource::DefaultValue);
+        // A secret, a URL's credentials or a value from the environment is said in a comment,
+        // never as a value: a copy of the output must not pin a placeholder or an environment's
+        // value into a file (a token of "<redacted>" would be a token anyone knows).
+        let redacted = SECRET_KEYS.contains(&key.as_str())
+            || (key == "nats" && values.iter().any(|v| redact_url(v) != *v));
+        if redacted || source == Some(clap::parser::ValueSource::EnvVariable) {
+            let why = if redacted {
+                "set, not shown".to_string()
+            } else {
+                let var = arg
+                    .get_env()
+                    .map_or(String::new(), |e| e.to_string_lossy().into_owned());
+                format!("from the environment ({var}), not pinned here")
+            };
+            let value = if SECRET_KEYS.contains(&key.as_str()) {
+                String::new()
+            } else {
+                format!(" = {}", shown.join(", "))
+            };
+            out.push((key.clone(), format!("# {key}{value}  # {why}")));
+            continue;
+        }
         let value = if shown.len() == 1 && !arg.get_action().takes_values() {
             values[0].clone()
         } else if shown.len() == 1 {
@@ -615,10 +637,13 @@ listen = "127.0.0.1:8081"
             "{lines}"
         );
         assert!(
-            lines.contains("nats = \"nats://<redacted>@127.0.0.1:4222\""),
+            lines.contains("# nats = \"nats://<redacted>@127.0.0.1:4222\"  # set, not shown"),
             "{lines}"
         );
-        assert!(lines.contains("admin_token = \"<redacted>\""), "{lines}");
+        assert!(
+            lines.contains("# admin_token  # set, not shown") && !lines.contains("\nadmin_token"),
+            "{lines}"
+        );
         assert!(
             lines.contains("backend = \"append-log\"  # default"),
             "{lines}"

@@ -30,6 +30,9 @@ use crate::nats::channel::{ChannelBuckets, ChannelBus, ChannelChange, ChannelErr
 use crate::protocol::{self, ChannelEntry, GuestVersion, Judgement, NodeReport, Rollout, Step};
 use crate::status::GuestChannelReport;
 
+/// What the fold answers a shadow.
+type ShadowAnswer = Result<crate::applied::ShadowReport, crate::applied::ApplyError>;
+
 use super::{NodeConfig, NodeError};
 
 /// The channel a node follows (`run --guest-channel`).
@@ -153,6 +156,10 @@ pub(super) struct Follower {
     failures_at_swap: u64,
     /// The checks of the running version's failed calls so far.
     checks: u64,
+    /// The version this node shadows now (a canary's trial), while it does.
+    shadowing: Option<String>,
+    /// The watch failed or ended while a shadow waited: it is opened again once the step ends.
+    watch_lost: bool,
     /// The release and entry last read, and every node's report.
     release: Option<(u64, ChannelEntry)>,
     reports: BTreeMap<String, NodeReport>,
@@ -183,6 +190,8 @@ impl Follower {
             retry: None,
             failures_at_swap,
             checks: 0,
+            shadowing: None,
+            watch_lost: false,
             release: None,
             reports: BTreeMap::new(),
         }
@@ -217,7 +226,10 @@ impl Follower {
                             current = true;
                             watch_failures = 0;
                             self.said_error(None);
-                            self.act().await;
+                            self.act(&mut watch).await;
+                            if std::mem::take(&mut self.watch_lost) {
+                                break;
+                            }
                         }
                         Some(Ok(c)) => {
                             self.take(c);
@@ -234,7 +246,10 @@ impl Follower {
                     _ = tick.tick() => {
                         if current {
                             self.check_traps();
-                            self.act().await;
+                            self.act(&mut watch).await;
+                            if std::mem::take(&mut self.watch_lost) {
+                                break;
+                            }
                         }
                     }
                 }
@@ -312,7 +327,11 @@ impl Follower {
     }
 
     /// Takes the next step, if one is due, and keeps the status and this node's report current.
-    async fn act(&mut self) {
+    /// `watch` is read while a shadow waits (a halt or a new release abandons it).
+    async fn act<W>(&mut self, watch: &mut W)
+    where
+        W: futures::Stream<Item = Result<ChannelChange, ChannelError>> + Unpin,
+    {
         let Some((release, entry, state, step)) = self.decide() else {
             self.show(None, None);
             self.write_report().await;
@@ -327,7 +346,7 @@ impl Follower {
         self.write_report().await;
         match step {
             Step::Stay => {}
-            Step::Shadow(v) if due => self.shadow(release, &entry, v).await,
+            Step::Shadow(v) if due => self.shadow(release, &entry, v, watch).await,
             Step::Swap(v) if due => self.swap(release, &entry, v).await,
             Step::Shadow(_) | Step::Swap(_) => {}
         }
@@ -455,7 +474,15 @@ impl Follower {
 
     /// A canary's shadow of `v`: promoted when clean (the node then runs it), judged by its
     /// report.
-    async fn shadow(&mut self, release: u64, entry: &ChannelEntry, v: GuestVersion) {
+    async fn shadow<W>(
+        &mut self,
+        release: u64,
+        entry: &ChannelEntry,
+        v: GuestVersion,
+        watch: &mut W,
+    ) where
+        W: futures::Stream<Item = Result<ChannelChange, ChannelError>> + Unpin,
+    {
         let Some(bytes) = self.fetched(release, &v, true).await else {
             return;
         };
@@ -476,8 +503,15 @@ impl Follower {
         if self.control.send(asked).await.is_err() {
             return;
         }
-        match rx.await {
-            Err(_) => {} // the fold stopped
+        self.shadowing = Some(v.label());
+        if let Some((r, e, s, _)) = self.decide() {
+            self.show(Some((r, &e)), Some(&s));
+        }
+        let (outcome, abandoned) = self.await_shadow(rx, release, &v, watch).await;
+        self.shadowing = None;
+        match outcome {
+            Err(_) => {}                  // the fold stopped
+            Ok(Err(_)) if abandoned => {} // the release moved on: nothing to judge
             Ok(Err(e)) if e.says_nothing_of_the_candidate() => self.not_now(release, &e),
             Ok(Err(e)) => self.judge(release, Judgement::Trapped, e.to_string()),
             Ok(Ok(r)) if r.promoted => {
@@ -514,6 +548,69 @@ impl Follower {
                 let why = r.not_promoted.unwrap_or_default();
                 tracing::info!(event = "guest_channel_shadow_inconclusive", channel = %self.gc.channel, release, why = %why, "the shadow proved nothing either way; tried again");
                 self.judge(release, Judgement::Pending, why);
+            }
+        }
+    }
+
+    /// Waits for the shadow of `v` to end, reading the channel meanwhile: once the release is
+    /// halted or replaced (the step is no longer this shadow), the fold is asked to abandon it
+    /// and its answer awaited still — so a promotion that raced the ask is never missed. Returns
+    /// the answer and whether this follower asked to abandon it.
+    async fn await_shadow<W>(
+        &mut self,
+        mut rx: tokio::sync::oneshot::Receiver<ShadowAnswer>,
+        release: u64,
+        v: &GuestVersion,
+        watch: &mut W,
+    ) -> (
+        Result<ShadowAnswer, tokio::sync::oneshot::error::RecvError>,
+        bool,
+    )
+    where
+        W: futures::Stream<Item = Result<ChannelChange, ChannelError>> + Unpin,
+    {
+        let mut abandoning = false;
+        loop {
+            tokio::select! {
+                biased;
+                outcome = &mut rx => return (outcome, abandoning),
+                change = watch.next(), if !abandoning && !self.watch_lost => {
+                    match change {
+                        Some(Ok(ChannelChange::Current)) => {}
+                        Some(Ok(c)) => self.take(c),
+                        Some(Err(e)) => {
+                            self.said_error(Some(e.to_string()));
+                            self.watch_lost = true;
+                        }
+                        None => {
+                            self.said_error(Some("the channel's watch ended".into()));
+                            self.watch_lost = true;
+                        }
+                    }
+                    let decided = self.decide();
+                    let still = matches!(
+                        &decided,
+                        Some((r, _, _, Step::Shadow(w))) if *r == release && w.digest == v.digest
+                    );
+                    if !still {
+                        let why = decided.as_ref().map_or("no release".to_string(), |(r, _, s, _)| {
+                            format!("release {r} is {}", s.as_str())
+                        });
+                        tracing::info!(event = "guest_channel_shadow_abandoned", channel = %self.gc.channel, release, guest = %v.label(), why = %why, "the release moved on while this canary shadowed it: the shadow is abandoned");
+                        abandoning = true;
+                        if self
+                            .control
+                            .send(Control::AbandonShadow { what: v.label() })
+                            .await
+                            .is_err()
+                        {
+                            return (rx.await, true);
+                        }
+                    }
+                    if let Some((r, e, s, _)) = decided {
+                        self.show(Some((r, &e)), Some(&s));
+                    }
+                }
             }
         }
     }
@@ -611,6 +708,7 @@ impl Follower {
             running_digest: Some(self.running.digest.clone()),
             failed_calls: failures(&self.status).saturating_sub(self.failures_at_swap),
             checks: self.checks,
+            shadowing: self.shadowing.clone(),
             ..GuestChannelReport::default()
         };
         r.state = state.map_or("unpublished", Rollout::as_str).to_string();

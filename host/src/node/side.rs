@@ -346,6 +346,7 @@ impl StateParts {
                 status: status.clone(),
             }],
             registry: None,
+            channel: cfg.guest_channel.as_ref().map(|g| g.channel.clone()),
             positions: Some(crate::write::Positions {
                 status,
                 rate: write.rate.clone(),

@@ -597,6 +597,7 @@ mod tests {
             ready_max_lag: 0,
             folds: Vec::new(),
             registry: None,
+            channel: None,
             write: None,
             positions: None,
             read_key: None,

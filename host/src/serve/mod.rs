@@ -164,6 +164,9 @@ pub struct ServeState {
     /// Set on a listener serving every fold of the process (`/folds/NAME/…`, [`FoldRegistry`]):
     /// this state is then the process's own, and a fold's routes go to the fold's.
     pub(crate) registry: Option<Arc<FoldRegistry>>,
+    /// The guest channel the node follows (`None`: none). Its version is the channel's: a swap,
+    /// or a shadow that would promote, is refused (a trial shadow is not).
+    pub(crate) channel: Option<String>,
 }
 
 impl ServeState {
@@ -192,6 +195,7 @@ impl ServeState {
             ready_max_lag,
             folds: Vec::new(),
             registry: Some(registry),
+            channel: None,
         }
     }
 }
@@ -717,6 +721,11 @@ pub(crate) async fn shadow(body: Vec<u8>, state: &ServeState) -> Reply {
         }
     };
     drop(body);
+    if plan.promote
+        && let Some(refused) = follows_channel(state, "a shadow that promotes")
+    {
+        return refused;
+    }
     let bytes = match compile_off_path(engine, component, "the candidate", "shadow refused").await {
         Ok(bytes) => bytes,
         Err(answer) => return answer,
@@ -734,10 +743,24 @@ pub(crate) async fn shadow(body: Vec<u8>, state: &ServeState) -> Reply {
     ask_fold(state, control, rx, wait).await
 }
 
+/// The refusal of `what` on a node that follows a guest channel: the channel alone moves its
+/// version (a version it does not know would run unjudged, and be judged as the release's).
+fn follows_channel(state: &ServeState, what: &str) -> Option<Reply> {
+    state.channel.as_ref().map(|channel| {
+        let said = format!(
+            "{what} refused: this node follows guest channel {channel:?}, which alone moves its version: publish a release (foldhost guest publish), or shadow without --promote to try one here\n"
+        );
+        Reply::new(409, "text/plain", said.as_bytes())
+    })
+}
+
 pub(crate) async fn swap(body: Vec<u8>, state: &ServeState) -> Reply {
     let Some(engine) = state.engine.clone() else {
         return Reply::new(409, "text/plain", b"this host runs no guest to swap\n");
     };
+    if let Some(refused) = follows_channel(state, "a swap") {
+        return refused;
+    }
     let bytes = match compile_off_path(engine, body, "the new guest", "swap refused").await {
         Ok(bytes) => bytes,
         Err(answer) => return answer,

@@ -939,6 +939,20 @@ async fn a_local_trial_that_fails_on_one_node_never_judges_the_release_the_fleet
         out.status.code() != Some(0) && said.contains("memory"),
         "the trial fails at its memory cap: {said}"
     );
+    // A swap (or a shadow that would promote) is refused on a node the channel moves.
+    for extra in [&[][..], &["--shadow", "1", "--promote"][..]] {
+        let out = foldhost()
+            .args(["swap", "--listen", &nodes[0].addr, "--guest"])
+            .arg(guest_wasm("kvstore_v2"))
+            .args(extra)
+            .env_remove("FOLDHOST_ADMIN_TOKEN")
+            .output()?;
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.code() != Some(0) && said.contains("follows guest channel \"edge\""),
+            "{extra:?}: {said}"
+        );
+    }
     // Two checks of n0's running version after the trial failed (the first may have begun before
     // it): each judged what it found.
     let before = wait_status(&nodes[0].addr, |s| s.guest_channel.is_some())
@@ -963,6 +977,90 @@ async fn a_local_trial_that_fails_on_one_node_never_judges_the_release_the_fleet
         !judged_of(&view, release).iter().any(|j| j == "trapped"),
         "{view}"
     );
+    for n in &mut nodes {
+        n.never_restarted().await?;
+    }
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_halt_reaches_a_canary_mid_shadow_which_abandons_it_keeps_its_version_and_says_so()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let (_kv, v1, mut nodes) = fleet(&h, "chabandon", tmp.path()).await?;
+    let bus = foldhost::nats::channel::ChannelBus::open(
+        h.conn.client().await?,
+        &foldhost::nats::channel::ChannelBuckets::default(),
+        false,
+        std::time::Duration::from_secs(10),
+    )
+    .await?;
+    // Release 2, n0 its canary, with a shadow that waits a day for batches no writer brings.
+    let v2_file = tmp.path().join("kvstore-renamed.wasm");
+    std::fs::write(
+        &v2_file,
+        renamed(&std::fs::read(guest_wasm("kvstore"))?, "v2"),
+    )?;
+    let v2 = digest(&std::fs::read(&v2_file)?);
+    let release = publish(
+        &h,
+        &v2_file,
+        &[
+            "--canary",
+            "n0",
+            "--shadow-batches",
+            "1000000",
+            "--shadow-wait",
+            "24h",
+        ],
+    )?;
+    let s = nodes[0]
+        .wait(|c| c.release == release && c.shadowing.is_some())
+        .await?;
+    assert_eq!(s.guest_channel.map(|c| c.state), Some("canary".into()));
+    // Another node halts the release (as a canary that judged it differed would).
+    bus.put_report(
+        CHANNEL,
+        &foldhost::protocol::NodeReport {
+            node: "n9".into(),
+            release,
+            outcome: foldhost::protocol::Judgement::Differed,
+            detail: "halted by the test".into(),
+            running: None,
+            unix_ms: foldhost::status::now_unix_ms(),
+        },
+    )
+    .await?;
+    // The canary abandons its shadow (a day before it would end), shows the halt, and keeps v1.
+    let s = nodes[0]
+        .wait(|c| c.release == release && c.state == "halted" && c.shadowing.is_none())
+        .await?;
+    let c = s.guest_channel.clone().unwrap_or_default();
+    assert!(
+        c.halted_by
+            .as_deref()
+            .is_some_and(|b| b.starts_with("n9: differed")),
+        "{c:?}"
+    );
+    assert_eq!(c.running_digest.as_deref(), Some(v1.as_str()), "{c:?}");
+    assert_ne!(
+        c.judgement, "trapped",
+        "an abandoned shadow judges nothing: {c:?}"
+    );
+    for n in &nodes {
+        n.runs(&v1).await?;
+    }
+    // The fold holds no shadow any more: an operator's own shadow is taken, not refused as busy.
+    let out = foldhost()
+        .args(["swap", "--listen", &nodes[0].addr, "--guest"])
+        .arg(&v2_file)
+        .args(["--shadow", "1", "--shadow-wait", "1"])
+        .env_remove("FOLDHOST_ADMIN_TOKEN")
+        .output()?;
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!said.contains("still running"), "{said}");
+    assert_ne!(v2, v1);
     for n in &mut nodes {
         n.never_restarted().await?;
     }

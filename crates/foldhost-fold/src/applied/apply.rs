@@ -388,6 +388,13 @@ pub enum Control {
         /// the fold untouched).
         reply: tokio::sync::oneshot::Sender<Result<ShadowReport, ApplyError>>,
     },
+    /// End the shadow of `what` now, if one is pending: its requester no longer wants it (a
+    /// channel's release moved on). The shadow's reply is an error that says nothing of the
+    /// candidate; a shadow already concluded (its reply sent) is untouched.
+    AbandonShadow {
+        /// The candidate's name, as its `Shadow` gave it.
+        what: String,
+    },
     /// Copy the committed fold into `dir` (an existing empty directory) with
     /// [`crate::snapshot::SnapshotStore::export_to`], after flushing everything pending: the copy's cursor is the
     /// applied cursor, exactly. The rest of an export (verify, hash, manifest) runs off the fold's

@@ -562,6 +562,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             }) => {
                 self.start_shadow(bytes, what, plan, reply, t).await?;
             }
+            Some(Control::AbandonShadow { what }) => self.abandon_shadow(&what),
             None => self.control = None,
         }
         Ok(())

@@ -17,7 +17,7 @@
 //!   sides stand at the same committed cursor.
 //! - A shadow is never promoted by itself: only with `promote` asked, every batch asked for seen,
 //!   at least one request asked, none answered differently, and the caller still waiting for the
-//!   answer. A shadow whose caller went away ends without promoting.
+//!   answer. A shadow whose caller went away, or asked to abandon it, ends without promoting.
 //! - No catch-up round restarts the capture while a failed commit waits for its retry: its keys
 //!   are recorded in the running capture only.
 
@@ -358,6 +358,28 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             Some(_) => p.caught_up += n,
         }
         self.advance(candidate, t).await
+    }
+
+    /// Ends the pending shadow of `what` at its requester's word: its reply says so, the running
+    /// applier and the fold untouched; the candidate's task (hydration or a catch-up round) is
+    /// aborted as the pending swap drops.
+    pub(super) fn abandon_shadow(&mut self, what: &str) {
+        let Some(p) = self.swap.as_mut().filter(|p| p.what == what) else {
+            return;
+        };
+        let Some(reply) = p.shadow.as_mut().and_then(|s| s.reply.take()) else {
+            return;
+        };
+        tracing::warn!(event = "shadow_abandoned", candidate = %what, "shadow abandoned: its caller asked");
+        let _ = reply.send(Err(ApplyError {
+            applier: p.from.clone(),
+            call: crate::applied::NODE_CONDITION,
+            message: format!(
+                "the shadow of {what} was abandoned at its caller's request; {} keeps running untouched",
+                p.from
+            ),
+        }));
+        self.swap = None;
     }
 
     /// After each commit, and on the loop's one-second tick: a parked shadow candidate may now
