@@ -384,8 +384,17 @@ fn effective(fold: &Fold, overrides: &[String]) -> anyhow::Result<Vec<(String, S
         // A secret, a URL's credentials or a value from the environment is said in a comment,
         // never as a value: a copy of the output must not pin a placeholder or an environment's
         // value into a file (a token of "<redacted>" would be a token anyone knows).
-        let redacted = SECRET_KEYS.contains(&key.as_str())
-            || (key == "nats" && values.iter().any(|v| redact_url(v) != *v));
+        let redacted = SECRET_KEYS.contains(&key.as_str());
+        if key == "nats" && values.iter().any(|v| redact_url(v) != *v) {
+            // The servers without their credentials, which a copy must give another way.
+            let bare: Vec<String> = values.iter().map(|v| strip_credentials(v)).collect();
+            let line = format!(
+                "{key} = {}  # credentials not shown: give them with user and password_file, or creds_file",
+                toml::Value::String(bare.join(","))
+            );
+            out.push((key.clone(), line));
+            continue;
+        }
         if redacted || source == Some(clap::parser::ValueSource::EnvVariable) {
             let why = if redacted {
                 "set, not shown".to_string()
@@ -441,6 +450,17 @@ fn redact_url(urls: &str) -> String {
     urls.split(',')
         .map(|u| match (u.find("://"), u.rfind('@')) {
             (Some(s), Some(at)) if at > s + 3 => format!("{}<redacted>{}", &u[..s + 3], &u[at..]),
+            _ => u.to_string(),
+        })
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// `nats://user:pass@host` → `nats://host` (each of a list).
+fn strip_credentials(urls: &str) -> String {
+    urls.split(',')
+        .map(|u| match (u.find("://"), u.rfind('@')) {
+            (Some(s), Some(at)) if at > s + 3 => format!("{}{}", &u[..s + 3], &u[at + 1..]),
             _ => u.to_string(),
         })
         .collect::<Vec<_>>()
@@ -637,7 +657,9 @@ listen = "127.0.0.1:8081"
             "{lines}"
         );
         assert!(
-            lines.contains("# nats = \"nats://<redacted>@127.0.0.1:4222\"  # set, not shown"),
+            lines
+                .lines()
+                .any(|l| l.starts_with("nats = \"nats://127.0.0.1:4222\"  # credentials not shown")),
             "{lines}"
         );
         assert!(

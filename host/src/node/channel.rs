@@ -587,15 +587,20 @@ impl Follower {
                             self.watch_lost = true;
                         }
                     }
+                    // A canary that cannot read its channel cannot hear a halt: it abandons the
+                    // shadow too, and shadows again once the watch is back.
                     let decided = self.decide();
-                    let still = matches!(
-                        &decided,
-                        Some((r, _, _, Step::Shadow(w))) if *r == release && w.digest == v.digest
-                    );
+                    let still = !self.watch_lost
+                        && matches!(
+                            &decided,
+                            Some((r, _, _, Step::Shadow(w))) if *r == release && w.digest == v.digest
+                        );
                     if !still {
-                        let why = decided.as_ref().map_or("no release".to_string(), |(r, _, s, _)| {
-                            format!("release {r} is {}", s.as_str())
-                        });
+                        let why = match &decided {
+                            _ if self.watch_lost => "the channel's watch failed".to_string(),
+                            Some((r, _, s, _)) => format!("release {r} is {}", s.as_str()),
+                            None => "no release".to_string(),
+                        };
                         tracing::info!(event = "guest_channel_shadow_abandoned", channel = %self.gc.channel, release, guest = %v.label(), why = %why, "the release moved on while this canary shadowed it: the shadow is abandoned");
                         abandoning = true;
                         if self

@@ -1059,7 +1059,11 @@ async fn a_halt_reaches_a_canary_mid_shadow_which_abandons_it_keeps_its_version_
         .env_remove("FOLDHOST_ADMIN_TOKEN")
         .output()?;
     let said = String::from_utf8_lossy(&out.stderr);
-    assert!(!said.contains("still running"), "{said}");
+    let report = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !said.contains("still running") && report.contains("\"batches\""),
+        "the shadow ran to its report: {report} {said}"
+    );
     assert_ne!(v2, v1);
     for n in &mut nodes {
         n.never_restarted().await?;
