@@ -1,14 +1,17 @@
-//! The export lease (docs/operations.md, "A fleet: artifacts in object storage"): at most one node of a fleet
-//! exports an artifact of a bucket per round. The lease is one key in a NATS KV bucket, won by
-//! compare-and-set only: a create-only write when the key is absent, a CAS takeover (on the
+//! A lease: one key in a NATS KV bucket that at most one holder has at a time, won by
+//! compare-and-set only — a create-only write when the key is absent, a CAS takeover (on the
 //! revision read) when the lease it holds has expired or does not decode. The expiry lives inside
 //! the value, so no clock on the server is trusted and a dropped holder's lease simply runs out.
+//! Two things are leases: the export lease (docs/operations.md, "A fleet: artifacts in object
+//! storage": at most one node of a fleet exports an artifact of a bucket per round) and a channel
+//! node's name claim (docs/channels.md, "One name, one node": at most one process follows a
+//! channel under a node name).
 //!
-//! Invariants: every write is a CAS on what was read (two nodes can never both win a round); the
-//! decision to take a lease over is [`foldhost_core::protocol::lease_takeover_allowed`]; a held lease is
-//! released only by its holder (`complete` stamps the exported cursor, `abandon` frees the round),
-//! each again a CAS — a holder whose lease was taken over after it expired gets `Lost`, never
-//! overwrites the new holder.
+//! Invariants: every write is a CAS on what was read (two holders can never both win); the
+//! decision to take a lease over is [`foldhost_core::protocol::lease_takeover_allowed`]; a held
+//! lease is renewed or released only by its holder (`renew` moves the expiry on, `complete`
+//! stamps the exported cursor, `abandon` frees it), each again a CAS — a holder whose lease was
+//! taken over after it expired gets `Lost`, never overwrites the new holder.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -23,7 +26,7 @@ use foldhost_core::protocol::{self, LeaseState};
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseError {
     /// The bucket could not be read or written.
-    #[error("export lease {key}: {source}")]
+    #[error("lease {key}: {source}")]
     Kv {
         /// The lease key.
         key: String,
@@ -32,7 +35,7 @@ pub enum LeaseError {
         source: KvError,
     },
     /// The lease this holder had was taken over (it expired first): the round is not its own.
-    #[error("export lease {key}: lost to {holder} (ours expired)")]
+    #[error("lease {key}: lost to {holder} (ours expired)")]
     Lost {
         /// The lease key.
         key: String,
@@ -75,8 +78,8 @@ const MAX_LEASE_BYTES: usize = 4096;
 pub trait LeaseBucket: KvReader + KvWriter {}
 impl<T: KvReader + KvWriter + ?Sized> LeaseBucket for T {}
 
-/// The export lease of one artifact key, as one node sees it.
-pub struct ExportLease {
+/// One lease key (an artifact's export lease, a channel node's name claim), as one holder sees it.
+pub struct Lease {
     bucket: Arc<dyn LeaseBucket>,
     key: String,
     holder: String,
@@ -103,7 +106,7 @@ impl HeldLease {
     }
 }
 
-impl ExportLease {
+impl Lease {
     /// The lease `key` in `bucket`, for the node `holder`, held for `ttl` per round.
     pub fn new(
         bucket: Arc<dyn LeaseBucket>,
@@ -111,7 +114,7 @@ impl ExportLease {
         holder: impl Into<String>,
         ttl: Duration,
     ) -> Self {
-        ExportLease {
+        Lease {
             bucket,
             key: key.into(),
             holder: holder.into(),
@@ -193,13 +196,48 @@ impl ExportLease {
         self.release(held, value).await
     }
 
+    /// Keeps a held lease for another `ttl` from `now_unix_ms`, by CAS on the revision this holder
+    /// wrote last: the lease as now held, or `Lost` when another holder took it over.
+    pub async fn renew(&self, held: &HeldLease, now_unix_ms: u64) -> Result<HeldLease, LeaseError> {
+        let value = LeaseValue {
+            expires_unix_ms: now_unix_ms.saturating_add(self.ttl.as_millis() as u64),
+            ..held.value.clone()
+        };
+        match self.write_held(held, &value).await {
+            Ok(version) => Ok(HeldLease { version, value }),
+            // A renewal whose answer was lost landed all the same: the lease is still ours (a
+            // holder's name is its own, so no other holder writes it).
+            Err(LeaseError::Lost { holder, .. }) if holder == self.holder => {
+                let e = self.bucket.entry(&self.key).await.map_err(|e| self.kv(e))?;
+                match e.and_then(|e| Some((e.version, LeaseValue::from_bytes(&e.value)?))) {
+                    Some((version, value)) if value.holder == self.holder => {
+                        Ok(HeldLease { version, value })
+                    }
+                    other => Err(LeaseError::Lost {
+                        key: self.key.clone(),
+                        holder: other.map_or_else(|| "nobody".into(), |(_, v)| v.holder),
+                    }),
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
     async fn release(&self, held: HeldLease, value: LeaseValue) -> Result<(), LeaseError> {
+        self.write_held(&held, &value).await.map(|_| ())
+    }
+
+    async fn write_held(
+        &self,
+        held: &HeldLease,
+        value: &LeaseValue,
+    ) -> Result<VersionToken, LeaseError> {
         match self
             .bucket
             .update(&self.key, value.to_bytes(), held.version)
             .await
         {
-            Ok(_) => Ok(()),
+            Ok(v) => Ok(v),
             Err(KvError::RevisionMismatch { .. }) => {
                 let holder = self
                     .read()

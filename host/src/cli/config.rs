@@ -264,6 +264,7 @@ pub(crate) fn load(path: &Path) -> anyhow::Result<Loaded> {
         folds.push(Fold { name, argv, lines });
     }
     check_distinct(&file, &folds, &doc)?;
+    check_claims(&file, &folds)?;
     Ok(Loaded {
         folds,
         log_format,
@@ -307,6 +308,28 @@ fn check_distinct(file: &str, folds: &[Fold], doc: &toml::Table) -> anyhow::Resu
                     i + 1
                 );
             }
+        }
+    }
+    Ok(())
+}
+
+/// Refuses two folds that would follow one channel under one node name (docs/channels.md, "One
+/// name, one node"): both would claim one name, and the second would never start. A fold whose
+/// flags do not parse is left to [`fold_args`], which names the key.
+fn check_claims(file: &str, folds: &[Fold]) -> anyhow::Result<()> {
+    let mut seen: BTreeMap<(String, String, String), usize> = BTreeMap::new();
+    for (i, f) in folds.iter().enumerate() {
+        let Ok(args) = parse(&f.argv) else { continue };
+        let Some(channel) = args.guest_channel else {
+            continue;
+        };
+        let node = args.node_id.unwrap_or_else(crate::node::default_node_name);
+        if let Some(first) = seen.insert((args.channel_bucket, channel.clone(), node.clone()), i) {
+            bail!(
+                "{file}: folds {} and {} both follow guest channel {channel:?} as node {node:?} (one name is one node: give each fold its own node_id)",
+                first + 1,
+                i + 1
+            );
         }
     }
     Ok(())
@@ -638,6 +661,45 @@ listen = "127.0.0.1:8081"
             .expect_err("bad value")
             .to_string();
         assert!(e.contains("foldhost.toml:4:") && e.contains("soon"), "{e}");
+    }
+
+    #[test]
+    fn folds_that_would_follow_one_channel_under_one_node_name_are_refused_and_distinct_names_load()
+    {
+        for (text, refused) in [
+            // A top-level name applies to every fold.
+            (
+                "node_id = \"n1\"\nguest_channel = \"edge\"\n[[folds]]\nbucket = \"a\"\nstore = \"s1\"\n[[folds]]\nbucket = \"b\"\nstore = \"s2\"\n",
+                true,
+            ),
+            // Both default to the host's name.
+            (
+                "guest_channel = \"edge\"\n[[folds]]\nbucket = \"a\"\nstore = \"s1\"\n[[folds]]\nbucket = \"b\"\nstore = \"s2\"\n",
+                true,
+            ),
+            (
+                "guest_channel = \"edge\"\n[[folds]]\nbucket = \"a\"\nstore = \"s1\"\nnode_id = \"n1\"\n[[folds]]\nbucket = \"b\"\nstore = \"s2\"\nnode_id = \"n2\"\n",
+                false,
+            ),
+            // One name on two channels is two claims.
+            (
+                "node_id = \"n1\"\n[[folds]]\nbucket = \"a\"\nstore = \"s1\"\nguest_channel = \"edge\"\n[[folds]]\nbucket = \"b\"\nstore = \"s2\"\nguest_channel = \"core\"\n",
+                false,
+            ),
+        ] {
+            let (_d, p) = write(text);
+            match load(&p) {
+                Err(e) if refused => {
+                    let e = e.to_string();
+                    assert!(
+                        e.contains("folds 1 and 2 both follow guest channel \"edge\""),
+                        "{text}: {e}"
+                    );
+                }
+                Err(e) => panic!("{text}: refused: {e}"),
+                Ok(_) => assert!(!refused, "{text}: loaded"),
+            }
+        }
     }
 
     #[test]

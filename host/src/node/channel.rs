@@ -55,6 +55,8 @@ const TICK: Duration = Duration::from_secs(1);
 /// What a node starting on a channel runs first, and what it read to decide it.
 pub(super) struct ChannelStart {
     bus: ChannelBus,
+    /// This node's name claim, won before the channel was read.
+    claim: Arc<super::claim::NameClaim>,
     /// The version to start with, and its verified bytes.
     pub(super) version: GuestVersion,
     pub(super) bytes: Vec<u8>,
@@ -81,11 +83,13 @@ pub(crate) fn default_node_name() -> String {
 
 /// Reads the channel and fetches the version a starting node runs. Refused, naming the channel,
 /// when nothing was published, when the only release is halted, or when the bytes cannot be
-/// fetched or verified: the node does not start on a guest it could not prove.
+/// fetched or verified: the node does not start on a guest it could not prove. Then wins the
+/// node's name claim (`claim.rs`): refused, naming the holder, while another process runs under
+/// the name.
 pub(super) async fn start(cfg: &NodeConfig, gc: &GuestChannel) -> Result<ChannelStart, NodeError> {
     let refused =
         |why: String| NodeError::Refused(format!("--guest-channel {}: {why}", gc.channel));
-    let bus = open_bus(cfg, gc)
+    let (bus, client) = open_bus(cfg, gc)
         .await
         .map_err(|e| refused(e.to_string()))?;
     let Some((release, entry)) = bus
@@ -113,15 +117,21 @@ pub(super) async fn start(cfg: &NodeConfig, gc: &GuestChannel) -> Result<Channel
         .fetch(&version, protocol::MAX_COMPONENT_BYTES)
         .await
         .map_err(|e| refused(format!("release {release}: {}: {e}", version.label())))?;
+    // Claimed only once the start is otherwise sure: a refused start leaves no claim behind.
+    let claim = super::claim::NameClaim::win(cfg, gc, client).await?;
     tracing::info!(event = "guest_channel_start", channel = %gc.channel, node = %gc.node, release, state = state.as_str(), guest = %version.label(), "starting on the channel's version");
     Ok(ChannelStart {
         bus,
+        claim,
         version,
         bytes,
     })
 }
 
-async fn open_bus(cfg: &NodeConfig, gc: &GuestChannel) -> Result<ChannelBus, ChannelError> {
+async fn open_bus(
+    cfg: &NodeConfig,
+    gc: &GuestChannel,
+) -> Result<(ChannelBus, async_nats::Client), ChannelError> {
     let mut opts = cfg.nats.clone();
     opts.op_timeout = cfg.op_timeout;
     let client = crate::nats::NatsConnection::new(opts)
@@ -131,12 +141,15 @@ async fn open_bus(cfg: &NodeConfig, gc: &GuestChannel) -> Result<ChannelBus, Cha
             op: "connect".into(),
             reason: e.to_string(),
         })?;
-    ChannelBus::open(client, &gc.buckets, false, cfg.op_timeout).await
+    let bus = ChannelBus::open(client.clone(), &gc.buckets, false, cfg.op_timeout).await?;
+    Ok((bus, client))
 }
 
 /// The follower: what it holds between steps.
 pub(super) struct Follower {
     bus: ChannelBus,
+    /// This node's name claim: once another process takes it, the follower stops.
+    claim: Arc<super::claim::NameClaim>,
     gc: GuestChannel,
     engine: Arc<GuestEngine>,
     control: mpsc::Sender<Control>,
@@ -179,6 +192,7 @@ impl Follower {
         kept.insert(start.version.digest.clone(), start.bytes);
         Follower {
             bus: start.bus,
+            claim: start.claim,
             gc,
             engine,
             control,
@@ -197,7 +211,13 @@ impl Follower {
         }
     }
 
-    /// Follows the channel until the node stops (the task is aborted).
+    /// This node's name claim (renewed and freed beside the follower).
+    pub(super) fn claim(&self) -> Arc<super::claim::NameClaim> {
+        self.claim.clone()
+    }
+
+    /// Follows the channel until the node stops (the task is aborted) or another process takes
+    /// its name's claim over.
     pub(super) async fn run(mut self) {
         tracing::info!(event = "guest_channel_following", channel = %self.gc.channel, node = %self.gc.node, guest = %self.running.label(), "following the guest channel");
         let mut watch_failures = 0u32;
@@ -244,6 +264,10 @@ impl Follower {
                         }
                     },
                     _ = tick.tick() => {
+                        if let Some(holder) = self.claim.lost_to() {
+                            self.said_error(Some(format!("node name {:?} was taken over by {holder} (this node could not renew its claim in time): the node keeps its version and no longer follows the channel", self.gc.node)));
+                            return;
+                        }
                         if current {
                             self.check_traps();
                             self.act(&mut watch).await;
@@ -403,6 +427,10 @@ impl Follower {
         let Some((release, _)) = &self.release else {
             return;
         };
+        if self.claim.lost_to().is_some() {
+            // The name is another process's now: its report is not this node's to write.
+            return;
+        }
         let Some(mut due) = self.report_due(*release) else {
             return;
         };

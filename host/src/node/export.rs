@@ -15,7 +15,7 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 
 use crate::applied::Control;
-use crate::lease::ExportLease;
+use crate::lease::Lease;
 use crate::status::{ExportRoundReport, now_unix_ms};
 use crate::storedir::Backend;
 use crate::transport::{ArtifactTransport, TransportError, clock};
@@ -82,12 +82,12 @@ pub(crate) type StreamSource =
 
 /// Opens a lease (its bucket) when first asked.
 pub(crate) type LeaseOpener =
-    Box<dyn Fn() -> futures::future::BoxFuture<'static, Result<ExportLease, String>> + Send + Sync>;
+    Box<dyn Fn() -> futures::future::BoxFuture<'static, Result<Lease, String>> + Send + Sync>;
 
 /// The export lease of a node's rounds: opened once, by the first round that needs it; a failed
 /// open fails only that round.
 pub struct LeaseSlot {
-    lease: tokio::sync::OnceCell<ExportLease>,
+    lease: tokio::sync::OnceCell<Lease>,
     open: LeaseOpener,
 }
 
@@ -100,7 +100,7 @@ impl LeaseSlot {
         }
     }
 
-    async fn get(&self) -> Result<&ExportLease, String> {
+    async fn get(&self) -> Result<&Lease, String> {
         self.lease.get_or_try_init(|| (self.open)()).await
     }
 }

@@ -15,6 +15,7 @@
 //! - **A failed fold with `--listen` keeps serving `/status`** (saying why) until shutdown.
 
 mod channel;
+mod claim;
 mod config;
 mod denial;
 mod export;

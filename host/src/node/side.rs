@@ -31,6 +31,8 @@ mod nats;
 pub(super) struct SideTasks {
     /// The `--listen` server, if any.
     server: Option<JoinHandle<()>>,
+    /// A channel follower's name claim, freed once the follower has stopped.
+    claim: Option<Arc<super::claim::NameClaim>>,
     /// `--watch-guest`, `--query-subject`, the reporter.
     others: Vec<JoinHandle<()>>,
     /// The reason the fold stopped, shown by `/status` once it has.
@@ -125,7 +127,13 @@ impl SideTasks {
                 watch_guest_file(path, engine, control.clone()),
             )));
         }
+        let mut claim = None;
         if let Some(follower) = follower {
+            let c = follower.claim();
+            others.push(tokio::spawn(tracing::Instrument::in_current_span(
+                c.clone().keep(),
+            )));
+            claim = Some(c);
             others.push(tokio::spawn(tracing::Instrument::in_current_span(
                 follower.run(),
             )));
@@ -177,6 +185,7 @@ impl SideTasks {
         )));
         Ok(SideTasks {
             server,
+            claim,
             others,
             fatal,
             base,
@@ -201,6 +210,10 @@ impl SideTasks {
         // is closed; an aborted task resolves at its next await point.
         for t in self.others.drain(..) {
             let _ = t.await;
+        }
+        // The follower has stopped: its name is free for the next start.
+        if let Some(claim) = self.claim.take() {
+            claim.release().await;
         }
         let mut last = final_status(&self.base, status, &result);
         last.last_export = self.last_export.lock().ok().and_then(|l| l.clone());
@@ -543,7 +556,7 @@ async fn lease_slot(
             let kv = crate::nats::NatsKv::open(client, &bucket, &config, timeout)
                 .await
                 .map_err(|e| format!("lease bucket {bucket}: {e}"))?;
-            Ok(crate::lease::ExportLease::new(kv, lease_key, node_id, ttl))
+            Ok(crate::lease::Lease::new(kv, lease_key, node_id, ttl))
         })
     })))
 }

@@ -1070,3 +1070,71 @@ async fn a_halt_reaches_a_canary_mid_shadow_which_abandons_it_keeps_its_version_
     }
     Ok(())
 }
+
+/// Waits for `child` to exit and returns its exit code and standard error. The deadline (120 s)
+/// only bounds a test that would otherwise hang.
+async fn exit_of(mut child: Child) -> anyhow::Result<(Option<i32>, String)> {
+    use std::io::Read as _;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let status = loop {
+        if let Some(status) = child.try_wait()? {
+            break status;
+        }
+        if std::time::Instant::now() >= deadline {
+            let _ = terminate(&mut child);
+            anyhow::bail!("the process still ran after 120 s");
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    };
+    let mut err = String::new();
+    if let Some(mut e) = child.stderr.take() {
+        e.read_to_string(&mut err)?;
+    }
+    Ok((status.code(), err))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_node_under_a_running_nodes_name_is_refused_naming_it_and_the_name_is_free_again_after_a_stop_or_a_kill()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let tmp = tempfile::tempdir()?;
+    let kv = h.bucket("names").await?;
+    kv.put("k.000", "v".into()).await?;
+    let v1 = std::fs::read(guest_wasm("kvstore"))?;
+    publish(&h, &guest_wasm("kvstore"), &[])?;
+    let mut first = Node::start(&h, "names", tmp.path(), "n0").await?;
+    first.runs(&digest(&v1)).await?;
+    // Another process, its own store and port, the same node name: refused in one line naming
+    // the running holder, before it made its store.
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+    let second = run_command(&h, "names", &tmp.path().join("second"), Some(&addr))
+        .args(["--guest-channel", CHANNEL, "--node-id", "n0"])
+        .stderr(Stdio::piped())
+        .spawn()?;
+    let (code, err) = exit_of(second).await?;
+    assert_eq!(code, Some(1), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(
+        err.contains("node name \"n0\"")
+            && err.contains("another node runs under this name")
+            && err.contains(&format!("pid {}", first.pid)),
+        "{err}"
+    );
+    assert!(
+        !tmp.path().join("second").exists(),
+        "a refused node made its store"
+    );
+    first.never_restarted().await?;
+    // A clean stop (SIGTERM, by the drop) frees the name: the next start under it follows.
+    drop(first);
+    let mut restarted = Node::start(&h, "names", tmp.path(), "n0").await?;
+    restarted.runs(&digest(&v1)).await?;
+    // A killed holder cannot free its name: a start under it takes the claim once it ran out.
+    restarted.child.kill()?;
+    restarted.child.wait()?;
+    // Reaped: nothing is left for the drop to stop.
+    std::mem::forget(restarted);
+    let after_kill = Node::start(&h, "names", tmp.path(), "n0").await?;
+    after_kill.runs(&digest(&v1)).await?;
+    Ok(())
+}

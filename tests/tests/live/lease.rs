@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use foldhost::kv::KvWriter;
-use foldhost::lease::{ExportLease, LeaseBucket, LeaseError};
+use foldhost::lease::{Lease, LeaseBucket, LeaseError};
 use foldhost_tests::Harness;
 
 const TTL: Duration = Duration::from_secs(30);
@@ -19,8 +19,8 @@ async fn one_holder_per_round_and_an_expired_corrupt_or_dropped_lease_is_taken_o
     let h = Harness::start().await?;
     let kv = h.bucket("leases").await?;
     let bucket: Arc<dyn LeaseBucket> = kv.clone();
-    let a = ExportLease::new(bucket.clone(), "export.routes", "node-a", TTL);
-    let b = ExportLease::new(bucket.clone(), "export.routes", "node-b", TTL);
+    let a = Lease::new(bucket.clone(), "export.routes", "node-a", TTL);
+    let b = Lease::new(bucket.clone(), "export.routes", "node-b", TTL);
 
     // A wins the round; B, while A's lease runs, does not.
     let held_a = a.acquire(T0).await?.expect("a free lease is won");

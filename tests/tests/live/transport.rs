@@ -683,7 +683,7 @@ async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_
     })
     .await?;
     let leases = h.bucket(foldhost::node::DEFAULT_LEASE_BUCKET).await?;
-    let lease = foldhost::lease::ExportLease::new(
+    let lease = foldhost::lease::Lease::new(
         leases,
         "export.routes",
         "reader",

@@ -331,13 +331,14 @@ pub fn channel_retry_backoff(failures: u32) -> std::time::Duration {
 }
 
 /// What a node following `channel` as `node` publishes beyond reading the two buckets (which
-/// `compose_grants` grants as folded, read-only buckets): its own report's key, and the object
-/// store's reads — the stream's info, the object's info by a stream get, and the ordered
-/// consumer its chunks come on. Nothing else of either bucket is written.
+/// `compose_grants` grants as folded, read-only buckets): its own report's and name claim's keys,
+/// and the object store's reads — the stream's info, the object's info by a stream get, and the
+/// ordered consumer its chunks come on. Nothing else of either bucket is written.
 pub fn channel_grants(channel: &str, node: &str, objects: &str, channels: &str) -> Vec<String> {
     let stream = format!("OBJ_{objects}");
     vec![
         format!("$KV.{channels}.{}", report_key(channel, node)),
+        format!("$KV.{channels}.{}", claim_key(channel, node)),
         format!("$JS.API.STREAM.INFO.{stream}"),
         format!("$JS.API.STREAM.MSG.GET.{stream}"),
         format!("$JS.API.DIRECT.GET.{stream}"),
@@ -348,6 +349,21 @@ pub fn channel_grants(channel: &str, node: &str, objects: &str, channels: &str) 
         format!("$JS.FC.{stream}.>"),
     ]
 }
+
+/// The KV key of `node`'s name claim on `channel` (docs/channels.md, "One name, one node"). It
+/// lies outside the channel's `<channel>.>` keys, so the claims' renewals never reach a watch of
+/// the channel: a channel name never starts with `=`.
+pub fn claim_key(channel: &str, node: &str) -> String {
+    format!("=claim.{channel}.{node}")
+}
+
+/// How long a node's name claim holds without a renewal: a node killed without a stop frees its
+/// name this long after its last renewal.
+pub const NAME_CLAIM_TTL: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// How often a following node renews its name claim (a quarter of [`NAME_CLAIM_TTL`], so three
+/// renewals in a row can fail before it runs out).
+pub const NAME_CLAIM_RENEW: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The KV key of a channel's release entry.
 pub fn release_key(channel: &str) -> String {
