@@ -56,7 +56,7 @@ def long_functions(lines: list, end: int):
     """(name, line, length) of every function longer than MAX_FN_LINES in `lines[:end]`."""
     for i in range(end):
         m = FN.match(lines[i])
-        if not m or lines[i].rstrip().endswith(";"):
+        if not m or lines[i].rstrip().endswith((";", "{}")):
             continue
         closing = m.group(1) + "}"
         for j in range(i + 1, end):

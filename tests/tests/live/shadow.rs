@@ -411,3 +411,86 @@ async fn a_shadow_on_a_quiet_bucket_compares_on_what_came_and_promotes_nothing()
     terminate(&mut host)?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shadowed_candidate_whose_query_writes_state_publishes_nothing_and_the_report_lists_its_writes()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let kv = h.bucket("shst").await?;
+    for i in 0..20 {
+        kv.put(&format!("k.{i:04}"), format!("seed{i}").into())
+            .await?;
+    }
+    let tmp = tempfile::tempdir()?;
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+    let mut host = start_host(&h, "shst", &tmp.path().join("fold"), &addr, "state_owner")?;
+    wait_status(&addr, |s| s.applied_through >= 20).await?;
+    let notes = h.bucket("state_owner_notes").await?;
+    let before = notes.positions().await?.last_sequence;
+    // A put, a read of it, a delete, and a read again: each side answers from its own overlay,
+    // so both read their own put and agree.
+    let requests = tmp.path().join("requests");
+    std::fs::write(
+        &requests,
+        [
+            r#"{"op":"put","bucket":"notes","key":"trial","value":"t1"}"#,
+            r#"{"op":"get","bucket":"notes","key":"trial"}"#,
+            r#"{"op":"keys","bucket":"notes","prefix":"tr"}"#,
+            r#"{"op":"delete","bucket":"notes","key":"trial"}"#,
+            r#"{"op":"get","bucket":"notes","key":"trial"}"#,
+        ]
+        .join("\n"),
+    )?;
+    // The same component as the candidate: whatever differs is the host's doing. No writer: the
+    // wait runs out and the comparison runs on what came.
+    let (code, out, err) = shadow(
+        &addr,
+        "state_owner",
+        &[
+            "--shadow",
+            "1",
+            "--shadow-wait",
+            "1",
+            "--requests",
+            &requests.display().to_string(),
+        ],
+    )?;
+    assert_eq!(code, Some(0), "nothing differed: {out}{err}");
+    let report: serde_json::Value = serde_json::from_str(out.trim())?;
+    assert_eq!(report["requests"], 5, "{out}");
+    assert_eq!(report["differing"], 0, "{out}");
+    assert_eq!(report["candidate_writes_total"], 2, "{out}");
+    assert_eq!(report["live_writes_total"], 2, "{out}");
+    let listed: Vec<&str> = report["candidate_writes"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|w| w["write"].as_str())
+        .collect();
+    assert_eq!(
+        listed,
+        ["put notes trial \"t1\"", "delete notes trial"],
+        "{out}"
+    );
+    // Nothing reached the bucket: its stream gained no record, and the node reads no value.
+    assert_eq!(
+        notes.positions().await?.last_sequence,
+        before,
+        "a shadow published a state write"
+    );
+    let (code, answer) = query(&addr, r#"{"op":"get","bucket":"notes","key":"trial"}"#).await?;
+    assert_eq!((code, answer.as_str()), (200, r#"{"ok":null}"#));
+    // Outside a shadow, the same put is published.
+    let (code, answer) = query(
+        &addr,
+        r#"{"op":"put","bucket":"notes","key":"real","value":"r"}"#,
+    )
+    .await?;
+    assert_eq!(code, 200, "{answer}");
+    assert!(
+        notes.positions().await?.last_sequence > before,
+        "a query's write outside a shadow is published: {answer}"
+    );
+    terminate(&mut host)?;
+    Ok(())
+}

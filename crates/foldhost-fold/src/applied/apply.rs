@@ -197,6 +197,21 @@ pub trait Apply: Send {
             message: "this applier answers no queries".into(),
         })
     }
+
+    /// Captures this applier's state writes until [`Apply::end_capture`] (a shadow's comparison:
+    /// docs/guests.md, "A trial touches nothing"): each admitted put or delete is recorded and
+    /// answered from an overlay of its own, which its own reads see, and nothing is published.
+    /// Queries answered beside the fold (its query instance) are not captured. Appliers without
+    /// state buckets write nothing to capture.
+    fn begin_capture(&mut self) {}
+
+    /// The writes captured since the last call, in call order.
+    fn take_captured(&mut self) -> Vec<CapturedWrite> {
+        Vec::new()
+    }
+
+    /// Ends the capture: the overlay is dropped and writes are published again.
+    fn end_capture(&mut self) {}
 }
 
 /// A replacement applier being built beside the running one ([`Apply::swap_candidate`]).
@@ -253,6 +268,17 @@ pub trait SwapCandidate: Send {
         })
     }
 
+    /// As [`Apply::begin_capture`], for the candidate.
+    fn begin_capture(&mut self) {}
+
+    /// As [`Apply::take_captured`], for the candidate.
+    fn take_captured(&mut self) -> Vec<CapturedWrite> {
+        Vec::new()
+    }
+
+    /// As [`Apply::end_capture`], for the candidate.
+    fn end_capture(&mut self) {}
+
     /// The candidate as `Any`, for the applier that started it to take it back.
     fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send>;
 }
@@ -284,6 +310,8 @@ pub struct SwapReport {
 
 /// Most differences a shadow report lists (all are counted).
 pub const MAX_SHADOW_DIFFERENCES_LISTED: usize = 100;
+/// Most captured writes of the candidate a shadow report lists (all are counted).
+pub const MAX_SHADOW_WRITES_LISTED: usize = 100;
 /// Most requests one shadow comparison sends to each side.
 pub const MAX_SHADOW_REQUESTS: usize = 10_000;
 /// Longest answer a shadow report quotes (the rest is cut, marked).
@@ -323,7 +351,8 @@ pub enum ShadowRequests {
     List(Vec<Vec<u8>>),
 }
 
-/// One request the candidate answered differently.
+/// One request the candidate answered differently: its answer differs, or both wrote state and
+/// their writes differ.
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
 pub struct ShadowDifference {
     /// The request (as text, lossily).
@@ -332,6 +361,47 @@ pub struct ShadowDifference {
     pub live: String,
     /// The candidate's answer, the same way.
     pub candidate: String,
+    /// The running applier's captured writes for it ([`CapturedWrite::describe`]), when they
+    /// differ from the candidate's.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub live_writes: Vec<String>,
+    /// The candidate's, the same way.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub candidate_writes: Vec<String>,
+}
+
+/// A state write made while writes were captured ([`Apply::begin_capture`]): never published.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CapturedWrite {
+    /// The bucket, as the guest names it.
+    pub bucket: String,
+    /// The key.
+    pub key: String,
+    /// The value put; `None`: a delete.
+    pub value: Option<Vec<u8>>,
+}
+
+impl CapturedWrite {
+    /// `put BUCKET KEY "VALUE"` or `delete BUCKET KEY`, the value cut at [`MAX_SHADOW_QUOTE`].
+    pub fn describe(&self) -> String {
+        match &self.value {
+            Some(v) => {
+                let text = String::from_utf8_lossy(v);
+                let cut: String = text.chars().take(MAX_SHADOW_QUOTE).collect();
+                format!("put {} {} {cut:?}", self.bucket, self.key)
+            }
+            None => format!("delete {} {}", self.bucket, self.key),
+        }
+    }
+}
+
+/// A write the candidate made during a shadow's comparison, captured ([`ShadowReport`]).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize, PartialEq, Eq)]
+pub struct ShadowWrite {
+    /// The request it answered (as text, lossily).
+    pub request: String,
+    /// The write ([`CapturedWrite::describe`]).
+    pub write: String,
 }
 
 /// What a shadow did: the candidate fed beside the fold, compared, and promoted or dropped.
@@ -356,6 +426,16 @@ pub struct ShadowReport {
     pub differing: u64,
     /// The first of them ([`MAX_SHADOW_DIFFERENCES_LISTED`]).
     pub differences: Vec<ShadowDifference>,
+    /// State writes the candidate made while compared: captured, answered from an overlay of its
+    /// own, never published (the first [`MAX_SHADOW_WRITES_LISTED`]).
+    #[serde(default)]
+    pub candidate_writes: Vec<ShadowWrite>,
+    /// How many state writes the candidate made while compared (all captured).
+    #[serde(default)]
+    pub candidate_writes_total: u64,
+    /// How many the running applier made answering the same requests (all captured too).
+    #[serde(default)]
+    pub live_writes_total: u64,
     /// Whether the candidate replaced the running applier.
     pub promoted: bool,
     /// Why it was not promoted, when `promote` was asked.

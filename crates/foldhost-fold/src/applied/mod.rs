@@ -43,9 +43,10 @@ mod start;
 mod watch;
 
 pub use apply::{
-    Apply, ApplyError, Control, CountingApply, GUEST_REBUILDING, MAX_SHADOW_COMPARE,
-    MAX_SHADOW_DIFFERENCES_LISTED, MAX_SHADOW_QUOTE, MAX_SHADOW_REQUESTS, NODE_CONDITION,
-    ShadowDifference, ShadowPlan, ShadowReport, ShadowRequests, SwapCandidate, SwapReport, Verdict,
+    Apply, ApplyError, CapturedWrite, Control, CountingApply, GUEST_REBUILDING, MAX_SHADOW_COMPARE,
+    MAX_SHADOW_DIFFERENCES_LISTED, MAX_SHADOW_QUOTE, MAX_SHADOW_REQUESTS, MAX_SHADOW_WRITES_LISTED,
+    NODE_CONDITION, ShadowDifference, ShadowPlan, ShadowReport, ShadowRequests, ShadowWrite,
+    SwapCandidate, SwapReport, Verdict,
 };
 pub use fold::Fold;
 #[cfg(any(test, feature = "testkit"))]

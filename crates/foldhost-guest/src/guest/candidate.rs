@@ -121,6 +121,18 @@ impl SwapCandidate for GuestCandidate {
         Ok(answer)
     }
 
+    fn begin_capture(&mut self) {
+        self.core.begin_capture();
+    }
+
+    fn take_captured(&mut self) -> Vec<foldhost_fold::applied::CapturedWrite> {
+        self.core.take_captured()
+    }
+
+    fn end_capture(&mut self) {
+        self.core.end_capture();
+    }
+
     fn into_any(self: Box<Self>) -> Box<dyn std::any::Any + Send> {
         self
     }

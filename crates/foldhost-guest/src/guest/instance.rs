@@ -136,6 +136,7 @@ impl Core {
         );
         let mut store = Store::new(self.pre.engine(), state);
         store.data_mut().may_wait = self.answers_beside_fold;
+        store.data_mut().capture = self.capture.clone();
         store.limiter(|s| &mut s.limits);
         // The handles the guest's own tables hold (wasmtime's default is 100 000): as bounded as
         // the host resources behind them.

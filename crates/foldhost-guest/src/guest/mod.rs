@@ -213,6 +213,9 @@ struct Core {
     /// Its instances answer queries beside the fold (the query instance): a state write from
     /// their `query` may wait for the fold to apply it.
     answers_beside_fold: bool,
+    /// The capture of this core's state writes while one runs ([`Apply::begin_capture`]): every
+    /// instance it makes shares it; no other core does.
+    capture: state::CaptureSlot,
     /// Test builds only: the next call is armed with a deadline already passed, so wasmtime
     /// interrupts it at its first epoch check — a real deadline trap at a chosen call.
     #[cfg(any(test, feature = "testkit"))]
@@ -262,9 +265,36 @@ impl Core {
             counters: Arc::default(),
             trial: false,
             answers_beside_fold: false,
+            capture: Default::default(),
             #[cfg(any(test, feature = "testkit"))]
             interrupt_next: AtomicBool::new(false),
         })
+    }
+
+    /// Starts a fresh capture of this core's state writes ([`Apply::begin_capture`]).
+    fn begin_capture(&self) {
+        *self
+            .capture
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Arc::default());
+    }
+
+    /// The writes captured since the last take.
+    fn take_captured(&self) -> Vec<foldhost_fold::applied::CapturedWrite> {
+        self.capture
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .as_ref()
+            .map(|c| c.take())
+            .unwrap_or_default()
+    }
+
+    /// Ends the capture: writes are published again.
+    fn end_capture(&self) {
+        *self
+            .capture
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
     }
 }
 
@@ -516,6 +546,7 @@ impl Apply for GuestApply {
                 counters: self.core.counters.clone(),
                 trial: self.core.trial,
                 answers_beside_fold: true,
+                capture: Default::default(),
                 #[cfg(any(test, feature = "testkit"))]
                 interrupt_next: AtomicBool::new(false),
             },
@@ -564,6 +595,7 @@ impl Apply for GuestApply {
                 counters: self.core.counters.clone(),
                 trial: true,
                 answers_beside_fold: false,
+                capture: Default::default(),
                 #[cfg(any(test, feature = "testkit"))]
                 interrupt_next: AtomicBool::new(false),
             },
@@ -661,6 +693,18 @@ impl Apply for GuestApply {
         // Answered (either way): the instance lives on.
         self.live = Some(live);
         answer.map_err(|m| self.core.err("query", m))
+    }
+
+    fn begin_capture(&mut self) {
+        self.core.begin_capture();
+    }
+
+    fn take_captured(&mut self) -> Vec<foldhost_fold::applied::CapturedWrite> {
+        self.core.take_captured()
+    }
+
+    fn end_capture(&mut self) {
+        self.core.end_capture();
     }
 }
 

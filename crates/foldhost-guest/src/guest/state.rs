@@ -109,3 +109,116 @@ impl StateAccess {
         self.lanes.iter().find(|l| l.decl.local == bucket)
     }
 }
+
+/// Most bytes (keys and values) a capture's overlay holds: a trial that writes more is refused
+/// `invalid`, saying so.
+pub(crate) const MAX_CAPTURED_BYTES: usize = 16 << 20;
+/// Most writes captured between two [`WriteCapture::take`]s (one shadow request's): more are
+/// refused `invalid`, saying so.
+pub(crate) const MAX_CAPTURED_WRITES: usize = 1024;
+
+/// The state writes of a guest while they are captured (a shadow's comparison, docs/guests.md,
+/// "A trial touches nothing"): each admitted write is recorded and kept in an overlay its own
+/// reads see; nothing reaches the writer.
+#[derive(Default)]
+pub(crate) struct WriteCapture {
+    inner: std::sync::Mutex<Captured>,
+}
+
+#[derive(Default)]
+struct Captured {
+    /// Since the last take, in call order.
+    taken: Vec<foldhost_fold::applied::CapturedWrite>,
+    /// (bucket, key) → the value put, or `None` for a delete.
+    overlay: std::collections::BTreeMap<(String, String), Option<Vec<u8>>>,
+    bytes: usize,
+    /// Operation ids minted so far.
+    minted: u64,
+}
+
+impl WriteCapture {
+    fn inner(&self) -> std::sync::MutexGuard<'_, Captured> {
+        self.inner
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Records a put (`value`) or delete of `key` in `bucket` (as the guest names it) and returns
+    /// the operation id to answer with: the guest's `op_id`, else one minted from the capture's
+    /// count — the same on both sides of a comparison, so a minted id never makes two answers
+    /// differ. `Err` says why it is refused (a bound reached).
+    pub(crate) fn record(
+        &self,
+        bucket: &str,
+        key: &str,
+        value: Option<Vec<u8>>,
+        op_id: Option<String>,
+    ) -> Result<String, String> {
+        let mut c = self.inner();
+        if c.taken.len() >= MAX_CAPTURED_WRITES {
+            return Err(format!(
+                "a trial's call captured {MAX_CAPTURED_WRITES} writes already"
+            ));
+        }
+        let size = bucket.len() + key.len() + value.as_ref().map_or(0, Vec::len);
+        if c.bytes.saturating_add(size) > MAX_CAPTURED_BYTES {
+            return Err(format!(
+                "a trial's captured writes hold {MAX_CAPTURED_BYTES} bytes already"
+            ));
+        }
+        c.bytes += size;
+        c.taken.push(foldhost_fold::applied::CapturedWrite {
+            bucket: bucket.to_string(),
+            key: key.to_string(),
+            value: value.clone(),
+        });
+        c.overlay
+            .insert((bucket.to_string(), key.to_string()), value);
+        Ok(op_id.unwrap_or_else(|| {
+            c.minted += 1;
+            let mut counter = [0u8; 10];
+            counter[2..].copy_from_slice(&c.minted.to_be_bytes());
+            uuid::Builder::from_unix_timestamp_millis(0, &counter)
+                .into_uuid()
+                .to_string()
+        }))
+    }
+
+    /// What the overlay says of `key` in `bucket`: `None` when the trial wrote nothing to it,
+    /// `Some(None)` when it deleted it.
+    pub(crate) fn get(&self, bucket: &str, key: &str) -> Option<Option<Vec<u8>>> {
+        self.inner()
+            .overlay
+            .get(&(bucket.to_string(), key.to_string()))
+            .cloned()
+    }
+
+    /// The overlay's keys of `bucket` under `prefix` and after `start_after`, with whether each
+    /// is present (put) or gone (deleted).
+    pub(crate) fn keys(
+        &self,
+        bucket: &str,
+        prefix: &str,
+        start_after: Option<&str>,
+    ) -> Vec<(String, bool)> {
+        self.inner()
+            .overlay
+            .iter()
+            .filter(|((b, k), _)| {
+                b == bucket && k.starts_with(prefix) && start_after.is_none_or(|a| k.as_str() > a)
+            })
+            .map(|((_, k), v)| (k.clone(), v.is_some()))
+            .collect()
+    }
+
+    /// The writes since the last take, in call order.
+    pub(crate) fn take(&self) -> Vec<foldhost_fold::applied::CapturedWrite> {
+        std::mem::take(&mut self.inner().taken)
+    }
+}
+
+/// Where a guest's calls find the capture, while one runs: shared by every instance one [`Core`]
+/// makes (a rebuilt instance keeps capturing), never by another core's (a query instance's).
+///
+/// [`Core`]: super::Core
+pub(crate) type CaptureSlot = Arc<std::sync::Mutex<Option<Arc<WriteCapture>>>>;

@@ -26,18 +26,18 @@ use std::sync::atomic::Ordering;
 use std::time::Instant;
 
 use crate::applied::{
-    AppliedError, Apply, ApplyError, ShadowDifference, ShadowPlan, ShadowReport, ShadowRequests,
-    SwapCandidate, SwapReport,
+    AppliedError, Apply, ApplyError, ShadowPlan, ShadowReport, ShadowRequests, SwapCandidate,
+    SwapReport,
 };
-use crate::applied::{
-    MAX_SHADOW_COMPARE, MAX_SHADOW_DIFFERENCES_LISTED, MAX_SHADOW_QUOTE, MAX_SHADOW_REQUESTS,
-};
+use crate::applied::{MAX_SHADOW_QUOTE, MAX_SHADOW_REQUESTS};
 use crate::kv::WatchScope;
 use crate::protocol::{self, ShadowStep};
 use crate::snapshot::{SnapshotError, SnapshotStore};
 use crate::view::{FoldRead, PreImages};
 
 use super::{AbortOnDrop, FoldLoop, Turn};
+
+mod compare;
 
 /// Where a swap's outcome goes.
 pub(super) type SwapReply = tokio::sync::oneshot::Sender<Result<SwapReport, ApplyError>>;
@@ -665,121 +665,6 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             let _ = reply.send(outcome);
         }
         Ok(())
-    }
-
-    /// The comparison itself, and the promotion when asked and earned.
-    async fn ask_both(
-        &mut self,
-        p: &mut PendingSwap,
-        shadow: &PendingShadow,
-        mut candidate: Box<dyn SwapCandidate>,
-        batches: u64,
-        paused: Instant,
-    ) -> Result<Result<ShadowReport, ApplyError>, AppliedError> {
-        let requests = self.shadow_requests(shadow).map_err(store_err)?;
-        let mut differing = 0u64;
-        let mut differences = Vec::new();
-        let mut asked = 0usize;
-        let started = Instant::now();
-        for request in &requests {
-            if started.elapsed() > MAX_SHADOW_COMPARE {
-                // The fold waits while this runs: a slow guest (or a live one rebuilt after a
-                // failed query) must not hold it for ever. The report says how many were asked.
-                break;
-            }
-            asked += 1;
-            // A live instance lost to an earlier query is rebuilt here (the fold is settled), so
-            // the comparison never counts a "guest rebuilding" answer as the live one.
-            if self.apply.rebuild_due() {
-                let _ = self.apply.rebuild().await;
-            }
-            let live = self.apply.query(request).await.map_err(|e| e.message);
-            let answer = match candidate.query(request).await {
-                Ok(answer) => answer,
-                // The candidate failed (a trap, a deadline): the shadow fails, nothing promoted.
-                Err(e) => return Ok(Err(e)),
-            };
-            if live != answer {
-                differing += 1;
-                if differences.len() < MAX_SHADOW_DIFFERENCES_LISTED {
-                    differences.push(ShadowDifference {
-                        request: String::from_utf8_lossy(request).into_owned(),
-                        live: quote(&live),
-                        candidate: quote(&answer),
-                    });
-                }
-            }
-        }
-        let candidate_name = candidate.describe();
-        let mut promoted = false;
-        let evidence = protocol::shadow_promotion(
-            batches,
-            shadow.plan.batches,
-            asked,
-            requests.len(),
-            differing,
-            shadow.plan.tolerated,
-            shadow.reply.as_ref().is_some_and(|r| !r.is_closed()),
-        );
-        let not_promoted = match (shadow.plan.promote, evidence) {
-            (false, _) => None,
-            (true, Ok(())) => match self.switch_to(candidate).await? {
-                Ok(_) => {
-                    promoted = true;
-                    None
-                }
-                Err(e) => Some(format!("the switch failed: {e}")),
-            },
-            (true, Err(why)) => Some(why),
-        };
-        Ok(Ok(ShadowReport {
-            live: p.from.clone(),
-            candidate: candidate_name,
-            hydrated_entries: p.entries.map_or(0, |(n, _)| n),
-            hydrate_ms: p.entries.map_or(0, |(_, ms)| ms),
-            batches,
-            caught_up: p.caught_up,
-            requests: asked as u64,
-            differing,
-            differences,
-            promoted,
-            not_promoted,
-            paused_ms: paused.elapsed().as_millis() as u64,
-        }))
-    }
-
-    /// The requests a shadow sends: the operator's list, or a sample of keys in scope (those
-    /// changed during the shadow first, then the fold's first keys), each as [`sample_request`].
-    fn shadow_requests(&self, shadow: &PendingShadow) -> Result<Vec<Vec<u8>>, SnapshotError> {
-        let want = match &shadow.plan.requests {
-            ShadowRequests::List(list) => {
-                return Ok(list.iter().take(MAX_SHADOW_REQUESTS).cloned().collect());
-            }
-            ShadowRequests::Sample(n) => (*n).min(MAX_SHADOW_REQUESTS),
-        };
-        let scope = &self.opts.scope;
-        let mut keys: Vec<String> = Vec::with_capacity(want);
-        let mut seen = std::collections::HashSet::new();
-        for k in &shadow.changed {
-            if keys.len() < want && scope.contains(k) && seen.insert(k.clone()) {
-                keys.push(k.clone());
-            }
-        }
-        let store = self.fold.store();
-        for prefix in scan_prefixes(scope) {
-            let mut after: Option<String> = None;
-            while keys.len() < want {
-                let page = store.scan(&prefix, after.as_deref(), 1000)?;
-                let Some(last) = page.last() else { break };
-                after = Some(last.key.clone());
-                for e in page {
-                    if keys.len() < want && seen.insert(e.key.clone()) {
-                        keys.push(e.key);
-                    }
-                }
-            }
-        }
-        Ok(keys.iter().map(|k| sample_request(scope, k)).collect())
     }
 }
 

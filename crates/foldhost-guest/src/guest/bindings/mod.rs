@@ -473,6 +473,9 @@ pub struct HostState {
     /// This instance answers queries beside the fold (docs/design.md, "Queries off the fold's
     /// path"): a write from its `query` may wait for the fold to apply it (`wait-ms`).
     pub(crate) may_wait: bool,
+    /// Where a capture of the guest's state writes is found while one runs (a shadow's
+    /// comparison): its core's, set after construction.
+    pub(crate) capture: super::state::CaptureSlot,
 }
 
 impl HostState {
@@ -518,7 +521,16 @@ impl HostState {
             deadline: None,
             state,
             may_wait: false,
+            capture: Default::default(),
         }
+    }
+
+    /// The capture of this guest's state writes, while one runs.
+    pub(crate) fn capturing(&self) -> Option<Arc<super::state::WriteCapture>> {
+        self.capture
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
     }
 
     /// What is left of the running call's deadline.

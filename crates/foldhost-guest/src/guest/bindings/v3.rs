@@ -35,6 +35,31 @@ fn entry(e: KvEntry) -> Entry {
     }
 }
 
+/// A page of the fold's keys (sorted; `asked` were asked for: `limit` and the overlay's
+/// deletions) with a trial's overlay over it: its deletions gone, its puts in, sorted, at most
+/// `limit`. A full page may end before the fold does, so the overlay's keys past its last are
+/// left to the next page: no key is ever returned out of order, and a full page still yields
+/// `limit` keys (at most `asked - limit` of its keys are deleted).
+fn merge_keys(
+    fold: impl Iterator<Item = String>,
+    overlay: Vec<(String, bool)>,
+    limit: usize,
+    asked: usize,
+) -> Vec<String> {
+    let fold: Vec<String> = fold.collect();
+    let full = fold.len() >= asked;
+    let last = fold.last().cloned();
+    let mut keys: std::collections::BTreeSet<String> = fold.into_iter().collect();
+    for (k, present) in overlay {
+        if !present {
+            keys.remove(&k);
+        } else if !full || last.as_ref().is_none_or(|l| &k <= l) {
+            keys.insert(k);
+        }
+    }
+    keys.into_iter().take(limit).collect()
+}
+
 fn refusal(reason: &str, message: String) -> Refusal {
     Refusal {
         reason: reason.to_string(),
@@ -127,6 +152,40 @@ impl HostState {
         if key.is_empty() {
             return Err(refusal("invalid", "the key is empty".into()));
         }
+        // A trial's write (a shadow's comparison) is captured, answered from its overlay, and
+        // never reaches the writer.
+        if let Some(capture) = self.capturing() {
+            return match capture.record(&bucket, &key, value, options.op_id) {
+                Ok(op_id) => Ok(Written {
+                    outcome: Outcome::Applied,
+                    op_id,
+                    revision: None,
+                }),
+                Err(why) => Err(refusal("invalid", why)),
+            };
+        }
+        let req = self.write_request(key, value, options);
+        match writer.write(&lane.decl, req).await {
+            Ok(w) => Ok(Written {
+                outcome: match w.outcome {
+                    WrittenOutcome::Applied => Outcome::Applied,
+                    WrittenOutcome::Pending => Outcome::Pending,
+                    WrittenOutcome::Unknown => Outcome::Unknown,
+                },
+                op_id: w.op_id,
+                revision: w.revision,
+            }),
+            Err(r) => Err(refusal(&r.reason, r.message)),
+        }
+    }
+
+    /// The request an admitted write is handed to the writer as, with what is left of the call.
+    fn write_request(
+        &self,
+        key: String,
+        value: Option<Vec<u8>>,
+        options: WriteOptions,
+    ) -> StateWriteRequest {
         // Nine tenths of what is left of the call: a write that cannot finish in time answers
         // `unknown` (with its op id, to retry with) before the call itself is stopped.
         let left = self.time_left();
@@ -139,25 +198,13 @@ impl HostState {
         } else {
             std::time::Duration::ZERO
         };
-        let req = StateWriteRequest {
+        StateWriteRequest {
             key,
             value,
             op_id: options.op_id,
             if_revision: options.if_revision,
             within,
             wait,
-        };
-        match writer.write(&lane.decl, req).await {
-            Ok(w) => Ok(Written {
-                outcome: match w.outcome {
-                    WrittenOutcome::Applied => Outcome::Applied,
-                    WrittenOutcome::Pending => Outcome::Pending,
-                    WrittenOutcome::Unknown => Outcome::Unknown,
-                },
-                op_id: w.op_id,
-                revision: w.revision,
-            }),
-            Err(r) => Err(refusal(&r.reason, r.message)),
         }
     }
 }
@@ -172,6 +219,14 @@ impl foldhost::guest::state::Host for HostState {
             Ok(l) => l,
             Err(r) => return Ok(Err(r)),
         };
+        if let Some(written) = self.capturing().and_then(|c| c.get(&bucket, &key)) {
+            // A trial reads what it wrote (revision unknown: it was never published).
+            return Ok(Ok(written.map(|value| Entry {
+                key,
+                value,
+                revision: 0,
+            })));
+        }
         let got = lane
             .read
             .get(&key)
@@ -191,11 +246,25 @@ impl foldhost::guest::state::Host for HostState {
             Err(r) => return Ok(Err(r)),
         };
         let limit = limit.min(MAX_KEYS_LIMIT) as usize;
+        let overlay = self
+            .capturing()
+            .map(|c| c.keys(&bucket, &prefix, start_after.as_deref()))
+            .unwrap_or_default();
+        // Enough of the fold's keys that the ones a trial deleted leave `limit` behind.
+        let asked = limit.saturating_add(overlay.iter().filter(|(_, present)| !present).count());
         let got = lane
             .read
-            .scan(&prefix, start_after.as_deref(), limit)
+            .scan(&prefix, start_after.as_deref(), asked)
             .map_err(|e| wasmtime::Error::msg(format!("state keys {bucket:?} {prefix:?}: {e}")))?;
-        Ok(Ok(got.into_iter().map(|e| e.key).collect()))
+        if overlay.is_empty() {
+            return Ok(Ok(got.into_iter().map(|e| e.key).collect()));
+        }
+        Ok(Ok(merge_keys(
+            got.into_iter().map(|e| e.key),
+            overlay,
+            limit,
+            asked,
+        )))
     }
 
     async fn put(
@@ -215,5 +284,35 @@ impl foldhost::guest::state::Host for HostState {
         options: WriteOptions,
     ) -> wasmtime::Result<Result<Written, Refusal>> {
         Ok(self.state_write(bucket, key, None, options).await)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::merge_keys;
+
+    fn keys(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| s.to_string()).collect()
+    }
+
+    #[test]
+    fn a_trials_overlay_hides_its_deletions_adds_its_puts_and_never_orders_a_page_wrongly() {
+        // A page that is not full: the fold ended, every put of the overlay belongs.
+        let got = merge_keys(
+            keys(&["a", "c"]).into_iter(),
+            vec![("b".into(), true), ("c".into(), false), ("z".into(), true)],
+            10,
+            11,
+        );
+        assert_eq!(got, keys(&["a", "b", "z"]));
+        // A full page: a put past its last key waits for the next page (the fold may hold keys
+        // between), and the deletions still leave `limit` keys.
+        let got = merge_keys(
+            keys(&["a", "b", "c"]).into_iter(),
+            vec![("b".into(), false), ("bb".into(), true), ("d".into(), true)],
+            2,
+            3,
+        );
+        assert_eq!(got, keys(&["a", "bb"]));
     }
 }
