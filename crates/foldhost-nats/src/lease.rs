@@ -203,24 +203,64 @@ impl Lease {
             expires_unix_ms: now_unix_ms.saturating_add(self.ttl.as_millis() as u64),
             ..held.value.clone()
         };
-        match self.write_held(held, &value).await {
-            Ok(version) => Ok(HeldLease { version, value }),
-            // A renewal whose answer was lost landed all the same: the lease is still ours (a
-            // holder's name is its own, so no other holder writes it).
-            Err(LeaseError::Lost { holder, .. }) if holder == self.holder => {
-                let e = self.bucket.entry(&self.key).await.map_err(|e| self.kv(e))?;
-                match e.and_then(|e| Some((e.version, LeaseValue::from_bytes(&e.value)?))) {
-                    Some((version, value)) if value.holder == self.holder => {
-                        Ok(HeldLease { version, value })
-                    }
-                    other => Err(LeaseError::Lost {
-                        key: self.key.clone(),
-                        holder: other.map_or_else(|| "nobody".into(), |(_, v)| v.holder),
-                    }),
-                }
-            }
-            Err(e) => Err(e),
+        let version = self.write_held(held, &value).await?;
+        Ok(HeldLease { version, value })
+    }
+
+    /// Frees a held lease for good (expiry 0: [`LeaseValue`]'s "free"), by CAS: the next
+    /// claimant takes it at once, whatever its clock says.
+    pub async fn free(&self, held: HeldLease) -> Result<(), LeaseError> {
+        let value = LeaseValue {
+            expires_unix_ms: 0,
+            ..held.value.clone()
+        };
+        self.release(held, value).await
+    }
+
+    /// The lease as it stands with the revision it was read at: `None` when absent; the value
+    /// `None` when freed by a tombstone or corrupt.
+    pub async fn read_versioned(
+        &self,
+    ) -> Result<Option<(VersionToken, Option<LeaseValue>)>, LeaseError> {
+        let e = self.bucket.entry(&self.key).await.map_err(|e| self.kv(e))?;
+        Ok(e.map(|e| {
+            let value = if e.value.is_empty() {
+                None
+            } else {
+                LeaseValue::from_bytes(&e.value)
+            };
+            (e.version, value)
+        }))
+    }
+
+    /// Takes the lease over from the revision `seen`, whatever it holds (the caller decided, by
+    /// its own clock, that its holder is gone): `None` when the key moved since.
+    pub async fn take_over(
+        &self,
+        seen: VersionToken,
+        now_unix_ms: u64,
+    ) -> Result<Option<HeldLease>, LeaseError> {
+        let value = LeaseValue {
+            holder: self.holder.clone(),
+            expires_unix_ms: now_unix_ms.saturating_add(self.ttl.as_millis() as u64),
+            ..LeaseValue::default()
+        };
+        match self.bucket.update(&self.key, value.to_bytes(), seen).await {
+            Ok(version) => Ok(Some(HeldLease { version, value })),
+            Err(KvError::RevisionMismatch { .. }) => Ok(None),
+            Err(e) => Err(self.kv(e)),
         }
+    }
+
+    /// The lease as held now, when its holder is this one: a write of ours whose answer was lost
+    /// landed all the same. Only for a holder name no other holder shares (a process's own).
+    pub async fn held_if_mine(&self) -> Result<Option<HeldLease>, LeaseError> {
+        Ok(match self.read_versioned().await? {
+            Some((version, Some(value))) if value.holder == self.holder => {
+                Some(HeldLease { version, value })
+            }
+            _ => None,
+        })
     }
 
     async fn release(&self, held: HeldLease, value: LeaseValue) -> Result<(), LeaseError> {
@@ -239,11 +279,10 @@ impl Lease {
         {
             Ok(v) => Ok(v),
             Err(KvError::RevisionMismatch { .. }) => {
+                // A read that fails says nothing of who holds it: the error, not a loss.
                 let holder = self
                     .read()
-                    .await
-                    .ok()
-                    .flatten()
+                    .await?
                     .map_or_else(|| "nobody".to_string(), |v| v.holder);
                 Err(LeaseError::Lost {
                     key: self.key.clone(),

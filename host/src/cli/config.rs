@@ -314,12 +314,15 @@ fn check_distinct(file: &str, folds: &[Fold], doc: &toml::Table) -> anyhow::Resu
 }
 
 /// Refuses two folds that would follow one channel under one node name (docs/channels.md, "One
-/// name, one node"): both would claim one name, and the second would never start. A fold whose
-/// flags do not parse is left to [`fold_args`], which names the key.
+/// name, one node"): both would claim one name, and the second would never start. Flags given
+/// beside `--config` count, as they do at the run. A fold whose flags do not parse is left to
+/// [`fold_args`], which names the key.
 fn check_claims(file: &str, folds: &[Fold]) -> anyhow::Result<()> {
+    let overrides = run_overrides();
     let mut seen: BTreeMap<(String, String, String), usize> = BTreeMap::new();
     for (i, f) in folds.iter().enumerate() {
-        let Ok(args) = parse(&f.argv) else { continue };
+        let argv: Vec<String> = f.argv.iter().chain(&overrides).cloned().collect();
+        let Ok(args) = parse(&argv) else { continue };
         let Some(channel) = args.guest_channel else {
             continue;
         };

@@ -62,25 +62,6 @@ pub(super) struct ChannelStart {
     pub(super) bytes: Vec<u8>,
 }
 
-/// This host's name as a channel node name: `/proc/sys/kernel/hostname` with every character a
-/// name may not hold made `-`, cut to [`protocol::MAX_CHANNEL_NAME`]; `node` when unreadable.
-pub(crate) fn default_node_name() -> String {
-    let raw = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
-    let name: String = raw
-        .trim()
-        .chars()
-        .map(|c| {
-            if c.is_ascii_alphanumeric() || c == '_' || c == '-' {
-                c
-            } else {
-                '-'
-            }
-        })
-        .take(protocol::MAX_CHANNEL_NAME)
-        .collect();
-    if name.is_empty() { "node".into() } else { name }
-}
-
 /// Reads the channel and fetches the version a starting node runs. Refused, naming the channel,
 /// when nothing was published, when the only release is halted, or when the bytes cannot be
 /// fetched or verified: the node does not start on a guest it could not prove. Then wins the
@@ -148,8 +129,11 @@ async fn open_bus(
 /// The follower: what it holds between steps.
 pub(super) struct Follower {
     bus: ChannelBus,
-    /// This node's name claim: once another process takes it, the follower stops.
+    /// This node's name claim: once another process takes it, the follower stops; while it is
+    /// not valid, the follower takes no step and writes no report.
     claim: Arc<super::claim::NameClaim>,
+    /// The follower said its claim was not valid (cleared once it is again).
+    claim_paused: bool,
     gc: GuestChannel,
     engine: Arc<GuestEngine>,
     control: mpsc::Sender<Control>,
@@ -193,6 +177,7 @@ impl Follower {
         Follower {
             bus: start.bus,
             claim: start.claim,
+            claim_paused: false,
             gc,
             engine,
             control,
@@ -265,8 +250,14 @@ impl Follower {
                     },
                     _ = tick.tick() => {
                         if let Some(holder) = self.claim.lost_to() {
-                            self.said_error(Some(format!("node name {:?} was taken over by {holder} (this node could not renew its claim in time): the node keeps its version and no longer follows the channel", self.gc.node)));
+                            self.said_error(Some(format!("node name {:?} was taken over by {} (this node could not renew its claim in time): the node keeps its version and no longer follows the channel", self.gc.node, super::claim::quoted(holder))));
                             return;
+                        }
+                        if !self.claim.valid() {
+                            self.claim_paused = true;
+                            self.said_error(Some(format!("node name {:?}: its claim was not renewed lately: the node takes no step and writes no report until it is", self.gc.node)));
+                        } else if std::mem::take(&mut self.claim_paused) {
+                            self.said_error(None);
                         }
                         if current {
                             self.check_traps();
@@ -356,6 +347,10 @@ impl Follower {
     where
         W: futures::Stream<Item = Result<ChannelChange, ChannelError>> + Unpin,
     {
+        if !self.claim.valid() {
+            // No step on a name this node may no longer hold (`claim.rs`).
+            return;
+        }
         let Some((release, entry, state, step)) = self.decide() else {
             self.show(None, None);
             self.write_report().await;
@@ -427,8 +422,8 @@ impl Follower {
         let Some((release, _)) = &self.release else {
             return;
         };
-        if self.claim.lost_to().is_some() {
-            // The name is another process's now: its report is not this node's to write.
+        if !self.claim.valid() {
+            // The name may be another process's now: its report is not this node's to write.
             return;
         }
         let Some(mut due) = self.report_due(*release) else {

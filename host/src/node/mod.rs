@@ -26,7 +26,7 @@ mod side;
 mod tokens;
 
 pub use channel::GuestChannel;
-pub(crate) use channel::default_node_name;
+pub(crate) use claim::default_node_name;
 pub(crate) use shared::{SharedListen, bind_shared};
 
 pub use config::DEFAULT_LEASE_BUCKET;

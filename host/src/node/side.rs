@@ -129,11 +129,7 @@ impl SideTasks {
         }
         let mut claim = None;
         if let Some(follower) = follower {
-            let c = follower.claim();
-            others.push(tokio::spawn(tracing::Instrument::in_current_span(
-                c.clone().keep(),
-            )));
-            claim = Some(c);
+            claim = Some(follower.claim());
             others.push(tokio::spawn(tracing::Instrument::in_current_span(
                 follower.run(),
             )));

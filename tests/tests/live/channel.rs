@@ -1094,8 +1094,9 @@ async fn exit_of(mut child: Child) -> anyhow::Result<(Option<i32>, String)> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_second_node_under_a_running_nodes_name_is_refused_naming_it_and_the_name_is_free_again_after_a_stop_or_a_kill()
+async fn one_name_is_one_node_a_second_is_refused_a_node_whose_name_was_taken_stops_and_a_stopped_or_killed_nodes_name_is_taken_again()
 -> anyhow::Result<()> {
+    use foldhost::kv::KvReader;
     let h = Harness::start().await?;
     let tmp = tempfile::tempdir()?;
     let kv = h.bucket("names").await?;
@@ -1125,16 +1126,61 @@ async fn a_second_node_under_a_running_nodes_name_is_refused_naming_it_and_the_n
         "a refused node made its store"
     );
     first.never_restarted().await?;
-    // A clean stop (SIGTERM, by the drop) frees the name: the next start under it follows.
+
+    // Another process takes the name over (as one would after this node could not renew for
+    // longer than the claim holds): the node stops following and writes no report.
+    let channels = h.bucket("foldhost-channels").await?;
+    let claim = foldhost::protocol::claim_key(CHANNEL, "n0");
+    let report = foldhost::protocol::report_key(CHANNEL, "n0");
+    let intruder = format!(
+        r#"{{"holder":"intruder","expires_unix_ms":{}}}"#,
+        foldhost::status::now_unix_ms() + 3_600_000
+    );
+    channels.put(&claim, intruder.into()).await?;
+    first
+        .wait(|c| {
+            c.error
+                .as_deref()
+                .is_some_and(|e| e.contains("taken over by \"intruder\""))
+        })
+        .await?;
+    let report_at = channels.entry(&report).await?.map(|e| e.version);
+    // A release the fleet rolls: another node takes it; the node whose name was taken does not.
+    let v2_file = tmp.path().join("v2.wasm");
+    let v2 = renamed(&v1, "v2");
+    std::fs::write(&v2_file, &v2)?;
+    publish(&h, &v2_file, &[])?;
+    let other = Node::start(&h, "names", tmp.path(), "n1").await?;
+    other.runs(&digest(&v2)).await?;
+    let s = wait_status(&first.addr, |_| true).await?;
+    assert_eq!(
+        s.guest_channel.and_then(|c| c.running_digest),
+        Some(digest(&v1)),
+        "a node whose name was taken kept its version"
+    );
+    assert_eq!(
+        channels.entry(&report).await?.map(|e| e.version),
+        report_at,
+        "a node whose name was taken wrote its report"
+    );
+    // The operator frees the name (docs/channels.md: `nats kv del`), and stops the node.
+    channels.delete(&claim).await?;
     drop(first);
+    // A clean stop (SIGTERM, by the drop) frees the name: the next start under it follows.
     let mut restarted = Node::start(&h, "names", tmp.path(), "n0").await?;
-    restarted.runs(&digest(&v1)).await?;
-    // A killed holder cannot free its name: a start under it takes the claim once it ran out.
+    restarted.runs(&digest(&v2)).await?;
+    // A killed holder cannot free its name: a start under it takes the claim over once it saw it
+    // unrenewed for the claim's time and a renewal, by its own clock.
     restarted.child.kill()?;
     restarted.child.wait()?;
     // Reaped: nothing is left for the drop to stop.
     std::mem::forget(restarted);
+    let killed_at = std::time::Instant::now();
     let after_kill = Node::start(&h, "names", tmp.path(), "n0").await?;
-    after_kill.runs(&digest(&v1)).await?;
+    assert!(
+        killed_at.elapsed() >= foldhost::protocol::NAME_CLAIM_TTL,
+        "a killed holder's claim was taken before it could have run out"
+    );
+    after_kill.runs(&digest(&v2)).await?;
     Ok(())
 }
