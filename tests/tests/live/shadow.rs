@@ -480,6 +480,18 @@ async fn a_shadowed_candidate_whose_query_writes_state_publishes_nothing_and_the
     );
     let (code, answer) = query(&addr, r#"{"op":"get","bucket":"notes","key":"trial"}"#).await?;
     assert_eq!((code, answer.as_str()), (200, r#"{"ok":null}"#));
+    // The capture ended with the comparison: the fold-path instance's own writes (`on-applied`
+    // mirrors `mirror/K` of the main bucket into `notes`) are published again.
+    kv.put("mirror/after", "m".into()).await?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while notes.positions().await?.last_sequence == before {
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "the fold's own write after the shadow was never published"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let before = notes.positions().await?.last_sequence;
     // Outside a shadow, the same put is published.
     let (code, answer) = query(
         &addr,

@@ -361,8 +361,8 @@ pub struct ShadowDifference {
     pub live: String,
     /// The candidate's answer, the same way.
     pub candidate: String,
-    /// The running applier's captured writes for it ([`CapturedWrite::describe`]), when they
-    /// differ from the candidate's.
+    /// The running applier's captured writes for it ([`CapturedWrite::describe`], the first 10
+    /// and a count of the rest), when they differ from the candidate's.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub live_writes: Vec<String>,
     /// The candidate's, the same way.
@@ -382,15 +382,17 @@ pub struct CapturedWrite {
 }
 
 impl CapturedWrite {
-    /// `put BUCKET KEY "VALUE"` or `delete BUCKET KEY`, the value cut at [`MAX_SHADOW_QUOTE`].
+    /// `put BUCKET KEY "VALUE"` or `delete BUCKET KEY`, the key and the value each cut at
+    /// [`MAX_SHADOW_QUOTE`] characters.
     pub fn describe(&self) -> String {
+        let cut = |s: &str| s.chars().take(MAX_SHADOW_QUOTE).collect::<String>();
+        let key = cut(&self.key);
         match &self.value {
             Some(v) => {
-                let text = String::from_utf8_lossy(v);
-                let cut: String = text.chars().take(MAX_SHADOW_QUOTE).collect();
-                format!("put {} {} {cut:?}", self.bucket, self.key)
+                let value = cut(&String::from_utf8_lossy(v));
+                format!("put {} {key} {value:?}", self.bucket)
             }
-            None => format!("delete {} {}", self.bucket, self.key),
+            None => format!("delete {} {key}", self.bucket),
         }
     }
 }

@@ -110,9 +110,12 @@ impl StateAccess {
     }
 }
 
-/// Most bytes (keys and values) a capture's overlay holds: a trial that writes more is refused
-/// `invalid`, saying so.
+/// Most bytes one side's captured writes may take in one comparison (each write's bucket, key and
+/// value, and [`CAPTURED_WRITE_OVERHEAD`]): a trial that writes more is refused `invalid`,
+/// saying so.
 pub(crate) const MAX_CAPTURED_BYTES: usize = 16 << 20;
+/// What one captured write is counted beyond its bytes (the overlay's entry and its strings).
+pub(crate) const CAPTURED_WRITE_OVERHEAD: usize = 128;
 /// Most writes captured between two [`WriteCapture::take`]s (one shadow request's): more are
 /// refused `invalid`, saying so.
 pub(crate) const MAX_CAPTURED_WRITES: usize = 1024;
@@ -132,7 +135,7 @@ struct Captured {
     /// (bucket, key) → the value put, or `None` for a delete.
     overlay: std::collections::BTreeMap<(String, String), Option<Vec<u8>>>,
     bytes: usize,
-    /// Operation ids minted so far.
+    /// Operation ids minted since the last take (one request's).
     minted: u64,
 }
 
@@ -145,8 +148,8 @@ impl WriteCapture {
 
     /// Records a put (`value`) or delete of `key` in `bucket` (as the guest names it) and returns
     /// the operation id to answer with: the guest's `op_id`, else one minted from the capture's
-    /// count — the same on both sides of a comparison, so a minted id never makes two answers
-    /// differ. `Err` says why it is refused (a bound reached).
+    /// count within the request — the same on both sides of a comparison, so a minted id never
+    /// makes two answers differ. `Err` says why it is refused (a bound reached).
     pub(crate) fn record(
         &self,
         bucket: &str,
@@ -160,7 +163,8 @@ impl WriteCapture {
                 "a trial's call captured {MAX_CAPTURED_WRITES} writes already"
             ));
         }
-        let size = bucket.len() + key.len() + value.as_ref().map_or(0, Vec::len);
+        let size =
+            CAPTURED_WRITE_OVERHEAD + bucket.len() + key.len() + value.as_ref().map_or(0, Vec::len);
         if c.bytes.saturating_add(size) > MAX_CAPTURED_BYTES {
             return Err(format!(
                 "a trial's captured writes hold {MAX_CAPTURED_BYTES} bytes already"
@@ -213,7 +217,9 @@ impl WriteCapture {
 
     /// The writes since the last take, in call order.
     pub(crate) fn take(&self) -> Vec<foldhost_fold::applied::CapturedWrite> {
-        std::mem::take(&mut self.inner().taken)
+        let mut c = self.inner();
+        c.minted = 0;
+        std::mem::take(&mut c.taken)
     }
 }
 

@@ -251,7 +251,9 @@ impl foldhost::guest::state::Host for HostState {
             .map(|c| c.keys(&bucket, &prefix, start_after.as_deref()))
             .unwrap_or_default();
         // Enough of the fold's keys that the ones a trial deleted leave `limit` behind.
-        let asked = limit.saturating_add(overlay.iter().filter(|(_, present)| !present).count());
+        // (At most `MAX_KEYS_LIMIT` more: a trial that deleted more may get a short page.)
+        let gone = overlay.iter().filter(|(_, present)| !present).count();
+        let asked = limit.saturating_add(gone.min(MAX_KEYS_LIMIT as usize));
         let got = lane
             .read
             .scan(&prefix, start_after.as_deref(), asked)

@@ -6,8 +6,12 @@
 //! - Nothing either side writes while compared is published: both sides' state writes are
 //!   captured ([`Apply::begin_capture`]) from the first request to the last, each side answered
 //!   from an overlay of its own, and the capture ends on every path out.
-//! - A request differs when the answers differ, or when both sides wrote state and their writes
-//!   differ; the candidate's captured writes are listed in the report, both sides' counted.
+//! - A request differs when the answers differ or the writes differ (one side writing and the
+//!   other not included); the candidate's captured writes are listed in the report, both sides'
+//!   counted.
+//! - A side that wrote while compared is rebuilt from the fold before it serves again (its memory
+//!   may hold writes answered `applied` that were never made): the running applier at once, a
+//!   promoted candidate once adopted.
 
 use std::time::Instant;
 
@@ -23,6 +27,22 @@ use crate::view::FoldRead;
 
 use super::super::FoldLoop;
 use super::{PendingShadow, PendingSwap, quote, sample_request, scan_prefixes, store_err};
+
+/// Most writes of each side one listed difference quotes (the rest are counted in a last line).
+const WRITES_PER_DIFFERENCE: usize = 10;
+
+/// A difference's writes as listed: the first [`WRITES_PER_DIFFERENCE`], then how many more.
+fn listed_writes(w: &[CapturedWrite]) -> Vec<String> {
+    let mut out: Vec<String> = w
+        .iter()
+        .take(WRITES_PER_DIFFERENCE)
+        .map(CapturedWrite::describe)
+        .collect();
+    if w.len() > WRITES_PER_DIFFERENCE {
+        out.push(format!("… and {} more", w.len() - WRITES_PER_DIFFERENCE));
+    }
+    out
+}
 
 /// What the requests showed, before any promotion.
 #[derive(Default)]
@@ -51,6 +71,10 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         let compared = self.send_to_both(&requests, candidate.as_mut()).await;
         self.apply.end_capture();
         candidate.end_capture();
+        let live_wrote = compared.as_ref().is_ok_and(|c| c.live_writes_total > 0);
+        if live_wrote {
+            self.apply.discard();
+        }
         let c = match compared {
             Ok(c) => c,
             // The candidate failed (a trap, a deadline): the shadow fails, nothing promoted.
@@ -72,6 +96,9 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
             (true, Ok(())) => match self.switch_to(candidate).await? {
                 Ok(_) => {
                     promoted = true;
+                    if c.candidate_writes_total > 0 {
+                        self.apply.discard();
+                    }
                     None
                 }
                 Err(e) => Some(format!("the switch failed: {e}")),
@@ -133,15 +160,13 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                     });
                 }
             }
-            let writes_differ = !live_writes.is_empty()
-                && !candidate_writes.is_empty()
-                && live_writes != candidate_writes;
+            let writes_differ = live_writes != candidate_writes;
             if live != answer || writes_differ {
                 c.differing += 1;
                 if c.differences.len() < MAX_SHADOW_DIFFERENCES_LISTED {
                     let listed = |w: &[CapturedWrite]| {
                         if writes_differ {
-                            w.iter().map(CapturedWrite::describe).collect()
+                            listed_writes(w)
                         } else {
                             Vec::new()
                         }
