@@ -101,13 +101,23 @@ async fn assert_bucket(
             create: false,
             ..BucketConfig::default()
         };
-        return conn.bucket(&decl.bucket, &config).await.map_err(|e| match e {
+        let kv = conn.bucket(&decl.bucket, &config).await.map_err(|e| match e {
             crate::kv::KvError::BucketNotFound(_) => NodeError::Config(format!(
                 "read bucket {:?}: server bucket {} does not exist (its owner creates it when it first starts)",
                 decl.local, decl.bucket
             )),
             e => NodeError::Nats(e),
-        });
+        })?;
+        if protocol::evicting_state_refusal(kv.limits()) {
+            return Err(NodeError::Refused(format!(
+                "read bucket {:?}: server bucket {} ages its values out ({} ms): {}",
+                decl.local,
+                decl.bucket,
+                kv.limits().max_age_ms,
+                protocol::EVICTING_STATE
+            )));
+        }
+        return Ok(kv);
     };
     let config = BucketConfig {
         max_bytes: i64::try_from(o.max_bytes).ok(),

@@ -33,7 +33,8 @@ pub struct StateBucket {
     pub name: String,
     /// Values kept per key (1 to 64).
     pub history: u8,
-    /// How long a value lives, in milliseconds; 0: for ever.
+    /// How long a value lives, in milliseconds; 0: for ever. The foldhost host refuses any value
+    /// above 0 at load: a state bucket that ages values out is not folded (its docs/state.md).
     pub max_age_ms: u64,
     /// The most the bucket may hold, in bytes; 0: the host's cap.
     pub max_bytes: u64,
@@ -59,7 +60,8 @@ impl StateBucket {
         self
     }
 
-    /// Values live `ms` milliseconds.
+    /// Values live `ms` milliseconds. The foldhost host refuses any value above 0 at load (a
+    /// state bucket that ages values out is not folded): keep an expiry in the values instead.
     pub fn max_age_ms(mut self, ms: u64) -> Self {
         self.max_age_ms = ms;
         self

@@ -799,3 +799,47 @@ async fn an_artifact_carries_every_state_bucket_and_a_node_started_from_it_resum
     );
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_state_bucket_whose_values_age_out_is_refused_at_start_in_one_line_naming_it()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    h.bucket("agemain").await?;
+    // The bucket the reader reads, made by hand with an age limit: a node down longer than the
+    // age would find its fold's cursor expired with nothing to restore it from.
+    h.conn
+        .bucket(
+            NOTES,
+            &BucketConfig {
+                max_bytes: None,
+                max_age: Some(std::time::Duration::from_secs(60)),
+                ..BucketConfig::default()
+            },
+        )
+        .await?;
+    let tmp = tempfile::tempdir()?;
+    let mut child = foldhost()
+        .args(["run", "--bucket", "agemain", "--nats", &h.url(), "--store"])
+        .arg(tmp.path().join("reader"))
+        .arg("--guest")
+        .arg(guest_wasm("state_reader"))
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()?;
+    wait_until("the reader's node to exit", || {
+        child.try_wait().ok().flatten().is_some()
+    })
+    .await
+    .inspect_err(|_| {
+        let _ = child.kill();
+    })?;
+    let out = child.wait_with_output()?;
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim().lines().count(), 1, "one line: {err}");
+    assert!(
+        err.contains("read bucket \"owner.notes\"") && err.contains("ages its values out"),
+        "{err}"
+    );
+    Ok(())
+}

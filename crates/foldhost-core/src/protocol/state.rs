@@ -132,6 +132,9 @@ pub enum DeclarationError {
     /// A history of 0.
     #[error("state bucket {0:?}: keeps 0 values per key (at least 1)")]
     NoHistory(String),
+    /// An age limit ([`evicting_state_refusal`]).
+    #[error("state bucket {0:?}: {EVICTING_STATE}")]
+    Evicting(String),
     /// A derived server name equal to the node's main bucket.
     #[error(
         "state bucket {local:?} would be server bucket {bucket:?}, which is the node's main bucket"
@@ -213,6 +216,19 @@ fn checked_owned(d: &OwnedDecl, caps: StateCaps) -> Result<(), DeclarationError>
     Ok(())
 }
 
+/// Why a state bucket whose values age out is refused (docs/state.md, "Declaring buckets"): its
+/// fold, like the main one, keeps a value the server aged out, and a node down longer than the
+/// age finds its cursor expired — which only an artifact restore repairs, and a state bucket's
+/// fold is restored only by `bootstrap` and `import`, never by a running node's repair.
+pub const EVICTING_STATE: &str = "a state bucket whose values age out (max-age-ms above 0) is not folded by this host: a node down longer than the age would find its cursor expired with no artifact to restore the bucket from (declare 0, and keep an expiry in the values)";
+
+/// Whether a state bucket the server holds with `limits` is refused at start: one whose values
+/// age out ([`EVICTING_STATE`]) — an owned declaration is refused at load already; this is a read
+/// bucket's (or a hand-made bucket's) case.
+pub fn evicting_state_refusal(limits: BucketLimits) -> bool {
+    limits.max_age_ms > 0
+}
+
 /// Checks `module`'s declarations — `owned` (its `state`) and `reads` (`<module>.<name>` each)
 /// — against the naming rule and the host's caps, and returns the buckets in the order declared
 /// (owned first). A module that declares nothing needs no valid module name.
@@ -235,6 +251,9 @@ pub fn check_declarations(
     let mut seen = BTreeSet::new();
     for d in owned {
         checked_owned(d, caps)?;
+        if d.max_age_ms > 0 {
+            return Err(DeclarationError::Evicting(d.name.clone()));
+        }
         if !seen.insert(d.name.clone()) {
             return Err(DeclarationError::Duplicate(d.name.clone()));
         }
@@ -754,6 +773,19 @@ mod tests {
             refused(&[none], &[]),
             Err(DeclarationError::NoHistory(_))
         ));
+        let ageing = OwnedDecl {
+            max_age_ms: 60_000,
+            ..owned("ageing")
+        };
+        assert!(matches!(
+            refused(&[ageing], &[]),
+            Err(DeclarationError::Evicting(n)) if n == "ageing"
+        ));
+        assert!(evicting_state_refusal(BucketLimits {
+            history: 1,
+            max_age_ms: 1,
+            max_bytes: -1
+        }));
         assert!(matches!(
             refused(&[owned("a_b")], &[]),
             Err(DeclarationError::BadName { .. })
