@@ -16,6 +16,7 @@ mod defer;
 mod endpoint;
 mod examples;
 mod fairness;
+mod floor;
 mod grants;
 mod guest_runtime;
 mod guests;
