@@ -291,6 +291,7 @@ impl Collector for Folds {
         }
         self.encode_kinds(&mut encoder, &folds)?;
         self.encode_channels(&mut encoder)?;
+        self.encode_artifact(&mut encoder)?;
         if let Some(rss) = resident_bytes() {
             let none: Labels<'_> = Vec::new();
             family(
@@ -306,6 +307,61 @@ impl Collector for Folds {
 }
 
 impl Folds {
+    /// The newest artifact's freshness on an evicting bucket (docs/operations.md, "Artifact
+    /// freshness"): its cursor, its headroom in records and in seconds, and whether it is stale
+    /// (or missing).
+    fn encode_artifact(&self, encoder: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
+        let reports: Vec<(&str, crate::status::ArtifactFreshnessReport)> = self
+            .0
+            .iter()
+            .filter_map(|f| Some((f.name.as_str(), f.status.artifact_freshness()?)))
+            .collect();
+        let (mut cursor, mut records, mut seconds, mut stale) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (fold, r) in &reports {
+            let labels = vec![("fold", *fold), ("key", r.key.as_str())];
+            if let Some(c) = r.cursor {
+                cursor.push((labels.clone(), gauge(c)));
+            }
+            if let Some(n) = r.headroom_records {
+                records.push((labels.clone(), Value::Gauge(n)));
+            }
+            if let Some(n) = r.headroom_seconds {
+                seconds.push((labels.clone(), Value::Gauge(n)));
+            }
+            let bad = matches!(r.state.as_str(), "stale" | "missing");
+            stale.push((labels, gauge(u64::from(bad))));
+        }
+        family(
+            encoder,
+            "foldhost_artifact_cursor",
+            "The newest published artifact's cursor, on an evicting bucket.",
+            None,
+            &cursor,
+        )?;
+        family(
+            encoder,
+            "foldhost_artifact_headroom_records",
+            "Records the stream may still drop from its head before the newest artifact is stale (below 0: stale).",
+            None,
+            &records,
+        )?;
+        family(
+            encoder,
+            "foldhost_artifact_headroom",
+            "How long until the record after the newest artifact's cursor ages out (below 0: stale).",
+            Some(Unit::Seconds),
+            &seconds,
+        )?;
+        family(
+            encoder,
+            "foldhost_artifact_stale",
+            "1 while the newest artifact is stale or none is published on an evicting bucket: an expired cursor has nothing to restore from.",
+            None,
+            &stale,
+        )
+    }
+
     /// A followed guest channel's series (docs/channels.md): its release, whether it is halted,
     /// and one info series naming the running and desired digests, the rollout's state and this
     /// node's judgement.

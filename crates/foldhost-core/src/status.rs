@@ -152,6 +152,61 @@ pub struct StatusReport {
     pub last_swaps: Vec<SwapRecord>,
     /// The guest channel this node follows (`run --guest-channel`; docs/channels.md), if any.
     pub guest_channel: Option<GuestChannelReport>,
+    /// The newest published artifact's freshness, on a node with `--artifacts` whose bucket
+    /// evicts current values (docs/operations.md, "Artifact freshness").
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub artifact: Option<ArtifactFreshnessReport>,
+}
+
+/// How useful the newest published artifact still is to a node whose cursor expires
+/// ([`crate::protocol::artifact_freshness`]).
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(default)]
+pub struct ArtifactFreshnessReport {
+    /// `fresh`, `at_risk`, `stale` or `missing`.
+    pub state: String,
+    /// The artifact key.
+    pub key: String,
+    /// The newest artifact's cursor (none published: `None`).
+    pub cursor: Option<u64>,
+    /// The stream's first retained sequence when checked.
+    pub stream_first_sequence: u64,
+    /// Records the stream may still drop before the artifact is stale (below 0: stale).
+    pub headroom_records: Option<i64>,
+    /// Seconds until the record after its cursor ages out (below 0: stale); `None` without an
+    /// age limit or a record after the cursor.
+    pub headroom_seconds: Option<i64>,
+    /// When it was checked, Unix milliseconds.
+    pub checked_unix_ms: u64,
+}
+
+impl ArtifactFreshnessReport {
+    /// The warning `/status` and `/readyz` say while it is not fresh, in words.
+    pub fn warning(&self) -> Option<String> {
+        let seconds = self
+            .headroom_seconds
+            .map(|s| format!(", {s} s of the stream's age left"))
+            .unwrap_or_default();
+        match self.state.as_str() {
+            "missing" => Some(format!(
+                "artifact {}: none published on an evicting bucket: an expired cursor has nothing to restore from",
+                self.key
+            )),
+            "stale" => Some(format!(
+                "artifact {}: stale: the stream's first sequence {} passed its cursor {}: an expired cursor has nothing to restore from",
+                self.key,
+                self.stream_first_sequence,
+                self.cursor.unwrap_or(0)
+            )),
+            "at_risk" => Some(format!(
+                "artifact {}: at risk: cursor {}, {} records ahead of the stream's first sequence{seconds}",
+                self.key,
+                self.cursor.unwrap_or(0),
+                self.headroom_records.unwrap_or(0)
+            )),
+            _ => None,
+        }
+    }
 }
 
 /// What a node following a guest channel shows of it: what it runs, what the channel wants,
@@ -381,7 +436,11 @@ impl StatusReport {
                 .then(|| s.oldest_retained_revision.load(Ordering::Relaxed)),
             oldest_retained_unix_ms: (oldest_ms > 0).then_some(oldest_ms),
             oldest_retained_age_s: age_s(oldest_ms, now),
-            warnings: s.warnings(),
+            warnings: s
+                .warnings()
+                .into_iter()
+                .chain(s.artifact_freshness().and_then(|a| a.warning()))
+                .collect(),
             eviction_seen: s.eviction_seen.load(Ordering::Relaxed) == 1,
             repairs: s.repairs.load(Ordering::Relaxed),
             skipped_messages: s.skipped_messages.load(Ordering::Relaxed),
@@ -415,6 +474,7 @@ impl StatusReport {
             lag_history_period_s: LAG_SAMPLE_PERIOD.as_secs(),
             last_swaps: s.last_swaps(),
             guest_channel: s.guest_channel().or_else(|| self.guest_channel.clone()),
+            artifact: s.artifact_freshness(),
             state_buckets: self
                 .state_buckets
                 .iter()
@@ -560,6 +620,8 @@ pub struct FoldStatus {
     pub last_swaps: std::sync::Mutex<std::collections::VecDeque<SwapRecord>>,
     /// What the guest channel's follower shows (`run --guest-channel`), once it ran.
     pub guest_channel: std::sync::Mutex<Option<GuestChannelReport>>,
+    /// The newest artifact's freshness, once checked (docs/operations.md, "Artifact freshness").
+    pub artifact_freshness: std::sync::Mutex<Option<ArtifactFreshnessReport>>,
 }
 
 /// A waiter on `applied_through` for as long as it lives ([`FoldStatus::expect_applied`]).
@@ -740,6 +802,11 @@ impl FoldStatus {
     /// What the guest channel's follower shows, once it ran.
     pub fn guest_channel(&self) -> Option<GuestChannelReport> {
         self.guest_channel.lock().ok().and_then(|c| c.clone())
+    }
+
+    /// The newest artifact's freshness, once checked.
+    pub fn artifact_freshness(&self) -> Option<ArtifactFreshnessReport> {
+        self.artifact_freshness.lock().ok().and_then(|c| c.clone())
     }
 }
 

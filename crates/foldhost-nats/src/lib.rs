@@ -310,6 +310,24 @@ impl NatsKv {
         })
     }
 
+    /// The stream's live positions, its age limit in milliseconds (0: none) and whether its
+    /// retention can evict a current value, from one fresh stream info (the configuration can
+    /// change under a running node).
+    pub async fn positions_and_retention(&self) -> Result<(StreamPositions, u64, bool), KvError> {
+        let info = self.stream_info().await?;
+        let max_age_ms = u64::try_from(info.config.max_age.as_millis()).unwrap_or(u64::MAX);
+        let evicts = retention_of(&info).evicts_current_values;
+        Ok((
+            StreamPositions {
+                first_sequence: info.state.first_sequence,
+                last_sequence: info.state.last_sequence,
+                messages: info.state.messages,
+            },
+            max_age_ms,
+            evicts,
+        ))
+    }
+
     /// The bucket's limits as its stream is configured (read when this handle opened it).
     pub fn limits(&self) -> foldhost_core::protocol::BucketLimits {
         let c = &self.kv.stream.cached_info().config;

@@ -19,6 +19,7 @@ mod claim;
 mod config;
 mod denial;
 mod export;
+mod freshness;
 mod identity;
 pub(crate) mod lanes;
 mod shared;

@@ -70,7 +70,7 @@ impl SideTasks {
         let (rate, sampler) = crate::write::ApplyRate::start(status.clone());
         others.push(sampler);
         let write = Arc::new(crate::write::WritePath {
-            kv,
+            kv: kv.clone(),
             bucket: cfg.bucket.clone(),
             scope: scope.clone(),
             status: status.clone(),
@@ -154,6 +154,11 @@ impl SideTasks {
             tracing::info!(event = "nats_writes_serving", subject = %subject, group = %cfg.query_group, "taking writes over NATS request/reply");
             others.push(tokio::spawn(tracing::Instrument::in_current_span(
                 nats::serve_nats_writes(client, sub, cfg.query_reply_prefix.clone(), write.clone()),
+            )));
+        }
+        if let (Some(transport), Some((_, key))) = (&transport, &cfg.artifacts) {
+            others.push(tokio::spawn(tracing::Instrument::in_current_span(
+                super::freshness::watch(kv.clone(), transport.clone(), key.clone(), status.clone()),
             )));
         }
         if let (Some(every), Some(transport), Some((_, key))) =

@@ -102,7 +102,10 @@ pub(crate) fn ready(registry: &FoldRegistry) -> Reply {
         .collect();
     for (name, s) in &folds {
         match super::unready(s) {
-            None => ready.push(format!("fold {name}")),
+            None => match (s.status)().artifact.as_ref().and_then(|a| a.warning()) {
+                Some(w) => ready.push(format!("fold {name} ({w})")),
+                None => ready.push(format!("fold {name}")),
+            },
             Some(why) => not.push(why),
         }
     }

@@ -328,7 +328,11 @@ pub(crate) fn ready(state: &ServeState) -> Reply {
         .first()
         .map_or(s.bucket.as_str(), |f| f.name.as_str());
     match unready(state) {
-        None => Reply::new(200, "text/plain", format!("ready: fold {name}\n")),
+        // Ready either way: a stale artifact endangers the next expired cursor, not this fold.
+        None => match s.artifact.as_ref().and_then(|a| a.warning()) {
+            Some(w) => Reply::new(200, "text/plain", format!("ready: fold {name} ({w})\n")),
+            None => Reply::new(200, "text/plain", format!("ready: fold {name}\n")),
+        },
         Some(w) => Reply::new(503, "text/plain", format!("not ready: {w}\n")),
     }
 }

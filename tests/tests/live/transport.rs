@@ -908,3 +908,95 @@ async fn a_tampered_download_is_refused_in_one_line_and_leaves_no_store_behind()
     )?;
     Ok(())
 }
+
+/// The node's freshness report once it satisfies `done` (a status without one never does).
+async fn artifact_until(
+    addr: &str,
+    done: impl Fn(&foldhost::status::ArtifactFreshnessReport) -> bool,
+) -> anyhow::Result<foldhost::status::StatusReport> {
+    wait_status(addr, |s| s.artifact.as_ref().is_some_and(&done)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_says_the_newest_artifact_is_missing_fresh_then_stale_once_the_stream_passes_its_cursor()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let moto = Moto::start().await?;
+    let url = moto.url("fresh");
+    let tmp = tempfile::tempdir()?;
+    // An evicting bucket: an age limit long enough that nothing ages out until the test says.
+    let kv = h
+        .conn
+        .bucket(
+            "fresh",
+            &foldhost::bucket::BucketConfig {
+                max_bytes: None,
+                max_age: Some(std::time::Duration::from_secs(3600)),
+                ..foldhost::bucket::BucketConfig::default()
+            },
+        )
+        .await?;
+    for i in 0..20 {
+        kv.put(&format!("route.h{i:02}"), "v1".into()).await?;
+    }
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+    let mut cmd = run_command(&h, "fresh", &tmp.path().join("node"), Some(&addr));
+    cmd.args(["--artifacts", &url, "--artifact-key", "routes"])
+        .stderr(Stdio::null());
+    for (k, v) in moto.env() {
+        cmd.env(k, v);
+    }
+    let mut node = cmd.spawn()?;
+    wait_status(&addr, |s| s.applied_through >= 20).await?;
+    // Nothing published: said at once.
+    let s = artifact_until(&addr, |a| a.state == "missing").await?;
+    assert!(
+        s.warnings.iter().any(|w| w.contains("none published")),
+        "{:?}",
+        s.warnings
+    );
+    // One artifact at the head of the stream: fresh.
+    let cursor = export_live(&addr, &tmp.path().join("art"))?;
+    ok(&publish(&moto, &url, &tmp.path().join("art"))?, "publish")?;
+    let s = artifact_until(&addr, |a| a.state == "fresh" && a.cursor == Some(cursor)).await?;
+    assert!(
+        !s.warnings.iter().any(|w| w.contains("artifact")),
+        "{:?}",
+        s.warnings
+    );
+    // The stream moves on and its records age out past the artifact's cursor: stale, said in
+    // the status, the readiness answer and the metrics, while the fold itself runs on.
+    for i in 0..5 {
+        kv.put(&format!("route.n{i:02}"), "v2".into()).await?;
+    }
+    let mut stream = kv.jetstream().get_stream("KV_fresh").await?;
+    let mut config = stream.info().await?.config.clone();
+    config.max_age = std::time::Duration::from_secs(1);
+    config.duplicate_window = config.duplicate_window.min(config.max_age);
+    kv.jetstream().update_stream(config).await?;
+    let s = artifact_until(&addr, |a| a.state == "stale").await?;
+    let a = s.artifact.as_ref().map(|a| (a.cursor, a.headroom_records));
+    assert!(
+        matches!(a, Some((Some(c), Some(n))) if c == cursor && n < 0),
+        "{a:?}"
+    );
+    assert!(
+        s.warnings.iter().any(|w| w.contains("stale")),
+        "{:?}",
+        s.warnings
+    );
+    let (code, body) = foldhost::serve::call(&addr, "GET", "/readyz", b"").await?;
+    let body = String::from_utf8_lossy(&body);
+    assert!(code == 200 && body.contains("stale"), "{code} {body}");
+    let (_, metrics) = foldhost::serve::call(&addr, "GET", "/metrics", b"").await?;
+    let metrics = String::from_utf8_lossy(&metrics);
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l.starts_with("foldhost_artifact_stale{") && l.ends_with(" 1")),
+        "{metrics}"
+    );
+    assert_eq!(s.state, "running");
+    terminate(&mut node)?;
+    Ok(())
+}

@@ -120,6 +120,88 @@ pub fn payload_prunable(
     !is_pointer_target && unreachable && age > grace && since_superseded.is_some_and(|s| s > grace)
 }
 
+/// How useful the newest published artifact still is to a node whose cursor expires
+/// (docs/operations.md, "Artifact freshness").
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FreshnessState {
+    /// A node can resume from it gap-free, with more than a quarter of the stream's age left.
+    Fresh,
+    /// Within a quarter of the stream's age of being stale.
+    AtRisk,
+    /// The stream's first sequence passed its cursor: a node restored from it would miss records,
+    /// so a restore refuses it, and an expired cursor anywhere is a stop.
+    Stale,
+    /// No artifact was ever published under the key.
+    Missing,
+}
+
+impl FreshnessState {
+    /// The state as `/status` and the log spell it.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FreshnessState::Fresh => "fresh",
+            FreshnessState::AtRisk => "at_risk",
+            FreshnessState::Stale => "stale",
+            FreshnessState::Missing => "missing",
+        }
+    }
+}
+
+/// The newest artifact's distance from being stale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Freshness {
+    /// Fresh, at risk, stale or missing.
+    pub state: FreshnessState,
+    /// Records the stream may still drop from its head before the artifact is stale: its cursor +
+    /// 1 − the stream's first sequence (below 0: stale by that many). `None` without an artifact.
+    pub headroom_records: Option<i64>,
+    /// Seconds until the record after the artifact's cursor ages out, on a stream with an age
+    /// limit (below 0: stale); `None` when the stream has no age limit, or holds no record after
+    /// the cursor (the artifact is at the head: it cannot go stale before the stream moves).
+    pub headroom_seconds: Option<i64>,
+}
+
+/// How fresh the newest artifact at `cursor` is (`None`: none published) against a stream whose
+/// first retained sequence is `first_sequence`, whose age limit is `max_age_ms` (0: none), and
+/// whose record after the cursor was stored at `next_record_unix_ms` (`None`: no record there).
+/// Stale once the first sequence passed `cursor + 1`; at risk once less than a quarter of the age
+/// limit is left before the record after the cursor ages out.
+pub fn artifact_freshness(
+    cursor: Option<u64>,
+    first_sequence: u64,
+    max_age_ms: u64,
+    next_record_unix_ms: Option<u64>,
+    now_unix_ms: u64,
+) -> Freshness {
+    let Some(cursor) = cursor else {
+        return Freshness {
+            state: FreshnessState::Missing,
+            headroom_records: None,
+            headroom_seconds: None,
+        };
+    };
+    let records = i64::try_from(cursor.saturating_add(1))
+        .unwrap_or(i64::MAX)
+        .saturating_sub(i64::try_from(first_sequence).unwrap_or(i64::MAX));
+    let left_ms = next_record_unix_ms.filter(|_| max_age_ms > 0).map(|t| {
+        i64::try_from(t.saturating_add(max_age_ms)).unwrap_or(i64::MAX)
+            - i64::try_from(now_unix_ms).unwrap_or(i64::MAX)
+    });
+    let quarter = i64::try_from(max_age_ms / 4).unwrap_or(i64::MAX);
+    let state = if records < 0 {
+        FreshnessState::Stale
+    } else if left_ms.is_some_and(|l| l < quarter) {
+        FreshnessState::AtRisk
+    } else {
+        FreshnessState::Fresh
+    };
+    Freshness {
+        state,
+        headroom_records: Some(records),
+        headroom_seconds: left_ms.map(|l| l.div_euclid(1000)),
+    }
+}
+
 /// What the export lease key holds, as read before a round.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum LeaseState {
@@ -143,5 +225,48 @@ pub fn lease_takeover_allowed(state: LeaseState, now_unix_ms: u64) -> bool {
     match state {
         LeaseState::Absent | LeaseState::Free | LeaseState::Corrupt => true,
         LeaseState::Held { expires_unix_ms } => now_unix_ms >= expires_unix_ms,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_artifact_is_stale_once_the_streams_first_sequence_passes_its_cursor_and_at_risk_in_the_last_quarter_of_the_age()
+     {
+        let day = 86_400_000;
+        let now = 10 * day;
+        // No artifact at all.
+        assert_eq!(
+            artifact_freshness(None, 1, day, None, now).state,
+            FreshnessState::Missing
+        );
+        // At the head of the stream: nothing after its cursor can age out yet.
+        let head = artifact_freshness(Some(100), 90, day, None, now);
+        assert_eq!(head.state, FreshnessState::Fresh);
+        assert_eq!(head.headroom_records, Some(11));
+        assert_eq!(head.headroom_seconds, None);
+        // The record after the cursor is half a day old: half the age left.
+        let half = artifact_freshness(Some(100), 90, day, Some(now - day / 2), now);
+        assert_eq!(half.state, FreshnessState::Fresh);
+        assert_eq!(half.headroom_seconds, Some(43_200));
+        // Less than a quarter left.
+        let late = artifact_freshness(Some(100), 90, day, Some(now - day + 1000), now);
+        assert_eq!(late.state, FreshnessState::AtRisk);
+        assert_eq!(late.headroom_seconds, Some(1));
+        // The first sequence is exactly the record after the cursor: still gap-free.
+        assert_eq!(
+            artifact_freshness(Some(100), 101, 0, None, now).state,
+            FreshnessState::Fresh
+        );
+        // One past it: a restore from it would miss record 101.
+        let stale = artifact_freshness(Some(100), 102, day, Some(now - 2 * day), now);
+        assert_eq!(stale.state, FreshnessState::Stale);
+        assert_eq!(stale.headroom_records, Some(-1));
+        // No age limit (a size limit evicts): only the records say.
+        let sized = artifact_freshness(Some(100), 50, 0, Some(now - 5 * day), now);
+        assert_eq!(sized.state, FreshnessState::Fresh);
+        assert_eq!(sized.headroom_seconds, None);
     }
 }
