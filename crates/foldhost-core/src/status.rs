@@ -11,6 +11,11 @@
 
 use std::sync::atomic::Ordering;
 
+mod channel;
+mod freshness;
+pub use channel::GuestChannelReport;
+pub use freshness::ArtifactFreshnessReport;
+
 use serde::{Deserialize, Serialize};
 
 pub use crate::histogram::{HISTOGRAM_BOUNDS, Histogram};
@@ -156,99 +161,6 @@ pub struct StatusReport {
     /// evicts current values (docs/operations.md, "Artifact freshness").
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub artifact: Option<ArtifactFreshnessReport>,
-}
-
-/// How useful the newest published artifact still is to a node whose cursor expires
-/// ([`crate::protocol::artifact_freshness`]).
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(default)]
-pub struct ArtifactFreshnessReport {
-    /// `fresh`, `at_risk`, `stale` or `missing`.
-    pub state: String,
-    /// The artifact key.
-    pub key: String,
-    /// The newest artifact's cursor (none published: `None`).
-    pub cursor: Option<u64>,
-    /// The stream's first retained sequence when checked.
-    pub stream_first_sequence: u64,
-    /// Records the stream may still drop before the artifact is stale (below 0: stale).
-    pub headroom_records: Option<i64>,
-    /// Seconds until the record after its cursor ages out (below 0: stale); `None` without an
-    /// age limit or a record after the cursor.
-    pub headroom_seconds: Option<i64>,
-    /// When it was checked, Unix milliseconds.
-    pub checked_unix_ms: u64,
-}
-
-impl ArtifactFreshnessReport {
-    /// The warning `/status` and `/readyz` say while it is not fresh, in words.
-    pub fn warning(&self) -> Option<String> {
-        let seconds = self
-            .headroom_seconds
-            .map(|s| format!(", {s} s of the stream's age left"))
-            .unwrap_or_default();
-        match self.state.as_str() {
-            "missing" => Some(format!(
-                "artifact {}: none published on an evicting bucket: an expired cursor has nothing to restore from",
-                self.key
-            )),
-            "stale" => Some(format!(
-                "artifact {}: stale: the stream's first sequence {} passed its cursor {}: an expired cursor has nothing to restore from",
-                self.key,
-                self.stream_first_sequence,
-                self.cursor.unwrap_or(0)
-            )),
-            "at_risk" => Some(format!(
-                "artifact {}: at risk: cursor {}, {} records ahead of the stream's first sequence{seconds}",
-                self.key,
-                self.cursor.unwrap_or(0),
-                self.headroom_records.unwrap_or(0)
-            )),
-            _ => None,
-        }
-    }
-}
-
-/// What a node following a guest channel shows of it: what it runs, what the channel wants,
-/// the rollout's state and this node's judgement of the release.
-#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(default)]
-pub struct GuestChannelReport {
-    /// The channel.
-    pub channel: String,
-    /// This node's name in it.
-    pub node: String,
-    /// The current release (0: none read yet).
-    pub release: u64,
-    /// `canary`, `rolling`, `halted`; `unpublished` when the channel has no release, `unknown`
-    /// before the channel was read.
-    pub state: String,
-    /// Who halted the release, and why, when it is halted.
-    pub halted_by: Option<String>,
-    /// The running version (`name@version (digest)`).
-    pub running: Option<String>,
-    /// Its digest.
-    pub running_digest: Option<String>,
-    /// The release's desired version.
-    pub desired: Option<String>,
-    /// Its digest.
-    pub desired_digest: Option<String>,
-    /// Whether this node is one of the release's canaries.
-    pub canary: bool,
-    /// This node's judgement of the release (empty before it judged).
-    pub judgement: String,
-    /// Why (the difference, the trap, the fetch error).
-    pub detail: String,
-    /// Why the channel cannot be read now, while it cannot.
-    pub error: Option<String>,
-    /// The running version's failed calls (traps, deadline hits, resource caps) since this node
-    /// swapped to it — a local trial's never count — as of the last check.
-    pub failed_calls: u64,
-    /// How many times this node has checked them since it started following (once a second
-    /// while the channel is read): a check counted after a failure judged it.
-    pub checks: u64,
-    /// The version this node shadows now (a canary's trial), while it does.
-    pub shadowing: Option<String>,
 }
 
 /// A completed swap of the running guest, as status reports it.
@@ -436,11 +348,7 @@ impl StatusReport {
                 .then(|| s.oldest_retained_revision.load(Ordering::Relaxed)),
             oldest_retained_unix_ms: (oldest_ms > 0).then_some(oldest_ms),
             oldest_retained_age_s: age_s(oldest_ms, now),
-            warnings: s
-                .warnings()
-                .into_iter()
-                .chain(s.artifact_freshness().and_then(|a| a.warning()))
-                .collect(),
+            warnings: s.all_warnings(),
             eviction_seen: s.eviction_seen.load(Ordering::Relaxed) == 1,
             repairs: s.repairs.load(Ordering::Relaxed),
             skipped_messages: s.skipped_messages.load(Ordering::Relaxed),
@@ -802,6 +710,14 @@ impl FoldStatus {
     /// What the guest channel's follower shows, once it ran.
     pub fn guest_channel(&self) -> Option<GuestChannelReport> {
         self.guest_channel.lock().ok().and_then(|c| c.clone())
+    }
+
+    /// The warnings `/status` shows: the fold's, then the newest artifact's.
+    fn all_warnings(&self) -> Vec<String> {
+        self.warnings()
+            .into_iter()
+            .chain(self.artifact_freshness().and_then(|a| a.warning()))
+            .collect()
     }
 
     /// The newest artifact's freshness, once checked.
