@@ -329,7 +329,7 @@ impl Folds {
             if let Some(n) = r.headroom_seconds {
                 seconds.push((labels.clone(), Value::Gauge(n)));
             }
-            let bad = matches!(r.state.as_str(), "stale" | "missing");
+            let bad = matches!(r.state.as_str(), "stale" | "missing" | "unusable");
             stale.push((labels, gauge(u64::from(bad))));
         }
         family(
@@ -356,7 +356,7 @@ impl Folds {
         family(
             encoder,
             "foldhost_artifact_stale",
-            "1 while the newest artifact is stale or none is published on an evicting bucket: an expired cursor has nothing to restore from.",
+            "1 while the newest artifact is stale, unusable here, or none is published on an evicting bucket: an expired cursor has nothing to restore from.",
             None,
             &stale,
         )

@@ -70,6 +70,50 @@ pub(crate) fn watch_line(s: &StatusReport, rate: Option<f64>) -> String {
     )
 }
 
+/// The lines under a fold's in `status --watch`: the guest channel it follows (release, rollout
+/// state, this node's judgement, what it runs), each state bucket's position, and the newest
+/// artifact's freshness when it is not fresh. Pure.
+pub(crate) fn watch_detail(s: &StatusReport) -> Vec<String> {
+    let mut out = Vec::new();
+    if let Some(c) = &s.guest_channel {
+        let judged = if c.judgement.is_empty() {
+            "not judged".to_string()
+        } else {
+            format!("judged {}", c.judgement)
+        };
+        out.push(format!(
+            "  channel {} as {}: release {} {}, {judged}, runs {}{}",
+            c.channel,
+            c.node,
+            c.release,
+            c.state,
+            c.running.as_deref().unwrap_or("-"),
+            c.error
+                .as_deref()
+                .map(|e| format!(" ({e})"))
+                .unwrap_or_default()
+        ));
+    }
+    for b in &s.state_buckets {
+        out.push(format!(
+            "  state {:<16} {:<8} applied {:<10} lag {}{}",
+            b.local,
+            b.access,
+            b.applied_through,
+            b.lag,
+            if b.declared {
+                ""
+            } else {
+                " (no longer declared)"
+            }
+        ));
+    }
+    if let Some(w) = s.artifact.as_ref().and_then(|a| a.warning()) {
+        out.push(format!("  {w}"));
+    }
+    out
+}
+
 /// The folds a `/status` answer describes: one report, or a listener's `{"folds": [...]}`.
 fn reports(body: &[u8]) -> serde_json::Result<Vec<StatusReport>> {
     #[derive(serde::Deserialize)]
@@ -120,7 +164,10 @@ pub(super) async fn cmd_status_watch(
                                     / now.duration_since(*at).as_secs_f64().max(1e-3)
                             });
                             last.insert(s.bucket.clone(), (now, s.applied_through));
-                            watch_line(s, rate)
+                            std::iter::once(watch_line(s, rate))
+                                .chain(watch_detail(s))
+                                .collect::<Vec<_>>()
+                                .join("\n")
                         })
                         .collect();
                     lines.join("\n")
@@ -333,6 +380,51 @@ pub(super) fn printable(v: &[u8]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_watch_shows_the_channel_each_state_bucket_and_an_artifact_at_risk_under_its_fold() {
+        let s = StatusReport {
+            guest_channel: Some(crate::status::GuestChannelReport {
+                channel: "edge".into(),
+                node: "n1".into(),
+                release: 7,
+                state: "rolling".into(),
+                judgement: "clean".into(),
+                running: Some("kvstore@0.2.0".into()),
+                ..Default::default()
+            }),
+            state_buckets: vec![crate::status::StateBucketReport {
+                local: "notes".into(),
+                bucket: "state_owner_notes".into(),
+                access: "own".into(),
+                declared: true,
+                applied_through: 12,
+                lag: 3,
+                ..Default::default()
+            }],
+            artifact: Some(crate::status::ArtifactFreshnessReport {
+                state: "stale".into(),
+                key: "routes".into(),
+                cursor: Some(10),
+                stream_first_sequence: 20,
+                ..Default::default()
+            }),
+            ..StatusReport::default()
+        };
+        let lines = watch_detail(&s);
+        assert_eq!(
+            lines[0],
+            "  channel edge as n1: release 7 rolling, judged clean, runs kvstore@0.2.0"
+        );
+        assert!(
+            lines[1].contains("notes")
+                && lines[1].contains("applied 12")
+                && lines[1].ends_with("lag 3"),
+            "{lines:?}"
+        );
+        assert!(lines[2].contains("artifact routes: stale"), "{lines:?}");
+        assert!(watch_detail(&StatusReport::default()).is_empty());
+    }
 
     #[test]
     fn a_watch_line_names_the_fold_its_state_positions_lag_rate_and_guest() {

@@ -158,7 +158,16 @@ impl SideTasks {
         }
         if let (Some(transport), Some((_, key))) = (&transport, &cfg.artifacts) {
             others.push(tokio::spawn(tracing::Instrument::in_current_span(
-                super::freshness::watch(kv.clone(), transport.clone(), key.clone(), status.clone()),
+                super::freshness::watch(
+                    super::freshness::Checked {
+                        kv: kv.clone(),
+                        transport: transport.clone(),
+                        key: key.clone(),
+                        stream: stream.clone(),
+                        scope: scope.clone(),
+                    },
+                    status.clone(),
+                ),
             )));
         }
         if let (Some(every), Some(transport), Some((_, key))) =

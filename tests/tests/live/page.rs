@@ -475,3 +475,86 @@ async fn the_page_of_a_listener_serving_several_folds_shows_each_as_its_status_s
     terminate(&mut node.0)?;
     Ok(())
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_shows_the_followed_channel_and_every_state_bucket_as_status_says()
+-> anyhow::Result<()> {
+    let browser = chromium()?;
+    let h = Harness::start().await?;
+    let kv = h.bucket("page_channel").await?;
+    kv.put("k.0", "v".into()).await?;
+    let tmp = tempfile::tempdir()?;
+    let profiles = tmp.path().join("chromium");
+    std::fs::create_dir(&profiles)?;
+    // The state-owning guest (two owned buckets), shipped on a channel.
+    let out = foldhost()
+        .args(["guest", "publish"])
+        .arg(guest_wasm("state_owner"))
+        .args(["--channel", "edge", "--nats", &h.url()])
+        .output()?;
+    anyhow::ensure!(
+        out.status.success(),
+        "publish: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+    let mut node = Node(
+        run_command(&h, "page_channel", &tmp.path().join("fold"), Some(&addr))
+            .args(["--guest-channel", "edge", "--node-id", "p1"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?,
+    );
+    let s = wait_status(&addr, |s| {
+        s.caught_up
+            && s.state_buckets.len() == 2
+            && s.guest_channel
+                .as_ref()
+                .is_some_and(|c| c.state == "rolling" && c.judgement == "clean")
+    })
+    .await?;
+    let c = s
+        .guest_channel
+        .clone()
+        .ok_or_else(|| anyhow::anyhow!("no channel"))?;
+    let dom = dump_until(&browser, &profiles, &format!("http://{addr}/"), |dom| {
+        fold_section(dom, "page_channel").is_some_and(|f| {
+            element(f, "data-field", "channel_state").is_some_and(|(_, t)| t == "rolling")
+                && f.contains("data-bucket=\"tally\"")
+        })
+    })
+    .await?;
+    let section = fold_section(&dom, "page_channel").ok_or_else(|| anyhow::anyhow!("no fold"))?;
+    let running = c.running.clone().unwrap_or_default();
+    let release = c.release.to_string();
+    for (field, want) in [
+        ("channel_name", "edge"),
+        ("channel_node", "p1"),
+        ("channel_release", release.as_str()),
+        ("channel_judgement", "clean"),
+        ("channel_running", running.as_str()),
+    ] {
+        let shown = element(section, "data-field", field).map(|(_, t)| t);
+        anyhow::ensure!(
+            shown.as_deref() == Some(want),
+            "{field}: shown {shown:?}, /status says {want:?}\n{section}"
+        );
+    }
+    let (card, _) = element(section, "data-field", "channel_card")
+        .ok_or_else(|| anyhow::anyhow!("no channel card"))?;
+    anyhow::ensure!(
+        !card.contains("hidden"),
+        "the channel card is hidden: {card}"
+    );
+    for b in &s.state_buckets {
+        let (_, text) = element(section, "data-bucket", &b.local)
+            .ok_or_else(|| anyhow::anyhow!("no line for state bucket {}", b.local))?;
+        anyhow::ensure!(
+            text.contains(&b.bucket) && text.contains(&b.access),
+            "{}: {text}",
+            b.local
+        );
+    }
+    terminate(&mut node.0)?;
+    Ok(())
+}

@@ -969,6 +969,9 @@ async fn a_node_says_the_newest_artifact_is_missing_fresh_then_stale_once_the_st
     for i in 0..5 {
         kv.put(&format!("route.n{i:02}"), "v2".into()).await?;
     }
+    // The fold level first: its own cursor never expires under the shortened age.
+    let last = kv.positions().await?.last_sequence;
+    wait_status(&addr, |s| s.applied_through >= last).await?;
     let mut stream = kv.jetstream().get_stream("KV_fresh").await?;
     let mut config = stream.info().await?.config.clone();
     config.max_age = std::time::Duration::from_secs(1);

@@ -133,6 +133,10 @@ pub enum FreshnessState {
     Stale,
     /// No artifact was ever published under the key.
     Missing,
+    /// One is published, but a restore here would refuse it ([`artifact_unusable`]).
+    Unusable,
+    /// The check has failed several times in a row: nothing is known.
+    Unknown,
 }
 
 impl FreshnessState {
@@ -143,8 +147,34 @@ impl FreshnessState {
             FreshnessState::AtRisk => "at_risk",
             FreshnessState::Stale => "stale",
             FreshnessState::Missing => "missing",
+            FreshnessState::Unusable => "unusable",
+            FreshnessState::Unknown => "unknown",
         }
     }
+}
+
+/// Why a restore on this node would refuse the newest artifact before its cursor is even weighed
+/// (as the restore itself checks): another incarnation of the stream, a cursor past the stream's
+/// last sequence, or a scope that does not cover the node's. `None`: usable.
+pub fn artifact_unusable(
+    cursor: Option<u64>,
+    last_sequence: u64,
+    stream_allowed: bool,
+    covers_scope: bool,
+) -> Option<&'static str> {
+    if !stream_allowed {
+        return Some("it folds another incarnation of the stream");
+    }
+    if cursor.is_none() {
+        return Some("its manifest has no cursor");
+    }
+    if cursor.is_some_and(|c| c > last_sequence) {
+        return Some("its cursor is past the stream's last sequence");
+    }
+    if !covers_scope {
+        return Some("its scope does not cover this node's");
+    }
+    None
 }
 
 /// The newest artifact's distance from being stale.
@@ -268,5 +298,16 @@ mod tests {
         let sized = artifact_freshness(Some(100), 50, 0, Some(now - 5 * day), now);
         assert_eq!(sized.state, FreshnessState::Fresh);
         assert_eq!(sized.headroom_seconds, None);
+    }
+
+    #[test]
+    fn an_artifact_a_restore_here_would_refuse_is_unusable_whatever_its_cursor() {
+        assert_eq!(artifact_unusable(Some(10), 20, true, true), None);
+        assert!(
+            artifact_unusable(Some(10), 20, false, true).is_some_and(|w| w.contains("incarnation"))
+        );
+        assert!(artifact_unusable(None, 20, true, true).is_some());
+        assert!(artifact_unusable(Some(21), 20, true, true).is_some_and(|w| w.contains("past")));
+        assert!(artifact_unusable(Some(10), 20, true, false).is_some_and(|w| w.contains("scope")));
     }
 }

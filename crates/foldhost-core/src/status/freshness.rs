@@ -8,8 +8,11 @@ use serde::{Deserialize, Serialize};
 #[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(default)]
 pub struct ArtifactFreshnessReport {
-    /// `fresh`, `at_risk`, `stale` or `missing`.
+    /// `fresh`, `at_risk`, `stale`, `missing`, `unusable` or `unknown`.
     pub state: String,
+    /// Why it is `unusable` or `unknown`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
     /// The artifact key.
     pub key: String,
     /// The newest artifact's cursor (none published: `None`).
@@ -42,6 +45,16 @@ impl ArtifactFreshnessReport {
                 self.key,
                 self.stream_first_sequence,
                 self.cursor.unwrap_or(0)
+            )),
+            "unusable" => Some(format!(
+                "artifact {}: a restore here would refuse it ({}): an expired cursor has nothing to restore from",
+                self.key,
+                self.reason.as_deref().unwrap_or("?")
+            )),
+            "unknown" => Some(format!(
+                "artifact {}: freshness unknown ({})",
+                self.key,
+                self.reason.as_deref().unwrap_or("?")
             )),
             "at_risk" => Some(format!(
                 "artifact {}: at risk: cursor {}, {} records ahead of the stream's first sequence{seconds}",
