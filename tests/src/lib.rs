@@ -51,6 +51,25 @@ impl Harness {
             .await
     }
 
+    /// Creates (or opens) `name` with an age limit: a bucket whose retention evicts current
+    /// values by age.
+    pub async fn aging_bucket(
+        &self,
+        name: &str,
+        max_age: std::time::Duration,
+    ) -> Result<Arc<NatsKv>, KvError> {
+        self.conn
+            .bucket(
+                name,
+                &BucketConfig {
+                    max_bytes: None,
+                    max_age: Some(max_age),
+                    ..BucketConfig::default()
+                },
+            )
+            .await
+    }
+
     /// Creates (or opens) `name` keeping `history` revisions per key: a history-1 bucket drops a
     /// key's older message as soon as it is overwritten, so a watcher that lags behind never sees
     /// it (tests that need every revision delivered use this).
@@ -589,4 +608,21 @@ pub fn swap_to(
         String::from_utf8_lossy(&out.stderr)
     );
     Ok(serde_json::from_slice(&out.stdout)?)
+}
+
+/// Edits `bucket`'s stream to `max_age` (zero: no age limit), as an operator would (no message is
+/// written); the duplicate window is cut to the age, which the server requires.
+pub async fn set_max_age(
+    kv: &NatsKv,
+    bucket: &str,
+    max_age: std::time::Duration,
+) -> anyhow::Result<()> {
+    let mut stream = kv.jetstream().get_stream(format!("KV_{bucket}")).await?;
+    let mut config = stream.info().await?.config.clone();
+    config.max_age = max_age;
+    if !max_age.is_zero() && config.duplicate_window > max_age {
+        config.duplicate_window = max_age;
+    }
+    kv.jetstream().update_stream(config).await?;
+    Ok(())
 }

@@ -20,8 +20,9 @@ pub struct StatusArgs {
     #[arg(long)]
     pub json: bool,
     /// Refresh every this many seconds (default 2, or `500ms`), one line per fold: state,
-    /// positions, lag, rate, guest. On a terminal the screen is redrawn; otherwise each refresh
-    /// appends its lines. Needs `--listen`.
+    /// positions, lag, rate, guest; under it the guest channel it follows, each state bucket and
+    /// an artifact warning. On a terminal the screen is redrawn; otherwise each refresh appends
+    /// its lines. Needs `--listen`.
     #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "2", requires = "listen", conflicts_with = "json", value_parser = watch_period)]
     pub watch: Option<Duration>,
     /// With `--watch`: stop after this many refreshes (default: until interrupted).
@@ -46,6 +47,11 @@ fn watch_period(s: &str) -> Result<Duration, String> {
 /// its applied_through moved at since the last refresh (`None`: the first), retained records and
 /// the guest. Pure.
 pub(crate) fn watch_line(s: &StatusReport, rate: Option<f64>) -> String {
+    let s = &StatusReport {
+        bucket: terminal_safe(&s.bucket),
+        guest: s.guest.as_deref().map(terminal_safe),
+        ..s.clone()
+    };
     let cursor = s.cursor.map_or_else(|| "-".to_string(), |c| c.to_string());
     let rate = rate.map_or_else(|| "-".to_string(), |r| format!("{r:.0}/s"));
     let behind = s
@@ -74,6 +80,40 @@ pub(crate) fn watch_line(s: &StatusReport, rate: Option<f64>) -> String {
 /// state, this node's judgement, what it runs), each state bucket's position, and the newest
 /// artifact's freshness when it is not fresh. Pure.
 pub(crate) fn watch_detail(s: &StatusReport) -> Vec<String> {
+    let mut out = watch_detail_raw(s);
+    for line in &mut out {
+        *line = format!("  {}", terminal_safe(line.trim_start()));
+    }
+    out
+}
+
+/// Most characters of one `status --watch` line taken from what the bus or a guest said.
+const WATCH_LINE_MAX: usize = 240;
+
+/// `s` as a terminal may print it: every control character (C0, C1, ESC) and bidirectional
+/// override escaped, so a value from the bus can neither drive the terminal nor forge a line, and
+/// cut at [`WATCH_LINE_MAX`] characters.
+pub(crate) fn terminal_safe(s: &str) -> String {
+    let mut out = String::new();
+    let mut shown = 0usize;
+    for c in s.chars() {
+        let bidi = matches!(c, '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}');
+        let piece: Vec<char> = if c.is_control() || bidi {
+            c.escape_unicode().collect()
+        } else {
+            vec![c]
+        };
+        if shown + piece.len() > WATCH_LINE_MAX {
+            out.push('…');
+            break;
+        }
+        shown += piece.len();
+        out.extend(piece);
+    }
+    out
+}
+
+fn watch_detail_raw(s: &StatusReport) -> Vec<String> {
     let mut out = Vec::new();
     if let Some(c) = &s.guest_channel {
         let judged = if c.judgement.is_empty() {
@@ -81,8 +121,13 @@ pub(crate) fn watch_detail(s: &StatusReport) -> Vec<String> {
         } else {
             format!("judged {}", c.judgement)
         };
+        let halted = c
+            .halted_by
+            .as_deref()
+            .map(|h| format!(" by {h}"))
+            .unwrap_or_default();
         out.push(format!(
-            "  channel {} as {}: release {} {}, {judged}, runs {}{}",
+            "  channel {} as {}: release {} {}{halted}, {judged}, runs {}{}",
             c.channel,
             c.node,
             c.release,
@@ -424,6 +469,23 @@ mod tests {
         );
         assert!(lines[2].contains("artifact routes: stale"), "{lines:?}");
         assert!(watch_detail(&StatusReport::default()).is_empty());
+        // What the bus says cannot drive the terminal, forge a line or run on.
+        let hostile = StatusReport {
+            guest_channel: Some(crate::status::GuestChannelReport {
+                channel: "edge".into(),
+                running: Some("x\u{1b}]52;c;AAAA\u{7}\n  state forged\u{202e}".into()),
+                error: Some("e".repeat(10_000)),
+                ..Default::default()
+            }),
+            ..StatusReport::default()
+        };
+        let line = &watch_detail(&hostile)[0];
+        assert!(
+            !line.chars().any(|c| c.is_control() || c == '\u{202e}'),
+            "{line:?}"
+        );
+        // Two spaces of indent, the line, and the cut's mark.
+        assert!(line.chars().count() <= WATCH_LINE_MAX + 3, "{}", line.len());
     }
 
     #[test]

@@ -22,16 +22,14 @@
 
 use std::path::Path;
 use std::process::{Child, Command};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use foldhost::bucket::BucketConfig;
 use foldhost::kv::{KvWriter, VersionToken};
 use foldhost::nats::NatsKv;
 use foldhost_tests::{
-    Contents, Harness, bucket_contents, dump_store, first_difference, run_command, status_store,
-    terminate, wait_status,
+    Contents, Harness, bucket_contents, dump_store, first_difference, run_command, set_max_age,
+    status_store, terminate, wait_status,
 };
 
 /// A node this test started: stopped cleanly by [`Node::stop`], killed (by its own handle) when a
@@ -65,33 +63,6 @@ fn listen_addr() -> anyhow::Result<String> {
         "127.0.0.1:{}",
         foldhost_localnats::reserved_port()?
     ))
-}
-
-/// A bucket whose retention evicts current values by age.
-async fn aging_bucket(h: &Harness, name: &str, max_age: Duration) -> anyhow::Result<Arc<NatsKv>> {
-    Ok(h.conn
-        .bucket(
-            name,
-            &BucketConfig {
-                max_bytes: None,
-                max_age: Some(max_age),
-                ..BucketConfig::default()
-            },
-        )
-        .await?)
-}
-
-/// Edits the bucket's stream to `max_age`, as an operator would (no message is written).
-async fn set_max_age(kv: &NatsKv, bucket: &str, max_age: Duration) -> anyhow::Result<()> {
-    let mut stream = kv.jetstream().get_stream(format!("KV_{bucket}")).await?;
-    let mut config = stream.info().await?.config.clone();
-    config.max_age = max_age;
-    // The server refuses a duplicate window longer than the age limit.
-    if !max_age.is_zero() && config.duplicate_window > max_age {
-        config.duplicate_window = max_age;
-    }
-    kv.jetstream().update_stream(config).await?;
-    Ok(())
 }
 
 /// Waits until every record has aged out and the stream's first sequence has passed
@@ -133,7 +104,7 @@ async fn with_no_delivery_the_backstop_ends_a_watch_once_the_stream_floor_passes
     let h = Harness::start().await?;
     // Evicting from the start (an age limit), long enough that nothing ages out before both nodes
     // have folded it; shortened once they have.
-    let kv = aging_bucket(&h, "quiet", Duration::from_secs(3600)).await?;
+    let kv = h.aging_bucket("quiet", Duration::from_secs(3600)).await?;
     let mut scoped_last = 0;
     for i in 0..5 {
         for p in ["a", "b"] {

@@ -549,9 +549,13 @@ async fn the_page_shows_the_followed_channel_and_every_state_bucket_as_status_sa
     for b in &s.state_buckets {
         let (_, text) = element(section, "data-bucket", &b.local)
             .ok_or_else(|| anyhow::anyhow!("no line for state bucket {}", b.local))?;
+        let want = format!(
+            "{} ({}, {}): applied {}, {} behind",
+            b.local, b.bucket, b.access, b.applied_through, b.lag
+        );
         anyhow::ensure!(
-            text.contains(&b.bucket) && text.contains(&b.access),
-            "{}: {text}",
+            text == want,
+            "{}: shown {text:?}, /status says {want:?}",
             b.local
         );
     }

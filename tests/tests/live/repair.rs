@@ -11,7 +11,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use foldhost::bucket::BucketConfig;
 use foldhost::crashpoint;
 use foldhost::kv::{
     KvEntry, KvError, KvUpdate, KvWatcher, KvWriter, VersionToken, WatchCursor, WatchScope,
@@ -22,36 +21,9 @@ use foldhost::status::StatusReport;
 use foldhost::storedir::{AnyStore, Backend};
 use foldhost_tests::{
     Contents, Harness, bucket_contents, dump_store, first_difference, foldhost, publish_all,
-    run_command, run_to_crash, status_store, terminate, wait_status,
+    run_command, run_to_crash, set_max_age, status_store, terminate, wait_status,
 };
 use futures::{StreamExt, TryStreamExt};
-
-/// A bucket whose retention evicts current values by age.
-async fn aging_bucket(h: &Harness, name: &str, max_age: Duration) -> anyhow::Result<Arc<NatsKv>> {
-    Ok(h.conn
-        .bucket(
-            name,
-            &BucketConfig {
-                max_bytes: None,
-                max_age: Some(max_age),
-                ..BucketConfig::default()
-            },
-        )
-        .await?)
-}
-
-/// Edits the bucket's stream to `max_age` (zero: no age limit), as an operator would.
-async fn set_max_age(kv: &NatsKv, bucket: &str, max_age: Duration) -> anyhow::Result<()> {
-    let mut stream = kv.jetstream().get_stream(format!("KV_{bucket}")).await?;
-    let mut config = stream.info().await?.config.clone();
-    config.max_age = max_age;
-    // The server refuses a duplicate window longer than the age limit.
-    if !max_age.is_zero() && config.duplicate_window > max_age {
-        config.duplicate_window = max_age;
-    }
-    kv.jetstream().update_stream(config).await?;
-    Ok(())
-}
 
 /// Waits until every message of the bucket has aged out (the stream is empty).
 async fn wait_aged_out(kv: &NatsKv) -> anyhow::Result<u64> {
@@ -267,7 +239,7 @@ async fn evicted(
     let h = Harness::start().await?;
     // A long age limit while the scene is set (no process has to race it), cut to one second once
     // the artifact exists, so everything ages out at once.
-    let kv = aging_bucket(&h, bucket, Duration::from_secs(3600)).await?;
+    let kv = h.aging_bucket(bucket, Duration::from_secs(3600)).await?;
     let js = kv.jetstream().clone();
     publish_all(
         &js,
@@ -405,7 +377,7 @@ async fn evicting_bucket_refuses_a_listing_diff_and_restores_from_an_artifact_li
 async fn once_eviction_was_seen_the_listing_is_never_trusted_again_even_with_eviction_off()
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
-    let kv = aging_bucket(&h, "memo", Duration::from_secs(1)).await?;
+    let kv = h.aging_bucket("memo", Duration::from_secs(1)).await?;
     kv.put("a", "aged out before the node saw it".into())
         .await?;
     wait_aged_out(&kv).await?;
@@ -708,7 +680,7 @@ async fn a_crash_inside_a_listing_diff_reruns_it_on_restart_to_the_same_result()
 async fn supersession_only_restart_resumes_on_a_max_age_bucket_without_an_artifact()
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
-    let kv = aging_bucket(&h, "supersede", Duration::from_secs(1)).await?;
+    let kv = h.aging_bucket("supersede", Duration::from_secs(1)).await?;
     kv.put("x", "aged out".into()).await?;
     wait_aged_out(&kv).await?;
     // Age-only eviction with room: the node sees it has evicted (memo, with its message's time).
@@ -883,7 +855,7 @@ async fn ttl_only_buckets_are_re_listed_to_exactly_the_bucket_without_an_artifac
 async fn a_prefix_watch_cut_off_while_in_scope_messages_age_out_trips_the_floor_guard_never_skips()
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
-    let kv = aging_bucket(&h, "cutoff", Duration::from_secs(3600)).await?;
+    let kv = h.aging_bucket("cutoff", Duration::from_secs(3600)).await?;
     for i in 0..20 {
         kv.put(
             &format!("route.h{i}"),

@@ -926,15 +926,7 @@ async fn a_node_says_the_newest_artifact_is_missing_fresh_then_stale_once_the_st
     let tmp = tempfile::tempdir()?;
     // An evicting bucket: an age limit long enough that nothing ages out until the test says.
     let kv = h
-        .conn
-        .bucket(
-            "fresh",
-            &foldhost::bucket::BucketConfig {
-                max_bytes: None,
-                max_age: Some(std::time::Duration::from_secs(3600)),
-                ..foldhost::bucket::BucketConfig::default()
-            },
-        )
+        .aging_bucket("fresh", std::time::Duration::from_secs(3600))
         .await?;
     for i in 0..20 {
         kv.put(&format!("route.h{i:02}"), "v1".into()).await?;
@@ -972,11 +964,7 @@ async fn a_node_says_the_newest_artifact_is_missing_fresh_then_stale_once_the_st
     // The fold level first: its own cursor never expires under the shortened age.
     let last = kv.positions().await?.last_sequence;
     wait_status(&addr, |s| s.applied_through >= last).await?;
-    let mut stream = kv.jetstream().get_stream("KV_fresh").await?;
-    let mut config = stream.info().await?.config.clone();
-    config.max_age = std::time::Duration::from_secs(1);
-    config.duplicate_window = config.duplicate_window.min(config.max_age);
-    kv.jetstream().update_stream(config).await?;
+    foldhost_tests::set_max_age(&kv, "fresh", std::time::Duration::from_secs(1)).await?;
     let s = artifact_until(&addr, |a| a.state == "stale").await?;
     let a = s.artifact.as_ref().map(|a| (a.cursor, a.headroom_records));
     assert!(
