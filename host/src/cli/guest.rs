@@ -91,6 +91,18 @@ pub struct GuestPublishArgs {
     /// Requests a canary's comparison may answer differently and still be clean.
     #[arg(long, default_value_t = 0)]
     pub tolerance: u64,
+    /// Staged waves after the canaries, comma-separated, each a cumulative number of nodes or
+    /// percentage of the nodes that reported on the channel (`1,10%,50%,100%`; the last is
+    /// `100%`: every other node, known now or not). Each wave opens only once every node of the
+    /// earlier ones ran the version cleanly for `--bake`; a wave that would add no node adds one
+    /// while any is left.
+    #[arg(long, value_delimiter = ',', value_name = "WAVES")]
+    pub waves: Vec<String>,
+    /// How long each node of a wave runs the version cleanly before the next wave opens, in
+    /// seconds (or `10m`), by each node's own clock; at most a week.
+    #[arg(long, value_name = "SECS", default_value_t = 0, requires = "waves",
+          value_parser = super::units::secs_within::<0, { protocol::MAX_BAKE_S }>)]
+    pub bake: u64,
     /// The channel.
     #[command(flatten)]
     pub channel: ChannelArgs,
@@ -122,6 +134,11 @@ async fn publish(a: GuestPublishArgs) -> anyhow::Result<()> {
         && !(f > 0.0 && f <= 1.0)
     {
         bail!("--canary-fraction {f}: between 0 (exclusive) and 1");
+    }
+    if !a.waves.is_empty()
+        && let Some(why) = protocol::waves_refusal(&a.waves)
+    {
+        bail!("--waves {}: {why}", a.waves.join(","));
     }
     if a.shadow_wait > protocol::MAX_SHADOW_WAIT_S {
         bail!(
@@ -171,7 +188,19 @@ async fn publish(a: GuestPublishArgs) -> anyhow::Result<()> {
             .zip(state.as_ref())
             .map(|((_, e), s)| (e, s)),
     );
-    if previous.is_some() && canaries.is_empty() {
+    let known: Vec<String> = reports.iter().map(|r| r.node.clone()).collect();
+    let waves = if a.waves.is_empty() {
+        Vec::new()
+    } else {
+        protocol::resolve_waves(&a.waves, &known, &canaries, &desired.digest)
+            .map_err(|why| anyhow!("--waves {}: {why}", a.waves.join(",")))?
+    };
+    if previous.is_none() && !waves.is_empty() {
+        eprintln!(
+            "note: no previous version to run instead: every node swaps at once (the waves wait for nothing)"
+        );
+    }
+    if previous.is_some() && canaries.is_empty() && waves.len() < 2 {
         eprintln!(
             "note: no canary (none named{}): every node swaps at once",
             if a.canary_fraction.is_some() {
@@ -190,6 +219,8 @@ async fn publish(a: GuestPublishArgs) -> anyhow::Result<()> {
         shadow_wait_s: a.shadow_wait,
         tolerance: a.tolerance,
         published_unix_ms: crate::status::now_unix_ms(),
+        waves,
+        bake_s: a.bake,
     };
     bus.put_component(&entry.desired, &bytes).await?;
     let mut release = bus
@@ -224,9 +255,26 @@ async fn publish(a: GuestPublishArgs) -> anyhow::Result<()> {
             "desired": entry.desired,
             "previous": entry.previous,
             "canaries": entry.canaries,
+            "waves": entry.waves,
+            "bake_s": entry.bake_s,
         })
     );
     Ok(())
+}
+
+/// `[a,b] [c] [rest: d]`: a release's waves as `status` and `history` print them.
+fn waves_line(e: &ChannelEntry) -> String {
+    let last = e.waves.len();
+    let waves: Vec<String> = e
+        .waves
+        .iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let rest = if i + 1 == last { "rest: " } else { "" };
+            format!("{}=[{rest}{}]", w.spec, w.nodes.join(","))
+        })
+        .collect();
+    format!("waves {} bake {}s", waves.join(" "), e.bake_s)
 }
 
 /// The component at `path`, at most `protocol::MAX_COMPONENT_BYTES`.
@@ -265,10 +313,15 @@ async fn history(a: ChannelArgs) -> anyhow::Result<()> {
         let when = when(r.stored_unix_ms);
         match r.entry {
             Ok(e) => println!(
-                "{:>6}  {when}  {}  canaries [{}]  previous {}",
+                "{:>6}  {when}  {}  canaries [{}]{}  previous {}",
                 r.release,
                 e.desired.label(),
                 e.canaries.join(","),
+                if e.waves.is_empty() {
+                    String::new()
+                } else {
+                    format!("  {}", waves_line(&e))
+                },
                 e.previous
                     .as_ref()
                     .map_or("none".into(), GuestVersion::label)
@@ -301,6 +354,7 @@ async fn status(a: ChannelArgs) -> anyhow::Result<()> {
                 "desired": entry.desired,
                 "previous": entry.previous,
                 "canaries": entry.canaries,
+                "wave": match &state { Rollout::Wave { wave, of, baked, in_wave } => serde_json::json!({"wave": wave, "of": of, "baked": baked, "in_wave": in_wave, "unbaked": protocol::unbaked(release, &entry, &state, &reports)}), _ => serde_json::Value::Null },
                 "entry": entry,
                 "nodes": reports,
             })
@@ -309,6 +363,16 @@ async fn status(a: ChannelArgs) -> anyhow::Result<()> {
     }
     let detail = match &state {
         Rollout::Canary { clean, of } => format!("canary: {clean} of {of} canaries clean"),
+        Rollout::Wave {
+            wave,
+            of,
+            baked,
+            in_wave,
+        } => format!(
+            "wave {wave} of {of}: {baked} of {in_wave} of its nodes baked ({}s), waiting for [{}]",
+            entry.bake_s,
+            protocol::unbaked(release, &entry, &state, &reports).join(",")
+        ),
         Rollout::Rolling => "rolling".into(),
         Rollout::Halted { by, why } => format!("halted by {by} ({why})"),
     };
@@ -318,6 +382,9 @@ async fn status(a: ChannelArgs) -> anyhow::Result<()> {
         entry.desired.label(),
         reports.len()
     );
+    if !entry.waves.is_empty() {
+        println!("  {}", waves_line(&entry));
+    }
     for r in &reports {
         print_report(r, release);
     }
@@ -340,9 +407,10 @@ fn print_report(r: &NodeReport, release: u64) {
         format!(": {}", r.detail)
     };
     println!(
-        "  {:<20} runs {running}  {}{of}{detail}  at {}",
+        "  {:<20} runs {running}  {}{}{of}{detail}  at {}",
         r.node,
         r.outcome.as_str(),
+        if r.baked { ", baked" } else { "" },
         when(r.unix_ms)
     );
 }

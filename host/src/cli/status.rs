@@ -126,8 +126,13 @@ fn watch_detail_raw(s: &StatusReport) -> Vec<String> {
             .as_deref()
             .map(|h| format!(" by {h}"))
             .unwrap_or_default();
+        let wave = c
+            .wave
+            .as_deref()
+            .map(|w| format!(" {w}"))
+            .unwrap_or_default();
         out.push(format!(
-            "  channel {} as {}: release {} {}{halted}, {judged}, runs {}{}",
+            "  channel {} as {}: release {} {}{wave}{halted}, {judged}, runs {}{}",
             c.channel,
             c.node,
             c.release,

@@ -131,6 +131,8 @@ fn entry(r: &Release) -> ChannelEntry {
         shadow_wait_s: 1,
         tolerance: 0,
         published_unix_ms: 0,
+        waves: Vec::new(),
+        bake_s: 0,
     }
 }
 
@@ -152,6 +154,7 @@ impl ChannelModel {
                     detail: String::new(),
                     running: None,
                     unix_ms: 0,
+                    baked: false,
                 })
             })
             .collect();
@@ -260,7 +263,7 @@ impl ChannelModel {
         let want = match self.truth(s) {
             Rollout::Rolling => Some(r.desired),
             Rollout::Halted { .. } => r.previous,
-            Rollout::Canary { .. } => return false,
+            Rollout::Canary { .. } | Rollout::Wave { .. } => return false,
         };
         s.running
             .iter()
@@ -273,7 +276,7 @@ impl ChannelModel {
         match self.truth(n) {
             Rollout::Rolling => n.rolled[last] = true,
             Rollout::Halted { .. } => n.halted[last] = true,
-            Rollout::Canary { .. } => {}
+            Rollout::Canary { .. } | Rollout::Wave { .. } => {}
         }
         n.resumed |= n.halted[last] && !matches!(self.truth(n), Rollout::Halted { .. });
     }
@@ -376,7 +379,7 @@ impl Model for ChannelModel {
                 let r = s.releases[usize::from(release) - 1];
                 let state = self.truth(s);
                 // A node whose only release is halted does not start; it is not modelled.
-                let v = protocol::start_version(&entry(&r), &state).map(number)?;
+                let v = protocol::start_version(&entry(&r), &state, NAMES[i]).map(number)?;
                 n.running[i] = v;
                 n.views[i] = (release, s.reports);
                 if self.mutation == Mutation::RestartForgets

@@ -9,7 +9,12 @@
 //! - No component reaches the fold that was not verified against its digest
 //!   ([`ChannelBus::fetch`]) and compiled off the fold's path first.
 //! - A node never runs a release's desired version before the rollout allows it: a canary only
-//!   through a shadow that promoted it, any other node only once the release rolls.
+//!   through a shadow that promoted it, any other node only once the release rolls or its wave
+//!   opened.
+//! - This node reports `baked` only once it has run the release's desired version for the
+//!   release's bake time by its own monotonic clock since it swapped to it, its judgement clean and
+//!   no failed call of it counted; a restarted node keeps the `baked` of its own previous report
+//!   while it runs that same version. No other node's clock is read.
 //! - This node's report is the only key it writes; it says what the node runs and what it found
 //!   of the current release, and it is rewritten whenever either changes (a failed write is
 //!   tried again at the next tick).
@@ -24,7 +29,7 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use tokio::sync::mpsc;
 
-use crate::applied::{Control, FoldStatus, ShadowPlan, ShadowRequests};
+use crate::applied::{Control, FoldStatus};
 use crate::guest::GuestEngine;
 use crate::nats::channel::{ChannelBuckets, ChannelBus, ChannelChange, ChannelError};
 use crate::protocol::{self, ChannelEntry, GuestVersion, Judgement, NodeReport, Rollout, Step};
@@ -34,6 +39,8 @@ use crate::status::GuestChannelReport;
 type ShadowAnswer = Result<crate::applied::ShadowReport, crate::applied::ApplyError>;
 
 use super::{NodeConfig, NodeError};
+
+mod shadow;
 
 /// The channel a node follows (`run --guest-channel`).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -87,7 +94,7 @@ pub(super) async fn start(cfg: &NodeConfig, gc: &GuestChannel) -> Result<Channel
         .await
         .map_err(|e| refused(e.to_string()))?;
     let state = protocol::rollout(release, &entry, &reports);
-    let Some(version) = protocol::start_version(&entry, &state).cloned() else {
+    let Some(version) = protocol::start_version(&entry, &state, &gc.node).cloned() else {
         return Err(refused(format!(
             "release {release} ({}) is {} and no earlier version was good",
             entry.desired.label(),
@@ -151,6 +158,12 @@ pub(super) struct Follower {
     retry: Option<(u64, Instant, u32)>,
     /// The running guest's failed calls when it was swapped in (a rise is a trap).
     failures_at_swap: u64,
+    /// When the running version started running here (this process's monotonic clock): its bake
+    /// counts from then.
+    running_since: Instant,
+    /// A release and digest this node's own report on the bus said it baked (kept across a
+    /// restart while the node runs that digest).
+    baked_kept: Option<(u64, String)>,
     /// The checks of the running version's failed calls so far.
     checks: u64,
     /// The version this node shadows now (a canary's trial), while it does.
@@ -188,6 +201,8 @@ impl Follower {
             written: None,
             retry: None,
             failures_at_swap,
+            running_since: Instant::now(),
+            baked_kept: None,
             checks: 0,
             shadowing: None,
             watch_lost: false,
@@ -313,6 +328,13 @@ impl Follower {
         if newer && (r.outcome == Judgement::Clean || r.outcome.halts()) {
             self.mine = Some((r.release, r.outcome, r.detail.clone()));
         }
+        // A bake this node reported is kept while it runs the version it baked.
+        if r.baked
+            && r.outcome == Judgement::Clean
+            && r.running.as_ref().map(|v| &v.digest) == Some(&self.running.digest)
+        {
+            self.baked_kept = Some((r.release, self.running.digest.clone()));
+        }
         let mut unstamped = r.clone();
         unstamped.unix_ms = 0;
         if self.written.as_ref() != Some(&unstamped) {
@@ -415,7 +437,19 @@ impl Follower {
             detail,
             running: Some(self.running.clone()),
             unix_ms: 0,
+            baked: judgement == Judgement::Clean && self.baked(release, entry),
         })
+    }
+
+    /// Whether this node baked `release` (of `entry`): it runs the desired version, has counted
+    /// no failed call of it since it swapped, and either ran it for the bake time by this
+    /// process's clock or reported it baked before (a restart).
+    fn baked(&self, release: u64, entry: &ChannelEntry) -> bool {
+        let digest = &entry.desired.digest;
+        self.running.digest == *digest
+            && failures(&self.status) <= self.failures_at_swap
+            && (self.running_since.elapsed() >= Duration::from_secs(entry.bake_s)
+                || self.baked_kept.as_ref() == Some(&(release, digest.clone())))
     }
 
     async fn write_report(&mut self) {
@@ -495,154 +529,6 @@ impl Follower {
         }
     }
 
-    /// A canary's shadow of `v`: promoted when clean (the node then runs it), judged by its
-    /// report.
-    async fn shadow<W>(
-        &mut self,
-        release: u64,
-        entry: &ChannelEntry,
-        v: GuestVersion,
-        watch: &mut W,
-    ) where
-        W: futures::Stream<Item = Result<ChannelChange, ChannelError>> + Unpin,
-    {
-        let Some(bytes) = self.fetched(release, &v, true).await else {
-            return;
-        };
-        tracing::info!(event = "guest_channel_shadowing", channel = %self.gc.channel, release, guest = %v.label(), batches = entry.shadow_batches, "shadowing the release's version beside the running one (a canary)");
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let asked = Control::Shadow {
-            bytes: bytes.clone(),
-            what: v.label(),
-            plan: ShadowPlan {
-                batches: entry.shadow_batches,
-                requests: ShadowRequests::Sample(SHADOW_SAMPLE),
-                promote: true,
-                tolerated: entry.tolerance,
-                max_wait: Duration::from_secs(entry.shadow_wait_s.min(protocol::MAX_SHADOW_WAIT_S)),
-            },
-            reply: tx,
-        };
-        if self.control.send(asked).await.is_err() {
-            return;
-        }
-        self.shadowing = Some(v.label());
-        if let Some((r, e, s, _)) = self.decide() {
-            self.show(Some((r, &e)), Some(&s));
-        }
-        let (outcome, abandoned) = self.await_shadow(rx, release, &v, watch).await;
-        self.shadowing = None;
-        match outcome {
-            Err(_) => {}                  // the fold stopped
-            Ok(Err(_)) if abandoned => {} // the release moved on: nothing to judge
-            Ok(Err(e)) if e.says_nothing_of_the_candidate() => self.not_now(release, &e),
-            Ok(Err(e)) => self.judge(release, Judgement::Trapped, e.to_string()),
-            Ok(Ok(r)) if r.promoted => {
-                self.now_running(v, bytes);
-                self.retry = None;
-                self.judge(
-                    release,
-                    Judgement::Clean,
-                    format!(
-                        "shadowed {} batches, {} requests, {} differing",
-                        r.batches, r.requests, r.differing
-                    ),
-                );
-            }
-            Ok(Ok(r)) if r.differing > entry.tolerance => {
-                let first = r.differences.first().map_or(String::new(), |d| {
-                    format!(
-                        "; first: {:?} live {} candidate {}",
-                        d.request, d.live, d.candidate
-                    )
-                });
-                self.judge(
-                    release,
-                    Judgement::Differed,
-                    format!(
-                        "{} of {} requests answered differently (tolerance {}){first}",
-                        r.differing, r.requests, entry.tolerance
-                    ),
-                );
-            }
-            Ok(Ok(r)) => {
-                // Inconclusive (too few batches or requests): shadow again later.
-                self.retry_later(release);
-                let why = r.not_promoted.unwrap_or_default();
-                tracing::info!(event = "guest_channel_shadow_inconclusive", channel = %self.gc.channel, release, why = %why, "the shadow proved nothing either way; tried again");
-                self.judge(release, Judgement::Pending, why);
-            }
-        }
-    }
-
-    /// Waits for the shadow of `v` to end, reading the channel meanwhile: once the release is
-    /// halted or replaced (the step is no longer this shadow), the fold is asked to abandon it
-    /// and its answer awaited still — so a promotion that raced the ask is never missed. Returns
-    /// the answer and whether this follower asked to abandon it.
-    async fn await_shadow<W>(
-        &mut self,
-        mut rx: tokio::sync::oneshot::Receiver<ShadowAnswer>,
-        release: u64,
-        v: &GuestVersion,
-        watch: &mut W,
-    ) -> (
-        Result<ShadowAnswer, tokio::sync::oneshot::error::RecvError>,
-        bool,
-    )
-    where
-        W: futures::Stream<Item = Result<ChannelChange, ChannelError>> + Unpin,
-    {
-        let mut abandoning = false;
-        loop {
-            tokio::select! {
-                biased;
-                outcome = &mut rx => return (outcome, abandoning),
-                change = watch.next(), if !abandoning && !self.watch_lost => {
-                    match change {
-                        Some(Ok(ChannelChange::Current)) => {}
-                        Some(Ok(c)) => self.take(c),
-                        Some(Err(e)) => {
-                            self.said_error(Some(e.to_string()));
-                            self.watch_lost = true;
-                        }
-                        None => {
-                            self.said_error(Some("the channel's watch ended".into()));
-                            self.watch_lost = true;
-                        }
-                    }
-                    // A canary that cannot read its channel cannot hear a halt: it abandons the
-                    // shadow too, and shadows again once the watch is back.
-                    let decided = self.decide();
-                    let still = !self.watch_lost
-                        && matches!(
-                            &decided,
-                            Some((r, _, _, Step::Shadow(w))) if *r == release && w.digest == v.digest
-                        );
-                    if !still {
-                        let why = match &decided {
-                            _ if self.watch_lost => "the channel's watch failed".to_string(),
-                            Some((r, _, s, _)) => format!("release {r} is {}", s.as_str()),
-                            None => "no release".to_string(),
-                        };
-                        tracing::info!(event = "guest_channel_shadow_abandoned", channel = %self.gc.channel, release, guest = %v.label(), why = %why, "the release moved on while this canary shadowed it: the shadow is abandoned");
-                        abandoning = true;
-                        if self
-                            .control
-                            .send(Control::AbandonShadow { what: v.label() })
-                            .await
-                            .is_err()
-                        {
-                            return (rx.await, true);
-                        }
-                    }
-                    if let Some((r, e, s, _)) = decided {
-                        self.show(Some((r, &e)), Some(&s));
-                    }
-                }
-            }
-        }
-    }
-
     /// Swaps the fold to `v`: the release's desired version (judged by the swap), or the last
     /// good one (a return).
     async fn swap(&mut self, release: u64, entry: &ChannelEntry, v: GuestVersion) {
@@ -699,6 +585,8 @@ impl Follower {
         self.kept.insert(v.digest.clone(), bytes);
         self.running = v;
         self.failures_at_swap = failures(&self.status);
+        self.running_since = Instant::now();
+        self.baked_kept = None;
     }
 
     /// A trap (or a deadline hit) of the running guest after it was swapped in to the current
@@ -741,6 +629,19 @@ impl Follower {
         };
         r.state = state.map_or("unpublished", Rollout::as_str).to_string();
         if let Some((release, entry)) = current {
+            if let Some(Rollout::Wave {
+                wave,
+                of,
+                baked,
+                in_wave,
+            }) = state
+            {
+                r.wave = Some(format!(
+                    "{wave} of {of} ({baked} of {in_wave} baked; this node's wave: {})",
+                    protocol::wave_of(entry, &self.gc.node)
+                ));
+            }
+            r.baked = self.report_due(release).is_some_and(|d| d.baked);
             r.release = release;
             r.desired = Some(entry.desired.label());
             r.desired_digest = Some(entry.desired.digest.clone());

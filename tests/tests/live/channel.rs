@@ -1029,6 +1029,7 @@ async fn a_halt_reaches_a_canary_mid_shadow_which_abandons_it_keeps_its_version_
             detail: "halted by the test".into(),
             running: None,
             unix_ms: foldhost::status::now_unix_ms(),
+            baked: false,
         },
     )
     .await?;

@@ -13,8 +13,30 @@
 //!   rollout, or that release's own `previous`.
 //! - `unfetchable` halts nothing: it says the node could not get or verify the bytes, nothing
 //!   about how the version behaves; the node keeps its version and tries again.
+//!
+//! Waves (a release with [`ChannelEntry::waves`]): after the canaries (if any) judged it clean,
+//! the release opens its waves one at a time. Wave k+1 opens only once every node named in waves
+//! 1..=k reports, for this release, `clean`, running its desired version and
+//! [`NodeReport::baked`] — it ran that version for [`ChannelEntry::bake_s`] by its own clock with
+//! no failed call counted. Invariants:
+//! - No node of a later wave runs the desired version before every node of the earlier waves
+//!   baked ([`next_step`] and [`start_version`] give it `previous`); the last wave is every node
+//!   not named earlier, known at publish or not.
+//! - A release whose waves have not all opened gives no `previous` to the next publish: a version
+//!   that reached some waves is not proven fleet-wide. So `previous` is the desired version of a
+//!   release that reached every node's rollout (`rolling`), or that release's own `previous`.
+//! - Nothing compares two nodes' clocks: each judges its own bake.
+//! - A release with waves carries the canary name [`WAVES_FENCE`] on the wire, which a node older
+//!   than waves refuses when it decodes the entry (`=` fails its name check): such a node keeps
+//!   its version instead of treating a wave release as one that rolls at once. This code adds the
+//!   fence when it encodes an entry with waves, strips it when it decodes one, and refuses it on
+//!   an entry without waves (and an entry with waves without it).
 
 use serde::{Deserialize, Serialize};
+
+mod waves;
+pub use waves::*;
+use waves::{entry_waves_refusal, open_to, open_wave};
 
 /// Longest channel or node name.
 pub const MAX_CHANNEL_NAME: usize = 64;
@@ -30,6 +52,15 @@ pub const MAX_COMPONENT_BYTES: u64 = 64 * 1024 * 1024;
 pub const MAX_SHADOW_WAIT_S: u64 = 24 * 3600;
 /// Longest detail a node report carries (cut, marked, beyond it).
 pub const MAX_REPORT_DETAIL: usize = 1024;
+/// Most waves a release has.
+pub const MAX_WAVES: usize = 16;
+/// Most nodes a release's waves name, all waves together.
+pub const MAX_WAVE_NODES: usize = 1024;
+/// Longest bake a release asks of each wave, seconds (a week).
+pub const MAX_BAKE_S: u64 = 7 * 24 * 3600;
+/// The canary name a release with waves carries on the wire so that nodes older than waves refuse
+/// it (module docs).
+pub const WAVES_FENCE: &str = "=needs-waves";
 
 /// One published component: the lowercase hex BLAKE3 digest of its bytes (its object's name),
 /// and the name and version its manifest declares.
@@ -54,8 +85,10 @@ impl GuestVersion {
 }
 
 /// A channel's release entry: the KV value of `<channel>.release`, written by compare-and-set.
-/// Its KV revision is the release's number.
+/// Its KV revision is the release's number. On the wire a release with waves carries the
+/// [`WAVES_FENCE`] canary (added and stripped by the (de)serialisation: never in memory).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(try_from = "EntryWire", into = "EntryWire")]
 pub struct ChannelEntry {
     /// The version this release rolls out.
     pub desired: GuestVersion,
@@ -77,6 +110,92 @@ pub struct ChannelEntry {
     pub tolerance: u64,
     /// When it was published (the publisher's clock), Unix milliseconds.
     pub published_unix_ms: u64,
+    /// The waves it opens one after the other once the canaries judged it clean; empty: every
+    /// node at once.
+    pub waves: Vec<Wave>,
+    /// How long each node of a wave runs the version cleanly before the next wave opens, seconds.
+    pub bake_s: u64,
+}
+
+/// A release entry as JSON carries it: [`ChannelEntry`] with the fence among the canaries when it
+/// has waves.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct EntryWire {
+    desired: GuestVersion,
+    previous: Option<GuestVersion>,
+    canaries: Vec<String>,
+    #[serde(default)]
+    canary_fraction: Option<f64>,
+    shadow_batches: u64,
+    shadow_wait_s: u64,
+    tolerance: u64,
+    published_unix_ms: u64,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    waves: Vec<Wave>,
+    #[serde(default, skip_serializing_if = "is_zero")]
+    bake_s: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
+}
+
+impl From<ChannelEntry> for EntryWire {
+    fn from(e: ChannelEntry) -> Self {
+        let mut canaries = e.canaries;
+        if !e.waves.is_empty() {
+            canaries.push(WAVES_FENCE.to_string());
+        }
+        EntryWire {
+            desired: e.desired,
+            previous: e.previous,
+            canaries,
+            canary_fraction: e.canary_fraction,
+            shadow_batches: e.shadow_batches,
+            shadow_wait_s: e.shadow_wait_s,
+            tolerance: e.tolerance,
+            published_unix_ms: e.published_unix_ms,
+            waves: e.waves,
+            bake_s: e.bake_s,
+        }
+    }
+}
+
+impl TryFrom<EntryWire> for ChannelEntry {
+    type Error = String;
+
+    fn try_from(w: EntryWire) -> Result<Self, String> {
+        let fenced = w.canaries.iter().filter(|c| *c == WAVES_FENCE).count();
+        match (w.waves.is_empty(), fenced) {
+            (true, 0) | (false, 1) => {}
+            (true, _) => {
+                return Err(format!(
+                    "the canary {WAVES_FENCE:?} on a release without waves"
+                ));
+            }
+            (false, _) => {
+                return Err(format!(
+                    "waves without exactly one {WAVES_FENCE:?} canary (the fence older nodes refuse)"
+                ));
+            }
+        }
+        Ok(ChannelEntry {
+            desired: w.desired,
+            previous: w.previous,
+            canaries: w
+                .canaries
+                .into_iter()
+                .filter(|c| c != WAVES_FENCE)
+                .collect(),
+            canary_fraction: w.canary_fraction,
+            shadow_batches: w.shadow_batches,
+            shadow_wait_s: w.shadow_wait_s,
+            tolerance: w.tolerance,
+            published_unix_ms: w.published_unix_ms,
+            waves: w.waves,
+            bake_s: w.bake_s,
+        })
+    }
 }
 
 /// What a node found of a release.
@@ -135,6 +254,10 @@ pub struct NodeReport {
     pub running: Option<GuestVersion>,
     /// When the node wrote this (its clock), Unix milliseconds.
     pub unix_ms: u64,
+    /// Whether the node has run the release's desired version cleanly for the release's bake
+    /// time, by its own clock since it swapped to it (kept across its restarts while it runs it).
+    #[serde(default)]
+    pub baked: bool,
 }
 
 /// Where a release stands.
@@ -147,7 +270,20 @@ pub enum Rollout {
         /// Canaries in all.
         of: usize,
     },
-    /// Every canary judged it clean (or the release has none): every node swaps to it.
+    /// The canaries judged it clean and its waves open one after the other: the nodes of waves
+    /// 1..=`wave` swap to it, the others run the last good version.
+    Wave {
+        /// The open wave (1-based; never the last: the last open is `Rolling`).
+        wave: usize,
+        /// Waves in all.
+        of: usize,
+        /// Nodes of the open wave that baked so far.
+        baked: usize,
+        /// Nodes of the open wave.
+        in_wave: usize,
+    },
+    /// Every canary judged it clean (or the release has none) and its last wave (if it has
+    /// waves) opened: every node swaps to it.
     Rolling,
     /// A node judged it bad: every node returns to the last good version.
     Halted {
@@ -159,10 +295,11 @@ pub enum Rollout {
 }
 
 impl Rollout {
-    /// The state's name: `canary`, `rolling` or `halted`.
+    /// The state's name: `canary`, `wave`, `rolling` or `halted`.
     pub fn as_str(&self) -> &'static str {
         match self {
             Rollout::Canary { .. } => "canary",
+            Rollout::Wave { .. } => "wave",
             Rollout::Rolling => "rolling",
             Rollout::Halted { .. } => "halted",
         }
@@ -180,7 +317,8 @@ pub fn rollout(release: u64, entry: &ChannelEntry, reports: &[NodeReport]) -> Ro
             why: format!("{}: {}", bad.outcome.as_str(), bad.detail),
         };
     }
-    if entry.previous.is_none() || entry.canaries.is_empty() {
+    if entry.previous.is_none() {
+        // Nothing to run instead: no canary phase, no waves.
         return Rollout::Rolling;
     }
     let clean = entry
@@ -193,7 +331,7 @@ pub fn rollout(release: u64, entry: &ChannelEntry, reports: &[NodeReport]) -> Ro
         })
         .count();
     if clean == entry.canaries.len() {
-        Rollout::Rolling
+        open_wave(release, entry, &of_this)
     } else {
         Rollout::Canary {
             clean,
@@ -213,13 +351,18 @@ pub enum Step {
     Swap(GuestVersion),
 }
 
-/// The version a node starting now runs first: the desired one while rolling, the last good one
-/// while canaries judge or once halted; `None` when the channel's only release is halted (no good
-/// version exists).
-pub fn start_version<'a>(entry: &'a ChannelEntry, state: &Rollout) -> Option<&'a GuestVersion> {
-    match state {
-        Rollout::Rolling => Some(&entry.desired),
-        Rollout::Canary { .. } | Rollout::Halted { .. } => entry.previous.as_ref(),
+/// The version node `me` starting now runs first: the desired one while rolling or once its wave
+/// opened, the last good one while canaries judge, before its wave opened, or once halted; `None`
+/// when the channel's only release is halted (no good version exists).
+pub fn start_version<'a>(
+    entry: &'a ChannelEntry,
+    state: &Rollout,
+    me: &str,
+) -> Option<&'a GuestVersion> {
+    if open_to(entry, state, me) {
+        Some(&entry.desired)
+    } else {
+        entry.previous.as_ref()
     }
 }
 
@@ -247,16 +390,19 @@ pub fn next_step(
             _ if runs(&entry.desired) => Step::Stay,
             _ => Step::Shadow(entry.desired.clone()),
         },
-        Rollout::Canary { .. } => entry.previous.as_ref().map_or(Step::Stay, to),
-        Rollout::Rolling => match mine {
+        Rollout::Rolling | Rollout::Wave { .. } if open_to(entry, state, me) => match mine {
             Some(o) if o.halts() => Step::Stay,
             _ => to(&entry.desired),
         },
+        Rollout::Canary { .. } | Rollout::Wave { .. } | Rollout::Rolling => {
+            entry.previous.as_ref().map_or(Step::Stay, to)
+        }
     }
 }
 
 /// The `previous` of a release published over `current` (its entry and state): the current
-/// desired version once its rollout began, else the current release's own last good one.
+/// desired version once it rolls to every node (its canaries clean and its last wave open), else
+/// the current release's own last good one.
 pub fn previous_for_publish(current: Option<(&ChannelEntry, &Rollout)>) -> Option<GuestVersion> {
     match current {
         None => None,
@@ -275,6 +421,11 @@ pub fn pick_canaries(fraction: f64, nodes: &[String], digest: &str) -> Vec<Strin
     let want = ((fraction.min(1.0) * nodes.len() as f64).ceil() as usize)
         .clamp(1, nodes.len())
         .min(MAX_CANARIES);
+    ranked(nodes, digest).into_iter().take(want).collect()
+}
+
+/// `nodes` without repeats, ordered by BLAKE3 of `digest` and the node's name.
+fn ranked(nodes: &[String], digest: &str) -> Vec<String> {
     let mut ranked: Vec<([u8; 32], &String)> = nodes
         .iter()
         .map(|n| {
@@ -287,11 +438,7 @@ pub fn pick_canaries(fraction: f64, nodes: &[String], digest: &str) -> Vec<Strin
         .collect();
     ranked.sort();
     ranked.dedup_by(|a, b| a.1 == b.1);
-    ranked
-        .into_iter()
-        .take(want)
-        .map(|(_, n)| n.clone())
-        .collect()
+    ranked.into_iter().map(|(_, n)| n.clone()).collect()
 }
 
 /// Why a channel or node name is refused, if it is: 1 to [`MAX_CHANNEL_NAME`] of `A-Z a-z 0-9 _
@@ -412,6 +559,9 @@ pub fn decode_entry(bytes: &[u8]) -> Result<ChannelEntry, String> {
         ));
     }
     if let Some(why) = e.canaries.iter().find_map(|c| name_refusal("canary", c)) {
+        return Err(format!("release entry: {why}"));
+    }
+    if let Some(why) = entry_waves_refusal(&e) {
         return Err(format!("release entry: {why}"));
     }
     Ok(e)

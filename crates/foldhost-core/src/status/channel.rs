@@ -13,9 +13,15 @@ pub struct GuestChannelReport {
     pub node: String,
     /// The current release (0: none read yet).
     pub release: u64,
-    /// `canary`, `rolling`, `halted`; `unpublished` when the channel has no release, `unknown`
-    /// before the channel was read.
+    /// `canary`, `wave`, `rolling`, `halted`; `unpublished` when the channel has no release,
+    /// `unknown` before the channel was read.
     pub state: String,
+    /// While the release opens its waves: `K of N (B of M baked; this node's wave: W)` — the open
+    /// wave, how many of its nodes baked, and the wave this node is in (0: a canary).
+    pub wave: Option<String>,
+    /// Whether this node has baked the release: run its desired version cleanly for its bake
+    /// time.
+    pub baked: bool,
     /// Who halted the release, and why, when it is halted.
     pub halted_by: Option<String>,
     /// The running version (`name@version (digest)`).
