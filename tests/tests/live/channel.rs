@@ -16,12 +16,12 @@ use foldhost_tests::{
 };
 
 /// Stable keys `k.000`…, never written by the writer.
-const STABLE: u32 = 200;
-const CHANNEL: &str = "edge";
+pub(crate) const STABLE: u32 = 200;
+pub(crate) const CHANNEL: &str = "edge";
 
 /// A component that behaves exactly as `wasm` but is other bytes (another digest): `wasm` with a
 /// custom section appended, which no runtime reads.
-fn renamed(wasm: &[u8], tag: &str) -> Vec<u8> {
+pub(crate) fn renamed(wasm: &[u8], tag: &str) -> Vec<u8> {
     fn leb(mut n: usize, out: &mut Vec<u8>) {
         loop {
             let b = (n & 0x7f) as u8;
@@ -45,12 +45,12 @@ fn renamed(wasm: &[u8], tag: &str) -> Vec<u8> {
     out
 }
 
-fn digest(bytes: &[u8]) -> String {
+pub(crate) fn digest(bytes: &[u8]) -> String {
     blake3::hash(bytes).to_hex().to_string()
 }
 
 /// `foldhost guest publish FILE --channel edge ARGS…` on `h`'s server: the new release's number.
-fn publish(h: &Harness, file: &std::path::Path, args: &[&str]) -> anyhow::Result<u64> {
+pub(crate) fn publish(h: &Harness, file: &std::path::Path, args: &[&str]) -> anyhow::Result<u64> {
     publish_to(&h.url(), file, args)
 }
 
@@ -74,7 +74,7 @@ fn publish_to(url: &str, file: &std::path::Path, args: &[&str]) -> anyhow::Resul
 }
 
 /// `foldhost guest status --channel edge --json`.
-fn guest_status(h: &Harness) -> anyhow::Result<serde_json::Value> {
+pub(crate) fn guest_status(h: &Harness) -> anyhow::Result<serde_json::Value> {
     let out = foldhost()
         .args([
             "guest",
@@ -97,7 +97,7 @@ fn guest_status(h: &Harness) -> anyhow::Result<serde_json::Value> {
 /// Reads `guest status --json` until `done` holds of it (a node shows a judgement in its own
 /// status a moment before its report reaches the bus). The deadline (120 s) only bounds a test
 /// that would otherwise hang.
-async fn guest_status_until(
+pub(crate) async fn guest_status_until(
     h: &Harness,
     done: impl Fn(&serde_json::Value) -> bool,
 ) -> anyhow::Result<serde_json::Value> {
@@ -137,15 +137,15 @@ fn judged_of(view: &serde_json::Value, release: u64) -> Vec<String> {
 }
 
 /// A node following the channel, named `name`, serving on a port of its own.
-struct Node {
-    name: String,
-    child: Child,
-    addr: String,
+pub(crate) struct Node {
+    pub(crate) name: String,
+    pub(crate) child: Child,
+    pub(crate) addr: String,
     pid: u32,
 }
 
 impl Node {
-    async fn start(
+    pub(crate) async fn start(
         h: &Harness,
         bucket: &str,
         tmp: &std::path::Path,
@@ -166,7 +166,7 @@ impl Node {
     }
 
     /// Waits until the node's channel view satisfies `done`.
-    async fn wait(
+    pub(crate) async fn wait(
         &self,
         done: impl Fn(&GuestChannelReport) -> bool,
     ) -> anyhow::Result<StatusReport> {
@@ -180,19 +180,19 @@ impl Node {
         })
     }
 
-    async fn runs(&self, digest: &str) -> anyhow::Result<StatusReport> {
+    pub(crate) async fn runs(&self, digest: &str) -> anyhow::Result<StatusReport> {
         self.wait(|c| c.running_digest.as_deref() == Some(digest))
             .await
     }
 
-    async fn query(&self, request: &str) -> anyhow::Result<(u16, String)> {
+    pub(crate) async fn query(&self, request: &str) -> anyhow::Result<(u16, String)> {
         let (code, body) =
             foldhost::serve::call(&self.addr, "POST", "/query", request.as_bytes()).await?;
         Ok((code, String::from_utf8_lossy(&body).into_owned()))
     }
 
     /// The node still runs as the process it started as.
-    async fn never_restarted(&mut self) -> anyhow::Result<()> {
+    pub(crate) async fn never_restarted(&mut self) -> anyhow::Result<()> {
         anyhow::ensure!(self.child.try_wait()?.is_none(), "{} exited", self.name);
         let s = wait_status(&self.addr, |_| true).await?;
         anyhow::ensure!(s.pid == self.pid, "{} restarted", self.name);

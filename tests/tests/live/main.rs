@@ -42,5 +42,6 @@ mod transport;
 mod undecodable;
 mod users;
 mod watch_semantics;
+mod waves;
 mod write_faults;
 mod writes;
