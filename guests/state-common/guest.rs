@@ -15,7 +15,11 @@
 //!   changes (after `end-of-current("")`) under `mirror/` are queued.
 //! - `end-of-current` marks the bucket (twice is a violation) and logs the event `eoc`.
 //! - `on-applied` remembers the cursor; for the main bucket it writes the queued mirror changes
-//!   (`mirror/REST` → `REST` in the first owned bucket, a delete as a delete) and logs each
+//!   (`mirror/REST` → `REST` in the first owned bucket, a delete as a delete) — or, when it is
+//!   the instance's first and nothing changed since its hydration (the host calling it again for
+//!   a commit whose writes may not have landed), every mirror put the owned fold lacks (with
+//!   `replay-writes-all=1`, every mirror put) — and logs each (with `trap-after-first-mirror=1`,
+//!   a call with queued writes traps after the first)
 //!   outcome in `writes`: `REST:<applied|pending|unknown>:<revision|none>` or
 //!   `REST:refused:<reason>`.
 //! - `query` answers JSON (see `query`), or, for a request that is not a JSON object, the main
@@ -90,6 +94,14 @@ struct State {
     pending: Vec<Update>,
     buckets: BTreeMap<String, Seen>,
     mirrors: Vec<Mirror>,
+    /// A main-bucket change was applied since this instance was hydrated.
+    main_changed: bool,
+    /// Config `replay-writes-all=1`: a call made again writes every mirror put, whether the owned
+    /// fold holds it or not (a guest that leaves the collapsing of repeats to the host).
+    replay_writes_all: bool,
+    /// Config `trap-after-first-mirror=1`: an `on-applied` with queued mirror writes traps right
+    /// after making the first (a call made again by the host does not).
+    trap_after_first_mirror: bool,
     refusals: Vec<String>,
     writes: Vec<String>,
     violations: Vec<String>,
@@ -98,6 +110,27 @@ struct State {
 impl State {
     fn seen(&mut self, bucket: &str) -> &mut Seen {
         self.buckets.entry(bucket.to_owned()).or_default()
+    }
+
+    /// The mirror puts the first owned bucket's fold lacks: every `mirror/REST` of the main fold
+    /// whose `REST` holds another value or none. (A delete is not reconstructed: a key without a
+    /// `mirror/` source may have been written otherwise.)
+    fn missing_mirrors(&self) -> Vec<Mirror> {
+        let owned = self.buckets.get(first_owned());
+        let main = self.buckets.get("");
+        let mut missing = Vec::new();
+        for (key, value) in main.map(|m| &m.entries).into_iter().flatten() {
+            let Some(rest) = key.strip_prefix(MIRROR_PREFIX) else {
+                continue;
+            };
+            if self.replay_writes_all || owned.and_then(|o| o.entries.get(rest)) != Some(value) {
+                missing.push(Mirror {
+                    key: rest.to_owned(),
+                    value: Some(value.clone()),
+                });
+            }
+        }
+        missing
     }
 
     fn violation(&mut self, message: String) {
@@ -369,6 +402,8 @@ impl Guest for StateGuest {
                 match key.as_str() {
                     "write-in-parse" => state.write_in_parse = value == "1",
                     "write-in-apply" => state.write_in_apply = value == "1",
+                    "replay-writes-all" => state.replay_writes_all = value == "1",
+                    "trap-after-first-mirror" => state.trap_after_first_mirror = value == "1",
                     _ => {}
                 }
             }
@@ -414,6 +449,9 @@ impl Guest for StateGuest {
                 if !put && !eoc {
                     state.violation(format!("deletion among current values of {bucket}: {key}"));
                 }
+                if bucket.is_empty() && eoc {
+                    state.main_changed = true;
+                }
                 if bucket.is_empty()
                     && eoc
                     && let Some(rest) = key.strip_prefix(MIRROR_PREFIX)
@@ -456,13 +494,19 @@ impl Guest for StateGuest {
     }
 
     fn on_applied(bucket: String, cursor: u64) {
-        let mirrors = with_state(|state| {
+        let (mirrors, trap_after_one) = with_state(|state| {
+            let first = state.seen(&bucket).cursor.is_none();
             state.seen(&bucket).cursor = Some(cursor);
-            if bucket.is_empty() {
-                std::mem::take(&mut state.mirrors)
-            } else {
-                Vec::new()
+            if !bucket.is_empty() {
+                return (Vec::new(), false);
             }
+            if first && !state.main_changed {
+                // The host calls `on-applied` again for a commit whose writes may not have
+                // landed, on an instance hydrated at that commit: what `apply` queued is gone,
+                // so write what the folds say is missing instead.
+                return (state.missing_mirrors(), false);
+            }
+            (std::mem::take(&mut state.mirrors), state.trap_after_first_mirror)
         });
         for Mirror { key, value } in mirrors {
             let result = match &value {
@@ -480,6 +524,9 @@ impl Guest for StateGuest {
                 Err(refusal) => format!("{key}:refused:{}", refusal.reason),
             };
             with_state(|state| push_capped(&mut state.writes, entry));
+            if trap_after_one {
+                std::process::abort();
+            }
         }
     }
 

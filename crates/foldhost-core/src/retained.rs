@@ -66,6 +66,52 @@ pub fn read_checkpoint<S: SnapshotStore + ?Sized>(
     }))
 }
 
+/// The `on-applied` intent of the fold's last commit (docs/state.md, "Writes from `on-applied`"):
+/// for an applier whose `on-applied` writes outside the fold (a guest that owns a state bucket),
+/// every commit that ends in `on-applied` records the cursor it reports and the instant its writes'
+/// operation ids are minted at, so a restart calls `on-applied` again with the same ids.
+pub const ON_APPLIED_KEY: &str = "\u{1}on-applied";
+
+/// An `on-applied` intent ([`ON_APPLIED_KEY`]): the revision `on-applied` reports and the instant
+/// (Unix milliseconds) the operation ids of its writes are minted at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AppliedIntent {
+    /// The committed cursor's revision `on-applied` reports.
+    pub revision: u64,
+    /// When the ids of its writes are minted (the commit's clock), Unix milliseconds.
+    pub minted_unix_ms: u64,
+}
+
+/// Format tag and version of an encoded intent.
+const INTENT_TAG: [u8; 2] = [b'I', 1];
+
+impl AppliedIntent {
+    /// The store update that records it.
+    pub fn to_put(self) -> KvUpdate {
+        let mut value = INTENT_TAG.to_vec();
+        value.extend_from_slice(&self.revision.to_be_bytes());
+        value.extend_from_slice(&self.minted_unix_ms.to_be_bytes());
+        KvUpdate::Put(KvEntry {
+            key: ON_APPLIED_KEY.into(),
+            value: Bytes::from(value),
+            version: VersionToken::UNKNOWN,
+        })
+    }
+
+    /// Decodes a recorded intent (`None`: bytes that are not one).
+    pub fn from_bytes(v: &[u8]) -> Option<Self> {
+        if v.len() != 18 || v.get(..2)? != INTENT_TAG {
+            return None;
+        }
+        let revision = u64::from_be_bytes(<[u8; 8]>::try_from(v.get(2..10)?).ok()?);
+        let minted_unix_ms = u64::from_be_bytes(<[u8; 8]>::try_from(v.get(10..18)?).ok()?);
+        Some(AppliedIntent {
+            revision,
+            minted_unix_ms,
+        })
+    }
+}
+
 /// What a state-sync start left unseen ([`crate::protocol::Unseen`]): the first revision it never
 /// delivered, 8 bytes big-endian, then the level reported after it (8 more) once one was. Until it
 /// is settled `applied_through` stays below the floor. Committed with the batch that skipped it;
@@ -497,6 +543,25 @@ mod tests {
             value: Bytes::from(value.to_string()),
             version: VersionToken::from_u64(rev),
         })
+    }
+
+    #[test]
+    fn an_on_applied_intent_round_trips_and_other_bytes_are_none() {
+        let i = AppliedIntent {
+            revision: 41,
+            minted_unix_ms: 1_700_000_000_123,
+        };
+        let KvUpdate::Put(e) = i.to_put() else {
+            panic!("an intent is a put");
+        };
+        assert_eq!(e.key, ON_APPLIED_KEY);
+        assert!(is_reserved(&e.key));
+        assert_eq!(AppliedIntent::from_bytes(&e.value), Some(i));
+        assert_eq!(AppliedIntent::from_bytes(&e.value[..17]), None);
+        let mut other = e.value.to_vec();
+        other[1] = 2;
+        assert_eq!(AppliedIntent::from_bytes(&other), None);
+        assert_eq!(AppliedIntent::from_bytes(b""), None);
     }
 
     #[test]

@@ -52,6 +52,12 @@ pub trait FoldRead: Send + Sync {
         prefix: &str,
         visit: &mut dyn FnMut(&KvEntry) -> ControlFlow<()>,
     ) -> Result<(), SnapshotError>;
+    /// The `on-applied` intent the fold's last commit recorded
+    /// ([`crate::retained::ON_APPLIED_KEY`]; `None`: none, or a view that keeps none). A reserved
+    /// key: [`Self::get`] never shows it.
+    fn applied_intent(&self) -> Result<Option<crate::retained::AppliedIntent>, SnapshotError> {
+        Ok(None)
+    }
     /// The entries [`Self::scan`] would return, in its order, handed to `each` by reference
     /// instead of returned (a reader that copies them where it wants them needs no owned entry
     /// per key). Returns how many. A view overrides it only where it can skip the copies.
@@ -512,6 +518,13 @@ impl<S: SnapshotStore> FoldRead for SharedStore<S> {
             return Ok(base);
         }
         self.read()?.get(key)
+    }
+
+    fn applied_intent(&self) -> Result<Option<crate::retained::AppliedIntent>, SnapshotError> {
+        Ok(self
+            .read()?
+            .get(crate::retained::ON_APPLIED_KEY)?
+            .and_then(|e| crate::retained::AppliedIntent::from_bytes(&e.value)))
     }
 
     fn scan(

@@ -111,6 +111,20 @@ pub trait Apply: Send {
         let _ = (bucket, cursor);
     }
 
+    /// Whether this applier's `on-applied` may write outside the fold (a guest that owns a state
+    /// bucket, docs/state.md): the fold then commits an intent ([`crate::retained::AppliedIntent`])
+    /// with every commit that ends in `on-applied`, and hands it over with [`Apply::intend`] just
+    /// before that call, so the writes' operation ids are the same when a restart calls it again.
+    fn records_intents(&self) -> bool {
+        false
+    }
+
+    /// The intent committed with the commit whose `on-applied` (of `bucket`; `""`: the main
+    /// bucket) comes next.
+    fn intend(&mut self, bucket: &str, intent: crate::retained::AppliedIntent) {
+        let _ = (bucket, intent);
+    }
+
     /// Drops whatever state the applier built that the committed fold does not back (after a
     /// failed release of retained records, or a re-queued batch's retry on another generation):
     /// the next call rebuilds it from the fold.

@@ -24,6 +24,7 @@ use async_trait::async_trait;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::kv::{KvUpdate, WatchCursor};
+use crate::retained::AppliedIntent;
 
 use super::{Apply, ApplyError, Control, Verdict};
 
@@ -33,6 +34,7 @@ use super::{Apply, ApplyError, Control, Verdict};
 pub struct LaneLink {
     generation: AtomicU64,
     discard: AtomicBool,
+    intents: AtomicBool,
 }
 
 impl LaneLink {
@@ -54,6 +56,17 @@ impl LaneLink {
     /// Whether a discard is asked (without taking it).
     pub fn discard_requested(&self) -> bool {
         self.discard.load(Ordering::Acquire)
+    }
+
+    /// The guest says whether its `on-applied` may write outside the folds
+    /// ([`Apply::records_intents`]): its lanes then record intents too.
+    pub fn set_records_intents(&self, records: bool) {
+        self.intents.store(records, Ordering::Release);
+    }
+
+    /// Whether the guest's `on-applied` may write outside the folds.
+    pub fn records_intents(&self) -> bool {
+        self.intents.load(Ordering::Acquire)
     }
 
     /// Takes a lane's discard request: true once per request.
@@ -84,6 +97,8 @@ pub enum LaneStep {
     OnApplied {
         /// The lane's committed cursor.
         cursor: WatchCursor,
+        /// The intent committed with it, when the guest records them.
+        intent: Option<AppliedIntent>,
     },
 }
 
@@ -103,6 +118,7 @@ pub struct LaneApply {
     control: mpsc::Sender<Control>,
     session: Option<mpsc::Sender<LaneStep>>,
     link: Arc<LaneLink>,
+    intent: Option<AppliedIntent>,
 }
 
 impl LaneApply {
@@ -120,6 +136,7 @@ impl LaneApply {
             control,
             session: None,
             link,
+            intent: None,
         }
     }
 
@@ -193,9 +210,18 @@ impl Apply for LaneApply {
         .await
     }
 
+    fn records_intents(&self) -> bool {
+        self.link.records_intents()
+    }
+
+    fn intend(&mut self, _bucket: &str, intent: AppliedIntent) {
+        self.intent = Some(intent);
+    }
+
     async fn on_applied(&mut self, cursor: WatchCursor) {
+        let intent = self.intent.take();
         if let Ok(tx) = self.session("on-applied").await {
-            let _ = tx.send(LaneStep::OnApplied { cursor }).await;
+            let _ = tx.send(LaneStep::OnApplied { cursor, intent }).await;
         }
         // The turn ends with its commit.
         self.session = None;
@@ -241,9 +267,12 @@ pub(crate) async fn serve<A: Apply + ?Sized>(
                 }
                 let _ = reply.send(r);
             }
-            LaneStep::OnApplied { cursor } => {
+            LaneStep::OnApplied { cursor, intent } => {
                 if let Some(f) = feed.as_deref_mut() {
                     f.committed(&session.bucket);
+                }
+                if let Some(i) = intent {
+                    apply.intend(&session.bucket, i);
                 }
                 apply.on_applied_lane(&session.bucket, cursor).await;
                 return;

@@ -38,6 +38,7 @@ mod engine;
 mod hydration;
 mod instance;
 mod random;
+mod replay;
 pub mod state;
 
 use candidate::GuestCandidate;
@@ -232,6 +233,8 @@ pub struct GuestApply {
     pub last_hydration: Option<(u64, Duration)>,
     /// Why the instance was lost, while it is (for the "guest rebuilding" answer).
     lost: Option<String>,
+    /// The `on-applied` intents handed over and the calls owed again ([`replay`]).
+    replays: replay::Replays,
 }
 
 impl Core {
@@ -321,6 +324,7 @@ impl GuestApply {
             hydrations: 0,
             last_hydration: None,
             lost: None,
+            replays: Default::default(),
         })
     }
 
@@ -359,10 +363,18 @@ impl GuestApply {
     /// hydration: every instance from now on is hydrated from them and reaches them through the
     /// `state` import. Once per guest; a second attach is refused.
     pub fn attach_state(&mut self, access: StateAccess) -> Result<(), ApplyError> {
+        // Its `on-applied` may write: every commit of its folds records an intent (`replay`).
+        let writes = access.writer.is_some()
+            && access
+                .lanes
+                .iter()
+                .any(|l| l.decl.access == crate::protocol::Access::Own);
         self.core
             .state
             .set(access)
-            .map_err(|_| self.core.err("init", "state buckets attached twice".into()))
+            .map_err(|_| self.core.err("init", "state buckets attached twice".into()))?;
+        self.core.link.set_records_intents(writes);
+        Ok(())
     }
 
     /// What the lanes share with this guest (its generation, their discard requests).
@@ -399,30 +411,28 @@ impl GuestApply {
 
     /// `on-applied` of `bucket` (`""`: the main bucket). On a failure the batch is committed but
     /// the instance is not trustworthy any more: the next batch rebuilds a fresh one from the
-    /// folds.
+    /// folds, which makes the call again first when the guest records intents (`replay`).
     async fn on_applied_in(&mut self, bucket: &str, cursor: WatchCursor) {
         self.take_lane_discard();
+        let intent = self.replays.next.remove(bucket);
         let Some(mut live) = self.live.take() else {
+            // No instance to call (a lane dropped it): the next fresh one makes the call.
+            if let Some(i) = intent {
+                self.replays.failed(bucket, i);
+            }
             return;
         };
-        self.core
-            .arm(&mut live, crate::protocol::GuestCall::OnApplied);
-        let called = self
-            .core
-            .within(
-                "on-applied",
-                live.guest
-                    .on_applied(&mut live.store, bucket, cursor.revision_or_zero()),
-            )
-            .await;
-        match called {
-            Ok(Ok(())) => self.live = Some(live),
-            Ok(Err(e)) => {
-                let err = self.core.call_error(&live, "on-applied", e);
-                tracing::warn!(event = "guest_trapped", error = %err, "guest failed after a commit; rebuilding it");
-            }
+        let revision = cursor.revision_or_zero();
+        match self
+            .call_on_applied(&mut live, bucket, revision, intent)
+            .await
+        {
+            Ok(()) => self.live = Some(live),
             Err(err) => {
                 tracing::warn!(event = "guest_trapped", error = %err, "guest failed after a commit; rebuilding it");
+                if let Some(i) = intent {
+                    self.replays.failed(bucket, i);
+                }
             }
         }
     }
@@ -445,11 +455,24 @@ impl GuestApply {
     /// The live instance, building and hydrating a fresh one if the last call killed it.
     async fn live(&mut self) -> Result<Live, ApplyError> {
         self.take_lane_discard();
-        let mut l = match self.live.take() {
+        let l = match self.live.take() {
             Some(l) if self.hydrations > 0 => return Ok(l),
             Some(l) => l,
             None => self.core.fresh().await?,
         };
+        let l = self.hydrated(l).await?;
+        match self.replay_due(l).await? {
+            Some(l) => Ok(l),
+            // A call made again failed and took its instance along: a fresh one serves this call.
+            None => {
+                let l = self.core.fresh().await?;
+                self.hydrated(l).await
+            }
+        }
+    }
+
+    /// `l` hydrated from the folds, counted as a rebuild after the first.
+    async fn hydrated(&mut self, mut l: Live) -> Result<Live, ApplyError> {
         let stats = self.core.stream_fold(&mut l, false).await?;
         if self.hydrations > 0 {
             self.core
@@ -473,6 +496,14 @@ impl Apply for GuestApply {
 
     fn contract(&self) -> Option<&'static str> {
         Some(self.core.pre.contract().as_str())
+    }
+
+    fn records_intents(&self) -> bool {
+        self.core.link.records_intents()
+    }
+
+    fn intend(&mut self, bucket: &str, intent: foldhost_core::retained::AppliedIntent) {
+        self.replays.next.insert(bucket.to_string(), intent);
     }
 
     async fn parse(&mut self, batch: &[KvUpdate]) -> Result<Vec<Verdict>, ApplyError> {

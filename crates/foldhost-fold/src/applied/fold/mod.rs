@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use crate::crashpoint;
 use crate::kv::{KvEntry, KvUpdate, WatchCursor};
 use crate::protocol;
-use crate::retained::{Base, RetainedIndex, RetainedRecord, is_reserved};
+use crate::retained::{Base, ON_APPLIED_KEY, RetainedIndex, RetainedRecord, is_reserved};
 use crate::snapshot::{SnapshotError, SnapshotStore};
 use crate::view::SharedStore;
 
@@ -31,6 +31,7 @@ pub(super) fn now_unix_ms() -> u64 {
         .unwrap_or(0)
 }
 
+mod intent;
 mod positions;
 mod retention;
 
@@ -224,11 +225,13 @@ impl<S: SnapshotStore> Fold<S> {
         apply: &mut A,
     ) -> Result<(), AppliedError> {
         debug_assert!(self.is_settled(), "commit_position on an unsettled fold");
-        commit_settled(&self.store, Vec::new(), cursor, &self.status).await?;
+        let mut records = Vec::new();
+        let intent = intent::with_intent(apply, cursor, &mut records);
+        commit_settled(&self.store, records, cursor, &self.status).await?;
         self.applied = cursor;
         self.publish_retained()
             .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
-        apply.on_applied(cursor).await;
+        intent::on_applied_with(apply, cursor, intent).await;
         Ok(())
     }
 
@@ -258,12 +261,13 @@ impl<S: SnapshotStore> Fold<S> {
     ) -> Result<(), AppliedError> {
         debug_assert!(self.is_settled(), "commit_identity on an unsettled fold");
         self.pending_identity = None;
-        let record = vec![identity_record(identity)];
-        commit_settled(&self.store, record, cursor, &self.status).await?;
+        let mut records = vec![identity_record(identity)];
+        let intent = intent::with_intent(apply, cursor, &mut records);
+        commit_settled(&self.store, records, cursor, &self.status).await?;
         self.applied = cursor;
         self.publish_retained()
             .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
-        apply.on_applied(cursor).await;
+        intent::on_applied_with(apply, cursor, intent).await;
         Ok(())
     }
 
@@ -430,7 +434,7 @@ impl<S: SnapshotStore> Fold<S> {
                 }
             })
             .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
-        let outcome = parse_with_deferral(apply, batch, held).await;
+        let outcome = retention::parse_with_deferral(apply, batch, held).await;
         tracing::debug!(
             updates = batch.len(),
             first = ?batch.first().and_then(KvUpdate::revision),
@@ -482,6 +486,8 @@ impl<S: SnapshotStore> Fold<S> {
         self.settle_generation(apply);
         let generation = self.requeued_generation.unwrap_or(apply.generation());
         let mut raw = std::mem::take(&mut self.requeued);
+        // A re-queued intent is replaced by this commit's own.
+        raw.retain(|u| u.key() != ON_APPLIED_KEY);
         raw.extend(batch);
         // A re-queue after a failed commit carries it along.
         if let Some(identity) = self.pending_identity.take() {
@@ -514,6 +520,7 @@ impl<S: SnapshotStore> Fold<S> {
             .carry_positions(&mut raw, cursor)
             .await
             .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
+        let intent = intent::with_intent(apply, cursor, &mut raw);
         debug_assert!(
             cursor.revision_or_zero() >= self.applied.revision_or_zero(),
             "a commit never moves the cursor backward ({:?} after {:?})",
@@ -541,7 +548,7 @@ impl<S: SnapshotStore> Fold<S> {
                     .map_err(|e| AppliedError::Store { streak: 0, last: e })?;
                 self.count_committed(&raw, deferred_now, cursor);
                 crashpoint::hit(crashpoint::FOLD_BEFORE_ON_APPLIED);
-                apply.on_applied(cursor).await;
+                intent::on_applied_with(apply, cursor, intent).await;
                 crashpoint::hit(crashpoint::FOLD_COMMITTED);
                 Ok(None)
             }
@@ -699,59 +706,6 @@ fn entry_of(u: &KvUpdate) -> Base {
     match u {
         KvUpdate::Put(e) => Some(e.clone()),
         KvUpdate::Delete { .. } | KvUpdate::Purge { .. } => None,
-    }
-}
-
-/// Parses and applies `batch` except the updates already `held`, holding back every update that
-/// follows a deferred one of its key (re-parsing without them: the guest applies what the *last*
-/// `parse` accepted). Returns which updates are deferred (held or deferred by the guest). Each
-/// re-parse holds at least one more update, so there are at most `batch.len()` rounds; in the
-/// usual batch (no defer) there is exactly one.
-async fn parse_with_deferral<A: Apply + ?Sized>(
-    apply: &mut A,
-    batch: &[KvUpdate],
-    mut held: Vec<bool>,
-) -> Result<Vec<bool>, ApplyError> {
-    let keys: Vec<&str> = batch.iter().map(KvUpdate::key).collect();
-    loop {
-        let offered: Vec<usize> = (0..batch.len()).filter(|&i| !held[i]).collect();
-        if offered.is_empty() {
-            return Ok(held);
-        }
-        let owned: Vec<KvUpdate>;
-        let sub: &[KvUpdate] = if offered.len() == batch.len() {
-            batch
-        } else {
-            owned = offered.iter().map(|&i| batch[i].clone()).collect();
-            &owned
-        };
-        let verdicts = apply.parse(sub).await?;
-        if verdicts.len() != sub.len() {
-            return Err(ApplyError {
-                applier: apply.describe(),
-                call: "parse",
-                message: format!(
-                    "answered {} verdicts for a batch of {}",
-                    verdicts.len(),
-                    sub.len()
-                ),
-            });
-        }
-        let mut deferred = held.clone();
-        for (j, &i) in offered.iter().enumerate() {
-            if verdicts[j] == Verdict::Defer {
-                deferred[i] = true;
-            }
-        }
-        let later = protocol::held_after_defers(&keys, &deferred);
-        if later.is_empty() {
-            apply.apply(sub, &verdicts).await?;
-            return Ok(deferred);
-        }
-        held = deferred;
-        for i in later {
-            held[i] = true;
-        }
     }
 }
 

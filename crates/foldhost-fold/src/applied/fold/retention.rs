@@ -135,32 +135,10 @@ impl<S: SnapshotStore> Fold<S> {
                 return Ok((0, records.len() as u64));
             }
         };
-        let mut index = RetainedIndex::default();
-        let mut writes = Vec::new();
-        let mut released_last: std::collections::HashMap<&str, Base> = Default::default();
-        for (r, d) in records.iter().zip(&deferred) {
-            let key = r.update.key();
-            if !d {
-                writes.push(r.to_delete());
-                released_last.insert(key, entry_of(&r.update));
-                continue;
-            }
-            let base = if index.is_blocked(key) {
-                None
-            } else {
-                match released_last.get(key) {
-                    Some(b) => Some(b.clone()),
-                    None => old.base(key).cloned(),
-                }
-            };
-            let kept = RetainedRecord { base, ..r.clone() };
-            if kept != *r {
-                writes.push(kept.to_put());
-            }
-            index.insert(kept);
-        }
+        let (index, mut writes) = release_plan(&records, &deferred, &old);
         let released = records.len() - index.len();
         let cursor = self.applied;
+        let intent = super::intent::with_intent(apply, cursor, &mut writes);
         let (_, result) = commit(&self.store, writes, cursor).await?;
         if let Err(e) = result {
             apply.discard();
@@ -182,7 +160,7 @@ impl<S: SnapshotStore> Fold<S> {
             w.clear();
         }
         self.publish_retained().map_err(store_err)?;
-        apply.on_applied(cursor).await;
+        super::intent::on_applied_with(apply, cursor, intent).await;
         tracing::info!(
             event = "record_released",
             released,
@@ -191,4 +169,92 @@ impl<S: SnapshotStore> Fold<S> {
         );
         Ok((released as u64, still))
     }
+}
+
+/// Parses and applies `batch` except the updates already `held`, holding back every update that
+/// follows a deferred one of its key (re-parsing without them: the guest applies what the *last*
+/// `parse` accepted). Returns which updates are deferred (held or deferred by the guest). Each
+/// re-parse holds at least one more update, so there are at most `batch.len()` rounds; in the
+/// usual batch (no defer) there is exactly one.
+pub(super) async fn parse_with_deferral<A: Apply + ?Sized>(
+    apply: &mut A,
+    batch: &[KvUpdate],
+    mut held: Vec<bool>,
+) -> Result<Vec<bool>, ApplyError> {
+    let keys: Vec<&str> = batch.iter().map(KvUpdate::key).collect();
+    loop {
+        let offered: Vec<usize> = (0..batch.len()).filter(|&i| !held[i]).collect();
+        if offered.is_empty() {
+            return Ok(held);
+        }
+        let owned: Vec<KvUpdate>;
+        let sub: &[KvUpdate] = if offered.len() == batch.len() {
+            batch
+        } else {
+            owned = offered.iter().map(|&i| batch[i].clone()).collect();
+            &owned
+        };
+        let verdicts = apply.parse(sub).await?;
+        if verdicts.len() != sub.len() {
+            return Err(ApplyError {
+                applier: apply.describe(),
+                call: "parse",
+                message: format!(
+                    "answered {} verdicts for a batch of {}",
+                    verdicts.len(),
+                    sub.len()
+                ),
+            });
+        }
+        let mut deferred = held.clone();
+        for (j, &i) in offered.iter().enumerate() {
+            if verdicts[j] == Verdict::Defer {
+                deferred[i] = true;
+            }
+        }
+        let later = protocol::held_after_defers(&keys, &deferred);
+        if later.is_empty() {
+            apply.apply(sub, &verdicts).await?;
+            return Ok(deferred);
+        }
+        held = deferred;
+        for i in later {
+            held[i] = true;
+        }
+    }
+}
+
+/// What releasing `records` (those `deferred` stay retained) leaves: the retained index, and the
+/// store writes that get there — each released record removed, each kept one re-based on the
+/// last released value of its key (or `old`'s base) unless a key before it is blocked.
+fn release_plan(
+    records: &[RetainedRecord],
+    deferred: &[bool],
+    old: &RetainedIndex,
+) -> (RetainedIndex, Vec<KvUpdate>) {
+    let mut index = RetainedIndex::default();
+    let mut writes = Vec::new();
+    let mut released_last: std::collections::HashMap<&str, Base> = Default::default();
+    for (r, d) in records.iter().zip(deferred) {
+        let key = r.update.key();
+        if !d {
+            writes.push(r.to_delete());
+            released_last.insert(key, entry_of(&r.update));
+            continue;
+        }
+        let base = if index.is_blocked(key) {
+            None
+        } else {
+            match released_last.get(key) {
+                Some(b) => Some(b.clone()),
+                None => old.base(key).cloned(),
+            }
+        };
+        let kept = RetainedRecord { base, ..r.clone() };
+        if kept != *r {
+            writes.push(kept.to_put());
+        }
+        index.insert(kept);
+    }
+    (index, writes)
 }

@@ -476,6 +476,8 @@ pub struct HostState {
     /// Where a capture of the guest's state writes is found while one runs (a shadow's
     /// comparison): its core's, set after construction.
     pub(crate) capture: super::state::CaptureSlot,
+    /// While `on-applied` runs with an intent: the ids of its writes (`super::replay`).
+    pub(crate) derived: Option<super::replay::DerivedIds>,
 }
 
 impl HostState {
@@ -522,6 +524,7 @@ impl HostState {
             state,
             may_wait: false,
             capture: Default::default(),
+            derived: None,
         }
     }
 

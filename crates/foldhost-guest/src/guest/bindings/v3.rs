@@ -164,6 +164,15 @@ impl HostState {
                 Err(why) => Err(refusal("invalid", why)),
             };
         }
+        // From `on-applied` with an intent, a write without an id of the guest's gets one derived
+        // from the call and the write itself, so calling it again collapses onto this one.
+        let mut options = options;
+        if options.op_id.is_none()
+            && self.call == GuestCall::OnApplied
+            && let Some(ids) = self.derived.as_mut()
+        {
+            options.op_id = Some(ids.next(&bucket, &key, value.as_deref()));
+        }
         let req = self.write_request(key, value, options);
         match writer.write(&lane.decl, req).await {
             Ok(w) => Ok(Written {
