@@ -36,6 +36,8 @@ use stateright::{Checker, HasDiscoveries, Model, Property};
 
 use crate::protocol::{self, ChannelEntry, GuestVersion, Judgement, NodeReport, Rollout, Step};
 
+mod waves;
+
 /// Nodes following the channel (node 0 is the canary of a release that has one).
 const NODES: usize = 2;
 /// Releases published, the first included.
