@@ -104,6 +104,10 @@ pub(crate) const POINTS: &[(&str, &str)] = &[
         "mid-publish: the payload uploaded whole, before the pointer moves",
     ),
     (
+        CHANNEL_BAKE,
+        "a following node's bake: while held, it never reports a release baked (gate only)",
+    ),
+    (
         BOOTSTRAP_BEFORE_PAYLOAD,
         "mid-bootstrap: the pointer read (and its stream checked), before the payload is listed and fetched (hold only)",
     ),
@@ -138,6 +142,9 @@ pub const SWAP_HYDRATING: &str = "swap.hydrating";
 pub const PUBLISH_BEFORE_POINTER: &str = "publish.before-pointer";
 /// Mid-bootstrap, the pointer read, before its payload is fetched.
 pub const BOOTSTRAP_BEFORE_PAYLOAD: &str = "bootstrap.before-payload";
+
+/// A following node's bake (docs/channels.md, "Waves"): a gate ([`gated`]), never a crash.
+pub const CHANNEL_BAKE: &str = "channel.bake";
 
 /// The environment variable that arms a point: `NAME:N`.
 pub const ENV: &str = "FOLDHOST_CRASH_AT";
@@ -183,6 +190,40 @@ pub async fn hold(name: &'static str) {
     while !release.exists() {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
+}
+
+/// Whether the gate `name` is shut: in a `crashpoints` build with `name` held
+/// (`FOLDHOST_HOLD_AT=name:PATH`), the first ask creates `PATH.reached`, and the gate stays shut
+/// until `PATH.release` exists. Unlike [`hold`] it never waits: the caller goes on without what the
+/// gate guards (a node that cannot bake still judges, reports and swaps).
+#[cfg(not(feature = "crashpoints"))]
+#[inline(always)]
+pub fn gated(name: &'static str) -> bool {
+    let _ = name;
+    false
+}
+
+/// Whether the gate `name` is shut: in a `crashpoints` build with `name` held
+/// (`FOLDHOST_HOLD_AT=name:PATH`), the first ask creates `PATH.reached`, and the gate stays shut
+/// until `PATH.release` exists. Unlike [`hold`] it never waits: the caller goes on without what the
+/// gate guards (a node that cannot bake still judges, reports and swaps).
+#[cfg(feature = "crashpoints")]
+pub fn gated(name: &'static str) -> bool {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    static REACHED: AtomicBool = AtomicBool::new(false);
+    let Ok(v) = std::env::var(HOLD_ENV) else {
+        return false;
+    };
+    let Ok((point, path)) = parse_hold(&v) else {
+        return false;
+    };
+    if point != name {
+        return false;
+    }
+    if !REACHED.swap(true, Ordering::Relaxed) {
+        let _ = std::fs::write(format!("{path}.reached"), name);
+    }
+    !std::path::Path::new(&format!("{path}.release")).exists()
 }
 
 /// Parses `NAME:PATH` (the value of [`HOLD_ENV`]): the point must be one of [`POINTS`].

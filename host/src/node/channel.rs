@@ -448,6 +448,7 @@ impl Follower {
         let digest = &entry.desired.digest;
         self.running.digest == *digest
             && failures(&self.status) <= self.failures_at_swap
+            && !crate::crashpoint::gated(crate::crashpoint::CHANNEL_BAKE)
             && (self.running_since.elapsed() >= Duration::from_secs(entry.bake_s)
                 || self.baked_kept.as_ref() == Some(&(release, digest.clone())))
     }

@@ -151,9 +151,21 @@ impl Node {
         tmp: &std::path::Path,
         name: &str,
     ) -> anyhow::Result<Self> {
+        Self::start_with(h, bucket, tmp, name, &[]).await
+    }
+
+    /// [`Node::start`] with `env` set for the node's process.
+    pub(crate) async fn start_with(
+        h: &Harness,
+        bucket: &str,
+        tmp: &std::path::Path,
+        name: &str,
+        env: &[(&str, String)],
+    ) -> anyhow::Result<Self> {
         let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
         let child = run_command(h, bucket, &tmp.join(name), Some(&addr))
             .args(["--guest-channel", CHANNEL, "--node-id", name])
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .stderr(Stdio::null())
             .spawn()?;
         let s = wait_status(&addr, |s| s.guest_channel.is_some()).await?;

@@ -21,6 +21,8 @@ use foldhost_tests::{Harness, guest_wasm, wait_status};
 use crate::channel::{CHANNEL, Node, STABLE, digest, guest_status_until, publish, renamed};
 
 const WAVES: &str = "1,10%,50%,100%";
+/// The four nodes' names.
+const NODES: [&str; 4] = ["n0", "n1", "n2", "n3"];
 
 /// A bucket of stable keys, v1 (`kvstore`) published, and four nodes following it, each of whose
 /// reports is on the bus (the nodes a publish resolves its waves over); the channel's bus.
@@ -28,6 +30,7 @@ async fn four(
     h: &Harness,
     bucket: &str,
     tmp: &std::path::Path,
+    env_of: impl Fn(&str) -> Vec<(&'static str, String)>,
 ) -> anyhow::Result<(String, Vec<Node>, ChannelBus)> {
     let kv = h.bucket(bucket).await?;
     for i in 0..STABLE {
@@ -37,8 +40,8 @@ async fn four(
     let v1 = digest(&std::fs::read(guest_wasm("kvstore"))?);
     publish(h, &guest_wasm("kvstore"), &[])?;
     let mut nodes = Vec::new();
-    for name in ["n0", "n1", "n2", "n3"] {
-        nodes.push(Node::start(h, bucket, tmp, name).await?);
+    for name in NODES {
+        nodes.push(Node::start_with(h, bucket, tmp, name, &env_of(name)).await?);
     }
     for n in &nodes {
         n.runs(&v1).await?;
@@ -164,7 +167,7 @@ async fn a_clean_version_reaches_each_wave_only_after_every_node_of_the_earlier_
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let tmp = tempfile::tempdir()?;
-    let (_v1, mut nodes, bus) = four(&h, "waveclean", tmp.path()).await?;
+    let (_v1, mut nodes, bus) = four(&h, "waveclean", tmp.path(), |_| Vec::new()).await?;
     // kvstore again as other bytes: a version that behaves well.
     let file = tmp.path().join("v2.wasm");
     std::fs::write(
@@ -208,16 +211,38 @@ async fn a_version_that_traps_in_wave_two_halts_the_release_and_waves_three_and_
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let tmp = tempfile::tempdir()?;
-    let (v1, mut nodes, bus) = four(&h, "wavetrap", tmp.path()).await?;
-    // hostile-trap answers like kvstore, but traps on a query for `trap.me`. The bake (30 s) is
-    // the room the test has to make wave 2's node trap after its swap and before it bakes.
+    // hostile-trap answers like kvstore, but traps on a query for `trap.me`. The node its waves
+    // put second (the same ranking the publish resolves them by) starts with its bake gated shut
+    // (`channel.bake`): it swaps, runs and reports, but never bakes, so the trap comes before its
+    // bake whatever the machine's pace.
     let trap = digest(&std::fs::read(guest_wasm("hostile_trap"))?);
+    let names: Vec<String> = NODES.iter().map(|n| n.to_string()).collect();
+    let specs: Vec<String> = WAVES.split(',').map(String::from).collect();
+    let planned =
+        protocol::resolve_waves(&specs, &names, &[], &trap).map_err(|e| anyhow::anyhow!("{e}"))?;
+    let gated = planned[1].nodes[0].clone();
+    let gate = tmp.path().join("bake-gate");
+    let (v1, mut nodes, bus) = four(&h, "wavetrap", tmp.path(), |name| {
+        if name == gated {
+            let held = format!("{}:{}", foldhost::crashpoint::CHANNEL_BAKE, gate.display());
+            vec![(foldhost::crashpoint::HOLD_ENV, held)]
+        } else {
+            Vec::new()
+        }
+    })
+    .await?;
     let release = publish(
         &h,
         &guest_wasm("hostile_trap"),
-        &["--waves", WAVES, "--bake", "30s"],
+        &["--waves", WAVES, "--bake", "1s"],
     )?;
     let entry = waved_release(&bus, release).await?;
+    assert_eq!(
+        entry.waves[1].nodes,
+        std::slice::from_ref(&gated),
+        "{:?}",
+        entry.waves
+    );
     let observer = Observer::start(&h, &nodes, release, entry.clone()).await?;
     let node = |name: &str| {
         nodes
@@ -274,5 +299,7 @@ async fn a_version_that_traps_in_wave_two_halts_the_release_and_waves_three_and_
     for n in &mut nodes {
         n.never_restarted().await?;
     }
+    let reached = std::path::PathBuf::from(format!("{}.reached", gate.display()));
+    assert!(reached.exists(), "{gated} asked its bake gate");
     Ok(())
 }
