@@ -72,14 +72,17 @@ pub fn read_checkpoint<S: SnapshotStore + ?Sized>(
 /// operation ids are minted at, so a restart calls `on-applied` again with the same ids.
 pub const ON_APPLIED_KEY: &str = "\u{1}on-applied";
 
-/// An `on-applied` intent ([`ON_APPLIED_KEY`]): the revision `on-applied` reports and the instant
-/// (Unix milliseconds) the operation ids of its writes are minted at.
+/// An `on-applied` intent ([`ON_APPLIED_KEY`]): the revision `on-applied` reports, the instant
+/// (Unix milliseconds) the operation ids of its writes are minted at, and a random nonce those ids
+/// are derived with (so no one outside the host can predict them).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct AppliedIntent {
     /// The committed cursor's revision `on-applied` reports.
     pub revision: u64,
     /// When the ids of its writes are minted (the commit's clock), Unix milliseconds.
     pub minted_unix_ms: u64,
+    /// Random, drawn at the commit.
+    pub nonce: u64,
 }
 
 /// Format tag and version of an encoded intent.
@@ -91,6 +94,7 @@ impl AppliedIntent {
         let mut value = INTENT_TAG.to_vec();
         value.extend_from_slice(&self.revision.to_be_bytes());
         value.extend_from_slice(&self.minted_unix_ms.to_be_bytes());
+        value.extend_from_slice(&self.nonce.to_be_bytes());
         KvUpdate::Put(KvEntry {
             key: ON_APPLIED_KEY.into(),
             value: Bytes::from(value),
@@ -100,14 +104,18 @@ impl AppliedIntent {
 
     /// Decodes a recorded intent (`None`: bytes that are not one).
     pub fn from_bytes(v: &[u8]) -> Option<Self> {
-        if v.len() != 18 || v.get(..2)? != INTENT_TAG {
+        if v.len() != 26 || v.get(..2)? != INTENT_TAG {
             return None;
         }
-        let revision = u64::from_be_bytes(<[u8; 8]>::try_from(v.get(2..10)?).ok()?);
-        let minted_unix_ms = u64::from_be_bytes(<[u8; 8]>::try_from(v.get(10..18)?).ok()?);
+        let word = |at: usize| -> Option<u64> {
+            Some(u64::from_be_bytes(
+                <[u8; 8]>::try_from(v.get(at..at + 8)?).ok()?,
+            ))
+        };
         Some(AppliedIntent {
-            revision,
-            minted_unix_ms,
+            revision: word(2)?,
+            minted_unix_ms: word(10)?,
+            nonce: word(18)?,
         })
     }
 }
@@ -550,6 +558,7 @@ mod tests {
         let i = AppliedIntent {
             revision: 41,
             minted_unix_ms: 1_700_000_000_123,
+            nonce: 0x0123_4567_89ab_cdef,
         };
         let KvUpdate::Put(e) = i.to_put() else {
             panic!("an intent is a put");
@@ -557,7 +566,7 @@ mod tests {
         assert_eq!(e.key, ON_APPLIED_KEY);
         assert!(is_reserved(&e.key));
         assert_eq!(AppliedIntent::from_bytes(&e.value), Some(i));
-        assert_eq!(AppliedIntent::from_bytes(&e.value[..17]), None);
+        assert_eq!(AppliedIntent::from_bytes(&e.value[..25]), None);
         let mut other = e.value.to_vec();
         other[1] = 2;
         assert_eq!(AppliedIntent::from_bytes(&other), None);

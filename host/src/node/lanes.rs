@@ -239,20 +239,30 @@ impl StateWriter for LaneWriter {
             };
             use base64::Engine as _;
             // Minted here when the guest gave none, so a write that runs out of time still names
-            // the id to retry with.
-            let minted = req.op_id.is_none().then(crate::write::mint);
+            // the id to retry with; an id the host derived for a first attempt is published as
+            // one it minted (docs/state.md, "Writes from `on-applied`").
+            let derived = req
+                .op_id
+                .as_deref()
+                .filter(|_| req.host_minted)
+                .and_then(|id| crate::protocol::OpId::parse(id).ok());
+            let minted = match derived {
+                Some(id) => Some(id),
+                None => req.op_id.is_none().then(crate::write::mint),
+            };
             let op_id = req
                 .op_id
                 .clone()
                 .or_else(|| minted.as_ref().map(ToString::to_string))
                 .unwrap_or_default();
+            let given = if minted.is_some() { None } else { req.op_id };
             let request = crate::write::WriteRequest {
                 key: req.key,
                 op: req.value.is_none().then(|| "delete".to_string()),
                 value_base64: req
                     .value
                     .map(|v| base64::engine::general_purpose::STANDARD.encode(v)),
-                op_id: req.op_id,
+                op_id: given,
                 if_revision: req.if_revision,
                 // Waits for this node's fold of the bucket only where the guest may
                 // (`StateWriteRequest::wait`: from `query` on the query instance).

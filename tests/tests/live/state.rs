@@ -844,21 +844,8 @@ async fn a_state_bucket_whose_values_age_out_is_refused_at_start_in_one_line_nam
     Ok(())
 }
 
-/// The guest's log of its state writes (`{"op":"log"}`): each mirror write's outcome.
-async fn writes_of(node: &Node) -> anyhow::Result<Vec<String>> {
-    let log = node.ask(json!({"op": "log"})).await?;
-    Ok(log["writes"]
-        .as_array()
-        .map(|w| {
-            w.iter()
-                .filter_map(|v| v.as_str().map(String::from))
-                .collect()
-        })
-        .unwrap_or_default())
-}
-
 /// The mirror guest (`state_owner`, `mirror/K` of the main bucket → `K` in its `notes`) killed
-/// between the commit of the batch that carries two mirror keys and its `on-applied`: the
+/// between the commit of the batch that carries a mirror key and its `on-applied`: the
 /// restart calls `on-applied` again for that commit, and each write lands once; a second restart
 /// calls it again, and what it writes again (`extra` may make it write everything again) is
 /// answered from the ledger by its derived operation id, never published twice.
@@ -869,7 +856,6 @@ async fn crash_before_on_applied_then_restart_twice(
     let h = Harness::start().await?;
     let kv = h.conn.bucket(main, &BucketConfig::default()).await?;
     kv.put("mirror/a", "1".into()).await?;
-    kv.put("mirror/b", "2".into()).await?;
     let store = tempfile::tempdir()?;
     let run = |listen: Option<&str>| {
         let mut c = run_command(&h, main, store.path(), listen);
@@ -879,13 +865,13 @@ async fn crash_before_on_applied_then_restart_twice(
             .env("FOLDHOST_LOG", "info");
         c
     };
-    // The state buckets are empty, so the first commit is the main bucket's: it carries
-    // `mirror/a`, and `mirror/b` too unless the fold cut its batch between them.
+    // The state buckets are empty, so the first commit is the main bucket's, of its one record.
     run_to_crash(run(None), foldhost::crashpoint::FOLD_BEFORE_ON_APPLIED, 1)?;
     let cursor = status_store(store.path())?.cursor;
-    anyhow::ensure!(
-        cursor >= Some(1),
-        "a main batch with a mirror key is committed before the crash, not {cursor:?}"
+    assert_eq!(
+        cursor,
+        Some(1),
+        "the main batch is committed before the crash"
     );
     assert_eq!(
         last_sequence(&h.conn, NOTES).await?,
@@ -900,10 +886,7 @@ async fn crash_before_on_applied_then_restart_twice(
             addr,
         };
         wait_status(&node.addr, level).await?;
-        let seen = wait_seen(&node, "notes", |s| {
-            s["entries"]["a"] == "1" && s["entries"]["b"] == "2"
-        })
-        .await?;
+        let seen = wait_seen(&node, "notes", |s| s["entries"]["a"] == "1").await?;
         anyhow::ensure!(seen["violations"] == json!([]), "{seen}");
         // Said once the call made again has returned: its writes are answered by then. The main
         // fold's commit comes first among them.
@@ -911,15 +894,8 @@ async fn crash_before_on_applied_then_restart_twice(
         anyhow::ensure!(replayed.contains("(main)"), "restart {restart}: {replayed}");
         assert_eq!(
             last_sequence(&h.conn, NOTES).await?,
-            2,
-            "restart {restart}: each mirror write is on the log once"
-        );
-        let writes = writes_of(&node).await?;
-        anyhow::ensure!(
-            writes
-                .iter()
-                .all(|w| w.contains(":applied:") || w.contains(":pending:")),
-            "restart {restart}: every write made again is durable, none refused or unknown: {writes:?}"
+            1,
+            "restart {restart}: the mirror write is on the log once"
         );
         node.stop()?;
     }
@@ -980,11 +956,42 @@ async fn an_on_applied_that_traps_part_way_is_called_again_and_each_of_its_write
         2,
         "each mirror write is on the log once, the one made before the trap included"
     );
-    let writes = writes_of(&node).await?;
-    anyhow::ensure!(
-        writes.iter().all(|w| !w.contains(":refused:")),
-        "no write made again is refused (an id names the same write): {writes:?}"
-    );
     node.stop()?;
+    Ok(())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_on_applied_write_is_published_as_new_even_while_its_key_was_just_written()
+-> anyhow::Result<()> {
+    let h = Harness::start().await?;
+    let config = BucketConfig {
+        max_history: 8,
+        ..BucketConfig::default()
+    };
+    let kv = h.conn.bucket("first_writes", &config).await?;
+    kv.put("seed", "1".into()).await?;
+    let store = tempfile::tempdir()?;
+    let addr = format!("127.0.0.1:{}", reserved_port()?);
+    let mut c = run_command(&h, "first_writes", store.path(), Some(&addr));
+    c.arg("--guest").arg(guest_wasm("state_owner"));
+    let (child, _lines) = spawn_logged(c)?;
+    let node = Node {
+        child: Some(child),
+        addr,
+    };
+    wait_status(&node.addr, level).await?;
+    // Two values of one key, back to back: the second mirror write comes while this node's fold of
+    // `notes` may not have passed the first (it waits for the main loop, which makes the writes).
+    kv.put("mirror/a", "1".into()).await?;
+    kv.put("mirror/a", "2".into()).await?;
+    let seen = wait_seen(&node, "notes", |s| s["entries"]["a"] == "2").await?;
+    anyhow::ensure!(seen["violations"] == json!([]), "{seen}");
+    // Judged as a retry, the second would be answered `unknown` (the fold of `notes` behind its
+    // key) and never published: `a` would stay `1`.
+    assert_eq!(
+        last_sequence(&h.conn, NOTES).await?,
+        2,
+        "each write is on the log once"
+    );
     Ok(())
 }

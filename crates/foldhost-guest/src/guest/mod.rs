@@ -292,6 +292,14 @@ impl Core {
             .unwrap_or_default()
     }
 
+    /// Whether a capture runs.
+    fn capturing(&self) -> bool {
+        self.capture
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .is_some()
+    }
+
     /// Ends the capture: writes are published again.
     fn end_capture(&self) {
         *self
@@ -424,7 +432,7 @@ impl GuestApply {
         };
         let revision = cursor.revision_or_zero();
         match self
-            .call_on_applied(&mut live, bucket, revision, intent)
+            .call_on_applied(&mut live, bucket, revision, intent.map(|i| (i, false)))
             .await
         {
             Ok(()) => self.live = Some(live),
@@ -460,13 +468,13 @@ impl GuestApply {
             Some(l) => l,
             None => self.core.fresh().await?,
         };
-        let l = self.hydrated(l).await?;
-        match self.replay_due(l).await? {
-            Some(l) => Ok(l),
-            // A call made again failed and took its instance along: a fresh one serves this call.
-            None => {
-                let l = self.core.fresh().await?;
-                self.hydrated(l).await
+        let mut l = self.hydrated(l).await?;
+        // A call made again that fails takes its instance along and is not made again: a fresh
+        // one makes the rest. Each turn makes one fewer, so this ends.
+        loop {
+            match self.replay_due(l).await? {
+                Some(l) => return Ok(l),
+                None => l = self.hydrated(self.core.fresh().await?).await?,
             }
         }
     }
@@ -665,6 +673,7 @@ impl Apply for GuestApply {
         self.hydrations += 1;
         self.core.link.set_generation(self.hydrations);
         self.last_hydration = Some(stats);
+        self.drop_owed();
         Ok(Box::new(retired))
     }
 

@@ -30,6 +30,8 @@ use crate::protocol::GuestCall;
 /// The ids of one `on-applied` call's writes, derived from its intent.
 pub(crate) struct DerivedIds {
     minted_unix_ms: u64,
+    /// The call is made again (its writes are retries of the first call's).
+    replay: bool,
     /// BLAKE3 of the guest's name, the reported bucket and revision: what every write of the call
     /// shares.
     call: blake3::Hasher,
@@ -38,8 +40,9 @@ pub(crate) struct DerivedIds {
 }
 
 impl DerivedIds {
-    /// The ids of `on-applied(bucket, intent.revision)` of the guest `guest`.
-    pub(crate) fn new(guest: &str, bucket: &str, intent: AppliedIntent) -> Self {
+    /// The ids of `on-applied(bucket, intent.revision)` of the guest `guest`, made for the first
+    /// time or again (`replay`).
+    pub(crate) fn new(guest: &str, bucket: &str, intent: AppliedIntent, replay: bool) -> Self {
         let mut call = blake3::Hasher::new();
         call.update(b"foldhost on-applied op id\0");
         for part in [guest.as_bytes(), bucket.as_bytes()] {
@@ -47,11 +50,18 @@ impl DerivedIds {
             call.update(part);
         }
         call.update(&intent.revision.to_be_bytes());
+        call.update(&intent.nonce.to_be_bytes());
         DerivedIds {
             minted_unix_ms: intent.minted_unix_ms,
+            replay,
             call,
             made: BTreeMap::new(),
         }
+    }
+
+    /// Whether the call is made again.
+    pub(crate) fn replay(&self) -> bool {
+        self.replay
     }
 
     /// The id of the next write of `key` to `bucket` (as the guest names it): a put of `value`, or
@@ -101,11 +111,13 @@ pub(crate) struct Replays {
 }
 
 impl Replays {
-    /// `on-applied(bucket)` with `intent` failed: make it again on the next fresh instance (once,
-    /// replacing an older one of the bucket).
+    /// `on-applied(bucket)` with `intent` failed (or could not be made): make it again on the next
+    /// fresh instance. One already owed for the bucket is kept: its writes may have landed under
+    /// its ids, and the call made again under them collapses onto them.
     pub(crate) fn failed(&mut self, bucket: &str, intent: AppliedIntent) {
-        self.due.retain(|(b, _)| b != bucket);
-        self.due.push((bucket.to_string(), intent));
+        if !self.due.iter().any(|(b, _)| b == bucket) {
+            self.due.push((bucket.to_string(), intent));
+        }
     }
 }
 
@@ -117,11 +129,11 @@ impl super::GuestApply {
         live: &mut Live,
         bucket: &str,
         revision: u64,
-        intent: Option<AppliedIntent>,
+        intent: Option<(AppliedIntent, bool)>,
     ) -> Result<(), ApplyError> {
         self.core.arm(live, GuestCall::OnApplied);
         live.store.data_mut().derived =
-            intent.map(|i| DerivedIds::new(&self.core.manifest.name, bucket, i));
+            intent.map(|(i, again)| DerivedIds::new(&self.core.manifest.name, bucket, i, again));
         let called = self
             .core
             .within(
@@ -139,7 +151,9 @@ impl super::GuestApply {
 
     /// The `on-applied` calls a fresh, hydrated instance owes (the intents the folds' last commits
     /// recorded, at the first hydration; the calls that failed since, afterwards), made on it in
-    /// order. `None` when one failed again: the instance is gone, and the call is not retried.
+    /// order. `None` when one failed again: the instance is gone, that call is not retried, and
+    /// the rest stay owed. While a capture runs (a shadow's comparison), nothing is made: a write
+    /// would be captured, not published, so the calls stay owed.
     pub(super) async fn replay_due(&mut self, mut live: Live) -> Result<Option<Live>, ApplyError> {
         if !self.replays.read {
             if self.core.link.records_intents() {
@@ -147,22 +161,31 @@ impl super::GuestApply {
             }
             self.replays.read = true;
         }
-        for (bucket, intent) in std::mem::take(&mut self.replays.due) {
+        if self.core.capturing() {
+            return Ok(Some(live));
+        }
+        while !self.replays.due.is_empty() {
+            let (bucket, intent) = self.replays.due.remove(0);
             let shown = if bucket.is_empty() { "(main)" } else { &bucket };
-            match self
-                .call_on_applied(&mut live, &bucket, intent.revision, Some(intent))
-                .await
-            {
-                Ok(()) => {
-                    tracing::info!(event = "on_applied_replayed", guest = %self.core.describe(), bucket = shown, revision = intent.revision, "on-applied called again for a commit whose writes were not known to have landed");
-                }
-                Err(err) => {
-                    tracing::warn!(event = "on_applied_replay_failed", guest = %self.core.describe(), bucket = shown, revision = intent.revision, error = %err, "on-applied failed again when called for a commit whose writes were not known to have landed; not retried");
-                    return Ok(None);
-                }
+            let called = self
+                .call_on_applied(&mut live, &bucket, intent.revision, Some((intent, true)))
+                .await;
+            if let Err(err) = called {
+                tracing::warn!(event = "on_applied_replay_failed", guest = %self.core.describe(), bucket = shown, revision = intent.revision, error = %err, "on-applied failed again when called for a commit whose writes were not known to have landed; not retried");
+                return Ok(None);
             }
+            tracing::info!(event = "on_applied_replayed", guest = %self.core.describe(), bucket = shown, revision = intent.revision, "on-applied called again for a commit whose writes were not known to have landed");
         }
         Ok(Some(live))
+    }
+
+    /// A swap cut over: the calls the replaced version owed are not made by the new one (its
+    /// instance was hydrated at the cut-over, and its code is not the code that owed them).
+    pub(super) fn drop_owed(&mut self) {
+        for (bucket, intent) in std::mem::take(&mut self.replays.due) {
+            let shown = if bucket.is_empty() { "(main)" } else { &bucket };
+            tracing::warn!(event = "on_applied_replay_dropped", guest = %self.core.describe(), bucket = shown, revision = intent.revision, "a swap cut over before on-applied was called again for a commit whose writes were not known to have landed");
+        }
     }
 
     /// The intents the folds' last commits recorded: the main fold's, then each state bucket's in
@@ -193,13 +216,14 @@ mod tests {
         AppliedIntent {
             revision,
             minted_unix_ms: 1_700_000_000_000,
+            nonce: 7,
         }
     }
 
     #[test]
     fn the_same_write_at_the_same_cursor_gets_the_same_id_and_any_other_write_another() {
-        let mut first = DerivedIds::new("mirror", "", intent(7));
-        let mut again = DerivedIds::new("mirror", "", intent(7));
+        let mut first = DerivedIds::new("mirror", "", intent(7), false);
+        let mut again = DerivedIds::new("mirror", "", intent(7), false);
         let a = first.next("notes", "a", Some(b"1"));
         // A replay that skips a write the first run made still names the next one alike.
         let b = first.next("notes", "b", Some(b"2"));
@@ -207,12 +231,12 @@ mod tests {
         assert_eq!(again.next("notes", "a", Some(b"1")), a);
         assert_ne!(a, b);
         for other in [
-            DerivedIds::new("mirror", "", intent(8)).next("notes", "a", Some(b"1")),
-            DerivedIds::new("mirror", "notes", intent(7)).next("notes", "a", Some(b"1")),
-            DerivedIds::new("other", "", intent(7)).next("notes", "a", Some(b"1")),
-            DerivedIds::new("mirror", "", intent(7)).next("notes", "a", Some(b"2")),
-            DerivedIds::new("mirror", "", intent(7)).next("notes", "a", None),
-            DerivedIds::new("mirror", "", intent(7)).next("other", "a", Some(b"1")),
+            DerivedIds::new("mirror", "", intent(8), false).next("notes", "a", Some(b"1")),
+            DerivedIds::new("mirror", "notes", intent(7), false).next("notes", "a", Some(b"1")),
+            DerivedIds::new("other", "", intent(7), false).next("notes", "a", Some(b"1")),
+            DerivedIds::new("mirror", "", intent(7), false).next("notes", "a", Some(b"2")),
+            DerivedIds::new("mirror", "", intent(7), false).next("notes", "a", None),
+            DerivedIds::new("mirror", "", intent(7), false).next("other", "a", Some(b"1")),
         ] {
             assert_ne!(other, a);
         }
@@ -220,7 +244,7 @@ mod tests {
 
     #[test]
     fn a_write_repeated_in_one_call_gets_a_new_id_each_time() {
-        let mut ids = DerivedIds::new("g", "", intent(3));
+        let mut ids = DerivedIds::new("g", "", intent(3), false);
         let put = ids.next("notes", "k", Some(b"v"));
         let del = ids.next("notes", "k", None);
         let put_again = ids.next("notes", "k", Some(b"v"));
@@ -230,7 +254,7 @@ mod tests {
 
     #[test]
     fn a_derived_id_is_a_uuidv7_of_the_intents_instant() {
-        let id = DerivedIds::new("g", "", intent(3)).next("notes", "k", Some(b"v"));
+        let id = DerivedIds::new("g", "", intent(3), false).next("notes", "k", Some(b"v"));
         let u = uuid::Uuid::parse_str(&id).expect("a uuid");
         assert_eq!(u.get_version_num(), 7);
         let (secs, nanos) = u.get_timestamp().expect("a timestamp").to_unix();
@@ -241,14 +265,26 @@ mod tests {
     }
 
     #[test]
-    fn a_failed_call_is_due_once_with_its_latest_intent() {
+    fn a_failed_call_is_due_once_with_its_oldest_intent() {
         let mut r = Replays::default();
         r.failed("", intent(3));
         r.failed("notes", intent(4));
         r.failed("", intent(5));
         assert_eq!(
             r.due,
-            vec![("notes".to_string(), intent(4)), (String::new(), intent(5))]
+            vec![(String::new(), intent(3)), ("notes".to_string(), intent(4))]
+        );
+    }
+
+    #[test]
+    fn another_nonce_gives_every_write_another_id() {
+        let other = AppliedIntent {
+            nonce: 8,
+            ..intent(7)
+        };
+        assert_ne!(
+            DerivedIds::new("g", "", intent(7), false).next("notes", "a", Some(b"1")),
+            DerivedIds::new("g", "", other, false).next("notes", "a", Some(b"1"))
         );
     }
 }

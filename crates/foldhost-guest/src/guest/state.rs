@@ -37,6 +37,9 @@ pub struct StateWriteRequest {
     pub value: Option<Vec<u8>>,
     /// The caller's operation id, if any (the writer mints one otherwise).
     pub op_id: Option<String>,
+    /// `op_id` is the host's own, derived for this write's first attempt (a first `on-applied`
+    /// call's, docs/state.md): the writer publishes it as an id it minted, not as a retry.
+    pub host_minted: bool,
     /// Compare-and-set revision (0: absent).
     pub if_revision: Option<u64>,
     /// How long the writer may take, at most (within what is left of the guest call's deadline):

@@ -13,7 +13,8 @@ use super::super::Apply;
 use super::now_unix_ms;
 
 /// The intent a commit that ends in `on-applied` at `cursor` records, added to `records`, for an
-/// applier that records them ([`Apply::records_intents`]): the cursor's revision and now.
+/// applier that records them ([`Apply::records_intents`]): the cursor's revision, now, and a
+/// random nonce.
 pub(super) fn with_intent<A: Apply + ?Sized>(
     apply: &A,
     cursor: WatchCursor,
@@ -22,6 +23,7 @@ pub(super) fn with_intent<A: Apply + ?Sized>(
     let intent = apply.records_intents().then(|| AppliedIntent {
         revision: cursor.revision_or_zero(),
         minted_unix_ms: now_unix_ms(),
+        nonce: rand::random(),
     });
     records.extend(intent.map(AppliedIntent::to_put));
     intent

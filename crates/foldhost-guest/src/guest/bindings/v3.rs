@@ -164,16 +164,7 @@ impl HostState {
                 Err(why) => Err(refusal("invalid", why)),
             };
         }
-        // From `on-applied` with an intent, a write without an id of the guest's gets one derived
-        // from the call and the write itself, so calling it again collapses onto this one.
-        let mut options = options;
-        if options.op_id.is_none()
-            && self.call == GuestCall::OnApplied
-            && let Some(ids) = self.derived.as_mut()
-        {
-            options.op_id = Some(ids.next(&bucket, &key, value.as_deref()));
-        }
-        let req = self.write_request(key, value, options);
+        let req = self.request_of(&bucket, key, value, options);
         match writer.write(&lane.decl, req).await {
             Ok(w) => Ok(Written {
                 outcome: match w.outcome {
@@ -186,6 +177,30 @@ impl HostState {
             }),
             Err(r) => Err(refusal(&r.reason, r.message)),
         }
+    }
+
+    /// The request of an admitted write to `bucket`: from `on-applied` with an intent, a write
+    /// without an id of the guest's gets one derived from the call and the write itself
+    /// (`super::super::replay`), so calling it again collapses onto this one; a first call's is
+    /// published as new, only a call made again retries.
+    fn request_of(
+        &mut self,
+        bucket: &str,
+        key: String,
+        value: Option<Vec<u8>>,
+        mut options: WriteOptions,
+    ) -> StateWriteRequest {
+        let mut host_minted = false;
+        if options.op_id.is_none()
+            && self.call == GuestCall::OnApplied
+            && let Some(ids) = self.derived.as_mut()
+        {
+            options.op_id = Some(ids.next(bucket, &key, value.as_deref()));
+            host_minted = !ids.replay();
+        }
+        let mut req = self.write_request(key, value, options);
+        req.host_minted = host_minted;
+        req
     }
 
     /// The request an admitted write is handed to the writer as, with what is left of the call.
@@ -211,6 +226,7 @@ impl HostState {
             key,
             value,
             op_id: options.op_id,
+            host_minted: false,
             if_revision: options.if_revision,
             within,
             wait,
