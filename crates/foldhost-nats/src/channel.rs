@@ -330,6 +330,10 @@ impl ChannelBus {
         let value: bytes::Bytes = serde_json::to_vec(entry)
             .map_err(|e| bus("encode the release entry", e))?
             .into();
+        // Never write an entry every reader would refuse (a node name from a forged report, too
+        // many of them): the fleet would stop following, and the next publish could not read it.
+        protocol::decode_entry(&value)
+            .map_err(|why| bus("check the release entry before writing it", why))?;
         let op = format!("write {key}");
         timed(&op, self.timeout, async {
             let r = match expected {

@@ -96,13 +96,13 @@ pub struct GuestPublishArgs {
     /// `100%`: every other node, known now or not). Each wave opens only once every node of the
     /// earlier ones ran the version cleanly for `--bake`; a wave that would add no node adds one
     /// while any is left.
-    #[arg(long, value_delimiter = ',', value_name = "WAVES")]
+    #[arg(long, value_delimiter = ',', value_name = "WAVES", requires = "bake")]
     pub waves: Vec<String>,
     /// How long each node of a wave runs the version cleanly before the next wave opens, in
     /// seconds (or `10m`), by each node's own clock; at most a week.
-    #[arg(long, value_name = "SECS", default_value_t = 0, requires = "waves",
+    #[arg(long, value_name = "SECS", requires = "waves",
           value_parser = super::units::secs_within::<0, { protocol::MAX_BAKE_S }>)]
-    pub bake: u64,
+    pub bake: Option<u64>,
     /// The channel.
     #[command(flatten)]
     pub channel: ChannelArgs,
@@ -220,7 +220,7 @@ async fn publish(a: GuestPublishArgs) -> anyhow::Result<()> {
         tolerance: a.tolerance,
         published_unix_ms: crate::status::now_unix_ms(),
         waves,
-        bake_s: a.bake,
+        bake_s: a.bake.unwrap_or(0),
     };
     bus.put_component(&entry.desired, &bytes).await?;
     let mut release = bus

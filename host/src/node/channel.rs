@@ -307,12 +307,22 @@ impl Follower {
             }
             ChannelChange::Report(node, Err(why)) => {
                 tracing::warn!(event = "channel_record_undecodable", key = %protocol::report_key(&self.gc.channel, &node), error = %why, "a node report does not decode; left out");
+                self.own_report_lost(&node);
                 self.reports.remove(&node);
             }
             ChannelChange::ReportGone(node) => {
+                self.own_report_lost(&node);
                 self.reports.remove(&node);
             }
             ChannelChange::Current => {}
+        }
+    }
+
+    /// `node`'s report left the bus (deleted, purged or overwritten with what does not decode):
+    /// when it is this node's, it is written again, so a halt or a bake it reported stands.
+    fn own_report_lost(&mut self, node: &str) {
+        if node == self.gc.node {
+            self.written = None;
         }
     }
 

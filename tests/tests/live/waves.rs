@@ -301,5 +301,35 @@ async fn a_version_that_traps_in_wave_two_halts_the_release_and_waves_three_and_
     }
     let reached = std::path::PathBuf::from(format!("{}.reached", gate.display()));
     assert!(reached.exists(), "{gated} asked its bake gate");
+    // A halt stands when its report is deleted from the bus: the halting node writes it again,
+    // and no node leaves the last good version meanwhile.
+    let js = async_nats::jetstream::new(h.conn.client().await?);
+    let channels = js.get_key_value(ChannelBuckets::default().channels).await?;
+    let key = protocol::report_key(CHANNEL, &nodes[second].name);
+    channels.delete(&key).await?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let back = channels.get(&key).await?.is_some_and(|bytes| {
+            serde_json::from_slice::<protocol::NodeReport>(&bytes)
+                .is_ok_and(|r| r.release == release && r.outcome == protocol::Judgement::Trapped)
+        });
+        if back {
+            break;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "{key} was never written again"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    for n in &nodes {
+        let s = wait_status(&n.addr, |_| true).await?;
+        let c = s.guest_channel.as_ref();
+        assert_eq!(c.map(|c| c.state.as_str()), Some("halted"), "{}", n.name);
+        assert_eq!(
+            c.and_then(|c| c.running_digest.as_deref()),
+            Some(v1.as_str())
+        );
+    }
     Ok(())
 }

@@ -570,6 +570,9 @@ pub fn decode_entry(bytes: &[u8]) -> Result<ChannelEntry, String> {
 /// Decodes a node report written under `node`'s key: refused when larger than
 /// [`MAX_CHANNEL_RECORD`], unparsable, or naming another node than its key.
 pub fn decode_report(node: &str, bytes: &[u8]) -> Result<NodeReport, String> {
+    if let Some(why) = name_refusal("report of node", node) {
+        return Err(why);
+    }
     if bytes.len() > MAX_CHANNEL_RECORD {
         return Err(format!(
             "report of {node}: {} bytes (most {MAX_CHANNEL_RECORD})",

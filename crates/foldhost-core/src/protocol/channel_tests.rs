@@ -499,3 +499,16 @@ fn a_report_without_baked_decodes_as_not_baked() {
     let back = decode_report("n1", json.to_string().as_bytes()).expect("decodes");
     assert!(!back.baked);
 }
+
+#[test]
+fn a_report_under_a_key_that_is_no_node_name_is_refused() {
+    for node in ["a.b", "=x", "", "n*"] {
+        let report = format!(
+            r#"{{"node":"{node}","release":1,"outcome":"clean","detail":"","running":null,"unix_ms":0}}"#
+        );
+        assert!(
+            decode_report(node, report.as_bytes()).is_err(),
+            "{node:?} is refused"
+        );
+    }
+}
