@@ -17,7 +17,9 @@
 //!   while it runs that same version. No other node's clock is read.
 //! - This node's report is the only key it writes; it says what the node runs and what it found
 //!   of the current release, and it is rewritten whenever either changes (a failed write is
-//!   tried again at the next tick).
+//!   tried again at the next tick), and when it leaves the bus (deleted, overwritten).
+//! - A halt once read stands: a halting report of the current release deleted or overwritten
+//!   since is still counted, so a halted release never resumes on this node.
 //! - The follower never stops the fold: a bus it cannot reach, a record it cannot decode, an
 //!   object it cannot fetch are said in the status and the log, and tried again.
 
@@ -164,6 +166,10 @@ pub(super) struct Follower {
     /// A release and digest this node's own report on the bus said it baked (kept across a
     /// restart while the node runs that digest).
     baked_kept: Option<(u64, String)>,
+    /// This process wrote a report: a bake read from the bus after that is not its own.
+    wrote_any: bool,
+    /// The halting reports read, by node (of the current release and later ones).
+    halts_seen: BTreeMap<String, NodeReport>,
     /// The checks of the running version's failed calls so far.
     checks: u64,
     /// The version this node shadows now (a canary's trial), while it does.
@@ -184,7 +190,9 @@ impl Follower {
         control: mpsc::Sender<Control>,
         status: Arc<FoldStatus>,
     ) -> Self {
-        let failures_at_swap = failures(&status);
+        // The fold's status is this process's: every failed call of the version it started with
+        // counts, those before the follower was built (a trap while hydrating) included.
+        let failures_at_swap = 0;
         let mut kept = BTreeMap::new();
         kept.insert(start.version.digest.clone(), start.bytes);
         Follower {
@@ -203,6 +211,8 @@ impl Follower {
             failures_at_swap,
             running_since: Instant::now(),
             baked_kept: None,
+            wrote_any: false,
+            halts_seen: BTreeMap::new(),
             checks: 0,
             shadowing: None,
             watch_lost: false,
@@ -292,7 +302,11 @@ impl Follower {
     /// Takes one change of the channel into the follower's view.
     fn take(&mut self, c: ChannelChange) {
         match c {
-            ChannelChange::Release(n, Ok(e)) => self.release = Some((n, e)),
+            ChannelChange::Release(n, Ok(e)) => {
+                // Only the current release's halts are kept.
+                self.halts_seen.retain(|_, r| r.release >= n);
+                self.release = Some((n, e));
+            }
             ChannelChange::Release(n, Err(why)) => {
                 tracing::warn!(event = "channel_record_undecodable", key = %protocol::release_key(&self.gc.channel), release = n, error = %why, "the channel's release entry does not decode; the node keeps its version");
                 self.release = None;
@@ -302,6 +316,9 @@ impl Follower {
             ChannelChange::Report(node, Ok(r)) => {
                 if node == self.gc.node {
                     self.own_report_read(&r);
+                }
+                if r.outcome.halts() {
+                    self.halts_seen.insert(node.clone(), r.clone());
                 }
                 self.reports.insert(node, r);
             }
@@ -338,8 +355,11 @@ impl Follower {
         if newer && (r.outcome == Judgement::Clean || r.outcome.halts()) {
             self.mine = Some((r.release, r.outcome, r.detail.clone()));
         }
-        // A bake this node reported is kept while it runs the version it baked.
+        // A bake this node reported before this process wrote anything (a restart) is kept while
+        // it runs the version it baked; a copy read later is not taken as its own (anyone can
+        // write it).
         if r.baked
+            && !self.wrote_any
             && r.outcome == Judgement::Clean
             && r.running.as_ref().map(|v| &v.digest) == Some(&self.running.digest)
         {
@@ -360,6 +380,16 @@ impl Follower {
         reports.retain(|r| r.node != self.gc.node);
         if let Some(mine) = self.report_due(release) {
             reports.push(mine);
+        }
+        // A halt once read stands: a halting report deleted or overwritten since (by anyone) is
+        // still counted, so a halted release never resumes here.
+        for (node, halt) in &self.halts_seen {
+            if halt.release == release
+                && !reports.iter().any(|r| &r.node == node && r.outcome.halts())
+            {
+                reports.retain(|r| &r.node != node);
+                reports.push(halt.clone());
+            }
         }
         let state = protocol::rollout(release, &entry, &reports);
         let mine = self.judged(release).map(|(j, _)| j);
@@ -480,7 +510,10 @@ impl Follower {
         let unstamped = due.clone();
         due.unix_ms = crate::status::now_unix_ms();
         match self.bus.put_report(&self.gc.channel, &due).await {
-            Ok(()) => self.written = Some(unstamped),
+            Ok(()) => {
+                self.written = Some(unstamped);
+                self.wrote_any = true;
+            }
             Err(e) => {
                 tracing::warn!(event = "guest_channel_report_failed", channel = %self.gc.channel, error = %e, "this node's report was not written; tried again at the next tick")
             }
