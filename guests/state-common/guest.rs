@@ -506,7 +506,10 @@ impl Guest for StateGuest {
                 // so write what the folds say is missing instead.
                 return (state.missing_mirrors(), false);
             }
-            (std::mem::take(&mut state.mirrors), state.trap_after_first_mirror)
+            (
+                std::mem::take(&mut state.mirrors),
+                state.trap_after_first_mirror,
+            )
         });
         for Mirror { key, value } in mirrors {
             let result = match &value {
