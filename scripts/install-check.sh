@@ -4,6 +4,8 @@
 #   1. install the binary from the checkout with the documented command, `cargo install --locked
 #      --path host --features full` — here with `--debug` into a scratch prefix, sharing the test
 #      build's target directory (the same command minus the optimised build, which CI cannot afford);
+#      the test build's `target/debug/foldhost` (crash points compiled in) is put back afterwards and
+#      checked unchanged, so the tree stays fit for the next test run;
 #   2. `foldhost --version`;
 #   3. the quick start against a local nats-server: `run --create-bucket` with the router guest,
 #      a route written through the node (`foldhost put`), the route asked back (`POST /query`);
@@ -52,9 +54,31 @@ print(urllib.request.urlopen(req, timeout=10).read().decode())
 EOF
 }
 
+# The install shares the test build's target directory: a directory of its own would build
+# wasmtime and RocksDB a second time (minutes on two cores, on every `make test`). Sharing has one
+# cost, handled here: the install relinks `target/debug/foldhost` to its own build (without crash
+# points), and cargo does not link the test build back while that build is fresh, so the next
+# crash test would find "this build has no crash points". The test build's binary is kept aside
+# (a hard link, in the same directory tree) and put back, on failure too.
+test_bin="$root/target/debug/foldhost"
+kept="$root/target/debug/.foldhost.install-check"
+restore_test_bin() {
+  if [ -e "$kept" ]; then mv -f "$kept" "$test_bin"; fi
+}
+if [ -e "$test_bin" ]; then
+  ln -f "$test_bin" "$kept" 2>/dev/null || cp -p "$test_bin" "$kept"
+  test_sum="$(cksum <"$test_bin")"
+fi
+trap 'restore_test_bin; cleanup' EXIT
+
 say "cargo install --locked --path host --features full (--debug, into a scratch prefix)"
 cargo install --locked --debug --quiet --path "$root/host" --features full \
   --root "$tmp/prefix" --target-dir "$root/target"
+restore_test_bin
+if [ -n "${test_sum:-}" ]; then
+  [ "$(cksum <"$test_bin")" = "$test_sum" ] \
+    || fail "the install left $test_bin other than the test build it was"
+fi
 fh="$tmp/prefix/bin/foldhost"
 version="$("$fh" --version)"
 [[ "$version" == foldhost\ * ]] || fail "foldhost --version said: $version"
