@@ -51,6 +51,8 @@ lint: lint-sources
 lint-sources:
 	python3 scripts/lint-layers.py
 	python3 scripts/lint-citations.py
+	@command -v cargo-machete >/dev/null || { echo "make lint-sources: no cargo-machete (scripts/setup.sh --test installs it)" >&2; exit 1; }
+	cargo machete
 	cargo fmt --all -- --check
 	cargo fmt --manifest-path guests/Cargo.toml --all -- --check
 	cargo fmt --manifest-path sdk/rust/Cargo.toml -- --check

