@@ -569,9 +569,17 @@ pub trait KvWriter: Send + Sync {
     ) -> Result<VersionToken, KvError>;
     /// Soft delete (a delete marker). Always `Ok(true)` on NATS.
     async fn delete(&self, key: &str) -> Result<bool, KvError>;
-    /// CAS delete: writes an empty value (a tombstone) only if the version matches.
-    async fn delete_with_version(&self, key: &str, expected: VersionToken)
-    -> Result<bool, KvError>;
+    /// CAS delete: writes an empty value (a tombstone) only if the version matches. One body
+    /// for every writer: a CAS write of an empty value, so concurrent writers see a conflict and
+    /// readers a tombstone.
+    async fn delete_with_version(
+        &self,
+        key: &str,
+        expected: VersionToken,
+    ) -> Result<bool, KvError> {
+        self.update(key, Bytes::new(), expected).await?;
+        Ok(true)
+    }
 }
 
 /// What a watch covers.

@@ -138,16 +138,6 @@ impl KvWriter for NatsKv {
         .await?;
         Ok(true)
     }
-
-    async fn delete_with_version(
-        &self,
-        key: &str,
-        expected: VersionToken,
-    ) -> Result<bool, KvError> {
-        // A CAS write of an empty value: concurrent writers see a conflict, readers a tombstone.
-        self.update(key, Bytes::new(), expected).await?;
-        Ok(true)
-    }
 }
 
 #[async_trait]

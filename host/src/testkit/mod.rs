@@ -854,15 +854,6 @@ impl KvWriter for SimBucket {
         self.delete_now(key);
         Ok(true)
     }
-
-    async fn delete_with_version(
-        &self,
-        key: &str,
-        expected: VersionToken,
-    ) -> Result<bool, KvError> {
-        self.update(key, Bytes::new(), expected).await?;
-        Ok(true)
-    }
 }
 
 #[async_trait]
