@@ -237,7 +237,7 @@ impl Follower {
                 Err(e) => {
                     self.said_error(Some(e.to_string()));
                     watch_failures += 1;
-                    tokio::time::sleep(protocol::channel_retry_backoff(watch_failures)).await;
+                    tokio::time::sleep(protocol::Backoff::CHANNEL_RETRY.after(watch_failures)).await;
                     continue;
                 }
             };
@@ -295,7 +295,7 @@ impl Follower {
                 }
             }
             watch_failures += 1;
-            tokio::time::sleep(protocol::channel_retry_backoff(watch_failures)).await;
+            tokio::time::sleep(protocol::Backoff::CHANNEL_RETRY.after(watch_failures)).await;
         }
     }
 
@@ -528,7 +528,7 @@ impl Follower {
         };
         self.retry = Some((
             release,
-            Instant::now() + protocol::channel_retry_backoff(n),
+            Instant::now() + protocol::Backoff::CHANNEL_RETRY.after(n),
             n,
         ));
     }

@@ -468,15 +468,6 @@ pub fn is_digest(digest: &str) -> bool {
             .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
 }
 
-/// How long a following node waits before trying again after `failures` in a row (a fetch, an
-/// inconclusive shadow, a broken watch): 2 s doubling, capped at 60 s.
-pub fn channel_retry_backoff(failures: u32) -> std::time::Duration {
-    std::time::Duration::from_secs(
-        2u64.saturating_mul(1 << failures.saturating_sub(1).min(5))
-            .min(60),
-    )
-}
-
 /// What a node following `channel` as `node` publishes beyond reading the two buckets (which
 /// `compose_grants` grants as folded, read-only buckets): its own report's and name claim's keys,
 /// and the object store's reads — the stream's info, the object's info by a stream get, and the

@@ -8,6 +8,7 @@
 //! The rules are grouped by what they decide, one file each; all are items of this module.
 
 mod artifacts;
+mod backoff;
 mod channel;
 mod endpoint;
 mod fold;
@@ -21,6 +22,7 @@ mod watch;
 mod write;
 
 pub use artifacts::*;
+pub use backoff::Backoff;
 pub use channel::*;
 pub use endpoint::*;
 pub use fold::*;
@@ -913,17 +915,6 @@ mod tests {
                 want,
                 "{same:?} {cursor:?} {last}"
             );
-        }
-    }
-
-    #[test]
-    fn a_broken_watch_is_resumed_after_a_bounded_growing_backoff() {
-        use std::time::Duration as D;
-        assert_eq!(watch_resume_backoff(0), D::from_millis(100));
-        assert_eq!(watch_resume_backoff(1), D::from_millis(200));
-        assert_eq!(watch_resume_backoff(5), D::from_millis(3_200));
-        for streak in [6, 10, 31, u32::MAX] {
-            assert_eq!(watch_resume_backoff(streak), D::from_secs(5), "{streak}");
         }
     }
 

@@ -225,13 +225,6 @@ pub fn stream_identity_check(
     }
 }
 
-/// How long a fold waits before resuming a watch that broke for the `streak`-th time in a row
-/// (the count resets once a resumed watch commits): 100 ms doubling, capped at 5 s — bounded, so a
-/// server that comes back is picked up within seconds, and never a tight loop.
-pub fn watch_resume_backoff(streak: u32) -> std::time::Duration {
-    std::time::Duration::from_millis(100u64.saturating_mul(1 << streak.min(10)).min(5_000))
-}
-
 impl std::str::FromStr for RepairMode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {

@@ -7,13 +7,6 @@ pub(crate) const MAX_SWAP_CATCH_UP_ROUNDS: u32 = 4;
 /// another catch-up round runs beside the fold first.
 pub(crate) const SWAP_CUT_OVER_KEYS: usize = 256;
 
-/// How long the fold waits before building another query instance after `failures` were lost in
-/// a row (docs/design.md, "Queries off the fold's path"): 1 s doubling, capped at 60 s. A query
-/// that traps the instance every time costs at most one hydration a minute beside the fold.
-pub fn query_instance_backoff(failures: u32) -> std::time::Duration {
-    std::time::Duration::from_secs(1u64.saturating_mul(1 << failures.min(6)).min(60))
-}
-
 /// Whether a swap whose candidate is level with its capture's cursor, with `changed` keys changed
 /// since and `rounds` catch-up rounds run, runs another round beside the fold before its
 /// cut-over. Each round takes the keys changed during the one before, so under a steady writer

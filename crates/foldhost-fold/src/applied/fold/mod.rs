@@ -712,11 +712,6 @@ fn entry_of(u: &KvUpdate) -> Base {
 /// Delay before re-committing a batch re-queued by a failed store apply.
 pub(super) const STORE_RETRY_DELAY: Duration = Duration::from_millis(20);
 
-/// Backoff before retrying a failed apply: grows with the streak, capped.
-pub(super) fn apply_backoff(streak: u32) -> Duration {
-    Duration::from_millis(50u64.saturating_mul(1 << streak.min(6)))
-}
-
 /// Flushes until the batch and the re-queued updates are committed (shutdown, channel close, a
 /// swap's or an export's settle, and the repairs' own batches).
 ///
@@ -743,7 +738,7 @@ pub async fn flush_all<S: SnapshotStore, A: Apply + ?Sized>(
                 cap = (tried / 2).max(1);
                 back.append(batch);
                 *batch = back;
-                tokio::time::sleep(apply_backoff(fold.apply_streak)).await;
+                tokio::time::sleep(crate::protocol::Backoff::APPLY.after(fold.apply_streak)).await;
             }
             None if fold.is_settled() && batch.is_empty() => return Ok(()),
             None if fold.is_settled() => cap = cap.saturating_mul(2).min(max.max(1)),

@@ -34,7 +34,7 @@ mod swap;
 use replica::{QueryInstance, QueryInstanceLife};
 use swap::{PendingSwap, hydrated};
 
-use super::fold::{STORE_RETRY_DELAY, apply_backoff, flush_all};
+use super::fold::{STORE_RETRY_DELAY, flush_all};
 use super::start::{check_identity, note_retention, prepare, repair_expired, watches_for_eviction};
 use super::{
     AppliedError, Apply, Control, Finished, Fold, FoldStatus, RETENTION_PERIOD, WatchOptions,
@@ -196,7 +196,7 @@ impl<T> Drop for AbortOnDrop<T> {
 impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
     /// One turn per watch: a repaired expiry starts the next (a delta from the restored cursor, or
     /// a state-sync re-list after the key-listing diff), and so does a broken watch, after a
-    /// bounded backoff ([`protocol::watch_resume_backoff`]); every restart checks the stream again.
+    /// bounded backoff ([`protocol::Backoff::WATCH_RESUME`]); every restart checks the stream again.
     async fn run(
         &mut self,
         mut relist: bool,
@@ -257,7 +257,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                         broken = 0;
                         broken_at = self.fold.cursor();
                     }
-                    let delay = protocol::watch_resume_backoff(broken);
+                    let delay = protocol::Backoff::WATCH_RESUME.after(broken);
                     broken = broken.saturating_add(1);
                     self.status
                         .set_error(Some(format!("watch broke, resuming: {e}")));
@@ -737,7 +737,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 t.backing_off = true;
                 timer
                     .as_mut()
-                    .reset(tokio::time::Instant::now() + apply_backoff(self.fold.apply_streak));
+                    .reset(tokio::time::Instant::now() + protocol::Backoff::APPLY.after(self.fold.apply_streak));
                 t.timer_armed = true;
                 break;
             }

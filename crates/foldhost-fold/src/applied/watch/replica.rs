@@ -20,7 +20,7 @@
 //!   drop it; the next one hydrates from the fold.
 //! - A failed instance (a trap while hydrating, catching up or answering) is dropped, and the
 //!   fold loop answers until the next one is level; rebuilds back off
-//!   ([`protocol::query_instance_backoff`]), so a query that traps it cannot make the node
+//!   ([`protocol::Backoff::QUERY_INSTANCE`]), so a query that traps it cannot make the node
 //!   rehydrate in a loop.
 //! - `on-applied` never runs on it: the running applier's writes are made once.
 
@@ -270,7 +270,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
         }
         let failures = self.query_life.failures;
         self.query_life.failures = failures.saturating_add(1);
-        let delay = protocol::query_instance_backoff(failures);
+        let delay = protocol::Backoff::QUERY_INSTANCE.after(failures);
         self.query_life.not_before = Some(Instant::now() + delay);
         tracing::warn!(event = "query_instance_lost", error = %why, retry_ms = delay.as_millis() as u64, "the query instance was dropped; the fold loop answers queries until another is level");
     }
