@@ -24,6 +24,14 @@
 //! code's progress: `FOLDHOST_HOLD_AT=NAME:PATH` makes the first pass of `NAME` create
 //! `PATH.reached` and wait until `PATH.release` exists (the test does its part in between, then
 //! releases). Like crashing, holding exists only in `crashpoints` builds and is checked at start.
+//!
+//! Why not the `fail` crate, which arms named points from the environment too: its actions are
+//! panic, return, sleep, pause, print and off, configured per point in process. What the crash
+//! tests need is none of them — an abort that runs no destructor (a panic unwinds and drops, and
+//! tokio catches it in a task), armed for the N-th pass from outside the process, a hold released
+//! by another process through a file, and a closed list of names refused at start with exit 2 (`fail`
+//! accepts any name, so a mistyped point is a test that waits for a crash that cannot come). Each
+//! of those would be code around `fail`, so the few lines here stay ours.
 
 /// The environment variable that plants a known bug in a `crashpoints` build: the write-history
 /// checker's own proof that it catches what it claims to (one name of [`MUTATIONS`]).
