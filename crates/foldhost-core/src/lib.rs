@@ -21,6 +21,9 @@
 
 pub mod bucket;
 pub mod crashpoint;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod histogram;
 pub mod kv;
 pub mod ledger;
