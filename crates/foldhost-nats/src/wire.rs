@@ -85,7 +85,9 @@ pub(crate) fn parse_op(
     max_payload: usize,
 ) -> Result<Option<(ServerOp, usize)>, WireError> {
     let Some(eol) = find_crlf(buf) else {
-        return if buf.len() > MAX_CONTROL_LINE {
+        // A line of the longest length may have its CR here and its LF still to come.
+        let cr_pending = buf.len() == MAX_CONTROL_LINE + 1 && buf.ends_with(b"\r");
+        return if buf.len() > MAX_CONTROL_LINE && !cr_pending {
             Err(WireError::LineTooLong)
         } else {
             Ok(None)
