@@ -38,6 +38,9 @@ mod create;
 #[cfg(test)]
 mod differential;
 mod floor;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
 mod lean;
 pub mod lease;
 mod listing;
