@@ -10,4 +10,7 @@ pub(crate) use foldhost_core::{
 };
 
 pub mod artifact;
+#[cfg(any(test, feature = "fuzzing"))]
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod transport;
