@@ -3,7 +3,8 @@
 #   make test   — formatting, lints, and every test suite against a real nats-server
 # and, beside them:
 #   make flake  — the whole suite RUNS times (default 5) with one core held busy; names every failure
-.PHONY: demo test install setup guests bench slipfold bench-bootstrap lint lint-sources flake
+#   make fuzz   — every fuzz target FUZZ_SECS seconds (default 300) on nightly (docs/fuzzing.md)
+.PHONY: demo test install setup guests bench slipfold bench-bootstrap lint lint-sources flake fuzz
 
 # `test` and `lint` cover the optional storage backends too (RocksDB is a long C++ build; see
 # docs in crates/foldhost-core/src/snapshot/rocks.rs) and compile in the crash points the crash tests arm
@@ -75,6 +76,14 @@ flake:
 
 guests:
 	guests/build.sh
+
+# Coverage-guided fuzzing of every parser of untrusted bytes (docs/fuzzing.md): each target in
+# fuzz/fuzz_targets/ for FUZZ_SECS seconds (FUZZ_TARGETS="a b" for some), one at a time, on the
+# nightly toolchain and cargo-fuzz (installed when missing), into fuzz/target. `make test` replays
+# every corpus on stable without this.
+FUZZ_SECS ?= 300
+fuzz:
+	FUZZ_SECS=$(FUZZ_SECS) fuzz/run.sh
 
 # Every benchmark, one table (figure, baseline from the same run, ratio, target; the cores and the
 # date): ~25 minutes on 2 cores. Builds the release binaries, the guests and the slipstream

@@ -26,7 +26,7 @@
 //!   bytes where the format has one encoding).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use crate::kv::{KvEntry, KvUpdate, StreamIdentity, VersionToken, WatchCursor};
 use crate::protocol::{self, KvOp, Undecodable};
@@ -37,7 +37,7 @@ use crate::snapshot::{
 /// The fuzz corpus directory of `target` (`fuzz/corpus/<target>/`) and its kept regressions
 /// (`fuzz/regressions/<target>/`), from this crate's manifest directory.
 #[cfg(test)]
-fn corpus_dirs(target: &str) -> [PathBuf; 2] {
+fn corpus_dirs(target: &str) -> [std::path::PathBuf; 2] {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../fuzz");
     [
         root.join("corpus").join(target),
@@ -222,6 +222,9 @@ enum LogRead<'a> {
     Invalid,
 }
 
+/// A framed record's key, value, and version (or cursor) bytes.
+type Fields<'a> = (&'a [u8], &'a [u8], &'a [u8]);
+
 fn read_log_record(buf: &[u8]) -> LogRead<'_> {
     struct At<'a>(&'a [u8], usize);
     impl<'a> At<'a> {
@@ -243,7 +246,7 @@ fn read_log_record(buf: &[u8]) -> LogRead<'_> {
         return LogRead::Truncated;
     };
     let mut r = At(buf, 5);
-    let framed = (|| -> Result<Option<(&[u8], &[u8], &[u8])>, ()> {
+    let framed = (|| -> Result<Option<Fields<'_>>, ()> {
         Ok(match kind {
             1 | 2 => {
                 let Some(key_len) = r.int::<2>() else {
@@ -714,10 +717,16 @@ pub fn ledger_row(data: &[u8]) {
         }
         _ => {
             let cursor = WatchCursor::from_bytes(v);
-            assert_eq!(
-                cursor.is_some() || !matches!(v.len(), 0 | 8 | 12 | 20),
-                true
-            );
+            if cursor.is_some() {
+                assert!(
+                    matches!(v.len(), 0 | 8 | 12 | 20),
+                    "a cursor of {} bytes",
+                    v.len()
+                );
+            }
+            if matches!(v.len(), 0 | 8) {
+                assert!(cursor.is_some(), "no cursor of {} bytes", v.len());
+            }
             if let Some(c) = cursor {
                 assert_eq!(c.to_bytes(), v, "a cursor is not its one encoding");
             }
