@@ -225,70 +225,72 @@ enum LogRead<'a> {
 /// A framed record's key, value, and version (or cursor) bytes.
 type Fields<'a> = (&'a [u8], &'a [u8], &'a [u8]);
 
-fn read_log_record(buf: &[u8]) -> LogRead<'_> {
-    struct At<'a>(&'a [u8], usize);
-    impl<'a> At<'a> {
-        fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-            let b = self.0.get(self.1..self.1.checked_add(n)?)?;
-            self.1 += n;
-            Some(b)
-        }
-        fn int<const N: usize>(&mut self) -> Option<u64> {
-            let b = self.take(N)?;
-            Some(
-                b.iter()
-                    .rev()
-                    .fold(0u64, |acc, x| (acc << 8) | u64::from(*x)),
-            )
-        }
+/// A bounds-checked reader over a record: `None` past the end.
+struct At<'a>(&'a [u8], usize);
+
+impl<'a> At<'a> {
+    fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let b = self.0.get(self.1..self.1.checked_add(n)?)?;
+        self.1 += n;
+        Some(b)
     }
+
+    /// A little-endian integer of `N` bytes.
+    fn int<const N: usize>(&mut self) -> Option<u64> {
+        let b = self.take(N)?;
+        Some(
+            b.iter()
+                .rev()
+                .fold(0u64, |acc, x| (acc << 8) | u64::from(*x)),
+        )
+    }
+}
+
+/// The framing of a record of type `kind` at `buf`'s start: its fields and length, `Ok(None)`
+/// when its lengths run past the end, `Err` for an unknown type or a value length over the cap.
+fn frame_log_record(buf: &[u8], kind: u8) -> Result<Option<(Fields<'_>, usize)>, ()> {
+    let mut r = At(buf, 5);
+    let fields = match kind {
+        1 | 2 => {
+            let Some(key) = r.int::<2>().and_then(|n| r.take(n as usize)) else {
+                return Ok(None);
+            };
+            let value: &[u8] = if kind == 1 {
+                let Some(n) = r.int::<4>() else {
+                    return Ok(None);
+                };
+                if n > crate::snapshot::MAX_VALUE_LEN as u64 {
+                    return Err(());
+                }
+                let Some(v) = r.take(n as usize) else {
+                    return Ok(None);
+                };
+                v
+            } else {
+                &[]
+            };
+            r.int::<1>()
+                .and_then(|n| r.take(n as usize))
+                .map(|ver| (key, value, ver))
+        }
+        3 => r
+            .int::<1>()
+            .and_then(|n| r.take(n as usize))
+            .map(|c| (&[][..], &[][..], c)),
+        _ => return Err(()),
+    };
+    Ok(fields.map(|f| (f, r.1)))
+}
+
+fn read_log_record(buf: &[u8]) -> LogRead<'_> {
     let Some(kind) = buf.get(4).copied() else {
         return LogRead::Truncated;
     };
-    let mut r = At(buf, 5);
-    let framed = (|| -> Result<Option<Fields<'_>>, ()> {
-        Ok(match kind {
-            1 | 2 => {
-                let Some(key_len) = r.int::<2>() else {
-                    return Ok(None);
-                };
-                let Some(key) = r.take(key_len as usize) else {
-                    return Ok(None);
-                };
-                let value: &[u8] = if kind == 1 {
-                    let Some(n) = r.int::<4>() else {
-                        return Ok(None);
-                    };
-                    if n > crate::snapshot::MAX_VALUE_LEN as u64 {
-                        return Err(());
-                    }
-                    let Some(v) = r.take(n as usize) else {
-                        return Ok(None);
-                    };
-                    v
-                } else {
-                    &[]
-                };
-                let Some(n) = r.int::<1>() else {
-                    return Ok(None);
-                };
-                r.take(n as usize).map(|ver| (key, value, ver))
-            }
-            3 => {
-                let Some(n) = r.int::<1>() else {
-                    return Ok(None);
-                };
-                r.take(n as usize).map(|c| (&[][..], &[][..], c))
-            }
-            _ => return Err(()),
-        })
-    })();
-    let (key, value, tail) = match framed {
+    let ((key, value, tail), len) = match frame_log_record(buf, kind) {
         Err(()) => return LogRead::Invalid,
         Ok(None) => return LogRead::Truncated,
         Ok(Some(f)) => f,
     };
-    let len = r.1;
     let stored = u32::from_le_bytes([buf[0], buf[1], buf[2], buf[3]]);
     let computed = crc32fast::hash(&buf[4..len]);
     if stored != computed {
@@ -591,29 +593,7 @@ pub fn channel_records(data: &[u8]) {
     let (entry_bytes, node, report_bytes) = channel_parts(data);
     let entry = protocol::decode_entry(entry_bytes);
     if let Ok(e) = &entry {
-        for v in std::iter::once(&e.desired).chain(e.previous.as_ref()) {
-            assert!(protocol::is_digest(&v.digest), "{:?}", v.digest);
-            let _ = v.label();
-        }
-        assert!(e.canaries.len() <= protocol::MAX_CANARIES);
-        assert!(e.shadow_wait_s <= protocol::MAX_SHADOW_WAIT_S);
-        assert!(e.bake_s <= protocol::MAX_BAKE_S);
-        assert!(e.waves.len() <= protocol::MAX_WAVES);
-        assert!(!e.canaries.iter().any(|c| c == protocol::WAVES_FENCE));
-        for c in &e.canaries {
-            assert_eq!(protocol::name_refusal("canary", c), None);
-        }
-        if !e.waves.is_empty() {
-            let specs: Vec<String> = e.waves.iter().map(|w| w.spec.clone()).collect();
-            assert_eq!(protocol::waves_refusal(&specs), None);
-        }
-        let again = serde_json::to_vec(e).expect("an entry encodes");
-        assert_eq!(
-            protocol::decode_entry(&again).as_ref(),
-            Ok(e),
-            "an entry decoded does not decode the same once encoded: {}",
-            String::from_utf8_lossy(&again)
-        );
+        check_entry(e);
     }
     let report = protocol::decode_report(&node, report_bytes);
     if let Ok(r) = &report {
@@ -633,42 +613,74 @@ pub fn channel_records(data: &[u8]) {
         let key = protocol::report_key("ch", &node);
         assert_eq!(protocol::report_node("ch", &key), Some(node.as_str()));
     }
-    // Whatever the decoders admit drives the deciders without a panic.
     if let Ok(e) = &entry {
-        let reports: Vec<_> = report.iter().cloned().collect();
-        let release = reports.first().map_or(1, |r| r.release);
-        let state = protocol::rollout(release, e, &reports);
-        let _ = state.as_str();
-        let me = reports.first().map_or("n", |r| r.node.as_str());
-        let running = reports
-            .first()
-            .and_then(|r| r.running.as_ref())
-            .map(|v| v.digest.as_str());
-        let mine = reports.first().map(|r| r.outcome);
-        let _ = protocol::next_step(e, &state, me, running, mine);
-        let _ = protocol::start_version(e, &state, me);
-        let _ = protocol::unbaked(release, e, &state, &reports);
-        let _ = protocol::wave_of(e, me);
-        for r in &reports {
-            let _ = protocol::is_baked(release, e, r);
-        }
-        let _ = protocol::previous_for_publish(Some((e, &state)));
-        let nodes: Vec<String> = e
-            .canaries
-            .iter()
-            .chain(e.waves.iter().flat_map(|w| &w.nodes))
-            .cloned()
-            .collect();
-        if let Some(f) = e.canary_fraction {
-            let picked = protocol::pick_canaries(f, &nodes, &e.desired.digest);
-            assert!(picked.len() <= nodes.len());
-        }
+        drive_deciders(e, report.ok());
+    }
+}
+
+/// A decoded release entry keeps every bound `decode_entry` promises and decodes the same once
+/// encoded.
+fn check_entry(e: &protocol::ChannelEntry) {
+    for v in std::iter::once(&e.desired).chain(e.previous.as_ref()) {
+        assert!(protocol::is_digest(&v.digest), "{:?}", v.digest);
+        let _ = v.label();
+    }
+    assert!(e.canaries.len() <= protocol::MAX_CANARIES);
+    assert!(e.shadow_wait_s <= protocol::MAX_SHADOW_WAIT_S);
+    assert!(e.bake_s <= protocol::MAX_BAKE_S);
+    assert!(e.waves.len() <= protocol::MAX_WAVES);
+    assert!(!e.canaries.iter().any(|c| c == protocol::WAVES_FENCE));
+    for c in &e.canaries {
+        assert_eq!(protocol::name_refusal("canary", c), None);
+    }
+    if !e.waves.is_empty() {
         let specs: Vec<String> = e.waves.iter().map(|w| w.spec.clone()).collect();
-        if !specs.is_empty() {
-            let waves = protocol::resolve_waves(&specs, &nodes, &e.canaries, &e.desired.digest)
-                .expect("the waves of a decoded entry resolve");
-            assert_eq!(waves.len(), specs.len());
-        }
+        assert_eq!(protocol::waves_refusal(&specs), None);
+    }
+    let again = serde_json::to_vec(e).expect("an entry encodes");
+    assert_eq!(
+        protocol::decode_entry(&again).as_ref(),
+        Ok(e),
+        "an entry decoded does not decode the same once encoded: {}",
+        String::from_utf8_lossy(&again)
+    );
+}
+
+/// Whatever the decoders admit drives the rollout's deciders without a panic.
+fn drive_deciders(e: &protocol::ChannelEntry, report: Option<protocol::NodeReport>) {
+    let reports: Vec<_> = report.into_iter().collect();
+    let release = reports.first().map_or(1, |r| r.release);
+    let state = protocol::rollout(release, e, &reports);
+    let _ = state.as_str();
+    let me = reports.first().map_or("n", |r| r.node.as_str());
+    let running = reports
+        .first()
+        .and_then(|r| r.running.as_ref())
+        .map(|v| v.digest.as_str());
+    let mine = reports.first().map(|r| r.outcome);
+    let _ = protocol::next_step(e, &state, me, running, mine);
+    let _ = protocol::start_version(e, &state, me);
+    let _ = protocol::unbaked(release, e, &state, &reports);
+    let _ = protocol::wave_of(e, me);
+    for r in &reports {
+        let _ = protocol::is_baked(release, e, r);
+    }
+    let _ = protocol::previous_for_publish(Some((e, &state)));
+    let nodes: Vec<String> = e
+        .canaries
+        .iter()
+        .chain(e.waves.iter().flat_map(|w| &w.nodes))
+        .cloned()
+        .collect();
+    if let Some(f) = e.canary_fraction {
+        let picked = protocol::pick_canaries(f, &nodes, &e.desired.digest);
+        assert!(picked.len() <= nodes.len());
+    }
+    let specs: Vec<String> = e.waves.iter().map(|w| w.spec.clone()).collect();
+    if !specs.is_empty() {
+        let waves = protocol::resolve_waves(&specs, &nodes, &e.canaries, &e.desired.digest)
+            .expect("the waves of a decoded entry resolve");
+        assert_eq!(waves.len(), specs.len());
     }
 }
 

@@ -260,6 +260,28 @@ fn check_ack_subject(reply: &[u8]) {
 /// Returns the bytes it took (0: none could be parsed).
 fn check_op(buf: &[u8], max_payload: usize) -> usize {
     let parsed = wire::parse_op(buf, max_payload);
+    check_library_frame(buf, max_payload, &parsed);
+    let Ok(Some((op, n))) = parsed else {
+        return 0;
+    };
+    check_prefixes(buf, max_payload, &op, n);
+    match &op {
+        ServerOp::Msg { .. } => check_msg(buf, &op, n),
+        ServerOp::Info(r) => {
+            assert!(r.end <= n);
+            let _ = serde_json::from_slice::<serde_json::Value>(&buf[r.clone()]);
+        }
+        ServerOp::Ping | ServerOp::Pong | ServerOp::Ok | ServerOp::Err(_) => {}
+    }
+    n
+}
+
+/// Where the library frames a message at `buf`'s start, `parsed` is the same message.
+fn check_library_frame(
+    buf: &[u8],
+    max_payload: usize,
+    parsed: &Result<Option<(ServerOp, usize)>, wire::WireError>,
+) {
     if let Some((subject, reply, headers, payload, n)) = library_frame(buf)
         && payload.end - headers.as_ref().map_or(payload.start, |h| h.start) <= max_payload
     {
@@ -285,9 +307,10 @@ fn check_op(buf: &[u8], max_payload: usize) -> usize {
             ),
         }
     }
-    let Ok(Some((op, n))) = parsed else {
-        return 0;
-    };
+}
+
+/// The operation `op`, `n` bytes at `buf`'s start: the same alone, incomplete when cut short.
+fn check_prefixes(buf: &[u8], max_payload: usize, op: &ServerOp, n: usize) {
     assert!(n > 0 && n <= buf.len(), "took {n} of {}", buf.len());
     assert_eq!(
         wire::parse_op(&buf[..n], max_payload),
@@ -308,45 +331,43 @@ fn check_op(buf: &[u8], max_payload: usize) -> usize {
             "a control line cut before its LF is not incomplete"
         );
     }
-    match &op {
-        ServerOp::Msg {
-            subject,
-            sid,
-            reply,
-            headers,
-            payload,
-        } => {
-            for r in [Some(subject), Some(sid), reply.as_ref(), Some(payload)]
-                .into_iter()
-                .flatten()
-                .chain(headers)
-            {
-                assert!(r.start <= r.end && r.end <= n, "{r:?} outside {n}");
-            }
-            assert!(!subject.is_empty() && !sid.is_empty());
-            assert_eq!(payload.end + 2, n);
-            if let Some(h) = headers {
-                assert_eq!(h.end, payload.start);
-                check_header_block(&buf[h.clone()]);
-            }
-            if let Some(r) = reply {
-                check_ack_subject(&buf[r.clone()]);
-            }
-            // Under a smaller limit: the same message, or too large.
-            let small = (payload.end - headers.as_ref().map_or(payload.start, |h| h.start)) / 2;
-            match wire::parse_op(buf, small) {
-                Ok(Some((o, m))) => assert_eq!((o, m), (op.clone(), n)),
-                Err(wire::WireError::TooLarge { .. }) => {}
-                other => panic!("under max_payload {small}: {other:?}"),
-            }
-        }
-        ServerOp::Info(r) => {
-            assert!(r.end <= n);
-            let _ = serde_json::from_slice::<serde_json::Value>(&buf[r.clone()]);
-        }
-        ServerOp::Ping | ServerOp::Pong | ServerOp::Ok | ServerOp::Err(_) => {}
+}
+
+/// A message's ranges, its header block, its reply, and its parse under a smaller limit.
+fn check_msg(buf: &[u8], op: &ServerOp, n: usize) {
+    let ServerOp::Msg {
+        subject,
+        sid,
+        reply,
+        headers,
+        payload,
+    } = op
+    else {
+        return;
+    };
+    for r in [Some(subject), Some(sid), reply.as_ref(), Some(payload)]
+        .into_iter()
+        .flatten()
+        .chain(headers)
+    {
+        assert!(r.start <= r.end && r.end <= n, "{r:?} outside {n}");
     }
-    n
+    assert!(!subject.is_empty() && !sid.is_empty());
+    assert_eq!(payload.end + 2, n);
+    if let Some(h) = headers {
+        assert_eq!(h.end, payload.start);
+        check_header_block(&buf[h.clone()]);
+    }
+    if let Some(r) = reply {
+        check_ack_subject(&buf[r.clone()]);
+    }
+    // Under a smaller limit: the same message, or too large.
+    let small = (payload.end - headers.as_ref().map_or(payload.start, |h| h.start)) / 2;
+    match wire::parse_op(buf, small) {
+        Ok(Some((o, m))) => assert_eq!((&o, m), (op, n)),
+        Err(wire::WireError::TooLarge { .. }) => {}
+        other => panic!("under max_payload {small}: {other:?}"),
+    }
 }
 
 /// What a server sent on a lean delivery connection, and the other parsers of what a server or
