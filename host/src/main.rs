@@ -4,7 +4,7 @@ use clap::Parser;
 
 fn main() {
     let cli = foldhost::cli::Cli::parse();
-    if let Err(e) = foldhost::crashpoint::check_env() {
+    if let Err(e) = foldhost_core::crashpoint::check_env() {
         eprintln!("foldhost: error: {e}");
         std::process::exit(2);
     }

@@ -18,8 +18,8 @@ use prometheus_client::metrics::counter::ConstCounter;
 use prometheus_client::metrics::gauge::ConstGauge;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::applied::FoldStatus;
-use crate::status::Histogram;
+use foldhost_core::status::FoldStatus;
+use foldhost_core::status::Histogram;
 
 /// The content type of [`render`]'s text.
 pub(crate) const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
@@ -198,7 +198,7 @@ impl Collector for Folds {
                     let behind = head > s.applied_through.load(Ordering::Relaxed);
                     let at = s.applied_server_time_unix_ns.load(Ordering::Relaxed) / 1_000_000;
                     gauge(if behind && at > 0 {
-                        crate::status::now_unix_ms().saturating_sub(at) / 1000
+                        foldhost_core::status::now_unix_ms().saturating_sub(at) / 1000
                     } else {
                         0
                     })
@@ -225,7 +225,7 @@ impl Collector for Folds {
                     gauge(if at == 0 {
                         0
                     } else {
-                        crate::status::now_unix_ms().saturating_sub(at) / 1000
+                        foldhost_core::status::now_unix_ms().saturating_sub(at) / 1000
                     })
                 },
             ),
@@ -311,7 +311,7 @@ impl Folds {
     /// freshness"): its cursor, its headroom in records and in seconds, and whether it is stale
     /// (or missing).
     fn encode_artifact(&self, encoder: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let reports: Vec<(&str, crate::status::ArtifactFreshnessReport)> = self
+        let reports: Vec<(&str, foldhost_core::status::ArtifactFreshnessReport)> = self
             .0
             .iter()
             .filter_map(|f| Some((f.name.as_str(), f.status.artifact_freshness()?)))
@@ -366,7 +366,7 @@ impl Folds {
     /// and one info series naming the running and desired digests, the rollout's state and this
     /// node's judgement.
     fn encode_channels(&self, encoder: &mut DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        let channels: Vec<(&str, crate::status::GuestChannelReport)> = self
+        let channels: Vec<(&str, foldhost_core::status::GuestChannelReport)> = self
             .0
             .iter()
             .filter_map(|f| Some((f.name.as_str(), f.status.guest_channel()?)))
@@ -512,7 +512,7 @@ impl Folds {
             if at > 0 {
                 published.push((
                     vec![("fold", f.name.as_str())],
-                    gauge(crate::status::now_unix_ms().saturating_sub(at) / 1000),
+                    gauge(foldhost_core::status::now_unix_ms().saturating_sub(at) / 1000),
                 ));
             }
         }

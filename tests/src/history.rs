@@ -302,7 +302,7 @@ pub async fn read_log(
                         key,
                         kind,
                         value: m.payload.to_vec(),
-                        op_id: header(foldhost::protocol::OP_ID_HEADER),
+                        op_id: header(foldhost_core::protocol::OP_ID_HEADER),
                     },
                 );
                 seq += 1;

@@ -10,11 +10,11 @@ use std::process::Command;
 use std::sync::Arc;
 
 use base64::Engine as _;
-use foldhost::bucket::{BucketConfig, ConnectOptions};
-use foldhost::kv::KvError;
-use foldhost::nats::{NatsConnection, NatsKv};
-use foldhost::status::StatusReport;
+use foldhost_core::bucket::{BucketConfig, ConnectOptions};
+use foldhost_core::kv::KvError;
+use foldhost_core::status::StatusReport;
 use foldhost_localnats::LocalNats;
+use foldhost_nats::{NatsConnection, NatsKv};
 
 pub mod history;
 pub mod proxy;
@@ -98,7 +98,7 @@ impl Harness {
 
 /// The bucket's live contents, from a listing.
 pub async fn bucket_contents(kv: &NatsKv) -> anyhow::Result<Contents> {
-    use foldhost::kv::KvReader;
+    use foldhost_core::kv::KvReader;
     let mut out = Contents::new();
     for e in kv.scan("").await? {
         let rev = e
@@ -195,7 +195,7 @@ pub fn crash_line(point: &str, n: u64) -> String {
 pub fn run_to_crash(mut cmd: Command, point: &str, n: u64) -> anyhow::Result<std::process::Output> {
     use std::os::unix::process::ExitStatusExt as _;
     let out = cmd
-        .env(foldhost::crashpoint::ENV, format!("{point}:{n}"))
+        .env(foldhost_core::crashpoint::ENV, format!("{point}:{n}"))
         .stdin(std::process::Stdio::null())
         .output()?;
     let stderr = String::from_utf8_lossy(&out.stderr);

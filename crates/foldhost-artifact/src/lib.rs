@@ -5,10 +5,6 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
-pub(crate) use foldhost_core::{
-    crashpoint, kv, protocol, retained, snapshot, staged, status, storedir,
-};
-
 pub mod artifact;
 #[cfg(any(test, feature = "fuzzing"))]
 #[doc(hidden)]

@@ -27,6 +27,8 @@ pub mod fuzzing;
 pub mod histogram;
 pub mod kv;
 pub mod ledger;
+#[cfg(test)]
+mod models;
 pub mod protocol;
 pub mod retained;
 pub mod snapshot;

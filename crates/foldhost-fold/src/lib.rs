@@ -5,10 +5,5 @@
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
-pub(crate) use foldhost_artifact::{artifact, transport};
-pub(crate) use foldhost_core::{
-    crashpoint, kv, ledger, protocol, retained, snapshot, status, storedir, view,
-};
-
 pub mod applied;
 pub mod repair;

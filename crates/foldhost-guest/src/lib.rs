@@ -3,7 +3,4 @@
 //! the limits that contain a hostile guest.
 #![warn(missing_docs)]
 
-pub(crate) use foldhost_core::{crashpoint, kv, protocol, snapshot, view};
-pub(crate) use foldhost_fold::applied;
-
 pub mod guest;

@@ -88,7 +88,6 @@ const KV_OPERATION: async_nats::header::HeaderName =
 /// The header of the server's delete markers (NATS 2.11+): why the subject's last message went.
 const NATS_MARKER_REASON: async_nats::header::HeaderName =
     async_nats::header::HeaderName::from_static("Nats-Marker-Reason");
-pub use foldhost_core::kv::WATCH_CHUNK;
 
 /// Longest a stop waits for the server to take what the client still holds (a flush, then a
 /// drain). The fold is committed before the connection is shut down, and nothing of it depends on

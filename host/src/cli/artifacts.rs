@@ -55,7 +55,7 @@ pub struct ArtifactsArgs {
 }
 
 pub(super) fn parse_artifact_key(k: &str) -> Result<String, String> {
-    if crate::transport::key_allowed(k) {
+    if foldhost_artifact::transport::key_allowed(k) {
         Ok(k.to_string())
     } else {
         Err(format!(
@@ -65,8 +65,8 @@ pub(super) fn parse_artifact_key(k: &str) -> Result<String, String> {
 }
 
 impl ArtifactsArgs {
-    fn transport(&self) -> anyhow::Result<crate::transport::ArtifactTransport> {
-        Ok(crate::transport::ArtifactTransport::from_url(
+    fn transport(&self) -> anyhow::Result<foldhost_artifact::transport::ArtifactTransport> {
+        Ok(foldhost_artifact::transport::ArtifactTransport::from_url(
             &self.artifacts,
             self.allow_non_atomic_pointer,
         )?)
@@ -179,16 +179,25 @@ pub(super) async fn cmd_export(a: ExportArgs) -> anyhow::Result<()> {
                 // Every state bucket's fold under it too, declared or kept (each opened for
                 // writing, for the same reasons).
                 let lanes = open_state_folds(&dir, backend)?;
-                let sources: Vec<crate::artifact::StateFoldSource> = lanes
+                let sources: Vec<foldhost_artifact::artifact::StateFoldSource> = lanes
                     .iter()
-                    .map(|(local, store)| crate::artifact::StateFoldSource {
-                        local: local.clone(),
-                        store: store.downgrade(),
-                    })
+                    .map(
+                        |(local, store)| foldhost_artifact::artifact::StateFoldSource {
+                            local: local.clone(),
+                            store: store.downgrade(),
+                        },
+                    )
                     .collect();
                 let mut progress = byte_progress("hashing");
-                crate::artifact::export_store(&store, backend, &sources, &out, None, &mut progress)
-                    .with_context(|| format!("export to {}", out.display()))
+                foldhost_artifact::artifact::export_store(
+                    &store,
+                    backend,
+                    &sources,
+                    &out,
+                    None,
+                    &mut progress,
+                )
+                .with_context(|| format!("export to {}", out.display()))
             })
             .await
             .context("export task")??;
@@ -205,11 +214,11 @@ pub(super) async fn cmd_export(a: ExportArgs) -> anyhow::Result<()> {
 fn open_state_folds(
     dir: &Path,
     backend: storedir::Backend,
-) -> anyhow::Result<Vec<(String, crate::view::SharedStore<AnyStore>)>> {
+) -> anyhow::Result<Vec<(String, foldhost_core::view::SharedStore<AnyStore>)>> {
     let root = dir.join(storedir::STATE_DIR);
     let mut out = Vec::new();
     for local in crate::node::lanes::undeclared(dir, std::iter::empty()) {
-        if !crate::protocol::is_state_local(&local) {
+        if !foldhost_core::protocol::is_state_local(&local) {
             bail!(
                 "{}: {local:?} is not a state bucket's directory (remove it, or move it out of the store)",
                 root.display()
@@ -218,7 +227,7 @@ fn open_state_folds(
         let path = root.join(&local);
         let (store, _) = AnyStore::open(&path, backend)
             .with_context(|| format!("open state bucket {local:?} at {}", path.display()))?;
-        out.push((local, crate::view::SharedStore::new(store)));
+        out.push((local, foldhost_core::view::SharedStore::new(store)));
     }
     Ok(out)
 }
@@ -226,8 +235,13 @@ fn open_state_folds(
 pub(super) async fn cmd_import(a: ImportArgs) -> anyhow::Result<()> {
     let m = tokio::task::spawn_blocking(move || {
         let mut progress = byte_progress("verifying");
-        crate::artifact::import_artifact(&a.artifact, &a.store, a.backend, &mut progress)
-            .with_context(|| format!("import {} into {}", a.artifact.display(), a.store.display()))
+        foldhost_artifact::artifact::import_artifact(
+            &a.artifact,
+            &a.store,
+            a.backend,
+            &mut progress,
+        )
+        .with_context(|| format!("import {} into {}", a.artifact.display(), a.store.display()))
     })
     .await
     .context("import task")??;
@@ -280,18 +294,18 @@ pub(super) async fn cmd_bootstrap(a: BootstrapArgs) -> anyhow::Result<()> {
 
 /// The stream of `bucket` now, as a bootstrap checks an artifact against it.
 pub(super) async fn live_stream(
-    opts: crate::bucket::ConnectOptions,
+    opts: foldhost_core::bucket::ConnectOptions,
     bucket: &str,
-) -> anyhow::Result<Option<crate::artifact::ManifestStream>> {
-    use crate::bucket::Connection as _;
-    use crate::kv::KvWatcher as _;
-    let conn = crate::nats::NatsConnection::open(opts).await?;
+) -> anyhow::Result<Option<foldhost_artifact::artifact::ManifestStream>> {
+    use foldhost_core::bucket::Connection as _;
+    use foldhost_core::kv::KvWatcher as _;
+    let conn = foldhost_nats::NatsConnection::open(opts).await?;
     let kv = conn
         .bucket(
             bucket,
-            &crate::bucket::BucketConfig {
+            &foldhost_core::bucket::BucketConfig {
                 create: false,
-                ..crate::bucket::BucketConfig::default()
+                ..foldhost_core::bucket::BucketConfig::default()
             },
         )
         .await?;
@@ -300,7 +314,7 @@ pub(super) async fn live_stream(
         .await
         .with_context(|| format!("bucket {bucket}: its stream"))?;
     conn.shutdown().await;
-    Ok(state.map(|s| crate::artifact::ManifestStream::from(&s.identity)))
+    Ok(state.map(|s| foldhost_artifact::artifact::ManifestStream::from(&s.identity)))
 }
 
 pub(super) async fn cmd_prune(a: PruneArgs) -> anyhow::Result<()> {
@@ -309,7 +323,7 @@ pub(super) async fn cmd_prune(a: PruneArgs) -> anyhow::Result<()> {
         .prune(
             &a.at.artifact_key,
             Duration::from_secs(a.grace_secs),
-            crate::transport::clock::Now::system(),
+            foldhost_artifact::transport::clock::Now::system(),
         )
         .await?;
     println!("{}", serde_json::json!({"pruned": n}));

@@ -7,10 +7,10 @@ use std::time::Duration;
 
 use anyhow::{Context, bail};
 
-use crate::bucket::{BucketConfig, ConnectOptions};
-use crate::nats::NatsConnection;
 use crate::node::{ListenConfig, Node, NodeConfig};
-use crate::status::StatusReport;
+use foldhost_core::bucket::{BucketConfig, ConnectOptions};
+use foldhost_core::status::StatusReport;
+use foldhost_nats::NatsConnection;
 
 use super::{DemoArgs, find_in_checkout};
 
@@ -29,8 +29,8 @@ fn find_router_guest() -> Option<PathBuf> {
 }
 
 pub(super) async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
-    use crate::bucket::Connection;
-    use crate::localnats::LocalNats;
+    use foldhost_core::bucket::Connection;
+    use foldhost_localnats::LocalNats;
     println!(
         "== foldhost demo: a local nats-server, a bucket of routes, the router guest, a fold =="
     );
@@ -65,7 +65,7 @@ pub(super) async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         .await?;
     }
     println!("seeded {} routes into bucket 'routes'", a.routes);
-    let port = crate::localnats::reserved_port()?;
+    let port = foldhost_localnats::reserved_port()?;
     let listen = format!("127.0.0.1:{port}");
     let mut cfg = NodeConfig {
         guest: Some(guest.clone()),

@@ -4,7 +4,7 @@
 
 use super::*;
 
-use crate::protocol::{BucketUse, compose_grants, grants_block};
+use foldhost_core::protocol::{BucketUse, compose_grants, grants_block};
 
 /// `foldhost grants`.
 #[derive(Args, Debug)]
@@ -48,10 +48,10 @@ pub struct GrantsArgs {
     #[arg(long)]
     pub node_id: Option<String>,
     /// The guests' object store (`run --guest-objects`).
-    #[arg(long, default_value_t = crate::nats::channel::ChannelBuckets::default().objects)]
+    #[arg(long, default_value_t = foldhost_nats::channel::ChannelBuckets::default().objects)]
     pub guest_objects: String,
     /// The channels bucket (`run --channel-bucket`).
-    #[arg(long, default_value_t = crate::nats::channel::ChannelBuckets::default().channels)]
+    #[arg(long, default_value_t = foldhost_nats::channel::ChannelBuckets::default().channels)]
     pub channel_bucket: String,
     /// The client's inbox prefix (the NATS client's default).
     #[arg(long, default_value = "_INBOX")]
@@ -68,31 +68,31 @@ fn under(prefix: &str) -> String {
 
 /// The buckets `guest`'s manifest declares, as the node would fold and write them.
 async fn guest_buckets(guest: &Path, main: &str) -> anyhow::Result<Vec<BucketUse>> {
-    let bytes = crate::guest::read_guest_file(guest)?;
-    let engine = crate::guest::GuestEngine::new()?;
+    let bytes = foldhost_guest::guest::read_guest_file(guest)?;
+    let engine = foldhost_guest::guest::GuestEngine::new()?;
     let what = guest.display().to_string();
-    let g = crate::guest::GuestApply::load(
+    let g = foldhost_guest::guest::GuestApply::load(
         &engine,
         &what,
         &bytes,
-        crate::guest::GuestLimits::default(),
+        foldhost_guest::guest::GuestLimits::default(),
         Vec::new(),
-        std::sync::Arc::new(crate::view::EmptyFold),
+        std::sync::Arc::new(foldhost_core::view::EmptyFold),
     )
     .await?;
     let m = g.manifest();
-    let decls = crate::protocol::check_declarations(
+    let decls = foldhost_core::protocol::check_declarations(
         &m.name,
         &m.state,
         &m.reads,
-        crate::protocol::StateCaps::default(),
+        foldhost_core::protocol::StateCaps::default(),
         main,
     )
     .map_err(|e| anyhow!("--guest {what}: {e}"))?;
     Ok(decls
         .into_iter()
         .map(|d| {
-            let owned = d.access == crate::protocol::Access::Own;
+            let owned = d.access == foldhost_core::protocol::Access::Own;
             BucketUse {
                 bucket: d.bucket,
                 asserts: owned,
@@ -141,7 +141,7 @@ pub(super) async fn cmd_grants(a: GrantsArgs) -> anyhow::Result<()> {
     let channel = match (&a.guest_channel, &a.node_id) {
         (Some(channel), Some(node)) => {
             for (what, name) in [("--guest-channel", channel), ("--node-id", node)] {
-                if let Some(why) = crate::protocol::name_refusal(what, name) {
+                if let Some(why) = foldhost_core::protocol::name_refusal(what, name) {
                     bail!("{why}");
                 }
             }
@@ -150,7 +150,12 @@ pub(super) async fn cmd_grants(a: GrantsArgs) -> anyhow::Result<()> {
                 asserts: false,
                 writes: false,
             });
-            crate::protocol::channel_grants(channel, node, &a.guest_objects, &a.channel_bucket)
+            foldhost_core::protocol::channel_grants(
+                channel,
+                node,
+                &a.guest_objects,
+                &a.channel_bucket,
+            )
         }
         _ => Vec::new(),
     };

@@ -10,8 +10,8 @@
 
 use super::*;
 
-use crate::nats::channel::{ChannelBuckets, ChannelBus};
-use crate::protocol::{self, ChannelEntry, GuestVersion, NodeReport, Rollout};
+use foldhost_core::protocol::{self, ChannelEntry, GuestVersion, NodeReport, Rollout};
+use foldhost_nats::channel::{ChannelBuckets, ChannelBus};
 
 /// `foldhost guest`.
 #[derive(Subcommand, Debug)]
@@ -62,7 +62,7 @@ impl ChannelArgs {
         }
         let opts = self.nats.required()?;
         let timeout = opts.op_timeout;
-        let conn = crate::nats::NatsConnection::open(opts).await?;
+        let conn = foldhost_nats::NatsConnection::open(opts).await?;
         let client = conn.dial_another().await?;
         Ok(ChannelBus::open(client, &self.buckets(), create, timeout).await?)
     }
@@ -149,8 +149,8 @@ async fn publish(a: GuestPublishArgs) -> anyhow::Result<()> {
     }
     let what = a.file.display().to_string();
     let bytes = read_component(&a.file)?;
-    let engine = crate::guest::GuestEngine::new()?;
-    let manifest = crate::guest::GuestApply::read_manifest(&engine, &what, &bytes).await?;
+    let engine = foldhost_guest::guest::GuestEngine::new()?;
+    let manifest = foldhost_guest::guest::GuestApply::read_manifest(&engine, &what, &bytes).await?;
     let desired = GuestVersion {
         digest: blake3::hash(&bytes).to_hex().to_string(),
         name: manifest.name,
@@ -218,7 +218,7 @@ async fn publish(a: GuestPublishArgs) -> anyhow::Result<()> {
         shadow_batches: a.shadow_batches,
         shadow_wait_s: a.shadow_wait,
         tolerance: a.tolerance,
-        published_unix_ms: crate::status::now_unix_ms(),
+        published_unix_ms: foldhost_core::status::now_unix_ms(),
         waves,
         bake_s: a.bake.unwrap_or(0),
     };
@@ -417,5 +417,6 @@ fn print_report(r: &NodeReport, release: u64) {
 
 /// `unix_ms` as RFC 3339, or the number when it is out of range.
 fn when(unix_ms: u64) -> String {
-    crate::status::rfc3339(unix_ms.saturating_mul(1_000_000)).unwrap_or_else(|| unix_ms.to_string())
+    foldhost_core::status::rfc3339(unix_ms.saturating_mul(1_000_000))
+        .unwrap_or_else(|| unix_ms.to_string())
 }

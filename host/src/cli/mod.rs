@@ -12,13 +12,13 @@ use anyhow::{Context, anyhow, bail};
 use base64::Engine as _;
 use clap::{Args, Parser, Subcommand};
 
-use crate::applied::BatchConfig;
-use crate::kv::WatchScope;
 use crate::node::{ListenConfig, NativeApply, Node, NodeConfig};
-use crate::protocol::{OnRecreated, RepairMode};
-use crate::snapshot::SnapshotStore;
-use crate::status::StatusReport;
-use crate::storedir::{self, AnyStore, Backend};
+use foldhost_core::kv::WatchScope;
+use foldhost_core::protocol::{OnRecreated, RepairMode};
+use foldhost_core::snapshot::SnapshotStore;
+use foldhost_core::status::StatusReport;
+use foldhost_core::storedir::{self, AnyStore, Backend};
+use foldhost_fold::applied::BatchConfig;
 
 mod artifacts;
 mod config;
@@ -32,6 +32,7 @@ mod scaffold;
 mod state;
 mod status;
 mod swap;
+mod tokens;
 mod units;
 mod vendored;
 mod write;
@@ -41,6 +42,7 @@ pub use nats::NatsArgs;
 pub use run::*;
 pub use status::*;
 pub use swap::*;
+use tokens::*;
 
 /// foldhost: a local, durable fold of NATS JetStream KV buckets.
 #[derive(Parser, Debug)]

@@ -16,7 +16,7 @@
 //!   together; any TLS flag makes every server of the URL TLS (`bucket::TlsOptions::any`).
 
 use super::*;
-use crate::bucket::{ClientCertificate, ConnectOptions, Secret, TlsOptions};
+use foldhost_core::bucket::{ClientCertificate, ConnectOptions, Secret, TlsOptions};
 
 /// The largest file a NATS flag reads (a PEM bundle of roots is the largest expected).
 const MAX_FILE: u64 = 4 * 1024 * 1024;
@@ -96,7 +96,7 @@ impl NatsArgs {
         if let Some(p) = &self.nkey {
             let seed = read_text("--nkey", p)?;
             let seed = seed.trim();
-            crate::nats::nkey_user_public_key(seed)
+            foldhost_nats::nkey_user_public_key(seed)
                 .map_err(|why| anyhow!("--nkey {}: {why}", p.display()))?;
             o.nkey_seed = Some(Secret::new(seed));
         }
@@ -139,7 +139,7 @@ impl NatsArgs {
         };
         if let Some(p) = &self.tls_ca {
             tls.ca_pem = Some(read_bytes("--tls-ca", p)?);
-            crate::nats::check_tls(&tls)
+            foldhost_nats::check_tls(&tls)
                 .map_err(|why| anyhow!("--tls-ca {}: {why}", p.display()))?;
         }
         match (&self.tls_cert, &self.tls_key) {
@@ -147,7 +147,7 @@ impl NatsArgs {
                 let cert_pem = read_bytes("--tls-cert", cert)?;
                 let key_pem = Secret::new(read_text("--tls-key", key)?);
                 tls.client = Some(ClientCertificate { cert_pem, key_pem });
-                crate::nats::check_tls(&tls).map_err(|why| {
+                foldhost_nats::check_tls(&tls).map_err(|why| {
                     anyhow!(
                         "--tls-cert {} / --tls-key {}: {why}",
                         cert.display(),

@@ -137,10 +137,10 @@ pub struct RunArgs {
     #[arg(long, value_name = "NAME", conflicts_with_all = ["guest", "watch_guest"])]
     pub guest_channel: Option<String>,
     /// The NATS Object Store bucket holding the channel's components.
-    #[arg(long, value_name = "BUCKET", default_value_t = crate::nats::channel::ChannelBuckets::default().objects)]
+    #[arg(long, value_name = "BUCKET", default_value_t = foldhost_nats::channel::ChannelBuckets::default().objects)]
     pub guest_objects: String,
     /// The NATS KV bucket holding the channel's releases and node reports.
-    #[arg(long, value_name = "BUCKET", default_value_t = crate::nats::channel::ChannelBuckets::default().channels)]
+    #[arg(long, value_name = "BUCKET", default_value_t = foldhost_nats::channel::ChannelBuckets::default().channels)]
     pub channel_bucket: String,
     /// Also serve the guest's query as a NATS request/reply service on this subject.
     #[arg(long)]
@@ -203,11 +203,11 @@ pub struct RunArgs {
     pub channel: usize,
     /// Longest one NATS operation may take before it fails (a stream read, a consumer's
     /// creation, a put), in seconds (or `2m`; 1 s to 1 h).
-    #[arg(long, value_name = "SECS", default_value_t = crate::bucket::DEFAULT_OP_TIMEOUT.as_secs(), value_parser = units::secs_within::<1, 3600>)]
+    #[arg(long, value_name = "SECS", default_value_t = foldhost_core::bucket::DEFAULT_OP_TIMEOUT.as_secs(), value_parser = units::secs_within::<1, 3600>)]
     pub nats_op_timeout: u64,
     /// The idle heartbeat asked of each watch's consumer, in seconds: a watch silent for three
     /// of them ends and resumes from the cursor (a deleted consumer, a dead route); 1 to 60 s.
-    #[arg(long, value_name = "SECS", default_value_t = crate::bucket::DEFAULT_WATCH_HEARTBEAT.as_secs(), value_parser = units::secs_within::<1, 60>)]
+    #[arg(long, value_name = "SECS", default_value_t = foldhost_core::bucket::DEFAULT_WATCH_HEARTBEAT.as_secs(), value_parser = units::secs_within::<1, 60>)]
     pub watch_heartbeat: u64,
     /// Restore an expired fold from the artifact published here (an object store URL, see
     /// `foldhost publish`); with `--artifact-key`.
@@ -332,7 +332,7 @@ impl RunArgs {
             sync: self.sync,
             guest: self.guest,
             guest_config,
-            guest_limits: crate::guest::GuestLimits {
+            guest_limits: foldhost_guest::guest::GuestLimits {
                 call_deadline: Duration::from_millis(self.guest_deadline_ms.max(1)),
                 memory_bytes: self.guest_memory_mb.max(1) * 1024 * 1024,
                 max_batch_bytes: self.guest_max_batch_bytes.max(1),
@@ -341,7 +341,8 @@ impl RunArgs {
             guest_cache: if self.no_guest_cache {
                 None
             } else {
-                self.guest_cache.or_else(crate::guest::cache::default_dir)
+                self.guest_cache
+                    .or_else(foldhost_guest::guest::cache::default_dir)
             },
             guest_seed: self.guest_seed,
             apply: self.apply,
@@ -361,7 +362,7 @@ impl RunArgs {
             watch_guest: self.watch_guest,
             guest_channel: self.guest_channel.map(|channel| crate::node::GuestChannel {
                 channel,
-                buckets: crate::nats::channel::ChannelBuckets {
+                buckets: foldhost_nats::channel::ChannelBuckets {
                     objects: self.guest_objects,
                     channels: self.channel_bucket,
                 },
@@ -392,7 +393,7 @@ impl RunArgs {
                 max: self.batch_max.max(1),
                 channel_capacity: self.channel.max(1),
             },
-            state_caps: crate::protocol::StateCaps {
+            state_caps: foldhost_core::protocol::StateCaps {
                 max_value: self.state_max_value,
                 max_bucket: self.state_max_bucket,
             },

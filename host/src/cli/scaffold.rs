@@ -287,10 +287,10 @@ pub(super) fn cmd_new_guest(a: NewGuestArgs) -> anyhow::Result<()> {
     let lang = a.lang;
     let templates = if a.state {
         let module = name.to_ascii_lowercase().replace('_', "-");
-        if !crate::protocol::is_state_name(&module) {
+        if !foldhost_core::protocol::is_state_name(&module) {
             bail!(
                 "guest name {name:?}: a guest that keeps state needs a module name of at most {} letters, digits and hyphens (it is {module:?})",
-                crate::protocol::MAX_STATE_NAME
+                foldhost_core::protocol::MAX_STATE_NAME
             );
         }
         lang.state_templates().with_context(|| {

@@ -27,7 +27,7 @@ pub(super) fn cmd_state(c: StateCommand) -> anyhow::Result<()> {
     if !a.store.is_dir() {
         bail!("--store {}: not a directory", a.store.display());
     }
-    let last = crate::storedir::read_status(&a.store)
+    let last = foldhost_core::storedir::read_status(&a.store)
         .map(|s| s.state_buckets)
         .unwrap_or_default();
     let declared: Vec<&str> = last
@@ -35,12 +35,12 @@ pub(super) fn cmd_state(c: StateCommand) -> anyhow::Result<()> {
         .filter(|b| b.declared)
         .map(|b| b.local.as_str())
         .collect();
-    let mut rows: Vec<crate::status::StateBucketReport> =
+    let mut rows: Vec<foldhost_core::status::StateBucketReport> =
         last.iter().filter(|b| b.declared).cloned().collect();
     rows.extend(
         crate::node::lanes::undeclared(&a.store, declared.into_iter())
             .into_iter()
-            .map(|local| crate::status::StateBucketReport {
+            .map(|local| foldhost_core::status::StateBucketReport {
                 local,
                 declared: false,
                 ..Default::default()

@@ -288,7 +288,7 @@ pub(super) fn cmd_status(a: StatusArgs) -> anyhow::Result<()> {
         state: "unknown".into(),
         ..StatusReport::default()
     });
-    let retained = crate::retained::RetainedIndex::load(&store)?;
+    let retained = foldhost_core::retained::RetainedIndex::load(&store)?;
     let oldest = retained.oldest();
     let applied_through = retained.applied_through(cursor.revision()).unwrap_or(0);
     let seq = host.seq.max(cursor.revision_or_zero());
@@ -298,14 +298,15 @@ pub(super) fn cmd_status(a: StatusArgs) -> anyhow::Result<()> {
         cursor: cursor.revision(),
         seq,
         applied_through,
-        lag: crate::status::lag(seq, applied_through),
+        lag: foldhost_core::status::lag(seq, applied_through),
         retained: retained.len() as u64,
         oldest_retained_revision: oldest.map(|o| o.position()),
         oldest_retained_unix_ms: oldest.map(|o| o.retained_unix_ms),
-        oldest_retained_age_s: oldest
-            .and_then(|o| crate::status::age_s(o.retained_unix_ms, crate::status::now_unix_ms())),
+        oldest_retained_age_s: oldest.and_then(|o| {
+            foldhost_core::status::age_s(o.retained_unix_ms, foldhost_core::status::now_unix_ms())
+        }),
         eviction_seen: cursor.memo().is_some(),
-        keys: Some(crate::snapshot::bucket_len(&store)?),
+        keys: Some(foldhost_core::snapshot::bucket_len(&store)?),
         ..host
     };
     print_status(&report, a.json)
@@ -374,7 +375,7 @@ pub(super) fn cmd_dump(a: DumpArgs) -> anyhow::Result<()> {
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     let mut err: Option<std::io::Error> = None;
     store.for_each_in_range(&a.prefix, &mut |e| {
-        if crate::retained::is_reserved(&e.key) {
+        if foldhost_core::retained::is_reserved(&e.key) {
             return ControlFlow::Continue(());
         }
         let r = if a.json {
@@ -434,7 +435,7 @@ mod tests {
     #[test]
     fn a_watch_shows_the_channel_each_state_bucket_and_an_artifact_at_risk_under_its_fold() {
         let s = StatusReport {
-            guest_channel: Some(crate::status::GuestChannelReport {
+            guest_channel: Some(foldhost_core::status::GuestChannelReport {
                 channel: "edge".into(),
                 node: "n1".into(),
                 release: 7,
@@ -443,7 +444,7 @@ mod tests {
                 running: Some("kvstore@0.2.0".into()),
                 ..Default::default()
             }),
-            state_buckets: vec![crate::status::StateBucketReport {
+            state_buckets: vec![foldhost_core::status::StateBucketReport {
                 local: "notes".into(),
                 bucket: "state_owner_notes".into(),
                 access: "own".into(),
@@ -452,7 +453,7 @@ mod tests {
                 lag: 3,
                 ..Default::default()
             }],
-            artifact: Some(crate::status::ArtifactFreshnessReport {
+            artifact: Some(foldhost_core::status::ArtifactFreshnessReport {
                 state: "stale".into(),
                 key: "routes".into(),
                 cursor: Some(10),
@@ -476,7 +477,7 @@ mod tests {
         assert!(watch_detail(&StatusReport::default()).is_empty());
         // What the bus says cannot drive the terminal, forge a line or run on.
         let hostile = StatusReport {
-            guest_channel: Some(crate::status::GuestChannelReport {
+            guest_channel: Some(foldhost_core::status::GuestChannelReport {
                 channel: "edge".into(),
                 running: Some("x\u{1b}]52;c;AAAA\u{7}\n  state forged\u{202e}".into()),
                 error: Some("e".repeat(10_000)),

@@ -137,9 +137,9 @@ pub(super) async fn cmd_get(a: GetArgs) -> anyhow::Result<()> {
         .transpose()?;
     let headers: Vec<(&str, String)> = [
         a.min_revision
-            .map(|r| (crate::protocol::MIN_REVISION_HEADER, r.to_string())),
+            .map(|r| (foldhost_core::protocol::MIN_REVISION_HEADER, r.to_string())),
         a.wait_ms
-            .map(|ms| (crate::protocol::WAIT_MS_HEADER, ms.to_string())),
+            .map(|ms| (foldhost_core::protocol::WAIT_MS_HEADER, ms.to_string())),
     ]
     .into_iter()
     .flatten()
@@ -182,7 +182,7 @@ fn request_of(t: &WriteTarget) -> WriteRequest {
 
 /// Sends `req`, prints the answer as one JSON line, and exits with its outcome's code.
 async fn send(t: &WriteTarget, req: &WriteRequest) -> anyhow::Result<()> {
-    let token = super::swap::token_for(
+    let token = super::tokens::token_for(
         &t.listen,
         t.write_token.clone(),
         t.write_token_file.as_deref(),

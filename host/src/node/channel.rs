@@ -31,14 +31,18 @@ use std::time::{Duration, Instant};
 use futures::StreamExt as _;
 use tokio::sync::mpsc;
 
-use crate::applied::{Control, FoldStatus};
-use crate::guest::GuestEngine;
-use crate::nats::channel::{ChannelBuckets, ChannelBus, ChannelChange, ChannelError};
-use crate::protocol::{self, ChannelEntry, GuestVersion, Judgement, NodeReport, Rollout, Step};
-use crate::status::GuestChannelReport;
+use foldhost_core::protocol::{
+    self, ChannelEntry, GuestVersion, Judgement, NodeReport, Rollout, Step,
+};
+use foldhost_core::status::FoldStatus;
+use foldhost_core::status::GuestChannelReport;
+use foldhost_fold::applied::Control;
+use foldhost_guest::guest::GuestEngine;
+use foldhost_nats::channel::{ChannelBuckets, ChannelBus, ChannelChange, ChannelError};
 
 /// What the fold answers a shadow.
-type ShadowAnswer = Result<crate::applied::ShadowReport, crate::applied::ApplyError>;
+type ShadowAnswer =
+    Result<foldhost_fold::applied::ShadowReport, foldhost_fold::applied::ApplyError>;
 
 use super::{NodeConfig, NodeError};
 
@@ -124,7 +128,7 @@ async fn open_bus(
 ) -> Result<(ChannelBus, async_nats::Client), ChannelError> {
     let mut opts = cfg.nats.clone();
     opts.op_timeout = cfg.op_timeout;
-    let client = crate::nats::NatsConnection::new(opts)
+    let client = foldhost_nats::NatsConnection::new(opts)
         .dial_another()
         .await
         .map_err(|e| ChannelError::Bus {
@@ -237,7 +241,8 @@ impl Follower {
                 Err(e) => {
                     self.said_error(Some(e.to_string()));
                     watch_failures += 1;
-                    tokio::time::sleep(protocol::Backoff::CHANNEL_RETRY.after(watch_failures)).await;
+                    tokio::time::sleep(protocol::Backoff::CHANNEL_RETRY.after(watch_failures))
+                        .await;
                     continue;
                 }
             };
@@ -488,7 +493,7 @@ impl Follower {
         let digest = &entry.desired.digest;
         self.running.digest == *digest
             && failures(&self.status) <= self.failures_at_swap
-            && !crate::crashpoint::gated(crate::crashpoint::CHANNEL_BAKE)
+            && !foldhost_core::crashpoint::gated(foldhost_core::crashpoint::CHANNEL_BAKE)
             && (self.running_since.elapsed() >= Duration::from_secs(entry.bake_s)
                 || self.baked_kept.as_ref() == Some(&(release, digest.clone())))
     }
@@ -508,7 +513,7 @@ impl Follower {
             return;
         }
         let unstamped = due.clone();
-        due.unix_ms = crate::status::now_unix_ms();
+        due.unix_ms = foldhost_core::status::now_unix_ms();
         match self.bus.put_report(&self.gc.channel, &due).await {
             Ok(()) => {
                 self.written = Some(unstamped);
@@ -555,7 +560,7 @@ impl Follower {
             tokio::task::spawn_blocking(move || engine.prepare(&what, &bytes).map(|_| ()))
                 .await
                 .unwrap_or_else(|e| {
-                    Err(crate::guest::GuestError::Engine(format!(
+                    Err(foldhost_guest::guest::GuestError::Engine(format!(
                         "compile task: {e}"
                     )))
                 })
@@ -617,7 +622,7 @@ impl Follower {
 
     /// A swap or shadow the node could not run now, for a reason of its own (another swap in
     /// progress, the fold's change capture overflowed): nothing judged, tried again later.
-    fn not_now(&mut self, release: u64, e: &crate::applied::ApplyError) {
+    fn not_now(&mut self, release: u64, e: &foldhost_fold::applied::ApplyError) {
         self.retry_later(release);
         tracing::info!(event = "guest_channel_step_deferred", channel = %self.gc.channel, release, error = %e, "the node could not take its step now; tried again later");
     }

@@ -18,9 +18,9 @@
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 
-use crate::lease::{HeldLease, Lease, LeaseError};
-use crate::protocol;
-use crate::status::now_unix_ms;
+use foldhost_core::protocol;
+use foldhost_core::status::now_unix_ms;
+use foldhost_nats::lease::{HeldLease, Lease, LeaseError};
 
 use super::{GuestChannel, NodeConfig, NodeError};
 
@@ -97,11 +97,11 @@ impl NameClaim {
                 gc.channel, gc.node
             ))
         };
-        let config = crate::bucket::BucketConfig {
+        let config = foldhost_core::bucket::BucketConfig {
             create: false,
-            ..crate::bucket::BucketConfig::default()
+            ..foldhost_core::bucket::BucketConfig::default()
         };
-        let kv = crate::nats::NatsKv::open(client, &gc.buckets.channels, &config, cfg.op_timeout)
+        let kv = foldhost_nats::NatsKv::open(client, &gc.buckets.channels, &config, cfg.op_timeout)
             .await
             .map_err(|e| refused(format!("claim {key}: {e}")))?;
         let holder = holder();
@@ -109,7 +109,7 @@ impl NameClaim {
         let lease_err = |e: LeaseError| refused(format!("claim: {e}"));
         let gone_after = protocol::NAME_CLAIM_TTL + protocol::NAME_CLAIM_RENEW;
         // The held claim as first seen unchanged: its revision and since when (our clock).
-        let mut seen: Option<(crate::kv::VersionToken, Instant)> = None;
+        let mut seen: Option<(foldhost_core::kv::VersionToken, Instant)> = None;
         let held = loop {
             let won = match lease.read_versioned().await.map_err(lease_err)? {
                 None => lease.acquire(now_unix_ms()).await.map_err(lease_err)?,

@@ -10,13 +10,13 @@ pub(crate) struct NodeConfig {
     /// `op_timeout` and `watch_heartbeat` are the two fields below). Its `Debug` redacts every
     /// secret.
     pub nats: ConnectOptions,
-    /// Longest one NATS operation may take ([`crate::bucket::DEFAULT_OP_TIMEOUT`] by default).
+    /// Longest one NATS operation may take ([`foldhost_core::bucket::DEFAULT_OP_TIMEOUT`] by default).
     pub op_timeout: Duration,
     /// The idle heartbeat of the watches' consumers
-    /// ([`crate::bucket::ConnectOptions::watch_heartbeat`]).
+    /// ([`foldhost_core::bucket::ConnectOptions::watch_heartbeat`]).
     pub watch_heartbeat: Duration,
     /// How long the operation ledger keeps a row after folding its record
-    /// ([`crate::protocol::DEFAULT_LEDGER_RETENTION_MS`] by default).
+    /// ([`foldhost_core::protocol::DEFAULT_LEDGER_RETENTION_MS`] by default).
     pub ledger_retention: Duration,
     /// The fold's name: in its log lines' span and its metrics' `fold` label (`None`: the
     /// bucket's). Several folds of one process have distinct names (a config file's `name`).
@@ -58,7 +58,7 @@ pub(crate) struct NodeConfig {
     pub query_group: String,
     /// Also take writes as NATS request/reply on this subject.
     pub write_subject: Option<String>,
-    /// Create the bucket when it does not exist (with [`crate::bucket::BucketConfig`]'s
+    /// Create the bucket when it does not exist (with [`foldhost_core::bucket::BucketConfig`]'s
     /// defaults); otherwise a missing bucket is an error.
     pub create_bucket: bool,
     /// Fold to the stream's last sequence as of start, then return.
@@ -90,7 +90,7 @@ pub(crate) struct NodeConfig {
     /// Batching.
     pub batch: BatchConfig,
     /// The host's caps on a guest's state buckets.
-    pub state_caps: crate::protocol::StateCaps,
+    pub state_caps: foldhost_core::protocol::StateCaps,
     /// Test builds only (`--state-unchecked-writes`): a guest's state writes skip the host's own
     /// checks, so a test sees what the server does with them.
     pub state_unchecked_writes: bool,
@@ -110,9 +110,11 @@ impl NodeConfig {
     ) -> Self {
         NodeConfig {
             nats: ConnectOptions::new(nats),
-            op_timeout: crate::bucket::DEFAULT_OP_TIMEOUT,
-            watch_heartbeat: crate::bucket::DEFAULT_WATCH_HEARTBEAT,
-            ledger_retention: Duration::from_millis(crate::protocol::DEFAULT_LEDGER_RETENTION_MS),
+            op_timeout: foldhost_core::bucket::DEFAULT_OP_TIMEOUT,
+            watch_heartbeat: foldhost_core::bucket::DEFAULT_WATCH_HEARTBEAT,
+            ledger_retention: Duration::from_millis(
+                foldhost_core::protocol::DEFAULT_LEDGER_RETENTION_MS,
+            ),
             name: None,
             bucket: bucket.into(),
             scope: None,
@@ -144,9 +146,9 @@ impl NodeConfig {
             export_lease: DEFAULT_EXPORT_LEASE,
             lease_bucket: DEFAULT_LEASE_BUCKET.to_string(),
             node_id: None,
-            defer_grace: crate::applied::DEFAULT_DEFER_GRACE,
+            defer_grace: foldhost_fold::applied::DEFAULT_DEFER_GRACE,
             batch: BatchConfig::default(),
-            state_caps: crate::protocol::StateCaps::default(),
+            state_caps: foldhost_core::protocol::StateCaps::default(),
             state_unchecked_writes: false,
         }
     }
@@ -172,7 +174,7 @@ impl NodeConfig {
                 ));
             }
             for (what, name) in [("--guest-channel", &gc.channel), ("--node-id", &gc.node)] {
-                if let Some(why) = crate::protocol::name_refusal(what, name) {
+                if let Some(why) = foldhost_core::protocol::name_refusal(what, name) {
                     return Err(NodeError::Config(why));
                 }
             }
@@ -190,7 +192,7 @@ impl NodeConfig {
             }
             let token_given = l.query_token.is_some() || l.query_token_file.is_some();
             // Whether the address is loopback is known only once bound; the conflict is not.
-            crate::protocol::query_access(false, token_given, l.query_open)
+            foldhost_core::protocol::query_access(false, token_given, l.query_open)
                 .map_err(|e| NodeError::Config(e.into()))?;
             if l.hosts.len() > crate::serve::MAX_LISTEN_HOSTS {
                 return Err(NodeError::Config(format!(
@@ -202,7 +204,7 @@ impl NodeConfig {
             if let Some(bad) = l
                 .hosts
                 .iter()
-                .find(|h| crate::protocol::split_host_port(h).is_none())
+                .find(|h| foldhost_core::protocol::split_host_port(h).is_none())
             {
                 return Err(NodeError::Config(format!(
                     "--listen-host {bad:?}: not a host name, IP address or [IPv6], with an optional :PORT"

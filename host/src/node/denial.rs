@@ -6,14 +6,15 @@
 /// write to one of `buckets` (the main bucket and the guest's state buckets: their writers are
 /// answered).
 pub(super) async fn fold_denial(
-    mut rx: tokio::sync::watch::Receiver<crate::nats::Denials>,
+    mut rx: tokio::sync::watch::Receiver<foldhost_nats::Denials>,
     buckets: &[String],
-) -> (crate::protocol::Denied, String) {
+) -> (foldhost_core::protocol::Denied, String) {
     let writes: Vec<String> = buckets.iter().map(|b| format!("$KV.{b}.")).collect();
     loop {
         // From the connection's first report on: one during the start-up counts too.
         let found = rx.borrow_and_update().after(0, |d, s| {
-            !(d == crate::protocol::Denied::Publish && writes.iter().any(|w| s.starts_with(w)))
+            !(d == foldhost_core::protocol::Denied::Publish
+                && writes.iter().any(|w| s.starts_with(w)))
         });
         if let Some(d) = found {
             return d;

@@ -14,11 +14,11 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
-use crate::applied::Control;
-use crate::lease::Lease;
-use crate::status::{ExportRoundReport, now_unix_ms};
-use crate::storedir::Backend;
-use crate::transport::{ArtifactTransport, TransportError, clock};
+use foldhost_artifact::transport::{ArtifactTransport, TransportError, clock};
+use foldhost_core::status::{ExportRoundReport, now_unix_ms};
+use foldhost_core::storedir::Backend;
+use foldhost_fold::applied::Control;
+use foldhost_nats::lease::Lease;
 
 /// What one round did.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -66,19 +66,19 @@ pub struct ExportRounds {
     /// The last round's report, shown by `/status`.
     pub last: Arc<std::sync::Mutex<Option<ExportRoundReport>>>,
     /// The fold's live figures (its committed cursor decides whether a round has anything new).
-    pub fold: Arc<crate::applied::FoldStatus>,
+    pub fold: Arc<foldhost_core::status::FoldStatus>,
     /// The stream the fold records now (read before and after each export: the artifact records
     /// it, and a pointer to another stream is never "up to date").
     pub stream: StreamSource,
     /// The guest's state buckets' folds, carried in each artifact at their own cursors (the
     /// pointer orders artifacts by the main fold's cursor: a round publishes when the main fold
     /// moved on, docs/state.md).
-    pub state: Vec<crate::artifact::StateFoldSource>,
+    pub state: Vec<foldhost_artifact::artifact::StateFoldSource>,
 }
 
 /// Reads the stream the fold records (its reserved identity key), if any.
 pub(crate) type StreamSource =
-    Arc<dyn Fn() -> Option<crate::artifact::ManifestStream> + Send + Sync>;
+    Arc<dyn Fn() -> Option<foldhost_artifact::artifact::ManifestStream> + Send + Sync>;
 
 /// Opens a lease (its bucket) when first asked.
 pub(crate) type LeaseOpener =
@@ -131,7 +131,7 @@ impl ExportRounds {
                 self.fold
                     .last_published_unix_ms
                     .store(unix_ms, std::sync::atomic::Ordering::Relaxed);
-                last_published = Some(crate::status::PublishedRound {
+                last_published = Some(foldhost_core::status::PublishedRound {
                     unix_ms,
                     cursor: *cursor,
                     duration_ms,
@@ -172,14 +172,17 @@ impl ExportRounds {
             && let Some(published) = p.manifest.cursor
             && published >= at
             && matches!(
-                crate::protocol::stream_relation(
-                    stream.as_ref().map(crate::artifact::ManifestStream::key),
+                foldhost_core::protocol::stream_relation(
+                    stream
+                        .as_ref()
+                        .map(foldhost_artifact::artifact::ManifestStream::key),
                     p.manifest
                         .stream
                         .as_ref()
-                        .map(crate::artifact::ManifestStream::key),
+                        .map(foldhost_artifact::artifact::ManifestStream::key),
                 ),
-                crate::protocol::StreamRelation::Same | crate::protocol::StreamRelation::Unknown
+                foldhost_core::protocol::StreamRelation::Same
+                    | foldhost_core::protocol::StreamRelation::Unknown
             )
         {
             tracing::debug!(
@@ -211,7 +214,7 @@ impl ExportRounds {
         let published: Result<_, Result<u64, String>> = async {
             std::fs::create_dir_all(&self.scratch)
                 .map_err(|e| Err(format!("{}: {e}", self.scratch.display())))?;
-            crate::applied::export_live_of(
+            foldhost_fold::applied::export_live_of(
                 &self.control,
                 self.backend,
                 dir.clone(),

@@ -18,11 +18,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::applied::FoldStatus;
-use crate::nats::NatsKv;
-use crate::protocol::{self, FreshnessState};
-use crate::status::{ArtifactFreshnessReport, now_unix_ms};
-use crate::transport::ArtifactTransport;
+use foldhost_artifact::transport::ArtifactTransport;
+use foldhost_core::protocol::{self, FreshnessState};
+use foldhost_core::status::FoldStatus;
+use foldhost_core::status::{ArtifactFreshnessReport, now_unix_ms};
+use foldhost_nats::NatsKv;
 
 /// The longest between two checks.
 const MAX_PERIOD: Duration = Duration::from_secs(30);
@@ -38,7 +38,7 @@ pub(super) struct Checked {
     pub(super) transport: Arc<ArtifactTransport>,
     pub(super) key: String,
     pub(super) stream: super::export::StreamSource,
-    pub(super) scope: crate::kv::WatchScope,
+    pub(super) scope: foldhost_core::kv::WatchScope,
 }
 
 /// What one check found: the report (`None` where the bucket never evicts a current value), its
@@ -153,18 +153,21 @@ async fn check(c: &Checked) -> Result<Found, String> {
 /// the stream's incarnation, the cursor against the stream, the scope), if it would.
 fn unusable(
     c: &Checked,
-    m: &crate::artifact::ExportManifest,
+    m: &foldhost_artifact::artifact::ExportManifest,
     last_sequence: u64,
 ) -> Option<&'static str> {
     let ours = (c.stream)();
     let relation = protocol::stream_relation(
-        ours.as_ref().map(crate::artifact::ManifestStream::key),
-        m.stream.as_ref().map(crate::artifact::ManifestStream::key),
+        ours.as_ref()
+            .map(foldhost_artifact::artifact::ManifestStream::key),
+        m.stream
+            .as_ref()
+            .map(foldhost_artifact::artifact::ManifestStream::key),
     );
     let covers = m
         .scope
         .as_deref()
-        .and_then(|s| crate::kv::WatchScope::parse(s).ok())
+        .and_then(|s| foldhost_core::kv::WatchScope::parse(s).ok())
         .is_some_and(|s| {
             let theirs = s.disjoint_prefixes();
             let want = c.scope.disjoint_prefixes();

@@ -2,8 +2,8 @@
 
 use std::path::Path;
 
-use crate::nats::NatsKv;
-use crate::storedir::{self, AnyStore};
+use foldhost_core::storedir::{self, AnyStore};
+use foldhost_nats::NatsKv;
 
 use super::NodeError;
 
@@ -16,10 +16,10 @@ pub(super) async fn refuse_another_stream(
     store: &Path,
     bucket: &str,
     kv: &NatsKv,
-) -> Result<crate::kv::WatchCursor, NodeError> {
+) -> Result<foldhost_core::kv::WatchCursor, NodeError> {
     if storedir::backend_of(store).is_err() {
         // No fold yet (or not one: the writable open reports that).
-        return Ok(crate::kv::WatchCursor::NONE);
+        return Ok(foldhost_core::kv::WatchCursor::NONE);
     }
     let dir = store.to_path_buf();
     let (recorded, cursor) = tokio::task::spawn_blocking(move || -> Result<_, NodeError> {
@@ -36,27 +36,36 @@ pub(super) async fn refuse_another_stream(
             path: dir.clone(),
             source,
         })?;
-        let recorded =
-            match crate::snapshot::SnapshotStore::get(&ro, crate::retained::IDENTITY_KEY)? {
-                Some(e) => Some(decode_identity(&dir, &e.value)?),
-                None => None,
-            };
-        Ok((recorded, crate::snapshot::SnapshotStore::cursor(&ro)))
+        let recorded = match foldhost_core::snapshot::SnapshotStore::get(
+            &ro,
+            foldhost_core::retained::IDENTITY_KEY,
+        )? {
+            Some(e) => Some(decode_identity(&dir, &e.value)?),
+            None => None,
+        };
+        Ok((
+            recorded,
+            foldhost_core::snapshot::SnapshotStore::cursor(&ro),
+        ))
     })
     .await
     .map_err(|e| NodeError::Task("store identity read", e.to_string()))??;
     // The bucket's opening answer, when young (`NatsKv::start_state`): a refusal needs no request
     // of its own, and the fold checks again, afresh, once its store is open.
     let found = kv.start_state().await?;
-    if let Some(line) = crate::applied::identity_refusal(bucket, recorded.as_ref(), cursor, &found)
+    if let Some(line) =
+        foldhost_fold::applied::identity_refusal(bucket, recorded.as_ref(), cursor, &found)
     {
         return Err(NodeError::Refused(line));
     }
     Ok(cursor)
 }
 
-fn decode_identity(dir: &Path, bytes: &[u8]) -> Result<crate::kv::StreamIdentity, NodeError> {
-    crate::kv::StreamIdentity::from_bytes(bytes).ok_or_else(|| {
+fn decode_identity(
+    dir: &Path,
+    bytes: &[u8],
+) -> Result<foldhost_core::kv::StreamIdentity, NodeError> {
+    foldhost_core::kv::StreamIdentity::from_bytes(bytes).ok_or_else(|| {
         NodeError::Refused(format!(
             "{}: the fold's stream identity record does not decode",
             dir.display()

@@ -1,7 +1,7 @@
 //! The state buckets of a guest (docs/state.md): asserted on the server, folded each into a store
 //! of its own under `STORE/state/<name>/`, caught up before the guest hydrates, then folded live
 //! beside the main bucket, every batch handed to the guest in the main fold loop
-//! ([`crate::applied::LaneApply`]).
+//! ([`foldhost_fold::applied::LaneApply`]).
 //!
 //! Invariants:
 //! - **A bucket is asserted, never changed or deleted**: an owned bucket is created when absent
@@ -18,26 +18,26 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::applied::{
-    AppliedError, Control, CountingApply, FoldStatus, LaneApply, LaneLink, WatchOptions,
-    watch_applied,
+use foldhost_core::bucket::BucketConfig;
+use foldhost_core::kv::WatchScope;
+use foldhost_core::protocol::{self, Access, StateBucket};
+use foldhost_core::status::FoldStatus;
+use foldhost_core::status::StateBucketReport;
+use foldhost_core::storedir::AnyStore;
+use foldhost_core::view::SharedStore;
+use foldhost_fold::applied::{
+    AppliedError, Control, CountingApply, LaneApply, LaneLink, WatchOptions, watch_applied,
 };
-use crate::bucket::BucketConfig;
-use crate::guest::GuestManifest;
-use crate::guest::state::{
+use foldhost_guest::guest::GuestManifest;
+use foldhost_guest::guest::state::{
     StateAccess, StateLane, StateWriteRequest, StateWriter, WriteFuture, WriteRefused, Written,
     WrittenOutcome,
 };
-use crate::kv::WatchScope;
-use crate::nats::{NatsConnection, NatsKv};
-use crate::protocol::{self, Access, StateBucket};
-use crate::status::StateBucketReport;
-use crate::storedir::AnyStore;
-use crate::view::SharedStore;
+use foldhost_nats::{NatsConnection, NatsKv};
 
 use super::{NodeConfig, NodeError, signalled};
 
-use crate::storedir::STATE_DIR;
+use foldhost_core::storedir::STATE_DIR;
 
 /// One declared bucket, opened: its server handle, its fold's store and live figures.
 pub(crate) struct Lane {
@@ -102,7 +102,7 @@ async fn assert_bucket(
             ..BucketConfig::default()
         };
         let kv = conn.bucket(&decl.bucket, &config).await.map_err(|e| match e {
-            crate::kv::KvError::BucketNotFound(_) => NodeError::Config(format!(
+            foldhost_core::kv::KvError::BucketNotFound(_) => NodeError::Config(format!(
                 "read bucket {:?}: server bucket {} does not exist (its owner creates it when it first starts)",
                 decl.local, decl.bucket
             )),
@@ -143,9 +143,9 @@ fn options(cfg: &NodeConfig, lane: &Lane, catch_up: bool) -> WatchOptions {
         batch: cfg.batch,
         catch_up,
         defer_grace: cfg.defer_grace,
-        repair: crate::repair::RepairConfig {
+        repair: foldhost_fold::repair::RepairConfig {
             mode: cfg.repair,
-            lister: Some(lane.kv.clone() as Arc<dyn crate::kv::KvReader>),
+            lister: Some(lane.kv.clone() as Arc<dyn foldhost_core::kv::KvReader>),
             on_recreated: cfg.on_recreated,
             on_diverged: cfg.on_diverged,
             ..Default::default()
@@ -245,7 +245,7 @@ impl StateWriter for LaneWriter {
                 .op_id
                 .as_deref()
                 .filter(|_| req.host_minted)
-                .and_then(|id| crate::protocol::OpId::parse(id).ok());
+                .and_then(|id| foldhost_core::protocol::OpId::parse(id).ok());
             let minted = match derived {
                 Some(id) => Some(id),
                 None => req.op_id.is_none().then(crate::write::mint),
@@ -299,10 +299,10 @@ impl StateWriter for LaneWriter {
 
 /// Each lane's fold as an export carries it beside the main fold (held weakly: an export never
 /// keeps a stopped fold's store open).
-pub(crate) fn export_sources(lanes: &[Lane]) -> Vec<crate::artifact::StateFoldSource> {
+pub(crate) fn export_sources(lanes: &[Lane]) -> Vec<foldhost_artifact::artifact::StateFoldSource> {
     lanes
         .iter()
-        .map(|l| crate::artifact::StateFoldSource {
+        .map(|l| foldhost_artifact::artifact::StateFoldSource {
             local: l.decl.local.clone(),
             store: l.store.downgrade(),
         })
@@ -367,7 +367,10 @@ pub(crate) fn undeclared<'a>(store: &Path, declared: impl Iterator<Item = &'a st
 /// The lanes folding live, each in a task of its own, every batch handed to the guest through
 /// the main loop's `control` channel.
 pub(crate) struct Running {
-    tasks: tokio::task::JoinSet<(String, Result<crate::applied::Finished, AppliedError>)>,
+    tasks: tokio::task::JoinSet<(
+        String,
+        Result<foldhost_fold::applied::Finished, AppliedError>,
+    )>,
     /// Each lane's ledger sweeper (aborted with the lanes).
     _sweepers: tokio::task::JoinSet<()>,
     shutdown: tokio::sync::watch::Receiver<bool>,

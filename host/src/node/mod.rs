@@ -39,19 +39,19 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use crate::applied::{
-    AppliedError, Apply, ApplyError, BatchConfig, CountingApply, FoldStatus, WatchOptions,
-    watch_applied,
+use foldhost_core::bucket::{BucketConfig, ConnectOptions};
+use foldhost_core::kv::{KvError, WatchCursor, WatchScope};
+use foldhost_core::protocol::{OnRecreated, RepairMode};
+use foldhost_core::snapshot::{SnapshotError, SnapshotStore};
+use foldhost_core::status::FoldStatus;
+use foldhost_core::status::StatusReport;
+use foldhost_core::storedir::{self, AnyStore, Backend, StoreDirError};
+use foldhost_core::view::SharedStore;
+use foldhost_fold::applied::{
+    AppliedError, Apply, ApplyError, BatchConfig, CountingApply, WatchOptions, watch_applied,
 };
-use crate::bucket::{BucketConfig, ConnectOptions};
-use crate::guest::{GuestApply, GuestEngine, GuestError, GuestLimits};
-use crate::kv::{KvError, WatchCursor, WatchScope};
-use crate::nats::NatsConnection;
-use crate::protocol::{OnRecreated, RepairMode};
-use crate::snapshot::{SnapshotError, SnapshotStore};
-use crate::status::StatusReport;
-use crate::storedir::{self, AnyStore, Backend, StoreDirError};
-use crate::view::SharedStore;
+use foldhost_guest::guest::{GuestApply, GuestEngine, GuestError, GuestLimits};
+use foldhost_nats::NatsConnection;
 
 /// Why a node did not start, or stopped.
 #[derive(Debug, thiserror::Error)]
@@ -108,7 +108,7 @@ pub(crate) enum NodeError {
     },
     /// The artifact transport (`--artifacts`).
     #[error(transparent)]
-    Transport(#[from] crate::transport::TransportError),
+    Transport(#[from] foldhost_artifact::transport::TransportError),
     /// A state bucket's fold stopped (docs/state.md).
     #[error("{0}")]
     State(String),
@@ -141,7 +141,7 @@ pub(crate) struct ListenConfig {
     /// A token `/status` and `/query` must present. With none (and no `query_token_file`), a
     /// loopback listener answers them to anyone, and any other listener (a wildcard one
     /// included) to the token it generates into `STORE/query-token` (mode 0600), unless
-    /// `query_open` ([`crate::protocol::query_access`]).
+    /// `query_open` ([`foldhost_core::protocol::query_access`]).
     pub query_token: Option<String>,
     /// A file holding the query token.
     pub query_token_file: Option<PathBuf>,
@@ -149,7 +149,7 @@ pub(crate) struct ListenConfig {
     /// can reach the address can query the guest and flood it with queries.
     pub query_open: bool,
     /// The names clients reach the listener by (`Host`, with or without a port); beside its own
-    /// addresses, the only ones it admits ([`crate::protocol::host_names_listener`]).
+    /// addresses, the only ones it admits ([`foldhost_core::protocol::host_names_listener`]).
     pub hosts: Vec<String>,
     /// Largest `/query` body accepted.
     pub query_max_bytes: usize,
@@ -227,7 +227,8 @@ impl Node {
         let (control_tx, control_rx) = tokio::sync::mpsc::channel(64);
         // Where queries go: a query instance beside the fold once one is level (docs/design.md,
         // "Queries off the fold's path"), the fold loop until then.
-        let queries = crate::applied::Queries::reporting(control_tx.clone(), status.clone());
+        let queries =
+            foldhost_fold::applied::Queries::reporting(control_tx.clone(), status.clone());
         let state_exports = lanes::export_sources(&lanes);
         let mut running =
             lanes::Running::start(&cfg, lanes, apply.describe(), &control_tx, &link, &shutdown);
@@ -243,10 +244,12 @@ impl Node {
             _ => None,
         };
         let transport = match &cfg.artifacts {
-            Some((url, _)) => Some(Arc::new(crate::transport::ArtifactTransport::from_url(
-                url,
-                cfg.allow_non_atomic_pointer,
-            )?)),
+            Some((url, _)) => Some(Arc::new(
+                foldhost_artifact::transport::ArtifactTransport::from_url(
+                    url,
+                    cfg.allow_non_atomic_pointer,
+                )?,
+            )),
             None => None,
         };
         let mut tasks = side::SideTasks::start(
@@ -267,7 +270,9 @@ impl Node {
                     Arc::new(move || {
                         let store = store.upgrade()?;
                         let store = store.read().ok()?;
-                        crate::artifact::stream_of(&*store).ok().flatten()
+                        foldhost_artifact::artifact::stream_of(&*store)
+                            .ok()
+                            .flatten()
                     })
                 },
                 ledger: ledger_lookup(&shared),
@@ -343,7 +348,7 @@ impl Node {
             close_store(closing, &cfg.store).await;
         }
         {
-            use crate::bucket::Connection as _;
+            use foldhost_core::bucket::Connection as _;
             conn.shutdown().await;
         }
         outcome
@@ -354,13 +359,13 @@ impl Node {
 /// stream is not the bucket's (before the store is opened for writing).
 async fn connect(
     cfg: &NodeConfig,
-) -> Result<(NatsConnection, Arc<crate::nats::NatsKv>), NodeError> {
+) -> Result<(NatsConnection, Arc<foldhost_nats::NatsKv>), NodeError> {
     let mut copts = cfg.nats.clone();
     copts.op_timeout = cfg.op_timeout;
     copts.watch_heartbeat = cfg.watch_heartbeat;
     let conn = NatsConnection::open(copts).await?;
     {
-        use crate::bucket::Connection as _;
+        use foldhost_core::bucket::Connection as _;
         let caps = conn.capabilities();
         tracing::info!(event = "nats_server_capabilities", server = %caps.server_version, message_ttl = caps.message_ttl, conditional_publish = caps.conditional_publish, direct_get = caps.direct_get, "server capabilities");
     }
@@ -388,7 +393,7 @@ async fn connect(
 fn guest_seed(cfg: &NodeConfig) -> Result<[u8; 32], NodeError> {
     match cfg.guest_seed {
         Some(seed) => Ok(seed),
-        None => crate::storedir::guest_seed::load_or_create(&cfg.store).map_err(|source| {
+        None => foldhost_core::storedir::guest_seed::load_or_create(&cfg.store).map_err(|source| {
             NodeError::Store {
                 path: cfg.store.clone(),
                 source,
@@ -407,7 +412,8 @@ fn ledger_lookup(shared: &SharedStore<AnyStore>) -> crate::write::LedgerLookup {
         let s = store
             .read()
             .map_err(|_| "the store is poisoned".to_string())?;
-        let (row, watermark, life) = crate::ledger::lookup(&*s, op).map_err(|e| e.to_string())?;
+        let (row, watermark, life) =
+            foldhost_core::ledger::lookup(&*s, op).map_err(|e| e.to_string())?;
         Ok(crate::write::LedgerView {
             row,
             watermark,
@@ -454,18 +460,18 @@ fn base_report(
 fn watch_options(
     cfg: &NodeConfig,
     scope: WatchScope,
-    transport: Option<Arc<crate::transport::ArtifactTransport>>,
-    kv: Arc<crate::nats::NatsKv>,
+    transport: Option<Arc<foldhost_artifact::transport::ArtifactTransport>>,
+    kv: Arc<foldhost_nats::NatsKv>,
 ) -> WatchOptions {
     WatchOptions {
         scope,
         batch: cfg.batch,
         catch_up: cfg.catch_up,
         defer_grace: cfg.defer_grace,
-        repair: crate::repair::RepairConfig {
+        repair: foldhost_fold::repair::RepairConfig {
             mode: cfg.repair,
             restore_from: restore_source(cfg, transport),
-            lister: Some(kv as Arc<dyn crate::kv::KvReader>),
+            lister: Some(kv as Arc<dyn foldhost_core::kv::KvReader>),
             scratch: Some(repair_scratch(&cfg.store)),
             on_recreated: cfg.on_recreated,
             on_diverged: cfg.on_diverged,
@@ -476,7 +482,7 @@ fn watch_options(
 }
 
 /// After a clean stop: closes the store and leaves its clean-stop record, so the next run's
-/// identity check needs no read-only open ([`crate::storedir::closed`]). Best effort: when a
+/// identity check needs no read-only open ([`foldhost_core::storedir::closed`]). Best effort: when a
 /// handle is still held elsewhere, or the record cannot be written, the next run opens the store
 /// to check it, as it would without a record.
 async fn close_store(shared: SharedStore<AnyStore>, dir: &Path) {
@@ -503,7 +509,7 @@ struct ProvenGuest {
     bytes: Vec<u8>,
     path: PathBuf,
     /// Where its compiled code came from.
-    prepared: crate::guest::Prepared,
+    prepared: foldhost_guest::guest::Prepared,
 }
 
 /// Reads, compiles, link-checks and starts the guest (instantiate, `manifest`, `init`, against an
@@ -514,12 +520,12 @@ async fn prove_guest(
     channel: Option<&mut channel::ChannelStart>,
 ) -> Result<Option<ProvenGuest>, NodeError> {
     let (path, bytes) = match (&cfg.guest, channel) {
-        (Some(path), _) => (path.clone(), crate::guest::read_guest_file(path)?),
+        (Some(path), _) => (path.clone(), foldhost_guest::guest::read_guest_file(path)?),
         // Named in errors and status by its version, digest first.
         (None, Some(c)) => (PathBuf::from(c.version.label()), c.bytes.clone()),
         (None, None) => return Ok(None),
     };
-    let engine = GuestEngine::with_options(crate::guest::EngineOptions {
+    let engine = GuestEngine::with_options(foldhost_guest::guest::EngineOptions {
         cache_dir: cfg.guest_cache.clone(),
         // The store's seed is set once the store is open; this probe instance draws nothing kept.
         random_seed: [0; 32],
@@ -539,7 +545,7 @@ async fn prove_guest(
         &bytes,
         cfg.guest_limits,
         cfg.guest_config.clone(),
-        Arc::new(crate::view::EmptyFold),
+        Arc::new(foldhost_core::view::EmptyFold),
     )
     .await?;
     drop(probe);
@@ -574,12 +580,12 @@ async fn open_store(cfg: &NodeConfig) -> Result<SharedStore<AnyStore>, NodeError
     }
     if cfg.repair == RepairMode::None
         && store.cursor().revision().is_none()
-        && crate::snapshot::bucket_len(&store)? > 0
+        && foldhost_core::snapshot::bucket_len(&store)? > 0
     {
         return Err(NodeError::Refused(format!(
             "{}: the fold holds {} keys but no cursor and --repair is none; it cannot be resumed safely (allow a repair, import an artifact, or start from an empty store)",
             cfg.store.display(),
-            crate::snapshot::bucket_len(&store)?
+            foldhost_core::snapshot::bucket_len(&store)?
         )));
     }
     Ok(SharedStore::new(store))
@@ -595,7 +601,7 @@ async fn build_applier(
     status: &FoldStatus,
 ) -> Result<Built, NodeError> {
     let mut lanes = Vec::new();
-    let mut link = Arc::new(crate::applied::LaneLink::default());
+    let mut link = Arc::new(foldhost_fold::applied::LaneLink::default());
     let (apply, manifest_scope): (Box<dyn Apply>, Option<WatchScope>) = match proven {
         Some(p) => {
             let mut g = GuestApply::load(
@@ -640,23 +646,23 @@ type Built = (
     Box<dyn Apply>,
     WatchScope,
     Vec<lanes::Lane>,
-    Arc<crate::applied::LaneLink>,
+    Arc<foldhost_fold::applied::LaneLink>,
 );
 
 /// The run's restore source: `--artifacts URL --artifact-key K`, or `--restore-from DIR`.
 fn restore_source(
     cfg: &NodeConfig,
-    transport: Option<Arc<crate::transport::ArtifactTransport>>,
-) -> Option<crate::repair::RestoreSource> {
+    transport: Option<Arc<foldhost_artifact::transport::ArtifactTransport>>,
+) -> Option<foldhost_fold::repair::RestoreSource> {
     if let (Some(transport), Some((_, key))) = (transport, &cfg.artifacts) {
-        return Some(crate::repair::RestoreSource::Transport {
+        return Some(foldhost_fold::repair::RestoreSource::Transport {
             transport,
             key: key.clone(),
         });
     }
     cfg.restore_from
         .clone()
-        .map(crate::repair::RestoreSource::new)
+        .map(foldhost_fold::repair::RestoreSource::new)
 }
 
 /// Where a run's repairs keep their scratch: a hidden directory beside the store (same file
@@ -690,7 +696,7 @@ fn live_status(base: &StatusReport, status: &FoldStatus) -> StatusReport {
 fn final_status(
     base: &StatusReport,
     status: &FoldStatus,
-    result: &Result<crate::applied::Finished, AppliedError>,
+    result: &Result<foldhost_fold::applied::Finished, AppliedError>,
 ) -> StatusReport {
     let mut last = live_status(base, status);
     match result {

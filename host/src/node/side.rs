@@ -15,11 +15,12 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio::task::JoinHandle;
 
-use crate::applied::{AppliedError, Control, Finished, FoldStatus};
-use crate::guest::GuestEngine;
-use crate::kv::WatchScope;
-use crate::nats::NatsConnection;
-use crate::status::StatusReport;
+use foldhost_core::kv::WatchScope;
+use foldhost_core::status::FoldStatus;
+use foldhost_core::status::StatusReport;
+use foldhost_fold::applied::{AppliedError, Control, Finished};
+use foldhost_guest::guest::GuestEngine;
+use foldhost_nats::NatsConnection;
 
 use super::{
     NodeConfig, NodeError, RunSummary, final_status, live_status, signalled, write_status_file,
@@ -40,7 +41,7 @@ pub(super) struct SideTasks {
     /// The host's fixed facts.
     base: StatusReport,
     /// The last export round, shown by `/status`.
-    last_export: Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
+    last_export: Arc<std::sync::Mutex<Option<foldhost_core::status::ExportRoundReport>>>,
 }
 
 impl SideTasks {
@@ -53,7 +54,7 @@ impl SideTasks {
         status: &Arc<FoldStatus>,
         scope: &WatchScope,
         engine: Option<Arc<GuestEngine>>,
-        transport: Option<Arc<crate::transport::ArtifactTransport>>,
+        transport: Option<Arc<foldhost_artifact::transport::ArtifactTransport>>,
         control: mpsc::Sender<Control>,
         follower: Option<super::channel::Follower>,
         fold: FoldAccess,
@@ -84,7 +85,7 @@ impl SideTasks {
             read_positions(write.kv.clone(), status.clone()),
         )));
         let fatal: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
-        let last_export: Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>> =
+        let last_export: Arc<std::sync::Mutex<Option<foldhost_core::status::ExportRoundReport>>> =
             Arc::default();
         let mut base = base.clone();
         // The fold as every query reaches it, over HTTP and over NATS: one state, so both go
@@ -313,12 +314,12 @@ struct StateParts {
     engine: Option<Arc<GuestEngine>>,
     control: mpsc::Sender<Control>,
     fatal: Arc<std::sync::Mutex<Option<String>>>,
-    last_export: Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
+    last_export: Arc<std::sync::Mutex<Option<foldhost_core::status::ExportRoundReport>>>,
     stream: super::export::StreamSource,
     write: Arc<crate::write::WritePath>,
     read_key: crate::write::KeyReader,
-    state_folds: Vec<crate::artifact::StateFoldSource>,
-    queries: crate::applied::Queries,
+    state_folds: Vec<foldhost_artifact::artifact::StateFoldSource>,
+    queries: foldhost_fold::applied::Queries,
 }
 
 impl StateParts {
@@ -402,18 +403,18 @@ pub(super) struct FoldAccess {
     /// The ledger's rows and watermark.
     pub(super) ledger: crate::write::LedgerLookup,
     /// The bucket writes publish to.
-    pub(super) kv: Arc<crate::nats::NatsKv>,
+    pub(super) kv: Arc<foldhost_nats::NatsKv>,
     /// One key of the committed fold (`POST /get`).
     pub(super) read_key: crate::write::KeyReader,
     /// The state buckets' folds, carried in every export beside the fold's own.
-    pub(super) state: Vec<crate::artifact::StateFoldSource>,
+    pub(super) state: Vec<foldhost_artifact::artifact::StateFoldSource>,
     /// Where every query goes: the query instance once level, the fold loop before
     /// (docs/design.md, "Queries off the fold's path").
-    pub(super) queries: crate::applied::Queries,
+    pub(super) queries: foldhost_fold::applied::Queries,
 }
 
 /// Sweeps the operation ledger every [`LEDGER_SWEEP_PERIOD`] (the first time at once): rows
-/// recorded more than `retention` ago go, in steps of at most [`crate::ledger::SWEEP_STEP`] rows,
+/// recorded more than `retention` ago go, in steps of at most [`foldhost_core::ledger::SWEEP_STEP`] rows,
 /// each one commit of the fold between two of its batches ([`Control::SweepLedger`]).
 pub(super) async fn sweep_ledger(retention: std::time::Duration, control: mpsc::Sender<Control>) {
     let mut tick = tokio::time::interval(LEDGER_SWEEP_PERIOD);
@@ -424,7 +425,7 @@ pub(super) async fn sweep_ledger(retention: std::time::Duration, control: mpsc::
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_millis() as u64)
             .unwrap_or(0);
-        let cutoff = crate::protocol::ledger_cutoff(now, retention.as_millis() as u64);
+        let cutoff = foldhost_core::protocol::ledger_cutoff(now, retention.as_millis() as u64);
         let mut after: Option<String> = None;
         let mut removed = 0u64;
         let failed = loop {
@@ -468,7 +469,7 @@ pub(super) async fn sweep_ledger(retention: std::time::Duration, control: mpsc::
 
 /// Reads the stream's first and last sequence into the status every [`POSITIONS_PERIOD`] (one
 /// stream-info request each; a failed read leaves the last figures).
-async fn read_positions(kv: Arc<crate::nats::NatsKv>, status: Arc<FoldStatus>) {
+async fn read_positions(kv: Arc<foldhost_nats::NatsKv>, status: Arc<FoldStatus>) {
     let mut tick = tokio::time::interval(POSITIONS_PERIOD);
     loop {
         tick.tick().await;
@@ -494,10 +495,10 @@ const LEDGER_SWEEP_PERIOD: std::time::Duration = std::time::Duration::from_secs(
 async fn export_rounds(
     cfg: &NodeConfig,
     conn: &NatsConnection,
-    transport: Arc<crate::transport::ArtifactTransport>,
+    transport: Arc<foldhost_artifact::transport::ArtifactTransport>,
     scope: &WatchScope,
     control: &mpsc::Sender<Control>,
-    last: &Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
+    last: &Arc<std::sync::Mutex<Option<foldhost_core::status::ExportRoundReport>>>,
     fold: &Arc<FoldStatus>,
 ) -> Result<super::ExportRounds, NodeError> {
     let key = cfg
@@ -558,15 +559,17 @@ async fn lease_slot(
             node_id.clone(),
         );
         Box::pin(async move {
-            let config = crate::bucket::BucketConfig {
+            let config = foldhost_core::bucket::BucketConfig {
                 create: true,
                 max_bytes: None,
-                ..crate::bucket::BucketConfig::default()
+                ..foldhost_core::bucket::BucketConfig::default()
             };
-            let kv = crate::nats::NatsKv::open(client, &bucket, &config, timeout)
+            let kv = foldhost_nats::NatsKv::open(client, &bucket, &config, timeout)
                 .await
                 .map_err(|e| format!("lease bucket {bucket}: {e}"))?;
-            Ok(crate::lease::Lease::new(kv, lease_key, node_id, ttl))
+            Ok(foldhost_nats::lease::Lease::new(
+                kv, lease_key, node_id, ttl,
+            ))
         })
     })))
 }
@@ -615,12 +618,12 @@ async fn watch_guest_file(path: PathBuf, engine: Arc<GuestEngine>, control: mpsc
 
 /// Keeps `status.json` current, shows hydration progress (a bar on a terminal, log lines
 /// otherwise) and samples the lag into the status's bounded `lag_history` (`sample_lag`) at its
-/// first tick, then every [`crate::status::LAG_SAMPLE_PERIOD`].
+/// first tick, then every [`foldhost_core::status::LAG_SAMPLE_PERIOD`].
 async fn report_progress(
     dir: PathBuf,
     base: StatusReport,
     status: Arc<FoldStatus>,
-    last_export: Arc<std::sync::Mutex<Option<crate::status::ExportRoundReport>>>,
+    last_export: Arc<std::sync::Mutex<Option<foldhost_core::status::ExportRoundReport>>>,
 ) {
     let bar = if std::io::stderr().is_terminal() {
         let b = indicatif::ProgressBar::new(0);
@@ -636,7 +639,8 @@ async fn report_progress(
     };
     let period = Duration::from_millis(250);
     let mut tick = tokio::time::interval(period);
-    let sample_every = (crate::status::LAG_SAMPLE_PERIOD.as_millis() / period.as_millis()) as u64;
+    let sample_every =
+        (foldhost_core::status::LAG_SAMPLE_PERIOD.as_millis() / period.as_millis()) as u64;
     let mut n = 0u64;
     let mut hydrated_logged = false;
     loop {

@@ -65,7 +65,7 @@ pub(super) fn settle(
 }
 
 /// The token `/status` and `/query` need on the listener bound at `local`
-/// ([`crate::protocol::query_access`]): the one given (literally or in a file), `None` where they
+/// ([`foldhost_core::protocol::query_access`]): the one given (literally or in a file), `None` where they
 /// are open, or — beyond loopback, given none and not `--query-open` — the one in
 /// `STORE/query-token`, generated there (mode 0600) when absent. The token itself is never logged.
 fn query_token(
@@ -73,10 +73,10 @@ fn query_token(
     l: &ListenConfig,
     local: std::net::SocketAddr,
 ) -> std::io::Result<(Option<String>, Option<std::path::PathBuf>)> {
-    use crate::protocol::QueryAccess;
+    use foldhost_core::protocol::QueryAccess;
     let loopback = local.ip().to_canonical().is_loopback();
     let token_given = l.query_token.is_some() || l.query_token_file.is_some();
-    let access = crate::protocol::query_access(loopback, token_given, l.query_open)
+    let access = foldhost_core::protocol::query_access(loopback, token_given, l.query_open)
         .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
     Ok(match access {
         QueryAccess::GivenToken => match (&l.query_token, &l.query_token_file) {

@@ -81,7 +81,7 @@ impl RequestHead {
             host = Some(authority);
         }
         let origin = text(ORIGIN, "more than one Origin header")?;
-        let min_revision = crate::protocol::parse_min_revision(
+        let min_revision = foldhost_core::protocol::parse_min_revision(
             text(
                 hyper::header::HeaderName::from_static("foldhost-min-revision"),
                 "more than one Foldhost-Min-Revision header",
@@ -89,7 +89,7 @@ impl RequestHead {
             .as_deref(),
         )
         .map_err(|_| HttpError::Bad("Foldhost-Min-Revision is not a revision"))?;
-        let wait_ms = crate::protocol::parse_read_wait(
+        let wait_ms = foldhost_core::protocol::parse_read_wait(
             text(
                 hyper::header::HeaderName::from_static("foldhost-wait-ms"),
                 "more than one Foldhost-Wait-Ms header",
@@ -212,10 +212,10 @@ pub struct AccessPolicy {
     pub write_token: String,
     /// The token `/status` and `/query` require, when set (the admin token also opens them).
     /// Always set on a listener beyond loopback unless the operator chose `--query-open`
-    /// ([`crate::protocol::query_access`]).
+    /// ([`foldhost_core::protocol::query_access`]).
     pub query_token: Option<String>,
     /// The listener's bound address (`Host` is checked against it, or against the address a
-    /// connection arrived on when it is a wildcard: [`crate::protocol::host_names_listener`]).
+    /// connection arrived on when it is a wildcard: [`foldhost_core::protocol::host_names_listener`]).
     pub listen: SocketAddr,
     /// The names clients reach the listener by (`--listen-host`), with or without a port.
     pub hosts: Vec<String>,
@@ -256,7 +256,7 @@ pub fn token_matches(given: Option<&str>, want: &str) -> bool {
 /// Decides, from the head alone, whether a request that came in on the local address
 /// `arrived_on` may proceed, and returns its route and the largest body it may then read. Checked
 /// in this order: route and method (404, 405), Host and Origin (403: a rebound name or a
-/// cross-site browser request; [`crate::protocol::host_names_listener`]), the token (401), the
+/// cross-site browser request; [`foldhost_core::protocol::host_names_listener`]), the token (401), the
 /// declared body length against the route's limit (413).
 pub fn admit(
     head: &RequestHead,
@@ -288,7 +288,7 @@ pub fn admit(
     if head.method != method {
         return Err(Refusal::new(405, format!("{} takes {method}", head.path)));
     }
-    if !crate::protocol::host_names_listener(
+    if !foldhost_core::protocol::host_names_listener(
         head.host.as_deref(),
         policy.listen,
         arrived_on,
@@ -327,9 +327,9 @@ pub fn admit(
         ));
     }
     let query_allowed = || {
-        use crate::protocol::QueryAccess;
+        use foldhost_core::protocol::QueryAccess;
         let loopback = policy.listen.ip().to_canonical().is_loopback();
-        match crate::protocol::query_access(
+        match foldhost_core::protocol::query_access(
             loopback,
             policy.query_token.is_some(),
             policy.query_open,
@@ -463,7 +463,7 @@ mod tests {
                 host: Some("a:1".into()),
                 origin: Some("http://a:1".into()),
                 min_revision: Some(17),
-                wait_ms: crate::protocol::READ_WAIT_MS,
+                wait_ms: foldhost_core::protocol::READ_WAIT_MS,
                 lookups: false,
             }
         );

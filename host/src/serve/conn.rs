@@ -523,8 +523,8 @@ mod tests {
     use tokio::sync::Notify;
 
     use super::*;
-    use crate::applied::Control;
     use crate::serve::{AccessPolicy, Limits};
+    use foldhost_fold::applied::Control;
 
     /// Every test is stopped by this if it hangs (never reached by a passing one).
     const HUNG: Duration = Duration::from_secs(60);
@@ -577,8 +577,8 @@ mod tests {
             }
         });
         let state = Arc::new(ServeState {
-            status: Box::new(crate::status::StatusReport::default),
-            queries: crate::applied::Queries::new(control.clone()),
+            status: Box::new(foldhost_core::status::StatusReport::default),
+            queries: foldhost_fold::applied::Queries::new(control.clone()),
             control,
             engine: None,
             policy: AccessPolicy {
@@ -590,7 +590,7 @@ mod tests {
                 query_open: false,
                 limits,
             },
-            backend: crate::storedir::Backend::AppendLog,
+            backend: foldhost_core::storedir::Backend::AppendLog,
             scope: ">".into(),
             stream: Arc::new(|| None),
             state_folds: Vec::new(),

@@ -69,14 +69,14 @@ impl std::fmt::Debug for ServeState {
 /// `GET /status` of a process serving several folds: `{"folds": [each fold's status],
 /// "updated_unix_ms"}` (the page reads it so).
 pub(crate) fn status(registry: &FoldRegistry) -> Reply {
-    let folds: Vec<crate::status::StatusReport> = registry
+    let folds: Vec<foldhost_core::status::StatusReport> = registry
         .all()
         .into_iter()
         .map(|(_, s)| (s.status)())
         .collect();
     let v = serde_json::json!({
         "folds": folds,
-        "updated_unix_ms": crate::status::now_unix_ms(),
+        "updated_unix_ms": foldhost_core::status::now_unix_ms(),
     });
     let mut b = serde_json::to_vec(&v).unwrap_or_default();
     b.push(b'\n');

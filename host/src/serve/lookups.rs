@@ -298,7 +298,7 @@ mod tests {
 
     #[test]
     fn an_answer_a_guest_error_and_a_lost_instance_each_have_their_outcome() {
-        use crate::applied::ApplyError;
+        use foldhost_fold::applied::ApplyError;
         let error = ApplyError {
             applier: "kvstore@0.1.0".into(),
             call: "query",

@@ -46,11 +46,11 @@
 //! - **No query from just anyone beyond loopback**: a listener on any address but a loopback one
 //!   (a wildcard `0.0.0.0` / `::` one included) answers `/status` and `/query` only with the query
 //!   token (`--query-token-file`, or one the host generates into `STORE/query-token`, 0600), unless
-//!   the operator started it with `--query-open` ([`crate::protocol::query_access`]).
+//!   the operator started it with `--query-open` ([`foldhost_core::protocol::query_access`]).
 //! - **No cross-site or rebound request**: the `Host` header must name the listener — a
 //!   `--listen-host` name, or an address it listens on (on loopback `127.0.0.1:PORT`,
 //!   `localhost:PORT`, …; on a wildcard the IP literal of the address the connection arrived on;
-//!   [`crate::protocol::host_names_listener`]) — and a browser's `Origin`, when present, must be
+//!   [`foldhost_core::protocol::host_names_listener`]) — and a browser's `Origin`, when present, must be
 //!   that same origin. Checked on every request of a connection, not once for it.
 //! - **No data in the page, and no script in it but its own**: `GET /` answers a fixed file
 //!   compiled into the binary; every figure it shows it fetches from `/status` (with the token
@@ -59,7 +59,7 @@
 //!   run only its inline script and style, fetch only from this origin and load nothing else,
 //!   and `nosniff`.
 //!
-//! Queries are handed to the fold loop ([`crate::applied::Control::Query`]) and answered between
+//! Queries are handed to the fold loop ([`foldhost_fold::applied::Control::Query`]) and answered between
 //! batches: a query never sees a half-applied batch. Every query goes through one of two
 //! functions, over HTTP and over NATS alike: [`ask_one`] (one lookup) and [`ask_many`] (a batch:
 //! a `POST /query` whose `Content-Type` is [`LOOKUPS_CONTENT_TYPE`], its lookups and results
@@ -83,7 +83,7 @@ use std::time::Duration;
 use hyper::header::{HeaderName, HeaderValue};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
-use crate::applied::Control;
+use foldhost_fold::applied::Control;
 
 pub use admission::{
     AccessPolicy, HeadPhase, HttpError, Limits, Refusal, RequestHead, Route, admit, token_matches,
@@ -131,7 +131,7 @@ pub(crate) const IO_TIMEOUT: Duration = Duration::from_secs(10);
 /// What the server needs from the host.
 pub struct ServeState {
     /// The host's status, now.
-    pub status: Box<dyn Fn() -> crate::status::StatusReport + Send + Sync>,
+    pub status: Box<dyn Fn() -> foldhost_core::status::StatusReport + Send + Sync>,
     /// Writes through the host (`None`: this host takes none).
     pub(crate) write: Option<Arc<crate::write::WritePath>>,
     /// The fold's positions and apply rate, for reads that wait for a revision (`None`: no fold).
@@ -141,21 +141,23 @@ pub struct ServeState {
     /// The fold's control channel (`None` once the fold stopped).
     pub control: mpsc::Sender<Control>,
     /// Where queries go: the fold's query instance once one is level, the fold loop before
-    /// ([`crate::applied::Queries`]).
-    pub(crate) queries: crate::applied::Queries,
+    /// ([`foldhost_fold::applied::Queries`]).
+    pub(crate) queries: foldhost_fold::applied::Queries,
     /// Compiles a swapped-in guest off the fold's path (`None`: no guest, no swap).
-    pub engine: Option<Arc<crate::guest::GuestEngine>>,
+    pub engine: Option<Arc<foldhost_guest::guest::GuestEngine>>,
     /// Tokens, limits and the listener's address.
     pub policy: AccessPolicy,
     /// The store's backend (for `/export`).
-    pub backend: crate::storedir::Backend,
+    pub backend: foldhost_core::storedir::Backend,
     /// The watch scope (recorded in exported artifacts).
     pub scope: String,
     /// The stream the fold records now (recorded in exported artifacts, so that a bootstrap of
     /// another incarnation refuses them).
-    pub stream: std::sync::Arc<dyn Fn() -> Option<crate::artifact::ManifestStream> + Send + Sync>,
+    pub stream: std::sync::Arc<
+        dyn Fn() -> Option<foldhost_artifact::artifact::ManifestStream> + Send + Sync,
+    >,
     /// The guest's state buckets' folds, carried in exported artifacts beside the fold's own.
-    pub state_folds: Vec<crate::artifact::StateFoldSource>,
+    pub state_folds: Vec<foldhost_artifact::artifact::StateFoldSource>,
     /// How many records a fold (and each of its state buckets') may be behind and still be
     /// ready (`GET /readyz`, `--ready-max-lag`).
     pub ready_max_lag: u64,
@@ -180,15 +182,15 @@ impl ServeState {
     ) -> ServeState {
         let (control, _) = mpsc::channel(1);
         ServeState {
-            status: Box::new(crate::status::StatusReport::default),
+            status: Box::new(foldhost_core::status::StatusReport::default),
             write: None,
             positions: None,
             read_key: None,
-            queries: crate::applied::Queries::new(control.clone()),
+            queries: foldhost_fold::applied::Queries::new(control.clone()),
             control,
             engine: None,
             policy,
-            backend: crate::storedir::Backend::AppendLog,
+            backend: foldhost_core::storedir::Backend::AppendLog,
             scope: String::new(),
             stream: Arc::new(|| None),
             state_folds: Vec::new(),
@@ -317,7 +319,7 @@ pub(crate) fn health() -> Reply {
 
 /// `GET /readyz`: 200 `ready` when the fold runs, has been level with its stream since the host
 /// started and is within `--ready-max-lag` records, and so is each state bucket's fold; else 503
-/// naming the fold (or the state bucket) and why ([`crate::protocol::fold_unready`]).
+/// naming the fold (or the state bucket) and why ([`foldhost_core::protocol::fold_unready`]).
 pub(crate) fn ready(state: &ServeState) -> Reply {
     if let Some(r) = &state.registry {
         return folds::ready(r);
@@ -344,8 +346,8 @@ fn unready(state: &ServeState) -> Option<String> {
         .folds
         .first()
         .map_or(s.bucket.as_str(), |f| f.name.as_str());
-    let mut why = crate::protocol::fold_unready(
-        crate::protocol::Readiness {
+    let mut why = foldhost_core::protocol::fold_unready(
+        foldhost_core::protocol::Readiness {
             state: &s.state,
             caught_up: s.caught_up,
             applied_through: s.applied_through,
@@ -375,7 +377,7 @@ fn unavailable(message: &str) -> Reply {
 }
 
 /// What one lookup came to: the guest's answer, or its error.
-pub(crate) type Looked = Result<Vec<u8>, crate::applied::ApplyError>;
+pub(crate) type Looked = Result<Vec<u8>, foldhost_fold::applied::ApplyError>;
 
 /// One lookup handed to the fold and answered between two batches: the guest's answer or its
 /// error; `Err`, the reply to send when it could not be asked or answered (the fold not
@@ -390,7 +392,7 @@ pub(crate) async fn ask_one(state: &ServeState, request: Vec<u8>) -> Result<Look
 }
 
 /// Several lookups, answered one per lookup in their order, by one instance with nothing applied
-/// between them ([`crate::applied::Queries::ask_many`]); `Err`, the reply to send when the batch
+/// between them ([`foldhost_fold::applied::Queries::ask_many`]); `Err`, the reply to send when the batch
 /// could not be asked or answered whole (as [`ask_one`]'s). The one path every batch takes, over
 /// HTTP and over NATS, within the time one query may take (twice [`IO_TIMEOUT`]).
 pub(crate) async fn ask_many(
@@ -405,10 +407,12 @@ pub(crate) async fn ask_many(
 }
 
 /// The reply to an ask that got no answers at all.
-fn unanswered(e: crate::applied::Unanswered) -> Reply {
+fn unanswered(e: foldhost_fold::applied::Unanswered) -> Reply {
     match e {
-        crate::applied::Unanswered::Stopped => unavailable("the fold is not running"),
-        crate::applied::Unanswered::TooMany => Reply::new(400, "text/plain", format!("{e}\n")),
+        foldhost_fold::applied::Unanswered::Stopped => unavailable("the fold is not running"),
+        foldhost_fold::applied::Unanswered::TooMany => {
+            Reply::new(400, "text/plain", format!("{e}\n"))
+        }
     }
 }
 
@@ -485,7 +489,7 @@ pub(crate) async fn query_lookups(
 pub(crate) const SWAP_TIMEOUT: Duration = Duration::from_secs(300);
 
 /// Waits, at most `wait_ms` (a read's `Foldhost-Wait-Ms`, default
-/// [`crate::protocol::READ_WAIT_MS`]), for the fold to apply `min` (its `Foldhost-Min-Revision`);
+/// [`foldhost_core::protocol::READ_WAIT_MS`]), for the fold to apply `min` (its `Foldhost-Min-Revision`);
 /// past the bound, the 503 `behind` answer: one JSON object with the lag and
 /// `retry_after_seconds`, computed from it and the fold's measured apply rate.
 pub(crate) async fn wait_revision(state: &ServeState, min: u64, wait_ms: u64) -> Result<(), Reply> {
@@ -494,7 +498,7 @@ pub(crate) async fn wait_revision(state: &ServeState, min: u64, wait_ms: u64) ->
     };
     let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
     let through = p.status.wait_applied(min, deadline).await;
-    crate::protocol::read_gate(min, through, p.rate.per_second()).map_err(|lag| {
+    foldhost_core::protocol::read_gate(min, through, p.rate.per_second()).map_err(|lag| {
         let body = serde_json::json!({
             "behind": true,
             "min_revision": min,
@@ -516,7 +520,7 @@ pub(crate) fn get(body: &[u8], state: &ServeState) -> Reply {
     let Ok(key) = std::str::from_utf8(body).map(str::trim) else {
         return Reply::new(400, "text/plain", b"the key is not UTF-8\n");
     };
-    if !crate::protocol::kv_key_valid(key) {
+    if !foldhost_core::protocol::kv_key_valid(key) {
         return Reply::new(400, "text/plain", format!("{key:?} is not a valid key\n"));
     }
     let through = state.positions.as_ref().map(|p| {
@@ -571,7 +575,7 @@ pub(crate) async fn export(body: Vec<u8>, state: &ServeState) -> Reply {
         return Reply::new(400, "text/plain", b"the path is not UTF-8\n");
     };
     let out = std::path::PathBuf::from(out.trim());
-    match crate::applied::export_live_of(
+    match foldhost_fold::applied::export_live_of(
         &state.control,
         state.backend,
         out,
@@ -626,8 +630,8 @@ pub(crate) struct ShadowHeader {
 /// ([`ShadowHeader`]), a newline, then the component's bytes. Pure.
 pub(crate) fn parse_shadow_body(
     body: &[u8],
-) -> Result<(crate::applied::ShadowPlan, &[u8]), String> {
-    use crate::applied::{MAX_SHADOW_REQUESTS, ShadowPlan, ShadowRequests};
+) -> Result<(foldhost_fold::applied::ShadowPlan, &[u8]), String> {
+    use foldhost_fold::applied::{MAX_SHADOW_REQUESTS, ShadowPlan, ShadowRequests};
     let end = body
         .iter()
         .take(MAX_SHADOW_HEADER)
@@ -669,7 +673,7 @@ pub(crate) fn parse_shadow_body(
 /// Compiles `bytes` off the fold's path (the fold keeps applying meanwhile; the engine's caches
 /// hand the compiled component to the fold's swap or shadow); the error is the response to send.
 async fn compile_off_path(
-    engine: Arc<crate::guest::GuestEngine>,
+    engine: Arc<foldhost_guest::guest::GuestEngine>,
     bytes: Vec<u8>,
     what: &'static str,
     refused: &'static str,
@@ -713,7 +717,7 @@ async fn ask_fold<T: serde::Serialize, E: std::fmt::Display>(
 }
 
 /// `POST /shadow`: compile the candidate off the fold's path, then hand it to the fold as a
-/// shadow; the answer is the [`crate::applied::ShadowReport`] (200), or why the shadow failed (409).
+/// shadow; the answer is the [`foldhost_fold::applied::ShadowReport`] (200), or why the shadow failed (409).
 pub(crate) async fn shadow(body: Vec<u8>, state: &ServeState) -> Reply {
     let Some(engine) = state.engine.clone() else {
         return Reply::new(409, "text/plain", b"this host runs no guest to shadow\n");

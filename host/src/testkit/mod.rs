@@ -1,5 +1,5 @@
 //! A simulated JetStream KV bucket, [`SimBucket`], that makes the fold's loop
-//! ([`crate::applied::watch_applied`]) testable in milliseconds, without a nats-server.
+//! ([`foldhost_fold::applied::watch_applied`]) testable in milliseconds, without a nats-server.
 //!
 //! Compiled for this crate's tests and, for other crates' tests, with the cargo feature `testkit`.
 //!
@@ -75,12 +75,12 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use tokio::sync::{mpsc, watch};
 
-use crate::kv::{
+use foldhost_core::kv::{
     KvEntry, KvError, KvReader, KvUpdate, KvWatcher, KvWriter, StreamIdentity, StreamState,
     VersionToken, WATCH_CHUNK, WatchCursor, WatchEvent, WatchScope,
 };
-use crate::nats::FLOOR_BACKSTOP;
-use crate::protocol;
+use foldhost_core::protocol;
+use foldhost_nats::FLOOR_BACKSTOP;
 
 #[cfg(test)]
 mod query_tests;

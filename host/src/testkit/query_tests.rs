@@ -11,12 +11,13 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 
 use super::*;
-use crate::applied::{
-    Apply, ApplyError, BatchConfig, Control, FoldStatus, Queries, SwapCandidate, Verdict,
-    WatchOptions, watch_applied,
+use foldhost_core::snapshot::{AppendLogOptions, AppendLogSnapshot};
+use foldhost_core::status::FoldStatus;
+use foldhost_core::view::{FoldRead, SharedStore};
+use foldhost_fold::applied::{
+    Apply, ApplyError, BatchConfig, Control, Queries, SwapCandidate, Verdict, WatchOptions,
+    watch_applied,
 };
-use crate::snapshot::{AppendLogOptions, AppendLogSnapshot};
-use crate::view::{FoldRead, SharedStore};
 
 /// Longest (virtual) time any wait here may take: it only stops a hung test.
 const DEADLINE: Duration = Duration::from_secs(600);
@@ -236,8 +237,8 @@ where
             ..BatchConfig::default()
         },
         catch_up: false,
-        defer_grace: crate::applied::DEFAULT_DEFER_GRACE,
-        repair: crate::repair::RepairConfig::default(),
+        defer_grace: foldhost_fold::applied::DEFAULT_DEFER_GRACE,
+        repair: foldhost_fold::repair::RepairConfig::default(),
         queries: Some(queries.clone()),
     };
     let fold = watch_applied(
@@ -433,8 +434,8 @@ async fn a_query_instance_beside_a_deferral_answers_as_a_fresh_instance_hydrated
         scope: WatchScope::All,
         batch: BatchConfig::default(),
         catch_up: false,
-        defer_grace: crate::applied::DEFAULT_DEFER_GRACE,
-        repair: crate::repair::RepairConfig::default(),
+        defer_grace: foldhost_fold::applied::DEFAULT_DEFER_GRACE,
+        repair: foldhost_fold::repair::RepairConfig::default(),
         queries: Some(queries.clone()),
     };
     let view = store.clone();

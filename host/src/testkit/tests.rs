@@ -15,15 +15,16 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 
 use super::*;
-use crate::applied::{
-    AppliedError, Apply, ApplyError, BatchConfig, Control, CountingApply, FoldStatus,
-    MAX_APPLY_FAILURES, SwapCandidate, Verdict, WatchOptions, watch_applied,
-};
-use crate::retained::{RETAINED_PREFIX, is_reserved};
-use crate::snapshot::{
+use foldhost_core::retained::{RETAINED_PREFIX, is_reserved};
+use foldhost_core::snapshot::{
     AppendLogOptions, AppendLogSnapshot, ProvenCopy, SnapshotError, SnapshotStore,
 };
-use crate::view::{FoldRead, SharedStore};
+use foldhost_core::status::FoldStatus;
+use foldhost_core::view::{FoldRead, SharedStore};
+use foldhost_fold::applied::{
+    AppliedError, Apply, ApplyError, BatchConfig, Control, CountingApply, MAX_APPLY_FAILURES,
+    SwapCandidate, Verdict, WatchOptions, watch_applied,
+};
 
 /// Longest (virtual) time any wait in these tests may take: it only stops a hung test.
 const DEADLINE: Duration = Duration::from_secs(600);
@@ -37,8 +38,8 @@ fn opts(max: usize, window: Duration, catch_up: bool) -> WatchOptions {
             ..BatchConfig::default()
         },
         catch_up,
-        defer_grace: crate::applied::DEFAULT_DEFER_GRACE,
-        repair: crate::repair::RepairConfig::default(),
+        defer_grace: foldhost_fold::applied::DEFAULT_DEFER_GRACE,
+        repair: foldhost_fold::repair::RepairConfig::default(),
         queries: None,
     }
 }
@@ -116,7 +117,7 @@ async fn fold_alone<S: SnapshotStore, A: Apply>(
     apply: &mut A,
     opts: WatchOptions,
     status: Arc<FoldStatus>,
-) -> Result<crate::applied::Finished, AppliedError> {
+) -> Result<foldhost_fold::applied::Finished, AppliedError> {
     let watcher: Arc<dyn KvWatcher> = Arc::new(sim.clone());
     tokio::time::timeout(
         DEADLINE,
@@ -372,7 +373,7 @@ async fn a_settle_before_a_swap_or_an_export_retries_in_halves_and_stops_exactly
     let dir = tempfile::tempdir().expect("tempdir");
     let store = SharedStore::new(open(dir.path()));
     let status = Arc::new(FoldStatus::default());
-    let mut fold = crate::applied::Fold::new(store.clone(), status).expect("fold");
+    let mut fold = foldhost_fold::applied::Fold::new(store.clone(), status).expect("fold");
     let mut apply = FailsOn {
         poison: "k06".into(),
         applied: Vec::new(),
@@ -387,7 +388,7 @@ async fn a_settle_before_a_swap_or_an_export_retries_in_halves_and_stops_exactly
             })
         })
         .collect();
-    match crate::applied::flush_all(&mut fold, &mut batch, 100, &mut apply).await {
+    match foldhost_fold::applied::flush_all(&mut fold, &mut batch, 100, &mut apply).await {
         Err(AppliedError::Apply { last, .. }) => assert!(last.message.contains("k06"), "{last}"),
         other => panic!("expected an apply fail-stop, got {other:?}"),
     }
@@ -624,7 +625,7 @@ async fn a_deferred_update_holds_later_updates_of_its_key_and_applied_through_st
     );
     // Read by reference (hydration's pages), the guest's view is the same: the blocked key's
     // base, no reserved key, page by page.
-    crate::view::assert_scan_each_is_scan(&store, "", &[1, 2, 3, 100]);
+    foldhost_core::view::assert_scan_each_is_scan(&store, "", &[1, 2, 3, 100]);
     assert_eq!(
         store
             .read()
@@ -1801,12 +1802,12 @@ async fn a_state_sync_start_that_eviction_overtook_expires_instead_of_folding_a_
 /// Options with an automatic repair: a key listing from `sim`, and artifacts from `artifacts`.
 fn repairing(sim: &SimBucket, artifacts: Option<&Path>, scratch: &Path) -> WatchOptions {
     let mut o = opts(100, Duration::from_millis(10), true);
-    o.repair = crate::repair::RepairConfig {
+    o.repair = foldhost_fold::repair::RepairConfig {
         mode: protocol::RepairMode::Auto,
-        restore_from: artifacts.map(crate::repair::RestoreSource::new),
+        restore_from: artifacts.map(foldhost_fold::repair::RestoreSource::new),
         lister: Some(Arc::new(sim.clone()) as Arc<dyn KvReader>),
         scratch: Some(scratch.to_path_buf()),
-        ..crate::repair::RepairConfig::default()
+        ..foldhost_fold::repair::RepairConfig::default()
     };
     o
 }
@@ -1913,9 +1914,9 @@ async fn an_expired_cursor_is_relisted_where_the_listing_is_the_truth_and_restor
     )
     .expect("the peer's fold");
     let artifacts = tempfile::tempdir().expect("tempdir");
-    crate::artifact::export_store(
+    foldhost_artifact::artifact::export_store(
         &peer,
-        crate::storedir::Backend::AppendLog,
+        foldhost_core::storedir::Backend::AppendLog,
         &[],
         &artifacts.path().join("peer-6"),
         Some(WatchScope::All.to_string()),
@@ -2023,7 +2024,7 @@ async fn a_relist_whose_bucket_began_evicting_during_its_listing_deletes_nothing
     )
     .await;
     match result {
-        Err(AppliedError::Repair(crate::repair::RepairError::Refused(why))) => {
+        Err(AppliedError::Repair(foldhost_fold::repair::RepairError::Refused(why))) => {
             assert!(why.contains("began evicting"), "{why}");
         }
         other => panic!("expected the re-list refused, got {other:?}"),

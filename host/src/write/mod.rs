@@ -3,7 +3,7 @@
 //! `refused`, for `POST /write`, `foldhost put|delete` and the NATS write subject alike.
 //!
 //! Invariants:
-//! - **Every decision is the protocol's** ([`crate::protocol::admit_write`], `same_write`,
+//! - **Every decision is the protocol's** ([`foldhost_core::protocol::admit_write`], `same_write`,
 //!   `vouch_retry`, `after_ack`, `resolve_lost_ack`, `outcome_at`): this module reads what they
 //!   decide from (the ledger, the broker's answer, the log, the stream's duplicate window, the
 //!   fold's positions) and renders the answer.
@@ -25,12 +25,12 @@ use base64::Engine as _;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 
-use crate::kv::WatchScope;
-use crate::nats::{NatsKv, Published, WriteKind};
-use crate::protocol::{
+use foldhost_core::kv::WatchScope;
+use foldhost_core::protocol::{
     self, Admission, LedgerLife, LedgerRow, OpId, Outcome, UnknownWhy, WriteDigest, WriteRefusal,
 };
-use crate::status::FoldStatus;
+use foldhost_core::status::FoldStatus;
+use foldhost_nats::{NatsKv, Published, WriteKind};
 
 pub(crate) use rate::ApplyRate;
 
@@ -231,7 +231,7 @@ pub(crate) struct Positions {
 
 /// Reads one key of the committed fold (`None`: the fold does not hold it).
 pub(crate) type KeyReader =
-    Arc<dyn Fn(&str) -> Result<Option<crate::kv::KvEntry>, String> + Send + Sync>;
+    Arc<dyn Fn(&str) -> Result<Option<foldhost_core::kv::KvEntry>, String> + Send + Sync>;
 
 /// What the ledger says of one operation, read from one view of the committed fold.
 pub(crate) struct LedgerView {
@@ -320,7 +320,8 @@ impl WritePath {
                 );
             }
         };
-        let republish = crate::crashpoint::mutated(crate::crashpoint::MUTATION_REPUBLISH_RETRY);
+        let republish =
+            foldhost_core::crashpoint::mutated(foldhost_core::crashpoint::MUTATION_REPUBLISH_RETRY);
         let row = view.row.as_ref().filter(|_| !republish);
         match protocol::admit_write(&c.op, &c.key, &c.digest, row, view.watermark, now_unix_ms()) {
             Admission::Landed { revision } => self.settle(revision, &c).await,
@@ -505,7 +506,7 @@ impl WritePath {
     /// retry of a write that landed: the broker checks the revision before its duplicate window),
     /// or nothing can establish whether it landed ([`protocol::after_conflict`]).
     async fn conflicted(&self, c: &Checked, view: &LedgerView) -> WriteAnswer {
-        let unreadable = |e: crate::kv::KvError| {
+        let unreadable = |e: foldhost_core::kv::KvError| {
             WriteAnswer::unknown(UnknownWhy::LogUnreadable(e.to_string()), &c.op)
         };
         let current = match self.kv.newest_record(&c.key).await {
@@ -548,7 +549,7 @@ impl WritePath {
     /// A record durable at `revision`: applied once this fold reaches it within the wait,
     /// pending otherwise.
     async fn settle(&self, revision: u64, c: &Checked) -> WriteAnswer {
-        if crate::crashpoint::mutated(crate::crashpoint::MUTATION_EARLY_APPLIED) {
+        if foldhost_core::crashpoint::mutated(foldhost_core::crashpoint::MUTATION_EARLY_APPLIED) {
             return WriteAnswer::outcome(Outcome::Applied { revision }, &c.op);
         }
         let deadline = tokio::time::Instant::now() + c.wait;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::status::FoldStatus;
+use foldhost_core::status::FoldStatus;
 
 /// How often the committed count is sampled.
 pub(crate) const PERIOD: Duration = Duration::from_secs(1);

@@ -47,16 +47,15 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::consumer;
-use foldhost::applied::{
-    Apply, BatchConfig, CountingApply, FoldStatus, WatchOptions, watch_applied,
-};
-use foldhost::bucket::{BucketConfig, ConnectOptions};
-use foldhost::guest::{GuestApply, GuestEngine, GuestLimits};
-use foldhost::kv::WatchScope;
-use foldhost::nats::{NatsConnection, NatsKv};
-use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotStore};
-use foldhost::view::{FoldRead, SharedStore};
+use foldhost_core::bucket::{BucketConfig, ConnectOptions};
+use foldhost_core::kv::WatchScope;
+use foldhost_core::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotStore};
+use foldhost_core::status::FoldStatus;
+use foldhost_core::view::{FoldRead, SharedStore};
+use foldhost_fold::applied::{Apply, BatchConfig, CountingApply, WatchOptions, watch_applied};
+use foldhost_guest::guest::{GuestApply, GuestEngine, GuestLimits};
 use foldhost_localnats::LocalNats;
+use foldhost_nats::{NatsConnection, NatsKv};
 use futures::StreamExt;
 
 #[path = "bench/bootstrap.rs"]
@@ -115,7 +114,7 @@ async fn fold_rate<S: SnapshotStore>(
                 ..BatchConfig::default()
             },
             catch_up: true,
-            defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
+            defer_grace: foldhost_fold::applied::DEFAULT_DEFER_GRACE,
             repair: Default::default(),
             queries: None,
         },
@@ -150,7 +149,7 @@ async fn bench_ingest(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::
         let mut apply = CountingApply::default();
         let fold_r = fold_rate(&kv, &mut apply, 100, WatchScope::All, store.clone()).await?;
         anyhow::ensure!(
-            foldhost::snapshot::bucket_len(&*store.read()?)? == keys,
+            foldhost_core::snapshot::bucket_len(&*store.read()?)? == keys,
             "fold incomplete"
         );
         println!(
@@ -213,7 +212,7 @@ async fn direct_rate<S: SnapshotStore>(
     prefix: &str,
     runs: usize,
 ) -> anyhow::Result<f64> {
-    use foldhost::kv::KvUpdate;
+    use foldhost_core::kv::KvUpdate;
     let mut entries = Vec::new();
     fold.visit(prefix, &mut |e| {
         entries.push(KvUpdate::Put(e.clone()));
@@ -227,7 +226,7 @@ async fn direct_rate<S: SnapshotStore>(
             bytes,
             bench_limits(),
             vec![],
-            Arc::new(foldhost::view::EmptyFold),
+            Arc::new(foldhost_core::view::EmptyFold),
         )
         .await?;
         g.hydrate().await?;
@@ -255,7 +254,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 async fn query_latencies(
-    control: &tokio::sync::mpsc::Sender<foldhost::applied::Control>,
+    control: &tokio::sync::mpsc::Sender<foldhost_fold::applied::Control>,
     keys: u64,
     n: usize,
 ) -> anyhow::Result<(f64, f64)> {
@@ -265,7 +264,7 @@ async fn query_latencies(
         let (tx, rx) = tokio::sync::oneshot::channel();
         let t = Instant::now();
         control
-            .send(foldhost::applied::Control::Query {
+            .send(foldhost_fold::applied::Control::Query {
                 request: key.into_bytes(),
                 reply: tx,
             })
@@ -279,7 +278,7 @@ async fn query_latencies(
 }
 
 async fn bench_swap(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::Result<()> {
-    use foldhost::applied::Control;
+    use foldhost_fold::applied::Control;
     let bucket = format!("swapb{keys}");
     let kv = conn.bucket(&bucket, &unlimited()).await?;
     seed(&kv, keys, |i| format!("key.{i:026}"), |_| vec![b'v'; 100]).await?;
@@ -302,7 +301,7 @@ async fn bench_swap(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::Re
                     scope: WatchScope::All,
                     batch: BatchConfig::default(),
                     catch_up: false,
-                    defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
+                    defer_grace: foldhost_fold::applied::DEFAULT_DEFER_GRACE,
                     repair: Default::default(),
                     queries: None,
                 },
@@ -507,7 +506,7 @@ async fn bench_guest(conn: &NatsConnection, keys: u64, runs: usize) -> anyhow::R
                         g.hydrate().await?;
                         guest.push(fold_rate(&kv, &mut g, max, scope.clone(), s.clone()).await?);
                         anyhow::ensure!(
-                            foldhost::snapshot::bucket_len(&*s.read()?)? == keys,
+                            foldhost_core::snapshot::bucket_len(&*s.read()?)? == keys,
                             "guest fold incomplete"
                         );
                     }
@@ -680,7 +679,7 @@ async fn raw_drain(conn: &NatsConnection, kv: &NatsKv, keys: u64) -> anyhow::Res
             .message
             .reply
             .as_ref()
-            .and_then(|r| foldhost::protocol::parse_ack_subject(r.as_str()))
+            .and_then(|r| foldhost_core::protocol::parse_ack_subject(r.as_str()))
             .map(|a| a.pending);
         if pending == Some(0) {
             break;
@@ -731,10 +730,10 @@ impl Apply for NativeRouter {
 
     async fn parse(
         &mut self,
-        batch: &[foldhost::kv::KvUpdate],
-    ) -> Result<Vec<foldhost::applied::Verdict>, foldhost::applied::ApplyError> {
-        use foldhost::applied::Verdict;
-        use foldhost::kv::KvUpdate;
+        batch: &[foldhost_core::kv::KvUpdate],
+    ) -> Result<Vec<foldhost_fold::applied::Verdict>, foldhost_fold::applied::ApplyError> {
+        use foldhost_core::kv::KvUpdate;
+        use foldhost_fold::applied::Verdict;
         self.pending.clear();
         Ok(batch
             .iter()
@@ -757,9 +756,9 @@ impl Apply for NativeRouter {
 
     async fn apply(
         &mut self,
-        _batch: &[foldhost::kv::KvUpdate],
-        _verdicts: &[foldhost::applied::Verdict],
-    ) -> Result<(), foldhost::applied::ApplyError> {
+        _batch: &[foldhost_core::kv::KvUpdate],
+        _verdicts: &[foldhost_fold::applied::Verdict],
+    ) -> Result<(), foldhost_fold::applied::ApplyError> {
         for (host, upstream) in self.pending.drain(..) {
             match upstream {
                 Some(u) => self.routes.insert(host, u),
@@ -769,7 +768,7 @@ impl Apply for NativeRouter {
         Ok(())
     }
 
-    async fn on_applied(&mut self, _cursor: foldhost::kv::WatchCursor) {}
+    async fn on_applied(&mut self, _cursor: foldhost_core::kv::WatchCursor) {}
 }
 
 fn unlimited() -> BucketConfig {
@@ -814,7 +813,7 @@ fn hash_tree(dir: &std::path::Path) -> anyhow::Result<u64> {
 }
 
 fn bench_artifact(keys: u64, runs: usize) -> anyhow::Result<()> {
-    use foldhost::storedir::Backend;
+    use foldhost_core::storedir::Backend;
     for backend in [Backend::AppendLog, Backend::Fjall, Backend::RocksDb] {
         if backend.is_compiled() {
             bench_artifact_of(backend, keys, runs)?;
@@ -840,12 +839,12 @@ fn hex_value(i: u64, len: usize) -> bytes::Bytes {
 }
 
 fn bench_artifact_of(
-    backend: foldhost::storedir::Backend,
+    backend: foldhost_core::storedir::Backend,
     keys: u64,
     runs: usize,
 ) -> anyhow::Result<()> {
-    use foldhost::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
-    use foldhost::storedir::AnyStore;
+    use foldhost_core::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
+    use foldhost_core::storedir::AnyStore;
     let tmp = tempfile::tempdir()?;
     let src = tmp.path().join("src");
     {
@@ -873,7 +872,14 @@ fn bench_artifact_of(
         // Writable, as `foldhost export --store` opens it (RocksDB cannot checkpoint read-only).
         let (store, _) = AnyStore::open(&src, backend)?;
         let t = Instant::now();
-        foldhost::artifact::export_store(&store, backend, &[], &art, None, &mut |_, _| {})?;
+        foldhost_artifact::artifact::export_store(
+            &store,
+            backend,
+            &[],
+            &art,
+            None,
+            &mut |_, _| {},
+        )?;
         let e = t.elapsed().as_secs_f64();
         drop(store);
         // The baseline reads a warm page cache: an export written past the cache (the append
@@ -889,7 +895,7 @@ fn bench_artifact_of(
         std::fs::remove_dir_all(tmp.path().join(format!("disk{i}")))?;
         let dest = tmp.path().join(format!("node{i}"));
         let t = Instant::now();
-        foldhost::artifact::import_artifact(&art, &dest, None, &mut |_, _| {})?;
+        foldhost_artifact::artifact::import_artifact(&art, &dest, None, &mut |_, _| {})?;
         let isec = t.elapsed().as_secs_f64();
         let mb = bytes as f64 / 1e6;
         exp.push(mb / e);
@@ -1046,7 +1052,7 @@ async fn feed_rate(
     keys: u64,
     batch: usize,
 ) -> anyhow::Result<f64> {
-    use foldhost::kv::{KvEntry, KvUpdate, VersionToken};
+    use foldhost_core::kv::{KvEntry, KvUpdate, VersionToken};
     let bytes = read_guest(name)?;
     let updates: Vec<KvUpdate> = (0..keys)
         .map(|i| {
@@ -1069,7 +1075,7 @@ async fn feed_rate(
         &bytes,
         bench_limits(),
         vec![],
-        Arc::new(foldhost::view::EmptyFold),
+        Arc::new(foldhost_core::view::EmptyFold),
     )
     .await?;
     g.hydrate().await?;
@@ -1117,9 +1123,9 @@ mod backends {
 
     use anyhow::Context;
     use bytes::Bytes;
-    use foldhost::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
-    use foldhost::snapshot::SnapshotStore;
-    use foldhost::storedir::{AnyStore, Backend};
+    use foldhost_core::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
+    use foldhost_core::snapshot::SnapshotStore;
+    use foldhost_core::storedir::{AnyStore, Backend};
 
     /// The hidden subcommand a child runs: `__backend-child PHASE BACKEND KEYS DIR`.
     pub const CHILD: &str = "__backend-child";

@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 
 use bytes::Bytes;
-use foldhost::kv::KvWriter;
+use foldhost_core::kv::KvWriter;
 use foldhost_tests::{
     Harness, Moto, foldhost, foldhost_bin, publish_all, run_command, terminate, wait_status,
     wait_until,
@@ -57,7 +57,7 @@ fn small_manifest(cursor: u64) -> anyhow::Result<(Vec<u8>, String)> {
         "scope": "all", "keys": 0, "created_unix_ms": 0, "files": []
     });
     let bytes = serde_json::to_vec(&m)?;
-    let name = foldhost::transport::payload_name(&bytes, cursor);
+    let name = foldhost_artifact::transport::payload_name(&bytes, cursor);
     Ok((bytes, name))
 }
 
@@ -114,7 +114,7 @@ async fn a_gigabyte_pointer_or_tar_extension_entry_is_refused_in_one_line_under_
             && line.contains("8589934592 bytes")
             && line.contains(&format!(
                 "limit of {}",
-                foldhost::artifact::MAX_MANIFEST_BYTES
+                foldhost_artifact::artifact::MAX_MANIFEST_BYTES
             )),
         "{line}"
     );
@@ -130,12 +130,12 @@ async fn a_gigabyte_pointer_or_tar_extension_entry_is_refused_in_one_line_under_
     let dir = objects.join("longname.segments").join(&name);
     std::fs::create_dir_all(&dir)?;
     for i in 0..17 {
-        let f = std::fs::File::create(dir.join(foldhost::transport::segment_name(i)))?;
+        let f = std::fs::File::create(dir.join(foldhost_artifact::transport::segment_name(i)))?;
         if i == 0 {
             use std::os::unix::fs::FileExt as _;
             f.write_all_at(&long_name_header(1 << 30), 0)?;
         }
-        f.set_len(foldhost::transport::MAX_SEGMENT_BYTES)?;
+        f.set_len(foldhost_artifact::transport::MAX_SEGMENT_BYTES)?;
     }
     let args = bootstrap("longname", "b");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -147,7 +147,7 @@ async fn a_gigabyte_pointer_or_tar_extension_entry_is_refused_in_one_line_under_
             && line.contains("1073741824 bytes")
             && line.contains(&format!(
                 "limit of {}",
-                foldhost::artifact::MAX_TAR_EXTENSION_BYTES
+                foldhost_artifact::artifact::MAX_TAR_EXTENSION_BYTES
             )),
         "{line}"
     );
@@ -168,7 +168,7 @@ async fn a_gigabyte_pointer_or_tar_extension_entry_is_refused_in_one_line_under_
         .with_secret_access_key("test")
         .with_region("us-east-1")
         .build()?;
-    let over = foldhost::artifact::MAX_MANIFEST_BYTES + 1;
+    let over = foldhost_artifact::artifact::MAX_MANIFEST_BYTES + 1;
     s3.put(
         &object_store::path::Path::from("hostile/huge.manifest.json"),
         vec![b' '; over as usize].into(),
@@ -303,7 +303,7 @@ async fn a_bootstrap_whose_payload_is_pruned_after_it_read_the_pointer_retries_o
             "FOLDHOST_HOLD_AT",
             format!(
                 "{}:{}",
-                foldhost::crashpoint::BOOTSTRAP_BEFORE_PAYLOAD,
+                foldhost_core::crashpoint::BOOTSTRAP_BEFORE_PAYLOAD,
                 hold.display()
             ),
         )
@@ -461,7 +461,7 @@ async fn export_rounds_after_a_relist_publish_the_new_streams_artifact_and_the_o
     )
     .await?;
     let published = |c: u64| {
-        move |s: &foldhost::status::StatusReport| {
+        move |s: &foldhost_core::status::StatusReport| {
             s.last_export
                 .as_ref()
                 .and_then(|e| e.last_published.as_ref())
@@ -495,7 +495,7 @@ async fn export_rounds_after_a_relist_publish_the_new_streams_artifact_and_the_o
             .output()?,
         "publish the old incarnation's",
     )?;
-    let identity = |info: &async_nats::jetstream::stream::Info| foldhost::kv::StreamIdentity {
+    let identity = |info: &async_nats::jetstream::stream::Info| foldhost_core::kv::StreamIdentity {
         name: info.config.name.clone(),
         created_unix_ns: u64::try_from(info.created.unix_timestamp_nanos()).unwrap_or(0),
     };

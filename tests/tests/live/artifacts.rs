@@ -7,10 +7,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Output, Stdio};
 
 use bytes::Bytes;
-use foldhost::crashpoint;
-use foldhost::kv::{KvEntry, KvUpdate, KvWriter, VersionToken, WatchCursor};
-use foldhost::snapshot::SnapshotStore;
-use foldhost::storedir::{AnyStore, Backend};
+use foldhost_core::crashpoint;
+use foldhost_core::kv::{KvEntry, KvUpdate, KvWriter, VersionToken, WatchCursor};
+use foldhost_core::snapshot::SnapshotStore;
+use foldhost_core::storedir::{AnyStore, Backend};
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, foldhost, run_command, run_to_crash,
     terminate, wait_status, wait_until,
@@ -193,7 +193,7 @@ async fn a_live_export_under_writes_bootstraps_a_node_that_replays_only_the_tail
         .output()?;
     let log = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(o.status.success(), "{log}");
-    let status = foldhost::storedir::read_status(&node2)
+    let status = foldhost_core::storedir::read_status(&node2)
         .ok_or_else(|| anyhow::anyhow!("no status.json after the catch-up run"))?;
     let tail = last_rev.values().filter(|r| **r > cursor).count() as u64;
     assert_eq!(

@@ -8,9 +8,9 @@ use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use foldhost::kv::KvWriter;
-use foldhost::nats::NatsKv;
-use foldhost::status::{GuestChannelReport, StatusReport};
+use foldhost_core::kv::KvWriter;
+use foldhost_core::status::{GuestChannelReport, StatusReport};
+use foldhost_nats::NatsKv;
 use foldhost_tests::{
     Harness, bucket_contents, foldhost, guest_wasm, run_command, terminate, wait_status, wait_until,
 };
@@ -514,7 +514,7 @@ async fn a_version_that_traps_after_it_rolled_out_halts_the_release_and_every_no
     // and writes it again — a restart never erases a halt (were it to report `pending`, the
     // release would roll again).
     terminate(&mut nodes[1].child)?;
-    let restarted_at = foldhost::status::now_unix_ms();
+    let restarted_at = foldhost_core::status::now_unix_ms();
     nodes[1] = Node::start(&h, "chtrap", tmp.path(), "n1").await?;
     let s = nodes[1].runs(&v1).await?;
     assert_eq!(s.guest.as_deref(), Some("kvstore@0.1.0"));
@@ -552,9 +552,9 @@ async fn a_tampered_or_removed_object_is_refused_by_every_node_which_keeps_its_v
     let client = h.conn.client().await?;
     let js = async_nats::jetstream::new(client.clone());
     let objects = js.get_object_store("foldhost-guests").await?;
-    let bus = foldhost::nats::channel::ChannelBus::open(
+    let bus = foldhost_nats::channel::ChannelBus::open(
         client,
-        &foldhost::nats::channel::ChannelBuckets::default(),
+        &foldhost_nats::channel::ChannelBuckets::default(),
         false,
         std::time::Duration::from_secs(10),
     )
@@ -563,7 +563,7 @@ async fn a_tampered_or_removed_object_is_refused_by_every_node_which_keeps_its_v
     // digest of a renamed kvstore (someone with write access to the object store replaced it).
     let good = renamed(&std::fs::read(guest_wasm("kvstore"))?, "tampered");
     let other = std::fs::read(guest_wasm("kvstore_v2"))?;
-    let version = foldhost::protocol::GuestVersion {
+    let version = foldhost_core::protocol::GuestVersion {
         digest: digest(&good),
         name: "kvstore".into(),
         version: "0.1.0".into(),
@@ -576,7 +576,7 @@ async fn a_tampered_or_removed_object_is_refused_by_every_node_which_keeps_its_v
         .release(CHANNEL)
         .await?
         .ok_or_else(|| anyhow::anyhow!("no release"))?;
-    let next = foldhost::protocol::ChannelEntry {
+    let next = foldhost_core::protocol::ChannelEntry {
         desired: version.clone(),
         previous: Some(entry.desired.clone()),
         canaries: Vec::new(),
@@ -641,12 +641,12 @@ async fn a_node_following_a_channel_under_exactly_its_grants_swaps_with_no_viola
         String::from_utf8_lossy(&out.stderr)
     );
     let server = server(&log, &[("node", String::from_utf8(out.stdout)?)])?;
-    let admin = foldhost::nats::NatsConnection::open(foldhost::bucket::ConnectOptions::new(
+    let admin = foldhost_nats::NatsConnection::open(foldhost_core::bucket::ConnectOptions::new(
         url_as(&server, "admin"),
     ))
     .await?;
     let kv = admin
-        .bucket("chgrant", &foldhost::bucket::BucketConfig::default())
+        .bucket("chgrant", &foldhost_core::bucket::BucketConfig::default())
         .await?;
     for i in 0..20 {
         kv.put(&format!("k.{i}"), format!("v{i}").into()).await?;
@@ -690,7 +690,7 @@ async fn a_node_following_a_channel_under_exactly_its_grants_swaps_with_no_viola
     let s = node.runs(&digest(&std::fs::read(&v2_file)?)).await?;
     assert_eq!(s.guest_channel.map(|c| c.judgement), Some("clean".into()));
     // The node's user may write its own report only.
-    let as_node = foldhost::nats::NatsConnection::open(foldhost::bucket::ConnectOptions::new(
+    let as_node = foldhost_nats::NatsConnection::open(foldhost_core::bucket::ConnectOptions::new(
         url_as(&server, "node"),
     ))
     .await?
@@ -799,9 +799,9 @@ async fn a_release_moves_only_from_the_revision_it_was_read_at_and_a_repeated_pu
 -> anyhow::Result<()> {
     let h = Harness::start().await?;
     let tmp = tempfile::tempdir()?;
-    let bus = foldhost::nats::channel::ChannelBus::open(
+    let bus = foldhost_nats::channel::ChannelBus::open(
         h.conn.client().await?,
-        &foldhost::nats::channel::ChannelBuckets::default(),
+        &foldhost_nats::channel::ChannelBuckets::default(),
         true,
         std::time::Duration::from_secs(10),
     )
@@ -829,7 +829,7 @@ async fn a_release_moves_only_from_the_revision_it_was_read_at_and_a_repeated_pu
     assert!(
         matches!(
             stale,
-            Err(foldhost::nats::channel::ChannelError::Conflict(_))
+            Err(foldhost_nats::channel::ChannelError::Conflict(_))
         ),
         "{stale:?}"
     );
@@ -872,14 +872,14 @@ async fn a_version_that_fails_to_load_is_refused_the_release_halts_and_every_nod
     // A component importing what the host does not offer: `guest publish` would refuse it (it
     // reads its manifest first), so it is put on the bus as a publisher that skipped that would.
     let bad = std::fs::read(foldhost_tests::hostile_wat("bad_import.wat"))?;
-    let bus = foldhost::nats::channel::ChannelBus::open(
+    let bus = foldhost_nats::channel::ChannelBus::open(
         h.conn.client().await?,
-        &foldhost::nats::channel::ChannelBuckets::default(),
+        &foldhost_nats::channel::ChannelBuckets::default(),
         false,
         std::time::Duration::from_secs(10),
     )
     .await?;
-    let version = foldhost::protocol::GuestVersion {
+    let version = foldhost_core::protocol::GuestVersion {
         digest: digest(&bad),
         name: "bad-import".into(),
         version: "0.1.0".into(),
@@ -890,7 +890,7 @@ async fn a_version_that_fails_to_load_is_refused_the_release_halts_and_every_nod
         .release(CHANNEL)
         .await?
         .ok_or_else(|| anyhow::anyhow!("no release"))?;
-    let next = foldhost::protocol::ChannelEntry {
+    let next = foldhost_core::protocol::ChannelEntry {
         desired: version,
         previous: Some(entry.desired.clone()),
         ..entry
@@ -1001,9 +1001,9 @@ async fn a_halt_reaches_a_canary_mid_shadow_which_abandons_it_keeps_its_version_
     let h = Harness::start().await?;
     let tmp = tempfile::tempdir()?;
     let (_kv, v1, mut nodes) = fleet(&h, "chabandon", tmp.path()).await?;
-    let bus = foldhost::nats::channel::ChannelBus::open(
+    let bus = foldhost_nats::channel::ChannelBus::open(
         h.conn.client().await?,
-        &foldhost::nats::channel::ChannelBuckets::default(),
+        &foldhost_nats::channel::ChannelBuckets::default(),
         false,
         std::time::Duration::from_secs(10),
     )
@@ -1034,13 +1034,13 @@ async fn a_halt_reaches_a_canary_mid_shadow_which_abandons_it_keeps_its_version_
     // Another node halts the release (as a canary that judged it differed would).
     bus.put_report(
         CHANNEL,
-        &foldhost::protocol::NodeReport {
+        &foldhost_core::protocol::NodeReport {
             node: "n9".into(),
             release,
-            outcome: foldhost::protocol::Judgement::Differed,
+            outcome: foldhost_core::protocol::Judgement::Differed,
             detail: "halted by the test".into(),
             running: None,
-            unix_ms: foldhost::status::now_unix_ms(),
+            unix_ms: foldhost_core::status::now_unix_ms(),
             baked: false,
         },
     )
@@ -1109,7 +1109,7 @@ async fn exit_of(mut child: Child) -> anyhow::Result<(Option<i32>, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_name_is_one_node_a_second_is_refused_a_node_whose_name_was_taken_stops_and_a_stopped_or_killed_nodes_name_is_taken_again()
 -> anyhow::Result<()> {
-    use foldhost::kv::KvReader;
+    use foldhost_core::kv::KvReader;
     let h = Harness::start().await?;
     let tmp = tempfile::tempdir()?;
     let kv = h.bucket("names").await?;
@@ -1143,11 +1143,11 @@ async fn one_name_is_one_node_a_second_is_refused_a_node_whose_name_was_taken_st
     // Another process takes the name over (as one would after this node could not renew for
     // longer than the claim holds): the node stops following and writes no report.
     let channels = h.bucket("foldhost-channels").await?;
-    let claim = foldhost::protocol::claim_key(CHANNEL, "n0");
-    let report = foldhost::protocol::report_key(CHANNEL, "n0");
+    let claim = foldhost_core::protocol::claim_key(CHANNEL, "n0");
+    let report = foldhost_core::protocol::report_key(CHANNEL, "n0");
     let intruder = format!(
         r#"{{"holder":"intruder","expires_unix_ms":{}}}"#,
-        foldhost::status::now_unix_ms() + 3_600_000
+        foldhost_core::status::now_unix_ms() + 3_600_000
     );
     channels.put(&claim, intruder.into()).await?;
     first
@@ -1191,7 +1191,7 @@ async fn one_name_is_one_node_a_second_is_refused_a_node_whose_name_was_taken_st
     let killed_at = std::time::Instant::now();
     let after_kill = Node::start(&h, "names", tmp.path(), "n0").await?;
     assert!(
-        killed_at.elapsed() >= foldhost::protocol::NAME_CLAIM_TTL,
+        killed_at.elapsed() >= foldhost_core::protocol::NAME_CLAIM_TTL,
         "a killed holder's claim was taken before it could have run out"
     );
     after_kill.runs(&digest(&v2)).await?;

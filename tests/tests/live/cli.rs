@@ -3,7 +3,7 @@
 
 use std::process::Output;
 
-use foldhost::kv::KvWriter;
+use foldhost_core::kv::KvWriter;
 use foldhost_tests::{Harness, dump_store, foldhost, status_store};
 
 fn one_line_error(out: &Output) -> String {

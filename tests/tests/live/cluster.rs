@@ -11,10 +11,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use foldhost::bucket::{BucketConfig, ConnectOptions};
-use foldhost::kv::KvWriter;
-use foldhost::nats::{NatsConnection, NatsKv};
+use foldhost_core::bucket::{BucketConfig, ConnectOptions};
+use foldhost_core::kv::KvWriter;
 use foldhost_localnats::LocalCluster;
+use foldhost_nats::{NatsConnection, NatsKv};
 use foldhost_tests::{
     Moto, bucket_contents, dump_store, first_difference, foldhost, terminate, wait_status,
 };

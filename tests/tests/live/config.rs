@@ -6,7 +6,7 @@
 use std::path::Path;
 use std::process::Stdio;
 
-use foldhost::kv::KvWriter as _;
+use foldhost_core::kv::KvWriter as _;
 use foldhost_tests::*;
 
 /// The three folds' buckets, stores and listen addresses.
@@ -78,7 +78,7 @@ fn start(t: &Three, log: &str) -> anyhow::Result<std::process::Child> {
 
 /// Puts `n` keys from `from` into each bucket (routes for the router).
 async fn write(
-    kvs: &[std::sync::Arc<foldhost::nats::NatsKv>],
+    kvs: &[std::sync::Arc<foldhost_nats::NatsKv>],
     from: usize,
     n: usize,
 ) -> anyhow::Result<()> {
@@ -100,9 +100,9 @@ async fn write(
 /// Waits until the fold at `addr` is level with its bucket and holds what it holds.
 async fn level_and_equal(
     addr: &str,
-    kv: &foldhost::nats::NatsKv,
+    kv: &foldhost_nats::NatsKv,
     store: &Path,
-) -> anyhow::Result<foldhost::status::StatusReport> {
+) -> anyhow::Result<foldhost_core::status::StatusReport> {
     let last = kv.positions().await?.last_sequence;
     let s = wait_status(addr, |s| s.state == "running" && s.applied_through >= last).await?;
     let want = bucket_contents(kv).await?;

@@ -12,8 +12,8 @@
 
 use std::time::Duration;
 
-use foldhost::crashpoint;
-use foldhost::kv::KvWriter;
+use foldhost_core::crashpoint;
+use foldhost_core::kv::KvWriter;
 use foldhost_tests::{
     Contents, Harness, bucket_contents, check_routes_served, dump_store, first_difference,
     foldhost, guest_wasm, publish_all, run_command, run_to_crash, status_store, terminate,
@@ -141,7 +141,7 @@ async fn publish_distinct(
     prefix: &str,
     n: u32,
     value: impl Fn(u32) -> String,
-) -> anyhow::Result<std::sync::Arc<foldhost::nats::NatsKv>> {
+) -> anyhow::Result<std::sync::Arc<foldhost_nats::NatsKv>> {
     let kv = h.bucket(bucket).await?;
     let msgs = (0..n).map(|i| (format!("$KV.{bucket}.{prefix}{i:05}"), value(i).into()));
     publish_all(kv.jetstream(), msgs).await?;
@@ -195,7 +195,7 @@ async fn a_crash_after_n_committed_batches_keeps_exactly_the_prefix_to_its_curso
         "restart: {}",
         String::from_utf8_lossy(&o.stderr)
     );
-    let status = foldhost::storedir::read_status(&store)
+    let status = foldhost_core::storedir::read_status(&store)
         .ok_or_else(|| anyhow::anyhow!("no status.json after the restart"))?;
     assert_eq!(
         status.delivered,

@@ -14,10 +14,11 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use foldhost::applied::{Apply, ApplyError, Fold, FoldStatus, Verdict};
-use foldhost::kv::{KvEntry, KvUpdate, KvWriter, VersionToken, WatchCursor};
-use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotStore};
-use foldhost::view::{FoldRead, SharedStore};
+use foldhost_core::kv::{KvEntry, KvUpdate, KvWriter, VersionToken, WatchCursor};
+use foldhost_core::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotStore};
+use foldhost_core::status::FoldStatus;
+use foldhost_core::view::{FoldRead, SharedStore};
+use foldhost_fold::applied::{Apply, ApplyError, Fold, Verdict};
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, run_command,
     status_store, terminate, wait_status,
@@ -415,7 +416,7 @@ async fn raw_publishes_of_reserved_looking_keys_are_skipped_and_never_touch_reta
     let dump = dump_store(&store)?;
     assert!(dump.keys().all(|k| !k.starts_with('\u{1}')), "{dump:?}");
     {
-        let (s, _) = foldhost::storedir::AnyStore::open_read_only(&store)?;
+        let (s, _) = foldhost_core::storedir::AnyStore::open_read_only(&store)?;
         assert_eq!(s.get("\u{0}k.c")?, None, "a NUL-led key is never folded");
     }
     let mut host = start_host(&h, "rsv", &store, &addr, &[])?;
@@ -444,8 +445,10 @@ async fn a_fold_holding_forged_retained_records_from_an_older_version_opens_and_
     let store = tmp.path().join("fold");
     let forged = "\u{1}retained/00000000000000000001/k1".to_string();
     {
-        let (mut s, _) =
-            foldhost::storedir::AnyStore::open(&store, foldhost::storedir::Backend::AppendLog)?;
+        let (mut s, _) = foldhost_core::storedir::AnyStore::open(
+            &store,
+            foldhost_core::storedir::Backend::AppendLog,
+        )?;
         let batch = [
             KvUpdate::Put(KvEntry {
                 key: "k".into(),
@@ -472,7 +475,7 @@ async fn a_fold_holding_forged_retained_records_from_an_older_version_opens_and_
         .arg(guest_wasm("kvstore"))
         .output()?;
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let (s, _) = foldhost::storedir::AnyStore::open_read_only(&store)?;
+    let (s, _) = foldhost_core::storedir::AnyStore::open_read_only(&store)?;
     assert_eq!(s.get(&forged)?, None, "the forged record is gone");
     assert_eq!(s.cursor().revision(), Some(r2));
     drop(s);
@@ -583,7 +586,7 @@ async fn a_clean_stop_writes_the_same_applied_through_as_status_while_records_ar
     assert_eq!(live.applied_through, r1 - 1, "{live:?}");
     let exit = terminate(&mut host)?;
     assert!(exit.success(), "{exit}");
-    let file = foldhost::storedir::read_status(&store)
+    let file = foldhost_core::storedir::read_status(&store)
         .ok_or_else(|| anyhow::anyhow!("no status.json after a clean stop"))?;
     assert_eq!(file.state, "stopped");
     assert_eq!(file.applied_through, r1 - 1, "status.json after the stop");

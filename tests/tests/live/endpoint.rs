@@ -12,8 +12,8 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use foldhost::kv::KvWriter;
-use foldhost::status::StatusReport;
+use foldhost_core::kv::KvWriter;
+use foldhost_core::status::StatusReport;
 use foldhost_tests::{
     Harness, foldhost, guest_wasm, run_command, terminate, wait_status, wait_until,
 };
@@ -464,7 +464,7 @@ async fn a_host_listening_on_port_0_names_the_port_it_got_in_its_status_file_and
     // This run's status file (its pid), naming where it listens.
     let mut named = None;
     wait_until("status.json names this run's listen address", || {
-        named = foldhost::storedir::read_status(&store)
+        named = foldhost_core::storedir::read_status(&store)
             .filter(|s| s.pid == pid)
             .and_then(|s| s.listen);
         named.is_some()

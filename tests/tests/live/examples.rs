@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 
-use foldhost::kv::KvWriter;
+use foldhost_core::kv::KvWriter;
 use foldhost_tests::{
     Harness, foldhost, foldhost_bin, guest_wasm, run_command, terminate, test_guest_cache,
     wait_status,
@@ -284,7 +284,7 @@ const ROUTES: &[(&str, &[u8])] = &[
 
 /// Writes [`ROUTES`], then deletes `l`, turns `m` into a value that is not a route and `n` into a
 /// route; returns the bucket's last sequence.
-async fn write_routes(kv: &foldhost::nats::NatsKv) -> anyhow::Result<u64> {
+async fn write_routes(kv: &foldhost_nats::NatsKv) -> anyhow::Result<u64> {
     for (key, value) in ROUTES {
         kv.put(key, value.to_vec().into()).await?;
     }

@@ -6,7 +6,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use foldhost::kv::KvWriter;
+use foldhost_core::kv::KvWriter;
 use foldhost_tests::{Harness, guest_wasm, run_command, terminate, wait_status};
 
 /// The queries a flood sends, and what came back.

@@ -25,8 +25,8 @@ use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use foldhost::kv::{KvWriter, VersionToken};
-use foldhost::nats::NatsKv;
+use foldhost_core::kv::{KvWriter, VersionToken};
+use foldhost_nats::NatsKv;
 use foldhost_tests::{
     Contents, Harness, bucket_contents, dump_store, first_difference, run_command, set_max_age,
     status_store, terminate, wait_status,

@@ -7,11 +7,11 @@
 use std::path::Path;
 use std::process::Stdio;
 
-use foldhost::bucket::{BucketConfig, ConnectOptions};
-use foldhost::kv::KvWriter as _;
-use foldhost::nats::NatsConnection;
 use foldhost::write::WriteAnswer;
+use foldhost_core::bucket::{BucketConfig, ConnectOptions};
+use foldhost_core::kv::KvWriter as _;
 use foldhost_localnats::{LocalNats, reserved_port};
+use foldhost_nats::NatsConnection;
 use foldhost_tests::*;
 
 use crate::users::{server, url_as, violations};

@@ -7,9 +7,9 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use foldhost::applied::Apply;
-use foldhost::guest::{EngineOptions, GuestApply, GuestEngine, GuestLimits};
-use foldhost::kv::KvWriter;
+use foldhost_core::kv::KvWriter;
+use foldhost_fold::applied::Apply;
+use foldhost_guest::guest::{EngineOptions, GuestApply, GuestEngine, GuestLimits};
 use foldhost_tests::{Harness, guest_wasm, run_command};
 
 /// The one `.cwasm` entry in `dir`.
@@ -36,7 +36,7 @@ fn catch_up(h: &Harness, store: &Path, cache: &Path) -> anyhow::Result<(String, 
         .output()?;
     let log = String::from_utf8_lossy(&o.stderr).into_owned();
     anyhow::ensure!(o.status.success(), "run failed: {log}");
-    let status = foldhost::storedir::read_status(store)
+    let status = foldhost_core::storedir::read_status(store)
         .ok_or_else(|| anyhow::anyhow!("no status.json after the run"))?;
     let from = status
         .guest_compiled
@@ -130,7 +130,7 @@ async fn probe(seed: [u8; 32], request: &[u8]) -> anyhow::Result<(String, GuestA
         &bytes,
         GuestLimits::default(),
         vec![],
-        Arc::new(foldhost::view::EmptyFold),
+        Arc::new(foldhost_core::view::EmptyFold),
     )
     .await?;
     g.hydrate().await?;

@@ -7,12 +7,13 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Duration;
 
-use foldhost::applied::{Apply, BatchConfig, FoldStatus, WatchOptions, watch_applied};
-use foldhost::guest::{GuestApply, GuestEngine, GuestLimits};
-use foldhost::kv::{KvWriter, WatchScope};
-use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot};
-use foldhost::status::StatusReport;
-use foldhost::view::SharedStore;
+use foldhost_core::kv::{KvWriter, WatchScope};
+use foldhost_core::snapshot::{AppendLogOptions, AppendLogSnapshot};
+use foldhost_core::status::FoldStatus;
+use foldhost_core::status::StatusReport;
+use foldhost_core::view::SharedStore;
+use foldhost_fold::applied::{Apply, BatchConfig, WatchOptions, watch_applied};
+use foldhost_guest::guest::{GuestApply, GuestEngine, GuestLimits};
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, hostile_wat,
     run_command, status_store, terminate, wait_status, wait_until,
@@ -24,7 +25,7 @@ async fn load_default(
     engine: &Arc<GuestEngine>,
     what: &str,
     bytes: &[u8],
-    fold: Arc<dyn foldhost::view::FoldRead>,
+    fold: Arc<dyn foldhost_core::view::FoldRead>,
 ) -> anyhow::Result<GuestApply> {
     Ok(GuestApply::load(engine, what, bytes, GuestLimits::default(), vec![], fold).await?)
 }
@@ -614,7 +615,7 @@ async fn a_guest_leaking_wasi_handles_is_stopped_at_the_resource_limit_and_the_h
             "apply",
             &format!(
                 "host resource table limit ({} entries)",
-                foldhost::guest::DEFAULT_RESOURCE_ENTRIES
+                foldhost_guest::guest::DEFAULT_RESOURCE_ENTRIES
             ),
         ],
     )
@@ -639,7 +640,7 @@ async fn handles_leaked_by_calls_that_return_count_toward_the_limit_and_go_with_
     let fold = Arc::new(SharedStore::new(store));
     let mut g = load_default(&engine, "hostile_handles", &bytes, fold).await?;
     g.hydrate().await?;
-    let limit = foldhost::guest::DEFAULT_RESOURCE_ENTRIES;
+    let limit = foldhost_guest::guest::DEFAULT_RESOURCE_ENTRIES;
     let named = format!("host resource table limit ({limit} entries)");
     // Each call alone stays under the limit (3/8 of it), so only what earlier calls left can
     // make one fail.
@@ -690,13 +691,13 @@ async fn handles_leaked_by_calls_that_return_count_toward_the_limit_and_go_with_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_example_guests_in_every_language_hold_a_small_share_of_the_resource_limit()
 -> anyhow::Result<()> {
-    use foldhost::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
-    use foldhost::snapshot::SnapshotStore as _;
+    use foldhost_core::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
+    use foldhost_core::snapshot::SnapshotStore as _;
     // A sixteenth of the default: each guest loads, hydrates 2 000 routes, folds a batch that
     // changes and deletes some three times, and answers queries under it. (They hold none at all
     // in these calls: each passes with a limit of 0.)
     let limits = GuestLimits {
-        resource_entries: foldhost::guest::DEFAULT_RESOURCE_ENTRIES / 16,
+        resource_entries: foldhost_guest::guest::DEFAULT_RESOURCE_ENTRIES / 16,
         hydrate_chunk: 250,
         ..GuestLimits::default()
     };
@@ -845,7 +846,7 @@ async fn hydrated_guest_answers_like_one_that_watched_from_the_start() -> anyhow
             scope: WatchScope::Prefix("route.".into()),
             batch: BatchConfig::default(),
             catch_up: true,
-            defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
+            defer_grace: foldhost_fold::applied::DEFAULT_DEFER_GRACE,
             repair: Default::default(),
             queries: None,
         },
@@ -895,7 +896,7 @@ async fn hashring_removing_a_node_moves_only_the_keys_it_owned() -> anyhow::Resu
         scope: ring.manifest().watch_scope(),
         batch: BatchConfig::default(),
         catch_up: true,
-        defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
+        defer_grace: foldhost_fold::applied::DEFAULT_DEFER_GRACE,
         repair: Default::default(),
         queries: None,
     };
@@ -1068,8 +1069,8 @@ async fn keys_expiring_by_per_message_ttl_leave_the_fold_and_the_router_live_and
 #[tokio::test(flavor = "current_thread")]
 async fn a_hydration_yields_between_chunks_so_the_fold_beside_it_keeps_running()
 -> anyhow::Result<()> {
-    use foldhost::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
-    use foldhost::snapshot::SnapshotStore as _;
+    use foldhost_core::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
+    use foldhost_core::snapshot::SnapshotStore as _;
     use std::sync::atomic::{AtomicU64, Ordering};
     let dir = tempfile::tempdir()?;
     let (mut store, _) = AppendLogSnapshot::open(dir.path(), AppendLogOptions::default())?;

@@ -1102,7 +1102,7 @@ impl Client {
         b[..6].copy_from_slice(&ms.to_be_bytes()[2..]);
         b[6] = 0x70 | (b[6] & 0x0f);
         b[8] = 0x80 | (b[8] & 0x3f);
-        foldhost::protocol::OpId::from_bytes(b)
+        foldhost_core::protocol::OpId::from_bytes(b)
             .map(|o| o.to_string())
             .map_err(|e| anyhow::anyhow!("minted id: {e}"))
     }
@@ -1352,9 +1352,9 @@ async fn send_write(addr: &str, body: &serde_json::Value) -> Answer {
 /// `POST /get` of `key` (with `Foldhost-Min-Revision` when `min` is given), read as the history
 /// records it.
 async fn get(addr: &str, key: &str, min: Option<u64>, wait_ms: u64) -> Answer {
-    let mut headers = vec![(foldhost::protocol::WAIT_MS_HEADER, wait_ms.to_string())];
+    let mut headers = vec![(foldhost_core::protocol::WAIT_MS_HEADER, wait_ms.to_string())];
     if let Some(m) = min {
-        headers.push((foldhost::protocol::MIN_REVISION_HEADER, m.to_string()));
+        headers.push((foldhost_core::protocol::MIN_REVISION_HEADER, m.to_string()));
     }
     let asked = foldhost::serve::call_with_headers(
         addr,
@@ -1535,10 +1535,10 @@ async fn the_history_checker_catches_an_applied_answer_before_the_fold_holds_it(
         &[
             (MUTATION_ENV, mutation.into()),
             (
-                foldhost::crashpoint::HOLD_ENV,
+                foldhost_core::crashpoint::HOLD_ENV,
                 format!(
                     "{}:{}",
-                    foldhost::crashpoint::FOLD_LEDGER_COMMIT,
+                    foldhost_core::crashpoint::FOLD_LEDGER_COMMIT,
                     hold.display()
                 ),
             ),

@@ -5,11 +5,11 @@
 //! with account limits) keeps its bucket usable while a new bucket fails with one line naming the
 //! bucket and the limit.
 
-use foldhost::bucket::{BucketConfig, ConnectOptions};
-use foldhost::kv::KvWriter;
-use foldhost::nats::{NatsConnection, create_bucket_raw};
-use foldhost::protocol::StreamCreateVerdict;
+use foldhost_core::bucket::{BucketConfig, ConnectOptions};
+use foldhost_core::kv::KvWriter;
+use foldhost_core::protocol::StreamCreateVerdict;
 use foldhost_localnats::LocalNats;
+use foldhost_nats::{NatsConnection, create_bucket_raw};
 use std::time::Duration;
 
 const T: Duration = Duration::from_secs(10);
@@ -33,7 +33,7 @@ async fn the_raw_create_makes_the_clients_kv_stream_and_takes_an_existing_bucket
     let raw = conn.bucket("raw", &config).await?;
     raw.put("k", "v".into()).await?;
     assert_eq!(
-        foldhost::kv::KvReader::get(raw.as_ref(), "k")
+        foldhost_core::kv::KvReader::get(raw.as_ref(), "k")
             .await?
             .map(|e| e.value),
         Some("v".into())
@@ -123,7 +123,7 @@ accounts {
     );
     let again = conn.bucket("routes", &config).await?;
     assert!(
-        foldhost::kv::KvReader::get(again.as_ref(), "k")
+        foldhost_core::kv::KvReader::get(again.as_ref(), "k")
             .await?
             .is_some()
     );
@@ -157,7 +157,7 @@ accounts {
     let url = format!("nats://tenant:secret@127.0.0.1:{}", nats.port());
     let conn = NatsConnection::open(ConnectOptions::new(url)).await?;
     let kv = conn.bucket("routes", &BucketConfig::default()).await?;
-    use foldhost::kv::{
+    use foldhost_core::kv::{
         KvUpdate, KvWatcher as _, KvWriter as _, WatchCursor, WatchEvent, WatchScope,
     };
     for i in 0..5 {

@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::Output;
 
 use bytes::Bytes;
-use foldhost::kv::KvWriter;
+use foldhost_core::kv::KvWriter;
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, publish_all, run_command, spawn_logged,
     status_store, wait_status,
@@ -43,7 +43,7 @@ async fn fold_old_bucket(h: &Harness, bucket: &str, store: &Path) -> anyhow::Res
 async fn recreate(
     h: &Harness,
     bucket: &str,
-) -> anyhow::Result<std::sync::Arc<foldhost::nats::NatsKv>> {
+) -> anyhow::Result<std::sync::Arc<foldhost_nats::NatsKv>> {
     let kv = h.bucket(bucket).await?;
     kv.jetstream().delete_stream(format!("KV_{bucket}")).await?;
     let kv = h.bucket(bucket).await?;
@@ -263,10 +263,10 @@ async fn an_artifact_of_the_buckets_earlier_incarnation_is_never_restored() -> a
         .conn
         .bucket(
             "incarn",
-            &foldhost::bucket::BucketConfig {
+            &foldhost_core::bucket::BucketConfig {
                 max_bytes: None,
                 max_age: Some(std::time::Duration::from_secs(3600)),
-                ..foldhost::bucket::BucketConfig::default()
+                ..foldhost_core::bucket::BucketConfig::default()
             },
         )
         .await?;
@@ -304,7 +304,7 @@ async fn an_artifact_of_the_buckets_earlier_incarnation_is_never_restored() -> a
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clean_stop_leaves_the_record_the_next_open_removes_it_and_a_kill_leaves_none()
 -> anyhow::Result<()> {
-    use foldhost::storedir::closed;
+    use foldhost_core::storedir::closed;
     let h = Harness::start().await?;
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("s");
@@ -343,7 +343,7 @@ async fn a_clean_stop_leaves_the_record_the_next_open_removes_it_and_a_kill_leav
 }
 
 /// A put that retries while the client reconnects to a restarted server.
-async fn put_retrying(kv: &foldhost::nats::NatsKv, key: &str, value: &str) -> anyhow::Result<()> {
+async fn put_retrying(kv: &foldhost_nats::NatsKv, key: &str, value: &str) -> anyhow::Result<()> {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
     while kv.put(key, Bytes::from(value.to_string())).await.is_err() {
         anyhow::ensure!(std::time::Instant::now() < deadline, "writes never resumed");
@@ -385,7 +385,7 @@ async fn a_broker_restored_from_an_older_copy_and_written_past_the_fold_is_refus
         .arg("--catch-up")
         .output()?;
     ok(&o, "the first catch-up")?;
-    let stopped = foldhost::storedir::read_status(&store).expect("status.json");
+    let stopped = foldhost_core::storedir::read_status(&store).expect("status.json");
     assert_eq!(stopped.cursor, Some(20));
     assert_eq!(
         stopped.checkpoint_revision,

@@ -9,7 +9,7 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use foldhost::kv::KvWriter;
+use foldhost_core::kv::KvWriter;
 use foldhost_tests::{
     Harness, bucket_contents, foldhost, guest_wasm, run_command, terminate, wait_status, wait_until,
 };
@@ -43,7 +43,7 @@ fn upstream(i: u32, generation: u64) -> String {
 /// is unknown (422).
 async fn answers_like_the_bucket(
     addr: &str,
-    kv: &foldhost::nats::NatsKv,
+    kv: &foldhost_nats::NatsKv,
     hosts: u32,
 ) -> anyhow::Result<()> {
     let want = bucket_contents(kv).await?;
@@ -92,7 +92,7 @@ async fn the_javascript_router_swaps_in_for_the_rust_router_under_load_and_back_
             .arg(&cache)
             .output()?;
         anyhow::ensure!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        let s = foldhost::storedir::read_status(&store)
+        let s = foldhost_core::storedir::read_status(&store)
             .ok_or_else(|| anyhow::anyhow!("no status after the run"))?;
         compiled_from.push((s.guest_compiled, s.guest_compile_ms));
     }

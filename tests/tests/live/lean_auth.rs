@@ -6,10 +6,10 @@
 //! the client library on the fold's path; the fold reaches the stream's last sequence.
 
 use base64::Engine as _;
-use foldhost::bucket::{BucketConfig, ConnectOptions};
-use foldhost::kv::KvWriter as _;
-use foldhost::nats::NatsConnection;
+use foldhost_core::bucket::{BucketConfig, ConnectOptions};
+use foldhost_core::kv::KvWriter as _;
 use foldhost_localnats::{LocalNats, reserved_port};
+use foldhost_nats::NatsConnection;
 use foldhost_tests::{foldhost, terminate, wait_status};
 
 use crate::watch_semantics::raw_publish;

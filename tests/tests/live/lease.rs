@@ -6,8 +6,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use foldhost::kv::KvWriter;
-use foldhost::lease::{Lease, LeaseBucket, LeaseError};
+use foldhost_core::kv::KvWriter;
+use foldhost_nats::lease::{Lease, LeaseBucket, LeaseError};
 use foldhost_tests::Harness;
 
 const TTL: Duration = Duration::from_secs(30);

@@ -6,7 +6,7 @@ use std::collections::BTreeSet;
 use std::path::Path;
 use std::process::Stdio;
 
-use foldhost::kv::KvWriter as _;
+use foldhost_core::kv::KvWriter as _;
 use foldhost_tests::*;
 use serde_json::Value;
 

@@ -10,10 +10,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use foldhost::bucket::{BucketConfig, ClientCertificate, ConnectOptions, Secret, TlsOptions};
-use foldhost::kv::KvWriter as _;
-use foldhost::nats::{NatsConnection, NatsKv};
+use foldhost_core::bucket::{BucketConfig, ClientCertificate, ConnectOptions, Secret, TlsOptions};
+use foldhost_core::kv::KvWriter as _;
 use foldhost_localnats::{LocalNats, reserved_port};
+use foldhost_nats::{NatsConnection, NatsKv};
 use foldhost_tests::{
     bucket_contents, dump_store, first_difference, foldhost, terminate, wait_status,
 };

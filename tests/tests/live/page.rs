@@ -9,8 +9,8 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-use foldhost::kv::KvWriter as _;
-use foldhost::status::StatusReport;
+use foldhost_core::kv::KvWriter as _;
+use foldhost_core::status::StatusReport;
 use foldhost_tests::*;
 
 const BUCKET: &str = "page";
@@ -162,7 +162,7 @@ fn refreshes(dom: &str) -> u64 {
 }
 
 /// The revision a put landed at.
-fn revision(v: foldhost::kv::VersionToken) -> anyhow::Result<u64> {
+fn revision(v: foldhost_core::kv::VersionToken) -> anyhow::Result<u64> {
     v.as_u64()
         .ok_or_else(|| anyhow::anyhow!("a put without a revision"))
 }

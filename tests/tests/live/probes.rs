@@ -4,7 +4,7 @@
 
 use std::process::Stdio;
 
-use foldhost::kv::KvWriter as _;
+use foldhost_core::kv::KvWriter as _;
 use foldhost_tests::*;
 
 async fn get(addr: &str, path: &str) -> anyhow::Result<(u16, String)> {

@@ -7,8 +7,8 @@
 
 use std::process::Stdio;
 
-use foldhost::kv::KvWriter as _;
 use foldhost::serve::{Outcome, decode_results, encode_lookups};
+use foldhost_core::kv::KvWriter as _;
 use foldhost_tests::*;
 use http_body_util::{BodyExt as _, Full};
 use hyper::body::Bytes;

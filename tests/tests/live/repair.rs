@@ -11,14 +11,14 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use foldhost::crashpoint;
-use foldhost::kv::{
+use foldhost_core::crashpoint;
+use foldhost_core::kv::{
     KvEntry, KvError, KvUpdate, KvWatcher, KvWriter, VersionToken, WatchCursor, WatchScope,
 };
-use foldhost::nats::NatsKv;
-use foldhost::snapshot::SnapshotStore;
-use foldhost::status::StatusReport;
-use foldhost::storedir::{AnyStore, Backend};
+use foldhost_core::snapshot::SnapshotStore;
+use foldhost_core::status::StatusReport;
+use foldhost_core::storedir::{AnyStore, Backend};
+use foldhost_nats::NatsKv;
 use foldhost_tests::{
     Contents, Harness, bucket_contents, dump_store, first_difference, foldhost, publish_all,
     run_command, run_to_crash, set_max_age, status_store, terminate, wait_status,
@@ -519,7 +519,7 @@ const BATCH: &str = "batch parsed and applied";
 /// done lines, counted in the finished run's log (the count depends on the data, not on timing).
 fn repair_batches(mut cmd: std::process::Command) -> anyhow::Result<usize> {
     let o = cmd
-        .env("FOLDHOST_LOG", "warn,foldhost::applied=debug")
+        .env("FOLDHOST_LOG", "warn,foldhost_fold::applied=debug")
         .output()?;
     ok(&o, "measuring run")?;
     let log = String::from_utf8_lossy(&o.stderr);
@@ -829,7 +829,7 @@ async fn ttl_only_buckets_are_re_listed_to_exactly_the_bucket_without_an_artifac
     let stream = js.get_stream("KV_ttlonly").await?;
     stream.purge().filter("$KV.ttlonly.del.>").await?;
     let deadline = Instant::now() + Duration::from_secs(120);
-    while foldhost::kv::KvReader::get(&*kv, "gone.soon")
+    while foldhost_core::kv::KvReader::get(&*kv, "gone.soon")
         .await?
         .is_some()
     {
@@ -874,7 +874,7 @@ async fn a_prefix_watch_cut_off_while_in_scope_messages_age_out_trips_the_floor_
         .env("FOLDHOST_LOG", "warn")
         // The client's ordered consumer, which re-creates itself at the first retained message
         // (a lean connection's watch ends instead, and the resume window refuses the cursor).
-        .env(foldhost::nats::LEAN_DELIVERY_ENV, "off")
+        .env(foldhost_nats::LEAN_DELIVERY_ENV, "off")
         .stderr(std::fs::File::create(&log_path)?)
         .spawn()?;
     let last = kv.positions().await?.last_sequence;

@@ -6,14 +6,15 @@ use std::path::Path;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use foldhost::applied::{
-    AppliedError, Apply, ApplyError, BatchConfig, CountingApply, FoldStatus, Verdict, WatchOptions,
+use foldhost_core::kv::{KvEntry, KvUpdate, KvWriter, WatchCursor, WatchScope};
+use foldhost_core::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotError, SnapshotStore};
+use foldhost_core::status::FoldStatus;
+use foldhost_core::view::SharedStore;
+use foldhost_fold::applied::{
+    AppliedError, Apply, ApplyError, BatchConfig, CountingApply, Verdict, WatchOptions,
     watch_applied,
 };
-use foldhost::kv::{KvEntry, KvUpdate, KvWriter, WatchCursor, WatchScope};
-use foldhost::nats::NatsKv;
-use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot, SnapshotError, SnapshotStore};
-use foldhost::view::SharedStore;
+use foldhost_nats::NatsKv;
 use foldhost_tests::{Contents, Harness, bucket_contents, first_difference};
 
 fn opts(max: usize) -> WatchOptions {
@@ -24,7 +25,7 @@ fn opts(max: usize) -> WatchOptions {
             ..BatchConfig::default()
         },
         catch_up: true,
-        defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
+        defer_grace: foldhost_fold::applied::DEFAULT_DEFER_GRACE,
         repair: Default::default(),
         queries: None,
     }
@@ -40,7 +41,7 @@ fn contents_of(store: &impl SnapshotStore) -> Contents {
     let mut c = Contents::new();
     store
         .for_each_in_range("", &mut |e| {
-            if foldhost::retained::is_reserved(&e.key) {
+            if foldhost_core::retained::is_reserved(&e.key) {
                 return ControlFlow::Continue(()); // the host's own keys (the stream identity)
             }
             c.insert(
@@ -157,7 +158,7 @@ impl<S: SnapshotStore> SnapshotStore for FaultyStore<S> {
     fn export_to(
         &self,
         dest: &std::path::Path,
-    ) -> Result<Option<foldhost::snapshot::ProvenCopy>, SnapshotError> {
+    ) -> Result<Option<foldhost_core::snapshot::ProvenCopy>, SnapshotError> {
         self.inner.export_to(dest)
     }
 }
@@ -298,7 +299,7 @@ fn put_at(key: &str, value: &str, rev: u64) -> KvUpdate {
     KvUpdate::Put(KvEntry {
         key: key.into(),
         value: bytes::Bytes::from(value.to_string()),
-        version: foldhost::kv::VersionToken::from_u64(rev),
+        version: foldhost_core::kv::VersionToken::from_u64(rev),
     })
 }
 
@@ -310,8 +311,8 @@ fn put_at(key: &str, value: &str, rev: u64) -> KvUpdate {
 /// it already applied) fails on a replayed revision.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_guest_rebuilt_after_a_store_failure_sees_the_re_queued_batch() -> anyhow::Result<()> {
-    use foldhost::applied::Fold;
-    use foldhost::guest::{GuestApply, GuestEngine, GuestLimits};
+    use foldhost_fold::applied::Fold;
+    use foldhost_guest::guest::{GuestApply, GuestEngine, GuestLimits};
     let tmp = tempfile::tempdir()?;
     let faulty = FaultyStore {
         inner: open(tmp.path()),

@@ -3,7 +3,7 @@
 use std::process::Stdio;
 use std::time::Duration;
 
-use foldhost::kv::KvWriter;
+use foldhost_core::kv::KvWriter;
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, run_command, terminate, wait_status,
 };
@@ -68,7 +68,7 @@ async fn a_watch_whose_consumer_is_deleted_or_whose_server_restarts_resumes_with
     let started = wait_status(&addr, |s| s.applied_through >= 200).await?;
     let mut n = 200u32;
     // Writes that retry while the server is away.
-    async fn put_retrying(kv: &foldhost::nats::NatsKv, key: &str) -> anyhow::Result<()> {
+    async fn put_retrying(kv: &foldhost_nats::NatsKv, key: &str) -> anyhow::Result<()> {
         let deadline = std::time::Instant::now() + Duration::from_secs(120);
         while kv.put(key, "after".into()).await.is_err() {
             anyhow::ensure!(std::time::Instant::now() < deadline, "writes never resumed");

@@ -9,8 +9,8 @@ use std::process::{Child, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use foldhost::kv::KvWriter;
-use foldhost::nats::NatsKv;
+use foldhost_core::kv::KvWriter;
+use foldhost_nats::NatsKv;
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, run_command,
     terminate, wait_status, wait_until,

@@ -7,10 +7,10 @@
 use std::path::Path;
 use std::process::Stdio;
 
-use foldhost::bucket::{BucketConfig, ConnectOptions};
-use foldhost::kv::KvWriter as _;
-use foldhost::nats::{NatsConnection, NatsKv};
+use foldhost_core::bucket::{BucketConfig, ConnectOptions};
+use foldhost_core::kv::KvWriter as _;
 use foldhost_localnats::{LocalNats, reserved_port};
+use foldhost_nats::{NatsConnection, NatsKv};
 use foldhost_tests::*;
 
 use crate::users::{self, url_as, violations};
@@ -61,7 +61,7 @@ fn server(log: &Path) -> anyhow::Result<LocalNats> {
 
 /// The node runs, every fold (the main bucket and each declared one) level with its stream (a
 /// node's state buckets are folded level before it answers at all).
-fn level(s: &foldhost::status::StatusReport) -> bool {
+fn level(s: &foldhost_core::status::StatusReport) -> bool {
     s.state == "running"
         && s.cursor.is_some()
         && s.lag == 0
@@ -79,7 +79,7 @@ fn state_list(store: &Path) -> anyhow::Result<Value> {
         "state list: {}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let rows: Vec<foldhost::status::StateBucketReport> = serde_json::from_slice(&out.stdout)?;
+    let rows: Vec<foldhost_core::status::StateBucketReport> = serde_json::from_slice(&out.stdout)?;
     Ok(rows
         .into_iter()
         .map(|b| json!([b.local, b.declared]))
@@ -552,7 +552,7 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
         &[],
     )
     .await?;
-    let status: foldhost::status::StatusReport = serde_json::from_slice(
+    let status: foldhost_core::status::StatusReport = serde_json::from_slice(
         &foldhost::serve::call(&other.addr, "GET", "/status", b"")
             .await?
             .1,
@@ -596,7 +596,7 @@ async fn owner_buckets(
 )> {
     let main = h.bucket(main).await?;
     let config = BucketConfig {
-        max_bytes: Some(foldhost::protocol::DEFAULT_STATE_MAX_BUCKET as i64),
+        max_bytes: Some(foldhost_core::protocol::DEFAULT_STATE_MAX_BUCKET as i64),
         ..BucketConfig::default()
     };
     let notes = h.conn.bucket(NOTES, &config).await?;
@@ -634,7 +634,7 @@ async fn a_node_killed_mid_fold_over_three_buckets_resumes_each_from_its_own_cur
     };
     // Killed at the 14th commit of any fold: the state buckets fold first (6 batches each, from
     // no cursor), so the main bucket is a batch or two in.
-    run_to_crash(run(&[]), foldhost::crashpoint::FOLD_COMMITTED, 14)?;
+    run_to_crash(run(&[]), foldhost_core::crashpoint::FOLD_COMMITTED, 14)?;
     let addr = format!("127.0.0.1:{}", reserved_port()?);
     let mut c = run(&["--listen", &addr]);
     let node = Node {
@@ -866,7 +866,11 @@ async fn crash_before_on_applied_then_restart_twice(
         c
     };
     // The state buckets are empty, so the first commit is the main bucket's, of its one record.
-    run_to_crash(run(None), foldhost::crashpoint::FOLD_BEFORE_ON_APPLIED, 1)?;
+    run_to_crash(
+        run(None),
+        foldhost_core::crashpoint::FOLD_BEFORE_ON_APPLIED,
+        1,
+    )?;
     let cursor = status_store(store.path())?.cursor;
     assert_eq!(
         cursor,

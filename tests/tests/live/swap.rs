@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Instant;
 
-use foldhost::kv::KvWriter;
+use foldhost_core::kv::KvWriter;
 use foldhost_tests::{
     Harness, bucket_contents, dump_store, first_difference, foldhost, guest_wasm, hostile_wat,
     run_command, spawn_logged, terminate, wait_status, wait_until,
@@ -44,10 +44,10 @@ fn start_host_holding(
     }
     if let Some(hold) = hold {
         c.env(
-            foldhost::crashpoint::HOLD_ENV,
+            foldhost_core::crashpoint::HOLD_ENV,
             format!(
                 "{}:{}",
-                foldhost::crashpoint::SWAP_HYDRATING,
+                foldhost_core::crashpoint::SWAP_HYDRATING,
                 hold.display()
             ),
         );
@@ -104,7 +104,7 @@ fn swap(
 /// key answers `v2:` and its value in the bucket, each deleted one 422. Returns the bucket.
 async fn v2_serves_the_bucket(
     addr: &str,
-    kv: &foldhost::nats::NatsKv,
+    kv: &foldhost_nats::NatsKv,
     keys: u32,
 ) -> anyhow::Result<foldhost_tests::Contents> {
     let want = bucket_contents(kv).await?;

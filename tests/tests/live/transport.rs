@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 use bytes::Bytes;
-use foldhost::kv::KvWriter;
+use foldhost_core::kv::KvWriter;
 use foldhost_tests::{
     Harness, Moto, bucket_contents, dump_store, first_difference, foldhost, publish_all,
     run_command, terminate, wait_status,
@@ -522,7 +522,7 @@ async fn two_nodes_exporting_in_rounds_publish_a_pointer_a_third_node_bootstraps
         })
         .await?;
     }
-    let published = |s: &foldhost::status::StatusReport| {
+    let published = |s: &foldhost_core::status::StatusReport| {
         s.last_export.as_ref().and_then(|e| e.cursor) == Some(last)
     };
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
@@ -604,7 +604,7 @@ async fn a_crash_between_the_payload_and_the_pointer_leaves_the_old_artifact_and
     // The publisher dies after uploading the payload, before moving the pointer.
     let mut cmd = with_artifacts(&moto, "publish", &url);
     cmd.arg("--artifact").arg(&second);
-    foldhost_tests::run_to_crash(cmd, foldhost::crashpoint::PUBLISH_BEFORE_POINTER, 1)?;
+    foldhost_tests::run_to_crash(cmd, foldhost_core::crashpoint::PUBLISH_BEFORE_POINTER, 1)?;
     // The old pointer still bootstraps a node.
     assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c1));
     // The orphan payload is above the pointer: an exporter may still name it (as the next
@@ -664,10 +664,10 @@ async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_
         "a",
     ])
     .env(
-        foldhost::crashpoint::HOLD_ENV,
+        foldhost_core::crashpoint::HOLD_ENV,
         format!(
             "{}:{}",
-            foldhost::crashpoint::PUBLISH_BEFORE_POINTER,
+            foldhost_core::crashpoint::PUBLISH_BEFORE_POINTER,
             hold.display()
         ),
     )
@@ -683,13 +683,13 @@ async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_
     })
     .await?;
     let leases = h.bucket(foldhost::node::DEFAULT_LEASE_BUCKET).await?;
-    let lease = foldhost::lease::Lease::new(
+    let lease = foldhost_nats::lease::Lease::new(
         leases,
         "export.routes",
         "reader",
         std::time::Duration::from_secs(1),
     );
-    let now = foldhost::status::now_unix_ms();
+    let now = foldhost_core::status::now_unix_ms();
     let held = lease.read().await?.expect("A holds the lease");
     assert_eq!(held.holder, "a");
     assert!(held.expires_unix_ms > now + 60_000, "{held:?}");
@@ -912,8 +912,8 @@ async fn a_tampered_download_is_refused_in_one_line_and_leaves_no_store_behind()
 /// The node's freshness report once it satisfies `done` (a status without one never does).
 async fn artifact_until(
     addr: &str,
-    done: impl Fn(&foldhost::status::ArtifactFreshnessReport) -> bool,
-) -> anyhow::Result<foldhost::status::StatusReport> {
+    done: impl Fn(&foldhost_core::status::ArtifactFreshnessReport) -> bool,
+) -> anyhow::Result<foldhost_core::status::StatusReport> {
     wait_status(addr, |s| s.artifact.as_ref().is_some_and(&done)).await
 }
 

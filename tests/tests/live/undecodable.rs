@@ -4,7 +4,7 @@
 //! the cursor passes, on a cursorless start (the re-list), live, and on a resume's catch-up, with
 //! the lean delivery and with the client's ordered consumer; both nodes end with the same fold.
 
-use foldhost::kv::{KvReader as _, KvWriter as _};
+use foldhost_core::kv::{KvReader as _, KvWriter as _};
 use foldhost_tests::{Harness, dump_store, run_command, terminate, wait_status};
 
 use crate::watch_semantics::raw_publish;
@@ -34,7 +34,7 @@ fn addr() -> anyhow::Result<String> {
 /// own, and an odd message on a key an ordinary write then overwrites (the bucket keeps one
 /// message per key: a node that was not reading then never sees that odd message); an ordinary
 /// write last.
-async fn round(h: &Harness, kv: &foldhost::nats::NatsKv, r: &str) -> anyhow::Result<()> {
+async fn round(h: &Harness, kv: &foldhost_nats::NatsKv, r: &str) -> anyhow::Result<()> {
     for (i, block) in ODD.iter().enumerate() {
         kv.put(&format!("k.{r}.{i}"), format!("v{r}{i}").into())
             .await?;
@@ -90,12 +90,12 @@ async fn an_undecodable_message_is_skipped_and_counted_not_a_stall_on_every_path
             .open(tmp.path().join(format!("{name}.log")))?;
         c.stderr(log);
         if !lean {
-            c.env(foldhost::nats::LEAN_DELIVERY_ENV, "off");
+            c.env(foldhost_nats::LEAN_DELIVERY_ENV, "off");
         }
         c.spawn()
     };
     let at_last = |last: u64, skipped: u64| {
-        move |s: &foldhost::status::StatusReport| {
+        move |s: &foldhost_core::status::StatusReport| {
             s.cursor == Some(last) && s.skipped_messages >= skipped
         }
     };
@@ -173,7 +173,7 @@ async fn an_undecodable_message_is_skipped_and_counted_not_a_stall_on_every_path
 /// The client's ordered consumer (a TLS or credentials node takes it) meets a message its library
 /// cannot read after a stop, in a gap longer than a resume's catch-up reads and full of removed
 /// messages (keys overwritten): the library drops its connection there, and the next watch reads
-/// past it through the stream API whatever the gap holds ([`foldhost::protocol::catch_up_range`]).
+/// past it through the stream API whatever the gap holds ([`foldhost_core::protocol::catch_up_range`]).
 /// Before, the catch-up read only a short gap with few absences, so every re-created consumer met
 /// the message again, for good.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -191,7 +191,7 @@ async fn the_ordered_consumer_reads_past_an_undecodable_message_in_a_long_gap_of
             .append(true)
             .open(tmp.path().join("ordered.log"))?;
         run_command(&h, "longgap", &store, Some(&listen))
-            .env(foldhost::nats::LEAN_DELIVERY_ENV, "off")
+            .env(foldhost_nats::LEAN_DELIVERY_ENV, "off")
             .stderr(log)
             .spawn()
     };
@@ -219,7 +219,7 @@ async fn the_ordered_consumer_reads_past_an_undecodable_message_in_a_long_gap_of
     }
     let last = kv.positions().await?.last_sequence;
     assert!(
-        last - 1 > foldhost::protocol::DIRECT_CATCH_UP_MAX,
+        last - 1 > foldhost_core::protocol::DIRECT_CATCH_UP_MAX,
         "the gap is longer than a resume's catch-up"
     );
     let mut node = Nodes(vec![start()?]);
@@ -283,7 +283,7 @@ async fn a_cr_inside_a_value_delivered_by_the_ordered_consumer_fails_only_its_ow
         let mut c = run_command(&h, "crv", &tmp.path().join(name), Some(a));
         c.stderr(log);
         if !lean {
-            c.env(foldhost::nats::LEAN_DELIVERY_ENV, "off");
+            c.env(foldhost_nats::LEAN_DELIVERY_ENV, "off");
         }
         children.0.push(c.spawn()?);
     }
@@ -356,7 +356,7 @@ async fn listings_and_single_reads_decode_every_odd_block_and_the_client_survive
         let key = format!("odd.a.{i}");
         let e = kv.entry(&key).await;
         assert!(
-            matches!(&e, Err(foldhost::kv::KvError::Backend { reason, .. }) if reason.contains("undecodable")),
+            matches!(&e, Err(foldhost_core::kv::KvError::Backend { reason, .. }) if reason.contains("undecodable")),
             "{key}: {e:?}"
         );
     }

@@ -5,11 +5,11 @@ use anyhow::Context as _;
 use std::collections::BTreeSet;
 use std::time::Duration;
 
-use foldhost::kv::{
+use foldhost_core::kv::{
     KvError, KvReader, KvUpdate, KvWatcher, KvWriter, VersionToken, WatchCursor, WatchEvent,
     WatchScope,
 };
-use foldhost::nats::NatsKv;
+use foldhost_nats::NatsKv;
 use foldhost_tests::Harness;
 use tokio::sync::mpsc;
 
@@ -223,7 +223,7 @@ async fn retention_is_read_live_from_the_stream_and_follows_an_edited_config() -
         .ok_or_else(|| anyhow::anyhow!("NATS can say"))?;
     assert!(!r.evicts_current_values, "no limits, history only: {r:?}");
     assert_eq!(r.first_revision, 1);
-    assert!(foldhost::protocol::listing_is_truth(
+    assert!(foldhost_core::protocol::listing_is_truth(
         r.evicts_current_values,
         r.first_revision,
         false
@@ -233,10 +233,10 @@ async fn retention_is_read_live_from_the_stream_and_follows_an_edited_config() -
         .conn
         .bucket(
             "aging",
-            &foldhost::bucket::BucketConfig {
+            &foldhost_core::bucket::BucketConfig {
                 max_bytes: None,
                 max_age: Some(Duration::from_secs(3600)),
-                ..foldhost::bucket::BucketConfig::default()
+                ..foldhost_core::bucket::BucketConfig::default()
             },
         )
         .await?;
@@ -266,7 +266,7 @@ async fn retention_is_read_live_from_the_stream_and_follows_an_edited_config() -
         "the edited config is what counts: {r:?}"
     );
     assert!(r.first_revision > 1, "the limit evicted k0 and k1: {r:?}");
-    assert!(!foldhost::protocol::listing_is_truth(
+    assert!(!foldhost_core::protocol::listing_is_truth(
         r.evicts_current_values,
         r.first_revision,
         false
@@ -402,7 +402,7 @@ async fn a_resume_gap_of_mostly_removed_messages_is_read_by_the_consumer_and_los
     let kv = h.bucket("removed").await?;
     kv.put("k.a", "a".into()).await?;
     let cursor = kv.positions().await?.last_sequence;
-    let max_absent = foldhost::protocol::DIRECT_CATCH_UP_MAX_ABSENT as u64;
+    let max_absent = foldhost_core::protocol::DIRECT_CATCH_UP_MAX_ABSENT as u64;
     for i in 0..=max_absent + 1 {
         kv.put("k.hot", format!("{i}").into()).await?;
     }
@@ -693,7 +693,7 @@ async fn a_watch_over_its_own_delivery_connection_hands_over_exactly_what_the_or
     let cursor = kv.positions().await?.last_sequence;
     mixed_writes(&kv, "second").await?;
     kv.set_direct_catch_up(false);
-    let opts = foldhost::bucket::ConnectOptions::new(h.url());
+    let opts = foldhost_core::bucket::ConnectOptions::new(h.url());
     let mut runs = Vec::new();
     for lean in [false, true] {
         kv.set_lean_delivery(lean.then_some(&opts));
@@ -736,7 +736,7 @@ pub(crate) async fn raw_publish(
     payload: &[u8],
 ) -> anyhow::Result<()> {
     use tokio::io::{AsyncBufReadExt as _, AsyncReadExt as _, AsyncWriteExt as _};
-    let addr = foldhost::nats::wire::server_address(url)
+    let addr = foldhost_nats::wire::server_address(url)
         .filter(|a| !a.tls)
         .context("a plain URL")?
         .host_port;
@@ -808,7 +808,7 @@ async fn what_any_writer_can_store_folds_the_same_on_the_lean_and_the_ordered_de
     .await?;
     kv.put("k.last", "v".into()).await?;
     kv.set_direct_catch_up(false);
-    let opts = foldhost::bucket::ConnectOptions::new(h.url());
+    let opts = foldhost_core::bucket::ConnectOptions::new(h.url());
     let mut runs = Vec::new();
     for lean in [false, true] {
         kv.set_lean_delivery(lean.then_some(&opts));
@@ -912,11 +912,11 @@ async fn a_lean_watch_cut_off_from_its_consumer_ends_instead_of_waiting_forever(
     use futures::TryStreamExt as _;
     let h = Harness::start().await?;
     // One-second heartbeats: the silence that ends the watch is three of them.
-    let mut opts = foldhost::bucket::ConnectOptions::new(h.server.url());
+    let mut opts = foldhost_core::bucket::ConnectOptions::new(h.server.url());
     opts.watch_heartbeat = Duration::from_secs(1);
-    let conn = foldhost::nats::NatsConnection::open(opts).await?;
+    let conn = foldhost_nats::NatsConnection::open(opts).await?;
     let kv = conn
-        .bucket("silent", &foldhost::bucket::BucketConfig::default())
+        .bucket("silent", &foldhost_core::bucket::BucketConfig::default())
         .await?;
     kv.put("k.a", "a".into()).await?;
     let cursor = kv.positions().await?.last_sequence;
@@ -986,7 +986,7 @@ async fn opening_a_bucket_and_the_identity_refusal_before_the_store_opens_cost_o
         .conn
         .bucket(
             "absent",
-            &foldhost::bucket::BucketConfig {
+            &foldhost_core::bucket::BucketConfig {
                 create: false,
                 ..Default::default()
             },

@@ -12,10 +12,10 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use foldhost::kv::KvWriter;
-use foldhost::nats::channel::{ChannelBuckets, ChannelBus};
-use foldhost::protocol::{self, ChannelEntry};
-use foldhost::status::StatusReport;
+use foldhost_core::kv::KvWriter;
+use foldhost_core::protocol::{self, ChannelEntry};
+use foldhost_core::status::StatusReport;
+use foldhost_nats::channel::{ChannelBuckets, ChannelBus};
 use foldhost_tests::{Harness, guest_wasm, wait_status};
 
 use crate::channel::{CHANNEL, Node, STABLE, digest, guest_status_until, publish, renamed};
@@ -224,8 +224,12 @@ async fn a_version_that_traps_in_wave_two_halts_the_release_and_waves_three_and_
     let gate = tmp.path().join("bake-gate");
     let (v1, mut nodes, bus) = four(&h, "wavetrap", tmp.path(), |name| {
         if name == gated {
-            let held = format!("{}:{}", foldhost::crashpoint::CHANNEL_BAKE, gate.display());
-            vec![(foldhost::crashpoint::HOLD_ENV, held)]
+            let held = format!(
+                "{}:{}",
+                foldhost_core::crashpoint::CHANNEL_BAKE,
+                gate.display()
+            );
+            vec![(foldhost_core::crashpoint::HOLD_ENV, held)]
         } else {
             Vec::new()
         }

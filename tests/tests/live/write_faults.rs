@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use foldhost::kv::{KvReader as _, KvWriter as _};
+use foldhost_core::kv::{KvReader as _, KvWriter as _};
 use foldhost_tests::*;
 
 use crate::writes::{Node, pass_duplicate_window, short_duplicate_window};
@@ -18,7 +18,7 @@ fn op_id_at(unix_ms: u64, n: u8) -> String {
     b[..6].copy_from_slice(&unix_ms.to_be_bytes()[2..]);
     b[6] = 0x70 | (b[6] & 0x0f);
     b[8] = 0x80 | (b[8] & 0x3f);
-    foldhost::protocol::OpId::from_bytes(b)
+    foldhost_core::protocol::OpId::from_bytes(b)
         .map(|op| op.to_string())
         .unwrap_or_default()
 }
@@ -63,7 +63,7 @@ fn now_ms() -> u64 {
 
 /// Every record of the bucket's stream that carries `op_id`, by revision.
 async fn records_of(
-    kv: &foldhost::nats::NatsKv,
+    kv: &foldhost_nats::NatsKv,
     bucket: &str,
     op_id: &str,
 ) -> anyhow::Result<Vec<u64>> {
@@ -76,7 +76,7 @@ async fn records_of(
         };
         let carries = m
             .headers
-            .get(foldhost::protocol::OP_ID_HEADER)
+            .get(foldhost_core::protocol::OP_ID_HEADER)
             .is_some_and(|v| v.as_str() == op_id);
         if carries {
             out.push(seq);
@@ -93,7 +93,7 @@ async fn a_raw_record_whose_id_claims_a_far_future_instant_leaves_no_row_and_nev
     // Any bucket writer: one record whose id claims to be minted in the 25th century.
     let forged = op_id_at(16_000_000_000_000, 7);
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert(foldhost::protocol::OP_ID_HEADER, forged.as_str());
+    headers.insert(foldhost_core::protocol::OP_ID_HEADER, forged.as_str());
     let ack = kv
         .jetstream()
         .publish_with_headers("$KV.poison.k.raw", headers, "x".into())
@@ -325,9 +325,9 @@ async fn a_write_to_a_full_bucket_is_refused_bucket_full_and_publishes_nothing()
         .conn
         .bucket(
             "full",
-            &foldhost::bucket::BucketConfig {
+            &foldhost_core::bucket::BucketConfig {
                 max_bytes: Some(4096),
-                ..foldhost::bucket::BucketConfig::default()
+                ..foldhost_core::bucket::BucketConfig::default()
             },
         )
         .await?;
@@ -378,8 +378,12 @@ async fn a_read_right_after_an_applied_write_sees_it_while_the_query_instance_is
     // The fold commits the write and answers it applied, then is held before it hands the query
     // instance its round: the instance still holds the state before the write.
     let env = [(
-        foldhost::crashpoint::HOLD_ENV,
-        format!("{}:{}", foldhost::crashpoint::QUERY_ROUND, hold.display()),
+        foldhost_core::crashpoint::HOLD_ENV,
+        format!(
+            "{}:{}",
+            foldhost_core::crashpoint::QUERY_ROUND,
+            hold.display()
+        ),
     )];
     let node = Node::start_with(&h, "race", &store, &env, &["--guest", &guest]).await?;
     // Whatever happens below, the fold is released before the node is stopped (dropped first).

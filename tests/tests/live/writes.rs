@@ -6,8 +6,8 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use foldhost::kv::{KvReader as _, KvWriter as _};
 use foldhost::write::WriteAnswer;
+use foldhost_core::kv::{KvReader as _, KvWriter as _};
 use foldhost_tests::*;
 
 /// The write token every test node is given.
@@ -124,7 +124,7 @@ impl Node {
 
 /// Shortens `bucket`'s duplicate window to a second, so a test can pass it.
 pub(crate) async fn short_duplicate_window(
-    kv: &foldhost::nats::NatsKv,
+    kv: &foldhost_nats::NatsKv,
     bucket: &str,
 ) -> anyhow::Result<()> {
     let js = kv.jetstream();
@@ -221,10 +221,10 @@ async fn a_write_the_fold_has_not_applied_is_pending_and_its_retry_is_answered_f
         "p",
         &store,
         &[(
-            foldhost::crashpoint::HOLD_ENV,
+            foldhost_core::crashpoint::HOLD_ENV,
             format!(
                 "{}:{}",
-                foldhost::crashpoint::FOLD_LEDGER_COMMIT,
+                foldhost_core::crashpoint::FOLD_LEDGER_COMMIT,
                 hold.display()
             ),
         )],
@@ -545,10 +545,10 @@ async fn a_read_with_a_minimum_revision_waits_for_the_fold_and_past_its_bound_is
         "r",
         &store,
         &[(
-            foldhost::crashpoint::HOLD_ENV,
+            foldhost_core::crashpoint::HOLD_ENV,
             format!(
                 "{}:{}",
-                foldhost::crashpoint::FOLD_LEDGER_COMMIT,
+                foldhost_core::crashpoint::FOLD_LEDGER_COMMIT,
                 hold.display()
             ),
         )],

@@ -11,12 +11,12 @@ use std::sync::{Arc, Mutex};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use foldhost::applied::{Apply, ApplyError, SwapCandidate, Verdict};
-use foldhost::kv::{KvEntry, KvUpdate, WatchCursor, WatchScope};
-use foldhost::retained::is_reserved;
-use foldhost::snapshot::{ProvenCopy, SnapshotError, SnapshotStore};
-use foldhost::storedir::AnyStore;
-use foldhost::view::{FoldRead, SharedStore};
+use foldhost_core::kv::{KvEntry, KvUpdate, WatchCursor, WatchScope};
+use foldhost_core::retained::is_reserved;
+use foldhost_core::snapshot::{ProvenCopy, SnapshotError, SnapshotStore};
+use foldhost_core::storedir::AnyStore;
+use foldhost_core::view::{FoldRead, SharedStore};
+use foldhost_fold::applied::{Apply, ApplyError, SwapCandidate, Verdict};
 
 use crate::world::Truth;
 

@@ -33,7 +33,7 @@ mod faults;
 mod run;
 mod world;
 
-use foldhost::storedir::Backend;
+use foldhost_core::storedir::Backend;
 
 use run::{Outcome, Sim};
 use world::Scenario;

@@ -9,18 +9,19 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use foldhost::applied::{
-    Apply, ApplyError, BatchConfig, Control, FoldStatus, Queries, WatchOptions, watch_applied,
-};
-use foldhost::artifact;
-use foldhost::guest::{GuestApply, GuestEngine, GuestLimits};
-use foldhost::kv::{KvReader, KvWatcher, WatchScope};
-use foldhost::protocol::RepairMode;
-use foldhost::repair::{RepairConfig, RestoreSource};
-use foldhost::snapshot::SnapshotStore;
-use foldhost::storedir::{AnyStore, Backend};
 use foldhost::testkit::{SimBucket, SimConfig};
-use foldhost::view::{FoldRead, SharedStore};
+use foldhost_artifact::artifact;
+use foldhost_core::kv::{KvReader, KvWatcher, WatchScope};
+use foldhost_core::protocol::RepairMode;
+use foldhost_core::snapshot::SnapshotStore;
+use foldhost_core::status::FoldStatus;
+use foldhost_core::storedir::{AnyStore, Backend};
+use foldhost_core::view::{FoldRead, SharedStore};
+use foldhost_fold::applied::{
+    Apply, ApplyError, BatchConfig, Control, Queries, WatchOptions, watch_applied,
+};
+use foldhost_fold::repair::{RepairConfig, RestoreSource};
+use foldhost_guest::guest::{GuestApply, GuestEngine, GuestLimits};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::faults::{
@@ -379,7 +380,7 @@ impl Sim {
             return;
         }
         let newest = self.durable.values().copied().max().unwrap_or(0);
-        if !foldhost::protocol::resume_window_ok(newest, self.bucket.first_sequence()) {
+        if !foldhost_core::protocol::resume_window_ok(newest, self.bucket.first_sequence()) {
             let through = self.bucket.last_sequence();
             let n = self.bucket.purge_deletes_through(through);
             self.note(format!(
@@ -509,7 +510,7 @@ impl Sim {
                 ..BatchConfig::default()
             },
             catch_up: false,
-            defer_grace: foldhost::applied::DEFAULT_DEFER_GRACE,
+            defer_grace: foldhost_fold::applied::DEFAULT_DEFER_GRACE,
             repair: RepairConfig {
                 mode: RepairMode::Auto,
                 restore_from: Some(RestoreSource::new(&self.peer_dir)),
@@ -851,7 +852,7 @@ impl Sim {
             .root
             .join("exports")
             .join(format!("e{}", self.exports.len()));
-        match foldhost::applied::export_live(
+        match foldhost_fold::applied::export_live(
             ctl,
             self.sc.backend,
             out.clone(),

@@ -5,9 +5,9 @@ use std::collections::BTreeMap;
 use std::path::Path;
 
 use bytes::Bytes;
-use foldhost::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor, WatchScope};
-use foldhost::snapshot::SnapshotStore;
-use foldhost::storedir::{AnyStore, Backend};
+use foldhost_core::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor, WatchScope};
+use foldhost_core::snapshot::SnapshotStore;
+use foldhost_core::storedir::{AnyStore, Backend};
 
 /// splitmix64: tiny, seedable, and the same on every machine (no dependency that may change its
 /// stream between versions, so a printed seed replays the same run forever).

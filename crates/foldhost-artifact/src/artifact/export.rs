@@ -55,10 +55,12 @@ pub(crate) fn copy_state_folds(
     }
     let mut out = Vec::with_capacity(sources.len());
     for src in sources {
-        if !crate::protocol::is_state_local(&src.local) {
+        if !foldhost_core::protocol::is_state_local(&src.local) {
             return Err(ArtifactError::UnsafePath(src.local.clone()));
         }
-        let dir = data.join(crate::storedir::STATE_DIR).join(&src.local);
+        let dir = data
+            .join(foldhost_core::storedir::STATE_DIR)
+            .join(&src.local);
         std::fs::create_dir_all(&dir).map_err(io_err(&dir, "create stage"))?;
         let store = src.store.upgrade().ok_or_else(|| {
             ArtifactError::Fold(format!(
@@ -81,7 +83,7 @@ pub(crate) fn copy_state_folds(
         let (cursor, stream) = (store.cursor(), stream_of(&*store)?);
         store.export_to(&dir)?;
         drop(store);
-        crate::storedir::write_meta(&dir, backend)?;
+        foldhost_core::storedir::write_meta(&dir, backend)?;
         out.push(StagedState {
             local: src.local.clone(),
             cursor,
@@ -103,7 +105,7 @@ pub(crate) fn export_stage<S: SnapshotStore + ?Sized>(
     let cursor = store.cursor();
     let stream = stream_of(store)?;
     let proven = store.export_to(&data)?;
-    crate::storedir::write_meta(&data, backend)?;
+    foldhost_core::storedir::write_meta(&data, backend)?;
     let state = copy_state_folds(state, &data, backend)?;
     Ok(Staged {
         cursor,
@@ -118,8 +120,8 @@ pub fn stream_of<S: SnapshotStore + ?Sized>(
     store: &S,
 ) -> Result<Option<ManifestStream>, ArtifactError> {
     Ok(store
-        .get(crate::retained::IDENTITY_KEY)?
-        .and_then(|e| crate::kv::StreamIdentity::from_bytes(&e.value))
+        .get(foldhost_core::retained::IDENTITY_KEY)?
+        .and_then(|e| foldhost_core::kv::StreamIdentity::from_bytes(&e.value))
         .map(|id| ManifestStream::from(&id)))
 }
 
@@ -145,9 +147,9 @@ fn seal_inner(
     progress: Progress<'_>,
 ) -> Result<ExportManifest, ArtifactError> {
     let cursor = staged.cursor;
-    crate::crashpoint::hit(crate::crashpoint::EXPORT_STAGED);
+    foldhost_core::crashpoint::hit(foldhost_core::crashpoint::EXPORT_STAGED);
     let data = stage.join(DATA_DIR);
-    let backend = crate::storedir::backend_of(&data)?;
+    let backend = foldhost_core::storedir::backend_of(&data)?;
     let names = list_files(&data)?;
     let proven = staged.proven.as_ref();
     let files = hash_and_sync_files(&data, names, proven, progress)?;
@@ -227,7 +229,7 @@ fn hash_and_sync_files(
             size,
             blake3,
         });
-        crate::crashpoint::hit(crate::crashpoint::EXPORT_FILE);
+        foldhost_core::crashpoint::hit(foldhost_core::crashpoint::EXPORT_FILE);
     }
     if let Some(c) = proven
         && let Some(f) = c
@@ -299,7 +301,9 @@ fn check_state_copies(
 ) -> Result<Vec<ManifestState>, ArtifactError> {
     let mut out = Vec::with_capacity(staged.len());
     for st in staged {
-        let dir = data.join(crate::storedir::STATE_DIR).join(&st.local);
+        let dir = data
+            .join(foldhost_core::storedir::STATE_DIR)
+            .join(&st.local);
         let keys = check_copy_cursor(&dir, backend, None, st.cursor).map_err(|e| match e {
             ArtifactError::CursorMismatch { want, got, .. } => ArtifactError::StateCursorMismatch {
                 local: st.local.clone(),
@@ -386,7 +390,8 @@ pub(crate) fn seal_to(
 
 /// What a running fold's copy of itself into a stage answers: the cursor the copy holds and what
 /// the store proved of it while writing it, or why it failed.
-pub type LiveCopy = Result<(WatchCursor, Option<crate::snapshot::ProvenCopy>), ArtifactError>;
+pub type LiveCopy =
+    Result<(WatchCursor, Option<foldhost_core::snapshot::ProvenCopy>), ArtifactError>;
 
 /// Exports the fold of a running host: `copy` has the fold flush and copy itself into the
 /// directory it is given, between batches (paused only for the copy; the fold's loop does it,
@@ -414,7 +419,7 @@ where
     let copied = async {
         let data = make_stage(&stage)?;
         let (cursor, proven) = copy(data.clone()).await?;
-        crate::storedir::write_meta(&data, backend)?;
+        foldhost_core::storedir::write_meta(&data, backend)?;
         let state = tokio::task::spawn_blocking(move || copy_state_folds(&state, &data, backend))
             .await
             .map_err(|e| ArtifactError::Fold(format!("state export task: {e}")))??;

@@ -35,9 +35,15 @@ fn dest_is_free(dest: &Path) -> Result<bool, ArtifactError> {
 }
 
 /// A streaming check of the append log's file, when `m` is an append-log artifact.
-fn log_check_for(m: &ExportManifest, stage: &Path) -> Option<crate::snapshot::CompactLogCheck> {
-    (m.backend == Backend::AppendLog.as_str())
-        .then(|| crate::snapshot::CompactLogCheck::new(&stage.join(crate::snapshot::LOG_FILE)))
+fn log_check_for(
+    m: &ExportManifest,
+    stage: &Path,
+) -> Option<foldhost_core::snapshot::CompactLogCheck> {
+    (m.backend == Backend::AppendLog.as_str()).then(|| {
+        foldhost_core::snapshot::CompactLogCheck::new(
+            &stage.join(foldhost_core::snapshot::LOG_FILE),
+        )
+    })
 }
 
 /// The refusals that need nothing opened: the manifest's backend (this build's, and `want`),
@@ -127,7 +133,7 @@ fn import_stage(
         let mut out = StagedFile::create(&dst, true).map_err(io_err(&dst, "create"))?;
         let check = log_check
             .as_mut()
-            .filter(|_| f.path == crate::snapshot::LOG_FILE);
+            .filter(|_| f.path == foldhost_core::snapshot::LOG_FILE);
         let (size, digest) = copy_hashed(
             &src,
             &mut out,
@@ -163,14 +169,14 @@ fn seal_import(
     stage: &Path,
     m: &ExportManifest,
     dest: &Path,
-    log_check: Option<crate::snapshot::CompactLogCheck>,
+    log_check: Option<foldhost_core::snapshot::CompactLogCheck>,
     syncs: Syncs,
 ) -> Result<(), ArtifactError> {
     tracing::debug!(stage = %stage.display(), "import: every file written, checking the copy");
     let got = match log_check {
         // The append log was checked as it was copied: no reopen (no map) needed.
         Some(c) => {
-            let own = crate::storedir::backend_of(stage)?;
+            let own = foldhost_core::storedir::backend_of(stage)?;
             if own.as_str() != m.backend {
                 return Err(ArtifactError::BackendMismatch {
                     artifact: m.backend.clone(),
@@ -217,7 +223,9 @@ fn seal_import(
 /// cursor, like the main fold's.
 fn check_imported_state(stage: &Path, m: &ExportManifest) -> Result<(), ArtifactError> {
     for st in &m.state {
-        let dir = stage.join(crate::storedir::STATE_DIR).join(&st.local);
+        let dir = stage
+            .join(foldhost_core::storedir::STATE_DIR)
+            .join(&st.local);
         let (copy, _) = AnyStore::open_read_only(&dir)?;
         if copy.backend() != st.backend {
             return Err(ArtifactError::BackendMismatch {
@@ -269,7 +277,7 @@ fn import_tar_entries(
     m: &ExportManifest,
     stage: &Path,
     progress: Progress<'_>,
-) -> Result<(Option<crate::snapshot::CompactLogCheck>, Syncs), ArtifactError> {
+) -> Result<(Option<foldhost_core::snapshot::CompactLogCheck>, Syncs), ArtifactError> {
     let bad = |reason: String| tar_error(stage, reason);
     std::fs::create_dir_all(stage).map_err(io_err(stage, "create stage"))?;
     let mut log_check = log_check_for(m, stage);
@@ -308,7 +316,7 @@ fn import_tar_entries(
             done += got;
             progress(done, total);
         };
-        let log = (rel_name == crate::snapshot::LOG_FILE)
+        let log = (rel_name == foldhost_core::snapshot::LOG_FILE)
             .then_some(log_check.as_mut())
             .flatten();
         write_entry(&mut entry, stage, rel_name, f, log, &mut tick, &mut syncs)?;
@@ -398,7 +406,7 @@ fn write_entry(
     stage: &Path,
     rel_name: &str,
     f: &ArtifactFile,
-    mut log_check: Option<&mut crate::snapshot::CompactLogCheck>,
+    mut log_check: Option<&mut foldhost_core::snapshot::CompactLogCheck>,
     tick: &mut dyn FnMut(u64),
     syncs: &mut Syncs,
 ) -> Result<(), ArtifactError> {

@@ -13,7 +13,7 @@
 //! - **An artifact that exists is complete.** Export writes into a hidden sibling directory
 //!   (`.NAME.export-…`), proves the copy recovers the live cursor (every apply commits its cursor
 //!   with its data, so equality is a complete tail-loss detector) — an LSM copy by reopening it,
-//!   the append log by its own [`crate::snapshot::ProvenCopy`]: [`crate::snapshot::CompactLogCheck`]
+//!   the append log by its own [`foldhost_core::snapshot::ProvenCopy`]: [`foldhost_core::snapshot::CompactLogCheck`]
 //!   run over the bytes it wrote, in the pass that hashed them (what a reopen proves, without
 //!   rebuilding the map or reading the copy back) — fsyncs every file, writes the manifest
 //!   *last*, and renames the whole stage into place. A crash at any point leaves only the hidden
@@ -25,7 +25,7 @@
 //!   every size and digest (a download streams straight into the stage, [`import_tar_stream`]),
 //!   proves the staged copy recovers the manifest's cursor (the same two ways as export) and each
 //!   state bucket's copy its entry's cursor (reopened), and only then renames it into place. A
-//!   state entry names one directory ([`crate::protocol::is_state_local`]); no file under
+//!   state entry names one directory ([`foldhost_core::protocol::is_state_local`]); no file under
 //!   `state/` lies outside a listed one. The destination is untouched by every refusal.
 //! - **Bounded.** The manifest is at most [`MAX_MANIFEST_BYTES`], at most [`MAX_FILES`] files, and a
 //!   tar entry at most [`MAX_FILE_BYTES`]. Every tar is read through [`TarGuard`], which parses each
@@ -39,14 +39,14 @@
 use std::fs::File;
 use std::io::{Read, Write};
 
-use crate::staged::{StagedFile, Syncs};
+use foldhost_core::staged::{StagedFile, Syncs};
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::kv::WatchCursor;
-use crate::snapshot::{ProvenCopy, SnapshotError, SnapshotStore};
-use crate::storedir::{AnyStore, Backend, StoreDirError};
+use foldhost_core::kv::WatchCursor;
+use foldhost_core::snapshot::{ProvenCopy, SnapshotError, SnapshotStore};
+use foldhost_core::storedir::{AnyStore, Backend, StoreDirError};
 
 mod export;
 mod import;
@@ -78,7 +78,7 @@ pub(crate) const MAX_PREVIOUS_TARGETS: usize = 8;
 /// and those kept under the store after their declaration went.
 pub(crate) const MAX_STATE_FOLDS: usize = 256;
 
-/// The stream an artifact's fold folds (as [`crate::kv::StreamIdentity`] holds it).
+/// The stream an artifact's fold folds (as [`foldhost_core::kv::StreamIdentity`] holds it).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ManifestStream {
     /// The stream's name (`KV_<bucket>` on NATS).
@@ -87,8 +87,8 @@ pub struct ManifestStream {
     pub created_unix_ns: u64,
 }
 
-impl From<&crate::kv::StreamIdentity> for ManifestStream {
-    fn from(id: &crate::kv::StreamIdentity) -> Self {
+impl From<&foldhost_core::kv::StreamIdentity> for ManifestStream {
+    fn from(id: &foldhost_core::kv::StreamIdentity) -> Self {
         ManifestStream {
             name: id.name.clone(),
             created_unix_ns: id.created_unix_ns,
@@ -98,14 +98,14 @@ impl From<&crate::kv::StreamIdentity> for ManifestStream {
 
 impl ManifestStream {
     /// The identity, for messages.
-    pub fn identity(&self) -> crate::kv::StreamIdentity {
-        crate::kv::StreamIdentity {
+    pub fn identity(&self) -> foldhost_core::kv::StreamIdentity {
+        foldhost_core::kv::StreamIdentity {
             name: self.name.clone(),
             created_unix_ns: self.created_unix_ns,
         }
     }
 
-    /// As [`crate::protocol::stream_relation`] reads it.
+    /// As [`foldhost_core::protocol::stream_relation`] reads it.
     pub fn key(&self) -> (&str, u64) {
         (self.name.as_str(), self.created_unix_ns)
     }
@@ -113,7 +113,7 @@ impl ManifestStream {
 
 /// A pointer target before this artifact: its cursor and when it was published (the pointer
 /// object's last change when it named it). The first target above a payload's cursor was
-/// published when that payload stopped being the target ([`crate::protocol::payload_superseded_at`]).
+/// published when that payload stopped being the target ([`foldhost_core::protocol::payload_superseded_at`]).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PreviousTarget {
     /// The target's cursor.
@@ -154,7 +154,7 @@ pub struct ExportManifest {
     /// Every payload file.
     pub files: Vec<ArtifactFile>,
     /// The stream the fold folds; absent in artifacts of earlier versions and those exported
-    /// without it (read as unknown: see [`crate::protocol::bootstrap_stream_allowed`]).
+    /// without it (read as unknown: see [`foldhost_core::protocol::bootstrap_stream_allowed`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream: Option<ManifestStream>,
     /// The pointer's recent targets before this artifact, newest first (at most
@@ -498,7 +498,7 @@ fn copy_hashed(
     src: &Path,
     out: &mut StagedFile,
     tick: &mut dyn FnMut(u64),
-    mut check: Option<&mut crate::snapshot::CompactLogCheck>,
+    mut check: Option<&mut foldhost_core::snapshot::CompactLogCheck>,
 ) -> Result<(u64, String), ArtifactError> {
     let mut f = File::open(src).map_err(io_err(src, "open"))?;
     let mut hasher = blake3::Hasher::new();
@@ -633,7 +633,7 @@ fn parse_manifest(bytes: &[u8], path: &Path) -> Result<ExportManifest, ArtifactE
 }
 
 /// The manifest's state entries: at most [`MAX_STATE_FOLDS`], each a state bucket's name (one
-/// plain path component, [`crate::protocol::is_state_local`]) listed once, of the main fold's
+/// plain path component, [`foldhost_core::protocol::is_state_local`]) listed once, of the main fold's
 /// backend; and every payload file under `state/` inside a listed bucket's directory. Pure.
 fn check_state_entries(m: &ExportManifest) -> Result<(), String> {
     if m.state.len() > MAX_STATE_FOLDS {
@@ -644,7 +644,7 @@ fn check_state_entries(m: &ExportManifest) -> Result<(), String> {
     }
     let mut seen = std::collections::BTreeSet::new();
     for st in &m.state {
-        if !crate::protocol::is_state_local(&st.local) {
+        if !foldhost_core::protocol::is_state_local(&st.local) {
             return Err(format!("{:?} is not a state bucket's name", st.local));
         }
         if !seen.insert(st.local.as_str()) {
@@ -668,7 +668,7 @@ fn check_state_entries(m: &ExportManifest) -> Result<(), String> {
     for f in &m.files {
         let Some(rest) = f
             .path
-            .strip_prefix(crate::storedir::STATE_DIR)
+            .strip_prefix(foldhost_core::storedir::STATE_DIR)
             .and_then(|r| r.strip_prefix('/'))
         else {
             continue;
@@ -679,7 +679,7 @@ fn check_state_entries(m: &ExportManifest) -> Result<(), String> {
                 return Err(format!(
                     "{}: under {}/ but in no state bucket the manifest lists",
                     f.path,
-                    crate::storedir::STATE_DIR
+                    foldhost_core::storedir::STATE_DIR
                 ));
             }
         }
@@ -727,7 +727,7 @@ mod tests {
 
     /// An append-log store of a few keys, opened writable in `dir`.
     fn small_log(dir: &Path) -> AnyStore {
-        use crate::kv::{KvEntry, KvUpdate, VersionToken};
+        use foldhost_core::kv::{KvEntry, KvUpdate, VersionToken};
         let (mut store, _) = AnyStore::open(dir, Backend::AppendLog).expect("open");
         let batch: Vec<KvUpdate> = (1..=50u64)
             .map(|r| {
@@ -772,7 +772,7 @@ mod tests {
         let stage = stage_path(&out, "export");
         let staged = export_stage(&store, Backend::AppendLog, &[], &stage).expect("stage");
         assert!(staged.proven.is_some(), "the append log proves its copy");
-        let log = stage.join(DATA_DIR).join(crate::snapshot::LOG_FILE);
+        let log = stage.join(DATA_DIR).join(foldhost_core::snapshot::LOG_FILE);
         let mut f = std::fs::OpenOptions::new()
             .append(true)
             .open(&log)

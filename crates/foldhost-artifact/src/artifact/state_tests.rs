@@ -2,7 +2,7 @@
 //! import, and refused (the destination untouched) when altered or misdescribed.
 
 use super::*;
-use crate::kv::{KvEntry, KvUpdate, VersionToken};
+use foldhost_core::kv::{KvEntry, KvUpdate, VersionToken};
 use foldhost_core::view::SharedStore;
 
 /// An append-log store in `dir` holding `keys` keys with `prefix`, at cursor `at`.
@@ -97,9 +97,10 @@ fn an_artifact_carries_each_state_fold_at_its_cursor_and_an_import_restores_it_b
         let imported = import_artifact(&out, &dest, None, &mut |_, _| {}).expect("imports");
         assert_eq!(imported.state, m.state);
         for (local, keys, at) in [("notes", 5, 7), ("agent.servers", 12, 30)] {
-            let (lane, _) =
-                AnyStore::open_read_only(&dest.join(crate::storedir::STATE_DIR).join(local))
-                    .expect("the state fold opens");
+            let (lane, _) = AnyStore::open_read_only(
+                &dest.join(foldhost_core::storedir::STATE_DIR).join(local),
+            )
+            .expect("the state fold opens");
             assert_eq!(lane.cursor(), WatchCursor::at(at), "{local}");
             assert_eq!(lane.len().expect("len"), keys, "{local}");
         }

@@ -20,7 +20,7 @@ impl ArtifactTransport {
         &self,
         key: &str,
         dest: &Path,
-        want: Option<crate::storedir::Backend>,
+        want: Option<foldhost_core::storedir::Backend>,
         live: Option<&ManifestStream>,
     ) -> Result<ExportManifest, TransportError> {
         let read = self.pointer(key).await?;
@@ -46,7 +46,7 @@ impl ArtifactTransport {
         key: &str,
         read: Option<Pointer>,
         dest: &Path,
-        want: Option<crate::storedir::Backend>,
+        want: Option<foldhost_core::storedir::Backend>,
         live: Option<&ManifestStream>,
     ) -> Result<ExportManifest, TransportError> {
         let Some(Pointer {
@@ -61,7 +61,7 @@ impl ArtifactTransport {
             });
         };
         check_bootstrap_stream(key, &manifest, live)?;
-        crate::crashpoint::hold(crate::crashpoint::BOOTSTRAP_BEFORE_PAYLOAD).await;
+        foldhost_core::crashpoint::hold(foldhost_core::crashpoint::BOOTSTRAP_BEFORE_PAYLOAD).await;
         let segments = self
             .payload_segments(key, &manifest_bytes, &manifest)
             .await?;
@@ -116,7 +116,7 @@ impl ArtifactTransport {
         segments: Vec<Segment>,
         manifest_bytes: Vec<u8>,
         dest: &Path,
-        want: Option<crate::storedir::Backend>,
+        want: Option<foldhost_core::storedir::Backend>,
     ) -> Result<ExportManifest, TransportError> {
         let (tx, rx) =
             tokio::sync::mpsc::channel::<std::io::Result<bytes::Bytes>>(DOWNLOAD_CHUNKS_IN_FLIGHT);
@@ -223,7 +223,7 @@ impl ArtifactTransport {
         segments: Vec<Segment>,
         manifest_bytes: Vec<u8>,
         dest: &Path,
-        want: Option<crate::storedir::Backend>,
+        want: Option<foldhost_core::storedir::Backend>,
     ) -> Result<ExportManifest, TransportError> {
         // Opened here one after another and handed over through a short queue: a payload of
         // many segments never holds more than a few open at once.

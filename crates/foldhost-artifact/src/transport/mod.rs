@@ -69,7 +69,7 @@ use object_store::{
 use crate::artifact::{
     self, ArtifactError, ExportManifest, MANIFEST_FILE, ManifestStream, PreviousTarget,
 };
-use crate::protocol::{self, PointerState};
+use foldhost_core::protocol::{self, PointerState};
 
 mod bootstrap;
 mod upload;
@@ -643,7 +643,7 @@ pub mod clock {
     impl Now {
         /// The wall clock now.
         pub fn system() -> Self {
-            Now(crate::status::now_unix_ms() as i64)
+            Now(foldhost_core::status::now_unix_ms() as i64)
         }
 
         /// How long ago `then_ms` was (zero when it is in the future).

@@ -36,8 +36,8 @@ impl ArtifactTransport {
         let segments = self
             .pack_and_upload(artifact, scratch, &name, &manifest_bytes, &payload)
             .await?;
-        crate::crashpoint::hit(crate::crashpoint::PUBLISH_BEFORE_POINTER);
-        crate::crashpoint::hold(crate::crashpoint::PUBLISH_BEFORE_POINTER).await;
+        foldhost_core::crashpoint::hit(foldhost_core::crashpoint::PUBLISH_BEFORE_POINTER);
+        foldhost_core::crashpoint::hold(foldhost_core::crashpoint::PUBLISH_BEFORE_POINTER).await;
         self.publish(key, &manifest_bytes, cursor, manifest.stream.as_ref())
             .await?;
         Ok(Published {

@@ -125,7 +125,7 @@ pub enum KeyRestore {
 /// newer (never a move backward) or the fold's cursor already covers it (an entry at or below the
 /// cursor is never news: an artifact exported mid catch-up can hold an older value of a key the
 /// fold has since deleted, and taking it would bring the key back until the resume delivered its
-/// later write — found by the repair model, `host/src/models/repair.rs`); delete a key the artifact
+/// later write — found by the repair model, `crates/foldhost-core/src/models/repair.rs`); delete a key the artifact
 /// lacks unless the bucket lists it live (never a phantom delete).
 pub fn restore_key(
     local: Option<u64>,

@@ -7,9 +7,9 @@
 
 use async_trait::async_trait;
 
-use crate::kv::{KvUpdate, WatchCursor};
-use crate::snapshot::SnapshotError;
-use crate::view::FoldRead;
+use foldhost_core::kv::{KvUpdate, WatchCursor};
+use foldhost_core::snapshot::SnapshotError;
+use foldhost_core::view::FoldRead;
 
 /// What `parse` says of one update.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -19,7 +19,7 @@ pub enum Verdict {
     /// Irrelevant or corrupt: nothing to apply, but the cursor covers it.
     Skip,
     /// This version cannot decode it: the host retains it (durably, in the fold) for a later
-    /// version, and holds back every later update of its key ([`crate::retained`]).
+    /// version, and holds back every later update of its key ([`foldhost_core::retained`]).
     Defer,
 }
 
@@ -112,7 +112,7 @@ pub trait Apply: Send {
     }
 
     /// Whether this applier's `on-applied` may write outside the fold (a guest that owns a state
-    /// bucket, docs/state.md): the fold then commits an intent ([`crate::retained::AppliedIntent`])
+    /// bucket, docs/state.md): the fold then commits an intent ([`foldhost_core::retained::AppliedIntent`])
     /// with every commit that ends in `on-applied`, and hands it over with [`Apply::intend`] just
     /// before that call, so the writes' operation ids are the same when a restart calls it again.
     fn records_intents(&self) -> bool {
@@ -121,7 +121,7 @@ pub trait Apply: Send {
 
     /// The intent committed with the commit whose `on-applied` (of `bucket`; `""`: the main
     /// bucket) comes next.
-    fn intend(&mut self, bucket: &str, intent: crate::retained::AppliedIntent) {
+    fn intend(&mut self, bucket: &str, intent: foldhost_core::retained::AppliedIntent) {
         let _ = (bucket, intent);
     }
 
@@ -492,21 +492,21 @@ pub enum Control {
         what: String,
     },
     /// Copy the committed fold into `dir` (an existing empty directory) with
-    /// [`crate::snapshot::SnapshotStore::export_to`], after flushing everything pending: the copy's cursor is the
+    /// [`foldhost_core::snapshot::SnapshotStore::export_to`], after flushing everything pending: the copy's cursor is the
     /// applied cursor, exactly. The rest of an export (verify, hash, manifest) runs off the fold's
-    /// path ([`crate::artifact::seal`]).
+    /// path ([`foldhost_artifact::artifact::seal`]).
     Export {
         /// Where the backend's files go.
         dir: std::path::PathBuf,
         /// The cursor the copy holds and what the store proved of it while writing it
-        /// ([`crate::snapshot::ProvenCopy`]), or why it failed.
+        /// ([`foldhost_core::snapshot::ProvenCopy`]), or why it failed.
         reply: tokio::sync::oneshot::Sender<
-            Result<(WatchCursor, Option<crate::snapshot::ProvenCopy>), SnapshotError>,
+            Result<(WatchCursor, Option<foldhost_core::snapshot::ProvenCopy>), SnapshotError>,
         >,
     },
     /// One step of a sweep of the operation ledger: remove the rows recorded before
-    /// `cutoff_unix_ms` among at most [`crate::ledger::SWEEP_STEP`] and raise the watermark over
-    /// them, in one commit under the current cursor ([`crate::ledger::sweep_step`]).
+    /// `cutoff_unix_ms` among at most [`foldhost_core::ledger::SWEEP_STEP`] and raise the watermark over
+    /// them, in one commit under the current cursor ([`foldhost_core::ledger::sweep_step`]).
     SweepLedger {
         /// Rows recorded before this instant go.
         cutoff_unix_ms: u64,

@@ -23,8 +23,8 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use async_trait::async_trait;
 use tokio::sync::{mpsc, oneshot};
 
-use crate::kv::{KvUpdate, WatchCursor};
-use crate::retained::AppliedIntent;
+use foldhost_core::kv::{KvUpdate, WatchCursor};
+use foldhost_core::retained::AppliedIntent;
 
 use super::{Apply, ApplyError, Control, Verdict};
 
@@ -419,10 +419,10 @@ mod tests {
     }
 
     fn put(key: &str, revision: u64) -> KvUpdate {
-        KvUpdate::Put(crate::kv::KvEntry {
+        KvUpdate::Put(foldhost_core::kv::KvEntry {
             key: key.into(),
             value: bytes::Bytes::from_static(b"v"),
-            version: crate::kv::VersionToken::from_u64(revision),
+            version: foldhost_core::kv::VersionToken::from_u64(revision),
         })
     }
 

@@ -10,15 +10,15 @@
 //! Further rules kept here:
 //! - The cursor is the store's. After a transient store failure the raw batch is re-queued in front
 //!   of the next one (never dropped: a dropped batch followed by a good flush would leave a hole the
-//!   restart never re-reads), and after [`crate::protocol::MAX_STORE_APPLY_FAILURES`] in a row the fold
+//!   restart never re-reads), and after [`foldhost_core::protocol::MAX_STORE_APPLY_FAILURES`] in a row the fold
 //!   fail-stops. A poisoned store fail-stops at once.
 //! - `batch_high` covers rejected (skipped) updates; an update with the unknown version never mints
-//!   or lowers the cursor ([`crate::protocol::commit_cursor`]).
+//!   or lowers the cursor ([`foldhost_core::protocol::commit_cursor`]).
 //! - A failed `parse`/`apply` commits nothing of its batch; the batch is retried (with backoff) in
 //!   halves, so the updates before a poison one still commit and the fold stops exactly at it; after
 //!   [`MAX_APPLY_FAILURES`] failures in a row the fold fail-stops naming the applier and its message.
 //! - Queries ([`Control::Query`]) run between flushes, never inside one, taking turns with the
-//!   fold's own work ([`crate::protocol::loop_gates`]); a query never rebuilds a lost guest
+//!   fold's own work ([`foldhost_core::protocol::loop_gates`]); a query never rebuilds a lost guest
 //!   instance (it is answered [`ApplyError::is_rebuilding`]): the loop does, as fold work.
 //! - A re-queued batch remembers the applier generation it was applied to ([`Apply::generation`]);
 //!   its retry on another generation discards that state before the commit, so no state is built
@@ -32,8 +32,8 @@
 
 use std::time::Duration;
 
-use crate::kv::{KvError, WatchCursor, WatchScope};
-use crate::snapshot::SnapshotError;
+use foldhost_core::kv::{KvError, WatchCursor, WatchScope};
+use foldhost_core::snapshot::SnapshotError;
 
 mod apply;
 mod fold;
@@ -65,7 +65,7 @@ pub struct BatchConfig {
     /// Updates per batch before an early flush.
     pub max: usize,
     /// Depth of the watch → fold channel, in updates (it carries chunks of up to
-    /// [`crate::kv::WATCH_CHUNK`], so it is rounded up to whole chunks). A full channel
+    /// [`foldhost_core::kv::WATCH_CHUNK`], so it is rounded up to whole chunks). A full channel
     /// backpressures the watch (by design).
     pub channel_capacity: usize,
 }
@@ -121,7 +121,7 @@ pub enum AppliedError {
     LogDiverged(String),
 }
 
-pub use crate::status::{FoldStatus, MAX_WARNINGS};
+use foldhost_core::status::{FoldStatus, MAX_WARNINGS};
 
 /// Most delivery time stamps a fold keeps (one arrives per chunk of at most 64 updates).
 pub(crate) const MAX_STAMPS: usize = 1024;
@@ -129,7 +129,7 @@ pub(crate) const MAX_STAMPS: usize = 1024;
 #[cfg(test)]
 mod skipped_tests {
     use super::FoldStatus;
-    use crate::protocol::Undecodable;
+    use foldhost_core::protocol::Undecodable;
     use std::sync::atomic::Ordering;
 
     #[test]
@@ -185,17 +185,18 @@ pub(crate) const RETENTION_PERIOD: Duration = Duration::from_secs(60);
 /// Exports the fold of a running host through its control channel ([`Control::Export`]): the
 /// fold flushes and copies itself into a stage between batches (paused only for the copy), then
 /// the stage is verified, hashed and sealed off the fold's path
-/// ([`crate::artifact::export_live_with`]), recording `stream` in the manifest and carrying the
+/// ([`foldhost_artifact::artifact::export_live_with`]), recording `stream` in the manifest and carrying the
 /// `state` buckets' folds beside the fold's own.
 pub async fn export_live_of(
     control: &tokio::sync::mpsc::Sender<Control>,
-    backend: crate::storedir::Backend,
+    backend: foldhost_core::storedir::Backend,
     out: std::path::PathBuf,
     scope: Option<String>,
-    stream: Option<crate::artifact::ManifestStream>,
-    state: Vec<crate::artifact::StateFoldSource>,
-) -> Result<crate::artifact::ExportManifest, crate::artifact::ArtifactError> {
-    use crate::artifact::ArtifactError;
+    stream: Option<foldhost_artifact::artifact::ManifestStream>,
+    state: Vec<foldhost_artifact::artifact::StateFoldSource>,
+) -> Result<foldhost_artifact::artifact::ExportManifest, foldhost_artifact::artifact::ArtifactError>
+{
+    use foldhost_artifact::artifact::ArtifactError;
     let copy = |dir: std::path::PathBuf| async move {
         let (tx, rx) = tokio::sync::oneshot::channel();
         if control
@@ -209,15 +210,16 @@ pub async fn export_live_of(
             .map_err(|_| ArtifactError::Fold("stopped before the export".into()))?
             .map_err(ArtifactError::from)
     };
-    crate::artifact::export_live_with(copy, backend, out, scope, stream, state).await
+    foldhost_artifact::artifact::export_live_with(copy, backend, out, scope, stream, state).await
 }
 
 /// [`export_live_of`] without a stream recorded.
 pub async fn export_live(
     control: &tokio::sync::mpsc::Sender<Control>,
-    backend: crate::storedir::Backend,
+    backend: foldhost_core::storedir::Backend,
     out: std::path::PathBuf,
     scope: Option<String>,
-) -> Result<crate::artifact::ExportManifest, crate::artifact::ArtifactError> {
+) -> Result<foldhost_artifact::artifact::ExportManifest, foldhost_artifact::artifact::ArtifactError>
+{
     export_live_of(control, backend, out, scope, None, Vec::new()).await
 }

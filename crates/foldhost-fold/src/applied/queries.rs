@@ -70,7 +70,7 @@ impl std::fmt::Debug for Queries {
 struct Shared {
     control: mpsc::Sender<Control>,
     /// Where the level and the counts are published too (`/status`, `/metrics`), when given.
-    status: Option<Arc<crate::status::FoldStatus>>,
+    status: Option<Arc<foldhost_core::status::FoldStatus>>,
     /// The query instance's channel, while one is level, and the epoch: raised by every
     /// withdrawal, so an instance withdrawn while its task still runs can never install itself
     /// or move the level again.
@@ -95,14 +95,14 @@ impl Queries {
     /// answered into the fold's `status` as well.
     pub fn reporting(
         control: mpsc::Sender<Control>,
-        status: Arc<crate::status::FoldStatus>,
+        status: Arc<foldhost_core::status::FoldStatus>,
     ) -> Self {
         Self::build(control, Some(status))
     }
 
     fn build(
         control: mpsc::Sender<Control>,
-        status: Option<Arc<crate::status::FoldStatus>>,
+        status: Option<Arc<foldhost_core::status::FoldStatus>>,
     ) -> Self {
         Queries {
             shared: Arc::new(Shared {

@@ -6,9 +6,9 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::kv::{KvError, KvWatcher, StreamState, WatchCursor};
-use crate::protocol;
-use crate::snapshot::SnapshotStore;
+use foldhost_core::kv::{KvError, KvWatcher, StreamState, WatchCursor};
+use foldhost_core::protocol;
+use foldhost_core::snapshot::SnapshotStore;
 
 use super::{AppliedError, Apply, Fold, FoldStatus, WatchOptions};
 
@@ -44,7 +44,7 @@ pub(super) async fn prepare<S: SnapshotStore, A: Apply + ?Sized>(
     let has_data = fold
         .store()
         .read()
-        .and_then(|s| crate::snapshot::bucket_len(&*s))
+        .and_then(|s| foldhost_core::snapshot::bucket_len(&*s))
         .map_err(store_err)?
         > 0;
     let armed = if opts.repair.restore_armed() {
@@ -204,7 +204,7 @@ async fn reset_for<S: SnapshotStore, A: Apply + ?Sized>(
     watcher: &dyn KvWatcher,
     opts: &WatchOptions,
     status: &FoldStatus,
-    identity: &crate::kv::StreamIdentity,
+    identity: &foldhost_core::kv::StreamIdentity,
     why: &str,
 ) -> Result<(), AppliedError> {
     // The rows so far answer for the bucket's previous life, not this one: they stop answering
@@ -249,8 +249,8 @@ async fn diverged<S: SnapshotStore>(
             found_unix_ns,
         } => Some(format!(
             "the log holds another record at the fold's checkpoint revision {revision} (stored at {}, the one folded at {}): the broker was restored from an older copy and written past this fold",
-            crate::status::rfc3339(found_unix_ns).unwrap_or_default(),
-            crate::status::rfc3339(recorded_unix_ns).unwrap_or_default()
+            foldhost_core::status::rfc3339(found_unix_ns).unwrap_or_default(),
+            foldhost_core::status::rfc3339(recorded_unix_ns).unwrap_or_default()
         )),
         protocol::CheckpointVerdict::Same | protocol::CheckpointVerdict::Unverified => None,
     })
@@ -260,9 +260,9 @@ async fn diverged<S: SnapshotStore>(
 /// [`protocol::IdentityVerdict::CursorAhead`] verdict), in words naming both streams.
 fn other_stream(
     verdict: protocol::IdentityVerdict,
-    recorded: Option<&crate::kv::StreamIdentity>,
+    recorded: Option<&foldhost_core::kv::StreamIdentity>,
     cursor: WatchCursor,
-    found: &crate::kv::StreamState,
+    found: &foldhost_core::kv::StreamState,
 ) -> String {
     let was = match recorded {
         Some(r) => r.to_string(),
@@ -294,9 +294,9 @@ fn refusal(bucket: &str, why: &str) -> String {
 /// not even the store's own open-time housekeeping.
 pub fn identity_refusal(
     bucket: &str,
-    recorded: Option<&crate::kv::StreamIdentity>,
+    recorded: Option<&foldhost_core::kv::StreamIdentity>,
     cursor: WatchCursor,
-    found: &crate::kv::StreamState,
+    found: &foldhost_core::kv::StreamState,
 ) -> Option<String> {
     let verdict = protocol::stream_identity_check(
         recorded.map(|r| *r == found.identity),
@@ -400,7 +400,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> crate::repair::RepairTarget for Repair
     type Store = S;
     type Error = AppliedError;
 
-    fn store(&self) -> crate::view::SharedStore<S> {
+    fn store(&self) -> foldhost_core::view::SharedStore<S> {
         self.fold.store().clone()
     }
 
@@ -410,7 +410,7 @@ impl<S: SnapshotStore, A: Apply + ?Sized> crate::repair::RepairTarget for Repair
 
     async fn commit_all(
         &mut self,
-        batch: &mut Vec<crate::kv::KvUpdate>,
+        batch: &mut Vec<foldhost_core::kv::KvUpdate>,
         max: usize,
     ) -> Result<(), AppliedError> {
         super::fold::flush_all(self.fold, batch, max, self.apply).await

@@ -7,7 +7,7 @@ use std::fs::File;
 use std::io::{BufReader, BufWriter, Read, Write};
 use std::path::{Path, PathBuf};
 
-use crate::kv::{KvReader, WatchScope};
+use foldhost_core::kv::{KvReader, WatchScope};
 
 use super::{RepairError, block, io_err};
 

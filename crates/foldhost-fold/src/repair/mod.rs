@@ -3,7 +3,7 @@
 //! mid-stream, or a fold holds data but no cursor — `watch_applied` settles the fold and calls one
 //! of two repairs:
 //!
-//! - [`relist`]: where "not in the bucket" means "deleted" ([`crate::protocol::listing_truth`]), the
+//! - [`relist`]: where "not in the bucket" means "deleted" ([`foldhost_core::protocol::listing_truth`]), the
 //!   bucket's live keys are listed, sorted externally ([`KeySorter`]), merge-joined against the
 //!   fold's own key-ordered scan, and every fold key the bucket no longer lists gets a synthetic
 //!   delete (unknown version: it never moves the cursor) through parse/apply/store. The caller then
@@ -11,7 +11,7 @@
 //! - [`restore`]: where eviction may have removed current values, the newest artifact from a
 //!   [`RestoreSource`] that covers the watch's scope and is strictly ahead of the fold with its
 //!   cursor still inside retention is imported into scratch, diffed against the fold in one
-//!   key-ordered pass ([`crate::protocol::restore_key`]: never a key backward, never a live key deleted),
+//!   key-ordered pass ([`foldhost_core::protocol::restore_key`]: never a key backward, never a live key deleted),
 //!   and the difference is folded through parse/apply/store; the cursor moves to the artifact's in
 //!   the final commit only.
 //!
@@ -37,11 +37,11 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use crate::artifact::ArtifactError;
-use crate::kv::{KvError, KvReader, KvUpdate, WatchCursor};
-use crate::protocol::RepairMode;
-use crate::snapshot::{SnapshotError, SnapshotStore};
-use crate::view::SharedStore;
+use foldhost_artifact::artifact::ArtifactError;
+use foldhost_core::kv::{KvError, KvReader, KvUpdate, WatchCursor};
+use foldhost_core::protocol::RepairMode;
+use foldhost_core::snapshot::{SnapshotError, SnapshotStore};
+use foldhost_core::view::SharedStore;
 
 mod extsort;
 mod relist;
@@ -73,10 +73,10 @@ pub struct RepairConfig {
     /// Bytes of keys held in memory per sorted run before spilling.
     pub sort_run_bytes: usize,
     /// `--on-recreated`: what a fold does when its bucket's stream was recreated.
-    pub on_recreated: crate::protocol::OnRecreated,
+    pub on_recreated: foldhost_core::protocol::OnRecreated,
     /// `--on-diverged`: what a fold does when the log holds another record at its checkpoint
     /// (a broker restored from an older copy and written past the fold): the same two choices.
-    pub on_diverged: crate::protocol::OnRecreated,
+    pub on_diverged: foldhost_core::protocol::OnRecreated,
 }
 
 impl Default for RepairConfig {
@@ -87,8 +87,8 @@ impl Default for RepairConfig {
             lister: None,
             scratch: None,
             sort_run_bytes: DEFAULT_SORT_RUN_BYTES,
-            on_recreated: crate::protocol::OnRecreated::Refuse,
-            on_diverged: crate::protocol::OnRecreated::Refuse,
+            on_recreated: foldhost_core::protocol::OnRecreated::Refuse,
+            on_diverged: foldhost_core::protocol::OnRecreated::Refuse,
         }
     }
 }
@@ -154,7 +154,7 @@ pub enum RepairError {
     Artifact(#[from] ArtifactError),
     /// The imported artifact's store could not be opened.
     #[error("repair: {0}")]
-    StoreDir(#[from] crate::storedir::StoreDirError),
+    StoreDir(#[from] foldhost_core::storedir::StoreDirError),
     /// A blocking task failed.
     #[error("repair task: {0}")]
     Task(String),

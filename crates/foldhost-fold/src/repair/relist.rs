@@ -4,11 +4,11 @@
 
 use std::ops::ControlFlow;
 
-use crate::crashpoint;
-use crate::kv::{KvUpdate, KvWatcher, VersionToken, WatchScope};
-use crate::protocol;
-use crate::retained::is_reserved;
-use crate::snapshot::SnapshotStore;
+use foldhost_core::crashpoint;
+use foldhost_core::kv::{KvUpdate, KvWatcher, VersionToken, WatchScope};
+use foldhost_core::protocol;
+use foldhost_core::retained::is_reserved;
+use foldhost_core::snapshot::SnapshotStore;
 
 use super::extsort::{Peekable, SortedKeys, list_sorted};
 use super::{

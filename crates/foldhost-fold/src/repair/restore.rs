@@ -12,14 +12,15 @@ use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 
-use crate::artifact::{self, ExportManifest};
-use crate::crashpoint;
-use crate::kv::{KvEntry, KvUpdate, KvWatcher, VersionToken, WatchScope};
-use crate::protocol::{self, KeyRestore};
-use crate::retained::is_reserved;
-use crate::snapshot::{SnapshotError, SnapshotStore};
-use crate::storedir::{AnyStore, Backend};
-use crate::view::SharedStore;
+use foldhost_artifact::artifact::{self, ExportManifest};
+use foldhost_core::crashpoint;
+use foldhost_core::kv::{KvEntry, KvUpdate, KvWatcher, VersionToken, WatchScope};
+use foldhost_core::ledger;
+use foldhost_core::protocol::{self, KeyRestore};
+use foldhost_core::retained::is_reserved;
+use foldhost_core::snapshot::{SnapshotError, SnapshotStore};
+use foldhost_core::storedir::{AnyStore, Backend};
+use foldhost_core::view::SharedStore;
 
 use super::extsort::MAX_SPILL_KEY;
 use super::relist::fold_deletes;
@@ -35,7 +36,7 @@ const MAX_SPILL_VALUE: usize = 64 << 20;
 
 /// Where artifacts for a restore come from: a local directory holding artifact directories and
 /// `.tar` files (names starting with `.`, stages being written, are ignored), or the published
-/// artifact of a key in an object store ([`crate::transport::ArtifactTransport`]).
+/// artifact of a key in an object store ([`foldhost_artifact::transport::ArtifactTransport`]).
 #[derive(Clone)]
 pub enum RestoreSource {
     /// A local directory of artifacts.
@@ -43,7 +44,7 @@ pub enum RestoreSource {
     /// The artifact published under `key`.
     Transport {
         /// The object store.
-        transport: std::sync::Arc<crate::transport::ArtifactTransport>,
+        transport: std::sync::Arc<foldhost_artifact::transport::ArtifactTransport>,
         /// The artifact key.
         key: String,
     },
@@ -103,7 +104,7 @@ impl RestoreSource {
 
     /// Imports the artifact at `located` as the store `dest`: a local one through
     /// [`artifact::import_artifact`], a remote one streamed from the object store straight into
-    /// the import ([`crate::transport::ArtifactTransport::bootstrap_into`]: each file written
+    /// the import ([`foldhost_artifact::transport::ArtifactTransport::bootstrap_into`]: each file written
     /// once; `live`, the bucket's stream, refuses another's before the download, and a payload
     /// pruned mid-download is retried once from the pointer read again). Returns the manifest of
     /// what arrived.
@@ -558,7 +559,7 @@ pub async fn restore<T: RepairTarget>(
     target.freeze_cursor(false);
     let deleted = folded?;
     let memo = target.cursor().memo().or(art_cursor.memo());
-    let cursor = crate::kv::WatchCursor::at(rev).with_memo(memo);
+    let cursor = foldhost_core::kv::WatchCursor::at(rev).with_memo(memo);
     crashpoint::hit(crashpoint::RESTORE_BEFORE_CURSOR);
     target.commit_position(cursor).await?;
     block(|| {
@@ -581,19 +582,19 @@ pub async fn restore<T: RepairTarget>(
 fn adopt_ledger<S: SnapshotStore>(
     store: &SharedStore<S>,
     art: &AnyStore,
-    cursor: crate::kv::WatchCursor,
+    cursor: foldhost_core::kv::WatchCursor,
 ) -> Result<u64, RepairError> {
     const BATCH: usize = 4096;
     let mut adopted = 0u64;
     let mut batch: Vec<KvUpdate> = Vec::new();
     let mut last: Option<String> = None;
-    let refused = |e: crate::ledger::LedgerError| RepairError::Refused(e.to_string());
-    let theirs = crate::ledger::read_life(art).map_err(refused)?;
-    let ours = crate::ledger::read_life(&*store.read()?).map_err(refused)?;
+    let refused = |e: ledger::LedgerError| RepairError::Refused(e.to_string());
+    let theirs = ledger::read_life(art).map_err(refused)?;
+    let ours = ledger::read_life(&*store.read()?).map_err(refused)?;
     loop {
         let mut seen = 0usize;
         let mut next = None;
-        art.for_each_in_range_after(crate::ledger::LEDGER_PREFIX, last.as_deref(), &mut |e| {
+        art.for_each_in_range_after(ledger::LEDGER_PREFIX, last.as_deref(), &mut |e| {
             seen += 1;
             next = Some(e.key.clone());
             // Only rows of the donor's current life answer anything; they join this fold's life.
@@ -604,10 +605,10 @@ fn adopt_ledger<S: SnapshotStore>(
                     epoch: ours.epoch,
                     ..row
                 };
-                batch.push(KvUpdate::Put(crate::kv::KvEntry {
+                batch.push(KvUpdate::Put(KvEntry {
                     key: e.key.clone(),
                     value: row.encode().into(),
-                    version: crate::kv::VersionToken::UNKNOWN,
+                    version: VersionToken::UNKNOWN,
                 }));
             }
             if seen >= BATCH {
@@ -622,7 +623,7 @@ fn adopt_ledger<S: SnapshotStore>(
             let local = store.read()?;
             let mut missing = Vec::with_capacity(batch.len());
             for u in batch.drain(..) {
-                let mine = crate::ledger::read_row(&*local, &op_of(u.key())?).map_err(refused)?;
+                let mine = ledger::read_row(&*local, &op_of(u.key())?).map_err(refused)?;
                 if protocol::row_of_life(mine, ours).is_none() {
                     missing.push(u);
                 }
@@ -638,15 +639,15 @@ fn adopt_ledger<S: SnapshotStore>(
         }
     }
     let mut meta = Vec::new();
-    let theirs_mark = crate::ledger::read_watermark(art).map_err(refused)?;
-    let ours_mark = crate::ledger::read_watermark(&*store.read()?).map_err(refused)?;
+    let theirs_mark = ledger::read_watermark(art).map_err(refused)?;
+    let ours_mark = ledger::read_watermark(&*store.read()?).map_err(refused)?;
     if theirs_mark > ours_mark {
-        meta.push(crate::ledger::watermark_put(theirs_mark));
+        meta.push(ledger::watermark_put(theirs_mark));
     }
     // The donor's rows are complete back to its horizon, this fold's to its own: together, back
     // to the later of the two.
     if theirs.horizon_unix_ms > ours.horizon_unix_ms {
-        meta.push(crate::ledger::life_put(&protocol::LedgerLife {
+        meta.push(ledger::life_put(&protocol::LedgerLife {
             horizon_unix_ms: theirs.horizon_unix_ms,
             ..ours
         }));
@@ -659,7 +660,7 @@ fn adopt_ledger<S: SnapshotStore>(
 
 /// The operation id a ledger row's store key names.
 fn op_of(key: &str) -> Result<protocol::OpId, RepairError> {
-    key.strip_prefix(crate::ledger::LEDGER_PREFIX)
+    key.strip_prefix(ledger::LEDGER_PREFIX)
         .and_then(|id| protocol::OpId::parse(id).ok())
         .ok_or_else(|| RepairError::Refused(format!("ledger entry {key:?}: not an operation id")))
 }
@@ -681,9 +682,9 @@ async fn refuse_other_stream(
     let Some(live) = watcher.stream_state().await? else {
         return Ok(());
     };
-    let recorded = match art.get(crate::retained::IDENTITY_KEY)? {
+    let recorded = match art.get(foldhost_core::retained::IDENTITY_KEY)? {
         Some(e) => Some(
-            crate::kv::StreamIdentity::from_bytes(&e.value).ok_or_else(|| {
+            foldhost_core::kv::StreamIdentity::from_bytes(&e.value).ok_or_else(|| {
                 RepairError::Refused(format!(
                     "artifact {}: its stream identity record does not decode",
                     path.display()
@@ -810,39 +811,33 @@ mod tests {
             epoch: 9,
             ..row(13, "d")
         };
-        let cursor = crate::kv::WatchCursor::at(10);
+        let cursor = foldhost_core::kv::WatchCursor::at(10);
         // The donor folded three operations and swept up to 500; the fold holds one of them.
         let (mut art, _) = AnyStore::open(dirs.0.path(), Backend::AppendLog).expect("open");
         art.apply(
             &[
-                crate::ledger::row_put(&op(1_000, 1), &row(5, "a")),
-                crate::ledger::row_put(&op(2_000, 2), &row(12, "b")),
-                crate::ledger::row_put(&op(3_000, 3), &row(14, "c")),
+                ledger::row_put(&op(1_000, 1), &row(5, "a")),
+                ledger::row_put(&op(2_000, 2), &row(12, "b")),
+                ledger::row_put(&op(3_000, 3), &row(14, "c")),
                 // A row of an earlier life of the donor's ledger answers nothing: not adopted.
-                crate::ledger::row_put(&op(2_500, 4), &stale),
-                crate::ledger::watermark_put(500),
+                ledger::row_put(&op(2_500, 4), &stale),
+                ledger::watermark_put(500),
             ],
-            crate::kv::WatchCursor::at(14),
+            foldhost_core::kv::WatchCursor::at(14),
         )
         .expect("donor");
         let (mut local, _) = AnyStore::open(dirs.1.path(), Backend::AppendLog).expect("open");
         local
-            .apply(
-                &[crate::ledger::row_put(&op(1_000, 1), &row(5, "a"))],
-                cursor,
-            )
+            .apply(&[ledger::row_put(&op(1_000, 1), &row(5, "a"))], cursor)
             .expect("local");
         let shared = SharedStore::new(local);
         assert_eq!(adopt_ledger(&shared, &art, cursor).expect("adopt"), 2);
         let s = shared.read().expect("read");
         for (id, want) in [(op(2_000, 2), row(12, "b")), (op(3_000, 3), row(14, "c"))] {
-            assert_eq!(crate::ledger::read_row(&*s, &id).expect("row"), Some(want));
+            assert_eq!(ledger::read_row(&*s, &id).expect("row"), Some(want));
         }
-        assert_eq!(
-            crate::ledger::read_row(&*s, &op(2_500, 4)).expect("row"),
-            None
-        );
-        assert_eq!(crate::ledger::read_watermark(&*s).expect("watermark"), 500);
+        assert_eq!(ledger::read_row(&*s, &op(2_500, 4)).expect("row"), None);
+        assert_eq!(ledger::read_watermark(&*s).expect("watermark"), 500);
         assert_eq!(s.cursor(), cursor, "the cursor is the restore's to move");
         drop(s);
         // Again: nothing more to adopt.

@@ -66,7 +66,7 @@ impl Page {
 /// A blocking task rather than a bare thread: while it runs, a runtime with paused time (the
 /// simulator) does not jump its clock ahead as if everything were idle.
 pub(super) struct PageReader {
-    full: tokio::sync::mpsc::Receiver<Result<Page, crate::snapshot::SnapshotError>>,
+    full: tokio::sync::mpsc::Receiver<Result<Page, foldhost_core::snapshot::SnapshotError>>,
     empty: std::sync::mpsc::Sender<Page>,
 }
 
@@ -113,7 +113,9 @@ impl PageReader {
     }
 
     /// The next page, an error reading it, or `None` when the fold is read to its end.
-    pub(super) async fn next(&mut self) -> Option<Result<Page, crate::snapshot::SnapshotError>> {
+    pub(super) async fn next(
+        &mut self,
+    ) -> Option<Result<Page, foldhost_core::snapshot::SnapshotError>> {
         self.full.recv().await
     }
 

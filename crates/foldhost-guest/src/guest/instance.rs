@@ -90,7 +90,7 @@ impl Core {
     /// Re-arms the deadline before a call: a deadline is relative to the epoch when it is set.
     /// Also resets the call's log-line count and records which call runs (a state write is
     /// allowed from some only) and until when.
-    pub(super) fn arm(&self, live: &mut Live, call: crate::protocol::GuestCall) {
+    pub(super) fn arm(&self, live: &mut Live, call: foldhost_core::protocol::GuestCall) {
         live.store.set_epoch_deadline(self.deadline_ticks());
         let data = live.store.data_mut();
         data.call = call;
@@ -151,7 +151,7 @@ impl Core {
     }
 
     pub(super) async fn call_manifest(&self, live: &mut Live) -> Result<GuestManifest, ApplyError> {
-        self.arm(live, crate::protocol::GuestCall::Setup);
+        self.arm(live, foldhost_core::protocol::GuestCall::Setup);
         let m = self
             .within("manifest", live.guest.manifest(&mut live.store))
             .await?
@@ -179,13 +179,13 @@ impl Core {
                 ),
             ));
         }
-        if m.state.len() + m.reads.len() > crate::protocol::MAX_STATE_BUCKETS {
+        if m.state.len() + m.reads.len() > foldhost_core::protocol::MAX_STATE_BUCKETS {
             return Err(self.err(
                 "manifest",
                 format!(
                     "{} buckets declared: at most {}",
                     m.state.len() + m.reads.len(),
-                    crate::protocol::MAX_STATE_BUCKETS
+                    foldhost_core::protocol::MAX_STATE_BUCKETS
                 ),
             ));
         }
@@ -199,7 +199,7 @@ impl Core {
     }
 
     pub(super) async fn call_init(&self, live: &mut Live) -> Result<(), ApplyError> {
-        self.arm(live, crate::protocol::GuestCall::Setup);
+        self.arm(live, foldhost_core::protocol::GuestCall::Setup);
         let config: Vec<(&str, &str)> = self
             .config
             .iter()
@@ -235,7 +235,7 @@ impl Core {
         bucket: &str,
         batch: &[bindings::Update<'_>],
     ) -> Result<Vec<Verdict>, ApplyError> {
-        self.arm(live, crate::protocol::GuestCall::Parse);
+        self.arm(live, foldhost_core::protocol::GuestCall::Parse);
         let verdicts = self
             .within("parse", live.guest.parse(&mut live.store, bucket, batch))
             .await?
@@ -268,7 +268,7 @@ impl Core {
         live: &mut Live,
         request: &[u8],
     ) -> Result<Result<Vec<u8>, String>, ApplyError> {
-        self.arm(live, crate::protocol::GuestCall::Query);
+        self.arm(live, foldhost_core::protocol::GuestCall::Query);
         let answer = self
             .within("query", live.guest.query(&mut live.store, request))
             .await?
@@ -284,7 +284,7 @@ impl Core {
     }
 
     pub(super) async fn call_apply(&self, live: &mut Live) -> Result<(), ApplyError> {
-        self.arm(live, crate::protocol::GuestCall::Apply);
+        self.arm(live, foldhost_core::protocol::GuestCall::Apply);
         self.within("apply", live.guest.apply(&mut live.store))
             .await?
             .map_err(|e| self.call_error(live, "apply", e))?
@@ -337,7 +337,7 @@ impl Core {
 
     /// Streams the fold (in scope, through this guest's view of it) through parse/apply in chunks.
     /// `swapping`: this is a swap candidate's hydration (the fold keeps going beside it), where the
-    /// [`crate::crashpoint::SWAP_HYDRATING`] hold point sits after the first chunk.
+    /// [`foldhost_core::crashpoint::SWAP_HYDRATING`] hold point sits after the first chunk.
     pub(super) async fn stream_fold(
         &self,
         live: &mut Live,
@@ -358,7 +358,7 @@ impl Core {
             self.feed(live, "", page.updates()).await?;
             pages.recycle(page);
             if swapping {
-                crate::crashpoint::hold(crate::crashpoint::SWAP_HYDRATING).await;
+                foldhost_core::crashpoint::hold(foldhost_core::crashpoint::SWAP_HYDRATING).await;
             }
         }
         self.call_end_of_current(live, "").await?;
@@ -383,7 +383,7 @@ impl Core {
         live: &mut Live,
         bucket: &str,
     ) -> Result<(), ApplyError> {
-        self.arm(live, crate::protocol::GuestCall::Apply);
+        self.arm(live, foldhost_core::protocol::GuestCall::Apply);
         self.within(
             "end-of-current",
             live.guest.end_of_current(&mut live.store, bucket),

@@ -56,10 +56,10 @@ use async_trait::async_trait;
 use wasmtime::component::{Component, Linker};
 use wasmtime::{Config, Engine, Store};
 
-use crate::applied::{Apply, ApplyError, LaneLink, SwapCandidate, Verdict};
-use crate::kv::{KvEntry, KvUpdate, WatchCursor, WatchScope};
-use crate::view::FoldRead;
 use bindings::{FolderInstance, FolderPre, HostState, MAX_MESSAGE_BYTES, clip_text};
+use foldhost_core::kv::{KvEntry, KvUpdate, WatchCursor, WatchScope};
+use foldhost_core::view::FoldRead;
+use foldhost_fold::applied::{Apply, ApplyError, LaneLink, SwapCandidate, Verdict};
 use state::StateAccess;
 
 /// Compiled components kept by one engine (the running one, the one before, a swap candidate…).
@@ -160,7 +160,7 @@ pub struct GuestManifest {
     /// The key prefixes it wants; empty = all.
     pub scope: Vec<String>,
     /// The state buckets it owns (0.3.0; docs/state.md).
-    pub state: Vec<crate::protocol::OwnedDecl>,
+    pub state: Vec<foldhost_core::protocol::OwnedDecl>,
     /// Other modules' buckets it reads, each `<module>.<name>`.
     pub reads: Vec<String>,
 }
@@ -350,7 +350,7 @@ impl GuestApply {
             bytes,
             GuestLimits::default(),
             Vec::new(),
-            Arc::new(crate::view::EmptyFold),
+            Arc::new(foldhost_core::view::EmptyFold),
         )?;
         let mut live = core.instantiate().await?;
         Ok(core.call_manifest(&mut live).await?)
@@ -376,7 +376,7 @@ impl GuestApply {
             && access
                 .lanes
                 .iter()
-                .any(|l| l.decl.access == crate::protocol::Access::Own);
+                .any(|l| l.decl.access == foldhost_core::protocol::Access::Own);
         self.core
             .state
             .set(access)
@@ -793,7 +793,7 @@ mod tests {
         assert_eq!(m(&["r/", "", "x"]).hydration_prefixes(), [""]);
     }
 
-    use crate::kv::{KvEntry, VersionToken};
+    use foldhost_core::kv::{KvEntry, VersionToken};
 
     fn entry(key: &str, value: &[u8], revision: u64) -> KvEntry {
         KvEntry {
@@ -851,8 +851,11 @@ mod tests {
         scans: std::sync::atomic::AtomicUsize,
     }
 
-    impl crate::view::FoldRead for Sorted {
-        fn get(&self, key: &str) -> Result<Option<KvEntry>, crate::snapshot::SnapshotError> {
+    impl foldhost_core::view::FoldRead for Sorted {
+        fn get(
+            &self,
+            key: &str,
+        ) -> Result<Option<KvEntry>, foldhost_core::snapshot::SnapshotError> {
             Ok(self.entries.iter().find(|e| e.key == key).cloned())
         }
 
@@ -861,10 +864,12 @@ mod tests {
             prefix: &str,
             start_after: Option<&str>,
             limit: usize,
-        ) -> Result<Vec<KvEntry>, crate::snapshot::SnapshotError> {
+        ) -> Result<Vec<KvEntry>, foldhost_core::snapshot::SnapshotError> {
             let n = self.scans.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             if self.fail_after.is_some_and(|f| n >= f) {
-                return Err(crate::snapshot::SnapshotError::Backend("disk gone".into()));
+                return Err(foldhost_core::snapshot::SnapshotError::Backend(
+                    "disk gone".into(),
+                ));
             }
             Ok(self
                 .entries
@@ -880,7 +885,7 @@ mod tests {
             &self,
             prefix: &str,
             visit: &mut dyn FnMut(&KvEntry) -> std::ops::ControlFlow<()>,
-        ) -> Result<(), crate::snapshot::SnapshotError> {
+        ) -> Result<(), foldhost_core::snapshot::SnapshotError> {
             for e in self.entries.iter().filter(|e| e.key.starts_with(prefix)) {
                 if visit(e).is_break() {
                     break;
@@ -905,7 +910,7 @@ mod tests {
     /// Every key the reader hands over, page by page, recycling each page.
     async fn read_all(
         reader: &mut super::PageReader,
-    ) -> Result<Vec<String>, crate::snapshot::SnapshotError> {
+    ) -> Result<Vec<String>, foldhost_core::snapshot::SnapshotError> {
         let mut keys = Vec::new();
         while let Some(page) = reader.next().await {
             let page = page?;

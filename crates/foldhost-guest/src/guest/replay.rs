@@ -24,8 +24,8 @@ use std::collections::BTreeMap;
 use foldhost_core::retained::AppliedIntent;
 
 use super::Live;
-use crate::applied::ApplyError;
-use crate::protocol::GuestCall;
+use foldhost_core::protocol::GuestCall;
+use foldhost_fold::applied::ApplyError;
 
 /// The ids of one `on-applied` call's writes, derived from its intent.
 pub(crate) struct DerivedIds {

@@ -1,6 +1,6 @@
 //! What a guest's state verbs reach (docs/state.md): the folds of its declared buckets (lanes), the
 //! writer the host lends it, and the host's caps. The decisions are the protocol's
-//! ([`crate::protocol::admit_state_write`]); this module holds what they decide from.
+//! ([`foldhost_core::protocol::admit_state_write`]); this module holds what they decide from.
 //!
 //! Invariants:
 //! - A read (`get`, `keys`) comes from the lane's committed fold, never from the server: what the
@@ -14,8 +14,8 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::protocol::{StateBucket, StateCaps};
-use crate::view::FoldRead;
+use foldhost_core::protocol::{StateBucket, StateCaps};
+use foldhost_core::view::FoldRead;
 
 /// One declared bucket as the guest reaches it.
 #[derive(Clone)]

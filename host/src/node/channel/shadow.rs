@@ -6,9 +6,9 @@ use std::time::Duration;
 use futures::StreamExt as _;
 
 use super::{Follower, SHADOW_SAMPLE, ShadowAnswer};
-use crate::applied::{Control, ShadowPlan, ShadowRequests};
-use crate::nats::channel::{ChannelChange, ChannelError};
-use crate::protocol::{self, ChannelEntry, GuestVersion, Judgement, Step};
+use foldhost_core::protocol::{self, ChannelEntry, GuestVersion, Judgement, Step};
+use foldhost_fold::applied::{Control, ShadowPlan, ShadowRequests};
+use foldhost_nats::channel::{ChannelChange, ChannelError};
 
 impl Follower {
     /// A canary's shadow of `v`: promoted when clean (the node then runs it), judged by its

@@ -13,7 +13,7 @@ use std::time::Duration;
 /// `Foldhost-Error: true` header. A request with `Content-Type: application/x-foldhost-lookups`
 /// is a batch of lookups ([`crate::serve::ask_many`]), answered as `POST /query` answers one: the
 /// framed results under the same content type. A request whose reply subject is not under the
-/// configured prefix is dropped ([`crate::protocol::reply_subject_allowed`]). Every request
+/// configured prefix is dropped ([`foldhost_core::protocol::reply_subject_allowed`]). Every request
 /// answered counts in the fold's `nats_queries_served`, before its reply goes out. At most
 /// [`MAX_NATS_QUERIES`] are asked at once (more wait in the subscription), and at most
 /// [`MAX_WAITING_NATS_QUERIES`] wait for a revision beside them.
@@ -35,7 +35,7 @@ pub(super) async fn serve_nats_queries(
         let Some(reply_to) = msg.reply.clone() else {
             continue;
         };
-        if !crate::protocol::reply_subject_allowed(&reply_to, &reply_prefix) {
+        if !foldhost_core::protocol::reply_subject_allowed(&reply_to, &reply_prefix) {
             tracing::warn!(event = "nats_query_refused", reply = %reply_to, prefix = %reply_prefix, "query refused: its reply subject is not an inbox");
             continue;
         }
@@ -45,15 +45,17 @@ pub(super) async fn serve_nats_queries(
                 .and_then(|h| h.get(name))
                 .map(|v| v.as_str().to_string())
         };
-        let min = header(crate::protocol::MIN_REVISION_HEADER);
-        let wait = header(crate::protocol::WAIT_MS_HEADER);
+        let min = header(foldhost_core::protocol::MIN_REVISION_HEADER);
+        let wait = header(foldhost_core::protocol::WAIT_MS_HEADER);
         let asked = NatsQuery {
             reply_to,
             payload: msg.payload.to_vec(),
             lookups: header("Content-Type").is_some_and(|t| crate::serve::is_lookups(&t)),
         };
-        let min_wait = crate::protocol::parse_min_revision(min.as_deref())
-            .and_then(|min| crate::protocol::parse_read_wait(wait.as_deref()).map(|w| (min, w)));
+        let min_wait =
+            foldhost_core::protocol::parse_min_revision(min.as_deref()).and_then(|min| {
+                foldhost_core::protocol::parse_read_wait(wait.as_deref()).map(|w| (min, w))
+            });
         match min_wait.map(|(min, wait_ms)| min.map(|m| (m, wait_ms))) {
             Err(e) => {
                 count_served(&state);
@@ -71,7 +73,7 @@ pub(super) async fn serve_nats_queries(
             }
             Ok(Some((min, wait_ms))) => {
                 let Ok(permit) = waiting.clone().try_acquire_owned() else {
-                    let lag = crate::protocol::lag_to(
+                    let lag = foldhost_core::protocol::lag_to(
                         min,
                         positions.status.applied_through.load(Ordering::Acquire),
                         positions.rate.per_second(),
@@ -85,7 +87,7 @@ pub(super) async fn serve_nats_queries(
                 tokio::spawn(tracing::Instrument::in_current_span(async move {
                     let deadline = tokio::time::Instant::now() + Duration::from_millis(wait_ms);
                     let through = p.status.wait_applied(min, deadline).await;
-                    match crate::protocol::read_gate(min, through, p.rate.per_second()) {
+                    match foldhost_core::protocol::read_gate(min, through, p.rate.per_second()) {
                         Ok(()) => nats_query(&client, &state, asked).await,
                         Err(lag) => {
                             count_served(&state);
@@ -178,7 +180,7 @@ pub(super) async fn serve_nats_writes(
         let Some(reply_to) = msg.reply.clone() else {
             continue;
         };
-        if !crate::protocol::reply_subject_allowed(&reply_to, &reply_prefix) {
+        if !foldhost_core::protocol::reply_subject_allowed(&reply_to, &reply_prefix) {
             tracing::warn!(event = "nats_write_refused", reply = %reply_to, prefix = %reply_prefix, "write refused: its reply subject is not an inbox");
             continue;
         }

@@ -31,9 +31,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use foldhost::bucket::ConnectOptions;
-use foldhost::nats::NatsConnection;
+use foldhost_core::bucket::ConnectOptions;
 use foldhost_localnats::LocalNats;
+use foldhost_nats::NatsConnection;
 use foldhost_tests::{Moto, wait_status};
 
 fn foldhost_release() -> anyhow::Result<PathBuf> {
@@ -281,7 +281,7 @@ pub async fn run(keys: u64) -> anyhow::Result<()> {
     let kv = conn
         .bucket(
             "boot",
-            &foldhost::bucket::BucketConfig {
+            &foldhost_core::bucket::BucketConfig {
                 max_bytes: None,
                 ..Default::default()
             },

@@ -6,13 +6,13 @@
 
 use std::sync::Arc;
 
-use foldhost::applied::{Apply, CountingApply};
-use foldhost::guest::cache::Source;
-use foldhost::guest::{EngineOptions, GuestEngine};
-use foldhost::kv::WatchScope;
-use foldhost::nats::NatsConnection;
-use foldhost::snapshot::{AppendLogOptions, AppendLogSnapshot};
-use foldhost::view::SharedStore;
+use foldhost_core::kv::WatchScope;
+use foldhost_core::snapshot::{AppendLogOptions, AppendLogSnapshot};
+use foldhost_core::view::SharedStore;
+use foldhost_fold::applied::{Apply, CountingApply};
+use foldhost_guest::guest::cache::Source;
+use foldhost_guest::guest::{EngineOptions, GuestEngine};
+use foldhost_nats::NatsConnection;
 
 use super::table::{rate, row};
 use super::{fold_rate, load_guest, median, read_guest, seed_routes, unlimited};

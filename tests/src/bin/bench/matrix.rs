@@ -8,12 +8,12 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use foldhost::applied::{Apply, CountingApply};
-use foldhost::guest::GuestEngine;
-use foldhost::kv::WatchScope;
-use foldhost::nats::NatsConnection;
-use foldhost::storedir::{AnyStore, Backend};
-use foldhost::view::SharedStore;
+use foldhost_core::kv::WatchScope;
+use foldhost_core::storedir::{AnyStore, Backend};
+use foldhost_core::view::SharedStore;
+use foldhost_fold::applied::{Apply, CountingApply};
+use foldhost_guest::guest::GuestEngine;
+use foldhost_nats::NatsConnection;
 
 use super::table::{rate, row};
 use super::{fold_rate, load_guest, median, raw_drain, read_guest, seed_routes, unlimited};
@@ -112,7 +112,7 @@ pub async fn run(conn: &NatsConnection, url: &str, keys: u64, runs: usize) -> an
                 };
                 let r = fold_rate(&kv, apply.as_mut(), 100, WatchScope::All, store.clone()).await?;
                 anyhow::ensure!(
-                    foldhost::snapshot::bucket_len(&*store.read()?)? == keys,
+                    foldhost_core::snapshot::bucket_len(&*store.read()?)? == keys,
                     "{applier} fold into {} incomplete",
                     backend.as_str()
                 );

@@ -35,9 +35,9 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use foldhost::bucket::ConnectOptions;
-use foldhost::nats::NatsConnection;
+use foldhost_core::bucket::ConnectOptions;
 use foldhost_localnats::LocalNats;
+use foldhost_nats::NatsConnection;
 
 use super::{guest_file, percentile, seed_routes, table, unlimited};
 
@@ -402,7 +402,7 @@ async fn writer(
     Ok(in_window as f64 / until.duration_since(from).as_secs_f64())
 }
 
-async fn status(addr: &str) -> anyhow::Result<foldhost::status::StatusReport> {
+async fn status(addr: &str) -> anyhow::Result<foldhost_core::status::StatusReport> {
     let (code, body) = foldhost::serve::call(addr, "GET", "/status", b"").await?;
     anyhow::ensure!(code == 200, "/status answered {code}");
     Ok(serde_json::from_slice(&body)?)
@@ -658,7 +658,7 @@ pub async fn run(secs: f64, runs: usize) -> anyhow::Result<()> {
         "status.json names the listen address",
         Duration::from_secs(60),
         async || {
-            foldhost::storedir::read_status(&store)
+            foldhost_core::storedir::read_status(&store)
                 .filter(|s| s.pid == node_pid)
                 .and_then(|s| s.listen)
         },

@@ -7,10 +7,10 @@
 
 use std::time::Instant;
 
-use foldhost::kv::{KvUpdate, WatchCursor};
-use foldhost::protocol::{LedgerRow, OpId};
-use foldhost::snapshot::SnapshotStore;
-use foldhost::storedir::{AnyStore, Backend};
+use foldhost_core::kv::{KvUpdate, WatchCursor};
+use foldhost_core::protocol::{LedgerRow, OpId};
+use foldhost_core::snapshot::SnapshotStore;
+use foldhost_core::storedir::{AnyStore, Backend};
 
 use super::table;
 
@@ -36,7 +36,7 @@ fn store_with_rows(dir: &std::path::Path, backend: Backend, rows: u64) -> anyhow
             epoch: 0,
             digest: Some([7; 16]),
         };
-        batch.push(foldhost::ledger::row_put(
+        batch.push(foldhost_core::ledger::row_put(
             &op(1_700_000_000_000 + i, i)?,
             &row,
         ));
@@ -62,7 +62,7 @@ fn stepped(store: &mut AnyStore, rows: u64) -> anyhow::Result<Vec<f64>> {
     loop {
         let s = Instant::now();
         let (updates, next) =
-            foldhost::ledger::sweep_step(&*store, NOW - 1, NOW, after.as_deref())?;
+            foldhost_core::ledger::sweep_step(&*store, NOW - 1, NOW, after.as_deref())?;
         removed += updates
             .iter()
             .filter(|u| matches!(u, KvUpdate::Delete { .. }))
@@ -88,7 +88,7 @@ fn whole(store: &mut AnyStore) -> anyhow::Result<f64> {
     let mut after: Option<String> = None;
     loop {
         let (updates, next) =
-            foldhost::ledger::sweep_step(&*store, NOW - 1, NOW, after.as_deref())?;
+            foldhost_core::ledger::sweep_step(&*store, NOW - 1, NOW, after.as_deref())?;
         all.extend(updates);
         match next {
             Some(k) => after = Some(k),

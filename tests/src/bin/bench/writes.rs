@@ -10,9 +10,9 @@ use std::process::Stdio;
 use std::sync::Arc;
 use std::time::Instant;
 
-use foldhost::kv::KvWriter as _;
-use foldhost::nats::NatsConnection;
+use foldhost_core::kv::KvWriter as _;
 use foldhost_localnats::LocalNats;
+use foldhost_nats::NatsConnection;
 
 use super::{percentile, table, unlimited};
 
@@ -67,7 +67,8 @@ impl Writer {
 /// Runs both figures and adds them to the table.
 pub async fn run() -> anyhow::Result<()> {
     let server = LocalNats::start()?;
-    let conn = NatsConnection::open(foldhost::bucket::ConnectOptions::new(server.url())).await?;
+    let conn =
+        NatsConnection::open(foldhost_core::bucket::ConnectOptions::new(server.url())).await?;
     let kv = conn.bucket("wbench", &unlimited()).await?;
     let dir = tempfile::tempdir()?;
     let store = dir.path().join("fold");

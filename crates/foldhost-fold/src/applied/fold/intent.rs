@@ -6,8 +6,8 @@
 //!   commit, so the store never holds a cursor without the intent of its `on-applied`.
 //! - The intent is handed over just before that `on-applied`, never after it.
 
-use crate::kv::{KvUpdate, WatchCursor};
-use crate::retained::AppliedIntent;
+use foldhost_core::kv::{KvUpdate, WatchCursor};
+use foldhost_core::retained::AppliedIntent;
 
 use super::super::Apply;
 use super::now_unix_ms;

@@ -12,12 +12,12 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
-use crate::crashpoint;
-use crate::kv::{KvEntry, KvUpdate, WatchCursor};
-use crate::protocol;
-use crate::retained::{Base, ON_APPLIED_KEY, RetainedIndex, RetainedRecord, is_reserved};
-use crate::snapshot::{SnapshotError, SnapshotStore};
-use crate::view::SharedStore;
+use foldhost_core::crashpoint;
+use foldhost_core::kv::{KvEntry, KvUpdate, WatchCursor};
+use foldhost_core::protocol;
+use foldhost_core::retained::{Base, ON_APPLIED_KEY, RetainedIndex, RetainedRecord, is_reserved};
+use foldhost_core::snapshot::{SnapshotError, SnapshotStore};
+use foldhost_core::view::SharedStore;
 
 use super::{
     AppliedError, Apply, ApplyError, FoldStatus, MAX_APPLY_FAILURES, MAX_STAMPS, MAX_WARNINGS,
@@ -64,7 +64,7 @@ pub struct Fold<S: SnapshotStore> {
     /// Operation ids delivered ahead of their records, ascending by revision: each becomes a
     /// ledger row in the commit that moves the cursor over its revision (at most
     /// [`MAX_PENDING_OPS`]).
-    ops: std::collections::VecDeque<crate::kv::OpRecord>,
+    ops: std::collections::VecDeque<foldhost_core::kv::OpRecord>,
     /// The recorded checkpoint: a revision the cursor covers and when its record was stored.
     checkpoint: Option<(u64, u64)>,
     /// During a state-sync start: the revision expected next ([`Fold::begin_state_sync`]).
@@ -73,7 +73,7 @@ pub struct Fold<S: SnapshotStore> {
     level: Option<u64>,
     /// The stream identity to record with the next committed batch (a fold that records none yet:
     /// it is committed with the first cursor, see `check_identity`).
-    pub(super) pending_identity: Option<crate::kv::StreamIdentity>,
+    pub(super) pending_identity: Option<foldhost_core::kv::StreamIdentity>,
     /// The operation ledger's life as committed (docs/writes.md, "When a node cannot vouch"),
     /// and whether ids were dropped since the last commit.
     life: protocol::LedgerLife,
@@ -116,7 +116,7 @@ impl<S: SnapshotStore> Fold<S> {
                 .into_iter()
                 .map(|key| KvUpdate::Delete {
                     key,
-                    version: crate::kv::VersionToken::UNKNOWN,
+                    version: foldhost_core::kv::VersionToken::UNKNOWN,
                 })
                 .collect();
             tracing::warn!(
@@ -128,7 +128,7 @@ impl<S: SnapshotStore> Fold<S> {
         }
         fold.publish_retained()?;
         fold.load_life()?;
-        fold.checkpoint = crate::retained::read_checkpoint(&*fold.store.read()?)?;
+        fold.checkpoint = foldhost_core::retained::read_checkpoint(&*fold.store.read()?)?;
         fold.publish_checkpoint();
         if let Err(e) = fold.publish_watermark() {
             tracing::warn!(event = "ledger_watermark_unreadable", error = %e, "the operation ledger's watermark is unreadable");
@@ -203,7 +203,7 @@ impl<S: SnapshotStore> Fold<S> {
         }
         match best {
             Some(t) if t > memo.server_time_unix_ns => {
-                cursor.with_memo(Some(crate::kv::EvictionMemo {
+                cursor.with_memo(Some(foldhost_core::kv::EvictionMemo {
                     server_time_unix_ns: t,
                 }))
             }
@@ -237,11 +237,17 @@ impl<S: SnapshotStore> Fold<S> {
 
     /// The stream identity committed with the fold (`None`: none recorded yet). A record that does
     /// not decode is corruption, reported as such.
-    pub(crate) fn identity(&self) -> Result<Option<crate::kv::StreamIdentity>, SnapshotError> {
-        let Some(e) = self.store.read()?.get(crate::retained::IDENTITY_KEY)? else {
+    pub(crate) fn identity(
+        &self,
+    ) -> Result<Option<foldhost_core::kv::StreamIdentity>, SnapshotError> {
+        let Some(e) = self
+            .store
+            .read()?
+            .get(foldhost_core::retained::IDENTITY_KEY)?
+        else {
             return Ok(None);
         };
-        crate::kv::StreamIdentity::from_bytes(&e.value)
+        foldhost_core::kv::StreamIdentity::from_bytes(&e.value)
             .map(Some)
             .ok_or_else(|| {
                 SnapshotError::Backend(format!(
@@ -255,7 +261,7 @@ impl<S: SnapshotStore> Fold<S> {
     /// reset for a recreated stream). The fold must be settled.
     pub(super) async fn commit_identity<A: Apply + ?Sized>(
         &mut self,
-        identity: &crate::kv::StreamIdentity,
+        identity: &foldhost_core::kv::StreamIdentity,
         cursor: WatchCursor,
         apply: &mut A,
     ) -> Result<(), AppliedError> {
@@ -315,7 +321,7 @@ impl<S: SnapshotStore> Fold<S> {
         }
         let cursor = self
             .applied
-            .with_memo(Some(crate::kv::EvictionMemo::default()));
+            .with_memo(Some(foldhost_core::kv::EvictionMemo::default()));
         self.commit_position(cursor, apply).await?;
         tracing::warn!(event = "eviction_memo_recorded", cursor = %cursor, "retention has evicted current values from this bucket: the fold will never trust its key listing again (eviction memo)");
         Ok(())
@@ -693,11 +699,11 @@ async fn commit_settled<S: SnapshotStore>(
 }
 
 /// The store update that records `identity` (a reserved key, unknown version: no cursor move).
-fn identity_record(identity: &crate::kv::StreamIdentity) -> KvUpdate {
+fn identity_record(identity: &foldhost_core::kv::StreamIdentity) -> KvUpdate {
     KvUpdate::Put(KvEntry {
-        key: crate::retained::IDENTITY_KEY.to_string(),
+        key: foldhost_core::retained::IDENTITY_KEY.to_string(),
         value: bytes::Bytes::from(identity.to_bytes()),
-        version: crate::kv::VersionToken::UNKNOWN,
+        version: foldhost_core::kv::VersionToken::UNKNOWN,
     })
 }
 
@@ -738,7 +744,10 @@ pub async fn flush_all<S: SnapshotStore, A: Apply + ?Sized>(
                 cap = (tried / 2).max(1);
                 back.append(batch);
                 *batch = back;
-                tokio::time::sleep(crate::protocol::Backoff::APPLY.after(fold.apply_streak)).await;
+                tokio::time::sleep(
+                    foldhost_core::protocol::Backoff::APPLY.after(fold.apply_streak),
+                )
+                .await;
             }
             None if fold.is_settled() && batch.is_empty() => return Ok(()),
             None if fold.is_settled() => cap = cap.saturating_mul(2).min(max.max(1)),

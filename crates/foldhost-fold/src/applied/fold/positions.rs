@@ -29,8 +29,8 @@ impl<S: SnapshotStore> Fold<S> {
     pub(crate) fn forget_checkpoint(&mut self) -> Result<(), SnapshotError> {
         if self.checkpoint.take().is_some() {
             let delete = KvUpdate::Delete {
-                key: crate::retained::CHECKPOINT_KEY.into(),
-                version: crate::kv::VersionToken::UNKNOWN,
+                key: foldhost_core::retained::CHECKPOINT_KEY.into(),
+                version: foldhost_core::kv::VersionToken::UNKNOWN,
             };
             self.store.write()?.apply(&[delete], self.applied)?;
         }
@@ -86,9 +86,10 @@ impl<S: SnapshotStore> Fold<S> {
                 level: Some(level),
                 ..u
             });
-            self.store
-                .write()?
-                .apply(&[crate::retained::unseen_floor_update(u)], self.applied)?;
+            self.store.write()?.apply(
+                &[foldhost_core::retained::unseen_floor_update(u)],
+                self.applied,
+            )?;
             self.store.with_retained(|r| r.set_unseen(u))?;
             self.publish_retained()?;
         }
@@ -121,11 +122,11 @@ impl<S: SnapshotStore> Fold<S> {
         Ok(((after != before).then_some(after), first.is_some()))
     }
 
-    /// Operation ids of records about to be delivered ([`crate::kv::WatchEvent::Ops`]). Ids of
+    /// Operation ids of records about to be delivered ([`foldhost_core::kv::WatchEvent::Ops`]). Ids of
     /// revisions the cursor already covers are dropped (a re-delivery after a restart: the first
     /// commit recorded them); past [`MAX_PENDING_OPS`] the oldest go, with a warning (a watch
     /// never sends that many ahead of the batch that commits them).
-    pub(crate) fn note_ops(&mut self, ops: Vec<crate::kv::OpRecord>) {
+    pub(crate) fn note_ops(&mut self, ops: Vec<foldhost_core::kv::OpRecord>) {
         let cursor = self.applied.revision_or_zero();
         for op in ops {
             if op.revision <= cursor || self.ops.back().is_some_and(|b| b.revision >= op.revision) {
@@ -171,7 +172,7 @@ impl<S: SnapshotStore> Fold<S> {
                 epoch: self.life.epoch,
                 digest: Some(o.digest),
             };
-            rows.push(crate::ledger::row_put(&o.op, &row));
+            rows.push(foldhost_core::ledger::row_put(&o.op, &row));
         }
         rows
     }
@@ -183,7 +184,7 @@ impl<S: SnapshotStore> Fold<S> {
         let life = self.life.new_incarnation(now_unix_ms());
         self.store
             .write()?
-            .apply(&[crate::ledger::life_put(&life)], self.applied)?;
+            .apply(&[foldhost_core::ledger::life_put(&life)], self.applied)?;
         self.life = life;
         self.publish_life();
         Ok(())
@@ -191,7 +192,7 @@ impl<S: SnapshotStore> Fold<S> {
 
     /// Reads the ledger's life from the store (a fold that opens), into the status too.
     pub(super) fn load_life(&mut self) -> Result<(), SnapshotError> {
-        self.life = crate::ledger::read_life(&*self.store.read()?).map_err(|e| {
+        self.life = foldhost_core::ledger::read_life(&*self.store.read()?).map_err(|e| {
             SnapshotError::InvalidFormat {
                 path: "the operation ledger's life".into(),
                 reason: e.to_string(),
@@ -209,7 +210,7 @@ impl<S: SnapshotStore> Fold<S> {
     }
 
     /// One step of a sweep of the operation ledger, under the current cursor
-    /// ([`crate::ledger::sweep_step`]): how many rows went, and the key to resume after (`None`:
+    /// ([`foldhost_core::ledger::sweep_step`]): how many rows went, and the key to resume after (`None`:
     /// the sweep is done, and counted).
     pub(crate) fn sweep_ledger(
         &mut self,
@@ -218,7 +219,7 @@ impl<S: SnapshotStore> Fold<S> {
     ) -> Result<(u64, Option<String>), String> {
         let (updates, next) = {
             let store = self.store.read().map_err(|e| e.to_string())?;
-            crate::ledger::sweep_step(&*store, cutoff_unix_ms, now_unix_ms(), after)
+            foldhost_core::ledger::sweep_step(&*store, cutoff_unix_ms, now_unix_ms(), after)
                 .map_err(|e| e.to_string())?
         };
         let n = updates
@@ -240,8 +241,8 @@ impl<S: SnapshotStore> Fold<S> {
     }
 
     /// Brings the status's ledger watermark in line with the store's.
-    pub(super) fn publish_watermark(&self) -> Result<(), crate::ledger::LedgerError> {
-        let watermark = crate::ledger::read_watermark(&*self.store.read()?)?;
+    pub(super) fn publish_watermark(&self) -> Result<(), foldhost_core::ledger::LedgerError> {
+        let watermark = foldhost_core::ledger::read_watermark(&*self.store.read()?)?;
         self.status
             .ledger_watermark_unix_ms
             .store(watermark, Ordering::Relaxed);
@@ -262,7 +263,7 @@ impl<S: SnapshotStore> Fold<S> {
         }
         let (unseen, _) = self.unseen_change(raw)?;
         if let Some(u) = unseen {
-            raw.push(crate::retained::unseen_floor_update(u));
+            raw.push(foldhost_core::retained::unseen_floor_update(u));
         }
         let through = cursor.revision_or_zero();
         // The commit passes records it was never delivered (a state-sync delivers each key's
@@ -278,7 +279,7 @@ impl<S: SnapshotStore> Fold<S> {
         let life = (gap || std::mem::take(&mut self.ids_dropped))
             .then(|| self.life.passed_without_rows(now_unix_ms()));
         if let Some(l) = &life {
-            raw.push(crate::ledger::life_put(l));
+            raw.push(foldhost_core::ledger::life_put(l));
         }
         let checkpoint = self
             .stamps
@@ -288,7 +289,7 @@ impl<S: SnapshotStore> Fold<S> {
             .copied()
             .filter(|(r, _)| self.checkpoint.is_none_or(|(c, _)| *r > c));
         if let Some((rev, ns)) = checkpoint {
-            raw.push(crate::retained::checkpoint_put(rev, ns));
+            raw.push(foldhost_core::retained::checkpoint_put(rev, ns));
         }
         let rows = self.take_ledger_rows(through);
         if !rows.is_empty() {

@@ -22,11 +22,11 @@ use std::time::Duration;
 
 use tokio::sync::mpsc;
 
-use crate::crashpoint;
-use crate::kv::{KvError, KvUpdate, KvWatcher, WatchEvent};
-use crate::protocol;
-use crate::snapshot::SnapshotStore;
-use crate::view::SharedStore;
+use foldhost_core::crashpoint;
+use foldhost_core::kv::{KvError, KvUpdate, KvWatcher, WatchEvent};
+use foldhost_core::protocol;
+use foldhost_core::snapshot::SnapshotStore;
+use foldhost_core::view::SharedStore;
 
 mod replica;
 mod swap;
@@ -72,7 +72,7 @@ where
     let depth = opts
         .batch
         .channel_capacity
-        .div_ceil(crate::kv::WATCH_CHUNK)
+        .div_ceil(foldhost_core::kv::WATCH_CHUNK)
         .max(2);
     let mut lp = FoldLoop {
         fold,
@@ -280,9 +280,9 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
     fn spawn_watch(
         &self,
         relist: bool,
-        start: crate::kv::WatchCursor,
+        start: foldhost_core::kv::WatchCursor,
         tx: mpsc::Sender<WatchEvent>,
-    ) -> AbortOnDrop<Result<(), crate::kv::KvError>> {
+    ) -> AbortOnDrop<Result<(), foldhost_core::kv::KvError>> {
         let scope = self.opts.scope.clone();
         let w = self.watcher.clone();
         AbortOnDrop(tokio::spawn(tracing::Instrument::in_current_span(
@@ -735,9 +735,10 @@ impl<S: SnapshotStore, A: Apply + ?Sized> FoldLoop<'_, S, A> {
                 back.append(&mut t.batch);
                 t.batch = back;
                 t.backing_off = true;
-                timer
-                    .as_mut()
-                    .reset(tokio::time::Instant::now() + protocol::Backoff::APPLY.after(self.fold.apply_streak));
+                timer.as_mut().reset(
+                    tokio::time::Instant::now()
+                        + protocol::Backoff::APPLY.after(self.fold.apply_streak),
+                );
                 t.timer_armed = true;
                 break;
             }

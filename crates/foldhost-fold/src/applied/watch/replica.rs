@@ -32,10 +32,10 @@ use tokio::sync::{Notify, mpsc};
 use crate::applied::lane::LaneFeed;
 use crate::applied::queries::{ASK_QUEUE, Ask};
 use crate::applied::{AppliedError, Apply, ApplyError, Queries, SwapCandidate};
-use crate::kv::KvUpdate;
-use crate::protocol;
-use crate::snapshot::{SnapshotError, SnapshotStore};
-use crate::view::{CaptureSlot, FoldRead, PreImages};
+use foldhost_core::kv::KvUpdate;
+use foldhost_core::protocol;
+use foldhost_core::snapshot::{SnapshotError, SnapshotStore};
+use foldhost_core::view::{CaptureSlot, FoldRead, PreImages};
 
 use super::swap::{Hydrated, store_err};
 use super::{AbortOnDrop, FoldLoop, Turn};

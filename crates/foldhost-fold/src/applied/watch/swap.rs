@@ -30,10 +30,10 @@ use crate::applied::{
     SwapReport,
 };
 use crate::applied::{MAX_SHADOW_QUOTE, MAX_SHADOW_REQUESTS};
-use crate::kv::WatchScope;
-use crate::protocol::{self, ShadowStep};
-use crate::snapshot::{SnapshotError, SnapshotStore};
-use crate::view::{FoldRead, PreImages};
+use foldhost_core::kv::WatchScope;
+use foldhost_core::protocol::{self, ShadowStep};
+use foldhost_core::snapshot::{SnapshotError, SnapshotStore};
+use foldhost_core::view::{FoldRead, PreImages};
 
 use super::{AbortOnDrop, FoldLoop, Turn};
 
@@ -119,11 +119,11 @@ fn refused(from: &str, what: &str, e: &ApplyError) -> ApplyError {
 
 /// What the status keeps of a completed swap (`kind`: `swap`, or `shadow` for a promoted one),
 /// completed now.
-fn swapped(from: &str, to: &str, paused_ms: u64, kind: &str) -> crate::status::SwapRecord {
-    crate::status::SwapRecord {
+fn swapped(from: &str, to: &str, paused_ms: u64, kind: &str) -> foldhost_core::status::SwapRecord {
+    foldhost_core::status::SwapRecord {
         from: from.to_string(),
         to: to.to_string(),
-        unix_ms: crate::status::now_unix_ms(),
+        unix_ms: foldhost_core::status::now_unix_ms(),
         paused_ms,
         kind: kind.to_string(),
     }
@@ -161,8 +161,8 @@ fn node_condition(c: &dyn SwapCandidate, message: String) -> ApplyError {
 fn overflow_message() -> String {
     format!(
         "the fold changed more than {} keys or {} MiB beside the candidate; retry when fewer keys change",
-        crate::view::MAX_PRE_IMAGE_KEYS,
-        crate::view::MAX_PRE_IMAGE_BYTES >> 20
+        foldhost_core::view::MAX_PRE_IMAGE_KEYS,
+        foldhost_core::view::MAX_PRE_IMAGE_BYTES >> 20
     )
 }
 

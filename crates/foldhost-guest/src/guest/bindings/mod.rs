@@ -15,9 +15,9 @@ use wasmtime::component::ResourceTable;
 use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
 use wasmtime_wasi::{WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
-use crate::kv::{KvEntry, KvUpdate};
-use crate::protocol::{GuestCall, OwnedDecl};
-use crate::view::FoldRead;
+use foldhost_core::kv::{KvEntry, KvUpdate};
+use foldhost_core::protocol::{GuestCall, OwnedDecl};
+use foldhost_core::view::FoldRead;
 
 use super::state::StateAccess;
 

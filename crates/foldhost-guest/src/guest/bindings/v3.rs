@@ -1,9 +1,9 @@
 //! `foldhost:guest@0.3.0` (`wit/v0.3.0/guest.wit`): the state buckets. Its `fold` and `log`
 //! imports are served by the same [`HostState`] code as every version's; its `state` import is
-//! served here, every decision the protocol's ([`crate::protocol::admit_state_write`]).
+//! served here, every decision the protocol's ([`foldhost_core::protocol::admit_state_write`]).
 
-use crate::kv::KvEntry;
-use crate::protocol::{self, GuestCall, StateWrite};
+use foldhost_core::kv::KvEntry;
+use foldhost_core::protocol::{self, GuestCall, StateWrite};
 
 use super::HostState;
 use crate::guest::state::{StateWriteRequest, WrittenOutcome};

@@ -21,9 +21,9 @@ use crate::applied::{
     MAX_SHADOW_REQUESTS, MAX_SHADOW_WRITES_LISTED, ShadowDifference, ShadowReport, ShadowRequests,
     ShadowWrite, SwapCandidate,
 };
-use crate::protocol;
-use crate::snapshot::{SnapshotError, SnapshotStore};
-use crate::view::FoldRead;
+use foldhost_core::protocol;
+use foldhost_core::snapshot::{SnapshotError, SnapshotStore};
+use foldhost_core::view::FoldRead;
 
 use super::super::FoldLoop;
 use super::{PendingShadow, PendingSwap, quote, sample_request, scan_prefixes, store_err};
