@@ -50,10 +50,9 @@ lint: lint-sources
 
 # Everything `lint` checks but the workspace's clippy pass (which `test` runs inside its build).
 lint-sources:
+	python3 scripts/test_lint_layers.py
 	python3 scripts/lint-layers.py
 	python3 scripts/lint-citations.py
-	@command -v cargo-machete >/dev/null || { echo "make lint-sources: no cargo-machete (scripts/setup.sh --test installs it)" >&2; exit 1; }
-	cargo machete
 	cargo fmt --all -- --check
 	cargo fmt --manifest-path guests/Cargo.toml --all -- --check
 	cargo fmt --manifest-path sdk/rust/Cargo.toml -- --check
