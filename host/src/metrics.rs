@@ -38,6 +38,9 @@ struct Folds(Vec<FoldSource>);
 
 type Labels<'a> = Vec<(&'static str, &'a str)>;
 
+/// One metric's series: a value per label set.
+type Series<'a> = Vec<(Labels<'a>, Value)>;
+
 /// A counter, a gauge or a histogram of each series (the fold's labels with its value).
 enum Value {
     Counter(u64),
@@ -92,196 +95,217 @@ fn gauge(v: u64) -> Value {
 /// Microseconds per second.
 const US: f64 = 1e6;
 
+/// A fold-wide metric: its name, help, unit, and how to read its value from a fold's figures.
+type Metric = (
+    &'static str,
+    &'static str,
+    Option<Unit>,
+    fn(&FoldStatus) -> Value,
+);
+
+/// The batches: updates delivered and committed, and each batch's size and durations.
+fn batch_metrics() -> [Metric; 7] {
+    [
+        (
+            "foldhost_delivered_updates",
+            "Updates delivered by the watch since the host started.",
+            None,
+            |s| Value::Counter(s.delivered.load(Ordering::Relaxed)),
+        ),
+        (
+            "foldhost_applied_updates",
+            "Updates committed to the fold since the host started.",
+            None,
+            |s| Value::Counter(s.committed.load(Ordering::Relaxed)),
+        ),
+        (
+            "foldhost_batches",
+            "Batches committed since the host started.",
+            None,
+            |s| Value::Counter(s.batches.load(Ordering::Relaxed)),
+        ),
+        (
+            "foldhost_batch_updates",
+            "Updates per committed batch.",
+            None,
+            |s| histogram(&s.batch_updates, 1.0),
+        ),
+        (
+            "foldhost_apply_duration",
+            "Each batch's parse and apply by the guest.",
+            Some(Unit::Seconds),
+            |s| histogram(&s.apply_us, US),
+        ),
+        (
+            "foldhost_commit_duration",
+            "Each batch's store commit.",
+            Some(Unit::Seconds),
+            |s| histogram(&s.commit_us, US),
+        ),
+        (
+            "foldhost_batch_duration",
+            "Each batch's flush, from its parse to its commit.",
+            Some(Unit::Seconds),
+            |s| histogram(&s.batch_us, US),
+        ),
+    ]
+}
+
+/// Where the fold stands on its stream: revisions, cursor, lag and whether it caught up.
+fn position_metrics() -> [Metric; 7] {
+    [
+        ("foldhost_seq", "Highest revision delivered.", None, |s| {
+            gauge(
+                s.seq
+                    .load(Ordering::Relaxed)
+                    .max(s.cursor.load(Ordering::Relaxed)),
+            )
+        }),
+        (
+            "foldhost_applied_through",
+            "Highest revision every update at or below which is applied and committed.",
+            None,
+            |s| gauge(s.applied_through.load(Ordering::Relaxed)),
+        ),
+        ("foldhost_cursor", "The store's cursor.", None, |s| {
+            gauge(s.cursor.load(Ordering::Relaxed))
+        }),
+        (
+            "foldhost_stream_last_sequence",
+            "The stream's last sequence, as last read (0: not read yet).",
+            None,
+            |s| gauge(s.stream_last_sequence.load(Ordering::Relaxed)),
+        ),
+        (
+            "foldhost_lag_records",
+            "Records behind: the stream's last sequence (or the highest delivered) minus applied_through.",
+            None,
+            |s| {
+                let head = s
+                    .stream_last_sequence
+                    .load(Ordering::Relaxed)
+                    .max(s.seq.load(Ordering::Relaxed));
+                gauge(head.saturating_sub(s.applied_through.load(Ordering::Relaxed)))
+            },
+        ),
+        (
+            "foldhost_lag",
+            "How far behind its stream the fold is in time: since the server stored the newest record at or below applied_through (from delivery stamps, to within 0.1 s); 0 when level.",
+            Some(Unit::Seconds),
+            |s| {
+                let head = s
+                    .stream_last_sequence
+                    .load(Ordering::Relaxed)
+                    .max(s.seq.load(Ordering::Relaxed));
+                let behind = head > s.applied_through.load(Ordering::Relaxed);
+                let at = s.applied_server_time_unix_ns.load(Ordering::Relaxed) / 1_000_000;
+                gauge(if behind && at > 0 {
+                    foldhost_core::status::now_unix_ms().saturating_sub(at) / 1000
+                } else {
+                    0
+                })
+            },
+        ),
+        (
+            "foldhost_caught_up",
+            "1 once the fold has been level with its stream since the host started.",
+            None,
+            |s| gauge(s.caught_up.load(Ordering::Relaxed)),
+        ),
+    ]
+}
+
+/// What the fold holds back or skips: retained records and undecodable messages.
+fn retention_metrics() -> [Metric; 3] {
+    [
+        (
+            "foldhost_retained_records",
+            "Records a guest deferred, retained in the fold.",
+            None,
+            |s| gauge(s.retained.load(Ordering::Relaxed)),
+        ),
+        (
+            "foldhost_oldest_retained_age",
+            "Age of the oldest retained record (0: none).",
+            Some(Unit::Seconds),
+            |s| {
+                let at = s.oldest_retained_unix_ms.load(Ordering::Relaxed);
+                gauge(if at == 0 {
+                    0
+                } else {
+                    foldhost_core::status::now_unix_ms().saturating_sub(at) / 1000
+                })
+            },
+        ),
+        (
+            "foldhost_skipped_messages",
+            "Undecodable stored messages skipped.",
+            None,
+            |s| Value::Counter(s.skipped_messages.load(Ordering::Relaxed)),
+        ),
+    ]
+}
+
+/// Swaps, the queries this node answered, and the store's failure streak.
+fn serving_metrics() -> [Metric; 7] {
+    [
+        (
+            "foldhost_swaps",
+            "Guest swaps completed (a promoted shadow included).",
+            None,
+            |s| Value::Counter(s.swaps.load(Ordering::Relaxed)),
+        ),
+        (
+            "foldhost_swap_pause",
+            "Each swap's pause of the fold.",
+            Some(Unit::Seconds),
+            |s| histogram(&s.swap_pause_us, US),
+        ),
+        (
+            "foldhost_nats_queries_served",
+            "Requests on --query-subject this node answered (a batch of lookups is one).",
+            None,
+            |s| Value::Counter(s.nats_queries_served.load(Ordering::Relaxed)),
+        ),
+        (
+            "foldhost_queries_by_instance",
+            "Lookups the query instance answered beside the fold.",
+            None,
+            |s| Value::Counter(s.queries_by_instance.load(Ordering::Relaxed)),
+        ),
+        (
+            "foldhost_queries_by_fold",
+            "Lookups the fold loop answered between batches (no query instance level).",
+            None,
+            |s| Value::Counter(s.queries_by_fold.load(Ordering::Relaxed)),
+        ),
+        (
+            "foldhost_query_instance_level",
+            "1 while a query instance answers queries beside the fold, 0 otherwise.",
+            None,
+            |s| {
+                gauge(u64::from(
+                    s.query_instance_level.load(Ordering::Relaxed) > 0,
+                ))
+            },
+        ),
+        (
+            "foldhost_store_failure_streak",
+            "Consecutive store failures now.",
+            None,
+            |s| gauge(s.store_failure_streak.load(Ordering::Relaxed)),
+        ),
+    ]
+}
+
 impl Collector for Folds {
     fn encode(&self, mut encoder: DescriptorEncoder<'_>) -> Result<(), std::fmt::Error> {
-        type Pick = fn(&FoldStatus) -> Value;
-        // Every fold's main series, then each state bucket's with its extra label.
-        let mut folds: Vec<(Labels<'_>, &FoldStatus)> = Vec::new();
-        for f in &self.0 {
-            folds.push((vec![("fold", f.name.as_str())], &f.status));
-            for (report, status) in f.status.lanes.get().into_iter().flatten() {
-                folds.push((
-                    vec![
-                        ("fold", f.name.as_str()),
-                        ("state_bucket", report.local.as_str()),
-                    ],
-                    status,
-                ));
-            }
-        }
-        let metrics: [(&str, &str, Option<Unit>, Pick); 24] = [
-            (
-                "foldhost_delivered_updates",
-                "Updates delivered by the watch since the host started.",
-                None,
-                |s| Value::Counter(s.delivered.load(Ordering::Relaxed)),
-            ),
-            (
-                "foldhost_applied_updates",
-                "Updates committed to the fold since the host started.",
-                None,
-                |s| Value::Counter(s.committed.load(Ordering::Relaxed)),
-            ),
-            (
-                "foldhost_batches",
-                "Batches committed since the host started.",
-                None,
-                |s| Value::Counter(s.batches.load(Ordering::Relaxed)),
-            ),
-            (
-                "foldhost_batch_updates",
-                "Updates per committed batch.",
-                None,
-                |s| histogram(&s.batch_updates, 1.0),
-            ),
-            (
-                "foldhost_apply_duration",
-                "Each batch's parse and apply by the guest.",
-                Some(Unit::Seconds),
-                |s| histogram(&s.apply_us, US),
-            ),
-            (
-                "foldhost_commit_duration",
-                "Each batch's store commit.",
-                Some(Unit::Seconds),
-                |s| histogram(&s.commit_us, US),
-            ),
-            (
-                "foldhost_batch_duration",
-                "Each batch's flush, from its parse to its commit.",
-                Some(Unit::Seconds),
-                |s| histogram(&s.batch_us, US),
-            ),
-            ("foldhost_seq", "Highest revision delivered.", None, |s| {
-                gauge(
-                    s.seq
-                        .load(Ordering::Relaxed)
-                        .max(s.cursor.load(Ordering::Relaxed)),
-                )
-            }),
-            (
-                "foldhost_applied_through",
-                "Highest revision every update at or below which is applied and committed.",
-                None,
-                |s| gauge(s.applied_through.load(Ordering::Relaxed)),
-            ),
-            ("foldhost_cursor", "The store's cursor.", None, |s| {
-                gauge(s.cursor.load(Ordering::Relaxed))
-            }),
-            (
-                "foldhost_stream_last_sequence",
-                "The stream's last sequence, as last read (0: not read yet).",
-                None,
-                |s| gauge(s.stream_last_sequence.load(Ordering::Relaxed)),
-            ),
-            (
-                "foldhost_lag_records",
-                "Records behind: the stream's last sequence (or the highest delivered) minus applied_through.",
-                None,
-                |s| {
-                    let head = s
-                        .stream_last_sequence
-                        .load(Ordering::Relaxed)
-                        .max(s.seq.load(Ordering::Relaxed));
-                    gauge(head.saturating_sub(s.applied_through.load(Ordering::Relaxed)))
-                },
-            ),
-            (
-                "foldhost_lag",
-                "How far behind its stream the fold is in time: since the server stored the newest record at or below applied_through (from delivery stamps, to within 0.1 s); 0 when level.",
-                Some(Unit::Seconds),
-                |s| {
-                    let head = s
-                        .stream_last_sequence
-                        .load(Ordering::Relaxed)
-                        .max(s.seq.load(Ordering::Relaxed));
-                    let behind = head > s.applied_through.load(Ordering::Relaxed);
-                    let at = s.applied_server_time_unix_ns.load(Ordering::Relaxed) / 1_000_000;
-                    gauge(if behind && at > 0 {
-                        foldhost_core::status::now_unix_ms().saturating_sub(at) / 1000
-                    } else {
-                        0
-                    })
-                },
-            ),
-            (
-                "foldhost_caught_up",
-                "1 once the fold has been level with its stream since the host started.",
-                None,
-                |s| gauge(s.caught_up.load(Ordering::Relaxed)),
-            ),
-            (
-                "foldhost_retained_records",
-                "Records a guest deferred, retained in the fold.",
-                None,
-                |s| gauge(s.retained.load(Ordering::Relaxed)),
-            ),
-            (
-                "foldhost_oldest_retained_age",
-                "Age of the oldest retained record (0: none).",
-                Some(Unit::Seconds),
-                |s| {
-                    let at = s.oldest_retained_unix_ms.load(Ordering::Relaxed);
-                    gauge(if at == 0 {
-                        0
-                    } else {
-                        foldhost_core::status::now_unix_ms().saturating_sub(at) / 1000
-                    })
-                },
-            ),
-            (
-                "foldhost_skipped_messages",
-                "Undecodable stored messages skipped.",
-                None,
-                |s| Value::Counter(s.skipped_messages.load(Ordering::Relaxed)),
-            ),
-            (
-                "foldhost_swaps",
-                "Guest swaps completed (a promoted shadow included).",
-                None,
-                |s| Value::Counter(s.swaps.load(Ordering::Relaxed)),
-            ),
-            (
-                "foldhost_swap_pause",
-                "Each swap's pause of the fold.",
-                Some(Unit::Seconds),
-                |s| histogram(&s.swap_pause_us, US),
-            ),
-            (
-                "foldhost_nats_queries_served",
-                "Requests on --query-subject this node answered (a batch of lookups is one).",
-                None,
-                |s| Value::Counter(s.nats_queries_served.load(Ordering::Relaxed)),
-            ),
-            (
-                "foldhost_queries_by_instance",
-                "Lookups the query instance answered beside the fold.",
-                None,
-                |s| Value::Counter(s.queries_by_instance.load(Ordering::Relaxed)),
-            ),
-            (
-                "foldhost_queries_by_fold",
-                "Lookups the fold loop answered between batches (no query instance level).",
-                None,
-                |s| Value::Counter(s.queries_by_fold.load(Ordering::Relaxed)),
-            ),
-            (
-                "foldhost_query_instance_level",
-                "1 while a query instance answers queries beside the fold, 0 otherwise.",
-                None,
-                |s| {
-                    gauge(u64::from(
-                        s.query_instance_level.load(Ordering::Relaxed) > 0,
-                    ))
-                },
-            ),
-            (
-                "foldhost_store_failure_streak",
-                "Consecutive store failures now.",
-                None,
-                |s| gauge(s.store_failure_streak.load(Ordering::Relaxed)),
-            ),
-        ];
+        let folds = self.series_labels();
+        let metrics = batch_metrics()
+            .into_iter()
+            .chain(position_metrics())
+            .chain(retention_metrics())
+            .chain(serving_metrics());
         for (name, help, unit, pick) in metrics {
             let series: Vec<(Labels<'_>, Value)> = folds
                 .iter()
@@ -303,6 +327,26 @@ impl Collector for Folds {
             )?;
         }
         Ok(())
+    }
+}
+
+impl Folds {
+    /// Every fold's main series, then each state bucket's with its extra label.
+    fn series_labels(&self) -> Vec<(Labels<'_>, &FoldStatus)> {
+        let mut folds: Vec<(Labels<'_>, &FoldStatus)> = Vec::new();
+        for f in &self.0 {
+            folds.push((vec![("fold", f.name.as_str())], &f.status));
+            for (report, status) in f.status.lanes.get().into_iter().flatten() {
+                folds.push((
+                    vec![
+                        ("fold", f.name.as_str()),
+                        ("state_bucket", report.local.as_str()),
+                    ],
+                    status,
+                ));
+            }
+        }
+        folds
     }
 }
 
@@ -416,6 +460,38 @@ impl Folds {
         encoder: &mut DescriptorEncoder<'_>,
         folds: &[(Labels<'_>, &FoldStatus)],
     ) -> Result<(), std::fmt::Error> {
+        self.encode_guest_calls(encoder)?;
+        encode_writes(encoder, folds)?;
+        let (rounds, published) = self.export_series();
+        let repairs = repair_series(folds);
+        family(
+            encoder,
+            "foldhost_repairs",
+            "Repairs by kind (a key-listing re-list, an artifact restore, a reset of the fold) and outcome.",
+            None,
+            &repairs,
+        )?;
+        family(
+            encoder,
+            "foldhost_export_rounds",
+            "Export rounds run by this node, by outcome.",
+            None,
+            &rounds,
+        )?;
+        family(
+            encoder,
+            "foldhost_export_last_published_age",
+            "Time since this node last published an artifact.",
+            Some(Unit::Seconds),
+            &published,
+        )
+    }
+
+    /// Failed guest calls by kind, and rebuilds after them.
+    fn encode_guest_calls(
+        &self,
+        encoder: &mut DescriptorEncoder<'_>,
+    ) -> Result<(), std::fmt::Error> {
         // Guest calls: the main fold's only (the state buckets' batches go to the same guest).
         let mut calls = Vec::new();
         let mut rebuilds = Vec::new();
@@ -449,44 +525,11 @@ impl Folds {
             "Guest instances rebuilt from the fold after a failed call.",
             None,
             &rebuilds,
-        )?;
-        // Writes: every fold's write path, a state bucket's included.
-        let writes: Vec<(Vec<(String, String)>, u64)> = folds
-            .iter()
-            .flat_map(|(labels, s)| {
-                let base: Vec<(String, String)> = labels
-                    .iter()
-                    .map(|(k, v)| (k.to_string(), v.to_string()))
-                    .collect();
-                let counts = s
-                    .write_outcomes
-                    .lock()
-                    .map(|m| m.clone())
-                    .unwrap_or_default();
-                counts.into_iter().map(move |((outcome, reason), n)| {
-                    let mut l = base.clone();
-                    l.push(("outcome".into(), outcome));
-                    l.push(("reason".into(), reason));
-                    (l, n)
-                })
-            })
-            .collect();
-        let writes: Vec<(Labels<'_>, Value)> = writes
-            .iter()
-            .map(|(l, n)| {
-                (
-                    l.iter().map(|(k, v)| (label_key(k), v.as_str())).collect(),
-                    Value::Counter(*n),
-                )
-            })
-            .collect();
-        family(
-            encoder,
-            "foldhost_write_outcomes",
-            "Writes answered through the host, by outcome (and a refusal's reason).",
-            None,
-            &writes,
-        )?;
+        )
+    }
+
+    /// Export rounds by outcome, and the age of this node's last published artifact.
+    fn export_series(&self) -> (Series<'_>, Series<'_>) {
         let mut rounds = Vec::new();
         let mut published = Vec::new();
         for f in &self.0 {
@@ -516,47 +559,75 @@ impl Folds {
                 ));
             }
         }
-        let mut repairs = Vec::new();
-        for (labels, s) in folds {
-            let counts = s
-                .repair_outcomes
-                .lock()
-                .map(|m| m.clone())
-                .unwrap_or_default();
-            for kind in ["relist", "restore", "reset"] {
-                for outcome in ["done", "refused", "failed"] {
-                    let mut l = labels.clone();
-                    l.extend([("kind", kind), ("outcome", outcome)]);
-                    let n = counts.get(&(kind, outcome)).copied().unwrap_or(0);
-                    repairs.push((l, Value::Counter(n)));
-                }
-            }
-        }
-        family(
-            encoder,
-            "foldhost_repairs",
-            "Repairs by kind (a key-listing re-list, an artifact restore, a reset of the fold) and outcome.",
-            None,
-            &repairs,
-        )?;
-        family(
-            encoder,
-            "foldhost_export_rounds",
-            "Export rounds run by this node, by outcome.",
-            None,
-            &rounds,
-        )?;
-        family(
-            encoder,
-            "foldhost_export_last_published_age",
-            "Time since this node last published an artifact.",
-            Some(Unit::Seconds),
-            &published,
-        )
+        (rounds, published)
     }
 }
 
-/// The label names [`Folds::encode_kinds`] builds (static, as the encoder takes them).
+/// Write outcomes: every fold's write path, a state bucket's included.
+fn encode_writes(
+    encoder: &mut DescriptorEncoder<'_>,
+    folds: &[(Labels<'_>, &FoldStatus)],
+) -> Result<(), std::fmt::Error> {
+    let writes: Vec<(Vec<(String, String)>, u64)> = folds
+        .iter()
+        .flat_map(|(labels, s)| {
+            let base: Vec<(String, String)> = labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect();
+            let counts = s
+                .write_outcomes
+                .lock()
+                .map(|m| m.clone())
+                .unwrap_or_default();
+            counts.into_iter().map(move |((outcome, reason), n)| {
+                let mut l = base.clone();
+                l.push(("outcome".into(), outcome));
+                l.push(("reason".into(), reason));
+                (l, n)
+            })
+        })
+        .collect();
+    let writes: Vec<(Labels<'_>, Value)> = writes
+        .iter()
+        .map(|(l, n)| {
+            (
+                l.iter().map(|(k, v)| (label_key(k), v.as_str())).collect(),
+                Value::Counter(*n),
+            )
+        })
+        .collect();
+    family(
+        encoder,
+        "foldhost_write_outcomes",
+        "Writes answered through the host, by outcome (and a refusal's reason).",
+        None,
+        &writes,
+    )
+}
+
+/// Repairs by kind and outcome, for every fold and state bucket.
+fn repair_series<'a>(folds: &[(Labels<'a>, &FoldStatus)]) -> Series<'a> {
+    let mut repairs = Vec::new();
+    for (labels, s) in folds {
+        let counts = s
+            .repair_outcomes
+            .lock()
+            .map(|m| m.clone())
+            .unwrap_or_default();
+        for kind in ["relist", "restore", "reset"] {
+            for outcome in ["done", "refused", "failed"] {
+                let mut l = labels.clone();
+                l.extend([("kind", kind), ("outcome", outcome)]);
+                let n = counts.get(&(kind, outcome)).copied().unwrap_or(0);
+                repairs.push((l, Value::Counter(n)));
+            }
+        }
+    }
+    repairs
+}
+
+/// The label names [`encode_writes`] builds (static, as the encoder takes them).
 fn label_key(k: &str) -> &'static str {
     match k {
         "fold" => "fold",
