@@ -24,6 +24,7 @@ mod identity;
 pub(crate) mod lanes;
 mod shared;
 mod side;
+mod stop;
 mod tokens;
 
 pub use channel::GuestChannel;
@@ -200,20 +201,13 @@ impl Node {
         cfg: NodeConfig,
         shutdown: tokio::sync::watch::Receiver<bool>,
     ) -> Result<RunSummary, NodeError> {
-        cfg.check()?;
-        // A channel's node reads the channel (a client of its own) for the guest it starts with.
-        let mut channel_start = match &cfg.guest_channel {
-            Some(gc) => Some(channel::start(&cfg, gc).await?),
-            None => None,
-        };
-        let proven = prove_guest(&cfg, channel_start.as_mut()).await?;
-        // Connect before touching the store: a run that cannot reach its server writes nothing.
-        let (conn, kv) = connect(&cfg).await?;
-        let shared = open_store(&cfg).await?;
-        tracing::debug!(store = %cfg.store.display(), "store opened");
-        if let Some(p) = &proven {
-            p.engine.set_random_seed(guest_seed(&cfg)?);
-        }
+        let Opened {
+            channel_start,
+            proven,
+            conn,
+            kv,
+            shared,
+        } = open(&cfg).await?;
         let status = Arc::new(FoldStatus::default());
         let (mut apply, scope, lanes, link) =
             build_applier(&cfg, proven.as_ref(), &shared, &conn, &status).await?;
@@ -233,25 +227,8 @@ impl Node {
         let mut running =
             lanes::Running::start(&cfg, lanes, apply.describe(), &control_tx, &link, &shutdown);
         let engine = proven.map(|p| p.engine);
-        let follower = match (channel_start, &cfg.guest_channel, &engine) {
-            (Some(start), Some(gc), Some(engine)) => Some(channel::Follower::new(
-                start,
-                gc.clone(),
-                engine.clone(),
-                control_tx.clone(),
-                status.clone(),
-            )),
-            _ => None,
-        };
-        let transport = match &cfg.artifacts {
-            Some((url, _)) => Some(Arc::new(
-                foldhost_artifact::transport::ArtifactTransport::from_url(
-                    url,
-                    cfg.allow_non_atomic_pointer,
-                )?,
-            )),
-            None => None,
-        };
+        let follower = follower(&cfg, channel_start, &engine, &control_tx, &status);
+        let transport = artifact_transport(&cfg)?;
         let mut tasks = side::SideTasks::start(
             &cfg,
             &conn,
@@ -263,18 +240,7 @@ impl Node {
             control_tx,
             follower,
             side::FoldAccess {
-                stream: {
-                    // Weak: the listener and the export rounds outlive the fold, and a store
-                    // still shared at the stop leaves no clean-stop record (`close_store`).
-                    let store = shared.downgrade();
-                    Arc::new(move || {
-                        let store = store.upgrade()?;
-                        let store = store.read().ok()?;
-                        foldhost_artifact::artifact::stream_of(&*store)
-                            .ok()
-                            .flatten()
-                    })
-                },
+                stream: stream_source(&shared),
                 ledger: ledger_lookup(&shared),
                 kv: kv.clone(),
                 read_key: key_reader(&shared),
@@ -289,31 +255,8 @@ impl Node {
         }
         // Kept to close the store after a clean stop (see `close_store`).
         let closing = shared.clone();
-        // A permission the fold's own work lacks stops the node, naming it once; a write the
-        // server refuses is answered to its writer instead (`refused: permission`).
-        let denied = std::sync::Mutex::new(None);
-        let lane_failure = std::sync::Mutex::new(None);
-        let stop = async {
-            // On a shutdown the state buckets stop first (the main loop serves their last
-            // batches), then the main fold; a state bucket's failure stops the node.
-            let lanes_then_shutdown = async {
-                let failed = running.failed().await;
-                if failed.is_none() {
-                    signalled(shutdown.clone()).await;
-                }
-                failed
-            };
-            tokio::select! {
-                failed = lanes_then_shutdown => {
-                    *lane_failure.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = failed;
-                }
-                d = denial::fold_denial(conn.denials(), &written) => {
-                    // Said once, by the error the run ends with (`NodeError::Denied`).
-                    tracing::debug!(denied = d.0.as_str(), subject = %d.1, "a permission the node's own work needs was refused: stopping");
-                    *denied.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(d);
-                }
-            }
-        };
+        let cause = stop::StopCause::default();
+        let stop = cause.wait(&mut running, &shutdown, &conn, &written);
         let result = watch_applied(
             kv,
             shared,
@@ -324,34 +267,83 @@ impl Node {
             stop,
         )
         .await;
-        let mut outcome = tasks.finish(&cfg, &status, result, shutdown).await;
-        if let Some((d, subject)) = denied
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take()
-        {
-            outcome = Err(NodeError::Denied {
-                denied: d.as_str(),
-                subject,
-            });
-        }
-        if let Some(why) = lane_failure
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take()
-        {
-            outcome = Err(NodeError::State(why));
-        }
+        let outcome = tasks.finish(&cfg, &status, result, shutdown).await;
+        let outcome = cause.apply(outcome);
         drop(apply);
         drop(tasks);
-        if outcome.is_ok() {
-            close_store(closing, &cfg.store).await;
-        }
-        {
-            use foldhost_core::bucket::Connection as _;
-            conn.shutdown().await;
-        }
+        take_down(outcome.is_ok(), closing, &cfg.store, conn).await;
         outcome
+    }
+}
+
+/// What a fold runs on, opened in the order the module's invariants ask: the guest proven (a
+/// channel's read first), then the connection and the bucket, then the store.
+struct Opened {
+    channel_start: Option<channel::ChannelStart>,
+    proven: Option<ProvenGuest>,
+    conn: NatsConnection,
+    kv: Arc<foldhost_nats::NatsKv>,
+    shared: SharedStore<AnyStore>,
+}
+
+async fn open(cfg: &NodeConfig) -> Result<Opened, NodeError> {
+    cfg.check()?;
+    // A channel's node reads the channel (a client of its own) for the guest it starts with.
+    let mut channel_start = match &cfg.guest_channel {
+        Some(gc) => Some(channel::start(cfg, gc).await?),
+        None => None,
+    };
+    let proven = prove_guest(cfg, channel_start.as_mut()).await?;
+    // Connect before touching the store: a run that cannot reach its server writes nothing.
+    let (conn, kv) = connect(cfg).await?;
+    let shared = open_store(cfg).await?;
+    tracing::debug!(store = %cfg.store.display(), "store opened");
+    if let Some(p) = &proven {
+        p.engine.set_random_seed(guest_seed(cfg)?);
+    }
+    Ok(Opened {
+        channel_start,
+        proven,
+        conn,
+        kv,
+        shared,
+    })
+}
+
+/// The guest channel's follower, when the node follows a channel with a guest of its own.
+fn follower(
+    cfg: &NodeConfig,
+    channel_start: Option<channel::ChannelStart>,
+    engine: &Option<Arc<GuestEngine>>,
+    control_tx: &tokio::sync::mpsc::Sender<foldhost_fold::applied::Control>,
+    status: &Arc<FoldStatus>,
+) -> Option<channel::Follower> {
+    match (channel_start, &cfg.guest_channel, engine) {
+        (Some(start), Some(gc), Some(engine)) => Some(channel::Follower::new(
+            start,
+            gc.clone(),
+            engine.clone(),
+            control_tx.clone(),
+            status.clone(),
+        )),
+        _ => None,
+    }
+}
+
+/// After the fold stopped: the store closed on a clean stop (see `close_store`), then the
+/// connection.
+async fn take_down(
+    clean: bool,
+    closing: SharedStore<AnyStore>,
+    store: &Path,
+    conn: NatsConnection,
+) {
+    if clean {
+        close_store(closing, store).await;
+    }
+    {
+        use foldhost_core::bucket::Connection as _;
+        conn.shutdown().await;
     }
 }
 
@@ -405,6 +397,34 @@ fn guest_seed(cfg: &NodeConfig) -> Result<[u8; 32], NodeError> {
 /// The operation ledger as the write path reads it: the row of an id in the ledger's life, the
 /// watermark, the life and the cursor they were read at, from one view of the committed fold
 /// (weak, as the stream source: the listener outlives the fold).
+/// The stream the fold records. Weak: the listener and the export rounds outlive the fold, and a
+/// store still shared at the stop leaves no clean-stop record (`close_store`).
+fn stream_source(shared: &SharedStore<AnyStore>) -> export::StreamSource {
+    let store = shared.downgrade();
+    Arc::new(move || {
+        let store = store.upgrade()?;
+        let store = store.read().ok()?;
+        foldhost_artifact::artifact::stream_of(&*store)
+            .ok()
+            .flatten()
+    })
+}
+
+/// The artifact transport of `--artifacts`, if any.
+fn artifact_transport(
+    cfg: &NodeConfig,
+) -> Result<Option<Arc<foldhost_artifact::transport::ArtifactTransport>>, NodeError> {
+    Ok(match &cfg.artifacts {
+        Some((url, _)) => Some(Arc::new(
+            foldhost_artifact::transport::ArtifactTransport::from_url(
+                url,
+                cfg.allow_non_atomic_pointer,
+            )?,
+        )),
+        None => None,
+    })
+}
+
 fn ledger_lookup(shared: &SharedStore<AnyStore>) -> crate::write::LedgerLookup {
     let store = shared.downgrade();
     Arc::new(move |op| {
