@@ -75,7 +75,9 @@ use std::time::Duration;
 use super::log::{self, Op};
 use stateright::{Checker, HasDiscoveries, Model, Property};
 
-use crate::protocol::{self, KeyRestore, LeaseState, PointerState, RepairMode, Retention};
+use crate::protocol::{self, LeaseState, PointerState, RepairMode, Retention};
+
+mod steps;
 
 /// Keys in the bucket.
 const KEYS: u8 = 2;
@@ -301,52 +303,6 @@ impl FleetState {
     }
 }
 
-impl FleetModel {
-    /// An exporter's restore from the published artifact, as `repair::restore` runs it (in one
-    /// step here: the steps are the repair model's). `false`: refused, nothing changes.
-    fn restore(n: &mut FleetState, i: usize) -> bool {
-        let Some(t) = n.pointer else {
-            return false;
-        };
-        let Some(art) = n.payloads[t as usize].filter(|p| p.present) else {
-            return false;
-        };
-        let e = n.exporters[i];
-        if !protocol::restore_allowed(art.cursor.into(), e.cursor.map(u64::from), n.first.into()) {
-            return false;
-        }
-        let mut fold = e.fold;
-        for key in 0..KEYS {
-            let k = key as usize;
-            let local = e.fold[k];
-            let identical = local.is_some() && local == art.entries[k];
-            match protocol::restore_key(
-                local.map(u64::from),
-                art.entries[k].map(u64::from),
-                identical,
-                false,
-                e.cursor.map(u64::from),
-            ) {
-                KeyRestore::Take => fold[k] = art.entries[k],
-                KeyRestore::Delete => {
-                    if protocol::restore_key(Some(1), None, false, n.listed(key), None)
-                        == KeyRestore::Delete
-                    {
-                        fold[k] = None;
-                    }
-                }
-                KeyRestore::Keep => {}
-            }
-        }
-        let e = &mut n.exporters[i];
-        e.fold = fold;
-        e.cursor = Some(art.cursor);
-        e.status = Status::Running;
-        e.restored = true;
-        true
-    }
-}
-
 impl Model for FleetModel {
     type State = FleetState;
     type Action = FleetAction;
@@ -440,178 +396,19 @@ impl Model for FleetModel {
     fn next_state(&self, s: &FleetState, action: FleetAction) -> Option<FleetState> {
         let mut n = s.clone();
         match action {
-            FleetAction::Write { key, put } => {
-                n.log.push(Op { key, put });
-            }
+            FleetAction::Write { key, put } => n.log.push(Op { key, put }),
             FleetAction::Evict => n.first += 1,
-            FleetAction::Start(i) => {
-                let truth = protocol::listing_truth(Some(n.retention()), false);
-                n.exporters[i].status =
-                    if protocol::cursorless_start_needs_repair(MODE, false, truth) {
-                        Status::Expired
-                    } else {
-                        // A state-sync re-list of a log nothing was evicted from yet: modelled
-                        // as a watch from the start, floor-guarded.
-                        Status::Running
-                    };
-            }
-            FleetAction::Deliver(i) => {
-                let len = n.log.len() as u8;
-                let e = &mut n.exporters[i];
-                let mut at = e.cursor.unwrap_or(0);
-                if protocol::floor_guard_trips(true, at.into(), n.first.into()) {
-                    if self.mutation != Mutation::ExporterPublishesUnrepairedFold {
-                        e.status = Status::Expired;
-                        return Some(n);
-                    }
-                    // NATS's silent clamp: on from the first retained revision.
-                    at = n.first - 1;
-                }
-                e.status = Status::Running;
-                if at >= len {
-                    // Nothing retained to deliver yet.
-                    return Some(n);
-                }
-                let rev = at + 1;
-                let op = n.log[at as usize];
-                e.fold[op.key as usize] = op.put.then_some(rev);
-                e.cursor = protocol::commit_cursor(e.cursor.map(u64::from), Some(rev.into()))
-                    .map(|c| c as u8);
-            }
-            FleetAction::Restore(i) => {
-                if !Self::restore(&mut n, i) {
-                    return None;
-                }
-            }
-            FleetAction::Export(i) => {
-                let j = n.payloads.iter().position(Option::is_none)?;
-                let e = &mut n.exporters[i];
-                n.payloads[j] = Some(Payload {
-                    cursor: e.cursor?,
-                    entries: e.fold,
-                    present: false,
-                });
-                e.rounds += 1;
-                e.round = Some(Round {
-                    payload: j as u8,
-                    uploaded: false,
-                    read: None,
-                    published: false,
-                });
-            }
-            FleetAction::Upload(i) => {
-                let r = n.exporters[i].round.as_mut()?;
-                r.uploaded = true;
-                let (j, done) = (r.payload, r.published);
-                if let Some(p) = &mut n.payloads[j as usize] {
-                    p.present = true;
-                }
-                if done {
-                    n.exporters[i].round = None;
-                }
-            }
-            FleetAction::ReadPointer(i) => {
-                let current = match self.mutation {
-                    Mutation::PublishEqualOrBackward => PointerState::Absent,
-                    _ => n.pointer_state(),
-                };
-                let version = n.version;
-                let r = n.exporters[i].round?;
-                let ours = n.payloads[r.payload as usize]?.cursor;
-                if protocol::pointer_publish_allowed(current, ours.into()) {
-                    if let Some(r) = &mut n.exporters[i].round {
-                        r.read = Some(version);
-                    }
-                } else {
-                    // `SupersededByNewer`: the round is abandoned.
-                    n.exporters[i].round = None;
-                }
-            }
-            FleetAction::Publish(i) => {
-                let r = n.exporters[i].round?;
-                if r.read != Some(n.version) {
-                    // The conditional put failed: read again.
-                    if let Some(r) = &mut n.exporters[i].round {
-                        r.read = None;
-                    }
-                    return Some(n);
-                }
-                let ours = n.payloads[r.payload as usize]?.cursor;
-                if let PointerState::At(c) = n.pointer_state()
-                    && u64::from(ours) < c
-                {
-                    n.regressed = true;
-                }
-                n.pointer = Some(r.payload);
-                n.version += 1;
-                if n.exporters[i].restored {
-                    n.restored_published = true;
-                }
-                if r.uploaded {
-                    n.exporters[i].round = None;
-                } else if let Some(r) = &mut n.exporters[i].round {
-                    r.published = true;
-                    r.read = None;
-                }
-            }
-            FleetAction::PruneList => {
-                // `ArtifactTransport::prune`: the pointer read, the payloads listed, each judged.
-                // Ages are taken at the pass's start: a payload uploaded since is not listed.
-                for j in 0..PAYLOADS {
-                    if !n.payloads[j].is_some_and(|p| p.present) {
-                        continue;
-                    }
-                    let is_target = n.pointer == Some(j as u8)
-                        && self.mutation != Mutation::PruneIgnoresPointer;
-                    let older = match self.grace {
-                        Grace::Zero => true,
-                        Grace::OutlastsEveryRound => !n.held(j as u8),
-                    };
-                    // Since it stopped being the target: past the grace unless a bootstrap is
-                    // between reading the pointer that named it and fetching it.
-                    let replaced_older = match (self.grace, self.mutation) {
-                        (_, Mutation::PruneAgesFromUpload) => older,
-                        (Grace::Zero, _) => true,
-                        (Grace::OutlastsEveryRound, _) => n.boot != Boot::Read(j as u8),
-                    };
-                    let pointer_cursor = match self.mutation {
-                        Mutation::PruneIgnoresPointer | Mutation::PruneAtOrAbovePointer => {
-                            Some(u64::MAX)
-                        }
-                        _ => n
-                            .pointer
-                            .and_then(|t| n.payloads[t as usize])
-                            .map(|p| u64::from(p.cursor)),
-                    };
-                    n.doomed[j] = protocol::payload_prunable(
-                        is_target,
-                        n.payloads[j].map(|p| u64::from(p.cursor)),
-                        pointer_cursor,
-                        self.grace.age(older),
-                        Some(self.grace.age(replaced_older)),
-                        self.grace.duration(),
-                    );
-                }
-                if !n.doomed.contains(&true) {
-                    return None;
-                }
-            }
-            FleetAction::PruneDelete(j) => {
-                n.doomed[j as usize] = false;
-                if let Some(p) = &mut n.payloads[j as usize] {
-                    p.present = false;
-                }
-            }
+            FleetAction::Start(i) => Self::start(&mut n, i),
+            FleetAction::Deliver(i) => self.deliver(&mut n, i)?,
+            FleetAction::Restore(i) => Self::restore(&mut n, i).then_some(())?,
+            FleetAction::Export(i) => Self::export(&mut n, i)?,
+            FleetAction::Upload(i) => Self::upload(&mut n, i)?,
+            FleetAction::ReadPointer(i) => self.read_pointer(&mut n, i)?,
+            FleetAction::Publish(i) => Self::publish(&mut n, i)?,
+            FleetAction::PruneList => self.prune_list(&mut n)?,
+            FleetAction::PruneDelete(j) => Self::prune_delete(&mut n, j),
             FleetAction::BootRead => n.boot = Boot::Read(n.pointer?),
-            FleetAction::BootFetch => {
-                let Boot::Read(t) = n.boot else {
-                    return None;
-                };
-                n.boot = match n.payloads[t as usize] {
-                    Some(p) if p.present => Boot::Done(t),
-                    _ => Boot::Failed,
-                };
-            }
+            FleetAction::BootFetch => Self::boot_fetch(&mut n)?,
         }
         Some(n)
     }
