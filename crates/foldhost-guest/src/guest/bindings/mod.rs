@@ -31,7 +31,7 @@ wasmtime::component::bindgen!({
     ownership: Borrowing { duplicate_if_necessary: true },
 });
 
-pub use foldhost::guest::types::{Entry, Op, Update, Verdict};
+pub use foldhost::guest::types::{Op, Update, Verdict};
 
 /// The bindings of `foldhost:guest@0.2.0`.
 mod v2 {
@@ -666,77 +666,60 @@ macro_rules! tracing_level {
 mod limits;
 mod v3;
 
-fn to_entry(e: KvEntry) -> Entry {
-    Entry {
-        revision: e.version.as_u64().unwrap_or(0),
-        key: e.key,
-        value: e.value.to_vec(),
-    }
+/// The imports every contract version shares — `types`, `fold` (`get`, `scan`) and `log` — for
+/// the bindings at `$v` (`foldhost::guest`, `v2::foldhost::guest`, …): one body for every version,
+/// each only converting to its own generated types, so no version reads or logs differently.
+macro_rules! fold_and_log_imports {
+    ($($v:ident)::+) => {
+        impl $($v)::+::types::Host for HostState {}
+
+        impl $($v)::+::fold::Host for HostState {
+            fn get(
+                &mut self,
+                key: String,
+            ) -> wasmtime::Result<Option<$($v)::+::types::Entry>> {
+                Ok(self.fold_get(&key)?.map(|e| $($v)::+::types::Entry {
+                    revision: e.version.as_u64().unwrap_or(0),
+                    key: e.key,
+                    value: e.value.to_vec(),
+                }))
+            }
+
+            fn scan(
+                &mut self,
+                prefix: String,
+                start_after: Option<String>,
+                limit: u32,
+            ) -> wasmtime::Result<Vec<$($v)::+::types::Entry>> {
+                let v = self.fold_scan(&prefix, start_after.as_deref(), limit)?;
+                Ok(v
+                    .into_iter()
+                    .map(|e| $($v)::+::types::Entry {
+                        revision: e.version.as_u64().unwrap_or(0),
+                        key: e.key,
+                        value: e.value.to_vec(),
+                    })
+                    .collect())
+            }
+        }
+
+        impl $($v)::+::log::Host for HostState {
+            fn log(
+                &mut self,
+                level: $($v)::+::log::Level,
+                message: String,
+            ) -> wasmtime::Result<()> {
+                use $($v)::+::log::Level;
+                self.log_line(tracing_level!(level, Level), message);
+                Ok(())
+            }
+        }
+    };
 }
 
-impl foldhost::guest::types::Host for HostState {}
-
-impl foldhost::guest::fold::Host for HostState {
-    fn get(&mut self, key: String) -> wasmtime::Result<Option<Entry>> {
-        Ok(self.fold_get(&key)?.map(to_entry))
-    }
-
-    fn scan(
-        &mut self,
-        prefix: String,
-        start_after: Option<String>,
-        limit: u32,
-    ) -> wasmtime::Result<Vec<Entry>> {
-        let v = self.fold_scan(&prefix, start_after.as_deref(), limit)?;
-        Ok(v.into_iter().map(to_entry).collect())
-    }
-}
-
-impl foldhost::guest::log::Host for HostState {
-    fn log(&mut self, level: foldhost::guest::log::Level, message: String) -> wasmtime::Result<()> {
-        use foldhost::guest::log::Level;
-        self.log_line(tracing_level!(level, Level), message);
-        Ok(())
-    }
-}
-
-fn to_entry_v2(e: KvEntry) -> v2::foldhost::guest::types::Entry {
-    v2::foldhost::guest::types::Entry {
-        revision: e.version.as_u64().unwrap_or(0),
-        key: e.key,
-        value: e.value.to_vec(),
-    }
-}
-
-impl v2::foldhost::guest::types::Host for HostState {}
-
-impl v2::foldhost::guest::fold::Host for HostState {
-    fn get(&mut self, key: String) -> wasmtime::Result<Option<v2::foldhost::guest::types::Entry>> {
-        Ok(self.fold_get(&key)?.map(to_entry_v2))
-    }
-
-    fn scan(
-        &mut self,
-        prefix: String,
-        start_after: Option<String>,
-        limit: u32,
-    ) -> wasmtime::Result<Vec<v2::foldhost::guest::types::Entry>> {
-        let v = self.fold_scan(&prefix, start_after.as_deref(), limit)?;
-        Ok(v.into_iter().map(to_entry_v2).collect())
-    }
-}
-
-impl v2::foldhost::guest::log::Host for HostState {
-    fn log(
-        &mut self,
-        level: v2::foldhost::guest::log::Level,
-        message: String,
-    ) -> wasmtime::Result<()> {
-        use v2::foldhost::guest::log::Level;
-        self.log_line(tracing_level!(level, Level), message);
-        Ok(())
-    }
-}
+fold_and_log_imports!(foldhost::guest);
+fold_and_log_imports!(v2::foldhost::guest);
+fold_and_log_imports!(v3::foldhost::guest);
 
 /// Adds every linked contract version's imports (`fold`, `log`, and 0.3.0's `state`) to `linker`.
 pub(crate) fn add_to_linker(

@@ -67,32 +67,6 @@ fn refusal(reason: &str, message: String) -> Refusal {
     }
 }
 
-impl foldhost::guest::types::Host for HostState {}
-
-impl foldhost::guest::fold::Host for HostState {
-    fn get(&mut self, key: String) -> wasmtime::Result<Option<Entry>> {
-        Ok(self.fold_get(&key)?.map(entry))
-    }
-
-    fn scan(
-        &mut self,
-        prefix: String,
-        start_after: Option<String>,
-        limit: u32,
-    ) -> wasmtime::Result<Vec<Entry>> {
-        let v = self.fold_scan(&prefix, start_after.as_deref(), limit)?;
-        Ok(v.into_iter().map(entry).collect())
-    }
-}
-
-impl foldhost::guest::log::Host for HostState {
-    fn log(&mut self, level: foldhost::guest::log::Level, message: String) -> wasmtime::Result<()> {
-        use foldhost::guest::log::Level;
-        self.log_line(tracing_level!(level, Level), message);
-        Ok(())
-    }
-}
-
 impl HostState {
     /// The lane `bucket` names, or the refusal of an undeclared name.
     fn read_lane(&self, bucket: &str) -> Result<crate::guest::state::StateLane, Refusal> {
