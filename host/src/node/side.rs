@@ -59,31 +59,8 @@ impl SideTasks {
         follower: Option<super::channel::Follower>,
         fold: FoldAccess,
     ) -> Result<SideTasks, NodeError> {
-        let FoldAccess {
-            stream,
-            ledger,
-            kv,
-            read_key,
-            state,
-            queries,
-        } = fold;
-        let mut others = Vec::new();
-        let (rate, sampler) = crate::write::ApplyRate::start(status.clone());
-        others.push(sampler);
-        let write = Arc::new(crate::write::WritePath {
-            kv: kv.clone(),
-            bucket: cfg.bucket.clone(),
-            scope: scope.clone(),
-            status: status.clone(),
-            ledger,
-            rate,
-        });
-        others.push(tokio::spawn(tracing::Instrument::in_current_span(
-            sweep_ledger(cfg.ledger_retention, control.clone()),
-        )));
-        others.push(tokio::spawn(tracing::Instrument::in_current_span(
-            read_positions(write.kv.clone(), status.clone()),
-        )));
+        let (write, mut others) =
+            start_write_path(cfg, &fold.kv, scope, status, fold.ledger, &control);
         let fatal: Arc<std::sync::Mutex<Option<String>>> = Arc::default();
         let last_export: Arc<std::sync::Mutex<Option<foldhost_core::status::ExportRoundReport>>> =
             Arc::default();
@@ -98,101 +75,46 @@ impl SideTasks {
             control: control.clone(),
             fatal: fatal.clone(),
             last_export: last_export.clone(),
-            stream: stream.clone(),
+            stream: fold.stream.clone(),
             write: write.clone(),
-            read_key,
-            state_folds: state.clone(),
-            queries,
+            read_key: fold.read_key,
+            state_folds: fold.state.clone(),
+            queries: fold.queries,
         };
-        let (server, served) = match &cfg.listen {
-            Some(l) => {
-                let (server, served) = listen(cfg, l, &mut base, parts).await?;
-                (Some(server), served)
-            }
-            None => {
-                let policy = unserved_policy()
-                    .map_err(|e| NodeError::Config(format!("a query state's tokens: {e}")))?;
-                let ready_max_lag = crate::serve::DEFAULT_READY_MAX_LAG;
-                (None, Arc::new(parts.build(cfg, policy, ready_max_lag)))
-            }
-        };
-        if server.is_some() {
-            // At once, not at the reporter's first write: with `--listen HOST:0` this is where
-            // the port the system chose is found.
-            write_status_file(&cfg.store, &live_status(&base, status));
-        }
+        let (server, served) = serve(cfg, &mut base, status, parts).await?;
         if cfg.watch_guest
             && let (Some(path), Some(engine)) = (cfg.guest.clone(), engine)
         {
-            others.push(tokio::spawn(tracing::Instrument::in_current_span(
-                watch_guest_file(path, engine, control.clone()),
-            )));
+            others.push(in_span(watch_guest_file(path, engine, control.clone())));
         }
         let mut claim = None;
         if let Some(follower) = follower {
             claim = Some(follower.claim());
-            others.push(tokio::spawn(tracing::Instrument::in_current_span(
-                follower.run(),
-            )));
+            others.push(in_span(follower.run()));
         }
-        if let Some(subject) = &cfg.query_subject {
-            let client = conn.client().await?;
-            let sub = client
-                .queue_subscribe(subject.clone(), cfg.query_group.clone())
-                .await
-                .map_err(|e| NodeError::Config(format!("--query-subject {subject}: {e}")))?;
-            tracing::info!(event = "nats_queries_serving", subject = %subject, group = %cfg.query_group, "serving queries over NATS request/reply");
-            others.push(tokio::spawn(tracing::Instrument::in_current_span(
-                nats::serve_nats_queries(client, sub, cfg.query_reply_prefix.clone(), served),
-            )));
-        }
-        if let Some(subject) = &cfg.write_subject {
-            let client = conn.client().await?;
-            let sub = client
-                .queue_subscribe(subject.clone(), cfg.query_group.clone())
-                .await
-                .map_err(|e| NodeError::Config(format!("--write-subject {subject}: {e}")))?;
-            tracing::info!(event = "nats_writes_serving", subject = %subject, group = %cfg.query_group, "taking writes over NATS request/reply");
-            others.push(tokio::spawn(tracing::Instrument::in_current_span(
-                nats::serve_nats_writes(client, sub, cfg.query_reply_prefix.clone(), write.clone()),
-            )));
-        }
-        if let (Some(transport), Some((_, key))) = (&transport, &cfg.artifacts) {
-            others.push(tokio::spawn(tracing::Instrument::in_current_span(
-                super::freshness::watch(
-                    super::freshness::Checked {
-                        kv: kv.clone(),
-                        transport: transport.clone(),
-                        key: key.clone(),
-                        stream: stream.clone(),
-                        scope: scope.clone(),
-                    },
-                    status.clone(),
-                ),
-            )));
-        }
+        others.extend(nats::start(cfg, conn, served, &write).await?);
+        others.extend(freshness_watch(
+            cfg,
+            &transport,
+            &fold.kv,
+            &fold.stream,
+            scope,
+            status,
+        ));
         if let (Some(every), Some(transport), Some((_, key))) =
             (cfg.export_every, transport, &cfg.artifacts)
         {
-            let rounds =
+            let mut rounds =
                 export_rounds(cfg, conn, transport, scope, &control, &last_export, status).await?;
-            let rounds = super::ExportRounds {
-                stream,
-                state,
-                ..rounds
-            };
+            (rounds.stream, rounds.state) = (fold.stream, fold.state);
             tracing::info!(event = "export_rounds_started", every_s = every.as_secs_f64(), key = %key, "export rounds on");
-            others.push(tokio::spawn(tracing::Instrument::in_current_span(
-                rounds.run(every),
-            )));
+            others.push(in_span(rounds.run(every)));
         }
-        others.push(tokio::spawn(tracing::Instrument::in_current_span(
-            report_progress(
-                cfg.store.clone(),
-                base.clone(),
-                status.clone(),
-                last_export.clone(),
-            ),
+        others.push(in_span(report_progress(
+            cfg.store.clone(),
+            base.clone(),
+            status.clone(),
+            last_export.clone(),
         )));
         Ok(SideTasks {
             server,
@@ -251,6 +173,89 @@ impl SideTasks {
         }
         outcome
     }
+}
+
+/// A side task, spawned in the fold's span.
+fn in_span<F>(task: F) -> JoinHandle<()>
+where
+    F: std::future::Future<Output = ()> + Send + 'static,
+{
+    tokio::spawn(tracing::Instrument::in_current_span(task))
+}
+
+/// The fold's write path, with the tasks that keep it: the apply-rate sampler, the ledger's
+/// sweep and the stream's positions.
+fn start_write_path(
+    cfg: &NodeConfig,
+    kv: &Arc<foldhost_nats::NatsKv>,
+    scope: &WatchScope,
+    status: &Arc<FoldStatus>,
+    ledger: crate::write::LedgerLookup,
+    control: &mpsc::Sender<Control>,
+) -> (Arc<crate::write::WritePath>, Vec<JoinHandle<()>>) {
+    let mut others = Vec::new();
+    let (rate, sampler) = crate::write::ApplyRate::start(status.clone());
+    others.push(sampler);
+    let write = Arc::new(crate::write::WritePath {
+        kv: kv.clone(),
+        bucket: cfg.bucket.clone(),
+        scope: scope.clone(),
+        status: status.clone(),
+        ledger,
+        rate,
+    });
+    others.push(in_span(sweep_ledger(cfg.ledger_retention, control.clone())));
+    others.push(in_span(read_positions(write.kv.clone(), status.clone())));
+    (write, others)
+}
+
+/// The node's one serve state, and the `--listen` server serving it if there is one (`base`
+/// then names its address, and `status.json` says so at once).
+async fn serve(
+    cfg: &NodeConfig,
+    base: &mut StatusReport,
+    status: &Arc<FoldStatus>,
+    parts: StateParts,
+) -> Result<(Option<JoinHandle<()>>, Arc<crate::serve::ServeState>), NodeError> {
+    Ok(match &cfg.listen {
+        Some(l) => {
+            let (server, served) = listen(cfg, l, base, parts).await?;
+            // At once, not at the reporter's first write: with `--listen HOST:0` this is where
+            // the port the system chose is found.
+            write_status_file(&cfg.store, &live_status(base, status));
+            (Some(server), served)
+        }
+        None => {
+            let policy = unserved_policy()
+                .map_err(|e| NodeError::Config(format!("a query state's tokens: {e}")))?;
+            let ready_max_lag = crate::serve::DEFAULT_READY_MAX_LAG;
+            (None, Arc::new(parts.build(cfg, policy, ready_max_lag)))
+        }
+    })
+}
+
+/// The newest artifact's freshness, watched when the node has an artifact store and key.
+fn freshness_watch(
+    cfg: &NodeConfig,
+    transport: &Option<Arc<foldhost_artifact::transport::ArtifactTransport>>,
+    kv: &Arc<foldhost_nats::NatsKv>,
+    stream: &super::export::StreamSource,
+    scope: &WatchScope,
+    status: &Arc<FoldStatus>,
+) -> Option<JoinHandle<()>> {
+    let (Some(transport), Some((_, key))) = (transport, &cfg.artifacts) else {
+        return None;
+    };
+    Some(in_span(super::freshness::watch(
+        super::freshness::Checked {
+            kv: kv.clone(),
+            transport: transport.clone(),
+            key: key.clone(),
+            stream: stream.clone(),
+            scope: scope.clone(),
+        },
+        status.clone(),
+    )))
 }
 
 /// Binds `--listen`, settles the admin token (given, read from a file, or generated beside the

@@ -8,6 +8,52 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use tokio::task::JoinHandle;
+
+use foldhost_nats::NatsConnection;
+
+use super::{NodeConfig, NodeError, in_span};
+
+/// Subscribes `--query-subject` and `--write-subject` (when set), in that order, each in the
+/// node's queue group, and starts serving them.
+pub(super) async fn start(
+    cfg: &NodeConfig,
+    conn: &NatsConnection,
+    served: Arc<crate::serve::ServeState>,
+    write: &Arc<crate::write::WritePath>,
+) -> Result<Vec<JoinHandle<()>>, NodeError> {
+    let mut tasks = Vec::new();
+    if let Some(subject) = &cfg.query_subject {
+        let client = conn.client().await?;
+        let sub = client
+            .queue_subscribe(subject.clone(), cfg.query_group.clone())
+            .await
+            .map_err(|e| NodeError::Config(format!("--query-subject {subject}: {e}")))?;
+        tracing::info!(event = "nats_queries_serving", subject = %subject, group = %cfg.query_group, "serving queries over NATS request/reply");
+        tasks.push(in_span(serve_nats_queries(
+            client,
+            sub,
+            cfg.query_reply_prefix.clone(),
+            served,
+        )));
+    }
+    if let Some(subject) = &cfg.write_subject {
+        let client = conn.client().await?;
+        let sub = client
+            .queue_subscribe(subject.clone(), cfg.query_group.clone())
+            .await
+            .map_err(|e| NodeError::Config(format!("--write-subject {subject}: {e}")))?;
+        tracing::info!(event = "nats_writes_serving", subject = %subject, group = %cfg.query_group, "taking writes over NATS request/reply");
+        tasks.push(in_span(serve_nats_writes(
+            client,
+            sub,
+            cfg.query_reply_prefix.clone(),
+            write.clone(),
+        )));
+    }
+    Ok(tasks)
+}
+
 /// `--query-subject`, taken in the node's queue group: each request's payload goes to the guest's
 /// `query` ([`crate::serve::ask_one`]); the reply is the answer, or the error text with a
 /// `Foldhost-Error: true` header. A request with `Content-Type: application/x-foldhost-lookups`
@@ -17,7 +63,7 @@ use std::time::Duration;
 /// answered counts in the fold's `nats_queries_served`, before its reply goes out. At most
 /// [`MAX_NATS_QUERIES`] are asked at once (more wait in the subscription), and at most
 /// [`MAX_WAITING_NATS_QUERIES`] wait for a revision beside them.
-pub(super) async fn serve_nats_queries(
+async fn serve_nats_queries(
     client: async_nats::Client,
     mut sub: async_nats::Subscriber,
     reply_prefix: String,
@@ -39,24 +85,8 @@ pub(super) async fn serve_nats_queries(
             tracing::warn!(event = "nats_query_refused", reply = %reply_to, prefix = %reply_prefix, "query refused: its reply subject is not an inbox");
             continue;
         }
-        let header = |name: &str| {
-            msg.headers
-                .as_ref()
-                .and_then(|h| h.get(name))
-                .map(|v| v.as_str().to_string())
-        };
-        let min = header(foldhost_core::protocol::MIN_REVISION_HEADER);
-        let wait = header(foldhost_core::protocol::WAIT_MS_HEADER);
-        let asked = NatsQuery {
-            reply_to,
-            payload: msg.payload.to_vec(),
-            lookups: header("Content-Type").is_some_and(|t| crate::serve::is_lookups(&t)),
-        };
-        let min_wait =
-            foldhost_core::protocol::parse_min_revision(min.as_deref()).and_then(|min| {
-                foldhost_core::protocol::parse_read_wait(wait.as_deref()).map(|w| (min, w))
-            });
-        match min_wait.map(|(min, wait_ms)| min.map(|m| (m, wait_ms))) {
+        let (asked, min_wait) = take_query(&msg, reply_to);
+        match min_wait {
             Err(e) => {
                 count_served(&state);
                 reply_error(&client, asked.reply_to, "true", None, e).await;
@@ -101,6 +131,32 @@ pub(super) async fn serve_nats_queries(
             }
         }
     }
+}
+
+/// A query as taken from its message, and the revision it asks to read at or after with how
+/// long it may wait for it (`None`: no revision asked; `Err`: the headers do not parse).
+fn take_query(
+    msg: &async_nats::Message,
+    reply_to: async_nats::Subject,
+) -> (NatsQuery, Result<Option<(u64, u64)>, String>) {
+    let header = |name: &str| {
+        msg.headers
+            .as_ref()
+            .and_then(|h| h.get(name))
+            .map(|v| v.as_str().to_string())
+    };
+    let min = header(foldhost_core::protocol::MIN_REVISION_HEADER);
+    let wait = header(foldhost_core::protocol::WAIT_MS_HEADER);
+    let asked = NatsQuery {
+        reply_to,
+        payload: msg.payload.to_vec(),
+        lookups: header("Content-Type").is_some_and(|t| crate::serve::is_lookups(&t)),
+    };
+    let min_wait = foldhost_core::protocol::parse_min_revision(min.as_deref()).and_then(|min| {
+        foldhost_core::protocol::parse_read_wait(wait.as_deref()).map(|w| (min, w))
+    });
+    let min_wait = min_wait.map(|(min, wait_ms)| min.map(|m| (m, wait_ms)));
+    (asked, min_wait)
 }
 
 /// A NATS query as taken: where its reply goes, its payload, and whether it is a batch.
@@ -168,7 +224,7 @@ async fn nats_query(client: &async_nats::Client, state: &crate::serve::ServeStat
 /// group, so exactly one publishes it): each request is a [`crate::write::WriteRequest`] (JSON), each
 /// reply its [`crate::write::WriteAnswer`] (JSON) with the outcome in `Foldhost-Outcome`. At most
 /// [`MAX_NATS_WRITES`] are in flight; more wait in the subscription.
-pub(super) async fn serve_nats_writes(
+async fn serve_nats_writes(
     client: async_nats::Client,
     mut sub: async_nats::Subscriber,
     reply_prefix: String,
