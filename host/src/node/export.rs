@@ -167,6 +167,70 @@ impl ExportRounds {
         // cursor, the round ends before the lease (an absent or corrupt pointer is exported over).
         let at = self.fold.cursor.load(std::sync::atomic::Ordering::Acquire);
         let stream = (self.stream)();
+        if let Some(published) = self.published_up_to_date(at, &stream).await {
+            return RoundOutcome::UpToDate { published };
+        }
+        let lease = match self.lease.get().await {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::warn!(event = "export_lease_unavailable", error = %e, "export round: the lease bucket could not be opened");
+                return RoundOutcome::Failed(e);
+            }
+        };
+        let held = match lease.acquire(now_unix_ms()).await {
+            Ok(Some(h)) => h,
+            Ok(None) => return RoundOutcome::NotOurs,
+            Err(e) => return RoundOutcome::Failed(e.to_string()),
+        };
+        let lease_revision = held.revision();
+        tracing::info!(
+            event = "export_lease_won",
+            lease_revision,
+            "export round: lease won"
+        );
+        let dir = self.scratch.join(format!("round-{}", now_unix_ms()));
+        let published = self.export_and_upload(&dir, &stream).await;
+        let _ = std::fs::remove_dir_all(&dir);
+        match published {
+            Ok(p) => {
+                if let Err(e) = lease.complete(held, p.cursor, now_unix_ms()).await {
+                    tracing::warn!(event = "export_lease_complete_failed", error = %e, "export round: the lease could not be completed");
+                }
+                self.prune().await;
+                tracing::info!(event = "export_published", cursor = p.cursor, payload = %p.payload, lease_revision, "export round: artifact published");
+                RoundOutcome::Published { cursor: p.cursor }
+            }
+            Err(e) => {
+                if let Err(le) = lease.abandon(held, now_unix_ms()).await {
+                    tracing::warn!(event = "export_lease_abandon_failed", error = %le, "export round: the lease could not be abandoned (it runs out by itself)");
+                }
+                match e {
+                    Ok(current) => {
+                        tracing::info!(
+                            event = "export_superseded",
+                            current,
+                            lease_revision,
+                            "export round: superseded by a newer artifact; lease abandoned"
+                        );
+                        RoundOutcome::Superseded { current }
+                    }
+                    Err(why) => {
+                        tracing::warn!(event = "export_failed", error = %why, "export round failed");
+                        RoundOutcome::Failed(why)
+                    }
+                }
+            }
+        }
+    }
+
+    /// The published artifact's cursor, when it already holds this node's committed cursor `at` of
+    /// the same stream (or one not known): a quiet fold exports nothing. An absent or corrupt
+    /// pointer is exported over.
+    async fn published_up_to_date(
+        &self,
+        at: u64,
+        stream: &Option<foldhost_artifact::artifact::ManifestStream>,
+    ) -> Option<u64> {
         if at > 0
             && let Ok(Some(p)) = self.transport.pointer(&self.key).await
             && let Some(published) = p.manifest.cursor
@@ -190,100 +254,61 @@ impl ExportRounds {
                 at,
                 "export round: the published artifact is up to date"
             );
-            return RoundOutcome::UpToDate { published };
+            return Some(published);
         }
-        let lease = match self.lease.get().await {
-            Ok(l) => l,
-            Err(e) => {
-                tracing::warn!(event = "export_lease_unavailable", error = %e, "export round: the lease bucket could not be opened");
-                return RoundOutcome::Failed(e);
-            }
-        };
-        let held = match lease.acquire(now_unix_ms()).await {
-            Ok(Some(h)) => h,
-            Ok(None) => return RoundOutcome::NotOurs,
-            Err(e) => return RoundOutcome::Failed(e.to_string()),
-        };
-        let lease_revision = held.revision();
-        tracing::info!(
-            event = "export_lease_won",
-            lease_revision,
-            "export round: lease won"
-        );
-        let dir = self.scratch.join(format!("round-{}", now_unix_ms()));
-        let published: Result<_, Result<u64, String>> = async {
-            std::fs::create_dir_all(&self.scratch)
-                .map_err(|e| Err(format!("{}: {e}", self.scratch.display())))?;
-            foldhost_fold::applied::export_live_of(
-                &self.control,
-                self.backend,
-                dir.clone(),
-                Some(self.scope.clone()),
-                stream.clone(),
-                self.state.clone(),
-            )
+        None
+    }
+
+    /// The fold exported live into `dir` and uploaded. `Err(Ok(current))`: superseded by the
+    /// published cursor; `Err(Err(why))`: failed.
+    async fn export_and_upload(
+        &self,
+        dir: &std::path::Path,
+        stream: &Option<foldhost_artifact::artifact::ManifestStream>,
+    ) -> Result<foldhost_artifact::transport::Published, Result<u64, String>> {
+        std::fs::create_dir_all(&self.scratch)
+            .map_err(|e| Err(format!("{}: {e}", self.scratch.display())))?;
+        foldhost_fold::applied::export_live_of(
+            &self.control,
+            self.backend,
+            dir.to_path_buf(),
+            Some(self.scope.clone()),
+            stream.clone(),
+            self.state.clone(),
+        )
+        .await
+        .map_err(|e| Err(e.to_string()))?;
+        // The fold reset for another stream while it was copied: its artifact is not the
+        // stream the manifest would name.
+        if (self.stream)() != *stream {
+            return Err(Err("the fold changed streams during the export".to_string()));
+        }
+        self.transport
+            .upload(&self.key, dir, &self.scratch)
             .await
-            .map_err(|e| Err(e.to_string()))?;
-            // The fold reset for another stream while it was copied: its artifact is not the
-            // stream the manifest would name.
-            if (self.stream)() != stream {
-                return Err(Err("the fold changed streams during the export".to_string()));
+            .map_err(|e| match e {
+                TransportError::SupersededByNewer { current, .. } => Ok(current),
+                other => Err(other.to_string()),
+            })
+    }
+
+    /// Prunes old payloads (four lease periods the horizon), saying what it did.
+    async fn prune(&self) {
+        match self
+            .transport
+            .prune(&self.key, self.lease_ttl * 4, clock::Now::system())
+            .await
+        {
+            Ok(n) if n > 0 => {
+                tracing::info!(
+                    event = "export_pruned",
+                    pruned = n,
+                    "export round: old payloads pruned"
+                )
             }
-            // `Err(Ok(current))`: superseded by the published cursor; `Err(Err(why))`: failed.
-            self.transport
-                .upload(&self.key, &dir, &self.scratch)
-                .await
-                .map_err(|e| match e {
-                    TransportError::SupersededByNewer { current, .. } => Ok(current),
-                    other => Err(other.to_string()),
-                })
-        }
-        .await;
-        let _ = std::fs::remove_dir_all(&dir);
-        match published {
-            Ok(p) => {
-                if let Err(e) = lease.complete(held, p.cursor, now_unix_ms()).await {
-                    tracing::warn!(event = "export_lease_complete_failed", error = %e, "export round: the lease could not be completed");
-                }
-                match self
-                    .transport
-                    .prune(&self.key, self.lease_ttl * 4, clock::Now::system())
-                    .await
-                {
-                    Ok(n) if n > 0 => {
-                        tracing::info!(
-                            event = "export_pruned",
-                            pruned = n,
-                            "export round: old payloads pruned"
-                        )
-                    }
-                    Ok(_) => {}
-                    Err(e) => {
-                        tracing::warn!(event = "export_prune_failed", error = %e, "export round: prune failed")
-                    }
-                }
-                tracing::info!(event = "export_published", cursor = p.cursor, payload = %p.payload, lease_revision, "export round: artifact published");
-                RoundOutcome::Published { cursor: p.cursor }
-            }
+            Ok(_) => {}
             Err(e) => {
-                if let Err(le) = lease.abandon(held, now_unix_ms()).await {
-                    tracing::warn!(event = "export_lease_abandon_failed", error = %le, "export round: the lease could not be abandoned (it runs out by itself)");
-                }
-                match e {
-                    Ok(current) => {
-                        tracing::info!(
-                            event = "export_superseded",
-                            current,
-                            lease_revision,
-                            "export round: superseded by a newer artifact; lease abandoned"
-                        );
-                        RoundOutcome::Superseded { current }
-                    }
-                    Err(why) => {
-                        tracing::warn!(event = "export_failed", error = %why, "export round failed");
-                        RoundOutcome::Failed(why)
-                    }
-                }
+                tracing::warn!(event = "export_prune_failed", error = %e, "export round: prune failed")
             }
         }
     }
