@@ -2,25 +2,66 @@
 
 use super::*;
 
+/// What the scenario's phases share: the server and its log, an admin connection, and the
+/// owner's and the reader's stores (fields drop in the order the test's locals did).
+struct Scene {
+    reader_store: std::path::PathBuf,
+    owner_store: std::path::PathBuf,
+    admin: NatsConnection,
+    server: LocalNats,
+    log: std::path::PathBuf,
+    _tmp: tempfile::TempDir,
+}
+
+impl Scene {
+    /// A server with both main buckets.
+    async fn open() -> anyhow::Result<Self> {
+        let tmp = tempfile::tempdir()?;
+        let log = tmp.path().join("server.log");
+        let server = server(&log)?;
+        let admin = NatsConnection::open(ConnectOptions::new(url_as(&server, "admin"))).await?;
+        main_bucket(&admin, OWNER_MAIN).await?;
+        main_bucket(&admin, READER_MAIN).await?;
+        let owner_store = tmp.path().join("owner");
+        let reader_store = tmp.path().join("reader");
+        Ok(Self {
+            reader_store,
+            owner_store,
+            admin,
+            server,
+            log,
+            _tmp: tmp,
+        })
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before_a_publish()
 -> anyhow::Result<()> {
-    let tmp = tempfile::tempdir()?;
-    let log = tmp.path().join("server.log");
-    let server = server(&log)?;
-    let admin = NatsConnection::open(ConnectOptions::new(url_as(&server, "admin"))).await?;
-    main_bucket(&admin, OWNER_MAIN).await?;
-    main_bucket(&admin, READER_MAIN).await?;
-
+    let s = Scene::open().await?;
     // The owner, with a small bucket cap and writes attempted from parse and apply.
-    let owner_store = tmp.path().join("owner");
     let cap = "65536";
-    let mut owner = start(
-        &server,
+    let mut owner = start_owner(&s, cap).await?;
+    owner_answers_every_verb(&owner).await?;
+    owner_refusals_come_before_a_publish(&s, &owner).await?;
+    let reader = start_a_reader_following_the_owner(&s, &owner).await?;
+    reader_reads_the_owners_bucket_and_is_refused_its_writes(&s, reader).await?;
+    forced_past_the_check_the_server_refuses(&s).await?;
+    owner.stop()?;
+    restarted_nodes_resume_and_leave_no_consumer(&s, cap).await?;
+    other_buckets_are_reported_never_removed(&s).await
+}
+
+/// Starts the owner with the bucket cap `cap`, writing from parse and apply.
+async fn start_owner(s: &Scene, cap: &str) -> anyhow::Result<Node> {
+    let owner_store = &s.owner_store;
+    let server = &s.server;
+    start(
+        server,
         "owner",
         OWNER_MAIN,
         "state_owner",
-        &owner_store,
+        owner_store,
         &[
             "--state-max-bucket",
             cap,
@@ -33,7 +74,11 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
             "30000",
         ],
     )
-    .await?;
+    .await
+}
+
+/// A write from `query` waiting for the fold, then every verb on the owner's own bucket.
+async fn owner_answers_every_verb(owner: &Node) -> anyhow::Result<()> {
     // A write from `query` with `wait-ms`, once the query instance answers queries: the fold is
     // free to apply it while the query waits, so it answers `applied`. (Were the query answered
     // on the fold's path, the fold could not apply the write until the query returned: a wait
@@ -67,7 +112,7 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
         deleted["ok"]["op_id"].is_string(),
         "the owner's delete: {deleted}"
     );
-    wait_seen(&owner, "notes", |s| {
+    wait_seen(owner, "notes", |s| {
         s["entries"]["a"] == "1"
             && s["entries"].get("gone").is_none()
             && s["events"]
@@ -81,9 +126,15 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
     anyhow::ensure!(got["ok"]["value"] == "1", "the owner's get: {got}");
     let keys = owner.ask(json!({"op": "keys", "bucket": "notes"})).await?;
     anyhow::ensure!(keys["ok"] == json!(["a"]), "the owner's keys: {keys}");
+    Ok(())
+}
 
+/// Each host-side refusal says why and publishes nothing; the bucket's cap admits one write of
+/// two; writes from parse and apply are refused.
+async fn owner_refusals_come_before_a_publish(s: &Scene, owner: &Node) -> anyhow::Result<()> {
+    let admin = &s.admin;
     // Each host-side refusal, with its reason, and nothing reaches the server.
-    let before = last_sequence(&admin, NOTES).await?;
+    let before = last_sequence(admin, NOTES).await?;
     let big = "x".repeat(300 * 1024);
     let half = "y".repeat(40 * 1024);
     for (request, reason) in [
@@ -118,8 +169,8 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
         .ask(json!({"op": "put", "bucket": "notes", "key": "h1", "value": half}))
         .await?;
     anyhow::ensure!(first["ok"].is_object(), "{first}");
-    wait_seen(&owner, "notes", |s| s["entries"].get("h1").is_some()).await?;
-    let before_full = last_sequence(&admin, NOTES).await?;
+    wait_seen(owner, "notes", |s| s["entries"].get("h1").is_some()).await?;
+    let before_full = last_sequence(admin, NOTES).await?;
     anyhow::ensure!(
         before_full == before + 1,
         "only the admitted write was published"
@@ -141,19 +192,27 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
         "writes from parse and apply are refused: {log_answer}"
     );
     anyhow::ensure!(
-        last_sequence(&admin, NOTES).await? == before_full,
+        last_sequence(admin, NOTES).await? == before_full,
         "no refused write reached the server"
     );
+    Ok(())
+}
 
+/// A reader started after the owner wrote is handed the current values, then follows a change.
+async fn start_a_reader_following_the_owner(s: &Scene, owner: &Node) -> anyhow::Result<Node> {
+    let Scene {
+        server,
+        reader_store,
+        ..
+    } = s;
     // The reader starts after the owner wrote: it is handed the current values — not the key
     // deleted before it ever ran — then one end-of-current.
-    let reader_store = tmp.path().join("reader");
-    let mut reader = start(
-        &server,
+    let reader = start(
+        server,
         "reader",
         READER_MAIN,
         "state_reader",
-        &reader_store,
+        reader_store,
         &[],
     )
     .await?;
@@ -190,6 +249,16 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
                 .is_some_and(|e| e.iter().any(|x| x == "chg:put:b"))
     })
     .await?;
+    Ok(reader)
+}
+
+/// The reader reads and lists the owner's bucket, and is refused its writes by the host before any
+/// publish; its own bucket it writes.
+async fn reader_reads_the_owners_bucket_and_is_refused_its_writes(
+    s: &Scene,
+    mut reader: Node,
+) -> anyhow::Result<()> {
+    let Scene { log, admin, .. } = s;
     // The reader reads and lists the owner's bucket; its writes are refused by the host.
     let got = reader
         .ask(json!({"op": "get", "bucket": "owner.notes", "key": "b"}))
@@ -202,7 +271,7 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
         keys["ok"].as_array().is_some_and(|k| k.len() == 3),
         "{keys}"
     );
-    let notes_before = last_sequence(&admin, NOTES).await?;
+    let notes_before = last_sequence(admin, NOTES).await?;
     for op in ["put", "delete"] {
         let answer = reader
             .ask(json!({"op": op, "bucket": "owner.notes", "key": "b", "value": "x"}))
@@ -215,20 +284,29 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
         .await?;
     anyhow::ensure!(mine["ok"].is_object(), "{mine}");
     anyhow::ensure!(
-        last_sequence(&admin, NOTES).await? == notes_before
-            && violations(&log, "reader").is_empty(),
+        last_sequence(admin, NOTES).await? == notes_before && violations(log, "reader").is_empty(),
         "the host refused before any publish: no message, no violation"
     );
     reader.stop()?;
+    Ok(())
+}
 
+/// Forced past the host's check, a reader's write is refused by the server.
+async fn forced_past_the_check_the_server_refuses(s: &Scene) -> anyhow::Result<()> {
+    let Scene {
+        log,
+        server,
+        reader_store,
+        ..
+    } = s;
     // Forced past the host's check, the same write is refused by the server: `permission`,
     // naming the subject — not a timeout.
     let mut forced = start(
-        &server,
+        server,
         "reader",
         READER_MAIN,
         "state_reader",
-        &reader_store,
+        reader_store,
         &["--state-unchecked-writes"],
     )
     .await?;
@@ -243,19 +321,31 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
         "the server's refusal: {answer}"
     );
     anyhow::ensure!(
-        !violations(&log, "reader").is_empty(),
+        !violations(log, "reader").is_empty(),
         "the server logged it"
     );
     forced.stop()?;
-    owner.stop()?;
+    Ok(())
+}
 
+/// Restarted, each node resumes its folds (a trapped instance is hydrated again); stopped, none
+/// leaves a consumer behind.
+async fn restarted_nodes_resume_and_leave_no_consumer(s: &Scene, cap: &str) -> anyhow::Result<()> {
+    let Scene {
+        log,
+        server,
+        admin,
+        owner_store,
+        reader_store,
+        ..
+    } = s;
     // Restarted, each resumes its folds; stopped, none leaves a consumer behind.
     let mut owner = start(
-        &server,
+        server,
         "owner",
         OWNER_MAIN,
         "state_owner",
-        &owner_store,
+        owner_store,
         &["--state-max-bucket", cap],
     )
     .await?;
@@ -265,11 +355,11 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
         "{seen}"
     );
     let mut reader = start(
-        &server,
+        server,
         "reader",
         READER_MAIN,
         "state_reader",
-        &reader_store,
+        reader_store,
         &[],
     )
     .await?;
@@ -303,28 +393,38 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
         "clean stops"
     );
     anyhow::ensure!(
-        consumers(&admin, &[OWNER_MAIN, READER_MAIN, NOTES, TALLY, MINE]).await? == 0,
+        consumers(admin, &[OWNER_MAIN, READER_MAIN, NOTES, TALLY, MINE]).await? == 0,
         "no consumer lingers on any stream"
     );
     anyhow::ensure!(
-        violations(&log, "owner").is_empty(),
+        violations(log, "owner").is_empty(),
         "{:?}",
-        violations(&log, "owner")
+        violations(log, "owner")
     );
+    Ok(())
+}
 
+/// The owner's store under a guest that declares other buckets: the old ones are reported, never
+/// removed.
+async fn other_buckets_are_reported_never_removed(s: &Scene) -> anyhow::Result<()> {
+    let Scene {
+        server,
+        owner_store,
+        ..
+    } = s;
     // The owner's store under a guest that declares other buckets: the old ones are reported,
     // never removed.
-    let listed = state_list(&owner_store)?;
+    let listed = state_list(owner_store)?;
     anyhow::ensure!(
         listed == json!([["notes", true], ["tally", true]]),
         "before: {listed}"
     );
     let mut other = start(
-        &server,
+        server,
         "admin",
         OWNER_MAIN,
         "state_reader",
-        &owner_store,
+        owner_store,
         &[],
     )
     .await?;
@@ -341,7 +441,7 @@ async fn an_owner_keeps_state_a_reader_follows_it_and_every_refusal_comes_before
         .collect();
     anyhow::ensure!(gone == ["notes", "tally"], "{:?}", status.state_buckets);
     other.stop()?;
-    let listed = state_list(&owner_store)?;
+    let listed = state_list(owner_store)?;
     anyhow::ensure!(
         listed
             == json!([
