@@ -373,6 +373,113 @@ impl FloorModel {
             Watch::Expired
         };
     }
+
+    /// The next write: revision `written + 1`, retained.
+    fn write(n: &mut State) {
+        n.written += 1;
+        n.retained |= bit(n.written);
+    }
+
+    /// Retention removes the oldest retained message, whatever it is.
+    fn evict(n: &mut State) -> Option<()> {
+        let first = (1..=n.written).find(|r| n.retained & bit(*r) != 0)?;
+        n.retained &= !bit(first);
+        Some(())
+    }
+
+    /// The watch delivers its next retained in-scope message.
+    fn deliver(&self, n: &mut State) -> Option<()> {
+        let Watch::Running { pos, frontier, .. } = n.watch else {
+            return None;
+        };
+        let r = self.next_delivery(n, pos)?;
+        // In-band: a gap is checked before the message is passed on.
+        let in_band = self.mutation != Mutation::PeriodicOnly;
+        if in_band && r > frontier + 1 && self.trips(n, frontier) {
+            n.tripped = true;
+            n.watch = Watch::Expired;
+            return Some(());
+        }
+        Self::apply(n, r);
+        n.watch = Watch::Running {
+            pos: r,
+            frontier: frontier.max(r),
+            probed: false,
+            mark: None,
+        };
+        Some(())
+    }
+
+    /// The backstop's probe; a passing one starts a prefix watch's quiet watermark.
+    fn probe(&self, n: &mut State) -> Option<()> {
+        let Watch::Running { pos, frontier, .. } = n.watch else {
+            return None;
+        };
+        if self.trips(n, frontier) {
+            n.tripped = true;
+            n.watch = Watch::Expired;
+            return Some(());
+        }
+        // The same stream-info read gives the last sequence a prefix watch's watermark starts
+        // from.
+        let before = n.written;
+        let mark =
+            (self.scope == Scope::Prefix && before > frontier).then_some(Mark::Scan { before });
+        n.watch = Watch::Running {
+            pos,
+            frontier,
+            probed: true,
+            mark,
+        };
+        Some(())
+    }
+
+    /// The watermark's second read: no in-scope message retained after the frontier.
+    fn mark_scan(&self, n: &mut State) -> Option<()> {
+        let Watch::Running {
+            pos,
+            frontier,
+            probed,
+            mark: Some(Mark::Scan { before }),
+        } = n.watch
+        else {
+            return None;
+        };
+        let found = self.next_delivery(n, frontier).is_some();
+        n.watch = Watch::Running {
+            pos,
+            frontier,
+            probed,
+            mark: (!found).then_some(Mark::Recheck { before }),
+        };
+        Some(())
+    }
+
+    /// The watermark's third read: the frontier moves over out-of-scope messages when the first
+    /// sequence is still inside [`protocol::resume_window_ok`].
+    fn mark_recheck(n: &mut State) -> Option<()> {
+        let Watch::Running {
+            pos,
+            frontier,
+            probed,
+            mark: Some(Mark::Recheck { before }),
+        } = n.watch
+        else {
+            return None;
+        };
+        let moved = protocol::resume_window_ok(u64::from(frontier), first_sequence(n));
+        n.watch = Watch::Running {
+            pos,
+            frontier: if moved {
+                frontier.max(before)
+            } else {
+                frontier
+            },
+            probed,
+            mark: None,
+        };
+        Some(())
+    }
 }
 
 impl Model for FloorModel {
@@ -468,96 +575,13 @@ impl Model for FloorModel {
             };
         }
         match action {
-            Action::Write => {
-                n.written += 1;
-                n.retained |= bit(n.written);
-            }
+            Action::Write => Self::write(&mut n),
             Action::Supersede(r) => n.retained &= !bit(r),
-            Action::Evict => {
-                let first = (1..=n.written).find(|r| n.retained & bit(*r) != 0)?;
-                n.retained &= !bit(first);
-            }
-            Action::Deliver => {
-                let Watch::Running { pos, frontier, .. } = n.watch else {
-                    return None;
-                };
-                let r = self.next_delivery(&n, pos)?;
-                // In-band: a gap is checked before the message is passed on.
-                let in_band = self.mutation != Mutation::PeriodicOnly;
-                if in_band && r > frontier + 1 && self.trips(&n, frontier) {
-                    n.tripped = true;
-                    n.watch = Watch::Expired;
-                    return Some(n);
-                }
-                Self::apply(&mut n, r);
-                n.watch = Watch::Running {
-                    pos: r,
-                    frontier: frontier.max(r),
-                    probed: false,
-                    mark: None,
-                };
-            }
-            Action::Probe => {
-                let Watch::Running { pos, frontier, .. } = n.watch else {
-                    return None;
-                };
-                if self.trips(&n, frontier) {
-                    n.tripped = true;
-                    n.watch = Watch::Expired;
-                    return Some(n);
-                }
-                // The same stream-info read gives the last sequence a prefix watch's watermark
-                // starts from.
-                let before = n.written;
-                let mark = (self.scope == Scope::Prefix && before > frontier)
-                    .then_some(Mark::Scan { before });
-                n.watch = Watch::Running {
-                    pos,
-                    frontier,
-                    probed: true,
-                    mark,
-                };
-            }
-            Action::MarkScan => {
-                let Watch::Running {
-                    pos,
-                    frontier,
-                    probed,
-                    mark: Some(Mark::Scan { before }),
-                } = n.watch
-                else {
-                    return None;
-                };
-                let found = self.next_delivery(&n, frontier).is_some();
-                n.watch = Watch::Running {
-                    pos,
-                    frontier,
-                    probed,
-                    mark: (!found).then_some(Mark::Recheck { before }),
-                };
-            }
-            Action::MarkRecheck => {
-                let Watch::Running {
-                    pos,
-                    frontier,
-                    probed,
-                    mark: Some(Mark::Recheck { before }),
-                } = n.watch
-                else {
-                    return None;
-                };
-                let moved = protocol::resume_window_ok(u64::from(frontier), first_sequence(&n));
-                n.watch = Watch::Running {
-                    pos,
-                    frontier: if moved {
-                        frontier.max(before)
-                    } else {
-                        frontier
-                    },
-                    probed,
-                    mark: None,
-                };
-            }
+            Action::Evict => Self::evict(&mut n)?,
+            Action::Deliver => self.deliver(&mut n)?,
+            Action::Probe => self.probe(&mut n)?,
+            Action::MarkScan => self.mark_scan(&mut n)?,
+            Action::MarkRecheck => Self::mark_recheck(&mut n)?,
             Action::Relist => {
                 n.relisted = true;
                 self.relist(&mut n);
