@@ -187,7 +187,7 @@ where
 /// Serves one connection until the client closes it, its slot's watchdog cuts it (a deadline),
 /// it is refused, or it is evicted.
 async fn connection(
-    mut sock: TcpStream,
+    sock: TcpStream,
     state: Arc<ServeState>,
     budgets: Arc<Budgets>,
     slot: Arc<Slot>,
@@ -213,51 +213,7 @@ async fn connection(
         arrived_on,
         reserved,
     });
-    let service = hyper::service::service_fn(move |req| {
-        let ctx = ctx.clone();
-        async move { ctx.handle(req).await }
-    });
-    let served = {
-        let slot = slot.clone();
-        async move {
-            let (h2, prefix) = sniff(&mut sock).await?;
-            let io = TokioIo::new(Flushes {
-                sock,
-                prefix,
-                slot: slot.clone(),
-            });
-            if h2 {
-                let tasks = StreamTasks {
-                    slot,
-                    span: tracing::Span::current(),
-                };
-                hyper::server::conn::http2::Builder::new(tasks)
-                    .timer(TokioTimer::new())
-                    .max_concurrent_streams(H2_MAX_STREAMS)
-                    .max_header_list_size(MAX_HEAD as u32)
-                    .initial_stream_window_size(H2_WINDOW)
-                    .initial_connection_window_size(H2_WINDOW)
-                    .max_send_buf_size(H2_CHUNK)
-                    .serve_connection(io, service)
-                    .await
-                    .map_err(std::io::Error::other)
-            } else {
-                hyper::server::conn::http1::Builder::new()
-                    .timer(TokioTimer::new())
-                    // The wait for each head, the first and every one after an answer
-                    // (keep-alive idle); the slot's watchdog keeps the same clock.
-                    .header_read_timeout(HEAD_DEADLINE)
-                    // The read buffer, and so the largest head (hyper answers 431 past it).
-                    .max_buf_size(MAX_HEAD)
-                    .keep_alive(true)
-                    // A client that shuts its side after sending its request still gets the answer.
-                    .half_close(true)
-                    .serve_connection(io, service)
-                    .await
-                    .map_err(std::io::Error::other)
-            }
-        }
-    };
+    let served = serve_http(sock, slot.clone(), ctx);
     let told = slot.told.clone();
     tokio::select! {
         r = served => {
@@ -273,6 +229,54 @@ async fn connection(
         }
     }
     slot.close();
+}
+
+/// Serves the connection's requests over HTTP/1.1 or HTTP/2, whichever its first bytes speak.
+async fn serve_http(
+    mut sock: TcpStream,
+    slot: Arc<Slot>,
+    ctx: Arc<ConnCtx>,
+) -> std::io::Result<()> {
+    let service = hyper::service::service_fn(move |req| {
+        let ctx = ctx.clone();
+        async move { ctx.handle(req).await }
+    });
+    let (h2, prefix) = sniff(&mut sock).await?;
+    let io = TokioIo::new(Flushes {
+        sock,
+        prefix,
+        slot: slot.clone(),
+    });
+    if h2 {
+        let tasks = StreamTasks {
+            slot,
+            span: tracing::Span::current(),
+        };
+        hyper::server::conn::http2::Builder::new(tasks)
+            .timer(TokioTimer::new())
+            .max_concurrent_streams(H2_MAX_STREAMS)
+            .max_header_list_size(MAX_HEAD as u32)
+            .initial_stream_window_size(H2_WINDOW)
+            .initial_connection_window_size(H2_WINDOW)
+            .max_send_buf_size(H2_CHUNK)
+            .serve_connection(io, service)
+            .await
+            .map_err(std::io::Error::other)
+    } else {
+        hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            // The wait for each head, the first and every one after an answer
+            // (keep-alive idle); the slot's watchdog keeps the same clock.
+            .header_read_timeout(HEAD_DEADLINE)
+            // The read buffer, and so the largest head (hyper answers 431 past it).
+            .max_buf_size(MAX_HEAD)
+            .keep_alive(true)
+            // A client that shuts its side after sending its request still gets the answer.
+            .half_close(true)
+            .serve_connection(io, service)
+            .await
+            .map_err(std::io::Error::other)
+    }
 }
 
 /// A connection's view of the server.
@@ -362,60 +366,16 @@ impl ConnCtx {
         // A read that must wait for a revision waits before its body is budgeted or read, under a
         // bound of its own: waiting reads never hold the bodies' budget, and never more than
         // WAITING_READS connections.
-        if let (Route::Query | Route::Get, Some(min)) = (route, head.min_revision) {
-            let target = match self.target(fold.as_deref(), route) {
-                Ok(t) => t,
-                Err(refused) => return Ok(Err(refused)),
-            };
-            let level = target.positions.as_ref().is_some_and(|p| {
-                p.status
-                    .applied_through
-                    .load(std::sync::atomic::Ordering::Acquire)
-                    >= min
-            });
-            if !level {
-                let Ok(_waiting) = self.budgets.waiting.clone().try_acquire_owned() else {
-                    return refuse(503, "too many reads wait for a revision here; retry");
-                };
-                if let Err(behind) = super::wait_revision(&target, min, head.wait_ms).await {
-                    return Ok(Err(behind));
-                }
-            }
+        if let (Route::Query | Route::Get, Some(min)) = (route, head.min_revision)
+            && let Err(refused) = self
+                .wait_revision(fold.as_deref(), route, min, head.wait_ms)
+                .await
+        {
+            return Ok(Err(refused));
         }
-        // The body's share of a budget, taken before a byte of it is read: a chunked query
-        // takes the route's whole limit, the most it may read.
-        let budget = match route {
-            Route::Query | Route::Write if head.chunked || head.content_length > 0 => {
-                if route == Route::Write {
-                    // Admitted with the write token: no longer a stranger to evict.
-                    served.hold();
-                }
-                let bytes = if head.chunked {
-                    limit
-                } else {
-                    head.content_length
-                };
-                let share = u32::try_from(bytes.div_ceil(1024)).ok().and_then(|k| {
-                    self.budgets
-                        .query_kib
-                        .clone()
-                        .try_acquire_many_owned(k)
-                        .ok()
-                });
-                match share {
-                    Some(p) => Some(p),
-                    None => return refuse(503, "too many query bodies in flight; retry"),
-                }
-            }
-            Route::Swap | Route::Shadow | Route::Export => {
-                // Admitted with the admin token: no longer a stranger to evict.
-                served.hold();
-                match self.budgets.admin.clone().try_acquire_owned() {
-                    Ok(p) => Some(p),
-                    Err(_) => return refuse(503, "another admin request is in flight; retry"),
-                }
-            }
-            _ => None,
+        let budget = match self.body_budget(route, &head, limit, served) {
+            Ok(b) => b,
+            Err(refused) => return Ok(Err(refused)),
         };
         let read = tokio::time::timeout(
             REQUEST_DEADLINE.saturating_sub(HEAD_DEADLINE),
@@ -438,6 +398,82 @@ impl ConnCtx {
             ),
             Err(BodyError::Read(e)) => Err(e),
         }
+    }
+
+    /// A read of `fold`'s `route` that must see revision `min` waits for it (unless the fold is
+    /// level already), holding one of the waiting reads' places. `Err(reply)`: refused, or
+    /// still behind when its wait ran out.
+    async fn wait_revision(
+        &self,
+        fold: Option<&str>,
+        route: Route,
+        min: u64,
+        wait_ms: u64,
+    ) -> Result<(), Reply> {
+        let target = self.target(fold, route)?;
+        let level = target.positions.as_ref().is_some_and(|p| {
+            p.status
+                .applied_through
+                .load(std::sync::atomic::Ordering::Acquire)
+                >= min
+        });
+        if !level {
+            let Ok(_waiting) = self.budgets.waiting.clone().try_acquire_owned() else {
+                return Err(Reply::refused(&Refusal::new(
+                    503,
+                    "too many reads wait for a revision here; retry",
+                )));
+            };
+            super::wait_revision(&target, min, wait_ms).await?;
+        }
+        Ok(())
+    }
+
+    /// The body's share of a budget, taken before a byte of it is read: a chunked query takes
+    /// the route's whole limit, the most it may read; an admin request takes the one admin
+    /// place. A request admitted with a token is no longer a stranger to evict. `Err(reply)`:
+    /// refused, the budget being spent.
+    fn body_budget(
+        &self,
+        route: Route,
+        head: &RequestHead,
+        limit: usize,
+        served: &mut InService,
+    ) -> Result<Option<OwnedSemaphorePermit>, Reply> {
+        let refuse = |message: &str| Err(Reply::refused(&Refusal::new(503, message)));
+        Ok(match route {
+            Route::Query | Route::Write if head.chunked || head.content_length > 0 => {
+                if route == Route::Write {
+                    // Admitted with the write token: no longer a stranger to evict.
+                    served.hold();
+                }
+                let bytes = if head.chunked {
+                    limit
+                } else {
+                    head.content_length
+                };
+                let share = u32::try_from(bytes.div_ceil(1024)).ok().and_then(|k| {
+                    self.budgets
+                        .query_kib
+                        .clone()
+                        .try_acquire_many_owned(k)
+                        .ok()
+                });
+                match share {
+                    Some(p) => Some(p),
+                    None => return refuse("too many query bodies in flight; retry"),
+                }
+            }
+            Route::Swap | Route::Shadow | Route::Export => {
+                // Admitted with the admin token: no longer a stranger to evict.
+                served.hold();
+                match self.budgets.admin.clone().try_acquire_owned() {
+                    Ok(p) => Some(p),
+                    Err(_) => return refuse("another admin request is in flight; retry"),
+                }
+            }
+            _ => None,
+        })
     }
 
     /// The state serving a request for `fold`'s `route`: the fold's when the path names one (on a
