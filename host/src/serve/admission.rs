@@ -263,6 +263,24 @@ pub fn admit(
     policy: &AccessPolicy,
     arrived_on: SocketAddr,
 ) -> Result<(Route, usize), Refusal> {
+    let route = route_of(head)?;
+    check_host_and_origin(head, policy, arrived_on)?;
+    check_token(head, policy, route)?;
+    let limit = body_limit(route, policy);
+    if head.content_length > limit {
+        return Err(Refusal::new(
+            413,
+            format!(
+                "{} takes at most {limit} body bytes, {} announced",
+                head.path, head.content_length
+            ),
+        ));
+    }
+    Ok((route, limit))
+}
+
+/// The route the head's path names, taken with its method (404, 405).
+fn route_of(head: &RequestHead) -> Result<Route, Refusal> {
     let route = match head.path.as_str() {
         "/status" => Route::Status,
         "/query" => Route::Query,
@@ -288,6 +306,16 @@ pub fn admit(
     if head.method != method {
         return Err(Refusal::new(405, format!("{} takes {method}", head.path)));
     }
+    Ok(route)
+}
+
+/// The Host names this listener and the Origin, if any, is the Host's (403: a rebound name or a
+/// cross-site browser request).
+fn check_host_and_origin(
+    head: &RequestHead,
+    policy: &AccessPolicy,
+    arrived_on: SocketAddr,
+) -> Result<(), Refusal> {
     if !foldhost_core::protocol::host_names_listener(
         head.host.as_deref(),
         policy.listen,
@@ -315,6 +343,13 @@ pub fn admit(
             ));
         }
     }
+    Ok(())
+}
+
+/// The bearer token the route needs (401): the write token for `/write`, the admin token for the
+/// admin routes, the query token (as the listener's query access asks) for the rest but the
+/// probes and the page.
+fn check_token(head: &RequestHead, policy: &AccessPolicy, route: Route) -> Result<(), Refusal> {
     let bearer = head.bearer.as_deref();
     if route == Route::Write && !token_matches(bearer, &policy.write_token) {
         return Err(Refusal::new(401, "/write needs the write bearer token"));
@@ -352,7 +387,12 @@ pub fn admit(
             format!("{} needs the query bearer token", head.path),
         ));
     }
-    let limit = match route {
+    Ok(())
+}
+
+/// The largest body `route` may read.
+fn body_limit(route: Route, policy: &AccessPolicy) -> usize {
+    match route {
         Route::Status | Route::Health | Route::Ready | Route::Metrics | Route::Page => 0,
         Route::Query => policy.limits.query_body,
         Route::Swap => policy.limits.swap_body,
@@ -360,17 +400,7 @@ pub fn admit(
         Route::Export => MAX_EXPORT_BODY,
         Route::Write => crate::write::MAX_WRITE_BODY,
         Route::Get => MAX_GET_BODY,
-    };
-    if head.content_length > limit {
-        return Err(Refusal::new(
-            413,
-            format!(
-                "{} takes at most {limit} body bytes, {} announced",
-                head.path, head.content_length
-            ),
-        ));
     }
-    Ok((route, limit))
 }
 
 /// The connections still sending their request, oldest first: when every slot is taken, a new
