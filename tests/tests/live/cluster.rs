@@ -159,35 +159,60 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
         dir: tmp.path().to_path_buf(),
         passed: false,
     };
-
     // A continuous writer: keys w.000000…, retried through the leader change.
     let stop = Arc::new(AtomicBool::new(false));
     let written = Arc::new(AtomicU64::new(0));
-    let writer = {
-        let (kv, stop, written) = (kv.clone(), stop.clone(), written.clone());
-        tokio::spawn(async move {
-            let mut i = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                if kv
-                    .put(&format!("w.{:06}", i % 5000), format!("v{i}").into())
-                    .await
-                    .is_ok()
-                {
-                    i += 1;
-                    written.store(i, Ordering::Relaxed);
-                }
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        })
-    };
+    let writer = spawn_writer(&kv, &stop, &written);
+    let mut nodes = start_nodes(&cluster, &moto, tmp.path()).await?;
+    kill_and_restart_the_leader(&mut cluster, &kv, &written).await?;
+    stop.store(true, Ordering::Relaxed);
+    writer.await?;
+    every_fold_converges_to_the_bucket(&kv, &mut nodes, tmp.path()).await?;
+    exactly_one_node_exports_per_round(tmp.path())?;
+    let exporter = export_from_an_evicting_bucket(&cluster, &moto, &kv, tmp.path()).await?;
+    a_late_node_bootstraps_from_the_artifact(&cluster, &moto, tmp.path())?;
+    drop(exporter);
+    logs.passed = true;
+    Ok(())
+}
 
+/// A continuous writer: keys w.000000…, retried through the leader change; counts into `written`
+/// until `stop`.
+fn spawn_writer(
+    kv: &Arc<NatsKv>,
+    stop: &Arc<AtomicBool>,
+    written: &Arc<AtomicU64>,
+) -> tokio::task::JoinHandle<()> {
+    let (kv, stop, written) = (kv.clone(), stop.clone(), written.clone());
+    tokio::spawn(async move {
+        let mut i = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            if kv
+                .put(&format!("w.{:06}", i % 5000), format!("v{i}").into())
+                .await
+                .is_ok()
+            {
+                i += 1;
+                written.store(i, Ordering::Relaxed);
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+}
+
+/// Starts nodes a, b and c exporting in rounds, each once it applied past 100 and exported.
+async fn start_nodes(
+    cluster: &LocalCluster,
+    moto: &Moto,
+    tmp: &std::path::Path,
+) -> anyhow::Result<Nodes> {
     let mut nodes = Nodes(Vec::new());
     for name in ["a", "b", "c"] {
         let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
         let child = node(
-            &cluster,
-            &moto,
-            &tmp.path().join(name),
+            cluster,
+            moto,
+            &tmp.join(name),
             name,
             &addr,
             &["--export-every", "1", "--export-lease-secs", "3"],
@@ -195,16 +220,25 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
         nodes.0.push((child, addr));
     }
     for (i, (_, addr)) in nodes.0.iter().enumerate() {
-        let log = tmp.path().join(["a", "b", "c"][i]).with_extension("log");
+        let log = tmp.join(["a", "b", "c"][i]).with_extension("log");
         wait_status(addr, |s| s.applied_through > 100 && s.last_export.is_some())
             .await
             .map_err(|e| {
                 anyhow::anyhow!("{e}\n{}", std::fs::read_to_string(&log).unwrap_or_default())
             })?;
     }
+    Ok(nodes)
+}
 
+/// Kills the stream leader's server mid-run; writes go on once a new leader is elected, and after
+/// it is restarted.
+async fn kill_and_restart_the_leader(
+    cluster: &mut LocalCluster,
+    kv: &NatsKv,
+    written: &AtomicU64,
+) -> anyhow::Result<()> {
     // Kill the stream leader's server mid-run; writes go on once a new leader is elected.
-    let old = leader(&kv).await?;
+    let old = leader(kv).await?;
     let before = written.load(Ordering::Relaxed);
     cluster
         .member_mut(&old)
@@ -214,7 +248,7 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
         written.load(Ordering::Relaxed) > before + 300
     })
     .await?;
-    assert_ne!(leader(&kv).await?, old, "a new leader took over");
+    assert_ne!(leader(kv).await?, old, "a new leader took over");
     cluster
         .member_mut(&old)
         .ok_or_else(|| anyhow::anyhow!("no member {old}"))?
@@ -224,35 +258,46 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
         written.load(Ordering::Relaxed) > after_restart + 300
     })
     .await?;
-    stop.store(true, Ordering::Relaxed);
-    writer.await?;
+    Ok(())
+}
 
+/// Every fold converges to the bucket.
+async fn every_fold_converges_to_the_bucket(
+    kv: &NatsKv,
+    nodes: &mut Nodes,
+    tmp: &std::path::Path,
+) -> anyhow::Result<()> {
     // Every fold converges to the bucket.
     let last = retrying("last sequence", || kv.positions())
         .await?
         .last_sequence;
-    for (_, addr) in &nodes.0 {
+    for (_, addr) in nodes.0.iter() {
         let s = wait_status(addr, |s| s.applied_through == last).await?;
         assert_eq!(s.state, "running", "{s:?}");
     }
-    let want = retrying("bucket contents", || bucket_contents(&kv)).await?;
-    for (child, _) in &mut nodes.0 {
+    let want = retrying("bucket contents", || bucket_contents(kv)).await?;
+    for (child, _) in nodes.0.iter_mut() {
         terminate(child)?;
     }
     for name in ["a", "b", "c"] {
         assert_eq!(
-            first_difference(&want, &dump_store(&tmp.path().join(name))?),
+            first_difference(&want, &dump_store(&tmp.join(name))?),
             None,
             "node {name}"
         );
     }
+    Ok(())
+}
+
+/// Exactly one node exports per round, as the nodes' logs say.
+fn exactly_one_node_exports_per_round(tmp: &std::path::Path) -> anyhow::Result<()> {
     // Exactly one node exports per round: every lease win is a CAS on the revision before it, so
     // no lease revision is won by two nodes, and every published artifact was exported under a
     // lease its node won.
     let mut winners: std::collections::BTreeMap<u64, &str> = Default::default();
     let mut published = 0;
     for name in ["a", "b", "c"] {
-        let log = std::fs::read_to_string(tmp.path().join(name).with_extension("log"))?;
+        let log = std::fs::read_to_string(tmp.join(name).with_extension("log"))?;
         let mut won_here = std::collections::BTreeSet::new();
         for line in log.lines() {
             let revision = || -> anyhow::Result<u64> {
@@ -284,16 +329,26 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
         "{published} published, {} rounds won",
         winners.len()
     );
+    Ok(())
+}
 
+/// Makes the bucket evict under node a exporting, until a round published past the log's start;
+/// returns the (stopped) exporter.
+async fn export_from_an_evicting_bucket(
+    cluster: &LocalCluster,
+    moto: &Moto,
+    kv: &NatsKv,
+    tmp: &std::path::Path,
+) -> anyhow::Result<Nodes> {
     // Now the bucket evicts its oldest messages; a node whose start the log no longer holds
     // bootstraps from the artifact a round publishes. (A node stopped mid-round leaves its lease
     // to run out: 3 s here.)
     let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let mut exporter = Nodes(vec![(
         node(
-            &cluster,
-            &moto,
-            &tmp.path().join("a"),
+            cluster,
+            moto,
+            &tmp.join("a"),
             "a",
             &addr,
             &["--export-every", "1", "--export-lease-secs", "3"],
@@ -331,7 +386,17 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
     for (child, _) in &mut exporter.0 {
         terminate(child)?;
     }
-    let late = tmp.path().join("late");
+    Ok(exporter)
+}
+
+/// A node whose start the log no longer holds bootstraps from the artifact and converges to the
+/// exporter's fold.
+fn a_late_node_bootstraps_from_the_artifact(
+    cluster: &LocalCluster,
+    moto: &Moto,
+    tmp: &std::path::Path,
+) -> anyhow::Result<()> {
+    let late = tmp.join("late");
     let o = foldhost()
         .args([
             "run",
@@ -361,9 +426,8 @@ async fn a_three_node_cluster_loses_its_leader_without_losing_a_key_and_a_late_n
     // On an evicting bucket the listing is not the truth (a current value can age out unseen):
     // the late node converges to the exporter's fold, the one its artifact came from.
     assert_eq!(
-        first_difference(&dump_store(&tmp.path().join("a"))?, &dump_store(&late)?),
+        first_difference(&dump_store(&tmp.join("a"))?, &dump_store(&late)?),
         None
     );
-    logs.passed = true;
     Ok(())
 }
