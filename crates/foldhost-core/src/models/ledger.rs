@@ -268,6 +268,102 @@ impl LedgerModel {
             }
         }
     }
+
+    /// Client `op` writes (or retries) with `body`, and keeps the answer it got.
+    fn client_write(&self, n: &mut State, op: u8, body: u8) {
+        n.writes += 1;
+        n.collapsed = false;
+        let rev = self.write(n, op, body);
+        n.answer = Some((op, body, rev));
+    }
+
+    /// Another writer's record (no id).
+    fn raw(n: &mut State) {
+        n.raws += 1;
+        n.log.push(Rec::new(None, 9, n.now_ms));
+    }
+
+    /// A record carrying a forged far-future id.
+    fn forge(n: &mut State) {
+        n.forged = true;
+        n.log.push(Rec::new(Some(2), 9, n.now_ms));
+    }
+
+    /// The node folds its next record.
+    fn fold_next(&self, n: &mut State) {
+        n.cursor += 1;
+        let rev = n.cursor;
+        self.fold_record(n, rev);
+    }
+
+    /// The node restarts from an empty store: the rows, the watermark and the life forgotten, a
+    /// horizon over the records a state-sync passes without rows, and the newest record folded.
+    fn restart_empty(&self, n: &mut State) {
+        n.restarted = true;
+        n.rows.clear();
+        n.watermark = 0;
+        n.epoch = 0;
+        n.horizon = 0;
+        // One key: the state-sync delivers its newest record only.
+        let last = n.log.len() as u64;
+        if last > 1 && self.mutation != Mutation::NoHorizon {
+            n.horizon = Self::life(n).passed_without_rows(n.now_ms).horizon_unix_ms;
+        }
+        n.cursor = last;
+        self.fold_record(n, last);
+    }
+
+    /// The bucket is deleted and made again: a new incarnation of the ledger's life.
+    fn recreate(n: &mut State) {
+        n.recreated = true;
+        n.log.clear();
+        // The last answer named a record of the log that is gone.
+        n.answer = None;
+        let life = Self::life(n).new_incarnation(n.now_ms);
+        n.epoch = life.epoch;
+        n.horizon = life.horizon_unix_ms;
+        n.cursor = 0;
+    }
+
+    /// The sweep: rows past the cutoff removed, the watermark [`protocol::watermark_after_sweep`]
+    /// gives.
+    fn sweep(&self, n: &mut State) {
+        let cutoff = protocol::ledger_cutoff(n.now_ms, RETENTION_MS);
+        let due: Vec<u8> = n
+            .rows
+            .iter()
+            .filter(|(_, r)| r.1 < cutoff)
+            .map(|(op, _)| *op)
+            .collect();
+        let minted = due
+            .iter()
+            .map(|op| Self::id_of(n, *op).minted_unix_ms())
+            .max();
+        for op in &due {
+            n.rows.remove(op);
+        }
+        let clock = if self.mutation == Mutation::AnyIdRow {
+            u64::MAX
+        } else {
+            n.now_ms
+        };
+        n.watermark = protocol::watermark_after_sweep(n.watermark, minted, clock);
+    }
+
+    /// The key's oldest stored record is removed.
+    fn trim(n: &mut State) {
+        if let Some(r) = n.log.iter_mut().find(|r| r.kept) {
+            r.kept = false;
+        }
+    }
+
+    /// The broker restarts: it forgets the ids of the records it no longer stores.
+    fn broker_restart(n: &mut State) {
+        n.broker_restarted = true;
+        for r in n.log.iter_mut().filter(|r| !r.kept) {
+            r.remembered = false;
+        }
+    }
 }
 
 impl Model for LedgerModel {
@@ -342,82 +438,15 @@ impl Model for LedgerModel {
     fn next_state(&self, s: &State, action: Action) -> Option<State> {
         let mut n = s.clone();
         match action {
-            Action::Write(op, body) => {
-                n.writes += 1;
-                n.collapsed = false;
-                let rev = self.write(&mut n, op, body);
-                n.answer = Some((op, body, rev));
-            }
-            Action::Raw => {
-                n.raws += 1;
-                n.log.push(Rec::new(None, 9, n.now_ms));
-            }
-            Action::Forge => {
-                n.forged = true;
-                n.log.push(Rec::new(Some(2), 9, n.now_ms));
-            }
-            Action::Fold => {
-                n.cursor += 1;
-                let rev = n.cursor;
-                self.fold_record(&mut n, rev);
-            }
-            Action::RestartEmpty => {
-                n.restarted = true;
-                n.rows.clear();
-                n.watermark = 0;
-                n.epoch = 0;
-                n.horizon = 0;
-                // One key: the state-sync delivers its newest record only.
-                let last = n.log.len() as u64;
-                if last > 1 && self.mutation != Mutation::NoHorizon {
-                    n.horizon = Self::life(&n).passed_without_rows(n.now_ms).horizon_unix_ms;
-                }
-                n.cursor = last;
-                self.fold_record(&mut n, last);
-            }
-            Action::Recreate => {
-                n.recreated = true;
-                n.log.clear();
-                // The last answer named a record of the log that is gone.
-                n.answer = None;
-                let life = Self::life(&n).new_incarnation(n.now_ms);
-                n.epoch = life.epoch;
-                n.horizon = life.horizon_unix_ms;
-                n.cursor = 0;
-            }
-            Action::Sweep => {
-                let cutoff = protocol::ledger_cutoff(n.now_ms, RETENTION_MS);
-                let due: Vec<u8> = n
-                    .rows
-                    .iter()
-                    .filter(|(_, r)| r.1 < cutoff)
-                    .map(|(op, _)| *op)
-                    .collect();
-                let minted = due
-                    .iter()
-                    .map(|op| Self::id_of(&n, *op).minted_unix_ms())
-                    .max();
-                for op in &due {
-                    n.rows.remove(op);
-                }
-                let clock = if self.mutation == Mutation::AnyIdRow {
-                    u64::MAX
-                } else {
-                    n.now_ms
-                };
-                n.watermark = protocol::watermark_after_sweep(n.watermark, minted, clock);
-            }
-            Action::Trim => {
-                if let Some(r) = n.log.iter_mut().find(|r| r.kept) {
-                    r.kept = false;
-                }
-            }
-            Action::BrokerRestart => {
-                n.broker_restarted = true;
-                for r in n.log.iter_mut().filter(|r| !r.kept) {
-                    r.remembered = false;
-                }
-            }
+            Action::Write(op, body) => self.client_write(&mut n, op, body),
+            Action::Raw => Self::raw(&mut n),
+            Action::Forge => Self::forge(&mut n),
+            Action::Fold => self.fold_next(&mut n),
+            Action::RestartEmpty => self.restart_empty(&mut n),
+            Action::Recreate => Self::recreate(&mut n),
+            Action::Sweep => self.sweep(&mut n),
+            Action::Trim => Self::trim(&mut n),
+            Action::BrokerRestart => Self::broker_restart(&mut n),
             Action::Tick => n.now_ms += TICK_MS,
         }
         Some(n)
