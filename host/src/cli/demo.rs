@@ -9,6 +9,7 @@ use anyhow::{Context, bail};
 
 use crate::node::{ListenConfig, Node, NodeConfig};
 use foldhost_core::bucket::{BucketConfig, ConnectOptions};
+use foldhost_core::kv::KvWriter;
 use foldhost_core::status::StatusReport;
 use foldhost_nats::NatsConnection;
 
@@ -34,12 +35,7 @@ pub(super) async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
     println!(
         "== foldhost demo: a local nats-server, a bucket of routes, the router guest, a fold =="
     );
-    let guest = match a.guest.clone().or_else(find_router_guest) {
-        Some(g) => g,
-        None => bail!(
-            "router.wasm not found: build the guests with `guests/build.sh` (`make demo` does), or pass --guest"
-        ),
-    };
+    let guest = demo_guest(&a)?;
     let server = LocalNats::start()?;
     println!("nats-server on {}", server.url());
     let work = tempfile::Builder::new()
@@ -57,14 +53,7 @@ pub(super) async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         )
         .await?;
     let w = kv.writer();
-    for i in 0..a.routes {
-        w.put(
-            &format!("route.host{i:05}.example"),
-            format!("{{\"upstream\":\"10.0.{}.{}:8080\"}}", i / 250, i % 250).into(),
-        )
-        .await?;
-    }
-    println!("seeded {} routes into bucket 'routes'", a.routes);
+    seed_routes(w.as_ref(), a.routes).await?;
     let port = foldhost_localnats::reserved_port()?;
     let listen = format!("127.0.0.1:{port}");
     let mut cfg = NodeConfig {
@@ -86,43 +75,20 @@ pub(super) async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
     cfg.listen = Some(ListenConfig::new(listen.clone()));
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let host = tokio::spawn(Node::run(cfg, stop_rx));
-    for i in 0..10u32 {
-        w.put(
-            &format!("route.new{i}.example"),
-            "{\"upstream\":\"10.9.9.9:8080\"}".into(),
-        )
-        .await?;
-    }
-    w.delete("route.host00000.example").await?;
+    write_delta(w.as_ref()).await?;
     let target = first.cursor.revision_or_zero() + 11;
-    // Until the live run has applied the delta (a slow machine only takes longer; a run that
-    // never gets there is a failure, said as one).
-    let deadline = tokio::time::Instant::now() + DEMO_WAIT;
-    let status = loop {
-        if let Ok((200, body)) = crate::serve::call(&listen, "GET", "/status", b"").await {
-            let report: StatusReport = serde_json::from_slice(&body).unwrap_or_default();
-            if report.applied_through >= target {
-                break String::from_utf8_lossy(&body).trim_end().to_string();
-            }
-        }
-        if host.is_finished() || tokio::time::Instant::now() >= deadline {
+    let status = match applied_status(&listen, target, &host).await {
+        Some(status) => status,
+        None => {
             let _ = stop_tx.send(true);
             bail!(
                 "demo: the live run did not apply the delta through revision {target} within {DEMO_WAIT:?}"
             );
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
     };
     println!("\n$ curl -s http://{listen}/status");
     println!("{status}");
-    for host_name in ["host00042.example", "new7.example", "host00000.example"] {
-        let (code, body) =
-            crate::serve::call(&listen, "POST", "/query", host_name.as_bytes()).await?;
-        println!(
-            "\n$ curl -s -d {host_name} http://{listen}/query\n{code} {}",
-            String::from_utf8_lossy(&body).trim_end()
-        );
-    }
+    show_queries(&listen).await?;
     let _ = stop_tx.send(true);
     let second = host.await.context("host task")??;
     println!(
@@ -138,5 +104,77 @@ pub(super) async fn cmd_demo(a: DemoArgs) -> anyhow::Result<()> {
         );
     }
     println!("\ndemo ok");
+    Ok(())
+}
+
+/// The router guest: `--guest`, or the one built in the checkout.
+fn demo_guest(a: &DemoArgs) -> anyhow::Result<PathBuf> {
+    match a.guest.clone().or_else(find_router_guest) {
+        Some(g) => Ok(g),
+        None => bail!(
+            "router.wasm not found: build the guests with `guests/build.sh` (`make demo` does), or pass --guest"
+        ),
+    }
+}
+
+/// `routes` routes, `route.hostNNNNN.example`, each to its upstream.
+async fn seed_routes(w: &dyn KvWriter, routes: u32) -> anyhow::Result<()> {
+    for i in 0..routes {
+        w.put(
+            &format!("route.host{i:05}.example"),
+            format!("{{\"upstream\":\"10.0.{}.{}:8080\"}}", i / 250, i % 250).into(),
+        )
+        .await?;
+    }
+    println!("seeded {routes} routes into bucket 'routes'");
+    Ok(())
+}
+
+/// The delta the live run applies: ten new routes and one deleted (eleven revisions).
+async fn write_delta(w: &dyn KvWriter) -> anyhow::Result<()> {
+    for i in 0..10u32 {
+        w.put(
+            &format!("route.new{i}.example"),
+            "{\"upstream\":\"10.9.9.9:8080\"}".into(),
+        )
+        .await?;
+    }
+    w.delete("route.host00000.example").await?;
+    Ok(())
+}
+
+/// `/status` once the live run has applied through `target` (a slow machine only takes longer);
+/// `None` when the run ended or [`DEMO_WAIT`] passed first: a run that never gets there is a
+/// failure, said as one.
+async fn applied_status<T>(
+    listen: &str,
+    target: u64,
+    host: &tokio::task::JoinHandle<T>,
+) -> Option<String> {
+    let deadline = tokio::time::Instant::now() + DEMO_WAIT;
+    loop {
+        if let Ok((200, body)) = crate::serve::call(listen, "GET", "/status", b"").await {
+            let report: StatusReport = serde_json::from_slice(&body).unwrap_or_default();
+            if report.applied_through >= target {
+                return Some(String::from_utf8_lossy(&body).trim_end().to_string());
+            }
+        }
+        if host.is_finished() || tokio::time::Instant::now() >= deadline {
+            return None;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Three lookups, as `curl` would ask them: a seeded route, a new one, the deleted one.
+async fn show_queries(listen: &str) -> anyhow::Result<()> {
+    for host_name in ["host00042.example", "new7.example", "host00000.example"] {
+        let (code, body) =
+            crate::serve::call(listen, "POST", "/query", host_name.as_bytes()).await?;
+        println!(
+            "\n$ curl -s -d {host_name} http://{listen}/query\n{code} {}",
+            String::from_utf8_lossy(&body).trim_end()
+        );
+    }
     Ok(())
 }
