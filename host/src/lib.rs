@@ -14,8 +14,6 @@
 //! - [`write`] — writes through the host: outcomes, operation ids, the ledger's answers.
 //! - [`serve`] — the `--listen` endpoint: `/status`, `/query`, `/swap`, `/export`.
 //! - [`cli`] — the command line (a shell over `node`).
-//! - `testkit` — `SimBucket`, an in-memory JetStream KV bucket for fast tests of the fold (tests and
-//!   the `testkit` feature).
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -25,6 +23,4 @@ mod log_events_tests;
 pub(crate) mod metrics;
 pub mod node;
 pub mod serve;
-#[cfg(any(test, feature = "testkit"))]
-pub mod testkit;
 pub mod write;

@@ -401,6 +401,11 @@ impl KvUpdate {
 /// Most updates a watch sends through the fold's channel as one [`WatchEvent::Updates`].
 pub const WATCH_CHUNK: usize = 64;
 
+/// Period of the floor guard's backstop probe: when no delivery arrives for this long, the stream's
+/// first sequence is checked against the frontier directly (every 30 s). The NATS watch and the
+/// simulated bucket (`foldhost_fold::testkit`) both tick at it.
+pub const FLOOR_BACKSTOP: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// What a watch delivers into the fold's channel: updates, plus the watch's own progress signals.
 #[derive(Debug)]
 pub enum WatchEvent {

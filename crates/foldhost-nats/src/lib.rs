@@ -95,10 +95,6 @@ const NATS_MARKER_REASON: async_nats::header::HeaderName =
 /// orchestrators give a SIGTERM before a SIGKILL.
 pub(crate) const SHUTDOWN_BUDGET: Duration = Duration::from_secs(2);
 
-/// Period of the floor guard's backstop probe: when no delivery arrives for this long, the stream's
-/// first sequence is checked against the frontier directly (every 30 s).
-pub const FLOOR_BACKSTOP: Duration = Duration::from_secs(30);
-
 /// Least time between two delivery stamps (`WatchEvent::Stamp`) outside the level.
 pub(crate) const STAMP_PERIOD: Duration = Duration::from_millis(100);
 

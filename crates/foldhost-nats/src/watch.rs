@@ -2,7 +2,7 @@
 //! ordered consumer), and the forwarding of checked chunks into the fold's channel.
 
 use super::*;
-use foldhost_core::kv::WATCH_CHUNK;
+use foldhost_core::kv::{FLOOR_BACKSTOP, WATCH_CHUNK};
 
 impl NatsKv {
     /// Opens the ordered push consumer of a watch on the stream the fold pinned (which must be the

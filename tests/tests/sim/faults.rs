@@ -189,7 +189,7 @@ fn violation(v: &Violations, what: String) {
 /// is shown against the committed fold and the truth.
 pub struct Harnessed {
     pub inner: Box<dyn Apply>,
-    pub bucket: foldhost::testkit::SimBucket,
+    pub bucket: foldhost_fold::testkit::SimBucket,
     pub store: SharedStore<FaultStore>,
     pub truth: Arc<Mutex<Truth>>,
     pub violations: Violations,
@@ -244,7 +244,7 @@ impl Harnessed {
                     .iter()
                     .rev()
                     .find(|m| m.key == u.key())
-                    .is_some_and(|m| matches!(m.op, foldhost::testkit::SimOp::Put(_)));
+                    .is_some_and(|m| matches!(m.op, foldhost_fold::testkit::SimOp::Put(_)));
                 let truth = self.truth.lock().expect("truth");
                 if live || !truth.deleted_after(u.key(), have_rev) {
                     violation(

@@ -1,6 +1,6 @@
 //! Deterministic simulation of the fold: the real `watch_applied`, the real repairs
 //! (re-list and artifact restore), the real stores and the real guest host, over the simulated
-//! bucket (`foldhost::testkit::SimBucket`) with faults injected at every store-apply call and at
+//! bucket (`foldhost_fold::testkit::SimBucket`) with faults injected at every store-apply call and at
 //! guest calls. No nats-server, no wall clock: each seed runs in its own single-threaded runtime
 //! with paused time, so a seed is a complete, replayable description of a run.
 //!

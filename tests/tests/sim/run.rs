@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use bytes::Bytes;
-use foldhost::testkit::{SimBucket, SimConfig};
+use foldhost_fold::testkit::{SimBucket, SimConfig};
 use foldhost_artifact::artifact;
 use foldhost_core::kv::{KvReader, KvWatcher, WatchScope};
 use foldhost_core::protocol::RepairMode;

@@ -1,5 +1,5 @@
 //! A simulated JetStream KV bucket, [`SimBucket`], that makes the fold's loop
-//! ([`foldhost_fold::applied::watch_applied`]) testable in milliseconds, without a nats-server.
+//! ([`crate::applied::watch_applied`]) testable in milliseconds, without a nats-server.
 //!
 //! Compiled for this crate's tests and, for other crates' tests, with the cargo feature `testkit`.
 //!
@@ -30,8 +30,9 @@
 //!     [`KvError::CursorExpired`] when [`protocol::resume_window_ok`] fails against the live first
 //!     sequence; a cursor without a revision is a state-sync watch.
 //!   - Updates go out as [`WatchEvent::Updates`] in sequence order, in chunks of at most
-//!     [`WATCH_CHUNK`] (whatever the log holds when the watch looks: one chunk per look), through
-//!     the caller's bounded channel (a full channel backpressures the watch).
+//!     [`WATCH_CHUNK`](foldhost_core::kv::WATCH_CHUNK) (whatever the log holds when the watch
+//!     looks: one chunk per look), through the caller's bounded channel (a full channel
+//!     backpressures the watch).
 //!     [`WatchEvent::CaughtUp`] follows the chunk after which nothing in scope is left, once per
 //!     watch, naming the last revision delivered.
 //!   - Writes made after a watch started are pushed to every open watch.
@@ -40,9 +41,9 @@
 //!     chunk whose first message lies past `frontier + 1` (a gap) is checked before it is passed
 //!     on with [`protocol::floor_guard_trips`] against the live first sequence, and the watch ends
 //!     with [`KvError::CursorExpired`] when it trips. The same check runs after
-//!     [`FLOOR_BACKSTOP`] without a delivery, and a prefix watch that is level and quiet moves its
-//!     frontier by the quiet watermark (no in-scope message after the frontier, nothing after it
-//!     evicted), as `nats.rs` does.
+//!     [`FLOOR_BACKSTOP`](foldhost_core::kv::FLOOR_BACKSTOP) without a delivery, and a prefix
+//!     watch that is level and quiet moves its frontier by the quiet watermark (no in-scope message
+//!     after the frontier, nothing after it evicted), as `nats.rs` does (`watch_run.rs`).
 //! - **Scripted delivery faults**: [`SimBucket::hold_deliveries`] holds every watch's deliveries
 //!   (writes and evictions go on meanwhile) until [`SimBucket::release_deliveries`], so a watch can
 //!   be made to see a gap; [`SimBucket::break_watches`] ends every open watch with a chosen error.
@@ -67,7 +68,7 @@
 //! - The identity check runs at every step of a watch (in NATS it runs at floor checks, which a
 //!   recreated stream triggers through consumer errors): the outcome is the same.
 
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -77,15 +78,15 @@ use tokio::sync::{mpsc, watch};
 
 use foldhost_core::kv::{
     KvEntry, KvError, KvReader, KvUpdate, KvWatcher, KvWriter, StreamIdentity, StreamState,
-    VersionToken, WATCH_CHUNK, WatchCursor, WatchEvent, WatchScope,
+    VersionToken, WatchCursor, WatchEvent, WatchScope,
 };
 use foldhost_core::protocol;
-use foldhost_nats::FLOOR_BACKSTOP;
 
 #[cfg(test)]
 mod query_tests;
 #[cfg(test)]
 mod tests;
+mod watch_run;
 
 /// The simulated bucket's name ([`KvWatcher::bucket_name`]).
 pub(crate) const SIM_BUCKET: &str = "sim";
@@ -312,134 +313,6 @@ fn stream_changed(detail: String) -> KvError {
     }
 }
 
-/// Decrements the open-watch gauge when a watch ends (returns, fails or is aborted).
-struct OpenWatch(Arc<Inner>);
-
-impl Drop for OpenWatch {
-    fn drop(&mut self) {
-        self.0.open_watches.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// One open watch's position (the simulated ordered consumer and `run_watch`'s bookkeeping).
-struct WatchRun {
-    scope: WatchScope,
-    /// The stream the watch folds (the pinned identity, else the one it started on).
-    identity: StreamIdentity,
-    /// The injected-error epoch at the start.
-    epoch: u64,
-    /// A state-sync watch's initial messages not delivered yet (sequences, ascending).
-    initial: VecDeque<u64>,
-    /// The next sequence the live phase looks at.
-    next: u64,
-    /// The last stream sequence the watch is known to have passed (`None`: not guarded yet).
-    frontier: Option<u64>,
-    level_reported: bool,
-    last_delivered: Option<u64>,
-}
-
-/// What one look at the stream found.
-enum Step {
-    /// Send these updates, then (`Some`) the level through that revision.
-    Deliver {
-        updates: Vec<KvUpdate>,
-        level: Option<Option<u64>>,
-    },
-    /// Nothing to deliver now (or deliveries are held).
-    Wait,
-}
-
-impl WatchRun {
-    fn step(&mut self, st: &State) -> Result<Step, KvError> {
-        if st.break_epoch > self.epoch {
-            return Err(st
-                .break_error
-                .clone()
-                .unwrap_or_else(|| KvError::WatchError("injected".into())));
-        }
-        st.check_same_stream(&self.identity)?;
-        if st.held {
-            return Ok(Step::Wait);
-        }
-        let mut chunk: Vec<&SimMessage> = Vec::new();
-        while chunk.len() < WATCH_CHUNK
-            && let Some(seq) = self.initial.pop_front()
-        {
-            // An initial message evicted or superseded before delivery is skipped, as NATS does.
-            if let Some(m) = st.log.get(&seq) {
-                chunk.push(m);
-            }
-        }
-        if self.initial.is_empty() {
-            for (&seq, m) in st.log.range(self.next..) {
-                if chunk.len() >= WATCH_CHUNK {
-                    break;
-                }
-                self.next = seq.saturating_add(1);
-                if self.scope.contains(&m.key) {
-                    chunk.push(m);
-                }
-            }
-        }
-        let Some(last) = chunk.last().map(|m| m.sequence) else {
-            return Ok(Step::Wait);
-        };
-        // In-band: a gap after the frontier is checked before anything after it is passed on
-        // (one check per chunk, at its first gap: the first sequence only grows).
-        if let Some(mut f) = self.frontier {
-            let mut check_after = None;
-            for m in &chunk {
-                if check_after.is_none() && m.sequence > f.saturating_add(1) {
-                    check_after = Some(f);
-                }
-                f = f.max(m.sequence);
-            }
-            if let Some(g) = check_after {
-                st.check_floor(g, &self.identity)?;
-            }
-            self.frontier = Some(f);
-        }
-        self.last_delivered = Some(last);
-        let mut level = None;
-        if self.level_reported {
-            self.frontier = Some(self.frontier.map_or(last, |f| f.max(last)));
-        } else {
-            let left = self.initial.iter().any(|s| st.log.contains_key(s))
-                || st.any_in_scope_from(self.next, &self.scope);
-            if !left {
-                self.level_reported = true;
-                if self.frontier.is_none() {
-                    self.frontier = Some(last);
-                }
-                level = Some(self.last_delivered);
-            }
-        }
-        Ok(Step::Deliver {
-            updates: chunk.iter().map(|m| m.to_update()).collect(),
-            level,
-        })
-    }
-
-    /// The backstop after a quiet period: the floor check, and a level prefix watch's quiet
-    /// watermark.
-    fn backstop(&mut self, st: &State) -> Result<(), KvError> {
-        let Some(f) = self.frontier else {
-            return Ok(());
-        };
-        st.check_floor(f, &self.identity)?;
-        let prefix_scope = !matches!(self.scope, WatchScope::All);
-        if prefix_scope
-            && self.level_reported
-            && st.last_sequence > f
-            && !st.any_in_scope_from(f.saturating_add(1), &self.scope)
-            && protocol::resume_window_ok(f, st.first_sequence())
-        {
-            self.frontier = Some(st.last_sequence);
-        }
-        Ok(())
-    }
-}
-
 impl Default for SimBucket {
     fn default() -> Self {
         SimBucket::new()
@@ -645,119 +518,6 @@ impl SimBucket {
     /// Watches running now.
     pub fn open_watches(&self) -> u64 {
         self.inner.open_watches.load(Ordering::Relaxed)
-    }
-
-    /// Runs one watch: state-sync when `from` is `None`, else a delta from `from + 1`.
-    async fn run(
-        &self,
-        scope: &WatchScope,
-        from: Option<u64>,
-        tx: mpsc::Sender<WatchEvent>,
-    ) -> Result<(), KvError> {
-        self.inner.watches_started.fetch_add(1, Ordering::Relaxed);
-        self.inner.open_watches.fetch_add(1, Ordering::Relaxed);
-        let _open = OpenWatch(self.inner.clone());
-        let mut changes = self.inner.changes.subscribe();
-        let (mut run, first) = {
-            let st = self.state();
-            if let Some(rev) = from {
-                let first_sequence = st.first_sequence();
-                if !protocol::resume_window_ok(rev, first_sequence) {
-                    return Err(KvError::CursorExpired {
-                        resume_from: rev.saturating_add(1),
-                        first_sequence,
-                    });
-                }
-            }
-            let here = st.identity();
-            let identity = match &st.pinned {
-                Some(p) if *p != here => {
-                    return Err(stream_changed(format!(
-                        "the fold folds {p}, the bucket is now {here}"
-                    )));
-                }
-                Some(p) => p.clone(),
-                None => here,
-            };
-            let (initial, next, frontier): (VecDeque<u64>, u64, Option<u64>) = match from {
-                None => {
-                    let mut initial: Vec<u64> = st
-                        .by_key
-                        .iter()
-                        .filter(|(k, _)| scope.contains(k))
-                        .filter_map(|(_, seqs)| seqs.last().copied())
-                        .collect();
-                    initial.sort_unstable();
-                    (initial.into(), st.last_sequence.saturating_add(1), None)
-                }
-                Some(rev) => (VecDeque::new(), rev.saturating_add(1), Some(rev)),
-            };
-            let pending = initial.len() as u64
-                + st.log
-                    .range(next..)
-                    .filter(|(_, m)| scope.contains(&m.key))
-                    .count() as u64;
-            let mut run = WatchRun {
-                scope: scope.clone(),
-                identity,
-                epoch: st.break_epoch,
-                initial,
-                next,
-                frontier,
-                level_reported: false,
-                last_delivered: None,
-            };
-            let first = if pending == 0 {
-                run.level_reported = true;
-                // A state-sync start that is level at once guards from the stream's last sequence.
-                run.frontier = run.frontier.or(Some(st.last_sequence));
-                WatchEvent::CaughtUp { through: None }
-            } else {
-                WatchEvent::Pending(pending)
-            };
-            (run, first)
-        };
-        if tx.send(first).await.is_err() {
-            return Ok(());
-        }
-        let mut backstop = tokio::time::interval(FLOOR_BACKSTOP);
-        backstop.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        backstop.reset();
-        let mut quiet = true;
-        loop {
-            // Marked seen before the look: a change after it wakes the wait below.
-            changes.borrow_and_update();
-            let step = run.step(&self.state())?;
-            match step {
-                Step::Deliver { updates, level } => {
-                    quiet = false;
-                    if !updates.is_empty() && tx.send(WatchEvent::Updates(updates)).await.is_err() {
-                        return Ok(());
-                    }
-                    if let Some(through) = level
-                        && tx.send(WatchEvent::CaughtUp { through }).await.is_err()
-                    {
-                        return Ok(());
-                    }
-                }
-                Step::Wait => {
-                    tokio::select! {
-                        changed = changes.changed() => {
-                            if changed.is_err() {
-                                return Ok(()); // the bucket is gone
-                            }
-                        }
-                        _ = tx.closed() => return Ok(()),
-                        _ = backstop.tick() => {
-                            if quiet {
-                                run.backstop(&self.state())?;
-                            }
-                            quiet = true;
-                        }
-                    }
-                }
-            }
-        }
     }
 
     fn write_checked(

@@ -11,13 +11,13 @@ use bytes::Bytes;
 use tokio::sync::{mpsc, oneshot};
 
 use super::*;
-use foldhost_core::snapshot::{AppendLogOptions, AppendLogSnapshot};
-use foldhost_core::status::FoldStatus;
-use foldhost_core::view::{FoldRead, SharedStore};
-use foldhost_fold::applied::{
+use crate::applied::{
     Apply, ApplyError, BatchConfig, Control, Queries, SwapCandidate, Verdict, WatchOptions,
     watch_applied,
 };
+use foldhost_core::snapshot::{AppendLogOptions, AppendLogSnapshot};
+use foldhost_core::status::FoldStatus;
+use foldhost_core::view::{FoldRead, SharedStore};
 
 /// Longest (virtual) time any wait here may take: it only stops a hung test.
 const DEADLINE: Duration = Duration::from_secs(600);
@@ -237,8 +237,8 @@ where
             ..BatchConfig::default()
         },
         catch_up: false,
-        defer_grace: foldhost_fold::applied::DEFAULT_DEFER_GRACE,
-        repair: foldhost_fold::repair::RepairConfig::default(),
+        defer_grace: crate::applied::DEFAULT_DEFER_GRACE,
+        repair: crate::repair::RepairConfig::default(),
         queries: Some(queries.clone()),
     };
     let fold = watch_applied(
@@ -430,14 +430,7 @@ async fn a_query_instance_beside_a_deferral_answers_as_a_fresh_instance_hydrated
     let (control_tx, control_rx) = mpsc::channel(4);
     let queries = Queries::new(control_tx.clone());
     let (stop_tx, stop_rx) = oneshot::channel::<()>();
-    let opts = WatchOptions {
-        scope: WatchScope::All,
-        batch: BatchConfig::default(),
-        catch_up: false,
-        defer_grace: foldhost_fold::applied::DEFAULT_DEFER_GRACE,
-        repair: foldhost_fold::repair::RepairConfig::default(),
-        queries: Some(queries.clone()),
-    };
+    let opts = with_queries(&queries);
     let view = store.clone();
     let fold = watch_applied(
         Arc::new(sim.clone()),
@@ -481,16 +474,7 @@ async fn a_query_instance_beside_a_deferral_answers_as_a_fresh_instance_hydrated
             by_instance + 4,
             "answered by the query instance"
         );
-        let mut fresh = MappedCandidate {
-            version: 1,
-            view: Arc::new(view),
-            map: BTreeMap::new(),
-        };
-        fresh.hydrate().await.expect("hydrated");
-        let mut expected = Vec::new();
-        for k in &keys {
-            expected.push(fresh.query(k).await.expect("answered"));
-        }
+        let expected = fresh_answers(Arc::new(view), &keys).await;
         let answers: Vec<Result<Vec<u8>, String>> = answers
             .into_iter()
             .map(|a| a.map_err(|e| e.message))
@@ -506,4 +490,31 @@ async fn a_query_instance_beside_a_deferral_answers_as_a_fresh_instance_hydrated
     };
     let (folded, ()) = tokio::join!(fold, driver);
     folded.expect("the fold ends cleanly");
+}
+
+/// Default batches, a query route through `queries`, no catch-up, no repair.
+fn with_queries(queries: &Queries) -> WatchOptions {
+    WatchOptions {
+        scope: WatchScope::All,
+        batch: BatchConfig::default(),
+        catch_up: false,
+        defer_grace: crate::applied::DEFAULT_DEFER_GRACE,
+        repair: crate::repair::RepairConfig::default(),
+        queries: Some(queries.clone()),
+    }
+}
+
+/// What a fresh version-1 instance hydrated from `view` answers to each of `keys`, in order.
+async fn fresh_answers(view: Arc<dyn FoldRead>, keys: &[Vec<u8>]) -> Vec<Result<Vec<u8>, String>> {
+    let mut fresh = MappedCandidate {
+        version: 1,
+        view,
+        map: BTreeMap::new(),
+    };
+    fresh.hydrate().await.expect("hydrated");
+    let mut expected = Vec::new();
+    for k in keys {
+        expected.push(fresh.query(k).await.expect("answered"));
+    }
+    expected
 }
