@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use foldhost_core::kv::{KvWriter, VersionToken};
+use foldhost_core::status::StatusReport;
 use foldhost_nats::NatsKv;
 use foldhost_tests::{
     Contents, Harness, bucket_contents, dump_store, first_difference, run_command, set_max_age,
@@ -105,43 +106,15 @@ async fn with_no_delivery_the_backstop_ends_a_watch_once_the_stream_floor_passes
     // Evicting from the start (an age limit), long enough that nothing ages out before both nodes
     // have folded it; shortened once they have.
     let kv = h.aging_bucket("quiet", Duration::from_secs(3600)).await?;
-    let mut scoped_last = 0;
-    for i in 0..5 {
-        for p in ["a", "b"] {
-            scoped_last = revision(
-                kv.put(&format!("{p}.{i}"), format!("{p}{i}").into())
-                    .await?,
-            )?;
-        }
-    }
-    // After the scoped node's last in-scope revision: writes outside its scope, never delivered
-    // to it, so its frontier stays at `scoped_last` while the stream goes on to `last`.
-    for i in 0..5 {
-        kv.put(&format!("other.{i}"), "out of scope".into()).await?;
-    }
-    let last = kv.positions().await?.last_sequence;
-    anyhow::ensure!(
-        last == scoped_last + 5,
-        "last {last}, in scope {scoped_last}"
-    );
-    let all = bucket_contents(&kv).await?;
-    let scoped_want: Contents = all
-        .clone()
-        .into_iter()
-        .filter(|(k, _)| k.starts_with("a.") || k.starts_with("b."))
-        .collect();
-    assert_eq!((all.len(), scoped_want.len()), (15, 10));
+    let q = write_the_quiet_bucket(&kv).await?;
+    let (scoped_last, last) = (q.scoped_last, q.last);
 
     let tmp = tempfile::tempdir()?;
     // The whole-bucket node, started first: its backstop probes come before the scoped node's.
     let whole = tmp.path().join("whole");
     let whole_log = tmp.path().join("whole.log");
     let wa = listen_addr()?;
-    let mut cmd = run_command(&h, "quiet", &whole, Some(&wa));
-    cmd.args(["--log-format", "json"])
-        .env("FOLDHOST_LOG", "warn")
-        .stderr(std::fs::File::create(&whole_log)?);
-    let mut whole_node = Node::spawn(cmd)?;
+    let mut whole_node = spawn_quiet_node(&h, &whole, &whole_log, &wa, &[])?;
     let whole_level =
         wait_status(&wa, |s| s.caught_up && s.cursor.is_some_and(|c| c >= last)).await?;
     assert_eq!(whole_level.cursor, Some(last));
@@ -150,11 +123,13 @@ async fn with_no_delivery_the_backstop_ends_a_watch_once_the_stream_floor_passes
     let scoped = tmp.path().join("scoped");
     let scoped_log = tmp.path().join("scoped.log");
     let sa = listen_addr()?;
-    let mut cmd = run_command(&h, "quiet", &scoped, Some(&sa));
-    cmd.args(["--scope", "prefixes:a.,b.", "--log-format", "json"])
-        .env("FOLDHOST_LOG", "warn")
-        .stderr(std::fs::File::create(&scoped_log)?);
-    let mut scoped_node = Node::spawn(cmd)?;
+    let mut scoped_node = spawn_quiet_node(
+        &h,
+        &scoped,
+        &scoped_log,
+        &sa,
+        &["--scope", "prefixes:a.,b."],
+    )?;
     let scoped_level = wait_status(&sa, |s| {
         s.caught_up && s.cursor.is_some_and(|c| c >= scoped_last)
     })
@@ -175,9 +150,89 @@ async fn with_no_delivery_the_backstop_ends_a_watch_once_the_stream_floor_passes
          exactly the whole-bucket node's cursor + 1"
     );
 
+    the_scoped_node_fails_expired(&sa, cursor, first, &scoped_level).await?;
+    the_whole_node_runs_on(&wa, last, &whole_level).await?;
+
+    scoped_node.stop()?;
+    whole_node.stop()?;
+
+    only_the_scoped_node_tripped(&scoped_log, &whole_log, cursor, first)?;
+    both_folds_keep_what_they_folded(&scoped, &whole, cursor, &q)
+}
+
+/// What the quiet bucket holds: ten keys in the scoped node's prefixes, then five outside them.
+struct Quiet {
+    /// The last in-scope revision.
+    scoped_last: u64,
+    /// The stream's last revision.
+    last: u64,
+    all: Contents,
+    scoped_want: Contents,
+}
+
+/// Writes the quiet bucket: in scope of the scoped node first, then outside it.
+async fn write_the_quiet_bucket(kv: &NatsKv) -> anyhow::Result<Quiet> {
+    let mut scoped_last = 0;
+    for i in 0..5 {
+        for p in ["a", "b"] {
+            scoped_last = revision(
+                kv.put(&format!("{p}.{i}"), format!("{p}{i}").into())
+                    .await?,
+            )?;
+        }
+    }
+    // After the scoped node's last in-scope revision: writes outside its scope, never delivered
+    // to it, so its frontier stays at `scoped_last` while the stream goes on to `last`.
+    for i in 0..5 {
+        kv.put(&format!("other.{i}"), "out of scope".into()).await?;
+    }
+    let last = kv.positions().await?.last_sequence;
+    anyhow::ensure!(
+        last == scoped_last + 5,
+        "last {last}, in scope {scoped_last}"
+    );
+    let all = bucket_contents(kv).await?;
+    let scoped_want: Contents = all
+        .clone()
+        .into_iter()
+        .filter(|(k, _)| k.starts_with("a.") || k.starts_with("b."))
+        .collect();
+    assert_eq!((all.len(), scoped_want.len()), (15, 10));
+    Ok(Quiet {
+        scoped_last,
+        last,
+        all,
+        scoped_want,
+    })
+}
+
+/// A node folding the quiet bucket into `store`, listening on `addr`, with `scope` flags and its
+/// warnings logged as JSON to `log`.
+fn spawn_quiet_node(
+    h: &Harness,
+    store: &Path,
+    log: &Path,
+    addr: &str,
+    scope: &[&str],
+) -> anyhow::Result<Node> {
+    let mut cmd = run_command(h, "quiet", store, Some(addr));
+    cmd.args(scope)
+        .args(["--log-format", "json"])
+        .env("FOLDHOST_LOG", "warn")
+        .stderr(std::fs::File::create(log)?);
+    Node::spawn(cmd)
+}
+
+/// The scoped node ends its watch as expired at its cursor and stops, nothing delivered.
+async fn the_scoped_node_fails_expired(
+    sa: &str,
+    cursor: u64,
+    first: u64,
+    scoped_level: &StatusReport,
+) -> anyhow::Result<()> {
     // The scoped node: nothing is delivered to it, so only the backstop can notice. It ends the
     // watch as expired; the repair has no artifact to restore from, and the node stops.
-    let failed = wait_status(&sa, |s| s.state == "failed").await?;
+    let failed = wait_status(sa, |s| s.state == "failed").await?;
     let expired = format!(
         "cursor expired: resume needs revision {} but the stream's first retained revision is {first}",
         cursor + 1
@@ -199,48 +254,72 @@ async fn with_no_delivery_the_backstop_ends_a_watch_once_the_stream_floor_passes
         Some(cursor),
         "the cursor never moved past the loss"
     );
+    Ok(())
+}
 
+/// The whole-bucket node runs on, unrepaired, at the cursor it had.
+async fn the_whole_node_runs_on(
+    wa: &str,
+    last: u64,
+    whole_level: &StatusReport,
+) -> anyhow::Result<()> {
     // The whole-bucket node read the same eviction (its memo is committed) and its backstop probe,
     // due before the scoped node's, found the floor at its frontier + 1: it runs on, unrepaired.
-    let whole_now = wait_status(&wa, |s| s.eviction_seen).await?;
+    let whole_now = wait_status(wa, |s| s.eviction_seen).await?;
     assert_eq!(whole_now.state, "running", "{whole_now:?}");
     assert_eq!(whole_now.repairs, 0, "{whole_now:?}");
     assert_eq!(whole_now.cursor, Some(last));
     assert_eq!(whole_now.delivered, whole_level.delivered);
+    Ok(())
+}
 
-    scoped_node.stop()?;
-    whole_node.stop()?;
-
-    let overruns = events(&scoped_log, "floor_overrun")?;
+/// The scoped node's log says its floor guard tripped and a repair started; the whole-bucket
+/// node's says neither.
+fn only_the_scoped_node_tripped(
+    scoped_log: &Path,
+    whole_log: &Path,
+    cursor: u64,
+    first: u64,
+) -> anyhow::Result<()> {
+    let overruns = events(scoped_log, "floor_overrun")?;
     let overrun = overruns.first().ok_or_else(|| {
         anyhow::anyhow!(
             "the scoped node logged no floor_overrun:\n{}",
-            std::fs::read_to_string(&scoped_log).unwrap_or_default()
+            std::fs::read_to_string(scoped_log).unwrap_or_default()
         )
     })?;
     assert_eq!(overrun["frontier"].as_u64(), Some(cursor), "{overrun}");
     assert_eq!(overrun["first_sequence"].as_u64(), Some(first), "{overrun}");
     assert!(
-        !events(&scoped_log, "repair_started")?.is_empty(),
+        !events(scoped_log, "repair_started")?.is_empty(),
         "the trip started a repair"
     );
     assert!(
-        events(&whole_log, "floor_overrun")?.is_empty()
-            && events(&whole_log, "repair_started")?.is_empty(),
+        events(whole_log, "floor_overrun")?.is_empty()
+            && events(whole_log, "repair_started")?.is_empty(),
         "the whole-bucket node's guard tripped:\n{}",
-        std::fs::read_to_string(&whole_log)?
+        std::fs::read_to_string(whole_log)?
     );
+    Ok(())
+}
 
-    // Both folds keep what they folded: nothing was deleted for having aged out.
-    assert_eq!(status_store(&scoped)?.cursor, Some(cursor));
+/// Both folds keep what they folded: nothing was deleted for having aged out.
+fn both_folds_keep_what_they_folded(
+    scoped: &Path,
+    whole: &Path,
+    cursor: u64,
+    q: &Quiet,
+) -> anyhow::Result<()> {
+    let (last, all, scoped_want) = (q.last, &q.all, &q.scoped_want);
+    assert_eq!(status_store(scoped)?.cursor, Some(cursor));
     assert_eq!(
-        first_difference(&scoped_want, &dump_store(&scoped)?),
+        first_difference(scoped_want, &dump_store(scoped)?),
         None,
         "the scoped fold is untouched"
     );
-    assert_eq!(status_store(&whole)?.cursor, Some(last));
+    assert_eq!(status_store(whole)?.cursor, Some(last));
     assert_eq!(
-        first_difference(&all, &dump_store(&whole)?),
+        first_difference(all, &dump_store(whole)?),
         None,
         "the whole-bucket fold is untouched"
     );
