@@ -172,13 +172,50 @@ pub(crate) fn load(path: &Path) -> anyhow::Result<Loaded> {
         anyhow!("{file}:{line}: {}", e.message())
     })?;
     let keys = flag_keys();
-    let mut top = Vec::new();
-    let mut top_lines = BTreeMap::new();
+    let (top, folds_value) = read_top(&file, &text, &doc, &keys)?;
+    let Some(folds_value) = folds_value else {
+        bail!("{file}: no [[folds]]: the file describes no fold");
+    };
+    let Some(tables) = folds_value.as_array() else {
+        bail!("{file}: `folds` is a list of [[folds]] tables");
+    };
+    let mut folds = Vec::with_capacity(tables.len());
+    for (i, t) in tables.iter().enumerate() {
+        folds.push(read_fold(&file, &text, &keys, &top, i, t)?);
+    }
+    check_distinct(&file, &folds, &doc)?;
+    check_claims(&file, &folds)?;
+    Ok(Loaded {
+        folds,
+        log_format: top.log_format,
+        listen: top.listen,
+    })
+}
+
+/// The file's top level: the flags every fold takes (as `run` arguments, with their lines),
+/// `log_format`, and the process-wide `listen`.
+struct Top {
+    argv: Vec<String>,
+    lines: BTreeMap<String, usize>,
+    log_format: Option<LogFormat>,
+    listen: Option<String>,
+}
+
+/// Reads the file's top-level keys, and its `folds` value if any: a key that belongs in a fold,
+/// or no flag of `run`, is refused.
+fn read_top<'a>(
+    file: &str,
+    text: &str,
+    doc: &'a toml::Table,
+    keys: &BTreeMap<String, clap::Id>,
+) -> anyhow::Result<(Top, Option<&'a toml::Value>)> {
+    let mut argv = Vec::new();
+    let mut lines = BTreeMap::new();
     let mut log_format = None;
     let mut listen = None;
     let mut folds_value = None;
-    for (k, v) in &doc {
-        let line = key_line(&text, None, k);
+    for (k, v) in doc {
+        let line = key_line(text, None, k);
         if k == FOLDS {
             folds_value = Some(v);
         } else if k == "log_format" {
@@ -196,80 +233,84 @@ pub(crate) fn load(path: &Path) -> anyhow::Result<Loaded> {
         } else if FOLD_ONLY.contains(&k.as_str()) {
             bail!("{file}:{line}: `{k}` belongs in each [[folds]] table, not at the top");
         } else if keys.contains_key(k) {
-            key_args(k, v, &mut top).map_err(|e| anyhow!("{file}:{line}: {k}: {e}"))?;
-            top_lines.insert(k.clone(), line);
+            key_args(k, v, &mut argv).map_err(|e| anyhow!("{file}:{line}: {k}: {e}"))?;
+            lines.insert(k.clone(), line);
         } else {
             bail!("{file}:{line}: unknown key `{k}` (a key is one of run's flags, `_` for `-`)");
         }
     }
-    let Some(folds_value) = folds_value else {
-        bail!("{file}: no [[folds]]: the file describes no fold");
+    let top = Top {
+        argv,
+        lines,
+        log_format,
+        listen,
     };
-    let Some(tables) = folds_value.as_array() else {
-        bail!("{file}: `folds` is a list of [[folds]] tables");
+    Ok((top, folds_value))
+}
+
+/// The `i`-th `[[folds]]` table: the top's flags then its own (each a flag of `run`, none the
+/// process's nor, under a top-level `listen`, the one listener's), its `bucket` and `store`,
+/// and its name (one a top-level `listen` can serve under `/folds/NAME/`).
+fn read_fold(
+    file: &str,
+    text: &str,
+    keys: &BTreeMap<String, clap::Id>,
+    top: &Top,
+    i: usize,
+    t: &toml::Value,
+) -> anyhow::Result<Fold> {
+    let Some(t) = t.as_table() else {
+        bail!("{file}: folds[{i}] is not a table");
     };
-    let mut folds = Vec::with_capacity(tables.len());
-    for (i, t) in tables.iter().enumerate() {
-        let Some(t) = t.as_table() else {
-            bail!("{file}: folds[{i}] is not a table");
-        };
-        let header = key_line_of_fold(&text, i);
-        let mut argv = vec!["run".to_string()];
-        argv.extend(top.iter().cloned());
-        let mut lines = top_lines.clone();
-        for (k, v) in t {
-            let line = key_line(&text, Some(i), k);
-            if !keys.contains_key(k) || PROCESS_KEYS.contains(&k.as_str()) {
-                bail!(
-                    "{file}:{line}: unknown key `{k}` in fold {} (a key is one of run's flags, `_` for `-`)",
-                    i + 1
-                );
-            }
-            if k == "listen" && listen.is_some() {
-                bail!(
-                    "{file}:{line}: fold {} has its own `listen` beside the process's: with a top-level listen every fold is served there, under /folds/NAME/",
-                    i + 1
-                );
-            }
-            if listen.is_some() && SHARED_LISTENER_KEYS.contains(&k.as_str()) {
-                bail!(
-                    "{file}:{line}: fold {} sets `{k}`, which the one listener of the top-level listen holds for every fold: set it at the top",
-                    i + 1
-                );
-            }
-            key_args(k, v, &mut argv).map_err(|e| anyhow!("{file}:{line}: {k}: {e}"))?;
-            lines.insert(k.clone(), line);
-        }
-        for needed in ["bucket", "store"] {
-            if !t.contains_key(needed) {
-                bail!("{file}:{header}: fold {} has no `{needed}`", i + 1);
-            }
-        }
-        let name = t
-            .get("name")
-            .or_else(|| t.get("bucket"))
-            .and_then(toml::Value::as_str)
-            .unwrap_or_default()
-            .to_string();
-        if listen.is_some()
-            && let Some(why) = crate::serve::fold_name_refusal(&name)
-        {
-            let at = lines.get("name").or_else(|| lines.get("bucket"));
+    let header = key_line_of_fold(text, i);
+    let mut argv = vec!["run".to_string()];
+    argv.extend(top.argv.iter().cloned());
+    let mut lines = top.lines.clone();
+    for (k, v) in t {
+        let line = key_line(text, Some(i), k);
+        if !keys.contains_key(k) || PROCESS_KEYS.contains(&k.as_str()) {
             bail!(
-                "{file}:{}: fold {}: name {name:?} cannot be served under /folds/NAME/ of the top-level listen: {why}",
-                at.copied().unwrap_or(header),
+                "{file}:{line}: unknown key `{k}` in fold {} (a key is one of run's flags, `_` for `-`)",
                 i + 1
             );
         }
-        folds.push(Fold { name, argv, lines });
+        if k == "listen" && top.listen.is_some() {
+            bail!(
+                "{file}:{line}: fold {} has its own `listen` beside the process's: with a top-level listen every fold is served there, under /folds/NAME/",
+                i + 1
+            );
+        }
+        if top.listen.is_some() && SHARED_LISTENER_KEYS.contains(&k.as_str()) {
+            bail!(
+                "{file}:{line}: fold {} sets `{k}`, which the one listener of the top-level listen holds for every fold: set it at the top",
+                i + 1
+            );
+        }
+        key_args(k, v, &mut argv).map_err(|e| anyhow!("{file}:{line}: {k}: {e}"))?;
+        lines.insert(k.clone(), line);
     }
-    check_distinct(&file, &folds, &doc)?;
-    check_claims(&file, &folds)?;
-    Ok(Loaded {
-        folds,
-        log_format,
-        listen,
-    })
+    for needed in ["bucket", "store"] {
+        if !t.contains_key(needed) {
+            bail!("{file}:{header}: fold {} has no `{needed}`", i + 1);
+        }
+    }
+    let name = t
+        .get("name")
+        .or_else(|| t.get("bucket"))
+        .and_then(toml::Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    if top.listen.is_some()
+        && let Some(why) = crate::serve::fold_name_refusal(&name)
+    {
+        let at = lines.get("name").or_else(|| lines.get("bucket"));
+        bail!(
+            "{file}:{}: fold {}: name {name:?} cannot be served under /folds/NAME/ of the top-level listen: {why}",
+            at.copied().unwrap_or(header),
+            i + 1
+        );
+    }
+    Ok(Fold { name, argv, lines })
 }
 
 /// The line of the i-th `[[folds]]` header.
@@ -390,21 +431,7 @@ fn effective(fold: &Fold, overrides: &[String]) -> anyhow::Result<Vec<(String, S
         };
         let values: Vec<String> = raw.map(|v| v.to_string_lossy().into_owned()).collect();
         let numeric = is_integer(arg.get_value_parser().type_id());
-        let shown: Vec<String> = values
-            .iter()
-            .map(|v| {
-                if SECRET_KEYS.contains(&key.as_str()) {
-                    toml::Value::String("<redacted>".into())
-                } else if key == "nats" {
-                    toml::Value::String(redact_url(v))
-                } else if let (true, Ok(n)) = (numeric, v.parse::<i64>()) {
-                    toml::Value::Integer(n)
-                } else {
-                    toml::Value::String(v.clone())
-                }
-            })
-            .map(|v| v.to_string())
-            .collect();
+        let shown = shown_values(&key, &values, numeric);
         let source = matches.value_source(id.as_str());
         let default = source == Some(clap::parser::ValueSource::DefaultValue);
         // A secret, a URL's credentials or a value from the environment is said in a comment,
@@ -452,6 +479,26 @@ fn effective(fold: &Fold, overrides: &[String]) -> anyhow::Result<Vec<(String, S
         out.push((key, line));
     }
     Ok(out)
+}
+
+/// `key`'s values as the file writes them: a secret redacted, a URL without its credentials, an
+/// integer as one (when the flag is `numeric`), else a string.
+fn shown_values(key: &str, values: &[String], numeric: bool) -> Vec<String> {
+    values
+        .iter()
+        .map(|v| {
+            if SECRET_KEYS.contains(&key) {
+                toml::Value::String("<redacted>".into())
+            } else if key == "nats" {
+                toml::Value::String(redact_url(v))
+            } else if let (true, Ok(n)) = (numeric, v.parse::<i64>()) {
+                toml::Value::Integer(n)
+            } else {
+                toml::Value::String(v.clone())
+            }
+        })
+        .map(|v| v.to_string())
+        .collect()
 }
 
 /// Whether a flag's value parser yields an integer: its value is written as one (a value in
