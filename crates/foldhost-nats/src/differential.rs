@@ -134,7 +134,27 @@ fn check(block: &[u8], library: &Library) -> Result<(), TestCaseError> {
 /// colons, non-UTF-8, status lines, case variants of the two names the fold reads, continuation
 /// lines.
 fn header_block() -> impl Strategy<Value = Vec<u8>> {
-    let first = prop::sample::select(vec![
+    (
+        first_line(),
+        eol(),
+        prop::collection::vec(header_line(), 0..4),
+        prop::bool::weighted(0.9),
+    )
+        .prop_map(|(f, e, lines, end)| {
+            let mut b = [f, e].concat();
+            for l in lines {
+                b.extend_from_slice(&l);
+            }
+            if end {
+                b.extend_from_slice(b"\r\n");
+            }
+            b
+        })
+}
+
+/// The block's first line: the version, a status or none, and its malformed variants.
+fn first_line() -> impl Strategy<Value = &'static [u8]> {
+    prop::sample::select(vec![
         &b"NATS/1.0"[..],
         b"NATS/1.0 ",
         b"NATS/1.0 100",
@@ -145,46 +165,26 @@ fn header_block() -> impl Strategy<Value = Vec<u8>> {
         b"NATS/1.0x",
         b"nats/1.0",
         b"",
-    ]);
-    let name = prop::sample::select(vec![
-        &b"KV-Operation"[..],
-        b"kv-operation",
-        b"KV-OPERATION",
-        b"KV-Operation ",
-        b" KV-Operation",
-        b"Nats-Marker-Reason",
-        b"nats-marker-reason",
-        b"X",
-        b"",
-        b"Na me",
-        b"N\x01",
-        b"\xff",
-        b"bad line",
-    ]);
-    let sep = prop::sample::select(vec![&b":"[..], b": ", b" : ", b"", b"::"]);
-    let value = prop::sample::select(vec![
-        &b"DEL"[..],
-        b"PURGE",
-        b"MaxAge",
-        b"Remove",
-        b"DE\rL",
-        b"a\rb",
-        b" DEL ",
-        b"\xff",
-        b"",
-        b"x:y",
-        b"DEL\r",
-    ]);
-    let eol = prop::sample::select(vec![&b"\r\n"[..], b"\n", b"\r", b"\r\r\n"]);
+    ])
+}
+
+/// A line's end: CRLF, or a bare LF or CR.
+fn eol() -> impl Strategy<Value = &'static [u8]> {
+    prop::sample::select(vec![&b"\r\n"[..], b"\n", b"\r", b"\r\r\n"])
+}
+
+/// One header line: a name, a separator, a value and an end, sometimes a continuation line and
+/// sometimes noise after it.
+fn header_line() -> impl Strategy<Value = Vec<u8>> {
     let noise = prop::collection::vec(
         prop::sample::select(vec![b'\r', b'\n', b' ', b'\t', b':', 0xff, b'a', b'K']),
         0..4,
     );
-    let line = (
-        name,
-        sep,
-        value,
-        eol.clone(),
+    (
+        header_name(),
+        prop::sample::select(vec![&b":"[..], b": ", b" : ", b"", b"::"]),
+        header_value(),
+        eol(),
         prop::option::weighted(
             0.2,
             (prop::sample::select(vec![&b" "[..], b"\t"]), value_again()),
@@ -202,23 +202,43 @@ fn header_block() -> impl Strategy<Value = Vec<u8>> {
                 l.extend_from_slice(&noise);
             }
             l
-        });
-    (
-        first,
-        eol,
-        prop::collection::vec(line, 0..4),
-        prop::bool::weighted(0.9),
-    )
-        .prop_map(|(f, e, lines, end)| {
-            let mut b = [f, e].concat();
-            for l in lines {
-                b.extend_from_slice(&l);
-            }
-            if end {
-                b.extend_from_slice(b"\r\n");
-            }
-            b
         })
+}
+
+/// A header's name: the two the fold reads in their case variants, others, and malformed ones.
+fn header_name() -> impl Strategy<Value = &'static [u8]> {
+    prop::sample::select(vec![
+        &b"KV-Operation"[..],
+        b"kv-operation",
+        b"KV-OPERATION",
+        b"KV-Operation ",
+        b" KV-Operation",
+        b"Nats-Marker-Reason",
+        b"nats-marker-reason",
+        b"X",
+        b"",
+        b"Na me",
+        b"N\x01",
+        b"\xff",
+        b"bad line",
+    ])
+}
+
+/// A header's value: the operations and reasons the fold reads, and malformed ones.
+fn header_value() -> impl Strategy<Value = &'static [u8]> {
+    prop::sample::select(vec![
+        &b"DEL"[..],
+        b"PURGE",
+        b"MaxAge",
+        b"Remove",
+        b"DE\rL",
+        b"a\rb",
+        b" DEL ",
+        b"\xff",
+        b"",
+        b"x:y",
+        b"DEL\r",
+    ])
 }
 
 fn value_again() -> impl Strategy<Value = &'static [u8]> {
