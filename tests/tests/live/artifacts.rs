@@ -221,17 +221,54 @@ fn every_kind_of_bad_artifact_is_refused_and_the_destination_is_untouched() -> a
     assert_eq!(m["backend"], "append-log");
 
     // Each case: a fresh copy of the good artifact, broken one way, and the words its refusal names.
-    type Break = Box<dyn Fn(&Path) -> anyhow::Result<()>>;
-    let edit_manifest = |f: fn(&mut serde_json::Value)| -> Break {
-        Box::new(move |dir: &Path| {
-            let p = dir.join("MANIFEST.json");
-            let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p)?)?;
-            f(&mut v);
-            std::fs::write(&p, serde_json::to_vec(&v)?)?;
-            Ok(())
-        })
-    };
-    let cases: Vec<(&str, Break, &str)> = vec![
+    each_broken_copy_is_refused(tmp.path(), &good)?;
+    // A backend the caller did not ask for is refused before anything is opened.
+    let dest = tmp.path().join("dest-wanted-backend");
+    let o = import(&good, &dest, &["--backend", "fjall"])?;
+    assert_ne!(o.status.code(), Some(0));
+    assert!(!dest.exists());
+
+    // A tar carrying a `../` entry: refused, nothing written outside or at the destination.
+    let evil = tmp.path().join("evil.tar");
+    write_an_escaping_tar(&evil, &good)?;
+    let dest = tmp.path().join("dest-tar");
+    let o = import(&evil, &dest, &[])?;
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(1), "{err}");
+    assert!(err.contains("unsafe path"), "{err}");
+    assert!(!dest.exists());
+    assert!(!tmp.path().join("escaped.txt").exists());
+    assert!(
+        !tmp.path()
+            .parent()
+            .map(|p| p.join("escaped.txt").exists())
+            .unwrap_or(false)
+    );
+
+    the_good_artifact_imports_as_a_directory_and_a_tar(tmp.path(), &src, &good)?;
+    // An existing fold is never overwritten.
+    let o = import(&good, &src, &[])?;
+    assert!(String::from_utf8_lossy(&o.stderr).contains("already exists"));
+    Ok(())
+}
+
+/// A way to break a copy of a good artifact (the directory it is in).
+type Break = Box<dyn Fn(&Path) -> anyhow::Result<()>>;
+
+/// A [`Break`] editing the manifest with `f`.
+fn edit_manifest(f: fn(&mut serde_json::Value)) -> Break {
+    Box::new(move |dir: &Path| {
+        let p = dir.join("MANIFEST.json");
+        let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p)?)?;
+        f(&mut v);
+        std::fs::write(&p, serde_json::to_vec(&v)?)?;
+        Ok(())
+    })
+}
+
+/// Each way to break an artifact: what it is, the break, and the words its refusal names.
+fn bad_artifact_cases() -> Vec<(&'static str, Break, &'static str)> {
+    vec![
         (
             "tampered payload byte",
             Box::new(|dir: &Path| {
@@ -274,12 +311,18 @@ fn every_kind_of_bad_artifact_is_refused_and_the_destination_is_untouched() -> a
             edit_manifest(|v| v["schema"] = 99.into()),
             "schema 99",
         ),
-    ];
+    ]
+}
+
+/// Each case on a fresh copy of `good` under `tmp`: refused in one line naming its words, the
+/// destination untouched.
+fn each_broken_copy_is_refused(tmp: &Path, good: &Path) -> anyhow::Result<()> {
+    let cases = bad_artifact_cases();
     for (what, breaker, words) in cases {
-        let bad = tmp.path().join(format!("bad-{}", what.replace(' ', "-")));
-        copy_dir(&good, &bad)?;
+        let bad = tmp.join(format!("bad-{}", what.replace(' ', "-")));
+        copy_dir(good, &bad)?;
         breaker(&bad)?;
-        let dest = tmp.path().join(format!("dest-{}", what.replace(' ', "-")));
+        let dest = tmp.join(format!("dest-{}", what.replace(' ', "-")));
         let o = import(&bad, &dest, &[])?;
         let err = String::from_utf8_lossy(&o.stderr);
         assert_eq!(o.status.code(), Some(1), "{what}: {err}");
@@ -290,50 +333,40 @@ fn every_kind_of_bad_artifact_is_refused_and_the_destination_is_untouched() -> a
         assert_eq!(err.trim_end().lines().count(), 1, "{what}: one line: {err}");
         assert!(!dest.exists(), "{what}: the destination was touched");
     }
-    // A backend the caller did not ask for is refused before anything is opened.
-    let dest = tmp.path().join("dest-wanted-backend");
-    let o = import(&good, &dest, &["--backend", "fjall"])?;
-    assert_ne!(o.status.code(), Some(0));
-    assert!(!dest.exists());
+    Ok(())
+}
 
-    // A tar carrying a `../` entry: refused, nothing written outside or at the destination.
-    let evil = tmp.path().join("evil.tar");
-    {
-        let mut b = tar::Builder::new(std::fs::File::create(&evil)?);
-        let manifest = std::fs::read(good.join("MANIFEST.json"))?;
-        let mut h = tar::Header::new_gnu();
-        h.set_size(manifest.len() as u64);
-        h.set_mode(0o644);
-        h.set_path("MANIFEST.json")?;
-        h.set_cksum();
-        b.append(&h, manifest.as_slice())?;
-        let payload = b"escaped";
-        let mut h = tar::Header::new_gnu();
-        h.set_size(payload.len() as u64);
-        h.set_mode(0o644);
-        // `set_path` refuses `..`; a hostile tar is written byte by byte.
-        let name = b"data/../../escaped.txt";
-        h.as_old_mut().name[..name.len()].copy_from_slice(name);
-        h.set_cksum();
-        b.append(&h, &payload[..])?;
-        b.finish()?;
-    }
-    let dest = tmp.path().join("dest-tar");
-    let o = import(&evil, &dest, &[])?;
-    let err = String::from_utf8_lossy(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
-    assert!(err.contains("unsafe path"), "{err}");
-    assert!(!dest.exists());
-    assert!(!tmp.path().join("escaped.txt").exists());
-    assert!(
-        !tmp.path()
-            .parent()
-            .map(|p| p.join("escaped.txt").exists())
-            .unwrap_or(false)
-    );
+/// Writes at `evil` a tar of `good`'s manifest and an entry whose path climbs out with `../`.
+fn write_an_escaping_tar(evil: &Path, good: &Path) -> anyhow::Result<()> {
+    let mut b = tar::Builder::new(std::fs::File::create(evil)?);
+    let manifest = std::fs::read(good.join("MANIFEST.json"))?;
+    let mut h = tar::Header::new_gnu();
+    h.set_size(manifest.len() as u64);
+    h.set_mode(0o644);
+    h.set_path("MANIFEST.json")?;
+    h.set_cksum();
+    b.append(&h, manifest.as_slice())?;
+    let payload = b"escaped";
+    let mut h = tar::Header::new_gnu();
+    h.set_size(payload.len() as u64);
+    h.set_mode(0o644);
+    // `set_path` refuses `..`; a hostile tar is written byte by byte.
+    let name = b"data/../../escaped.txt";
+    h.as_old_mut().name[..name.len()].copy_from_slice(name);
+    h.set_cksum();
+    b.append(&h, &payload[..])?;
+    b.finish()?;
+    Ok(())
+}
 
+/// The good artifact imports, as a directory and as a tar, and equals the source.
+fn the_good_artifact_imports_as_a_directory_and_a_tar(
+    tmp: &Path,
+    src: &Path,
+    good: &Path,
+) -> anyhow::Result<()> {
     // The good one imports, as a directory and as a tar, and equals the source.
-    let tar = tmp.path().join("good.tar");
+    let tar = tmp.join("good.tar");
     let o = run(&[
         "export".as_ref(),
         "--store".as_ref(),
@@ -342,18 +375,15 @@ fn every_kind_of_bad_artifact_is_refused_and_the_destination_is_untouched() -> a
         tar.as_os_str(),
     ])?;
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    for (from, to) in [(&good, "imported-dir"), (&tar, "imported-tar")] {
-        let dest = tmp.path().join(to);
+    for (from, to) in [(good, "imported-dir"), (tar.as_path(), "imported-tar")] {
+        let dest = tmp.join(to);
         let o = import(from, &dest, &[])?;
         assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
         assert_eq!(
-            first_difference(&dump_store(&src)?, &dump_store(&dest)?),
+            first_difference(&dump_store(src)?, &dump_store(&dest)?),
             None
         );
     }
-    // An existing fold is never overwritten.
-    let o = import(&good, &src, &[])?;
-    assert!(String::from_utf8_lossy(&o.stderr).contains("already exists"));
     Ok(())
 }
 
