@@ -13,7 +13,7 @@ use foldhost_core::storedir::{AnyStore, Backend};
 use foldhost_core::view::SharedStore;
 use foldhost_fold::applied::{Apply, CountingApply};
 use foldhost_guest::guest::GuestEngine;
-use foldhost_nats::NatsConnection;
+use foldhost_nats::{NatsConnection, NatsKv};
 
 use super::table::{rate, row};
 use super::{fold_rate, load_guest, median, raw_drain, read_guest, seed_routes, unlimited};
@@ -99,23 +99,8 @@ pub async fn run(conn: &NatsConnection, url: &str, keys: u64, runs: usize) -> an
                 if !wanted(*backend, applier) {
                     continue;
                 }
-                let (_dir, store) = empty(*backend)?;
-                let mut apply: Box<dyn Apply> = match *applier {
-                    "native" => Box::new(CountingApply::default()),
-                    name => {
-                        let bytes = if name == "router" { &router } else { &kvstore };
-                        let mut g =
-                            load_guest(&engine, name, bytes, Arc::new(store.clone())).await?;
-                        g.hydrate().await?;
-                        Box::new(g)
-                    }
-                };
-                let r = fold_rate(&kv, apply.as_mut(), 100, WatchScope::All, store.clone()).await?;
-                anyhow::ensure!(
-                    foldhost_core::snapshot::bucket_len(&*store.read()?)? == keys,
-                    "{applier} fold into {} incomplete",
-                    backend.as_str()
-                );
+                let r =
+                    one_fold(&kv, &engine, (&router, &kvstore), *backend, applier, keys).await?;
                 folds[b * appliers.len() + a].push(r);
             }
         }
@@ -158,4 +143,33 @@ pub async fn run(conn: &NatsConnection, url: &str, keys: u64, runs: usize) -> an
         }
     }
     Ok(())
+}
+
+/// One fold of the bucket's `keys` routes into an empty store of `backend`, through `applier`
+/// (`native`: a counting apply; `router` or `kvstore`: that guest, from `guests`); updates/s.
+async fn one_fold(
+    kv: &Arc<NatsKv>,
+    engine: &Arc<GuestEngine>,
+    (router, kvstore): (&[u8], &[u8]),
+    backend: Backend,
+    applier: &str,
+    keys: u64,
+) -> anyhow::Result<f64> {
+    let (_dir, store) = empty(backend)?;
+    let mut apply: Box<dyn Apply> = match applier {
+        "native" => Box::new(CountingApply::default()),
+        name => {
+            let bytes = if name == "router" { router } else { kvstore };
+            let mut g = load_guest(engine, name, bytes, Arc::new(store.clone())).await?;
+            g.hydrate().await?;
+            Box::new(g)
+        }
+    };
+    let r = fold_rate(kv, apply.as_mut(), 100, WatchScope::All, store.clone()).await?;
+    anyhow::ensure!(
+        foldhost_core::snapshot::bucket_len(&*store.read()?)? == keys,
+        "{applier} fold into {} incomplete",
+        backend.as_str()
+    );
+    Ok(r)
 }
