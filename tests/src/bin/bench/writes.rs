@@ -12,7 +12,7 @@ use std::time::Instant;
 
 use foldhost_core::kv::KvWriter as _;
 use foldhost_localnats::LocalNats;
-use foldhost_nats::NatsConnection;
+use foldhost_nats::{NatsConnection, NatsKv};
 
 use super::{percentile, table, unlimited};
 
@@ -71,8 +71,44 @@ pub async fn run() -> anyhow::Result<()> {
         NatsConnection::open(foldhost_core::bucket::ConnectOptions::new(server.url())).await?;
     let kv = conn.bucket("wbench", &unlimited()).await?;
     let dir = tempfile::tempdir()?;
-    let store = dir.path().join("fold");
-    let token_file = dir.path().join("write-token");
+    let (mut host, addr) = start_host(&server.url(), dir.path())?;
+    foldhost_tests::wait_status(&addr, |s| s.state == "running").await?;
+    latency(&kv, &addr).await?;
+
+    // Throughput with 16 writers each.
+    let bare_rate = bare_throughput(&kv).await?;
+    let (host_rate, host_cpu) = through_host(&addr, host.id(), "host16", None).await?;
+    // The same writers answered `pending` at once (`wait_ms: 0`): what the host costs without
+    // waiting for its fold, so the gap between the two is the wait for the fold's commit.
+    let (pending_rate, pending_cpu) = through_host(&addr, host.id(), "pend16", Some(0)).await?;
+    println!(
+        "writes: 16 writers {host_rate:.0}/s through /write ({host_cpu:.2} cores), answered pending {pending_rate:.0}/s ({pending_cpu:.2} cores); bare puts {bare_rate:.0}/s"
+    );
+    table::row(
+        "writes/s, 16 concurrent writers (/write, each answered)",
+        table::rate(host_rate),
+        format!("16 concurrent bare KV puts {}/s", table::rate(bare_rate)),
+        host_rate / bare_rate,
+        "",
+    );
+    table::row(
+        format!(
+            "writes/s, 16 writers answered `pending` (wait_ms 0; host {pending_cpu:.2} cores, applied {host_cpu:.2})"
+        ),
+        table::rate(pending_rate),
+        format!("16 concurrent bare KV puts {}/s", table::rate(bare_rate)),
+        pending_rate / bare_rate,
+        "",
+    );
+    let _ = foldhost_tests::terminate(&mut host);
+    Ok(())
+}
+
+/// Starts the release `foldhost` beside this binary on bucket `wbench` of the server at `url`,
+/// its store and write token under `dir`; the process and the address it listens on.
+fn start_host(url: &str, dir: &std::path::Path) -> anyhow::Result<(std::process::Child, String)> {
+    let store = dir.join("fold");
+    let token_file = dir.join("write-token");
     std::fs::write(&token_file, TOKEN)?;
     let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     // The release `foldhost` beside this binary (target/release/).
@@ -82,24 +118,20 @@ pub async fn run() -> anyhow::Result<()> {
         "{} not built: make bench builds it",
         bin.display()
     );
-    let mut host = std::process::Command::new(bin)
+    let host = std::process::Command::new(bin)
         .env("FOLDHOST_LOG", "warn")
-        .args([
-            "run",
-            "--bucket",
-            "wbench",
-            "--nats",
-            &server.url(),
-            "--store",
-        ])
+        .args(["run", "--bucket", "wbench", "--nats", url, "--store"])
         .arg(&store)
         .args(["--listen", &addr, "--write-token-file"])
         .arg(&token_file)
         .stderr(Stdio::null())
         .spawn()?;
-    foldhost_tests::wait_status(&addr, |s| s.state == "running").await?;
+    Ok((host, addr))
+}
 
-    // Latency, one writer at a time: bare puts, then applied writes, the same keys and values.
+/// Latency, one writer at a time: bare puts, then applied writes through the host at `addr`, the
+/// same keys and values; prints p50 and p99 of each and adds them to the table.
+async fn latency(kv: &NatsKv, addr: &str) -> anyhow::Result<()> {
     let mut bare = Vec::with_capacity(SAMPLES);
     for i in 0..SAMPLES {
         let t = Instant::now();
@@ -107,7 +139,7 @@ pub async fn run() -> anyhow::Result<()> {
         bare.push(t.elapsed().as_secs_f64() * 1e6);
     }
     let mut through = Vec::with_capacity(SAMPLES);
-    let mut writer = Writer::connect(&addr).await?;
+    let mut writer = Writer::connect(addr).await?;
     for i in 0..SAMPLES {
         let body = format!(r#"{{"key":"host.{i:05}","value":"v"}}"#);
         let t = Instant::now();
@@ -136,9 +168,12 @@ pub async fn run() -> anyhow::Result<()> {
         w99 / b99,
         "≤ 2×",
     );
+    Ok(())
+}
 
-    // Throughput with 16 writers each.
-    let kv = Arc::new(kv);
+/// [`WRITERS`] concurrent writers of [`PER_WRITER`] bare KV puts each; puts/s (and the machine's
+/// busy cores, printed).
+async fn bare_throughput(kv: &Arc<NatsKv>) -> anyhow::Result<f64> {
     let busy = machine_busy_seconds()?;
     let t = Instant::now();
     let mut tasks = Vec::new();
@@ -159,31 +194,7 @@ pub async fn run() -> anyhow::Result<()> {
         "writes: bare16: {bare_rate:.0}/s, machine {:.2} cores busy",
         (machine_busy_seconds()? - busy) / t.elapsed().as_secs_f64()
     );
-    let (host_rate, host_cpu) = through_host(&addr, host.id(), "host16", None).await?;
-    // The same writers answered `pending` at once (`wait_ms: 0`): what the host costs without
-    // waiting for its fold, so the gap between the two is the wait for the fold's commit.
-    let (pending_rate, pending_cpu) = through_host(&addr, host.id(), "pend16", Some(0)).await?;
-    println!(
-        "writes: 16 writers {host_rate:.0}/s through /write ({host_cpu:.2} cores), answered pending {pending_rate:.0}/s ({pending_cpu:.2} cores); bare puts {bare_rate:.0}/s"
-    );
-    table::row(
-        "writes/s, 16 concurrent writers (/write, each answered)",
-        table::rate(host_rate),
-        format!("16 concurrent bare KV puts {}/s", table::rate(bare_rate)),
-        host_rate / bare_rate,
-        "",
-    );
-    table::row(
-        format!(
-            "writes/s, 16 writers answered `pending` (wait_ms 0; host {pending_cpu:.2} cores, applied {host_cpu:.2})"
-        ),
-        table::rate(pending_rate),
-        format!("16 concurrent bare KV puts {}/s", table::rate(bare_rate)),
-        pending_rate / bare_rate,
-        "",
-    );
-    let _ = foldhost_tests::terminate(&mut host);
-    Ok(())
+    Ok(bare_rate)
 }
 
 /// The host process's CPU time so far (utime + stime from `/proc/PID/stat`), in seconds.
