@@ -302,23 +302,14 @@ impl RunArgs {
                 "--query-token / FOLDHOST_QUERY_TOKEN: the query token is read from a file only (the command line shows in ps): give --query-token-file FILE"
             );
         }
-        let guest_config = match &self.guest_config_file {
-            Some(path) => {
-                let text = std::fs::read(path)
-                    .with_context(|| format!("--guest-config-file {}", path.display()))?;
-                merge_config(
-                    config_from_json(&text)
-                        .map_err(|e| anyhow!("--guest-config-file {}: {e}", path.display()))?,
-                    self.guest_config.clone(),
-                )
-            }
-            None => self.guest_config.clone(),
-        };
+        let guest_config = self.guest_config()?;
         let nats = self.nats.required()?;
         let (Some(bucket), Some(store)) = (self.bucket.clone(), self.store.clone()) else {
             bail!("run needs --bucket and --store (or --config FILE)");
         };
-        let d = defaults();
+        let guest_limits = self.guest_limits(defaults().guest_limits);
+        let batch = self.batch();
+        let guest_channel = self.guest_channel();
         Ok(NodeConfig {
             nats,
             op_timeout: Duration::from_secs(self.nats_op_timeout),
@@ -332,18 +323,8 @@ impl RunArgs {
             sync: self.sync,
             guest: self.guest,
             guest_config,
-            guest_limits: foldhost_guest::guest::GuestLimits {
-                call_deadline: Duration::from_millis(self.guest_deadline_ms.max(1)),
-                memory_bytes: self.guest_memory_mb.max(1) * 1024 * 1024,
-                max_batch_bytes: self.guest_max_batch_bytes.max(1),
-                ..d.guest_limits
-            },
-            guest_cache: if self.no_guest_cache {
-                None
-            } else {
-                self.guest_cache
-                    .or_else(foldhost_guest::guest::cache::default_dir)
-            },
+            guest_limits,
+            guest_cache: guest_cache(self.no_guest_cache, self.guest_cache),
             guest_seed: self.guest_seed,
             apply: self.apply,
             listen: self.listen.map(|addr| ListenConfig {
@@ -360,17 +341,7 @@ impl RunArgs {
                 ..ListenConfig::new(addr)
             }),
             watch_guest: self.watch_guest,
-            guest_channel: self.guest_channel.map(|channel| crate::node::GuestChannel {
-                channel,
-                buckets: foldhost_nats::channel::ChannelBuckets {
-                    objects: self.guest_objects,
-                    channels: self.channel_bucket,
-                },
-                node: self
-                    .node_id
-                    .clone()
-                    .unwrap_or_else(crate::node::default_node_name),
-            }),
+            guest_channel,
             query_subject: self.query_subject,
             query_reply_prefix: self.query_reply_prefix,
             query_group: self.query_group,
@@ -388,11 +359,7 @@ impl RunArgs {
             lease_bucket: self.lease_bucket,
             node_id: self.node_id,
             defer_grace: Duration::from_secs(self.defer_grace_secs),
-            batch: BatchConfig {
-                window: Duration::from_millis(self.batch_window_ms),
-                max: self.batch_max.max(1),
-                channel_capacity: self.channel.max(1),
-            },
+            batch,
             state_caps: foldhost_core::protocol::StateCaps {
                 max_value: self.state_max_value,
                 max_bucket: self.state_max_bucket,
@@ -402,6 +369,72 @@ impl RunArgs {
             #[cfg(not(feature = "crashpoints"))]
             state_unchecked_writes: false,
         })
+    }
+}
+
+impl RunArgs {
+    /// `--guest-config` over what `--guest-config-file` (JSON) gives, if one is given.
+    fn guest_config(&self) -> anyhow::Result<Vec<(String, String)>> {
+        Ok(match &self.guest_config_file {
+            Some(path) => {
+                let text = std::fs::read(path)
+                    .with_context(|| format!("--guest-config-file {}", path.display()))?;
+                merge_config(
+                    config_from_json(&text)
+                        .map_err(|e| anyhow!("--guest-config-file {}: {e}", path.display()))?,
+                    self.guest_config.clone(),
+                )
+            }
+            None => self.guest_config.clone(),
+        })
+    }
+
+    /// The guest's limits: the flags' (each at least 1) over `defaults`.
+    fn guest_limits(
+        &self,
+        defaults: foldhost_guest::guest::GuestLimits,
+    ) -> foldhost_guest::guest::GuestLimits {
+        foldhost_guest::guest::GuestLimits {
+            call_deadline: Duration::from_millis(self.guest_deadline_ms.max(1)),
+            memory_bytes: self.guest_memory_mb.max(1) * 1024 * 1024,
+            max_batch_bytes: self.guest_max_batch_bytes.max(1),
+            ..defaults
+        }
+    }
+
+    /// `--guest-channel`, with its buckets and this node's name in it.
+    fn guest_channel(&self) -> Option<crate::node::GuestChannel> {
+        self.guest_channel
+            .clone()
+            .map(|channel| crate::node::GuestChannel {
+                channel,
+                buckets: foldhost_nats::channel::ChannelBuckets {
+                    objects: self.guest_objects.clone(),
+                    channels: self.channel_bucket.clone(),
+                },
+                node: self
+                    .node_id
+                    .clone()
+                    .unwrap_or_else(crate::node::default_node_name),
+            })
+    }
+
+    /// The fold's batches: window, size and channel (each at least 1).
+    fn batch(&self) -> BatchConfig {
+        BatchConfig {
+            window: Duration::from_millis(self.batch_window_ms),
+            max: self.batch_max.max(1),
+            channel_capacity: self.channel.max(1),
+        }
+    }
+}
+
+/// The compiled-guest cache: none with `--no-guest-cache`, else `--guest-cache` or the default.
+fn guest_cache(no_cache: bool, dir: Option<PathBuf>) -> Option<PathBuf> {
+    if no_cache {
+        None
+    } else {
+        dir.or_else(foldhost_guest::guest::cache::default_dir)
     }
 }
 
@@ -449,41 +482,12 @@ async fn cmd_run_config(file: &Path) -> anyhow::Result<()> {
     }
     let mut cfgs = Vec::with_capacity(folds.len());
     for fold in &folds {
-        // With a process-wide listen, each fold is parsed with it (its tokens, names and limits
-        // are the process's), then registered on the one listener below.
-        let mut extra = overrides.clone();
-        if let Some(addr) = &listen {
-            extra.extend(["--listen".to_string(), addr.clone()]);
-        }
-        let cfg = super::config::fold_args(file, fold, &extra)?
-            .into_config()
-            .with_context(|| format!("{}: fold {}", file.display(), fold.name))?;
-        cfgs.push(cfg);
+        cfgs.push(fold_config(file, fold, &overrides, listen.as_ref())?);
     }
     // One listener for every fold: bound before any fold starts, so no fold's failure takes it.
-    let _serving = match (&listen, cfgs.first()) {
-        (Some(_), Some(first)) => {
-            let l = first.listen.clone().context("the process's listen")?;
-            let (each, serving) = crate::node::bind_shared(first, &l).await?;
-            if let Some(shared) = &each.shared {
-                shared
-                    .registry
-                    .expect(cfgs.iter().map(|c| c.fold_name().to_string()).collect());
-            }
-            // The listener's settings are the process's (a fold table may not set them: see
-            // `config::SHARED_LISTENER_KEYS`); only the readiness lag is each fold's.
-            for cfg in &mut cfgs {
-                if let Some(own) = cfg.listen.take() {
-                    cfg.listen = Some(crate::node::ListenConfig {
-                        query_max_bytes: own.query_max_bytes,
-                        ready_max_lag: own.ready_max_lag,
-                        ..each.clone()
-                    });
-                }
-            }
-            Some(serving)
-        }
-        _ => None,
+    let _serving = match &listen {
+        Some(_) => bind_one_listener(&mut cfgs).await?,
+        None => None,
     };
     let (shutdown_tx, shutdown_rx) = tokio::sync::watch::channel(false);
     tokio::spawn(async move {
@@ -522,6 +526,53 @@ async fn cmd_run_config(file: &Path) -> anyhow::Result<()> {
         );
     }
     Ok(())
+}
+
+/// One fold of the file, as `run` would take it with `overrides`. With a process-wide listen,
+/// each fold is parsed with it (its tokens, names and limits are the process's), then
+/// registered on the one listener.
+fn fold_config(
+    file: &Path,
+    fold: &super::config::Fold,
+    overrides: &[String],
+    listen: Option<&String>,
+) -> anyhow::Result<NodeConfig> {
+    let mut extra = overrides.to_vec();
+    if let Some(addr) = listen {
+        extra.extend(["--listen".to_string(), addr.clone()]);
+    }
+    super::config::fold_args(file, fold, &extra)?
+        .into_config()
+        .with_context(|| format!("{}: fold {}", file.display(), fold.name))
+}
+
+/// Binds the process's one listener (the first fold's listen) with every fold registered on it;
+/// its task, `None` when there is no fold.
+async fn bind_one_listener(
+    cfgs: &mut [NodeConfig],
+) -> anyhow::Result<Option<tokio::task::JoinHandle<()>>> {
+    let Some(first) = cfgs.first() else {
+        return Ok(None);
+    };
+    let l = first.listen.clone().context("the process's listen")?;
+    let (each, serving) = crate::node::bind_shared(first, &l).await?;
+    if let Some(shared) = &each.shared {
+        shared
+            .registry
+            .expect(cfgs.iter().map(|c| c.fold_name().to_string()).collect());
+    }
+    // The listener's settings are the process's (a fold table may not set them: see
+    // `config::SHARED_LISTENER_KEYS`); only the readiness lag is each fold's.
+    for cfg in cfgs.iter_mut() {
+        if let Some(own) = cfg.listen.take() {
+            cfg.listen = Some(crate::node::ListenConfig {
+                query_max_bytes: own.query_max_bytes,
+                ready_max_lag: own.ready_max_lag,
+                ..each.clone()
+            });
+        }
+    }
+    Ok(Some(serving))
 }
 
 pub(super) async fn wait_for_signal() {
