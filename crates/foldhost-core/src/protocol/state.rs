@@ -718,6 +718,22 @@ mod tests {
     #[test]
     fn declarations_are_checked_against_the_rule_and_the_caps_and_never_trimmed() {
         let caps = StateCaps::default();
+        valid_declarations_become_buckets(caps);
+        declarations_above_the_caps_or_evicting_are_refused(caps);
+        declarations_against_the_naming_rule_are_refused(caps);
+    }
+
+    /// `agent`'s declarations checked against `caps`, with `state_agent_main` its main bucket.
+    fn declared(
+        caps: StateCaps,
+        owned_: &[OwnedDecl],
+        reads: &[&str],
+    ) -> Result<Vec<StateBucket>, DeclarationError> {
+        let reads: Vec<String> = reads.iter().map(|s| s.to_string()).collect();
+        check_declarations("agent", owned_, &reads, caps, "state_agent_main")
+    }
+
+    fn valid_declarations_become_buckets(caps: StateCaps) {
         let ok = check_declarations(
             "agent",
             &[owned("servers")],
@@ -742,10 +758,10 @@ mod tests {
             Ok(vec![]),
             "nothing declared: the name does not matter"
         );
-        let refused = |owned_: &[OwnedDecl], reads: &[&str]| {
-            let reads: Vec<String> = reads.iter().map(|s| s.to_string()).collect();
-            check_declarations("agent", owned_, &reads, caps, "state_agent_main")
-        };
+    }
+
+    fn declarations_above_the_caps_or_evicting_are_refused(caps: StateCaps) {
+        let refused = |owned_: &[OwnedDecl], reads: &[&str]| declared(caps, owned_, reads);
         let big = OwnedDecl {
             max_bytes: caps.max_bucket + 1,
             ..owned("big")
@@ -786,6 +802,10 @@ mod tests {
             max_age_ms: 1,
             max_bytes: -1
         }));
+    }
+
+    fn declarations_against_the_naming_rule_are_refused(caps: StateCaps) {
+        let refused = |owned_: &[OwnedDecl], reads: &[&str]| declared(caps, owned_, reads);
         assert!(matches!(
             refused(&[owned("a_b")], &[]),
             Err(DeclarationError::BadName { .. })
@@ -821,21 +841,55 @@ mod tests {
 
     #[test]
     fn a_write_is_refused_before_a_publish_naming_its_reason() {
-        let caps = StateCaps {
-            max_value: 100,
-            max_bucket: 1000,
-        };
-        let buckets = check_declarations("m", &[owned("own")], &["o.theirs".into()], caps, "main")
-            .expect("valid");
-        let own = Some(&buckets[0]);
-        let theirs = Some(&buckets[1]);
-        let put = |local, call, value: &'static [u8]| StateWrite {
+        let w = Writes::new();
+        a_write_is_made_from_a_query_or_on_applied_only(&w);
+        a_write_names_a_bucket_the_module_owns(&w);
+        a_write_fits_the_caps_and_carries_no_credential_nor_ttl(&w);
+    }
+
+    /// The buckets a write names: `own` (owned) and `o.theirs` (read), under caps of 100-byte
+    /// values and 1000-byte buckets.
+    struct Writes {
+        caps: StateCaps,
+        buckets: Vec<StateBucket>,
+    }
+
+    impl Writes {
+        fn new() -> Self {
+            let caps = StateCaps {
+                max_value: 100,
+                max_bucket: 1000,
+            };
+            let buckets =
+                check_declarations("m", &[owned("own")], &["o.theirs".into()], caps, "main")
+                    .expect("valid");
+            Self { caps, buckets }
+        }
+
+        fn own(&self) -> Option<&StateBucket> {
+            Some(&self.buckets[0])
+        }
+
+        fn theirs(&self) -> Option<&StateBucket> {
+            Some(&self.buckets[1])
+        }
+    }
+
+    fn put<'a>(local: &'a str, call: GuestCall, value: &'a [u8]) -> StateWrite<'a> {
+        StateWrite {
             local,
             call,
             value: Some(value),
             ttl: false,
-        };
-        let reason = |r: Result<(), StateRefusal>| r.err().map(|e| e.reason());
+        }
+    }
+
+    fn reason(r: Result<(), StateRefusal>) -> Option<&'static str> {
+        r.err().map(|e| e.reason())
+    }
+
+    fn a_write_is_made_from_a_query_or_on_applied_only(w: &Writes) {
+        let (own, caps) = (w.own(), w.caps);
         assert_eq!(
             admit_state_write(put("own", GuestCall::Query, b"v"), own, 0, caps),
             Ok(())
@@ -850,6 +904,10 @@ mod tests {
                 Some("wrong_call")
             );
         }
+    }
+
+    fn a_write_names_a_bucket_the_module_owns(w: &Writes) {
+        let (theirs, caps) = (w.theirs(), w.caps);
         assert_eq!(
             reason(admit_state_write(
                 put("nope", GuestCall::Query, b"v"),
@@ -876,6 +934,10 @@ mod tests {
             reason(admit_state_write(delete, theirs, 0, caps)),
             Some("read_only")
         );
+    }
+
+    fn a_write_fits_the_caps_and_carries_no_credential_nor_ttl(w: &Writes) {
+        let (own, caps) = (w.own(), w.caps);
         assert_eq!(
             reason(admit_state_write(
                 put("own", GuestCall::Query, &[b'x'; 101]),
