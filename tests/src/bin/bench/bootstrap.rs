@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 use foldhost_core::bucket::ConnectOptions;
 use foldhost_localnats::LocalNats;
-use foldhost_nats::NatsConnection;
+use foldhost_nats::{NatsConnection, NatsKv};
 use foldhost_tests::{Moto, wait_status};
 
 fn foldhost_release() -> anyhow::Result<PathBuf> {
@@ -153,76 +153,9 @@ async fn one(
     // stopped holds its lease until it runs out.
     let key = format!("boot-{backend}-{}", target.name);
     let store = tmp.join(format!("{backend}-replayed"));
-    // Export + upload: a node on the replayed store, one round.
-    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
-    let mut cmd = Command::new(bin);
-    cmd.args(["run", "--bucket", "boot", "--nats", nats, "--store"])
-        .arg(&store)
-        .args(["--backend", backend, "--listen", &addr])
-        .args(["--artifacts", &target.url, "--artifact-key", &key])
-        .args(&target.flags)
-        .args(["--export-every", "5", "--node-id", "bench"])
-        .envs(target.env.iter().map(|(k, v)| (*k, v.as_str())))
-        .env("FOLDHOST_LOG", "warn")
-        .stdout(Stdio::null())
-        .stderr(Stdio::null());
-    let mut node = Node(cmd.spawn()?);
-    let pid = node.0.id();
-    let s = wait_status(&addr, |s| s.applied_through == last).await?;
-    anyhow::ensure!(
-        s.last_export.is_none(),
-        "a round started before the steady state was read"
-    );
-    let steady = proc_kib(pid, "VmRSS:").unwrap_or(0) as f64 / 1024.0;
-    std::fs::write(format!("/proc/{pid}/clear_refs"), "5")?;
-    // The round that published: kept in the report while later rounds are up to date (a round
-    // longer than the period is followed at once by one that finds nothing newer).
-    let s = wait_status(&addr, |s| {
-        s.last_export
-            .as_ref()
-            .and_then(|e| e.last_published.as_ref())
-            .is_some_and(|p| p.cursor == last)
-    })
-    .await?;
-    let round_peak = proc_kib(pid, "VmHWM:").unwrap_or(0) as f64 / 1024.0;
-    // Stopped as an operator stops a node (SIGTERM): the resume below follows a clean stop.
-    foldhost_tests::terminate(&mut node.0)?;
-    drop(node);
-    let round = s
-        .last_export
-        .and_then(|e| e.last_published)
-        .ok_or_else(|| anyhow::anyhow!("no published round"))?;
-    let export_s = round.duration_ms as f64 / 1000.0;
-
-    // Download + import: a new node's bootstrap, BOOTSTRAPS times into an empty store.
-    let mut boots = Vec::with_capacity(BOOTSTRAPS);
-    let mut boot_peak = 0f64;
-    let mut bytes = 0u64;
-    for i in 0..BOOTSTRAPS {
-        let fresh = tmp.join(format!("{backend}-{}-boot-{i}", target.name));
-        let mut cmd = Command::new(bin);
-        cmd.args([
-            "bootstrap",
-            "--artifacts",
-            &target.url,
-            "--artifact-key",
-            &key,
-        ])
-        .args(&target.flags)
-        .arg("--store")
-        .arg(&fresh)
-        .envs(target.env.iter().map(|(k, v)| (*k, v.as_str())));
-        let (secs, peak, out) = timed_child(cmd)?;
-        let m: serde_json::Value = serde_json::from_str(out.trim())?;
-        anyhow::ensure!(m["cursor"].as_u64() == Some(last), "bootstrapped {m}");
-        bytes = m["files"]
-            .as_array()
-            .map(|fs| fs.iter().filter_map(|f| f["size"].as_u64()).sum())
-            .unwrap_or(0);
-        boots.push(secs);
-        boot_peak = boot_peak.max(peak);
-        std::fs::remove_dir_all(&fresh)?;
-    }
+    let (export_s, steady, round_peak) =
+        export_round(bin, nats, backend, &key, target, &store, last).await?;
+    let (boots, boot_peak, bytes) = bootstraps(bin, &key, target, (tmp, backend), last)?;
     let (boot_s, boot_min, boot_max) = spread(boots);
     let mb = bytes as f64 / 1e6;
     println!(
@@ -321,39 +254,14 @@ pub async fn run(keys: u64) -> anyhow::Result<()> {
         }
         let last = kv.positions().await?.last_sequence;
         let store = tmp.path().join(format!("{backend}-replayed"));
-        // REPLAYS replays into an empty store each; the last one's store is kept.
-        let mut replays = Vec::with_capacity(REPLAYS);
-        let mut replay_peak = 0f64;
-        for i in 0..REPLAYS {
-            let into = if i + 1 == REPLAYS {
-                store.clone()
-            } else {
-                tmp.path().join(format!("{backend}-replay-{i}"))
-            };
-            let mut cmd = Command::new(&bin);
-            cmd.args([
-                "run",
-                "--bucket",
-                "boot",
-                "--nats",
-                &server.url(),
-                "--store",
-            ])
-            .arg(&into)
-            .args(["--backend", backend, "--catch-up"])
-            .env("FOLDHOST_LOG", "warn");
-            let (secs, peak, _) = timed_child(cmd)?;
-            replays.push(secs);
-            replay_peak = replay_peak.max(peak);
-            if into != store {
-                std::fs::remove_dir_all(&into)?;
-            }
-        }
-        let (replay_s, replay_min, replay_max) = spread(replays);
-        println!(
-            "  {backend:>7} replay: {replay_s:.2} s (median of {REPLAYS}, {replay_min:.2}–{replay_max:.2}; {:.0} keys/s), peak RSS {replay_peak:.0} MiB",
-            keys as f64 / replay_s
-        );
+        let fold = Fold {
+            bin: &bin,
+            nats: &server.url(),
+            backend,
+            keys,
+            store: &store,
+        };
+        let replay = fold.replays(tmp.path())?;
         for target in &targets {
             one(
                 &bin,
@@ -363,12 +271,75 @@ pub async fn run(keys: u64) -> anyhow::Result<()> {
                 last,
                 target,
                 tmp.path(),
-                replay_s,
+                replay.median,
             )
             .await?;
         }
-        // Resume: 1 000 writes after the fold's cursor, then a run that must deliver exactly
-        // those; RESUMES times.
+        fold.resumes(&kv, &replay).await?;
+    }
+    Ok(())
+}
+
+/// One backend's fold of the bucket through the release binary: its replays and resumes.
+struct Fold<'a> {
+    bin: &'a Path,
+    nats: &'a str,
+    backend: &'a str,
+    keys: u64,
+    /// The store the last replay leaves, which the resumes run on.
+    store: &'a Path,
+}
+
+/// The replays' figures: median, fastest and slowest seconds, peak RSS in MiB.
+struct Replay {
+    median: f64,
+    min: f64,
+    max: f64,
+    peak: f64,
+}
+
+impl Fold<'_> {
+    /// [`REPLAYS`] full replays from revision 1, each into an empty store (the last one's kept
+    /// as [`Fold::store`]); prints their figures.
+    fn replays(&self, tmp: &Path) -> anyhow::Result<Replay> {
+        let (backend, keys) = (self.backend, self.keys);
+        let mut replays = Vec::with_capacity(REPLAYS);
+        let mut replay_peak = 0f64;
+        for i in 0..REPLAYS {
+            let into = if i + 1 == REPLAYS {
+                self.store.to_path_buf()
+            } else {
+                tmp.join(format!("{backend}-replay-{i}"))
+            };
+            let mut cmd = Command::new(self.bin);
+            cmd.args(["run", "--bucket", "boot", "--nats", self.nats, "--store"])
+                .arg(&into)
+                .args(["--backend", backend, "--catch-up"])
+                .env("FOLDHOST_LOG", "warn");
+            let (secs, peak, _) = timed_child(cmd)?;
+            replays.push(secs);
+            replay_peak = replay_peak.max(peak);
+            if into != self.store {
+                std::fs::remove_dir_all(&into)?;
+            }
+        }
+        let (replay_s, replay_min, replay_max) = spread(replays);
+        println!(
+            "  {backend:>7} replay: {replay_s:.2} s (median of {REPLAYS}, {replay_min:.2}–{replay_max:.2}; {:.0} keys/s), peak RSS {replay_peak:.0} MiB",
+            keys as f64 / replay_s
+        );
+        Ok(Replay {
+            median: replay_s,
+            min: replay_min,
+            max: replay_max,
+            peak: replay_peak,
+        })
+    }
+
+    /// Resume: 1 000 writes after the fold's cursor, then a run that must deliver exactly those;
+    /// [`RESUMES`] times. Prints the figures beside `replay`'s and adds the row.
+    async fn resumes(&self, kv: &NatsKv, replay: &Replay) -> anyhow::Result<()> {
+        let (backend, keys) = (self.backend, self.keys);
         let mut resumes = Vec::with_capacity(RESUMES);
         for round in 0..RESUMES as u64 {
             foldhost_tests::publish_all(
@@ -384,30 +355,11 @@ pub async fn run(keys: u64) -> anyhow::Result<()> {
                 }),
             )
             .await?;
-            let mut cmd = Command::new(&bin);
-            cmd.args([
-                "run",
-                "--bucket",
-                "boot",
-                "--nats",
-                &server.url(),
-                "--store",
-            ])
-            .arg(&store)
-            .args(["--backend", backend, "--catch-up"])
-            .env(
-                "FOLDHOST_LOG",
-                std::env::var("FOLDHOST_BENCH_RESUME_LOG").unwrap_or_else(|_| "warn".into()),
-            );
-            let (secs, _, log) = timed_child_stderr(cmd, |stderr| {
-                stderr.contains("(1000 updates delivered this run)")
-            })?;
-            if std::env::var_os("FOLDHOST_BENCH_RESUME_LOG").is_some() {
-                eprintln!("{log}");
-            }
-            resumes.push(secs);
+            resumes.push(self.resume()?);
         }
         let (resume_s, resume_min, resume_max) = spread(resumes);
+        let (replay_s, replay_min, replay_max, replay_peak) =
+            (replay.median, replay.min, replay.max, replay.peak);
         println!(
             "  {backend:>7} resume after 1 000 writes: {resume_s:.3} s (median of {RESUMES}, {resume_min:.3}–{resume_max:.3}), exactly 1 000 delivered each time; resume ÷ replay = {:.4} ({:.4}–{:.4})",
             resume_s / replay_s,
@@ -425,6 +377,119 @@ pub async fn run(keys: u64) -> anyhow::Result<()> {
             resume_s / replay_s,
             "≤ 0.01",
         );
+        Ok(())
     }
-    Ok(())
+
+    /// One resume on [`Fold::store`]: a `--catch-up` run that must deliver exactly 1 000
+    /// updates; its seconds.
+    fn resume(&self) -> anyhow::Result<f64> {
+        let mut cmd = Command::new(self.bin);
+        cmd.args(["run", "--bucket", "boot", "--nats", self.nats, "--store"])
+            .arg(self.store)
+            .args(["--backend", self.backend, "--catch-up"])
+            .env(
+                "FOLDHOST_LOG",
+                std::env::var("FOLDHOST_BENCH_RESUME_LOG").unwrap_or_else(|_| "warn".into()),
+            );
+        let (secs, _, log) = timed_child_stderr(cmd, |stderr| {
+            stderr.contains("(1000 updates delivered this run)")
+        })?;
+        if std::env::var_os("FOLDHOST_BENCH_RESUME_LOG").is_some() {
+            eprintln!("{log}");
+        }
+        Ok(secs)
+    }
+}
+
+/// Export + upload: a node on the replayed `store`, one round published under `key` to
+/// `target`; the round's seconds, the node's steady RSS and the round's peak RSS (MiB).
+async fn export_round(
+    bin: &Path,
+    nats: &str,
+    backend: &str,
+    key: &str,
+    target: &Target,
+    store: &Path,
+    last: u64,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+    let mut cmd = Command::new(bin);
+    cmd.args(["run", "--bucket", "boot", "--nats", nats, "--store"])
+        .arg(store)
+        .args(["--backend", backend, "--listen", &addr])
+        .args(["--artifacts", &target.url, "--artifact-key", key])
+        .args(&target.flags)
+        .args(["--export-every", "5", "--node-id", "bench"])
+        .envs(target.env.iter().map(|(k, v)| (*k, v.as_str())))
+        .env("FOLDHOST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    let mut node = Node(cmd.spawn()?);
+    let pid = node.0.id();
+    let s = wait_status(&addr, |s| s.applied_through == last).await?;
+    anyhow::ensure!(
+        s.last_export.is_none(),
+        "a round started before the steady state was read"
+    );
+    let steady = proc_kib(pid, "VmRSS:").unwrap_or(0) as f64 / 1024.0;
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5")?;
+    // The round that published: kept in the report while later rounds are up to date (a round
+    // longer than the period is followed at once by one that finds nothing newer).
+    let s = wait_status(&addr, |s| {
+        s.last_export
+            .as_ref()
+            .and_then(|e| e.last_published.as_ref())
+            .is_some_and(|p| p.cursor == last)
+    })
+    .await?;
+    let round_peak = proc_kib(pid, "VmHWM:").unwrap_or(0) as f64 / 1024.0;
+    // Stopped as an operator stops a node (SIGTERM): the resume below follows a clean stop.
+    foldhost_tests::terminate(&mut node.0)?;
+    drop(node);
+    let round = s
+        .last_export
+        .and_then(|e| e.last_published)
+        .ok_or_else(|| anyhow::anyhow!("no published round"))?;
+    Ok((round.duration_ms as f64 / 1000.0, steady, round_peak))
+}
+
+/// Download + import: a new node's bootstrap from `key` on `target`, [`BOOTSTRAPS`] times into an
+/// empty store under `tmp` named after `backend`; each one's seconds, the peak RSS (MiB) and the artifact's
+/// bytes.
+fn bootstraps(
+    bin: &Path,
+    key: &str,
+    target: &Target,
+    (tmp, backend): (&Path, &str),
+    last: u64,
+) -> anyhow::Result<(Vec<f64>, f64, u64)> {
+    let mut boots = Vec::with_capacity(BOOTSTRAPS);
+    let mut boot_peak = 0f64;
+    let mut bytes = 0u64;
+    for i in 0..BOOTSTRAPS {
+        let fresh = tmp.join(format!("{backend}-{}-boot-{i}", target.name));
+        let mut cmd = Command::new(bin);
+        cmd.args([
+            "bootstrap",
+            "--artifacts",
+            &target.url,
+            "--artifact-key",
+            key,
+        ])
+        .args(&target.flags)
+        .arg("--store")
+        .arg(&fresh)
+        .envs(target.env.iter().map(|(k, v)| (*k, v.as_str())));
+        let (secs, peak, out) = timed_child(cmd)?;
+        let m: serde_json::Value = serde_json::from_str(out.trim())?;
+        anyhow::ensure!(m["cursor"].as_u64() == Some(last), "bootstrapped {m}");
+        bytes = m["files"]
+            .as_array()
+            .map(|fs| fs.iter().filter_map(|f| f["size"].as_u64()).sum())
+            .unwrap_or(0);
+        boots.push(secs);
+        boot_peak = boot_peak.max(peak);
+        std::fs::remove_dir_all(&fresh)?;
+    }
+    Ok((boots, boot_peak, bytes))
 }
