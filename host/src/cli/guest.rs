@@ -118,45 +118,8 @@ pub(super) async fn cmd_guest(c: GuestCommand) -> anyhow::Result<()> {
 }
 
 async fn publish(a: GuestPublishArgs) -> anyhow::Result<()> {
-    for c in &a.canary {
-        if let Some(why) = protocol::name_refusal("--canary", c) {
-            bail!("{why}");
-        }
-    }
-    if a.canary.len() > protocol::MAX_CANARIES {
-        bail!(
-            "--canary: {} nodes (most {})",
-            a.canary.len(),
-            protocol::MAX_CANARIES
-        );
-    }
-    if let Some(f) = a.canary_fraction
-        && !(f > 0.0 && f <= 1.0)
-    {
-        bail!("--canary-fraction {f}: between 0 (exclusive) and 1");
-    }
-    if !a.waves.is_empty()
-        && let Some(why) = protocol::waves_refusal(&a.waves)
-    {
-        bail!("--waves {}: {why}", a.waves.join(","));
-    }
-    if a.shadow_wait > protocol::MAX_SHADOW_WAIT_S {
-        bail!(
-            "--shadow-wait {}: at most {} seconds",
-            a.shadow_wait,
-            protocol::MAX_SHADOW_WAIT_S
-        );
-    }
-    let what = a.file.display().to_string();
-    let bytes = read_component(&a.file)?;
-    let engine = foldhost_guest::guest::GuestEngine::new()?;
-    let manifest = foldhost_guest::guest::GuestApply::read_manifest(&engine, &what, &bytes).await?;
-    let desired = GuestVersion {
-        digest: blake3::hash(&bytes).to_hex().to_string(),
-        name: manifest.name,
-        version: manifest.version,
-        size: bytes.len() as u64,
-    };
+    check_publish_args(&a)?;
+    let (desired, bytes) = read_desired(&a.file).await?;
     let bus = a.channel.open(true).await?;
     let channel = &a.channel.channel;
     let current = bus.release(channel).await?;
@@ -195,21 +158,7 @@ async fn publish(a: GuestPublishArgs) -> anyhow::Result<()> {
         protocol::resolve_waves(&a.waves, &known, &canaries, &desired.digest)
             .map_err(|why| anyhow!("--waves {}: {why}", a.waves.join(",")))?
     };
-    if previous.is_none() && !waves.is_empty() {
-        eprintln!(
-            "note: no previous version to run instead: every node swaps at once (the waves wait for nothing)"
-        );
-    }
-    if previous.is_some() && canaries.is_empty() && waves.len() < 2 {
-        eprintln!(
-            "note: no canary (none named{}): every node swaps at once",
-            if a.canary_fraction.is_some() {
-                ", and no node reported on the channel yet"
-            } else {
-                ""
-            }
-        );
-    }
+    note_fallback(previous.is_some(), canaries.is_empty(), waves.len(), &a);
     let entry = ChannelEntry {
         desired,
         previous,
@@ -226,26 +175,8 @@ async fn publish(a: GuestPublishArgs) -> anyhow::Result<()> {
     let mut release = bus
         .publish_release(channel, &entry, current.as_ref().map(|(n, _)| *n))
         .await?;
-    // A report halting the release this one replaces may have come between the read and the
-    // write: its version is then no last good one, and the new release falls back to its own.
-    if let Some((n, old)) = &current
-        && entry.previous.as_ref() == Some(&old.desired)
-    {
-        let reports = bus.reports(channel).await?;
-        if let Rollout::Halted { by, why } = protocol::rollout(*n, old, &reports) {
-            let fixed = ChannelEntry {
-                previous: old.previous.clone(),
-                ..entry.clone()
-            };
-            eprintln!(
-                "note: release {n} was halted by {by} ({why}) while this one was published: its previous is {} instead",
-                fixed
-                    .previous
-                    .as_ref()
-                    .map_or("none".into(), GuestVersion::label)
-            );
-            release = bus.publish_release(channel, &fixed, Some(release)).await?;
-        }
+    if let Some((n, old)) = &current {
+        release = republish_if_halted(&bus, channel, (*n, old), &entry, release).await?;
     }
     println!(
         "{}",
@@ -260,6 +191,106 @@ async fn publish(a: GuestPublishArgs) -> anyhow::Result<()> {
         })
     );
     Ok(())
+}
+
+/// `guest publish`'s rollout flags, each within its bounds.
+fn check_publish_args(a: &GuestPublishArgs) -> anyhow::Result<()> {
+    for c in &a.canary {
+        if let Some(why) = protocol::name_refusal("--canary", c) {
+            bail!("{why}");
+        }
+    }
+    if a.canary.len() > protocol::MAX_CANARIES {
+        bail!(
+            "--canary: {} nodes (most {})",
+            a.canary.len(),
+            protocol::MAX_CANARIES
+        );
+    }
+    if let Some(f) = a.canary_fraction
+        && !(f > 0.0 && f <= 1.0)
+    {
+        bail!("--canary-fraction {f}: between 0 (exclusive) and 1");
+    }
+    if !a.waves.is_empty()
+        && let Some(why) = protocol::waves_refusal(&a.waves)
+    {
+        bail!("--waves {}: {why}", a.waves.join(","));
+    }
+    if a.shadow_wait > protocol::MAX_SHADOW_WAIT_S {
+        bail!(
+            "--shadow-wait {}: at most {} seconds",
+            a.shadow_wait,
+            protocol::MAX_SHADOW_WAIT_S
+        );
+    }
+    Ok(())
+}
+
+/// The component at `file`, and the version it is: its digest, its manifest's name and version,
+/// its size.
+async fn read_desired(file: &Path) -> anyhow::Result<(GuestVersion, Vec<u8>)> {
+    let what = file.display().to_string();
+    let bytes = read_component(&file)?;
+    let engine = foldhost_guest::guest::GuestEngine::new()?;
+    let manifest = foldhost_guest::guest::GuestApply::read_manifest(&engine, &what, &bytes).await?;
+    let desired = GuestVersion {
+        digest: blake3::hash(&bytes).to_hex().to_string(),
+        name: manifest.name,
+        version: manifest.version,
+        size: bytes.len() as u64,
+    };
+    Ok((desired, bytes))
+}
+
+/// Says when the release swaps every node at once: no previous version to run instead, or no
+/// canary.
+fn note_fallback(has_previous: bool, no_canary: bool, waves: usize, a: &GuestPublishArgs) {
+    if !has_previous && waves > 0 {
+        eprintln!(
+            "note: no previous version to run instead: every node swaps at once (the waves wait for nothing)"
+        );
+    }
+    if has_previous && no_canary && waves < 2 {
+        eprintln!(
+            "note: no canary (none named{}): every node swaps at once",
+            if a.canary_fraction.is_some() {
+                ", and no node reported on the channel yet"
+            } else {
+                ""
+            }
+        );
+    }
+}
+
+/// A report halting the release this one replaces (`n`, `old`) may have come between the read
+/// and the write: its version is then no last good one, and the new release falls back to its
+/// own. The release number now current.
+async fn republish_if_halted(
+    bus: &ChannelBus,
+    channel: &str,
+    (n, old): (u64, &ChannelEntry),
+    entry: &ChannelEntry,
+    mut release: u64,
+) -> anyhow::Result<u64> {
+    if entry.previous.as_ref() == Some(&old.desired) {
+        let reports = bus.reports(channel).await?;
+        if let Rollout::Halted { by, why } = protocol::rollout(n, old, &reports) {
+            let fixed = ChannelEntry {
+                previous: old.previous.clone(),
+                ..entry.clone()
+            };
+            eprintln!(
+                "note: release {n} was halted by {by} ({why}) while this one was published: its previous is {} instead",
+                fixed
+                    .previous
+                    .as_ref()
+                    .map_or("none".into(), GuestVersion::label)
+            );
+            release = bus.publish_release(channel, &fixed, Some(release)).await?;
+        }
+    }
+    Ok(release)
 }
 
 /// `[a,b] [c] [rest: d]`: a release's waves as `status` and `history` print them.
