@@ -46,7 +46,7 @@ mod cpu;
 mod load;
 
 use cpu::{Cpu, nats_pids};
-use load::{Http, Kind, Prng, Requester, check_results, encode_lookups, host_name};
+use load::{Driver, Http, Kind, Prng, Requester, check_results, encode_lookups, host_name};
 
 /// Routes in the bucket.
 const KEYS: u64 = 100_000;
@@ -170,6 +170,62 @@ async fn measure(
     row_seed: u64,
 ) -> anyhow::Result<Figures> {
     // Every requester connected before the clock starts.
+    let requesters = connect(s, kind, conns).await?;
+    let start = Instant::now();
+    let from = start + WARMUP;
+    let until = from + Duration::from_secs_f64(secs);
+    let stop = Arc::new(AtomicBool::new(false));
+    let tasks = spawn_requesters(requesters, kind, row_seed, (from, until), &stop);
+    // The writer and the status samples.
+    let last = Arc::new(AtomicU64::new(0));
+    let sampling = Arc::new(AtomicBool::new(true));
+    let (writer_task, sampler) = if writing {
+        let w = tokio::spawn(writer(
+            s.js.clone(),
+            from,
+            until,
+            last.clone(),
+            PRNG_BASE ^ row_seed,
+        ));
+        let sampler = tokio::spawn(sample(s.addr.clone(), last.clone(), sampling.clone()));
+        (Some(w), Some(sampler))
+    } else {
+        (None, None)
+    };
+    tokio::time::sleep_until(from.into()).await;
+    let (c0, t0) = (Cpu::now(s.node_pid, &s.nats_pids), Instant::now());
+    tokio::time::sleep_until(until.into()).await;
+    let (c1, t1) = (Cpu::now(s.node_pid, &s.nats_pids), Instant::now());
+    let cpu = c0.cores(c1, t1.duration_since(t0).as_secs_f64());
+    let mut writer = None;
+    if let Some(w) = writer_task {
+        writer = Some(writer_figures(s, w.await??, &last, &sampling, sampler).await?);
+    }
+    stop.store(true, Ordering::Relaxed);
+    let mut lat = Vec::new();
+    for t in tasks {
+        lat.extend(t.await??);
+    }
+    anyhow::ensure!(!lat.is_empty(), "{kind:?}: nothing answered in the window");
+    let count = lat.len();
+    let mut lat: Vec<f64> = lat.into_iter().map(|ns| ns as f64 / 1e3).collect();
+    lat.sort_by(f64::total_cmp);
+    Ok(Figures {
+        rate: count as f64 / secs,
+        p50_us: percentile(&lat, 0.5),
+        p99_us: percentile(&lat, 0.99),
+        cpu,
+        writer,
+    })
+}
+
+/// `conns` requesters of `kind`, each connected (HTTP: a connection of its own and its driver;
+/// NATS and KV gets: one shared connection).
+async fn connect(
+    s: &Setup,
+    kind: Kind,
+    conns: usize,
+) -> anyhow::Result<Vec<(Requester, Option<Driver>)>> {
     let mut requesters = Vec::with_capacity(conns);
     let shared = match kind {
         Kind::Nats | Kind::KvGet => Some(async_nats::connect(&s.url).await?),
@@ -194,12 +250,20 @@ async fn measure(
             _ => anyhow::bail!("no client for {kind:?}"),
         });
     }
-    let start = Instant::now();
-    let from = start + WARMUP;
-    let until = from + Duration::from_secs_f64(secs);
-    let stop = Arc::new(AtomicBool::new(false));
+    Ok(requesters)
+}
+
+/// Starts every requester's closed loop until `stop`; each returns the latencies (ns) of the
+/// requests it sent and had answered within `(from, until)`.
+fn spawn_requesters(
+    requesters: Vec<(Requester, Option<Driver>)>,
+    kind: Kind,
+    row_seed: u64,
+    (from, until): (Instant, Instant),
+    stop: &Arc<AtomicBool>,
+) -> Vec<tokio::task::JoinHandle<anyhow::Result<Vec<u64>>>> {
     let per = if kind == Kind::Lookups { BATCH } else { 1 };
-    let mut tasks = Vec::with_capacity(conns);
+    let mut tasks = Vec::with_capacity(requesters.len());
     for (n, (mut r, driver)) in requesters.into_iter().enumerate() {
         let stop = stop.clone();
         let mut rng = Prng(PRNG_BASE ^ row_seed.wrapping_mul(1_000_003) ^ n as u64);
@@ -229,82 +293,60 @@ async fn measure(
             }
         }));
     }
-    // The writer and the status samples.
-    let last = Arc::new(AtomicU64::new(0));
-    let sampling = Arc::new(AtomicBool::new(true));
-    let (writer_task, sampler) = if writing {
-        let w = tokio::spawn(writer(
-            s.js.clone(),
-            from,
-            until,
-            last.clone(),
-            PRNG_BASE ^ row_seed,
-        ));
-        let (addr, last, sampling) = (s.addr.clone(), last.clone(), sampling.clone());
-        let sampler = tokio::spawn(async move {
-            let (mut max_lag, mut max_behind, mut samples) = (0u64, 0u64, 0usize);
-            while sampling.load(Ordering::Relaxed) {
-                let written = last.load(Ordering::Relaxed);
-                if let Ok(st) = status(&addr).await {
-                    max_lag = max_lag.max(st.lag);
-                    max_behind = max_behind.max(written.saturating_sub(st.applied_through));
-                    samples += 1;
-                }
-                tokio::time::sleep(Duration::from_millis(100)).await;
-            }
-            (max_lag, max_behind, samples)
-        });
-        (Some(w), Some(sampler))
-    } else {
-        (None, None)
-    };
-    tokio::time::sleep_until(from.into()).await;
-    let (c0, t0) = (Cpu::now(s.node_pid, &s.nats_pids), Instant::now());
-    tokio::time::sleep_until(until.into()).await;
-    let (c1, t1) = (Cpu::now(s.node_pid, &s.nats_pids), Instant::now());
-    let cpu = c0.cores(c1, t1.duration_since(t0).as_secs_f64());
-    let mut writer = None;
-    if let Some(w) = writer_task {
-        let rate = w.await??;
-        let stopped = Instant::now();
-        let last = last.load(Ordering::Relaxed);
-        let mut reached_ms = None;
-        while stopped.elapsed() < REACH_WITHIN {
-            if status(&s.addr).await?.applied_through >= last {
-                reached_ms = Some(stopped.elapsed().as_secs_f64() * 1e3);
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
+    tasks
+}
+
+/// Samples the node's `/status` at `addr` every 100 ms while `sampling`: the largest lag, the
+/// largest gap behind the writer's `last` revision, and the samples taken.
+async fn sample(
+    addr: String,
+    last: Arc<AtomicU64>,
+    sampling: Arc<AtomicBool>,
+) -> (u64, u64, usize) {
+    let (mut max_lag, mut max_behind, mut samples) = (0u64, 0u64, 0usize);
+    while sampling.load(Ordering::Relaxed) {
+        let written = last.load(Ordering::Relaxed);
+        if let Ok(st) = status(&addr).await {
+            max_lag = max_lag.max(st.lag);
+            max_behind = max_behind.max(written.saturating_sub(st.applied_through));
+            samples += 1;
         }
-        sampling.store(false, Ordering::Relaxed);
-        let (max_lag, max_behind, samples) = match sampler {
-            Some(t) => t.await?,
-            None => (0, 0, 0),
-        };
-        writer = Some(WriterFigures {
-            rate,
-            last,
-            reached_ms,
-            max_lag,
-            max_behind,
-            samples,
-        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    stop.store(true, Ordering::Relaxed);
-    let mut lat = Vec::new();
-    for t in tasks {
-        lat.extend(t.await??);
+    (max_lag, max_behind, samples)
+}
+
+/// After the writer stopped at `rate`: how long the fold took to apply its `last` revision (the
+/// load still running, at most [`REACH_WITHIN`]), then the sampler stopped and its figures.
+async fn writer_figures(
+    s: &Setup,
+    rate: f64,
+    last: &AtomicU64,
+    sampling: &AtomicBool,
+    sampler: Option<tokio::task::JoinHandle<(u64, u64, usize)>>,
+) -> anyhow::Result<WriterFigures> {
+    let stopped = Instant::now();
+    let last = last.load(Ordering::Relaxed);
+    let mut reached_ms = None;
+    while stopped.elapsed() < REACH_WITHIN {
+        if status(&s.addr).await?.applied_through >= last {
+            reached_ms = Some(stopped.elapsed().as_secs_f64() * 1e3);
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
-    anyhow::ensure!(!lat.is_empty(), "{kind:?}: nothing answered in the window");
-    let count = lat.len();
-    let mut lat: Vec<f64> = lat.into_iter().map(|ns| ns as f64 / 1e3).collect();
-    lat.sort_by(f64::total_cmp);
-    Ok(Figures {
-        rate: count as f64 / secs,
-        p50_us: percentile(&lat, 0.5),
-        p99_us: percentile(&lat, 0.99),
-        cpu,
-        writer,
+    sampling.store(false, Ordering::Relaxed);
+    let (max_lag, max_behind, samples) = match sampler {
+        Some(t) => t.await?,
+        None => (0, 0, 0),
+    };
+    Ok(WriterFigures {
+        rate,
+        last,
+        reached_ms,
+        max_lag,
+        max_behind,
+        samples,
     })
 }
 
