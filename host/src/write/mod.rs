@@ -594,36 +594,8 @@ impl WritePath {
             }));
         }
         let wait = protocol::write_wait_ms(req.wait_ms).map_err(refuse)?;
-        let kind = match req.op.as_deref().unwrap_or("put") {
-            "put" => match (req.value, req.value_base64) {
-                (Some(v), None) => WriteKind::Put(Bytes::from(v)),
-                (None, Some(b)) => WriteKind::Put(Bytes::from(
-                    base64::engine::general_purpose::STANDARD
-                        .decode(b.as_bytes())
-                        .map_err(|e| refuse(invalid(format!("value_base64: {e}"))))?,
-                )),
-                _ => {
-                    return Err(refuse(invalid(
-                        "a put takes exactly one of value and value_base64".into(),
-                    )));
-                }
-            },
-            op @ ("delete" | "purge") => {
-                if req.value.is_some() || req.value_base64.is_some() {
-                    return Err(refuse(invalid(format!("a {op} takes no value"))));
-                }
-                if op == "delete" {
-                    WriteKind::Delete
-                } else {
-                    WriteKind::Purge
-                }
-            }
-            other => {
-                return Err(refuse(invalid(format!(
-                    "op {other:?}: put, delete or purge"
-                ))));
-            }
-        };
+        let op_name = req.op.as_deref().unwrap_or("put");
+        let kind = write_kind(op_name, req.value, req.value_base64).map_err(refuse)?;
         if let WriteKind::Put(v) = &kind {
             let limit = self.kv.max_value_len();
             if v.len() as u64 > limit {
@@ -648,6 +620,44 @@ impl WritePath {
             wait: Duration::from_millis(wait),
         })
     }
+}
+
+/// What a write of `op` does: a put of exactly one of `value` and `value_base64`, a delete or a
+/// purge of none.
+fn write_kind(
+    op: &str,
+    value: Option<String>,
+    value_base64: Option<String>,
+) -> Result<WriteKind, WriteRefusal> {
+    let invalid = |what: String| WriteRefusal::Invalid { what };
+    Ok(match op {
+        "put" => match (value, value_base64) {
+            (Some(v), None) => WriteKind::Put(Bytes::from(v)),
+            (None, Some(b)) => WriteKind::Put(Bytes::from(
+                base64::engine::general_purpose::STANDARD
+                    .decode(b.as_bytes())
+                    .map_err(|e| invalid(format!("value_base64: {e}")))?,
+            )),
+            _ => {
+                return Err(invalid(
+                    "a put takes exactly one of value and value_base64".into(),
+                ));
+            }
+        },
+        op @ ("delete" | "purge") => {
+            if value.is_some() || value_base64.is_some() {
+                return Err(invalid(format!("a {op} takes no value")));
+            }
+            if op == "delete" {
+                WriteKind::Delete
+            } else {
+                WriteKind::Purge
+            }
+        }
+        other => {
+            return Err(invalid(format!("op {other:?}: put, delete or purge")));
+        }
+    })
 }
 
 /// A new operation id: a UUIDv7 minted now.
