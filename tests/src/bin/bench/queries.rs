@@ -603,15 +603,44 @@ fn reached(w: &WriterFigures) -> String {
     }
 }
 
+/// What a row's figures name beside its rate: its latency and the load generator's cores.
+fn latency(f: &Figures) -> String {
+    format!(
+        "p50 {:.0} µs, p99 {:.0} µs; load generator {:.2} cores",
+        f.p50_us, f.p99_us, f.cpu.bench
+    )
+}
+
+/// A configuration's median run, when it ran.
+type Find<'a> = &'a dyn Fn(Kind, usize, bool) -> Option<Figures>;
+
 /// The table's rows, from each configuration's median run.
-fn add_rows(find: &dyn Fn(Kind, usize, bool) -> Option<Figures>, secs: f64, runs: usize) {
+fn add_rows(find: Find, secs: f64, runs: usize) {
     let how = format!("{secs} s, median of {runs}");
-    let lat = |f: &Figures| {
-        format!(
-            "p50 {:.0} µs, p99 {:.0} µs; load generator {:.2} cores",
-            f.p50_us, f.p99_us, f.cpu.bench
-        )
-    };
+    idle_rows(find, &how);
+    writer_rows(find);
+    if let (Some(l), Some(q), Some(kv)) = (
+        find(Kind::Lookups, 16, false),
+        find(Kind::Http, 16, false),
+        find(Kind::KvGet, 16, false),
+    ) {
+        table::row(
+            format!(
+                "lookups/s, HTTP /query, {BATCH} lookups per request, 16 connections, idle ({}/s requests, {}; one lookup per request {}/s; {how})",
+                table::rate(l.rate),
+                latency(&l),
+                table::rate(q.rate)
+            ),
+            format!("{}/s", table::rate(l.rate * BATCH as f64)),
+            format!("KV gets, 16 concurrent {}/s", table::rate(kv.rate)),
+            l.rate * BATCH as f64 / kv.rate,
+            "",
+        );
+    }
+}
+
+/// The idle rows: queries/s against KV gets at the same concurrency, and the p99 latency.
+fn idle_rows(find: Find, how: &str) {
     for (kind, n, target) in [
         (Kind::Http, 16, "≥ 3"),
         (Kind::Http, 64, ""),
@@ -624,13 +653,13 @@ fn add_rows(find: &dyn Fn(Kind, usize, bool) -> Option<Figures>, secs: f64, runs
             format!(
                 "queries/s, {}, {KEYS} routes, router guest ({}; {how})",
                 label((kind, n, false)),
-                lat(&q)
+                latency(&q)
             ),
             format!("{}/s", table::rate(q.rate)),
             format!(
                 "KV gets (async-nats Store::get), {n} concurrent, same keys {}/s ({})",
                 table::rate(kv.rate),
-                lat(&kv)
+                latency(&kv)
             ),
             q.rate / kv.rate,
             target,
@@ -645,6 +674,11 @@ fn add_rows(find: &dyn Fn(Kind, usize, bool) -> Option<Figures>, secs: f64, runs
             "≤ 1 ms",
         );
     }
+}
+
+/// The rows beside the writer: each configuration's rate against its idle rate, with what the
+/// same writer costs KV gets at the same concurrency as the control.
+fn writer_rows(find: Find) {
     for (kind, n) in [
         (Kind::Http, 16),
         (Kind::Http, 64),
@@ -678,30 +712,12 @@ fn add_rows(find: &dyn Fn(Kind, usize, bool) -> Option<Figures>, secs: f64, runs
                 wf.max_lag,
                 wf.max_behind,
                 wf.samples,
-                lat(&w)
+                latency(&w)
             ),
             format!("{}/s", table::rate(w.rate)),
             format!("the same, idle {}/s{control}", table::rate(idle.rate)),
             w.rate / idle.rate,
             if kind == Kind::KvGet { "" } else { "≥ 0.8" },
-        );
-    }
-    if let (Some(l), Some(q), Some(kv)) = (
-        find(Kind::Lookups, 16, false),
-        find(Kind::Http, 16, false),
-        find(Kind::KvGet, 16, false),
-    ) {
-        table::row(
-            format!(
-                "lookups/s, HTTP /query, {BATCH} lookups per request, 16 connections, idle ({}/s requests, {}; one lookup per request {}/s; {how})",
-                table::rate(l.rate),
-                lat(&l),
-                table::rate(q.rate)
-            ),
-            format!("{}/s", table::rate(l.rate * BATCH as f64)),
-            format!("KV gets, 16 concurrent {}/s", table::rate(kv.rate)),
-            l.rate * BATCH as f64 / kv.rate,
-            "",
         );
     }
 }
