@@ -87,26 +87,40 @@ async fn a_gigabyte_pointer_or_tar_extension_entry_is_refused_in_one_line_under_
     let objects = tmp.path().join("objects");
     std::fs::create_dir_all(&objects)?;
     let url = format!("file://{}", objects.display());
-    let bootstrap = |key: &str, store: &str| -> Vec<String> {
-        [
-            "bootstrap",
-            "--artifacts",
-            &url,
-            "--artifact-key",
-            key,
-            "--store",
-            &tmp.path().join(store).display().to_string(),
-        ]
-        .map(String::from)
-        .to_vec()
-    };
 
+    an_8_gib_pointer_is_refused_from_its_size(tmp.path(), &objects, &url)?;
+    let (manifest, name) =
+        a_1_gib_long_name_is_refused_from_its_header(tmp.path(), &objects, &url)?;
+    the_same_over_s3_is_refused(tmp.path(), &manifest, &name).await
+}
+
+/// `foldhost bootstrap` of `key` from `url` into `store`.
+fn bootstrap_args(url: &str, key: &str, store: &Path) -> Vec<String> {
+    [
+        "bootstrap",
+        "--artifacts",
+        url,
+        "--artifact-key",
+        key,
+        "--store",
+        &store.display().to_string(),
+    ]
+    .map(String::from)
+    .to_vec()
+}
+
+/// An 8 GiB pointer in `objects` (at `url`) is refused from its size, under the RSS limit.
+fn an_8_gib_pointer_is_refused_from_its_size(
+    tmp: &Path,
+    objects: &Path,
+    url: &str,
+) -> anyhow::Result<()> {
     // An 8 GiB pointer (a sparse file): refused from its size, naming the object and the limit.
     let pointer = objects.join("huge.manifest.json");
     std::fs::File::create(&pointer)?.set_len(8 << 30)?;
-    let args = bootstrap("huge", "a");
+    let args = bootstrap_args(url, "huge", &tmp.join("a"));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (o, peak) = run_measured(&args, &[], tmp.path())?;
+    let (o, peak) = run_measured(&args, &[], tmp)?;
     assert_ne!(o.status.code(), Some(0));
     let line = refusal(&o);
     assert!(
@@ -122,7 +136,16 @@ async fn a_gigabyte_pointer_or_tar_extension_entry_is_refused_in_one_line_under_
         peak < RSS_LIMIT_KIB,
         "peak RSS {peak} KiB refusing an 8 GiB pointer"
     );
+    Ok(())
+}
 
+/// A payload in `objects` (at `url`) whose first segment announces a 1 GiB GNU long name is
+/// refused from the header; returns its manifest and payload name, for the same over S3.
+fn a_1_gib_long_name_is_refused_from_its_header(
+    tmp: &Path,
+    objects: &Path,
+    url: &str,
+) -> anyhow::Result<(Vec<u8>, String)> {
     // A payload whose first segment starts with a GNU long-name entry announcing 1 GiB, its body
     // there in full (17 sparse segments of 64 MiB): refused from the header.
     let (manifest, name) = small_manifest(7)?;
@@ -137,9 +160,9 @@ async fn a_gigabyte_pointer_or_tar_extension_entry_is_refused_in_one_line_under_
         }
         f.set_len(foldhost_artifact::transport::MAX_SEGMENT_BYTES)?;
     }
-    let args = bootstrap("longname", "b");
+    let args = bootstrap_args(url, "longname", &tmp.join("b"));
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let (o, peak) = run_measured(&args, &[], tmp.path())?;
+    let (o, peak) = run_measured(&args, &[], tmp)?;
     assert_ne!(o.status.code(), Some(0));
     let line = refusal(&o);
     assert!(
@@ -155,8 +178,17 @@ async fn a_gigabyte_pointer_or_tar_extension_entry_is_refused_in_one_line_under_
         peak < RSS_LIMIT_KIB,
         "peak RSS {peak} KiB refusing a 1 GiB long name"
     );
-    assert!(!tmp.path().join("b").exists());
+    assert!(!tmp.join("b").exists());
+    Ok((manifest, name))
+}
 
+/// The same over S3: a pointer over the limit is refused from its size, a long name from its
+/// header (`manifest` and `name` as the long-name case wrote them).
+async fn the_same_over_s3_is_refused(
+    tmp: &Path,
+    manifest: &[u8],
+    name: &str,
+) -> anyhow::Result<()> {
     // The same over S3: a pointer over the limit is refused from its size, a 1 GiB long name from
     // its header.
     let moto = Moto::start().await?;
@@ -176,7 +208,7 @@ async fn a_gigabyte_pointer_or_tar_extension_entry_is_refused_in_one_line_under_
     .await?;
     s3.put(
         &object_store::path::Path::from("hostile/longname.manifest.json"),
-        manifest.clone().into(),
+        manifest.to_vec().into(),
     )
     .await?;
     let mut segment = long_name_header(1 << 30);
@@ -192,7 +224,7 @@ async fn a_gigabyte_pointer_or_tar_extension_entry_is_refused_in_one_line_under_
         ("huge", "c", format!("{over} bytes, over the limit")),
         ("longname", "d", "GNU long-name (L)".to_string()),
     ] {
-        let store = tmp.path().join(store).display().to_string();
+        let store = tmp.join(store).display().to_string();
         let args = [
             "bootstrap",
             "--artifacts",
@@ -202,7 +234,7 @@ async fn a_gigabyte_pointer_or_tar_extension_entry_is_refused_in_one_line_under_
             "--store",
             &store,
         ];
-        let (o, peak) = run_measured(&args, &env, tmp.path())?;
+        let (o, peak) = run_measured(&args, &env, tmp)?;
         assert_ne!(o.status.code(), Some(0), "{key}");
         let line = refusal(&o);
         assert!(line.contains(&words), "{key}: {line}");
