@@ -28,7 +28,7 @@
 //! cores (CPU seconds per second). No figure is asserted. `FOLDHOST_BENCH_NODE_LOG=<filter>` runs
 //! the node at that log level and prints its log at the end.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -428,71 +428,10 @@ pub async fn run(secs: f64, runs: usize) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let store = dir.path().join("fold");
     let log = dir.path().join("node.log");
-    let mut cmd = Command::new(foldhost_release()?);
-    cmd.args(["run", "--bucket", BUCKET, "--nats", &url, "--store"])
-        .arg(&store)
-        .arg("--guest")
-        .arg(&guest)
-        .args(["--listen", "127.0.0.1:0", "--query-subject", SUBJECT])
-        .env(
-            "FOLDHOST_LOG",
-            std::env::var("FOLDHOST_BENCH_NODE_LOG").unwrap_or_else(|_| "warn".into()),
-        )
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log)?);
-    let mut node = Node(cmd.spawn()?);
+    let mut node = start_node(&url, &store, &log, &guest)?;
     let node_pid = node.0.id();
-    let failed = |node: &mut Node, e: anyhow::Error| {
-        let exited = node.0.try_wait().ok().flatten();
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
-        anyhow::anyhow!("{e}; node exited: {exited:?}; its log:\n{text}")
-    };
-    let addr = poll(
-        "status.json names the listen address",
-        Duration::from_secs(60),
-        async || {
-            foldhost_core::storedir::read_status(&store)
-                .filter(|s| s.pid == node_pid)
-                .and_then(|s| s.listen)
-        },
-    )
-    .await
-    .map_err(|e| failed(&mut node, e))?;
-    // Caught up, then answering: the query instance hydrates from the fold beside it.
-    foldhost_tests::wait_status(&addr, |s| s.caught_up && s.applied_through == last)
-        .await
-        .map_err(|e| failed(&mut node, e))?;
-    let probe = host_name(KEYS - 1);
-    poll(
-        "a query answered 200",
-        Duration::from_secs(60),
-        async || match foldhost::serve::call(&addr, "POST", "/query", probe.as_bytes()).await {
-            Ok((200, body)) if !body.is_empty() => Some(()),
-            _ => None,
-        },
-    )
-    .await
-    .map_err(|e| failed(&mut node, e))?;
-    let s = status(&addr).await?;
-    anyhow::ensure!(s.applied_through == last, "the fold moved: {s:?}");
-    // Batched lookups, if this node takes them.
-    let lookups = {
-        let (mut h, driver) = Http::connect(&addr).await?;
-        tokio::spawn(driver);
-        let hosts: Vec<String> = (0..BATCH as u64).map(host_name).collect();
-        match h.post(encode_lookups(&hosts), Some(LOOKUPS_TYPE)).await? {
-            (200, Some(t), body) if t == LOOKUPS_TYPE => {
-                check_results(&body, BATCH)?;
-                true
-            }
-            (code, t, _) => {
-                println!(
-                    "queries: batched lookups not taken by this node ({code}, {t:?}): no lookups row"
-                );
-                false
-            }
-        }
-    };
+    let addr = ready(&mut node, &store, &log, last).await?;
+    let lookups = takes_lookups(&addr).await?;
     let nats_pids = nats_pids(server.port());
     anyhow::ensure!(
         !nats_pids.is_empty(),
@@ -511,46 +450,8 @@ pub async fn run(secs: f64, runs: usize) -> anyhow::Result<()> {
         "queries: node pid {node_pid} on {addr}, query subject {SUBJECT}; nats-server pids {:?}",
         setup.nats_pids
     );
-
-    let mut configs: Vec<Config> = Vec::new();
-    for writing in [false, true] {
-        for (kind, n) in [
-            (Kind::KvGet, 16),
-            (Kind::Http, 16),
-            (Kind::Nats, 16),
-            (Kind::KvGet, 64),
-            (Kind::Http, 64),
-        ] {
-            configs.push((kind, n, writing));
-        }
-        if setup.lookups && !writing {
-            configs.push((Kind::Lookups, 16, false));
-        }
-    }
-    let mut results: Vec<Vec<Figures>> = vec![Vec::new(); configs.len()];
-    for run in 0..runs {
-        let order: Vec<usize> = if run % 2 == 0 {
-            (0..configs.len()).collect()
-        } else {
-            (0..configs.len()).rev().collect()
-        };
-        for i in order {
-            let c = configs[i];
-            let f = measure(&setup, c.0, c.1, c.2, secs, (run * 100 + i) as u64)
-                .await
-                .map_err(|e| failed(&mut node, e))?;
-            print_row(run, c, &f);
-            results[i].push(f);
-        }
-    }
-    // Each configuration's median run by rate.
-    let med: Vec<Figures> = results
-        .into_iter()
-        .map(|mut v| {
-            v.sort_by(|a, b| a.rate.total_cmp(&b.rate));
-            v[v.len() / 2]
-        })
-        .collect();
+    let configs = configs(setup.lookups);
+    let med = median_runs(&setup, &configs, (secs, runs), &mut node, &log).await?;
     let find = |k: Kind, n: usize, w: bool| -> Option<Figures> {
         configs.iter().position(|c| *c == (k, n, w)).map(|i| med[i])
     };
@@ -564,6 +465,142 @@ pub async fn run(secs: f64, runs: usize) -> anyhow::Result<()> {
         eprintln!("{}", std::fs::read_to_string(&log)?);
     }
     Ok(())
+}
+
+/// The release `foldhost run` on the bucket of the server at `url` with the router `guest`,
+/// listening on a free port and on the query subject, its log into `log`.
+fn start_node(url: &str, store: &Path, log: &Path, guest: &Path) -> anyhow::Result<Node> {
+    let mut cmd = Command::new(foldhost_release()?);
+    cmd.args(["run", "--bucket", BUCKET, "--nats", url, "--store"])
+        .arg(store)
+        .arg("--guest")
+        .arg(guest)
+        .args(["--listen", "127.0.0.1:0", "--query-subject", SUBJECT])
+        .env(
+            "FOLDHOST_LOG",
+            std::env::var("FOLDHOST_BENCH_NODE_LOG").unwrap_or_else(|_| "warn".into()),
+        )
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log)?);
+    Ok(Node(cmd.spawn()?))
+}
+
+/// `e`, with whether the node exited and its log.
+fn failed(node: &mut Node, log: &Path, e: anyhow::Error) -> anyhow::Error {
+    let exited = node.0.try_wait().ok().flatten();
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    anyhow::anyhow!("{e}; node exited: {exited:?}; its log:\n{text}")
+}
+
+/// Waits for the node to name its listen address, catch up to `last` and answer a query (the
+/// query instance hydrates from the fold beside it); its address.
+async fn ready(node: &mut Node, store: &Path, log: &Path, last: u64) -> anyhow::Result<String> {
+    let node_pid = node.0.id();
+    let addr = poll(
+        "status.json names the listen address",
+        Duration::from_secs(60),
+        async || {
+            foldhost_core::storedir::read_status(store)
+                .filter(|s| s.pid == node_pid)
+                .and_then(|s| s.listen)
+        },
+    )
+    .await
+    .map_err(|e| failed(node, log, e))?;
+    // Caught up, then answering: the query instance hydrates from the fold beside it.
+    foldhost_tests::wait_status(&addr, |s| s.caught_up && s.applied_through == last)
+        .await
+        .map_err(|e| failed(node, log, e))?;
+    let probe = host_name(KEYS - 1);
+    poll(
+        "a query answered 200",
+        Duration::from_secs(60),
+        async || match foldhost::serve::call(&addr, "POST", "/query", probe.as_bytes()).await {
+            Ok((200, body)) if !body.is_empty() => Some(()),
+            _ => None,
+        },
+    )
+    .await
+    .map_err(|e| failed(node, log, e))?;
+    let s = status(&addr).await?;
+    anyhow::ensure!(s.applied_through == last, "the fold moved: {s:?}");
+    Ok(addr)
+}
+
+/// Whether the node at `addr` takes batched lookups (answered in kind and checked).
+async fn takes_lookups(addr: &str) -> anyhow::Result<bool> {
+    let (mut h, driver) = Http::connect(addr).await?;
+    tokio::spawn(driver);
+    let hosts: Vec<String> = (0..BATCH as u64).map(host_name).collect();
+    Ok(
+        match h.post(encode_lookups(&hosts), Some(LOOKUPS_TYPE)).await? {
+            (200, Some(t), body) if t == LOOKUPS_TYPE => {
+                check_results(&body, BATCH)?;
+                true
+            }
+            (code, t, _) => {
+                println!(
+                    "queries: batched lookups not taken by this node ({code}, {t:?}): no lookups row"
+                );
+                false
+            }
+        },
+    )
+}
+
+/// Every row of the table, idle then beside the writer (batched lookups idle, when the node
+/// takes them).
+fn configs(lookups: bool) -> Vec<Config> {
+    let mut configs: Vec<Config> = Vec::new();
+    for writing in [false, true] {
+        for (kind, n) in [
+            (Kind::KvGet, 16),
+            (Kind::Http, 16),
+            (Kind::Nats, 16),
+            (Kind::KvGet, 64),
+            (Kind::Http, 64),
+        ] {
+            configs.push((kind, n, writing));
+        }
+        if lookups && !writing {
+            configs.push((Kind::Lookups, 16, false));
+        }
+    }
+    configs
+}
+
+/// Measures every configuration `runs` times, `secs` each (in turn, the order reversed every
+/// other run), printing each run; each configuration's median run by rate.
+async fn median_runs(
+    setup: &Setup,
+    configs: &[Config],
+    (secs, runs): (f64, usize),
+    node: &mut Node,
+    log: &Path,
+) -> anyhow::Result<Vec<Figures>> {
+    let mut results: Vec<Vec<Figures>> = vec![Vec::new(); configs.len()];
+    for run in 0..runs {
+        let order: Vec<usize> = if run % 2 == 0 {
+            (0..configs.len()).collect()
+        } else {
+            (0..configs.len()).rev().collect()
+        };
+        for i in order {
+            let c = configs[i];
+            let f = measure(setup, c.0, c.1, c.2, secs, (run * 100 + i) as u64)
+                .await
+                .map_err(|e| failed(node, log, e))?;
+            print_row(run, c, &f);
+            results[i].push(f);
+        }
+    }
+    Ok(results
+        .into_iter()
+        .map(|mut v| {
+            v.sort_by(|a, b| a.rate.total_cmp(&b.rate));
+            v[v.len() / 2]
+        })
+        .collect())
 }
 
 fn print_row(run: usize, c: Config, f: &Figures) {
