@@ -231,7 +231,7 @@ fn check_publish_args(a: &GuestPublishArgs) -> anyhow::Result<()> {
 /// its size.
 async fn read_desired(file: &Path) -> anyhow::Result<(GuestVersion, Vec<u8>)> {
     let what = file.display().to_string();
-    let bytes = read_component(&file)?;
+    let bytes = read_component(file)?;
     let engine = foldhost_guest::guest::GuestEngine::new()?;
     let manifest = foldhost_guest::guest::GuestApply::read_manifest(&engine, &what, &bytes).await?;
     let desired = GuestVersion {
