@@ -72,10 +72,38 @@ async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_
     let hold = tmp.path().join("hold");
     let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
     let log = tmp.path().join("a.log");
-    let mut cmd = run_command(&h, "slow", &tmp.path().join("a"), Some(&addr));
+    let mut a = spawn_a_held_exporter(&h, &moto, &url, tmp.path(), &addr)?;
+    let reached = hold.with_extension("reached");
+    foldhost_tests::wait_until("node A's round to hold before its pointer", || {
+        reached.exists()
+    })
+    .await?;
+    node_a_holds_a_long_lease(&h).await?;
+
+    let c2 =
+        a_faster_exporter_publishes_a_newer_artifact(&kv, &moto, &url, tmp.path(), &addr).await?;
+    a_is_superseded_and_the_pointer_stays(&moto, &url, tmp.path(), c2).await?;
+    let c3 = rounds_with_nothing_new_take_no_lease(&kv, &addr, &log).await?;
+    terminate(&mut a)?;
+    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c3));
+    Ok(())
+}
+
+/// Node A, exporting in rounds under a 600 s lease, its first round held (at `tmp`/hold) after
+/// the payload is uploaded and before the pointer moves; it logs to `tmp`/a.log.
+fn spawn_a_held_exporter(
+    h: &Harness,
+    moto: &Moto,
+    url: &str,
+    tmp: &Path,
+    addr: &str,
+) -> anyhow::Result<std::process::Child> {
+    let hold = tmp.join("hold");
+    let log = tmp.join("a.log");
+    let mut cmd = run_command(h, "slow", &tmp.join("a"), Some(addr));
     cmd.args([
         "--artifacts",
-        &url,
+        url,
         "--artifact-key",
         "routes",
         "--export-every",
@@ -98,12 +126,11 @@ async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_
     for (k, v) in moto.env() {
         cmd.env(k, v);
     }
-    let mut a = cmd.spawn()?;
-    let reached = hold.with_extension("reached");
-    foldhost_tests::wait_until("node A's round to hold before its pointer", || {
-        reached.exists()
-    })
-    .await?;
+    Ok(cmd.spawn()?)
+}
+
+/// Node A holds the export lease, for far longer than a minute.
+async fn node_a_holds_a_long_lease(h: &Harness) -> anyhow::Result<()> {
     let leases = h.bucket(foldhost::node::DEFAULT_LEASE_BUCKET).await?;
     let lease = foldhost_nats::lease::Lease::new(
         leases,
@@ -115,17 +142,38 @@ async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_
     let held = lease.read().await?.expect("A holds the lease");
     assert_eq!(held.holder, "a");
     assert!(held.expires_unix_ms > now + 60_000, "{held:?}");
+    Ok(())
+}
 
+/// Meanwhile a faster exporter publishes a newer artifact; returns its cursor.
+async fn a_faster_exporter_publishes_a_newer_artifact(
+    kv: &foldhost_nats::NatsKv,
+    moto: &Moto,
+    url: &str,
+    tmp: &Path,
+    addr: &str,
+) -> anyhow::Result<u64> {
     // Meanwhile a faster exporter publishes a newer artifact.
     for i in 0..10 {
         kv.put(&format!("route.more{i}"), "v2".into()).await?;
     }
     let last = kv.positions().await?.last_sequence;
-    wait_status(&addr, |s| s.applied_through == last).await?;
-    let newer = tmp.path().join("newer");
-    let c2 = export_live(&addr, &newer)?;
-    ok(&publish(&moto, &url, &newer)?, "publish the newer")?;
+    wait_status(addr, |s| s.applied_through == last).await?;
+    let newer = tmp.join("newer");
+    let c2 = export_live(addr, &newer)?;
+    ok(&publish(moto, url, &newer)?, "publish the newer")?;
+    Ok(c2)
+}
 
+/// A goes on: its pointer swap is refused, the pointer stays at `c2`, and its lease is abandoned.
+async fn a_is_superseded_and_the_pointer_stays(
+    moto: &Moto,
+    url: &str,
+    tmp: &Path,
+    c2: u64,
+) -> anyhow::Result<()> {
+    let hold = tmp.join("hold");
+    let log = tmp.join("a.log");
     // A goes on: its pointer swap is refused, the pointer stays, and its lease is abandoned.
     std::fs::write(hold.with_extension("release"), b"")?;
     foldhost_tests::wait_until("A's round to be superseded", || {
@@ -142,21 +190,30 @@ async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_
         superseded.contains(&format!("current={c2}")),
         "superseded by the newer cursor {c2}: {superseded}"
     );
-    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c2));
+    assert_eq!(published_cursor(moto, url, tmp)?, Some(c2));
+    Ok(())
+}
 
+/// While nothing is new, rounds end before the lease; the freed lease is won again and a later
+/// round publishes the next revision, returned.
+async fn rounds_with_nothing_new_take_no_lease(
+    kv: &foldhost_nats::NatsKv,
+    addr: &str,
+    log: &Path,
+) -> anyhow::Result<u64> {
     // While nothing is new, rounds end before the lease (the pointer holds A's cursor). Then the
     // freed lease is won again, long before the 600 s it was taken for run out: a later round
     // publishes the next revision.
     kv.put("route.last", "v3".into()).await?;
     let c3 = kv.positions().await?.last_sequence;
-    wait_status(&addr, |s| {
+    wait_status(addr, |s| {
         s.last_export.as_ref().and_then(|e| e.cursor) == Some(c3)
     })
     .await?;
     // Nothing new since: the next rounds end before the lease, uploading nothing.
     let wins = |l: &str| l.matches("export round: lease won").count();
-    let before = wins(&std::fs::read_to_string(&log)?);
-    let s = wait_status(&addr, |s| {
+    let before = wins(&std::fs::read_to_string(log)?);
+    let s = wait_status(addr, |s| {
         s.last_export
             .as_ref()
             .is_some_and(|e| e.outcome == "up-to-date" && e.cursor == Some(c3))
@@ -173,18 +230,16 @@ async fn a_slower_exporter_is_superseded_abandons_its_lease_and_never_regresses_
         s.last_export
     );
     let up_to_date_at = s.last_export.map(|e| e.unix_ms);
-    wait_status(&addr, |s| {
+    wait_status(addr, |s| {
         s.last_export.as_ref().map(|e| e.unix_ms) != up_to_date_at
     })
     .await?;
     assert_eq!(
-        wins(&std::fs::read_to_string(&log)?),
+        wins(&std::fs::read_to_string(log)?),
         before,
         "a round with nothing new took the lease"
     );
-    terminate(&mut a)?;
-    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c3));
-    Ok(())
+    Ok(c3)
 }
 
 /// Rewrites the tar object at `path` in `s3`: every entry through `edit` (name, bytes → new bytes,
