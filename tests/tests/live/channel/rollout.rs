@@ -12,42 +12,67 @@ async fn a_canary_shadows_a_new_version_clean_then_every_node_swaps_to_it_under_
     let writer = Writer::start(&kv);
     // Throughout the rollout every node answers every stable key with its value.
     let checking = Arc::new(AtomicBool::new(true));
-    let checker = {
-        let (checking, addrs) = (
-            checking.clone(),
-            nodes.iter().map(|n| n.addr.clone()).collect::<Vec<_>>(),
-        );
-        tokio::spawn(async move {
-            let mut checked = 0u64;
-            while checking.load(Ordering::Relaxed) {
-                for addr in &addrs {
-                    let i = checked % u64::from(STABLE);
-                    let (code, body) = foldhost::serve::call(
-                        addr,
-                        "POST",
-                        "/query",
-                        format!("k.{i:03}").as_bytes(),
-                    )
-                    .await?;
-                    anyhow::ensure!(
-                        (code, body.as_slice()) == (200, format!("seed{i}").as_bytes()),
-                        "{addr} answered k.{i:03} with {code} {}",
-                        String::from_utf8_lossy(&body)
-                    );
-                    checked += 1;
-                }
+    let checker = spawn_stable_key_checker(&nodes, &checking);
+    let (v2, release) = publish_v2_with_a_canary(&h, tmp.path())?;
+    for n in &nodes {
+        n.runs(&v2).await?;
+    }
+    checking.store(false, Ordering::Relaxed);
+    let checked = checker.await??;
+    assert!(checked > 0);
+    writer.stop().await?;
+    the_canary_was_promoted_clean_before_the_others_swapped(&nodes, release).await?;
+    answer_like_the_bucket(&kv, &nodes, "").await?;
+    every_nodes_metrics_name_what_it_runs(&nodes, tmp.path(), &v2).await?;
+    let fleet_view = guest_status_until(&h, |v| running_of(v) == vec![v2.clone(); 3]).await?;
+    assert_eq!(fleet_view["state"], "rolling", "{fleet_view}");
+    for n in &mut nodes {
+        n.never_restarted().await?;
+    }
+    Ok(())
+}
+
+/// Until `checking` is cleared, asks every node for each stable key in turn and fails on an answer
+/// other than its value; returns how many it checked.
+fn spawn_stable_key_checker(
+    nodes: &[Node],
+    checking: &Arc<AtomicBool>,
+) -> tokio::task::JoinHandle<anyhow::Result<u64>> {
+    let (checking, addrs) = (
+        checking.clone(),
+        nodes.iter().map(|n| n.addr.clone()).collect::<Vec<_>>(),
+    );
+    tokio::spawn(async move {
+        let mut checked = 0u64;
+        while checking.load(Ordering::Relaxed) {
+            for addr in &addrs {
+                let i = checked % u64::from(STABLE);
+                let (code, body) =
+                    foldhost::serve::call(addr, "POST", "/query", format!("k.{i:03}").as_bytes())
+                        .await?;
+                anyhow::ensure!(
+                    (code, body.as_slice()) == (200, format!("seed{i}").as_bytes()),
+                    "{addr} answered k.{i:03} with {code} {}",
+                    String::from_utf8_lossy(&body)
+                );
+                checked += 1;
             }
-            anyhow::Ok(checked)
-        })
-    };
-    let v2_file = tmp.path().join("kvstore-renamed.wasm");
+        }
+        anyhow::Ok(checked)
+    })
+}
+
+/// Publishes a renamed kvstore (written under `tmp`) with n0 as its canary shadowing 5 batches;
+/// returns its digest and its release.
+fn publish_v2_with_a_canary(h: &Harness, tmp: &std::path::Path) -> anyhow::Result<(String, u64)> {
+    let v2_file = tmp.join("kvstore-renamed.wasm");
     std::fs::write(
         &v2_file,
         renamed(&std::fs::read(guest_wasm("kvstore"))?, "v2"),
     )?;
     let v2 = digest(&std::fs::read(&v2_file)?);
     let release = publish(
-        &h,
+        h,
         &v2_file,
         &[
             "--canary",
@@ -58,13 +83,15 @@ async fn a_canary_shadows_a_new_version_clean_then_every_node_swaps_to_it_under_
             "120s",
         ],
     )?;
-    for n in &nodes {
-        n.runs(&v2).await?;
-    }
-    checking.store(false, Ordering::Relaxed);
-    let checked = checker.await??;
-    assert!(checked > 0);
-    writer.stop().await?;
+    Ok((v2, release))
+}
+
+/// The canary came by a promoted shadow, judged clean with what it compared; the others by a
+/// swap made after it.
+async fn the_canary_was_promoted_clean_before_the_others_swapped(
+    nodes: &[Node],
+    release: u64,
+) -> anyhow::Result<()> {
     // The canary came by a promoted shadow, judged clean with what it compared; the others by a
     // swap made after it.
     let canary = nodes[0].wait(|c| c.judgement == "clean").await?;
@@ -100,10 +127,18 @@ async fn a_canary_shadows_a_new_version_clean_then_every_node_swaps_to_it_under_
         );
         assert!(!s.guest_channel.is_some_and(|c| c.canary));
     }
-    answer_like_the_bucket(&kv, &nodes, "").await?;
+    Ok(())
+}
+
+/// Each node's /metrics names what it runs (`v2`) and what the channel wants.
+async fn every_nodes_metrics_name_what_it_runs(
+    nodes: &[Node],
+    tmp: &std::path::Path,
+    v2: &str,
+) -> anyhow::Result<()> {
     // Each node's /metrics names what it runs and what the channel wants.
-    for n in &nodes {
-        let token = std::fs::read_to_string(tmp.path().join(&n.name).join("admin-token"))?;
+    for n in nodes {
+        let token = std::fs::read_to_string(tmp.join(&n.name).join("admin-token"))?;
         let (code, body) =
             foldhost::serve::call_with_token(&n.addr, "GET", "/metrics", b"", Some(token.trim()))
                 .await?;
@@ -126,11 +161,6 @@ async fn a_canary_shadows_a_new_version_clean_then_every_node_swaps_to_it_under_
                 .any(|l| l.starts_with("foldhost_guest_channel_halted{") && l.ends_with(" 0")),
             "{text}"
         );
-    }
-    let fleet_view = guest_status_until(&h, |v| running_of(v) == vec![v2.clone(); 3]).await?;
-    assert_eq!(fleet_view["state"], "rolling", "{fleet_view}");
-    for n in &mut nodes {
-        n.never_restarted().await?;
     }
     Ok(())
 }
