@@ -262,23 +262,59 @@ async fn a_version_that_traps_in_wave_two_halts_the_release_and_waves_three_and_
         "a trapping query answers an error: {code} {body}"
     );
     let halted_by = format!("{}: trapped", nodes[second].name);
-    // Every node returns to v1 (wave 1's and 2's) or never left it, the release halted by
-    // wave 2's node.
-    for n in &nodes {
-        n.wait(|c| {
-            c.release == release
-                && c.state == "halted"
-                && c.running_digest.as_deref() == Some(v1.as_str())
-                && c.halted_by
-                    .as_deref()
-                    .is_some_and(|b| b.starts_with(&halted_by))
-        })
-        .await?;
-    }
+    every_node_returns_to_v1_halted_by(&nodes, release, &v1, &halted_by).await?;
     let view = guest_status_until(&h, |v| v["state"] == "halted").await?;
     assert_eq!(view["halted"]["by"], nodes[second].name.as_str(), "{view}");
     let seen = observer.stop().await?;
     assert_wave_by_wave(&entry, &seen);
+    waves_three_and_four_never_ran_it(&entry, &nodes, &seen, &view, &v1).await?;
+    for n in &mut nodes {
+        n.never_restarted().await?;
+    }
+    let reached = std::path::PathBuf::from(format!("{}.reached", gate.display()));
+    assert!(reached.exists(), "{gated} asked its bake gate");
+    a_deleted_halt_report_is_written_again(&h, &nodes, second, release, &v1).await
+}
+
+/// Every node returns to `v1` (wave 1's and 2's) or never left it, the release halted by wave 2's
+/// node (`halted_by`).
+async fn every_node_returns_to_v1_halted_by(
+    nodes: &[Node],
+    release: u64,
+    v1: &str,
+    halted_by: &str,
+) -> anyhow::Result<()> {
+    // Every node returns to v1 (wave 1's and 2's) or never left it, the release halted by
+    // wave 2's node.
+    for n in nodes {
+        n.wait(|c| {
+            c.release == release
+                && c.state == "halted"
+                && c.running_digest.as_deref() == Some(v1)
+                && c.halted_by
+                    .as_deref()
+                    .is_some_and(|b| b.starts_with(halted_by))
+        })
+        .await?;
+    }
+    Ok(())
+}
+
+/// Waves 3 and 4 never ran it: never seen running it, never swapped at all (they started on
+/// `v1`), and their reports of the release in `view` say they run `v1`.
+async fn waves_three_and_four_never_ran_it(
+    entry: &ChannelEntry,
+    nodes: &[Node],
+    seen: &Seen,
+    view: &serde_json::Value,
+    v1: &str,
+) -> anyhow::Result<()> {
+    let node = |name: &str| {
+        nodes
+            .iter()
+            .position(|n| n.name == name)
+            .ok_or_else(|| anyhow::anyhow!("no node {name}"))
+    };
     // Waves 3 and 4 never ran it: never seen running it, never swapped at all (they started on
     // v1), and their reports of the release say they run v1.
     for wave in &entry.waves[2..] {
@@ -298,13 +334,20 @@ async fn a_version_that_traps_in_wave_two_halts_the_release_and_waves_three_and_
             .find(|r| r["node"] == n.name.as_str())
             .cloned()
             .unwrap_or_default();
-        assert_eq!(theirs["running"]["digest"], v1.as_str(), "{theirs}");
+        assert_eq!(theirs["running"]["digest"], v1, "{theirs}");
     }
-    for n in &mut nodes {
-        n.never_restarted().await?;
-    }
-    let reached = std::path::PathBuf::from(format!("{}.reached", gate.display()));
-    assert!(reached.exists(), "{gated} asked its bake gate");
+    Ok(())
+}
+
+/// A halt stands when its report is deleted from the bus: the halting node (`nodes[second]`)
+/// writes it again, and no node leaves the last good version `v1` meanwhile.
+async fn a_deleted_halt_report_is_written_again(
+    h: &Harness,
+    nodes: &[Node],
+    second: usize,
+    release: u64,
+    v1: &str,
+) -> anyhow::Result<()> {
     // A halt stands when its report is deleted from the bus: the halting node writes it again,
     // and no node leaves the last good version meanwhile.
     let js = async_nats::jetstream::new(h.conn.client().await?);
@@ -326,14 +369,11 @@ async fn a_version_that_traps_in_wave_two_halts_the_release_and_waves_three_and_
         );
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }
-    for n in &nodes {
+    for n in nodes {
         let s = wait_status(&n.addr, |_| true).await?;
         let c = s.guest_channel.as_ref();
         assert_eq!(c.map(|c| c.state.as_str()), Some("halted"), "{}", n.name);
-        assert_eq!(
-            c.and_then(|c| c.running_digest.as_deref()),
-            Some(v1.as_str())
-        );
+        assert_eq!(c.and_then(|c| c.running_digest.as_deref()), Some(v1));
     }
     Ok(())
 }
