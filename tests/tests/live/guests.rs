@@ -75,89 +75,16 @@ pub(crate) async fn router_survives_sigkills_and_answers_every_host_like_the_buc
     let router = guest_wasm(guest);
     let tmp = tempfile::tempdir()?;
     let store = tmp.path().join("fold");
-    const HOSTS: u32 = 20_000;
-    let writer = {
-        let kv = kv.clone();
-        tokio::spawn(async move {
-            for i in 0..HOSTS {
-                kv.put(&format!("route.h{i:05}"), upstream(i, 0).into())
-                    .await?;
-                if i % 10 == 9 {
-                    kv.put(&format!("route.h{:05}", i - 3), upstream(i, 1).into())
-                        .await?;
-                }
-                if i % 25 == 24 {
-                    kv.delete(&format!("route.h{:05}", i - 12)).await?;
-                }
-                if i % 500 == 0 {
-                    kv.put(&format!("other.{i}"), "out of the router's scope".into())
-                        .await?;
-                }
-            }
-            anyhow::Ok(())
-        })
-    };
-    // Compiled once into the tests' compiled-component cache before the kills, so every start below
-    // loads in milliseconds and the kills land while it folds, not while a large guest (a
-    // JavaScript or Python runtime) compiles.
-    let warm = foldhost()
-        .args([
-            "run",
-            "--catch-up",
-            "--bucket",
-            "routes",
-            "--nats",
-            &h.url(),
-            "--guest",
-        ])
-        .arg(&router)
-        .arg("--store")
-        .arg(tmp.path().join("warm"))
-        .output()?;
-    anyhow::ensure!(
-        warm.status.success(),
-        "{}",
-        String::from_utf8_lossy(&warm.stderr)
-    );
-    let mut kills = 0;
-    while !writer.is_finished() || kills < 3 {
-        let mut child = foldhost()
-            .args(["run", "--bucket", "routes", "--nats", &h.url(), "--guest"])
-            .arg(&router)
-            .arg("--store")
-            .arg(&store)
-            .spawn()?;
-        tokio::time::sleep(Duration::from_millis(rng.random_range(100..1200))).await;
-        if let Some(status) = child.try_wait()? {
-            anyhow::bail!("foldhost run exited on its own: {status}");
-        }
-        child.kill()?;
-        child.wait()?;
-        kills += 1;
-        anyhow::ensure!(kills < 200, "writer did not finish");
-    }
+    let writer = spawn_route_writer(&kv);
+    warm_the_compiled_guest(&h, &router, tmp.path())?;
+    let kills = sigkill_while_the_writer_writes(&h, &router, &store, &writer, &mut rng).await?;
     writer.await??;
 
     // Final run: live, serving queries; wait until it has applied the whole stream.
     let last = kv.positions().await?.last_sequence;
     let port = foldhost_localnats::reserved_port()?;
     let addr = format!("127.0.0.1:{port}");
-    let mut host = foldhost()
-        .args([
-            "run",
-            "--bucket",
-            "routes",
-            "--nats",
-            &h.url(),
-            "--listen",
-            &addr,
-        ])
-        .arg("--guest")
-        .arg(&router)
-        .arg("--store")
-        .arg(&store)
-        .stderr(Stdio::null())
-        .spawn()?;
+    let mut host = spawn_a_live_host(&h, &router, &store, &addr)?;
     // The router's scope is route.*: the last route write may precede the stream's last sequence.
     let want = bucket_contents(&kv).await?;
     let last_route = want
@@ -191,6 +118,120 @@ pub(crate) async fn router_survives_sigkills_and_answers_every_host_like_the_buc
     assert_eq!(first_difference(&in_scope, &fold), None);
     eprintln!("checked {checked} hosts");
     Ok(())
+}
+
+/// Routes the router test writes.
+const HOSTS: u32 = 20_000;
+
+/// Writes [`HOSTS`] routes, rewriting every tenth a little later, deleting every 25th and writing
+/// out of the router's scope every 500th.
+fn spawn_route_writer(
+    kv: &Arc<foldhost_nats::NatsKv>,
+) -> tokio::task::JoinHandle<anyhow::Result<()>> {
+    let kv = kv.clone();
+    tokio::spawn(async move {
+        for i in 0..HOSTS {
+            kv.put(&format!("route.h{i:05}"), upstream(i, 0).into())
+                .await?;
+            if i % 10 == 9 {
+                kv.put(&format!("route.h{:05}", i - 3), upstream(i, 1).into())
+                    .await?;
+            }
+            if i % 25 == 24 {
+                kv.delete(&format!("route.h{:05}", i - 12)).await?;
+            }
+            if i % 500 == 0 {
+                kv.put(&format!("other.{i}"), "out of the router's scope".into())
+                    .await?;
+            }
+        }
+        anyhow::Ok(())
+    })
+}
+
+/// Compiles `router` once into the tests' compiled-component cache (a catch-up run under `tmp`).
+fn warm_the_compiled_guest(
+    h: &Harness,
+    router: &std::path::Path,
+    tmp: &std::path::Path,
+) -> anyhow::Result<()> {
+    // Compiled once into the tests' compiled-component cache before the kills, so every start below
+    // loads in milliseconds and the kills land while it folds, not while a large guest (a
+    // JavaScript or Python runtime) compiles.
+    let warm = foldhost()
+        .args([
+            "run",
+            "--catch-up",
+            "--bucket",
+            "routes",
+            "--nats",
+            &h.url(),
+            "--guest",
+        ])
+        .arg(router)
+        .arg("--store")
+        .arg(tmp.join("warm"))
+        .output()?;
+    anyhow::ensure!(
+        warm.status.success(),
+        "{}",
+        String::from_utf8_lossy(&warm.stderr)
+    );
+    Ok(())
+}
+
+/// Starts a host folding `router` into `store` and SIGKILLs it at a random moment, again until the
+/// writer finished and at least three kills; returns the kills.
+async fn sigkill_while_the_writer_writes(
+    h: &Harness,
+    router: &std::path::Path,
+    store: &std::path::Path,
+    writer: &tokio::task::JoinHandle<anyhow::Result<()>>,
+    rng: &mut rand::rngs::StdRng,
+) -> anyhow::Result<u32> {
+    let mut kills = 0;
+    while !writer.is_finished() || kills < 3 {
+        let mut child = foldhost()
+            .args(["run", "--bucket", "routes", "--nats", &h.url(), "--guest"])
+            .arg(router)
+            .arg("--store")
+            .arg(store)
+            .spawn()?;
+        tokio::time::sleep(Duration::from_millis(rng.random_range(100..1200))).await;
+        if let Some(status) = child.try_wait()? {
+            anyhow::bail!("foldhost run exited on its own: {status}");
+        }
+        child.kill()?;
+        child.wait()?;
+        kills += 1;
+        anyhow::ensure!(kills < 200, "writer did not finish");
+    }
+    Ok(kills)
+}
+
+/// The final run: a live host folding `router` into `store`, serving queries on `addr`.
+fn spawn_a_live_host(
+    h: &Harness,
+    router: &std::path::Path,
+    store: &std::path::Path,
+    addr: &str,
+) -> anyhow::Result<std::process::Child> {
+    Ok(foldhost()
+        .args([
+            "run",
+            "--bucket",
+            "routes",
+            "--nats",
+            &h.url(),
+            "--listen",
+            addr,
+        ])
+        .arg("--guest")
+        .arg(router)
+        .arg("--store")
+        .arg(store)
+        .stderr(Stdio::null())
+        .spawn()?)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
