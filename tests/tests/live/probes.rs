@@ -96,17 +96,44 @@ async fn a_fold_held_behind_by_a_deferred_record_is_unready_and_says_so_in_metri
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()?;
-    assert_eq!(wait_for(&addr, "/healthz", 200).await?, "ok\n");
-    let ready = wait_for(&addr, "/readyz", 200).await?;
+    let secret = "p".repeat(64);
+    let before = the_probes_answer_without_the_token(&addr, &secret).await?;
+    status_watch_prints_a_line_per_refresh(&addr, &token)?;
+    a_deferred_record_holds_the_fold_behind(&kv, &addr, &secret, &before).await?;
+    swap_to(&addr, "kvstore_v2", Some(&store.join("admin-token")))?;
+    assert_eq!(
+        wait_for(&addr, "/readyz", 200).await?,
+        "ready: fold probes\n"
+    );
+    let released = scrape_until(&addr, &secret, |m| {
+        m.get("foldhost_retained_records") == Some(&0.0)
+    })
+    .await?;
+    anyhow::ensure!(
+        released["foldhost_seq"] == released["foldhost_applied_through"]
+            && released["foldhost_lag_seconds"] == 0.0,
+        "{released:?}"
+    );
+    terminate(&mut host)?;
+    Ok(())
+}
+
+/// The fold's metrics as scraped: name → value.
+type Metrics = std::collections::BTreeMap<String, f64>;
+
+/// The probes answer without the query token, `/status` and `/metrics` only with it (`secret`);
+/// returns the first scrape, which names every fold metric.
+async fn the_probes_answer_without_the_token(addr: &str, secret: &str) -> anyhow::Result<Metrics> {
+    assert_eq!(wait_for(addr, "/healthz", 200).await?, "ok\n");
+    let ready = wait_for(addr, "/readyz", 200).await?;
     assert_eq!(ready, "ready: fold probes\n");
     assert_eq!(
-        get(&addr, "/status").await?.0,
+        get(addr, "/status").await?.0,
         401,
         "/status still needs its token"
     );
-    assert_eq!(get(&addr, "/metrics").await?.0, 401, "/metrics too");
-    let secret = "p".repeat(64);
-    let before = scrape(&addr, &secret).await?;
+    assert_eq!(get(addr, "/metrics").await?.0, 401, "/metrics too");
+    let before = scrape(addr, secret).await?;
     for name in [
         "foldhost_delivered_updates_total",
         "foldhost_applied_updates_total",
@@ -122,20 +149,29 @@ async fn a_fold_held_behind_by_a_deferred_record_is_unready_and_says_so_in_metri
         before["foldhost_seq"] == before["foldhost_applied_through"],
         "{before:?}"
     );
+    Ok(before)
+}
+
+/// `status --watch`: a line per refresh, the fold's name, state and positions, the rate from the
+/// second refresh on.
+fn status_watch_prints_a_line_per_refresh(
+    addr: &str,
+    token: &std::path::Path,
+) -> anyhow::Result<()> {
     // `status --watch`: a line per refresh, the fold's name, state and positions, the rate from
     // the second refresh on.
     let watch = foldhost()
         .args([
             "status",
             "--listen",
-            &addr,
+            addr,
             "--watch",
             "0.2",
             "--count",
             "2",
             "--token-file",
         ])
-        .arg(&token)
+        .arg(token)
         .output()?;
     let text = String::from_utf8(watch.stdout)?;
     let lines: Vec<&str> = text.lines().collect();
@@ -160,20 +196,31 @@ async fn a_fold_held_behind_by_a_deferred_record_is_unready_and_says_so_in_metri
             "the rate from the second on: {line}"
         );
     }
+    Ok(())
+}
+
+/// kvstore 0.1.0 defers `fmt2:` values: the fold is held behind the record once it is committed
+/// as retained, unready while the process answers, its metrics saying so against `before`.
+async fn a_deferred_record_holds_the_fold_behind(
+    kv: &foldhost_nats::NatsKv,
+    addr: &str,
+    secret: &str,
+    before: &Metrics,
+) -> anyhow::Result<()> {
     // kvstore 0.1.0 defers `fmt2:` values: the fold is held behind the record once it is
     // committed as retained.
     kv.put("k.a", "fmt2:a1".into()).await?;
-    let held = scrape_until(&addr, &secret, |m| {
+    let held = scrape_until(addr, secret, |m| {
         m.get("foldhost_retained_records") == Some(&1.0)
     })
     .await?;
-    let not_ready = wait_for(&addr, "/readyz", 503).await?;
+    let not_ready = wait_for(addr, "/readyz", 503).await?;
     assert!(
         not_ready.starts_with("not ready: fold probes: ") && not_ready.contains("records behind"),
         "{not_ready}"
     );
     assert_eq!(
-        get(&addr, "/healthz").await?.0,
+        get(addr, "/healthz").await?.0,
         200,
         "the process still answers"
     );
@@ -185,20 +232,5 @@ async fn a_fold_held_behind_by_a_deferred_record_is_unready_and_says_so_in_metri
         held["foldhost_delivered_updates_total"] > before["foldhost_delivered_updates_total"],
         "{before:?}\n{held:?}"
     );
-    swap_to(&addr, "kvstore_v2", Some(&store.join("admin-token")))?;
-    assert_eq!(
-        wait_for(&addr, "/readyz", 200).await?,
-        "ready: fold probes\n"
-    );
-    let released = scrape_until(&addr, &secret, |m| {
-        m.get("foldhost_retained_records") == Some(&0.0)
-    })
-    .await?;
-    anyhow::ensure!(
-        released["foldhost_seq"] == released["foldhost_applied_through"]
-            && released["foldhost_lag_seconds"] == 0.0,
-        "{released:?}"
-    );
-    terminate(&mut host)?;
     Ok(())
 }
