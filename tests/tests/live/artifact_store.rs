@@ -492,20 +492,57 @@ async fn export_rounds_after_a_relist_publish_the_new_streams_artifact_and_the_o
         &env,
     )
     .await?;
-    let published = |c: u64| {
-        move |s: &foldhost_core::status::StatusReport| {
-            s.last_export
-                .as_ref()
-                .and_then(|e| e.last_published.as_ref())
-                .is_some_and(|p| p.cursor == c)
-        }
-    };
     wait_status(&addr, published(800)).await?;
+    keep_the_old_incarnations_artifact(&url, &env, tmp.path())?;
+    let old_stream = stream_identity(
+        h.bucket(bucket)
+            .await?
+            .jetstream()
+            .get_stream(format!("KV_{bucket}"))
+            .await?
+            .cached_info(),
+    );
+
+    let new_stream = recreate_the_bucket_with_30_writes(&h, bucket).await?;
+    assert_ne!(old_stream, new_stream);
+    // The node re-lists the new bucket and its rounds publish it (cursor 30, below the old 800).
+    wait_status(&addr, |s| s.applied_through == 30 && s.repairs >= 1).await?;
+    wait_status(&addr, published(30)).await?;
+    terminate(&mut host)?;
+
+    the_old_incarnations_artifact_is_refused_naming_both(
+        &h,
+        bucket,
+        &url,
+        &env,
+        tmp.path(),
+        &old_stream,
+        &new_stream,
+    )
+}
+
+/// Whether a status says the last published round is at cursor `c`.
+fn published(c: u64) -> impl Fn(&foldhost_core::status::StatusReport) -> bool {
+    move |s: &foldhost_core::status::StatusReport| {
+        s.last_export
+            .as_ref()
+            .and_then(|e| e.last_published.as_ref())
+            .is_some_and(|p| p.cursor == c)
+    }
+}
+
+/// The old incarnation's artifact as the rounds published it (its manifest names its stream),
+/// kept under a key of its own: bootstrapped, exported offline, published again.
+fn keep_the_old_incarnations_artifact(
+    url: &str,
+    env: &[(&str, String)],
+    tmp: &Path,
+) -> anyhow::Result<()> {
     // The old incarnation's artifact as the rounds published it (its manifest names its stream),
     // kept under a key of its own: bootstrapped, exported offline, published again.
-    let copy = tmp.path().join("old-copy");
+    let copy = tmp.join("old-copy");
     ok(
-        &at_store("bootstrap", &url, "routes", &env)
+        &at_store("bootstrap", url, "routes", env)
             .arg("--store")
             .arg(&copy)
             .output()?,
@@ -516,30 +553,36 @@ async fn export_rounds_after_a_relist_publish_the_new_streams_artifact_and_the_o
             .args(["export", "--store"])
             .arg(&copy)
             .arg("--out")
-            .arg(tmp.path().join("old"))
+            .arg(tmp.join("old"))
             .output()?,
         "export the old incarnation's fold",
     )?;
     ok(
-        &at_store("publish", &url, "routes-old", &env)
+        &at_store("publish", url, "routes-old", env)
             .arg("--artifact")
-            .arg(tmp.path().join("old"))
+            .arg(tmp.join("old"))
             .output()?,
         "publish the old incarnation's",
     )?;
-    let identity = |info: &async_nats::jetstream::stream::Info| foldhost_core::kv::StreamIdentity {
+    Ok(())
+}
+
+/// A stream's identity: its name and creation time.
+fn stream_identity(
+    info: &async_nats::jetstream::stream::Info,
+) -> foldhost_core::kv::StreamIdentity {
+    foldhost_core::kv::StreamIdentity {
         name: info.config.name.clone(),
         created_unix_ns: u64::try_from(info.created.unix_timestamp_nanos()).unwrap_or(0),
-    };
-    let old_stream = identity(
-        h.bucket(bucket)
-            .await?
-            .jetstream()
-            .get_stream(format!("KV_{bucket}"))
-            .await?
-            .cached_info(),
-    );
+    }
+}
 
+/// The bucket is deleted and created again, with fewer writes than the old cursor; returns the
+/// new stream's identity.
+async fn recreate_the_bucket_with_30_writes(
+    h: &Harness,
+    bucket: &str,
+) -> anyhow::Result<foldhost_core::kv::StreamIdentity> {
     // The bucket is deleted and created again, with fewer writes than the old cursor.
     let kv = h.bucket(bucket).await?;
     kv.jetstream().delete_stream(format!("KV_{bucket}")).await?;
@@ -548,23 +591,31 @@ async fn export_rounds_after_a_relist_publish_the_new_streams_artifact_and_the_o
         kv.put(&format!("new.{i:04}"), Bytes::from(format!("new-{i}")))
             .await?;
     }
-    let new_stream = identity(
+    let new_stream = stream_identity(
         kv.jetstream()
             .get_stream(format!("KV_{bucket}"))
             .await?
             .cached_info(),
     );
-    assert_ne!(old_stream, new_stream);
-    // The node re-lists the new bucket and its rounds publish it (cursor 30, below the old 800).
-    wait_status(&addr, |s| s.applied_through == 30 && s.repairs >= 1).await?;
-    wait_status(&addr, published(30)).await?;
-    terminate(&mut host)?;
+    Ok(new_stream)
+}
 
+/// A node bootstraps from the new incarnation's artifact, and is refused the old one's in one line
+/// naming both streams.
+fn the_old_incarnations_artifact_is_refused_naming_both(
+    h: &Harness,
+    bucket: &str,
+    url: &str,
+    env: &[(&str, String)],
+    tmp: &Path,
+    old_stream: &foldhost_core::kv::StreamIdentity,
+    new_stream: &foldhost_core::kv::StreamIdentity,
+) -> anyhow::Result<()> {
     let nats = h.url();
     let bootstrap = |key: &str, store: &str| -> anyhow::Result<Output> {
-        Ok(at_store("bootstrap", &url, key, &env)
+        Ok(at_store("bootstrap", url, key, env)
             .arg("--store")
-            .arg(tmp.path().join(store))
+            .arg(tmp.join(store))
             .args(["--nats", &nats, "--bucket", bucket])
             .output()?)
     };
@@ -583,7 +634,7 @@ async fn export_rounds_after_a_relist_publish_the_new_streams_artifact_and_the_o
             && line.contains(&format!("the bucket is {new_stream}")),
         "{line}"
     );
-    assert!(!tmp.path().join("old-node").exists());
+    assert!(!tmp.join("old-node").exists());
     Ok(())
 }
 
