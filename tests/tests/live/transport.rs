@@ -158,66 +158,116 @@ async fn the_pointer_never_moves_backward_and_prune_keeps_its_target_and_the_gra
     let c2 = export_live(&addr, &newer)?;
     assert!(c2 > c1);
 
-    // Both in several segments, so that prune must take a payload's every segment.
-    let publish = |moto: &Moto, url: &str, artifact: &Path| -> anyhow::Result<Output> {
-        Ok(with_artifacts(moto, "publish", url)
-            .env("FOLDHOST_ARTIFACT_SEGMENT_BYTES", SMALL_SEGMENT)
-            .arg("--artifact")
-            .arg(artifact)
-            .output()?)
-    };
+    // The slower exporter (the older artifact) publishes after the newer one: superseded.
+    let target = the_slower_exporter_is_superseded(&moto, &url, tmp.path(), &older, &newer, c2)?;
+    prune_keeps_the_target_and_the_grace(&moto, &url, tmp.path(), c2, &target).await?;
+    corrupt_the_pointer(&moto).await?;
+    kv.put("route.after", "v".into()).await?;
+    wait_status(&addr, |s| s.applied_through == c2 + 1).await?;
+    let newest = tmp.path().join("newest");
+    let c3 = export_live(&addr, &newest)?;
+    ok(
+        &publish_segmented(&moto, &url, &newest)?,
+        "publish over a corrupt pointer",
+    )?;
+    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c3));
+    terminate(&mut host)?;
+    Ok(())
+}
+
+/// Publishes `artifact` to `url` in several segments, so that prune must take a payload's every
+/// segment.
+fn publish_segmented(moto: &Moto, url: &str, artifact: &Path) -> anyhow::Result<Output> {
+    Ok(with_artifacts(moto, "publish", url)
+        .env("FOLDHOST_ARTIFACT_SEGMENT_BYTES", SMALL_SEGMENT)
+        .arg("--artifact")
+        .arg(artifact)
+        .output()?)
+}
+
+/// After `newer` (at `c2`), the slower exporter's `older` is superseded and so is `newer` again;
+/// returns what publishing `newer` printed.
+fn the_slower_exporter_is_superseded(
+    moto: &Moto,
+    url: &str,
+    tmp: &Path,
+    older: &Path,
+    newer: &Path,
+    c2: u64,
+) -> anyhow::Result<serde_json::Value> {
     // The slower exporter (the older artifact) publishes after the newer one: superseded, and
     // the pointer stays; an equal cursor does not move it either.
-    let target = ok(&publish(&moto, &url, &newer)?, "publish the newer")?;
+    let target = ok(&publish_segmented(moto, url, newer)?, "publish the newer")?;
     assert!(target["segments"].as_u64() >= Some(2), "{target}");
-    for (artifact, what) in [(&older, "older"), (&newer, "the same")] {
-        let o = publish(&moto, &url, artifact)?;
+    for (artifact, what) in [(older, "older"), (newer, "the same")] {
+        let o = publish_segmented(moto, url, artifact)?;
         let stderr = String::from_utf8_lossy(&o.stderr);
         assert!(
             !o.status.success() && stderr.contains("superseded by a newer one"),
             "publishing {what} artifact: {stderr}"
         );
     }
-    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c2));
+    assert_eq!(published_cursor(moto, url, tmp)?, Some(c2));
+    Ok(target)
+}
 
+/// `foldhost prune` of `url` with `grace` seconds: how many payloads it pruned.
+fn prune_count(moto: &Moto, url: &str, grace: &str) -> anyhow::Result<u64> {
+    let v = ok(
+        &with_artifacts(moto, "prune", url)
+            .args(["--grace-secs", grace])
+            .output()?,
+        "prune",
+    )?;
+    v["pruned"]
+        .as_u64()
+        .ok_or_else(|| anyhow::anyhow!("no count in {v}"))
+}
+
+/// The objects under the race payloads' prefix.
+async fn payload_objects(
+    s3: &object_store::aws::AmazonS3,
+) -> Result<Vec<String>, object_store::Error> {
+    use futures::StreamExt as _;
+    use object_store::ObjectStore as _;
+    s3.list(Some(&object_store::path::Path::from(
+        "race/routes.segments",
+    )))
+    .map(|m| m.map(|m| m.location.to_string()))
+    .collect::<Vec<_>>()
+    .await
+    .into_iter()
+    .collect::<Result<Vec<_>, _>>()
+}
+
+/// Prune within the grace deletes nothing; at zero grace only the orphan (every segment of it),
+/// never the pointer's `target` (at `c2`).
+async fn prune_keeps_the_target_and_the_grace(
+    moto: &Moto,
+    url: &str,
+    tmp: &Path,
+    c2: u64,
+    target: &serde_json::Value,
+) -> anyhow::Result<()> {
     // A second payload exists (the older one, uploaded before its pointer swap was refused).
     // Prune within the grace deletes nothing; at zero grace only the orphan, never the target.
-    let prune = |grace: &str| -> anyhow::Result<u64> {
-        let v = ok(
-            &with_artifacts(&moto, "prune", &url)
-                .args(["--grace-secs", grace])
-                .output()?,
-            "prune",
-        )?;
-        v["pruned"]
-            .as_u64()
-            .ok_or_else(|| anyhow::anyhow!("no count in {v}"))
-    };
-    let s3 = moto_s3(&moto)?;
-    let payload_objects = || async {
-        use futures::StreamExt as _;
-        use object_store::ObjectStore as _;
-        s3.list(Some(&object_store::path::Path::from(
-            "race/routes.segments",
-        )))
-        .map(|m| m.map(|m| m.location.to_string()))
-        .collect::<Vec<_>>()
-        .await
-        .into_iter()
-        .collect::<Result<Vec<_>, _>>()
-    };
-    let before = payload_objects().await?;
-    assert_eq!(prune("3600")?, 0, "nothing is older than the grace");
-    assert_eq!(prune("0")?, 1, "the orphan goes");
+    let s3 = moto_s3(moto)?;
+    let before = payload_objects(&s3).await?;
     assert_eq!(
-        prune("0")?,
+        prune_count(moto, url, "3600")?,
+        0,
+        "nothing is older than the grace"
+    );
+    assert_eq!(prune_count(moto, url, "0")?, 1, "the orphan goes");
+    assert_eq!(
+        prune_count(moto, url, "0")?,
         0,
         "the pointer's target stays, even at zero grace"
     );
-    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c2));
+    assert_eq!(published_cursor(moto, url, tmp)?, Some(c2));
     // Every segment of the orphan went, every segment of the target stayed.
     let target_dir = target["payload"].as_str().unwrap_or_default().to_string();
-    let after = payload_objects().await?;
+    let after = payload_objects(&s3).await?;
     let (kept, gone): (Vec<_>, Vec<_>) = before
         .iter()
         .partition(|o| o.starts_with(&format!("{target_dir}/")));
@@ -227,34 +277,26 @@ async fn the_pointer_never_moves_backward_and_prune_keeps_its_target_and_the_gra
     );
     assert_eq!(after.len(), kept.len(), "{after:?}");
     assert!(gone.len() >= 2, "the orphan had several segments: {gone:?}");
+    Ok(())
+}
 
+/// A corrupt pointer (a foreign write).
+async fn corrupt_the_pointer(moto: &Moto) -> anyhow::Result<()> {
     // A corrupt pointer (a foreign write) is replaced by the next publish.
-    {
-        use object_store::ObjectStoreExt as _;
-        let s3 = object_store::aws::AmazonS3Builder::new()
-            .with_endpoint(format!("http://{}", moto.addr))
-            .with_allow_http(true)
-            .with_bucket_name(&moto.bucket)
-            .with_access_key_id("test")
-            .with_secret_access_key("test")
-            .with_region("us-east-1")
-            .build()?;
-        s3.put(
-            &object_store::path::Path::from("race/routes.manifest.json"),
-            Bytes::from_static(b"not a manifest").into(),
-        )
-        .await?;
-    }
-    kv.put("route.after", "v".into()).await?;
-    wait_status(&addr, |s| s.applied_through == c2 + 1).await?;
-    let newest = tmp.path().join("newest");
-    let c3 = export_live(&addr, &newest)?;
-    ok(
-        &publish(&moto, &url, &newest)?,
-        "publish over a corrupt pointer",
-    )?;
-    assert_eq!(published_cursor(&moto, &url, tmp.path())?, Some(c3));
-    terminate(&mut host)?;
+    use object_store::ObjectStoreExt as _;
+    let s3 = object_store::aws::AmazonS3Builder::new()
+        .with_endpoint(format!("http://{}", moto.addr))
+        .with_allow_http(true)
+        .with_bucket_name(&moto.bucket)
+        .with_access_key_id("test")
+        .with_secret_access_key("test")
+        .with_region("us-east-1")
+        .build()?;
+    s3.put(
+        &object_store::path::Path::from("race/routes.manifest.json"),
+        Bytes::from_static(b"not a manifest").into(),
+    )
+    .await?;
     Ok(())
 }
 
