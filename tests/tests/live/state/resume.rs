@@ -111,23 +111,56 @@ async fn an_artifact_carries_every_state_bucket_and_a_node_started_from_it_resum
     let (_main, notes, _tally) = owner_buckets(&h, "art_main", 60).await?;
     notes.delete("n.07").await?;
     let tmp = tempfile::tempdir()?;
-    let start = |store: &Path| -> anyhow::Result<Node> {
-        let addr = format!("127.0.0.1:{}", reserved_port()?);
-        let mut c = run_command(&h, "art_main", store, Some(&addr));
-        c.arg("--guest")
-            .arg(guest_wasm("state_owner"))
-            .args(["--batch-max", "10"])
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(store.with_extension("log"))?);
-        Ok(Node {
-            child: Some(c.spawn()?),
-            addr,
-        })
-    };
+    let (art, m) = export_the_exporter(&h, tmp.path()).await?;
+    the_manifest_holds_each_buckets_cursor(&h, &m).await?;
+    // Written after the export: what a node started from it folds from the server.
+    notes.put("n.after", "late".into()).await?;
+    // Two nodes from the artifact: one as imported, one with its state folds removed (what a
+    // node started from an artifact without them does: folds each bucket from the start).
+    let mut nodes = Vec::new();
+    for name in ["resumed", "refolded"] {
+        nodes.push(a_node_from_the_artifact(&h, &notes, tmp.path(), &art, &m, name).await?);
+    }
+    // Resumed: one batch of notes (the write after the export), none of tally; refolded: every
+    // entry again, ten to a batch.
+    let got: Vec<(&str, Option<u64>, Option<u64>)> =
+        nodes.iter().map(|(n, a, b, _)| (*n, *a, *b)).collect();
+    anyhow::ensure!(
+        got[0] == ("resumed", Some(1), Some(0)),
+        "the imported node resumes each state bucket from its cursor: {got:?}"
+    );
+    anyhow::ensure!(
+        got[1].1 >= Some(6) && got[1].2 >= Some(6),
+        "without the artifact's state folds each bucket is folded again: {got:?}"
+    );
+    Ok(())
+}
+
+/// A node of `art_main` with the state owner guest, folding into `store`, ten updates to a batch.
+fn start_from(h: &Harness, store: &Path) -> anyhow::Result<Node> {
+    let addr = format!("127.0.0.1:{}", reserved_port()?);
+    let mut c = run_command(h, "art_main", store, Some(&addr));
+    c.arg("--guest")
+        .arg(guest_wasm("state_owner"))
+        .args(["--batch-max", "10"])
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(store.with_extension("log"))?);
+    Ok(Node {
+        child: Some(c.spawn()?),
+        addr,
+    })
+}
+
+/// The exporter, level with all three buckets, exported through its listener to `tmp`/art, and the
+/// same state at rest at the same cursors; returns the artifact and its manifest.
+async fn export_the_exporter(
+    h: &Harness,
+    tmp: &Path,
+) -> anyhow::Result<(std::path::PathBuf, Value)> {
     // The exporter: level with all three buckets, exported through its listener.
-    let mut exporter = start(&tmp.path().join("exporter"))?;
+    let mut exporter = start_from(h, &tmp.join("exporter"))?;
     wait_status(&exporter.addr, level).await?;
-    let art = tmp.path().join("art");
+    let art = tmp.join("art");
     let mut export = foldhost();
     export
         .args(["export", "--listen", &exporter.addr, "--out"])
@@ -138,11 +171,16 @@ async fn an_artifact_carries_every_state_bucket_and_a_node_started_from_it_resum
     let mut at_rest = foldhost();
     at_rest
         .args(["export", "--store"])
-        .arg(tmp.path().join("exporter"))
+        .arg(tmp.join("exporter"))
         .arg("--out")
-        .arg(tmp.path().join("at-rest.tar"));
+        .arg(tmp.join("at-rest.tar"));
     let rest = json_of(at_rest, "export --store")?;
     anyhow::ensure!(rest["state"] == m["state"], "{rest}\n{m}");
+    Ok((art, m))
+}
+
+/// The manifest `m` holds each state bucket at its fold's cursor, with its keys and stream.
+async fn the_manifest_holds_each_buckets_cursor(h: &Harness, m: &Value) -> anyhow::Result<()> {
     let want = [
         ("notes", last_sequence(&h.conn, NOTES).await?, 59),
         ("tally", last_sequence(&h.conn, TALLY).await?, 60),
@@ -163,61 +201,55 @@ async fn an_artifact_carries_every_state_bucket_and_a_node_started_from_it_resum
             "{entry}"
         );
     }
-    // Written after the export: what a node started from it folds from the server.
-    notes.put("n.after", "late".into()).await?;
-    // Two nodes from the artifact: one as imported, one with its state folds removed (what a
-    // node started from an artifact without them does: folds each bucket from the start).
-    let mut nodes = Vec::new();
-    for name in ["resumed", "refolded"] {
-        let store = tmp.path().join(name);
-        let mut import = foldhost();
-        import
-            .args(["import", "--artifact"])
-            .arg(&art)
-            .arg("--store")
-            .arg(&store);
-        let imported = json_of(import, "import")?;
-        anyhow::ensure!(imported["state"] == m["state"], "{imported}");
-        if name == "refolded" {
-            std::fs::remove_dir_all(store.join("state"))?;
-        } else {
-            for local in ["notes", "tally"] {
-                anyhow::ensure!(store.join("state").join(local).is_dir(), "{local} imported");
-            }
-        }
-        let node = start(&store)?;
-        let status = wait_status(&node.addr, level).await?;
-        let want = bucket_contents(&notes).await?;
-        let seen = wait_seen(&node, "notes", |s| {
-            s["entries"]
-                .as_object()
-                .is_some_and(|e| e.len() == want.len())
-        })
-        .await?;
-        anyhow::ensure!(seen["entries"]["n.after"] == "late", "{name}: {seen}");
-        anyhow::ensure!(seen["entries"].get("n.07").is_none(), "{name}: {seen}");
-        let batches = |local: &str| {
-            status
-                .state_buckets
-                .iter()
-                .find(|b| b.local == local)
-                .map(|b| b.batches)
-        };
-        nodes.push((name, batches("notes"), batches("tally"), node));
-    }
-    // Resumed: one batch of notes (the write after the export), none of tally; refolded: every
-    // entry again, ten to a batch.
-    let got: Vec<(&str, Option<u64>, Option<u64>)> =
-        nodes.iter().map(|(n, a, b, _)| (*n, *a, *b)).collect();
-    anyhow::ensure!(
-        got[0] == ("resumed", Some(1), Some(0)),
-        "the imported node resumes each state bucket from its cursor: {got:?}"
-    );
-    anyhow::ensure!(
-        got[1].1 >= Some(6) && got[1].2 >= Some(6),
-        "without the artifact's state folds each bucket is folded again: {got:?}"
-    );
     Ok(())
+}
+
+/// A node from the artifact `art` (manifest `m`): `resumed` as imported, `refolded` with its state
+/// folds removed; once it folded the late write, returns its name, its notes and tally batches and
+/// the node.
+async fn a_node_from_the_artifact(
+    h: &Harness,
+    notes: &NatsKv,
+    tmp: &Path,
+    art: &Path,
+    m: &Value,
+    name: &'static str,
+) -> anyhow::Result<(&'static str, Option<u64>, Option<u64>, Node)> {
+    let store = tmp.join(name);
+    let mut import = foldhost();
+    import
+        .args(["import", "--artifact"])
+        .arg(art)
+        .arg("--store")
+        .arg(&store);
+    let imported = json_of(import, "import")?;
+    anyhow::ensure!(imported["state"] == m["state"], "{imported}");
+    if name == "refolded" {
+        std::fs::remove_dir_all(store.join("state"))?;
+    } else {
+        for local in ["notes", "tally"] {
+            anyhow::ensure!(store.join("state").join(local).is_dir(), "{local} imported");
+        }
+    }
+    let node = start_from(h, &store)?;
+    let status = wait_status(&node.addr, level).await?;
+    let want = bucket_contents(notes).await?;
+    let seen = wait_seen(&node, "notes", |s| {
+        s["entries"]
+            .as_object()
+            .is_some_and(|e| e.len() == want.len())
+    })
+    .await?;
+    anyhow::ensure!(seen["entries"]["n.after"] == "late", "{name}: {seen}");
+    anyhow::ensure!(seen["entries"].get("n.07").is_none(), "{name}: {seen}");
+    let batches = |local: &str| {
+        status
+            .state_buckets
+            .iter()
+            .find(|b| b.local == local)
+            .map(|b| b.batches)
+    };
+    Ok((name, batches("notes"), batches("tally"), node))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
