@@ -8,6 +8,9 @@
 //!   an error or accepted within its bounds (a schema this build reads, at most `MAX_FILES`
 //!   files, every path plain and relative), and what is accepted survives a round trip through
 //!   its JSON.
+//! - A tar may first be rebuilt with its manifest's sizes and digests made right (bit 1 of the
+//!   first byte), so that what the payload's files hold is reached: the fold's log
+//!   (`CompactLogCheck`, the reopen), its `FOLDHOST.json`, the state folds.
 //! - Both imports — of the tar as a file (`import_artifact`: unpacked into a stage, then
 //!   checked) and as a stream (`import_tar_stream`, with the tar's own first entry as the
 //!   pointer's manifest) — answer an error or a store, never a panic; nothing is written outside
@@ -151,8 +154,56 @@ fn check_import(
     Some((m.cursor, store.len().expect("len")))
 }
 
+/// The tar rebuilt with its manifest (its first entry) listing the size and BLAKE3 digest of
+/// each payload entry it names, so that the fuzzer reaches what the payload's files hold past
+/// the digest check; `None` when it does not read as a tar with its manifest first.
+fn resealed(tar: &[u8]) -> Option<Vec<u8>> {
+    let mut archive = tar::Archive::new(TarGuard::new(tar));
+    let mut entries = Vec::new();
+    for e in archive.entries().ok()? {
+        let mut e = e.ok()?;
+        let name = e.path_bytes().into_owned();
+        let kind = e.header().entry_type();
+        let mut body = Vec::new();
+        (&mut e).take(1 << 20).read_to_end(&mut body).ok()?;
+        entries.push((name, kind, body));
+        if entries.len() > 64 {
+            return None;
+        }
+    }
+    let (first, payload) = entries.split_first_mut()?;
+    if first.0 != b"MANIFEST.json" {
+        return None;
+    }
+    let mut m: serde_json::Value = serde_json::from_slice(&first.2).ok()?;
+    for f in m.get_mut("files")?.as_array_mut()? {
+        let name = format!("data/{}", f.get("path")?.as_str()?);
+        if let Some((_, _, body)) = payload
+            .iter()
+            .find(|(n, k, _)| k.is_file() && n.as_slice() == name.as_bytes())
+        {
+            f["size"] = body.len().into();
+            f["blake3"] = blake3::hash(body).to_hex().to_string().into();
+        }
+    }
+    first.2 = serde_json::to_vec_pretty(&m).ok()?;
+    let mut b = tar::Builder::new(Vec::new());
+    for (name, kind, body) in &entries {
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(*kind);
+        h.set_size(body.len() as u64);
+        h.set_mode(0o644);
+        let n = name.len().min(100);
+        h.as_old_mut().name[..n].copy_from_slice(&name[..n]);
+        h.set_cksum();
+        b.append(&h, body.as_slice()).ok()?;
+    }
+    b.into_inner().ok()
+}
+
 /// An artifact someone handed a node (module docs): the first byte's bit 0 says whether the rest
-/// is a manifest's JSON or a tar.
+/// is a manifest's JSON or a tar, and for a tar its bit 1 whether the manifest's sizes and
+/// digests are first made those of the payload it carries ([`resealed`]).
 pub fn artifact(data: &[u8]) {
     let Some((&mode, rest)) = data.split_first() else {
         return;
@@ -172,6 +223,8 @@ pub fn artifact(data: &[u8]) {
         check_import(root.path(), &inner, &["art"], &dest, &got);
         return;
     }
+    let resealed = (mode & 2 == 2).then(|| resealed(rest)).flatten();
+    let rest = resealed.as_deref().unwrap_or(rest);
     let tar_path = inner.join("in.tar");
     std::fs::write(&tar_path, rest).expect("write");
     if let Ok(m) = artifact::peek_tar_manifest(&tar_path) {
@@ -240,9 +293,6 @@ mod tests {
     #[test]
     #[ignore = "writes fuzz/corpus: run by hand to regenerate the seeds"]
     fn write_the_seed_corpus() {
-        use foldhost_core::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
-        use foldhost_core::storedir::Backend;
-
         let [dir, _] = corpus_dirs();
         std::fs::create_dir_all(&dir).expect("corpus directory");
         let write = |mode: u8, bytes: &[u8]| {
@@ -251,6 +301,41 @@ mod tests {
             let name = blake3::hash(&seed).to_hex();
             std::fs::write(dir.join(&name[..40]), &seed).expect("write a seed");
         };
+        let tar = exported_tar();
+        write(0, &tar);
+        write(2, &tar);
+        write(0, &tar[..tar.len() / 2]);
+        let manifest = embedded_manifest(&tar);
+        write(1, &manifest);
+        let text = String::from_utf8(manifest.clone()).expect("JSON");
+        let moved = text.replace("\"cursor\": 2", "\"cursor\": 3");
+        assert_ne!(moved, text, "the manifest names its cursor");
+        write(1, moved.as_bytes());
+        // The same tar with its manifest's cursor moved (same length: the tar still frames).
+        let mut bad = tar.clone();
+        if let Some(at) = bad.windows(11).position(|w| w == b"\"cursor\": 2") {
+            bad[at + 10] = b'3';
+            write(0, &bad);
+        }
+        use tar::EntryType::{Directory, GNULongName, Link, Regular, Symlink, XHeader};
+        for (kind, name, body, link) in [
+            (Regular, &b"../escaped"[..], &b"x"[..], None),
+            (Regular, b"data/../../x", b"x", None),
+            (Symlink, b"data/fold.log", b"", Some("/etc/passwd")),
+            (Link, b"data/fold.log", b"", Some("MANIFEST.json")),
+            (GNULongName, b"././@LongLink", b"data/fold.log\0", None),
+            (XHeader, b"pax", b"13 size=999\n", None),
+            (Directory, b"data/sub/", b"", None),
+        ] {
+            write(0, &hostile_tar(&manifest, kind, name, body, link));
+        }
+    }
+
+    /// The tar `export_store` writes for a small append-log fold.
+    fn exported_tar() -> Vec<u8> {
+        use foldhost_core::kv::{KvEntry, KvUpdate, VersionToken, WatchCursor};
+        use foldhost_core::storedir::Backend;
+
         let work = scratch_dir();
         let (mut store, _) =
             AnyStore::open(&work.path().join("store"), Backend::AppendLog).expect("a store");
@@ -270,85 +355,35 @@ mod tests {
         let out = work.path().join("x.tar");
         artifact::export_store(&store, Backend::AppendLog, &[], &out, None, &mut |_, _| {})
             .expect("export");
-        let tar = std::fs::read(&out).expect("read the tar");
-        write(0, &tar);
-        write(0, &tar[..tar.len() / 2]);
-        let manifest = embedded_manifest(&tar);
-        write(1, &manifest);
-        let text = String::from_utf8(manifest.clone()).expect("JSON");
-        let moved = text.replace("\"cursor\": 2", "\"cursor\": 3");
-        assert_ne!(moved, text, "the manifest names its cursor");
-        write(1, moved.as_bytes());
-        // The same tar with its manifest's cursor moved (same length: the tar still frames).
-        let mut bad = tar.clone();
-        if let Some(at) = bad.windows(11).position(|w| w == b"\"cursor\": 2") {
-            bad[at + 10] = b'3';
-            write(0, &bad);
+        std::fs::read(&out).expect("read the tar")
+    }
+
+    /// A tar of `manifest` then one entry of `kind` named `name` (raw bytes: `..` passes).
+    fn hostile_tar(
+        manifest: &[u8],
+        kind: tar::EntryType,
+        name: &[u8],
+        body: &[u8],
+        link: Option<&str>,
+    ) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(manifest.len() as u64);
+        h.set_entry_type(tar::EntryType::Regular);
+        h.set_mode(0o644);
+        h.set_path("MANIFEST.json").expect("path");
+        h.set_cksum();
+        b.append(&h, manifest).expect("append");
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(kind);
+        h.set_size(body.len() as u64);
+        h.set_mode(0o644);
+        h.as_old_mut().name[..name.len()].copy_from_slice(name);
+        if let Some(l) = link {
+            h.set_link_name(l).expect("link");
         }
-        // Hostile entries, each after the real manifest.
-        let hostile = |kind: tar::EntryType, name: &[u8], body: &[u8], link: Option<&str>| {
-            let mut b = tar::Builder::new(Vec::new());
-            let mut h = tar::Header::new_gnu();
-            h.set_size(manifest.len() as u64);
-            h.set_entry_type(tar::EntryType::Regular);
-            h.set_mode(0o644);
-            h.set_path("MANIFEST.json").expect("path");
-            h.set_cksum();
-            b.append(&h, manifest.as_slice()).expect("append");
-            let mut h = tar::Header::new_gnu();
-            h.set_entry_type(kind);
-            h.set_size(body.len() as u64);
-            h.set_mode(0o644);
-            h.as_old_mut().name[..name.len()].copy_from_slice(name);
-            if let Some(l) = link {
-                h.set_link_name(l).expect("link");
-            }
-            h.set_cksum();
-            b.append(&h, body).expect("append");
-            b.into_inner().expect("tar")
-        };
-        write(
-            0,
-            &hostile(tar::EntryType::Regular, b"../escaped", b"x", None),
-        );
-        write(
-            0,
-            &hostile(tar::EntryType::Regular, b"data/../../x", b"x", None),
-        );
-        write(
-            0,
-            &hostile(
-                tar::EntryType::Symlink,
-                b"data/fold.log",
-                b"",
-                Some("/etc/passwd"),
-            ),
-        );
-        write(
-            0,
-            &hostile(
-                tar::EntryType::Link,
-                b"data/fold.log",
-                b"",
-                Some("MANIFEST.json"),
-            ),
-        );
-        write(
-            0,
-            &hostile(
-                tar::EntryType::GNULongName,
-                b"././@LongLink",
-                b"data/fold.log\0",
-                None,
-            ),
-        );
-        write(
-            0,
-            &hostile(tar::EntryType::XHeader, b"pax", b"13 size=999\n", None),
-        );
-        write(
-            0,
-            &hostile(tar::EntryType::Directory, b"data/sub/", b"", None),
-        );
+        h.set_cksum();
+        b.append(&h, body).expect("append");
+        b.into_inner().expect("tar")
     }
 }
