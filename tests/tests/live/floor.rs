@@ -377,6 +377,52 @@ fn multi_node(h: &Harness, store: &Path, listen: &str) -> Command {
     c
 }
 
+/// Before the node starts: puts under each prefix and outside both (`b.y` under the filter `b.>`,
+/// `bx`, `aa.1` and `a` only textually close), then overwrites and deletes on both sides.
+const BEFORE_THE_START: &[(&str, Option<&str>)] = &[
+    ("a.1", Some("1")),
+    ("a.2", Some("1")),
+    ("a.3", Some("1")),
+    ("b.x", Some("1")),
+    ("b.xy", Some("1")),
+    ("b.x.1", Some("1")),
+    ("b.y", Some("out")),
+    ("bx", Some("out")),
+    ("c.1", Some("out")),
+    ("aa.1", Some("out")),
+    ("a", Some("out")),
+    ("a.1", Some("2")),
+    ("b.xy", Some("2")),
+    ("a.3", None),
+    ("c.1", None),
+    ("b.y", Some("out 2")),
+];
+
+/// Live: the same mix while the node follows.
+const WHILE_FOLLOWING: &[(&str, Option<&str>)] = &[
+    ("a.4", Some("1")),
+    ("b.x.1", Some("2")),
+    ("a.2", None),
+    ("b.xy", None),
+    ("c.2", Some("out")),
+    ("b.z", Some("out")),
+    ("bx", Some("out 2")),
+    ("a.1", Some("3")),
+    ("aa.1", None),
+];
+
+/// Stopped: writes in and out of scope.
+const WHILE_STOPPED: &[(&str, Option<&str>)] = &[
+    ("a.5", Some("1")),
+    ("a.4", None),
+    ("b.x", Some("2")),
+    ("b.x.1", None),
+    ("c.3", Some("out")),
+    ("b.y", None),
+    ("aa.2", Some("out")),
+    ("b.xz", Some("1")),
+];
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_multi_prefix_node_folds_exactly_its_prefixes_and_resumes_from_its_cursor_without_losing_or_gaining_keys()
 -> anyhow::Result<()> {
@@ -388,28 +434,7 @@ async fn a_multi_prefix_node_folds_exactly_its_prefixes_and_resumes_from_its_cur
 
     // Before the node starts: puts under each prefix and outside both (`b.y` under the filter
     // `b.>`, `bx`, `aa.1` and `a` only textually close), then overwrites and deletes on both sides.
-    write_ops(
-        &kv,
-        &[
-            ("a.1", Some("1")),
-            ("a.2", Some("1")),
-            ("a.3", Some("1")),
-            ("b.x", Some("1")),
-            ("b.xy", Some("1")),
-            ("b.x.1", Some("1")),
-            ("b.y", Some("out")),
-            ("bx", Some("out")),
-            ("c.1", Some("out")),
-            ("aa.1", Some("out")),
-            ("a", Some("out")),
-            ("a.1", Some("2")),
-            ("b.xy", Some("2")),
-            ("a.3", None),
-            ("c.1", None),
-            ("b.y", Some("out 2")),
-        ],
-    )
-    .await?;
+    write_ops(&kv, BEFORE_THE_START).await?;
     let m1 = mark(&kv, 1).await?;
     let first_addr = listen_addr()?;
     let mut node = Node::spawn(multi_node(&h, &store, &first_addr))?;
@@ -419,21 +444,7 @@ async fn a_multi_prefix_node_folds_exactly_its_prefixes_and_resumes_from_its_cur
     .await?;
 
     // Live: the same mix while the node follows.
-    write_ops(
-        &kv,
-        &[
-            ("a.4", Some("1")),
-            ("b.x.1", Some("2")),
-            ("a.2", None),
-            ("b.xy", None),
-            ("c.2", Some("out")),
-            ("b.z", Some("out")),
-            ("bx", Some("out 2")),
-            ("a.1", Some("3")),
-            ("aa.1", None),
-        ],
-    )
-    .await?;
+    write_ops(&kv, WHILE_FOLLOWING).await?;
     let m2 = mark(&kv, 2).await?;
     wait_status(&first_addr, |s| s.cursor.is_some_and(|c| c >= m2)).await?;
     node.stop()?;
@@ -447,20 +458,7 @@ async fn a_multi_prefix_node_folds_exactly_its_prefixes_and_resumes_from_its_cur
     assert_eq!(status_store(&store)?.cursor, Some(m2));
 
     // Stopped: writes in and out of scope, then a restart from the cursor.
-    let while_stopped = write_ops(
-        &kv,
-        &[
-            ("a.5", Some("1")),
-            ("a.4", None),
-            ("b.x", Some("2")),
-            ("b.x.1", None),
-            ("c.3", Some("out")),
-            ("b.y", None),
-            ("aa.2", Some("out")),
-            ("b.xz", Some("1")),
-        ],
-    )
-    .await?;
+    let while_stopped = write_ops(&kv, WHILE_STOPPED).await?;
     assert_eq!(while_stopped, 5);
     let m3 = mark(&kv, 3).await?;
     let second_addr = listen_addr()?;
