@@ -144,72 +144,8 @@ async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Resu
     // the server acknowledged, and the swaps are placed by that count, not by a clock.
     let stop = Arc::new(AtomicBool::new(false));
     let acked = Arc::new(AtomicU64::new(0));
-    let writer = {
-        let (kv, stop, acked) = (kv.clone(), stop.clone(), acked.clone());
-        tokio::spawn(async move {
-            let js = kv.jetstream().clone();
-            let mut rng = rand::rngs::StdRng::seed_from_u64(42);
-            let t = Instant::now();
-            let mut n = 0u64;
-            while !stop.load(Ordering::Relaxed) {
-                let mut acks = Vec::with_capacity(200);
-                for _ in 0..200 {
-                    let k = rng.random_range(0..5000);
-                    acks.push(
-                        js.publish(format!("$KV.swap.k.{k:04}"), format!("w{n}").into())
-                            .await?,
-                    );
-                    n += 1;
-                }
-                for a in acks {
-                    a.await?;
-                }
-                let k = rng.random_range(0..5000);
-                kv.delete(&format!("k.{k:04}")).await?;
-                n += 1;
-                acked.store(n, Ordering::Relaxed);
-            }
-            anyhow::Ok(n as f64 / t.elapsed().as_secs_f64())
-        })
-    };
-    let v1 = guest_wasm("kvstore");
-    let v2 = guest_wasm("kvstore_v2");
-    let mut reports = Vec::new();
-    for (i, (guest, to)) in [
-        (&v2, "kvstore@0.2.0"),
-        (&v1, "kvstore@0.1.0"),
-        (&v2, "kvstore@0.2.0"),
-    ]
-    .into_iter()
-    .enumerate()
-    {
-        // Each swap lands after another 2 000 acknowledged writes, with the writer still going.
-        let target = 2000 * (i as u64 + 1);
-        wait_until("2 000 more acknowledged writes", || {
-            acked.load(Ordering::Relaxed) >= target
-        })
-        .await?;
-        let (ok, text) = if i == 0 {
-            // The first swap's hydration is held after its first chunk of 1 000 entries while the
-            // fold commits at least 50 batches beside it; the rest of it reads the fold at the
-            // swap's cursor all the same.
-            let (ok, text, overlapped) = swap_overlapping(&addr, guest, &hold, 50).await?;
-            assert!(overlapped >= 50);
-            (ok, text)
-        } else {
-            swap(&addr, guest, None)?
-        };
-        assert!(ok, "swap to {to} failed: {text}");
-        let report: serde_json::Value = serde_json::from_str(text.trim())?;
-        assert_eq!(report["to"], to, "{text}");
-        if i == 0 {
-            assert!(
-                report["caught_up"].as_u64() > Some(0),
-                "keys changed during the hydration were caught up at the cut-over: {text}"
-            );
-        }
-        reports.push(report);
-    }
+    let writer = spawn_pipelined_writer(&kv, &stop, &acked);
+    let reports = three_swaps_placed_by_acked_writes(&addr, &hold, &acked).await?;
     // More writes after the last swap, then the writer stops.
     let target = acked.load(Ordering::Relaxed) + 2000;
     wait_until("2 000 writes after the last swap", || {
@@ -237,6 +173,89 @@ async fn swaps_under_load_lose_nothing_and_apply_nothing_twice() -> anyhow::Resu
     terminate(&mut host)?;
     assert_eq!(first_difference(&want, &dump_store(&store)?), None);
     Ok(())
+}
+
+/// The writer: pipelined puts over 5 000 keys, with deletes, until `stop`; it counts what the
+/// server acknowledged into `acked`, and returns its rate.
+fn spawn_pipelined_writer(
+    kv: &Arc<foldhost_nats::NatsKv>,
+    stop: &Arc<AtomicBool>,
+    acked: &Arc<AtomicU64>,
+) -> tokio::task::JoinHandle<anyhow::Result<f64>> {
+    let (kv, stop, acked) = (kv.clone(), stop.clone(), acked.clone());
+    tokio::spawn(async move {
+        let js = kv.jetstream().clone();
+        let mut rng = rand::rngs::StdRng::seed_from_u64(42);
+        let t = Instant::now();
+        let mut n = 0u64;
+        while !stop.load(Ordering::Relaxed) {
+            let mut acks = Vec::with_capacity(200);
+            for _ in 0..200 {
+                let k = rng.random_range(0..5000);
+                acks.push(
+                    js.publish(format!("$KV.swap.k.{k:04}"), format!("w{n}").into())
+                        .await?,
+                );
+                n += 1;
+            }
+            for a in acks {
+                a.await?;
+            }
+            let k = rng.random_range(0..5000);
+            kv.delete(&format!("k.{k:04}")).await?;
+            n += 1;
+            acked.store(n, Ordering::Relaxed);
+        }
+        anyhow::Ok(n as f64 / t.elapsed().as_secs_f64())
+    })
+}
+
+/// Swaps to v2, v1 and v2 again, each after another 2 000 acknowledged writes (the first with its
+/// hydration held at `hold` while the fold commits beside it); returns the swaps' reports.
+async fn three_swaps_placed_by_acked_writes(
+    addr: &str,
+    hold: &std::path::Path,
+    acked: &AtomicU64,
+) -> anyhow::Result<Vec<serde_json::Value>> {
+    let v1 = guest_wasm("kvstore");
+    let v2 = guest_wasm("kvstore_v2");
+    let mut reports = Vec::new();
+    for (i, (guest, to)) in [
+        (&v2, "kvstore@0.2.0"),
+        (&v1, "kvstore@0.1.0"),
+        (&v2, "kvstore@0.2.0"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        // Each swap lands after another 2 000 acknowledged writes, with the writer still going.
+        let target = 2000 * (i as u64 + 1);
+        wait_until("2 000 more acknowledged writes", || {
+            acked.load(Ordering::Relaxed) >= target
+        })
+        .await?;
+        let (ok, text) = if i == 0 {
+            // The first swap's hydration is held after its first chunk of 1 000 entries while the
+            // fold commits at least 50 batches beside it; the rest of it reads the fold at the
+            // swap's cursor all the same.
+            let (ok, text, overlapped) = swap_overlapping(addr, guest, hold, 50).await?;
+            assert!(overlapped >= 50);
+            (ok, text)
+        } else {
+            swap(addr, guest, None)?
+        };
+        assert!(ok, "swap to {to} failed: {text}");
+        let report: serde_json::Value = serde_json::from_str(text.trim())?;
+        assert_eq!(report["to"], to, "{text}");
+        if i == 0 {
+            assert!(
+                report["caught_up"].as_u64() > Some(0),
+                "keys changed during the hydration were caught up at the cut-over: {text}"
+            );
+        }
+        reports.push(report);
+    }
+    Ok(reports)
 }
 
 /// A swap whose new version traps halfway through its hydration — after the fold committed 50
