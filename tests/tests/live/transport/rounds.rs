@@ -314,9 +314,27 @@ async fn a_tampered_download_is_refused_in_one_line_and_leaves_no_store_behind()
         s3.get(&payload).await?.bytes().await?
     };
 
-    type Edit = Box<dyn Fn(&str, Vec<u8>) -> Option<Vec<u8>>>;
-    type Extra<'a> = Option<(&'a str, &'a [u8])>;
-    let cases: Vec<(&str, Edit, Extra, &str)> = vec![
+    each_tampered_download_is_refused(&moto, &url, tmp.path(), &s3, &payload, &original).await?;
+    // The untouched payload still bootstraps.
+    ok(
+        &with_artifacts(&moto, "bootstrap", &url)
+            .arg("--store")
+            .arg(tmp.path().join("b"))
+            .output()?,
+        "bootstrap the good payload",
+    )?;
+    Ok(())
+}
+
+/// How a case rewrites each entry of the payload's tar: its new bytes, or none to drop it.
+type Edit = Box<dyn Fn(&str, Vec<u8>) -> Option<Vec<u8>>>;
+/// An entry a case adds: its name and bytes.
+type Extra<'a> = Option<(&'a str, &'a [u8])>;
+
+/// Each way to tamper with a download: what it is, the edit, an entry added, and the words its
+/// refusal names.
+fn tamper_cases() -> Vec<(&'static str, Edit, Extra<'static>, &'static str)> {
+    vec![
         (
             "a flipped byte in a data file",
             Box::new(|name, mut b| {
@@ -352,11 +370,23 @@ async fn a_tampered_download_is_refused_in_one_line_and_leaves_no_store_behind()
             Some(("data/extra.bin", b"x")),
             "not listed in the manifest",
         ),
-    ];
-    for (what, edit, extra, words) in cases {
-        rewrite_payload(&s3, &payload, edit, extra).await?;
-        let dest = tmp.path().join("b");
-        let o = with_artifacts(&moto, "bootstrap", &url)
+    ]
+}
+
+/// Each case, on the one `payload` in `s3`: bootstrapping is refused in one line naming its words,
+/// leaving no store and no stage under `tmp`; the `original` is put back after each.
+async fn each_tampered_download_is_refused(
+    moto: &Moto,
+    url: &str,
+    tmp: &Path,
+    s3: &object_store::aws::AmazonS3,
+    payload: &object_store::path::Path,
+    original: &Bytes,
+) -> anyhow::Result<()> {
+    for (what, edit, extra, words) in tamper_cases() {
+        rewrite_payload(s3, payload, edit, extra).await?;
+        let dest = tmp.join("b");
+        let o = with_artifacts(moto, "bootstrap", url)
             .arg("--store")
             .arg(&dest)
             .output()?;
@@ -365,7 +395,7 @@ async fn a_tampered_download_is_refused_in_one_line_and_leaves_no_store_behind()
         assert!(err.contains(words), "{what}: names {words:?}: {err}");
         assert_eq!(err.trim_end().lines().count(), 1, "{what}: one line: {err}");
         assert!(!dest.exists(), "{what}: a store was left behind");
-        let left: Vec<_> = std::fs::read_dir(tmp.path())?
+        let left: Vec<_> = std::fs::read_dir(tmp)?
             .filter_map(Result::ok)
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .filter(|n| n.starts_with(".b."))
@@ -373,16 +403,8 @@ async fn a_tampered_download_is_refused_in_one_line_and_leaves_no_store_behind()
         assert!(left.is_empty(), "{what}: a stage was left behind: {left:?}");
         // Put the good payload back for the next case.
         use object_store::ObjectStoreExt as _;
-        s3.put(&payload, original.clone().into()).await?;
+        s3.put(payload, original.clone().into()).await?;
     }
-    // The untouched payload still bootstraps.
-    ok(
-        &with_artifacts(&moto, "bootstrap", &url)
-            .arg("--store")
-            .arg(tmp.path().join("b"))
-            .output()?,
-        "bootstrap the good payload",
-    )?;
     Ok(())
 }
 
