@@ -8,7 +8,6 @@ async fn a_payload_cut_into_segments_bootstraps_in_order_refuses_a_listing_with_
 -> anyhow::Result<()> {
     use futures::StreamExt as _;
     use object_store::ObjectStore as _;
-    use object_store::ObjectStoreExt as _;
     let h = Harness::start().await?;
     let moto = Moto::start().await?;
     let url = moto.url("seg");
@@ -27,15 +26,9 @@ async fn a_payload_cut_into_segments_bootstraps_in_order_refuses_a_listing_with_
     let segments = p["segments"].as_u64().unwrap_or(0);
     assert!(segments >= 3, "several segments: {p}");
     let kv = h.bucket("seg").await?;
-    let bootstrap = |dest: &Path| -> anyhow::Result<Output> {
-        Ok(with_artifacts(&moto, "bootstrap", &url)
-            .arg("--store")
-            .arg(dest)
-            .output()?)
-    };
     // Fetched several at once, fed in order: the store equals the bucket.
     let b = tmp.path().join("b");
-    let m = ok(&bootstrap(&b)?, "bootstrap from segments")?;
+    let m = ok(&bootstrap_to(&moto, &url, &b)?, "bootstrap from segments")?;
     assert_eq!(m["cursor"].as_u64(), Some(cursor));
     assert_eq!(
         first_difference(&bucket_contents(&kv).await?, &dump_store(&b)?),
@@ -57,34 +50,90 @@ async fn a_payload_cut_into_segments_bootstraps_in_order_refuses_a_listing_with_
             .as_str()
             .ok_or_else(|| anyhow::anyhow!("no payload in {p}"))?,
     );
+    a_listing_with_a_gap_is_refused(&moto, &url, tmp.path(), &s3, &dir).await?;
+    a_shortened_segment_is_refused(&moto, &url, tmp.path(), &s3, &dir, segments).await?;
+    rewrite_as_one_object(&s3, &dir).await?;
+    let d = tmp.path().join("d");
+    let m = ok(&bootstrap_to(&moto, &url, &d)?, "bootstrap from one object")?;
+    assert_eq!(m["cursor"].as_u64(), Some(cursor));
+    assert_eq!(
+        first_difference(&bucket_contents(&kv).await?, &dump_store(&d)?),
+        None
+    );
+    Ok(())
+}
+
+/// `foldhost bootstrap` from `url` into `dest`.
+fn bootstrap_to(moto: &Moto, url: &str, dest: &Path) -> anyhow::Result<Output> {
+    Ok(with_artifacts(moto, "bootstrap", url)
+        .arg("--store")
+        .arg(dest)
+        .output()?)
+}
+
+/// A listing of the payload `dir` with a gap is refused before anything is imported, in one line
+/// naming it; the segment is put back.
+async fn a_listing_with_a_gap_is_refused(
+    moto: &Moto,
+    url: &str,
+    tmp: &Path,
+    s3: &object_store::aws::AmazonS3,
+    dir: &object_store::path::Path,
+) -> anyhow::Result<()> {
+    use object_store::ObjectStoreExt as _;
     let second = dir.clone().join("000001");
     let kept = s3.get(&second).await?.bytes().await?;
     s3.delete(&second).await?;
-    let c = tmp.path().join("c");
-    let o = bootstrap(&c)?;
+    let c = tmp.join("c");
+    let o = bootstrap_to(moto, url, &c)?;
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert!(err.contains("segment 000001 is missing"), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
     assert!(!c.exists(), "a store was left behind");
     s3.put(&second, kept.into()).await?;
+    Ok(())
+}
 
+/// A segment of `dir` shorter than its neighbours said: the tar it makes is refused, nothing is
+/// made; the segment is put back.
+async fn a_shortened_segment_is_refused(
+    moto: &Moto,
+    url: &str,
+    tmp: &Path,
+    s3: &object_store::aws::AmazonS3,
+    dir: &object_store::path::Path,
+    segments: u64,
+) -> anyhow::Result<()> {
+    use object_store::ObjectStoreExt as _;
+    let c = tmp.join("c");
     // A segment shorter than its neighbours said: the tar it makes is refused, nothing is made.
     let shortened = dir.clone().join(format!("{:06}", segments - 2));
     let whole_last = s3.get(&shortened).await?.bytes().await?;
     s3.put(&shortened, whole_last.slice(..whole_last.len() / 2).into())
         .await?;
-    let o = bootstrap(&c)?;
+    let o = bootstrap_to(moto, url, &c)?;
     let err = String::from_utf8_lossy(&o.stderr);
     assert_eq!(o.status.code(), Some(1), "{err}");
     assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
     assert!(!c.exists(), "a store was left behind: {err}");
     s3.put(&shortened, whole_last.into()).await?;
+    Ok(())
+}
 
+/// Rewrites the segments of `dir` as the earlier layout: the same bytes as one object in the
+/// payloads directory, no segment listed.
+async fn rewrite_as_one_object(
+    s3: &object_store::aws::AmazonS3,
+    dir: &object_store::path::Path,
+) -> anyhow::Result<()> {
+    use futures::StreamExt as _;
+    use object_store::ObjectStore as _;
+    use object_store::ObjectStoreExt as _;
     // The earlier layout: the same bytes as one object in the payloads directory, no segment
     // listed. It bootstraps the same store.
     let mut listed: Vec<_> = s3
-        .list(Some(&dir))
+        .list(Some(dir))
         .collect::<Vec<_>>()
         .await
         .into_iter()
@@ -100,15 +149,8 @@ async fn a_payload_cut_into_segments_bootstraps_in_order_refuses_a_listing_with_
         "routes.payloads/",
         1,
     ));
-    assert_ne!(one_object, dir, "{dir} is not under routes.segments/");
+    assert_ne!(&one_object, dir, "{dir} is not under routes.segments/");
     s3.put(&one_object, Bytes::from(whole).into()).await?;
-    let d = tmp.path().join("d");
-    let m = ok(&bootstrap(&d)?, "bootstrap from one object")?;
-    assert_eq!(m["cursor"].as_u64(), Some(cursor));
-    assert_eq!(
-        first_difference(&bucket_contents(&kv).await?, &dump_store(&d)?),
-        None
-    );
     Ok(())
 }
 
