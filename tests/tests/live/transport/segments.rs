@@ -168,26 +168,7 @@ async fn two_nodes_exporting_in_rounds_publish_a_pointer_a_third_node_bootstraps
     )
     .await?;
     // Two exporters on the same key, a round a second each.
-    let mut nodes = Vec::new();
-    for name in ["a", "b"] {
-        let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
-        let mut cmd = run_command(&h, "rounds", &tmp.path().join(name), Some(&addr));
-        cmd.args([
-            "--artifacts",
-            &url,
-            "--artifact-key",
-            "routes",
-            "--export-every",
-            "1",
-            "--node-id",
-            name,
-        ])
-        .stderr(Stdio::null());
-        for (k, v) in moto.env() {
-            cmd.env(k, v);
-        }
-        nodes.push((cmd.spawn()?, addr));
-    }
+    let mut nodes = start_two_exporters(&h, &moto, &url, tmp.path())?;
     for i in 0..100 {
         kv.put(&format!("route.more{i:03}"), "v2".into()).await?;
     }
@@ -199,26 +180,7 @@ async fn two_nodes_exporting_in_rounds_publish_a_pointer_a_third_node_bootstraps
         })
         .await?;
     }
-    let published = |s: &foldhost_core::status::StatusReport| {
-        s.last_export.as_ref().and_then(|e| e.cursor) == Some(last)
-    };
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
-    loop {
-        let mut done = false;
-        for (_, addr) in &nodes {
-            done |= wait_status(addr, |_| true)
-                .await
-                .is_ok_and(|s| published(&s));
-        }
-        if done {
-            break;
-        }
-        anyhow::ensure!(
-            std::time::Instant::now() < deadline,
-            "no round published {last}"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    }
+    wait_for_a_round_to_publish(&nodes, last).await?;
     // The status file a running host keeps says what its last round did, like `/status`.
     foldhost_tests::wait_until("status.json shows the last export round", || {
         ["a", "b"].iter().all(|n| {
@@ -256,5 +218,64 @@ async fn two_nodes_exporting_in_rounds_publish_a_pointer_a_third_node_bootstraps
         first_difference(&bucket_contents(&kv).await?, &dump_store(&c)?),
         None
     );
+    Ok(())
+}
+
+/// Two exporters, a and b, on the same key (`url`), a round a second each; their children and
+/// addresses.
+fn start_two_exporters(
+    h: &Harness,
+    moto: &Moto,
+    url: &str,
+    tmp: &Path,
+) -> anyhow::Result<Vec<(std::process::Child, String)>> {
+    let mut nodes = Vec::new();
+    for name in ["a", "b"] {
+        let addr = format!("127.0.0.1:{}", foldhost_localnats::reserved_port()?);
+        let mut cmd = run_command(h, "rounds", &tmp.join(name), Some(&addr));
+        cmd.args([
+            "--artifacts",
+            url,
+            "--artifact-key",
+            "routes",
+            "--export-every",
+            "1",
+            "--node-id",
+            name,
+        ])
+        .stderr(Stdio::null());
+        for (k, v) in moto.env() {
+            cmd.env(k, v);
+        }
+        nodes.push((cmd.spawn()?, addr));
+    }
+    Ok(nodes)
+}
+
+/// Waits until one of the `nodes`' rounds published the bucket's `last` revision.
+async fn wait_for_a_round_to_publish(
+    nodes: &[(std::process::Child, String)],
+    last: u64,
+) -> anyhow::Result<()> {
+    let published = |s: &foldhost_core::status::StatusReport| {
+        s.last_export.as_ref().and_then(|e| e.cursor) == Some(last)
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let mut done = false;
+        for (_, addr) in nodes {
+            done |= wait_status(addr, |_| true)
+                .await
+                .is_ok_and(|s| published(&s));
+        }
+        if done {
+            break;
+        }
+        anyhow::ensure!(
+            std::time::Instant::now() < deadline,
+            "no round published {last}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
     Ok(())
 }
