@@ -291,7 +291,10 @@ async fn read_info(
                 return Err(DialError::Transient(format!("expected INFO, got {op:?}")));
             }
             None => {
-                if buf.len() >= wire::MAX_CONTROL_LINE {
+                // `parse_op` refuses a line past the limit itself; this bound only keeps a
+                // reader that never ends from growing the buffer, and it must admit the longest
+                // line whose CRLF has not all arrived (the line, then its CR).
+                if buf.len() > wire::MAX_CONTROL_LINE + 1 {
                     return Err(DialError::Transient("an INFO line without an end".into()));
                 }
                 if sock.read_buf(&mut buf).await.map_err(transient)? == 0 {
@@ -849,6 +852,43 @@ mod tests {
                 Delivered::Recreating(_) => None,
             })
             .collect()
+    }
+
+    /// A reader handing out `parts` one after another, never two in one read (a part larger than
+    /// the caller's buffer over several reads): where a socket read ends, placed by the test.
+    struct Parts(std::collections::VecDeque<Vec<u8>>);
+
+    impl tokio::io::AsyncRead for Parts {
+        fn poll_read(
+            mut self: std::pin::Pin<&mut Self>,
+            _: &mut std::task::Context<'_>,
+            buf: &mut tokio::io::ReadBuf<'_>,
+        ) -> std::task::Poll<std::io::Result<()>> {
+            if let Some(part) = self.0.front_mut() {
+                let n = part.len().min(buf.remaining());
+                buf.put_slice(&part[..n]);
+                part.drain(..n);
+                if part.is_empty() {
+                    self.0.pop_front();
+                }
+            }
+            std::task::Poll::Ready(Ok(()))
+        }
+    }
+
+    /// An INFO line of the longest length the wire allows (`MAX_CONTROL_LINE` bytes before its
+    /// CRLF) whose reads end on its CR: the line is whole once the LF comes, not refused before.
+    #[tokio::test]
+    async fn an_info_line_of_the_longest_length_read_in_two_parts_is_taken() {
+        let head = "INFO {\"pad\":\"";
+        let tail = "\"}";
+        let pad = "x".repeat(wire::MAX_CONTROL_LINE - head.len() - tail.len());
+        let line = format!("{head}{pad}{tail}");
+        assert_eq!(line.len(), wire::MAX_CONTROL_LINE);
+        let mut sock = Parts([format!("{line}\r").into_bytes(), b"\nPING\r\n".to_vec()].into());
+        let (info, rest) = read_info(&mut sock).await.expect("the INFO line is taken");
+        assert_eq!(info["pad"].as_str().map(str::len), Some(pad.len()));
+        assert_eq!(&rest[..], b"PING\r\n");
     }
 
     #[tokio::test]
